@@ -1,0 +1,157 @@
+"""How to talk to an inference engine: the `Engine` protocol and its shared streaming parsers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from pytest_gpubench.measure import (
+    CallMeasurement,
+    Line,
+    StreamedResponse,
+    StreamError,
+    derive_rates,
+    read_error_body,
+    stream_post,
+)
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    reason: str = ""
+
+
+class Engine(Protocol):
+    """One engine endpoint serving one model."""
+
+    kind: str
+    base_url: str
+    model: str
+
+    def health(self, timeout_s: float) -> Health: ...
+
+    def describe(self, timeout_s: float) -> dict[str, Any]:
+        """engine_version and model_digest (None where the engine does not say)."""
+        ...
+
+    def chat(self, prompt: str, max_tokens: int, timeout_s: float) -> CallMeasurement:
+        """One streamed chat call; failures come back as a measurement with `error` set."""
+        ...
+
+    def unload(self, timeout_s: float) -> bool:
+        """Force the model out of memory; False where the engine cannot (cold = process_warm)."""
+        ...
+
+
+def control_client(timeout_s: float, headers: dict[str, str] | None = None) -> httpx.Client:
+    """An httpx client for control calls (health, version, tags); never used for timed streams."""
+    return httpx.Client(timeout=timeout_s, headers=headers or {}, trust_env=False)
+
+
+def get_json(base_url: str, path: str, timeout_s: float, headers: dict[str, str] | None = None) -> Any:
+    with control_client(timeout_s, headers) as client:
+        response = client.get(base_url.rstrip("/") + path)
+        response.raise_for_status()
+        return response.json()
+
+
+def _failed(backend: str, error: str, measurement: CallMeasurement | None = None) -> CallMeasurement:
+    failed = measurement or CallMeasurement(backend=backend)
+    failed.backend = backend
+    failed.error = error
+    failed.finish_reason = "error"
+    return failed
+
+
+def measure_stream(
+    backend: str,
+    base_url: str,
+    path: str,
+    payload: dict[str, Any],
+    *,
+    timeout_s: float,
+    headers: tuple[tuple[str, str], ...] = (),
+    parse: ChunkParser,
+) -> CallMeasurement:
+    """Send one streamed request and turn its stamped lines into a measurement."""
+    measurement = CallMeasurement(backend=backend)
+    try:
+        response = stream_post(
+            base_url, path, json.dumps(payload).encode(), timeout_s=timeout_s, headers=headers
+        )
+    except StreamError as exc:
+        return _failed(backend, str(exc))
+    try:
+        if response.status != 200:
+            body = read_error_body(response)
+            return _failed(backend, f"HTTP {response.status}: {body}")
+        content_arrivals = parse(response, measurement)
+    except StreamError as exc:
+        return _failed(backend, str(exc), measurement)
+    if not measurement.error and measurement.finish_reason not in ("stop", "length"):
+        measurement.error = "stream ended without a finish reason"
+    if measurement.error:
+        measurement.finish_reason = "error"
+    if content_arrivals:
+        measurement.first_delta_ms = round((content_arrivals[0] - response.sent_ns) / 1e6, 4)
+    end_ns = response.last_byte_ns or (content_arrivals[-1] if content_arrivals else 0)
+    if end_ns:
+        measurement.total_duration_ms = round((end_ns - response.sent_ns) / 1e6, 4)
+    measurement.client_chunks = len(content_arrivals)
+    derive_rates(measurement, content_arrivals)
+    return measurement
+
+
+class ChunkParser(Protocol):
+    def __call__(self, response: StreamedResponse, measurement: CallMeasurement) -> list[int]:
+        """Fill the measurement from the stream; return the arrival times of content chunks."""
+        ...
+
+
+def _sse_events(lines: Iterator[Line]) -> Iterator[tuple[int, str]]:
+    for line in lines:
+        text = line.text.decode("utf-8", "replace")
+        if text.startswith("data:"):
+            yield line.arrived_ns, text[5:].strip()
+        elif text.startswith("error:"):
+            yield line.arrived_ns, text
+
+
+def parse_openai_sse(response: StreamedResponse, measurement: CallMeasurement) -> list[int]:
+    """Server-sent events of /v1/chat/completions (OpenAI, vLLM, SGLang, TGI, llama.cpp)."""
+    arrivals: list[int] = []
+    for arrived_ns, data in _sse_events(response.lines):
+        if data == "[DONE]":
+            break
+        try:
+            chunk = json.loads(data)
+        except json.JSONDecodeError:
+            measurement.error = f"stream sent a line that is not JSON: {data[:120]!r}"
+            break
+        if not isinstance(chunk, dict):
+            measurement.error = f"stream sent JSON that is not an object: {data[:120]!r}"
+            break
+        if "error" in chunk:
+            measurement.error = f"engine error in stream: {json.dumps(chunk['error'])[:300]}"
+            break
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            # Reasoning models stream their thinking first; it is the first token all the same.
+            text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+            if text:
+                arrivals.append(arrived_ns)
+            if choice.get("finish_reason"):
+                measurement.finish_reason = str(choice["finish_reason"])
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            measurement.prompt_tokens = usage.get("prompt_tokens")
+            measurement.completion_tokens = usage.get("completion_tokens")
+        timings = chunk.get("timings")
+        if isinstance(timings, dict):
+            measurement.engine_timings = timings
+    return arrivals

@@ -1,0 +1,56 @@
+"""llama.cpp's llama-server: OpenAI-style streaming plus its own `timings`, /health and /props."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from pytest_gpubench.engines import Health, control_client
+from pytest_gpubench.engines.openai import OpenAIEngine
+
+
+class LlamaCppEngine(OpenAIEngine):
+    kind = "llamacpp"
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        model_digest: str | None = None,
+    ) -> None:
+        super().__init__(base_url, model, api_key)
+        self._model_digest = model_digest
+
+    def payload(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        payload = super().payload(prompt, max_tokens)
+        payload["timings_per_token"] = False
+        return payload
+
+    def health(self, timeout_s: float) -> Health:
+        try:
+            with control_client(timeout_s, self._auth()) as client:
+                answer = client.get(f"{self.base_url}/health")
+        except httpx.HTTPError as exc:
+            return Health(False, f"{self.base_url}/health is unreachable: {exc}")
+        if answer.status_code != 200:
+            return Health(False, f"{self.base_url}/health answered {answer.status_code}")
+        return Health(True)
+
+    def describe(self, timeout_s: float) -> dict[str, Any]:
+        props: dict[str, Any] = {}
+        try:
+            with control_client(timeout_s, self._auth()) as client:
+                answer = client.get(f"{self.base_url}/props")
+                if answer.status_code == 200:
+                    props = answer.json()
+        except (httpx.HTTPError, ValueError):
+            pass
+        return {
+            "engine_version": props.get("build_info"),
+            "model_digest": self._model_digest or props.get("model_path"),
+            "engine_props": {
+                key: props[key] for key in ("model_path", "total_slots", "n_ctx") if key in props
+            },
+        }

@@ -1,0 +1,73 @@
+"""OpenAI-compatible servers (vLLM, SGLang, TGI, hosted APIs): /v1/chat/completions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from pytest_gpubench.engines import Health, control_client, measure_stream, parse_openai_sse
+from pytest_gpubench.measure import CallMeasurement
+
+
+class OpenAIEngine:
+    kind = "openai"
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self._api_key = api_key
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+
+    def payload(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    def health(self, timeout_s: float) -> Health:
+        try:
+            with control_client(timeout_s, self._auth()) as client:
+                health = client.get(f"{self.base_url}/health")
+                if health.status_code not in (200, 404):
+                    return Health(False, f"{self.base_url}/health answered {health.status_code}")
+                models = client.get(f"{self.base_url}/v1/models")
+                models.raise_for_status()
+                ids = [entry.get("id") for entry in models.json().get("data", [])]
+        except (httpx.HTTPError, ValueError) as exc:
+            return Health(False, f"{self.base_url} is unreachable: {exc}")
+        if self.model not in ids:
+            return Health(False, f"{self.base_url} does not serve model '{self.model}' ({ids})")
+        return Health(True)
+
+    def describe(self, timeout_s: float) -> dict[str, Any]:
+        version = None
+        try:
+            with control_client(timeout_s, self._auth()) as client:
+                answer = client.get(f"{self.base_url}/version")
+                if answer.status_code == 200:
+                    version = answer.json().get("version")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        return {"engine_version": version, "model_digest": self.model}
+
+    def chat(self, prompt: str, max_tokens: int, timeout_s: float) -> CallMeasurement:
+        headers = tuple(self._auth().items())
+        return measure_stream(
+            self.kind,
+            self.base_url,
+            "/v1/chat/completions",
+            self.payload(prompt, max_tokens),
+            timeout_s=timeout_s,
+            headers=headers,
+            parse=parse_openai_sse,
+        )
+
+    def unload(self, timeout_s: float) -> bool:
+        return False

@@ -1,0 +1,308 @@
+"""Loading and validating the cell matrix (cells.yaml) and the frozen prompts (prompts.yaml)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+)
+
+from pytest_gpubench.errors import GpubenchError
+
+PHASES = ("cold", "warm")
+ENGINE_KINDS = ("llamacpp", "ollama", "openai")
+# Engines the harness knows how to launch itself when a cell has no endpoint.
+MANAGED_ENGINE_KINDS = ("llamacpp",)
+TINY_MODEL = "tiny"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Thresholds(_Strict):
+    """Regression thresholds: relative slowdowns (0.30 = 30 %) and the minimum success rate."""
+
+    ttft_p50: PositiveFloat | None = None
+    total_p50: PositiveFloat | None = None
+    tokens_per_sec: PositiveFloat | None = None
+    success_rate: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+
+
+class LocalNode(_Strict):
+    kind: Literal["local"]
+
+
+class SshNode(_Strict):
+    kind: Literal["ssh"]
+    host: str
+    port: Annotated[int, Field(ge=1, le=65535)] = 22
+    user: str
+    key_file: str | None = None
+    known_hosts: str = "~/.ssh/known_hosts"
+    trust_new_host: bool = False
+    connect_timeout_s: PositiveFloat = 15.0
+    command_timeout_s: PositiveFloat = 60.0
+    setup: list[str] = []
+    setup_timeout_s: PositiveFloat = 900.0
+    forward: bool = True
+
+
+class ProviderNode(_Strict):
+    kind: Literal["provider"]
+    api: AnyHttpUrl
+    gpu_type: str
+    provider: str | None = None
+    max_price: PositiveFloat
+    min_vram_gb: PositiveFloat | None = None
+    consumer_id: str = "pytest-gpubench"
+    workload_type: str = "inference-benchmark"
+    reservation_hours: PositiveFloat = 1.0
+    api_token_env: str | None = None
+    user: str | None = None
+    provision_timeout_s: PositiveFloat = 600.0
+    ssh_wait_timeout_s: PositiveFloat = 600.0
+    command_timeout_s: PositiveFloat = 60.0
+    setup: list[str] = []
+    setup_timeout_s: PositiveFloat = 1800.0
+
+
+Node = Annotated[LocalNode | SshNode | ProviderNode, Field(discriminator="kind")]
+
+
+class Settings(_Strict):
+    """Matrix-wide defaults, overridable per cell."""
+
+    runs: PositiveInt = 5
+    timeout_s: PositiveFloat = 300.0
+    thresholds: Thresholds = Thresholds()
+    env: list[str] = []
+
+
+class CellSpec(_Strict):
+    node: str
+    engine: Literal["llamacpp", "ollama", "openai"]
+    model: str
+    endpoint: AnyHttpUrl | None = None
+    phases: list[Literal["cold", "warm"]] = ["cold", "warm"]
+    prompts: list[str] | None = None
+    runs: PositiveInt | None = None
+    timeout_s: PositiveFloat | None = None
+    thresholds: Thresholds | None = None
+    skip: str | None = None
+    # Managed llama.cpp: the GGUF file to serve (default: the generated tiny model), the server
+    # binary (default: PATH, $GPUBENCH_LLAMA_SERVER, or the cached build) and extra arguments.
+    model_path: str | None = None
+    server_binary: str | None = None
+    server_args: list[str] = []
+    api_key_env: str | None = None
+
+    @field_validator("phases")
+    @classmethod
+    def _phases_not_empty(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("must name at least one of cold, warm")
+        return value
+
+    @property
+    def cell_id(self) -> str:
+        return f"{self.node}:{self.engine}:{self.model}"
+
+    @property
+    def managed(self) -> bool:
+        return self.endpoint is None
+
+
+class Prompt(_Strict):
+    intent: str
+    prompt: Annotated[str, Field(min_length=1)]
+    max_tokens: PositiveInt
+
+    def sha256(self) -> str:
+        canonical = json.dumps(
+            {"prompt": self.prompt, "max_tokens": self.max_tokens}, sort_keys=True
+        ).encode()
+        return hashlib.sha256(canonical).hexdigest()
+
+
+class _CellsFile(_Strict):
+    settings: Settings = Settings()
+    nodes: dict[str, Node]
+    cells: list[CellSpec]
+
+
+class _PromptsFile(_Strict):
+    prompts: dict[str, Prompt]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One validated (node, engine, model) triple with its effective options."""
+
+    spec: CellSpec
+    node: LocalNode | SshNode | ProviderNode
+    index: int
+    prompt_ids: tuple[str, ...]
+    runs: int
+    timeout_s: float
+    thresholds: Thresholds
+
+    @property
+    def cell_id(self) -> str:
+        return self.spec.cell_id
+
+    @property
+    def managed(self) -> bool:
+        return self.spec.managed
+
+
+@dataclass(frozen=True)
+class Matrix:
+    cells_path: Path
+    prompts_path: Path
+    settings: Settings
+    nodes: dict[str, LocalNode | SshNode | ProviderNode]
+    cells: tuple[Cell, ...]
+    prompts: dict[str, Prompt]
+
+    def cell(self, cell_id: str) -> Cell:
+        for cell in self.cells:
+            if cell.cell_id == cell_id:
+                return cell
+        raise KeyError(cell_id)
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise GpubenchError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise GpubenchError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise GpubenchError(f"{path}:{where}: malformed YAML: {problem}") from None
+
+
+def _describe_location(loc: tuple[int | str, ...], raw: Any) -> str:
+    """Turn a pydantic error location into `cells[1] (local:llamacpp:tiny) key 'foo'`."""
+    parts: list[str] = []
+    for i, item in enumerate(loc):
+        if isinstance(item, int):
+            parts[-1] = f"{parts[-1]}[{item}]" if parts else f"[{item}]"
+            if loc[:i] == ("cells",) and isinstance(raw, dict):
+                cells = raw.get("cells")
+                if isinstance(cells, list) and item < len(cells) and isinstance(cells[item], dict):
+                    entry = cells[item]
+                    name = f"{entry.get('node')}:{entry.get('engine')}:{entry.get('model')}"
+                    parts[-1] += f" ({name})"
+        elif item in ENGINE_KINDS + ("local", "ssh", "provider") and parts and parts[-1] != "cells":
+            continue  # pydantic's union tag, not a key the user wrote
+        else:
+            parts.append(str(item))
+    return ".".join(parts)
+
+
+def _first_error(path: Path, exc: ValidationError, raw: Any) -> GpubenchError:
+    lines = []
+    for error in exc.errors():
+        where = _describe_location(tuple(error["loc"]), raw)
+        if error["type"] == "extra_forbidden":
+            lines.append(f"{path}: {where}: unknown key (remove it or check its spelling)")
+        elif error["type"] == "missing":
+            lines.append(f"{path}: {where}: required key is missing")
+        else:
+            value = error.get("input")
+            shown = f" (got {value!r})" if not isinstance(value, dict | list) else ""
+            lines.append(f"{path}: {where}: {error['msg']}{shown}")
+    return GpubenchError("\n".join(lines))
+
+
+def load_prompts(path: Path) -> dict[str, Prompt]:
+    raw = _read_yaml(path)
+    if not isinstance(raw, dict):
+        raise GpubenchError(f"{path}: expected a mapping with a 'prompts' key")
+    try:
+        parsed = _PromptsFile.model_validate(raw)
+    except ValidationError as exc:
+        raise _first_error(path, exc, raw) from None
+    if not parsed.prompts:
+        raise GpubenchError(f"{path}: prompts: no prompts defined")
+    return dict(parsed.prompts)
+
+
+def load_matrix(cells_path: Path, prompts_path: Path) -> Matrix:
+    """Read both files and check everything that can be checked without touching the network."""
+    prompts = load_prompts(prompts_path)
+    raw = _read_yaml(cells_path)
+    if not isinstance(raw, dict):
+        raise GpubenchError(f"{cells_path}: expected a mapping with 'nodes' and 'cells' keys")
+    try:
+        parsed = _CellsFile.model_validate(raw)
+    except ValidationError as exc:
+        raise _first_error(cells_path, exc, raw) from None
+
+    cells: list[Cell] = []
+    seen: dict[str, int] = {}
+    for index, spec in enumerate(parsed.cells):
+        where = f"{cells_path}: cells[{index}] ({spec.cell_id})"
+        if spec.cell_id in seen:
+            raise GpubenchError(
+                f"{where}: duplicate cell id, already defined at cells[{seen[spec.cell_id]}]"
+            )
+        seen[spec.cell_id] = index
+        if spec.node not in parsed.nodes:
+            known = ", ".join(sorted(parsed.nodes)) or "none"
+            raise GpubenchError(
+                f"{where}: node: '{spec.node}' is not defined under nodes (defined: {known})"
+            )
+        if spec.managed and spec.engine not in MANAGED_ENGINE_KINDS:
+            raise GpubenchError(
+                f"{where}: endpoint: required for engine '{spec.engine}' "
+                f"(the harness can only launch {', '.join(MANAGED_ENGINE_KINDS)} itself)"
+            )
+        prompt_ids = tuple(spec.prompts) if spec.prompts is not None else tuple(prompts)
+        for prompt_id in prompt_ids:
+            if prompt_id not in prompts:
+                raise GpubenchError(
+                    f"{where}: prompts: '{prompt_id}' is not defined in {prompts_path}"
+                )
+        merged = parsed.settings.thresholds.model_dump(exclude_none=True)
+        if spec.thresholds is not None:
+            merged.update(spec.thresholds.model_dump(exclude_none=True))
+        cells.append(
+            Cell(
+                spec=spec,
+                node=parsed.nodes[spec.node],
+                index=index,
+                prompt_ids=prompt_ids,
+                runs=spec.runs or parsed.settings.runs,
+                timeout_s=spec.timeout_s or parsed.settings.timeout_s,
+                thresholds=Thresholds(**merged),
+            )
+        )
+    return Matrix(
+        cells_path=cells_path,
+        prompts_path=prompts_path,
+        settings=parsed.settings,
+        nodes=dict(parsed.nodes),
+        cells=tuple(cells),
+        prompts=prompts,
+    )

@@ -1,0 +1,213 @@
+"""One streamed HTTP request, timed from the moment bytes arrive, before any parsing."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import h11
+
+# Why not httpx or aiohttp here: measured on a 2-core machine against a server that logs when it
+# writes its first byte, they add 0.9-1.9 ms to TTFT; a blocking socket read by h11 adds less than
+# 0.5 ms (benchmarks_dev/client_overhead.py). Control calls (health, tags) use httpx.
+_RECV_BYTES = 65536
+
+
+class StreamError(Exception):
+    """The request could not be completed (connect, HTTP status, broken or timed-out stream)."""
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line of a streamed body, stamped with the arrival time of its first byte."""
+
+    arrived_ns: int
+    text: bytes
+
+
+@dataclass
+class StreamedResponse:
+    sent_ns: int
+    status: int
+    headers: dict[str, str]
+    lines: Iterator[Line]
+    chunks_received: int = 0
+    last_byte_ns: int = 0
+
+
+@dataclass
+class CallMeasurement:
+    """What one call measured, in the units of SPEC §6."""
+
+    first_delta_ms: float | None = None
+    total_duration_ms: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    client_chunks: int = 0
+    tokens_per_sec: float | None = None
+    tpot_ms: float | None = None
+    inter_chunk_ms: list[float] = field(default_factory=list)
+    finish_reason: str = "error"
+    backend: str = ""
+    error: str | None = None
+    engine_timings: dict[str, Any] = field(default_factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "first_delta_ms": self.first_delta_ms,
+            "total_duration_ms": self.total_duration_ms,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "client_chunks": self.client_chunks,
+            "tokens_per_sec": self.tokens_per_sec,
+            "tpot_ms": self.tpot_ms,
+            "inter_chunk_ms": self.inter_chunk_ms,
+            "finish_reason": self.finish_reason,
+            "backend": self.backend,
+            "error": self.error,
+            "engine_timings": self.engine_timings,
+        }
+
+
+def _ms(start_ns: int, end_ns: int) -> float:
+    return round((end_ns - start_ns) / 1e6, 4)
+
+
+def derive_rates(measurement: CallMeasurement, content_arrivals_ns: Sequence[int]) -> None:
+    """Fill tokens/s, TPOT and inter-chunk gaps from the content chunk arrival times (SPEC §6)."""
+    measurement.inter_chunk_ms = [
+        _ms(earlier, later)
+        for earlier, later in zip(content_arrivals_ns, content_arrivals_ns[1:], strict=False)
+    ]
+    first, total = measurement.first_delta_ms, measurement.total_duration_ms
+    tokens = measurement.completion_tokens
+    if first is None or total is None or not tokens:
+        return
+    decode_ms = total - first
+    if decode_ms > 0:
+        measurement.tokens_per_sec = round(tokens / (decode_ms / 1000.0), 3)
+    if tokens > 1:
+        measurement.tpot_ms = round(decode_ms / (tokens - 1), 4)
+
+
+def _split_url(base_url: str) -> tuple[str, int, str]:
+    parts = urlsplit(base_url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise StreamError(f"{base_url}: only http:// endpoints can be streamed")
+    return parts.hostname, parts.port or 80, parts.path.rstrip("/")
+
+
+def _read_event(conn: h11.Connection, sock: socket.socket, stamps: list[int]) -> h11.Event:
+    """Next h11 event; each time bytes arrive, their arrival time is pushed onto `stamps`."""
+    while True:
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event  # type: ignore[return-value]
+        raw = sock.recv(_RECV_BYTES)
+        stamps.append(time.perf_counter_ns())
+        conn.receive_data(raw)
+
+
+def stream_post(
+    base_url: str,
+    path: str,
+    body: bytes,
+    *,
+    timeout_s: float,
+    headers: Sequence[tuple[str, str]] = (),
+) -> StreamedResponse:
+    """POST `body` and return the response whose body lines are stamped on arrival.
+
+    The connection is opened before the clock starts, so TTFT measures the server, not TCP setup.
+    """
+    host, port, prefix = _split_url(base_url)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as exc:
+        raise StreamError(f"cannot connect to {host}:{port}: {exc}") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn = h11.Connection(h11.CLIENT)
+    request_headers = [
+        ("Host", f"{host}:{port}"),
+        ("Content-Type", "application/json"),
+        ("Content-Length", str(len(body))),
+        ("Connection", "close"),
+        *headers,
+    ]
+    payload = conn.send(h11.Request(method="POST", target=prefix + path, headers=request_headers))
+    payload += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
+    stamps: list[int] = []
+    sent_ns = time.perf_counter_ns()
+    try:
+        sock.sendall(payload)
+        event = _read_event(conn, sock, stamps)
+    except (OSError, h11.RemoteProtocolError) as exc:
+        sock.close()
+        raise StreamError(f"no response from {host}:{port}: {exc}") from None
+    if not isinstance(event, h11.Response):
+        sock.close()
+        raise StreamError(f"unexpected response from {host}:{port}: {event!r}")
+    response_headers = {
+        name.decode("latin-1").lower(): value.decode("latin-1") for name, value in event.headers
+    }
+    response = StreamedResponse(
+        sent_ns=sent_ns, status=event.status_code, headers=response_headers, lines=iter(())
+    )
+    response.lines = _lines(conn, sock, stamps, response, deadline_s=timeout_s)
+    return response
+
+
+def _lines(
+    conn: h11.Connection,
+    sock: socket.socket,
+    stamps: list[int],
+    response: StreamedResponse,
+    *,
+    deadline_s: float,
+) -> Iterator[Line]:
+    """Split the body into lines; each line keeps the arrival time of its first byte."""
+    pending = b""
+    pending_ns = 0
+    deadline = time.monotonic() + deadline_s
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                raise StreamError(f"stream did not finish within {deadline_s:g} s")
+            try:
+                event = _read_event(conn, sock, stamps)
+            except TimeoutError:
+                raise StreamError(f"no data for {deadline_s:g} s (read timed out)") from None
+            except (OSError, h11.RemoteProtocolError) as exc:
+                raise StreamError(f"stream broke after {response.chunks_received} chunks: {exc}")
+            if isinstance(event, h11.Data):
+                arrived = stamps[-1]
+                response.chunks_received += 1
+                response.last_byte_ns = arrived
+                data = bytes(event.data)
+                while data:
+                    if not pending:
+                        pending_ns = arrived
+                    newline = data.find(b"\n")
+                    if newline < 0:
+                        pending += data
+                        break
+                    pending += data[:newline]
+                    data = data[newline + 1 :]
+                    yield Line(pending_ns, pending.rstrip(b"\r"))
+                    pending = b""
+            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                if pending:
+                    yield Line(pending_ns, pending.rstrip(b"\r"))
+                return
+    finally:
+        sock.close()
+
+
+def read_error_body(response: StreamedResponse, limit: int = 300) -> str:
+    """The start of a non-2xx body, for the error message."""
+    text = b"\n".join(line.text for line in response.lines).decode("utf-8", "replace")
+    return text[:limit]

@@ -1,0 +1,104 @@
+"""Where engines run: the `Target` protocol that local, SSH and rented nodes implement."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+class BackgroundProcess(Protocol):
+    """A long-running process on a node (a managed engine server)."""
+
+    def alive(self) -> bool: ...
+
+    def stop(self, timeout_s: float = 10.0) -> None: ...
+
+    def log_tail(self, max_bytes: int = 4000) -> str: ...
+
+
+class Target(Protocol):
+    """A machine that engines run on, seen from the machine that runs pytest."""
+
+    node_id: str
+
+    def run(self, argv: Sequence[str], *, timeout_s: float) -> CommandResult:
+        """Run a command to completion; arguments are never interpreted by a shell."""
+        ...
+
+    def start(self, argv: Sequence[str], *, log_path: str) -> BackgroundProcess:
+        """Start a background process whose output goes to log_path on the node."""
+        ...
+
+    def free_port(self) -> int:
+        """A TCP port that is free on the node's loopback interface."""
+        ...
+
+    def reach(self, host: str, port: int) -> tuple[str, int]:
+        """An address on this machine that reaches host:port as the node sees it."""
+        ...
+
+    def read_file(self, path: str, *, timeout_s: float) -> bytes: ...
+
+    def gpu_inventory(self) -> list[dict[str, str]]:
+        """One entry per GPU from nvidia-smi; an empty list means the node has no GPU."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Facts about the node for the ledger's cell record (host, CPU model, price, ...)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+GPU_QUERY_FIELDS = (
+    "name",
+    "memory.total",
+    "driver_version",
+    "pci.bus_id",
+    "compute_cap",
+    "power.limit",
+    "clocks.max.sm",
+)
+
+
+def nvidia_smi_argv() -> list[str]:
+    return [
+        "nvidia-smi",
+        f"--query-gpu={','.join(GPU_QUERY_FIELDS)}",
+        "--format=csv,noheader,nounits",
+    ]
+
+
+def parse_nvidia_smi(output: str) -> list[dict[str, str]]:
+    """Parse `nvidia-smi --query-gpu=... --format=csv,noheader` output into one dict per GPU."""
+    gpus = []
+    for line in output.splitlines():
+        if not line.strip():
+            continue
+        values = [value.strip() for value in line.split(",")]
+        gpus.append(dict(zip(GPU_QUERY_FIELDS, values, strict=False)))
+    return gpus
+
+
+def gpu_inventory_of(target: Target, timeout_s: float = 20.0) -> list[dict[str, str]]:
+    """Ask a node's nvidia-smi; a node without one (or without a GPU) has an empty inventory."""
+    try:
+        result = target.run(nvidia_smi_argv(), timeout_s=timeout_s)
+    except FileNotFoundError:
+        return []
+    if not result.ok:
+        return []
+    return parse_nvidia_smi(result.stdout)

@@ -1,0 +1,123 @@
+"""The machine that runs pytest as a benchmark node."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import platform
+import signal
+import socket
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pytest_gpubench.targets import CommandResult, gpu_inventory_of
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL when pytest dies, even by kill -9, so no server is left behind."""
+    os.setsid()
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class LocalProcess:
+    def __init__(self, popen: subprocess.Popen[bytes], log_path: Path) -> None:
+        self._popen = popen
+        self._log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    def alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._popen.pid, signal.SIGTERM)
+        try:
+            self._popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._popen.pid, signal.SIGKILL)
+            self._popen.wait(timeout=timeout_s)
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        try:
+            with self._log_path.open("rb") as log:
+                log.seek(0, os.SEEK_END)
+                log.seek(max(0, log.tell() - max_bytes))
+                return log.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+
+class LocalTarget:
+    def __init__(self, node_id: str = "local") -> None:
+        self.node_id = node_id
+        self._processes: list[LocalProcess] = []
+
+    def run(self, argv: Sequence[str], *, timeout_s: float) -> CommandResult:
+        completed = subprocess.run(
+            list(argv), capture_output=True, timeout=timeout_s, check=False, stdin=subprocess.DEVNULL
+        )
+        return CommandResult(
+            argv=tuple(argv),
+            returncode=completed.returncode,
+            stdout=completed.stdout.decode("utf-8", "replace"),
+            stderr=completed.stderr.decode("utf-8", "replace"),
+        )
+
+    def start(self, argv: Sequence[str], *, log_path: str) -> LocalProcess:
+        path = Path(log_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab") as log:
+            popen = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - needed for PDEATHSIG
+            )
+        process = LocalProcess(popen, path)
+        self._processes.append(process)
+        return process
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            port: int = probe.getsockname()[1]
+            return port
+
+    def reach(self, host: str, port: int) -> tuple[str, int]:
+        return host, port
+
+    def read_file(self, path: str, *, timeout_s: float) -> bytes:
+        return Path(path).read_bytes()
+
+    def gpu_inventory(self) -> list[dict[str, str]]:
+        return gpu_inventory_of(self)
+
+    def describe(self) -> dict[str, Any]:
+        return {"host": platform.node(), "cpu_model": _cpu_model(), "cpu_count": os.cpu_count()}
+
+    def close(self) -> None:
+        for process in self._processes:
+            process.stop()
+        self._processes.clear()
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
