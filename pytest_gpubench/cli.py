@@ -1,0 +1,94 @@
+"""The `gpubench` command: install the embedded engine, make the tiny model, report, compare."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pytest_gpubench.errors import GpubenchError
+
+
+def _install_server(args: argparse.Namespace) -> int:
+    from pytest_gpubench.engines.llamacpp_build import ensure_llama_server
+
+    binary = ensure_llama_server(args.binary, progress=lambda line: print(line, flush=True))
+    print(binary)
+    return 0
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from pytest_gpubench.tinymodel import ensure_tiny_model, write_tiny_model
+
+    if args.output:
+        digest = write_tiny_model(Path(args.output), seed=args.seed)
+        print(f"{args.output} sha256:{digest}")
+    else:
+        print(ensure_tiny_model())
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pytest_gpubench.ledger import read_ledger
+    from pytest_gpubench.report import render_markdown
+
+    text = render_markdown(read_ledger(Path(args.ledger)))
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(args.output)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from pytest_gpubench.report import compare_command
+
+    return compare_command(Path(args.old), Path(args.new))
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="gpubench", description=__doc__)
+    commands = root.add_subparsers(dest="command", required=True)
+
+    install = commands.add_parser(
+        "install-server", help="build (or find) llama.cpp's llama-server and print its path"
+    )
+    install.add_argument("--binary", help="use this llama-server instead of searching or building")
+    install.set_defaults(handler=_install_server)
+
+    model = commands.add_parser("make-model", help="write the tiny deterministic GGUF model")
+    model.add_argument("--output", "-o", help="write here instead of the cache")
+    model.add_argument("--seed", type=int, default=0)
+    model.set_defaults(handler=_make_model)
+
+    report = commands.add_parser("report", help="write the Markdown baseline document of a ledger")
+    report.add_argument("ledger")
+    report.add_argument("--output", "-o", help="file to write (default: standard output)")
+    report.set_defaults(handler=_report)
+
+    compare = commands.add_parser(
+        "compare", help="compare two ledgers, or a ledger (NEW) with a baselines/ directory (OLD)"
+    )
+    compare.add_argument("old", help="the older ledger, or a baselines/ directory")
+    compare.add_argument("new", help="the newer ledger")
+    compare.set_defaults(handler=_compare)
+    return root
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        status: int = args.handler(args)
+    except GpubenchError as exc:
+        print(f"gpubench: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gpubench: interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""One benchmark run across the pytest session: guards, ledger, per-cell preparation, verdict."""
+
+from __future__ import annotations
+
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tabulate import tabulate
+
+from pytest_gpubench.cases import Case
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.ledger import Ledger, SecretScrubber
+from pytest_gpubench.matrix import Matrix
+from pytest_gpubench.provenance import (
+    git_state,
+    load_average,
+    meta_record,
+    secret_values,
+    utc_now,
+)
+from pytest_gpubench.session import BenchSession
+from pytest_gpubench.settings import Settings
+
+# SPEC §12: benchmarks ran and at least one regressed.
+EXIT_REGRESSION = 6
+# Generous on purpose: the engine's own stream timeout (the cell's timeout_s) must fire first, so
+# that a slow call is still recorded; this only catches a hang in the harness itself.
+CASE_TIMEOUT_FACTOR = 2.0
+CASE_TIMEOUT_SLACK_S = 180.0
+
+
+class BenchRun:
+    """State of the run; registered as a plugin so that it sees every test report."""
+
+    def __init__(
+        self, config: pytest.Config, settings: Settings, matrix: Matrix | None, run_id: str | None
+    ) -> None:
+        self.config = config
+        self.settings = settings
+        self.matrix = matrix
+        self.scrub = SecretScrubber(secret_values())
+        self.session = BenchSession(matrix) if matrix is not None else None
+        if self.session is not None:
+            if run_id:
+                self.session.run_id = run_id
+            self.session.log_dir = settings.ledger_dir / "logs"
+        self.ledger: Ledger | None = None
+        self.started = False
+        self.startup_error: str | None = None
+        self.calls: list[dict[str, Any]] = []
+        self.skips: list[dict[str, Any]] = []
+        self.cells: dict[str, dict[str, Any]] = {}
+        self.probe_rows: list[list[Any]] = []
+
+    @property
+    def run_id(self) -> str:
+        return self.session.run_id if self.session is not None else ""
+
+    @property
+    def writes_ledger(self) -> bool:
+        return not hasattr(self.config, "workerinput")
+
+    def case_marks(self, case: Case) -> list[pytest.MarkDecorator]:
+        assert self.matrix is not None
+        cell = self.matrix.cell(case.cell_id)
+        timeout = cell.timeout_s * CASE_TIMEOUT_FACTOR + CASE_TIMEOUT_SLACK_S
+        return [
+            getattr(pytest.mark, case.phase),
+            pytest.mark.timeout(timeout),
+            pytest.mark.xdist_group(case.cell_id),
+        ]
+
+    def skipped_cells(self) -> set[str]:
+        assert self.matrix is not None
+        return {cell.cell_id for cell in self.matrix.cells if cell.spec.skip}
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def check_guards(self) -> dict[str, Any]:
+        """SPEC §9: refuse to measure on a dirty tree or a loaded machine, unless told to."""
+        git = git_state(self.config.rootpath)
+        ledger_prefix = _relative_prefix(self.settings.ledger_dir, self.config.rootpath)
+        if ledger_prefix:
+            git["git_dirty_files"] = [
+                f for f in git["git_dirty_files"] if not f.startswith(ledger_prefix)
+            ]
+            git["git_dirty"] = bool(git["git_dirty_files"])
+        if git["git_dirty"] and not self.settings.allow_dirty:
+            shown = ", ".join(git["git_dirty_files"][:5])
+            more = len(git["git_dirty_files"]) - 5
+            shown += f" and {more} more" if more > 0 else ""
+            raise GpubenchError(
+                f"git tree {self.config.rootpath} has uncommitted changes ({shown}): commit them, "
+                "or pass --allow-dirty to measure anyway (the dirty files go into the ledger)"
+            )
+        load = load_average()
+        if load > self.settings.load_threshold and not self.settings.force_load:
+            raise GpubenchError(
+                f"1-minute load average is {load:.2f}, above {self.settings.load_threshold:g}: "
+                "numbers measured now would not be comparable; wait, or pass --force-load"
+            )
+        return git
+
+    def begin(self, cases_planned: int) -> None:
+        """Check the guards and open the ledger with its meta record (writing process only)."""
+        if self.started or self.matrix is None or self.session is None:
+            return
+        git = self.check_guards()
+        self.started = True
+        if self.settings.probe:
+            return
+        path = self.settings.ledger_dir / f"{self.run_id}.jsonl"
+        self.ledger = Ledger(path, self.scrub)
+        self.ledger.append(
+            meta_record(
+                run_id=self.run_id,
+                root=self.config.rootpath,
+                git=git,
+                env_names=self.settings.env_names,
+                cells_planned=[cell.cell_id for cell in self.matrix.cells],
+                cases_planned=cases_planned,
+                argv=list(self.config.invocation_params.args),
+                cells_path=self.settings.cells_path,
+                prompts_path=self.settings.prompts_path,
+            )
+        )
+
+    def begin_or_stop(self, cases_planned: int) -> None:
+        """Under xdist the controller learns of the cases late; a guard then stops the session."""
+        try:
+            self.begin(cases_planned)
+        except GpubenchError as exc:
+            self.startup_error = str(exc)
+            self.started = True
+            session = getattr(self.config, "_gpubench_session", None)
+            if session is not None:
+                session.shouldstop = self.startup_error
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self.config._gpubench_session = session  # type: ignore[attr-defined]
+
+    # -- per case ------------------------------------------------------------------------------
+
+    def prepare_cell(self, case: Case, records: list[dict[str, Any]]) -> str | None:
+        """Make the case's cell ready; return why it cannot run, or None."""
+        assert self.session is not None
+        runtime, fresh = self.session.runtime(case.cell_id)
+        if fresh and runtime.cell_record:
+            records.append({**runtime.cell_record, "benchmark_run_id": self.run_id})
+        if runtime.unavailable is not None:
+            records.append(self.session.skipped_record(case, case.cell_id, runtime.unavailable))
+            return runtime.unavailable
+        return None
+
+    def collect(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            kind = record.get("type")
+            if kind == "call":
+                self.calls.append(record)
+            elif kind == "skipped":
+                self.skips.append(record)
+            elif kind == "cell":
+                if record["cell_id"] in self.cells:
+                    continue  # each xdist worker that ran the cell describes it; keep the first
+                self.cells[record["cell_id"]] = record
+            if self.ledger is not None:
+                self.ledger.append(record)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        records = getattr(report, "gpubench_records", None)
+        if records and self.writes_ledger:
+            self.collect(records)
+
+    # -- probe ---------------------------------------------------------------------------------
+
+    def probe(self) -> int:
+        """Health-check every cell; returns how many are unavailable."""
+        assert self.matrix is not None and self.session is not None
+        unavailable = 0
+        for cell in self.matrix.cells:
+            runtime, _ = self.session.runtime(cell.cell_id)
+            record = runtime.cell_record
+            status = "ok" if runtime.unavailable is None else runtime.unavailable
+            unavailable += runtime.unavailable is not None
+            self.probe_rows.append(
+                [
+                    cell.cell_id,
+                    record.get("engine_version") or "-",
+                    record.get("model_digest") or "-",
+                    self.scrub(status),
+                ]
+            )
+        self.session.close()
+        return unavailable if self.settings.for_publication else 0
+
+    # -- end -----------------------------------------------------------------------------------
+
+    def finish(self, exitstatus: int) -> int | None:
+        if self.session is not None:
+            self.session.close()
+        status: int | None = None
+        if self.startup_error is not None:
+            status = int(pytest.ExitCode.USAGE_ERROR)
+        if self.ledger is not None:
+            self.ledger.append(
+                {
+                    "type": "end",
+                    "benchmark_run_id": self.run_id,
+                    "finished_at_utc": utc_now(),
+                    "load_avg_end": load_average(),
+                    "pytest_exitstatus": exitstatus,
+                    "calls": len(self.calls),
+                    "skipped": len(self.skips),
+                    "verdicts": [],
+                    "regressions": 0,
+                }
+            )
+            self.ledger.close()
+        return status
+
+    def summarize(self, reporter: pytest.TerminalReporter) -> None:
+        if self.startup_error is not None:
+            reporter.write_line(f"ERROR: {self.scrub(self.startup_error)}", red=True)
+        if self.probe_rows:
+            reporter.write_sep("=", "gpubench probe")
+            table = tabulate(
+                self.probe_rows, headers=["cell", "engine version", "model digest", "status"]
+            )
+            reporter.write_line(table)
+        if self.ledger is None:
+            return
+        reporter.write_sep("=", "gpubench")
+        rows = _measured_rows(self.calls)
+        if rows:
+            reporter.write_line(
+                tabulate(rows, headers=["cell", "prompt", "phase", "calls", "ok", "TTFT ms (median)",
+                                        "total ms (median)", "tok/s (mean)"], floatfmt=".2f")
+            )
+        reporter.write_line(f"ledger: {self.ledger.path}")
+
+
+def _relative_prefix(path: Path, root: Path) -> str | None:
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix().rstrip("/") + "/"
+    except ValueError:
+        return None
+
+
+def _measured_rows(calls: list[dict[str, Any]]) -> list[list[Any]]:
+    import statistics
+
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for call in calls:
+        groups.setdefault((call["cell_id"], call["prompt_id"], call["phase"]), []).append(call)
+    rows = []
+    for (cell_id, prompt_id, phase), group in groups.items():
+        ok = [c for c in group if not c.get("error")]
+        rows.append([
+            cell_id, prompt_id, phase, len(group), len(ok),
+            statistics.median(c["first_delta_ms"] for c in ok) if ok else None,
+            statistics.median(c["total_duration_ms"] for c in ok) if ok else None,
+            statistics.fmean(c["tokens_per_sec"] or 0 for c in ok) if ok else None,
+        ])  # fmt: skip
+    return rows
+
+

@@ -1,0 +1,275 @@
+"""The benchmark session at run time: per-cell engines and servers, cold/warm, and call records."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pytest_gpubench.cases import Case
+from pytest_gpubench.engines import Engine
+from pytest_gpubench.engines.llamacpp import LlamaCppEngine
+from pytest_gpubench.engines.managed import ManagedLlamaServer
+from pytest_gpubench.engines.ollama import OllamaEngine
+from pytest_gpubench.engines.openai import OpenAIEngine
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.matrix import TINY_MODEL, Cell, LocalNode, Matrix
+from pytest_gpubench.measure import CallMeasurement
+from pytest_gpubench.provenance import utc_now
+from pytest_gpubench.targets import Target
+from pytest_gpubench.targets.local import LocalTarget
+
+# SPEC §5: a call is warm when the same model answered a call less than this long ago.
+WARM_WINDOW_S = 60.0
+HEALTH_TIMEOUT_S = 10.0
+
+
+def open_target(cell: Cell) -> Target:
+    if isinstance(cell.node, LocalNode):
+        return LocalTarget(cell.spec.node)
+    from pytest_gpubench.targets.factory import open_target as open_remote
+
+    return open_remote(cell.spec.node, cell.node)
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as model:
+        for block in iter(lambda: model.read(1 << 20), b""):
+            digest.update(block)
+    return f"sha256:{digest.hexdigest()}"
+
+
+def _api_key(cell: Cell) -> str | None:
+    name = cell.spec.api_key_env
+    if name is None:
+        return None
+    value = os.environ.get(name)
+    if not value:
+        raise GpubenchError(f"cell {cell.cell_id}: api_key_env: ${name} is not set")
+    return value
+
+
+@dataclass
+class CellRuntime:
+    """Everything one cell needs while its cases run; created on the cell's first case."""
+
+    cell: Cell
+    log_dir: Path
+    target: Target | None = None
+    server: ManagedLlamaServer | None = None
+    engine: Engine | None = None
+    unavailable: str | None = None
+    last_call_end: float | None = None
+    cell_record: dict[str, Any] = field(default_factory=dict)
+
+    def prepare(self) -> None:
+        """Provision, launch a managed engine and health-check; failures mark the cell unavailable."""
+        spec = self.cell.spec
+        if spec.skip:
+            self.unavailable = f"skip: {spec.skip}"
+            return
+        try:
+            self.target = open_target(self.cell)
+            model_digest = None
+            if self.cell.managed:
+                self.server, model_digest = self._managed_server(self.target)
+                base_url = self.server.start()
+            else:
+                base_url = str(spec.endpoint).rstrip("/")
+            self.engine = self._engine(base_url, model_digest)
+            health = self.engine.health(HEALTH_TIMEOUT_S)
+            if not health.ok:
+                self.unavailable = f"health check failed: {health.reason}"
+                return
+            self.cell_record = self._describe(self.engine, self.target)
+        except GpubenchError as exc:
+            self.unavailable = str(exc)
+        except OSError as exc:
+            self.unavailable = f"cell {self.cell.cell_id}: {exc}"
+
+    def _managed_server(self, target: Target) -> tuple[ManagedLlamaServer, str]:
+        spec = self.cell.spec
+        if isinstance(target, LocalTarget):
+            from pytest_gpubench.engines.llamacpp_build import ensure_llama_server
+
+            binary = str(ensure_llama_server(spec.server_binary))
+            if spec.model_path:
+                model = Path(spec.model_path).expanduser()
+                if not model.is_file():
+                    raise GpubenchError(
+                        f"cell {self.cell.cell_id}: model_path: {model} does not exist"
+                    )
+            elif spec.model == TINY_MODEL:
+                from pytest_gpubench.tinymodel import ensure_tiny_model
+
+                model = ensure_tiny_model()
+            else:
+                raise GpubenchError(
+                    f"cell {self.cell.cell_id}: model_path: a managed llamacpp cell needs a GGUF "
+                    f"file (or model: {TINY_MODEL} for the generated tiny model)"
+                )
+            model_path, digest = str(model), _file_sha256(model)
+        else:
+            if not (spec.server_binary and spec.model_path):
+                raise GpubenchError(
+                    f"cell {self.cell.cell_id}: a managed llamacpp cell on a remote node needs "
+                    "server_binary and model_path (paths on the node; install them with setup)"
+                )
+            binary, model_path = spec.server_binary, spec.model_path
+            digest_run = target.run(["sha256sum", model_path], timeout_s=120)
+            if not digest_run.ok:
+                raise GpubenchError(
+                    f"cell {self.cell.cell_id}: model_path: cannot read {model_path} on the node"
+                )
+            digest = f"sha256:{digest_run.stdout.split()[0]}"
+        server = ManagedLlamaServer(
+            target,
+            cell_id=self.cell.cell_id,
+            binary=binary,
+            model_path=model_path,
+            alias=spec.model,
+            log_dir=str(self.log_dir) if isinstance(target, LocalTarget) else "/tmp/gpubench",
+            extra_args=spec.server_args,
+        )
+        return server, digest
+
+    def _engine(self, base_url: str, model_digest: str | None) -> Engine:
+        spec = self.cell.spec
+        if spec.engine == "llamacpp":
+            return LlamaCppEngine(base_url, spec.model, _api_key(self.cell), model_digest)
+        if spec.engine == "ollama":
+            return OllamaEngine(base_url, spec.model)
+        return OpenAIEngine(base_url, spec.model, _api_key(self.cell))
+
+    def _describe(self, engine: Engine, target: Target) -> dict[str, Any]:
+        spec = self.cell.spec
+        return {
+            "type": "cell",
+            "cell_id": self.cell.cell_id,
+            "node": spec.node,
+            "node_kind": self.cell.node.kind,
+            "engine": spec.engine,
+            "model": spec.model,
+            "managed": self.cell.managed,
+            "endpoint": None if self.cell.managed else str(spec.endpoint),
+            **engine.describe(HEALTH_TIMEOUT_S),
+            "gpus": target.gpu_inventory(),
+            "node_info": target.describe(),
+            "at_utc": utc_now(),
+        }
+
+    def make_cold(self) -> str:
+        """Force the model out of memory; returns the cold_kind recorded with the call."""
+        assert self.engine is not None
+        if self.server is not None:
+            base_url = self.server.restart()
+            self.engine = self._engine(base_url, getattr(self.engine, "_model_digest", None))
+            return "restart"
+        if self.engine.unload(timeout_s=30.0):
+            return "unload"
+        return "process_warm"
+
+    def warm_up(self, prompt: str, max_tokens: int) -> None:
+        """An unrecorded call, so that the measured call follows one within the warm window."""
+        recent = self.last_call_end is not None and (
+            time.monotonic() - self.last_call_end < WARM_WINDOW_S
+        )
+        if recent:
+            return
+        assert self.engine is not None
+        self.engine.chat(prompt, max_tokens, self.cell.timeout_s)
+        self.last_call_end = time.monotonic()
+
+    def close(self) -> None:
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                self.server.stop()
+        if self.target is not None:
+            with contextlib.suppress(Exception):
+                self.target.close()
+
+
+@dataclass
+class BenchSession:
+    """Run-wide state, kept in config.stash; the ledger exists only in the writing process."""
+
+    matrix: Matrix
+    run_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    log_dir: Path = Path("runs")
+    runtimes: dict[str, CellRuntime] = field(default_factory=dict)
+
+    def runtime(self, cell_id: str) -> tuple[CellRuntime, bool]:
+        """The cell's runtime, prepared on first use; the flag says it was prepared just now."""
+        if cell_id in self.runtimes:
+            return self.runtimes[cell_id], False
+        runtime = CellRuntime(self.matrix.cell(cell_id), self.log_dir)
+        self.runtimes[cell_id] = runtime
+        runtime.prepare()
+        return runtime, True
+
+    def run_case(self, case: Case) -> dict[str, Any]:
+        """Measure one case and return its call record."""
+        runtime = self.runtimes[case.cell_id]
+        prompt = self.matrix.prompts[case.prompt_id]
+        cold_kind = None
+        if case.phase == "cold":
+            cold_kind = runtime.make_cold()
+        else:
+            runtime.warm_up(prompt.prompt, prompt.max_tokens)
+        assert runtime.engine is not None
+        started = utc_now()
+        measurement = runtime.engine.chat(prompt.prompt, prompt.max_tokens, runtime.cell.timeout_s)
+        runtime.last_call_end = time.monotonic()
+        return call_record(self.run_id, runtime.cell, case, prompt.sha256(), cold_kind, started, measurement)
+
+    def skipped_record(self, case: Case | None, cell_id: str, reason: str) -> dict[str, Any]:
+        return {
+            "type": "skipped",
+            "benchmark_run_id": self.run_id,
+            "cell_id": cell_id,
+            "case_id": case.case_id if case else None,
+            "prompt_id": case.prompt_id if case else None,
+            "phase": case.phase if case else None,
+            "run_idx": case.run_idx if case else None,
+            "reason": reason,
+            "at_utc": utc_now(),
+        }
+
+    def close(self) -> None:
+        for runtime in self.runtimes.values():
+            runtime.close()
+
+
+def call_record(
+    run_id: str,
+    cell: Cell,
+    case: Case,
+    prompt_sha256: str,
+    cold_kind: str | None,
+    started_at_utc: str,
+    measurement: CallMeasurement,
+) -> dict[str, Any]:
+    spec = cell.spec
+    return {
+        "type": "call",
+        "benchmark_run_id": run_id,
+        "cell_id": cell.cell_id,
+        "node": spec.node,
+        "engine": spec.engine,
+        "model": spec.model,
+        "prompt_id": case.prompt_id,
+        "prompt_sha256": prompt_sha256,
+        "phase": case.phase,
+        "run_idx": case.run_idx,
+        "case_id": case.case_id,
+        "cold_kind": cold_kind,
+        "started_at_utc": started_at_utc,
+        **measurement.to_record(),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+    }
