@@ -250,8 +250,8 @@ def load_prompts(path: Path) -> dict[str, Prompt]:
 
 def load_matrix(cells_path: Path, prompts_path: Path) -> Matrix:
     """Read both files and check everything that can be checked without touching the network."""
-    prompts = load_prompts(prompts_path)
     raw = _read_yaml(cells_path)
+    prompts = load_prompts(prompts_path)
     if not isinstance(raw, dict):
         raise GpubenchError(f"{cells_path}: expected a mapping with 'nodes' and 'cells' keys")
     try:

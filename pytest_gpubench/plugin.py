@@ -81,11 +81,18 @@ def pytest_collection_modifyitems(
         config.hook.pytest_deselected(items=[item for item in cases if item not in kept])
         cases = kept
     items[:] = others + cases
-    if bench.writes_ledger:
-        try:
-            bench.begin(len(cases))
-        except GpubenchError as exc:
-            raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """After every deselection: check the guards and open the ledger if any case will run."""
+    bench = _bench(session.config)
+    planned = sum(1 for item in session.items if _case_of(item) is not None)
+    if not planned or not bench.writes_ledger or session.config.option.collectonly:
+        return
+    try:
+        bench.begin(planned)
+    except GpubenchError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def _case_of(item: pytest.Item) -> Case | None:
