@@ -1,0 +1,105 @@
+"""Collection: case ids, markers, -m selection, ordering, --gpubench-runs, --smoke, xdist order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+PROMPTS = """\
+prompts:
+  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 4}
+  P-MEDIUM: {intent: longer, prompt: "Say hello twice.", max_tokens: 8}
+"""
+# Skipped cells collect like any other but never touch an engine.
+CELLS = """\
+nodes:
+  local: {kind: local}
+  pavilion: {kind: ssh, host: 127.0.0.1, user: bench}
+cells:
+  - {node: pavilion, engine: ollama, model: "qwen3.5:0.8b", endpoint: "http://127.0.0.1:9", runs: 2,
+     skip: "box is off"}
+  - {node: local, engine: llamacpp, model: tiny, runs: 2, skip: "not today"}
+"""
+
+
+@pytest.fixture
+def bench_dir(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makefile(".yaml", prompts=PROMPTS, cells=CELLS)
+    pytester.makepyfile(
+        test_bench="""
+        def test_plain():
+            pass
+
+        def test_generate(gpubench_case):
+            gpubench_case.run()
+        """
+    )
+    return pytester
+
+
+def collected(result: pytest.RunResult) -> list[str]:
+    return [line for line in result.outlines if "::" in line]
+
+
+def test_ids_order_cells_together_and_cold_first(bench_dir: pytest.Pytester) -> None:
+    result = bench_dir.runpytest("--collect-only", "-q")
+    cell = "pavilion:ollama:qwen3.5:0.8b"
+    assert collected(result) == [
+        "test_bench.py::test_plain",
+        f"test_bench.py::test_generate[{cell}-P-EASY-cold-0]",
+        f"test_bench.py::test_generate[{cell}-P-MEDIUM-cold-0]",
+        f"test_bench.py::test_generate[{cell}-P-EASY-warm-0]",
+        f"test_bench.py::test_generate[{cell}-P-EASY-warm-1]",
+        f"test_bench.py::test_generate[{cell}-P-MEDIUM-warm-0]",
+        f"test_bench.py::test_generate[{cell}-P-MEDIUM-warm-1]",
+        "test_bench.py::test_generate[local:llamacpp:tiny-P-EASY-cold-0]",
+        "test_bench.py::test_generate[local:llamacpp:tiny-P-MEDIUM-cold-0]",
+        "test_bench.py::test_generate[local:llamacpp:tiny-P-EASY-warm-0]",
+        "test_bench.py::test_generate[local:llamacpp:tiny-P-EASY-warm-1]",
+        "test_bench.py::test_generate[local:llamacpp:tiny-P-MEDIUM-warm-0]",
+        "test_bench.py::test_generate[local:llamacpp:tiny-P-MEDIUM-warm-1]",
+    ]
+
+
+def test_markers_select_phases(bench_dir: pytest.Pytester) -> None:
+    warm = collected(bench_dir.runpytest("--collect-only", "-q", "-m", "warm", "--strict-markers"))
+    cold = collected(bench_dir.runpytest("--collect-only", "-q", "-m", "cold", "--strict-markers"))
+    assert len(warm) == 8 and all("-warm-" in line for line in warm)
+    assert len(cold) == 4 and all("-cold-" in line for line in cold)
+
+
+def test_gpubench_runs_raises_warm_n(bench_dir: pytest.Pytester) -> None:
+    result = bench_dir.runpytest("--collect-only", "-q", "-m", "warm", "--gpubench-runs", "20")
+    assert len(collected(result)) == 2 * 2 * 20
+
+
+def test_smoke_runs_one_case(bench_dir: pytest.Pytester) -> None:
+    bench_dir.makefile(
+        ".yaml",
+        cells=CELLS + "  - {node: local, engine: openai, model: m, endpoint: 'http://127.0.0.1:9'}\n",
+    )
+    result = bench_dir.runpytest("--collect-only", "-q", "--smoke", "-k", "generate")
+    assert collected(result) == ["test_bench.py::test_generate[local:openai:m-P-EASY-warm-0]"]
+
+
+def test_unavailable_cells_are_skipped_with_reason_and_recorded(bench_dir: pytest.Pytester) -> None:
+    result = bench_dir.runpytest("-rs", "--force-load")
+    result.assert_outcomes(passed=1, skipped=12)
+    result.stdout.fnmatch_lines(["*SKIPPED*skip: box is off*", "*SKIPPED*skip: not today*"])
+    (ledger,) = (bench_dir.path / "runs").glob("*.jsonl")
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert records[0]["type"] == "meta" and records[-1]["type"] == "end"
+    skipped = [r for r in records if r["type"] == "skipped"]
+    assert len(skipped) == 12
+    assert {r["reason"] for r in skipped} == {"skip: box is off", "skip: not today"}
+
+
+def test_same_order_on_every_xdist_worker(bench_dir: pytest.Pytester) -> None:
+    """xdist refuses to run when workers collect different orders; every case must still report."""
+    pytest.importorskip("xdist")
+    result = bench_dir.runpytest("-n", "2", "--force-load", "-p", "xdist")
+    result.assert_outcomes(passed=1, skipped=12)
+    (ledger,) = (bench_dir.path / "runs").glob("*.jsonl")
+    kinds = [json.loads(line)["type"] for line in ledger.read_text().splitlines()]
+    assert kinds.count("skipped") == 12 and kinds[0] == "meta" and kinds[-1] == "end"
