@@ -1,0 +1,213 @@
+"""Stand-in HTTP engines for what cannot run here (Ollama) and for faults a real engine won't make.
+
+The Ollama stand-in follows Ollama's documented API (docs/api.md) field by field: /api/version,
+/api/tags, /api/ps, /api/chat as application/x-ndjson with chunked transfer encoding and the final
+`done` object carrying total_duration, load_duration, prompt_eval_count, prompt_eval_duration,
+eval_count, eval_duration and done_reason; /api/generate with an empty prompt and keep_alive 0
+unloads the model and answers done_reason "unload".
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+OLLAMA_DIGEST = "2ae6f6dd7a3dd734790bbbf58b8909a606e0e7e97e94b7604e0aa7ae4490e6d8"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+    def _json(self, status: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _start_chunked(self, content_type: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def _end_chunked(self) -> None:
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def _body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length", "0"))
+        body = json.loads(self.rfile.read(length) or b"{}")
+        self.server.requests.append((self.command, self.path, body))
+        return body  # type: ignore[no-any-return]
+
+    def do_GET(self) -> None:
+        self.server.requests.append((self.command, self.path, None))
+        self.server.get(self)
+
+    def do_POST(self) -> None:
+        self.server.post(self, self._body())
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    requests: list[tuple[str, str, Any]]
+
+    def get(self, handler: _Handler) -> None:
+        handler._json(404, {"error": "not found"})
+
+    def post(self, handler: _Handler, body: dict[str, Any]) -> None:
+        handler._json(404, {"error": "not found"})
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+class OllamaStandin(_Server):
+    def __init__(self, model: str = "qwen3.5:0.8b", load_s: float = 0.05, token_s: float = 0.002):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.requests = []
+        self.model = model if ":" in model else f"{model}:latest"
+        self.loaded = False
+        self.load_s = load_s
+        self.token_s = token_s
+
+    def _entry(self) -> dict[str, Any]:
+        return {
+            "name": self.model,
+            "model": self.model,
+            "size": 1_000_000,
+            "digest": OLLAMA_DIGEST,
+            "details": {"format": "gguf", "family": "qwen3", "parameter_size": "0.8B"},
+        }
+
+    def get(self, handler: _Handler) -> None:
+        if handler.path == "/api/version":
+            handler._json(200, {"version": "0.12.3"})
+        elif handler.path == "/api/tags":
+            handler._json(200, {"models": [{**self._entry(), "modified_at": _now()}]})
+        elif handler.path == "/api/ps":
+            running = [{**self._entry(), "expires_at": _now(), "size_vram": 0}]
+            handler._json(200, {"models": running if self.loaded else []})
+        else:
+            handler._json(404, {"error": "not found"})
+
+    def post(self, handler: _Handler, body: dict[str, Any]) -> None:
+        if body.get("model") not in (self.model, self.model.removesuffix(":latest")):
+            handler._json(404, {"error": f"model '{body.get('model')}' not found"})
+            return
+        if handler.path == "/api/generate" and not body.get("prompt") and body.get("keep_alive") == 0:
+            self.loaded = False
+            handler._json(
+                200,
+                {"model": self.model, "created_at": _now(), "response": "", "done": True,
+                 "done_reason": "unload"},
+            )  # fmt: skip
+        elif handler.path == "/api/chat":
+            self._chat(handler, body)
+        else:
+            handler._json(404, {"error": "not found"})
+
+    def _chat(self, handler: _Handler, body: dict[str, Any]) -> None:
+        started = time.perf_counter_ns()
+        load_ns = 0
+        if not self.loaded:
+            time.sleep(self.load_s)
+            load_ns = time.perf_counter_ns() - started
+            self.loaded = True
+        num_predict = int(body.get("options", {}).get("num_predict", 8))
+        handler._start_chunked("application/x-ndjson")
+        eval_start = time.perf_counter_ns()
+        for index in range(num_predict):
+            time.sleep(self.token_s)
+            line = {"model": self.model, "created_at": _now(),
+                    "message": {"role": "assistant", "content": f"tok{index} "}, "done": False}  # fmt: skip
+            handler._chunk(json.dumps(line).encode() + b"\n")
+        eval_ns = time.perf_counter_ns() - eval_start
+        final = {
+            "model": self.model, "created_at": _now(),
+            "message": {"role": "assistant", "content": ""},
+            "done": True, "done_reason": "length",
+            "total_duration": time.perf_counter_ns() - started, "load_duration": load_ns,
+            "prompt_eval_count": 12, "prompt_eval_duration": 1_500_000,
+            "eval_count": num_predict, "eval_duration": eval_ns,
+        }  # fmt: skip
+        handler._chunk(json.dumps(final).encode() + b"\n")
+        handler._end_chunked()
+
+
+class FaultyOpenAIServer(_Server):
+    """An OpenAI-style server that misbehaves on request: the prompt text picks the fault.
+
+    A prompt containing BREAK closes the connection mid-stream, NOTJSON sends a line that is not
+    JSON, FAIL500 answers HTTP 500; any other prompt streams normally.
+    """
+
+    def __init__(self, model: str = "m") -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.requests = []
+        self.model = model
+
+    def get(self, handler: _Handler) -> None:
+        if handler.path == "/health":
+            handler._json(200, {"status": "ok"})
+        elif handler.path == "/v1/models":
+            handler._json(200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        else:
+            handler._json(404, {"error": "not found"})
+
+    def post(self, handler: _Handler, body: dict[str, Any]) -> None:
+        prompt = body["messages"][-1]["content"]
+        if "FAIL500" in prompt:
+            handler._json(500, {"error": {"message": "out of memory", "code": 500}})
+            return
+        handler._start_chunked("text/event-stream")
+        tokens = int(body.get("max_tokens", 4))
+        for index in range(tokens):
+            if index == 2 and "BREAK" in prompt:
+                handler.wfile.flush()
+                handler.close_connection = True
+                handler.connection.shutdown(2)
+                return
+            if index == 2 and "NOTJSON" in prompt:
+                handler._chunk(b"data: {this is not json\n\n")
+                continue
+            chunk = {"id": "x", "object": "chat.completion.chunk", "model": self.model,
+                     "choices": [{"index": 0, "delta": {"content": f"t{index}"},
+                                  "finish_reason": "length" if index == tokens - 1 else None}]}  # fmt: skip
+            handler._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
+            time.sleep(0.001)
+        usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": tokens,
+                                          "total_tokens": 5 + tokens}}  # fmt: skip
+        handler._chunk(f"data: {json.dumps(usage)}\n\n".encode())
+        handler._chunk(b"data: [DONE]\n\n")
+        handler._end_chunked()
+
+
+@contextmanager
+def serving(server: _Server) -> Iterator[str]:
+    """Run the server in a thread; yields its base URL."""
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        yield f"http://{host}:{port}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,114 @@
+"""Engine adapters against stand-ins: Ollama's documented API, and the faults a stream can have."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pytest_gpubench.engines.ollama import OllamaEngine
+from pytest_gpubench.engines.openai import OpenAIEngine
+from standins import OLLAMA_DIGEST, FaultyOpenAIServer, OllamaStandin, serving
+
+
+def test_ollama_adapter_streams_ndjson_and_keeps_engine_timings() -> None:
+    """Ollama cannot run here: the stand-in follows Ollama's docs/api.md field by field."""
+    with serving(OllamaStandin("qwen3.5:0.8b")) as url:
+        engine = OllamaEngine(url, "qwen3.5:0.8b")
+        assert engine.health(5).ok
+        assert engine.describe(5) == {"engine_version": "0.12.3", "model_digest": OLLAMA_DIGEST}
+        call = engine.chat("Say hi.", 12, 10)
+    assert call.error is None and call.finish_reason == "length"
+    assert call.completion_tokens == 12 == call.client_chunks
+    assert call.prompt_tokens == 12
+    assert call.first_delta_ms is not None and call.total_duration_ms is not None
+    assert 0 < call.first_delta_ms < call.total_duration_ms
+    assert set(call.engine_timings) == {
+        "total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration",
+        "eval_count", "eval_duration",
+    }  # fmt: skip
+    assert call.engine_timings["load_duration"] > 0  # first call loaded the model
+    assert call.tokens_per_sec and call.tpot_ms and len(call.inter_chunk_ms) == 11
+
+
+def test_ollama_cold_unloads_with_keep_alive_0_confirmed_by_ps() -> None:
+    """Ollama cannot run here: the stand-in follows Ollama's docs/api.md (keep_alive 0, /api/ps)."""
+    server = OllamaStandin("qwen3.5:0.8b", load_s=0.2)
+    with serving(server) as url:
+        engine = OllamaEngine(url, "qwen3.5:0.8b")
+        warm_up = engine.chat("Say hi.", 4, 10)
+        assert engine.loaded_models(5) == ["qwen3.5:0.8b"]
+        warm = engine.chat("Say hi.", 4, 10)
+        assert engine.unload(5) is True
+        assert engine.loaded_models(5) == []
+        cold = engine.chat("Say hi.", 4, 10)
+    unload = [r for r in server.requests if r[1] == "/api/generate"]
+    assert unload == [("POST", "/api/generate", {"model": "qwen3.5:0.8b", "keep_alive": 0})]
+    assert warm.engine_timings["load_duration"] == 0
+    assert cold.engine_timings["load_duration"] >= 0.2e9 and warm_up.error is None
+    assert cold.first_delta_ms is not None and warm.first_delta_ms is not None
+    assert cold.first_delta_ms > warm.first_delta_ms + 150
+
+
+def test_ollama_health_names_a_missing_model() -> None:
+    with serving(OllamaStandin("qwen3.5:0.8b")) as url:
+        health = OllamaEngine(url, "llama3:8b").health(5)
+    assert not health.ok and "model 'llama3:8b' is not pulled" in health.reason
+
+
+@pytest.mark.parametrize(
+    ("prompt", "error"),
+    [
+        ("BREAK", "stream broke after"),
+        ("NOTJSON", "stream sent a line that is not JSON"),
+        ("FAIL500", "HTTP 500: "),
+    ],
+)
+def test_stream_faults_become_error_measurements(prompt: str, error: str) -> None:
+    with serving(FaultyOpenAIServer()) as url:
+        call = OpenAIEngine(url, "m").chat(prompt, 6, 5)
+    assert call.finish_reason == "error"
+    assert call.error is not None and error in call.error
+
+
+def test_unreachable_engine_is_an_error_measurement() -> None:
+    call = OpenAIEngine("http://127.0.0.1:9", "m").chat("hi", 4, 2)
+    assert call.finish_reason == "error" and "cannot connect to 127.0.0.1:9" in (call.error or "")
+
+
+def test_faults_are_recorded_and_the_run_goes_on(pytester: pytest.Pytester) -> None:
+    with serving(FaultyOpenAIServer()) as url:
+        pytester.makefile(
+            ".yaml",
+            prompts=textwrap.dedent(
+                """\
+                prompts:
+                  P-OK: {intent: fine, prompt: "Say hi.", max_tokens: 5}
+                  P-BREAK: {intent: fault, prompt: "BREAK", max_tokens: 5}
+                  P-NOTJSON: {intent: fault, prompt: "NOTJSON", max_tokens: 5}
+                  P-500: {intent: fault, prompt: "FAIL500", max_tokens: 5}
+                  P-OK-AGAIN: {intent: fine, prompt: "Say hello.", max_tokens: 5}
+                """
+            ),
+            cells=f"nodes: {{local: {{kind: local}}}}\ncells:\n"
+            f"  - {{node: local, engine: openai, model: m, endpoint: '{url}', phases: [warm], runs: 1}}\n",
+        )
+        pytester.makepyfile(
+            "def test_generate(gpubench_case):\n"
+            "    call = gpubench_case.run()\n"
+            "    assert call['error'] is None, call['error']\n"
+        )
+        result = pytester.runpytest("--force-load")
+    result.assert_outcomes(passed=2, failed=3)
+    (ledger,) = Path(pytester.path / "runs").glob("*.jsonl")
+    calls = [json.loads(line) for line in ledger.read_text().splitlines()]
+    calls = [c for c in calls if c["type"] == "call"]
+    by_prompt = {c["prompt_id"]: c for c in calls}
+    assert [c["prompt_id"] for c in calls] == ["P-OK", "P-BREAK", "P-NOTJSON", "P-500", "P-OK-AGAIN"]
+    assert by_prompt["P-OK"]["error"] is None and by_prompt["P-OK-AGAIN"]["error"] is None
+    assert by_prompt["P-OK"]["completion_tokens"] == 5
+    for prompt_id in ("P-BREAK", "P-NOTJSON", "P-500"):
+        assert by_prompt[prompt_id]["finish_reason"] == "error"
+        assert by_prompt[prompt_id]["error"]
