@@ -50,6 +50,11 @@ class SecretScrubber:
         return text
 
 
+def scrub_record(record: dict[str, Any], scrub: SecretScrubber) -> dict[str, Any]:
+    scrubbed: dict[str, Any] = json.loads(scrub(json.dumps(record, default=str)))
+    return scrubbed
+
+
 def iter_records(path: Path) -> Iterator[dict[str, Any]]:
     """Read a ledger, tolerating a truncated last line (a run that was killed mid-write)."""
     try:

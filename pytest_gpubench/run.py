@@ -41,7 +41,7 @@ class BenchRun:
         self.settings = settings
         self.matrix = matrix
         self.scrub = SecretScrubber(secret_values())
-        self.session = BenchSession(matrix) if matrix is not None else None
+        self.session = BenchSession(matrix, scrub=self.scrub) if matrix is not None else None
         if self.session is not None:
             if run_id:
                 self.session.run_id = run_id
@@ -105,12 +105,10 @@ class BenchRun:
 
     def begin(self, cases_planned: int) -> None:
         """Check the guards and open the ledger with its meta record (writing process only)."""
-        if self.started or self.matrix is None or self.session is None:
+        if self.started or self.matrix is None or self.session is None or self.settings.probe:
             return
         git = self.check_guards()
         self.started = True
-        if self.settings.probe:
-            return
         path = self.settings.ledger_dir / f"{self.run_id}.jsonl"
         self.ledger = Ledger(path, self.scrub)
         self.ledger.append(

@@ -20,7 +20,8 @@ from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.matrix import TINY_MODEL, Cell, LocalNode, Matrix
 from pytest_gpubench.measure import CallMeasurement
-from pytest_gpubench.provenance import utc_now
+from pytest_gpubench.ledger import SecretScrubber, scrub_record
+from pytest_gpubench.provenance import secret_values, utc_now
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.local import LocalTarget
 
@@ -203,6 +204,7 @@ class BenchSession:
     run_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     log_dir: Path = Path("runs")
     runtimes: dict[str, CellRuntime] = field(default_factory=dict)
+    scrub: SecretScrubber = field(default_factory=lambda: SecretScrubber(secret_values()))
 
     def runtime(self, cell_id: str) -> tuple[CellRuntime, bool]:
         """The cell's runtime, prepared on first use; the flag says it was prepared just now."""
@@ -226,7 +228,11 @@ class BenchSession:
         started = utc_now()
         measurement = runtime.engine.chat(prompt.prompt, prompt.max_tokens, runtime.cell.timeout_s)
         runtime.last_call_end = time.monotonic()
-        return call_record(self.run_id, runtime.cell, case, prompt.sha256(), cold_kind, started, measurement)
+        record = call_record(
+            self.run_id, runtime.cell, case, prompt.sha256(), cold_kind, started, measurement
+        )
+        # An engine may echo a credential in an error message: cut it out before anyone sees it.
+        return scrub_record(record, self.scrub)
 
     def skipped_record(self, case: Case | None, cell_id: str, reason: str) -> dict[str, Any]:
         return {
@@ -237,7 +243,7 @@ class BenchSession:
             "prompt_id": case.prompt_id if case else None,
             "phase": case.phase if case else None,
             "run_idx": case.run_idx if case else None,
-            "reason": reason,
+            "reason": self.scrub(reason),
             "at_utc": utc_now(),
         }
 

@@ -1,0 +1,103 @@
+"""The ledger: record order and contents, crash safety, and a reader that tolerates truncation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.ledger import read_ledger
+from standins import OllamaStandin, serving
+
+PROMPTS = """\
+prompts:
+  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 6}
+  P-MEDIUM: {intent: longer, prompt: "Say hello twice.", max_tokens: 10}
+"""
+
+
+def ollama_cells(url: str, runs: int = 2) -> str:
+    return (
+        "nodes:\n  local: {kind: local}\ncells:\n"
+        f"  - {{node: local, engine: ollama, model: 'qwen3.5:0.8b', endpoint: '{url}', runs: {runs}}}\n"
+    )
+
+
+def test_ledger_records_meta_cell_calls_end(pytester: pytest.Pytester) -> None:
+    """Ollama cannot run here: the stand-in follows Ollama's docs/api.md field by field."""
+    with serving(OllamaStandin()) as url:
+        pytester.makefile(".yaml", prompts=PROMPTS, cells=ollama_cells(url))
+        pytester.makepyfile("def test_generate(gpubench_case):\n    gpubench_case.run()\n")
+        result = pytester.runpytest("--force-load")
+    result.assert_outcomes(passed=6)
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    records = read_ledger(ledger)
+    assert [r["type"] for r in records] == ["meta", "cell"] + ["call"] * 6 + ["end"]
+    meta, cell, *calls, end = records
+    run_id = meta["benchmark_run_id"]
+    assert ledger.name == f"{run_id}.jsonl"
+    assert all(r["benchmark_run_id"] == run_id for r in records)
+    assert meta["cells_planned"] == ["local:ollama:qwen3.5:0.8b"] and meta["cases_planned"] == 6
+    assert cell["engine_version"] == "0.12.3" and cell["model_digest"].startswith("2ae6f6")
+    assert cell["gpus"] == []  # no nvidia-smi on this machine: an explicit empty inventory
+    cold = [c for c in calls if c["phase"] == "cold"]
+    assert [c["cold_kind"] for c in cold] == ["unload", "unload"]
+    assert all(c["engine_timings"]["load_duration"] > 0 for c in cold)
+    for call in calls:
+        assert call["error"] is None and call["finish_reason"] == "length"
+        assert 0 < call["first_delta_ms"] < call["total_duration_ms"]
+        max_tokens = 6 if call["prompt_id"] == "P-EASY" else 10
+        assert call["completion_tokens"] == call["client_chunks"] == max_tokens
+    assert end["calls"] == 6 and end["finished_at_utc"] >= meta["started_at_utc"]
+
+
+def test_reader_tolerates_a_truncated_last_line(tmp_path: Path) -> None:
+    ledger = tmp_path / "run.jsonl"
+    ledger.write_text('{"type": "meta"}\n{"type": "call", "run_idx": 0}\n{"type": "call", "ru')
+    assert [r["type"] for r in read_ledger(ledger)] == ["meta", "call"]
+
+
+def test_reader_names_a_corrupt_line_in_the_middle(tmp_path: Path) -> None:
+    ledger = tmp_path / "run.jsonl"
+    ledger.write_text('{"type": "meta"}\nnot json\n{"type": "end"}\n')
+    with pytest.raises(GpubenchError, match=r"run\.jsonl: line 2 is not valid JSON"):
+        read_ledger(ledger)
+
+
+def test_kill_9_mid_run_leaves_complete_lines_that_parse(pytester: pytest.Pytester) -> None:
+    """Ollama cannot run here: the stand-in follows Ollama's docs/api.md; it streams slowly."""
+    with serving(OllamaStandin(token_s=0.02)) as url:
+        pytester.makefile(".yaml", prompts=PROMPTS, cells=ollama_cells(url, runs=50))
+        pytester.makepyfile("def test_generate(gpubench_case):\n    gpubench_case.run()\n")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "--force-load", "-p", "no:cacheprovider"],
+            cwd=pytester.path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        try:
+            deadline = time.monotonic() + 60
+            ledgers: list[Path] = []
+            while time.monotonic() < deadline:
+                ledgers = list((pytester.path / "runs").glob("*.jsonl"))
+                if ledgers and ledgers[0].read_text().count('"type":"call"') >= 4:
+                    break
+                time.sleep(0.05)
+            os.kill(process.pid, signal.SIGKILL)
+        finally:
+            process.wait(timeout=10)
+    assert process.returncode == -signal.SIGKILL
+    text = ledgers[0].read_text()
+    complete = text.split("\n")[:-1]  # what follows the last newline may be cut short
+    records = [json.loads(line) for line in complete]
+    assert records[0]["type"] == "meta" and "end" not in {r["type"] for r in records}
+    assert sum(r["type"] == "call" for r in records) >= 4
+    assert read_ledger(ledgers[0])[: len(records)] == records
