@@ -1,4 +1,4 @@
-"""Where the harness keeps what it builds or generates once per machine (llama-server, tiny model)."""
+"""Where the harness keeps what it builds or generates once per machine (engine, tiny model)."""
 
 from __future__ import annotations
 

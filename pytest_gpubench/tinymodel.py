@@ -13,6 +13,7 @@ import numpy.typing as npt
 from gguf import GGUFWriter, LlamaFileType, TokenType
 
 from pytest_gpubench.cache import cache_dir as default_cache_dir
+from pytest_gpubench.errors import GpubenchError
 
 # Bump when the bytes written for the same arguments change; the cached file name follows it.
 GENERATOR_VERSION = 1
@@ -50,7 +51,7 @@ CHAT_TEMPLATE = (
 
 # Common English words; every '▁'-prefixed prefix of each becomes a piece, so SentencePiece's
 # pairwise merges can reach the whole word from single characters.
-WORDS = """
+WORD_TEXT = """
 the of and to in is it you that he was for on are with as his they be at one have this from
 or had by hot word but what some we can out other were all there when up use your how said an
 each she which do their time if will way about many then them write would like so these her
@@ -80,7 +81,8 @@ special mind behind clear tail produce fact street inch multiply nothing course 
 force blue object decide surface deep moon island foot system busy test record boat common gold
 possible plane stead dry wonder laugh thousand ago ran check game shape equate miss brought heat
 snow tire bring yes distant fill east paint language among
-""".split()
+"""
+WORDS = tuple(WORD_TEXT.split())
 
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 DIGITS = "0123456789"
@@ -126,7 +128,10 @@ def build_vocab() -> Vocab:
     # Longer pieces score higher so merges prefer whole words.
     scores += [float(len(word)) for word in words]
     # A bare '▁' streams as a lone space, which a chat parser may trim to an empty chunk.
-    generatable = [kind == TokenType.NORMAL and piece != SPACE for piece, kind in zip(pieces, types)]
+    generatable = [
+        kind == TokenType.NORMAL and piece != SPACE
+        for piece, kind in zip(pieces, types, strict=True)
+    ]
     return Vocab(tuple(pieces), tuple(scores), tuple(int(t) for t in types), tuple(generatable))
 
 
@@ -234,13 +239,9 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_tiny_model(path: Path, *, seed: int = 0) -> str:
-    """Write the tiny GGUF to `path` (atomically) and return its sha256 hex digest."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _write_gguf(path: Path, seed: int) -> None:
     vocab = build_vocab()
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    writer = GGUFWriter(partial, arch="llama")
+    writer = GGUFWriter(path, arch="llama")
     _add_metadata(writer, CONFIG, vocab)
     for name, tensor in build_tensors(CONFIG, vocab, seed).items():
         writer.add_tensor(name, tensor)
@@ -250,9 +251,21 @@ def write_tiny_model(path: Path, *, seed: int = 0) -> str:
         writer.write_tensors_to_file()
     finally:
         writer.close()
-    digest = _sha256(partial)
-    # A rename is atomic: concurrent workers never see a half-written model.
-    os.replace(partial, path)
+
+
+def write_tiny_model(path: Path, *, seed: int = 0) -> str:
+    """Write the tiny GGUF to `path` (atomically) and return its sha256 hex digest."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_gguf(partial, seed)
+        digest = _sha256(partial)
+        # A rename is atomic: concurrent workers never see a half-written model.
+        os.replace(partial, path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise GpubenchError(f"cannot write the tiny model to {path}: {exc}") from exc
     return digest
 
 
