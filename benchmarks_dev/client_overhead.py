@@ -41,7 +41,11 @@ def _serve(port_queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
             request += conn.recv(65536)
         head, _, body = request.partition(b"\r\n\r\n")
         length = next(
-            (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")),
+            (
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            ),
             0,
         )
         while len(body) < length:
@@ -127,7 +131,7 @@ def main() -> None:
         "httpx async": httpx_async_client,
     }
     samples: dict[str, list[float]] = {name: [] for name in clients}
-    for name, client in clients.items():
+    for client in clients.values():
         for _ in range(20):  # warm imports and caches
             client(url)
     # Interleave the clients so that machine noise hits them alike.

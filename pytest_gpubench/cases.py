@@ -48,7 +48,7 @@ def build_cases(matrix: Matrix, runs_override: int | None = None) -> list[Case]:
 
 
 def smoke_case(cases: list[Case], skipped_cells: set[str]) -> Case | None:
-    """The one case --smoke runs: the first runnable cell's first prompt, one run, warm if it can."""
+    """The case --smoke runs: the first runnable cell's first prompt, one run, warm if it can."""
     runnable = [case for case in cases if case.cell_id not in skipped_cells] or cases
     if not runnable:
         return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pytest_gpubench.errors import GpubenchError
@@ -79,8 +79,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        status: int = args.handler(args)
+        status = handler(args)
     except GpubenchError as exc:
         print(f"gpubench: error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""The one exception type for errors a user can cause (bad files, bad options, unreachable cells)."""
+"""The one exception type for errors a user can cause (bad files, options, unreachable cells)."""
 
 from __future__ import annotations
 

@@ -182,7 +182,9 @@ def _lines(
             except TimeoutError:
                 raise StreamError(f"no data for {deadline_s:g} s (read timed out)") from None
             except (OSError, h11.RemoteProtocolError) as exc:
-                raise StreamError(f"stream broke after {response.chunks_received} chunks: {exc}")
+                raise StreamError(
+                    f"stream broke after {response.chunks_received} chunks: {exc}"
+                ) from None
             if isinstance(event, h11.Data):
                 arrived = stamps[-1]
                 response.chunks_received += 1

@@ -10,7 +10,7 @@ import pytest
 
 from pytest_gpubench.cases import Case, build_cases, smoke_case
 from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.matrix import Matrix, load_matrix
+from pytest_gpubench.matrix import load_matrix
 from pytest_gpubench.run import BenchRun
 from pytest_gpubench.settings import Settings, addoption
 
@@ -113,6 +113,7 @@ class BenchCase:
     record: dict[str, Any] | None = None
 
     def run(self) -> dict[str, Any]:
+        assert self.bench.session is not None  # cases exist only when the matrix loaded
         self.record = self.bench.session.run_case(self.case)
         self.records.append(self.record)
         return self.record

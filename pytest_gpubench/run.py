@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from pathlib import Path
 from typing import Any
 
@@ -234,8 +233,20 @@ class BenchRun:
         rows = _measured_rows(self.calls)
         if rows:
             reporter.write_line(
-                tabulate(rows, headers=["cell", "prompt", "phase", "calls", "ok", "TTFT ms (median)",
-                                        "total ms (median)", "tok/s (mean)"], floatfmt=".2f")
+                tabulate(
+                    rows,
+                    headers=[
+                        "cell",
+                        "prompt",
+                        "phase",
+                        "calls",
+                        "ok",
+                        "TTFT ms (median)",
+                        "total ms (median)",
+                        "tok/s (mean)",
+                    ],
+                    floatfmt=".2f",
+                )
             )
         reporter.write_line(f"ledger: {self.ledger.path}")
 
@@ -263,5 +274,3 @@ def _measured_rows(calls: list[dict[str, Any]]) -> list[list[Any]]:
             statistics.fmean(c["tokens_per_sec"] or 0 for c in ok) if ok else None,
         ])  # fmt: skip
     return rows
-
-

@@ -18,9 +18,9 @@ from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.ledger import SecretScrubber, scrub_record
 from pytest_gpubench.matrix import TINY_MODEL, Cell, LocalNode, Matrix
 from pytest_gpubench.measure import CallMeasurement
-from pytest_gpubench.ledger import SecretScrubber, scrub_record
 from pytest_gpubench.provenance import secret_values, utc_now
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.local import LocalTarget
@@ -35,7 +35,8 @@ def open_target(cell: Cell) -> Target:
         return LocalTarget(cell.spec.node)
     from pytest_gpubench.targets.factory import open_target as open_remote
 
-    return open_remote(cell.spec.node, cell.node)
+    target: Target = open_remote(cell.spec.node, cell.node)
+    return target
 
 
 def _file_sha256(path: Path) -> str:
@@ -70,7 +71,7 @@ class CellRuntime:
     cell_record: dict[str, Any] = field(default_factory=dict)
 
     def prepare(self) -> None:
-        """Provision, launch a managed engine and health-check; failures mark the cell unavailable."""
+        """Provision, launch a managed engine, health-check; a failure marks the cell unavailable."""
         spec = self.cell.spec
         if spec.skip:
             self.unavailable = f"skip: {spec.skip}"

@@ -13,7 +13,9 @@ BASELINES_DESC = "directory of committed baselines (default: baselines/ at the r
 LEDGER_DIR_DESC = "directory the JSONL ledgers are written to (default: runs/ at the rootdir)"
 RUNS_DESC = "warm runs per (cell, prompt); raise it (e.g. 20) when investigating a regression"
 LOAD_DESC = "refuse to start when the 1-minute load average is above this (default: 4.0)"
-ENV_DESC = "environment variables recorded in the ledger's meta record (secret-looking ones redacted)"
+ENV_DESC = (
+    "environment variables recorded in the ledger's meta record (secret-looking ones redacted)"
+)
 
 DEFAULT_LOAD_THRESHOLD = 4.0
 
@@ -84,16 +86,16 @@ class Settings:
     def from_config(cls, config: pytest.Config) -> Settings:
         cells_path, cells_named = _path(config, "gpubench_cells", "gpubench_cells", "cells.yaml")
         prompts_path, _ = _path(config, "gpubench_prompts", "gpubench_prompts", "prompts.yaml")
-        baselines_dir, _ = _path(
-            config, "gpubench_baselines", "gpubench_baselines", "baselines"
-        )
+        baselines_dir, _ = _path(config, "gpubench_baselines", "gpubench_baselines", "baselines")
         ledger_dir, _ = _path(config, "gpubench_ledger_dir", "gpubench_ledger_dir", "runs")
         runs_value = config.getoption("gpubench_runs") or config.getini("gpubench_runs") or None
         try:
             runs = int(runs_value) if runs_value is not None else None
             load_threshold = float(config.getini("gpubench_load_threshold"))
         except ValueError as exc:
-            raise pytest.UsageError(f"gpubench: bad number in an option or ini key: {exc}") from None
+            raise pytest.UsageError(
+                f"gpubench: bad number in an option or ini key: {exc}"
+            ) from None
         if runs is not None and runs < 1:
             raise pytest.UsageError(f"--gpubench-runs: must be at least 1 (got {runs})")
         return cls(

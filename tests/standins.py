@@ -112,7 +112,11 @@ class OllamaStandin(_Server):
         if body.get("model") not in (self.model, self.model.removesuffix(":latest")):
             handler._json(404, {"error": f"model '{body.get('model')}' not found"})
             return
-        if handler.path == "/api/generate" and not body.get("prompt") and body.get("keep_alive") == 0:
+        if (
+            handler.path == "/api/generate"
+            and not body.get("prompt")
+            and body.get("keep_alive") == 0
+        ):
             self.loaded = False
             handler._json(
                 200,

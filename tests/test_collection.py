@@ -77,7 +77,8 @@ def test_gpubench_runs_raises_warm_n(bench_dir: pytest.Pytester) -> None:
 def test_smoke_runs_one_case(bench_dir: pytest.Pytester) -> None:
     bench_dir.makefile(
         ".yaml",
-        cells=CELLS + "  - {node: local, engine: openai, model: m, endpoint: 'http://127.0.0.1:9'}\n",
+        cells=CELLS
+        + "  - {node: local, engine: openai, model: m, endpoint: 'http://127.0.0.1:9'}\n",
     )
     result = bench_dir.runpytest("--collect-only", "-q", "--smoke", "-k", "generate")
     assert collected(result) == ["test_bench.py::test_generate[local:openai:m-P-EASY-warm-0]"]

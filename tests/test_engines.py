@@ -7,10 +7,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from standins import OLLAMA_DIGEST, FaultyOpenAIServer, OllamaStandin, serving
 
 from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
-from standins import OLLAMA_DIGEST, FaultyOpenAIServer, OllamaStandin, serving
 
 
 def test_ollama_adapter_streams_ndjson_and_keeps_engine_timings() -> None:
@@ -106,7 +106,13 @@ def test_faults_are_recorded_and_the_run_goes_on(pytester: pytest.Pytester) -> N
     calls = [json.loads(line) for line in ledger.read_text().splitlines()]
     calls = [c for c in calls if c["type"] == "call"]
     by_prompt = {c["prompt_id"]: c for c in calls}
-    assert [c["prompt_id"] for c in calls] == ["P-OK", "P-BREAK", "P-NOTJSON", "P-500", "P-OK-AGAIN"]
+    assert [c["prompt_id"] for c in calls] == [
+        "P-OK",
+        "P-BREAK",
+        "P-NOTJSON",
+        "P-500",
+        "P-OK-AGAIN",
+    ]
     assert by_prompt["P-OK"]["error"] is None and by_prompt["P-OK-AGAIN"]["error"] is None
     assert by_prompt["P-OK"]["completion_tokens"] == 5
     for prompt_id in ("P-BREAK", "P-NOTJSON", "P-500"):

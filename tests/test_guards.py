@@ -7,9 +7,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from standins import FaultyOpenAIServer, OllamaStandin, serving
 
 from pytest_gpubench.ledger import read_ledger
-from standins import FaultyOpenAIServer, OllamaStandin, serving
 
 PROMPTS = """\
 prompts:
@@ -53,7 +53,9 @@ def test_dirty_tree_is_refused_unless_allowed(pytester: pytest.Pytester) -> None
         allowed = pytester.runpytest("--force-load", "--allow-dirty", "-m", "warm")
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
     refused.stderr.fnmatch_lines(
-        ["ERROR: git tree * has uncommitted changes (prompts.yaml): commit them, or pass --allow-dirty*"]
+        [
+            "ERROR: git tree * has uncommitted changes (prompts.yaml): commit them, or pass --allow-dirty*"
+        ]
     )
     allowed.assert_outcomes(passed=2)
     meta = ledger_of(pytester)[0]
@@ -76,7 +78,9 @@ def test_loaded_machine_is_refused_unless_forced(pytester: pytest.Pytester) -> N
 def test_for_publication_fails_when_a_cell_is_unhealthy(pytester: pytest.Pytester) -> None:
     with serving(OllamaStandin()) as url:
         setup_bench(
-            pytester, url, "  - {node: local, engine: openai, model: m, endpoint: 'http://127.0.0.1:9', runs: 1}\n"
+            pytester,
+            url,
+            "  - {node: local, engine: openai, model: m, endpoint: 'http://127.0.0.1:9', runs: 1}\n",
         )
         normal = pytester.runpytest("--force-load", "-m", "warm")
         publication = pytester.runpytest("--force-load", "-m", "warm", "--for-publication")
@@ -90,7 +94,9 @@ def test_for_publication_fails_when_a_cell_is_unhealthy(pytester: pytest.Pyteste
 def test_probe_prints_a_table_and_measures_nothing(pytester: pytest.Pytester) -> None:
     with serving(OllamaStandin()) as url:
         setup_bench(
-            pytester, url, "  - {node: local, engine: openai, model: m, endpoint: 'http://127.0.0.1:9'}\n"
+            pytester,
+            url,
+            "  - {node: local, engine: openai, model: m, endpoint: 'http://127.0.0.1:9'}\n",
         )
         result = pytester.runpytest("--probe")
         strict = pytester.runpytest("--probe", "--for-publication")
@@ -103,7 +109,9 @@ def test_probe_prints_a_table_and_measures_nothing(pytester: pytest.Pytester) ->
             "local:openai:m*-*-*health check failed*",
         ]
     )
-    assert not (pytester.path / "runs").exists() or not list((pytester.path / "runs").glob("*.jsonl"))
+    assert not (pytester.path / "runs").exists() or not list(
+        (pytester.path / "runs").glob("*.jsonl")
+    )
     assert strict.ret == pytest.ExitCode.TESTS_FAILED
 
 

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from standins import OllamaStandin, serving
 
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.ledger import read_ledger
-from standins import OllamaStandin, serving
 
 PROMPTS = """\
 prompts:

@@ -84,8 +84,17 @@ def test_valid_matrix_applies_defaults_and_per_cell_overrides(tmp_path: Path) ->
         ),
         ("nodes: {local: {kind: local}\ncells: [\n", "cells.yaml: line"),
     ],
-    ids=["unknown-key", "duplicate", "bad-url", "unknown-node", "unmanageable", "bad-engine",
-         "missing-key", "unknown-prompt", "malformed"],
+    ids=[
+        "unknown-key",
+        "duplicate",
+        "bad-url",
+        "unknown-node",
+        "unmanageable",
+        "bad-engine",
+        "missing-key",
+        "unknown-prompt",
+        "malformed",
+    ],
 )
 def test_bad_cells_file_names_file_cell_and_key(tmp_path: Path, cells: str, expected: str) -> None:
     with pytest.raises(GpubenchError) as excinfo:
@@ -99,7 +108,9 @@ def test_non_positive_max_tokens_names_prompt_and_key(tmp_path: Path) -> None:
         load_matrix(*write(tmp_path, GOOD, prompts))
 
 
-def test_bad_input_is_a_usage_error_with_one_line_and_no_traceback(pytester: pytest.Pytester) -> None:
+def test_bad_input_is_a_usage_error_with_one_line_and_no_traceback(
+    pytester: pytest.Pytester,
+) -> None:
     pytester.makefile(".yaml", prompts=PROMPTS)
     pytester.makefile(
         ".yaml",
@@ -108,7 +119,9 @@ def test_bad_input_is_a_usage_error_with_one_line_and_no_traceback(pytester: pyt
     pytester.makepyfile("def test_generate(gpubench_case): pass")
     result = pytester.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: *cells.yaml: cells[[]0[]] (local:llamacpp:tiny).runz: unknown key*"])
+    result.stderr.fnmatch_lines(
+        ["ERROR: *cells.yaml: cells[[]0[]] (local:llamacpp:tiny).runz: unknown key*"]
+    )
     assert "Traceback" not in result.stdout.str() + result.stderr.str()
 
 

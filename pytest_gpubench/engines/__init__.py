@@ -53,14 +53,18 @@ def control_client(timeout_s: float, headers: dict[str, str] | None = None) -> h
     return httpx.Client(timeout=timeout_s, headers=headers or {}, trust_env=False)
 
 
-def get_json(base_url: str, path: str, timeout_s: float, headers: dict[str, str] | None = None) -> Any:
+def get_json(
+    base_url: str, path: str, timeout_s: float, headers: dict[str, str] | None = None
+) -> Any:
     with control_client(timeout_s, headers) as client:
         response = client.get(base_url.rstrip("/") + path)
         response.raise_for_status()
         return response.json()
 
 
-def _failed(backend: str, error: str, measurement: CallMeasurement | None = None) -> CallMeasurement:
+def _failed(
+    backend: str, error: str, measurement: CallMeasurement | None = None
+) -> CallMeasurement:
     failed = measurement or CallMeasurement(backend=backend)
     failed.backend = backend
     failed.error = error

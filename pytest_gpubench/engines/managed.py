@@ -34,7 +34,10 @@ class ManagedLlamaServer:
         self.binary = binary
         self.model_path = model_path
         self.alias = alias
-        self.log_path = str(PurePosixPath(log_dir) / f"llama-server-{cell_id.replace(':', '_').replace('/', '_')}.log")
+        self.log_path = str(
+            PurePosixPath(log_dir)
+            / f"llama-server-{cell_id.replace(':', '_').replace('/', '_')}.log"
+        )
         self.extra_args = tuple(extra_args)
         self.ready_timeout_s = ready_timeout_s
         self.base_url = ""
@@ -71,7 +74,8 @@ class ManagedLlamaServer:
                 if self._process is not None and not self._process.alive():
                     tail = self._process.log_tail(1500)
                     raise GpubenchError(
-                        f"cell {self.cell_id}: llama-server exited while starting; log tail:\n{tail}"
+                        f"cell {self.cell_id}: llama-server exited while starting; "
+                        f"log tail:\n{tail}"
                     )
                 try:
                     answer = client.get(f"{self.base_url}/health")
@@ -83,7 +87,8 @@ class ManagedLlamaServer:
                 time.sleep(READY_POLL_S)
         self.stop()
         raise GpubenchError(
-            f"cell {self.cell_id}: llama-server not healthy after {self.ready_timeout_s:g} s ({last})"
+            f"cell {self.cell_id}: llama-server not healthy after "
+            f"{self.ready_timeout_s:g} s ({last})"
         )
 
     def restart(self) -> str:

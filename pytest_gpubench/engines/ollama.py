@@ -105,7 +105,10 @@ class OllamaEngine:
         )
 
     def loaded_models(self, timeout_s: float) -> list[str]:
-        return [entry.get("name", "") for entry in get_json(self.base_url, "/api/ps", timeout_s).get("models", [])]
+        return [
+            entry.get("name", "")
+            for entry in get_json(self.base_url, "/api/ps", timeout_s).get("models", [])
+        ]
 
     def unload(self, timeout_s: float) -> bool:
         """keep_alive 0 asks Ollama to unload; /api/ps confirms the model is gone."""

@@ -67,7 +67,11 @@ class LocalTarget:
 
     def run(self, argv: Sequence[str], *, timeout_s: float) -> CommandResult:
         completed = subprocess.run(
-            list(argv), capture_output=True, timeout=timeout_s, check=False, stdin=subprocess.DEVNULL
+            list(argv),
+            capture_output=True,
+            timeout=timeout_s,
+            check=False,
+            stdin=subprocess.DEVNULL,
         )
         return CommandResult(
             argv=tuple(argv),
