@@ -1,0 +1,150 @@
+"""Finding or building llama-server: resolution order, cache key, cache reuse, build failures."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pytest_gpubench.engines import llamacpp_build
+from pytest_gpubench.engines.llamacpp_build import (
+    BINARY_ENV,
+    CMAKE_FLAGS,
+    LLAMA_CPP_PYTHON_VERSION,
+    build_key,
+    build_llama_server,
+    cached_binary_path,
+    ensure_llama_server,
+    find_llama_server,
+)
+from pytest_gpubench.errors import GpubenchError
+
+
+def _fake_binary(path: Path, exit_status: int = 0) -> Path:
+    """A stand-in executable: only its place in the resolution order matters."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\nexit {exit_status}\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def places(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """An isolated cache, PATH and environment, each holding its own fake llama-server."""
+    monkeypatch.setenv("GPUBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "on-path"))
+    monkeypatch.delenv(BINARY_ENV, raising=False)
+    return {
+        "explicit": _fake_binary(tmp_path / "explicit" / "llama-server"),
+        "env": _fake_binary(tmp_path / "env" / "llama-server"),
+        "path": _fake_binary(tmp_path / "on-path" / "llama-server"),
+        "cache": _fake_binary(cached_binary_path()),
+    }
+
+
+def test_explicit_path_comes_first(
+    places: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(BINARY_ENV, str(places["env"]))
+    assert find_llama_server(str(places["explicit"])) == places["explicit"]
+
+
+def test_environment_comes_before_path(
+    places: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(BINARY_ENV, str(places["env"]))
+    assert find_llama_server(None) == places["env"]
+
+
+def test_path_comes_before_cache(places: dict[str, Path]) -> None:
+    assert find_llama_server(None) == places["path"]
+
+
+def test_cache_comes_last(places: dict[str, Path]) -> None:
+    places["path"].unlink()
+    assert find_llama_server(None) == places["cache"]
+    assert places["cache"].parent.parent.name == "llama-server"
+    assert places["cache"].parent.name.startswith(f"{LLAMA_CPP_PYTHON_VERSION}-")
+
+
+def test_nothing_found_without_building(places: dict[str, Path]) -> None:
+    places["path"].unlink()
+    places["cache"].unlink()
+    assert find_llama_server(None) is None
+
+
+def test_a_named_binary_that_is_missing_is_an_error(
+    places: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with pytest.raises(GpubenchError, match="server_binary: .*does not exist"):
+        find_llama_server(str(tmp_path / "nowhere" / "llama-server"))
+    monkeypatch.setenv(BINARY_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(GpubenchError, match=f"{BINARY_ENV}: .*does not exist"):
+        find_llama_server(None)
+
+
+def test_cache_key_changes_with_what_decides_the_binary() -> None:
+    base = build_key("0.3.36", CMAKE_FLAGS, "c++ (Debian 12.2.0) 12.2.0", "x86_64")
+    assert base == build_key("0.3.36", list(CMAKE_FLAGS), "c++ (Debian 12.2.0) 12.2.0", "x86_64")
+    changed = {
+        build_key("0.3.37", CMAKE_FLAGS, "c++ (Debian 12.2.0) 12.2.0", "x86_64"),
+        build_key(
+            "0.3.36", (*CMAKE_FLAGS, "-DGGML_CUDA=ON"), "c++ (Debian 12.2.0) 12.2.0", "x86_64"
+        ),
+        build_key("0.3.36", CMAKE_FLAGS, "c++ (Debian 13.1.0) 13.1.0", "x86_64"),
+        build_key("0.3.36", CMAKE_FLAGS, "c++ (Debian 12.2.0) 12.2.0", "aarch64"),
+    }
+    assert base not in changed and len(changed) == 4
+    assert cached_binary_path(version="0.3.37") != cached_binary_path()
+
+
+def test_a_cached_binary_that_fails_version_is_rebuilt(
+    places: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    places["path"].unlink()
+    _fake_binary(places["cache"], exit_status=1)
+    assert find_llama_server(None) is None
+    rebuilt = _fake_binary(tmp_path / "rebuilt" / "llama-server")
+    monkeypatch.setattr(llamacpp_build, "build_llama_server", lambda progress=None: rebuilt)
+    assert ensure_llama_server() == rebuilt
+
+
+def test_a_missing_cmake_is_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(GpubenchError, match="cmake is not on PATH") as raised:
+        build_llama_server(cache_root=tmp_path, progress=lambda line: None)
+    assert "\n" not in str(raised.value)
+
+
+def test_build_progress_lines_carry_elapsed_time(tmp_path: Path) -> None:
+    script = "echo '-- configuring'; echo '[1/2] Building a.o'; echo '[ 50%] Building b.o'"
+    shown: list[str] = []
+    log = io.StringIO()
+    llamacpp_build._run_logged(["sh", "-c", script], "compile", log, tmp_path, shown.append, 0.0)
+    assert [line.split("] ", 1)[1] for line in shown] == [
+        "[1/2] Building a.o",
+        "[ 50%] Building b.o",
+    ]
+    assert all(line.startswith("[") and "s] " in line for line in shown)
+    assert "-- configuring" in log.getvalue()
+
+
+def test_a_failed_build_step_names_the_step_and_log(tmp_path: Path) -> None:
+    log_path = tmp_path / "build.log"
+    with pytest.raises(GpubenchError, match=f"failed at compile \\(exit 3\\); see {log_path}"):
+        llamacpp_build._run_logged(
+            ["sh", "-c", "exit 3"], "compile", io.StringIO(), log_path, lambda line: None, 0.0
+        )
+
+
+def test_the_real_cached_binary_answers_version() -> None:
+    binary = cached_binary_path()
+    if not binary.is_file():
+        pytest.skip(f"no llama-server built in the cache yet ({binary})")
+    done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0
+    assert "version" in done.stdout + done.stderr
