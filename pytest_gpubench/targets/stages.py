@@ -1,0 +1,48 @@
+"""The stages of bringing up a remote node and benchmarking on it; a failure names its stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pytest_gpubench.errors import GpubenchError
+
+Stage = Literal[
+    "provision", "ssh_wait", "ssh_connect", "engine_install", "model_pull", "benchmark", "results"
+]
+STAGES: tuple[Stage, ...] = (
+    "provision",
+    "ssh_wait",
+    "ssh_connect",
+    "engine_install",
+    "model_pull",
+    "benchmark",
+    "results",
+)
+
+
+class StageError(GpubenchError):
+    """A remote node failed in one stage (SPEC §10); `stage` says which, the message says why."""
+
+    def __init__(self, stage: Stage, message: str) -> None:
+        super().__init__(f"[{stage}] {message}")
+        self.stage: Stage = stage
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[StageError], tuple[Stage, str]]:
+        # xdist and multiprocessing pickle exceptions; the default would call __init__ with the
+        # formatted text as the only argument.
+        return type(self), (self.stage, self.message)
+
+
+@dataclass(frozen=True)
+class SetupStep:
+    """One shell command of a node's setup (install the engine, pull a model), run with sh -c."""
+
+    stage: Stage
+    command: str
+
+    def label(self) -> str:
+        """How errors name the step: its program only, since arguments may carry tokens."""
+        words = self.command.split()
+        return words[0] if words else "(empty)"

@@ -1,0 +1,192 @@
+"""Fixtures for a real OpenSSH server on 127.0.0.1 that the SSH and provider tests log in to.
+
+The server runs from a private sshd_config (`sshd -D -e -f`), with its own host key, an
+authorized_keys file in a temporary directory, and logins only for the unprivileged
+`gpubench-test` user (shell /bin/sh, so no login shell startup slows each command).
+`scripts/setup-sshd.sh` installs openssh-server and creates the user; running sshd as another
+user needs root, so these tests skip with the reason when not run as root.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+TEST_USER = "gpubench-test"
+SSHD = Path("/usr/sbin/sshd")
+SETUP_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "setup-sshd.sh"
+READY_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class SshServer:
+    host: str
+    port: int
+    user: str
+    key_file: Path
+    known_hosts: Path
+    host_public_key: str
+    authorized_keys: Path
+    base_dir: Path
+    remote_dir: Path
+    log_path: Path
+
+    def authorize(self, public_key: str) -> None:
+        with self.authorized_keys.open("a", encoding="ascii") as keys:
+            keys.write(public_key.strip() + "\n")
+
+    def known_hosts_line(self) -> str:
+        return f"[{self.host}]:{self.port} {self.host_public_key}\n"
+
+    # Helpers reached through the fixture, so test modules need not import this module (it is
+    # a plugin; importing it first would keep pytest from rewriting its asserts).
+    @staticmethod
+    def new_key(path: Path, comment: str) -> str:
+        return generate_key(path, comment)
+
+    @staticmethod
+    def closed_port() -> int:
+        return free_local_port()
+
+
+def free_local_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def generate_key(path: Path, comment: str) -> str:
+    """Write a new ed25519 key pair at path (and path.pub); returns the public key line."""
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        check=True,
+        capture_output=True,
+    )
+    return path.with_suffix(".pub").read_text(encoding="ascii").strip()
+
+
+def _user_exists(name: str) -> bool:
+    return subprocess.run(["id", "-u", name], capture_output=True, check=False).returncode == 0
+
+
+def _ensure_installed() -> None:
+    if SSHD.exists() and shutil.which("ssh-keygen") and _user_exists(TEST_USER):
+        return
+    setup = subprocess.run(
+        ["bash", str(SETUP_SCRIPT)], capture_output=True, text=True, check=False, timeout=600
+    )
+    if setup.returncode != 0 or not SSHD.exists() or not _user_exists(TEST_USER):
+        pytest.skip(
+            f"OpenSSH server or user {TEST_USER} missing and {SETUP_SCRIPT.name} failed "
+            f"(status {setup.returncode}): {setup.stderr.strip()[-300:]}"
+        )
+
+
+def _wait_for_banner(port: int, process: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"sshd exited with {process.returncode}: {log_path.read_text()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as probe:
+                if probe.recv(4).startswith(b"SSH-"):
+                    return
+        except OSError:
+            time.sleep(0.02)
+    raise RuntimeError(f"sshd did not answer on port {port}: {log_path.read_text()}")
+
+
+@pytest.fixture(scope="session")
+def sshd() -> Iterator[SshServer]:
+    if os.geteuid() != 0:
+        pytest.skip(
+            "the SSH tests run their own sshd, which logs users in only when started as root; "
+            f"run them as root after `bash {SETUP_SCRIPT.name}`"
+        )
+    _ensure_installed()
+    # Not pytest's tmp_path: that sits in a 0700 directory the test user cannot enter, and sshd
+    # reads authorized_keys as that user.
+    base = Path(tempfile.mkdtemp(prefix="gpubench-sshd-"))
+    base.chmod(0o755)
+    process: subprocess.Popen[bytes] | None = None
+    try:
+        host_public = generate_key(base / "host_ed25519", "gpubench-test-host")
+        client_public = generate_key(base / "client_ed25519", "gpubench-test-client")
+        authorized_keys = base / "authorized_keys"
+        authorized_keys.write_text(client_public + "\n", encoding="ascii")
+        authorized_keys.chmod(0o644)
+        remote_dir = base / "remote"
+        remote_dir.mkdir()
+        shutil.chown(remote_dir, user=TEST_USER, group=TEST_USER)
+        port = free_local_port()
+        config = base / "sshd_config"
+        config.write_text(
+            "\n".join(
+                [
+                    f"Port {port}",
+                    "ListenAddress 127.0.0.1",
+                    f"HostKey {base / 'host_ed25519'}",
+                    f"PidFile {base / 'sshd.pid'}",
+                    f"AuthorizedKeysFile {authorized_keys}",
+                    "StrictModes no",
+                    "UsePAM no",
+                    "PubkeyAuthentication yes",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "PermitRootLogin no",
+                    f"AllowUsers {TEST_USER}",
+                    "AllowTcpForwarding local",
+                    "MaxSessions 100",
+                    "MaxStartups 100",
+                    "UseDNS no",
+                    "PrintMotd no",
+                    "LogLevel VERBOSE",
+                    "",
+                ]
+            ),
+            encoding="ascii",
+        )
+        # sshd's privilege separation directory; /run is a tmpfs, so it can vanish on reboot.
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        log_path = base / "sshd.log"
+        with log_path.open("wb") as sshd_log:
+            process = subprocess.Popen(
+                [str(SSHD), "-D", "-e", "-f", str(config)],
+                stdin=subprocess.DEVNULL,
+                stdout=sshd_log,
+                stderr=subprocess.STDOUT,
+            )
+        _wait_for_banner(port, process, log_path)
+        server = SshServer(
+            host="127.0.0.1",
+            port=port,
+            user=TEST_USER,
+            key_file=base / "client_ed25519",
+            known_hosts=base / "known_hosts",
+            host_public_key=" ".join(host_public.split()[:2]),
+            authorized_keys=authorized_keys,
+            base_dir=base,
+            remote_dir=remote_dir,
+            log_path=log_path,
+        )
+        server.known_hosts.write_text(server.known_hosts_line(), encoding="ascii")
+        yield server
+    finally:
+        if process is not None:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        shutil.rmtree(base, ignore_errors=True)

@@ -1,0 +1,306 @@
+"""SshTarget against a real OpenSSH server on 127.0.0.1 (see ssh_fixtures.py)."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.targets.ssh import (
+    SshCommandTimeout,
+    SshProcess,
+    SshTarget,
+    _cpu_facts,
+    _ports_in_use,
+)
+from pytest_gpubench.targets.stages import SetupStep, StageError
+
+if TYPE_CHECKING:
+    from ssh_fixtures import SshServer
+
+pytest_plugins = ["ssh_fixtures"]
+
+
+def connect(server: SshServer, **overrides: object) -> SshTarget:
+    options: dict[str, object] = {
+        "node_id": "pavilion",
+        "host": server.host,
+        "port": server.port,
+        "user": server.user,
+        "key_file": str(server.key_file),
+        "known_hosts": str(server.known_hosts),
+        "connect_timeout_s": 5.0,
+        "command_timeout_s": 10.0,
+    }
+    options.update(overrides)
+    return SshTarget(**options)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def target(sshd: SshServer) -> Iterator[SshTarget]:
+    node = connect(sshd)
+    yield node
+    node.close()
+
+
+@pytest.fixture
+def remote_dir(sshd: SshServer, request: pytest.FixtureRequest) -> Path:
+    """A directory the test user owns, unique to this test."""
+    path: Path = sshd.remote_dir / request.node.name.replace("[", "_").replace("]", "_")
+    path.mkdir()
+    subprocess.run(["chown", f"{sshd.user}:{sshd.user}", str(path)], check=True)
+    return path
+
+
+def test_run_returns_status_and_output(target: SshTarget) -> None:
+    result = target.run(["id", "-un"], timeout_s=5)
+    assert result.ok
+    assert result.stdout.strip() == "gpubench-test"
+    failed = target.run(["sh", "-c", "echo oops >&2; exit 3"], timeout_s=5)
+    assert failed.returncode == 3
+    assert failed.stderr.strip() == "oops"
+
+
+def test_shell_metacharacters_are_passed_literally(target: SshTarget, remote_dir: Path) -> None:
+    marker = remote_dir / "pwned"
+    hostile = [
+        f"qwen; touch {marker}",
+        f"$(touch {marker})",
+        f"`touch {marker}`",
+        f"&& touch {marker}",
+        f"| touch {marker}",
+        'it\'s "quoted" \\ $HOME * ~',
+        f"line\ntouch {marker}",
+    ]
+    result = target.run(["printf", "%s\\0", *hostile], timeout_s=5)
+    assert result.ok, result.stderr
+    assert result.stdout.split("\0")[:-1] == hostile
+    started = target.start(
+        ["printf", "%s", f"model; touch {marker}"], log_path=f"{remote_dir}/p.log"
+    )
+    time.sleep(0.3)
+    assert target.read_file(f"{remote_dir}/p.log", timeout_s=5) == f"model; touch {marker}".encode()
+    started.stop()
+    assert not marker.exists()
+
+
+def test_command_timeout_raises_and_kills_the_command(target: SshTarget) -> None:
+    started = time.monotonic()
+    with pytest.raises(SshCommandTimeout) as raised:
+        target.run(["sleep", "7.25"], timeout_s=0.5)
+    assert time.monotonic() - started < 3
+    assert isinstance(raised.value, subprocess.TimeoutExpired)
+    assert isinstance(raised.value, GpubenchError)
+    assert "pavilion" in str(raised.value) and "0.5 s" in str(raised.value)
+    assert pickle.loads(pickle.dumps(raised.value)).stage == "benchmark"
+    # The remote `timeout` ended the command too, not just the client's wait.
+    assert target.run(["pgrep", "-f", "^sleep 7.25"], timeout_s=5).returncode == 1
+    assert target.run(["true"], timeout_s=5).ok
+
+
+def test_unknown_host_refused_unless_trusted(sshd: SshServer, tmp_path: Path) -> None:
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("[127.0.0.1]:1 ssh-ed25519 " + sshd.host_public_key.split()[1] + "\n")
+    with pytest.raises(StageError) as refused:
+        connect(sshd, known_hosts=str(known_hosts))
+    message = str(refused.value)
+    assert refused.value.stage == "ssh_connect"
+    assert "unknown host" in message and "pavilion" in message
+    assert "127.0.0.1" in message and str(known_hosts) in message
+
+    trusted = connect(sshd, known_hosts=str(known_hosts), trust_new_host=True)
+    assert trusted.run(["true"], timeout_s=5).ok
+    trusted.close()
+    assert sshd.known_hosts_line() in known_hosts.read_text()
+    # Recorded on first use, the host is now known without the option.
+    connect(sshd, known_hosts=str(known_hosts)).close()
+
+
+def test_missing_known_hosts_file_is_an_unknown_host(sshd: SshServer, tmp_path: Path) -> None:
+    with pytest.raises(StageError, match="unknown host"):
+        connect(sshd, known_hosts=str(tmp_path / "absent"))
+
+
+def test_changed_host_key_refused_even_when_trusting_new_hosts(
+    sshd: SshServer, tmp_path: Path
+) -> None:
+    impostor = sshd.new_key(tmp_path / "other_host", "other")
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text(f"[127.0.0.1]:{sshd.port} {impostor}\n")
+    for trust in (False, True):
+        with pytest.raises(StageError) as refused:
+            connect(sshd, known_hosts=str(known_hosts), trust_new_host=trust)
+        message = str(refused.value)
+        assert "CHANGED" in message and "pavilion" in message
+        assert "127.0.0.1" in message and str(known_hosts) in message
+    assert known_hosts.read_text() == f"[127.0.0.1]:{sshd.port} {impostor}\n"
+
+
+def test_wrong_key_and_closed_port_are_ssh_connect_errors(sshd: SshServer, tmp_path: Path) -> None:
+    sshd.new_key(tmp_path / "stranger", "stranger")
+    with pytest.raises(StageError, match="authentication failed") as refused:
+        connect(sshd, key_file=str(tmp_path / "stranger"))
+    assert refused.value.stage == "ssh_connect"
+    with pytest.raises(StageError, match="cannot connect"):
+        connect(sshd, port=sshd.closed_port())
+
+
+def test_background_process_does_not_hold_the_channel(target: SshTarget, remote_dir: Path) -> None:
+    started = time.monotonic()
+    process = target.start(["sleep", "300"], log_path=f"{remote_dir}/logs/sleep.log")
+    assert time.monotonic() - started < 3
+    assert process.alive()
+    assert target.run(["echo", "still usable"], timeout_s=5).stdout == "still usable\n"
+    process.stop(timeout_s=5)
+    assert not process.alive()
+    assert not SshProcess(target, process.pid, process.log_path).alive()
+
+
+def test_stop_escalates_to_kill(target: SshTarget, remote_dir: Path) -> None:
+    process = target.start(
+        ["sh", "-c", "trap '' TERM; while :; do sleep 0.1; done"], log_path=f"{remote_dir}/t.log"
+    )
+    started = time.monotonic()
+    process.stop(timeout_s=0.5)
+    assert time.monotonic() - started < 5
+    assert not process.alive()
+
+
+def test_start_of_a_missing_program_shows_in_the_log(target: SshTarget, remote_dir: Path) -> None:
+    process = target.start(
+        ["/nonexistent/llama-server", "--port", "1"], log_path=f"{remote_dir}/m.log"
+    )
+    deadline = time.monotonic() + 5
+    while process.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not process.alive()
+    assert "nonexistent" in process.log_tail()
+
+
+def test_server_reached_through_port_forward(target: SshTarget, remote_dir: Path) -> None:
+    (remote_dir / "hello.txt").write_text("hello through ssh")
+    port = target.free_port()
+    server = target.start(
+        [
+            "python3",
+            "-m",
+            "http.server",
+            "--bind",
+            "127.0.0.1",
+            "--directory",
+            str(remote_dir),
+            str(port),
+        ],
+        log_path=f"{remote_dir}/http.log",
+    )
+    host, local_port = target.reach("127.0.0.1", port)
+    assert host == "127.0.0.1"
+    assert target.reach("127.0.0.1", port) == (host, local_port)
+    body = None
+    with httpx.Client(timeout=2.0, trust_env=False) as client:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                answer = client.get(f"http://{host}:{local_port}/hello.txt")
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            body = answer.text
+            break
+        assert body == "hello through ssh"
+        # A second connection, while the first is kept alive, rides its own channel.
+        with httpx.Client(timeout=2.0, trust_env=False) as other:
+            assert other.get(f"http://{host}:{local_port}/hello.txt").status_code == 200
+    assert '"GET /hello.txt HTTP/1.1" 200' in server.log_tail()
+    server.stop()
+    assert not server.alive()
+
+
+def test_direct_reach_without_forward(sshd: SshServer) -> None:
+    node = connect(sshd, forward=False)
+    try:
+        assert node.reach("127.0.0.1", 8080) == (sshd.host, 8080)
+        assert node.reach("10.0.0.7", 11434) == ("10.0.0.7", 11434)
+    finally:
+        node.close()
+
+
+def test_read_file_via_cat(target: SshTarget, remote_dir: Path) -> None:
+    payload = bytes(range(256)) * 4
+    (remote_dir / "result.bin").write_bytes(payload)
+    assert target.read_file(str(remote_dir / "result.bin"), timeout_s=5) == payload
+    with pytest.raises(StageError) as missing:
+        target.read_file(str(remote_dir / "absent.json"), timeout_s=5)
+    assert missing.value.stage == "results"
+    assert "absent.json" in str(missing.value)
+
+
+def test_gpu_inventory_empty_and_describe(target: SshTarget) -> None:
+    assert target.gpu_inventory() == []
+    facts = target.describe()
+    assert facts["host"] == "127.0.0.1"
+    assert facts["user"] == "gpubench-test"
+    assert facts["cpu_count"] >= 1
+    assert facts["hostname"]
+    assert "key" not in " ".join(facts)
+
+
+def test_run_setup_names_the_failing_stage(target: SshTarget, remote_dir: Path) -> None:
+    target.run_setup(
+        [
+            SetupStep("engine_install", f"echo engine > {remote_dir}/engine"),
+            SetupStep("model_pull", f"echo model > {remote_dir}/model"),
+        ],
+        timeout_s=5,
+    )
+    assert (remote_dir / "model").read_text() == "model\n"
+    with pytest.raises(StageError) as failed:
+        target.run_setup(
+            [
+                SetupStep("engine_install", "true"),
+                SetupStep("model_pull", "echo no such model >&2; false"),
+            ],
+            timeout_s=5,
+        )
+    assert failed.value.stage == "model_pull"
+    assert "step 2" in str(failed.value) and "no such model" in str(failed.value)
+    with pytest.raises(StageError) as slow:
+        target.run_setup([SetupStep("engine_install", "sleep 5")], timeout_s=0.3)
+    assert slow.value.stage == "engine_install"
+    assert "0.3 s" in str(slow.value)
+
+
+def test_close_stops_processes_and_is_idempotent(sshd: SshServer, remote_dir: Path) -> None:
+    node = connect(sshd)
+    process = node.start(["sleep", "300"], log_path=f"{remote_dir}/c.log")
+    node.close()
+    node.close()
+    other = connect(sshd)
+    try:
+        assert not SshProcess(other, process.pid, process.log_path).alive()
+    finally:
+        other.close()
+    with pytest.raises(StageError, match="closed"):
+        node.run(["true"], timeout_s=5)
+
+
+def test_free_port_fallback_parses_proc_net_tcp() -> None:
+    table = (
+        "  sl  local_address rem_address   st\n"
+        "   0: 0100007F:1F90 00000000:0000 0A\n"
+        "   1: 00000000000000000000000001000000:2B67 00000000:0000 0A\n"
+    )
+    assert _ports_in_use(table) == {8080, 11111}
+
+
+def test_cpu_facts() -> None:
+    text = "processor\t: 0\nmodel name\t: Test CPU @ 3GHz\n\nprocessor\t: 1\nmodel name\t: Test CPU @ 3GHz\n"
+    assert _cpu_facts(text) == ("Test CPU @ 3GHz", 2)
+    assert _cpu_facts("") == (None, None)
