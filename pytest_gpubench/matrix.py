@@ -56,7 +56,10 @@ class SshNode(_Strict):
     trust_new_host: bool = False
     connect_timeout_s: PositiveFloat = 15.0
     command_timeout_s: PositiveFloat = 60.0
+    # Shell commands run on the node before its cells, each within setup_timeout_s: `setup`
+    # installs the engine (stage engine_install), `model_pull` fetches models (stage model_pull).
     setup: list[str] = []
+    model_pull: list[str] = []
     setup_timeout_s: PositiveFloat = 900.0
     forward: bool = True
 
@@ -77,7 +80,9 @@ class ProviderNode(_Strict):
     ssh_wait_timeout_s: PositiveFloat = 600.0
     command_timeout_s: PositiveFloat = 60.0
     setup: list[str] = []
+    model_pull: list[str] = []
     setup_timeout_s: PositiveFloat = 1800.0
+    connect_timeout_s: PositiveFloat = 15.0
 
 
 Node = Annotated[LocalNode | SshNode | ProviderNode, Field(discriminator="kind")]
