@@ -14,6 +14,7 @@ import pytest
 
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.targets.ssh import (
+    HostKeyError,
     SshCommandTimeout,
     SshProcess,
     SshTarget,
@@ -108,7 +109,7 @@ def test_command_timeout_raises_and_kills_the_command(target: SshTarget) -> None
 def test_unknown_host_refused_unless_trusted(sshd: SshServer, tmp_path: Path) -> None:
     known_hosts = tmp_path / "known_hosts"
     known_hosts.write_text("[127.0.0.1]:1 ssh-ed25519 " + sshd.host_public_key.split()[1] + "\n")
-    with pytest.raises(StageError) as refused:
+    with pytest.raises(HostKeyError) as refused:
         connect(sshd, known_hosts=str(known_hosts))
     message = str(refused.value)
     assert refused.value.stage == "ssh_connect"
@@ -135,12 +136,26 @@ def test_changed_host_key_refused_even_when_trusting_new_hosts(
     known_hosts = tmp_path / "known_hosts"
     known_hosts.write_text(f"[127.0.0.1]:{sshd.port} {impostor}\n")
     for trust in (False, True):
-        with pytest.raises(StageError) as refused:
+        with pytest.raises(HostKeyError) as refused:
             connect(sshd, known_hosts=str(known_hosts), trust_new_host=trust)
         message = str(refused.value)
         assert "CHANGED" in message and "pavilion" in message
         assert "127.0.0.1" in message and str(known_hosts) in message
+        assert f"ssh-keygen -R '[127.0.0.1]:{sshd.port}'" in message
     assert known_hosts.read_text() == f"[127.0.0.1]:{sshd.port} {impostor}\n"
+
+
+def test_host_known_by_another_key_type_is_not_trusted_as_new(
+    sshd: SshServer, tmp_path: Path
+) -> None:
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(tmp_path / "ecdsa")], check=True
+    )
+    other_type = " ".join((tmp_path / "ecdsa.pub").read_text().split()[:2])
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text(f"[127.0.0.1]:{sshd.port} {other_type}\n")
+    with pytest.raises(HostKeyError, match="CHANGED"):
+        connect(sshd, known_hosts=str(known_hosts), trust_new_host=True)
 
 
 def test_wrong_key_and_closed_port_are_ssh_connect_errors(sshd: SshServer, tmp_path: Path) -> None:

@@ -115,6 +115,16 @@ class SshCommandTimeout(StageError, subprocess.TimeoutExpired):
         return type(self), (self.stage, self.message, self.cmd, self.timeout)
 
 
+class HostKeyError(StageError):
+    """The host's key is unknown or has changed: never retried, never trusted silently."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("ssh_connect", message)
+
+    def __reduce__(self) -> Any:
+        return type(self), (self.message,)
+
+
 class _UnknownHostKey(paramiko.SSHException):
     def __init__(self, hostname: str, key: paramiko.PKey, known_types: Sequence[str]) -> None:
         super().__init__(hostname)
@@ -330,11 +340,19 @@ class SshTarget:
     def where(self) -> str:
         return f"{self.user}@{self.host}:{self.port}"
 
+    @property
+    def _known_hosts_name(self) -> str:
+        """The host as known_hosts names it: `[host]:port` unless on port 22."""
+        return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+
     # --- connecting -----------------------------------------------------------------------
 
     def _connect(self) -> paramiko.SSHClient:
         def fail(message: str) -> StageError:
             return StageError("ssh_connect", f"node {self.node_id}: {self.where}: {message}")
+
+        def refuse(message: str) -> HostKeyError:
+            return HostKeyError(f"node {self.node_id}: {self.where}: {message}")
 
         if self.key_file is not None and not Path(self.key_file).is_file():
             raise fail(f"key_file {self.key_file} does not exist")
@@ -364,28 +382,29 @@ class SshTarget:
             )
         except paramiko.BadHostKeyException as exc:
             client.close()
-            raise fail(
+            raise refuse(
                 f"host key has CHANGED: the server offers {exc.key.get_name()} "
                 f"{exc.key.fingerprint}, known_hosts {self.known_hosts} has "
                 f"{exc.expected_key.fingerprint}. Refusing to connect: this is what a "
                 "man-in-the-middle looks like. If the host was reinstalled, check the new "
-                f"fingerprint and remove the old line (ssh-keygen -R '{exc.hostname}' "
+                f"fingerprint and remove the old line (ssh-keygen -R '{self._known_hosts_name}' "
                 f"-f {self.known_hosts})."
             ) from None
         except _UnknownHostKey as exc:
             client.close()
             if exc.known_types:
-                raise fail(
+                raise refuse(
                     f"host key has CHANGED: the server offers {exc.key.get_name()} "
                     f"{exc.key.fingerprint}, known_hosts {self.known_hosts} knows this host only "
                     f"by {', '.join(exc.known_types)}. Refusing to connect (also with "
                     "trust_new_host)."
                 ) from None
-            raise fail(
+            raise refuse(
                 f"unknown host: {exc.hostname} is not in known_hosts {self.known_hosts} (the "
                 f"server offers {exc.key.get_name()} {exc.key.fingerprint}). Check the "
-                "fingerprint and add the host (ssh-keyscan -p PORT HOST >> known_hosts), or set "
-                "trust_new_host: true on the node to record it on first use."
+                "fingerprint and add the host (ssh-keyscan -p "
+                f"{self.port} {self.host} >> {self.known_hosts}), or set trust_new_host: true "
+                "on the node to record it on first use."
             ) from None
         except paramiko.PasswordRequiredException:
             client.close()
@@ -458,6 +477,10 @@ class SshTarget:
                 else:
                     select.select([channel], [], [], min(remaining, POLL_S))
             status = channel.recv_exit_status()
+            if status == -1 and not transport.is_active():
+                # paramiko closes the channels of a dropped connection as if they had ended,
+                # with no exit status (-1); with the connection up, -1 means a signal ended it.
+                raise StageError(stage, lost)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise StageError(stage, f"{lost}: {exc or type(exc).__name__}") from None
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,3 +47,10 @@ class SetupStep:
         """How errors name the step: its program only, since arguments may carry tokens."""
         words = self.command.split()
         return words[0] if words else "(empty)"
+
+
+def setup_steps(engine_install: Sequence[str], model_pull: Sequence[str]) -> list[SetupStep]:
+    """A node's `setup` and `model_pull` commands, in that order, each under its own stage."""
+    return [SetupStep("engine_install", command) for command in engine_install] + [
+        SetupStep("model_pull", command) for command in model_pull
+    ]
