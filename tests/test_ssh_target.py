@@ -319,3 +319,46 @@ def test_cpu_facts() -> None:
     text = "processor\t: 0\nmodel name\t: Test CPU @ 3GHz\n\nprocessor\t: 1\nmodel name\t: Test CPU @ 3GHz\n"
     assert _cpu_facts(text) == ("Test CPU @ 3GHz", 2)
     assert _cpu_facts("") == (None, None)
+
+
+def test_managed_llama_server_runs_through_ssh(
+    target: SshTarget, remote_dir: Path, tmp_path: Path
+) -> None:
+    """What the plugin does for a managed cell on an SSH node: free_port, start, reach, restart."""
+    import shutil
+
+    from pytest_gpubench.engines.llamacpp import LlamaCppEngine
+    from pytest_gpubench.engines.llamacpp_build import find_llama_server
+    from pytest_gpubench.engines.managed import ManagedLlamaServer
+    from pytest_gpubench.tinymodel import ensure_tiny_model
+
+    binary = find_llama_server(None)
+    if binary is None:
+        pytest.skip("no llama-server built yet (make engine builds it)")
+    # The test user cannot enter root's cache: give it copies of its own.
+    remote_binary = remote_dir / "llama-server"
+    shutil.copy2(binary, remote_binary)
+    remote_model = remote_dir / "tiny.gguf"
+    shutil.copy2(ensure_tiny_model(tmp_path / "cache"), remote_model)
+    server = ManagedLlamaServer(
+        target,
+        cell_id="pavilion:llamacpp:tiny",
+        binary=str(remote_binary),
+        model_path=str(remote_model),
+        alias="tiny",
+        log_dir=f"{remote_dir}/logs",
+        ready_timeout_s=30,
+    )
+    try:
+        first_url = server.start()
+        assert first_url.startswith("http://127.0.0.1:")
+        engine = LlamaCppEngine(first_url, "tiny", None, None)
+        assert engine.health(5).ok
+        call = engine.chat("Say something.", 4, 30)
+        assert call.error is None and call.completion_tokens
+        second_url = server.restart()
+        assert server.starts == 2 and server.alive()
+        assert LlamaCppEngine(second_url, "tiny", None, None).chat("Again.", 4, 30).error is None
+    finally:
+        server.stop()
+    assert not server.alive()
