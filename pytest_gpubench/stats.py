@@ -1,0 +1,280 @@
+"""Statistics: per (cell, prompt) summaries of a ledger's call records, vectorized with pandas."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+PERCENTILES = (0.50, 0.95, 0.99)
+# Fields read from each call record; everything else (inter-chunk gaps, engine timings) is left
+# out of the frame so that a million records stay cheap.
+_TEXT_FIELDS = ("cell_id", "prompt_id", "prompt_sha256", "phase", "cold_kind")
+_NUMBER_FIELDS = ("run_idx", "first_delta_ms", "total_duration_ms", "tokens_per_sec")
+SAMPLE_FIELDS = ("first_delta_ms", "total_duration_ms", "tokens_per_sec")
+
+
+@dataclass(frozen=True)
+class WarmSamples:
+    """Raw values of the successful warm calls, in ledger order: what the gate tests on."""
+
+    first_delta_ms: tuple[float, ...] = ()
+    total_duration_ms: tuple[float, ...] = ()
+    tokens_per_sec: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptSummary:
+    """The numbers of one (cell, prompt): its first cold call and its warm distribution."""
+
+    cell_id: str
+    prompt_id: str
+    prompt_sha256: str | None = None
+    n_cold: int = 0
+    n_cold_ok: int = 0
+    cold_kind: str | None = None
+    cold_first_delta_ms: float | None = None
+    cold_total_duration_ms: float | None = None
+    n_warm: int = 0
+    n_warm_ok: int = 0
+    warm_first_delta_ms_p50: float | None = None
+    warm_first_delta_ms_p95: float | None = None
+    warm_first_delta_ms_p99: float | None = None
+    warm_total_duration_ms_p50: float | None = None
+    warm_total_duration_ms_p95: float | None = None
+    warm_total_duration_ms_p99: float | None = None
+    warm_tokens_per_sec_mean: float | None = None
+    samples: WarmSamples = WarmSamples()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.cell_id, self.prompt_id)
+
+    @property
+    def warm_success_rate(self) -> float | None:
+        """Successful warm calls over all warm calls; None when no warm call ran."""
+        return self.n_warm_ok / self.n_warm if self.n_warm else None
+
+
+def is_success(record: Mapping[str, Any]) -> bool:
+    """A call failed when it carries an error (its finish_reason is then "error")."""
+    return record.get("error") is None and record.get("finish_reason") != "error"
+
+
+def call_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
+    """One row per call record, with only the columns the summaries need and an `ok` flag."""
+    calls = [record for record in records if record.get("type") == "call"]
+    # One pass per field is faster than building a tuple per record (and tolerates older ledgers
+    # that lack a field).
+    frame = pd.DataFrame(
+        {field: _objects([record.get(field) for record in calls]) for field in _TEXT_FIELDS}
+    )
+    for field in _NUMBER_FIELDS:
+        frame[field] = _floats([record.get(field) for record in calls])
+    # is_success, inlined: a function call per record costs a third of a second per million.
+    frame["ok"] = np.array(
+        [
+            record.get("error") is None and record.get("finish_reason") != "error"
+            for record in calls
+        ],
+        dtype=bool,
+    )
+    return frame
+
+
+def _objects(values: list[Any]) -> np.ndarray[Any, np.dtype[np.object_]]:
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    return array
+
+
+def _floats(values: list[Any]) -> np.ndarray[Any, np.dtype[np.float64]]:
+    """Numbers as float64 with NaN for None; anything unparsable also becomes NaN."""
+    try:
+        return np.array(values, dtype="float64")
+    except (TypeError, ValueError):
+        coerced = pd.to_numeric(pd.Series(_objects(values)), errors="coerce")
+        return coerced.to_numpy(dtype="float64", na_value=np.nan)
+
+
+def summarize(records: Iterable[Mapping[str, Any]]) -> list[PromptSummary]:
+    """Per (cell, prompt) summaries of the call records, sorted by cell id then prompt id."""
+    return summarize_frame(call_frame(records))
+
+
+def summarize_frame(frame: pd.DataFrame) -> list[PromptSummary]:
+    """Summaries of a call_frame; every groupby runs on one integer code per (cell, prompt)."""
+    frame, keys = _with_group_codes(frame)
+    if frame.empty:
+        return []
+    warm = frame[frame["phase"] == "warm"]
+    warm_ok = warm[warm["ok"]]
+    cold = frame[frame["phase"] == "cold"]
+    shas = _first_text(frame, "prompt_sha256")
+    cold_counts = _counts(cold)
+    first_cold = _first_cold(cold)
+    warm_counts = _counts(warm)
+    ttft = _percentiles(warm_ok, "first_delta_ms")
+    total = _percentiles(warm_ok, "total_duration_ms")
+    means = warm_ok.groupby("group", sort=False)["tokens_per_sec"].mean()
+    samples = _samples(warm_ok)
+    return [
+        _summary(
+            keys[group],
+            sha=shas.get(group),
+            cold_counts=cold_counts.get(group, (0, 0)),
+            first_cold=first_cold.get(group),
+            warm_counts=warm_counts.get(group, (0, 0)),
+            ttft=ttft.get(group, (None, None, None)),
+            total=total.get(group, (None, None, None)),
+            tokens_per_sec_mean=_number(means.get(group)),
+            samples=samples.get(group, WarmSamples()),
+        )
+        for group in sorted(range(len(keys)), key=keys.__getitem__)
+    ]
+
+
+def _with_group_codes(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
+    """Adds `group`, a dense code per (cell_id, prompt_id); rows missing either are dropped."""
+    cell_codes, cells = pd.factorize(frame["cell_id"].to_numpy(dtype=object))
+    prompt_codes, prompts = pd.factorize(frame["prompt_id"].to_numpy(dtype=object))
+    combined = cell_codes.astype("int64") * max(len(prompts), 1) + prompt_codes
+    valid = (cell_codes >= 0) & (prompt_codes >= 0)
+    codes, uniques = pd.factorize(combined[valid])
+    keys = [
+        (str(cells[code // max(len(prompts), 1)]), str(prompts[code % max(len(prompts), 1)]))
+        for code in uniques.tolist()
+    ]
+    kept = frame[valid].assign(group=codes)
+    return kept, keys
+
+
+def _summary(
+    key: tuple[str, str],
+    *,
+    sha: str | None,
+    cold_counts: tuple[int, int],
+    first_cold: tuple[str | None, float | None, float | None] | None,
+    warm_counts: tuple[int, int],
+    ttft: tuple[float | None, float | None, float | None],
+    total: tuple[float | None, float | None, float | None],
+    tokens_per_sec_mean: float | None,
+    samples: WarmSamples,
+) -> PromptSummary:
+    cold_kind, cold_ttft, cold_total = first_cold or (None, None, None)
+    return PromptSummary(
+        cell_id=key[0],
+        prompt_id=key[1],
+        prompt_sha256=sha,
+        n_cold=cold_counts[0],
+        n_cold_ok=cold_counts[1],
+        cold_kind=cold_kind,
+        cold_first_delta_ms=cold_ttft,
+        cold_total_duration_ms=cold_total,
+        n_warm=warm_counts[0],
+        n_warm_ok=warm_counts[1],
+        warm_first_delta_ms_p50=ttft[0],
+        warm_first_delta_ms_p95=ttft[1],
+        warm_first_delta_ms_p99=ttft[2],
+        warm_total_duration_ms_p50=total[0],
+        warm_total_duration_ms_p95=total[1],
+        warm_total_duration_ms_p99=total[2],
+        warm_tokens_per_sec_mean=tokens_per_sec_mean,
+        samples=samples,
+    )
+
+
+def _number(value: Any) -> float | None:
+    """A float for the summary, or None for a missing or NaN value."""
+    if value is None:
+        return None
+    number = float(value)
+    return None if math.isnan(number) else number
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _counts(frame: pd.DataFrame) -> dict[int, tuple[int, int]]:
+    """(calls, successful calls) per group."""
+    grouped = frame.groupby("group", sort=False)["ok"].agg(["size", "sum"])
+    return {
+        int(group): (int(size), int(ok))
+        for group, size, ok in zip(grouped.index, grouped["size"], grouped["sum"], strict=True)
+    }
+
+
+def _first_text(frame: pd.DataFrame, field: str) -> dict[int, str | None]:
+    present = frame[frame[field].notna()].drop_duplicates(subset="group", keep="first")
+    return {
+        int(group): _text(value)
+        for group, value in zip(present["group"], present[field], strict=True)
+    }
+
+
+def _first_cold(cold: pd.DataFrame) -> dict[int, tuple[str | None, float | None, float | None]]:
+    """The first successful cold call per group: lowest run index, then ledger order."""
+    ok = cold[cold["ok"]].sort_values("run_idx", kind="stable", na_position="last")
+    first = ok.drop_duplicates(subset="group", keep="first")
+    return {
+        int(group): (_text(kind), _number(ttft), _number(total))
+        for group, kind, ttft, total in zip(
+            first["group"],
+            first["cold_kind"],
+            first["first_delta_ms"],
+            first["total_duration_ms"],
+            strict=True,
+        )
+    }
+
+
+def _percentiles(
+    frame: pd.DataFrame, field: str
+) -> dict[int, tuple[float | None, float | None, float | None]]:
+    """p50/p95/p99 with linear interpolation (numpy's default); NaN values are left out."""
+    present = frame[frame[field].notna()]
+    if present.empty:
+        return {}
+    table = present.groupby("group", sort=False)[field].quantile(np.array(PERCENTILES)).unstack()
+    return {
+        int(group): (_number(row[0]), _number(row[1]), _number(row[2]))
+        for group, row in zip(table.index, table.to_numpy(), strict=True)
+    }
+
+
+def _samples(frame: pd.DataFrame) -> dict[int, WarmSamples]:
+    """The raw values per group, split once after a stable sort by group (ledger order kept)."""
+    if frame.empty:
+        return {}
+    groups = frame["group"].to_numpy()
+    order = np.argsort(groups, kind="stable")
+    sorted_groups = groups[order]
+    boundaries = np.flatnonzero(sorted_groups[1:] != sorted_groups[:-1]) + 1
+    starts = np.concatenate(([0], boundaries))
+    split = {
+        field: np.split(frame[field].to_numpy(dtype="float64")[order], boundaries)
+        for field in SAMPLE_FIELDS
+    }
+    return {
+        int(sorted_groups[start]): WarmSamples(
+            first_delta_ms=_finite(split["first_delta_ms"][index]),
+            total_duration_ms=_finite(split["total_duration_ms"][index]),
+            tokens_per_sec=_finite(split["tokens_per_sec"][index]),
+        )
+        for index, start in enumerate(starts.tolist())
+    }
+
+
+def _finite(values: np.ndarray[Any, np.dtype[np.float64]]) -> tuple[float, ...]:
+    return tuple(values[~np.isnan(values)].tolist())
+
+
+def summaries_by_key(
+    summaries: Iterable[PromptSummary],
+) -> dict[tuple[str, str], PromptSummary]:
+    return {summary.key: summary for summary in summaries}

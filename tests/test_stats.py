@@ -1,0 +1,185 @@
+"""Aggregation of call records: percentiles, failures left out, success rate, cold calls, order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pytest_gpubench.stats import PromptSummary, WarmSamples, is_success, summarize
+
+CELL = "local:llamacpp:tiny"
+
+
+def call(
+    ttft: float | None = 10.0,
+    total: float | None = 100.0,
+    *,
+    phase: str = "warm",
+    run_idx: int = 0,
+    prompt_id: str = "P-EASY",
+    cell_id: str = CELL,
+    tokens_per_sec: float | None = 50.0,
+    error: str | None = None,
+    cold_kind: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "type": "call",
+        "cell_id": cell_id,
+        "prompt_id": prompt_id,
+        "prompt_sha256": "ab" * 32,
+        "phase": phase,
+        "run_idx": run_idx,
+        "cold_kind": cold_kind,
+        "first_delta_ms": ttft,
+        "total_duration_ms": total,
+        "tokens_per_sec": tokens_per_sec,
+        "finish_reason": "error" if error else "stop",
+        "error": error,
+        "inter_chunk_ms": [1.0, 2.0],
+        "engine_timings": {"prompt_ms": 1.0},
+    }
+
+
+def only(records: list[dict[str, Any]]) -> PromptSummary:
+    (summary,) = summarize(records)
+    return summary
+
+
+def test_warm_percentiles_interpolate_linearly() -> None:
+    values = [10.0, 20.0, 30.0, 40.0, 50.0]
+    summary = only([call(v, v * 10, run_idx=i) for i, v in enumerate(values)])
+    assert summary.warm_first_delta_ms_p50 == 30.0
+    assert summary.warm_first_delta_ms_p95 == pytest.approx(48.0)
+    assert summary.warm_first_delta_ms_p99 == pytest.approx(49.6)
+    assert summary.warm_total_duration_ms_p50 == 300.0
+    assert summary.warm_total_duration_ms_p99 == pytest.approx(496.0)
+    assert summary.samples.first_delta_ms == tuple(values)
+
+
+def test_failed_calls_count_against_success_and_are_left_out_of_numbers() -> None:
+    records = [call(10.0, 100.0, run_idx=i, tokens_per_sec=40.0) for i in range(4)]
+    # A stream that broke after its first chunk has a TTFT but is still a failure.
+    records.append(call(999.0, 9999.0, run_idx=4, tokens_per_sec=1.0, error="stream reset"))
+    summary = only(records)
+    assert (summary.n_warm, summary.n_warm_ok) == (5, 4)
+    assert summary.warm_success_rate == 0.8
+    assert summary.warm_first_delta_ms_p99 == 10.0
+    assert summary.warm_tokens_per_sec_mean == 40.0
+    assert summary.samples == WarmSamples((10.0,) * 4, (100.0,) * 4, (40.0,) * 4)
+
+
+def test_finish_reason_error_alone_is_a_failure() -> None:
+    record = call() | {"finish_reason": "error"}
+    assert not is_success(record)
+    assert only([record]).n_warm_ok == 0
+
+
+def test_all_warm_calls_failed() -> None:
+    summary = only([call(None, None, error="refused", run_idx=i) for i in range(3)])
+    assert summary.warm_success_rate == 0.0
+    assert summary.warm_first_delta_ms_p50 is None
+    assert summary.warm_tokens_per_sec_mean is None
+    assert summary.samples == WarmSamples()
+
+
+def test_cold_numbers_come_from_the_first_successful_cold_call() -> None:
+    records = [
+        call(500.0, 900.0, phase="cold", run_idx=1, cold_kind="restart"),
+        call(None, None, phase="cold", run_idx=0, error="timeout"),
+        call(700.0, 990.0, phase="cold", run_idx=2, cold_kind="restart"),
+        call(10.0, 100.0),
+    ]
+    summary = only(records)
+    assert (summary.n_cold, summary.n_cold_ok) == (3, 2)
+    assert summary.cold_first_delta_ms == 500.0
+    assert summary.cold_total_duration_ms == 900.0
+    assert summary.cold_kind == "restart"
+    assert summary.n_warm == 1
+
+
+def test_cold_only_prompt_has_no_warm_numbers() -> None:
+    summary = only([call(500.0, 900.0, phase="cold", cold_kind="process_warm")])
+    assert summary.n_warm == 0 and summary.warm_success_rate is None
+    assert summary.warm_first_delta_ms_p50 is None
+    assert summary.cold_kind == "process_warm"
+
+
+def test_groups_are_sorted_and_other_record_types_ignored() -> None:
+    records: list[dict[str, Any]] = [
+        {"type": "meta", "benchmark_run_id": "r"},
+        call(prompt_id="P-MEDIUM", cell_id="b:ollama:m"),
+        {"type": "cell", "cell_id": "b:ollama:m"},
+        call(prompt_id="P-EASY", cell_id="b:ollama:m"),
+        call(prompt_id="P-HARD", cell_id="a:llamacpp:tiny"),
+        {"type": "skipped", "cell_id": "c:openai:x", "reason": "down"},
+        {"type": "end", "verdicts": []},
+    ]
+    keys = [summary.key for summary in summarize(records)]
+    assert keys == [
+        ("a:llamacpp:tiny", "P-HARD"),
+        ("b:ollama:m", "P-EASY"),
+        ("b:ollama:m", "P-MEDIUM"),
+    ]
+
+
+def test_older_ledger_without_some_fields() -> None:
+    record = call()
+    del record["tokens_per_sec"], record["prompt_sha256"], record["cold_kind"]
+    summary = only([record, record])
+    assert summary.warm_tokens_per_sec_mean is None
+    assert summary.prompt_sha256 is None
+    assert summary.samples.tokens_per_sec == ()
+    assert summary.warm_first_delta_ms_p50 == 10.0
+
+
+def test_success_without_token_rate_keeps_its_latency() -> None:
+    summary = only([call(10.0, 20.0, tokens_per_sec=None), call(30.0, 40.0, run_idx=1)])
+    assert summary.warm_first_delta_ms_p50 == 20.0
+    assert summary.warm_tokens_per_sec_mean == 50.0
+    assert summary.samples.tokens_per_sec == (50.0,)
+
+
+def test_no_calls() -> None:
+    assert summarize([]) == []
+    assert summarize([{"type": "meta"}]) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["P-EASY", "P-HARD"]),
+            st.floats(0.1, 1e5, allow_nan=False),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_matches_numpy_per_group(rows: list[tuple[str, float, bool]]) -> None:
+    records = [
+        call(ttft, ttft * 2, prompt_id=prompt, run_idx=i, error=None if ok else "boom")
+        for i, (prompt, ttft, ok) in enumerate(rows)
+    ]
+    for summary in summarize(records):
+        mine = [r for r in rows if r[0] == summary.prompt_id]
+        good = [ttft for _, ttft, ok in mine if ok]
+        assert summary.n_warm == len(mine) and summary.n_warm_ok == len(good)
+        assert summary.samples.first_delta_ms == tuple(good)
+        if good:
+            for q, value in zip(
+                (50, 95, 99),
+                (
+                    summary.warm_first_delta_ms_p50,
+                    summary.warm_first_delta_ms_p95,
+                    summary.warm_first_delta_ms_p99,
+                ),
+                strict=True,
+            ):
+                assert value == pytest.approx(float(np.percentile(good, q)))
+        else:
+            assert summary.warm_first_delta_ms_p50 is None
