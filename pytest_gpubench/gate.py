@@ -1,0 +1,338 @@
+"""The regression gate: each (cell, prompt) summary against its baseline, metric by metric."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any, Literal
+
+from scipy import stats as scipy_stats
+
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.matrix import Thresholds
+from pytest_gpubench.stats import PromptSummary, summaries_by_key
+
+VerdictKind = Literal["regression", "inconclusive", "win", "ok", "new"]
+# The worst first: a (cell, prompt) takes the verdict of its worst metric.
+VERDICT_ORDER: tuple[VerdictKind, ...] = ("regression", "inconclusive", "win", "ok", "new")
+
+ALPHA = 0.05
+RERUN_RUNS = 20
+RERUN_HINT = f"re-run with --gpubench-runs {RERUN_RUNS}"
+# SPEC §8 defaults: relative changes for the ratio metrics, an absolute floor for success.
+DEFAULT_RATIO_THRESHOLD = 0.30
+DEFAULT_SUCCESS_RATE = 0.95
+# Up to this many samples on the smaller side the exact U distribution is used (scipy's own
+# cut-off); its p-value can never fall below 1 / C(n1 + n2, n1), which makes "too few samples
+# to ever be significant" a computable fact rather than a guess.
+EXACT_TEST_MAX_N = 8
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A gated number: how to read it from a summary and which direction is better."""
+
+    name: str
+    label: str
+    threshold_field: str
+    higher_is_better: bool
+    value: Callable[[PromptSummary], float | None]
+    samples: Callable[[PromptSummary], tuple[float, ...]]
+
+    @property
+    def worse(self) -> str:
+        return "lower" if self.higher_is_better else "slower"
+
+    @property
+    def better(self) -> str:
+        return "higher" if self.higher_is_better else "faster"
+
+
+TTFT_P50 = Metric(
+    name="warm_ttft_p50_ms",
+    label="warm TTFT p50",
+    threshold_field="ttft_p50",
+    higher_is_better=False,
+    value=lambda summary: summary.warm_first_delta_ms_p50,
+    samples=lambda summary: summary.samples.first_delta_ms,
+)
+TOTAL_P50 = Metric(
+    name="warm_total_p50_ms",
+    label="warm total p50",
+    threshold_field="total_p50",
+    higher_is_better=False,
+    value=lambda summary: summary.warm_total_duration_ms_p50,
+    samples=lambda summary: summary.samples.total_duration_ms,
+)
+TOKENS_PER_SEC = Metric(
+    name="warm_tokens_per_sec_mean",
+    label="warm tokens/s mean",
+    threshold_field="tokens_per_sec",
+    higher_is_better=True,
+    value=lambda summary: summary.warm_tokens_per_sec_mean,
+    samples=lambda summary: summary.samples.tokens_per_sec,
+)
+RATIO_METRICS = (TTFT_P50, TOTAL_P50, TOKENS_PER_SEC)
+SUCCESS_RATE = "warm_success_rate"
+METRIC_NAMES = tuple(metric.name for metric in RATIO_METRICS) + (SUCCESS_RATE,)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The gate's finding for one metric of one (cell, prompt)."""
+
+    cell_id: str
+    prompt_id: str
+    metric: str
+    baseline: float | None
+    current: float | None
+    # current / baseline: 1.35 is 35 % more than the baseline.
+    change_ratio: float | None
+    p_value: float | None
+    verdict: VerdictKind
+    message: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.cell_id, self.prompt_id)
+
+    def to_record(self) -> dict[str, Any]:
+        """Built-in types only: goes into the ledger's end record."""
+        return asdict(self)
+
+
+def ratio_threshold(thresholds: Thresholds, field: str) -> float:
+    value = getattr(thresholds, field)
+    return DEFAULT_RATIO_THRESHOLD if value is None else float(value)
+
+
+def success_threshold(thresholds: Thresholds) -> float:
+    value = thresholds.success_rate
+    return DEFAULT_SUCCESS_RATE if value is None else float(value)
+
+
+def judge(
+    current: PromptSummary,
+    baseline: PromptSummary | None,
+    thresholds: Thresholds | None = None,
+) -> list[Verdict]:
+    """One verdict per metric; none when nothing warm was measured (a cold-only run)."""
+    thresholds = thresholds or Thresholds()
+    if current.n_warm == 0:
+        return []
+    if baseline is None:
+        values = [metric.value(current) for metric in RATIO_METRICS]
+        values.append(current.warm_success_rate)
+        return [
+            _verdict(current, name, "new", "no baseline yet", value=value)
+            for name, value in zip(METRIC_NAMES, values, strict=True)
+        ]
+    check_prompt_unchanged(current, baseline)
+    verdicts = [
+        judge_ratio(metric, current, baseline, ratio_threshold(thresholds, metric.threshold_field))
+        for metric in RATIO_METRICS
+    ]
+    verdicts.append(judge_success_rate(current, baseline, success_threshold(thresholds)))
+    return verdicts
+
+
+def check_prompt_unchanged(current: PromptSummary, baseline: PromptSummary) -> None:
+    """A frozen prompt never changes: comparing numbers of two different prompts means nothing."""
+    if current.prompt_sha256 is None or baseline.prompt_sha256 is None:
+        return
+    if current.prompt_sha256 != baseline.prompt_sha256:
+        raise GpubenchError(
+            f"prompt '{current.prompt_id}' changed: cell {current.cell_id} has a baseline measured "
+            f"with sha256 {baseline.prompt_sha256[:12]}…, this run used "
+            f"{current.prompt_sha256[:12]}…. Prompts are frozen once shipped: restore the text of "
+            f"'{current.prompt_id}' and add the new prompt under a new id instead."
+        )
+
+
+def judge_ratio(
+    metric: Metric, current: PromptSummary, baseline: PromptSummary, threshold: float
+) -> Verdict:
+    """Large (the ratio passes the threshold) and significant (one-sided Mann-Whitney U)."""
+    old, new = metric.value(baseline), metric.value(current)
+    if old is None or old <= 0:
+        return _verdict(
+            current, metric.name, "new", f"the baseline has no {metric.label}", value=new
+        )
+    found = partial(_verdict, current, metric.name, baseline=old, value=new)
+    if new is None:
+        return found("inconclusive", f"{metric.label}: no successful warm call to compare")
+    ratio = new / old
+    direction = change_direction(old, new, threshold, higher_is_better=metric.higher_is_better)
+    if direction is None:
+        within = f"{metric.label} {_percent(ratio)} (within the {threshold:.0%} threshold)"
+        return found("ok", within, ratio=ratio)
+    word = metric.worse if direction == "worse" else metric.better
+    change = f"{metric.label} {_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
+    current_samples, baseline_samples = metric.samples(current), metric.samples(baseline)
+    floor = min_achievable_p(len(current_samples), len(baseline_samples))
+    if floor >= ALPHA:
+        too_few = (
+            f"{change}, but {len(current_samples)} samples against the baseline's "
+            f"{len(baseline_samples)} cannot be significant (smallest possible p = {floor:.3g} "
+            f"≥ {ALPHA}); {RERUN_HINT}"
+        )
+        return found("inconclusive", too_few, ratio=ratio)
+    p_value = one_sided_p(current_samples, baseline_samples, _alternative(metric, direction))
+    if not p_value < ALPHA:
+        unsure = f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA}); {RERUN_HINT}"
+        return found("inconclusive", unsure, ratio=ratio, p_value=p_value)
+    kind: VerdictKind = "regression" if direction == "worse" else "win"
+    return found(kind, f"{change}, p = {p_value:.3g}", ratio=ratio, p_value=p_value)
+
+
+def _alternative(
+    metric: Metric, direction: Literal["worse", "better"]
+) -> Literal["greater", "less"]:
+    """The one-sided hypothesis about the current samples relative to the baseline's."""
+    current_larger = (direction == "worse") != metric.higher_is_better
+    return "greater" if current_larger else "less"
+
+
+def change_direction(
+    old: float, new: float, threshold: float, *, higher_is_better: bool
+) -> Literal["worse", "better"] | None:
+    """Whether new is at least `threshold` worse than old, or as large an improvement.
+
+    Slower by 30 % means new ≥ 1.3 × old, so a win is old ≥ 1.3 × new; lower by 30 % means
+    new ≤ 0.7 × old, so a win is old ≤ 0.7 × new. Written this way (no division), swapping
+    old and new turns a regression into a win exactly, in floating point too.
+    """
+    if higher_is_better:
+        if new <= old * (1.0 - threshold):
+            return "worse"
+        if old <= new * (1.0 - threshold):
+            return "better"
+        return None
+    if new >= old * (1.0 + threshold):
+        return "worse"
+    if old >= new * (1.0 + threshold):
+        return "better"
+    return None
+
+
+def mwu_method(n_current: int, n_baseline: int) -> Literal["exact", "asymptotic"]:
+    return "exact" if min(n_current, n_baseline) <= EXACT_TEST_MAX_N else "asymptotic"
+
+
+def min_achievable_p(n_current: int, n_baseline: int) -> float:
+    """The smallest one-sided p-value the test can give for these sample sizes."""
+    if n_current == 0 or n_baseline == 0:
+        return 1.0
+    if mwu_method(n_current, n_baseline) == "exact":
+        return 1.0 / math.comb(n_current + n_baseline, n_current)
+    # The normal approximation's extreme: every current sample above every baseline sample.
+    separated = tuple(float(n_baseline + i) for i in range(n_current))
+    return one_sided_p(separated, tuple(float(i) for i in range(n_baseline)), "greater")
+
+
+def one_sided_p(
+    current: Sequence[float], baseline: Sequence[float], alternative: Literal["greater", "less"]
+) -> float:
+    """Mann-Whitney U: p of current being stochastically `alternative` than baseline."""
+    if not current or not baseline:
+        return 1.0
+    result = scipy_stats.mannwhitneyu(
+        current, baseline, alternative=alternative, method=mwu_method(len(current), len(baseline))
+    )
+    p_value = float(result.pvalue)
+    # All values tied: the asymptotic variance is zero and scipy gives NaN; nothing to see there.
+    return 1.0 if math.isnan(p_value) else p_value
+
+
+def judge_success_rate(current: PromptSummary, baseline: PromptSummary, minimum: float) -> Verdict:
+    """Absolute: below the minimum is a regression whatever the baseline was."""
+    rate, old = current.warm_success_rate, baseline.warm_success_rate
+    if rate is None:
+        return _verdict(current, SUCCESS_RATE, "new", "no warm call measured", baseline=old)
+    ratio = rate / old if old else None
+    found = partial(_verdict, current, SUCCESS_RATE, baseline=old, value=rate, ratio=ratio)
+    counts = f"{current.n_warm_ok}/{current.n_warm}"
+    if rate < minimum:
+        return found(
+            "regression", f"warm success rate {rate:.2f} ({counts}) is below {minimum:.2f}"
+        )
+    return found("ok", f"warm success rate {rate:.2f} ({counts})")
+
+
+def compare(
+    old_summaries: Iterable[PromptSummary],
+    new_summaries: Iterable[PromptSummary],
+    thresholds: Thresholds | Mapping[str, Thresholds] | None = None,
+) -> list[Verdict]:
+    """Verdicts for every new (cell, prompt), sorted; thresholds may be given per cell id."""
+    old = summaries_by_key(old_summaries)
+    verdicts: list[Verdict] = []
+    for summary in sorted(new_summaries, key=lambda item: item.key):
+        verdicts.extend(judge(summary, old.get(summary.key), _for_cell(thresholds, summary)))
+    return verdicts
+
+
+def _for_cell(
+    thresholds: Thresholds | Mapping[str, Thresholds] | None, summary: PromptSummary
+) -> Thresholds:
+    if thresholds is None:
+        return Thresholds()
+    if isinstance(thresholds, Thresholds):
+        return thresholds
+    return thresholds.get(summary.cell_id, Thresholds())
+
+
+def overall(verdicts: Iterable[Verdict]) -> VerdictKind | None:
+    """The worst verdict among a (cell, prompt)'s metrics; None when there are none."""
+    kinds = {verdict.verdict for verdict in verdicts}
+    return next((kind for kind in VERDICT_ORDER if kind in kinds), None)
+
+
+def overall_by_key(verdicts: Iterable[Verdict]) -> dict[tuple[str, str], VerdictKind]:
+    grouped: dict[tuple[str, str], list[Verdict]] = {}
+    for verdict in verdicts:
+        grouped.setdefault(verdict.key, []).append(verdict)
+    result: dict[tuple[str, str], VerdictKind] = {}
+    for key, group in grouped.items():
+        kind = overall(group)
+        if kind is not None:
+            result[key] = kind
+    return result
+
+
+def regressions(verdicts: Iterable[Verdict]) -> list[Verdict]:
+    return [verdict for verdict in verdicts if verdict.verdict == "regression"]
+
+
+def _verdict(
+    current: PromptSummary,
+    metric: str,
+    kind: VerdictKind,
+    message: str,
+    *,
+    baseline: float | None = None,
+    value: float | None = None,
+    ratio: float | None = None,
+    p_value: float | None = None,
+) -> Verdict:
+    return Verdict(
+        cell_id=current.cell_id,
+        prompt_id=current.prompt_id,
+        metric=metric,
+        baseline=baseline,
+        current=value,
+        change_ratio=ratio,
+        p_value=p_value,
+        verdict=kind,
+        message=f"{current.cell_id} {current.prompt_id}: {message}",
+    )
+
+
+def _percent(ratio: float) -> str:
+    return f"{ratio - 1.0:+.1%}"
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}"

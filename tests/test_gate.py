@@ -1,0 +1,270 @@
+"""The regression gate: ratio and significance, inconclusive small samples, wins, changed prompts."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.gate import (
+    RERUN_HINT,
+    Verdict,
+    compare,
+    judge,
+    min_achievable_p,
+    one_sided_p,
+    overall,
+    overall_by_key,
+)
+from pytest_gpubench.matrix import Thresholds
+from pytest_gpubench.stats import PromptSummary, summarize
+
+CELL = "local:llamacpp:tiny"
+SHA = "ab" * 32
+RATIO_METRICS = ("warm_ttft_p50_ms", "warm_total_p50_ms", "warm_tokens_per_sec_mean")
+MIRROR = {"regression": "win", "win": "regression", "ok": "ok", "inconclusive": "inconclusive"}
+
+
+def summary_of(
+    ttfts: list[float], *, failures: int = 0, prompt_id: str = "P-EASY", sha: str = SHA
+) -> PromptSummary:
+    """A summary through the real aggregation: total = 10 x TTFT, tokens/s = 1000 / TTFT."""
+    records: list[dict[str, Any]] = [
+        {
+            "type": "call",
+            "cell_id": CELL,
+            "prompt_id": prompt_id,
+            "prompt_sha256": sha,
+            "phase": "warm",
+            "run_idx": index,
+            "first_delta_ms": ttft,
+            "total_duration_ms": 10 * ttft,
+            "tokens_per_sec": 1000 / ttft,
+            "finish_reason": "stop",
+            "error": None,
+        }
+        for index, ttft in enumerate(ttfts)
+    ]
+    records += [
+        {
+            "type": "call",
+            "cell_id": CELL,
+            "prompt_id": prompt_id,
+            "prompt_sha256": sha,
+            "phase": "warm",
+            "run_idx": len(ttfts) + index,
+            "first_delta_ms": None,
+            "total_duration_ms": None,
+            "tokens_per_sec": None,
+            "finish_reason": "error",
+            "error": "connection refused",
+        }
+        for index in range(failures)
+    ]
+    (summary,) = summarize(records)
+    return summary
+
+
+def kinds(verdicts: list[Verdict]) -> dict[str, str]:
+    return {verdict.metric: verdict.verdict for verdict in verdicts}
+
+
+# Realistic repeated measurements: a centre and a spread under 2x, so a 2x shift separates them.
+centres = st.floats(0.5, 5e4, allow_nan=False, allow_infinity=False)
+spreads = st.lists(st.floats(1.0, 1.9), min_size=10, max_size=40)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.floats(0.01, 1e6), min_size=1, max_size=30), st.randoms())
+def test_identical_samples_never_regress(values: list[float], random: Any) -> None:
+    shuffled = list(values)
+    random.shuffle(shuffled)
+    verdicts = judge(summary_of(shuffled), summary_of(values))
+    assert set(kinds(verdicts).values()) == {"ok"}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.floats(0.01, 1e6), min_size=1, max_size=30),
+    st.lists(st.floats(-0.15, 0.15), min_size=30, max_size=30),
+)
+def test_near_identical_samples_never_regress(values: list[float], noise: list[float]) -> None:
+    jittered = [value * (1 + jitter) for value, jitter in zip(values, noise, strict=False)]
+    verdicts = judge(summary_of(jittered), summary_of(values))
+    assert set(kinds(verdicts).values()) == {"ok"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(centres, spreads, st.randoms())
+def test_twice_as_slow_with_ten_or_more_runs_regresses(
+    centre: float, spread: list[float], random: Any
+) -> None:
+    baseline = [centre * factor for factor in spread]
+    slower = [2 * value for value in baseline]
+    random.shuffle(slower)
+    verdicts = judge(summary_of(slower), summary_of(baseline))
+    assert kinds(verdicts) == {
+        "warm_ttft_p50_ms": "regression",
+        "warm_total_p50_ms": "regression",
+        "warm_tokens_per_sec_mean": "regression",
+        "warm_success_rate": "ok",
+    }
+    ttft = verdicts[0]
+    assert ttft.change_ratio == pytest.approx(2.0)
+    assert ttft.p_value is not None and ttft.p_value < 0.05
+
+
+@settings(max_examples=60, deadline=None)
+@given(centres, spreads)
+def test_twice_as_fast_is_a_win(centre: float, spread: list[float]) -> None:
+    baseline = [centre * factor for factor in spread]
+    faster = [value / 2 for value in baseline]
+    verdicts = judge(summary_of(faster), summary_of(baseline))
+    assert [kinds(verdicts)[metric] for metric in RATIO_METRICS] == ["win"] * 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.floats(1.0, 1e4), min_size=1, max_size=25),
+    st.lists(st.floats(1.0, 1e4), min_size=1, max_size=25),
+)
+def test_swapping_baseline_and_current_mirrors_the_verdict(
+    first: list[float], second: list[float]
+) -> None:
+    forward = kinds(judge(summary_of(second), summary_of(first)))
+    backward = kinds(judge(summary_of(first), summary_of(second)))
+    for metric in RATIO_METRICS:
+        assert backward[metric] == MIRROR[forward[metric]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(centres, st.lists(st.floats(1.0, 1.9), min_size=1, max_size=3))
+def test_small_samples_are_inconclusive_not_regressions(centre: float, spread: list[float]) -> None:
+    baseline = [centre * factor for factor in spread]
+    verdicts = judge(summary_of([5 * value for value in baseline]), summary_of(baseline))
+    for verdict in verdicts[:3]:
+        assert verdict.verdict == "inconclusive"
+        assert RERUN_HINT in verdict.message
+        assert "--gpubench-runs 20" in verdict.message
+
+
+def test_default_five_runs_can_reach_significance() -> None:
+    # 1 / C(10, 5) = 1/252: five warm runs are enough for a clean, large shift.
+    verdicts = judge(summary_of([20.0, 21, 22, 23, 24]), summary_of([10.0, 10.5, 11, 11.5, 12]))
+    assert kinds(verdicts)["warm_ttft_p50_ms"] == "regression"
+    assert verdicts[0].p_value == pytest.approx(1 / 252)
+
+
+def test_large_but_not_significant_change_is_inconclusive() -> None:
+    baseline = [10.0, 11, 12, 13, 14, 15, 16, 17, 18, 90]
+    current = [10.0, 11, 12, 13, 30, 31, 32, 33, 34, 35]  # median 11.5x1.9, heavy overlap
+    (ttft, *_) = judge(summary_of(current), summary_of(baseline))
+    assert ttft.change_ratio is not None and ttft.change_ratio >= 1.3
+    assert ttft.verdict == "inconclusive"
+    assert ttft.p_value is not None and ttft.p_value >= 0.05
+    assert "not significant" in ttft.message and RERUN_HINT in ttft.message
+
+
+def test_thirty_percent_is_the_default_and_thresholds_override_it() -> None:
+    baseline = [10.0 + i / 100 for i in range(10)]
+    current = [value * 1.25 for value in baseline]  # 25 % slower, clearly separated
+    assert kinds(judge(summary_of(current), summary_of(baseline)))["warm_ttft_p50_ms"] == "ok"
+    tight = Thresholds(ttft_p50=0.2)
+    tight_kinds = kinds(judge(summary_of(current), summary_of(baseline), tight))
+    assert tight_kinds["warm_ttft_p50_ms"] == "regression"
+    assert tight_kinds["warm_total_p50_ms"] == "ok"  # still the default 30 %
+
+
+def test_success_rate_below_threshold_regresses() -> None:
+    baseline = summary_of([10.0] * 10)
+    one_failure = summary_of([10.0] * 19, failures=1)  # 0.95: on the bar, not below it
+    assert kinds(judge(one_failure, baseline))["warm_success_rate"] == "ok"
+    two_failures = judge(summary_of([10.0] * 18, failures=2), baseline)
+    (rate,) = [v for v in two_failures if v.metric == "warm_success_rate"]
+    assert rate.verdict == "regression" and rate.current == 0.9
+    assert "18/20" in rate.message and "below 0.95" in rate.message
+    lenient = Thresholds(success_rate=0.8)
+    assert (
+        kinds(judge(summary_of([10.0] * 18, failures=2), baseline, lenient))["warm_success_rate"]
+        == "ok"
+    )
+
+
+def test_all_calls_failing_regresses_on_success_rate() -> None:
+    verdicts = judge(summary_of([], failures=5), summary_of([10.0] * 5))
+    assert kinds(verdicts)["warm_success_rate"] == "regression"
+    assert kinds(verdicts)["warm_ttft_p50_ms"] == "inconclusive"
+    assert overall(verdicts) == "regression"
+
+
+def test_no_baseline_is_new() -> None:
+    verdicts = judge(summary_of([10.0] * 5), None)
+    assert set(kinds(verdicts).values()) == {"new"}
+    assert verdicts[0].current == 10.0
+    assert overall(verdicts) == "new"
+
+
+def test_cold_only_summary_has_no_verdicts() -> None:
+    assert judge(PromptSummary(CELL, "P-EASY", n_cold=1), summary_of([10.0] * 5)) == []
+
+
+def test_changed_prompt_names_the_id_and_says_to_add_a_new_one() -> None:
+    with pytest.raises(GpubenchError) as raised:
+        judge(summary_of([10.0] * 5, sha="cd" * 32), summary_of([10.0] * 5))
+    message = str(raised.value)
+    assert "'P-EASY'" in message and CELL in message
+    assert "new id" in message
+
+
+def test_min_achievable_p_is_one_over_the_number_of_orderings() -> None:
+    assert min_achievable_p(3, 3) == pytest.approx(1 / 20)
+    assert min_achievable_p(5, 5) == pytest.approx(1 / 252)
+    assert min_achievable_p(2, 8) == pytest.approx(1 / math.comb(10, 2))
+    assert min_achievable_p(0, 5) == 1.0
+    assert min_achievable_p(20, 20) < 1e-6
+    # The exact test attains it on perfectly separated samples.
+    assert one_sided_p([4.0, 5, 6], [1.0, 2, 3], "greater") == pytest.approx(1 / 20)
+
+
+def test_all_tied_samples_give_p_one_not_nan() -> None:
+    assert one_sided_p([5.0] * 12, [5.0] * 12, "greater") == 1.0
+
+
+def test_compare_uses_per_cell_thresholds_and_sorts() -> None:
+    baseline = [10.0 + i / 100 for i in range(10)]
+    old = [summary_of(baseline, prompt_id="P-HARD"), summary_of(baseline)]
+    new = [
+        summary_of([v * 1.25 for v in baseline], prompt_id="P-HARD"),
+        summary_of([v * 1.25 for v in baseline]),
+    ]
+    verdicts = compare(old, new, {CELL: Thresholds(ttft_p50=0.2)})
+    assert [v.prompt_id for v in verdicts] == ["P-EASY"] * 4 + ["P-HARD"] * 4
+    assert overall_by_key(verdicts) == {
+        (CELL, "P-EASY"): "regression",
+        (CELL, "P-HARD"): "regression",
+    }
+    assert overall_by_key(compare(old, new)) == {(CELL, "P-EASY"): "ok", (CELL, "P-HARD"): "ok"}
+    assert overall_by_key(compare([], new[:1])) == {(CELL, "P-HARD"): "new"}
+
+
+def test_verdict_record_is_plain_json() -> None:
+    verdicts = judge(summary_of([20.0, 21, 22, 23, 24]), summary_of([10.0, 10.5, 11, 11.5, 12]))
+    records = [verdict.to_record() for verdict in verdicts]
+    assert json.loads(json.dumps(records)) == records
+    assert set(records[0]) == {
+        "cell_id",
+        "prompt_id",
+        "metric",
+        "baseline",
+        "current",
+        "change_ratio",
+        "p_value",
+        "verdict",
+        "message",
+    }
+    assert all(type(r["p_value"]) in (float, type(None)) for r in records)
