@@ -26,6 +26,10 @@ if [ ${#need[@]} -gt 0 ]; then
     trap '$SUDO rm -f /usr/sbin/policy-rc.d' EXIT
   fi
   $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
+  # Nor should the fresh install leave a system-wide sshd enabled for the next boot.
+  if command -v systemctl >/dev/null; then
+    $SUDO systemctl disable --quiet ssh.service 2>/dev/null || true
+  fi
 fi
 
 # sshd refuses to start without its privilege-separation directory.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-TEST_USER = "gpubench-test"
+TEST_USER = os.environ.get("GPUBENCH_SSH_TEST_USER", "gpubench-test")
 SSHD = Path("/usr/sbin/sshd")
 SETUP_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "setup-sshd.sh"
 READY_TIMEOUT_S = 10.0

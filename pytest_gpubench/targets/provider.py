@@ -197,7 +197,8 @@ class ProviderTarget:
                 found = body.get("error") or body.get("detail") or body.get("message")
                 if found:
                     detail = str(found)
-        return self._redact(f"HTTP {response.status_code}: {detail[:300]}")
+        # Redacted before it is shortened, so no cut-off fragment of a secret slips through.
+        return f"HTTP {response.status_code}: {self._redact(detail)[:300]}"
 
     def _request(self, stage: Stage, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:

@@ -418,7 +418,7 @@ class SshTarget:
             raise fail(f"authentication failed with {by}") from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
             client.close()
-            raise fail(f"cannot connect: {exc or type(exc).__name__}") from None
+            raise fail(f"cannot connect: {str(exc) or type(exc).__name__}") from None
         transport = client.get_transport()
         if transport is not None:
             # Notices a dead connection while a long command is quiet.
@@ -447,7 +447,7 @@ class SshTarget:
         try:
             channel = transport.open_session(timeout=self.connect_timeout_s)
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise StageError(stage, f"{lost}: {exc or type(exc).__name__}") from None
+            raise StageError(stage, f"{lost}: {str(exc) or type(exc).__name__}") from None
         started = time.monotonic()
         deadline = started + timeout_s + CLIENT_GRACE_S
         stdout, stderr = bytearray(), bytearray()
@@ -482,7 +482,7 @@ class SshTarget:
                 # with no exit status (-1); with the connection up, -1 means a signal ended it.
                 raise StageError(stage, lost)
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise StageError(stage, f"{lost}: {exc or type(exc).__name__}") from None
+            raise StageError(stage, f"{lost}: {str(exc) or type(exc).__name__}") from None
         finally:
             channel.close()
         elapsed = time.monotonic() - started
