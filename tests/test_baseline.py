@@ -1,0 +1,253 @@
+"""Baseline files: round trip, stable bytes, clear errors for corrupt files, the update rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pytest_gpubench.baseline import (
+    CellBaseline,
+    Provenance,
+    baseline_file_name,
+    baseline_path,
+    baseline_summaries,
+    baselines_from_records,
+    dumps_baseline,
+    find_baseline,
+    load_baseline,
+    load_baselines,
+    load_summaries,
+    loads_baseline,
+    update_baselines,
+    write_baseline,
+)
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.stats import PromptSummary, WarmSamples
+
+RUN_ID = "5b1c1f43-58a3-4d5e-9d0e-2f3c8a0e4b11"
+CELL = "pavilion:ollama:qwen3.5:0.8b"
+OTHER = "local:llamacpp:tiny"
+
+
+def call(
+    cell_id: str,
+    prompt_id: str,
+    run_idx: int,
+    ttft: float,
+    *,
+    phase: str = "warm",
+    error: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "type": "call",
+        "benchmark_run_id": RUN_ID,
+        "cell_id": cell_id,
+        "prompt_id": prompt_id,
+        "prompt_sha256": f"sha-of-{prompt_id}",
+        "phase": phase,
+        "run_idx": run_idx,
+        "cold_kind": "unload" if phase == "cold" else None,
+        "first_delta_ms": None if error else ttft,
+        "total_duration_ms": None if error else ttft * 8,
+        "tokens_per_sec": None if error else 900 / ttft,
+        "finish_reason": "error" if error else "stop",
+        "error": error,
+    }
+
+
+def ledger(failures: int = 0) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = [
+        {
+            "type": "meta",
+            "benchmark_run_id": RUN_ID,
+            "git_sha": "0123abc",
+            "started_at_utc": "2025-06-01T10:00:00.000Z",
+        },
+        {
+            "type": "cell",
+            "cell_id": CELL,
+            "engine_version": "0.12.3",
+            "model_digest": "2ae6f6dd7a3d",
+            "gpus": [{"name": "RTX 4090", "memory_total_mib": "24564"}],
+        },
+        {"type": "cell", "cell_id": OTHER, "engine_version": "b6000", "gpus": []},
+    ]
+    for prompt_id in ("P-MEDIUM", "P-EASY"):
+        records.append(call(CELL, prompt_id, 0, 400.0, phase="cold"))
+        records += [call(CELL, prompt_id, i, 20.0 + i * 0.37) for i in range(5)]
+        records += [call(OTHER, prompt_id, i, 3.0 + i * 0.011) for i in range(20 - failures)]
+        records += [call(OTHER, prompt_id, 20 + i, 0, error="HTTP 500") for i in range(failures)]
+    records.append({"type": "skipped", "cell_id": "rented:openai:x", "reason": "no offers"})
+    records.append({"type": "end", "verdicts": []})
+    return records
+
+
+def test_file_name_replaces_unsafe_characters_and_keeps_the_id_inside(tmp_path: Path) -> None:
+    assert baseline_file_name(CELL) == "pavilion_ollama_qwen3.5_0.8b.json"
+    assert baseline_file_name("local:openai:Qwen/Qwen3-0.6B") == "local_openai_Qwen_Qwen3-0.6B.json"
+    (baseline,) = [b for b in baselines_from_records(ledger()) if b.cell_id == CELL]
+    path = write_baseline(tmp_path, baseline)
+    assert path == tmp_path / "pavilion_ollama_qwen3.5_0.8b.json"
+    assert json.loads(path.read_text())["cell_id"] == CELL
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    for baseline in baselines_from_records(ledger()):
+        path = write_baseline(tmp_path, baseline)
+        assert load_baseline(path) == baseline
+    loaded = find_baseline(tmp_path, CELL)
+    assert loaded is not None
+    assert loaded.provenance == Provenance(
+        benchmark_run_id=RUN_ID,
+        git_sha="0123abc",
+        engine_version="0.12.3",
+        model_digest="2ae6f6dd7a3d",
+        gpus=({"name": "RTX 4090", "memory_total_mib": "24564"},),
+        date="2025-06-01T10:00:00.000Z",
+    )
+    easy = loaded.prompt("P-EASY")
+    assert easy is not None
+    assert easy.samples.first_delta_ms == (20.0, 20.37, 20.74, 21.11, 21.48)
+    assert easy.prompt_sha256 == "sha-of-P-EASY" and easy.cold_first_delta_ms == 400.0
+    assert [cell.cell_id for cell in load_baselines(tmp_path)] == [OTHER, CELL]
+
+
+def test_stable_bytes_sorted_indented_with_final_newline(tmp_path: Path) -> None:
+    records = ledger()
+    (first, _) = baselines_from_records(records)
+    (again, _) = baselines_from_records(list(reversed(records[:3])) + records[3:])
+    text = dumps_baseline(first)
+    assert text == dumps_baseline(again)
+    assert text.endswith("}\n") and not text.endswith("\n\n")
+    assert text == json.dumps(json.loads(text), sort_keys=True, indent=2) + "\n"
+    path = write_baseline(tmp_path, first)
+    before = path.read_bytes()
+    write_baseline(tmp_path, load_baseline(path))
+    assert path.read_bytes() == before
+
+
+summaries = st.builds(
+    PromptSummary,
+    cell_id=st.just(CELL),
+    prompt_id=st.sampled_from(["P-EASY", "P-HARD"]),
+    prompt_sha256=st.none() | st.text(min_size=1, max_size=8),
+    n_cold=st.integers(0, 5),
+    warm_first_delta_ms_p50=st.none() | st.floats(0, 1e9),
+    warm_tokens_per_sec_mean=st.none() | st.floats(0, 1e9),
+    samples=st.builds(
+        WarmSamples,
+        first_delta_ms=st.lists(st.floats(0, 1e9), max_size=5).map(tuple),
+        tokens_per_sec=st.lists(st.floats(0, 1e9), max_size=5).map(tuple),
+    ),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(summaries, max_size=2, unique_by=lambda s: s.prompt_id), st.text(max_size=10))
+def test_any_summary_round_trips_exactly(prompts: list[PromptSummary], engine: str) -> None:
+    baseline = CellBaseline(
+        CELL,
+        Provenance(engine_version=engine),
+        tuple(sorted(prompts, key=lambda s: s.prompt_id)),
+    )
+    assert loads_baseline(dumps_baseline(baseline), "mem.json") == baseline
+
+
+def test_corrupt_json_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "local_llamacpp_tiny.json"
+    path.write_text('{"cell_id": "local:llamacpp:tiny", "prompts": {', encoding="utf-8")
+    with pytest.raises(GpubenchError) as raised:
+        load_baseline(path)
+    message = str(raised.value)
+    assert message.startswith(f"{path}: corrupt baseline: not valid JSON (line 1")
+    assert "--baseline-update" in message
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda d: d.pop("prompts"), "prompts: required key is missing"),
+        (lambda d: d["prompts"]["P-EASY"]["warm"].pop("n"), "prompts.P-EASY.warm.n: required key"),
+        (
+            lambda d: d["prompts"]["P-EASY"]["samples"].update(first_delta_ms="fast"),
+            "prompts.P-EASY.samples.first_delta_ms: expected a list of numbers",
+        ),
+        (
+            lambda d: d["prompts"]["P-EASY"]["warm"]["first_delta_ms"].update(p50="12"),
+            "prompts.P-EASY.warm.first_delta_ms.p50: expected a number, got str",
+        ),
+        (lambda d: d.update(cell_id=""), "cell_id: must be a non-empty string"),
+        (lambda d: d["provenance"].update(gpus={}), "provenance.gpus: expected a list"),
+    ],
+)
+def test_missing_or_wrong_keys_name_file_and_key(tmp_path: Path, edit: Any, expected: str) -> None:
+    (baseline, _) = baselines_from_records(ledger())
+    data = json.loads(dumps_baseline(baseline))
+    edit(data)
+    path = tmp_path / "cell.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(GpubenchError, match="corrupt baseline") as raised:
+        load_baseline(path)
+    assert str(raised.value).startswith(f"{path}: ")
+    assert expected in str(raised.value)
+
+
+def test_not_an_object_and_newer_format(tmp_path: Path) -> None:
+    path = tmp_path / "cell.json"
+    path.write_text("[1, 2]", encoding="utf-8")
+    with pytest.raises(GpubenchError, match="top level: expected an object"):
+        load_baseline(path)
+    path.write_text('{"format": 99}', encoding="utf-8")
+    with pytest.raises(GpubenchError, match="format 99 is newer"):
+        load_baseline(path)
+
+
+def test_missing_baseline_is_none_and_colliding_names_are_refused(tmp_path: Path) -> None:
+    assert find_baseline(tmp_path, CELL) is None
+    assert baseline_summaries(tmp_path, [CELL]) == []
+    baseline = CellBaseline("a:b", Provenance(), ())
+    write_baseline(tmp_path, baseline)
+    with pytest.raises(GpubenchError, match="holds the baseline of cell 'a:b', not 'a_b'"):
+        write_baseline(tmp_path, CellBaseline("a_b", Provenance(), ()))
+
+
+def test_update_writes_only_cells_that_pass_the_success_bar(tmp_path: Path) -> None:
+    update = update_baselines(tmp_path, ledger(failures=2))
+    assert update.written == {CELL: baseline_path(tmp_path, CELL)}
+    assert update.refused == {
+        OTHER: "warm success rate below 0.95: P-EASY 0.90 (18/20), P-MEDIUM 0.90 (18/20)",
+        "rented:openai:x": "skipped: no offers",
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pavilion_ollama_qwen3.5_0.8b.json"]
+    lenient = update_baselines(tmp_path, ledger(failures=2), min_success_rate=0.9)
+    assert set(lenient.written) == {CELL, OTHER}
+    per_cell = update_baselines(tmp_path, ledger(failures=2), min_success_rate={OTHER: 0.5})
+    assert set(per_cell.written) == {CELL, OTHER}
+
+
+def test_update_refuses_a_cell_without_warm_calls(tmp_path: Path) -> None:
+    cold_only = [r for r in ledger() if r.get("phase") != "warm" or r["cell_id"] != CELL]
+    update = update_baselines(tmp_path, cold_only)
+    assert update.refused[CELL] == (
+        "no warm calls measured for P-EASY, P-MEDIUM (run the warm cases too)"
+    )
+    assert set(update.written) == {OTHER}
+
+
+def test_load_summaries_from_a_baselines_dir_or_a_ledger(tmp_path: Path) -> None:
+    records = ledger()
+    update_baselines(tmp_path / "baselines", records)
+    run = tmp_path / "run.jsonl"
+    lines = [json.dumps(record) for record in records]
+    run.write_text("\n".join(lines) + '\n{"type": "call", "cell', encoding="utf-8")
+    from_dir = load_summaries(tmp_path / "baselines")
+    from_ledger = load_summaries(run)
+    assert from_dir == from_ledger
+    assert len(from_ledger) == 4
+    with pytest.raises(GpubenchError, match="no such ledger or baselines directory"):
+        load_summaries(tmp_path / "nowhere.jsonl")
