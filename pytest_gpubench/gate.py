@@ -102,6 +102,16 @@ class Verdict:
         """Built-in types only: goes into the ledger's end record."""
         return asdict(self)
 
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Verdict | None:
+        """A verdict read back from a ledger's end record; None when it is not one."""
+        if record.get("verdict") not in VERDICT_ORDER:
+            return None
+        try:
+            return cls(**{name: record[name] for name in cls.__dataclass_fields__})
+        except (KeyError, TypeError):
+            return None
+
 
 def ratio_threshold(thresholds: Thresholds, field: str) -> float:
     value = getattr(thresholds, field)

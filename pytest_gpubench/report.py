@@ -1,0 +1,377 @@
+"""Rendering: the terminal summary, the Markdown baseline document and run comparisons."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from pytest_gpubench.gate import (
+    METRIC_NAMES,
+    SUCCESS_RATE,
+    Verdict,
+    compare,
+    overall_by_key,
+    regressions,
+)
+from pytest_gpubench.stats import PromptSummary, summarize
+
+NONE = "-"
+METRIC_LABELS = {
+    "warm_ttft_p50_ms": "TTFT p50 ms",
+    "warm_total_p50_ms": "total p50 ms",
+    "warm_tokens_per_sec_mean": "tok/s mean",
+    SUCCESS_RATE: "success rate",
+}
+# Shown under a table: the verdicts a reader has to act on.
+NOTEWORTHY = ("regression", "inconclusive", "win")
+
+
+# -- formatting -------------------------------------------------------------------------------
+
+
+def fixed(value: float | None, digits: int = 2) -> str:
+    return NONE if value is None else f"{value:.{digits}f}"
+
+
+def change(ratio: float | None) -> str:
+    """1.352 -> "+35.2%"."""
+    return NONE if ratio is None else f"{ratio - 1.0:+.1%}"
+
+
+def success(summary: PromptSummary) -> str:
+    return f"{summary.n_warm_ok}/{summary.n_warm}" if summary.n_warm else NONE
+
+
+def table(rows: Sequence[Sequence[str]], headers: Sequence[str], *, markdown: bool = False) -> str:
+    """Cells pre-formatted as text; columns of numbers right-aligned, names left-aligned."""
+    cell = _md if markdown else str
+    texts = [[cell(value) for value in row] for row in rows]
+    align = [
+        "right" if all(_numeric(row[index]) for row in texts) and texts else "left"
+        for index in range(len(headers))
+    ]
+    return tabulate(
+        texts,
+        headers=[cell(header) for header in headers],
+        tablefmt="pipe" if markdown else "simple",
+        disable_numparse=True,
+        colalign=align,
+    )
+
+
+def _numeric(text: str) -> bool:
+    """A number as this module formats it: 12.30, +5.1%, 4/5, 1.2e-05, or the "-" of none."""
+    return text == NONE or text[:1].isdigit() or (text[:1] in "+-" and text[1:2].isdigit())
+
+
+# -- the terminal summary ---------------------------------------------------------------------
+
+SUMMARY_HEADERS = (
+    "cell",
+    "prompt",
+    "TTFT p50 ms",
+    "total p50 ms",
+    "tok/s",
+    "success",
+    "Δ TTFT / total / tok/s",
+    "verdict",
+)
+
+
+def summary_rows(
+    summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict]
+) -> list[list[str]]:
+    """One row per (cell, prompt): warm numbers, the change against the baseline, the verdict."""
+    verdicts = list(verdicts)
+    by_key = _verdicts_by_key(verdicts)
+    worst = overall_by_key(verdicts)
+    return [
+        [
+            summary.cell_id,
+            summary.prompt_id,
+            fixed(summary.warm_first_delta_ms_p50),
+            fixed(summary.warm_total_duration_ms_p50),
+            fixed(summary.warm_tokens_per_sec_mean, 1),
+            success(summary),
+            _changes(by_key.get(summary.key, {})),
+            worst.get(summary.key, NONE),
+        ]
+        for summary in sorted(summaries, key=lambda item: item.key)
+    ]
+
+
+def _verdicts_by_key(verdicts: Iterable[Verdict]) -> dict[tuple[str, str], dict[str, Verdict]]:
+    grouped: dict[tuple[str, str], dict[str, Verdict]] = {}
+    for verdict in verdicts:
+        grouped.setdefault(verdict.key, {})[verdict.metric] = verdict
+    return grouped
+
+
+def _changes(metrics: Mapping[str, Verdict]) -> str:
+    ratios = [metrics.get(name) for name in METRIC_NAMES if name != SUCCESS_RATE]
+    if all(verdict is None or verdict.change_ratio is None for verdict in ratios):
+        return NONE
+    return " / ".join(change(verdict.change_ratio if verdict else None) for verdict in ratios)
+
+
+def verdict_notes(verdicts: Iterable[Verdict]) -> list[str]:
+    """The messages of regressions, inconclusive changes and wins, worst first."""
+    order = {kind: index for index, kind in enumerate(NOTEWORTHY)}
+    chosen = [verdict for verdict in verdicts if verdict.verdict in order]
+    metrics = {name: index for index, name in enumerate(METRIC_NAMES)}
+    chosen.sort(key=lambda v: (order[v.verdict], v.key, metrics.get(v.metric, len(metrics))))
+    return [f"{verdict.verdict.upper()}: {verdict.message}" for verdict in chosen]
+
+
+def render_summary(summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict]) -> str:
+    """The terminal summary: the table, then one line per verdict that needs attention."""
+    verdicts = list(verdicts)
+    rows = summary_rows(summaries, verdicts)
+    if not rows:
+        return "no calls measured"
+    return "\n".join([table(rows, SUMMARY_HEADERS), *verdict_notes(verdicts)])
+
+
+# -- comparison of two runs -------------------------------------------------------------------
+
+COMPARISON_HEADERS = ("cell", "prompt", "metric", "old", "new", "change", "p", "verdict")
+
+
+def comparison_rows(verdicts: Iterable[Verdict]) -> list[list[str]]:
+    return [
+        [
+            verdict.cell_id,
+            verdict.prompt_id,
+            METRIC_LABELS.get(verdict.metric, verdict.metric),
+            fixed(verdict.baseline),
+            fixed(verdict.current),
+            change(verdict.change_ratio),
+            NONE if verdict.p_value is None else f"{verdict.p_value:.3g}",
+            verdict.verdict,
+        ]
+        for verdict in verdicts
+    ]
+
+
+def render_comparison(verdicts: Iterable[Verdict], *, markdown: bool = False) -> str:
+    verdicts = list(verdicts)
+    if not verdicts:
+        return "nothing to compare: no (cell, prompt) with warm calls in the new run"
+    lines = [table(comparison_rows(verdicts), COMPARISON_HEADERS, markdown=markdown)]
+    notes = verdict_notes(verdicts)
+    if notes:
+        lines.append("")
+        lines.extend(f"- {note}" if markdown else note for note in notes)
+    return "\n".join(lines)
+
+
+def compare_command(old: Path, new: Path) -> int:
+    """`gpubench compare OLD NEW`: prints the comparison; exit status 6 on a regression."""
+    from pytest_gpubench.baseline import load_summaries
+    from pytest_gpubench.run import EXIT_REGRESSION
+
+    verdicts = compare(load_summaries(old), load_summaries(new))
+    print(render_comparison(verdicts))
+    return EXIT_REGRESSION if regressions(verdicts) else 0
+
+
+# -- the Markdown baseline document -----------------------------------------------------------
+
+
+def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
+    """The baseline document of one ledger: the same ledger always gives the same bytes."""
+    records = list(records)
+    empty: Mapping[str, Any] = {}
+    meta = next((r for r in records if r.get("type") == "meta"), empty)
+    end = next((r for r in reversed(records) if r.get("type") == "end"), empty)
+    cells = _first_by_cell(r for r in records if r.get("type") == "cell")
+    skipped = [r for r in records if r.get("type") == "skipped"]
+    summaries = summarize(records)
+    cell_ids = sorted(
+        {s.cell_id for s in summaries} | set(cells) | {str(r.get("cell_id")) for r in skipped}
+    )
+    sections = [
+        _title(meta),
+        _run_section(meta, end),
+        _top_summary(summaries),
+        *(
+            _cell_section(cell_id, cells.get(cell_id, {}), summaries, skipped)
+            for cell_id in cell_ids
+        ),
+        _gate_section(end),
+    ]
+    return "\n\n".join(section for section in sections if section) + "\n"
+
+
+def _first_by_cell(records: Iterable[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    first: dict[str, Mapping[str, Any]] = {}
+    for record in records:
+        first.setdefault(str(record.get("cell_id")), record)
+    return first
+
+
+def _title(meta: Mapping[str, Any]) -> str:
+    run_id = meta.get("benchmark_run_id")
+    return f"# Benchmark run {run_id}" if run_id else "# Benchmark run"
+
+
+def _run_section(meta: Mapping[str, Any], end: Mapping[str, Any]) -> str:
+    dirty = meta.get("git_dirty_files") or []
+    git = _code(meta.get("git_sha"))
+    if meta.get("git_dirty"):
+        git += f" (dirty: {', '.join(_code(name) for name in dirty) or 'yes'})"
+    command = meta.get("command_line")
+    python = f"{_text(meta.get('python_version'))} / {_text(meta.get('pytest_version'))}"
+    load = f"{_text(meta.get('load_avg_start'))} / {_text(end.get('load_avg_end'))}"
+    items = [
+        ("started (UTC)", _text(meta.get("started_at_utc"))),
+        ("finished (UTC)", _text(end.get("finished_at_utc"))),
+        ("git", git),
+        ("harness", _text(meta.get("harness_version"))),
+        ("plugin", _text(meta.get("plugin_version"))),
+        ("Python / pytest", python),
+        ("host", f"{_text(meta.get('host'))} ({_text(meta.get('platform'))})"),
+        ("load average start / end", load),
+        ("command", _code(" ".join(command) if isinstance(command, list) else command)),
+    ]
+    env = meta.get("env")
+    if isinstance(env, dict) and env:
+        items.append(("environment", ", ".join(f"`{k}={env[k]}`" for k in sorted(env))))
+    return "\n".join(f"- {name}: {value}" for name, value in items)
+
+
+def _top_summary(summaries: Sequence[PromptSummary]) -> str:
+    """Warm TTFT p50 per cell (rows) and prompt (columns)."""
+    if not summaries:
+        return "No calls were measured."
+    prompt_ids = sorted({s.prompt_id for s in summaries})
+    values = {s.key: s.warm_first_delta_ms_p50 for s in summaries}
+    rows = [
+        [cell_id, *(fixed(values.get((cell_id, p))) for p in prompt_ids)]
+        for cell_id in sorted({s.cell_id for s in summaries})
+    ]
+    aligned = table(rows, ["cell", *prompt_ids], markdown=True)
+    return f"## Warm TTFT p50 (ms)\n\n{aligned}"
+
+
+def _cell_section(
+    cell_id: str,
+    cell: Mapping[str, Any],
+    summaries: Sequence[PromptSummary],
+    skipped: Sequence[Mapping[str, Any]],
+) -> str:
+    mine = [s for s in summaries if s.cell_id == cell_id]
+    parts = [f"## {_md(cell_id)}"]
+    if cell:
+        parts.append(_cell_description(cell))
+    cold = [s for s in mine if s.n_cold]
+    warm = [s for s in mine if s.n_warm]
+    if cold:
+        parts.append("### Cold\n\n" + table(_cold_rows(cold), COLD_HEADERS, markdown=True))
+    if warm:
+        parts.append("### Warm\n\n" + table(_warm_rows(warm), WARM_HEADERS, markdown=True))
+    reasons = Counter(
+        str(r.get("reason") or "no reason given") for r in skipped if r.get("cell_id") == cell_id
+    )
+    if reasons:
+        lines = [f"- {reason} ({count}×)" for reason, count in sorted(reasons.items())]
+        parts.append("### Skipped\n\n" + "\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def _cell_description(cell: Mapping[str, Any]) -> str:
+    items = [
+        ("engine", f"{_text(cell.get('engine'))} {_code(cell.get('engine_version'))}"),
+        ("model", f"{_text(cell.get('model'))} (digest {_code(cell.get('model_digest'))})"),
+        ("GPUs", _gpus(cell.get("gpus"))),
+    ]
+    if cell.get("endpoint"):
+        items.append(("endpoint", _code(cell.get("endpoint"))))
+    return "\n".join(f"- {name}: {value}" for name, value in items)
+
+
+def _gpus(gpus: Any) -> str:
+    if not isinstance(gpus, list) or not gpus:
+        return "none reported"
+    names = Counter(_gpu_name(gpu) for gpu in gpus)
+    return ", ".join(f"{count} × {name}" for name, count in sorted(names.items()))
+
+
+def _gpu_name(gpu: Any) -> str:
+    if not isinstance(gpu, dict):
+        return str(gpu)
+    memory = gpu.get("memory.total")
+    return f"{gpu.get('name', 'GPU')} ({memory} MiB)" if memory else str(gpu.get("name", "GPU"))
+
+
+COLD_HEADERS = ("prompt", "cold kind", "calls", "ok", "TTFT ms", "total ms")
+WARM_HEADERS = (
+    "prompt",
+    "calls",
+    "ok",
+    "TTFT p50",
+    "TTFT p95",
+    "TTFT p99",
+    "total p50",
+    "total p95",
+    "total p99",
+    "tok/s mean",
+)
+
+
+def _cold_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
+    return [
+        [
+            s.prompt_id,
+            _text(s.cold_kind),
+            str(s.n_cold),
+            str(s.n_cold_ok),
+            fixed(s.cold_first_delta_ms),
+            fixed(s.cold_total_duration_ms),
+        ]
+        for s in summaries
+    ]
+
+
+def _warm_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
+    return [
+        [
+            s.prompt_id,
+            str(s.n_warm),
+            str(s.n_warm_ok),
+            fixed(s.warm_first_delta_ms_p50),
+            fixed(s.warm_first_delta_ms_p95),
+            fixed(s.warm_first_delta_ms_p99),
+            fixed(s.warm_total_duration_ms_p50),
+            fixed(s.warm_total_duration_ms_p95),
+            fixed(s.warm_total_duration_ms_p99),
+            fixed(s.warm_tokens_per_sec_mean, 1),
+        ]
+        for s in summaries
+    ]
+
+
+def _gate_section(end: Mapping[str, Any]) -> str:
+    raw = end.get("verdicts")
+    verdicts = [Verdict.from_record(r) for r in raw if isinstance(r, dict)] if raw else []
+    known = [verdict for verdict in verdicts if verdict is not None]
+    if not known:
+        return ""
+    return "## Regression gate\n\n" + render_comparison(known, markdown=True)
+
+
+def _text(value: Any) -> str:
+    return NONE if value is None or value == "" else str(value)
+
+
+def _code(value: Any) -> str:
+    return NONE if value is None or value == "" else f"`{value}`"
+
+
+def _md(text: str) -> str:
+    """Escape the one character that breaks a Markdown table cell."""
+    return text.replace("|", "\\|")

@@ -1,0 +1,244 @@
+"""Reports: the terminal summary table, the deterministic Markdown document, run comparisons."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpubench.baseline import update_baselines
+from pytest_gpubench.cli import main
+from pytest_gpubench.gate import Verdict, compare, judge
+from pytest_gpubench.report import (
+    compare_command,
+    render_comparison,
+    render_markdown,
+    render_summary,
+    summary_rows,
+)
+from pytest_gpubench.stats import summarize
+
+RUN_ID = "9f0e3c1a-2b4d-4c6e-8f00-112233445566"
+TINY = "local:llamacpp:tiny"
+OLLAMA = "pavilion:ollama:qwen3.5:0.8b"
+
+
+def call(
+    cell_id: str, prompt_id: str, phase: str, run_idx: int, ttft: float, error: str | None = None
+) -> dict[str, Any]:
+    return {
+        "type": "call",
+        "benchmark_run_id": RUN_ID,
+        "cell_id": cell_id,
+        "prompt_id": prompt_id,
+        "prompt_sha256": f"sha-{prompt_id}",
+        "phase": phase,
+        "run_idx": run_idx,
+        "cold_kind": "restart" if phase == "cold" else None,
+        "first_delta_ms": None if error else ttft,
+        "total_duration_ms": None if error else ttft * 5,
+        "tokens_per_sec": None if error else 2000 / ttft,
+        "finish_reason": "error" if error else "length",
+        "error": error,
+        "inter_chunk_ms": [0.5, 0.7],
+        "engine_timings": {"prompt_ms": 0.4},
+    }
+
+
+def ledger(slowdown: float = 1.0, failures: int = 1) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = [
+        {
+            "type": "meta",
+            "benchmark_run_id": RUN_ID,
+            "git_sha": "c0ffee0",
+            "git_dirty": False,
+            "git_dirty_files": [],
+            "harness_version": "1",
+            "started_at_utc": "2025-06-01T10:00:00.000Z",
+            "host": "bench-1",
+            "platform": "Linux-6.8",
+            "load_avg_start": 0.31,
+            "env": {"CUDA_VISIBLE_DEVICES": "0"},
+            "python_version": "3.11.9",
+            "pytest_version": "8.3.3",
+            "plugin_version": "0.1.0",
+            "command_line": ["pytest", "benchmarks/"],
+        }
+    ]
+    for cell_id, engine, version, gpus in (
+        (TINY, "llamacpp", "b6000", []),
+        (OLLAMA, "ollama", "0.12.3", [{"name": "NVIDIA RTX 4090", "memory.total": "24564"}]),
+    ):
+        records.append(
+            {
+                "type": "cell",
+                "cell_id": cell_id,
+                "engine": engine,
+                "model": cell_id.split(":", 2)[2],
+                "engine_version": version,
+                "model_digest": "2ae6f6dd7a3d",
+                "gpus": gpus,
+            }
+        )
+        for prompt_id in ("P-MEDIUM", "P-EASY", "P-HARD"):
+            records.append(call(cell_id, prompt_id, "cold", 0, 300.0))
+            records += [
+                call(cell_id, prompt_id, "warm", i, (10 + i * 0.1) * slowdown) for i in range(10)
+            ]
+    records += [call(TINY, "P-EASY", "warm", 10 + i, 0, error="HTTP 500") for i in range(failures)]
+    records.append({"type": "skipped", "cell_id": "rented:openai:x", "reason": "no offers"})
+    records.append(
+        {
+            "type": "end",
+            "benchmark_run_id": RUN_ID,
+            "finished_at_utc": "2025-06-01T10:05:00.000Z",
+            "load_avg_end": 0.52,
+            "verdicts": [],
+        }
+    )
+    return records
+
+
+def write_ledger(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_markdown_is_byte_identical_for_the_same_ledger() -> None:
+    records = ledger()
+    first = render_markdown(records)
+    assert render_markdown(records) == first
+    calls = [r for r in records if r["type"] == "call"]
+    random.Random(7).shuffle(calls)
+    shuffled = [records[0], *[r for r in records if r["type"] == "cell"][::-1], *calls]
+    shuffled += [r for r in records if r["type"] in ("skipped", "end")]
+    assert render_markdown(shuffled) == first
+    assert first.endswith("\n") and not first.endswith("\n\n")
+
+
+def test_markdown_layout_summary_then_cold_and_warm_per_cell() -> None:
+    text = render_markdown(ledger())
+    lines = text.splitlines()
+    assert lines[0] == f"# Benchmark run {RUN_ID}"
+    assert "- git: `c0ffee0`" in lines
+    assert "- finished (UTC): 2025-06-01T10:05:00.000Z" in lines
+    assert "- environment: `CUDA_VISIBLE_DEVICES=0`" in lines
+    headings = [line for line in lines if line.startswith("#")]
+    assert headings == [
+        f"# Benchmark run {RUN_ID}",
+        "## Warm TTFT p50 (ms)",
+        f"## {TINY}",
+        "### Cold",
+        "### Warm",
+        f"## {OLLAMA}",
+        "### Cold",
+        "### Warm",
+        "## rented:openai:x",
+        "### Skipped",
+    ]
+    summary = text.split("## Warm TTFT p50 (ms)\n\n")[1].split("\n\n")[0].splitlines()
+    assert [cell.strip() for cell in summary[0].strip("|").split("|")] == [
+        "cell",
+        "P-EASY",
+        "P-HARD",
+        "P-MEDIUM",
+    ]
+    assert summary[2].startswith(f"| {TINY}") and "10.45" in summary[2]
+    assert "- engine: ollama `0.12.3`" in lines
+    assert "- GPUs: 1 × NVIDIA RTX 4090 (24564 MiB)" in lines
+    assert "- no offers (1×)" in lines
+    tiny_warm = text.split(f"## {TINY}")[1].split("### Warm")[1]
+    easy = next(line for line in tiny_warm.splitlines() if line.startswith("| P-EASY"))
+    assert [cell.strip() for cell in easy.strip("|").split("|")][:3] == ["P-EASY", "11", "10"]
+
+
+def test_markdown_of_a_ledger_with_verdicts_has_a_gate_section() -> None:
+    records = ledger(slowdown=2.0)
+    verdicts = compare(summarize(ledger()), summarize(records))
+    records[-1]["verdicts"] = [verdict.to_record() for verdict in verdicts]
+    text = render_markdown(records)
+    gate = text.split("## Regression gate\n\n")[1]
+    assert "| regression |" in gate
+    assert f"- REGRESSION: {TINY} P-EASY: warm TTFT p50 +100.0%" in gate
+
+
+def test_markdown_of_an_empty_or_truncated_run() -> None:
+    text = render_markdown([{"type": "meta", "benchmark_run_id": RUN_ID}])
+    assert "No calls were measured." in text
+    assert "- finished (UTC): -" in text
+
+
+def test_terminal_summary_has_one_row_per_cell_and_prompt() -> None:
+    old = summarize(ledger())
+    new = summarize(ledger(slowdown=2.0))
+    verdicts = compare(old, new)
+    rows = summary_rows(new, verdicts)
+    assert [(row[0], row[1]) for row in rows] == [
+        (TINY, "P-EASY"),
+        (TINY, "P-HARD"),
+        (TINY, "P-MEDIUM"),
+        (OLLAMA, "P-EASY"),
+        (OLLAMA, "P-HARD"),
+        (OLLAMA, "P-MEDIUM"),
+    ]
+    assert rows[0][2:] == [
+        "20.90",
+        "104.50",
+        "95.8",
+        "10/11",
+        "+100.0% / +100.0% / -50.0%",
+        "regression",
+    ]
+    text = render_summary(new, verdicts)
+    header = text.splitlines()[0].split()
+    assert header[:3] == ["cell", "prompt", "TTFT"] and header[-1] == "verdict"
+    assert f"REGRESSION: {TINY} P-EASY: warm success rate 0.91 (10/11) is below 0.95" in text
+
+
+def test_terminal_summary_without_baselines_or_warm_calls() -> None:
+    cold_only = [r for r in ledger() if r.get("phase") != "warm"]
+    summaries = summarize(cold_only)
+    rows = summary_rows(summaries, [v for s in summaries for v in judge(s, None)])
+    assert rows[0][2:] == ["-", "-", "-", "-", "-", "-"]
+    fresh = summarize(ledger())
+    rows = summary_rows(fresh, [v for s in fresh for v in judge(s, None)])
+    assert {row[-1] for row in rows} == {"new"}
+    assert render_summary([], []) == "no calls measured"
+
+
+def test_comparison_table_and_verdict_records_round_trip() -> None:
+    verdicts = compare(summarize(ledger()), summarize(ledger(slowdown=0.5)))
+    text = render_comparison(verdicts)
+    assert "TTFT p50 ms" in text and "win" in text
+    assert "WIN: pavilion:ollama:qwen3.5:0.8b P-HARD: warm TTFT p50 -50.0%" in text
+    assert [Verdict.from_record(v.to_record()) for v in verdicts] == verdicts
+    assert Verdict.from_record({"verdict": "maybe"}) is None
+    assert render_comparison([]).startswith("nothing to compare")
+
+
+def test_compare_command_exits_6_on_regression(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = write_ledger(tmp_path / "old.jsonl", ledger(failures=0))
+    new = write_ledger(tmp_path / "new.jsonl", ledger(slowdown=2.0, failures=0))
+    assert compare_command(old, new) == 6
+    assert "regression" in capsys.readouterr().out
+    update_baselines(tmp_path / "baselines", ledger(failures=0))
+    assert compare_command(tmp_path / "baselines", old) == 0
+    assert main(["compare", str(tmp_path / "baselines"), str(new)]) == 6
+
+
+def test_report_command_writes_the_markdown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_ledger(tmp_path / "run.jsonl", ledger())
+    with path.open("a", encoding="utf-8") as truncated:
+        truncated.write('{"type": "call", "cell_id": "local:ll')
+    output = tmp_path / "BASELINE.md"
+    assert main(["report", str(path), "-o", str(output)]) == 0
+    assert output.read_text(encoding="utf-8") == render_markdown(ledger())
+    assert main(["report", str(path)]) == 0
+    assert capsys.readouterr().out.endswith(render_markdown(ledger()))
