@@ -56,3 +56,10 @@ def smoke_case(cases: list[Case], skipped_cells: set[str]) -> Case | None:
     of_cell = [case for case in runnable if case.cell_id == first_cell]
     warm = [case for case in of_cell if case.phase == "warm"]
     return (warm or of_cell)[0]
+
+
+def param_id(node_id: str) -> str:
+    """The parameter id of a node id (`test_generate[<case id>]` -> `<case id>`)."""
+    if "[" not in node_id:
+        return ""
+    return node_id.split("[", 1)[1].rsplit("]", 1)[0]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpubench.cases import Case, build_cases, smoke_case
+from pytest_gpubench.cases import Case, build_cases, param_id, smoke_case
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.matrix import load_matrix
 from pytest_gpubench.run import BenchRun
@@ -34,16 +34,14 @@ def pytest_configure(config: pytest.Config) -> None:
             matrix = load_matrix(settings.cells_path, settings.prompts_path)
         except GpubenchError as exc:
             raise pytest.UsageError(str(exc)) from None
-    run_id = getattr(config, "workerinput", {}).get("gpubench_run_id")
+    workerinput = getattr(config, "workerinput", {})
+    run_id = workerinput.get("gpubench_run_id")
     bench = BenchRun(config, settings, matrix, run_id)
     config.stash[RUN_KEY] = bench
     # The run object receives every test report (pytest_runtest_logreport) to write the ledger.
     config.pluginmanager.register(bench, "gpubench-run")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistHooks(config), "gpubench-xdist")
-        # A cell's cases share one engine process: keep them on one worker.
-        if getattr(config.option, "dist", "no") == "load":
-            config.option.dist = "loadgroup"
 
 
 def _bench(config: pytest.Config) -> BenchRun:
@@ -175,18 +173,21 @@ class XdistHooks:
     def pytest_configure_node(self, node: Any) -> None:
         node.workerinput["gpubench_run_id"] = _bench(self.config).run_id
 
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
+        """With the default `--dist load`, keep a cell's cases on one worker, in order."""
+        bench = _bench(config)
+        if config.getvalue("dist") != "load" or bench.matrix is None:
+            return None
+        from pytest_gpubench.xdist_scheduling import CellScheduling
+
+        cells = {case.case_id: case.cell_id for case in build_cases(bench.matrix, None)}
+        return CellScheduling(config, log, cells)
+
     def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
         bench = _bench(self.config)
         if bench.matrix is None or bench.started:
             return
         case_ids = {case.case_id for case in build_cases(bench.matrix, bench.settings.runs)}
-        count = sum(1 for test_id in ids if _param_id(test_id) in case_ids)
+        count = sum(1 for test_id in ids if param_id(test_id) in case_ids)
         if count:
             bench.begin_or_stop(count)
-
-
-def _param_id(node_id: str) -> str:
-    """The parameter id of a node id; xdist's loadgroup may append '@group' after the brackets."""
-    if "[" not in node_id:
-        return ""
-    return node_id.split("[", 1)[1].rsplit("]", 1)[0]

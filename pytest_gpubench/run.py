@@ -68,7 +68,6 @@ class BenchRun:
         return [
             getattr(pytest.mark, case.phase),
             pytest.mark.timeout(timeout),
-            pytest.mark.xdist_group(case.cell_id),
         ]
 
     def skipped_cells(self) -> set[str]:

@@ -1,0 +1,26 @@
+"""xdist scheduling that sends all of a cell's cases to one worker, since they share its engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from xdist.scheduler import LoadScopeScheduling
+
+from pytest_gpubench.cases import param_id
+
+
+class CellScheduling(LoadScopeScheduling):  # type: ignore[misc]
+    """One scope per cell; every other test is a scope of its own, as under `--dist load`.
+
+    Why not `--dist loadgroup` with an xdist_group mark: xdist 3.8 renames items through
+    `item._nodeid`, which pytest 9.2 no longer reads, so the groups silently fall apart.
+    """
+
+    def __init__(self, config: pytest.Config, log: Any, cells: dict[str, str]) -> None:
+        super().__init__(config, log)
+        self._cells = cells
+
+    def _split_scope(self, nodeid: str) -> str:
+        cell = self._cells.get(param_id(nodeid))
+        return f"gpubench-cell:{cell}" if cell else nodeid

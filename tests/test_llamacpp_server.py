@@ -1,0 +1,236 @@
+"""Against the real llama-server serving the project's own tiny model (no stand-ins here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_gpubench.engines.llamacpp import LlamaCppEngine
+from pytest_gpubench.engines.managed import ManagedLlamaServer
+from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.targets.local import LocalTarget
+
+PROMPTS = """\
+prompts:
+  P-EASY: {intent: short, prompt: "What is the capital of France?", max_tokens: 8}
+  P-MEDIUM: {intent: longer, prompt: "Explain why the sky is blue.", max_tokens: 24}
+"""
+TEST_FILE = """
+def test_generate(gpubench_case):
+    call = gpubench_case.run()
+    assert call["error"] is None, call["error"]
+"""
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> Path:
+    from pytest_gpubench.engines.llamacpp_build import find_llama_server
+
+    binary = find_llama_server(None)
+    if binary is None:
+        message = "llama-server is not installed: run `make engine` (gpubench install-server)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return binary
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from pytest_gpubench.tinymodel import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+@pytest.fixture
+def server(llama_server: Path, tiny_model: Path, tmp_path: Path) -> Iterator[ManagedLlamaServer]:
+    target = LocalTarget()
+    managed = ManagedLlamaServer(
+        target,
+        cell_id="local:llamacpp:tiny",
+        binary=str(llama_server),
+        model_path=str(tiny_model),
+        alias="tiny",
+        log_dir=str(tmp_path),
+        extra_args=("--threads", "1"),
+    )
+    managed.start()
+    yield managed
+    target.close()
+
+
+def server_pids(model: Path) -> list[int]:
+    """llama-server processes serving this model file, from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        zombie = "State:\tZ" in status
+        if (
+            not zombie
+            and argv
+            and argv[0].endswith(b"llama-server")
+            and str(model).encode() in argv
+        ):
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_health_stream_usage_timings_and_restart(server: ManagedLlamaServer) -> None:
+    engine = LlamaCppEngine(server.base_url, "tiny")
+    assert engine.health(5).ok
+    described = engine.describe(5)
+    assert described["engine_version"]  # /props build_info
+    first = engine.chat("What is the capital of France?", 32, 60)
+    assert first.error is None and first.finish_reason == "length"
+    assert first.completion_tokens == 32 == first.client_chunks  # one token per streamed chunk
+    assert first.prompt_tokens and first.prompt_tokens > 0
+    assert {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "cache_n"} <= set(
+        first.engine_timings
+    )
+    assert first.first_delta_ms is not None and first.total_duration_ms is not None
+    assert 0 < first.first_delta_ms < first.total_duration_ms
+    assert first.tokens_per_sec and first.tokens_per_sec > 0 and len(first.inter_chunk_ms) == 31
+    again = engine.chat("What is the capital of France?", 32, 60)
+    assert again.engine_timings["cache_n"] > 0  # warm: the prompt came from the cache
+    old_url = server.base_url
+    server.restart()
+    assert server.starts == 2 and server.base_url != old_url
+    cold = LlamaCppEngine(server.base_url, "tiny").chat("What is the capital of France?", 32, 60)
+    assert cold.error is None and cold.engine_timings["cache_n"] == 0  # a new process: no cache
+
+
+def test_every_request_generates_exactly_max_tokens(server: ManagedLlamaServer) -> None:
+    engine = LlamaCppEngine(server.base_url, "tiny")
+    for max_tokens, prompt in [(1, "Hi"), (7, "Count to ten."), (100, "Write a long story.")]:
+        call = engine.chat(prompt, max_tokens, 60)
+        assert (call.completion_tokens, call.finish_reason) == (max_tokens, "length"), prompt
+
+
+def test_warm_and_cold_run_through_the_plugin(
+    pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
+) -> None:
+    pytester.makefile(
+        ".yaml",
+        prompts=PROMPTS,
+        cells=f"nodes: {{local: {{kind: local}}}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 2}}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=6)
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    records = read_ledger(ledger)
+    (cell,) = [r for r in records if r["type"] == "cell"]
+    assert cell["model_digest"].startswith("sha256:") and cell["engine_version"]
+    assert cell["gpus"] == [] and cell["node_info"]["cpu_model"]
+    calls = [r for r in records if r["type"] == "call"]
+    max_tokens = {"P-EASY": 8, "P-MEDIUM": 24}
+    for call in calls:
+        assert call["completion_tokens"] == max_tokens[call["prompt_id"]]
+        assert call["finish_reason"] == "length"
+        # The tiny model makes a token in ~0.1 ms: if the client was descheduled that long, a
+        # short reply can arrive in one read, and then TTFT honestly equals the total.
+        assert 0 < call["first_delta_ms"] <= call["total_duration_ms"]
+    for prompt_id in max_tokens:
+        assert any(
+            c["first_delta_ms"] < c["total_duration_ms"]
+            for c in calls
+            if c["prompt_id"] == prompt_id
+        )
+    cold = [c for c in calls if c["phase"] == "cold"]
+    assert [c["cold_kind"] for c in cold] == ["restart", "restart"]
+    assert all(c["engine_timings"]["cache_n"] == 0 for c in cold)
+    (log,) = (pytester.path / "runs" / "logs").glob("llama-server-*.log")
+    # One start for the cell, then one restart per cold case.
+    assert log.read_text().count("llama_server: listening on") == 3
+    assert server_pids(tiny_model) == []  # nothing left behind after the session
+
+
+def test_xdist_writes_one_ledger_with_one_call_per_case(
+    pytester: pytest.Pytester, llama_server: Path
+) -> None:
+    pytest.importorskip("xdist")
+    pytester.makefile(
+        ".yaml",
+        prompts=PROMPTS,
+        cells=f"nodes: {{local: {{kind: local}}}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 2, phases: [warm]}}\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny-b, model_path: '{_tiny_path()}', server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 2, phases: [warm]}}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    result = pytester.runpytest("-n", "2", "-p", "xdist", "--force-load")
+    result.assert_outcomes(passed=8)
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    records = read_ledger(ledger)
+    calls = [r for r in records if r["type"] == "call"]
+    assert sorted(c["case_id"] for c in calls) == sorted(
+        f"local:llamacpp:{model}-{prompt}-warm-{run}"
+        for model in ("tiny", "tiny-b")
+        for prompt in ("P-EASY", "P-MEDIUM")
+        for run in (0, 1)
+    )
+    assert len({r["benchmark_run_id"] for r in records}) == 1
+    assert records[0]["type"] == "meta" and records[-1]["type"] == "end"
+    # Each cell ran on one worker (its engine process is shared by its cases).
+    workers = {c["cell_id"]: set() for c in calls}
+    for call in calls:
+        workers[call["cell_id"]].add(call["worker"])
+    assert all(len(names) == 1 for names in workers.values()), workers
+
+
+def _tiny_path() -> Path:
+    from pytest_gpubench.tinymodel import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+def test_kill_9_of_pytest_leaves_no_server(
+    pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
+) -> None:
+    pytester.makefile(
+        ".yaml",
+        prompts=PROMPTS,
+        cells=f"nodes: {{local: {{kind: local}}}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 5000, phases: [warm]}}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "--force-load", "-p", "no:cacheprovider"],
+        cwd=pytester.path,
+        stdout=(pytester.path / "out.txt").open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not server_pids(tiny_model):
+        time.sleep(0.05)
+    assert server_pids(tiny_model), "the managed server never started"
+    while time.monotonic() < deadline:
+        ledgers = list((pytester.path / "runs").glob("*.jsonl"))
+        if ledgers and ledgers[0].read_text().count('"type":"call"') >= 50:
+            break
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and server_pids(tiny_model):
+        time.sleep(0.05)
+    assert server_pids(tiny_model) == []
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    complete = ledger.read_text().split("\n")[:-1]
+    kinds = [json.loads(line)["type"] for line in complete]
+    assert kinds[:2] == ["meta", "cell"] and set(kinds[2:]) == {"call"}, kinds
