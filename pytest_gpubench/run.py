@@ -8,9 +8,11 @@ from typing import Any
 import pytest
 from tabulate import tabulate
 
+from pytest_gpubench.baseline import baseline_summaries, find_baseline, update_baselines
 from pytest_gpubench.cases import Case
 from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.ledger import Ledger, SecretScrubber
+from pytest_gpubench.gate import Verdict, compare, regressions, success_threshold
+from pytest_gpubench.ledger import Ledger, SecretScrubber, scrub_record
 from pytest_gpubench.matrix import Matrix
 from pytest_gpubench.provenance import (
     git_state,
@@ -19,8 +21,10 @@ from pytest_gpubench.provenance import (
     secret_values,
     utc_now,
 )
+from pytest_gpubench.report import render_summary
 from pytest_gpubench.session import BenchSession
 from pytest_gpubench.settings import Settings
+from pytest_gpubench.stats import PromptSummary, summarize
 
 # SPEC §12: benchmarks ran and at least one regressed.
 EXIT_REGRESSION = 6
@@ -52,6 +56,11 @@ class BenchRun:
         self.skips: list[dict[str, Any]] = []
         self.cells: dict[str, dict[str, Any]] = {}
         self.probe_rows: list[list[Any]] = []
+        self.meta: dict[str, Any] = {}
+        self.summaries: list[PromptSummary] = []
+        self.verdicts: list[Verdict] = []
+        self.gate_error: str | None = None
+        self.baseline_notes: list[str] = []
 
     @property
     def run_id(self) -> str:
@@ -106,10 +115,11 @@ class BenchRun:
         if self.started or self.matrix is None or self.session is None or self.settings.probe:
             return
         git = self.check_guards()
+        self.check_frozen_prompts()
         self.started = True
         path = self.settings.ledger_dir / f"{self.run_id}.jsonl"
         self.ledger = Ledger(path, self.scrub)
-        self.ledger.append(
+        self.meta = scrub_record(
             meta_record(
                 run_id=self.run_id,
                 root=self.config.rootpath,
@@ -120,8 +130,27 @@ class BenchRun:
                 argv=list(self.config.invocation_params.args),
                 cells_path=self.settings.cells_path,
                 prompts_path=self.settings.prompts_path,
-            )
+            ),
+            self.scrub,
         )
+        self.ledger.append(self.meta)
+
+    def check_frozen_prompts(self) -> None:
+        """SPEC §4: a prompt never changes under an id that a baseline was measured with."""
+        assert self.matrix is not None
+        for cell in self.matrix.cells:
+            baseline = find_baseline(self.settings.baselines_dir, cell.cell_id)
+            for recorded in baseline.prompts if baseline else []:
+                prompt = self.matrix.prompts.get(recorded.prompt_id)
+                if prompt is None or recorded.prompt_sha256 is None:
+                    continue
+                if prompt.sha256() != recorded.prompt_sha256:
+                    raise GpubenchError(
+                        f"{self.settings.prompts_path}: prompt {recorded.prompt_id} changed since "
+                        f"the baseline of {cell.cell_id} was measured (sha256 "
+                        f"{recorded.prompt_sha256[:12]} -> {prompt.sha256()[:12]}): shipped "
+                        "prompts are frozen; restore it and add the new text under a new id"
+                    )
 
     def begin_or_stop(self, cases_planned: int) -> None:
         """Under xdist the controller learns of the cases late; a guard then stops the session."""
@@ -200,6 +229,8 @@ class BenchRun:
         status: int | None = None
         if self.startup_error is not None:
             status = int(pytest.ExitCode.USAGE_ERROR)
+        if self.ledger is not None and self.calls:
+            status = self.judge(exitstatus) or status
         if self.ledger is not None:
             self.ledger.append(
                 {
@@ -210,12 +241,48 @@ class BenchRun:
                     "pytest_exitstatus": exitstatus,
                     "calls": len(self.calls),
                     "skipped": len(self.skips),
-                    "verdicts": [],
-                    "regressions": 0,
+                    "verdicts": [verdict.to_record() for verdict in self.verdicts],
+                    "regressions": len(regressions(self.verdicts)),
+                    "gate_error": self.gate_error,
                 }
             )
             self.ledger.close()
         return status
+
+    def judge(self, exitstatus: int) -> int | None:
+        """Compare with the baselines (SPEC §8); 6 when a benchmark regressed, None otherwise."""
+        assert self.matrix is not None
+        self.summaries = summarize(self.calls)
+        thresholds = {cell.cell_id: cell.thresholds for cell in self.matrix.cells}
+        try:
+            baselines = baseline_summaries(self.settings.baselines_dir, self.cells_measured())
+            self.verdicts = compare(baselines, self.summaries, thresholds)
+        except GpubenchError as exc:
+            self.gate_error = self.scrub(str(exc))
+            return int(pytest.ExitCode.USAGE_ERROR)
+        if self.settings.baseline_update:
+            self.update_baselines()
+            return None
+        if regressions(self.verdicts) and exitstatus == pytest.ExitCode.OK:
+            return EXIT_REGRESSION
+        return None
+
+    def cells_measured(self) -> list[str]:
+        return sorted({call["cell_id"] for call in self.calls})
+
+    def update_baselines(self) -> None:
+        assert self.matrix is not None
+        minimum = {cell.cell_id: success_threshold(cell.thresholds) for cell in self.matrix.cells}
+        records = [self.meta, *self.cells.values(), *self.calls, *self.skips]
+        try:
+            update = update_baselines(self.settings.baselines_dir, records, minimum)
+        except GpubenchError as exc:
+            self.gate_error = self.scrub(str(exc))
+            return
+        for cell_id, path in sorted(update.written.items()):
+            self.baseline_notes.append(f"baseline written: {cell_id} -> {path}")
+        for cell_id, reason in sorted(update.refused.items()):
+            self.baseline_notes.append(f"baseline NOT written for {cell_id}: {reason}")
 
     def summarize(self, reporter: pytest.TerminalReporter) -> None:
         if self.startup_error is not None:
@@ -229,23 +296,18 @@ class BenchRun:
         if self.ledger is None:
             return
         reporter.write_sep("=", "gpubench")
-        rows = _measured_rows(self.calls)
-        if rows:
+        if self.calls:
+            reporter.write_line(self.scrub(render_summary(self.summaries, self.verdicts)))
+        for note in self.baseline_notes:
+            reporter.write_line(note)
+        if self.gate_error is not None:
+            reporter.write_line(f"ERROR: {self.gate_error}", red=True)
+        found = regressions(self.verdicts)
+        if found and not self.settings.baseline_update:
             reporter.write_line(
-                tabulate(
-                    rows,
-                    headers=[
-                        "cell",
-                        "prompt",
-                        "phase",
-                        "calls",
-                        "ok",
-                        "TTFT ms (median)",
-                        "total ms (median)",
-                        "tok/s (mean)",
-                    ],
-                    floatfmt=".2f",
-                )
+                f"gpubench: {len(found)} regression(s) against {self.settings.baselines_dir}; "
+                f"exit status {EXIT_REGRESSION}",
+                red=True,
             )
         reporter.write_line(f"ledger: {self.ledger.path}")
 
@@ -255,21 +317,3 @@ def _relative_prefix(path: Path, root: Path) -> str | None:
         return path.resolve().relative_to(root.resolve()).as_posix().rstrip("/") + "/"
     except ValueError:
         return None
-
-
-def _measured_rows(calls: list[dict[str, Any]]) -> list[list[Any]]:
-    import statistics
-
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
-    for call in calls:
-        groups.setdefault((call["cell_id"], call["prompt_id"], call["phase"]), []).append(call)
-    rows = []
-    for (cell_id, prompt_id, phase), group in groups.items():
-        ok = [c for c in group if not c.get("error")]
-        rows.append([
-            cell_id, prompt_id, phase, len(group), len(ok),
-            statistics.median(c["first_delta_ms"] for c in ok) if ok else None,
-            statistics.median(c["total_duration_ms"] for c in ok) if ok else None,
-            statistics.fmean(c["tokens_per_sec"] or 0 for c in ok) if ok else None,
-        ])  # fmt: skip
-    return rows
