@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup system python engine bench test lint clean
+.PHONY: setup system sshd python engine bench test lint clean
 
 setup: system python engine
 
@@ -29,7 +29,11 @@ engine: python
 bench: setup
 	$(BIN)/pytest benchmarks/ -m warm $(PYTEST_ARGS)
 
-test: setup
+# The SSH tests need OpenSSH and an unprivileged test user (a real sshd on 127.0.0.1).
+sshd:
+	bash scripts/setup-sshd.sh
+
+test: setup sshd
 	$(BIN)/pytest tests/ $(PYTEST_ARGS)
 
 lint: python
