@@ -104,3 +104,27 @@ def test_same_order_on_every_xdist_worker(bench_dir: pytest.Pytester) -> None:
     (ledger,) = (bench_dir.path / "runs").glob("*.jsonl")
     kinds = [json.loads(line)["type"] for line in ledger.read_text().splitlines()]
     assert kinds.count("skipped") == 12 and kinds[0] == "meta" and kinds[-1] == "end"
+
+
+def test_every_case_gets_a_timeout_from_its_cell(pytester: pytest.Pytester) -> None:
+    """pytest-timeout guards each case; the engine's own stream timeout (timeout_s) fires first."""
+    pytester.makefile(
+        ".yaml",
+        prompts=PROMPTS,
+        cells="settings: {timeout_s: 10}\nnodes: {local: {kind: local}}\ncells:\n"
+        "  - {node: local, engine: openai, model: a, endpoint: 'http://127.0.0.1:9', skip: later}\n"
+        "  - {node: local, engine: openai, model: b, endpoint: 'http://127.0.0.1:9', skip: later,"
+        " timeout_s: 100}\n",
+    )
+    pytester.makeconftest(
+        """
+        def pytest_collection_finish(session):
+            for item in session.items:
+                print("TIMEOUT", item.callspec.id, item.get_closest_marker("timeout").args[0])
+        """
+    )
+    pytester.makepyfile(test_bench="def test_generate(gpubench_case):\n    pass\n")
+    result = pytester.runpytest("--collect-only", "-q", "-s")
+    result.stdout.fnmatch_lines(
+        ["TIMEOUT local:openai:a-P-EASY-cold-0 200.0", "TIMEOUT local:openai:b-P-EASY-cold-0 380.0"]
+    )

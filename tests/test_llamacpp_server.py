@@ -198,9 +198,10 @@ def _tiny_path() -> Path:
     return ensure_tiny_model()
 
 
-def test_kill_9_of_pytest_leaves_no_server(
+def start_long_run(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
-) -> None:
+) -> subprocess.Popen[bytes]:
+    """A pytest subprocess measuring thousands of warm cases; returns once 50 calls are in."""
     pytester.makefile(
         ".yaml",
         prompts=PROMPTS,
@@ -211,26 +212,47 @@ def test_kill_9_of_pytest_leaves_no_server(
     process = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "--force-load", "-p", "no:cacheprovider"],
         cwd=pytester.path,
-        stdout=(pytester.path / "out.txt").open("w"),
-        stderr=subprocess.STDOUT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not server_pids(tiny_model):
-        time.sleep(0.05)
-    assert server_pids(tiny_model), "the managed server never started"
     while time.monotonic() < deadline:
         ledgers = list((pytester.path / "runs").glob("*.jsonl"))
         if ledgers and ledgers[0].read_text().count('"type":"call"') >= 50:
             break
         time.sleep(0.02)
+    assert server_pids(tiny_model), "the managed server never started"
+    return process
+
+
+def wait_until_gone(model: Path, timeout_s: float = 10) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and server_pids(model):
+        time.sleep(0.05)
+    return server_pids(model)
+
+
+def test_kill_9_of_pytest_leaves_no_server(
+    pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
+) -> None:
+    process = start_long_run(pytester, llama_server, tiny_model)
     os.kill(process.pid, signal.SIGKILL)
     process.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and server_pids(tiny_model):
-        time.sleep(0.05)
-    assert server_pids(tiny_model) == []
+    assert wait_until_gone(tiny_model) == []
     (ledger,) = (pytester.path / "runs").glob("*.jsonl")
     complete = ledger.read_text().split("\n")[:-1]
     kinds = [json.loads(line)["type"] for line in complete]
     assert kinds[:2] == ["meta", "cell"] and set(kinds[2:]) == {"call"}, kinds
+
+
+def test_ctrl_c_stops_the_server_and_closes_the_ledger(
+    pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
+) -> None:
+    process = start_long_run(pytester, llama_server, tiny_model)
+    os.kill(process.pid, signal.SIGINT)
+    assert process.wait(timeout=30) == pytest.ExitCode.INTERRUPTED
+    assert server_pids(tiny_model) == []  # stopped by the session's own teardown, not by a signal
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    records = read_ledger(ledger)
+    assert records[-1]["type"] == "end" and records[-1]["pytest_exitstatus"] == 2
