@@ -1,0 +1,138 @@
+"""The gate inside a pytest run: --baseline-update, verdicts, exit 6, frozen prompts, bad baselines.
+
+Ollama cannot run here: these runs use the stand-in that follows Ollama's docs/api.md field by field
+(tests/standins.py), whose speed the tests control. The same gate against the real llama-server
+is in tests/test_gate_real.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pytest_gpubench.ledger import read_ledger
+from standins import FaultyOpenAIServer, OllamaStandin, serving
+
+PROMPTS = """\
+prompts:
+  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 6}
+"""
+TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
+CELL = "local:ollama:qwen3.5:0.8b"
+
+
+def bench(pytester: pytest.Pytester, url: str, extra: str = "") -> None:
+    pytester.makefile(
+        ".yaml",
+        prompts=PROMPTS,
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: ollama, model: 'qwen3.5:0.8b', endpoint: '{url}', runs: 10,"
+        " phases: [warm]}\n" + extra,
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+
+
+def last_ledger(pytester: pytest.Pytester) -> list[dict[str, object]]:
+    newest = max((pytester.path / "runs").glob("*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
+    return read_ledger(newest)
+
+
+def test_update_then_same_speed_passes_and_slower_exits_6(pytester: pytest.Pytester) -> None:
+    server = OllamaStandin(token_s=0.003)
+    with serving(server) as url:
+        bench(pytester, url)
+        update = pytester.runpytest("--force-load", "--baseline-update")
+        same = pytester.runpytest("--force-load")
+        server.token_s = 0.009  # three times slower per token, first token included
+        slower = pytester.runpytest("--force-load")
+    assert update.ret == 0
+    update.stdout.fnmatch_lines([f"baseline written: {CELL} -> *qwen3.5_0.8b.json"])
+    stored = json.loads(
+        (pytester.path / "baselines" / "local_ollama_qwen3.5_0.8b.json").read_text()
+    )
+    assert stored["cell_id"] == CELL
+    assert same.ret == 0
+    same.stdout.fnmatch_lines([f"{CELL}*P-EASY*ok"])
+    assert slower.ret == 6
+    slower.stdout.fnmatch_lines(
+        [
+            f"{CELL}*P-EASY*regression",
+            f"REGRESSION: {CELL} P-EASY: warm TTFT p50 +*",
+            "gpubench: * regression(s) against *; exit status 6",
+        ]
+    )
+    end = last_ledger(pytester)[-1]
+    assert end["type"] == "end" and end["regressions"] >= 1
+    metrics = {v["metric"] for v in end["verdicts"] if v["verdict"] == "regression"}  # type: ignore[union-attr]
+    assert "warm_ttft_p50_ms" in metrics
+
+
+def test_update_skips_cells_below_the_success_bar(pytester: pytest.Pytester) -> None:
+    with serving(OllamaStandin()) as good, serving(FaultyOpenAIServer()) as bad:
+        bench(
+            pytester,
+            good,
+            f"  - {{node: local, engine: openai, model: m, endpoint: '{bad}', phases: [warm], runs: 2,"
+            " prompts: [P-FAIL]}\n",
+        )
+        pytester.makefile(
+            ".yaml",
+            prompts=PROMPTS + '  P-FAIL: {intent: fails, prompt: "FAIL500", max_tokens: 4}\n',
+        )
+        result = pytester.runpytest("--force-load", "--baseline-update")
+    result.stdout.fnmatch_lines(
+        [f"baseline written: {CELL} -> *", "baseline NOT written for local:openai:m: *"]
+    )
+    assert sorted(p.name for p in (pytester.path / "baselines").glob("*.json")) == [
+        "local_ollama_qwen3.5_0.8b.json"
+    ]
+
+
+def test_a_changed_frozen_prompt_stops_the_run_before_measuring(pytester: pytest.Pytester) -> None:
+    with serving(OllamaStandin()) as url:
+        bench(pytester, url)
+        pytester.runpytest("--force-load", "--baseline-update")
+        pytester.makefile(".yaml", prompts=PROMPTS.replace("Say hi.", "Say hello."))
+        result = pytester.runpytest("--force-load")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            "ERROR: *prompts.yaml: prompt P-EASY changed since the baseline of *: *add the new text under a new id"
+        ]
+    )
+
+
+def test_a_corrupt_baseline_is_one_clear_error(pytester: pytest.Pytester) -> None:
+    with serving(OllamaStandin()) as url:
+        bench(pytester, url)
+        (pytester.path / "baselines").mkdir()
+        (pytester.path / "baselines" / "local_ollama_qwen3.5_0.8b.json").write_text("{not json")
+        result = pytester.runpytest("--force-load")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: *local_ollama_qwen3.5_0.8b.json*"])
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()
+
+
+def test_no_baseline_is_new_not_a_failure(pytester: pytest.Pytester) -> None:
+    with serving(OllamaStandin()) as url:
+        bench(pytester, url)
+        result = pytester.runpytest("--force-load")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines([f"{CELL}*P-EASY*new"])
+    assert {v["verdict"] for v in last_ledger(pytester)[-1]["verdicts"]} == {"new"}  # type: ignore[union-attr]
+
+
+def test_report_of_the_run_is_deterministic(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    from pytest_gpubench.cli import main
+
+    with serving(OllamaStandin()) as url:
+        bench(pytester, url)
+        pytester.runpytest("--force-load")
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    first, second = tmp_path / "a.md", tmp_path / "b.md"
+    assert main(["report", str(ledger), "-o", str(first)]) == 0
+    assert main(["report", str(ledger), "-o", str(second)]) == 0
+    assert first.read_bytes() == second.read_bytes()
+    assert CELL in first.read_text()
