@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
+from standins import FaultyOpenAIServer, OllamaStandin, serving
 
 from pytest_gpubench.ledger import read_ledger
-from standins import FaultyOpenAIServer, OllamaStandin, serving
 
 PROMPTS = """\
 prompts:
