@@ -17,7 +17,6 @@ from pytest_gpubench.settings import Settings, addoption
 CASE_FIXTURE = "gpubench_case"
 RUN_KEY = pytest.StashKey["BenchRun"]()
 RECORDS_KEY = pytest.StashKey[list[dict[str, Any]]]()
-CASE_KEY = pytest.StashKey[Case]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -180,8 +179,9 @@ class XdistHooks:
             return None
         from pytest_gpubench.xdist_scheduling import CellScheduling
 
-        cells = {case.case_id: case.cell_id for case in build_cases(bench.matrix, None)}
-        return CellScheduling(config, log, cells)
+        cases = build_cases(bench.matrix, bench.settings.runs)
+        cells = {case.case_id: case.cell_id for case in cases}
+        return CellScheduling(config, log, cells, lambda: bench.startup_error is not None)
 
     def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
         bench = _bench(self.config)

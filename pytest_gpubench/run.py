@@ -153,19 +153,16 @@ class BenchRun:
                     )
 
     def begin_or_stop(self, cases_planned: int) -> None:
-        """Under xdist the controller learns of the cases late; a guard then stops the session."""
+        """Under xdist the controller learns of the cases only from the workers' collections."""
         try:
             self.begin(cases_planned)
         except GpubenchError as exc:
             self.startup_error = str(exc)
             self.started = True
-            session = getattr(self.config, "_gpubench_session", None)
-            if session is not None:
-                session.shouldstop = self.startup_error
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_sessionstart(self, session: pytest.Session) -> None:
-        self.config._gpubench_session = session  # type: ignore[attr-defined]
+            # The distributed session stops at its next turn; CellScheduling hands out nothing.
+            dsession = self.config.pluginmanager.getplugin("dsession")
+            if dsession is not None:
+                dsession.shouldstop = self.startup_error
 
     # -- per case ------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,9 +18,17 @@ class CellScheduling(LoadScopeScheduling):  # type: ignore[misc]
     `item._nodeid`, which pytest 9.2 no longer reads, so the groups silently fall apart.
     """
 
-    def __init__(self, config: pytest.Config, log: Any, cells: dict[str, str]) -> None:
+    def __init__(
+        self, config: pytest.Config, log: Any, cells: dict[str, str], refused: Callable[[], bool]
+    ) -> None:
         super().__init__(config, log)
         self._cells = cells
+        self._refused = refused
+
+    def schedule(self) -> None:
+        """Hand out nothing when a reproducibility guard refused the run."""
+        if not self._refused():
+            super().schedule()
 
     def _split_scope(self, nodeid: str) -> str:
         cell = self._cells.get(param_id(nodeid))

@@ -167,3 +167,19 @@ def test_secrets_appear_nowhere(pytester: pytest.Pytester, monkeypatch: pytest.M
     assert json.loads(text.splitlines()[0])["env"]["BENCH_API_TOKEN"] == "[REDACTED]"
     assert secret not in text
     assert secret not in result.stdout.str() + result.stderr.str()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_guards_refuse_before_any_call_under_xdist(pytester: pytest.Pytester, workers: str) -> None:
+    pytest.importorskip("xdist")
+    server = OllamaStandin()
+    with serving(server) as url:
+        setup_bench(pytester, url)
+        git(pytester.path, "init", "-q")
+        git(pytester.path, "add", "-A")
+        git(pytester.path, "commit", "-qm", "bench")
+        (pytester.path / "prompts.yaml").write_text(PROMPTS + "\n")
+        result = pytester.runpytest("--force-load", "-n", workers, "-p", "xdist")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stdout.fnmatch_lines(["ERROR: git tree * has uncommitted changes (prompts.yaml)*"])
+    assert not [r for r in server.requests if r[1] == "/api/chat"]  # nothing was measured
