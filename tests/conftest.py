@@ -1,13 +1,37 @@
 """Shared test set-up for the plugin's own tests."""
 
 import os
+from pathlib import Path
 
 # httpx imports httpcore lazily; importing it here keeps one copy alive across pytester's in-process
 # runs (which drop modules first imported during a run), so httpx's exception mapping stays valid.
 import httpcore  # noqa: F401
+import pytest
 
 from pytest_gpubench.cache import cache_dir
 
 # pytester points HOME at each test's directory; keep one cache (the llama-server build, the tiny
 # model) shared by the in-process and subprocess runs, so they find what `make engine` made.
 os.environ.setdefault("GPUBENCH_CACHE_DIR", str(cache_dir()))
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> Path:
+    """The llama-server binary (`make engine`); skipped where it is not built, failed on CI."""
+    from pytest_gpubench.engines.llamacpp_build import find_llama_server
+
+    binary = find_llama_server(None)
+    if binary is None:
+        message = "llama-server is not installed: run `make engine` (gpubench install-server)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return binary
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The project's tiny GGUF model, written once into the cache."""
+    from pytest_gpubench.tinymodel import ensure_tiny_model
+
+    return ensure_tiny_model()
