@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 import time
 from collections.abc import Sequence
 from pathlib import PurePosixPath
@@ -34,10 +36,8 @@ class ManagedLlamaServer:
         self.binary = binary
         self.model_path = model_path
         self.alias = alias
-        self.log_path = str(
-            PurePosixPath(log_dir)
-            / f"llama-server-{cell_id.replace(':', '_').replace('/', '_')}.log"
-        )
+        # The cell id holds the model name, which may hold anything: keep the file name plain.
+        self.log_path = str(PurePosixPath(log_dir) / f"llama-server-{_file_name(cell_id)}.log")
         self.extra_args = tuple(extra_args)
         self.ready_timeout_s = ready_timeout_s
         self.base_url = ""
@@ -103,3 +103,11 @@ class ManagedLlamaServer:
         if self._process is not None:
             self._process.stop()
             self._process = None
+
+
+def _file_name(text: str, limit: int = 80) -> str:
+    """A short, plain file name for any text; distinct texts keep distinct names (a hash)."""
+    plain = re.sub(r"[^A-Za-z0-9._-]", "_", text)
+    if plain == text and len(plain) <= limit:
+        return plain
+    return f"{plain[: limit - 13]}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
