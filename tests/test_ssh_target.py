@@ -322,24 +322,19 @@ def test_cpu_facts() -> None:
 
 
 def test_managed_llama_server_runs_through_ssh(
-    target: SshTarget, remote_dir: Path, tmp_path: Path
+    target: SshTarget, remote_dir: Path, llama_server: Path, tiny_model: Path
 ) -> None:
     """What the plugin does for a managed cell on an SSH node: free_port, start, reach, restart."""
     import shutil
 
     from pytest_gpubench.engines.llamacpp import LlamaCppEngine
-    from pytest_gpubench.engines.llamacpp_build import find_llama_server
     from pytest_gpubench.engines.managed import ManagedLlamaServer
-    from pytest_gpubench.tinymodel import ensure_tiny_model
 
-    binary = find_llama_server(None)
-    if binary is None:
-        pytest.skip("no llama-server built yet (make engine builds it)")
     # The test user cannot enter root's cache: give it copies of its own.
     remote_binary = remote_dir / "llama-server"
-    shutil.copy2(binary, remote_binary)
+    shutil.copy2(llama_server, remote_binary)
     remote_model = remote_dir / "tiny.gguf"
-    shutil.copy2(ensure_tiny_model(tmp_path / "cache"), remote_model)
+    shutil.copy2(tiny_model, remote_model)
     server = ManagedLlamaServer(
         target,
         cell_id="pavilion:llamacpp:tiny",
