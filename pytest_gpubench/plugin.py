@@ -173,15 +173,23 @@ class XdistHooks:
         node.workerinput["gpubench_run_id"] = _bench(self.config).run_id
 
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
-        """With the default `--dist load`, keep a cell's cases on one worker, in order."""
+        """With the default `--dist load`, keep a node's cases on one worker, in order."""
         bench = _bench(config)
         if config.getvalue("dist") != "load" or bench.matrix is None:
             return None
-        from pytest_gpubench.xdist_scheduling import CellScheduling
+        from pytest_gpubench.xdist_scheduling import NodeScheduling
 
-        cases = build_cases(bench.matrix, bench.settings.runs)
-        cells = {case.case_id: case.cell_id for case in cases}
-        return CellScheduling(config, log, cells, lambda: bench.startup_error is not None)
+        matrix = bench.matrix
+        nodes = {
+            case.case_id: matrix.cell(case.cell_id).spec.node
+            for case in build_cases(matrix, bench.settings.runs)
+        }
+        return NodeScheduling(config, log, nodes, lambda: bench.startup_error is not None)
+
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        """A worker gave back its rented nodes; their cost goes into the controller's ledger."""
+        output = getattr(node, "workeroutput", None) or {}
+        _bench(self.config).worker_nodes.extend(output.get("gpubench_nodes", []))
 
     def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
         bench = _bench(self.config)

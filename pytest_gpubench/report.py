@@ -18,6 +18,7 @@ from pytest_gpubench.gate import (
     regressions,
 )
 from pytest_gpubench.stats import PromptSummary, summarize
+from pytest_gpubench.targets import gpu_summary
 
 NONE = "-"
 METRIC_LABELS = {
@@ -295,17 +296,9 @@ def _cell_description(cell: Mapping[str, Any]) -> str:
 
 
 def _gpus(gpus: Any) -> str:
-    if not isinstance(gpus, list) or not gpus:
+    if not isinstance(gpus, list):
         return "none reported"
-    names = Counter(_gpu_name(gpu) for gpu in gpus)
-    return ", ".join(f"{count} × {name}" for name, count in sorted(names.items()))
-
-
-def _gpu_name(gpu: Any) -> str:
-    if not isinstance(gpu, dict):
-        return str(gpu)
-    memory = gpu.get("memory.total")
-    return f"{gpu.get('name', 'GPU')} ({memory} MiB)" if memory else str(gpu.get("name", "GPU"))
+    return gpu_summary([gpu for gpu in gpus if isinstance(gpu, dict)])
 
 
 COLD_HEADERS = ("prompt", "cold kind", "calls", "ok", "TTFT ms", "total ms")

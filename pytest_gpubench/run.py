@@ -61,6 +61,8 @@ class BenchRun:
         self.verdicts: list[Verdict] = []
         self.gate_error: str | None = None
         self.baseline_notes: list[str] = []
+        # Rented nodes given back by xdist workers (the controller's own are in the session).
+        self.worker_nodes: list[dict[str, Any]] = []
 
     @property
     def run_id(self) -> str:
@@ -159,7 +161,7 @@ class BenchRun:
         except GpubenchError as exc:
             self.startup_error = str(exc)
             self.started = True
-            # The distributed session stops at its next turn; CellScheduling hands out nothing.
+            # The distributed session stops at its next turn; NodeScheduling hands out nothing.
             dsession = self.config.pluginmanager.getplugin("dsession")
             if dsession is not None:
                 dsession.shouldstop = self.startup_error
@@ -173,7 +175,11 @@ class BenchRun:
         if fresh and runtime.cell_record:
             records.append({**runtime.cell_record, "benchmark_run_id": self.run_id})
         if runtime.unavailable is not None:
-            records.append(self.session.skipped_record(case, case.cell_id, runtime.unavailable))
+            records.append(
+                self.session.skipped_record(
+                    case, case.cell_id, runtime.unavailable, runtime.unavailable_stage
+                )
+            )
             return runtime.unavailable
         return None
 
@@ -220,9 +226,17 @@ class BenchRun:
 
     # -- end -----------------------------------------------------------------------------------
 
+    def closed_nodes(self) -> list[dict[str, Any]]:
+        own = self.session.closed_nodes if self.session is not None else []
+        return sorted([*own, *self.worker_nodes], key=lambda node: str(node.get("node")))
+
     def finish(self, exitstatus: int) -> int | None:
         if self.session is not None:
             self.session.close()
+            workeroutput = getattr(self.config, "workeroutput", None)
+            if workeroutput is not None:
+                # xdist sends this to the controller, which writes it into the end record.
+                workeroutput["gpubench_nodes"] = self.session.closed_nodes
         status: int | None = None
         if self.startup_error is not None:
             status = int(pytest.ExitCode.USAGE_ERROR)
@@ -241,6 +255,7 @@ class BenchRun:
                     "verdicts": [verdict.to_record() for verdict in self.verdicts],
                     "regressions": len(regressions(self.verdicts)),
                     "gate_error": self.gate_error,
+                    "nodes": self.closed_nodes(),
                 }
             )
             self.ledger.close()
@@ -297,6 +312,14 @@ class BenchRun:
             reporter.write_line(self.scrub(render_summary(self.summaries, self.verdicts)))
         for note in self.baseline_notes:
             reporter.write_line(note)
+        for node in self.closed_nodes():
+            done = "marked done" if node.get("session_done") else "NOT marked done: end it by hand"
+            reporter.write_line(
+                f"rented node {node.get('node')}: {node.get('gpu_name')} at "
+                f"{node.get('price_per_hour')}/h for {node.get('elapsed_s')} s, cost "
+                f"{node.get('cost')}; session {node.get('session_id')} {done}",
+                red=not node.get("session_done"),
+            )
         if self.gate_error is not None:
             reporter.write_line(f"ERROR: {self.gate_error}", red=True)
         found = regressions(self.verdicts)

@@ -7,6 +7,7 @@ import hashlib
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,9 @@ from pytest_gpubench.ledger import SecretScrubber, scrub_record
 from pytest_gpubench.matrix import TINY_MODEL, Cell, LocalNode, Matrix
 from pytest_gpubench.measure import CallMeasurement
 from pytest_gpubench.provenance import secret_values, utc_now
-from pytest_gpubench.targets import Target
+from pytest_gpubench.targets import Target, gpu_summary
 from pytest_gpubench.targets.local import LocalTarget
+from pytest_gpubench.targets.stages import Stage, StageError
 
 # SPEC §5: a call is warm when the same model answered a call less than this long ago.
 WARM_WINDOW_S = 60.0
@@ -31,12 +33,26 @@ HEALTH_TIMEOUT_S = 10.0
 
 
 def open_target(cell: Cell) -> Target:
+    """Connect to (or rent) the cell's node and run its setup; raises StageError on failure."""
     if isinstance(cell.node, LocalNode):
         return LocalTarget(cell.spec.node)
     from pytest_gpubench.targets.factory import open_target as open_remote
 
     target: Target = open_remote(cell.spec.node, cell.node)
     return target
+
+
+def remote_work_dir(target: Target) -> str:
+    """Where a remote node keeps the managed engine's log and pid files: per login user."""
+    user = getattr(target, "user", None) or getattr(target, "ssh_user", None) or "root"
+    return f"/tmp/gpubench-{user}"
+
+
+def _failed_stage(cell: Cell, exc: Exception) -> Stage | None:
+    """The SPEC §10 stage a remote cell failed in; local cells have no stages."""
+    if isinstance(exc, StageError):
+        return exc.stage
+    return None if isinstance(cell.node, LocalNode) else "benchmark"
 
 
 def _file_sha256(path: Path) -> str:
@@ -63,21 +79,24 @@ class CellRuntime:
 
     cell: Cell
     log_dir: Path
+    # How the runtime gets its node: BenchSession shares one target between a node's cells.
+    node_target: Callable[[Cell], Target] = open_target
     target: Target | None = None
     server: ManagedLlamaServer | None = None
     engine: Engine | None = None
     unavailable: str | None = None
+    unavailable_stage: Stage | None = None
     last_call_end: float | None = None
     cell_record: dict[str, Any] = field(default_factory=dict)
 
     def prepare(self) -> None:
-        """Provision, launch a managed engine, health-check; a failure marks the cell unavailable."""
+        """Open the node, launch a managed engine, health-check; on failure mark it unavailable."""
         spec = self.cell.spec
         if spec.skip:
             self.unavailable = f"skip: {spec.skip}"
             return
         try:
-            self.target = open_target(self.cell)
+            self.target = self.node_target(self.cell)
             model_digest = None
             if self.cell.managed:
                 self.server, model_digest = self._managed_server(self.target)
@@ -87,13 +106,17 @@ class CellRuntime:
             self.engine = self._engine(base_url, model_digest)
             health = self.engine.health(HEALTH_TIMEOUT_S)
             if not health.ok:
-                self.unavailable = f"health check failed: {health.reason}"
+                self._unavailable(GpubenchError(f"health check failed: {health.reason}"))
                 return
             self.cell_record = self._describe(self.engine, self.target)
         except GpubenchError as exc:
-            self.unavailable = str(exc)
+            self._unavailable(exc)
         except OSError as exc:
-            self.unavailable = f"cell {self.cell.cell_id}: {exc}"
+            self._unavailable(GpubenchError(f"cell {self.cell.cell_id}: {exc}"))
+
+    def _unavailable(self, exc: GpubenchError) -> None:
+        self.unavailable = str(exc)
+        self.unavailable_stage = _failed_stage(self.cell, exc)
 
     def _managed_server(self, target: Target) -> tuple[ManagedLlamaServer, str]:
         spec = self.cell.spec
@@ -136,7 +159,9 @@ class CellRuntime:
             binary=binary,
             model_path=model_path,
             alias=spec.model,
-            log_dir=str(self.log_dir) if isinstance(target, LocalTarget) else "/tmp/gpubench",
+            log_dir=str(self.log_dir)
+            if isinstance(target, LocalTarget)
+            else remote_work_dir(target),
             extra_args=spec.server_args,
         )
         return server, digest
@@ -151,6 +176,7 @@ class CellRuntime:
 
     def _describe(self, engine: Engine, target: Target) -> dict[str, Any]:
         spec = self.cell.spec
+        gpus = target.gpu_inventory()
         return {
             "type": "cell",
             "cell_id": self.cell.cell_id,
@@ -161,7 +187,8 @@ class CellRuntime:
             "managed": self.cell.managed,
             "endpoint": None if self.cell.managed else str(spec.endpoint),
             **engine.describe(HEALTH_TIMEOUT_S),
-            "gpus": target.gpu_inventory(),
+            "gpus": gpus,
+            "gpu_summary": gpu_summary(gpus),
             "node_info": target.describe(),
             "at_utc": utc_now(),
         }
@@ -189,12 +216,10 @@ class CellRuntime:
         self.last_call_end = time.monotonic()
 
     def close(self) -> None:
+        """Stop the cell's managed engine; the node itself is closed by its BenchSession."""
         if self.server is not None:
             with contextlib.suppress(Exception):
                 self.server.stop()
-        if self.target is not None:
-            with contextlib.suppress(Exception):
-                self.target.close()
 
 
 @dataclass
@@ -206,15 +231,34 @@ class BenchSession:
     log_dir: Path = Path("runs")
     runtimes: dict[str, CellRuntime] = field(default_factory=dict)
     scrub: SecretScrubber = field(default_factory=lambda: SecretScrubber(secret_values()))
+    # One target per node, opened by its first cell and shared by the others (one SSH
+    # connection, one rented machine); a node that failed fails its other cells the same way.
+    targets: dict[str, Target] = field(default_factory=dict)
+    node_failures: dict[str, GpubenchError] = field(default_factory=dict)
+    # What each rented node cost, known only once it is given back (SPEC §10).
+    closed_nodes: list[dict[str, Any]] = field(default_factory=list)
 
     def runtime(self, cell_id: str) -> tuple[CellRuntime, bool]:
         """The cell's runtime, prepared on first use; the flag says it was prepared just now."""
         if cell_id in self.runtimes:
             return self.runtimes[cell_id], False
-        runtime = CellRuntime(self.matrix.cell(cell_id), self.log_dir)
+        runtime = CellRuntime(self.matrix.cell(cell_id), self.log_dir, self.node_target)
         self.runtimes[cell_id] = runtime
         runtime.prepare()
         return runtime, True
+
+    def node_target(self, cell: Cell) -> Target:
+        node_id = cell.spec.node
+        failure = self.node_failures.get(node_id)
+        if failure is not None:
+            raise failure
+        if node_id not in self.targets:
+            try:
+                self.targets[node_id] = open_target(cell)
+            except GpubenchError as exc:
+                self.node_failures[node_id] = exc
+                raise
+        return self.targets[node_id]
 
     def run_case(self, case: Case) -> dict[str, Any]:
         """Measure one case and return its call record."""
@@ -235,7 +279,9 @@ class BenchSession:
         # An engine may echo a credential in an error message: cut it out before anyone sees it.
         return scrub_record(record, self.scrub)
 
-    def skipped_record(self, case: Case | None, cell_id: str, reason: str) -> dict[str, Any]:
+    def skipped_record(
+        self, case: Case | None, cell_id: str, reason: str, stage: Stage | None = None
+    ) -> dict[str, Any]:
         return {
             "type": "skipped",
             "benchmark_run_id": self.run_id,
@@ -246,11 +292,41 @@ class BenchSession:
             "run_idx": case.run_idx if case else None,
             "reason": self.scrub(reason),
             "at_utc": utc_now(),
+            "node": self.matrix.cell(cell_id).spec.node,
+            "stage": stage,
         }
 
     def close(self) -> None:
+        """Stop every managed engine, then give back every node (a rented one is marked done)."""
         for runtime in self.runtimes.values():
             runtime.close()
+        for node_id, target in self.targets.items():
+            with contextlib.suppress(Exception):
+                target.close()
+            facts = closed_node_facts(node_id, target)
+            if facts is not None:
+                self.closed_nodes.append(scrub_record(facts, self.scrub))
+        self.targets.clear()
+
+
+def closed_node_facts(node_id: str, target: Target) -> dict[str, Any] | None:
+    """Price, time held and cost of a rented node once it is given back; None for other nodes."""
+    from pytest_gpubench.targets.provider import ProviderTarget
+
+    if not isinstance(target, ProviderTarget):
+        return None
+    facts = target.describe()
+    return {
+        "node": node_id,
+        "kind": "provider",
+        "session_id": facts.get("session_id"),
+        "offer_id": facts.get("offer_id"),
+        "gpu_name": facts.get("gpu_name"),
+        "price_per_hour": facts.get("price_per_hour"),
+        "elapsed_s": facts.get("elapsed_s"),
+        "cost": facts.get("cost"),
+        "session_done": target.done_marked,
+    }
 
 
 def call_record(

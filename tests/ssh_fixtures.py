@@ -190,3 +190,11 @@ def sshd() -> Iterator[SshServer]:
                 process.kill()
                 process.wait()
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def session_key(sshd: SshServer, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The private key a provider stand-in hands out; its public half may log in to the sshd."""
+    path = tmp_path_factory.mktemp("provider-key") / "session_ed25519"
+    sshd.authorize(generate_key(path, "gpubench-provider-session"))
+    return path.read_text(encoding="ascii")

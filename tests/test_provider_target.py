@@ -47,14 +47,6 @@ OFFERS: list[dict[str, Any]] = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def session_key(sshd: SshServer, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The private key the stand-in hands out; its public half may log in to the sshd."""
-    path = tmp_path_factory.mktemp("provider-key") / "session_ed25519"
-    sshd.authorize(sshd.new_key(path, "gpubench-provider-session"))
-    return path.read_text(encoding="ascii")
-
-
 @pytest.fixture
 def token(monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv(TOKEN_ENV, TOKEN)

@@ -102,3 +102,16 @@ def gpu_inventory_of(target: Target, timeout_s: float = 20.0) -> list[dict[str, 
     if not result.ok:
         return []
     return parse_nvidia_smi(result.stdout)
+
+
+def gpu_summary(gpus: list[dict[str, str]]) -> str:
+    """One line for people: `1 × NVIDIA H100 80GB HBM3 (81559 MiB)`, or `no GPU`."""
+    if not gpus:
+        return "no GPU"
+    names: dict[str, int] = {}
+    for gpu in gpus:
+        memory = gpu.get("memory.total")
+        name = gpu.get("name", "GPU")
+        label = f"{name} ({memory} MiB)" if memory else name
+        names[label] = names.get(label, 0) + 1
+    return ", ".join(f"{count} × {label}" for label, count in sorted(names.items()))

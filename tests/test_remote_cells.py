@@ -1,0 +1,296 @@
+"""Cells on remote nodes, end to end through the plugin (SPEC §3, §10).
+
+SSH nodes are a real OpenSSH server on 127.0.0.1 (ssh_fixtures.py) running the real
+llama-server with the project's tiny model. No GPU marketplace can be reached from here, so
+rented nodes go through a stand-in of the SPEC §10 API (provider_standin.py: inventory, sessions,
+status polls, done, field by field) that hands out that same sshd.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from provider_standin import ProviderStandIn, Scenario
+
+from pytest_gpubench.ledger import read_ledger
+
+if TYPE_CHECKING:
+    from ssh_fixtures import SshServer
+
+pytest_plugins = ["ssh_fixtures"]
+
+TOKEN = "tok-remote-cells-7d1e"
+TOKEN_ENV = "GPUBENCH_TEST_PROVIDER_TOKEN"
+PROMPTS = """\
+prompts:
+  P-EASY: {intent: short, prompt: "What is the capital of France?", max_tokens: 8}
+"""
+TEST_FILE = """
+def test_generate(gpubench_case):
+    call = gpubench_case.run()
+    assert call["error"] is None, call["error"]
+"""
+OFFERS = [
+    {"id": "o-cheap", "provider": "vastai", "gpu_name": "RTX 4090", "vram_gb": 24,
+     "price_per_hour": 0.40, "availability_confidence": 0.9},
+    {"id": "o-dear", "provider": "vastai", "gpu_name": "RTX 4090", "vram_gb": 24,
+     "price_per_hour": 0.55},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def node_install(sshd: SshServer, llama_server: Path, tiny_model: Path) -> tuple[Path, Path]:
+    """llama-server and the tiny model as the node's own install: copies the test user may run.
+
+    (Root's cache, where `make engine` put them, is closed to that user.)
+    """
+    install = sshd.remote_dir / "install"
+    install.mkdir(exist_ok=True)
+    binary = Path(shutil.copy2(llama_server, install / "llama-server"))
+    model = Path(shutil.copy2(tiny_model, install / "tiny.gguf"))
+    subprocess.run(["chown", "-R", f"{sshd.user}:{sshd.user}", str(install)], check=True)
+    return binary, model
+
+
+@pytest.fixture
+def provider_api(
+    sshd: SshServer, session_key: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[ProviderStandIn]:
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    scenario = Scenario(
+        offers=OFFERS,
+        private_key=session_key,
+        ssh_host=sshd.host,
+        ssh_port=sshd.port,
+        ssh_user=sshd.user,
+        statuses=["running"],
+        token=TOKEN,
+    )
+    with ProviderStandIn(scenario) as api:
+        yield api
+
+
+def ssh_node(sshd: SshServer, **extra: Any) -> str:
+    options = {
+        "kind": "ssh",
+        "host": sshd.host,
+        "port": sshd.port,
+        "user": sshd.user,
+        "key_file": str(sshd.key_file),
+        "known_hosts": str(sshd.known_hosts),
+        "connect_timeout_s": 5,
+        "command_timeout_s": 20,
+        **extra,
+    }
+    return "{" + ", ".join(f"{key}: {_yaml(value)}" for key, value in options.items()) + "}"
+
+
+def provider_node(api: ProviderStandIn, gpu_type: str = "RTX 4090") -> str:
+    return (
+        f"{{kind: provider, api: '{api.url}', gpu_type: '{gpu_type}', provider: vastai, "
+        f"max_price: 0.60, min_vram_gb: 16, api_token_env: {TOKEN_ENV}, "
+        "provision_timeout_s: 10, ssh_wait_timeout_s: 10, connect_timeout_s: 5, "
+        "command_timeout_s: 20}"
+    )
+
+
+def managed_cell(node: str, model: str, install: tuple[Path, Path], **extra: Any) -> str:
+    binary, gguf = install
+    options = {
+        "node": node,
+        "engine": "llamacpp",
+        "model": model,
+        "server_binary": str(binary),
+        "model_path": str(gguf),
+        "server_args": ["--threads", "1"],
+        **extra,
+    }
+    return "{" + ", ".join(f"{key}: {_yaml(value)}" for key, value in options.items()) + "}"
+
+
+def _yaml(value: Any) -> str:
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml(item) for item in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def run_matrix(
+    pytester: pytest.Pytester, nodes: dict[str, str], cells: list[str], *args: str
+) -> Any:
+    pytester.makefile(
+        ".yaml",
+        prompts=PROMPTS,
+        cells="nodes:\n"
+        + "".join(f"  {name}: {node}\n" for name, node in nodes.items())
+        + "cells:\n"
+        + "".join(f"  - {cell}\n" for cell in cells),
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    return pytester.runpytest("--force-load", "-p", "no:cacheprovider", *args)
+
+
+def ledger_of(pytester: pytest.Pytester) -> list[dict[str, Any]]:
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    return read_ledger(ledger)
+
+
+def _connections(sshd: SshServer) -> int:
+    return sshd.log_path.read_text(errors="replace").count("Connection from")
+
+
+def servers_of(user: str) -> list[str]:
+    """The user's live llama-server processes (zombies awaiting their reaper do not count)."""
+    listing = subprocess.run(
+        ["ps", "-u", user, "-o", "pid=,stat=,args="], capture_output=True, text=True, check=False
+    )
+    return [
+        line.split()[0]
+        for line in listing.stdout.splitlines()
+        if "llama-server" in line and not line.split()[1].startswith("Z")
+    ]
+
+
+def test_managed_cell_on_an_ssh_node(
+    pytester: pytest.Pytester, sshd: SshServer, node_install: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A cell on the SSH host: the node's llama-server started over SSH, reached through the
+    forward, restarted for the cold case; a model name full of shell syntax executes nothing."""
+    markers = [tmp_path / "quoted", tmp_path / "chained", tmp_path / "substituted"]
+    model = (
+        f"tiny';touch {markers[0]};'$(touch {markers[2]})`touch {markers[2]}`;touch {markers[1]}"
+    )
+    nodes = {"gpubox": ssh_node(sshd, model_pull=[f"test -r {node_install[1]}"])}
+    result = run_matrix(pytester, nodes, [managed_cell("gpubox", model, node_install, runs=2)])
+    result.assert_outcomes(passed=3)
+
+    records = ledger_of(pytester)
+    (cell,) = [r for r in records if r["type"] == "cell"]
+    assert cell["node_kind"] == "ssh" and cell["model"] == model
+    assert cell["node_info"]["host"] == sshd.host
+    digest = hashlib.sha256(node_install[1].read_bytes()).hexdigest()
+    assert cell["model_digest"] == f"sha256:{digest}"
+    assert cell["gpus"] == [] and cell["gpu_summary"] == "no GPU"
+    calls = [r for r in records if r["type"] == "call"]
+    assert [c["phase"] for c in calls] == ["cold", "warm", "warm"]
+    assert all(c["error"] is None and c["completion_tokens"] == 8 for c in calls)
+    assert all(0 < c["first_delta_ms"] < c["total_duration_ms"] for c in calls)
+    assert calls[0]["cold_kind"] == "restart" and calls[0]["engine_timings"]["cache_n"] == 0
+    assert [m for m in markers if m.exists()] == []
+    assert servers_of(sshd.user) == []  # stopped on the node when the session ended
+
+
+def test_rented_node_runs_its_cell_and_is_given_back(
+    pytester: pytest.Pytester, provider_api: ProviderStandIn, node_install: tuple[Path, Path]
+) -> None:
+    """Rent the cheapest eligible offer, benchmark on it, mark the session done; the cell record
+    carries the price and the end record the cost of the whole rental."""
+    result = run_matrix(
+        pytester,
+        {"rented": provider_node(provider_api)},
+        [managed_cell("rented", "tiny", node_install, phases=["warm"], runs=2)],
+    )
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        ["rented node rented: RTX 4090 at 0.4/h for * s, cost *; session sess-1 marked done"]
+    )
+    assert provider_api.created() == ["sess-1"] and provider_api.done() == ["sess-1"]
+    (create,) = provider_api.requests("POST", "/api/v1/sessions")
+    assert create.body["offer_id"] == "o-cheap"
+
+    records = ledger_of(pytester)
+    (cell,) = [r for r in records if r["type"] == "cell"]
+    assert cell["node_kind"] == "provider"
+    assert cell["node_info"]["price_per_hour"] == 0.40
+    assert cell["node_info"]["session_id"] == "sess-1"
+    calls = [r for r in records if r["type"] == "call"]
+    assert len(calls) == 2 and all(c["completion_tokens"] == 8 for c in calls)
+    (node,) = records[-1]["nodes"]
+    assert node["node"] == "rented" and node["session_done"] is True
+    assert node["elapsed_s"] > 0 and node["cost"] == pytest.approx(
+        node["elapsed_s"] / 3600 * 0.40, abs=1e-6
+    )
+    ledger_text = "\n".join(map(str, records))
+    assert TOKEN not in ledger_text and "PRIVATE KEY" not in ledger_text
+    assert TOKEN not in result.stdout.str()
+
+
+def test_nodes_run_side_by_side_under_xdist_and_the_rental_cost_reaches_the_ledger(
+    pytester: pytest.Pytester,
+    provider_api: ProviderStandIn,
+    node_install: tuple[Path, Path],
+    llama_server: Path,
+) -> None:
+    """With -n 2 each node gets a worker of its own; the worker that gave the rented node back
+    sends its cost to the controller, which alone writes the ledger."""
+    pytest.importorskip("xdist")
+    cells = [
+        managed_cell("rented", "tiny", node_install, phases=["warm"], runs=2),
+        "{node: local, engine: llamacpp, model: tiny, phases: [warm], runs: 2, "
+        f"server_binary: '{llama_server}', server_args: [--threads, '1']}}",
+    ]
+    nodes = {"local": "{kind: local}", "rented": provider_node(provider_api)}
+    result = run_matrix(pytester, nodes, cells, "-n", "2", "-p", "xdist")
+    result.assert_outcomes(passed=4)
+    records = ledger_of(pytester)
+    calls = [r for r in records if r["type"] == "call"]
+    workers = {c["node"]: {d["worker"] for d in calls if d["node"] == c["node"]} for c in calls}
+    assert len(workers["rented"]) == len(workers["local"]) == 1
+    assert workers["rented"] != workers["local"]
+    (node,) = records[-1]["nodes"]
+    assert node["node"] == "rented" and node["session_done"] is True and node["cost"] > 0
+    assert provider_api.done() == ["sess-1"]
+
+
+def test_failed_nodes_are_skipped_with_their_stage_and_the_others_go_on(
+    pytester: pytest.Pytester,
+    sshd: SshServer,
+    provider_api: ProviderStandIn,
+    node_install: tuple[Path, Path],
+    llama_server: Path,
+    tmp_path: Path,
+) -> None:
+    """No offer for the rented node (stage provision), a changed host key on an SSH node (stage
+    ssh_connect, both of its cells, one attempt): each is skipped with its reason while the
+    local cell is measured."""
+    wrong_hosts = tmp_path / "known_hosts"
+    other_key = sshd.new_key(tmp_path / "impostor", "impostor")
+    wrong_hosts.write_text(f"[{sshd.host}]:{sshd.port} {' '.join(other_key.split()[:2])}\n")
+    nodes = {
+        "local": "{kind: local}",
+        "nogpu": provider_node(provider_api, gpu_type="H100"),
+        "spoofed": ssh_node(sshd, known_hosts=str(wrong_hosts)),
+    }
+    cells = [
+        managed_cell("nogpu", "tiny", node_install, phases=["warm"], runs=1),
+        managed_cell("spoofed", "tiny", node_install, phases=["warm"], runs=1),
+        managed_cell("spoofed", "tiny-2", node_install, phases=["warm"], runs=1),
+        "{node: local, engine: llamacpp, model: tiny, phases: [warm], runs: 2, "
+        f"server_binary: '{llama_server}', server_args: [--threads, '1']}}",
+    ]
+    connections_before = _connections(sshd)
+    result = run_matrix(pytester, nodes, cells)
+    result.assert_outcomes(passed=2, skipped=3)
+    assert _connections(sshd) - connections_before == 1
+
+    records = ledger_of(pytester)
+    calls = [r for r in records if r["type"] == "call"]
+    assert {c["cell_id"] for c in calls} == {"local:llamacpp:tiny"}
+    skipped = {r["cell_id"]: r for r in records if r["type"] == "skipped"}
+    assert skipped["nogpu:llamacpp:tiny"]["stage"] == "provision"
+    assert "no offer for" in skipped["nogpu:llamacpp:tiny"]["reason"]
+    for cell_id in ("spoofed:llamacpp:tiny", "spoofed:llamacpp:tiny-2"):
+        assert skipped[cell_id]["stage"] == "ssh_connect"
+        assert skipped[cell_id]["node"] == "spoofed"
+        assert "host key" in skipped[cell_id]["reason"].lower()
+    assert provider_api.created() == []  # nothing rented, so nothing left to give back
+    inventory = provider_api.requests("GET", "/api/v1/inventory")
+    assert len(inventory) == 1  # the failed node was asked once, not once per case
+    assert records[-1]["type"] == "end" and records[-1]["nodes"] == []
