@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -55,8 +56,9 @@ def scrub_record(record: dict[str, Any], scrub: SecretScrubber) -> dict[str, Any
     return scrubbed
 
 
-def iter_records(path: Path) -> Iterator[dict[str, Any]]:
+def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """Read a ledger, tolerating a truncated last line (a run that was killed mid-write)."""
+    path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
     except OSError as exc:
@@ -77,5 +79,5 @@ def iter_records(path: Path) -> Iterator[dict[str, Any]]:
             yield record
 
 
-def read_ledger(path: Path) -> list[dict[str, Any]]:
+def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return list(iter_records(path))
