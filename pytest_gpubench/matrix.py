@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -13,17 +14,22 @@ from pydantic import (
     AnyHttpUrl,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     PositiveFloat,
     PositiveInt,
+    Tag,
     ValidationError,
+    ValidationInfo,
     field_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from pytest_gpubench.errors import GpubenchError
 
 PHASES = ("cold", "warm")
 ENGINE_KINDS = ("llamacpp", "ollama", "openai")
+NODE_KINDS = ("local", "ssh", "provider")
 # Engines the harness knows how to launch itself when a cell has no endpoint.
 MANAGED_ENGINE_KINDS = ("llamacpp",)
 TINY_MODEL = "tiny"
@@ -85,7 +91,53 @@ class ProviderNode(_Strict):
     connect_timeout_s: PositiveFloat = 15.0
 
 
-Node = Annotated[LocalNode | SshNode | ProviderNode, Field(discriminator="kind")]
+class PluginNode(BaseModel):
+    """A node of a kind another package adds (hookspecs.py); its other keys are its options."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    kind: str
+
+    @field_validator("kind")
+    @classmethod
+    def _kind_is_served(cls, value: str, info: ValidationInfo) -> str:
+        served = _context_kinds(info, "node_kinds")
+        if value not in served:
+            raise _unknown_kind("node", value, NODE_KINDS + served)
+        return value
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+def _node_tag(value: Any) -> str:
+    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+    return kind if kind in NODE_KINDS else "plugin"
+
+
+Node = Annotated[
+    Annotated[LocalNode, Tag("local")]
+    | Annotated[SshNode, Tag("ssh")]
+    | Annotated[ProviderNode, Tag("provider")]
+    | Annotated[PluginNode, Tag("plugin")],
+    Discriminator(_node_tag),
+]
+AnyNode = LocalNode | SshNode | ProviderNode | PluginNode
+
+
+def _context_kinds(info: ValidationInfo, key: str) -> tuple[str, ...]:
+    context = info.context if isinstance(info.context, dict) else {}
+    return tuple(context.get(key, ()))
+
+
+def _unknown_kind(what: str, value: str, known: tuple[str, ...]) -> PydanticCustomError:
+    return PydanticCustomError(
+        "unknown_kind",
+        "unknown {what} kind '{value}' (known: {known}; a plugin adds more with "
+        "pytest_gpubench_{what}_kinds)",
+        {"what": what, "value": value, "known": ", ".join(known)},
+    )
 
 
 class Settings(_Strict):
@@ -99,7 +151,7 @@ class Settings(_Strict):
 
 class CellSpec(_Strict):
     node: str
-    engine: Literal["llamacpp", "ollama", "openai"]
+    engine: str
     model: str
     endpoint: AnyHttpUrl | None = None
     phases: list[Literal["cold", "warm"]] = ["cold", "warm"]
@@ -114,6 +166,14 @@ class CellSpec(_Strict):
     server_binary: str | None = None
     server_args: list[str] = []
     api_key_env: str | None = None
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_is_served(cls, value: str, info: ValidationInfo) -> str:
+        known = ENGINE_KINDS + _context_kinds(info, "engine_kinds")
+        if value not in known:
+            raise _unknown_kind("engine", value, known)
+        return value
 
     @field_validator("phases")
     @classmethod
@@ -158,7 +218,7 @@ class Cell:
     """One validated (node, engine, model) triple with its effective options."""
 
     spec: CellSpec
-    node: LocalNode | SshNode | ProviderNode
+    node: AnyNode
     index: int
     prompt_ids: tuple[str, ...]
     runs: int
@@ -179,7 +239,7 @@ class Matrix:
     cells_path: Path
     prompts_path: Path
     settings: Settings
-    nodes: dict[str, LocalNode | SshNode | ProviderNode]
+    nodes: dict[str, AnyNode]
     cells: tuple[Cell, ...]
     prompts: dict[str, Prompt]
 
@@ -218,7 +278,7 @@ def _describe_location(loc: tuple[int | str, ...], raw: Any) -> str:
                     entry = cells[item]
                     name = f"{entry.get('node')}:{entry.get('engine')}:{entry.get('model')}"
                     parts[-1] += f" ({name})"
-        elif item in ENGINE_KINDS + ("local", "ssh", "provider") and parts and parts[-1] != "cells":
+        elif item in NODE_KINDS + ("plugin",) and parts and parts[-1] != "cells":
             continue  # pydantic's union tag, not a key the user wrote
         else:
             parts.append(str(item))
@@ -235,7 +295,8 @@ def _first_error(path: Path, exc: ValidationError, raw: Any) -> GpubenchError:
             lines.append(f"{path}: {where}: required key is missing")
         else:
             value = error.get("input")
-            shown = f" (got {value!r})" if not isinstance(value, dict | list) else ""
+            plain = not isinstance(value, dict | list) and error["type"] != "unknown_kind"
+            shown = f" (got {value!r})" if plain else ""
             lines.append(f"{path}: {where}: {error['msg']}{shown}")
     return GpubenchError("\n".join(lines))
 
@@ -253,14 +314,24 @@ def load_prompts(path: Path) -> dict[str, Prompt]:
     return dict(parsed.prompts)
 
 
-def load_matrix(cells_path: Path, prompts_path: Path) -> Matrix:
-    """Read both files and check everything that can be checked without touching the network."""
+def load_matrix(
+    cells_path: Path,
+    prompts_path: Path,
+    *,
+    engine_kinds: Sequence[str] = (),
+    node_kinds: Sequence[str] = (),
+) -> Matrix:
+    """Read both files and check everything that can be checked without touching the network.
+
+    `engine_kinds` and `node_kinds` are the kinds plugins add (hookspecs.py).
+    """
     raw = _read_yaml(cells_path)
     prompts = load_prompts(prompts_path)
     if not isinstance(raw, dict):
         raise GpubenchError(f"{cells_path}: expected a mapping with 'nodes' and 'cells' keys")
+    context = {"engine_kinds": tuple(engine_kinds), "node_kinds": tuple(node_kinds)}
     try:
-        parsed = _CellsFile.model_validate(raw)
+        parsed = _CellsFile.model_validate(raw, context=context)
     except ValidationError as exc:
         raise _first_error(cells_path, exc, raw) from None
 

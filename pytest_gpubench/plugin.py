@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     addoption(parser)
 
 
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from pytest_gpubench import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cold: first call after the model was forced out of memory")
     config.addinivalue_line("markers", "warm: a call preceded by one to the same model within 60 s")
@@ -30,7 +36,12 @@ def pytest_configure(config: pytest.Config) -> None:
     matrix = None
     if settings.cells_named or settings.cells_path.exists():
         try:
-            matrix = load_matrix(settings.cells_path, settings.prompts_path)
+            matrix = load_matrix(
+                settings.cells_path,
+                settings.prompts_path,
+                engine_kinds=_kinds(config.hook.pytest_gpubench_engine_kinds()),
+                node_kinds=_kinds(config.hook.pytest_gpubench_node_kinds()),
+            )
         except GpubenchError as exc:
             raise pytest.UsageError(str(exc)) from None
     workerinput = getattr(config, "workerinput", {})
@@ -41,6 +52,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(bench, "gpubench-run")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistHooks(config), "gpubench-xdist")
+
+
+def _kinds(answers: list[Sequence[str]]) -> tuple[str, ...]:
+    """The kinds every plugin named, each once, in the order they were first named."""
+    return tuple(dict.fromkeys(kind for kinds in answers for kind in kinds))
 
 
 def _bench(config: pytest.Config) -> BenchRun:

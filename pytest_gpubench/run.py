@@ -44,7 +44,9 @@ class BenchRun:
         self.settings = settings
         self.matrix = matrix
         self.scrub = SecretScrubber(secret_values())
-        self.session = BenchSession(matrix, scrub=self.scrub) if matrix is not None else None
+        self.session = None
+        if matrix is not None:
+            self.session = BenchSession(matrix, scrub=self.scrub, hooks=config.hook)
         if self.session is not None:
             if run_id:
                 self.session.run_id = run_id

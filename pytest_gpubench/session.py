@@ -20,7 +20,7 @@ from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.ledger import SecretScrubber, scrub_record
-from pytest_gpubench.matrix import TINY_MODEL, Cell, LocalNode, Matrix
+from pytest_gpubench.matrix import TINY_MODEL, Cell, LocalNode, Matrix, PluginNode
 from pytest_gpubench.measure import CallMeasurement
 from pytest_gpubench.provenance import secret_values, utc_now
 from pytest_gpubench.targets import Target, gpu_summary
@@ -32,14 +32,25 @@ WARM_WINDOW_S = 60.0
 HEALTH_TIMEOUT_S = 10.0
 
 
-def open_target(cell: Cell) -> Target:
+# pytest_gpubench_make_engine and pytest_gpubench_open_target (hookspecs.py), as pytest calls them.
+EngineHook = Callable[..., Engine | None]
+TargetHook = Callable[..., Target | None]
+
+
+def open_target(cell: Cell, target_hook: TargetHook | None = None) -> Target:
     """Connect to (or rent) the cell's node and run its setup; raises StageError on failure."""
-    if isinstance(cell.node, LocalNode):
-        return LocalTarget(cell.spec.node)
+    node_id, node = cell.spec.node, cell.node
+    if isinstance(node, LocalNode):
+        return LocalTarget(node_id)
+    if isinstance(node, PluginNode):
+        target = target_hook(node_id=node_id, node=node) if target_hook is not None else None
+        if target is None:
+            raise StageError("provision", f"node {node_id}: no plugin opened its kind {node.kind}")
+        return target
     from pytest_gpubench.targets.factory import open_target as open_remote
 
-    target: Target = open_remote(cell.spec.node, cell.node)
-    return target
+    opened: Target = open_remote(node_id, node)
+    return opened
 
 
 def remote_work_dir(target: Target) -> str:
@@ -81,6 +92,7 @@ class CellRuntime:
     log_dir: Path
     # How the runtime gets its node: BenchSession shares one target between a node's cells.
     node_target: Callable[[Cell], Target] = open_target
+    engine_hook: EngineHook | None = None
     target: Target | None = None
     server: ManagedLlamaServer | None = None
     engine: Engine | None = None
@@ -168,11 +180,22 @@ class CellRuntime:
 
     def _engine(self, base_url: str, model_digest: str | None) -> Engine:
         spec = self.cell.spec
+        api_key = _api_key(self.cell)
+        if self.engine_hook is not None:
+            engine = self.engine_hook(
+                cell=self.cell, base_url=base_url, api_key=api_key, model_digest=model_digest
+            )
+            if engine is not None:
+                return engine
         if spec.engine == "llamacpp":
-            return LlamaCppEngine(base_url, spec.model, _api_key(self.cell), model_digest)
+            return LlamaCppEngine(base_url, spec.model, api_key, model_digest)
         if spec.engine == "ollama":
             return OllamaEngine(base_url, spec.model)
-        return OpenAIEngine(base_url, spec.model, _api_key(self.cell))
+        if spec.engine == "openai":
+            return OpenAIEngine(base_url, spec.model, api_key)
+        raise GpubenchError(
+            f"cell {self.cell.cell_id}: engine: no plugin built an engine of kind {spec.engine}"
+        )
 
     def _describe(self, engine: Engine, target: Target) -> dict[str, Any]:
         spec = self.cell.spec
@@ -237,12 +260,17 @@ class BenchSession:
     node_failures: dict[str, GpubenchError] = field(default_factory=dict)
     # What each rented node cost, known only once it is given back (SPEC §10).
     closed_nodes: list[dict[str, Any]] = field(default_factory=list)
+    # pytest's hook relay, for engine and node kinds that plugins add (hookspecs.py).
+    hooks: Any = None
 
     def runtime(self, cell_id: str) -> tuple[CellRuntime, bool]:
         """The cell's runtime, prepared on first use; the flag says it was prepared just now."""
         if cell_id in self.runtimes:
             return self.runtimes[cell_id], False
-        runtime = CellRuntime(self.matrix.cell(cell_id), self.log_dir, self.node_target)
+        engine_hook = self.hooks.pytest_gpubench_make_engine if self.hooks is not None else None
+        runtime = CellRuntime(
+            self.matrix.cell(cell_id), self.log_dir, self.node_target, engine_hook=engine_hook
+        )
         self.runtimes[cell_id] = runtime
         runtime.prepare()
         return runtime, True
@@ -254,7 +282,10 @@ class BenchSession:
             raise failure
         if node_id not in self.targets:
             try:
-                self.targets[node_id] = open_target(cell)
+                target_hook = (
+                    self.hooks.pytest_gpubench_open_target if self.hooks is not None else None
+                )
+                self.targets[node_id] = open_target(cell, target_hook)
             except GpubenchError as exc:
                 self.node_failures[node_id] = exc
                 raise

@@ -1,7 +1,9 @@
 """Shared test set-up for the plugin's own tests."""
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # pytester's in-process runs drop the modules first imported during a run. Import here what the
 # plugin imports lazily, so that one copy stays alive: httpx's exception mapping needs the
@@ -12,6 +14,9 @@ import paramiko  # noqa: F401
 import pytest
 
 from pytest_gpubench.cache import cache_dir
+
+if TYPE_CHECKING:
+    from pytest_gpubench.engines.managed import ManagedLlamaServer
 
 # pytester points HOME at each test's directory; keep one cache (the llama-server build, the tiny
 # model) shared by the in-process and subprocess runs, so they find what `make engine` made.
@@ -38,3 +43,25 @@ def tiny_model() -> Path:
     from pytest_gpubench.tinymodel import ensure_tiny_model
 
     return ensure_tiny_model()
+
+
+@pytest.fixture
+def server(llama_server: Path, tiny_model: Path, tmp_path: Path) -> Iterator["ManagedLlamaServer"]:
+    """A running llama-server (one thread) serving the tiny model as `tiny`, stopped afterwards."""
+    from pytest_gpubench.engines.managed import ManagedLlamaServer
+    from pytest_gpubench.targets.local import LocalTarget
+
+    target = LocalTarget()
+    managed = ManagedLlamaServer(
+        target,
+        cell_id="local:llamacpp:tiny",
+        binary=str(llama_server),
+        model_path=str(tiny_model),
+        alias="tiny",
+        log_dir=str(tmp_path),
+        extra_args=("--threads", "1"),
+    )
+    managed.start()
+    yield managed
+    managed.stop()
+    target.close()

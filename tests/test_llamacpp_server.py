@@ -8,43 +8,21 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from bench_files import CHECKED_TEST_FILE
 
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.ledger import read_ledger
-from pytest_gpubench.targets.local import LocalTarget
 
 PROMPTS = """\
 prompts:
   P-EASY: {intent: short, prompt: "What is the capital of France?", max_tokens: 8}
   P-MEDIUM: {intent: longer, prompt: "Explain why the sky is blue.", max_tokens: 24}
 """
-TEST_FILE = """
-def test_generate(gpubench_case):
-    call = gpubench_case.run()
-    assert call["error"] is None, call["error"]
-"""
-
-
-@pytest.fixture
-def server(llama_server: Path, tiny_model: Path, tmp_path: Path) -> Iterator[ManagedLlamaServer]:
-    target = LocalTarget()
-    managed = ManagedLlamaServer(
-        target,
-        cell_id="local:llamacpp:tiny",
-        binary=str(llama_server),
-        model_path=str(tiny_model),
-        alias="tiny",
-        log_dir=str(tmp_path),
-        extra_args=("--threads", "1"),
-    )
-    managed.start()
-    yield managed
-    target.close()
+TEST_FILE = CHECKED_TEST_FILE
 
 
 def server_pids(model: Path) -> list[int]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.matrix import load_matrix
+from pytest_gpubench.matrix import PluginNode, load_matrix
 
 PROMPTS = """\
 prompts:
@@ -72,7 +72,12 @@ def test_valid_matrix_applies_defaults_and_per_cell_overrides(tmp_path: Path) ->
         ),
         (
             "nodes: {local: {kind: local}}\ncells:\n  - {node: local, engine: tgi, model: m}\n",
-            "cells.yaml: cells[0] (local:tgi:m).engine: Input should be",
+            "cells.yaml: cells[0] (local:tgi:m).engine: unknown engine kind 'tgi' (known: "
+            "llamacpp, ollama, openai; a plugin adds more with pytest_gpubench_engine_kinds)",
+        ),
+        (
+            "nodes: {rack: {kind: k8s, namespace: gpu}}\ncells: []\n",
+            "cells.yaml: nodes.rack.kind: unknown node kind 'k8s' (known: local, ssh, provider;",
         ),
         (
             "nodes: {box: {kind: ssh, host: h}}\ncells: []\n",
@@ -91,6 +96,7 @@ def test_valid_matrix_applies_defaults_and_per_cell_overrides(tmp_path: Path) ->
         "unknown-node",
         "unmanageable",
         "bad-engine",
+        "bad-node-kind",
         "missing-key",
         "unknown-prompt",
         "malformed",
@@ -137,3 +143,21 @@ def test_plain_tests_run_untouched_without_a_matrix(pytester: pytest.Pytester) -
     result = pytester.runpytest()
     result.assert_outcomes(passed=1)
     assert not (pytester.path / "runs").exists()
+
+
+def test_kinds_that_plugins_add_are_accepted(tmp_path: Path) -> None:
+    cells = (
+        "nodes: {rack: {kind: k8s, namespace: gpu, replicas: 2}}\n"
+        "cells:\n  - {node: rack, engine: tgi, model: m, endpoint: 'http://10.0.0.1:80'}\n"
+    )
+    matrix = load_matrix(*write(tmp_path, cells), engine_kinds=["tgi"], node_kinds=["k8s"])
+    (cell,) = matrix.cells
+    assert cell.spec.engine == "tgi"
+    assert isinstance(cell.node, PluginNode) and cell.node.kind == "k8s"
+    assert cell.node.options == {"namespace": "gpu", "replicas": 2}
+
+
+def test_a_plugin_engine_kind_still_needs_an_endpoint(tmp_path: Path) -> None:
+    cells = "nodes: {local: {kind: local}}\ncells:\n  - {node: local, engine: tgi, model: m}\n"
+    with pytest.raises(GpubenchError, match=r"\(local:tgi:m\): endpoint: required for engine"):
+        load_matrix(*write(tmp_path, cells), engine_kinds=["tgi"])

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
 from provider_standin import ProviderStandIn, Scenario
 
 from pytest_gpubench.ledger import read_ledger
@@ -27,15 +28,8 @@ pytest_plugins = ["ssh_fixtures"]
 
 TOKEN = "tok-remote-cells-7d1e"
 TOKEN_ENV = "GPUBENCH_TEST_PROVIDER_TOKEN"
-PROMPTS = """\
-prompts:
-  P-EASY: {intent: short, prompt: "What is the capital of France?", max_tokens: 8}
-"""
-TEST_FILE = """
-def test_generate(gpubench_case):
-    call = gpubench_case.run()
-    assert call["error"] is None, call["error"]
-"""
+PROMPTS = ONE_PROMPT
+TEST_FILE = CHECKED_TEST_FILE
 OFFERS = [
     {"id": "o-cheap", "provider": "vastai", "gpu_name": "RTX 4090", "vram_gb": 24,
      "price_per_hour": 0.40, "availability_confidence": 0.9},
