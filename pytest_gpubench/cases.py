@@ -63,3 +63,14 @@ def param_id(node_id: str) -> str:
     if "[" not in node_id:
         return ""
     return node_id.split("[", 1)[1].rsplit("]", 1)[0]
+
+
+# pytest escapes non-ASCII and non-printable characters in parameter ids (_pytest.compat's
+# ascii_escaped), so a node id names `modèle` as `mod\xe8le`.
+_NON_PRINTABLE = {i: f"\\x{i:02x}" for i in range(128) if i not in range(32, 127)}
+_NON_PRINTABLE.update({ord("\t"): "\\t", ord("\r"): "\\r", ord("\n"): "\\n"})
+
+
+def escaped_id(case_id: str) -> str:
+    """A case id as it appears inside a pytest node id."""
+    return case_id.encode("unicode_escape").decode("ascii").translate(_NON_PRINTABLE)

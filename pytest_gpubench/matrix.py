@@ -111,9 +111,12 @@ class PluginNode(BaseModel):
         return dict(self.model_extra or {})
 
 
-def _node_tag(value: Any) -> str:
-    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
-    return kind if kind in NODE_KINDS else "plugin"
+def _node_tag(value: Any) -> str | None:
+    if isinstance(value, BaseModel):
+        value = {"kind": getattr(value, "kind", None)}
+    if not isinstance(value, dict):
+        return None  # not a mapping: the discriminator's own error says what a node is
+    return value.get("kind") if value.get("kind") in NODE_KINDS else "plugin"
 
 
 Node = Annotated[
@@ -121,7 +124,11 @@ Node = Annotated[
     | Annotated[SshNode, Tag("ssh")]
     | Annotated[ProviderNode, Tag("provider")]
     | Annotated[PluginNode, Tag("plugin")],
-    Discriminator(_node_tag),
+    Discriminator(
+        _node_tag,
+        custom_error_type="node_not_mapping",
+        custom_error_message="a node is a mapping with a 'kind' key (local, ssh, provider, ...)",
+    ),
 ]
 AnyNode = LocalNode | SshNode | ProviderNode | PluginNode
 
@@ -278,8 +285,8 @@ def _describe_location(loc: tuple[int | str, ...], raw: Any) -> str:
                     entry = cells[item]
                     name = f"{entry.get('node')}:{entry.get('engine')}:{entry.get('model')}"
                     parts[-1] += f" ({name})"
-        elif item in NODE_KINDS + ("plugin",) and parts and parts[-1] != "cells":
-            continue  # pydantic's union tag, not a key the user wrote
+        elif i == 2 and loc[0] == "nodes" and item in NODE_KINDS + ("plugin",):
+            continue  # pydantic's union tag after nodes.<name>, not a key the user wrote
         else:
             parts.append(str(item))
     return ".".join(parts)

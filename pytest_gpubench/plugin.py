@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpubench.cases import Case, build_cases, param_id, smoke_case
+from pytest_gpubench.cases import Case, build_cases, escaped_id, param_id, smoke_case
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.matrix import load_matrix
 from pytest_gpubench.run import BenchRun
@@ -54,9 +54,10 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(XdistHooks(config), "gpubench-xdist")
 
 
-def _kinds(answers: list[Sequence[str]]) -> tuple[str, ...]:
+def _kinds(answers: list[Sequence[str] | str]) -> tuple[str, ...]:
     """The kinds every plugin named, each once, in the order they were first named."""
-    return tuple(dict.fromkeys(kind for kinds in answers for kind in kinds))
+    named = [kind for kinds in answers for kind in ([kinds] if isinstance(kinds, str) else kinds)]
+    return tuple(dict.fromkeys(named))
 
 
 def _bench(config: pytest.Config) -> BenchRun:
@@ -197,7 +198,7 @@ class XdistHooks:
 
         matrix = bench.matrix
         nodes = {
-            case.case_id: matrix.cell(case.cell_id).spec.node
+            escaped_id(case.case_id): matrix.cell(case.cell_id).spec.node
             for case in build_cases(matrix, bench.settings.runs)
         }
         return NodeScheduling(config, log, nodes, lambda: bench.startup_error is not None)
@@ -205,13 +206,16 @@ class XdistHooks:
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         """A worker gave back its rented nodes; their cost goes into the controller's ledger."""
         output = getattr(node, "workeroutput", None) or {}
-        _bench(self.config).worker_nodes.extend(output.get("gpubench_nodes", []))
+        # pop: xdist calls this hook twice for a worker that was interrupted.
+        _bench(self.config).worker_nodes.extend(output.pop("gpubench_nodes", []))
 
     def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
         bench = _bench(self.config)
         if bench.matrix is None or bench.started:
             return
-        case_ids = {case.case_id for case in build_cases(bench.matrix, bench.settings.runs)}
+        case_ids = {
+            escaped_id(case.case_id) for case in build_cases(bench.matrix, bench.settings.runs)
+        }
         count = sum(1 for test_id in ids if param_id(test_id) in case_ids)
         if count:
             bench.begin_or_stop(count)

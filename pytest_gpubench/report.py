@@ -298,7 +298,7 @@ def _cell_description(cell: Mapping[str, Any]) -> str:
 def _gpus(gpus: Any) -> str:
     if not isinstance(gpus, list):
         return "none reported"
-    return gpu_summary([gpu for gpu in gpus if isinstance(gpu, dict)])
+    return gpu_summary([gpu if isinstance(gpu, dict) else {"name": gpu} for gpu in gpus])
 
 
 COLD_HEADERS = ("prompt", "cold kind", "calls", "ok", "TTFT ms", "total ms")

@@ -307,6 +307,7 @@ class BenchRun:
                 self.probe_rows, headers=["cell", "engine version", "model digest", "status"]
             )
             reporter.write_line(table)
+        self.report_rented_nodes(reporter)
         if self.ledger is None:
             return
         reporter.write_sep("=", "gpubench")
@@ -314,14 +315,7 @@ class BenchRun:
             reporter.write_line(self.scrub(render_summary(self.summaries, self.verdicts)))
         for note in self.baseline_notes:
             reporter.write_line(note)
-        for node in self.closed_nodes():
-            done = "marked done" if node.get("session_done") else "NOT marked done: end it by hand"
-            reporter.write_line(
-                f"rented node {node.get('node')}: {node.get('gpu_name')} at "
-                f"{node.get('price_per_hour')}/h for {node.get('elapsed_s')} s, cost "
-                f"{node.get('cost')}; session {node.get('session_id')} {done}",
-                red=not node.get("session_done"),
-            )
+
         if self.gate_error is not None:
             reporter.write_line(f"ERROR: {self.gate_error}", red=True)
         found = regressions(self.verdicts)
@@ -332,6 +326,17 @@ class BenchRun:
                 red=True,
             )
         reporter.write_line(f"ledger: {self.ledger.path}")
+
+    def report_rented_nodes(self, reporter: pytest.TerminalReporter) -> None:
+        """What each rented node cost, and loudly any session that could not be ended."""
+        for node in self.closed_nodes():
+            done = "marked done" if node.get("session_done") else "NOT marked done: end it by hand"
+            reporter.write_line(
+                f"rented node {node.get('node')}: {node.get('gpu_name')} at "
+                f"{node.get('price_per_hour')}/h for {node.get('elapsed_s')} s, cost "
+                f"{node.get('cost')}; session {node.get('session_id')} {done}",
+                red=not node.get("session_done"),
+            )
 
 
 def _relative_prefix(path: Path, root: Path) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import time
 import uuid
@@ -20,12 +21,14 @@ from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.ledger import SecretScrubber, scrub_record
-from pytest_gpubench.matrix import TINY_MODEL, Cell, LocalNode, Matrix, PluginNode
+from pytest_gpubench.matrix import TINY_MODEL, Cell, LocalNode, Matrix, PluginNode, SshNode
 from pytest_gpubench.measure import CallMeasurement
 from pytest_gpubench.provenance import secret_values, utc_now
 from pytest_gpubench.targets import Target, gpu_summary
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.targets.stages import Stage, StageError
+
+log = logging.getLogger(__name__)
 
 # SPEC §5: a call is warm when the same model answered a call less than this long ago.
 WARM_WINDOW_S = 60.0
@@ -123,8 +126,12 @@ class CellRuntime:
             self.cell_record = self._describe(self.engine, self.target)
         except GpubenchError as exc:
             self._unavailable(exc)
-        except OSError as exc:
-            self._unavailable(GpubenchError(f"cell {self.cell.cell_id}: {exc}"))
+        except Exception as exc:  # an OSError, a plugin's engine or target: still one clear line
+            self._unavailable(GpubenchError(f"cell {self.cell.cell_id}: {_plain(exc)}"))
+        except BaseException:
+            # Ctrl-C while preparing: no later case may find a half-built runtime.
+            self.unavailable = "interrupted while the cell was being prepared"
+            raise
 
     def _unavailable(self, exc: GpubenchError) -> None:
         self.unavailable = str(exc)
@@ -276,20 +283,28 @@ class BenchSession:
         return runtime, True
 
     def node_target(self, cell: Cell) -> Target:
+        """The cell's node, opened once; a node that failed to open fails again at once."""
         node_id = cell.spec.node
         failure = self.node_failures.get(node_id)
         if failure is not None:
             raise failure
         if node_id not in self.targets:
+            target_hook = self.hooks.pytest_gpubench_open_target if self.hooks is not None else None
             try:
-                target_hook = (
-                    self.hooks.pytest_gpubench_open_target if self.hooks is not None else None
-                )
                 self.targets[node_id] = open_target(cell, target_hook)
-            except GpubenchError as exc:
-                self.node_failures[node_id] = exc
-                raise
+            except Exception as exc:
+                self._record_released(node_id, exc)
+                failure = exc if isinstance(exc, GpubenchError) else _opening_error(cell, exc)
+                self.node_failures[node_id] = failure
+                raise failure from None
         return self.targets[node_id]
+
+    def _record_released(self, node_id: str, exc: BaseException) -> None:
+        """A rental that failed after its session was created still cost money: record it."""
+        released = getattr(exc, "released_target", None)
+        facts = closed_node_facts(node_id, released) if released is not None else None
+        if facts is not None:
+            self.closed_nodes.append(scrub_record(facts, self.scrub))
 
     def run_case(self, case: Case) -> dict[str, Any]:
         """Measure one case and return its call record."""
@@ -328,16 +343,42 @@ class BenchSession:
         }
 
     def close(self) -> None:
-        """Stop every managed engine, then give back every node (a rented one is marked done)."""
+        """Stop every managed engine, then give back every node (a rented one is marked done).
+
+        Each step runs even when an earlier one is interrupted (a second Ctrl-C during a slow
+        teardown): a rented node left running costs money. The first interruption is raised
+        once everything has been tried.
+        """
+        interrupted: BaseException | None = None
         for runtime in self.runtimes.values():
-            runtime.close()
-        for node_id, target in self.targets.items():
-            with contextlib.suppress(Exception):
+            try:
+                runtime.close()
+            except BaseException as exc:
+                interrupted = interrupted or exc
+        targets, self.targets = self.targets, {}
+        for node_id, target in targets.items():
+            try:
                 target.close()
-            facts = closed_node_facts(node_id, target)
-            if facts is not None:
-                self.closed_nodes.append(scrub_record(facts, self.scrub))
-        self.targets.clear()
+            except Exception:
+                log.warning("node %s: closing failed", node_id, exc_info=True)
+            except BaseException as exc:
+                interrupted = interrupted or exc
+            finally:
+                facts = closed_node_facts(node_id, target)
+                if facts is not None:
+                    self.closed_nodes.append(scrub_record(facts, self.scrub))
+        if interrupted is not None:
+            raise interrupted
+
+
+def _plain(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _opening_error(cell: Cell, exc: Exception) -> StageError:
+    """A node that could not be opened for a reason no target named: still a failed stage."""
+    stage: Stage = "ssh_connect" if isinstance(cell.node, SshNode) else "provision"
+    return StageError(stage, f"node {cell.spec.node}: {_plain(exc)}")
 
 
 def closed_node_facts(node_id: str, target: Target) -> dict[str, Any] | None:
@@ -347,6 +388,8 @@ def closed_node_facts(node_id: str, target: Target) -> dict[str, Any] | None:
     if not isinstance(target, ProviderTarget):
         return None
     facts = target.describe()
+    if facts.get("session_id") is None:
+        return None  # nothing was rented (no offer, or the session was never created)
     return {
         "node": node_id,
         "kind": "provider",

@@ -128,3 +128,22 @@ def test_every_case_gets_a_timeout_from_its_cell(pytester: pytest.Pytester) -> N
     result.stdout.fnmatch_lines(
         ["TIMEOUT local:openai:a-P-EASY-cold-0 200.0", "TIMEOUT local:openai:b-P-EASY-cold-0 380.0"]
     )
+
+
+def test_non_ascii_names_under_xdist(pytester: pytest.Pytester) -> None:
+    """pytest escapes `modèle` in node ids; the controller must still recognize the cases."""
+    pytest.importorskip("xdist")
+    pytester.makefile(
+        ".yaml",
+        prompts=PROMPTS,
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        "  - {node: local, engine: openai, model: modèle, endpoint: 'http://127.0.0.1:9',"
+        " runs: 1, skip: later}\n",
+    )
+    pytester.makepyfile(test_bench="def test_generate(gpubench_case):\n    gpubench_case.run()\n")
+    result = pytester.runpytest("-n", "2", "-p", "xdist", "--force-load")
+    result.assert_outcomes(skipped=4)
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert records[0]["cases_planned"] == 4
+    assert {r["cell_id"] for r in records if r["type"] == "skipped"} == {"local:openai:modèle"}

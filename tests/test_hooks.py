@@ -54,10 +54,14 @@ def pytest_gpubench_make_engine(cell, base_url, api_key, model_digest):
 
 
 def pytest_gpubench_node_kinds():
-    return ["lab", "tape"]
+    return ["lab", "tape", "flaky"]
 
 
 def pytest_gpubench_open_target(node_id, node):
+    if node.kind == "flaky":
+        with EVENTS.open("a") as events:
+            events.write(f"tried {node_id}\\n")
+        raise RuntimeError("rack r9 is offline")
     if node.kind != "lab":
         return None  # "tape" is named, but nothing opens it
     with EVENTS.open("a") as events:
@@ -76,17 +80,22 @@ def test_plugin_engine_and_node_kinds_run_cells(
         cells="nodes:\n"
         "  bench: {kind: lab, rack: r7}\n"
         "  vault: {kind: tape}\n"
+        "  r9: {kind: flaky}\n"
         "cells:\n"
         f"  - {{node: bench, engine: vllm, model: tiny, endpoint: '{server.base_url}', runs: 2,"
         " phases: [warm]}\n"
         f"  - {{node: bench, engine: llamacpp, model: tiny, server_binary: '{llama_server}',"
         " server_args: [--threads, '1'], runs: 2, phases: [warm]}\n"
         f"  - {{node: vault, engine: vllm, model: tiny, endpoint: '{server.base_url}', runs: 1,"
+        " phases: [warm]}\n"
+        f"  - {{node: r9, engine: vllm, model: a, endpoint: '{server.base_url}', runs: 1,"
+        " phases: [warm]}\n"
+        f"  - {{node: r9, engine: vllm, model: b, endpoint: '{server.base_url}', runs: 1,"
         " phases: [warm]}\n",
     )
     pytester.makepyfile(test_bench=TEST_FILE)
     result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=4, skipped=1)
+    result.assert_outcomes(passed=4, skipped=3)
 
     (ledger,) = (pytester.path / "runs").glob("*.jsonl")
     records = read_ledger(ledger)
@@ -99,13 +108,21 @@ def test_plugin_engine_and_node_kinds_run_cells(
     assert {cell["node_kind"] for cell in cells.values()} == {"lab"}
     assert all(cell["node_info"]["rack"] == "r7" for cell in cells.values())
     # One target for the node, shared by both of its cells, closed once at the end.
+    # A node whose plugin failed is tried once for both of its cells.
     assert (pytester.path / "events.log").read_text().splitlines() == [
         "opened bench",
+        "tried r9",
         "closed bench",
     ]
-    (skipped,) = [r for r in records if r["type"] == "skipped"]
-    assert skipped["cell_id"] == "vault:vllm:tiny" and skipped["stage"] == "provision"
-    assert "no plugin opened its kind tape" in skipped["reason"]
+    skipped = {r["cell_id"]: r for r in records if r["type"] == "skipped"}
+    assert skipped["vault:vllm:tiny"]["stage"] == "provision"
+    assert "no plugin opened its kind tape" in skipped["vault:vllm:tiny"]["reason"]
+    for cell_id in ("r9:vllm:a", "r9:vllm:b"):
+        assert skipped[cell_id]["stage"] == "provision"
+        assert skipped[cell_id]["reason"] == (
+            "[provision] node r9: RuntimeError: rack r9 is offline"
+        )
+    assert "Traceback" not in result.stdout.str()
 
 
 def test_without_the_plugin_the_kinds_are_usage_errors(pytester: pytest.Pytester) -> None:

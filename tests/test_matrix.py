@@ -80,6 +80,14 @@ def test_valid_matrix_applies_defaults_and_per_cell_overrides(tmp_path: Path) ->
             "cells.yaml: nodes.rack.kind: unknown node kind 'k8s' (known: local, ssh, provider;",
         ),
         (
+            "nodes: {local: {kind: local, gpus: 2}}\ncells: []\n",
+            "cells.yaml: nodes.local.gpus: unknown key",
+        ),
+        (
+            "nodes: {box: local}\ncells: []\n",
+            "cells.yaml: nodes.box: a node is a mapping with a 'kind' key",
+        ),
+        (
             "nodes: {box: {kind: ssh, host: h}}\ncells: []\n",
             "cells.yaml: nodes.box.user: required key is missing",
         ),
@@ -97,6 +105,8 @@ def test_valid_matrix_applies_defaults_and_per_cell_overrides(tmp_path: Path) ->
         "unmanageable",
         "bad-engine",
         "bad-node-kind",
+        "node-named-like-a-kind",
+        "node-not-a-mapping",
         "missing-key",
         "unknown-prompt",
         "malformed",

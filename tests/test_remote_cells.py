@@ -85,11 +85,11 @@ def ssh_node(sshd: SshServer, **extra: Any) -> str:
     return "{" + ", ".join(f"{key}: {_yaml(value)}" for key, value in options.items()) + "}"
 
 
-def provider_node(api: ProviderStandIn, gpu_type: str = "RTX 4090") -> str:
+def provider_node(api: ProviderStandIn, gpu_type: str = "RTX 4090", ssh_wait_s: float = 10) -> str:
     return (
         f"{{kind: provider, api: '{api.url}', gpu_type: '{gpu_type}', provider: vastai, "
         f"max_price: 0.60, min_vram_gb: 16, api_token_env: {TOKEN_ENV}, "
-        "provision_timeout_s: 10, ssh_wait_timeout_s: 10, connect_timeout_s: 5, "
+        f"provision_timeout_s: 10, ssh_wait_timeout_s: {ssh_wait_s}, connect_timeout_s: 5, "
         "command_timeout_s: 20}"
     )
 
@@ -288,3 +288,48 @@ def test_failed_nodes_are_skipped_with_their_stage_and_the_others_go_on(
     inventory = provider_api.requests("GET", "/api/v1/inventory")
     assert len(inventory) == 1  # the failed node was asked once, not once per case
     assert records[-1]["type"] == "end" and records[-1]["nodes"] == []
+
+
+def test_a_rental_that_fails_after_its_session_began_is_still_accounted_for(
+    pytester: pytest.Pytester,
+    sshd: SshServer,
+    provider_api: ProviderStandIn,
+    node_install: tuple[Path, Path],
+) -> None:
+    """SSH never comes up (stage ssh_wait): the session is given back, and the time it was held
+    still shows in the end record and the terminal."""
+    provider_api.scenario.ssh_port = sshd.closed_port()
+    result = run_matrix(
+        pytester,
+        {"rented": provider_node(provider_api, ssh_wait_s=1)},
+        [managed_cell("rented", "tiny", node_install, phases=["warm"], runs=1)],
+    )
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["rented node rented: RTX 4090 at 0.4/h for * s, *marked done"])
+    records = ledger_of(pytester)
+    (skipped,) = [r for r in records if r["type"] == "skipped"]
+    assert skipped["stage"] == "ssh_wait"
+    (node,) = records[-1]["nodes"]
+    assert node["session_id"] == "sess-1" and node["session_done"] is True
+    assert node["elapsed_s"] >= 1.0 and node["cost"] > 0
+    assert provider_api.done() == ["sess-1"]
+
+
+def test_probe_reports_what_a_rented_node_cost(
+    pytester: pytest.Pytester, provider_api: ProviderStandIn, node_install: tuple[Path, Path]
+) -> None:
+    """--probe rents the node to health-check it; it says so, and gives it back."""
+    result = run_matrix(
+        pytester,
+        {"rented": provider_node(provider_api)},
+        [managed_cell("rented", "tiny", node_install, phases=["warm"], runs=1)],
+        "--probe",
+    )
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(
+        [
+            "rented:llamacpp:tiny*sha256:*ok",
+            "rented node rented: RTX 4090 at 0.4/h for * s, cost *; session sess-1 marked done",
+        ]
+    )
+    assert provider_api.done() == ["sess-1"]

@@ -149,6 +149,7 @@ def test_markdown_layout_summary_then_cold_and_warm_per_cell() -> None:
     assert summary[2].startswith(f"| {TINY}") and "10.45" in summary[2]
     assert "- engine: ollama `0.12.3`" in lines
     assert "- GPUs: 1 × NVIDIA RTX 4090 (24564 MiB)" in lines
+    assert "- GPUs: no GPU" in lines  # the tiny cell's node answered with an empty inventory
     assert "- no offers (1×)" in lines
     tiny_warm = text.split(f"## {TINY}")[1].split("### Warm")[1]
     easy = next(line for line in tiny_warm.splitlines() if line.startswith("| P-EASY"))
@@ -242,3 +243,14 @@ def test_report_command_writes_the_markdown(
     assert output.read_text(encoding="utf-8") == render_markdown(ledger())
     assert main(["report", str(path)]) == 0
     assert capsys.readouterr().out.endswith(render_markdown(ledger()))
+
+
+def test_odd_gpu_entries_in_an_old_or_edited_ledger_do_not_break_the_report() -> None:
+    from pytest_gpubench.targets import gpu_summary
+
+    assert gpu_summary([{"name": "A"}, {"name": None}, {}]) == "1 × A, 2 × GPU"
+    records = ledger()
+    cell = next(r for r in records if r.get("type") == "cell")
+    cell["gpus"] = [{"name": "A100", "memory.total": 81920}, "H100", {"name": None}]
+    text = render_markdown(records)
+    assert "- GPUs: 1 × A100 (81920 MiB), 1 × GPU, 1 × H100" in text.splitlines()

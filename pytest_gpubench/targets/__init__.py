@@ -111,7 +111,7 @@ def gpu_summary(gpus: list[dict[str, str]]) -> str:
     names: dict[str, int] = {}
     for gpu in gpus:
         memory = gpu.get("memory.total")
-        name = gpu.get("name", "GPU")
+        name = str(gpu.get("name") or "GPU")
         label = f"{name} ({memory} MiB)" if memory else name
         names[label] = names.get(label, 0) + 1
     return ", ".join(f"{count} × {label}" for label, count in sorted(names.items()))

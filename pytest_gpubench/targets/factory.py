@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.matrix import LocalNode, ProviderNode, SshNode
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.local import LocalTarget
-from pytest_gpubench.targets.provider import provision
+from pytest_gpubench.targets.provider import ProviderTarget
 from pytest_gpubench.targets.ssh import SshTarget
 from pytest_gpubench.targets.stages import setup_steps
 
@@ -33,4 +34,10 @@ def open_target(node_id: str, node: LocalNode | SshNode | ProviderNode) -> Targe
             target.close()
             raise
         return target
-    return provision(node_id, node)
+    rented = ProviderTarget(node_id, node)
+    try:
+        return rented.open()
+    except GpubenchError as exc:
+        # open() has given the machine back; the time it was held is still owed.
+        exc.released_target = rented  # type: ignore[attr-defined]
+        raise
