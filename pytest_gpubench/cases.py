@@ -11,7 +11,9 @@ COLD_RUNS = 1
 
 @dataclass(frozen=True, order=True)
 class Case:
-    # Field order is the run order: a cell's cases together, its cold cases first.
+    # Field order is the run order: a node's cells together (so that a rented node can be given
+    # back after its last case), a cell's cases together, its cold cases first.
+    node_index: int
     cell_index: int
     phase_index: int
     prompt_index: int
@@ -28,6 +30,7 @@ class Case:
 def build_cases(matrix: Matrix, runs_override: int | None = None) -> list[Case]:
     """All cases in a deterministic order (xdist needs the same order on every worker)."""
     cases = []
+    node_order = list(dict.fromkeys(cell.spec.node for cell in matrix.cells))
     for cell in matrix.cells:
         for phase in cell.spec.phases:
             runs = COLD_RUNS if phase == "cold" else (runs_override or cell.runs)
@@ -35,6 +38,7 @@ def build_cases(matrix: Matrix, runs_override: int | None = None) -> list[Case]:
                 for run_idx in range(runs):
                     cases.append(
                         Case(
+                            node_index=node_order.index(cell.spec.node),
                             cell_index=cell.index,
                             phase_index=PHASES.index(phase),
                             prompt_index=prompt_index,

@@ -160,6 +160,19 @@ def pytest_runtest_makereport(
     return report
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After a node's last case (xdist too: `nextitem` is this worker's next test), release it."""
+    case = _case_of(item)
+    bench = _bench(item.config)
+    if case is None or bench.session is None:
+        return
+    following = _case_of(nextitem) if nextitem is not None else None
+    node = bench.session.matrix.cell(case.cell_id).spec.node
+    if following is None or bench.session.matrix.cell(following.cell_id).spec.node != node:
+        bench.session.release_node(node)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session: pytest.Session) -> bool | None:
     bench = _bench(session.config)

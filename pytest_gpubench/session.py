@@ -342,20 +342,30 @@ class BenchSession:
             "stage": stage,
         }
 
-    def close(self) -> None:
-        """Stop every managed engine, then give back every node (a rented one is marked done).
+    def release_node(self, node_id: str) -> None:
+        """After a node's last case: stop its cells' engines and give the node back now, so a
+        rented machine is not paid for while other nodes run. A later case would reopen it."""
+        cells = [cell_id for cell_id, rt in self.runtimes.items() if rt.cell.spec.node == node_id]
+        runtimes = [self.runtimes.pop(cell_id) for cell_id in cells]
+        target = self.targets.pop(node_id, None)
+        self._close(runtimes, {node_id: target} if target is not None else {})
 
-        Each step runs even when an earlier one is interrupted (a second Ctrl-C during a slow
+    def close(self) -> None:
+        """Stop every managed engine, then give back every node (a rented one is marked done)."""
+        runtimes, self.runtimes = list(self.runtimes.values()), {}
+        targets, self.targets = self.targets, {}
+        self._close(runtimes, targets)
+
+    def _close(self, runtimes: list[CellRuntime], targets: dict[str, Target]) -> None:
+        """Each step runs even when an earlier one is interrupted (a second Ctrl-C during a slow
         teardown): a rented node left running costs money. The first interruption is raised
-        once everything has been tried.
-        """
+        once everything has been tried."""
         interrupted: BaseException | None = None
-        for runtime in self.runtimes.values():
+        for runtime in runtimes:
             try:
                 runtime.close()
             except BaseException as exc:
                 interrupted = interrupted or exc
-        targets, self.targets = self.targets, {}
         for node_id, target in targets.items():
             try:
                 target.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -51,6 +52,8 @@ class Seen:
     query: dict[str, list[str]]
     body: Any
     authorization: str | None
+    # Wall-clock time the request arrived, to order it against the ledger's timestamps.
+    at: float = field(default_factory=time.time)
 
 
 class _Handler(BaseHTTPRequestHandler):

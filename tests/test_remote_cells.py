@@ -12,6 +12,7 @@ import hashlib
 import shutil
 import subprocess
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -333,3 +334,31 @@ def test_probe_reports_what_a_rented_node_cost(
         ]
     )
     assert provider_api.done() == ["sess-1"]
+
+
+def test_a_rented_node_is_given_back_after_its_last_case_not_at_the_end(
+    pytester: pytest.Pytester,
+    provider_api: ProviderStandIn,
+    node_install: tuple[Path, Path],
+    llama_server: Path,
+) -> None:
+    """cells.yaml interleaves the nodes; the rented node's cells still run together, on one
+    rental, and it is marked done before the local cell starts measuring."""
+    local_cell = (
+        "{node: local, engine: llamacpp, model: tiny, phases: [warm], runs: 2, "
+        f"server_binary: '{llama_server}', server_args: [--threads, '1']}}"
+    )
+    cells = [
+        managed_cell("rented", "tiny", node_install, phases=["warm"], runs=1),
+        local_cell,
+        managed_cell("rented", "tiny-b", node_install, phases=["warm"], runs=1),
+    ]
+    nodes = {"rented": provider_node(provider_api), "local": "{kind: local}"}
+    result = run_matrix(pytester, nodes, cells)
+    result.assert_outcomes(passed=4)
+    calls = [r for r in ledger_of(pytester) if r["type"] == "call"]
+    assert [c["node"] for c in calls] == ["rented", "rented", "local", "local"]
+    assert provider_api.created() == ["sess-1"]
+    (done,) = provider_api.requests("POST", "/api/v1/sessions/sess-1/done")
+    first_local = datetime.fromisoformat(calls[2]["started_at_utc"]).timestamp()
+    assert done.at < first_local
