@@ -17,6 +17,7 @@ from pytest_gpubench.settings import Settings, addoption
 CASE_FIXTURE = "gpubench_case"
 RUN_KEY = pytest.StashKey["BenchRun"]()
 RECORDS_KEY = pytest.StashKey[list[dict[str, Any]]]()
+NODES_KEY = pytest.StashKey[list[dict[str, Any]]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -157,6 +158,10 @@ def pytest_runtest_makereport(
     if pending:
         report.gpubench_records = list(pending)  # type: ignore[attr-defined]
         pending.clear()
+    released = item.stash.get(NODES_KEY, [])
+    if released:
+        report.gpubench_nodes = list(released)  # type: ignore[attr-defined]
+        released.clear()
     return report
 
 
@@ -170,7 +175,9 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     following = _case_of(nextitem) if nextitem is not None else None
     node = bench.session.matrix.cell(case.cell_id).spec.node
     if following is None or bench.session.matrix.cell(following.cell_id).spec.node != node:
-        bench.session.release_node(node)
+        released = bench.release_node(node)
+        if released:
+            item.stash[NODES_KEY] = released
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -220,7 +227,7 @@ class XdistHooks:
         """A worker gave back its rented nodes; their cost goes into the controller's ledger."""
         output = getattr(node, "workeroutput", None) or {}
         # pop: xdist calls this hook twice for a worker that was interrupted.
-        _bench(self.config).worker_nodes.extend(output.pop("gpubench_nodes", []))
+        _bench(self.config).add_worker_nodes(output.pop("gpubench_nodes", []))
 
     def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
         bench = _bench(self.config)

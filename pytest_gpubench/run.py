@@ -63,8 +63,10 @@ class BenchRun:
         self.verdicts: list[Verdict] = []
         self.gate_error: str | None = None
         self.baseline_notes: list[str] = []
-        # Rented nodes given back by xdist workers (the controller's own are in the session).
+        # Rented nodes given back by xdist workers (the controller's own are in the session),
+        # and on a worker how many of its own it has sent on.
         self.worker_nodes: list[dict[str, Any]] = []
+        self.nodes_sent = 0
 
     @property
     def run_id(self) -> str:
@@ -200,9 +202,14 @@ class BenchRun:
                 self.ledger.append(record)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not self.writes_ledger:
+            return
         records = getattr(report, "gpubench_records", None)
-        if records and self.writes_ledger:
+        if records:
             self.collect(records)
+        # A worker's rented node, given back after its last case: known here even if the run is
+        # interrupted before the worker ends.
+        self.add_worker_nodes(getattr(report, "gpubench_nodes", None) or [])
 
     # -- probe ---------------------------------------------------------------------------------
 
@@ -228,6 +235,27 @@ class BenchRun:
 
     # -- end -----------------------------------------------------------------------------------
 
+    def release_node(self, node_id: str) -> list[dict[str, Any]]:
+        """Give a node back after its last case; on a worker, the facts for the controller."""
+        assert self.session is not None
+        self.session.release_node(node_id)
+        return self.unsent_nodes()
+
+    def unsent_nodes(self) -> list[dict[str, Any]]:
+        if self.writes_ledger or self.session is None:
+            return []
+        unsent = self.session.closed_nodes[self.nodes_sent :]
+        self.nodes_sent = len(self.session.closed_nodes)
+        return unsent
+
+    def add_worker_nodes(self, nodes: list[dict[str, Any]]) -> None:
+        """Facts a worker sent, on a test report or at its end; each rental counted once."""
+        known = {(node.get("node"), node.get("session_id")) for node in self.worker_nodes}
+        for node in nodes:
+            if (node.get("node"), node.get("session_id")) not in known:
+                self.worker_nodes.append(node)
+                known.add((node.get("node"), node.get("session_id")))
+
     def closed_nodes(self) -> list[dict[str, Any]]:
         own = self.session.closed_nodes if self.session is not None else []
         return sorted([*own, *self.worker_nodes], key=lambda node: str(node.get("node")))
@@ -238,7 +266,7 @@ class BenchRun:
             workeroutput = getattr(self.config, "workeroutput", None)
             if workeroutput is not None:
                 # xdist sends this to the controller, which writes it into the end record.
-                workeroutput["gpubench_nodes"] = self.session.closed_nodes
+                workeroutput["gpubench_nodes"] = self.unsent_nodes()
         status: int | None = None
         if self.startup_error is not None:
             status = int(pytest.ExitCode.USAGE_ERROR)
