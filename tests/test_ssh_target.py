@@ -188,6 +188,32 @@ def test_stop_escalates_to_kill(target: SshTarget, remote_dir: Path) -> None:
     assert not process.alive()
 
 
+def test_a_server_left_by_an_earlier_run_is_stopped_before_the_next_start(
+    sshd: SshServer, remote_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pytest killed with -9 leaves the node's server running (and holding the GPU): the next
+    start under the same pid file stops it first, and only if it runs the same program."""
+    log_path = f"{remote_dir}/logs/server.log"
+    earlier = connect(sshd)
+    left = earlier.start(["sleep", "300"], log_path=log_path)
+    earlier.disconnect()  # as if pytest died: nothing stopped it
+    later = connect(sshd)
+    try:
+        assert SshProcess(later, left.pid, log_path).alive()
+        # A pid file naming another program's process is not a reason to kill it.
+        other_log = f"{remote_dir}/logs/other.log"
+        Path(f"{other_log}.pid").write_text(f"{left.pid}\n")
+        other = later.start(["tail", "-f", "/dev/null"], log_path=other_log)
+        assert SshProcess(later, left.pid, log_path).alive()
+        with caplog.at_level("WARNING", logger="pytest_gpubench.targets.ssh"):
+            again = later.start(["sleep", "300"], log_path=log_path)
+        assert not SshProcess(later, left.pid, log_path).alive()
+        assert again.pid != left.pid and again.alive() and other.alive()
+        assert f"stopped `sleep` (pid {left.pid}), left running by an earlier run" in caplog.text
+    finally:
+        later.close()
+
+
 def test_start_of_a_missing_program_shows_in_the_log(target: SshTarget, remote_dir: Path) -> None:
     process = target.start(
         ["/nonexistent/llama-server", "--port", "1"], log_path=f"{remote_dir}/m.log"

@@ -42,21 +42,6 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 # Ports free_port() draws from when the node has no python3 to ask the kernel for one.
 FALLBACK_PORT_RANGE = (20000, 60999)
 
-# Runs argv as a background process that outlives the SSH channel: its own session (setsid, so
-# no SIGHUP from sshd and a process group stop() can kill whole), stdio on /dev/null and the log
-# (so sshd does not keep the channel open waiting for the pipes), and its pid written by itself
-# just before exec (so the pid is right even where setsid has to fork).
-_START_SCRIPT = r"""
-dir=$1 log=$2 pidfile=$3
-shift 3
-mkdir -p "$dir" || exit 1
-rm -f "$pidfile"
-setsid sh -c 'echo $$ > "$0"; exec "$@"' "$pidfile" "$@" </dev/null >>"$log" 2>&1 &
-i=0
-while [ ! -s "$pidfile" ] && [ "$i" -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
-cat "$pidfile"
-"""
-
 # Whether pid $1 runs. A zombie counts as gone: an orphan waits for init to reap it, which in
 # some containers takes seconds, and kill -0 still succeeds on it meanwhile.
 _RUNNING = r"""
@@ -69,6 +54,37 @@ running() {
   fi
 }
 """
+
+# Runs argv as a background process that outlives the SSH channel: its own session (setsid, so
+# no SIGHUP from sshd and a process group stop() can kill whole), stdio on /dev/null and the log
+# (so sshd does not keep the channel open waiting for the pipes), and its pid written by itself
+# just before exec (so the pid is right even where setsid has to fork). A process that an
+# earlier run started under the same pid file and never stopped (pytest killed with -9, the
+# connection lost) is stopped first, if it still runs the same program: on a GPU node it would
+# hold the memory the new one needs. Each one stopped is reported on a `stale <pid>` line.
+_START_SCRIPT = (
+    _RUNNING
+    + r"""
+dir=$1 log=$2 pidfile=$3
+shift 3
+mkdir -p "$dir" || exit 1
+old=$(cat "$pidfile" 2>/dev/null)
+case "$old" in ''|*[!0-9]*) old= ;; esac
+if [ -n "$old" ] && running "$old" \
+    && [ "$(tr '\000' '\n' < "/proc/$old/cmdline" 2>/dev/null | head -n 1)" = "$1" ]; then
+  kill -TERM -"$old" 2>/dev/null || kill -TERM "$old" 2>/dev/null
+  i=0
+  while running "$old" && [ "$i" -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
+  kill -KILL -"$old" 2>/dev/null
+  echo "stale $old"
+fi
+rm -f "$pidfile"
+setsid sh -c 'echo $$ > "$0"; exec "$@"' "$pidfile" "$@" </dev/null >>"$log" 2>&1 &
+i=0
+while [ ! -s "$pidfile" ] && [ "$i" -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
+cat "$pidfile"
+"""
+)
 
 _ALIVE_SCRIPT = _RUNNING + 'running "$1"\n'
 
@@ -538,7 +554,17 @@ class SshTarget:
         result = self._run_script(
             _START_SCRIPT, [log_dir, log_path, pid_path, *argv], self.command_timeout_s
         )
-        pid_text = result.stdout.strip()
+        lines = result.stdout.strip().splitlines()
+        pid_text = lines[-1].strip() if lines else ""
+        for line in lines[:-1]:
+            if line.startswith("stale "):
+                log.warning(
+                    "node %s: stopped `%s` (pid %s), left running by an earlier run under %s",
+                    self.node_id,
+                    argv[0],
+                    line.split()[1],
+                    pid_path,
+                )
         if not result.ok or not pid_text.isdigit():
             program = argv[0] if argv else ""
             raise StageError(
