@@ -10,13 +10,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from pytest_gpubench.cases import Case
 from pytest_gpubench.engines import Engine
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
-from pytest_gpubench.engines.managed import ManagedLlamaServer
+from pytest_gpubench.engines.managed import ManagedLlamaServer, plain_file_name
 from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.errors import GpubenchError
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 # SPEC §5: a call is warm when the same model answered a call less than this long ago.
 WARM_WINDOW_S = 60.0
 HEALTH_TIMEOUT_S = 10.0
+LOG_FETCH_TIMEOUT_S = 60.0
 
 
 # pytest_gpubench_make_engine and pytest_gpubench_open_target (hookspecs.py), as pytest calls them.
@@ -96,6 +97,8 @@ class CellRuntime:
     # How the runtime gets its node: BenchSession shares one target between a node's cells.
     node_target: Callable[[Cell], Target] = open_target
     engine_hook: EngineHook | None = None
+    # Cuts secrets out of text the runtime writes (the engine log it fetches from a node).
+    scrub: Callable[[str], str] = str
     target: Target | None = None
     server: ManagedLlamaServer | None = None
     engine: Engine | None = None
@@ -246,10 +249,31 @@ class CellRuntime:
         self.last_call_end = time.monotonic()
 
     def close(self) -> None:
-        """Stop the cell's managed engine; the node itself is closed by its BenchSession."""
-        if self.server is not None:
-            with contextlib.suppress(Exception):
-                self.server.stop()
+        """Stop the cell's managed engine; the node itself is closed by its BenchSession.
+
+        A remote engine's log is read back (stage `results`) into the local log folder first:
+        a rented node, and everything on it, is gone once it is given back.
+        """
+        if self.server is None:
+            return
+        with contextlib.suppress(Exception):
+            self.server.stop()
+        if self.target is not None and not isinstance(self.target, LocalTarget):
+            self.fetch_log(self.target, self.server.log_path)
+
+    def fetch_log(self, target: Target, remote_path: str) -> Path | None:
+        node = self.cell.spec.node
+        local = self.log_dir / f"{plain_file_name(node)}-{PurePosixPath(remote_path).name}"
+        try:
+            data = target.read_file(remote_path, timeout_s=LOG_FETCH_TIMEOUT_S)
+        except (GpubenchError, OSError) as exc:
+            log.warning(
+                "cell %s: engine log %s not read back: %s", self.cell.cell_id, remote_path, exc
+            )
+            return None
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(self.scrub(data.decode("utf-8", "replace")), encoding="utf-8")
+        return local
 
 
 @dataclass
@@ -276,7 +300,11 @@ class BenchSession:
             return self.runtimes[cell_id], False
         engine_hook = self.hooks.pytest_gpubench_make_engine if self.hooks is not None else None
         runtime = CellRuntime(
-            self.matrix.cell(cell_id), self.log_dir, self.node_target, engine_hook=engine_hook
+            self.matrix.cell(cell_id),
+            self.log_dir,
+            self.node_target,
+            engine_hook=engine_hook,
+            scrub=self.scrub,
         )
         self.runtimes[cell_id] = runtime
         runtime.prepare()

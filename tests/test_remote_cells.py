@@ -180,6 +180,9 @@ def test_managed_cell_on_an_ssh_node(
     assert calls[0]["cold_kind"] == "restart" and calls[0]["engine_timings"]["cache_n"] == 0
     assert [m for m in markers if m.exists()] == []
     assert servers_of(sshd.user) == []  # stopped on the node when the session ended
+    # The node's engine log, read back with cat: one start and one restart (the cold case).
+    (engine_log,) = (pytester.path / "runs" / "logs").glob("gpubox-llama-server-*.log")
+    assert engine_log.read_text().count("listening on") >= 2
 
 
 def test_rented_node_runs_its_cell_and_is_given_back(
@@ -214,6 +217,9 @@ def test_rented_node_runs_its_cell_and_is_given_back(
     )
     ledger_text = "\n".join(map(str, records))
     assert TOKEN not in ledger_text and "PRIVATE KEY" not in ledger_text
+    # The rented machine's engine log outlives it.
+    (engine_log,) = (pytester.path / "runs" / "logs").glob("rented-llama-server-*.log")
+    assert "listening on" in engine_log.read_text()
     assert TOKEN not in result.stdout.str()
 
 

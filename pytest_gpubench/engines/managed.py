@@ -37,7 +37,7 @@ class ManagedLlamaServer:
         self.model_path = model_path
         self.alias = alias
         # The cell id holds the model name, which may hold anything: keep the file name plain.
-        self.log_path = str(PurePosixPath(log_dir) / f"llama-server-{_file_name(cell_id)}.log")
+        self.log_path = str(PurePosixPath(log_dir) / f"llama-server-{plain_file_name(cell_id)}.log")
         self.extra_args = tuple(extra_args)
         self.ready_timeout_s = ready_timeout_s
         self.base_url = ""
@@ -105,7 +105,7 @@ class ManagedLlamaServer:
             self._process = None
 
 
-def _file_name(text: str, limit: int = 80) -> str:
+def plain_file_name(text: str, limit: int = 80) -> str:
     """A short, plain file name for any text; distinct texts keep distinct names (a hash)."""
     plain = re.sub(r"[^A-Za-z0-9._-]", "_", text)
     if plain == text and len(plain) <= limit:
