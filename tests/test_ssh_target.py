@@ -264,6 +264,69 @@ def test_server_reached_through_port_forward(target: SshTarget, remote_dir: Path
     assert not server.alive()
 
 
+def _drop(node: SshTarget) -> None:
+    """Cut the connection under paramiko's feet, as a network blip would."""
+    transport = node._client.get_transport()
+    assert transport is not None
+    transport.sock.close()
+    deadline = time.monotonic() + 10
+    while transport.is_active() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not transport.is_active()
+
+
+def test_a_dropped_connection_is_opened_again_and_forwards_go_on(
+    sshd: SshServer, remote_dir: Path
+) -> None:
+    (remote_dir / "hello.txt").write_text("hello again")
+    node = connect(sshd)
+    try:
+        port = node.free_port()
+        node.start(
+            ["python3", "-m", "http.server", "--bind", "127.0.0.1", "--directory",
+             str(remote_dir), str(port)],
+            log_path=f"{remote_dir}/http.log",
+        )  # fmt: skip
+        host, local_port = node.reach("127.0.0.1", port)
+        url = f"http://{host}:{local_port}/hello.txt"
+        assert _get_when_up(url) == "hello again"
+        _drop(node)
+        assert node.run(["echo", "back"], timeout_s=5).stdout == "back\n"
+        assert node.reconnects == 1
+        # The forward keeps its local port: the engine's URL in the cell stays valid.
+        assert node.reach("127.0.0.1", port) == (host, local_port)
+        assert _get_when_up(url) == "hello again"
+    finally:
+        node.close()
+
+
+def test_a_node_that_stays_unreachable_fails_fast_after_one_attempt(sshd: SshServer) -> None:
+    node = connect(sshd, connect_timeout_s=2.0)
+    try:
+        node.port = sshd.closed_port()  # where the reconnect will knock: nobody listens
+        _drop(node)
+        with pytest.raises(StageError) as first:
+            node.run(["true"], timeout_s=5)
+        assert first.value.stage == "ssh_connect"
+        started = time.monotonic()
+        with pytest.raises(StageError, match="is closed"):
+            node.run(["true"], timeout_s=5)
+        assert time.monotonic() - started < 1.0
+    finally:
+        node.close()
+
+
+def _get_when_up(url: str) -> str | None:
+    with httpx.Client(timeout=2.0, trust_env=False) as client:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                return client.get(url).text
+            except httpx.HTTPError:
+                time.sleep(0.05)
+    return None
+
+
 def test_direct_reach_without_forward(sshd: SshServer) -> None:
     node = connect(sshd, forward=False)
     try:

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -226,7 +226,14 @@ class SshProcess:
 class _PortForward:
     """A local listening socket whose connections are carried to host:port by direct-tcpip."""
 
-    def __init__(self, transport: paramiko.Transport, host: str, port: int, label: str) -> None:
+    def __init__(
+        self,
+        transport: Callable[[], paramiko.Transport],
+        host: str,
+        port: int,
+        label: str,
+    ) -> None:
+        # Asked for each new connection, so that a forward outlives a reconnect of its target.
         self._transport = transport
         self.host = host
         self.port = port
@@ -244,7 +251,7 @@ class _PortForward:
         ).start()
 
     def active(self) -> bool:
-        return not self._closed.is_set() and self._transport.is_active()
+        return not self._closed.is_set()
 
     def close(self) -> None:
         self._closed.set()
@@ -271,10 +278,10 @@ class _PortForward:
             self._connections.add(connection)
         try:
             try:
-                channel = self._transport.open_channel(
+                channel = self._transport().open_channel(
                     "direct-tcpip", (self.host, self.port), peer, timeout=30.0
                 )
-            except (paramiko.SSHException, OSError, EOFError) as exc:
+            except (paramiko.SSHException, OSError, EOFError, StageError) as exc:
                 # Nothing listens there yet (a server still starting): the client sees a closed
                 # connection and retries, as it would against the server itself.
                 log.debug("forward to %s:%s refused: %s", self.host, self.port, exc)
@@ -282,7 +289,9 @@ class _PortForward:
             try:
                 self._pump(connection, channel)
             finally:
-                channel.close()
+                # On a connection that just dropped, even the close message cannot be sent.
+                with contextlib.suppress(EOFError, OSError, paramiko.SSHException):
+                    channel.close()
         finally:
             with self._lock:
                 self._connections.discard(connection)
@@ -350,6 +359,9 @@ class SshTarget:
         self._forwards: dict[tuple[str, int], _PortForward] = {}
         self._description: dict[str, Any] | None = None
         self._closed = False
+        self._reconnect_lock = threading.Lock()
+        self._gave_up = False
+        self.reconnects = 0
         self._client = self._connect()
 
     @property
@@ -442,12 +454,41 @@ class SshTarget:
         return client
 
     def _transport(self, stage: Stage) -> paramiko.Transport:
-        transport = self._client.get_transport()
-        if self._closed or transport is None or not transport.is_active():
+        """The live connection; one that dropped (a network blip, sshd restarted) is opened
+        again once, with the same host key checks. One closed on purpose stays closed."""
+        if self._closed or self._gave_up:
             raise StageError(
                 stage, f"node {self.node_id}: SSH connection to {self.where} is closed"
             )
-        return transport
+        transport = self._client.get_transport()
+        if transport is not None and transport.is_active():
+            return transport
+        with self._reconnect_lock:
+            transport = self._client.get_transport()
+            if transport is not None and transport.is_active():
+                return transport  # another thread reconnected meanwhile
+            if self._closed or self._gave_up:
+                raise StageError(
+                    stage, f"node {self.node_id}: SSH connection to {self.where} is closed"
+                )
+            log.warning(
+                "node %s: SSH connection to %s lost; reconnecting", self.node_id, self.where
+            )
+            self._client.close()
+            try:
+                self._client = self._connect()
+            except StageError:
+                # Gone for longer than a connect timeout: fail the rest at once, not each slowly.
+                self._gave_up = True
+                raise
+            self.reconnects += 1
+            transport = self._client.get_transport()
+            if transport is None:
+                raise StageError(stage, f"node {self.node_id}: SSH connection to {self.where} lost")
+            return transport
+
+    def _forward_transport(self) -> paramiko.Transport:
+        return self._transport("benchmark")
 
     # --- commands -------------------------------------------------------------------------
 
@@ -601,8 +642,8 @@ class SshTarget:
         existing = self._forwards.get(key)
         if existing is not None and existing.active():
             return "127.0.0.1", existing.local_port
-        transport = self._transport("benchmark")
-        forward = _PortForward(transport, host, port, f"{self.node_id}-{port}")
+        self._transport("benchmark")
+        forward = _PortForward(self._forward_transport, host, port, f"{self.node_id}-{port}")
         self._forwards[key] = forward
         return "127.0.0.1", forward.local_port
 
