@@ -101,6 +101,7 @@ def pytest_collection_modifyitems(
 def pytest_collection_finish(session: pytest.Session) -> None:
     """After every deselection: check the guards and open the ledger if any case will run."""
     bench = _bench(session.config)
+    bench.release_after = _last_case_of_each_node(session.items, bench)
     planned = sum(1 for item in session.items if _case_of(item) is not None)
     if not planned or not bench.writes_ledger or session.config.option.collectonly:
         return
@@ -108,6 +109,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         bench.begin(planned)
     except GpubenchError as exc:
         raise pytest.UsageError(str(exc)) from None
+
+
+def _last_case_of_each_node(items: list[pytest.Item], bench: BenchRun) -> dict[str, str]:
+    """{node id of the item: the node it is the last case of}, in the final run order (after
+    every plugin that reorders); a node is given back after that case, and not before."""
+    if bench.matrix is None:
+        return {}
+    last: dict[str, str] = {}
+    for item in items:
+        case = _case_of(item)
+        if case is not None:
+            last[bench.matrix.cell(case.cell_id).spec.node] = item.nodeid
+    return {nodeid: node for node, nodeid in last.items()}
 
 
 def _case_of(item: pytest.Item) -> Case | None:
@@ -166,18 +180,20 @@ def pytest_runtest_makereport(
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """After a node's last case (xdist too: `nextitem` is this worker's next test), release it."""
-    case = _case_of(item)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """After a node's last case, give the node back (under xdist the node's whole scope runs
+    on one worker, so that worker runs its last case too)."""
     bench = _bench(item.config)
-    if case is None or bench.session is None:
+    node = bench.release_after.get(item.nodeid)
+    if node is None or bench.session is None:
         return
-    following = _case_of(nextitem) if nextitem is not None else None
-    node = bench.session.matrix.cell(case.cell_id).spec.node
-    if following is None or bench.session.matrix.cell(following.cell_id).spec.node != node:
-        released = bench.release_node(node)
-        if released:
-            item.stash[NODES_KEY] = released
+    # Giving a rented node back may take minutes: not within the case's pytest-timeout.
+    cancel_timeout = getattr(item, "cancel_timeout", None)
+    if callable(cancel_timeout):
+        cancel_timeout()
+    released = bench.release_node(node)
+    if released:
+        item.stash[NODES_KEY] = released
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -67,6 +67,8 @@ class BenchRun:
         # and on a worker how many of its own it has sent on.
         self.worker_nodes: list[dict[str, Any]] = []
         self.nodes_sent = 0
+        # {test node id: the cells.yaml node it is the last case of} (plugin.py fills it).
+        self.release_after: dict[str, str] = {}
 
     @property
     def run_id(self) -> str:
@@ -238,8 +240,11 @@ class BenchRun:
     def release_node(self, node_id: str) -> list[dict[str, Any]]:
         """Give a node back after its last case; on a worker, the facts for the controller."""
         assert self.session is not None
-        self.session.release_node(node_id)
-        return self.unsent_nodes()
+        try:
+            self.session.release_node(node_id)
+        finally:
+            unsent = self.unsent_nodes()
+        return unsent
 
     def unsent_nodes(self) -> list[dict[str, Any]]:
         if self.writes_ledger or self.session is None:
@@ -261,12 +266,19 @@ class BenchRun:
         return sorted([*own, *self.worker_nodes], key=lambda node: str(node.get("node")))
 
     def finish(self, exitstatus: int) -> int | None:
-        if self.session is not None:
-            self.session.close()
+        """Give everything back, then judge and close the ledger, even if giving back failed."""
+        try:
+            if self.session is not None:
+                self.session.close()
+        finally:
             workeroutput = getattr(self.config, "workeroutput", None)
             if workeroutput is not None:
                 # xdist sends this to the controller, which writes it into the end record.
                 workeroutput["gpubench_nodes"] = self.unsent_nodes()
+            status = self.close_ledger(exitstatus)
+        return status
+
+    def close_ledger(self, exitstatus: int) -> int | None:
         status: int | None = None
         if self.startup_error is not None:
             status = int(pytest.ExitCode.USAGE_ERROR)

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 WARM_WINDOW_S = 60.0
 HEALTH_TIMEOUT_S = 10.0
 LOG_FETCH_TIMEOUT_S = 60.0
+# The log on the node grows across runs (it is appended to): its tail holds this run.
+LOG_FETCH_MAX_BYTES = 4 << 20
 
 
 # pytest_gpubench_make_engine and pytest_gpubench_open_target (hookspecs.py), as pytest calls them.
@@ -262,17 +264,21 @@ class CellRuntime:
             self.fetch_log(self.target, self.server.log_path)
 
     def fetch_log(self, target: Target, remote_path: str) -> Path | None:
+        """The last LOG_FETCH_MAX_BYTES of a remote engine log, copied here; None on failure."""
         node = self.cell.spec.node
         local = self.log_dir / f"{plain_file_name(node)}-{PurePosixPath(remote_path).name}"
+        tail = ["tail", "-c", str(LOG_FETCH_MAX_BYTES), remote_path]
         try:
-            data = target.read_file(remote_path, timeout_s=LOG_FETCH_TIMEOUT_S)
-        except (GpubenchError, OSError) as exc:
+            result = target.run(tail, timeout_s=LOG_FETCH_TIMEOUT_S)
+            if not result.ok:
+                raise GpubenchError(result.stderr.strip()[-300:] or f"status {result.returncode}")
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(self.scrub(result.stdout), encoding="utf-8")
+        except Exception as exc:  # a log is a nicety: never worth losing the run's records
             log.warning(
                 "cell %s: engine log %s not read back: %s", self.cell.cell_id, remote_path, exc
             )
             return None
-        local.parent.mkdir(parents=True, exist_ok=True)
-        local.write_text(self.scrub(data.decode("utf-8", "replace")), encoding="utf-8")
         return local
 
 
@@ -392,6 +398,8 @@ class BenchSession:
         for runtime in runtimes:
             try:
                 runtime.close()
+            except Exception:
+                log.warning("cell %s: closing failed", runtime.cell.cell_id, exc_info=True)
             except BaseException as exc:
                 interrupted = interrupted or exc
         for node_id, target in targets.items():

@@ -368,3 +368,39 @@ def test_a_rented_node_is_given_back_after_its_last_case_not_at_the_end(
     (done,) = provider_api.requests("POST", "/api/v1/sessions/sess-1/done")
     first_local = datetime.fromisoformat(calls[2]["started_at_utc"]).timestamp()
     assert done.at < first_local
+
+
+def test_a_node_is_rented_once_even_when_another_plugin_interleaves_the_cases(
+    pytester: pytest.Pytester,
+    provider_api: ProviderStandIn,
+    node_install: tuple[Path, Path],
+    llama_server: Path,
+) -> None:
+    """A plugin that reorders after ours (as --ff does) alternates the nodes' cases: the rented
+    node must stay rented until its last case, not be given back and rented again."""
+    pytester.makeconftest(
+        """
+        import pytest
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_collection_modifyitems(items):
+            rented = [i for i in items if "rented:" in i.nodeid]
+            local = [i for i in items if "local:" in i.nodeid]
+            items[:] = [i for pair in zip(rented, local) for i in pair]
+        """
+    )
+    local_cell = (
+        "{node: local, engine: llamacpp, model: tiny, phases: [warm], runs: 2, "
+        f"server_binary: '{llama_server}', server_args: [--threads, '1']}}"
+    )
+    result = run_matrix(
+        pytester,
+        {"rented": provider_node(provider_api), "local": "{kind: local}"},
+        [managed_cell("rented", "tiny", node_install, phases=["warm"], runs=2), local_cell],
+    )
+    result.assert_outcomes(passed=4)
+    calls = [r for r in ledger_of(pytester) if r["type"] == "call"]
+    assert [c["node"] for c in calls] == ["rented", "local", "rented", "local"]
+    assert provider_api.created() == ["sess-1"] and provider_api.done() == ["sess-1"]
+    (node,) = ledger_of(pytester)[-1]["nodes"]
+    assert node["session_id"] == "sess-1"

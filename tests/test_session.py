@@ -56,3 +56,33 @@ def test_a_node_that_fails_to_close_does_not_stop_the_others() -> None:
     }
     session.close()
     assert closed == ["broken", "fine"]
+
+
+def test_an_engine_log_that_cannot_be_read_back_loses_nothing_else(tmp_path: Any) -> None:
+    """fetch_log is a nicety: a plugin target that raises, or an unwritable folder, is logged."""
+    from pytest_gpubench.session import CellRuntime
+    from pytest_gpubench.targets import CommandResult
+
+    class Unreadable:
+        def run(self, argv: Any, *, timeout_s: float) -> Any:
+            raise RuntimeError("no such thing as a log here")
+
+    class Readable:
+        def run(self, argv: Any, *, timeout_s: float) -> CommandResult:
+            return CommandResult(tuple(argv), 0, "server is listening\n", "")
+
+    runtime = CellRuntime(cell=Cell(), log_dir=tmp_path / "logs")  # type: ignore[arg-type]
+    assert runtime.fetch_log(Unreadable(), "/tmp/x.log") is None  # type: ignore[arg-type]
+    fetched = runtime.fetch_log(Readable(), "/tmp/x.log")  # type: ignore[arg-type]
+    assert fetched is not None and fetched.read_text() == "server is listening\n"
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    runtime.log_dir = blocked
+    assert runtime.fetch_log(Readable(), "/tmp/x.log") is None  # type: ignore[arg-type]
+
+
+class Cell:
+    class spec:  # noqa: N801 - stands in for CellSpec's attribute
+        node = "box"
+
+    cell_id = "box:llamacpp:tiny"

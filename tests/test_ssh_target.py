@@ -196,7 +196,12 @@ def test_a_server_left_by_an_earlier_run_is_stopped_before_the_next_start(
     log_path = f"{remote_dir}/logs/server.log"
     earlier = connect(sshd)
     left = earlier.start(["sleep", "300"], log_path=log_path)
+    owner = Path(f"{log_path}.pid.owner").read_text().strip()
+    assert "sshd" in Path(f"/proc/{owner}/comm").read_text()  # the connection's sshd process
     earlier.disconnect()  # as if pytest died: nothing stopped it
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{owner}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     later = connect(sshd)
     try:
         assert SshProcess(later, left.pid, log_path).alive()
@@ -212,6 +217,21 @@ def test_a_server_left_by_an_earlier_run_is_stopped_before_the_next_start(
         assert f"stopped `sleep` (pid {left.pid}), left running by an earlier run" in caplog.text
     finally:
         later.close()
+
+
+def test_a_server_whose_run_is_still_connected_is_left_alone(
+    sshd: SshServer, remote_dir: Path
+) -> None:
+    """Two runs on one node with the same cell: the second must not kill the first's server."""
+    log_path = f"{remote_dir}/logs/shared.log"
+    first, second = connect(sshd), connect(sshd)
+    try:
+        running = first.start(["sleep", "300"], log_path=log_path)
+        other = second.start(["sleep", "300"], log_path=log_path)
+        assert running.alive() and other.alive() and other.pid != running.pid
+    finally:
+        first.close()
+        second.close()
 
 
 def test_start_of_a_missing_program_shows_in_the_log(target: SshTarget, remote_dir: Path) -> None:

@@ -59,19 +59,31 @@ running() {
 # no SIGHUP from sshd and a process group stop() can kill whole), stdio on /dev/null and the log
 # (so sshd does not keep the channel open waiting for the pipes), and its pid written by itself
 # just before exec (so the pid is right even where setsid has to fork). A process that an
-# earlier run started under the same pid file and never stopped (pytest killed with -9, the
-# connection lost) is stopped first, if it still runs the same program: on a GPU node it would
-# hold the memory the new one needs. Each one stopped is reported on a `stale <pid>` line.
+# earlier run started under the same pid file and never stopped (pytest killed with -9) is
+# stopped first, if it still runs the same program and the SSH connection that started it is
+# gone: on a GPU node it would hold the memory the new one needs. Each one stopped is reported
+# on a `stale <pid>` line. Without /proc nothing is ever taken for stale.
 _START_SCRIPT = (
     _RUNNING
     + r"""
 dir=$1 log=$2 pidfile=$3
 shift 3
 mkdir -p "$dir" || exit 1
+# The SSH connection this start comes through: the nearest sshd process above this shell.
+owner=$$
+while [ "$owner" -gt 1 ]; do
+  case "$(cat "/proc/$owner/comm" 2>/dev/null)" in sshd*) break ;; esac
+  owner=$(sed 's/.*) //' "/proc/$owner/stat" 2>/dev/null | cut -d' ' -f2)
+  case "$owner" in ''|*[!0-9]*) owner=1 ;; esac
+done
 old=$(cat "$pidfile" 2>/dev/null)
 case "$old" in ''|*[!0-9]*) old= ;; esac
-if [ -n "$old" ] && running "$old" \
-    && [ "$(tr '\000' '\n' < "/proc/$old/cmdline" 2>/dev/null | head -n 1)" = "$1" ]; then
+old_owner=$(cat "$pidfile.owner" 2>/dev/null)
+case "$old_owner" in ''|*[!0-9]*) old_owner=1 ;; esac
+# Stale: still running the same program, while the connection that started it is gone (a
+# server of another run that is still connected is left alone).
+if [ -n "$old" ] && running "$old" && ! running "$old_owner" \
+    && [ "$(tr '\000' '\n' 2>/dev/null < "/proc/$old/cmdline" | head -n 1)" = "$1" ]; then
   kill -TERM -"$old" 2>/dev/null || kill -TERM "$old" 2>/dev/null
   i=0
   while running "$old" && [ "$i" -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
@@ -79,6 +91,7 @@ if [ -n "$old" ] && running "$old" \
   echo "stale $old"
 fi
 rm -f "$pidfile"
+echo "$owner" > "$pidfile.owner"
 setsid sh -c 'echo $$ > "$0"; exec "$@"' "$pidfile" "$@" </dev/null >>"$log" 2>&1 &
 i=0
 while [ ! -s "$pidfile" ] && [ "$i" -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
@@ -481,6 +494,13 @@ class SshTarget:
                 # Gone for longer than a connect timeout: fail the rest at once, not each slowly.
                 self._gave_up = True
                 raise
+            if self._closed:
+                # disconnect() ran meanwhile (it takes no lock): it closed the old client, so
+                # close the new one too rather than undo a deliberate disconnect.
+                self._client.close()
+                raise StageError(
+                    stage, f"node {self.node_id}: SSH connection to {self.where} is closed"
+                )
             self.reconnects += 1
             transport = self._client.get_transport()
             if transport is None:
