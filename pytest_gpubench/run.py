@@ -44,10 +44,9 @@ class BenchRun:
         self.settings = settings
         self.matrix = matrix
         self.scrub = SecretScrubber(secret_values())
-        self.session = None
+        self.session: BenchSession | None = None
         if matrix is not None:
             self.session = BenchSession(matrix, scrub=self.scrub, hooks=config.hook)
-        if self.session is not None:
             if run_id:
                 self.session.run_id = run_id
             self.session.log_dir = settings.ledger_dir / "logs"

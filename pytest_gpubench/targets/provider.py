@@ -616,8 +616,3 @@ class ProviderTarget:
 def _read_banner(host: str, port: int, timeout_s: float) -> bytes:
     with socket.create_connection((host, port), timeout=timeout_s) as probe:
         return probe.recv(64)
-
-
-def provision(node_id: str, node: ProviderNode, **options: Any) -> ProviderTarget:
-    """A rented node, provisioned and set up; `close()` it to give it back."""
-    return ProviderTarget(node_id, node, **options).open()
