@@ -336,7 +336,12 @@ class BenchSession:
     def _record_released(self, node_id: str, exc: BaseException) -> None:
         """A rental that failed after its session was created still cost money: record it."""
         released = getattr(exc, "released_target", None)
-        facts = closed_node_facts(node_id, released) if released is not None else None
+        if released is not None:
+            self._account_for(node_id, released)
+
+    def _account_for(self, node_id: str, target: Target) -> None:
+        """Keep what a node that was just given back cost (rented nodes only)."""
+        facts = closed_node_facts(node_id, target)
         if facts is not None:
             self.closed_nodes.append(scrub_record(facts, self.scrub))
 
@@ -410,9 +415,7 @@ class BenchSession:
             except BaseException as exc:
                 interrupted = interrupted or exc
             finally:
-                facts = closed_node_facts(node_id, target)
-                if facts is not None:
-                    self.closed_nodes.append(scrub_record(facts, self.scrub))
+                self._account_for(node_id, target)
         if interrupted is not None:
             raise interrupted
 

@@ -42,8 +42,9 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 # Ports free_port() draws from when the node has no python3 to ask the kernel for one.
 FALLBACK_PORT_RANGE = (20000, 60999)
 
-# Whether pid $1 runs. A zombie counts as gone: an orphan waits for init to reap it, which in
-# some containers takes seconds, and kill -0 still succeeds on it meanwhile.
+# Shell functions the scripts below share. `running`: whether pid $1 runs. A zombie counts as
+# gone: an orphan waits for init to reap it, which in some containers takes seconds, and kill -0
+# still succeeds on it meanwhile.
 _RUNNING = r"""
 running() {
   if [ -d /proc/self ]; then
@@ -52,6 +53,16 @@ running() {
   else
     kill -0 "$1" 2>/dev/null
   fi
+}
+
+# Stops process group $1: SIGTERM, then SIGKILL when its leader still runs after $2 tenths of a
+# second; the final SIGKILL also takes any member the leader left behind.
+stop_group() {
+  kill -TERM -"$1" 2>/dev/null || kill -TERM "$1" 2>/dev/null || return 0
+  i=0
+  while running "$1" && [ "$i" -lt "$2" ]; do sleep 0.1; i=$((i + 1)); done
+  kill -KILL -"$1" 2>/dev/null
+  return 0
 }
 """
 
@@ -84,10 +95,7 @@ case "$old_owner" in ''|*[!0-9]*) old_owner=1 ;; esac
 # server of another run that is still connected is left alone).
 if [ -n "$old" ] && running "$old" && ! running "$old_owner" \
     && [ "$(tr '\000' '\n' 2>/dev/null < "/proc/$old/cmdline" | head -n 1)" = "$1" ]; then
-  kill -TERM -"$old" 2>/dev/null || kill -TERM "$old" 2>/dev/null
-  i=0
-  while running "$old" && [ "$i" -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
-  kill -KILL -"$old" 2>/dev/null
+  stop_group "$old" 50
   echo "stale $old"
 fi
 rm -f "$pidfile"
@@ -101,22 +109,7 @@ cat "$pidfile"
 
 _ALIVE_SCRIPT = _RUNNING + 'running "$1"\n'
 
-# Stops a process group: SIGTERM, then SIGKILL when its leader still runs after $2 tenths of a
-# second; the final SIGKILL also takes any member the leader left behind.
-_STOP_SCRIPT = (
-    _RUNNING
-    + r"""
-pid=$1 tries=$2
-kill -TERM -"$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || exit 0
-i=0
-while running "$pid" && [ "$i" -lt "$tries" ]; do
-  sleep 0.1
-  i=$((i + 1))
-done
-kill -KILL -"$pid" 2>/dev/null
-exit 0
-"""
-)
+_STOP_SCRIPT = _RUNNING + 'stop_group "$1" "$2"\n'
 
 _FREE_PORT_PY = (
     "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
@@ -470,9 +463,7 @@ class SshTarget:
         """The live connection; one that dropped (a network blip, sshd restarted) is opened
         again once, with the same host key checks. One closed on purpose stays closed."""
         if self._closed or self._gave_up:
-            raise StageError(
-                stage, f"node {self.node_id}: SSH connection to {self.where} is closed"
-            )
+            raise self._closed_error(stage)
         transport = self._client.get_transport()
         if transport is not None and transport.is_active():
             return transport
@@ -481,9 +472,7 @@ class SshTarget:
             if transport is not None and transport.is_active():
                 return transport  # another thread reconnected meanwhile
             if self._closed or self._gave_up:
-                raise StageError(
-                    stage, f"node {self.node_id}: SSH connection to {self.where} is closed"
-                )
+                raise self._closed_error(stage)
             log.warning(
                 "node %s: SSH connection to %s lost; reconnecting", self.node_id, self.where
             )
@@ -498,14 +487,15 @@ class SshTarget:
                 # disconnect() ran meanwhile (it takes no lock): it closed the old client, so
                 # close the new one too rather than undo a deliberate disconnect.
                 self._client.close()
-                raise StageError(
-                    stage, f"node {self.node_id}: SSH connection to {self.where} is closed"
-                )
+                raise self._closed_error(stage)
             self.reconnects += 1
             transport = self._client.get_transport()
             if transport is None:
                 raise StageError(stage, f"node {self.node_id}: SSH connection to {self.where} lost")
             return transport
+
+    def _closed_error(self, stage: Stage) -> StageError:
+        return StageError(stage, f"node {self.node_id}: SSH connection to {self.where} is closed")
 
     def _forward_transport(self) -> paramiko.Transport:
         return self._transport("benchmark")
