@@ -1,4 +1,4 @@
-"""The `gpubench` command: install the embedded engine, make the tiny model, report, compare."""
+"""The `gpubench` command, every subcommand: install-server, make-model, report, compare."""
 
 from __future__ import annotations
 
@@ -42,9 +42,18 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare(args: argparse.Namespace) -> int:
-    from pytest_gpubench.report import compare_command
+def compare_command(old: Path, new: Path) -> int:
+    """`gpubench compare OLD NEW`: prints the comparison; the regression status on a regression."""
+    from pytest_gpubench.baseline import load_summaries
+    from pytest_gpubench.gate import EXIT_REGRESSION, compare, regressions
+    from pytest_gpubench.report import render_comparison
 
+    verdicts = compare(load_summaries(old), load_summaries(new))
+    print(render_comparison(verdicts))
+    return EXIT_REGRESSION if regressions(verdicts) else 0
+
+
+def _compare(args: argparse.Namespace) -> int:
     return compare_command(Path(args.old), Path(args.new))
 
 

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from pytest_gpubench.errors import GpubenchError
 
-RECORD_TYPES = ("meta", "cell", "call", "skipped", "end")
-
 
 class Ledger:
     """Appends records to runs/<benchmark_run_id>.jsonl; only the controller process writes."""
 
-    def __init__(self, path: Path, scrub: SecretScrubber | None = None) -> None:
+    def __init__(self, path: Path, scrub: Callable[[str], str] | None = None) -> None:
         self.path = path
         self._scrub = scrub
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -36,24 +34,6 @@ class Ledger:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-class SecretScrubber:
-    """Replaces known secret values wherever they appear in text the plugin writes."""
-
-    def __init__(self, secrets: list[str]) -> None:
-        # Longest first so a secret containing another is replaced whole.
-        self._secrets = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
-
-    def __call__(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "[REDACTED]")
-        return text
-
-
-def scrub_record(record: dict[str, Any], scrub: SecretScrubber) -> dict[str, Any]:
-    scrubbed: dict[str, Any] = json.loads(scrub(json.dumps(record, default=str)))
-    return scrubbed
 
 
 def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

@@ -389,3 +389,25 @@ def load_matrix(
         cells=tuple(cells),
         prompts=prompts,
     )
+
+
+def frozen_prompt_error(
+    prompt_id: str,
+    cell_id: str,
+    *,
+    baseline_sha256: str | None,
+    current_sha256: str | None,
+    source: Path | None = None,
+) -> GpubenchError | None:
+    """The error for a prompt changed under an id a baseline was measured with, or None.
+
+    Prompts are frozen once shipped: numbers of two different prompts compare nothing.
+    """
+    if baseline_sha256 is None or current_sha256 is None or baseline_sha256 == current_sha256:
+        return None
+    where = f"{source}: " if source is not None else ""
+    return GpubenchError(
+        f"{where}prompt {prompt_id} changed since the baseline of {cell_id} was measured "
+        f"(sha256 {baseline_sha256[:12]} -> {current_sha256[:12]}): shipped prompts are frozen; "
+        f"restore '{prompt_id}' and add the new text under a new id"
+    )

@@ -1,4 +1,5 @@
-"""The pytest plugin: options, hooks and the case fixture; each hook delegates to a role module."""
+"""The pytest plugin: hooks and fixtures only; each hook delegates to the run controller, the
+harness, the report or the xdist module."""
 
 from __future__ import annotations
 
@@ -8,16 +9,24 @@ from typing import Any
 
 import pytest
 
-from pytest_gpubench.cases import Case, build_cases, escaped_id, param_id, smoke_case
+from pytest_gpubench import xdist
+from pytest_gpubench.cases import Case, build_cases, smoke_case
+from pytest_gpubench.controller import RunController
 from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.matrix import load_matrix
-from pytest_gpubench.run import BenchRun
-from pytest_gpubench.settings import Settings, addoption
+from pytest_gpubench.harness import Harness
+from pytest_gpubench.matrix import Matrix, load_matrix
+from pytest_gpubench.options import Options, addoption
 
 CASE_FIXTURE = "gpubench_case"
-RUN_KEY = pytest.StashKey["BenchRun"]()
+# Generous on purpose: the engine's own stream timeout (the cell's timeout_s) must fire first, so
+# that a slow call is still recorded; this only catches a hang in the harness itself.
+CASE_TIMEOUT_FACTOR = 2.0
+CASE_TIMEOUT_SLACK_S = 180.0
+RUN_KEY = pytest.StashKey[RunController]()
+# {test node id: the cells.yaml node it is the last case of}, in the final run order.
+RELEASE_KEY = pytest.StashKey[dict[str, str]]()
 RECORDS_KEY = pytest.StashKey[list[dict[str, Any]]]()
-NODES_KEY = pytest.StashKey[list[dict[str, Any]]]()
+RENTALS_KEY = pytest.StashKey[list[dict[str, Any]]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -33,26 +42,37 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cold: first call after the model was forced out of memory")
     config.addinivalue_line("markers", "warm: a call preceded by one to the same model within 60 s")
-    settings = Settings.from_config(config)
-    matrix = None
-    if settings.cells_named or settings.cells_path.exists():
-        try:
-            matrix = load_matrix(
-                settings.cells_path,
-                settings.prompts_path,
-                engine_kinds=_kinds(config.hook.pytest_gpubench_engine_kinds()),
-                node_kinds=_kinds(config.hook.pytest_gpubench_node_kinds()),
-            )
-        except GpubenchError as exc:
-            raise pytest.UsageError(str(exc)) from None
-    workerinput = getattr(config, "workerinput", {})
-    run_id = workerinput.get("gpubench_run_id")
-    bench = BenchRun(config, settings, matrix, run_id)
-    config.stash[RUN_KEY] = bench
-    # The run object receives every test report (pytest_runtest_logreport) to write the ledger.
-    config.pluginmanager.register(bench, "gpubench-run")
+    options = Options.from_config(config)
+    run = RunController(
+        options,
+        _matrix(config, options),
+        root=config.rootpath,
+        argv=list(config.invocation_params.args),
+        writes_ledger=not xdist.is_worker(config),
+        run_id=xdist.worker_run_id(config),
+        hooks=config.hook,
+    )
+    config.stash[RUN_KEY] = run
+    config.stash[RELEASE_KEY] = {}
+    config.pluginmanager.register(ReportReader(run), "gpubench-reports")
     if config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(XdistHooks(config), "gpubench-xdist")
+        config.pluginmanager.register(
+            xdist.XdistHooks(config, lambda: config.stash[RUN_KEY]), "gpubench-xdist"
+        )
+
+
+def _matrix(config: pytest.Config, options: Options) -> Matrix | None:
+    if not (options.cells_named or options.cells_path.exists()):
+        return None
+    try:
+        return load_matrix(
+            options.cells_path,
+            options.prompts_path,
+            engine_kinds=_kinds(config.hook.pytest_gpubench_engine_kinds()),
+            node_kinds=_kinds(config.hook.pytest_gpubench_node_kinds()),
+        )
+    except GpubenchError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def _kinds(answers: list[Sequence[str] | str]) -> tuple[str, ...]:
@@ -61,24 +81,30 @@ def _kinds(answers: list[Sequence[str] | str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(named))
 
 
-def _bench(config: pytest.Config) -> BenchRun:
+def _run(config: pytest.Config) -> RunController:
     return config.stash[RUN_KEY]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if CASE_FIXTURE not in metafunc.fixturenames:
         return
-    bench = _bench(metafunc.config)
-    if bench.matrix is None:
+    run = _run(metafunc.config)
+    if run.matrix is None:
         raise pytest.UsageError(
-            f"{bench.settings.cells_path}: not found; {metafunc.function.__name__} needs the cell "
+            f"{run.options.cells_path}: not found; {metafunc.function.__name__} needs the cell "
             "matrix (write cells.yaml at the rootdir or pass --gpubench-cells PATH)"
         )
+    matrix = run.matrix
     params = [
-        pytest.param(case, id=case.case_id, marks=bench.case_marks(case))
-        for case in build_cases(bench.matrix, bench.settings.runs)
+        pytest.param(case, id=case.case_id, marks=_case_marks(matrix, case))
+        for case in build_cases(matrix, run.options.runs)
     ]
     metafunc.parametrize(CASE_FIXTURE, params, indirect=True)
+
+
+def _case_marks(matrix: Matrix, case: Case) -> list[pytest.MarkDecorator]:
+    timeout = matrix.cell(case.cell_id).timeout_s * CASE_TIMEOUT_FACTOR + CASE_TIMEOUT_SLACK_S
+    return [getattr(pytest.mark, case.phase), pytest.mark.timeout(timeout)]
 
 
 def pytest_collection_modifyitems(
@@ -89,9 +115,10 @@ def pytest_collection_modifyitems(
         return
     others = [item for item in items if _case_of(item) is None]
     cases.sort(key=lambda item: _case_of(item))  # type: ignore[arg-type, return-value]
-    bench = _bench(config)
-    if bench.settings.smoke:
-        chosen = smoke_case([c for c in (_case_of(i) for i in cases) if c], bench.skipped_cells())
+    run = _run(config)
+    if run.options.smoke and run.matrix is not None:
+        skipped = {cell.cell_id for cell in run.matrix.cells if cell.spec.skip}
+        chosen = smoke_case([c for c in (_case_of(i) for i in cases) if c], skipped)
         kept = [item for item in cases if _case_of(item) == chosen][:1]
         config.hook.pytest_deselected(items=[item for item in cases if item not in kept])
         cases = kept
@@ -100,27 +127,27 @@ def pytest_collection_modifyitems(
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """After every deselection: check the guards and open the ledger if any case will run."""
-    bench = _bench(session.config)
-    bench.release_after = _last_case_of_each_node(session.items, bench)
+    run = _run(session.config)
+    session.config.stash[RELEASE_KEY] = _last_case_of_each_node(session.items, run.matrix)
     planned = sum(1 for item in session.items if _case_of(item) is not None)
-    if not planned or not bench.writes_ledger or session.config.option.collectonly:
+    if not planned or not run.writes_ledger or session.config.option.collectonly:
         return
     try:
-        bench.begin(planned)
+        run.begin(planned)
     except GpubenchError as exc:
         raise pytest.UsageError(str(exc)) from None
 
 
-def _last_case_of_each_node(items: list[pytest.Item], bench: BenchRun) -> dict[str, str]:
+def _last_case_of_each_node(items: list[pytest.Item], matrix: Matrix | None) -> dict[str, str]:
     """{node id of the item: the node it is the last case of}, in the final run order (after
     every plugin that reorders); a node is given back after that case, and not before."""
-    if bench.matrix is None:
+    if matrix is None:
         return {}
     last: dict[str, str] = {}
     for item in items:
         case = _case_of(item)
         if case is not None:
-            last[bench.matrix.cell(case.cell_id).spec.node] = item.nodeid
+            last[matrix.cell(case.cell_id).spec.node] = item.nodeid
     return {nodeid: node for node, nodeid in last.items()}
 
 
@@ -137,13 +164,12 @@ class BenchCase:
     """What a benchmark test gets: the case, and `run()` to measure it once."""
 
     case: Case
-    bench: BenchRun
+    harness: Harness
     records: list[dict[str, Any]] = field(default_factory=list)
     record: dict[str, Any] | None = None
 
     def run(self) -> dict[str, Any]:
-        assert self.bench.session is not None  # cases exist only when the matrix loaded
-        self.record = self.bench.session.run_case(self.case)
+        self.record = self.harness.run_case(self.case)
         self.records.append(self.record)
         return self.record
 
@@ -152,14 +178,16 @@ class BenchCase:
 def gpubench_case(request: pytest.FixtureRequest) -> BenchCase:
     """The (cell, prompt, phase, run_idx) this test measures, with its engine ready."""
     case: Case = request.param
-    bench = _bench(request.config)
+    run = _run(request.config)
+    assert run.harness is not None  # cases exist only when the matrix loaded
     records = request.node.stash.setdefault(RECORDS_KEY, [])
-    reason = bench.prepare_cell(case, records)
+    reason, prepared = run.harness.prepare(case)
+    records.extend(prepared)
     if reason is not None:
-        if bench.settings.for_publication:
+        if run.options.for_publication:
             pytest.fail(f"--for-publication: {case.cell_id} is unavailable: {reason}", False)
         pytest.skip(reason)
-    return BenchCase(case, bench, records)
+    return BenchCase(case, run.harness, records)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -168,90 +196,95 @@ def pytest_runtest_makereport(
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     # Records ride on the report (built-in types only) so xdist carries them to the controller.
-    pending = item.stash.get(RECORDS_KEY, [])
-    if pending:
-        report.gpubench_records = list(pending)  # type: ignore[attr-defined]
-        pending.clear()
-    released = item.stash.get(NODES_KEY, [])
-    if released:
-        report.gpubench_nodes = list(released)  # type: ignore[attr-defined]
-        released.clear()
+    for key, attr in ((RECORDS_KEY, xdist.RECORDS_ATTR), (RENTALS_KEY, xdist.RENTALS_ATTR)):
+        pending = item.stash.get(key, [])
+        if pending:
+            setattr(report, attr, list(pending))
+            pending.clear()
     return report
+
+
+class ReportReader:
+    """Registered in pytest_configure: pytest_runtest_logreport is given no config, so this
+    object holds the run it feeds. In the writing process it keeps every record a case produced
+    (wherever it ran) and the rentals a worker gave back (known here even if the run is
+    interrupted before the worker ends)."""
+
+    def __init__(self, run: RunController) -> None:
+        self.run = run
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not self.run.writes_ledger:
+            return
+        records = getattr(report, xdist.RECORDS_ATTR, None)
+        if records:
+            self.run.collect(records)
+        self.run.add_worker_rentals(getattr(report, xdist.RENTALS_ATTR, None) or [])
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     """After a node's last case, give the node back (under xdist the node's whole scope runs
     on one worker, so that worker runs its last case too)."""
-    bench = _bench(item.config)
-    node = bench.release_after.get(item.nodeid)
-    if node is None or bench.session is None:
+    run = _run(item.config)
+    node = item.config.stash[RELEASE_KEY].get(item.nodeid)
+    if node is None or run.harness is None:
         return
     # Giving a rented node back may take minutes: not within the case's pytest-timeout.
     cancel_timeout = getattr(item, "cancel_timeout", None)
     if callable(cancel_timeout):
         cancel_timeout()
-    released = bench.release_node(node)
-    if released:
-        item.stash[NODES_KEY] = released
+    rentals = run.release_node(node)
+    if rentals:
+        item.stash[RENTALS_KEY] = rentals
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session: pytest.Session) -> bool | None:
-    bench = _bench(session.config)
-    if not bench.settings.probe or bench.matrix is None or hasattr(session.config, "workerinput"):
+    run = _run(session.config)
+    if not run.options.probe or run.matrix is None or xdist.is_worker(session.config):
         return None
-    session.testsfailed = bench.probe()
+    session.testsfailed = run.probe()
     return True
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    bench = _bench(session.config)
-    status = bench.finish(int(exitstatus))
+    status = _run(session.config).finish(int(exitstatus), xdist.workeroutput(session.config))
     if status is not None:
         session.exitstatus = status
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    _bench(terminalreporter.config).summarize(terminalreporter)
+    from pytest_gpubench import report
+
+    run = _run(terminalreporter.config)
+    lines: list[report.TerminalLine] = []
+    if run.startup_error is not None:
+        lines.append(report.TerminalLine(f"ERROR: {run.startup_error}", red=True))
+    if run.probe_rows:
+        terminalreporter.write_sep("=", "gpubench probe")
+        lines.append(report.TerminalLine(report.render_probe(run.probe_rows)))
+    lines.extend(report.rental_lines(run.rentals()))
+    if run.ledger is not None:
+        _write(terminalreporter, run, lines)
+        lines = []
+        terminalreporter.write_sep("=", "gpubench")
+        judgement = run.judgement
+        lines.extend(
+            report.gate_lines(
+                judgement.summaries,
+                judgement.verdicts,
+                baseline_notes=judgement.baseline_notes,
+                gate_error=judgement.gate_error,
+                baseline_update=run.options.baseline_update,
+                baselines_dir=run.options.baselines_dir,
+            )
+        )
+        lines.append(report.TerminalLine(f"ledger: {run.ledger.path}"))
+    _write(terminalreporter, run, lines)
 
 
-class XdistHooks:
-    """Registered only when pytest-xdist is installed: the controller side of a distributed run."""
-
-    def __init__(self, config: pytest.Config) -> None:
-        self.config = config
-
-    def pytest_configure_node(self, node: Any) -> None:
-        node.workerinput["gpubench_run_id"] = _bench(self.config).run_id
-
-    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
-        """With the default `--dist load`, keep a node's cases on one worker, in order."""
-        bench = _bench(config)
-        if config.getvalue("dist") != "load" or bench.matrix is None:
-            return None
-        from pytest_gpubench.xdist_scheduling import NodeScheduling
-
-        matrix = bench.matrix
-        nodes = {
-            escaped_id(case.case_id): matrix.cell(case.cell_id).spec.node
-            for case in build_cases(matrix, bench.settings.runs)
-        }
-        return NodeScheduling(config, log, nodes, lambda: bench.startup_error is not None)
-
-    def pytest_testnodedown(self, node: Any, error: Any) -> None:
-        """A worker gave back its rented nodes; their cost goes into the controller's ledger."""
-        output = getattr(node, "workeroutput", None) or {}
-        # pop: xdist calls this hook twice for a worker that was interrupted.
-        _bench(self.config).add_worker_nodes(output.pop("gpubench_nodes", []))
-
-    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
-        bench = _bench(self.config)
-        if bench.matrix is None or bench.started:
-            return
-        case_ids = {
-            escaped_id(case.case_id) for case in build_cases(bench.matrix, bench.settings.runs)
-        }
-        count = sum(1 for test_id in ids if param_id(test_id) in case_ids)
-        if count:
-            bench.begin_or_stop(count)
+def _write(terminalreporter: pytest.TerminalReporter, run: RunController, lines: list[Any]) -> None:
+    """The terminal is one of the two exits (the ledger is the other): secrets cut out here."""
+    for line in lines:
+        terminalreporter.write_line(run.scrub(line.text), red=line.red)

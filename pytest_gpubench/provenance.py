@@ -1,23 +1,16 @@
-"""Where the numbers came from: git state, host, load, versions and environment for `meta`."""
+"""Where the numbers came from: git state, load average, the clock and the chosen environment."""
 
 from __future__ import annotations
 
 import os
-import platform
-import re
-import socket
 import subprocess
-import sys
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import pytest
+from pytest_gpubench.secrets import REDACTED, SECRET_NAME
 
-from pytest_gpubench import HARNESS_VERSION, __version__
-
-SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
-REDACTED = "[REDACTED]"
 # Recorded by default: they change what the numbers mean.
 DEFAULT_ENV = (
     "CUDA_VISIBLE_DEVICES",
@@ -62,49 +55,10 @@ def git_state(root: Path) -> dict[str, Any]:
     }
 
 
-def secret_values(environ: dict[str, str] | None = None) -> list[str]:
-    """Values of environment variables whose names look secret: never written anywhere."""
-    environ = dict(os.environ) if environ is None else environ
-    return [value for name, value in environ.items() if SECRET_NAME.search(name) and value]
-
-
-def chosen_environment(names: tuple[str, ...]) -> dict[str, str]:
+def chosen_environment(names: Sequence[str]) -> dict[str, str]:
+    """The default variables and the named ones that are set; secret-looking values redacted."""
     chosen = {}
     for name in sorted(set(DEFAULT_ENV) | set(names)):
         if name in os.environ:
             chosen[name] = REDACTED if SECRET_NAME.search(name) else os.environ[name]
     return chosen
-
-
-def meta_record(
-    *,
-    run_id: str,
-    root: Path,
-    git: dict[str, Any],
-    env_names: tuple[str, ...],
-    cells_planned: list[str],
-    cases_planned: int,
-    argv: list[str],
-    cells_path: Path,
-    prompts_path: Path,
-) -> dict[str, Any]:
-    return {
-        "type": "meta",
-        "benchmark_run_id": run_id,
-        **git,
-        "harness_version": HARNESS_VERSION,
-        "started_at_utc": utc_now(),
-        "host": socket.gethostname(),
-        "platform": platform.platform(),
-        "load_avg_start": load_average(),
-        "env": chosen_environment(env_names),
-        "cells_planned": cells_planned,
-        "cases_planned": cases_planned,
-        "python_version": platform.python_version(),
-        "pytest_version": pytest.__version__,
-        "plugin_version": __version__,
-        "command_line": [sys.argv[0], *argv],
-        "rootdir": str(root),
-        "cells_file": str(cells_path),
-        "prompts_file": str(prompts_path),
-    }

@@ -1,19 +1,21 @@
-"""Rendering: the terminal summary, the Markdown baseline document and run comparisons."""
+"""All rendering: the terminal summary, the probe table, rented nodes, run comparisons and the
+Markdown baseline document. Pure: text in, text out."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tabulate import tabulate
 
 from pytest_gpubench.gate import (
+    EXIT_REGRESSION,
     METRIC_NAMES,
     SUCCESS_RATE,
     Verdict,
-    compare,
     overall_by_key,
     regressions,
 )
@@ -29,6 +31,19 @@ METRIC_LABELS = {
 }
 # Shown under a table: the verdicts a reader has to act on.
 NOTEWORTHY = ("regression", "inconclusive", "win")
+
+
+class ProbeRowLike(Protocol):
+    """A cell's health as --probe found it (the run controller's ProbeRow)."""
+
+    @property
+    def cell_id(self) -> str: ...
+    @property
+    def engine_version(self) -> str | None: ...
+    @property
+    def model_digest(self) -> str | None: ...
+    @property
+    def status(self) -> str: ...
 
 
 # -- formatting -------------------------------------------------------------------------------
@@ -137,6 +152,69 @@ def render_summary(summaries: Iterable[PromptSummary], verdicts: Iterable[Verdic
     return "\n".join([table(rows, SUMMARY_HEADERS), *verdict_notes(verdicts)])
 
 
+# -- the end of a pytest session ------------------------------------------------------------
+
+PROBE_HEADERS = ("cell", "engine version", "model digest", "status")
+
+
+@dataclass(frozen=True)
+class TerminalLine:
+    text: str
+    red: bool = False
+
+
+def render_probe(rows: Iterable[ProbeRowLike]) -> str:
+    return tabulate(
+        [
+            [row.cell_id, row.engine_version or NONE, row.model_digest or NONE, row.status]
+            for row in rows
+        ],
+        headers=PROBE_HEADERS,
+    )
+
+
+def rental_lines(rentals: Iterable[Mapping[str, Any]]) -> list[TerminalLine]:
+    """What each rented node cost, and loudly any session that could not be ended."""
+    lines = []
+    for rental in rentals:
+        done = rental.get("session_done")
+        state = "marked done" if done else "NOT marked done: end it by hand"
+        text = (
+            f"rented node {rental.get('node')}: {rental.get('gpu_name')} at "
+            f"{rental.get('price_per_hour')}/h for {rental.get('elapsed_s')} s, cost "
+            f"{rental.get('cost')}; session {rental.get('session_id')} {state}"
+        )
+        lines.append(TerminalLine(text, red=not done))
+    return lines
+
+
+def gate_lines(
+    summaries: Iterable[PromptSummary],
+    verdicts: Iterable[Verdict],
+    *,
+    baseline_notes: Iterable[str],
+    gate_error: str | None,
+    baseline_update: bool,
+    baselines_dir: Path,
+) -> list[TerminalLine]:
+    """The gate's part of the terminal summary: the table, baseline notes, errors, the status."""
+    summaries, verdicts = list(summaries), list(verdicts)
+    lines = [TerminalLine(render_summary(summaries, verdicts))] if summaries else []
+    lines.extend(TerminalLine(note) for note in baseline_notes)
+    if gate_error is not None:
+        lines.append(TerminalLine(f"ERROR: {gate_error}", red=True))
+    found = regressions(verdicts)
+    if found and not baseline_update:
+        lines.append(
+            TerminalLine(
+                f"gpubench: {len(found)} regression(s) against {baselines_dir}; "
+                f"exit status {EXIT_REGRESSION}",
+                red=True,
+            )
+        )
+    return lines
+
+
 # -- comparison of two runs -------------------------------------------------------------------
 
 COMPARISON_HEADERS = ("cell", "prompt", "metric", "old", "new", "change", "p", "verdict")
@@ -168,16 +246,6 @@ def render_comparison(verdicts: Iterable[Verdict], *, markdown: bool = False) ->
         lines.append("")
         lines.extend(f"- {note}" if markdown else note for note in notes)
     return "\n".join(lines)
-
-
-def compare_command(old: Path, new: Path) -> int:
-    """`gpubench compare OLD NEW`: prints the comparison; exit status 6 on a regression."""
-    from pytest_gpubench.baseline import load_summaries
-    from pytest_gpubench.run import EXIT_REGRESSION
-
-    verdicts = compare(load_summaries(old), load_summaries(new))
-    print(render_comparison(verdicts))
-    return EXIT_REGRESSION if regressions(verdicts) else 0
 
 
 # -- the Markdown baseline document -----------------------------------------------------------

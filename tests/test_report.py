@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 
 from pytest_gpubench.baseline import update_baselines
-from pytest_gpubench.cli import main
+from pytest_gpubench.cli import compare_command, main
 from pytest_gpubench.gate import Verdict, compare, judge
 from pytest_gpubench.report import (
-    compare_command,
     render_comparison,
     render_markdown,
     render_summary,

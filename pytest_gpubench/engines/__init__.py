@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
+from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.measure import (
     CallMeasurement,
     Line,
@@ -18,6 +19,9 @@ from pytest_gpubench.measure import (
     read_error_body,
     stream_post,
 )
+
+if TYPE_CHECKING:
+    from pytest_gpubench.matrix import Cell
 
 
 @dataclass(frozen=True)
@@ -159,3 +163,40 @@ def parse_openai_sse(response: StreamedResponse, measurement: CallMeasurement) -
         if isinstance(timings, dict):
             measurement.engine_timings = timings
     return arrivals
+
+
+# pytest_gpubench_make_engine (hookspecs.py), as pytest's hook relay calls it.
+EngineHook = Callable[..., "Engine | None"]
+
+
+def make_engine(
+    cell: Cell,
+    base_url: str,
+    *,
+    api_key: str | None,
+    model_digest: str | None,
+    plugin_hook: EngineHook | None = None,
+) -> Engine:
+    """The engine for a cell: a plugin's first (pytest_gpubench_make_engine), else a built-in."""
+    if plugin_hook is not None:
+        engine = plugin_hook(
+            cell=cell, base_url=base_url, api_key=api_key, model_digest=model_digest
+        )
+        if engine is not None:
+            return engine
+    spec = cell.spec
+    if spec.engine == "llamacpp":
+        from pytest_gpubench.engines.llamacpp import LlamaCppEngine
+
+        return LlamaCppEngine(base_url, spec.model, api_key, model_digest)
+    if spec.engine == "ollama":
+        from pytest_gpubench.engines.ollama import OllamaEngine
+
+        return OllamaEngine(base_url, spec.model)
+    if spec.engine == "openai":
+        from pytest_gpubench.engines.openai import OpenAIEngine
+
+        return OpenAIEngine(base_url, spec.model, api_key)
+    raise GpubenchError(
+        f"cell {cell.cell_id}: engine: no plugin built an engine of kind {spec.engine}"
+    )

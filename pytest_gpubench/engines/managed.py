@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
-import re
 import time
 from collections.abc import Sequence
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import httpx
 
 from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.files import distinct_file_name, file_sha256
+from pytest_gpubench.matrix import TINY_MODEL, Cell
 from pytest_gpubench.targets import BackgroundProcess, Target
+from pytest_gpubench.targets.local import LocalTarget
 
 READY_POLL_S = 0.05
 
@@ -37,7 +38,9 @@ class ManagedLlamaServer:
         self.model_path = model_path
         self.alias = alias
         # The cell id holds the model name, which may hold anything: keep the file name plain.
-        self.log_path = str(PurePosixPath(log_dir) / f"llama-server-{plain_file_name(cell_id)}.log")
+        self.log_path = str(
+            PurePosixPath(log_dir) / f"llama-server-{distinct_file_name(cell_id)}.log"
+        )
         self.extra_args = tuple(extra_args)
         self.ready_timeout_s = ready_timeout_s
         self.base_url = ""
@@ -105,9 +108,66 @@ class ManagedLlamaServer:
             self._process = None
 
 
-def plain_file_name(text: str, limit: int = 80) -> str:
-    """A short, plain file name for any text; distinct texts keep distinct names (a hash)."""
-    plain = re.sub(r"[^A-Za-z0-9._-]", "_", text)
-    if plain == text and len(plain) <= limit:
-        return plain
-    return f"{plain[: limit - 13]}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+def managed_llama_server(
+    cell: Cell, target: Target, log_dir: Path
+) -> tuple[ManagedLlamaServer, str]:
+    """The cell's llama-server on its node, not yet started, and the sha256 of its model.
+
+    On this machine the binary is found or built and the model is the cell's GGUF (or the tiny
+    model); on a remote node both are paths there, put in place by the node's setup.
+    """
+    spec = cell.spec
+    if isinstance(target, LocalTarget):
+        from pytest_gpubench.engines.llamacpp_build import ensure_llama_server
+
+        binary = str(ensure_llama_server(spec.server_binary))
+        model = _local_model(cell)
+        model_path, digest = str(model), file_sha256(model)
+        work_dir = str(log_dir)
+    else:
+        if not (spec.server_binary and spec.model_path):
+            raise GpubenchError(
+                f"cell {cell.cell_id}: a managed llamacpp cell on a remote node needs "
+                "server_binary and model_path (paths on the node; install them with setup)"
+            )
+        binary, model_path = spec.server_binary, spec.model_path
+        digest_run = target.run(["sha256sum", model_path], timeout_s=120)
+        if not digest_run.ok:
+            raise GpubenchError(
+                f"cell {cell.cell_id}: model_path: cannot read {model_path} on the node"
+            )
+        digest = digest_run.stdout.split()[0]
+        work_dir = remote_work_dir(target)
+    server = ManagedLlamaServer(
+        target,
+        cell_id=cell.cell_id,
+        binary=binary,
+        model_path=model_path,
+        alias=spec.model,
+        log_dir=work_dir,
+        extra_args=spec.server_args,
+    )
+    return server, f"sha256:{digest}"
+
+
+def _local_model(cell: Cell) -> Path:
+    spec = cell.spec
+    if spec.model_path:
+        model = Path(spec.model_path).expanduser()
+        if not model.is_file():
+            raise GpubenchError(f"cell {cell.cell_id}: model_path: {model} does not exist")
+        return model
+    if spec.model == TINY_MODEL:
+        from pytest_gpubench.tinymodel import ensure_tiny_model
+
+        return ensure_tiny_model()
+    raise GpubenchError(
+        f"cell {cell.cell_id}: model_path: a managed llamacpp cell needs a GGUF "
+        f"file (or model: {TINY_MODEL} for the generated tiny model)"
+    )
+
+
+def remote_work_dir(target: Target) -> str:
+    """Where a remote node keeps the managed engine's log and pid files: per login user."""
+    user = getattr(target, "user", None) or getattr(target, "ssh_user", None) or "root"
+    return f"/tmp/gpubench-{user}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -115,3 +115,62 @@ def gpu_summary(gpus: list[dict[str, str]]) -> str:
         label = f"{name} ({memory} MiB)" if memory else name
         names[label] = names.get(label, 0) + 1
     return ", ".join(f"{count} × {label}" for label, count in sorted(names.items()))
+
+
+# INTERIM (replaced by the targets redraw): the factory with its final signature.
+TargetHook = Callable[..., "Target | None"]
+
+
+def open_target(
+    node_id: str,
+    node: Any,
+    *,
+    plugin_hook: TargetHook | None = None,
+    on_rental_closed: Callable[[dict[str, Any]], None],
+) -> Target:
+    from pytest_gpubench.matrix import PluginNode
+    from pytest_gpubench.targets.factory import open_target as open_builtin
+    from pytest_gpubench.targets.stages import StageError
+
+    if isinstance(node, PluginNode):
+        target = plugin_hook(node_id=node_id, node=node) if plugin_hook is not None else None
+        if target is None:
+            raise StageError("provision", f"node {node_id}: no plugin opened its kind {node.kind}")
+        return target
+    try:
+        opened = open_builtin(node_id, node)
+    except Exception as exc:
+        released = getattr(exc, "released_target", None)
+        if released is not None:
+            _report_rental(node_id, released, on_rental_closed)
+        raise
+    if hasattr(opened, "done_marked"):
+        close = opened.close
+
+        def close_and_report() -> None:
+            try:
+                close()
+            finally:
+                _report_rental(node_id, opened, on_rental_closed)
+
+        opened.close = close_and_report  # type: ignore[method-assign]
+    return opened
+
+
+def _report_rental(node_id: str, target: Any, report: Callable[[dict[str, Any]], None]) -> None:
+    facts = target.describe()
+    if facts.get("session_id") is None:
+        return
+    report(
+        {
+            "node": node_id,
+            "kind": "provider",
+            "session_id": facts.get("session_id"),
+            "offer_id": facts.get("offer_id"),
+            "gpu_name": facts.get("gpu_name"),
+            "price_per_hour": facts.get("price_per_hour"),
+            "elapsed_s": facts.get("elapsed_s"),
+            "cost": facts.get("cost"),
+            "session_done": target.done_marked,
+        }
+    )

@@ -1,12 +1,14 @@
-"""BenchSession's teardown: every node is given back, even when giving one back is interrupted."""
+"""The harness's teardown: every node is given back, even when giving one back is interrupted."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pytest_gpubench.session import BenchSession
+from pytest_gpubench.harness import Harness, LiveCell
+from pytest_gpubench.secrets import SecretScrubber
 
 
 class Node:
@@ -28,15 +30,15 @@ class Node:
 
 def test_a_second_ctrl_c_while_closing_still_gives_back_the_other_nodes() -> None:
     closed: list[str] = []
-    session = BenchSession(matrix=None)  # type: ignore[arg-type]
-    session.targets = {
+    session = Harness(None, log_dir=Path("runs"), scrub=SecretScrubber([]))  # type: ignore[arg-type]
+    session.nodes.targets = {
         "first": Node("first", closed, interrupt=True),  # type: ignore[dict-item]
         "second": Node("second", closed),  # type: ignore[dict-item]
     }
     with pytest.raises(KeyboardInterrupt):
         session.close()
     assert closed == ["first", "second"]
-    assert session.targets == {}
+    assert session.nodes.targets == {}
     session.close()  # a later close (pytest_sessionfinish after the interrupt) has nothing left
     assert closed == ["first", "second"]
 
@@ -49,8 +51,8 @@ def test_a_node_that_fails_to_close_does_not_stop_the_others() -> None:
             super().close()
             raise OSError("connection reset")
 
-    session = BenchSession(matrix=None)  # type: ignore[arg-type]
-    session.targets = {
+    session = Harness(None, log_dir=Path("runs"), scrub=SecretScrubber([]))  # type: ignore[arg-type]
+    session.nodes.targets = {
         "broken": Broken("broken", closed),  # type: ignore[dict-item]
         "fine": Node("fine", closed),  # type: ignore[dict-item]
     }
@@ -60,7 +62,6 @@ def test_a_node_that_fails_to_close_does_not_stop_the_others() -> None:
 
 def test_an_engine_log_that_cannot_be_read_back_loses_nothing_else(tmp_path: Any) -> None:
     """fetch_log is a nicety: a plugin target that raises, or an unwritable folder, is logged."""
-    from pytest_gpubench.session import CellRuntime
     from pytest_gpubench.targets import CommandResult
 
     class Unreadable:
@@ -71,7 +72,7 @@ def test_an_engine_log_that_cannot_be_read_back_loses_nothing_else(tmp_path: Any
         def run(self, argv: Any, *, timeout_s: float) -> CommandResult:
             return CommandResult(tuple(argv), 0, "server is listening\n", "")
 
-    runtime = CellRuntime(cell=Cell(), log_dir=tmp_path / "logs")  # type: ignore[arg-type]
+    runtime = LiveCell(cell=Cell(), log_dir=tmp_path / "logs", node_target=_no_node)  # type: ignore[arg-type]
     assert runtime.fetch_log(Unreadable(), "/tmp/x.log") is None  # type: ignore[arg-type]
     fetched = runtime.fetch_log(Readable(), "/tmp/x.log")  # type: ignore[arg-type]
     assert fetched is not None and fetched.read_text() == "server is listening\n"
@@ -86,3 +87,7 @@ class Cell:
         node = "box"
 
     cell_id = "box:llamacpp:tiny"
+
+
+def _no_node(cell: Any) -> Any:
+    raise AssertionError("fetch_log should not open the node")

@@ -1,4 +1,4 @@
-"""Command-line options and ini keys, read once into a frozen `Settings`."""
+"""Command-line options and ini keys, read once into frozen `Options`."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def _path(config: pytest.Config, option: str, ini: str, default: str) -> tuple[P
 
 
 @dataclass(frozen=True)
-class Settings:
+class Options:
     cells_path: Path
     prompts_path: Path
     cells_named: bool
@@ -83,7 +83,7 @@ class Settings:
     env_names: tuple[str, ...]
 
     @classmethod
-    def from_config(cls, config: pytest.Config) -> Settings:
+    def from_config(cls, config: pytest.Config) -> Options:
         cells_path, cells_named = _path(config, "gpubench_cells", "gpubench_cells", "cells.yaml")
         prompts_path, _ = _path(config, "gpubench_prompts", "gpubench_prompts", "prompts.yaml")
         baselines_dir, _ = _path(config, "gpubench_baselines", "gpubench_baselines", "baselines")

@@ -1,0 +1,275 @@
+"""The run controller: begins the run (guards, ledger, meta), collects every record, and at the
+end judges against the baselines and closes the ledger. It decides; it never draws."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from pytest_gpubench import guards
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.harness import Harness
+from pytest_gpubench.ledger import Ledger
+from pytest_gpubench.matrix import Matrix
+from pytest_gpubench.options import Options
+from pytest_gpubench.records import end_record, meta_record
+from pytest_gpubench.secrets import SecretScrubber
+
+if TYPE_CHECKING:
+    from pytest_gpubench.gate import Verdict
+    from pytest_gpubench.stats import PromptSummary
+
+
+@dataclass(frozen=True)
+class ProbeRow:
+    """One cell's health as --probe found it."""
+
+    cell_id: str
+    engine_version: str | None
+    model_digest: str | None
+    status: str
+
+
+@dataclass
+class Judgement:
+    """What the gate found at the end of a run (empty until then)."""
+
+    summaries: list[PromptSummary] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+    gate_error: str | None = None
+    baseline_notes: list[str] = field(default_factory=list)
+
+
+class RunController:
+    """One benchmark run across the pytest session, in the process that writes the ledger
+    (the only process under plain pytest, the xdist controller otherwise); on an xdist worker it
+    only measures and sends records on."""
+
+    def __init__(
+        self,
+        options: Options,
+        matrix: Matrix | None,
+        *,
+        root: Path,
+        argv: list[str],
+        writes_ledger: bool,
+        run_id: str | None = None,
+        hooks: Any = None,
+    ) -> None:
+        self.options = options
+        self.matrix = matrix
+        self.root = root
+        self.argv = argv
+        self.writes_ledger = writes_ledger
+        self.scrub = SecretScrubber()
+        self.harness: Harness | None = None
+        if matrix is not None:
+            self.harness = Harness(
+                matrix,
+                log_dir=options.ledger_dir / "logs",
+                scrub=self.scrub,
+                run_id=run_id,
+                hooks=hooks,
+            )
+        self.ledger: Ledger | None = None
+        self.started = False
+        self.startup_error: str | None = None
+        self.meta: dict[str, Any] = {}
+        self.calls: list[dict[str, Any]] = []
+        self.skips: list[dict[str, Any]] = []
+        self.cells: dict[str, dict[str, Any]] = {}
+        self.probe_rows: list[ProbeRow] = []
+        self.judgement = Judgement()
+        # Rentals given back in xdist workers (this process's own are in the harness's pool),
+        # and on a worker how many of its own it has sent on.
+        self.worker_rentals: list[dict[str, Any]] = []
+        self.rentals_sent = 0
+
+    @property
+    def run_id(self) -> str:
+        return self.harness.run_id if self.harness is not None else ""
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def begin(self, cases_planned: int) -> None:
+        """Check the guards and open the ledger with its meta record (writing process only)."""
+        if self.started or self.matrix is None or self.options.probe:
+            return
+        options = self.options
+        git = guards.check_git_tree(self.root, options.ledger_dir, allow_dirty=options.allow_dirty)
+        guards.check_load(options.load_threshold, force_load=options.force_load)
+        guards.check_frozen_prompts(self.matrix, options.baselines_dir)
+        self.started = True
+        self.ledger = Ledger(options.ledger_dir / f"{self.run_id}.jsonl", self.scrub)
+        self.meta = meta_record(
+            run_id=self.run_id,
+            root=self.root,
+            git=git,
+            env_names=[*options.env_names, *self.matrix.settings.env],
+            cells_planned=[cell.cell_id for cell in self.matrix.cells],
+            cases_planned=cases_planned,
+            argv=self.argv,
+            cells_path=options.cells_path,
+            prompts_path=options.prompts_path,
+        )
+        self.ledger.append(self.meta)
+
+    def refuse(self, error: GpubenchError) -> None:
+        """A guard refused the run after the cases were handed out (xdist): nothing may run."""
+        self.startup_error = self.scrub(str(error))
+        self.started = True
+
+    # -- records -------------------------------------------------------------------------------
+
+    def collect(self, records: list[dict[str, Any]]) -> None:
+        """Keep a case's records and append them to the ledger."""
+        for record in records:
+            kind = record.get("type")
+            if kind == "call":
+                self.calls.append(record)
+            elif kind == "skipped":
+                self.skips.append(record)
+            elif kind == "cell":
+                if record["cell_id"] in self.cells:
+                    continue  # each xdist worker that ran the cell describes it; keep the first
+                self.cells[record["cell_id"]] = record
+            if self.ledger is not None:
+                self.ledger.append(record)
+
+    def add_worker_rentals(self, rentals: list[dict[str, Any]]) -> None:
+        """Rentals a worker gave back, sent on a test report or at its end; each counted once."""
+        known = {(rental.get("node"), rental.get("session_id")) for rental in self.worker_rentals}
+        for rental in rentals:
+            key = (rental.get("node"), rental.get("session_id"))
+            if key not in known:
+                self.worker_rentals.append(rental)
+                known.add(key)
+
+    def unsent_rentals(self) -> list[dict[str, Any]]:
+        """On a worker: the rentals given back since the last call, for the controller."""
+        if self.writes_ledger or self.harness is None:
+            return []
+        own = self.harness.nodes.rentals
+        unsent = own[self.rentals_sent :]
+        self.rentals_sent = len(own)
+        return unsent
+
+    def rentals(self) -> list[dict[str, Any]]:
+        """Every rented node given back in this run, with its cost, by node."""
+        own = self.harness.nodes.rentals if self.harness is not None else []
+        return sorted([*own, *self.worker_rentals], key=lambda rental: str(rental.get("node")))
+
+    def release_node(self, node_id: str) -> list[dict[str, Any]]:
+        """Give a node back after its last case; on a worker, the rentals for the controller."""
+        assert self.harness is not None
+        try:
+            self.harness.release_node(node_id)
+        finally:
+            unsent = self.unsent_rentals()
+        return unsent
+
+    # -- probe ---------------------------------------------------------------------------------
+
+    def probe(self) -> int:
+        """Health-check every cell; returns how many are unavailable."""
+        assert self.matrix is not None and self.harness is not None
+        unavailable = 0
+        for cell in self.matrix.cells:
+            live, _ = self.harness.live_cell(cell.cell_id)
+            facts = live.facts.get("engine_facts", {})
+            unavailable += live.unavailable is not None
+            self.probe_rows.append(
+                ProbeRow(
+                    cell.cell_id,
+                    facts.get("engine_version"),
+                    facts.get("model_digest"),
+                    "ok" if live.unavailable is None else self.scrub(live.unavailable),
+                )
+            )
+        self.harness.close()
+        return unavailable if self.options.for_publication else 0
+
+    # -- end -----------------------------------------------------------------------------------
+
+    def finish(self, exitstatus: int, workeroutput: dict[str, Any] | None) -> int | None:
+        """Give everything back, then judge and close the ledger, even if giving back failed.
+        Returns the session's exit status when the run changes it."""
+        try:
+            if self.harness is not None:
+                self.harness.close()
+        finally:
+            if workeroutput is not None:
+                # xdist sends this to the controller, which writes it into the end record.
+                workeroutput["gpubench_rentals"] = self.unsent_rentals()
+            status = self._close_ledger(exitstatus)
+        return status
+
+    def _close_ledger(self, exitstatus: int) -> int | None:
+        from pytest_gpubench.gate import regressions
+
+        status: int | None = None
+        if self.startup_error is not None:
+            status = int(pytest.ExitCode.USAGE_ERROR)
+        if self.ledger is None:
+            return status
+        if self.calls:
+            status = self._judge(exitstatus) or status
+        self.ledger.append(
+            end_record(
+                run_id=self.run_id,
+                pytest_exitstatus=exitstatus,
+                calls=len(self.calls),
+                skipped=len(self.skips),
+                verdicts=[verdict.to_record() for verdict in self.judgement.verdicts],
+                regressions=len(regressions(self.judgement.verdicts)),
+                gate_error=self.judgement.gate_error,
+                nodes=self.rentals(),
+            )
+        )
+        self.ledger.close()
+        return status
+
+    def _judge(self, exitstatus: int) -> int | None:
+        """Compare with the baselines; the regression status when a benchmark regressed."""
+        from pytest_gpubench.baseline import baseline_summaries
+        from pytest_gpubench.gate import EXIT_REGRESSION, compare, regressions
+        from pytest_gpubench.stats import summarize
+
+        assert self.matrix is not None
+        judgement = self.judgement
+        judgement.summaries = summarize(self.calls)
+        thresholds = {cell.cell_id: cell.thresholds for cell in self.matrix.cells}
+        measured = sorted({call["cell_id"] for call in self.calls})
+        try:
+            baselines = baseline_summaries(self.options.baselines_dir, measured)
+            judgement.verdicts = compare(baselines, judgement.summaries, thresholds)
+        except GpubenchError as exc:
+            judgement.gate_error = self.scrub(str(exc))
+            return int(pytest.ExitCode.USAGE_ERROR)
+        if self.options.baseline_update:
+            self._update_baselines()
+            return None
+        if regressions(judgement.verdicts) and exitstatus == pytest.ExitCode.OK:
+            return EXIT_REGRESSION
+        return None
+
+    def _update_baselines(self) -> None:
+        from pytest_gpubench.baseline import update_baselines
+        from pytest_gpubench.gate import success_threshold
+
+        assert self.matrix is not None
+        minimum = {cell.cell_id: success_threshold(cell.thresholds) for cell in self.matrix.cells}
+        records = [self.meta, *self.cells.values(), *self.calls, *self.skips]
+        try:
+            update = update_baselines(self.options.baselines_dir, records, minimum)
+        except GpubenchError as exc:
+            self.judgement.gate_error = self.scrub(str(exc))
+            return
+        notes = self.judgement.baseline_notes
+        for cell_id, path in sorted(update.written.items()):
+            notes.append(f"baseline written: {cell_id} -> {path}")
+        for cell_id, reason in sorted(update.refused.items()):
+            notes.append(f"baseline NOT written for {cell_id}: {reason}")

@@ -1,0 +1,73 @@
+"""The reproducibility guards a run checks before it measures: a clean git tree, a quiet
+machine, and prompts unchanged since their baselines (one check each, all here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.matrix import Matrix, frozen_prompt_error
+from pytest_gpubench.provenance import git_state, load_average
+
+SHOWN_DIRTY_FILES = 5
+
+
+def check_git_tree(root: Path, ledger_dir: Path, *, allow_dirty: bool) -> dict[str, Any]:
+    """The git state for the meta record; refuses a dirty tree unless allowed. The ledgers the
+    run itself writes (when they lie inside the tree) do not make it dirty."""
+    git = git_state(root)
+    ledger_prefix = _relative_prefix(ledger_dir, root)
+    if ledger_prefix:
+        git["git_dirty_files"] = [
+            name for name in git["git_dirty_files"] if not name.startswith(ledger_prefix)
+        ]
+        git["git_dirty"] = bool(git["git_dirty_files"])
+    if git["git_dirty"] and not allow_dirty:
+        shown = ", ".join(git["git_dirty_files"][:SHOWN_DIRTY_FILES])
+        more = len(git["git_dirty_files"]) - SHOWN_DIRTY_FILES
+        shown += f" and {more} more" if more > 0 else ""
+        raise GpubenchError(
+            f"git tree {root} has uncommitted changes ({shown}): commit them, "
+            "or pass --allow-dirty to measure anyway (the dirty files go into the ledger)"
+        )
+    return git
+
+
+def check_load(threshold: float, *, force_load: bool) -> None:
+    """Numbers measured on a busy machine are not comparable: refuse unless forced."""
+    load = load_average()
+    if load > threshold and not force_load:
+        raise GpubenchError(
+            f"1-minute load average is {load:.2f}, above {threshold:g}: "
+            "numbers measured now would not be comparable; wait, or pass --force-load"
+        )
+
+
+def check_frozen_prompts(matrix: Matrix, baselines_dir: Path) -> None:
+    """A prompt never changes under an id that a baseline was measured with."""
+    # Reading baselines needs pandas (their summaries): only once a benchmark runs.
+    from pytest_gpubench.baseline import find_baseline
+
+    for cell in matrix.cells:
+        baseline = find_baseline(baselines_dir, cell.cell_id)
+        for recorded in baseline.prompts if baseline else []:
+            prompt = matrix.prompts.get(recorded.prompt_id)
+            if prompt is None:
+                continue
+            error = frozen_prompt_error(
+                recorded.prompt_id,
+                cell.cell_id,
+                baseline_sha256=recorded.prompt_sha256,
+                current_sha256=prompt.sha256(),
+                source=matrix.prompts_path,
+            )
+            if error is not None:
+                raise error
+
+
+def _relative_prefix(path: Path, root: Path) -> str | None:
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix().rstrip("/") + "/"
+    except ValueError:
+        return None

@@ -1,0 +1,348 @@
+"""The harness: the node pool, the live cells on it, and measuring one case."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from pytest_gpubench.cases import Case
+from pytest_gpubench.engines import Engine, EngineHook, make_engine
+from pytest_gpubench.engines.managed import ManagedLlamaServer, managed_llama_server
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.files import distinct_file_name
+from pytest_gpubench.matrix import Cell, LocalNode, Matrix, SshNode
+from pytest_gpubench.provenance import utc_now
+from pytest_gpubench.records import call_record, cell_record, skipped_record
+from pytest_gpubench.secrets import SecretScrubber, secret_from_env
+from pytest_gpubench.targets import Target, TargetHook, gpu_summary, open_target
+from pytest_gpubench.targets.local import LocalTarget
+from pytest_gpubench.targets.stages import Stage, StageError
+
+log = logging.getLogger(__name__)
+
+# A call is warm when the same model answered a call less than this long ago.
+WARM_WINDOW_S = 60.0
+HEALTH_TIMEOUT_S = 10.0
+LOG_FETCH_TIMEOUT_S = 60.0
+# The log on the node grows across runs (it is appended to): its tail holds this run.
+LOG_FETCH_MAX_BYTES = 4 << 20
+
+
+class NodePool:
+    """One target per node, opened by its first cell and shared by the others (one SSH
+    connection, one rented machine); a node that failed to open fails its other cells the same
+    way. Keeps what each rented node cost once it is given back."""
+
+    def __init__(self, scrub: SecretScrubber, target_hook: TargetHook | None = None) -> None:
+        self.scrub = scrub
+        self.target_hook = target_hook
+        self.targets: dict[str, Target] = {}
+        self.failures: dict[str, GpubenchError] = {}
+        # What each rented node cost, reported by the rental itself when it is given back.
+        self.rentals: list[dict[str, Any]] = []
+
+    def target(self, cell: Cell) -> Target:
+        """The cell's node, opened once; a node that failed to open fails again at once."""
+        node_id = cell.spec.node
+        failure = self.failures.get(node_id)
+        if failure is not None:
+            raise failure
+        if node_id not in self.targets:
+            try:
+                self.targets[node_id] = open_target(
+                    node_id,
+                    cell.node,
+                    plugin_hook=self.target_hook,
+                    on_rental_closed=self._rental_closed,
+                )
+            except Exception as exc:
+                failure = exc if isinstance(exc, GpubenchError) else _opening_error(cell, exc)
+                self.failures[node_id] = failure
+                raise failure from None
+        return self.targets[node_id]
+
+    def _rental_closed(self, facts: dict[str, Any]) -> None:
+        self.rentals.append(self.scrub.record(facts))
+
+    def take(self, node_ids: Iterable[str] | None = None) -> dict[str, Target]:
+        """Remove the open targets of these nodes (all when None) from the pool, to close them."""
+        chosen = list(self.targets) if node_ids is None else list(node_ids)
+        return {node_id: self.targets.pop(node_id) for node_id in chosen if node_id in self.targets}
+
+
+@dataclass
+class LiveCell:
+    """One cell while its cases run: its node, its engine (and managed server), warm state.
+    Created and made ready on the cell's first case."""
+
+    cell: Cell
+    log_dir: Path
+    # How the cell gets its node: the harness shares one target between a node's cells.
+    node_target: Callable[[Cell], Target]
+    engine_hook: EngineHook | None = None
+    # Cuts secrets out of text the cell writes (the engine log it fetches from a node).
+    scrub: Callable[[str], str] = str
+    target: Target | None = None
+    server: ManagedLlamaServer | None = None
+    engine: Engine | None = None
+    model_digest: str | None = None
+    unavailable: str | None = None
+    unavailable_stage: Stage | None = None
+    last_call_end: float | None = None
+    # The cell record's facts (engine version, model digest, GPUs), once healthy.
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def prepare(self) -> None:
+        """Open the node, launch a managed engine, health-check; on failure mark it unavailable."""
+        spec = self.cell.spec
+        if spec.skip:
+            self.unavailable = f"skip: {spec.skip}"
+            return
+        try:
+            self.target = self.node_target(self.cell)
+            if self.cell.managed:
+                self.server, self.model_digest = managed_llama_server(
+                    self.cell, self.target, self.log_dir
+                )
+                base_url = self.server.start()
+            else:
+                base_url = str(spec.endpoint).rstrip("/")
+            self.engine = self._engine(base_url)
+            health = self.engine.health(HEALTH_TIMEOUT_S)
+            if not health.ok:
+                self._unavailable(GpubenchError(f"health check failed: {health.reason}"))
+                return
+            gpus = self.target.gpu_inventory()
+            self.facts = {
+                "engine_facts": self.engine.describe(HEALTH_TIMEOUT_S),
+                "gpus": gpus,
+                "gpu_summary": gpu_summary(gpus),
+                "node_info": self.target.describe(),
+            }
+        except GpubenchError as exc:
+            self._unavailable(exc)
+        except Exception as exc:  # an OSError, a plugin's engine or target: still one clear line
+            self._unavailable(GpubenchError(f"cell {self.cell.cell_id}: {_plain(exc)}"))
+        except BaseException:
+            # Ctrl-C while preparing: no later case may find a half-built cell.
+            self.unavailable = "interrupted while the cell was being prepared"
+            raise
+
+    def _unavailable(self, exc: GpubenchError) -> None:
+        self.unavailable = str(exc)
+        self.unavailable_stage = _failed_stage(self.cell, exc)
+
+    def _engine(self, base_url: str) -> Engine:
+        name = self.cell.spec.api_key_env
+        api_key = (
+            secret_from_env(name, owner=f"cell {self.cell.cell_id}", key="api_key_env")
+            if name is not None
+            else None
+        )
+        return make_engine(
+            self.cell,
+            base_url,
+            api_key=api_key,
+            model_digest=self.model_digest,
+            plugin_hook=self.engine_hook,
+        )
+
+    def make_cold(self) -> str:
+        """Force the model out of memory; returns the cold_kind recorded with the call."""
+        assert self.engine is not None
+        if self.server is not None:
+            self.engine = self._engine(self.server.restart())
+            return "restart"
+        if self.engine.unload(timeout_s=30.0):
+            return "unload"
+        return "process_warm"
+
+    def warm_up(self, prompt: str, max_tokens: int) -> None:
+        """An unrecorded call, so that the measured call follows one within the warm window."""
+        recent = self.last_call_end is not None and (
+            time.monotonic() - self.last_call_end < WARM_WINDOW_S
+        )
+        if recent:
+            return
+        assert self.engine is not None
+        self.engine.chat(prompt, max_tokens, self.cell.timeout_s)
+        self.last_call_end = time.monotonic()
+
+    def close(self) -> None:
+        """Stop the cell's managed engine; the node itself is closed by the harness.
+
+        A remote engine's log is read back (stage `results`) into the local log folder first:
+        a rented node, and everything on it, is gone once it is given back.
+        """
+        if self.server is None:
+            return
+        with contextlib.suppress(Exception):
+            self.server.stop()
+        if self.target is not None and not isinstance(self.target, LocalTarget):
+            self.fetch_log(self.target, self.server.log_path)
+
+    def fetch_log(self, target: Target, remote_path: str) -> Path | None:
+        """The last LOG_FETCH_MAX_BYTES of a remote engine log, copied here; None on failure."""
+        node = self.cell.spec.node
+        name = f"{distinct_file_name(node)}-{PurePosixPath(remote_path).name}"
+        local = self.log_dir / name
+        tail = ["tail", "-c", str(LOG_FETCH_MAX_BYTES), remote_path]
+        try:
+            result = target.run(tail, timeout_s=LOG_FETCH_TIMEOUT_S)
+            if not result.ok:
+                raise GpubenchError(result.stderr.strip()[-300:] or f"status {result.returncode}")
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(self.scrub(result.stdout), encoding="utf-8")
+        except Exception as exc:  # a log is a nicety: never worth losing the run's records
+            log.warning(
+                "cell %s: engine log %s not read back: %s", self.cell.cell_id, remote_path, exc
+            )
+            return None
+        return local
+
+
+class Harness:
+    """Runs cases: makes each cell live on its first case, measures, and gives nodes back.
+
+    Every record it hands out has had its secrets cut out."""
+
+    def __init__(
+        self,
+        matrix: Matrix,
+        *,
+        log_dir: Path,
+        scrub: SecretScrubber,
+        run_id: str | None = None,
+        hooks: Any = None,
+    ) -> None:
+        self.matrix = matrix
+        self.run_id = run_id or str(uuid.uuid4())
+        self.log_dir = log_dir
+        self.scrub = scrub
+        # pytest's hook relay, for engine and node kinds that plugins add (hookspecs.py).
+        self.engine_hook: EngineHook | None = (
+            hooks.pytest_gpubench_make_engine if hooks is not None else None
+        )
+        target_hook = hooks.pytest_gpubench_open_target if hooks is not None else None
+        self.nodes = NodePool(scrub, target_hook)
+        self.cells: dict[str, LiveCell] = {}
+
+    def live_cell(self, cell_id: str) -> tuple[LiveCell, bool]:
+        """The cell, made ready on first use; the flag says it was made ready just now."""
+        if cell_id in self.cells:
+            return self.cells[cell_id], False
+        live = LiveCell(
+            self.matrix.cell(cell_id),
+            self.log_dir,
+            self.nodes.target,
+            engine_hook=self.engine_hook,
+            scrub=self.scrub,
+        )
+        self.cells[cell_id] = live
+        live.prepare()
+        return live, True
+
+    def prepare(self, case: Case) -> tuple[str | None, list[dict[str, Any]]]:
+        """Make the case's cell ready: why it cannot run (or None), and the records to keep
+        (the cell record the first time, a skipped record when it cannot run)."""
+        live, fresh = self.live_cell(case.cell_id)
+        records: list[dict[str, Any]] = []
+        if fresh and live.facts:
+            records.append(
+                self.scrub.record(cell_record(run_id=self.run_id, cell=live.cell, **live.facts))
+            )
+        if live.unavailable is not None:
+            reason = self.scrub(live.unavailable)
+            records.append(
+                skipped_record(
+                    run_id=self.run_id,
+                    cell=live.cell,
+                    case=case,
+                    reason=reason,
+                    stage=live.unavailable_stage,
+                )
+            )
+            return reason, records
+        return None, records
+
+    def run_case(self, case: Case) -> dict[str, Any]:
+        """Measure one case and return its call record."""
+        live = self.cells[case.cell_id]
+        prompt = self.matrix.prompts[case.prompt_id]
+        cold_kind = None
+        if case.phase == "cold":
+            cold_kind = live.make_cold()
+        else:
+            live.warm_up(prompt.prompt, prompt.max_tokens)
+        assert live.engine is not None
+        started = utc_now()
+        measurement = live.engine.chat(prompt.prompt, prompt.max_tokens, live.cell.timeout_s)
+        live.last_call_end = time.monotonic()
+        record = call_record(
+            run_id=self.run_id,
+            cell=live.cell,
+            case=case,
+            prompt_sha256=prompt.sha256(),
+            cold_kind=cold_kind,
+            started_at_utc=started,
+            measurement=measurement,
+        )
+        # An engine may echo a credential in an error message: cut it out before anyone sees it.
+        return self.scrub.record(record)
+
+    def release_node(self, node_id: str) -> None:
+        """After a node's last case: stop its cells' engines and give the node back now, so a
+        rented machine is not paid for while other nodes run. A later case would reopen it."""
+        cell_ids = [cid for cid, live in self.cells.items() if live.cell.spec.node == node_id]
+        cells = [self.cells.pop(cell_id) for cell_id in cell_ids]
+        self._close(cells, self.nodes.take([node_id]))
+
+    def close(self) -> None:
+        """Stop every managed engine, then give back every node (a rented one is marked done)."""
+        cells, self.cells = list(self.cells.values()), {}
+        self._close(cells, self.nodes.take())
+
+    def _close(self, cells: list[LiveCell], targets: dict[str, Target]) -> None:
+        """Each step runs even when an earlier one is interrupted (a second Ctrl-C during a slow
+        teardown): a rented node left running costs money. The first interruption is raised
+        once everything has been tried."""
+        interrupted: BaseException | None = None
+        for live in cells:
+            try:
+                live.close()
+            except Exception:
+                log.warning("cell %s: closing failed", live.cell.cell_id, exc_info=True)
+            except BaseException as exc:
+                interrupted = interrupted or exc
+        for node_id, target in targets.items():
+            try:
+                target.close()
+            except Exception:
+                log.warning("node %s: closing failed", node_id, exc_info=True)
+            except BaseException as exc:
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
+
+
+def _failed_stage(cell: Cell, exc: Exception) -> Stage | None:
+    """The stage a remote cell failed in; local cells have no stages."""
+    if isinstance(exc, StageError):
+        return exc.stage
+    return None if isinstance(cell.node, LocalNode) else "benchmark"
+
+
+def _plain(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _opening_error(cell: Cell, exc: Exception) -> StageError:
+    """A node that could not be opened for a reason no target named: still a failed stage."""
+    stage: Stage = "ssh_connect" if isinstance(cell.node, SshNode) else "provision"
+    return StageError(stage, f"node {cell.spec.node}: {_plain(exc)}")

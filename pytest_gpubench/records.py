@@ -1,0 +1,161 @@
+"""The builders of the ledger's records: meta, cell, call, skipped and end (one place each)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpubench import HARNESS_VERSION, __version__
+from pytest_gpubench.cases import Case
+from pytest_gpubench.matrix import Cell
+from pytest_gpubench.measure import CallMeasurement
+from pytest_gpubench.provenance import chosen_environment, load_average, utc_now
+from pytest_gpubench.targets.stages import Stage
+
+
+def meta_record(
+    *,
+    run_id: str,
+    root: Path,
+    git: Mapping[str, Any],
+    env_names: Sequence[str],
+    cells_planned: list[str],
+    cases_planned: int,
+    argv: list[str],
+    cells_path: Path,
+    prompts_path: Path,
+) -> dict[str, Any]:
+    """The first line of a ledger: where, when, from which code and how the run was started."""
+    return {
+        "type": "meta",
+        "benchmark_run_id": run_id,
+        **git,
+        "harness_version": HARNESS_VERSION,
+        "started_at_utc": utc_now(),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "load_avg_start": load_average(),
+        "env": chosen_environment(env_names),
+        "cells_planned": cells_planned,
+        "cases_planned": cases_planned,
+        "python_version": platform.python_version(),
+        "pytest_version": pytest.__version__,
+        "plugin_version": __version__,
+        "command_line": [sys.argv[0], *argv],
+        "rootdir": str(root),
+        "cells_file": str(cells_path),
+        "prompts_file": str(prompts_path),
+    }
+
+
+def cell_record(
+    *,
+    run_id: str,
+    cell: Cell,
+    engine_facts: Mapping[str, Any],
+    gpus: list[dict[str, str]],
+    gpu_summary: str,
+    node_info: Mapping[str, Any],
+) -> dict[str, Any]:
+    """A healthy cell: the engine's version, the model's digest and the node's GPUs."""
+    spec = cell.spec
+    return {
+        "type": "cell",
+        "cell_id": cell.cell_id,
+        "node": spec.node,
+        "node_kind": cell.node.kind,
+        "engine": spec.engine,
+        "model": spec.model,
+        "managed": cell.managed,
+        "endpoint": None if cell.managed else str(spec.endpoint),
+        **engine_facts,
+        "gpus": gpus,
+        "gpu_summary": gpu_summary,
+        "node_info": dict(node_info),
+        "at_utc": utc_now(),
+        "benchmark_run_id": run_id,
+    }
+
+
+def call_record(
+    *,
+    run_id: str,
+    cell: Cell,
+    case: Case,
+    prompt_sha256: str,
+    cold_kind: str | None,
+    started_at_utc: str,
+    measurement: CallMeasurement,
+) -> dict[str, Any]:
+    """One measured call (successful or not) of a case."""
+    spec = cell.spec
+    return {
+        "type": "call",
+        "benchmark_run_id": run_id,
+        "cell_id": cell.cell_id,
+        "node": spec.node,
+        "engine": spec.engine,
+        "model": spec.model,
+        "prompt_id": case.prompt_id,
+        "prompt_sha256": prompt_sha256,
+        "phase": case.phase,
+        "run_idx": case.run_idx,
+        "case_id": case.case_id,
+        "cold_kind": cold_kind,
+        "started_at_utc": started_at_utc,
+        **measurement.to_record(),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+    }
+
+
+def skipped_record(
+    *, run_id: str, cell: Cell, case: Case | None, reason: str, stage: Stage | None
+) -> dict[str, Any]:
+    """A cell or case that could not run, with the reason and the stage it failed in."""
+    return {
+        "type": "skipped",
+        "benchmark_run_id": run_id,
+        "cell_id": cell.cell_id,
+        "case_id": case.case_id if case else None,
+        "prompt_id": case.prompt_id if case else None,
+        "phase": case.phase if case else None,
+        "run_idx": case.run_idx if case else None,
+        "reason": reason,
+        "at_utc": utc_now(),
+        "node": cell.spec.node,
+        "stage": stage,
+    }
+
+
+def end_record(
+    *,
+    run_id: str,
+    pytest_exitstatus: int,
+    calls: int,
+    skipped: int,
+    verdicts: list[dict[str, Any]],
+    regressions: int,
+    gate_error: str | None,
+    nodes: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The last line of a ledger: when it ended, the machine's load, and the gate's verdict."""
+    return {
+        "type": "end",
+        "benchmark_run_id": run_id,
+        "finished_at_utc": utc_now(),
+        "load_avg_end": load_average(),
+        "pytest_exitstatus": pytest_exitstatus,
+        "calls": calls,
+        "skipped": skipped,
+        "verdicts": verdicts,
+        "regressions": regressions,
+        "gate_error": gate_error,
+        "nodes": nodes,
+    }
