@@ -35,8 +35,9 @@ def pytest_gpubench_make_engine(
     """The engine for `cell` at `base_url`, or None to leave the cell to the built-in kinds.
 
     It must follow the `pytest_gpubench.engines.Engine` protocol: `chat()` returns a
-    `CallMeasurement` (build it with `pytest_gpubench.measure.stream_post` to time the first
-    content bytes as the built-in engines do) and never raises for a failed call.
+    `CallMeasurement` (build it with `pytest_gpubench.engines.measure_stream`, the streaming call
+    the built-in engines use, so the first content bytes are timed the same way) and never raises
+    for a failed call.
     """
     return None
 
