@@ -220,7 +220,7 @@ class CellRuntime:
             "engine": spec.engine,
             "model": spec.model,
             "managed": self.cell.managed,
-            "endpoint": None if self.cell.managed else str(spec.endpoint),
+            "endpoint": self.cell.endpoint_as_written,
             **engine.describe(HEALTH_TIMEOUT_S),
             "gpus": gpus,
             "gpu_summary": gpu_summary(gpus),
