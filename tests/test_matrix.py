@@ -10,7 +10,7 @@ import pytest
 
 from pytest_gpubench.baseline import baseline_file_name
 from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.matrix import PluginNode, load_matrix
+from pytest_gpubench.matrix import PluginNode, load_matrix, load_prompts
 
 PROMPTS = """\
 prompts:
@@ -377,3 +377,28 @@ def test_the_endpoint_is_kept_as_written_and_still_validated(
     assert remote.endpoint_as_written == remote.spec.endpoint_as_written == written
     assert str(remote.spec.endpoint) == normalised
     assert managed.endpoint_as_written is None
+
+
+# -- the shipped prompts are the canonical ones, verbatim -------------------------------------
+
+SHIPPED_PROMPTS = Path(__file__).resolve().parents[1] / "prompts.yaml"
+CANONICAL = {
+    "P-EASY": ("trivial — single-token response space, near-zero work", "hi", 64),
+    "P-MEDIUM": (
+        "bounded structured task — 4 sentences on a known topic",
+        "Explain in 4 sentences why the sky appears blue at noon.",
+        512,
+    ),
+    "P-HARD": (
+        "open-ended creative — 200-word generation",
+        "Write a 200-word story about a fisherman who discovers a coin from a sunken empire.",
+        1024,
+    ),
+}
+
+
+def test_shipped_prompts_are_the_canonical_ones_verbatim() -> None:
+    """The ids are frozen with these texts: earlier measurements on other machines used them."""
+    prompts = load_prompts(SHIPPED_PROMPTS)
+    assert {pid: (p.intent, p.prompt, p.max_tokens) for pid, p in prompts.items()} == CANONICAL
+    assert list(prompts) == ["P-EASY", "P-MEDIUM", "P-HARD"]
