@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +17,15 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    ModelWrapValidatorHandler,
     PositiveFloat,
     PositiveInt,
+    PrivateAttr,
     Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -33,6 +37,9 @@ NODE_KINDS = ("local", "ssh", "provider")
 # Engines the harness knows how to launch itself when a cell has no endpoint.
 MANAGED_ENGINE_KINDS = ("llamacpp",)
 TINY_MODEL = "tiny"
+# A cell's optional `name` ends its id (`<node>:<engine>:<model>@<name>`), so it must stay plain
+# in pytest ids, ledgers and baseline file names.
+CELL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class _Strict(BaseModel):
@@ -156,10 +163,18 @@ class Settings(_Strict):
     env: list[str] = []
 
 
+def cell_id_of(node: Any, engine: Any, model: Any, name: Any = None) -> str:
+    """`<node>:<engine>:<model>`, or `<node>:<engine>:<model>@<name>` for a named cell."""
+    base = f"{node}:{engine}:{model}"
+    return f"{base}@{name}" if name is not None else base
+
+
 class CellSpec(_Strict):
     node: str
     engine: str
     model: str
+    # Tells apart cells with the same node, engine and model (two engine versions side by side).
+    name: str | None = None
     endpoint: AnyHttpUrl | None = None
     phases: list[Literal["cold", "warm"]] = ["cold", "warm"]
     prompts: list[str] | None = None
@@ -173,6 +188,31 @@ class CellSpec(_Strict):
     server_binary: str | None = None
     server_args: list[str] = []
     api_key_env: str | None = None
+    # The endpoint as the user wrote it: the URL type normalises (a trailing slash, a lower-case
+    # scheme and host), and the record keeps what the user wrote.
+    _endpoint_text: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_endpoint_text(
+        cls, data: Any, handler: ModelWrapValidatorHandler[CellSpec]
+    ) -> CellSpec:
+        spec = handler(data)
+        written = data.get("endpoint") if isinstance(data, dict) else None
+        if spec.endpoint is not None and isinstance(written, str):
+            spec._endpoint_text = written.strip()
+        return spec
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_plain(cls, value: str | None) -> str | None:
+        if value is not None and not CELL_NAME_PATTERN.fullmatch(value):
+            raise PydanticCustomError(
+                "cell_name",
+                "must be letters, digits, '.', '_' or '-', starting with a letter or digit "
+                "(it ends the cell id, <node>:<engine>:<model>@<name>)",
+            )
+        return value
 
     @field_validator("engine")
     @classmethod
@@ -191,11 +231,18 @@ class CellSpec(_Strict):
 
     @property
     def cell_id(self) -> str:
-        return f"{self.node}:{self.engine}:{self.model}"
+        return cell_id_of(self.node, self.engine, self.model, self.name)
 
     @property
     def managed(self) -> bool:
         return self.endpoint is None
+
+    @property
+    def endpoint_as_written(self) -> str | None:
+        """The endpoint exactly as cells.yaml gives it (None for a managed cell)."""
+        if self.endpoint is None:
+            return None
+        return self._endpoint_text if self._endpoint_text is not None else str(self.endpoint)
 
 
 class Prompt(_Strict):
@@ -240,6 +287,11 @@ class Cell:
     def managed(self) -> bool:
         return self.spec.managed
 
+    @property
+    def endpoint_as_written(self) -> str | None:
+        """What the records carry as the endpoint: the user's text, not the normalised URL."""
+        return self.spec.endpoint_as_written
+
 
 @dataclass(frozen=True)
 class Matrix:
@@ -257,20 +309,36 @@ class Matrix:
         raise KeyError(cell_id)
 
 
-def _read_yaml(path: Path) -> Any:
+def _read_yaml(path: Path, expected: str) -> Any:
+    """The parsed document; `expected` says what the file holds, for an empty file's error."""
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise GpubenchError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise GpubenchError(f"{path}: is a directory, not a file") from None
     except OSError as exc:
         raise GpubenchError(f"{path}: cannot read: {exc.strerror}") from None
     try:
-        return yaml.safe_load(text)
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise GpubenchError(
+            f"{path}: line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}); save the file as UTF-8"
+        ) from None
+    try:
+        loaded = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise GpubenchError(f"{path}:{where}: malformed YAML: {problem}") from None
+    if loaded is None:
+        raise GpubenchError(f"{path}: the file is empty (expected {expected})")
+    if not isinstance(loaded, dict):
+        raise GpubenchError(f"{path}: expected {expected}, got {type(loaded).__name__}")
+    return loaded
 
 
 def _describe_location(loc: tuple[int | str, ...], raw: Any) -> str:
@@ -283,7 +351,7 @@ def _describe_location(loc: tuple[int | str, ...], raw: Any) -> str:
                 cells = raw.get("cells")
                 if isinstance(cells, list) and item < len(cells) and isinstance(cells[item], dict):
                     entry = cells[item]
-                    name = f"{entry.get('node')}:{entry.get('engine')}:{entry.get('model')}"
+                    name = cell_id_of(*(entry.get(k) for k in ("node", "engine", "model", "name")))
                     parts[-1] += f" ({name})"
         elif i == 2 and loc[0] == "nodes" and item in NODE_KINDS + ("plugin",):
             continue  # pydantic's union tag after nodes.<name>, not a key the user wrote
@@ -309,9 +377,9 @@ def _first_error(path: Path, exc: ValidationError, raw: Any) -> GpubenchError:
 
 
 def load_prompts(path: Path) -> dict[str, Prompt]:
-    raw = _read_yaml(path)
-    if not isinstance(raw, dict):
-        raise GpubenchError(f"{path}: expected a mapping with a 'prompts' key")
+    raw = _read_yaml(path, "a mapping with a 'prompts' key")
+    if raw.get("prompts") is None and "prompts" in raw:
+        raise GpubenchError(f"{path}: prompts: no prompts defined")
     try:
         parsed = _PromptsFile.model_validate(raw)
     except ValidationError as exc:
@@ -332,23 +400,34 @@ def load_matrix(
 
     `engine_kinds` and `node_kinds` are the kinds plugins add (hookspecs.py).
     """
-    raw = _read_yaml(cells_path)
+    raw = _read_yaml(cells_path, "a mapping with 'nodes' and 'cells' keys")
     prompts = load_prompts(prompts_path)
-    if not isinstance(raw, dict):
-        raise GpubenchError(f"{cells_path}: expected a mapping with 'nodes' and 'cells' keys")
+    if raw.get("cells") is None and "cells" in raw:
+        raw = {**raw, "cells": []}  # `cells:` with nothing under it: said below, after the nodes
     context = {"engine_kinds": tuple(engine_kinds), "node_kinds": tuple(node_kinds)}
     try:
         parsed = _CellsFile.model_validate(raw, context=context)
     except ValidationError as exc:
         raise _first_error(cells_path, exc, raw) from None
+    if not parsed.cells:
+        raise GpubenchError(
+            f"{cells_path}: cells: no cells defined (add at least one "
+            "{node, engine, model} under cells)"
+        )
 
     cells: list[Cell] = []
     seen: dict[str, int] = {}
     for index, spec in enumerate(parsed.cells):
         where = f"{cells_path}: cells[{index}] ({spec.cell_id})"
         if spec.cell_id in seen:
+            hint = (
+                ""
+                if spec.name is not None
+                else " (two cells with the same node, engine and model on different endpoints: "
+                "give each a `name:`, which makes the id <node>:<engine>:<model>@<name>)"
+            )
             raise GpubenchError(
-                f"{where}: duplicate cell id, already defined at cells[{seen[spec.cell_id]}]"
+                f"{where}: duplicate cell id, already defined at cells[{seen[spec.cell_id]}]{hint}"
             )
         seen[spec.cell_id] = index
         if spec.node not in parsed.nodes:

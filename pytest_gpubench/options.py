@@ -88,16 +88,19 @@ class Options:
         prompts_path, _ = _path(config, "gpubench_prompts", "gpubench_prompts", "prompts.yaml")
         baselines_dir, _ = _path(config, "gpubench_baselines", "gpubench_baselines", "baselines")
         ledger_dir, _ = _path(config, "gpubench_ledger_dir", "gpubench_ledger_dir", "runs")
-        runs_value = config.getoption("gpubench_runs") or config.getini("gpubench_runs") or None
+        # `is None`, not `or`: --gpubench-runs 0 is a mistake to report, not "unset".
+        runs_option = config.getoption("gpubench_runs")
+        runs_source = "--gpubench-runs" if runs_option is not None else "ini gpubench_runs"
+        runs_value = runs_option if runs_option is not None else config.getini("gpubench_runs")
         try:
-            runs = int(runs_value) if runs_value is not None else None
+            runs = int(runs_value) if runs_value not in (None, "") else None
             load_threshold = float(config.getini("gpubench_load_threshold"))
         except ValueError as exc:
             raise pytest.UsageError(
                 f"gpubench: bad number in an option or ini key: {exc}"
             ) from None
         if runs is not None and runs < 1:
-            raise pytest.UsageError(f"--gpubench-runs: must be at least 1 (got {runs})")
+            raise pytest.UsageError(f"{runs_source}: must be at least 1 (got {runs})")
         return cls(
             cells_path=cells_path,
             prompts_path=prompts_path,

@@ -147,3 +147,30 @@ def test_non_ascii_names_under_xdist(pytester: pytest.Pytester) -> None:
     records = [json.loads(line) for line in ledger.read_text().splitlines()]
     assert records[0]["cases_planned"] == 4
     assert {r["cell_id"] for r in records if r["type"] == "skipped"} == {"local:openai:modèle"}
+
+
+@pytest.mark.parametrize(
+    ("args", "ini", "expected"),
+    [
+        (["--gpubench-runs", "0"], "", "ERROR: --gpubench-runs: must be at least 1 (got 0)"),
+        (["--gpubench-runs", "-3"], "", "ERROR: --gpubench-runs: must be at least 1 (got -3)"),
+        ([], "gpubench_runs = 0", "ERROR: ini gpubench_runs: must be at least 1 (got 0)"),
+    ],
+    ids=["option-0", "option-negative", "ini-0"],
+)
+def test_zero_runs_is_a_usage_error_not_the_default(
+    bench_dir: pytest.Pytester, args: list[str], ini: str, expected: str
+) -> None:
+    """0 used to fall through to the cells' runs (`0 or default`) and silently run 2 here."""
+    if ini:
+        bench_dir.makeini(f"[pytest]\n{ini}\n")
+    result = bench_dir.runpytest("--collect-only", "-q", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert [line for line in result.errlines if line.strip()] == [expected]
+    assert not collected(result)
+
+
+def test_one_run_is_one_warm_case_per_prompt(bench_dir: pytest.Pytester) -> None:
+    result = bench_dir.runpytest("--collect-only", "-q", "-m", "warm", "--gpubench-runs", "1")
+    assert result.ret == pytest.ExitCode.OK
+    assert len(collected(result)) == 2 * 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from standins import OLLAMA_DIGEST, FaultyOpenAIServer, OllamaStandin, serving
@@ -118,3 +119,95 @@ def test_faults_are_recorded_and_the_run_goes_on(pytester: pytest.Pytester) -> N
     for prompt_id in ("P-BREAK", "P-NOTJSON", "P-500"):
         assert by_prompt[prompt_id]["finish_reason"] == "error"
         assert by_prompt[prompt_id]["error"]
+
+
+class OllamaOpenAIStandin(FaultyOpenAIServer):
+    """Ollama's OpenAI-compatible API (docs/openai.md): /v1/models lists the tagged name
+    (`llama3.2:latest`), /v1/chat/completions answers to the untagged one too, and there is no
+    /health (404). Streaming is FaultyOpenAIServer's."""
+
+    def __init__(self, model: str = "llama3.2:latest") -> None:
+        super().__init__(model)
+
+    def get(self, handler: Any) -> None:
+        if handler.path == "/v1/models":
+            entry = {
+                "id": self.model,
+                "object": "model",
+                "created": 1730000000,
+                "owned_by": "library",
+            }
+            handler._json(200, {"object": "list", "data": [entry]})
+        else:
+            handler._json(404, {"error": "not found"})
+
+    def post(self, handler: Any, body: dict[str, Any]) -> None:
+        if body.get("model") not in (self.model, self.model.removesuffix(":latest")):
+            message = f'model "{body.get("model")}" not found, try pulling it first'
+            handler._json(404, {"error": {"message": message, "type": "api_error"}})
+            return
+        super().post(handler, body)
+
+
+@pytest.mark.parametrize(
+    ("served", "wanted", "ok"),
+    [
+        ("llama3.2:latest", "llama3.2", True),
+        ("llama3.2:latest", "llama3.2:latest", True),
+        ("llama3.2:1b", "llama3.2", False),
+        ("llama3.2:latest", "llama3", False),
+        ("qwen3.5:0.8b", "qwen3.5:0.8b:latest", False),
+    ],
+)
+def test_openai_cell_on_ollama_accepts_the_untagged_name(
+    served: str, wanted: str, ok: bool
+) -> None:
+    with serving(OllamaOpenAIStandin(served)) as url:
+        engine = OpenAIEngine(url, wanted)
+        health = engine.health(5)
+        call = engine.chat("Say hi.", 4, 5) if ok else None
+    assert health.ok is ok, health.reason
+    if not ok:
+        assert f"does not serve model '{wanted}'" in health.reason and served in health.reason
+    else:
+        assert call is not None and call.error is None and call.completion_tokens == 4
+
+
+def test_two_versions_side_by_side_are_named_cells_recorded_as_written(
+    pytester: pytest.Pytester,
+) -> None:
+    """Two Ollama builds serving llama3.2:latest, named apart; each cell uses the untagged name
+    and the ledger records the endpoints as written (the URL type would add a trailing slash)."""
+    old, new = OllamaOpenAIStandin(), OllamaOpenAIStandin()
+    with serving(old) as old_url, serving(new) as new_url:
+        pytester.makefile(
+            ".yaml",
+            prompts='prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 3}\n',
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: openai, model: llama3.2, endpoint: '{old_url}',"
+            " name: ollama-0.12, phases: [warm], runs: 2}\n"
+            f"  - {{node: local, engine: openai, model: llama3.2, endpoint: '{new_url}',"
+            " name: ollama-0.13, phases: [warm], runs: 2}\n",
+        )
+        pytester.makepyfile(
+            "def test_generate(gpubench_case):\n"
+            "    call = gpubench_case.run()\n"
+            "    assert call['error'] is None, call['error']\n"
+        )
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.OK
+    result.assert_outcomes(passed=4)
+    (ledger,) = Path(pytester.path / "runs").glob("*.jsonl")
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    cells = {r["cell_id"]: r for r in records if r["type"] == "cell"}
+    assert {cell_id: r["endpoint"] for cell_id, r in cells.items()} == {
+        "local:openai:llama3.2@ollama-0.12": old_url,
+        "local:openai:llama3.2@ollama-0.13": new_url,
+    }
+    calls = [r for r in records if r["type"] == "call"]
+    assert sorted(c["case_id"] for c in calls) == [
+        f"local:openai:llama3.2@ollama-0.1{v}-P-EASY-warm-{i}" for v in (2, 3) for i in (0, 1)
+    ]
+    for server in (old, new):
+        chats = [body for method, path, body in server.requests if method == "POST"]
+        assert len(chats) >= 2 and {body["model"] for body in chats} == {"llama3.2"}

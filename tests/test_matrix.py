@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import fnmatch
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from pytest_gpubench.baseline import baseline_file_name
 from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.matrix import PluginNode, load_matrix
+from pytest_gpubench.matrix import PluginNode, load_matrix, load_prompts
 
 PROMPTS = """\
 prompts:
@@ -171,3 +173,232 @@ def test_a_plugin_engine_kind_still_needs_an_endpoint(tmp_path: Path) -> None:
     cells = "nodes: {local: {kind: local}}\ncells:\n  - {node: local, engine: tgi, model: m}\n"
     with pytest.raises(GpubenchError, match=r"\(local:tgi:m\): endpoint: required for engine"):
         load_matrix(*write(tmp_path, cells), engine_kinds=["tgi"])
+
+
+# -- files that are not what they should be: one line naming the file, exit 4 -----------------
+
+ONE_CELL = (
+    "nodes: {local: {kind: local}}\ncells:\n  - {node: local, engine: llamacpp, model: tiny}\n"
+)
+
+
+def run_with_files(
+    pytester: pytest.Pytester, cells: bytes | str, prompts: bytes | str = PROMPTS
+) -> pytest.RunResult:
+    for name, content in (("cells.yaml", cells), ("prompts.yaml", prompts)):
+        data = content.encode() if isinstance(content, str) else content
+        (pytester.path / name).write_bytes(data)
+    pytester.makepyfile("def test_generate(gpubench_case):\n    gpubench_case.run()\n")
+    return pytester.runpytest("--force-load")
+
+
+def assert_one_usage_line(result: pytest.RunResult, pattern: str) -> None:
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in result.errlines if line.strip()]
+    assert len(errors) == 1, errors
+    assert fnmatch.fnmatch(errors[0], pattern), errors[0]
+    output = result.stdout.str() + result.stderr.str()
+    assert "Traceback" not in output and "INTERNALERROR" not in output
+
+
+@pytest.mark.parametrize(
+    ("cells", "prompts", "expected"),
+    [
+        (
+            "# Bench cells\nnodes: {local: {kind: local}}\ncells:\n"
+            "  - {node: local, engine: llamacpp, model: caf\xe9}\n".encode("latin-1"),
+            PROMPTS,
+            "ERROR: */cells.yaml: line 4: not UTF-8 text (byte 0xe9 at offset *); save the file as UTF-8",
+        ),
+        (
+            ONE_CELL,
+            'prompts:\n  P-EASY: {intent: short, prompt: "\xbfQu\xe9?", max_tokens: 4}\n'.encode(
+                "latin-1"
+            ),
+            "ERROR: */prompts.yaml: line 2: not UTF-8 text (byte 0xbf at offset *); save the file as UTF-8",
+        ),
+        (
+            "",
+            PROMPTS,
+            "ERROR: */cells.yaml: the file is empty (expected a mapping with 'nodes' and 'cells' keys)",
+        ),
+        (
+            "# only a comment\n\n",
+            PROMPTS,
+            "ERROR: */cells.yaml: the file is empty (expected a mapping with 'nodes' and 'cells' keys)",
+        ),
+        (
+            ONE_CELL,
+            "",
+            "ERROR: */prompts.yaml: the file is empty (expected a mapping with a 'prompts' key)",
+        ),
+        (
+            "nodes: {local: {kind: local}}\ncells: []\n",
+            PROMPTS,
+            "ERROR: */cells.yaml: cells: no cells defined (add at least one {node, engine, model} under cells)",
+        ),
+        (
+            "nodes: {local: {kind: local}}\ncells:\n",
+            PROMPTS,
+            "ERROR: */cells.yaml: cells: no cells defined *",
+        ),
+        (ONE_CELL, "prompts: {}\n", "ERROR: */prompts.yaml: prompts: no prompts defined"),
+        (ONE_CELL, "prompts:\n", "ERROR: */prompts.yaml: prompts: no prompts defined"),
+        (
+            "- {node: local, engine: llamacpp, model: tiny}\n",
+            PROMPTS,
+            "ERROR: */cells.yaml: expected a mapping with 'nodes' and 'cells' keys, got list",
+        ),
+    ],
+    ids=[
+        "cells-not-utf8",
+        "prompts-not-utf8",
+        "cells-empty",
+        "cells-only-comments",
+        "prompts-empty",
+        "cells-empty-list",
+        "cells-key-with-nothing",
+        "prompts-empty-mapping",
+        "prompts-key-with-nothing",
+        "cells-not-a-mapping",
+    ],
+)
+def test_unreadable_or_empty_files_are_one_usage_line(
+    pytester: pytest.Pytester, cells: bytes | str, prompts: bytes | str, expected: str
+) -> None:
+    assert_one_usage_line(run_with_files(pytester, cells, prompts), expected)
+
+
+def test_a_utf8_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    cells_path, prompts_path = write(tmp_path, GOOD)
+    cells_path.write_bytes(b"\xef\xbb\xbf" + cells_path.read_bytes())
+    assert len(load_matrix(cells_path, prompts_path).cells) == 2
+
+
+# -- named cells: two engine versions side by side ------------------------------------------
+
+SIDE_BY_SIDE = """\
+nodes: {local: {kind: local}}
+cells:
+  - {node: local, engine: openai, model: m, endpoint: "http://127.0.0.1:8000", name: b4100}
+  - {node: local, engine: openai, model: m, endpoint: "http://127.0.0.1:8001", name: b4200}
+  - {node: local, engine: openai, model: m, endpoint: "http://127.0.0.1:8002"}
+"""
+
+
+def test_a_name_tells_apart_cells_with_the_same_node_engine_and_model(tmp_path: Path) -> None:
+    matrix = load_matrix(*write(tmp_path, SIDE_BY_SIDE))
+    assert [cell.cell_id for cell in matrix.cells] == [
+        "local:openai:m@b4100",
+        "local:openai:m@b4200",
+        "local:openai:m",
+    ]
+    assert matrix.cell("local:openai:m@b4200").endpoint_as_written == "http://127.0.0.1:8001"
+    assert [baseline_file_name(cell.cell_id) for cell in matrix.cells] == [
+        "local_openai_m_b4100.json",
+        "local_openai_m_b4200.json",
+        "local_openai_m.json",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("cells", "expected"),
+    [
+        (
+            SIDE_BY_SIDE.replace("name: b4200", "name: b4100"),
+            "cells.yaml: cells[1] (local:openai:m@b4100): duplicate cell id, already defined at "
+            "cells[0]",
+        ),
+        (
+            SIDE_BY_SIDE.replace(", name: b4200", ""),
+            "cells.yaml: cells[2] (local:openai:m): duplicate cell id, already defined at cells[1] "
+            "(two cells with the same node, engine and model on different endpoints: give each a "
+            "`name:`, which makes the id <node>:<engine>:<model>@<name>)",
+        ),
+        (
+            SIDE_BY_SIDE.replace("name: b4200", 'name: "new build"'),
+            "cells.yaml: cells[1] (local:openai:m@new build).name: must be letters, digits, '.', "
+            "'_' or '-', starting with a letter or digit (it ends the cell id, "
+            "<node>:<engine>:<model>@<name>) (got 'new build')",
+        ),
+        (
+            SIDE_BY_SIDE.replace("name: b4200", "name: a/b"),
+            "cells.yaml: cells[1] (local:openai:m@a/b).name: must be letters, digits",
+        ),
+    ],
+    ids=["same-name-twice", "unnamed-twice", "name-with-space", "name-with-slash"],
+)
+def test_bad_or_missing_names_are_usage_errors(tmp_path: Path, cells: str, expected: str) -> None:
+    with pytest.raises(GpubenchError) as excinfo:
+        load_matrix(*write(tmp_path, cells))
+    assert expected in str(excinfo.value)
+
+
+def test_named_cells_collect_with_the_name_in_their_ids(pytester: pytest.Pytester) -> None:
+    pytester.makefile(".yaml", prompts=PROMPTS, cells=SIDE_BY_SIDE)
+    pytester.makepyfile("def test_generate(gpubench_case):\n    pass\n")
+    result = pytester.runpytest("--collect-only", "-q", "-m", "warm", "--gpubench-runs", "1")
+    assert result.ret == pytest.ExitCode.OK
+    ids = [line.split("[", 1)[1].rstrip("]") for line in result.outlines if "::" in line]
+    assert ids == [
+        f"{cell}-{prompt}-warm-0"
+        for cell in ("local:openai:m@b4100", "local:openai:m@b4200", "local:openai:m")
+        for prompt in ("P-EASY", "P-MEDIUM")
+    ]
+
+
+def test_same_cells_without_names_are_a_usage_error(pytester: pytest.Pytester) -> None:
+    result = run_with_files(pytester, SIDE_BY_SIDE.replace(", name: b4200", ""))
+    assert_one_usage_line(
+        result, "ERROR: *cells.yaml: cells[[]2[]] (local:openai:m): duplicate cell id, * `name:`*"
+    )
+
+
+# -- the endpoint as written -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("written", "normalised"),
+    [
+        ("http://127.0.0.1:8000", "http://127.0.0.1:8000/"),
+        ("HTTP://Gpu-Box.lan:8000", "http://gpu-box.lan:8000/"),
+        ("http://127.0.0.1:8000/v1/", "http://127.0.0.1:8000/v1/"),
+    ],
+)
+def test_the_endpoint_is_kept_as_written_and_still_validated(
+    tmp_path: Path, written: str, normalised: str
+) -> None:
+    cells = (
+        "nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: openai, model: m, endpoint: '{written}'}}\n"
+        "  - {node: local, engine: llamacpp, model: tiny}\n"
+    )
+    remote, managed = load_matrix(*write(tmp_path, cells)).cells
+    assert remote.endpoint_as_written == remote.spec.endpoint_as_written == written
+    assert str(remote.spec.endpoint) == normalised
+    assert managed.endpoint_as_written is None
+
+
+# -- the shipped prompts are the canonical ones, verbatim -------------------------------------
+
+SHIPPED_PROMPTS = Path(__file__).resolve().parents[1] / "prompts.yaml"
+CANONICAL = {
+    "P-EASY": ("trivial — single-token response space, near-zero work", "hi", 64),
+    "P-MEDIUM": (
+        "bounded structured task — 4 sentences on a known topic",
+        "Explain in 4 sentences why the sky appears blue at noon.",
+        512,
+    ),
+    "P-HARD": (
+        "open-ended creative — 200-word generation",
+        "Write a 200-word story about a fisherman who discovers a coin from a sunken empire.",
+        1024,
+    ),
+}
+
+
+def test_shipped_prompts_are_the_canonical_ones_verbatim() -> None:
+    """The ids are frozen with these texts: earlier measurements on other machines used them."""
+    prompts = load_prompts(SHIPPED_PROMPTS)
+    assert {pid: (p.intent, p.prompt, p.max_tokens) for pid, p in prompts.items()} == CANONICAL
+    assert list(prompts) == ["P-EASY", "P-MEDIUM", "P-HARD"]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, TokenType
 
+from pytest_gpubench.matrix import load_prompts
 from pytest_gpubench.tinymodel import (
     CHAT_TEMPLATE,
     CONFIG,
@@ -105,6 +106,24 @@ def test_no_layer_writes_the_constant_dimension(reader: GGUFReader) -> None:
     never = ~np.asarray(build_vocab().generatable)
     assert np.all(output[never, -1] == -CONFIG.suppression)
     assert not output[~never, -1].any()
+
+
+SHIPPED_PROMPTS = Path(__file__).resolve().parents[1] / "prompts.yaml"
+
+
+def _chat_text(prompt: str) -> str:
+    """CHAT_TEMPLATE rendered for one user message (the real server checks this below)."""
+    return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_context_holds_every_shipped_prompt_and_its_max_tokens() -> None:
+    """Without a server: the tokenizer falls back to one token per byte at worst, plus <s>, so
+    bytes + 1 bounds the prompt's tokens in its chat template."""
+    prompts = load_prompts(SHIPPED_PROMPTS)
+    assert max(p.max_tokens for p in prompts.values()) == 1024
+    for prompt_id, prompt in prompts.items():
+        bound = len(_chat_text(prompt.prompt).encode()) + 1
+        assert bound + prompt.max_tokens <= CONFIG.context_length, prompt_id
 
 
 def test_ensure_writes_once_under_the_cache_dir(
@@ -219,3 +238,27 @@ def test_real_server_streams_exactly_max_tokens(
     assert reply.last_chunk["usage"]["completion_tokens"] == max_tokens
     assert len(reply.contents) == max_tokens  # one token per chunk
     assert reply.last_chunk["timings"]["predicted_n"] == max_tokens
+
+
+@pytest.mark.parametrize("prompt_id", ["P-EASY", "P-MEDIUM", "P-HARD"])
+def test_real_server_serves_each_shipped_prompt_in_full(tiny_server: str, prompt_id: str) -> None:
+    """The canonical prompts, in the chat template, plus their max_tokens fit the server's context:
+    every one ends by length after exactly max_tokens tokens, one per chunk."""
+    prompt = load_prompts(SHIPPED_PROMPTS)[prompt_id]
+    props = httpx.get(tiny_server + "/props", timeout=10).json()
+    n_ctx = props["default_generation_settings"]["n_ctx"]
+    messages = [{"role": "user", "content": prompt.prompt}]
+    rendered = httpx.post(tiny_server + "/apply-template", json={"messages": messages}, timeout=10)
+    assert rendered.json()["prompt"] == _chat_text(prompt.prompt)
+    body = {
+        "messages": messages,
+        "stream": True,
+        "max_tokens": prompt.max_tokens,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
+    reply = _stream_chat(tiny_server, body)
+    usage = reply.last_chunk["usage"]
+    assert reply.finish_reason == "length"
+    assert usage["completion_tokens"] == len(reply.contents) == prompt.max_tokens
+    assert usage["prompt_tokens"] + prompt.max_tokens <= n_ctx

@@ -10,6 +10,12 @@ from pytest_gpubench.engines import Health, control_client, measure_stream, pars
 from pytest_gpubench.measure import CallMeasurement
 
 
+def serves_model(served: str, wanted: str) -> bool:
+    """Whether a /v1/models id is the model the cell names. Ollama's OpenAI-compatible API lists
+    `llama3.2:latest` and answers to `llama3.2`, so an untagged name matches its `:latest`."""
+    return served == wanted or (":" not in wanted and served == f"{wanted}:latest")
+
+
 class OpenAIEngine:
     kind = "openai"
 
@@ -42,7 +48,7 @@ class OpenAIEngine:
                 ids = [entry.get("id") for entry in models.json().get("data", [])]
         except (httpx.HTTPError, ValueError) as exc:
             return Health(False, f"{self.base_url} is unreachable: {exc}")
-        if self.model not in ids:
+        if not any(serves_model(str(served), self.model) for served in ids if served):
             return Health(False, f"{self.base_url} does not serve model '{self.model}' ({ids})")
         return Health(True)
 
