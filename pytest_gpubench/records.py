@@ -74,7 +74,7 @@ def cell_record(
         "engine": spec.engine,
         "model": spec.model,
         "managed": cell.managed,
-        "endpoint": None if cell.managed else str(spec.endpoint),
+        "endpoint": cell.endpoint_as_written,
         **engine_facts,
         "gpus": gpus,
         "gpu_summary": gpu_summary,

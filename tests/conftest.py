@@ -8,9 +8,13 @@ from typing import TYPE_CHECKING
 # pytester's in-process runs drop the modules first imported during a run. Import here what the
 # plugin imports lazily, so that one copy stays alive: httpx's exception mapping needs the
 # httpcore it first saw, and cryptography's Rust bindings (under paramiko) cannot be loaded twice
-# ("cipher AES in CTR mode is not supported" on the second SSH connection otherwise).
+# ("cipher AES in CTR mode is not supported" on the second SSH connection otherwise), and numpy's
+# extension modules refuse a second load ("cannot load module more than once per process") once
+# the plugin imports pandas and scipy only when a benchmark is judged.
 import httpcore  # noqa: F401
+import pandas  # noqa: F401
 import paramiko  # noqa: F401
+import scipy.stats  # noqa: F401
 import pytest
 
 from pytest_gpubench.cache import cache_dir
