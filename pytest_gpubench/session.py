@@ -21,10 +21,11 @@ from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.ledger import SecretScrubber, scrub_record
-from pytest_gpubench.matrix import TINY_MODEL, Cell, LocalNode, Matrix, PluginNode, SshNode
+from pytest_gpubench.matrix import TINY_MODEL, Cell, LocalNode, Matrix, SshNode
 from pytest_gpubench.measure import CallMeasurement
 from pytest_gpubench.provenance import secret_values, utc_now
-from pytest_gpubench.targets import Target, gpu_summary
+from pytest_gpubench.targets import Target, open_target
+from pytest_gpubench.targets.gpu import gpu_summary
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.targets.stages import Stage, StageError
 
@@ -38,31 +39,13 @@ LOG_FETCH_TIMEOUT_S = 60.0
 LOG_FETCH_MAX_BYTES = 4 << 20
 
 
-# pytest_gpubench_make_engine and pytest_gpubench_open_target (hookspecs.py), as pytest calls them.
+# pytest_gpubench_make_engine (hookspecs.py), as pytest calls it.
 EngineHook = Callable[..., Engine | None]
-TargetHook = Callable[..., Target | None]
 
 
-def open_target(cell: Cell, target_hook: TargetHook | None = None) -> Target:
-    """Connect to (or rent) the cell's node and run its setup; raises StageError on failure."""
-    node_id, node = cell.spec.node, cell.node
-    if isinstance(node, LocalNode):
-        return LocalTarget(node_id)
-    if isinstance(node, PluginNode):
-        target = target_hook(node_id=node_id, node=node) if target_hook is not None else None
-        if target is None:
-            raise StageError("provision", f"node {node_id}: no plugin opened its kind {node.kind}")
-        return target
-    from pytest_gpubench.targets.factory import open_target as open_remote
-
-    opened: Target = open_remote(node_id, node)
-    return opened
-
-
-def remote_work_dir(target: Target) -> str:
-    """Where a remote node keeps the managed engine's log and pid files: per login user."""
-    user = getattr(target, "user", None) or getattr(target, "ssh_user", None) or "root"
-    return f"/tmp/gpubench-{user}"
+def open_cell_node(cell: Cell) -> Target:
+    """The cell's node opened outside a BenchSession: no plugin node kinds, no rental record."""
+    return open_target(cell.spec.node, cell.node, plugin_hook=None, on_rental_closed=lambda _: None)
 
 
 def _failed_stage(cell: Cell, exc: Exception) -> Stage | None:
@@ -97,7 +80,7 @@ class CellRuntime:
     cell: Cell
     log_dir: Path
     # How the runtime gets its node: BenchSession shares one target between a node's cells.
-    node_target: Callable[[Cell], Target] = open_target
+    node_target: Callable[[Cell], Target] = open_cell_node
     engine_hook: EngineHook | None = None
     # Cuts secrets out of text the runtime writes (the engine log it fetches from a node).
     scrub: Callable[[str], str] = str
@@ -183,9 +166,7 @@ class CellRuntime:
             binary=binary,
             model_path=model_path,
             alias=spec.model,
-            log_dir=str(self.log_dir)
-            if isinstance(target, LocalTarget)
-            else remote_work_dir(target),
+            log_dir=str(self.log_dir) if isinstance(target, LocalTarget) else target.work_dir,
             extra_args=spec.server_args,
         )
         return server, digest
@@ -325,25 +306,21 @@ class BenchSession:
         if node_id not in self.targets:
             target_hook = self.hooks.pytest_gpubench_open_target if self.hooks is not None else None
             try:
-                self.targets[node_id] = open_target(cell, target_hook)
+                self.targets[node_id] = open_target(
+                    node_id,
+                    cell.node,
+                    plugin_hook=target_hook,
+                    on_rental_closed=self._rental_closed,
+                )
             except Exception as exc:
-                self._record_released(node_id, exc)
                 failure = exc if isinstance(exc, GpubenchError) else _opening_error(cell, exc)
                 self.node_failures[node_id] = failure
                 raise failure from None
         return self.targets[node_id]
 
-    def _record_released(self, node_id: str, exc: BaseException) -> None:
-        """A rental that failed after its session was created still cost money: record it."""
-        released = getattr(exc, "released_target", None)
-        if released is not None:
-            self._account_for(node_id, released)
-
-    def _account_for(self, node_id: str, target: Target) -> None:
-        """Keep what a node that was just given back cost (rented nodes only)."""
-        facts = closed_node_facts(node_id, target)
-        if facts is not None:
-            self.closed_nodes.append(scrub_record(facts, self.scrub))
+    def _rental_closed(self, facts: dict[str, Any]) -> None:
+        """Keep what a rented node cost, told by the node once it is given back."""
+        self.closed_nodes.append(scrub_record(facts, self.scrub))
 
     def run_case(self, case: Case) -> dict[str, Any]:
         """Measure one case and return its call record."""
@@ -414,8 +391,6 @@ class BenchSession:
                 log.warning("node %s: closing failed", node_id, exc_info=True)
             except BaseException as exc:
                 interrupted = interrupted or exc
-            finally:
-                self._account_for(node_id, target)
         if interrupted is not None:
             raise interrupted
 
@@ -428,28 +403,6 @@ def _opening_error(cell: Cell, exc: Exception) -> StageError:
     """A node that could not be opened for a reason no target named: still a failed stage."""
     stage: Stage = "ssh_connect" if isinstance(cell.node, SshNode) else "provision"
     return StageError(stage, f"node {cell.spec.node}: {_plain(exc)}")
-
-
-def closed_node_facts(node_id: str, target: Target) -> dict[str, Any] | None:
-    """Price, time held and cost of a rented node once it is given back; None for other nodes."""
-    from pytest_gpubench.targets.provider import ProviderTarget
-
-    if not isinstance(target, ProviderTarget):
-        return None
-    facts = target.describe()
-    if facts.get("session_id") is None:
-        return None  # nothing was rented (no offer, or the session was never created)
-    return {
-        "node": node_id,
-        "kind": "provider",
-        "session_id": facts.get("session_id"),
-        "offer_id": facts.get("offer_id"),
-        "gpu_name": facts.get("gpu_name"),
-        "price_per_hour": facts.get("price_per_hour"),
-        "elapsed_s": facts.get("elapsed_s"),
-        "cost": facts.get("cost"),
-        "session_done": target.done_marked,
-    }
 
 
 def call_record(
