@@ -1,4 +1,4 @@
-"""SSH nodes: the target (target.py), its port forwards, host-key policies and remote scripts."""
+"""SSH nodes: the target (target.py), how it connects, its port forwards, host keys, scripts."""
 
 from pytest_gpubench.targets.ssh.target import SshTarget
 

@@ -25,13 +25,8 @@ import paramiko
 
 from pytest_gpubench.targets import CommandResult
 from pytest_gpubench.targets.gpu import gpu_inventory_of
+from pytest_gpubench.targets.ssh.connect import open_client
 from pytest_gpubench.targets.ssh.forward import POLL_S, PortForward
-from pytest_gpubench.targets.ssh.hostkeys import (
-    HostKeyError,
-    UnknownHostKey,
-    host_key_policy,
-    refusal,
-)
 from pytest_gpubench.targets.ssh.scripts import (
     ALIVE_SCRIPT,
     FREE_PORT_PY,
@@ -49,7 +44,6 @@ CLIENT_GRACE_S = 10.0
 KILL_AFTER_S = 5
 # GNU timeout's statuses for "the command timed out" (SIGKILL needed: 128 + 9).
 TIMEOUT_STATUSES = (124, 137)
-KEEPALIVE_S = 15
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 # Ports free_port() draws from when the node has no python3 to ask the kernel for one.
 FALLBACK_PORT_RANGE = (20000, 60999)
@@ -156,58 +150,16 @@ class SshTarget:
     # --- connecting -----------------------------------------------------------------------
 
     def _connect(self) -> paramiko.SSHClient:
-        def fail(message: str) -> StageError:
-            return StageError("ssh_connect", f"node {self.node_id}: {self.where}: {message}")
-
-        def refuse(message: str) -> HostKeyError:
-            return HostKeyError(f"node {self.node_id}: {self.where}: {message}")
-
-        if self.key_file is not None and not Path(self.key_file).is_file():
-            raise fail(f"key_file {self.key_file} does not exist")
-        client = paramiko.SSHClient()
-        if self.known_hosts.is_file():
-            try:
-                client.load_host_keys(str(self.known_hosts))
-            except (OSError, paramiko.SSHException) as exc:
-                raise fail(f"cannot read known_hosts {self.known_hosts}: {exc}") from None
-        client.set_missing_host_key_policy(
-            host_key_policy(self.known_hosts, trust_new_host=self.trust_new_host)
+        return open_client(
+            self.node_id,
+            self.host,
+            self.port,
+            self.user,
+            key_file=self.key_file,
+            known_hosts=self.known_hosts,
+            trust_new_host=self.trust_new_host,
+            timeout_s=self.connect_timeout_s,
         )
-        try:
-            client.connect(
-                self.host,
-                self.port,
-                username=self.user,
-                key_filename=self.key_file,
-                timeout=self.connect_timeout_s,
-                banner_timeout=self.connect_timeout_s,
-                auth_timeout=self.connect_timeout_s,
-                channel_timeout=self.connect_timeout_s,
-                allow_agent=True,
-                # Without a key_file: the agent, then ~/.ssh/id_*, as ssh itself would.
-                look_for_keys=self.key_file is None,
-            )
-        except (paramiko.BadHostKeyException, UnknownHostKey) as exc:
-            client.close()
-            raise refuse(refusal(exc, self.host, self.port, self.known_hosts)) from None
-        except paramiko.PasswordRequiredException:
-            client.close()
-            raise fail(
-                f"key_file {self.key_file} is encrypted; load it into ssh-agent and leave "
-                "key_file unset"
-            ) from None
-        except paramiko.AuthenticationException:
-            client.close()
-            by = f"key_file {self.key_file}" if self.key_file else "the agent and ~/.ssh keys"
-            raise fail(f"authentication failed with {by}") from None
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            client.close()
-            raise fail(f"cannot connect: {str(exc) or type(exc).__name__}") from None
-        transport = client.get_transport()
-        if transport is not None:
-            # Notices a dead connection while a long command is quiet.
-            transport.set_keepalive(KEEPALIVE_S)
-        return client
 
     def _transport(self, stage: Stage) -> paramiko.Transport:
         """The live connection; one that dropped (a network blip, sshd restarted) is opened
