@@ -20,7 +20,7 @@ from pytest_gpubench.gate import (
     regressions,
 )
 from pytest_gpubench.stats import PromptSummary, summarize
-from pytest_gpubench.targets import gpu_summary
+from pytest_gpubench.targets.gpu import gpu_summary
 
 NONE = "-"
 METRIC_LABELS = {

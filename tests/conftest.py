@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import httpcore  # noqa: F401
 import pandas  # noqa: F401
 import paramiko  # noqa: F401
-import scipy.stats  # noqa: F401
 import pytest
+import scipy.stats  # noqa: F401
 
 from pytest_gpubench.cache import cache_dir
 

@@ -25,11 +25,13 @@ LAYERS = (
     "provenance",
     "matrix",
     "options",
+    "status",
     "measure",
     "ledger",
     "tinymodel",
     "cases",
     "stats",
+    "outcomes",
     "targets",
     "engines",
     "baseline",
@@ -83,7 +85,9 @@ def _imports(tree: ast.AST) -> set[str]:
                 found.update(
                     f"{node.module}.{alias.name}"
                     for alias in node.names
-                    if (PACKAGE.parent / node.module.replace(".", "/") / f"{alias.name}.py").exists()
+                    if (
+                        PACKAGE.parent / node.module.replace(".", "/") / f"{alias.name}.py"
+                    ).exists()
                 )
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "pytest_gpubench")
