@@ -303,6 +303,13 @@ class RunController:
             judgement.unjudged = True
             return
         if self.options.baseline_update:
+            if self.options.smoke:
+                # One call per cell can never reach significance: every later run would be
+                # "inconclusive" against it.
+                judgement.baseline_notes.append(
+                    "baselines NOT written: --smoke measures one call, too few to judge against"
+                )
+                return
             self._update_baselines()
 
     def _update_baselines(self) -> None:
