@@ -143,6 +143,24 @@ def test_meta_record_contents(pytester: pytest.Pytester, monkeypatch: pytest.Mon
     assert end["type"] == "end" and isinstance(end["load_avg_end"], float)
 
 
+def test_cells_yaml_settings_env_is_recorded_too(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`settings: env:` in cells.yaml names variables for meta, like the gpubench_env ini key."""
+    monkeypatch.setenv("BENCH_GPU_CLOCK", "locked")
+    monkeypatch.setenv("BENCH_SECRET_TOKEN", "t0p-s3cret-value")
+    with serving(OllamaStandin()) as url:
+        setup_bench(pytester, url)
+        cells = (pytester.path / "cells.yaml").read_text()
+        (pytester.path / "cells.yaml").write_text(
+            "settings: {env: [BENCH_GPU_CLOCK, BENCH_SECRET_TOKEN]}\n" + cells
+        )
+        pytester.runpytest("--force-load", "-m", "warm")
+    env = ledger_of(pytester)[0]["env"]
+    assert env["BENCH_GPU_CLOCK"] == "locked"  # type: ignore[index]
+    assert env["BENCH_SECRET_TOKEN"] == "[REDACTED]"  # type: ignore[index]
+
+
 def test_secrets_appear_nowhere(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     """The faulty server echoes the request's Authorization header back in an HTTP 500 body."""
     secret = "sk-test-4f9c2a7b1e"
