@@ -276,14 +276,35 @@ def attribute(
         )
     engine_ratio = new / old
     own = f"{engine}'s own {metric.engine_label} {_percent(engine_ratio)}"
-    share = math.log(engine_ratio) / math.log(ratio) if ratio > 0 and ratio != 1.0 else 0.0
-    if share >= ENGINE_SHARE:
+    if _share(engine_ratio, ratio) >= ENGINE_SHARE:
         return Attribution("engine", engine_ratio, f"engine-side: {own}")
+    # The engine's prompt time leaves out the wait before it starts on a request (its queue, a
+    # busy host); an engine slowed as a whole shows it in its decode rate over the same calls.
+    # A lower rate is a longer time: inverted, it moves the way a slower TTFT or total does.
+    rate_old = DECODE_TOKENS_PER_SEC.engine_value(baseline)
+    rate_new = DECODE_TOKENS_PER_SEC.engine_value(current)
+    if (
+        metric is not DECODE_TOKENS_PER_SEC
+        and rate_old
+        and rate_new
+        and _share(rate_old / rate_new, ratio) >= ENGINE_SHARE
+    ):
+        slower = f"{engine}'s own decode rate {_percent(rate_new / rate_old)}"
+        return Attribution(
+            "engine", engine_ratio, f"engine-side: {slower} over the same calls ({own})"
+        )
     return Attribution(
         "client_or_transport",
         engine_ratio,
         f"client or transport side: the engine's own timings held ({own})",
     )
+
+
+def _share(engine_ratio: float, client_ratio: float) -> float:
+    """How far the engine's figure moved relative to the client's, on a log scale (1 = as far)."""
+    if engine_ratio <= 0 or client_ratio <= 0 or client_ratio == 1.0:
+        return 0.0
+    return math.log(engine_ratio) / math.log(client_ratio)
 
 
 def _alternative(

@@ -119,7 +119,7 @@ def call_rates(
     decode = tpot = e2e = None
     if not coalesced and tokens >= 2 and span_ns > 0:
         decode = round((tokens - 1) / (span_ns / 1e9), 3)
-        tpot = round(span_ns / 1e6 / (tokens - 1), 4)
+        tpot = round(span_ns / 1e6 / (tokens - 1), 6)
     if total_ms and total_ms > 0 and tokens > 0:
         e2e = round(tokens / (total_ms / 1000.0), 3)
     return Rates(decode, tpot, e2e, coalesced, reads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -347,6 +348,21 @@ def test_engine_side_when_the_engines_own_figure_moved_at_least_half_as_far(
     )
     (ttft, *_) = judge(current, summary_of(BASELINE))
     assert (ttft.verdict, ttft.attribution) == ("regression", attribution)
+
+
+def test_a_slower_engine_whose_prompt_time_held_shows_in_its_decode_rate() -> None:
+    """A busy host delays the start of a request, which the engine's prompt time leaves out."""
+    held = [value / 2 for value in BASELINE]
+    current = summary_of([3 * v for v in BASELINE], engine_ms=held)
+    old = summary_of(BASELINE)
+    assert old.warm_engine_tokens_per_sec_p50 is not None
+    busy = replace(current, warm_engine_tokens_per_sec_p50=old.warm_engine_tokens_per_sec_p50 / 2)
+    (ttft, *_) = judge(busy, old)
+    assert (ttft.verdict, ttft.attribution) == ("regression", "engine")
+    assert ttft.message.endswith(
+        "engine-side: llama-server's own decode rate -50.0% over the same calls "
+        "(llama-server's own prompt time +0.0%)"
+    )
 
 
 def test_without_engine_timings_the_change_is_not_attributed() -> None:

@@ -45,6 +45,8 @@ def call(
         "error": error,
         "inter_chunk_ms": [0.5, 0.7],
         "engine_timings": {"prompt_ms": 0.4},
+        "coalesced": False,
+        "engine_tokens_per_sec": None if error else 2100 / ttft,
     }
 
 
@@ -188,7 +190,8 @@ def test_terminal_summary_has_one_row_per_cell_and_prompt() -> None:
     assert rows[0][2:] == [
         "20.90",
         "104.50",
-        "95.8",
+        "95.7",  # the median decode rate, not the mean of the per-call rates
+        "0",
         "10/11",
         "+100.0% / +100.0% / -50.0%",
         "regression",
@@ -203,7 +206,7 @@ def test_terminal_summary_without_baselines_or_warm_calls() -> None:
     cold_only = [r for r in ledger() if r.get("phase") != "warm"]
     summaries = summarize(cold_only)
     rows = summary_rows(summaries, [v for s in summaries for v in judge(s, None)])
-    assert rows[0][2:] == ["-", "-", "-", "-", "-", "-"]
+    assert rows[0][2:] == ["-", "-", "-", "0", "-", "-", "-"]
     fresh = summarize(ledger())
     rows = summary_rows(fresh, [v for s in fresh for v in judge(s, None)])
     assert {row[-1] for row in rows} == {"new"}
