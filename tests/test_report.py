@@ -257,3 +257,18 @@ def test_odd_gpu_entries_in_an_old_or_edited_ledger_do_not_break_the_report() ->
     cell["gpus"] = [{"name": "A100", "memory.total": 81920}, "H100", {"name": None}]
     text = render_markdown(records)
     assert "- GPUs: 1 × A100 (81920 MiB), 1 × GPU, 1 × H100" in text.splitlines()
+
+
+def test_the_mean_of_per_call_rates_is_gone_from_every_report() -> None:
+    old, new = summarize(ledger()), summarize(ledger(slowdown=2.0))
+    verdicts = compare(old, new)
+    for text in (
+        render_summary(new, verdicts),
+        render_comparison(verdicts),
+        render_comparison(verdicts, markdown=True),
+        render_markdown(ledger()),
+    ):
+        assert "mean" not in text
+        assert "decode tok/s p50" in text
+    warm_header = next(line for line in render_markdown(ledger()).splitlines() if "TPOT" in line)
+    assert "engine tok/s p50" in warm_header and "coalesced" in warm_header
