@@ -106,20 +106,27 @@ class Rates:
 def call_rates(
     content_arrivals_ns: Sequence[int], completion_tokens: int | None, total_ms: float | None
 ) -> Rates:
-    """Decode tokens/s over the n - 1 intervals between the first and last content arrival.
+    """Decode tokens/s: the tokens after the first read over the time from it to the last.
 
-    n is the server's completion_tokens, or the client's content chunk count where the server
-    sent no usage. Content that arrived in a single read (one chunk, or all stamps equal) spans
-    no time: the call is `coalesced` and has no decode rate; its end-to-end rate still stands.
+    (n - k) / (last content arrival - first content arrival), n the server's completion_tokens
+    (the client's content chunk count where the server sent no usage), k the content chunks that
+    came in the first read. With one chunk per read k = 1: n tokens, n - 1 intervals. A larger k
+    (chunks held back and sent together: a proxy, a late client read) would otherwise put k - 1
+    tokens that took no time of their own into the span and make the rate read high. Content
+    that arrived in a single read spans no time: the call is `coalesced` and has no decode rate;
+    its end-to-end rate, n / total, still stands.
     """
-    tokens = len(content_arrivals_ns) if completion_tokens is None else completion_tokens
-    reads = len(set(content_arrivals_ns))
+    arrivals = content_arrivals_ns
+    tokens = len(arrivals) if completion_tokens is None else completion_tokens
+    reads = len(set(arrivals))
     coalesced = reads == 1
-    span_ns = content_arrivals_ns[-1] - content_arrivals_ns[0] if content_arrivals_ns else 0
     decode = tpot = e2e = None
-    if not coalesced and tokens >= 2 and span_ns > 0:
-        decode = round((tokens - 1) / (span_ns / 1e9), 3)
-        tpot = round(span_ns / 1e6 / (tokens - 1), 6)
+    if not coalesced and arrivals:
+        span_ns = arrivals[-1] - arrivals[0]
+        decoded = tokens - arrivals.count(arrivals[0])
+        if decoded > 0 and span_ns > 0:
+            decode = round(decoded / (span_ns / 1e9), 3)
+            tpot = round(span_ns / 1e6 / decoded, 6)
     if total_ms and total_ms > 0 and tokens > 0:
         e2e = round(tokens / (total_ms / 1000.0), 3)
     return Rates(decode, tpot, e2e, coalesced, reads)

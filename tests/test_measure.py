@@ -1,4 +1,5 @@
-"""The per-call definitions: decode tokens/s over n − 1 intervals, TPOT, end-to-end, coalesced."""
+"""The per-call definitions: decode tokens/s (n − k over first to last content arrival), TPOT,
+end-to-end, coalesced."""
 
 from __future__ import annotations
 
@@ -55,18 +56,34 @@ def test_one_chunk_holding_many_tokens_is_coalesced() -> None:
     assert rates.e2e_tokens_per_sec == 6400.0
 
 
-def test_reads_in_batches_still_span_first_to_last_arrival() -> None:
-    """A proxy that sends four chunks per write: 4 reads, first to last = 3 of the gaps."""
+def test_chunks_sent_together_do_not_make_the_rate_read_high() -> None:
+    """Four chunks per read, a read a millisecond: 4,000 tokens/s, however they were grouped.
+
+    The four tokens of the first read took no time of their own in the span; counted as n − 1
+    intervals they would make it 15 over 3 ms, 5,000 tokens/s.
+    """
     arrivals = [MS] * 4 + [2 * MS] * 4 + [3 * MS] * 4 + [4 * MS] * 4
     rates = call_rates(arrivals, 16, total_ms=5.0)
     assert not rates.coalesced and rates.content_reads == 4
-    assert rates.tokens_per_sec == 5000.0  # 15 intervals over 3 ms
+    assert rates.tokens_per_sec == 4000.0 and rates.tpot_ms == 0.25
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 200), st.integers(1, 64), st.integers(10_000, 10 * MS))
+def test_a_first_read_holding_what_piled_up_leaves_the_pace_alone(
+    tokens: int, held: int, gap_ns: int
+) -> None:
+    """A transport that held the first content and then let `held` chunks go at once."""
+    held = min(held, tokens - 1)
+    arrivals = [held * gap_ns] * held + [(index + 1) * gap_ns for index in range(held, tokens)]
+    rates = call_rates(arrivals, tokens, total_ms=None)
+    assert rates.tokens_per_sec == pytest.approx(1e9 / gap_ns, rel=1e-3)
 
 
 def test_usage_counts_tokens_and_the_chunk_count_stands_in_without_it() -> None:
     arrivals = even(8, MS)
-    assert call_rates(arrivals, 15, 10.0).tokens_per_sec == 2000.0  # 15 tokens over 7 ms
-    assert call_rates(arrivals, None, 10.0).tokens_per_sec == 1000.0  # 8 chunks over 7 ms
+    assert call_rates(arrivals, 15, 10.0).tokens_per_sec == 2000.0  # 15 - 1 tokens over 7 ms
+    assert call_rates(arrivals, None, 10.0).tokens_per_sec == 1000.0  # 8 - 1 chunks over 7 ms
 
 
 def test_nothing_arrived_is_neither_coalesced_nor_a_rate() -> None:
