@@ -330,7 +330,12 @@ def test_a_slower_transport_is_attributed_to_the_client_or_transport() -> None:
     assert ttft.attribution == decode.attribution == "client_or_transport"
     assert ttft.message.endswith(
         "client or transport side: the engine's own timings held "
-        "(llama-server's own prompt time +0.0%)"
+        "(llama-server's own prompt time +0.0%; they leave out the wait before llama-server "
+        "starts on a request)"
+    )
+    assert decode.message.endswith(
+        "client or transport side: the engine's own timings held "
+        "(llama-server's own decode rate +0.0%)"
     )
     assert success.attribution is None
 
