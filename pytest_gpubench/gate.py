@@ -293,8 +293,7 @@ def attribute(
         return Attribution(
             "engine", engine_ratio, f"engine-side: {slower} over the same calls ({own})"
         )
-    # Measured: with llama-server's first content 8 ms late as seen from beside it (a busy host),
-    # its prompt time and decode rate held. Say what the engine's timings cannot see.
+    # The engine's timings start when it begins on the prompt: say what they cannot see.
     unseen = (
         ""
         if metric is DECODE_TOKENS_PER_SEC
