@@ -45,7 +45,7 @@ WARM_UP_CALLS = 200
 GATED = {
     "warm_ttft_p50_ms": "TTFT",
     "warm_total_p50_ms": "total",
-    "warm_tokens_per_sec_mean": "tok/s",
+    "warm_decode_tokens_per_sec_p50": "decode tok/s",
 }
 
 
@@ -54,19 +54,20 @@ class Outcome:
     """One pytest run: its exit status, the gate's verdict per metric, the engine's speed."""
 
     exit_status: int
-    verdicts: dict[str, tuple[str, float | None]]
+    verdicts: dict[str, tuple[str, float | None, str | None]]
     speed: EngineSpeed
 
     @property
     def inconclusive(self) -> bool:
-        return any(kind == "inconclusive" for kind, _ in self.verdicts.values())
+        return any(kind == "inconclusive" for kind, _, _ in self.verdicts.values())
 
     def line(self, baseline: EngineSpeed) -> str:
         parts = []
         for metric, label in GATED.items():
-            kind, ratio = self.verdicts.get(metric, ("-", None))
+            kind, ratio, attribution = self.verdicts.get(metric, ("-", None, None))
             change = "-" if ratio is None else f"{ratio - 1.0:+.1%}"
-            parts.append(f"{label} {change} {kind}")
+            side = f" [{attribution}]" if attribution else ""
+            parts.append(f"{label} {change} {kind}{side}")
         steady = "steady" if self.speed.within(baseline, STEADY) else "UNSTEADY"
         return (
             f"exit {self.exit_status}: {', '.join(parts)}; "
@@ -107,9 +108,9 @@ def run_pytest(root: Path, proxy: DelayProxy, runs: int | None, *extra: str) -> 
     return Outcome(finished.returncode, _verdicts(end), EngineSpeed.of(calls))
 
 
-def _verdicts(end: dict[str, Any]) -> dict[str, tuple[str, float | None]]:
+def _verdicts(end: dict[str, Any]) -> dict[str, tuple[str, float | None, str | None]]:
     return {
-        verdict["metric"]: (verdict["verdict"], verdict["change_ratio"])
+        verdict["metric"]: (verdict["verdict"], verdict["change_ratio"], verdict.get("attribution"))
         for verdict in end.get("verdicts") or []
         if verdict["cell_id"] == CELL and verdict["prompt_id"] == PROMPT_ID
     }

@@ -26,6 +26,8 @@ NONE = "-"
 METRIC_LABELS = {
     "warm_ttft_p50_ms": "TTFT p50 ms",
     "warm_total_p50_ms": "total p50 ms",
+    "warm_decode_tokens_per_sec_p50": "decode tok/s p50",
+    # Gated before issue 11; still named when an older ledger's end record is rendered.
     "warm_tokens_per_sec_mean": "tok/s mean",
     SUCCESS_RATE: "success rate",
 }
@@ -91,9 +93,10 @@ SUMMARY_HEADERS = (
     "prompt",
     "TTFT p50 ms",
     "total p50 ms",
-    "tok/s",
+    "decode tok/s p50",
+    "coalesced",
     "success",
-    "Δ TTFT / total / tok/s",
+    "Δ TTFT / total / decode tok/s",
     "verdict",
 )
 
@@ -111,7 +114,8 @@ def summary_rows(
             summary.prompt_id,
             fixed(summary.warm_first_delta_ms_p50),
             fixed(summary.warm_total_duration_ms_p50),
-            fixed(summary.warm_tokens_per_sec_mean, 1),
+            fixed(summary.warm_decode_tokens_per_sec_p50, 1),
+            str(summary.warm_coalesced),
             success(summary),
             _changes(by_key.get(summary.key, {})),
             worst.get(summary.key, NONE),
@@ -419,7 +423,10 @@ WARM_HEADERS = (
     "total p50",
     "total p95",
     "total p99",
-    "tok/s mean",
+    "decode tok/s p50",
+    "TPOT p90 ms",
+    "engine tok/s p50",
+    "coalesced",
 )
 
 
@@ -449,7 +456,10 @@ def _warm_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
             fixed(s.warm_total_duration_ms_p50),
             fixed(s.warm_total_duration_ms_p95),
             fixed(s.warm_total_duration_ms_p99),
-            fixed(s.warm_tokens_per_sec_mean, 1),
+            fixed(s.warm_decode_tokens_per_sec_p50, 1),
+            fixed(s.warm_tpot_ms_p90, 3),
+            fixed(s.warm_engine_tokens_per_sec_p50, 1),
+            str(s.warm_coalesced),
         ]
         for s in summaries
     ]
