@@ -44,13 +44,21 @@ def check_load(threshold: float, *, force_load: bool) -> None:
         )
 
 
-def check_frozen_prompts(matrix: Matrix, baselines_dir: Path) -> None:
-    """A prompt never changes under an id that a baseline was measured with."""
+def check_frozen_prompts(
+    matrix: Matrix, baselines_dir: Path, *, replacing_corrupt: bool = False
+) -> None:
+    """A prompt never changes under an id that a baseline was measured with. A corrupt baseline
+    is refused, unless this run replaces it (--baseline-update): it holds no prompt to check."""
     # Reading baselines needs pandas (their summaries): only once a benchmark runs.
-    from pytest_gpubench.baseline import find_baseline
+    from pytest_gpubench.baseline import CorruptBaseline, find_baseline
 
     for cell in matrix.cells:
-        baseline = find_baseline(baselines_dir, cell.cell_id)
+        try:
+            baseline = find_baseline(baselines_dir, cell.cell_id)
+        except CorruptBaseline:
+            if not replacing_corrupt:
+                raise
+            continue
         for recorded in baseline.prompts if baseline else []:
             prompt = matrix.prompts.get(recorded.prompt_id)
             if prompt is None:

@@ -64,6 +64,8 @@ class CallMeasurement:
     engine_tokens_per_sec: float | None = None
     engine_prompt_ms: float | None = None
     engine_total_ms: float | None = None
+    # An OpenAI-compatible stream's backend configuration (its chunks' system_fingerprint).
+    system_fingerprint: str | None = None
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -85,6 +87,7 @@ class CallMeasurement:
             "engine_tokens_per_sec": self.engine_tokens_per_sec,
             "engine_prompt_ms": self.engine_prompt_ms,
             "engine_total_ms": self.engine_total_ms,
+            "system_fingerprint": self.system_fingerprint,
         }
 
 

@@ -31,6 +31,13 @@ def addoption(parser: pytest.Parser) -> None:
         "--baseline-update", action="store_true", help="write baselines/ from this run's numbers"
     )
     group.addoption(
+        "--gpubench-accept-incomparable",
+        action="store_true",
+        dest="gpubench_accept_incomparable",
+        help="judge against baselines measured on another engine version, model or GPU "
+        "(otherwise their cells are `incomparable` and the session exits 8)",
+    )
+    group.addoption(
         "--allow-dirty", action="store_true", help="run even when the git tree has local changes"
     )
     group.addoption(
@@ -81,6 +88,7 @@ class Options:
     probe: bool
     smoke: bool
     env_names: tuple[str, ...]
+    accept_incomparable: bool = False
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Options:
@@ -116,4 +124,5 @@ class Options:
             probe=bool(config.getoption("probe")),
             smoke=bool(config.getoption("smoke")),
             env_names=tuple(config.getini("gpubench_env")),
+            accept_incomparable=bool(config.getoption("gpubench_accept_incomparable")),
         )

@@ -13,8 +13,10 @@ from tabulate import tabulate
 
 from pytest_gpubench.gate import (
     METRIC_NAMES,
+    PROVENANCE,
     SUCCESS_RATE,
     Verdict,
+    incomparables,
     overall_by_key,
     regressions,
 )
@@ -30,9 +32,10 @@ METRIC_LABELS = {
     # Gated before issue 11; still named when an older ledger's end record is rendered.
     "warm_tokens_per_sec_mean": "tok/s mean",
     SUCCESS_RATE: "success rate",
+    PROVENANCE: "baseline setup",
 }
 # Shown under a table: the verdicts a reader has to act on.
-NOTEWORTHY = ("regression", "inconclusive", "win")
+NOTEWORTHY = ("regression", "incomparable", "inconclusive", "win")
 
 
 class ProbeRowLike(Protocol):
@@ -252,6 +255,16 @@ def gate_lines(
         lines.append(
             TerminalLine(
                 f"gpubench: {len(found)} regression(s) against {baselines_dir}",
+                red=True,
+            )
+        )
+    unlike = incomparables(verdicts)
+    if unlike and not baseline_update:
+        cells = sorted({verdict.cell_id for verdict in unlike})
+        lines.append(
+            TerminalLine(
+                f"gpubench: the baselines of {', '.join(cells)} in {baselines_dir} were measured "
+                "on another setup: not judged",
                 red=True,
             )
         )

@@ -313,9 +313,11 @@ def test_a_format_1_baseline_loads_and_its_missing_figures_are_new(tmp_path: Pat
     decode = verdicts["warm_decode_tokens_per_sec_p50"]
     assert decode.verdict == "new" and decode.baseline is None
     assert "the baseline has no warm decode tokens/s p50" in decode.message
-    # Written again, it becomes a format 2 file without the mean of ratios.
+    # Written again, it becomes a file of the current format (3) without the mean of ratios,
+    # its unknown identity facts null.
     rewritten = json.loads(dumps_baseline(load_baseline(path)))
-    assert rewritten["format"] == 2
+    assert rewritten["format"] == 3
+    assert rewritten["provenance"]["model_identity"] is None
     assert "tokens_per_sec_mean" not in rewritten["prompts"]["P-EASY"]["warm"]
     assert rewritten["prompts"]["P-EASY"]["warm"]["decode_tokens_per_sec"]["p50"] is None
 
