@@ -250,3 +250,29 @@ def test_two_versions_side_by_side_are_named_cells_recorded_as_written(
     for server in (old, new):
         chats = [body for method, path, body in server.requests if method == "POST"]
         assert len(chats) >= 2 and {body["model"] for body in chats} == {"llama3.2"}
+
+
+def test_an_openai_compatible_server_is_described_without_calling_a_name_a_digest() -> None:
+    """vLLM's /v1/models entry says what the served name was loaded from and its context; a
+    server that says only the name is recorded as `name only`, its digest unknown."""
+
+    class VllmLike(FaultyOpenAIServer):
+        def get(self, handler: Any) -> None:
+            if handler.path == "/v1/models":
+                entry = {"id": "qwen", "object": "model", "owned_by": "vllm",
+                         "root": "Qwen/Qwen3-0.6B", "max_model_len": 4096}  # fmt: skip
+                handler._json(200, {"object": "list", "data": [entry]})
+            else:
+                super().get(handler)
+
+    with serving(VllmLike("qwen")) as url:
+        assert OpenAIEngine(url, "qwen").describe(5) == {
+            "engine_version": None,
+            "model_digest": None,
+            "model_identity": "name and root",
+            "model_root": "Qwen/Qwen3-0.6B",
+            "max_model_len": 4096,
+        }
+    with serving(FaultyOpenAIServer("m")) as url:
+        facts = OpenAIEngine(url, "m").describe(5)
+    assert facts["model_digest"] is None and facts["model_identity"] == "name only"

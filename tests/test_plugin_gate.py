@@ -172,3 +172,23 @@ def test_junit_xml_shows_a_regression_as_a_failed_case_with_figures(
     assert "engine.eval_count" in properties and "engine.eval_duration" in properties
     suite = root.find("testsuite")
     assert suite is not None and int(suite.get("failures", "0")) == len(gate) >= 1
+
+
+def test_another_engine_version_is_incomparable_and_names_the_change(
+    pytester: pytest.Pytester,
+) -> None:
+    """The real llama-server here has one version; the stand-in's can change between runs."""
+    server = OllamaStandin()
+    with serving(server) as url:
+        bench(pytester, url)
+        assert pytester.runpytest("--force-load", "--baseline-update").ret == 0
+        server.version = "0.13.0"
+        result = pytester.runpytest("--force-load")
+    assert result.ret == 8
+    result.stdout.fnmatch_lines(
+        [
+            f"INCOMPARABLE: {CELL} P-EASY: baseline measured on another setup (engine version "
+            "0.12.3 → 0.13.0): its numbers are not judged*",
+            "gpubench: exit status 8: a baseline is not comparable with this run",
+        ]
+    )
