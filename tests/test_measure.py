@@ -139,5 +139,5 @@ def test_record_keeps_the_old_fields_in_their_order_and_adds_the_new_ones_after(
     ]  # fmt: skip
     assert fields[12:] == [
         "e2e_tokens_per_sec", "coalesced", "content_reads", "engine_tokens_per_sec",
-        "engine_prompt_ms", "engine_total_ms",
+        "engine_prompt_ms", "engine_total_ms", "system_fingerprint",
     ]  # fmt: skip
