@@ -89,9 +89,15 @@ def provenance_changes(baseline: Provenance, current: Provenance) -> list[str]:
         old, new = read(baseline), read(current)
         if old is None or new is None or old == new:
             continue
+        if label == "system fingerprint" and _is_build(baseline) and _is_build(current):
+            continue  # llama-server's fingerprint is its build: named once, as its version
         shown = (str(old), str(new)) if label == "GPU" else (_short(old), _short(new))
         changes.append(f"{label} {shown[0]} → {shown[1]}")
     return changes
+
+
+def _is_build(provenance: Provenance) -> bool:
+    return provenance.system_fingerprint == provenance.engine_version
 
 
 def merged_provenance(old: Provenance, new: Provenance) -> Provenance:

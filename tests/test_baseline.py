@@ -443,6 +443,9 @@ def test_setup_changes_are_named_and_unknown_facts_are_no_change() -> None:
         "model root Qwen/Qwen3-0.6B → Qwen/Qwen3-1.7B",
         "max model length 4096 → 8192",
     ]
+    build = Provenance(engine_version="b1-0c1e570", system_fingerprint="b1-0c1e570")
+    newer = Provenance(engine_version="b2-1d2f681", system_fingerprint="b2-1d2f681")
+    assert provenance_changes(build, newer) == ["engine version b1-0c1e570 → b2-1d2f681"]
     digest = provenance_changes(
         Provenance(model_digest="sha256:" + "a" * 64), Provenance(model_digest="sha256:" + "b" * 64)
     )
