@@ -411,12 +411,25 @@ def _cell_section(
 def _cell_description(cell: Mapping[str, Any]) -> str:
     items = [
         ("engine", f"{_text(cell.get('engine'))} {_code(cell.get('engine_version'))}"),
-        ("model", f"{_text(cell.get('model'))} (digest {_code(cell.get('model_digest'))})"),
+        ("model", f"{_text(cell.get('model'))} ({_model_identity(cell)})"),
         ("GPUs", _gpus(cell.get("gpus"))),
     ]
     if cell.get("endpoint"):
         items.append(("endpoint", _code(cell.get("endpoint"))))
     return "\n".join(f"- {name}: {value}" for name, value in items)
+
+
+def _model_identity(cell: Mapping[str, Any]) -> str:
+    """`digest sha256:…`, or what identifies the model where no digest is known."""
+    parts = [f"digest {_code(cell.get('model_digest'))}"]
+    identity = cell.get("model_identity")
+    if identity and identity != "digest":
+        parts.append(f"identity: {identity}")
+    if cell.get("model_root"):
+        parts.append(f"root {_code(cell.get('model_root'))}")
+    if cell.get("max_model_len"):
+        parts.append(f"max model length {cell.get('max_model_len')}")
+    return ", ".join(parts)
 
 
 def _gpus(gpus: Any) -> str:

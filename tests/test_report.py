@@ -302,3 +302,22 @@ def test_an_incomparable_baseline_is_shown_and_marked_red_unless_ratified() -> N
     )
     assert not any(line.red for line in ratifying)
     assert "ACCEPTED (incomparable): " in ratifying[0].text
+
+
+def test_markdown_says_what_identifies_a_model_without_a_digest() -> None:
+    cell = {
+        "type": "cell",
+        "cell_id": "local:openai:qwen",
+        "engine": "openai",
+        "model": "qwen",
+        "model_digest": None,
+        "model_identity": "name and root",
+        "model_root": "Qwen/Qwen3-0.6B",
+        "max_model_len": 4096,
+        "gpus": [],
+    }
+    text = render_markdown([cell])
+    assert (
+        "- model: qwen (digest -, identity: name and root, root `Qwen/Qwen3-0.6B`, "
+        "max model length 4096)"
+    ) in text
