@@ -9,9 +9,13 @@ from typing import TYPE_CHECKING
 # plugin imports lazily, so that one copy stays alive: httpx's exception mapping needs the
 # httpcore it first saw, and cryptography's Rust bindings (under paramiko) cannot be loaded twice
 # ("cipher AES in CTR mode is not supported" on the second SSH connection otherwise).
+# numpy, under scipy and pandas, refuses a second load outright ("cannot load module more than once
+# per process"): a run's end imports the gate, in the inner runs and in this outer session alike.
 import httpcore  # noqa: F401
+import pandas  # noqa: F401
 import paramiko  # noqa: F401
 import pytest
+import scipy.stats  # noqa: F401
 
 from pytest_gpubench.cache import cache_dir
 
