@@ -41,6 +41,7 @@ LAYERS = (
     "controller",
     "xdist",
     "hookspecs",
+    "init",
     "cli",
     "plugin",
 )
