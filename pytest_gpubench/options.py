@@ -144,6 +144,32 @@ _BASELINES = _PathOption("gpubench_baselines", "baselines")
 _LEDGER_DIR = _PathOption("gpubench_ledger_dir", "runs")
 
 
+PATH_OPTIONS = (_CELLS, _PROMPTS, _BASELINES, _LEDGER_DIR)
+
+
+def option_warnings(config: pytest.Config, taken_aliases: tuple[str, ...]) -> list[str]:
+    """What the user should know about how pytest read their gpubench options."""
+    args = [str(arg) for arg in config.invocation_params.args]
+    warnings = [
+        f"{flag.alias} is another plugin's or conftest's option here, not gpubench's; "
+        f"use {flag.name}"
+        for flag in FLAGS
+        if flag.alias in taken_aliases and flag.alias in args
+    ]
+    if config.inipath is None:
+        # pytest looks for its ini file before any plugin is loaded: in `--gpubench-baselines
+        # /abs/dir` it took the value for a test path (and may have missed the ini file).
+        flags = {spec.flag for spec in PATH_OPTIONS}
+        warnings.extend(
+            f"pytest found no ini file: it took the value of {flag} for a test path while "
+            f"looking for one (its rootdir is now {config.rootpath}); write {flag}={value} to "
+            "keep its ini file and rootdir"
+            for flag, value in zip(args, args[1:], strict=False)
+            if flag in flags
+        )
+    return warnings
+
+
 def _path(config: pytest.Config, spec: _PathOption, anchor: Path) -> tuple[Path, bool]:
     """The path and whether the user named it (a named file that is missing is an error)."""
     given = config.getoption(spec.key)

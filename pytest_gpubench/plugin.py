@@ -15,7 +15,7 @@ from pytest_gpubench.controller import RunController
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.harness import Harness
 from pytest_gpubench.matrix import Matrix, load_matrix
-from pytest_gpubench.options import FLAGS, Options, add_aliases, addoption
+from pytest_gpubench.options import Options, add_aliases, addoption, option_warnings
 
 CASE_FIXTURE = "gpubench_case"
 # Generous on purpose: the engine's own stream timeout (the cell's timeout_s) must fire first, so
@@ -60,7 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cold: first call after the model was forced out of memory")
     config.addinivalue_line("markers", "warm: a call preceded by one to the same model within 60 s")
     options = Options.from_config(config)
-    _warn_taken_aliases(config)
+    _warn_about_options(config)
     run = RunController(
         options,
         None if options.skip else _matrix(config, options),
@@ -79,17 +79,9 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
-def _warn_taken_aliases(config: pytest.Config) -> None:
-    taken = config.stash.get(TAKEN_ALIASES_KEY, ())
-    for flag in FLAGS:
-        if flag.alias in taken and flag.alias in config.invocation_params.args:
-            config.issue_config_time_warning(
-                pytest.PytestConfigWarning(
-                    f"{flag.alias} is another plugin's or conftest's option here, not "
-                    f"gpubench's; use {flag.name}"
-                ),
-                stacklevel=2,
-            )
+def _warn_about_options(config: pytest.Config) -> None:
+    for warning in option_warnings(config, config.stash.get(TAKEN_ALIASES_KEY, ())):
+        config.issue_config_time_warning(pytest.PytestConfigWarning(warning), stacklevel=2)
 
 
 def _matrix(config: pytest.Config, options: Options) -> Matrix | None:

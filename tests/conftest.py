@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 # pytester's in-process runs drop the modules first imported during a run. Import here what the
 # plugin imports lazily, so that one copy stays alive: httpx's exception mapping needs the
 # httpcore it first saw, and cryptography's Rust bindings (under paramiko) cannot be loaded twice
-# ("cipher AES in CTR mode is not supported" on the second SSH connection otherwise).
-# numpy, under scipy and pandas, refuses a second load outright ("cannot load module more than once
-# per process"): a run's end imports the gate, in the inner runs and in this outer session alike.
+# ("cipher AES in CTR mode is not supported" on the second SSH connection otherwise), and numpy's
+# extension modules refuse a second load ("cannot load module more than once per process") once
+# the plugin imports pandas and scipy only when a benchmark is judged.
 import httpcore  # noqa: F401
 import pandas  # noqa: F401
 import paramiko  # noqa: F401
