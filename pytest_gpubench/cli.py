@@ -54,8 +54,9 @@ def _report(args: argparse.Namespace) -> int:
 def compare_command(old: Path, new: Path) -> int:
     """`gpubench compare OLD NEW`: prints the comparison; the regression status on a regression."""
     from pytest_gpubench.baseline import load_summaries
-    from pytest_gpubench.gate import EXIT_REGRESSION, compare, regressions
+    from pytest_gpubench.gate import compare, regressions
     from pytest_gpubench.report import render_comparison
+    from pytest_gpubench.status import EXIT_REGRESSION
 
     verdicts = compare(load_summaries(old), load_summaries(new))
     print(render_comparison(verdicts))

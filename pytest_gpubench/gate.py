@@ -18,8 +18,6 @@ VerdictKind = Literal["regression", "inconclusive", "win", "ok", "new"]
 # The worst first: a (cell, prompt) takes the verdict of its worst metric.
 VERDICT_ORDER: tuple[VerdictKind, ...] = ("regression", "inconclusive", "win", "ok", "new")
 
-# The session's exit status when benchmarks ran and at least one regressed (README: exit statuses).
-EXIT_REGRESSION = 6
 ALPHA = 0.05
 RERUN_RUNS = 20
 RERUN_HINT = f"re-run with --gpubench-runs {RERUN_RUNS}"

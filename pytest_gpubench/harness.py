@@ -20,7 +20,8 @@ from pytest_gpubench.matrix import Cell, LocalNode, Matrix, SshNode
 from pytest_gpubench.provenance import utc_now
 from pytest_gpubench.records import call_record, cell_record, skipped_record
 from pytest_gpubench.secrets import SecretScrubber, secret_from_env
-from pytest_gpubench.targets import Target, TargetHook, gpu_summary, open_target
+from pytest_gpubench.targets import Target, TargetHook, open_target
+from pytest_gpubench.targets.gpu import gpu_summary
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.targets.stages import Stage, StageError
 

@@ -51,7 +51,9 @@ def pytest_gpubench_node_kinds() -> Sequence[str]:
 def pytest_gpubench_open_target(node_id: str, node: PluginNode) -> Target | None:
     """A connected target for a node of one of this plugin's kinds, or None if not ours.
 
-    Raise `pytest_gpubench.targets.stages.StageError` naming the stage that failed: the node's
+    It follows the `pytest_gpubench.targets.Target` protocol (its `work_dir` is where a managed
+    engine keeps its log and pid files on the node). Raise
+    `pytest_gpubench.targets.stages.StageError` naming the stage that failed: the node's
     cells are then skipped with it, and the other nodes go on. `close()` is called once, at the
     end of the session.
     """

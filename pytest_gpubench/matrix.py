@@ -154,7 +154,7 @@ def _unknown_kind(what: str, value: str, known: tuple[str, ...]) -> PydanticCust
     )
 
 
-class Settings(_Strict):
+class CellDefaults(_Strict):
     """Matrix-wide defaults, overridable per cell."""
 
     runs: PositiveInt = 5
@@ -182,6 +182,8 @@ class CellSpec(_Strict):
     timeout_s: PositiveFloat | None = None
     thresholds: Thresholds | None = None
     skip: str | None = None
+    # A cell that may go unmeasured (an engine that is not always up) without failing the run.
+    optional: bool = False
     # Managed llama.cpp: the GGUF file to serve (default: the generated tiny model), the server
     # binary (default: PATH, $GPUBENCH_LLAMA_SERVER, or the cached build) and extra arguments.
     model_path: str | None = None
@@ -258,7 +260,7 @@ class Prompt(_Strict):
 
 
 class _CellsFile(_Strict):
-    settings: Settings = Settings()
+    settings: CellDefaults = CellDefaults()
     nodes: dict[str, Node]
     cells: list[CellSpec]
 
@@ -297,7 +299,7 @@ class Cell:
 class Matrix:
     cells_path: Path
     prompts_path: Path
-    settings: Settings
+    settings: CellDefaults
     nodes: dict[str, AnyNode]
     cells: tuple[Cell, ...]
     prompts: dict[str, Prompt]

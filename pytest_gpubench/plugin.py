@@ -72,7 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[RUN_KEY] = run
     config.stash[RELEASE_KEY] = {}
-    config.pluginmanager.register(ReportReader(run), "gpubench-reports")
+    config.pluginmanager.register(ReportReader(config, run), "gpubench-reports")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(
             xdist.XdistHooks(config, lambda: config.stash[RUN_KEY]), "gpubench-xdist"
@@ -169,15 +169,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         raise pytest.UsageError(missing_matrix)
     run = _run(session.config)
     session.config.stash[RELEASE_KEY] = _last_case_of_each_node(session.items, run.matrix)
-    planned = sum(1 for item in session.items if _case_of(item) is not None)
+    planned = [case for case in map(_case_of, session.items) if case is not None]
     if not planned or not run.writes_ledger or session.config.option.collectonly:
         return
     try:
         run.begin(planned)
     except GpubenchError as exc:
         raise pytest.UsageError(str(exc)) from None
-    except OSError as exc:  # the ledger directory cannot be made or written
-        raise pytest.UsageError(f"gpubench: cannot write the ledger: {exc}") from None
 
 
 def _last_case_of_each_node(items: list[pytest.Item], matrix: Matrix | None) -> dict[str, str]:
@@ -209,10 +207,16 @@ class BenchCase:
     harness: Harness
     records: list[dict[str, Any]] = field(default_factory=list)
     record: dict[str, Any] | None = None
+    # The test item's user_properties: the call's figures go into the JUnit XML from here.
+    properties: list[tuple[str, object]] = field(default_factory=list)
 
     def run(self) -> dict[str, Any]:
+        """Measure the case once; returns its call record (README: "The call record")."""
+        from pytest_gpubench.junit import call_properties
+
         self.record = self.harness.run_case(self.case)
         self.records.append(self.record)
+        self.properties.extend(call_properties(self.record))
         return self.record
 
 
@@ -229,7 +233,7 @@ def gpubench_case(request: pytest.FixtureRequest) -> BenchCase:
         if run.options.for_publication:
             pytest.fail(f"--for-publication: {case.cell_id} is unavailable: {reason}", False)
         pytest.skip(reason)
-    return BenchCase(case, run.harness, records)
+    return BenchCase(case, run.harness, records, properties=request.node.user_properties)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -257,7 +261,8 @@ class ReportReader:
     (wherever it ran) and the rentals a worker gave back (known here even if the run is
     interrupted before the worker ends)."""
 
-    def __init__(self, run: RunController) -> None:
+    def __init__(self, config: pytest.Config, run: RunController) -> None:
+        self.config = config
         self.run = run
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -265,8 +270,18 @@ class ReportReader:
             return
         records = getattr(report, xdist.RECORDS_ATTR, None)
         if records:
-            self.run.collect(records)
+            stop = self.run.collect(records)
+            if stop is not None:
+                _stop_session(self.config, stop)
         self.run.add_worker_rentals(getattr(report, xdist.RENTALS_ATTR, None) or [])
+
+
+def _stop_session(config: pytest.Config, reason: str) -> None:
+    """No case may start once nothing more can be recorded (pytest's own -x mechanism)."""
+    for name in ("session", "dsession"):
+        plugin = config.pluginmanager.get_plugin(name)
+        if plugin is not None:
+            plugin.shouldstop = reason
 
 
 @pytest.hookimpl(trylast=True)
@@ -291,14 +306,21 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     run = _run(session.config)
     if not run.options.probe or run.matrix is None or xdist.is_worker(session.config):
         return None
-    session.testsfailed = run.probe()
+    run.probe()  # an unhealthy required cell makes the session's status EXIT_UNMEASURED
     return True
 
 
+# First: the JUnit XML plugin writes its file in its own pytest_sessionfinish.
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    status = _run(session.config).finish(int(exitstatus), xdist.workeroutput(session.config))
-    if status is not None:
+    run = _run(session.config)
+    status = run.finish(int(exitstatus), xdist.workeroutput(session.config))
+    if status != exitstatus:
         session.exitstatus = status
+    if run.ledger is not None:
+        from pytest_gpubench.junit import add_gate_failures
+
+        add_gate_failures(session.config, run)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -317,6 +339,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         lines = []
         terminalreporter.write_sep("=", "gpubench")
         judgement = run.judgement
+        lines.extend(report.outcome_lines(run.outcomes))
         lines.extend(
             report.gate_lines(
                 judgement.summaries,
@@ -327,8 +350,23 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                 baselines_dir=run.options.baselines_dir,
             )
         )
+        if run.write_error is not None:
+            lines.append(report.TerminalLine(f"ERROR: {run.write_error}", red=True))
         lines.append(report.TerminalLine(f"ledger: {run.ledger.path}"))
     _write(terminalreporter, run, lines)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The last line a person reads is the status the process really exits with."""
+    run = config.stash.get(RUN_KEY, None)
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    if run is None or run.exit_status is None or terminal is None:
+        return
+    if run.ledger is None and not run.probe_rows and run.startup_error is None:
+        return
+    from pytest_gpubench.status import describe
+
+    terminal.write_line(f"gpubench: {describe(run.exit_status)}", red=run.exit_status != 0)
 
 
 def _write(terminalreporter: pytest.TerminalReporter, run: RunController, lines: list[Any]) -> None:

@@ -12,15 +12,15 @@ from typing import Any, Protocol
 from tabulate import tabulate
 
 from pytest_gpubench.gate import (
-    EXIT_REGRESSION,
     METRIC_NAMES,
     SUCCESS_RATE,
     Verdict,
     overall_by_key,
     regressions,
 )
+from pytest_gpubench.outcomes import CellOutcome
 from pytest_gpubench.stats import PromptSummary, summarize
-from pytest_gpubench.targets import gpu_summary
+from pytest_gpubench.targets.gpu import gpu_summary
 
 NONE = "-"
 METRIC_LABELS = {
@@ -134,22 +134,31 @@ def _changes(metrics: Mapping[str, Verdict]) -> str:
     return " / ".join(change(verdict.change_ratio if verdict else None) for verdict in ratios)
 
 
-def verdict_notes(verdicts: Iterable[Verdict]) -> list[str]:
-    """The messages of regressions, inconclusive changes and wins, worst first."""
+def verdict_notes(verdicts: Iterable[Verdict], *, accepted: bool = False) -> list[str]:
+    """The messages of regressions, inconclusive changes and wins, worst first. With
+    --baseline-update a change is not a finding but what is being ratified: `ACCEPTED`."""
     order = {kind: index for index, kind in enumerate(NOTEWORTHY)}
     chosen = [verdict for verdict in verdicts if verdict.verdict in order]
     metrics = {name: index for index, name in enumerate(METRIC_NAMES)}
     chosen.sort(key=lambda v: (order[v.verdict], v.key, metrics.get(v.metric, len(metrics))))
-    return [f"{verdict.verdict.upper()}: {verdict.message}" for verdict in chosen]
+    return [
+        f"ACCEPTED ({verdict.verdict}): {verdict.message}"
+        if accepted and verdict.verdict != "win"
+        else f"{verdict.verdict.upper()}: {verdict.message}"
+        for verdict in chosen
+    ]
 
 
-def render_summary(summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict]) -> str:
+def render_summary(
+    summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict], *, accepted: bool = False
+) -> str:
     """The terminal summary: the table, then one line per verdict that needs attention."""
     verdicts = list(verdicts)
     rows = summary_rows(summaries, verdicts)
     if not rows:
         return "no calls measured"
-    return "\n".join([table(rows, SUMMARY_HEADERS), *verdict_notes(verdicts)])
+    notes = verdict_notes(verdicts, accepted=accepted)
+    return "\n".join([table(rows, SUMMARY_HEADERS), *notes])
 
 
 # -- the end of a pytest session ------------------------------------------------------------
@@ -188,6 +197,33 @@ def rental_lines(rentals: Iterable[Mapping[str, Any]]) -> list[TerminalLine]:
     return lines
 
 
+OUTCOME_HEADERS = ("cell", "status", "calls ok", "stage", "reason")
+
+
+def outcome_lines(outcomes: Iterable[CellOutcome]) -> list[TerminalLine]:
+    """Every planned cell: measured, failed (stage, reason), skipped, missing; unmeasured in red."""
+    outcomes = list(outcomes)
+    if not outcomes:
+        return []
+    rows = [
+        [
+            o.cell_id,
+            o.status + (" (optional)" if o.optional and o.unmeasured else ""),
+            f"{o.ok_calls}/{o.calls}",
+            o.stage or NONE,
+            _shorten(o.reason or NONE),
+        ]
+        for o in outcomes
+    ]
+    text = table(rows, OUTCOME_HEADERS)
+    return [TerminalLine(text, red=any(o.fails_run for o in outcomes))]
+
+
+def _shorten(text: str, limit: int = 100) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 def gate_lines(
     summaries: Iterable[PromptSummary],
     verdicts: Iterable[Verdict],
@@ -199,7 +235,11 @@ def gate_lines(
 ) -> list[TerminalLine]:
     """The gate's part of the terminal summary: the table, baseline notes, errors, the status."""
     summaries, verdicts = list(summaries), list(verdicts)
-    lines = [TerminalLine(render_summary(summaries, verdicts))] if summaries else []
+    lines = (
+        [TerminalLine(render_summary(summaries, verdicts, accepted=baseline_update))]
+        if summaries
+        else []
+    )
     lines.extend(TerminalLine(note) for note in baseline_notes)
     if gate_error is not None:
         lines.append(TerminalLine(f"ERROR: {gate_error}", red=True))
@@ -207,8 +247,7 @@ def gate_lines(
     if found and not baseline_update:
         lines.append(
             TerminalLine(
-                f"gpubench: {len(found)} regression(s) against {baselines_dir}; "
-                f"exit status {EXIT_REGRESSION}",
+                f"gpubench: {len(found)} regression(s) against {baselines_dir}",
                 red=True,
             )
         )

@@ -264,7 +264,7 @@ class DelayProxy:
 
     def _finish(self, connection: _Connection) -> None:
         call = connection.engine_call()
-        if call is not None:
+        if call is not None and connection in self._connections:  # each connection once
             self.engine_calls.append(call)
         self._drop(connection)
 
@@ -275,7 +275,7 @@ class DelayProxy:
         try:
             return sock.recv(_RECV_BYTES)
         except OSError:
-            self._drop(connection)
+            self._broken(connection)
             return None
 
     def _send(self, connection: _Connection, sock: socket.socket, data: bytes) -> None:
@@ -283,7 +283,12 @@ class DelayProxy:
         try:
             sock.sendall(data)
         except OSError:
-            self._drop(connection)
+            self._broken(connection)
+
+    def _broken(self, connection: _Connection) -> None:
+        """A socket error: a client that closes as soon as it has read the reply's end can reset
+        the connection before the engine's own end arrives; the engine's call still counts."""
+        self._finish(connection)
 
     def _drop(self, connection: _Connection) -> None:
         if connection not in self._connections:

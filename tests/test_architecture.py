@@ -22,14 +22,17 @@ LAYERS = (
     "cache",
     "files",
     "secrets",
+    "signals",
     "provenance",
     "matrix",
     "options",
+    "status",
     "measure",
     "ledger",
     "tinymodel",
     "cases",
     "stats",
+    "outcomes",
     "targets",
     "engines",
     "baseline",
@@ -39,6 +42,7 @@ LAYERS = (
     "guards",
     "harness",
     "controller",
+    "junit",
     "xdist",
     "hookspecs",
     "init",
@@ -84,7 +88,9 @@ def _imports(tree: ast.AST) -> set[str]:
                 found.update(
                     f"{node.module}.{alias.name}"
                     for alias in node.names
-                    if (PACKAGE.parent / node.module.replace(".", "/") / f"{alias.name}.py").exists()
+                    if (
+                        PACKAGE.parent / node.module.replace(".", "/") / f"{alias.name}.py"
+                    ).exists()
                 )
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "pytest_gpubench")

@@ -249,7 +249,7 @@ def test_ini_values_resolve_against_the_ini_file_and_options_against_the_cwd(
         (("--gpubench-cells", "nowhere.yaml"), "ERROR: */nowhere.yaml: file not found"),
         (("--gpubench-baselines", "prompts.yaml"), "ERROR: */prompts.yaml: the baselines must be a directory, not a file (--gpubench-baselines)"),
         (("--gpubench-ledger-dir", "prompts.yaml"), "ERROR: */prompts.yaml: the ledger directory must be a directory, not a file (--gpubench-ledger-dir)"),
-        (("--gpubench-ledger-dir", "prompts.yaml/runs", "--gpubench-cells", "matrix.yaml"), "ERROR: gpubench: cannot write the ledger: *prompts.yaml/runs*"),
+        (("--gpubench-ledger-dir", "prompts.yaml/runs", "--gpubench-cells", "matrix.yaml"), "ERROR: */prompts.yaml/runs/*.jsonl: cannot create the ledger: *"),
     ],
 )  # fmt: skip
 def test_every_path_problem_is_one_line_exit_4(

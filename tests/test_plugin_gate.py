@@ -63,7 +63,8 @@ def test_update_then_same_speed_passes_and_slower_exits_6(pytester: pytest.Pytes
         [
             f"{CELL}*P-EASY*regression",
             f"REGRESSION: {CELL} P-EASY: warm TTFT p50 +*",
-            "gpubench: * regression(s) against *; exit status 6",
+            "gpubench: * regression(s) against *",
+            "gpubench: exit status 6: benchmarks ran and at least one regressed",
         ]
     )
     end = last_ledger(pytester)[-1]
@@ -139,3 +140,35 @@ def test_report_of_the_run_is_deterministic(pytester: pytest.Pytester, tmp_path:
     assert main(["report", str(ledger), "-o", str(second)]) == 0
     assert first.read_bytes() == second.read_bytes()
     assert CELL in first.read_text()
+
+
+def test_junit_xml_shows_a_regression_as_a_failed_case_with_figures(
+    pytester: pytest.Pytester,
+) -> None:
+    """CI reads the JUnit XML: the regression is a failed test case naming the cell, prompt and
+    metric (the real-llama-server twin is in test_gate_real.py, judged when the machine holds
+    still), and every measured case carries its figures as properties."""
+    from xml.etree import ElementTree
+
+    server = OllamaStandin(token_s=0.003)
+    with serving(server) as url:
+        bench(pytester, url)
+        pytester.runpytest("--force-load", "--baseline-update")
+        server.token_s = 0.009
+        slower = pytester.runpytest("--force-load", "--junitxml=junit.xml")
+    assert slower.ret == 6
+    root = ElementTree.parse(pytester.path / "junit.xml").getroot()
+    cases = root.findall(".//testcase")
+    gate = {case.get("name"): case for case in cases if case.get("classname") == "gpubench.gate"}
+    regression = gate[f"{CELL} P-EASY warm_ttft_p50_ms"]
+    failure = regression.find("failure")
+    assert failure is not None
+    assert failure.get("message", "").startswith(f"REGRESSION: {CELL} P-EASY: warm TTFT p50 +")
+    measured = [case for case in cases if case.get("classname") != "gpubench.gate"]
+    assert len(measured) == 10 and all(case.find("failure") is None for case in measured)
+    properties = {p.get("name"): p.get("value") for p in measured[0].iter("property")}
+    assert float(properties["first_delta_ms"] or 0) > 0
+    assert properties["completion_tokens"] == "6"
+    assert "engine.eval_count" in properties and "engine.eval_duration" in properties
+    suite = root.find("testsuite")
+    assert suite is not None and int(suite.get("failures", "0")) == len(gate) >= 1

@@ -16,9 +16,10 @@ import pytest
 from provider_standin import ProviderStandIn, Scenario
 
 from pytest_gpubench.matrix import LocalNode, ProviderNode, SshNode
-from pytest_gpubench.targets.factory import open_target
+from pytest_gpubench.targets import open_target
 from pytest_gpubench.targets.local import LocalTarget
-from pytest_gpubench.targets.provider import Offer, ProviderTarget, choose_offers
+from pytest_gpubench.targets.provider import ProviderTarget
+from pytest_gpubench.targets.provider.api import Offer, choose_offers
 from pytest_gpubench.targets.ssh import SshTarget
 from pytest_gpubench.targets.stages import StageError
 
@@ -107,9 +108,16 @@ def provider_node(api: str, **overrides: Any) -> ProviderNode:
     return ProviderNode(**options)
 
 
-def rented(api: str, **overrides: Any) -> ProviderTarget:
+def rented(
+    api: str, closed: list[dict[str, Any]] | None = None, **overrides: Any
+) -> ProviderTarget:
+    """A provider target; what it reports once given back is appended to `closed`."""
     return ProviderTarget(
-        "rented", provider_node(api, **overrides), poll_interval_s=0.05, watch_interval_s=0.1
+        "rented",
+        provider_node(api, **overrides),
+        on_rental_closed=(closed if closed is not None else []).append,
+        poll_interval_s=0.05,
+        watch_interval_s=0.1,
     )
 
 
@@ -299,6 +307,43 @@ def test_wrong_token_fails_provision(standin: StandInFactory) -> None:
     assert api.created() == []
 
 
+def test_the_rental_is_reported_once_when_given_back(standin: StandInFactory) -> None:
+    """on_rental_closed hears of each rental once: after close, or after a failed open."""
+    api = standin()
+    closed: list[dict[str, Any]] = []
+    target = rented(api.url, closed).open()
+    try:
+        assert closed == [], "nothing is reported while the node is held"
+    finally:
+        target.close()
+    target.close()
+    (facts,) = closed
+    assert facts == {
+        "node": "rented",
+        "kind": "provider",
+        "session_id": "sess-1",
+        "offer_id": "o-good",
+        "gpu_name": "RTX 4090",
+        "price_per_hour": 0.40,
+        "elapsed_s": round(target.elapsed_s(), 3),
+        "cost": round(target.elapsed_s() / 3600 * 0.40, 6),
+        "session_done": True,
+    }
+
+    failed_api = standin(statuses=["provisioning", "failed"], error="GPU fell off the bus")
+    failed_closed: list[dict[str, Any]] = []
+    with pytest.raises(StageError):
+        rented(failed_api.url, failed_closed).open()
+    (failed_facts,) = failed_closed
+    assert failed_facts["session_id"] == "sess-1" and failed_facts["session_done"] is True
+
+    no_offer_api = standin()
+    nothing: list[dict[str, Any]] = []
+    with pytest.raises(StageError, match="no offer"):
+        rented(no_offer_api.url, nothing, max_price=0.10).open()
+    assert nothing == [], "no session was created, so nothing was rented"
+
+
 def test_choose_offers() -> None:
     offers = [offer for offer in map(Offer.from_api, OFFERS) if offer is not None]
     chosen = choose_offers(offers, max_price=0.60, min_vram_gb=16)
@@ -315,7 +360,13 @@ def test_choose_offers() -> None:
 def test_factory_opens_each_kind(
     standin: StandInFactory, sshd: SshServer, remote_dir: Path
 ) -> None:
-    assert isinstance(open_target("local", LocalNode(kind="local")), LocalTarget)
+    closed: list[dict[str, Any]] = []
+    assert isinstance(
+        open_target(
+            "local", LocalNode(kind="local"), plugin_hook=None, on_rental_closed=closed.append
+        ),
+        LocalTarget,
+    )
 
     ssh_node = SshNode(
         kind="ssh",
@@ -326,7 +377,7 @@ def test_factory_opens_each_kind(
         known_hosts=str(sshd.known_hosts),
         setup=[f"touch {remote_dir}/installed"],
     )
-    ssh_target = open_target("pavilion", ssh_node)
+    ssh_target = open_target("pavilion", ssh_node, plugin_hook=None, on_rental_closed=closed.append)
     try:
         assert isinstance(ssh_target, SshTarget)
         assert (remote_dir / "installed").exists()
@@ -334,14 +385,17 @@ def test_factory_opens_each_kind(
         ssh_target.close()
     failing = ssh_node.model_copy(update={"model_pull": ["exit 4"]})
     with pytest.raises(StageError) as failed:
-        open_target("pavilion", failing)
+        open_target("pavilion", failing, plugin_hook=None, on_rental_closed=closed.append)
     assert failed.value.stage == "model_pull"
 
     api = standin(statuses=["running"])
-    provider_target = open_target("rented", provider_node(api.url))
+    provider_target = open_target(
+        "rented", provider_node(api.url), plugin_hook=None, on_rental_closed=closed.append
+    )
     try:
         assert isinstance(provider_target, ProviderTarget)
         assert provider_target.run(["true"], timeout_s=5).ok
     finally:
         provider_target.close()
     assert api.done() == ["sess-1"]
+    assert [(facts["node"], facts["session_id"]) for facts in closed] == [("rented", "sess-1")]

@@ -245,7 +245,7 @@ def test_report_command_writes_the_markdown(
 
 
 def test_odd_gpu_entries_in_an_old_or_edited_ledger_do_not_break_the_report() -> None:
-    from pytest_gpubench.targets import gpu_summary
+    from pytest_gpubench.targets.gpu import gpu_summary
 
     assert gpu_summary([{"name": "A"}, {"name": None}, {}]) == "1 × A, 2 × GPU"
     records = ledger()

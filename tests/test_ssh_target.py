@@ -13,11 +13,11 @@ import httpx
 import pytest
 
 from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.targets.ssh import (
-    HostKeyError,
+from pytest_gpubench.targets.ssh import SshTarget
+from pytest_gpubench.targets.ssh.hostkeys import HostKeyError
+from pytest_gpubench.targets.ssh.target import (
     SshCommandTimeout,
     SshProcess,
-    SshTarget,
     _cpu_facts,
     _ports_in_use,
 )
@@ -87,7 +87,9 @@ def test_shell_metacharacters_are_passed_literally(target: SshTarget, remote_dir
         ["printf", "%s", f"model; touch {marker}"], log_path=f"{remote_dir}/p.log"
     )
     time.sleep(0.3)
-    assert target.read_file(f"{remote_dir}/p.log", timeout_s=5) == f"model; touch {marker}".encode()
+    assert (
+        target.run(["cat", f"{remote_dir}/p.log"], timeout_s=5).stdout == f"model; touch {marker}"
+    )
     started.stop()
     assert not marker.exists()
 
@@ -357,13 +359,13 @@ def test_direct_reach_without_forward(sshd: SshServer) -> None:
 
 
 def test_read_file_via_cat(target: SshTarget, remote_dir: Path) -> None:
-    payload = bytes(range(256)) * 4
-    (remote_dir / "result.bin").write_bytes(payload)
-    assert target.read_file(str(remote_dir / "result.bin"), timeout_s=5) == payload
-    with pytest.raises(StageError) as missing:
-        target.read_file(str(remote_dir / "absent.json"), timeout_s=5)
-    assert missing.value.stage == "results"
-    assert "absent.json" in str(missing.value)
+    # Every code point below 256 (NUL, CR, non-ASCII), written as UTF-8: run() decodes UTF-8.
+    payload = bytes(range(256)).decode("latin-1") * 4
+    (remote_dir / "result.txt").write_text(payload, encoding="utf-8", newline="")
+    assert target.run(["cat", str(remote_dir / "result.txt")], timeout_s=5).stdout == payload
+    missing = target.run(["cat", str(remote_dir / "absent.json")], timeout_s=5)
+    assert not missing.ok
+    assert "absent.json" in missing.stderr
 
 
 def test_gpu_inventory_empty_and_describe(target: SshTarget) -> None:

@@ -137,7 +137,7 @@ def managed_llama_server(
                 f"cell {cell.cell_id}: model_path: cannot read {model_path} on the node"
             )
         digest = digest_run.stdout.split()[0]
-        work_dir = remote_work_dir(target)
+        work_dir = target.work_dir
     server = ManagedLlamaServer(
         target,
         cell_id=cell.cell_id,
@@ -165,9 +165,3 @@ def _local_model(cell: Cell) -> Path:
         f"cell {cell.cell_id}: model_path: a managed llamacpp cell needs a GGUF "
         f"file (or model: {TINY_MODEL} for the generated tiny model)"
     )
-
-
-def remote_work_dir(target: Target) -> str:
-    """Where a remote node keeps the managed engine's log and pid files: per login user."""
-    user = getattr(target, "user", None) or getattr(target, "ssh_user", None) or "root"
-    return f"/tmp/gpubench-{user}"

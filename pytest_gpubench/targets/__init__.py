@@ -1,10 +1,13 @@
-"""Where engines run: the `Target` protocol that local, SSH and rented nodes implement."""
+"""Where engines run: the `Target` protocol that every node kind implements, and the factory."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from pytest_gpubench.matrix import AnyNode
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,11 @@ class Target(Protocol):
 
     node_id: str
 
+    @property
+    def work_dir(self) -> str:
+        """A folder on the node for the files of managed engines (log, pid): one per login user."""
+        ...
+
     def run(self, argv: Sequence[str], *, timeout_s: float) -> CommandResult:
         """Run a command to completion; arguments are never interpreted by a shell."""
         ...
@@ -50,8 +58,6 @@ class Target(Protocol):
         """An address on this machine that reaches host:port as the node sees it."""
         ...
 
-    def read_file(self, path: str, *, timeout_s: float) -> bytes: ...
-
     def gpu_inventory(self) -> list[dict[str, str]]:
         """One entry per GPU from nvidia-smi; an empty list means the node has no GPU."""
         ...
@@ -63,114 +69,60 @@ class Target(Protocol):
     def close(self) -> None: ...
 
 
-GPU_QUERY_FIELDS = (
-    "name",
-    "memory.total",
-    "driver_version",
-    "pci.bus_id",
-    "compute_cap",
-    "power.limit",
-    "clocks.max.sm",
-)
-
-
-def nvidia_smi_argv() -> list[str]:
-    return [
-        "nvidia-smi",
-        f"--query-gpu={','.join(GPU_QUERY_FIELDS)}",
-        "--format=csv,noheader,nounits",
-    ]
-
-
-def parse_nvidia_smi(output: str) -> list[dict[str, str]]:
-    """Parse `nvidia-smi --query-gpu=... --format=csv,noheader` output into one dict per GPU."""
-    gpus = []
-    for line in output.splitlines():
-        if not line.strip():
-            continue
-        values = [value.strip() for value in line.split(",")]
-        gpus.append(dict(zip(GPU_QUERY_FIELDS, values, strict=False)))
-    return gpus
-
-
-def gpu_inventory_of(target: Target, timeout_s: float = 20.0) -> list[dict[str, str]]:
-    """Ask a node's nvidia-smi; a node without one (or without a GPU) has an empty inventory."""
-    try:
-        result = target.run(nvidia_smi_argv(), timeout_s=timeout_s)
-    except FileNotFoundError:
-        return []
-    if not result.ok:
-        return []
-    return parse_nvidia_smi(result.stdout)
-
-
-def gpu_summary(gpus: list[dict[str, str]]) -> str:
-    """One line for people: `1 × NVIDIA H100 80GB HBM3 (81559 MiB)`, or `no GPU`."""
-    if not gpus:
-        return "no GPU"
-    names: dict[str, int] = {}
-    for gpu in gpus:
-        memory = gpu.get("memory.total")
-        name = str(gpu.get("name") or "GPU")
-        label = f"{name} ({memory} MiB)" if memory else name
-        names[label] = names.get(label, 0) + 1
-    return ", ".join(f"{count} × {label}" for label, count in sorted(names.items()))
-
-
-# INTERIM (replaced by the targets redraw): the factory with its final signature.
-TargetHook = Callable[..., "Target | None"]
+# pytest_gpubench_open_target (hookspecs.py), as pytest's hook relay calls it.
+TargetHook = Callable[..., Target | None]
+# Told what a rented node cost once it is given back: node, kind, session_id, offer_id,
+# gpu_name, price_per_hour, elapsed_s, cost, session_done.
+RentalClosed = Callable[[dict[str, Any]], None]
 
 
 def open_target(
     node_id: str,
-    node: Any,
+    node: AnyNode,
     *,
-    plugin_hook: TargetHook | None = None,
-    on_rental_closed: Callable[[dict[str, Any]], None],
+    plugin_hook: TargetHook | None,
+    on_rental_closed: RentalClosed,
 ) -> Target:
-    from pytest_gpubench.matrix import PluginNode
-    from pytest_gpubench.targets.factory import open_target as open_builtin
-    from pytest_gpubench.targets.stages import StageError
+    """A connected, set-up target for a node of cells.yaml; raises StageError naming the stage.
 
+    A rented node calls on_rental_closed once when its session is given back, also when
+    opening it fails after the session was created.
+    """
+    # Each kind is imported when a node of it is opened: the kinds import this module (the
+    # protocol), and a run with local nodes only loads neither paramiko nor the provider client.
+    from pytest_gpubench.matrix import LocalNode, PluginNode, SshNode
+    from pytest_gpubench.targets.stages import StageError, setup_steps
+
+    if isinstance(node, LocalNode):
+        from pytest_gpubench.targets.local import LocalTarget
+
+        return LocalTarget(node_id)
     if isinstance(node, PluginNode):
         target = plugin_hook(node_id=node_id, node=node) if plugin_hook is not None else None
         if target is None:
             raise StageError("provision", f"node {node_id}: no plugin opened its kind {node.kind}")
         return target
-    try:
-        opened = open_builtin(node_id, node)
-    except Exception as exc:
-        released = getattr(exc, "released_target", None)
-        if released is not None:
-            _report_rental(node_id, released, on_rental_closed)
-        raise
-    if hasattr(opened, "done_marked"):
-        close = opened.close
+    if isinstance(node, SshNode):
+        from pytest_gpubench.targets.ssh import SshTarget
 
-        def close_and_report() -> None:
-            try:
-                close()
-            finally:
-                _report_rental(node_id, opened, on_rental_closed)
+        ssh = SshTarget(
+            node_id,
+            node.host,
+            node.port,
+            node.user,
+            key_file=node.key_file,
+            known_hosts=node.known_hosts,
+            trust_new_host=node.trust_new_host,
+            connect_timeout_s=node.connect_timeout_s,
+            command_timeout_s=node.command_timeout_s,
+            forward=node.forward,
+        )
+        try:
+            ssh.run_setup(setup_steps(node.setup, node.model_pull), node.setup_timeout_s)
+        except BaseException:
+            ssh.close()
+            raise
+        return ssh
+    from pytest_gpubench.targets.provider import ProviderTarget
 
-        opened.close = close_and_report  # type: ignore[method-assign]
-    return opened
-
-
-def _report_rental(node_id: str, target: Any, report: Callable[[dict[str, Any]], None]) -> None:
-    facts = target.describe()
-    if facts.get("session_id") is None:
-        return
-    report(
-        {
-            "node": node_id,
-            "kind": "provider",
-            "session_id": facts.get("session_id"),
-            "offer_id": facts.get("offer_id"),
-            "gpu_name": facts.get("gpu_name"),
-            "price_per_hour": facts.get("price_per_hour"),
-            "elapsed_s": facts.get("elapsed_s"),
-            "cost": facts.get("cost"),
-            "session_done": target.done_marked,
-        }
-    )
+    return ProviderTarget(node_id, node, on_rental_closed=on_rental_closed).open()

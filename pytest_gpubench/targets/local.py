@@ -1,4 +1,4 @@
-"""The machine that runs pytest as a benchmark node."""
+"""The machine that runs pytest, as a benchmark node."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import platform
 import signal
 import socket
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.targets import CommandResult, gpu_inventory_of
+from pytest_gpubench.targets import CommandResult
+from pytest_gpubench.targets.gpu import gpu_inventory_of
 
 _PR_SET_PDEATHSIG = 1
 
@@ -65,6 +67,11 @@ class LocalTarget:
         self.node_id = node_id
         self._processes: list[LocalProcess] = []
 
+    @property
+    def work_dir(self) -> str:
+        user = os.environ.get("USER") or str(os.getuid())
+        return str(Path(tempfile.gettempdir()) / f"gpubench-{user}")
+
     def run(self, argv: Sequence[str], *, timeout_s: float) -> CommandResult:
         completed = subprocess.run(
             list(argv),
@@ -103,9 +110,6 @@ class LocalTarget:
 
     def reach(self, host: str, port: int) -> tuple[str, int]:
         return host, port
-
-    def read_file(self, path: str, *, timeout_s: float) -> bytes:
-        return Path(path).read_bytes()
 
     def gpu_inventory(self) -> list[dict[str, str]]:
         return gpu_inventory_of(self)

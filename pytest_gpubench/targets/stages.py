@@ -11,19 +11,10 @@ from pytest_gpubench.errors import GpubenchError
 Stage = Literal[
     "provision", "ssh_wait", "ssh_connect", "engine_install", "model_pull", "benchmark", "results"
 ]
-STAGES: tuple[Stage, ...] = (
-    "provision",
-    "ssh_wait",
-    "ssh_connect",
-    "engine_install",
-    "model_pull",
-    "benchmark",
-    "results",
-)
 
 
 class StageError(GpubenchError):
-    """A remote node failed in one stage (SPEC §10); `stage` says which, the message says why."""
+    """A remote node failed in one stage; `stage` says which, the message says why."""
 
     def __init__(self, stage: Stage, message: str) -> None:
         super().__init__(f"[{stage}] {message}")

@@ -1,4 +1,4 @@
-"""An existing host reached over SSH (paramiko): commands, background servers, port forwards.
+"""An existing host reached over SSH (paramiko): commands, setup, background servers, facts.
 
 Every remote command is built from an argv with `shlex.quote` (via `shlex.join`), so the remote
 login shell sees one literal word per argument; the remote side needs a POSIX `sh` and the
@@ -14,17 +14,25 @@ import posixpath
 import random
 import select
 import shlex
-import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import paramiko
 
-from pytest_gpubench.targets import CommandResult, gpu_inventory_of
+from pytest_gpubench.targets import CommandResult
+from pytest_gpubench.targets.gpu import gpu_inventory_of
+from pytest_gpubench.targets.ssh.connect import open_client
+from pytest_gpubench.targets.ssh.forward import POLL_S, PortForward
+from pytest_gpubench.targets.ssh.scripts import (
+    ALIVE_SCRIPT,
+    FREE_PORT_PY,
+    START_SCRIPT,
+    STOP_SCRIPT,
+)
 from pytest_gpubench.targets.stages import SetupStep, Stage, StageError
 
 log = logging.getLogger(__name__)
@@ -36,84 +44,9 @@ CLIENT_GRACE_S = 10.0
 KILL_AFTER_S = 5
 # GNU timeout's statuses for "the command timed out" (SIGKILL needed: 128 + 9).
 TIMEOUT_STATUSES = (124, 137)
-KEEPALIVE_S = 15
-POLL_S = 0.25
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 # Ports free_port() draws from when the node has no python3 to ask the kernel for one.
 FALLBACK_PORT_RANGE = (20000, 60999)
-
-# Shell functions the scripts below share. `running`: whether pid $1 runs. A zombie counts as
-# gone: an orphan waits for init to reap it, which in some containers takes seconds, and kill -0
-# still succeeds on it meanwhile.
-_RUNNING = r"""
-running() {
-  if [ -d /proc/self ]; then
-    state=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1)
-    [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
-  else
-    kill -0 "$1" 2>/dev/null
-  fi
-}
-
-# Stops process group $1: SIGTERM, then SIGKILL when its leader still runs after $2 tenths of a
-# second; the final SIGKILL also takes any member the leader left behind.
-stop_group() {
-  kill -TERM -"$1" 2>/dev/null || kill -TERM "$1" 2>/dev/null || return 0
-  i=0
-  while running "$1" && [ "$i" -lt "$2" ]; do sleep 0.1; i=$((i + 1)); done
-  kill -KILL -"$1" 2>/dev/null
-  return 0
-}
-"""
-
-# Runs argv as a background process that outlives the SSH channel: its own session (setsid, so
-# no SIGHUP from sshd and a process group stop() can kill whole), stdio on /dev/null and the log
-# (so sshd does not keep the channel open waiting for the pipes), and its pid written by itself
-# just before exec (so the pid is right even where setsid has to fork). A process that an
-# earlier run started under the same pid file and never stopped (pytest killed with -9) is
-# stopped first, if it still runs the same program and the SSH connection that started it is
-# gone: on a GPU node it would hold the memory the new one needs. Each one stopped is reported
-# on a `stale <pid>` line. Without /proc nothing is ever taken for stale.
-_START_SCRIPT = (
-    _RUNNING
-    + r"""
-dir=$1 log=$2 pidfile=$3
-shift 3
-mkdir -p "$dir" || exit 1
-# The SSH connection this start comes through: the nearest sshd process above this shell.
-owner=$$
-while [ "$owner" -gt 1 ]; do
-  case "$(cat "/proc/$owner/comm" 2>/dev/null)" in sshd*) break ;; esac
-  owner=$(sed 's/.*) //' "/proc/$owner/stat" 2>/dev/null | cut -d' ' -f2)
-  case "$owner" in ''|*[!0-9]*) owner=1 ;; esac
-done
-old=$(cat "$pidfile" 2>/dev/null)
-case "$old" in ''|*[!0-9]*) old= ;; esac
-old_owner=$(cat "$pidfile.owner" 2>/dev/null)
-case "$old_owner" in ''|*[!0-9]*) old_owner=1 ;; esac
-# Stale: still running the same program, while the connection that started it is gone (a
-# server of another run that is still connected is left alone).
-if [ -n "$old" ] && running "$old" && ! running "$old_owner" \
-    && [ "$(tr '\000' '\n' 2>/dev/null < "/proc/$old/cmdline" | head -n 1)" = "$1" ]; then
-  stop_group "$old" 50
-  echo "stale $old"
-fi
-rm -f "$pidfile"
-echo "$owner" > "$pidfile.owner"
-setsid sh -c 'echo $$ > "$0"; exec "$@"' "$pidfile" "$@" </dev/null >>"$log" 2>&1 &
-i=0
-while [ ! -s "$pidfile" ] && [ "$i" -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
-cat "$pidfile"
-"""
-)
-
-_ALIVE_SCRIPT = _RUNNING + 'running "$1"\n'
-
-_STOP_SCRIPT = _RUNNING + 'stop_group "$1" "$2"\n'
-
-_FREE_PORT_PY = (
-    "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
-)
 
 
 class SshCommandTimeout(StageError, subprocess.TimeoutExpired):
@@ -137,65 +70,6 @@ class SshCommandTimeout(StageError, subprocess.TimeoutExpired):
         return type(self), (self.stage, self.message, self.cmd, self.timeout)
 
 
-class HostKeyError(StageError):
-    """The host's key is unknown or has changed: never retried, never trusted silently."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("ssh_connect", message)
-
-    def __reduce__(self) -> Any:
-        return type(self), (self.message,)
-
-
-class _UnknownHostKey(paramiko.SSHException):
-    def __init__(self, hostname: str, key: paramiko.PKey, known_types: Sequence[str]) -> None:
-        super().__init__(hostname)
-        self.hostname = hostname
-        self.key = key
-        self.known_types = tuple(known_types)
-
-
-class _RefuseUnknownHost(paramiko.MissingHostKeyPolicy):
-    """Like paramiko's RejectPolicy, but raises a type that says which key was refused."""
-
-    def missing_host_key(
-        self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
-    ) -> None:
-        known = client.get_host_keys().lookup(hostname)
-        raise _UnknownHostKey(hostname, key, list(known.keys()) if known else [])
-
-
-class _TrustNewHost(paramiko.MissingHostKeyPolicy):
-    """Record a host seen for the first time; a host already known under any key is refused.
-
-    The line is appended rather than rewriting the file (paramiko's AutoAddPolicy rewrites it),
-    so the user's comments, hashed names and @cert-authority lines survive. A host that has a
-    known key of another type is refused: that is what a replaced host looks like too.
-    """
-
-    def __init__(self, known_hosts: Path) -> None:
-        self.known_hosts = known_hosts
-
-    def missing_host_key(
-        self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
-    ) -> None:
-        known = client.get_host_keys().lookup(hostname)
-        if known:
-            raise _UnknownHostKey(hostname, key, list(known.keys()))
-        client.get_host_keys().add(hostname, key.get_name(), key)
-        self.known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        descriptor = os.open(self.known_hosts, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        with os.fdopen(descriptor, "a", encoding="ascii") as known_hosts:
-            known_hosts.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
-        log.warning(
-            "trusting new host %s (%s %s), recorded in %s",
-            hostname,
-            key.get_name(),
-            key.fingerprint,
-            self.known_hosts,
-        )
-
-
 class SshProcess:
     """A background process on an SSH node, known by its pid (= its process group id)."""
 
@@ -208,8 +82,8 @@ class SshProcess:
     def alive(self) -> bool:
         if self._stopped:
             return False
-        result = self._target._run_script(
-            _ALIVE_SCRIPT, [str(self.pid)], self._target.command_timeout_s
+        result = self._target.run_script(
+            ALIVE_SCRIPT, [str(self.pid)], self._target.command_timeout_s
         )
         return result.ok
 
@@ -217,8 +91,8 @@ class SshProcess:
         if self._stopped:
             return
         tries = max(1, round(timeout_s * 10))
-        self._target._run_script(
-            _STOP_SCRIPT, [str(self.pid), str(tries)], timeout_s + self._target.command_timeout_s
+        self._target.run_script(
+            STOP_SCRIPT, [str(self.pid), str(tries)], timeout_s + self._target.command_timeout_s
         )
         self._stopped = True
 
@@ -229,113 +103,8 @@ class SshProcess:
         return result.stdout if result.ok else ""
 
 
-class _PortForward:
-    """A local listening socket whose connections are carried to host:port by direct-tcpip."""
-
-    def __init__(
-        self,
-        transport: Callable[[], paramiko.Transport],
-        host: str,
-        port: int,
-        label: str,
-    ) -> None:
-        # Asked for each new connection, so that a forward outlives a reconnect of its target.
-        self._transport = transport
-        self.host = host
-        self.port = port
-        self._closed = threading.Event()
-        self._connections: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(32)
-        # A timeout so the accept loop notices close(); closing a socket does not wake accept().
-        self._listener.settimeout(POLL_S)
-        self.local_port: int = self._listener.getsockname()[1]
-        threading.Thread(
-            target=self._accept_loop, name=f"gpubench-forward-{label}", daemon=True
-        ).start()
-
-    def active(self) -> bool:
-        return not self._closed.is_set()
-
-    def close(self) -> None:
-        self._closed.set()
-        self._listener.close()
-        with self._lock:
-            connections = list(self._connections)
-        for connection in connections:
-            with contextlib.suppress(OSError):
-                connection.close()
-
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                connection, peer = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            connection.settimeout(None)
-            threading.Thread(target=self._serve, args=(connection, peer), daemon=True).start()
-
-    def _serve(self, connection: socket.socket, peer: tuple[str, int]) -> None:
-        with self._lock:
-            self._connections.add(connection)
-        try:
-            try:
-                channel = self._transport().open_channel(
-                    "direct-tcpip", (self.host, self.port), peer, timeout=30.0
-                )
-            except (paramiko.SSHException, OSError, EOFError, StageError) as exc:
-                # Nothing listens there yet (a server still starting): the client sees a closed
-                # connection and retries, as it would against the server itself.
-                log.debug("forward to %s:%s refused: %s", self.host, self.port, exc)
-                return
-            try:
-                self._pump(connection, channel)
-            finally:
-                # On a connection that just dropped, even the close message cannot be sent.
-                with contextlib.suppress(EOFError, OSError, paramiko.SSHException):
-                    channel.close()
-        finally:
-            with self._lock:
-                self._connections.discard(connection)
-            connection.close()
-
-    def _pump(self, connection: socket.socket, channel: paramiko.Channel) -> None:
-        # Each direction ends on its own EOF (a half close), the pair when both have ended.
-        client_sends = server_sends = True
-        try:
-            while (client_sends or server_sends) and not self._closed.is_set():
-                watched: list[Any] = []
-                if client_sends:
-                    watched.append(connection)
-                if server_sends:
-                    watched.append(channel)
-                readable, _, _ = select.select(watched, [], [], POLL_S)
-                if connection in readable:
-                    data = connection.recv(65536)
-                    if data:
-                        channel.sendall(data)
-                    else:
-                        client_sends = False
-                        channel.shutdown_write()
-                if channel in readable:
-                    data = channel.recv(65536)
-                    if data:
-                        connection.sendall(data)
-                    else:
-                        server_sends = False
-                        connection.shutdown(socket.SHUT_WR)
-                if server_sends and channel.closed:
-                    return
-        except (OSError, paramiko.SSHException, EOFError):
-            return
-
-
 class SshTarget:
-    """A host reached over SSH with key authentication and verified host keys (SPEC §10)."""
+    """A host reached over SSH with key authentication and verified host keys."""
 
     def __init__(
         self,
@@ -362,7 +131,7 @@ class SshTarget:
         self.command_timeout_s = command_timeout_s
         self.forward = forward
         self._processes: list[SshProcess] = []
-        self._forwards: dict[tuple[str, int], _PortForward] = {}
+        self._forwards: dict[tuple[str, int], PortForward] = {}
         self._description: dict[str, Any] | None = None
         self._closed = False
         self._reconnect_lock = threading.Lock()
@@ -375,89 +144,22 @@ class SshTarget:
         return f"{self.user}@{self.host}:{self.port}"
 
     @property
-    def _known_hosts_name(self) -> str:
-        """The host as known_hosts names it: `[host]:port` unless on port 22."""
-        return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+    def work_dir(self) -> str:
+        return f"/tmp/gpubench-{self.user}"
 
     # --- connecting -----------------------------------------------------------------------
 
     def _connect(self) -> paramiko.SSHClient:
-        def fail(message: str) -> StageError:
-            return StageError("ssh_connect", f"node {self.node_id}: {self.where}: {message}")
-
-        def refuse(message: str) -> HostKeyError:
-            return HostKeyError(f"node {self.node_id}: {self.where}: {message}")
-
-        if self.key_file is not None and not Path(self.key_file).is_file():
-            raise fail(f"key_file {self.key_file} does not exist")
-        client = paramiko.SSHClient()
-        if self.known_hosts.is_file():
-            try:
-                client.load_host_keys(str(self.known_hosts))
-            except (OSError, paramiko.SSHException) as exc:
-                raise fail(f"cannot read known_hosts {self.known_hosts}: {exc}") from None
-        policy: paramiko.MissingHostKeyPolicy = (
-            _TrustNewHost(self.known_hosts) if self.trust_new_host else _RefuseUnknownHost()
+        return open_client(
+            self.node_id,
+            self.host,
+            self.port,
+            self.user,
+            key_file=self.key_file,
+            known_hosts=self.known_hosts,
+            trust_new_host=self.trust_new_host,
+            timeout_s=self.connect_timeout_s,
         )
-        client.set_missing_host_key_policy(policy)
-        try:
-            client.connect(
-                self.host,
-                self.port,
-                username=self.user,
-                key_filename=self.key_file,
-                timeout=self.connect_timeout_s,
-                banner_timeout=self.connect_timeout_s,
-                auth_timeout=self.connect_timeout_s,
-                channel_timeout=self.connect_timeout_s,
-                allow_agent=True,
-                # Without a key_file: the agent, then ~/.ssh/id_*, as ssh itself would.
-                look_for_keys=self.key_file is None,
-            )
-        except paramiko.BadHostKeyException as exc:
-            client.close()
-            raise refuse(
-                f"host key has CHANGED: the server offers {exc.key.get_name()} "
-                f"{exc.key.fingerprint}, known_hosts {self.known_hosts} has "
-                f"{exc.expected_key.fingerprint}. Refusing to connect: this is what a "
-                "man-in-the-middle looks like. If the host was reinstalled, check the new "
-                f"fingerprint and remove the old line (ssh-keygen -R '{self._known_hosts_name}' "
-                f"-f {self.known_hosts})."
-            ) from None
-        except _UnknownHostKey as exc:
-            client.close()
-            if exc.known_types:
-                raise refuse(
-                    f"host key has CHANGED: the server offers {exc.key.get_name()} "
-                    f"{exc.key.fingerprint}, known_hosts {self.known_hosts} knows this host only "
-                    f"by {', '.join(exc.known_types)}. Refusing to connect (also with "
-                    "trust_new_host)."
-                ) from None
-            raise refuse(
-                f"unknown host: {exc.hostname} is not in known_hosts {self.known_hosts} (the "
-                f"server offers {exc.key.get_name()} {exc.key.fingerprint}). Check the "
-                "fingerprint and add the host (ssh-keyscan -p "
-                f"{self.port} {self.host} >> {self.known_hosts}), or set trust_new_host: true "
-                "on the node to record it on first use."
-            ) from None
-        except paramiko.PasswordRequiredException:
-            client.close()
-            raise fail(
-                f"key_file {self.key_file} is encrypted; load it into ssh-agent and leave "
-                "key_file unset"
-            ) from None
-        except paramiko.AuthenticationException:
-            client.close()
-            by = f"key_file {self.key_file}" if self.key_file else "the agent and ~/.ssh keys"
-            raise fail(f"authentication failed with {by}") from None
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            client.close()
-            raise fail(f"cannot connect: {str(exc) or type(exc).__name__}") from None
-        transport = client.get_transport()
-        if transport is not None:
-            # Notices a dead connection while a long command is quiet.
-            transport.set_keepalive(KEEPALIVE_S)
-        return client
 
     def _transport(self, stage: Stage) -> paramiko.Transport:
         """The live connection; one that dropped (a network blip, sshd restarted) is opened
@@ -576,7 +278,7 @@ class SshTarget:
             stderr=stderr.decode("utf-8", "replace"),
         )
 
-    def _run_script(self, script: str, args: Sequence[str], timeout_s: float) -> CommandResult:
+    def run_script(self, script: str, args: Sequence[str], timeout_s: float) -> CommandResult:
         """Run a fixed sh script of ours; values reach it only as positional parameters."""
         return self.run(["sh", "-c", script, "sh", *args], timeout_s=timeout_s)
 
@@ -602,8 +304,8 @@ class SshTarget:
     def start(self, argv: Sequence[str], *, log_path: str) -> SshProcess:
         pid_path = f"{log_path}.pid"
         log_dir = posixpath.dirname(log_path) or "."
-        result = self._run_script(
-            _START_SCRIPT, [log_dir, log_path, pid_path, *argv], self.command_timeout_s
+        result = self.run_script(
+            START_SCRIPT, [log_dir, log_path, pid_path, *argv], self.command_timeout_s
         )
         lines = result.stdout.strip().splitlines()
         pid_text = lines[-1].strip() if lines else ""
@@ -628,7 +330,7 @@ class SshTarget:
         return process
 
     def free_port(self) -> int:
-        result = self.run(["python3", "-c", _FREE_PORT_PY], timeout_s=self.command_timeout_s)
+        result = self.run(["python3", "-c", FREE_PORT_PY], timeout_s=self.command_timeout_s)
         if result.ok and result.stdout.strip().isdigit():
             return int(result.stdout.strip())
         # No python3 on the node: pick a port no socket uses now, from the kernel's tables.
@@ -653,18 +355,11 @@ class SshTarget:
         if existing is not None and existing.active():
             return "127.0.0.1", existing.local_port
         self._transport("benchmark")
-        forward = _PortForward(self._forward_transport, host, port, f"{self.node_id}-{port}")
+        forward = PortForward(self._forward_transport, host, port, f"{self.node_id}-{port}")
         self._forwards[key] = forward
         return "127.0.0.1", forward.local_port
 
-    # --- files, facts ---------------------------------------------------------------------
-
-    def read_file(self, path: str, *, timeout_s: float) -> bytes:
-        status, stdout, stderr = self._exec(["cat", path], timeout_s, "results")
-        if status != 0:
-            reason = stderr.decode("utf-8", "replace").strip()[-300:]
-            raise StageError("results", f"node {self.node_id}: cannot read {path}: {reason}")
-        return stdout
+    # --- facts ---------------------------------------------------------------------
 
     def gpu_inventory(self) -> list[dict[str, str]]:
         return gpu_inventory_of(self)

@@ -1,0 +1,125 @@
+"""Port forwards of an SSH node: a local listening socket carried to host:port by direct-tcpip."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import paramiko
+
+from pytest_gpubench.targets.stages import StageError
+
+log = logging.getLogger(__name__)
+
+# How often the threads look up from a blocking wait, to notice close() or a closed channel.
+POLL_S = 0.25
+
+
+class PortForward:
+    """A local listening socket whose connections are carried to host:port by direct-tcpip."""
+
+    def __init__(
+        self,
+        transport: Callable[[], paramiko.Transport],
+        host: str,
+        port: int,
+        label: str,
+    ) -> None:
+        # Asked for each new connection, so that a forward outlives a reconnect of its target.
+        self._transport = transport
+        self.host = host
+        self.port = port
+        self._closed = threading.Event()
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(32)
+        # A timeout so the accept loop notices close(); closing a socket does not wake accept().
+        self._listener.settimeout(POLL_S)
+        self.local_port: int = self._listener.getsockname()[1]
+        threading.Thread(
+            target=self._accept_loop, name=f"gpubench-forward-{label}", daemon=True
+        ).start()
+
+    def active(self) -> bool:
+        return not self._closed.is_set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                connection, peer = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            connection.settimeout(None)
+            threading.Thread(target=self._serve, args=(connection, peer), daemon=True).start()
+
+    def _serve(self, connection: socket.socket, peer: tuple[str, int]) -> None:
+        with self._lock:
+            self._connections.add(connection)
+        try:
+            try:
+                channel = self._transport().open_channel(
+                    "direct-tcpip", (self.host, self.port), peer, timeout=30.0
+                )
+            except (paramiko.SSHException, OSError, EOFError, StageError) as exc:
+                # Nothing listens there yet (a server still starting): the client sees a closed
+                # connection and retries, as it would against the server itself.
+                log.debug("forward to %s:%s refused: %s", self.host, self.port, exc)
+                return
+            try:
+                self._pump(connection, channel)
+            finally:
+                # On a connection that just dropped, even the close message cannot be sent.
+                with contextlib.suppress(EOFError, OSError, paramiko.SSHException):
+                    channel.close()
+        finally:
+            with self._lock:
+                self._connections.discard(connection)
+            connection.close()
+
+    def _pump(self, connection: socket.socket, channel: paramiko.Channel) -> None:
+        # Each direction ends on its own EOF (a half close), the pair when both have ended.
+        client_sends = server_sends = True
+        try:
+            while (client_sends or server_sends) and not self._closed.is_set():
+                watched: list[Any] = []
+                if client_sends:
+                    watched.append(connection)
+                if server_sends:
+                    watched.append(channel)
+                readable, _, _ = select.select(watched, [], [], POLL_S)
+                if connection in readable:
+                    data = connection.recv(65536)
+                    if data:
+                        channel.sendall(data)
+                    else:
+                        client_sends = False
+                        channel.shutdown_write()
+                if channel in readable:
+                    data = channel.recv(65536)
+                    if data:
+                        connection.sendall(data)
+                    else:
+                        server_sends = False
+                        connection.shutdown(socket.SHUT_WR)
+                if server_sends and channel.closed:
+                    return
+        except (OSError, paramiko.SSHException, EOFError):
+            return
