@@ -274,3 +274,24 @@ def test_a_missing_matrix_under_xdist_is_one_line_per_worker(project: pytest.Pyt
     result.stdout.fnmatch_lines(["*/cells.yaml: not found; test_generate needs the cell matrix*"])
     assert "INTERNALERROR" not in result.stdout.str()
     assert "Traceback" not in result.stdout.str()
+
+
+def test_a_path_value_pytest_took_for_a_test_path_is_named(
+    project: pytest.Pytester, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """With no test path given, pytest reads `/abs/dir` as one before the plugin is loaded and
+    misses the ini file; the gpubench files are still found, and the warning says what to write."""
+    elsewhere = tmp_path_factory.mktemp("baselines")
+    project.makeini("[pytest]\naddopts = -p no:cacheprovider\n")
+    project.makepyfile(test_unit=UNIT_TEST)
+    result = project.runpytest("--gpubench-skip", "--gpubench-baselines", str(elsewhere))
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(
+        [
+            "*pytest found no ini file: it took the value of --gpubench-baselines for a test path*"
+            f"write --gpubench-baselines={elsewhere} to keep its ini file and rootdir",
+        ]
+    )
+    joined = project.runpytest("--gpubench-skip", f"--gpubench-baselines={elsewhere}")
+    assert "pytest found no ini file" not in joined.stdout.str()
+    joined.stdout.fnmatch_lines(["configfile: tox.ini"])
