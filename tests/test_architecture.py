@@ -45,6 +45,7 @@ LAYERS = (
     "junit",
     "xdist",
     "hookspecs",
+    "init",
     "cli",
     "plugin",
 )

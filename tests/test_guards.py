@@ -55,7 +55,7 @@ def test_dirty_tree_is_refused_unless_allowed(pytester: pytest.Pytester) -> None
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
     refused.stderr.fnmatch_lines(
         [
-            "ERROR: git tree * has uncommitted changes (prompts.yaml): commit them, or pass --allow-dirty*"
+            "ERROR: git tree * has uncommitted changes (prompts.yaml): commit them, or pass --gpubench-allow-dirty*"
         ]
     )
     allowed.assert_outcomes(passed=2)
@@ -71,7 +71,9 @@ def test_loaded_machine_is_refused_unless_forced(pytester: pytest.Pytester) -> N
         refused = pytester.runpytest()
         forced = pytester.runpytest("--force-load", "-m", "warm")
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
-    refused.stderr.fnmatch_lines(["ERROR: 1-minute load average is *, above -1: *--force-load"])
+    refused.stderr.fnmatch_lines(
+        ["ERROR: 1-minute load average is *, above -1: *--gpubench-force-load"]
+    )
     assert not list((pytester.path / "runs").glob("*.jsonl")) or forced.ret == 0
     forced.assert_outcomes(passed=2)
 
