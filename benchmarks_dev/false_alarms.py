@@ -32,7 +32,7 @@ from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.tinymodel import ensure_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from delay_proxy import DelayProxy, EngineSpeed, delay_proxy  # noqa: E402
+from delay_proxy import DelayProxy, EngineSpeed, delay_proxy
 
 CELL = "local:llamacpp:tiny"
 PROMPT_ID = "P-EASY"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -149,7 +150,7 @@ def finish_timing(
         measurement.total_duration_ms = _ms(response.sent_ns, end_ns)
     measurement.client_chunks = len(arrivals)
     measurement.inter_chunk_ms = [
-        _ms(earlier, later) for earlier, later in zip(arrivals, arrivals[1:], strict=False)
+        _ms(earlier, later) for earlier, later in itertools.pairwise(arrivals)
     ]
     rates = call_rates(arrivals, measurement.completion_tokens, measurement.total_duration_ms)
     measurement.coalesced, measurement.content_reads = rates.coalesced, rates.content_reads

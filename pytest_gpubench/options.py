@@ -15,6 +15,7 @@ file's directory.
 from __future__ import annotations
 
 import argparse
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,7 +165,7 @@ def option_warnings(config: pytest.Config, taken_aliases: tuple[str, ...]) -> li
             f"pytest found no ini file: it took the value of {flag} for a test path while "
             f"looking for one (its rootdir is now {config.rootpath}); write {flag}={value} to "
             "keep its ini file and rootdir"
-            for flag, value in zip(args, args[1:], strict=False)
+            for flag, value in itertools.pairwise(args)
             if flag in flags
         )
     return warnings

@@ -151,7 +151,7 @@ def pytest_collection_modifyitems(
     if not cases:
         return
     others = [item for item in items if _case_of(item) is None]
-    cases.sort(key=lambda item: _case_of(item))  # type: ignore[arg-type, return-value]
+    cases.sort(key=_case_of)  # type: ignore[arg-type]
     run = _run(config)
     if run.options.smoke and run.matrix is not None:
         skipped = {cell.cell_id for cell in run.matrix.cells if cell.spec.skip}

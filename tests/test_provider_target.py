@@ -198,7 +198,7 @@ def test_session_failed(standin: StandInFactory) -> None:
 def test_provision_timeout(standin: StandInFactory) -> None:
     api = standin(statuses=["pending"])
     target = rented(api.url, provision_timeout_s=0.3)
-    with pytest.raises(StageError, match="not running after 0.3 s") as failed:
+    with pytest.raises(StageError, match=r"not running after 0\.3 s") as failed:
         target.open()
     assert failed.value.stage == "provision"
     assert_given_back(target, api)
