@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 from xml.etree import ElementTree
 
 import pytest
@@ -53,8 +54,9 @@ def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     return pytester.runpytest("--force-load", "-p", "no:cacheprovider", *args)
 
 
-def stored(pytester: pytest.Pytester) -> dict[str, object]:
-    return json.loads((pytester.path / "baselines" / FILE).read_text())  # type: ignore[no-any-return]
+def stored(pytester: pytest.Pytester) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((pytester.path / "baselines" / FILE).read_text())
+    return data
 
 
 def entry_text(pytester: pytest.Pytester, prompt_id: str) -> str:
@@ -65,7 +67,7 @@ def entry_text(pytester: pytest.Pytester, prompt_id: str) -> str:
     return text[start:end]
 
 
-def end_record(pytester: pytest.Pytester) -> dict[str, object]:
+def end_record(pytester: pytest.Pytester) -> dict[str, Any]:
     newest = max((pytester.path / "runs").glob("*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
     return read_ledger(newest)[-1]
 
@@ -76,13 +78,13 @@ def test_another_model_digest_is_incomparable_until_accepted_or_ratified(
     bench(pytester, llama_server, runs=20)
     assert run(pytester, "--baseline-update").ret == 0
     baseline = stored(pytester)
-    digest = baseline["provenance"]["model_digest"]  # type: ignore[index]
+    digest = baseline["provenance"]["model_digest"]
     assert str(digest).startswith("sha256:") and len(str(digest)) == 71
-    assert baseline["provenance"]["model_identity"] == "digest"  # type: ignore[index]
+    assert baseline["provenance"]["model_identity"] == "digest"
     # llama-server's stream carries a system_fingerprint (its build): every call the same one.
-    fingerprint = baseline["provenance"]["system_fingerprint"]  # type: ignore[index]
-    assert fingerprint and fingerprint == baseline["provenance"]["engine_version"]  # type: ignore[index]
-    baseline["provenance"]["model_digest"] = OTHER_DIGEST  # type: ignore[index]
+    fingerprint = baseline["provenance"]["system_fingerprint"]
+    assert fingerprint and fingerprint == baseline["provenance"]["engine_version"]
+    baseline["provenance"]["model_digest"] = OTHER_DIGEST
     path = pytester.path / "baselines" / FILE
     path.write_text(json.dumps(baseline, indent=2, sort_keys=True) + "\n")
     change = f"model digest sha256:000000000000… → {str(digest)[:19]}…"
@@ -104,7 +106,7 @@ def test_another_model_digest_is_incomparable_until_accepted_or_ratified(
     )
     end = end_record(pytester)
     assert end["exit_status"] == EXIT_INCOMPARABLE
-    assert [v["verdict"] for v in end["verdicts"]] == ["incomparable"]  # type: ignore[attr-defined,index]
+    assert [v["verdict"] for v in end["verdicts"]] == ["incomparable"]
     root = ElementTree.parse(pytester.path / "junit.xml").getroot()
     gate = {
         c.get("name"): c for c in root.iter("testcase") if c.get("classname") == "gpubench.gate"
@@ -134,10 +136,9 @@ def test_another_model_digest_is_incomparable_until_accepted_or_ratified(
         ]
     )
     verdicts = end_record(pytester)["verdicts"]
-    assert {v["metric"] for v in verdicts} >= {"warm_ttft_p50_ms", "warm_success_rate"}  # type: ignore[attr-defined,index]
+    assert {v["metric"] for v in verdicts} >= {"warm_ttft_p50_ms", "warm_success_rate"}
     assert all(
-        v["message"].endswith("accepted with --gpubench-accept-incomparable]")  # type: ignore[index]
-        for v in verdicts  # type: ignore[attr-defined]
+        v["message"].endswith("accepted with --gpubench-accept-incomparable]") for v in verdicts
     )
 
     ratified = run(pytester, "--baseline-update")
@@ -149,11 +150,11 @@ def test_another_model_digest_is_incomparable_until_accepted_or_ratified(
             f"baseline of {CELL} ratified for this setup: {change}",
         ]
     )
-    assert stored(pytester)["provenance"]["model_digest"] == digest  # type: ignore[index]
+    assert stored(pytester)["provenance"]["model_digest"] == digest
     again = run(pytester)
     assert again.ret != EXIT_INCOMPARABLE
     assert "INCOMPARABLE" not in again.stdout.str()
-    assert "incomparable" not in {v["verdict"] for v in end_record(pytester)["verdicts"]}  # type: ignore[attr-defined,index]
+    assert "incomparable" not in {v["verdict"] for v in end_record(pytester)["verdicts"]}
 
 
 def test_an_update_of_one_prompt_or_phase_keeps_the_rest_byte_identical(
@@ -172,13 +173,13 @@ def test_an_update_of_one_prompt_or_phase_keeps_the_rest_byte_identical(
     assert entry_text(pytester, "P-HARD") == before["P-HARD"]
     assert entry_text(pytester, "P-EASY") != before["P-EASY"]  # new samples
 
-    cold_before = {p: stored(pytester)["prompts"][p]["cold"] for p in before}  # type: ignore[index]
-    warm_before = stored(pytester)["prompts"]["P-EASY"]["warm"]  # type: ignore[index]
+    cold_before = {p: stored(pytester)["prompts"][p]["cold"] for p in before}
+    warm_before = stored(pytester)["prompts"]["P-EASY"]["warm"]
     warm = run(pytester, "--baseline-update", "-m", "warm")
     assert warm.ret == 0, warm.stdout.str()
-    after = stored(pytester)["prompts"]  # type: ignore[index]
-    assert {p: after[p]["cold"] for p in before} == cold_before  # type: ignore[index]
-    assert after["P-EASY"]["warm"] != warm_before  # type: ignore[index]
+    after = stored(pytester)["prompts"]
+    assert {p: after[p]["cold"] for p in before} == cold_before
+    assert after["P-EASY"]["warm"] != warm_before
 
 
 def test_smoke_never_writes_a_baseline(pytester: pytest.Pytester, llama_server: Path) -> None:
@@ -243,10 +244,10 @@ def test_a_corrupt_baseline_is_replaced_by_baseline_update_saying_so(
 def test_a_read_only_baselines_directory_is_one_error_and_exit_9(
     pytester: pytest.Pytester,
     llama_server: Path,
-    mount_tmpfs: object,  # noqa: F811
+    mount_tmpfs: Any,  # noqa: F811
 ) -> None:
     bench(pytester, llama_server, runs=5)
-    mount_tmpfs(pytester.path / "baselines", "ro,size=64k")  # type: ignore[operator]
+    mount_tmpfs(pytester.path / "baselines", "ro,size=64k")
     result = run(pytester, "--baseline-update")
     assert result.ret == EXIT_WRITE_FAILED
     output = result.stdout.str() + result.stderr.str()

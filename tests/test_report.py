@@ -305,7 +305,7 @@ def test_an_incomparable_baseline_is_shown_and_marked_red_unless_ratified() -> N
 
 
 def test_markdown_says_what_identifies_a_model_without_a_digest() -> None:
-    cell = {
+    cell: dict[str, Any] = {
         "type": "cell",
         "cell_id": "local:openai:qwen",
         "engine": "openai",
