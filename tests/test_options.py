@@ -201,7 +201,9 @@ def test_an_absolute_path_as_a_separate_argument(
     rootdir there; the files are still found, and the baselines go where they were asked to."""
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     with serving(OllamaStandin()) as url:
-        project.makefile(".yaml", prompts=PROMPTS, cells=cells(url, runs=1))
+        # 4 warm runs: the fewest whose baseline can ever be significant against 4 later ones
+        # (1/C(8, 4) < 0.05); --baseline-update refuses fewer.
+        project.makefile(".yaml", prompts=PROMPTS, cells=cells(url, runs=4))
         result = project.runpytest(
             "benchmarks",
             "--gpubench-baselines",
@@ -213,9 +215,9 @@ def test_an_absolute_path_as_a_separate_argument(
             "--gpubench-allow-dirty",
         )
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
-    result.assert_outcomes(passed=4)
+    result.assert_outcomes(passed=10)
     assert [p.name for p in elsewhere.glob("*.json")] == ["local_ollama_qwen3.5_0.8b.json"]
-    assert len(calls_in(elsewhere / "runs")) == 4
+    assert len(calls_in(elsewhere / "runs")) == 10
 
 
 def test_ini_values_resolve_against_the_ini_file_and_options_against_the_cwd(
