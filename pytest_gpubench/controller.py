@@ -272,6 +272,7 @@ class RunController:
         status = session_status(
             exitstatus,
             write_failed=self.write_error is not None or judgement.write_failed,
+            unjudged=judgement.unjudged,
             unmeasured=any(outcome.fails_run for outcome in self.outcomes),
             incomparable=bool(judgement.failing_incomparables()),
             regressed=bool(regressions(judgement.verdicts)) and not self.options.baseline_update,
