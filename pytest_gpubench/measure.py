@@ -65,6 +65,10 @@ class CallMeasurement:
     engine_tokens_per_sec: float | None = None
     engine_prompt_ms: float | None = None
     engine_total_ms: float | None = None
+    # The answer: the content deltas joined (reasoning text left out). Handed to the test that
+    # made the call (gpubench_engine.chat), never written to the ledger: an answer may be long,
+    # and may hold what the prompt gave the model.
+    text: str = ""
 
     def to_record(self) -> dict[str, Any]:
         return {
