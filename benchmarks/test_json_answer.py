@@ -29,12 +29,14 @@ def test_json_answer(gpubench_engine: BenchEngine, request: pytest.FixtureReques
         )
     call = gpubench_engine.chat(MESSAGES, max_tokens=32)
     assert call.error is None, f"{call['case_id']}: {call.error}"
+    answer, problem = None, None
     try:
         answer = json.loads(call.text)
     except json.JSONDecodeError as exc:
+        problem = f"{exc.msg}, at character {exc.pos}"
+    if problem is not None:
         pytest.fail(
-            f"{call['case_id']}: the answer is not JSON ({exc.msg}, at character {exc.pos}): "
-            f"{call.text[:120]!r}",
+            f"{call['case_id']}: the answer is not JSON ({problem}): {call.text[:120]!r}",
             pytrace=False,
         )
     assert isinstance(answer, dict) and "city" in answer, f"no 'city' in the answer: {answer!r}"
