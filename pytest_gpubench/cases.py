@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +97,40 @@ def build_test_cases(
                     )
                 )
     return sorted(set(cases))
+
+
+_CASE_TAIL = re.compile(r"(?P<head>.+)-(?P<phase>cold|warm)-(?P<run_idx>[0-9]+)")
+
+
+def own_case_of_id(matrix: Matrix, param: str) -> Case | None:
+    """The case of a test with requests of its own, from its parameter id as it appears in a
+    node id (`<cell>-<test>-<phase>-<run_idx>`), or None. Under xdist the controller learns of
+    the cases only from the workers' node ids, and a test's marker is read on the workers."""
+    match = _CASE_TAIL.fullmatch(param)
+    if match is None:
+        return None
+    head = match["head"]
+    node_order = list(dict.fromkeys(cell.spec.node for cell in matrix.cells))
+    # The longest cell id first: `m:openai:qwen3-0.6b-test_x` is not a test of `m:openai:qwen3`.
+    for cell in sorted(matrix.cells, key=lambda cell: -len(escaped_id(cell.cell_id))):
+        prefix = escaped_id(cell.cell_id) + "-"
+        if not head.startswith(prefix) or len(head) == len(prefix):
+            continue
+        test_id = head[len(prefix) :]
+        if test_id in matrix.prompts:
+            return None  # a prompts.yaml case: build_cases knows it
+        return Case(
+            node_index=node_order.index(cell.spec.node),
+            cell_index=cell.index,
+            phase_index=PHASES.index(match["phase"]),
+            prompt_index=TEST_PROMPT_INDEX,
+            run_idx=int(match["run_idx"]),
+            cell_id=cell.cell_id,
+            prompt_id=test_id,
+            phase=match["phase"],
+            test_id=test_id,
+        )
+    return None
 
 
 def request_sha256(

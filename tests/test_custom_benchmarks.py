@@ -119,6 +119,23 @@ def test_a_custom_test_is_collected_per_cell_measured_recorded_and_baselined(
     again.stdout.re_match_lines([rf"{ONE}\s+test_greeting\s.*\s(ok|inconclusive)$"])
 
 
+def test_under_xdist_a_custom_test_is_planned_and_its_node_runs_on_one_worker(
+    pytester: pytest.Pytester, server: ManagedLlamaServer
+) -> None:
+    """The controller learns of a test's own cases from the workers' node ids alone."""
+    custom_bench(pytester, server.base_url)
+    result = run(pytester, "-n", "2", "-p", "xdist")
+    assert result.ret == 0, result.stdout.str()
+    result.assert_outcomes(passed=7)
+    records = ledger_records(pytester)
+    meta = records[0]
+    assert meta["cases_planned"] == 7 and meta["cells_planned"] == [ONE, TWO]
+    calls = [r for r in records if r["type"] == "call"]
+    assert len(calls) == 7
+    # Both cells are on the node `local`: one worker runs all of its cases.
+    assert len({call["worker"] for call in calls}) == 1
+
+
 def test_a_test_that_asks_for_the_engine_but_measures_nothing_fails(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:
@@ -365,3 +382,28 @@ def test_a_custom_test_60_percent_slower_to_first_token_exits_6_naming_test_and_
     regressed = [v for v in end["verdicts"] if v["verdict"] == "regression"]
     assert {(v["cell_id"], v["prompt_id"]) for v in regressed} == {(GATE_CELL, GATE_TEST)}
     assert "warm_ttft_p50_ms" in {v["metric"] for v in regressed}
+
+
+def test_a_case_id_names_its_cell_even_when_one_cell_id_starts_another(tmp_path: Path) -> None:
+    from pytest_gpubench.cases import build_test_cases, own_case_of_id
+    from pytest_gpubench.matrix import load_matrix
+
+    (tmp_path / "prompts.yaml").write_text(PROMPTS)
+    (tmp_path / "cells.yaml").write_text(
+        "nodes: {a: {kind: local}, b: {kind: local}}\ncells:\n"
+        "  - {node: a, engine: openai, model: qwen3, endpoint: 'http://127.0.0.1:9'}\n"
+        "  - {node: b, engine: openai, model: qwen3-0.6b, endpoint: 'http://127.0.0.1:9'}\n"
+    )
+    matrix = load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+    cases = build_test_cases(matrix, "test_x", runs=2)
+    assert [case.case_id for case in cases] == [
+        "a:openai:qwen3-test_x-cold-0",
+        "a:openai:qwen3-test_x-warm-0",
+        "a:openai:qwen3-test_x-warm-1",
+        "b:openai:qwen3-0.6b-test_x-cold-0",
+        "b:openai:qwen3-0.6b-test_x-warm-0",
+        "b:openai:qwen3-0.6b-test_x-warm-1",
+    ]
+    assert [own_case_of_id(matrix, case.case_id) for case in cases] == cases
+    assert own_case_of_id(matrix, "a:openai:qwen3-P-EASY-warm-0") is None  # a prompts.yaml case
+    assert own_case_of_id(matrix, "a:openai:qwen3-test_x-warm-0-extra") is None
