@@ -169,7 +169,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize(PARAM_FIXTURE, params, indirect=True)
 
 
-def test_id_of(metafunc: pytest.Metafunc) -> str:
+def _test_id(metafunc: pytest.Metafunc) -> str:
     """A test's id in the ledger and the baselines: its name (`TestClass.test_name` in a class)."""
     name = metafunc.function.__name__
     return f"{metafunc.cls.__name__}.{name}" if metafunc.cls is not None else name
@@ -177,7 +177,7 @@ def test_id_of(metafunc: pytest.Metafunc) -> str:
 
 def _test_cases(metafunc: pytest.Metafunc, matrix: Matrix, runs_override: int | None) -> list[Case]:
     """The cases of a test that measures requests of its own, from its gpubench marker."""
-    test_id = test_id_of(metafunc)
+    test_id = _test_id(metafunc)
     where = metafunc.definition.nodeid
     taken = metafunc.config.stash.setdefault(TEST_IDS_KEY, {})
     other = taken.setdefault(test_id, where)
@@ -271,7 +271,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         raise pytest.UsageError(marker_error)
     run = _run(session.config)
     session.config.stash[RELEASE_KEY] = _last_case_of_each_node(session.items, run.matrix)
-    planned = [case for case in map(_case_of, session.items) if case is not None]
+    # A test that asks only for gpubench_target measures nothing: its cells are not planned.
+    planned = [
+        case
+        for case, item in ((_case_of(item), item) for item in session.items)
+        if case is not None and ENGINE_FIXTURE in getattr(item, "fixturenames", ())
+    ]
     if not planned or not run.writes_ledger or session.config.option.collectonly:
         return
     try:

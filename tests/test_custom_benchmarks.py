@@ -407,3 +407,21 @@ def test_a_case_id_names_its_cell_even_when_one_cell_id_starts_another(tmp_path:
     assert [own_case_of_id(matrix, case.case_id) for case in cases] == cases
     assert own_case_of_id(matrix, "a:openai:qwen3-P-EASY-warm-0") is None  # a prompts.yaml case
     assert own_case_of_id(matrix, "a:openai:qwen3-test_x-warm-0-extra") is None
+
+
+def test_a_test_of_the_node_alone_runs_per_cell_and_plans_no_measurement(
+    pytester: pytest.Pytester,
+) -> None:
+    """gpubench_target without gpubench_engine: the node, opened, and no engine started."""
+    pytester.makefile(".yaml", prompts=PROMPTS, cells=cells_yaml(("one", "http://127.0.0.1:9")))
+    pytester.makepyfile(
+        test_node="""
+def test_node(gpubench_target):
+    result = gpubench_target.run(["echo", "on the node"], timeout_s=10)
+    assert result.ok and result.stdout.strip() == "on the node"
+"""
+    )
+    result = run(pytester, "-v")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines([f"*test_node[[]{ONE}-test_node-warm-0[]] PASSED*"])
+    result.assert_outcomes(passed=2)
