@@ -1,12 +1,20 @@
-"""The cases: every (cell, prompt, phase, run_idx) a benchmark test is parametrized over."""
+"""The cases: every (cell, prompt, phase, run_idx) a benchmark test is parametrized over, and
+every (cell, test, phase, run_idx) of a test that measures requests of its own."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pytest_gpubench.matrix import PHASES, Matrix
 
 COLD_RUNS = 1
+# A test's own cases sort after the cell's prompts (the field is only an order).
+TEST_PROMPT_INDEX = 1 << 16
 
 
 @dataclass(frozen=True, order=True)
@@ -21,6 +29,10 @@ class Case:
     cell_id: str
     prompt_id: str
     phase: str
+    # A test that measures its own requests (gpubench_engine.chat): its name, which is also the
+    # case's prompt_id (the gate, the baselines and the reports key on that). None for the
+    # prompts of prompts.yaml.
+    test_id: str | None = None
 
     @property
     def case_id(self) -> str:
@@ -49,6 +61,90 @@ def build_cases(matrix: Matrix, runs_override: int | None = None) -> list[Case]:
                         )
                     )
     return sorted(set(cases))
+
+
+def build_test_cases(
+    matrix: Matrix,
+    test_id: str,
+    *,
+    cells: Sequence[str] | None = None,
+    phases: Sequence[str] | None = None,
+    runs: int | None = None,
+    runs_override: int | None = None,
+) -> list[Case]:
+    """The cases of a test with requests of its own: per cell (all, or `cells`), per phase (the
+    cell's, or `phases`), 1 cold run or the warm runs (--gpubench-runs, else `runs`, else the
+    cell's). Ordered as build_cases orders its own."""
+    cases = []
+    node_order = list(dict.fromkeys(cell.spec.node for cell in matrix.cells))
+    for cell in matrix.cells:
+        if cells is not None and cell.cell_id not in cells:
+            continue
+        for phase in phases if phases is not None else cell.spec.phases:
+            warm_runs = runs_override or runs or cell.runs
+            for run_idx in range(COLD_RUNS if phase == "cold" else warm_runs):
+                cases.append(
+                    Case(
+                        node_index=node_order.index(cell.spec.node),
+                        cell_index=cell.index,
+                        phase_index=PHASES.index(phase),
+                        prompt_index=TEST_PROMPT_INDEX,
+                        run_idx=run_idx,
+                        cell_id=cell.cell_id,
+                        prompt_id=test_id,
+                        phase=phase,
+                        test_id=test_id,
+                    )
+                )
+    return sorted(set(cases))
+
+
+_CASE_TAIL = re.compile(r"(?P<head>.+)-(?P<phase>cold|warm)-(?P<run_idx>[0-9]+)")
+
+
+def own_case_of_id(matrix: Matrix, param: str) -> Case | None:
+    """The case of a test with requests of its own, from its parameter id as it appears in a
+    node id (`<cell>-<test>-<phase>-<run_idx>`), or None. Under xdist the controller learns of
+    the cases only from the workers' node ids, and a test's marker is read on the workers."""
+    match = _CASE_TAIL.fullmatch(param)
+    if match is None:
+        return None
+    head = match["head"]
+    node_order = list(dict.fromkeys(cell.spec.node for cell in matrix.cells))
+    # The longest cell id first: `m:openai:qwen3-0.6b-test_x` is not a test of `m:openai:qwen3`.
+    for cell in sorted(matrix.cells, key=lambda cell: -len(escaped_id(cell.cell_id))):
+        prefix = escaped_id(cell.cell_id) + "-"
+        if not head.startswith(prefix) or len(head) == len(prefix):
+            continue
+        test_id = head[len(prefix) :]
+        if test_id in matrix.prompts:
+            return None  # a prompts.yaml case: build_cases knows it
+        return Case(
+            node_index=node_order.index(cell.spec.node),
+            cell_index=cell.index,
+            phase_index=PHASES.index(match["phase"]),
+            prompt_index=TEST_PROMPT_INDEX,
+            run_idx=int(match["run_idx"]),
+            cell_id=cell.cell_id,
+            prompt_id=test_id,
+            phase=match["phase"],
+            test_id=test_id,
+        )
+    return None
+
+
+def request_sha256(
+    messages: Sequence[Mapping[str, Any]], max_tokens: int, options: Mapping[str, Any]
+) -> str:
+    """What a test's request is frozen by: the sha256 of its messages, max_tokens and request
+    options as canonical JSON (keys sorted, no spaces, UTF-8)."""
+    canonical = json.dumps(
+        {"messages": list(messages), "max_tokens": max_tokens, "options": dict(options)},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def smoke_case(cases: list[Case], skipped_cells: set[str]) -> Case | None:

@@ -79,3 +79,43 @@ def _relative_prefix(path: Path, root: Path) -> str | None:
         return path.resolve().relative_to(root.resolve()).as_posix().rstrip("/") + "/"
     except ValueError:
         return None
+
+
+class FrozenRequests:
+    """A test's own request never changes under its id (the test's name), like a prompt of
+    prompts.yaml: the first request a (cell, test) sends in a run must be the one its baseline
+    was measured with, and every later one in the run the same as the first."""
+
+    def __init__(self, baselines_dir: Path) -> None:
+        self.baselines_dir = baselines_dir
+        # {(cell id, test id): (sha256, what it was measured with)}
+        self._frozen: dict[tuple[str, str], tuple[str, str]] = {}
+        self._read: set[str] = set()
+
+    def check(self, cell_id: str, test_id: str, sha256: str, where: str) -> None:
+        """Raises GpubenchError naming the test (at `where`) when its request changed."""
+        self._read_baseline(cell_id)
+        known = self._frozen.get((cell_id, test_id))
+        if known is None:
+            self._frozen[(cell_id, test_id)] = (sha256, "its first call in this run")
+            return
+        frozen, since = known
+        if frozen != sha256:
+            raise GpubenchError(
+                f"{where}: benchmark test {test_id} changed its request since {since} on "
+                f"{cell_id} (sha256 {frozen[:12]} -> {sha256[:12]}): a test's request (messages, "
+                "max_tokens, options) is frozen under its name like a prompt in prompts.yaml; "
+                f"restore it, or measure the new request in a test with a new name"
+            )
+
+    def _read_baseline(self, cell_id: str) -> None:
+        if cell_id in self._read:
+            return
+        self._read.add(cell_id)
+        from pytest_gpubench.baseline import find_baseline
+
+        baseline = find_baseline(self.baselines_dir, cell_id)
+        for recorded in baseline.prompts if baseline else []:
+            if recorded.prompt_sha256 is not None:
+                since = "the baseline was measured"
+                self._frozen[(cell_id, recorded.prompt_id)] = (recorded.prompt_sha256, since)

@@ -164,15 +164,17 @@ class LiveCell:
             return "unload"
         return "process_warm"
 
-    def warm_up(self, prompt: str, max_tokens: int) -> None:
-        """An unrecorded call, so that the measured call follows one within the warm window."""
+    def warm_up(self, prompt: str, max_tokens: int, **request: Any) -> None:
+        """An unrecorded call, so that the measured call follows one within the warm window.
+        It sends the measured request itself (`request`: messages, extra_body), so that it
+        primes what the measured call will find (a prompt cache) on every run alike."""
         recent = self.last_call_end is not None and (
             time.monotonic() - self.last_call_end < WARM_WINDOW_S
         )
         if recent:
             return
         assert self.engine is not None
-        self.engine.chat(prompt, max_tokens, self.cell.timeout_s)
+        self.engine.chat(prompt, max_tokens, self.cell.timeout_s, **request)
         self.last_call_end = time.monotonic()
 
     def close(self) -> None:
@@ -272,30 +274,71 @@ class Harness:
             return reason, records
         return None, records
 
+    def open_node(self, case: Case) -> tuple[str | None, list[dict[str, Any]], Target | None]:
+        """The case's node (gpubench_target), opened once and shared by its cells: why it cannot
+        be had (or None), the records to keep (a skipped record then), and the node."""
+        cell = self.matrix.cell(case.cell_id)
+        live = self.cells.get(case.cell_id)
+        if cell.spec.skip or (live is not None and live.unavailable is not None):
+            reason, records = self.prepare(case)
+            return reason, records, None
+        try:
+            return None, [], self.nodes.target(cell)
+        except GpubenchError as exc:
+            reason = self.scrub(str(exc))
+            stage = _failed_stage(cell, exc)
+            skipped = skipped_record(
+                run_id=self.run_id, cell=cell, case=case, reason=reason, stage=stage
+            )
+            return reason, [skipped], None
+
     def run_case(self, case: Case) -> dict[str, Any]:
-        """Measure one case and return its call record."""
-        live = self.cells[case.cell_id]
+        """Measure one case of a prompts.yaml prompt and return its call record."""
         prompt = self.matrix.prompts[case.prompt_id]
+        record, _ = self.measure(case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256())
+        return record
+
+    def measure(
+        self,
+        case: Case,
+        prompt: str,
+        max_tokens: int,
+        *,
+        sha256: str,
+        messages: list[dict[str, Any]] | None = None,
+        extra_body: dict[str, Any] | None = None,
+    ) -> tuple[dict[str, Any], str]:
+        """One measured call of the case, made cold or warm for its phase first: its call record
+        (under the case's prompt_id, with `sha256`) and the answer's text (not recorded).
+
+        `messages` and `extra_body` go to the engine only when given (a test's own request), so
+        an engine that does not take them still measures the prompts of prompts.yaml."""
+        live = self.cells[case.cell_id]
+        request: dict[str, Any] = {}
+        if messages is not None:
+            request["messages"] = messages
+        if extra_body:
+            request["extra_body"] = extra_body
         cold_kind = None
         if case.phase == "cold":
             cold_kind = live.make_cold()
         else:
-            live.warm_up(prompt.prompt, prompt.max_tokens)
+            live.warm_up(prompt, max_tokens, **request)
         assert live.engine is not None
         started = utc_now()
-        measurement = live.engine.chat(prompt.prompt, prompt.max_tokens, live.cell.timeout_s)
+        measurement = live.engine.chat(prompt, max_tokens, live.cell.timeout_s, **request)
         live.last_call_end = time.monotonic()
         record = call_record(
             run_id=self.run_id,
             cell=live.cell,
             case=case,
-            prompt_sha256=prompt.sha256(),
+            prompt_sha256=sha256,
             cold_kind=cold_kind,
             started_at_utc=started,
             measurement=measurement,
         )
         # An engine may echo a credential in an error message: cut it out before anyone sees it.
-        return self.scrub.record(record)
+        return self.scrub.record(record), measurement.text
 
     def release_node(self, node_id: str) -> None:
         """After a node's last case: stop its cells' engines and give the node back now, so a

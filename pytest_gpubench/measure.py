@@ -68,6 +68,10 @@ class CallMeasurement:
     engine_total_ms: float | None = None
     # An OpenAI-compatible stream's backend configuration (its chunks' system_fingerprint).
     system_fingerprint: str | None = None
+    # The answer: the content deltas joined (reasoning text left out). Handed to the test that
+    # made the call (gpubench_engine.chat), never written to the ledger: an answer may be long,
+    # and may hold what the prompt gave the model.
+    text: str = ""
 
     def to_record(self) -> dict[str, Any]:
         return {

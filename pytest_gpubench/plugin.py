@@ -3,21 +3,32 @@ harness, the report or the xdist module."""
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_gpubench import xdist
-from pytest_gpubench.cases import Case, build_cases, smoke_case
+from pytest_gpubench.cases import Case, build_cases, build_test_cases, request_sha256, smoke_case
 from pytest_gpubench.controller import RunController
 from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.guards import FrozenRequests
 from pytest_gpubench.harness import Harness
-from pytest_gpubench.matrix import Matrix, load_matrix
+from pytest_gpubench.matrix import PHASES, Cell, Matrix, load_matrix
 from pytest_gpubench.options import Options, add_aliases, addoption, option_warnings
 
+if TYPE_CHECKING:
+    from pytest_gpubench.engines import Engine
+    from pytest_gpubench.targets import Target
+
 CASE_FIXTURE = "gpubench_case"
+ENGINE_FIXTURE = "gpubench_engine"
+# Every benchmark test's parameter, under the three fixtures: its Case. A test that asks for any
+# of them is parametrized over the matrix (pytest_generate_tests).
+PARAM_FIXTURE = "_gpubench_param"
+MARKER = "gpubench"
+MARKER_KEYS = ("cells", "phases", "runs")
 # Generous on purpose: the engine's own stream timeout (the cell's timeout_s) must fire first, so
 # that a slow call is still recorded; this only catches a hang in the harness itself.
 CASE_TIMEOUT_FACTOR = 2.0
@@ -32,8 +43,17 @@ TAKEN_ALIASES_KEY = pytest.StashKey[tuple[str, ...]]()
 # Why a benchmark test collected no cases (the matrix file is missing): a usage error, one line,
 # raised once collection is over (an error raised while collecting would be a traceback).
 MISSING_MATRIX_KEY = pytest.StashKey[str]()
+# A test's gpubench marker (or its name) is wrong: a usage error, raised the same way.
+MARKER_ERROR_KEY = pytest.StashKey[str]()
+# {test id: the node id of the test that has it}: two tests may not share a name.
+TEST_IDS_KEY = pytest.StashKey[dict[str, str]]()
+FROZEN_KEY = pytest.StashKey[FrozenRequests]()
 NOTHING_MEASURED = (
     "{nodeid} asked for gpubench_case but never called gpubench_case.run(): nothing was measured"
+)
+NOTHING_MEASURED_ENGINE = (
+    "{nodeid} asked for gpubench_engine but never called gpubench_engine.chat(): nothing was "
+    "measured"
 )
 
 
@@ -59,6 +79,13 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cold: first call after the model was forced out of memory")
     config.addinivalue_line("markers", "warm: a call preceded by one to the same model within 60 s")
+    config.addinivalue_line(
+        "markers",
+        "gpubench(cells=None, phases=None, runs=None): the cases of a test that asks for "
+        "gpubench_engine: `cells` the cell ids it runs on (None: every cell of cells.yaml), "
+        "`phases` cold and/or warm (None: each cell's), `runs` warm runs per cell (None: the "
+        "cell's; --gpubench-runs overrides)",
+    )
     options = Options.from_config(config)
     _warn_about_options(config)
     run = RunController(
@@ -109,7 +136,7 @@ def _run(config: pytest.Config) -> RunController:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if CASE_FIXTURE not in metafunc.fixturenames:
+    if PARAM_FIXTURE not in metafunc.fixturenames:
         return
     run = _run(metafunc.config)
     if run.options.skip:
@@ -123,14 +150,86 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if xdist.is_worker(metafunc.config):
             pytest.fail(missing, pytrace=False)  # the controller shows it as a collection error
         metafunc.config.stash[MISSING_MATRIX_KEY] = missing
-        metafunc.parametrize(CASE_FIXTURE, [], indirect=True)
+        metafunc.parametrize(PARAM_FIXTURE, [], indirect=True)
         return
     matrix = run.matrix
+    if CASE_FIXTURE in metafunc.fixturenames:
+        cases = build_cases(matrix, run.options.runs)
+    else:
+        try:
+            cases = _test_cases(metafunc, matrix, run.options.runs)
+        except GpubenchError as exc:
+            if xdist.is_worker(metafunc.config):
+                pytest.fail(str(exc), pytrace=False)
+            metafunc.config.stash.setdefault(MARKER_ERROR_KEY, str(exc))
+            cases = []
     params = [
-        pytest.param(case, id=case.case_id, marks=_case_marks(matrix, case))
-        for case in build_cases(matrix, run.options.runs)
+        pytest.param(case, id=case.case_id, marks=_case_marks(matrix, case)) for case in cases
     ]
-    metafunc.parametrize(CASE_FIXTURE, params, indirect=True)
+    metafunc.parametrize(PARAM_FIXTURE, params, indirect=True)
+
+
+def _test_id(metafunc: pytest.Metafunc) -> str:
+    """A test's id in the ledger and the baselines: its name (`TestClass.test_name` in a class)."""
+    name = metafunc.function.__name__
+    return f"{metafunc.cls.__name__}.{name}" if metafunc.cls is not None else name
+
+
+def _test_cases(metafunc: pytest.Metafunc, matrix: Matrix, runs_override: int | None) -> list[Case]:
+    """The cases of a test that measures requests of its own, from its gpubench marker."""
+    test_id = _test_id(metafunc)
+    where = metafunc.definition.nodeid
+    taken = metafunc.config.stash.setdefault(TEST_IDS_KEY, {})
+    other = taken.setdefault(test_id, where)
+    if other != where:
+        raise GpubenchError(
+            f"{where}: another benchmark test has the name {test_id} ({other}): a test's name is "
+            "its id in the ledger and the baselines; rename one of them"
+        )
+    if test_id in matrix.prompts:
+        raise GpubenchError(
+            f"{where}: {test_id} is also a prompt id of {matrix.prompts_path}: a test's name is "
+            "its id in the ledger and the baselines; rename the test or the prompt"
+        )
+    marker = metafunc.definition.get_closest_marker(MARKER)
+    if marker is None:
+        return build_test_cases(matrix, test_id, runs_override=runs_override)
+    mark = f"{where}: @pytest.mark.{MARKER}"
+    if marker.args:
+        raise GpubenchError(f"{mark}: takes keywords only ({', '.join(MARKER_KEYS)})")
+    unknown = sorted(set(marker.kwargs) - set(MARKER_KEYS))
+    if unknown:
+        raise GpubenchError(
+            f"{mark}: unknown keyword {unknown[0]!r} (known: {', '.join(MARKER_KEYS)})"
+        )
+    cells = _names(marker.kwargs.get("cells"), f"{mark}: cells")
+    known_cells = [cell.cell_id for cell in matrix.cells]
+    for cell_id in cells or ():
+        if cell_id not in known_cells:
+            raise GpubenchError(
+                f"{mark}: cells: '{cell_id}' is not a cell of {matrix.cells_path} "
+                f"(cells: {', '.join(known_cells)})"
+            )
+    phases = _names(marker.kwargs.get("phases"), f"{mark}: phases")
+    for phase in phases or ():
+        if phase not in PHASES:
+            raise GpubenchError(f"{mark}: phases: '{phase}' is not one of {', '.join(PHASES)}")
+    runs = marker.kwargs.get("runs")
+    if runs is not None and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
+        raise GpubenchError(f"{mark}: runs: expected a positive integer, got {runs!r}")
+    return build_test_cases(
+        matrix, test_id, cells=cells, phases=phases, runs=runs, runs_override=runs_override
+    )
+
+
+def _names(value: Any, where: str) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, list | tuple) or not value:
+        raise GpubenchError(f"{where}: expected a non-empty list of names, got {value!r}")
+    if not all(isinstance(item, str) for item in value):
+        raise GpubenchError(f"{where}: expected a list of names, got {value!r}")
+    return list(value)
 
 
 def _case_marks(matrix: Matrix, case: Case) -> list[pytest.MarkDecorator]:
@@ -142,7 +241,7 @@ def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
     if _run(config).options.skip:
-        benchmarks = [item for item in items if CASE_FIXTURE in getattr(item, "fixturenames", ())]
+        benchmarks = [item for item in items if PARAM_FIXTURE in getattr(item, "fixturenames", ())]
         if benchmarks:
             config.hook.pytest_deselected(items=benchmarks)
             items[:] = [item for item in items if item not in benchmarks]
@@ -167,9 +266,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     missing_matrix = session.config.stash.get(MISSING_MATRIX_KEY, None)
     if missing_matrix is not None:
         raise pytest.UsageError(missing_matrix)
+    marker_error = session.config.stash.get(MARKER_ERROR_KEY, None)
+    if marker_error is not None:
+        raise pytest.UsageError(marker_error)
     run = _run(session.config)
     session.config.stash[RELEASE_KEY] = _last_case_of_each_node(session.items, run.matrix)
-    planned = [case for case in map(_case_of, session.items) if case is not None]
+    # A test that asks only for gpubench_target measures nothing: its cells are not planned.
+    planned = [
+        case
+        for case, item in ((_case_of(item), item) for item in session.items)
+        if case is not None and ENGINE_FIXTURE in getattr(item, "fixturenames", ())
+    ]
     if not planned or not run.writes_ledger or session.config.option.collectonly:
         return
     try:
@@ -195,8 +302,131 @@ def _case_of(item: pytest.Item) -> Case | None:
     callspec = getattr(item, "callspec", None)
     if callspec is None:
         return None
-    param = callspec.params.get(CASE_FIXTURE)
+    param = callspec.params.get(PARAM_FIXTURE)
     return param if isinstance(param, Case) else None
+
+
+class ChatCall(Mapping[str, Any]):
+    """What gpubench_engine.chat() returns: the call record (README "The call record"), read
+    like a dict (`call["first_delta_ms"]`), and `text`, the answer (not in the ledger)."""
+
+    def __init__(self, record: dict[str, Any], text: str) -> None:
+        self.record = record
+        self.text = text
+
+    def __getitem__(self, key: str) -> Any:
+        return self.record[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.record)
+
+    def __len__(self) -> int:
+        return len(self.record)
+
+    @property
+    def error(self) -> str | None:
+        error = self.record.get("error")
+        return None if error is None else str(error)
+
+    def __repr__(self) -> str:
+        return f"ChatCall(case_id={self.record.get('case_id')!r}, error={self.error!r})"
+
+
+@dataclass
+class BenchEngine:
+    """What `gpubench_engine` gives a test: the cell's engine, ready (started, health-checked),
+    and `chat()`, one measured call that goes into the ledger under the test's name."""
+
+    case: Case
+    harness: Harness
+    frozen: FrozenRequests
+    # The test's node id, for the messages that name it.
+    nodeid: str
+    records: list[dict[str, Any]] = field(default_factory=list)
+    properties: list[tuple[str, object]] = field(default_factory=list)
+    # The call records this case made, in order.
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def cell(self) -> Cell:
+        """The cell (cell_id, spec.engine, spec.model, timeout_s, ...)."""
+        return self.harness.matrix.cell(self.case.cell_id)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine itself (health, describe); its calls are not measured into the ledger."""
+        engine = self.harness.cells[self.case.cell_id].engine
+        assert engine is not None  # the fixture skipped the test otherwise
+        return engine
+
+    def chat(
+        self,
+        messages: str | Sequence[Mapping[str, Any]],
+        max_tokens: int,
+        **options: Any,
+    ) -> ChatCall:
+        """One streamed call, measured and recorded (prompt_id: the test's name, prompt_sha256:
+        the hash of `messages`, `max_tokens` and `options`). `messages`: a string (one user
+        turn) or the whole conversation; `options`: keys added to the request's JSON body.
+        A request that differs from the one this test was baselined with is refused, unsent."""
+        from pytest_gpubench.junit import call_properties
+
+        test_id = self.case.test_id
+        if test_id is None:
+            pytest.fail(
+                f"{self.nodeid}: gpubench_engine.chat() measures a test's own requests; this "
+                "test asks for gpubench_case, which measures the prompts of prompts.yaml: call "
+                "gpubench_case.run()",
+                pytrace=False,
+            )
+        conversation = _conversation(messages, self.nodeid)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            pytest.fail(
+                f"{self.nodeid}: max_tokens: expected a positive integer, got {max_tokens!r}",
+                pytrace=False,
+            )
+        try:
+            sha256 = request_sha256(conversation, max_tokens, options)
+        except (TypeError, ValueError) as exc:
+            pytest.fail(f"{self.nodeid}: request options are not JSON: {exc}", pytrace=False)
+        try:
+            self.frozen.check(self.case.cell_id, test_id, sha256, self.nodeid)
+        except GpubenchError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        record, text = self.harness.measure(
+            self.case,
+            "",
+            max_tokens,
+            sha256=sha256,
+            messages=conversation,
+            extra_body=dict(options),
+        )
+        self.calls.append(record)
+        self.records.append(record)
+        self.properties.extend(call_properties(record))
+        return ChatCall(record, text)
+
+
+def _conversation(messages: str | Sequence[Mapping[str, Any]], nodeid: str) -> list[dict[str, Any]]:
+    """The messages a test sends, as a list of {role, content, ...}; a string is one user turn."""
+    if isinstance(messages, str):
+        if not messages:
+            pytest.fail(f"{nodeid}: messages: an empty prompt", pytrace=False)
+        return [{"role": "user", "content": messages}]
+    conversation = [dict(message) for message in messages if isinstance(message, Mapping)]
+    if not conversation or len(conversation) != len(list(messages)):
+        pytest.fail(
+            f"{nodeid}: messages: expected a string or a non-empty list of "
+            f"{{'role': ..., 'content': ...}} mappings, got {messages!r}"[:300],
+            pytrace=False,
+        )
+    for index, message in enumerate(conversation):
+        if not isinstance(message.get("role"), str) or "content" not in message:
+            pytest.fail(
+                f"{nodeid}: messages[{index}]: needs a 'role' and a 'content' ({message!r})"[:300],
+                pytrace=False,
+            )
+    return conversation
 
 
 @dataclass
@@ -221,19 +451,68 @@ class BenchCase:
 
 
 @pytest.fixture
-def gpubench_case(request: pytest.FixtureRequest) -> BenchCase:
-    """The (cell, prompt, phase, run_idx) this test measures, with its engine ready."""
+def _gpubench_param(request: pytest.FixtureRequest) -> Case:
+    """The case a benchmark test was parametrized with (pytest_generate_tests)."""
     case: Case = request.param
+    return case
+
+
+def _unavailable(run: RunController, case: Case, reason: str) -> None:
+    if run.options.for_publication:
+        pytest.fail(f"--for-publication: {case.cell_id} is unavailable: {reason}", False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def gpubench_target(request: pytest.FixtureRequest, _gpubench_param: Case) -> Target:
+    """The case's node (targets.Target: run commands, copy files), opened by the first case that
+    needs it, shared by the node's cells, and given back after the node's last case."""
     run = _run(request.config)
     assert run.harness is not None  # cases exist only when the matrix loaded
+    records = request.node.stash.setdefault(RECORDS_KEY, [])
+    reason, prepared, target = run.harness.open_node(_gpubench_param)
+    records.extend(prepared)
+    if reason is not None:
+        _unavailable(run, _gpubench_param, reason)
+    assert target is not None
+    return target
+
+
+@pytest.fixture
+def gpubench_engine(
+    request: pytest.FixtureRequest, _gpubench_param: Case, gpubench_target: Target
+) -> BenchEngine:
+    """The case's engine on its node: started (managed) and health-checked. Each call of
+    chat() is made cold (a restart, an unload) or warm (an unrecorded call first, unless the
+    model answered within 60 s) for the case's phase, just before it is measured."""
+    case = _gpubench_param
+    run = _run(request.config)
+    assert run.harness is not None
     records = request.node.stash.setdefault(RECORDS_KEY, [])
     reason, prepared = run.harness.prepare(case)
     records.extend(prepared)
     if reason is not None:
-        if run.options.for_publication:
-            pytest.fail(f"--for-publication: {case.cell_id} is unavailable: {reason}", False)
-        pytest.skip(reason)
-    return BenchCase(case, run.harness, records, properties=request.node.user_properties)
+        _unavailable(run, case, reason)
+    frozen = request.config.stash.setdefault(FROZEN_KEY, FrozenRequests(run.options.baselines_dir))
+    return BenchEngine(
+        case,
+        run.harness,
+        frozen,
+        request.node.nodeid,
+        records,
+        properties=request.node.user_properties,
+    )
+
+
+@pytest.fixture
+def gpubench_case(gpubench_engine: BenchEngine) -> BenchCase:
+    """The (cell, prompt, phase, run_idx) this test measures, with its engine ready."""
+    return BenchCase(
+        gpubench_engine.case,
+        gpubench_engine.harness,
+        gpubench_engine.records,
+        properties=gpubench_engine.properties,
+    )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -242,10 +521,15 @@ def pytest_runtest_makereport(
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     if call.when == "call" and report.passed:
-        bench = getattr(item, "funcargs", {}).get(CASE_FIXTURE)
-        if isinstance(bench, BenchCase) and bench.record is None:
+        funcargs = getattr(item, "funcargs", {})
+        bench, engine = funcargs.get(CASE_FIXTURE), funcargs.get(ENGINE_FIXTURE)
+        if isinstance(bench, BenchCase):
+            if bench.record is None:
+                report.outcome = "failed"
+                report.longrepr = NOTHING_MEASURED.format(nodeid=item.nodeid)
+        elif isinstance(engine, BenchEngine) and not engine.calls:
             report.outcome = "failed"
-            report.longrepr = NOTHING_MEASURED.format(nodeid=item.nodeid)
+            report.longrepr = NOTHING_MEASURED_ENGINE.format(nodeid=item.nodeid)
     # Records ride on the report (built-in types only) so xdist carries them to the controller.
     for key, attr in ((RECORDS_KEY, xdist.RECORDS_ATTR), (RENTALS_KEY, xdist.RENTALS_ATTR)):
         pending = item.stash.get(key, [])

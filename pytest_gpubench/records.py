@@ -108,6 +108,8 @@ def call_record(
         "phase": case.phase,
         "run_idx": case.run_idx,
         "case_id": case.case_id,
+        # The test that measured its own request (its prompt_id is then the test's name).
+        "test_id": case.test_id,
         "cold_kind": cold_kind,
         "started_at_utc": started_at_utc,
         **measurement.to_record(),

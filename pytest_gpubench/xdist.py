@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpubench.cases import build_cases, escaped_id, param_id
+from pytest_gpubench.cases import build_cases, escaped_id, own_case_of_id, param_id
 from pytest_gpubench.errors import GpubenchError
 
 if TYPE_CHECKING:
     from pytest_gpubench.controller import RunController
+    from pytest_gpubench.matrix import Matrix
 
 # Worker -> controller: the records of a case and the rentals given back ride on its test report
 # (built-in types only), the rentals left at a worker's end on its workeroutput.
@@ -59,7 +60,7 @@ class XdistHooks:
             for case in build_cases(matrix, run.options.runs)
         }
         scheduling = node_scheduling_class()
-        return scheduling(config, log, nodes, lambda: run.startup_error is not None)
+        return scheduling(config, log, nodes, lambda: run.startup_error is not None, matrix)
 
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         """A worker gave back its rented nodes; their cost goes into the controller's ledger."""
@@ -75,7 +76,14 @@ class XdistHooks:
         by_id = {
             escaped_id(case.case_id): case for case in build_cases(run.matrix, run.options.runs)
         }
-        cases = [by_id[param_id(test_id)] for test_id in ids if param_id(test_id) in by_id]
+        cases = [
+            case
+            for case in (
+                by_id.get(param_id(test_id)) or own_case_of_id(run.matrix, param_id(test_id))
+                for test_id in ids
+            )
+            if case is not None
+        ]
         if not cases:
             return
         try:
@@ -109,10 +117,12 @@ def node_scheduling_class() -> type[Any]:
             log: Any,
             nodes: dict[str, str],
             refused: Callable[[], bool],
+            matrix: Matrix,
         ) -> None:
             super().__init__(config, log)
             self._nodes = nodes
             self._refused = refused
+            self._matrix = matrix
 
         def schedule(self) -> None:
             """Hand out nothing when a reproducibility guard refused the run."""
@@ -120,7 +130,11 @@ def node_scheduling_class() -> type[Any]:
                 super().schedule()
 
         def _split_scope(self, nodeid: str) -> str:
-            node = self._nodes.get(param_id(nodeid))
+            param = param_id(nodeid)
+            node = self._nodes.get(param)
+            if node is None:  # a test's own case (its marker is read on the workers)
+                case = own_case_of_id(self._matrix, param)
+                node = self._matrix.cell(case.cell_id).spec.node if case is not None else None
             return f"gpubench-node:{node}" if node else nodeid
 
     return NodeScheduling

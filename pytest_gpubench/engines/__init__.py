@@ -44,7 +44,13 @@ class Engine(Protocol):
         ...
 
     def chat(self, prompt: str, max_tokens: int, timeout_s: float) -> CallMeasurement:
-        """One streamed chat call; failures come back as a measurement with `error` set."""
+        """One streamed chat call; failures come back as a measurement with `error` set.
+
+        The built-in engines also take `messages=` (a whole conversation, sent in place of the
+        one user message `prompt`) and `extra_body=` (keys merged into the request's JSON); the
+        harness passes them only for a test's own request (gpubench_engine.chat), so an engine
+        without them still runs the prompts of prompts.yaml.
+        """
         ...
 
     def unload(self, timeout_s: float) -> bool:
@@ -64,6 +70,11 @@ def get_json(
         response = client.get(base_url.rstrip("/") + path)
         response.raise_for_status()
         return response.json()
+
+
+def chat_messages(prompt: str, messages: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The conversation a request sends: `messages` when given, else `prompt` as one user turn."""
+    return messages if messages is not None else [{"role": "user", "content": prompt}]
 
 
 def _failed(backend: str, error: str) -> CallMeasurement:
@@ -173,6 +184,8 @@ def parse_openai_sse(
             text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
             if text:
                 arrivals.append(arrived_ns)
+            if isinstance(delta.get("content"), str):
+                measurement.text += delta["content"]
             if choice.get("finish_reason"):
                 measurement.finish_reason = str(choice["finish_reason"])
         fingerprint = chunk.get("system_fingerprint")

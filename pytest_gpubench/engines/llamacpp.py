@@ -23,8 +23,14 @@ class LlamaCppEngine(OpenAIEngine):
         super().__init__(base_url, model, api_key)
         self._model_digest = model_digest
 
-    def payload(self, prompt: str, max_tokens: int) -> dict[str, Any]:
-        payload = super().payload(prompt, max_tokens)
+    def payload(
+        self,
+        prompt: str,
+        max_tokens: int,
+        messages: list[dict[str, Any]] | None = None,
+        extra_body: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        payload = super().payload(prompt, max_tokens, messages, extra_body)
         payload["timings_per_token"] = False
         return payload
 

@@ -10,6 +10,7 @@ import httpx
 
 from pytest_gpubench.engines import (
     Health,
+    chat_messages,
     control_client,
     get_json,
     json_number,
@@ -72,6 +73,8 @@ def parse_ollama_ndjson(
         message = chunk.get("message") or {}
         if message.get("content") or message.get("thinking"):
             arrivals.append(line.arrived_ns)
+        if isinstance(message.get("content"), str):
+            measurement.text += message["content"]
         if chunk.get("done"):
             measurement.finish_reason = str(chunk.get("done_reason") or "stop")
             measurement.prompt_tokens = chunk.get("prompt_eval_count")
@@ -113,13 +116,22 @@ class OllamaEngine:
             pass
         return {"engine_version": version, "model_digest": digest}
 
-    def chat(self, prompt: str, max_tokens: int, timeout_s: float) -> CallMeasurement:
+    def chat(
+        self,
+        prompt: str,
+        max_tokens: int,
+        timeout_s: float,
+        messages: list[dict[str, Any]] | None = None,
+        extra_body: dict[str, Any] | None = None,
+    ) -> CallMeasurement:
+        extra = dict(extra_body or {})  # its `options` add to Ollama's, key by key
         payload = {
             "model": self.model,
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": chat_messages(prompt, messages),
+            **extra,
+            "options": {"num_predict": max_tokens, "temperature": 0, **extra.get("options", {})},
             "stream": True,
             "keep_alive": self.keep_alive,
-            "options": {"num_predict": max_tokens, "temperature": 0},
         }
         return measure_stream(
             self.kind,

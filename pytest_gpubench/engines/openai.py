@@ -6,7 +6,13 @@ from typing import Any
 
 import httpx
 
-from pytest_gpubench.engines import Health, control_client, measure_stream, parse_openai_sse
+from pytest_gpubench.engines import (
+    Health,
+    chat_messages,
+    control_client,
+    measure_stream,
+    parse_openai_sse,
+)
 from pytest_gpubench.measure import CallMeasurement
 
 
@@ -27,12 +33,19 @@ class OpenAIEngine:
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
 
-    def payload(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+    def payload(
+        self,
+        prompt: str,
+        max_tokens: int,
+        messages: list[dict[str, Any]] | None = None,
+        extra_body: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         return {
             "model": self.model,
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": chat_messages(prompt, messages),
             "max_tokens": max_tokens,
             "temperature": 0,
+            **(extra_body or {}),
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -92,13 +105,20 @@ class OpenAIEngine:
             "max_model_len": max_model_len,
         }
 
-    def chat(self, prompt: str, max_tokens: int, timeout_s: float) -> CallMeasurement:
+    def chat(
+        self,
+        prompt: str,
+        max_tokens: int,
+        timeout_s: float,
+        messages: list[dict[str, Any]] | None = None,
+        extra_body: dict[str, Any] | None = None,
+    ) -> CallMeasurement:
         headers = tuple(self._auth().items())
         return measure_stream(
             self.kind,
             self.base_url,
             "/v1/chat/completions",
-            self.payload(prompt, max_tokens),
+            self.payload(prompt, max_tokens, messages, extra_body),
             timeout_s=timeout_s,
             headers=headers,
             parse=parse_openai_sse,
