@@ -33,6 +33,7 @@ LAYERS = (
     "stats",
     "outcomes",
     "targets",
+    "telemetry",
     "engines",
     "baseline",
     "gate",
