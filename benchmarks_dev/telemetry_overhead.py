@@ -9,6 +9,7 @@ begin_case/end_case as the harness wraps a case. Blocks of requests alternate be
 so that machine noise hits both alike. Prints median, p90 and p99 of each, and their difference.
 
     python benchmarks_dev/telemetry_overhead.py [--requests 600] [--block 50] [--nvidia-smi-standin]
+        [--interval-ms 20]
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def _standin_on_path() -> list[dict[str, str]]:
     return LocalTarget().gpu_inventory()
 
 
-def _telemetry(gpus: list[dict[str, str]]) -> NodeTelemetry:
-    settings = TelemetrySettings(interval_ms=SHORTEST_INTERVAL_MS)
+def _telemetry(gpus: list[dict[str, str]], interval_ms: int) -> NodeTelemetry:
+    settings = TelemetrySettings(interval_ms=interval_ms)
     telemetry = node_telemetry("local", LocalTarget(), [settings], gpus)
     assert telemetry is not None
     return telemetry
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=600, help="per mode")
     parser.add_argument("--block", type=int, default=50, help="requests per alternating block")
     parser.add_argument("--nvidia-smi-standin", action="store_true")
+    parser.add_argument("--interval-ms", type=int, default=SHORTEST_INTERVAL_MS)
     args = parser.parse_args()
     gpus = _standin_on_path() if args.nvidia_smi_standin else []
     url, server = start_server()
@@ -69,7 +71,7 @@ def main() -> None:
         while len(errors["on"]) < args.requests:
             for _ in range(args.block):
                 errors["off"].append(gpubench_client(url) / 1e6)
-            telemetry = _telemetry(gpus)
+            telemetry = _telemetry(gpus, args.interval_ms)
             telemetry.start()
             try:
                 for _ in range(args.block):
@@ -83,7 +85,7 @@ def main() -> None:
                 telemetry.stop()
     finally:
         server.terminate()
-    print(f"interval {SHORTEST_INTERVAL_MS} ms; samplers: {', '.join(sorted(sources))}; "
+    print(f"interval {args.interval_ms} ms; samplers: {', '.join(sorted(sources))}; "
           f"{samples_seen} samples kept over {len(errors['on'])} sampled requests")  # fmt: skip
     for note in sorted(notes):
         print(f"note: {note}")

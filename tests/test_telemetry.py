@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -117,6 +118,12 @@ def test_summaries_per_cell_and_prompt_take_medians_and_peaks() -> None:
     (summary,) = telemetry_summaries(records)
     assert (summary.calls, summary.engine_cpu_s, summary.engine_peak_rss_mib) == (3, 2.0, 120.0)
     assert summary.gpu_energy_j_per_token is None  # no GPU figures: None, not zero
+
+
+def test_importing_the_plugin_loads_no_nvml_bindings() -> None:
+    probe = "import sys, pytest_gpubench.plugin; print('pynvml' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert result.stdout.strip() == "False", result.stderr
 
 
 # -- configuration --------------------------------------------------------------------------
@@ -262,6 +269,24 @@ def gpu_node(sshd: SshServer, tmp_path: Path) -> Iterator[tuple[SshTarget, Path]
     target.close()
 
 
+def wait_for_no_process(user: str, words: tuple[str, ...], timeout_s: float = 5.0) -> list[str]:
+    """The user's live processes whose command line holds one of the words, once none is left
+    or the timeout passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listing = subprocess.run(
+            ["ps", "-u", user, "-o", "stat=,args="], capture_output=True, text=True, check=False
+        )
+        left = [
+            line
+            for line in listing.stdout.splitlines()
+            if not line.startswith("Z") and any(word in line for word in words)
+        ]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
 def test_ssh_node_streams_nvidia_smi_and_proc_of_its_engine(
     gpu_node: tuple[SshTarget, Path],
 ) -> None:
@@ -282,6 +307,8 @@ def test_ssh_node_streams_nvidia_smi_and_proc_of_its_engine(
     finally:
         telemetry.stop()
         busy.stop()
+    # Stopped samplers leave nothing running on the node (nor does the vanished stand-in).
+    assert wait_for_no_process(target.user, ("nvidia-smi", "clk_tck")) == []
     assert case.gpu_source == "nvidia-smi" and case.cpu_source == "proc"
     assert len(case.gpu) >= 5 and case.gpu[0].memory_total_mib == MEMORY_TOTAL_MIB
     assert case.gpu[0].temperature_c == TEMPERATURE_C and case.gpu[0].power_w == POWER_W
@@ -329,6 +356,7 @@ def test_real_llama_server_cpu_time_and_rss_and_a_gpu_that_vanishes(
     result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=6)  # the GPU vanished mid-run; every case still passed
     records = read_ledger(next((pytester.path / "runs").glob("*.jsonl")))
+    assert wait_for_no_process(os.environ.get("USER", "root"), ("standin-bin/nvidia-smi",)) == []
     calls = [r for r in records if r["type"] == "call"]
     samples = [r for r in records if r["type"] == "sample"]
     assert [s["case_id"] for s in samples] == [c["case_id"] for c in calls]
