@@ -37,6 +37,7 @@ from pytest_gpubench.telemetry.aggregate import (
     case_aggregates,
     counter_delta,
     integral,
+    limit_breaches,
     telemetry_summaries,
 )
 from pytest_gpubench.telemetry.nvidia_smi import parse_sample_line
@@ -118,6 +119,18 @@ def test_summaries_per_cell_and_prompt_take_medians_and_peaks() -> None:
     (summary,) = telemetry_summaries(records)
     assert (summary.calls, summary.engine_cpu_s, summary.engine_peak_rss_mib) == (3, 2.0, 120.0)
     assert summary.gpu_energy_j_per_token is None  # no GPU figures: None, not zero
+
+
+def test_limit_breaches_name_the_figure_and_skip_what_was_not_measured() -> None:
+    calls = [{"type": "call", "cell_id": "c", "prompt_id": "P-HARD", "phase": "warm",
+              "error": None, "engine_cpu_s_per_token": 0.02, "gpu_peak_memory_used_mib": 900.0}]  # fmt: skip
+    limits = {"c": {"max_engine_cpu_s_per_token": 0.01, "max_peak_vram_mib": 1000.0,
+                    "max_energy_j_per_token": 0.001}}  # fmt: skip
+    (breach,) = limit_breaches(telemetry_summaries(calls), limits)
+    assert (breach.prompt_id, breach.limit_name, breach.value, breach.limit) == (
+        "P-HARD", "max_engine_cpu_s_per_token", 0.02, 0.01)  # fmt: skip
+    assert breach.figure == "engine_cpu_s_per_token"
+    assert limit_breaches(telemetry_summaries(calls), {"other": {"max_peak_vram_mib": 1.0}}) == []
 
 
 def test_importing_the_plugin_loads_no_nvml_bindings() -> None:

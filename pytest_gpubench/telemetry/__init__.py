@@ -354,6 +354,7 @@ class NodeTelemetry:
         for sampler in self.samplers:
             wanted = gpu if sampler.kind == "gpu" else cpu
             if not wanted:
+                sampler.buffer.window(start, end)  # another cell wants them: still drop the old
                 continue
             sampler.end_case(end)
             samples = sampler.buffer.window(start, end)

@@ -245,3 +245,45 @@ def telemetry_summaries(records: Iterable[Mapping[str, Any]]) -> list[TelemetryS
             )
         )
     return summaries
+
+
+# The optional limits a gate may hold a (cell, prompt) to: its summary's figure by each name.
+LIMITED_FIGURES = {
+    "max_peak_vram_mib": "gpu_peak_memory_used_mib",
+    "max_energy_j_per_token": "gpu_energy_j_per_token",
+    "max_engine_cpu_s_per_token": "engine_cpu_s_per_token",
+}
+
+
+@dataclass(frozen=True)
+class LimitBreach:
+    """A (cell, prompt) whose telemetry figure went over its limit."""
+
+    cell_id: str
+    prompt_id: str
+    limit_name: str
+    figure: str
+    value: float
+    limit: float
+
+    def to_record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def limit_breaches(
+    summaries: Iterable[TelemetrySummary], limits: Mapping[str, Mapping[str, float | None]]
+) -> list[LimitBreach]:
+    """Every figure over its limit ({cell_id: {limit name (LIMITED_FIGURES): limit}}); a figure
+    that was not measured (no GPU, no engine process) breaches nothing."""
+    breaches = []
+    for summary in summaries:
+        for limit_name, limit in sorted(limits.get(summary.cell_id, {}).items()):
+            figure = LIMITED_FIGURES[limit_name]
+            value = getattr(summary, figure)
+            if limit is not None and value is not None and value > limit:
+                breaches.append(
+                    LimitBreach(
+                        summary.cell_id, summary.prompt_id, limit_name, figure, value, limit
+                    )
+                )
+    return breaches
