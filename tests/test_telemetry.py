@@ -389,3 +389,36 @@ def test_real_llama_server_cpu_time_and_rss_and_a_gpu_that_vanishes(
     assert gpu_calls and gpu_calls[0]["gpu_peak_memory_used_mib"] >= MEMORY_USED_MIB
     notes = [note for c in calls for note in (c["telemetry_notes"] or [])]
     assert any("nvidia-smi stream ended" in note for note in notes), notes
+
+
+def test_cells_that_turn_telemetry_off_get_no_samples(pytester: pytest.Pytester) -> None:
+    """Ollama cannot run here: the stand-in follows Ollama's docs/api.md field by field."""
+    from standins import OllamaStandin, serving
+
+    with serving(OllamaStandin("a:1")) as quiet, serving(OllamaStandin()) as sampled:
+        pytester.makefile(
+            ".yaml",
+            prompts="prompts:\n  P-EASY: {intent: x, prompt: hi, max_tokens: 4}\n",
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: ollama, model: 'a:1', endpoint: '{quiet}', runs: 2,"
+            " phases: [warm], telemetry: {gpu: off, cpu: off}}\n"
+            f"  - {{node: local, engine: ollama, model: 'qwen3.5:0.8b', endpoint: '{sampled}', "
+            "runs: 2, phases: [warm], telemetry: {interval_ms: 30}}\n",
+        )
+        pytester.makepyfile(
+            test_bench="def test_generate(gpubench_case):\n    gpubench_case.run()\n"
+        )
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=4)
+    records = read_ledger(next((pytester.path / "runs").glob("*.jsonl")))
+    calls = {r["case_id"]: r for r in records if r["type"] == "call"}
+    samples = [r for r in records if r["type"] == "sample"]
+    assert sorted({s["cell_id"] for s in samples}) == ["local:ollama:qwen3.5:0.8b"]
+    assert len(samples) == 2
+    for call in calls.values():
+        if call["cell_id"] == "local:ollama:a:1":
+            assert "telemetry_interval_ms" not in call and "engine_cpu_s" not in call
+            continue
+        # An external engine: no process to follow, the node's memory and load still sampled.
+        assert call["telemetry_interval_ms"] == 30 and call["engine_cpu_s"] is None
+        assert call["system_mem_used_peak_mib"] > 0 and call["system_load1_max"] is not None
