@@ -26,8 +26,8 @@ from typing import Any
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
 from pytest_gpubench.engines.managed import ManagedLlamaServer
-from pytest_gpubench.gate import EXIT_REGRESSION
 from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.gate import EXIT_REGRESSION
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.tinymodel import ensure_tiny_model
 
