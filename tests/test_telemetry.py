@@ -40,7 +40,7 @@ from pytest_gpubench.telemetry.aggregate import (
     limit_breaches,
     telemetry_summaries,
 )
-from pytest_gpubench.telemetry.nvidia_smi import parse_sample_line
+from pytest_gpubench.telemetry.nvidia_smi import BatchedLineParser, parse_sample_line
 from pytest_gpubench.telemetry.proc import RemoteLineParser, cpu_seconds
 
 if TYPE_CHECKING:
@@ -63,6 +63,17 @@ def test_nvidia_smi_line_is_read_in_its_units_and_other_lines_are_not_samples() 
     (missing,) = parse_sample_line("1, 0, 10, 24576, 30, [N/A], [Not Supported]", 5.0) or []
     assert missing.power_w is None and missing.sm_clock_mhz is None and missing.gpu == 1
     assert parse_sample_line("Unable to determine the device handle for GPU0: Unknown", 5) is None
+
+
+def test_nvidia_smi_lines_of_one_loop_share_its_time() -> None:
+    parse = BatchedLineParser()
+    times = [
+        sample.t
+        for line, now in (("0, 1, 2, 3, 4, 5, 6", 1.0), ("1, 1, 2, 3, 4, 5, 6", 1.001),
+                          ("0, 1, 2, 3, 4, 5, 6", 1.2), ("1, 1, 2, 3, 4, 5, 6", 1.202))
+        for sample in parse(line, now) or []
+    ]  # fmt: skip
+    assert times == [1.0, 1.0, 1.2, 1.2]
 
 
 def test_proc_stat_cpu_seconds_survive_a_command_name_with_spaces_and_parens() -> None:

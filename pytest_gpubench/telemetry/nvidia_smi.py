@@ -3,6 +3,8 @@ machine or over SSH): one CSV line per GPU per interval, parsed as it arrives.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pytest_gpubench.telemetry import (
     GpuSample,
     LineStream,
@@ -63,6 +65,26 @@ def parse_sample_line(line: str, now: float) -> list[Sample] | None:
     ]
 
 
+class BatchedLineParser:
+    """Gives every GPU's line of one loop the arrival time of the loop's first line, so that the
+    GPUs of one moment stay together when a case's window is cut."""
+
+    def __init__(self) -> None:
+        self.last_index: int | None = None
+        self.batch_t = 0.0
+
+    def __call__(self, line: str, now: float) -> list[Sample] | None:
+        samples = parse_sample_line(line, now)
+        if not samples:
+            return samples
+        (sample,) = samples
+        assert isinstance(sample, GpuSample)
+        if self.last_index is None or sample.gpu <= self.last_index:
+            self.batch_t = now
+        self.last_index = sample.gpu
+        return [replace(sample, t=self.batch_t)]
+
+
 def nvidia_smi_sampler(target: StreamingTarget, interval_s: float) -> StreamSampler:
     interval_ms = max(1, round(interval_s * 1000))
 
@@ -70,5 +92,5 @@ def nvidia_smi_sampler(target: StreamingTarget, interval_s: float) -> StreamSamp
         return target.stream(sample_argv(interval_ms))
 
     return StreamSampler(
-        "gpu", "nvidia-smi", interval_s, open_stream, lambda _pid: parse_sample_line
+        "gpu", "nvidia-smi", interval_s, open_stream, lambda _pid: BatchedLineParser()
     )
