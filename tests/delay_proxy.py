@@ -263,6 +263,8 @@ class DelayProxy:
             self._send(connection, connection.client, data)
 
     def _finish(self, connection: _Connection) -> None:
+        if connection not in self._connections:
+            return  # finished already, when the client went away first
         call = connection.engine_call()
         if call is not None:
             self.engine_calls.append(call)
@@ -275,7 +277,7 @@ class DelayProxy:
         try:
             return sock.recv(_RECV_BYTES)
         except OSError:
-            self._drop(connection)
+            self._broken(connection, sock)
             return None
 
     def _send(self, connection: _Connection, sock: socket.socket, data: bytes) -> None:
@@ -283,6 +285,16 @@ class DelayProxy:
         try:
             sock.sendall(data)
         except OSError:
+            self._broken(connection, sock)
+
+    def _broken(self, connection: _Connection, sock: socket.socket) -> None:
+        """A socket failed. The client stops reading at `data: [DONE]` and closes its socket
+        whenever its reader is collected, which may be before the chunked body's terminator,
+        the engine's last bytes, reach it: the engine answered all the same, so a chat whose
+        content had arrived is still recorded. Any other failure drops the connection."""
+        if sock is connection.client and connection.first_content_s is not None:
+            self._finish(connection)
+        else:
             self._drop(connection)
 
     def _drop(self, connection: _Connection) -> None:
