@@ -6,7 +6,7 @@ import hashlib
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -299,7 +299,7 @@ class Cell:
     runs: int
     timeout_s: float
     thresholds: Thresholds
-    telemetry: TelemetrySettings = TelemetrySettings()
+    telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
 
     @property
     def cell_id(self) -> str:

@@ -133,7 +133,7 @@ class NVMLError(Exception):
                 15: "GPU is lost"}.get(self.value, "Unknown Error")  # fmt: skip
 
 
-class NVMLError_NotSupported(NVMLError):  # noqa: N801 - pynvml's own name
+class NVMLError_NotSupported(NVMLError):  # pynvml's own name
     def __init__(self) -> None:
         super().__init__(3)
 
@@ -141,12 +141,12 @@ class NVMLError_NotSupported(NVMLError):  # noqa: N801 - pynvml's own name
         return "Not Supported"
 
 
-class NVMLError_GpuIsLost(NVMLError):  # noqa: N801 - pynvml's own name
+class NVMLError_GpuIsLost(NVMLError):  # pynvml's own name
     def __init__(self) -> None:
         super().__init__(15)
 
 
-class NVMLError_LibraryNotFound(NVMLError):  # noqa: N801 - pynvml's own name
+class NVMLError_LibraryNotFound(NVMLError):  # pynvml's own name
     def __init__(self) -> None:
         super().__init__(12)
 
@@ -190,6 +190,15 @@ def nvml_module(
         if state.lost:
             raise NVMLError_GpuIsLost()
 
+    def reading(value: Any) -> Any:
+        """A reading of any GPU: raises once the GPU is lost."""
+
+        def read(handle: int, *_which: int) -> Any:
+            check(handle)
+            return value() if callable(value) else value
+
+        return read
+
     def init() -> None:
         if not state.library:
             raise NVMLError_LibraryNotFound()
@@ -217,10 +226,10 @@ def nvml_module(
         "nvmlDeviceGetCount": lambda: state.gpus,
         "nvmlDeviceGetHandleByIndex": lambda index: index,
         "nvmlDeviceGetMemoryInfo": memory,
-        "nvmlDeviceGetUtilizationRates": lambda h: (check(h), _Utilization(UTILIZATION_PCT, 3))[1],
-        "nvmlDeviceGetTemperature": lambda h, sensor: (check(h), TEMPERATURE_C)[1],
-        "nvmlDeviceGetPowerUsage": lambda h: (check(h), state.milliwatts)[1],
-        "nvmlDeviceGetClockInfo": lambda h, clock: (check(h), SM_CLOCK_MHZ)[1],
+        "nvmlDeviceGetUtilizationRates": reading(_Utilization(UTILIZATION_PCT, 3)),
+        "nvmlDeviceGetTemperature": reading(TEMPERATURE_C),
+        "nvmlDeviceGetPowerUsage": reading(lambda: state.milliwatts),
+        "nvmlDeviceGetClockInfo": reading(SM_CLOCK_MHZ),
         "nvmlDeviceGetTotalEnergyConsumption": energy,
         "NVMLError": NVMLError,
         "NVMLError_NotSupported": NVMLError_NotSupported,

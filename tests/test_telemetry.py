@@ -61,6 +61,7 @@ def test_nvidia_smi_line_is_read_in_its_units_and_other_lines_are_not_samples() 
     (sample,) = parse_sample_line("0, 45, 1234, 81559, 38, 71.23, 1980", 5.0) or []
     assert sample == GpuSample(5.0, 0, 45.0, 1234.0, 81559.0, 38.0, 71.23, 1980.0, None)
     (missing,) = parse_sample_line("1, 0, 10, 24576, 30, [N/A], [Not Supported]", 5.0) or []
+    assert isinstance(missing, GpuSample)
     assert missing.power_w is None and missing.sm_clock_mhz is None and missing.gpu == 1
     assert parse_sample_line("Unable to determine the device handle for GPU0: Unknown", 5) is None
 
@@ -85,6 +86,7 @@ def test_proc_stat_cpu_seconds_survive_a_command_name_with_spaces_and_parens() -
     (sample,) = parser(f"{stat}\t204800\t16384000 8192000\t1.25", 1.0) or []
     assert sample == ProcSample(1.0, 42, 1.2, 200.0, 8000.0, 16000.0, 1.25)
     (gone,) = parser("\t\t16384000 8192000\t0.50", 2.0) or []
+    assert isinstance(gone, ProcSample)
     assert gone.engine_pid is None and gone.engine_cpu_s is None and gone.mem_used_mib == 8000.0
 
 
@@ -125,7 +127,7 @@ def test_summaries_per_cell_and_prompt_take_medians_and_peaks() -> None:
                 "error": None, "engine_cpu_s": cpu, "engine_cpu_s_per_token": cpu / 10,
                 "engine_peak_rss_mib": rss}  # fmt: skip
 
-    records = [call("P-EASY", 1.0, 100), call("P-EASY", 3.0, 120), call("P-EASY", 2.0, 110),
+    records: list[dict[str, object]] = [call("P-EASY", 1.0, 100), call("P-EASY", 3.0, 120), call("P-EASY", 2.0, 110),
                call("P-EASY", 99.0, 999, phase="cold"), {"type": "sample"}]  # fmt: skip
     (summary,) = telemetry_summaries(records)
     assert (summary.calls, summary.engine_cpu_s, summary.engine_peak_rss_mib) == (3, 2.0, 120.0)
@@ -146,7 +148,9 @@ def test_limit_breaches_name_the_figure_and_skip_what_was_not_measured() -> None
 
 def test_importing_the_plugin_loads_no_nvml_bindings() -> None:
     probe = "import sys, pytest_gpubench.plugin; print('pynvml' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=False
+    )
     assert result.stdout.strip() == "False", result.stderr
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 from typing import Any
 
 from pytest_gpubench.telemetry import CaseSamples, GpuSample, ProcSample
@@ -41,7 +42,7 @@ def _at(points: Points, x: float) -> float:
     """A piecewise-linear series at x (held flat beyond its ends); points sorted by time."""
     if x <= points[0][0]:
         return points[0][1]
-    for (t0, v0), (t1, v1) in zip(points, points[1:], strict=False):
+    for (t0, v0), (t1, v1) in pairwise(points):
         if x <= t1:
             return v0 if t1 == t0 else v0 + (v1 - v0) * (x - t0) / (t1 - t0)
     return points[-1][1]
@@ -60,9 +61,7 @@ def integral(points: Points, start: float, end: float) -> float | None:
         return None
     inner = [(t, v) for t, v in points if start < t < end]
     edges = [(start, _at(points, start)), *inner, (end, _at(points, end))]
-    return sum(
-        (t1 - t0) * (v0 + v1) / 2 for (t0, v0), (t1, v1) in zip(edges, edges[1:], strict=False)
-    )
+    return sum((t1 - t0) * (v0 + v1) / 2 for (t0, v0), (t1, v1) in pairwise(edges))
 
 
 def _series(samples: Iterable[Any], attr: str) -> Points:
