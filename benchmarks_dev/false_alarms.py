@@ -8,17 +8,18 @@ baseline's warm TTFT p50 counts detections. Each run also shows llama-server's o
 it, as the proxy timed it (time to first content / last byte, p50) against the baseline run's,
 and the tally repeats the counts for the runs where that speed stayed within 10 %.
 
-    python benchmarks_dev/false_alarms.py [--repeat 20] [--runs N] [--detect]
+    python benchmarks_dev/false_alarms.py [--repeat 20] [--runs N] [--detect] [--hog N]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,12 @@ from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.ledger import read_ledger
-from pytest_gpubench.gate import EXIT_REGRESSION
+from pytest_gpubench.status import EXIT_REGRESSION
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.tinymodel import ensure_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from delay_proxy import DelayProxy, EngineSpeed, delay_proxy  # noqa: E402
+from delay_proxy import DelayProxy, EngineSpeed, delay_proxy
 
 CELL = "local:llamacpp:tiny"
 PROMPT_ID = "P-EASY"
@@ -45,7 +46,7 @@ WARM_UP_CALLS = 200
 GATED = {
     "warm_ttft_p50_ms": "TTFT",
     "warm_total_p50_ms": "total",
-    "warm_tokens_per_sec_mean": "tok/s",
+    "warm_decode_tokens_per_sec_p50": "decode tok/s",
 }
 
 
@@ -54,19 +55,20 @@ class Outcome:
     """One pytest run: its exit status, the gate's verdict per metric, the engine's speed."""
 
     exit_status: int
-    verdicts: dict[str, tuple[str, float | None]]
+    verdicts: dict[str, tuple[str, float | None, str | None]]
     speed: EngineSpeed
 
     @property
     def inconclusive(self) -> bool:
-        return any(kind == "inconclusive" for kind, _ in self.verdicts.values())
+        return any(kind == "inconclusive" for kind, _, _ in self.verdicts.values())
 
     def line(self, baseline: EngineSpeed) -> str:
         parts = []
         for metric, label in GATED.items():
-            kind, ratio = self.verdicts.get(metric, ("-", None))
+            kind, ratio, attribution = self.verdicts.get(metric, ("-", None, None))
             change = "-" if ratio is None else f"{ratio - 1.0:+.1%}"
-            parts.append(f"{label} {change} {kind}")
+            side = f" [{attribution}]" if attribution else ""
+            parts.append(f"{label} {change} {kind}{side}")
         steady = "steady" if self.speed.within(baseline, STEADY) else "UNSTEADY"
         return (
             f"exit {self.exit_status}: {', '.join(parts)}; "
@@ -107,9 +109,9 @@ def run_pytest(root: Path, proxy: DelayProxy, runs: int | None, *extra: str) -> 
     return Outcome(finished.returncode, _verdicts(end), EngineSpeed.of(calls))
 
 
-def _verdicts(end: dict[str, Any]) -> dict[str, tuple[str, float | None]]:
+def _verdicts(end: dict[str, Any]) -> dict[str, tuple[str, float | None, str | None]]:
     return {
-        verdict["metric"]: (verdict["verdict"], verdict["change_ratio"])
+        verdict["metric"]: (verdict["verdict"], verdict["change_ratio"], verdict.get("attribution"))
         for verdict in end.get("verdicts") or []
         if verdict["cell_id"] == CELL and verdict["prompt_id"] == PROMPT_ID
     }
@@ -159,7 +161,41 @@ def main() -> None:
     parser.add_argument("--runs", type=int, help="warm runs per pytest run (default: the matrix's)")
     parser.add_argument("--detect", action="store_true", help="also repeat the +60 %% runs")
     parser.add_argument("--fraction", type=float, default=0.6, help="delay for --detect, × TTFT")
+    parser.add_argument(
+        "--hog",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N busy processes beside the engine for the whole session (a loaded machine)",
+    )
     args = parser.parse_args()
+    with cpu_hogs(args.hog):
+        measure(args)
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Iterator[None]:
+    """`count` processes spinning on the CPU, each in its own session (the kernel shares CPU time
+    between sessions first, so a hog in this session would mostly slow this script)."""
+    hogs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+        )
+        for _ in range(count)
+    ]
+    if hogs:
+        print(f"{count} CPU hog(s) running beside the engine", flush=True)
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def measure(args: argparse.Namespace) -> None:
     binary = find_llama_server(None)
     if binary is None:
         raise SystemExit("llama-server is not installed: run `make engine`")

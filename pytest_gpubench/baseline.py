@@ -13,9 +13,18 @@ from typing import Any
 
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.ledger import read_ledger
-from pytest_gpubench.stats import PromptSummary, WarmSamples, summarize
+from pytest_gpubench.stats import (
+    PERCENTILE_NAMES,
+    SAMPLE_FIELDS,
+    WARM_METRICS,
+    PromptSummary,
+    WarmSamples,
+    summarize,
+)
 
-FORMAT_VERSION = 1
+# 2: p90s, the decode, TPOT, end-to-end and engine-side metrics and samples, the coalesced count;
+# the mean of per-call tokens/s of format 1 is no longer written (and ignored when read).
+FORMAT_VERSION = 2
 DEFAULT_MIN_SUCCESS_RATE = 0.95
 # Anything but these becomes "_" in a file name; the exact cell id is kept inside the file.
 _UNSAFE_IN_FILE_NAME = re.compile(r"[^A-Za-z0-9._-]")
@@ -71,6 +80,14 @@ def baseline_path(baselines_dir: Path, cell_id: str) -> Path:
 
 
 def summary_to_dict(summary: PromptSummary) -> dict[str, Any]:
+    warm: dict[str, Any] = {
+        "n": summary.n_warm,
+        "n_ok": summary.n_warm_ok,
+        "success_rate": summary.warm_success_rate,
+        "coalesced": summary.warm_coalesced,
+    }
+    for metric in WARM_METRICS:
+        warm[metric] = {name: summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES}
     return {
         "prompt_sha256": summary.prompt_sha256,
         "cold": {
@@ -80,27 +97,8 @@ def summary_to_dict(summary: PromptSummary) -> dict[str, Any]:
             "first_delta_ms": summary.cold_first_delta_ms,
             "total_duration_ms": summary.cold_total_duration_ms,
         },
-        "warm": {
-            "n": summary.n_warm,
-            "n_ok": summary.n_warm_ok,
-            "success_rate": summary.warm_success_rate,
-            "first_delta_ms": {
-                "p50": summary.warm_first_delta_ms_p50,
-                "p95": summary.warm_first_delta_ms_p95,
-                "p99": summary.warm_first_delta_ms_p99,
-            },
-            "total_duration_ms": {
-                "p50": summary.warm_total_duration_ms_p50,
-                "p95": summary.warm_total_duration_ms_p95,
-                "p99": summary.warm_total_duration_ms_p99,
-            },
-            "tokens_per_sec_mean": summary.warm_tokens_per_sec_mean,
-        },
-        "samples": {
-            "first_delta_ms": list(summary.samples.first_delta_ms),
-            "total_duration_ms": list(summary.samples.total_duration_ms),
-            "tokens_per_sec": list(summary.samples.tokens_per_sec),
-        },
+        "warm": warm,
+        "samples": {field: list(getattr(summary.samples, field)) for field in SAMPLE_FIELDS},
     }
 
 
@@ -175,6 +173,13 @@ class _Fields:
             raise self.fail(_join(where, key), f"expected a string, got {_kind(value)}")
         return value
 
+    def optional_number(self, data: Mapping[str, Any], key: str, where: str) -> float | None:
+        """A number added after format 1: None where an older file lacks it."""
+        return self.number(data, key, where) if key in data else None
+
+    def optional_mapping(self, data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+        return self.mapping(data, key, where) if key in data else {}
+
     def numbers(self, data: Mapping[str, Any], key: str, where: str) -> tuple[float, ...]:
         value = self.get(data, key, where)
         valid = isinstance(value, list) and all(
@@ -193,16 +198,48 @@ def _kind(value: Any) -> str:
     return "null" if value is None else f"{type(value).__name__} {json.dumps(value)[:40]}"
 
 
+# What a format 1 file must have; format 2 must have every figure. A format 1 file's
+# `tokens_per_sec_mean` and `tokens_per_sec` samples (another definition of tokens/s) are ignored:
+# its decode rate and the figures it predates are None, and the gate calls them new.
+_FORMAT_1_PERCENTILES = {
+    "first_delta_ms": ("p50", "p95", "p99"),
+    "total_duration_ms": ("p50", "p95", "p99"),
+}
+_FORMAT_1_SAMPLES = ("first_delta_ms", "total_duration_ms")
+
+
 def summary_from_dict(
-    data: Mapping[str, Any], cell_id: str, prompt_id: str, fields: _Fields
+    data: Mapping[str, Any],
+    cell_id: str,
+    prompt_id: str,
+    fields: _Fields,
+    version: int = FORMAT_VERSION,
 ) -> PromptSummary:
+    """One prompt's summary; figures newer than the file's format are None (compared as new)."""
+    complete = version >= 2
     where = f"prompts.{prompt_id}"
     cold = fields.mapping(data, "cold", where)
     warm = fields.mapping(data, "warm", where)
-    ttft = fields.mapping(warm, "first_delta_ms", f"{where}.warm")
-    total = fields.mapping(warm, "total_duration_ms", f"{where}.warm")
     samples = fields.mapping(data, "samples", where)
     at = {name: f"{where}.{name}" for name in ("cold", "warm", "samples")}
+    percentiles: dict[str, float | None] = {}
+    for metric in WARM_METRICS:
+        required = PERCENTILE_NAMES if complete else _FORMAT_1_PERCENTILES.get(metric, ())
+        found = (
+            fields.mapping(warm, metric, at["warm"])
+            if required
+            else fields.optional_mapping(warm, metric, at["warm"])
+        )
+        for name in PERCENTILE_NAMES:
+            read = fields.number if name in required else fields.optional_number
+            percentiles[f"warm_{metric}_{name}"] = read(found, name, f"{at['warm']}.{metric}")
+    raw = {
+        field: fields.numbers(samples, field, at["samples"])
+        if complete or field in _FORMAT_1_SAMPLES
+        else ()
+        for field in SAMPLE_FIELDS
+    }
+    coalesced = fields.count(warm, "coalesced", at["warm"]) if complete else 0
     return PromptSummary(
         cell_id=cell_id,
         prompt_id=prompt_id,
@@ -214,18 +251,9 @@ def summary_from_dict(
         cold_total_duration_ms=fields.number(cold, "total_duration_ms", at["cold"]),
         n_warm=fields.count(warm, "n", at["warm"]),
         n_warm_ok=fields.count(warm, "n_ok", at["warm"]),
-        warm_first_delta_ms_p50=fields.number(ttft, "p50", f"{at['warm']}.first_delta_ms"),
-        warm_first_delta_ms_p95=fields.number(ttft, "p95", f"{at['warm']}.first_delta_ms"),
-        warm_first_delta_ms_p99=fields.number(ttft, "p99", f"{at['warm']}.first_delta_ms"),
-        warm_total_duration_ms_p50=fields.number(total, "p50", f"{at['warm']}.total_duration_ms"),
-        warm_total_duration_ms_p95=fields.number(total, "p95", f"{at['warm']}.total_duration_ms"),
-        warm_total_duration_ms_p99=fields.number(total, "p99", f"{at['warm']}.total_duration_ms"),
-        warm_tokens_per_sec_mean=fields.number(warm, "tokens_per_sec_mean", at["warm"]),
-        samples=WarmSamples(
-            first_delta_ms=fields.numbers(samples, "first_delta_ms", at["samples"]),
-            total_duration_ms=fields.numbers(samples, "total_duration_ms", at["samples"]),
-            tokens_per_sec=fields.numbers(samples, "tokens_per_sec", at["samples"]),
-        ),
+        warm_coalesced=coalesced,
+        samples=WarmSamples(**raw),
+        **percentiles,
     )
 
 
@@ -253,7 +281,7 @@ def baseline_from_dict(data: Any, source: str) -> CellBaseline:
         entry = prompts[prompt_id]
         if not isinstance(entry, dict):
             raise fields.fail(f"prompts.{prompt_id}", f"expected an object, got {_kind(entry)}")
-        summaries.append(summary_from_dict(entry, cell_id, prompt_id, fields))
+        summaries.append(summary_from_dict(entry, cell_id, prompt_id, fields, version))
     return CellBaseline(
         cell_id=cell_id,
         provenance=Provenance(

@@ -3,6 +3,7 @@ end judges against the baselines and closes the ledger. It decides; it never dra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,13 +11,17 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_gpubench import guards
+from pytest_gpubench.cases import Case
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.harness import Harness
-from pytest_gpubench.ledger import Ledger
-from pytest_gpubench.matrix import Matrix
+from pytest_gpubench.ledger import Ledger, LedgerWriteError
+from pytest_gpubench.matrix import Cell, Matrix
 from pytest_gpubench.options import Options
+from pytest_gpubench.outcomes import CellOutcome, cell_outcomes
 from pytest_gpubench.records import end_record, meta_record
 from pytest_gpubench.secrets import SecretScrubber
+from pytest_gpubench.signals import TerminateAsInterrupt
+from pytest_gpubench.status import session_status
 
 if TYPE_CHECKING:
     from pytest_gpubench.gate import Verdict
@@ -40,6 +45,9 @@ class Judgement:
     summaries: list[PromptSummary] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
     gate_error: str | None = None
+    # The baselines could not be read (nothing was judged) or written.
+    unjudged: bool = False
+    write_failed: bool = False
     baseline_notes: list[str] = field(default_factory=list)
 
 
@@ -82,7 +90,16 @@ class RunController:
         self.skips: list[dict[str, Any]] = []
         self.cells: dict[str, dict[str, Any]] = {}
         self.probe_rows: list[ProbeRow] = []
+        self.probe_failed = False
         self.judgement = Judgement()
+        # The cells with at least one selected case, in the matrix's order, and at the end what
+        # became of each.
+        self.planned: list[Cell] = []
+        self.outcomes: list[CellOutcome] = []
+        self.write_error: str | None = None
+        self.exit_status: int | None = None
+        # SIGTERM (a cancelled CI job) ends the run as Ctrl-C does, while a ledger is open.
+        self.catch_signals = TerminateAsInterrupt()
         # Rentals given back in xdist workers (this process's own are in the harness's pool),
         # and on a worker how many of its own it has sent on.
         self.worker_rentals: list[dict[str, Any]] = []
@@ -94,10 +111,12 @@ class RunController:
 
     # -- start ---------------------------------------------------------------------------------
 
-    def begin(self, cases_planned: int) -> None:
+    def begin(self, cases: Sequence[Case]) -> None:
         """Check the guards and open the ledger with its meta record (writing process only)."""
         if self.started or self.matrix is None or self.options.probe:
             return
+        planned = {case.cell_id for case in cases}
+        self.planned = [cell for cell in self.matrix.cells if cell.cell_id in planned]
         options = self.options
         git = guards.check_git_tree(self.root, options.ledger_dir, allow_dirty=options.allow_dirty)
         guards.check_load(options.load_threshold, force_load=options.force_load)
@@ -109,13 +128,14 @@ class RunController:
             root=self.root,
             git=git,
             env_names=[*options.env_names, *self.matrix.settings.env],
-            cells_planned=[cell.cell_id for cell in self.matrix.cells],
-            cases_planned=cases_planned,
+            cells_planned=[cell.cell_id for cell in self.planned],
+            cases_planned=len(cases),
             argv=self.argv,
             cells_path=options.cells_path,
             prompts_path=options.prompts_path,
         )
         self.ledger.append(self.meta)
+        self.catch_signals.install()
 
     def refuse(self, error: GpubenchError) -> None:
         """A guard refused the run after the cases were handed out (xdist): nothing may run."""
@@ -124,8 +144,10 @@ class RunController:
 
     # -- records -------------------------------------------------------------------------------
 
-    def collect(self, records: list[dict[str, Any]]) -> None:
-        """Keep a case's records and append them to the ledger."""
+    def collect(self, records: list[dict[str, Any]]) -> str | None:
+        """Keep a case's records and append them to the ledger; returns why the run must stop
+        (the ledger can no longer be written), or None. Records stay in memory either way, so
+        the summary still shows them."""
         for record in records:
             kind = record.get("type")
             if kind == "call":
@@ -136,8 +158,18 @@ class RunController:
                 if record["cell_id"] in self.cells:
                     continue  # each xdist worker that ran the cell describes it; keep the first
                 self.cells[record["cell_id"]] = record
-            if self.ledger is not None:
-                self.ledger.append(record)
+            self._append(record)
+        return self.write_error
+
+    def _append(self, record: dict[str, Any], *, after_failure: bool = False) -> None:
+        """Append to the ledger until a write fails, and after that only what must be tried
+        anyway (the end record, in case room was made); the first error is kept."""
+        if self.ledger is None or (self.write_error is not None and not after_failure):
+            return
+        try:
+            self.ledger.append(record)
+        except LedgerWriteError as exc:
+            self.write_error = self.write_error or str(exc)
 
     def add_worker_rentals(self, rentals: list[dict[str, Any]]) -> None:
         """Rentals a worker gave back, sent on a test report or at its end; each counted once."""
@@ -174,13 +206,13 @@ class RunController:
     # -- probe ---------------------------------------------------------------------------------
 
     def probe(self) -> int:
-        """Health-check every cell; returns how many are unavailable."""
+        """Health-check every cell; returns how many required cells are unavailable."""
         assert self.matrix is not None and self.harness is not None
         unavailable = 0
         for cell in self.matrix.cells:
             live, _ = self.harness.live_cell(cell.cell_id)
             facts = live.facts.get("engine_facts", {})
-            unavailable += live.unavailable is not None
+            unavailable += live.unavailable is not None and not cell.spec.optional
             self.probe_rows.append(
                 ProbeRow(
                     cell.cell_id,
@@ -190,13 +222,15 @@ class RunController:
                 )
             )
         self.harness.close()
-        return unavailable if self.options.for_publication else 0
+        self.probe_failed = unavailable > 0
+        return unavailable
 
     # -- end -----------------------------------------------------------------------------------
 
-    def finish(self, exitstatus: int, workeroutput: dict[str, Any] | None) -> int | None:
+    def finish(self, exitstatus: int, workeroutput: dict[str, Any] | None) -> int:
         """Give everything back, then judge and close the ledger, even if giving back failed.
-        Returns the session's exit status when the run changes it."""
+        Returns the session's exit status."""
+        self.catch_signals.restore()
         try:
             if self.harness is not None:
                 self.harness.close()
@@ -205,37 +239,55 @@ class RunController:
                 # xdist sends this to the controller, which writes it into the end record.
                 workeroutput["gpubench_rentals"] = self.unsent_rentals()
             status = self._close_ledger(exitstatus)
+        self.exit_status = status
         return status
 
-    def _close_ledger(self, exitstatus: int) -> int | None:
+    def _close_ledger(self, exitstatus: int) -> int:
         from pytest_gpubench.gate import regressions
 
-        status: int | None = None
         if self.startup_error is not None:
-            status = int(pytest.ExitCode.USAGE_ERROR)
+            return int(pytest.ExitCode.USAGE_ERROR)
         if self.ledger is None:
-            return status
+            return session_status(exitstatus, unmeasured=self.probe_failed)
         if self.calls:
-            status = self._judge(exitstatus) or status
-        self.ledger.append(
+            self._judge()
+        self.outcomes = cell_outcomes(
+            self.planned, cells=self.cells, skips=self.skips, calls=self.calls
+        )
+        judgement = self.judgement
+        status = session_status(
+            exitstatus,
+            write_failed=self.write_error is not None or judgement.write_failed,
+            unmeasured=any(outcome.fails_run for outcome in self.outcomes),
+            regressed=bool(regressions(judgement.verdicts)) and not self.options.baseline_update,
+        )
+        self._append(
             end_record(
                 run_id=self.run_id,
                 pytest_exitstatus=exitstatus,
                 calls=len(self.calls),
                 skipped=len(self.skips),
-                verdicts=[verdict.to_record() for verdict in self.judgement.verdicts],
-                regressions=len(regressions(self.judgement.verdicts)),
-                gate_error=self.judgement.gate_error,
+                verdicts=[verdict.to_record() for verdict in judgement.verdicts],
+                regressions=len(regressions(judgement.verdicts)),
+                gate_error=judgement.gate_error,
                 nodes=self.rentals(),
-            )
+                cells=[outcome.to_record() for outcome in self.outcomes],
+                exit_status=status,
+            ),
+            after_failure=True,
         )
-        self.ledger.close()
+        try:
+            self.ledger.close()
+        except LedgerWriteError as exc:
+            self.write_error = self.write_error or str(exc)
+        if self.write_error is not None:
+            status = session_status(exitstatus, write_failed=True)
         return status
 
-    def _judge(self, exitstatus: int) -> int | None:
-        """Compare with the baselines; the regression status when a benchmark regressed."""
+    def _judge(self) -> None:
+        """Compare with the baselines, and write them with --baseline-update."""
         from pytest_gpubench.baseline import baseline_summaries
-        from pytest_gpubench.gate import EXIT_REGRESSION, compare, regressions
+        from pytest_gpubench.gate import compare
         from pytest_gpubench.stats import summarize
 
         assert self.matrix is not None
@@ -248,13 +300,17 @@ class RunController:
             judgement.verdicts = compare(baselines, judgement.summaries, thresholds)
         except GpubenchError as exc:
             judgement.gate_error = self.scrub(str(exc))
-            return int(pytest.ExitCode.USAGE_ERROR)
+            judgement.unjudged = True
+            return
         if self.options.baseline_update:
+            if self.options.smoke:
+                # One call per cell can never reach significance: every later run would be
+                # "inconclusive" against it.
+                judgement.baseline_notes.append(
+                    "baselines NOT written: --smoke measures one call, too few to judge against"
+                )
+                return
             self._update_baselines()
-            return None
-        if regressions(judgement.verdicts) and exitstatus == pytest.ExitCode.OK:
-            return EXIT_REGRESSION
-        return None
 
     def _update_baselines(self) -> None:
         from pytest_gpubench.baseline import update_baselines
@@ -267,6 +323,7 @@ class RunController:
             update = update_baselines(self.options.baselines_dir, records, minimum)
         except GpubenchError as exc:
             self.judgement.gate_error = self.scrub(str(exc))
+            self.judgement.write_failed = True
             return
         notes = self.judgement.baseline_notes
         for cell_id, path in sorted(update.written.items()):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from functools import partial
 from typing import Any, Literal
 
@@ -18,23 +18,33 @@ VerdictKind = Literal["regression", "inconclusive", "win", "ok", "new"]
 # The worst first: a (cell, prompt) takes the verdict of its worst metric.
 VERDICT_ORDER: tuple[VerdictKind, ...] = ("regression", "inconclusive", "win", "ok", "new")
 
-# The session's exit status when benchmarks ran and at least one regressed (README: exit statuses).
-EXIT_REGRESSION = 6
 ALPHA = 0.05
 RERUN_RUNS = 20
 RERUN_HINT = f"re-run with --gpubench-runs {RERUN_RUNS}"
-# SPEC §8 defaults: relative changes for the ratio metrics, an absolute floor for success.
+# The defaults (README "The regression gate"): relative changes for the ratio metrics, an
+# absolute floor for success.
 DEFAULT_RATIO_THRESHOLD = 0.30
 DEFAULT_SUCCESS_RATE = 0.95
 # Up to this many samples on the smaller side the exact U distribution is used (scipy's own
 # cut-off); its p-value can never fall below 1 / C(n1 + n2, n1), which makes "too few samples
 # to ever be significant" a computable fact rather than a guess.
 EXACT_TEST_MAX_N = 8
+# A change is engine-side when the engine's own figure moved the same way by at least this share
+# of the client's change (on a log scale: 0.5 means half as far); otherwise the engine held and
+# the change lies between the engine and the client (transport, proxy, client machine).
+ENGINE_SHARE = 0.5
+AttributionKind = Literal["engine", "client_or_transport", "unknown"]
+# How the verdicts name an engine kind's server.
+ENGINE_NAMES = {"llamacpp": "llama-server", "ollama": "Ollama"}
 
 
 @dataclass(frozen=True)
 class Metric:
-    """A gated number: how to read it from a summary and which direction is better."""
+    """A gated number: how to read it from a summary and which direction is better.
+
+    `engine_value` reads the engine's own counterpart (its prompt time for TTFT, its decode rate
+    for decode tokens/s), which says whether a change happened inside the engine.
+    """
 
     name: str
     label: str
@@ -42,6 +52,8 @@ class Metric:
     higher_is_better: bool
     value: Callable[[PromptSummary], float | None]
     samples: Callable[[PromptSummary], tuple[float, ...]]
+    engine_label: str
+    engine_value: Callable[[PromptSummary], float | None]
 
     @property
     def worse(self) -> str:
@@ -59,6 +71,8 @@ TTFT_P50 = Metric(
     higher_is_better=False,
     value=lambda summary: summary.warm_first_delta_ms_p50,
     samples=lambda summary: summary.samples.first_delta_ms,
+    engine_label="prompt time",
+    engine_value=lambda summary: summary.warm_engine_prompt_ms_p50,
 )
 TOTAL_P50 = Metric(
     name="warm_total_p50_ms",
@@ -67,18 +81,31 @@ TOTAL_P50 = Metric(
     higher_is_better=False,
     value=lambda summary: summary.warm_total_duration_ms_p50,
     samples=lambda summary: summary.samples.total_duration_ms,
+    engine_label="prompt + decode time",
+    engine_value=lambda summary: summary.warm_engine_total_ms_p50,
 )
-TOKENS_PER_SEC = Metric(
-    name="warm_tokens_per_sec_mean",
-    label="warm tokens/s mean",
+DECODE_TOKENS_PER_SEC = Metric(
+    name="warm_decode_tokens_per_sec_p50",
+    label="warm decode tokens/s p50",
     threshold_field="tokens_per_sec",
     higher_is_better=True,
-    value=lambda summary: summary.warm_tokens_per_sec_mean,
-    samples=lambda summary: summary.samples.tokens_per_sec,
+    value=lambda summary: summary.warm_decode_tokens_per_sec_p50,
+    samples=lambda summary: summary.samples.decode_tokens_per_sec,
+    engine_label="decode rate",
+    engine_value=lambda summary: summary.warm_engine_tokens_per_sec_p50,
 )
-RATIO_METRICS = (TTFT_P50, TOTAL_P50, TOKENS_PER_SEC)
+RATIO_METRICS = (TTFT_P50, TOTAL_P50, DECODE_TOKENS_PER_SEC)
 SUCCESS_RATE = "warm_success_rate"
-METRIC_NAMES = tuple(metric.name for metric in RATIO_METRICS) + (SUCCESS_RATE,)
+METRIC_NAMES = (*tuple(metric.name for metric in RATIO_METRICS), SUCCESS_RATE)
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Whether the engine's own figure moved with a change the client measured."""
+
+    kind: AttributionKind
+    engine_change_ratio: float | None
+    message: str
 
 
 @dataclass(frozen=True)
@@ -95,6 +122,11 @@ class Verdict:
     p_value: float | None
     verdict: VerdictKind
     message: str
+    # For a change past the threshold: "engine", "client_or_transport" or "unknown" (the engine
+    # reports no timings of its own); None when there is no change to attribute.
+    attribution: AttributionKind | None = None
+    # The engine's own figure, current / baseline (its counterpart of change_ratio).
+    engine_change_ratio: float | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -109,8 +141,15 @@ class Verdict:
         """A verdict read back from a ledger's end record; None when it is not one."""
         if record.get("verdict") not in VERDICT_ORDER:
             return None
+        # Fields with a default were added later: older end records lack them.
         try:
-            return cls(**{name: record[name] for name in cls.__dataclass_fields__})
+            return cls(
+                **{
+                    field.name: record[field.name]
+                    for field in fields(cls)
+                    if field.name in record or field.default is MISSING
+                }
+            )
         except (KeyError, TypeError):
             return None
 
@@ -174,7 +213,7 @@ def judge_ratio(
         )
     found = partial(_verdict, current, metric.name, baseline=old, value=new)
     if new is None:
-        return found("inconclusive", f"{metric.label}: no successful warm call to compare")
+        return found("inconclusive", f"{metric.label}: {_why_missing(metric, current)}")
     ratio = new / old
     direction = change_direction(old, new, threshold, higher_is_better=metric.higher_is_better)
     if direction is None:
@@ -182,21 +221,97 @@ def judge_ratio(
         return found("ok", within, ratio=ratio)
     word = metric.worse if direction == "worse" else metric.better
     change = f"{metric.label} {_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
+    cause = attribute(metric, current, baseline, ratio)
+    found = partial(
+        found, attribution=cause.kind, engine_ratio=cause.engine_change_ratio, ratio=ratio
+    )
     current_samples, baseline_samples = metric.samples(current), metric.samples(baseline)
     floor = min_achievable_p(len(current_samples), len(baseline_samples))
     if floor >= ALPHA:
         too_few = (
             f"{change}, but {len(current_samples)} samples against the baseline's "
             f"{len(baseline_samples)} cannot be significant (smallest possible p = {floor:.3g} "
-            f"≥ {ALPHA}); {RERUN_HINT}"
+            f"≥ {ALPHA}); {RERUN_HINT}; {cause.message}"
         )
-        return found("inconclusive", too_few, ratio=ratio)
+        return found("inconclusive", too_few)
     p_value = one_sided_p(current_samples, baseline_samples, _alternative(metric, direction))
     if not p_value < ALPHA:
-        unsure = f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA}); {RERUN_HINT}"
-        return found("inconclusive", unsure, ratio=ratio, p_value=p_value)
+        unsure = (
+            f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA}); {RERUN_HINT}; "
+            f"{cause.message}"
+        )
+        return found("inconclusive", unsure, p_value=p_value)
     kind: VerdictKind = "regression" if direction == "worse" else "win"
-    return found(kind, f"{change}, p = {p_value:.3g}", ratio=ratio, p_value=p_value)
+    return found(kind, f"{change}, p = {p_value:.3g}; {cause.message}", p_value=p_value)
+
+
+def _why_missing(metric: Metric, current: PromptSummary) -> str:
+    if metric is DECODE_TOKENS_PER_SEC and current.warm_coalesced:
+        return (
+            f"no decode rate in this run: {current.warm_coalesced} of {current.n_warm_ok} "
+            "successful warm calls were coalesced (their content arrived in one read)"
+        )
+    return "no successful warm call to compare"
+
+
+def engine_name(cell_id: str) -> str:
+    """The server of the cell's engine kind (`<node>:<engine>:<model>`), for the messages."""
+    parts = cell_id.split(":", 2)
+    return ENGINE_NAMES.get(parts[1], "the engine") if len(parts) == 3 else "the engine"
+
+
+def attribute(
+    metric: Metric, current: PromptSummary, baseline: PromptSummary, ratio: float
+) -> Attribution:
+    """Did the engine's own figure move with the client's (current / baseline = `ratio`)?"""
+    old, new = metric.engine_value(baseline), metric.engine_value(current)
+    engine = engine_name(current.cell_id)
+    if old is None and new is None:
+        return Attribution(
+            "unknown", None, f"not attributed: {engine} reports no timings of its own"
+        )
+    if old is None or new is None or old <= 0 or new <= 0:
+        side = "this run" if old is not None else "the baseline"
+        return Attribution(
+            "unknown", None, f"not attributed: {side} has no {engine} {metric.engine_label}"
+        )
+    engine_ratio = new / old
+    own = f"{engine}'s own {metric.engine_label} {_percent(engine_ratio)}"
+    if _share(engine_ratio, ratio) >= ENGINE_SHARE:
+        return Attribution("engine", engine_ratio, f"engine-side: {own}")
+    # The engine's prompt time leaves out the wait before it starts on a request (its queue, a
+    # busy host); an engine slowed as a whole shows it in its decode rate over the same calls.
+    # A lower rate is a longer time: inverted, it moves the way a slower TTFT or total does.
+    rate_old = DECODE_TOKENS_PER_SEC.engine_value(baseline)
+    rate_new = DECODE_TOKENS_PER_SEC.engine_value(current)
+    if (
+        metric is not DECODE_TOKENS_PER_SEC
+        and rate_old
+        and rate_new
+        and _share(rate_old / rate_new, ratio) >= ENGINE_SHARE
+    ):
+        slower = f"{engine}'s own decode rate {_percent(rate_new / rate_old)}"
+        return Attribution(
+            "engine", engine_ratio, f"engine-side: {slower} over the same calls ({own})"
+        )
+    # The engine's timings start when it begins on the prompt: say what they cannot see.
+    unseen = (
+        ""
+        if metric is DECODE_TOKENS_PER_SEC
+        else f"; they leave out the wait before {engine} starts on a request"
+    )
+    return Attribution(
+        "client_or_transport",
+        engine_ratio,
+        f"client or transport side: the engine's own timings held ({own}{unseen})",
+    )
+
+
+def _share(engine_ratio: float, client_ratio: float) -> float:
+    """How far the engine's figure moved relative to the client's, on a log scale (1 = as far)."""
+    if engine_ratio <= 0 or client_ratio <= 0 or client_ratio == 1.0:
+        return 0.0
+    return math.log(engine_ratio) / math.log(client_ratio)
 
 
 def _alternative(
@@ -328,6 +443,8 @@ def _verdict(
     value: float | None = None,
     ratio: float | None = None,
     p_value: float | None = None,
+    attribution: AttributionKind | None = None,
+    engine_ratio: float | None = None,
 ) -> Verdict:
     return Verdict(
         cell_id=current.cell_id,
@@ -339,6 +456,8 @@ def _verdict(
         p_value=p_value,
         verdict=kind,
         message=f"{current.cell_id} {current.prompt_id}: {message}",
+        attribution=attribution,
+        engine_change_ratio=engine_ratio,
     )
 
 

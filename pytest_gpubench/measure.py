@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -11,9 +12,10 @@ from urllib.parse import urlsplit
 
 import h11
 
-# Why not httpx or aiohttp here: measured on a 2-core machine against a server that logs when it
-# writes its first byte, they add 0.9-1.9 ms to TTFT; a blocking socket read by h11 adds less than
-# 0.5 ms (benchmarks_dev/client_overhead.py). Control calls (health, tags) use httpx.
+# Why not httpx here: against a server that logs when it writes its first byte, a blocking socket
+# read by h11 adds the least to TTFT (benchmarks_dev/client_overhead.py; on a loaded 2-core
+# machine, median 0.06 ms against 0.15 ms for httpx sync and 0.25 ms for httpx async; the README
+# keeps the figures). Control calls (health, version, tags) use httpx.
 _RECV_BYTES = 65536
 
 
@@ -41,7 +43,7 @@ class StreamedResponse:
 
 @dataclass
 class CallMeasurement:
-    """What one call measured, in the units of SPEC §6."""
+    """What one call measured, in the units of README "What it measures"."""
 
     first_delta_ms: float | None = None
     total_duration_ms: float | None = None
@@ -55,6 +57,15 @@ class CallMeasurement:
     backend: str = ""
     error: str | None = None
     engine_timings: dict[str, Any] = field(default_factory=dict)
+    # Added with the decode-rate definition of issue 11; a record that has `coalesced` carries
+    # `tokens_per_sec` and `tpot_ms` under that definition (older ledgers do not).
+    e2e_tokens_per_sec: float | None = None
+    coalesced: bool = False
+    content_reads: int = 0
+    # The engine's own figures, normalised from engine_timings (None where it reports none).
+    engine_tokens_per_sec: float | None = None
+    engine_prompt_ms: float | None = None
+    engine_total_ms: float | None = None
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -70,6 +81,12 @@ class CallMeasurement:
             "backend": self.backend,
             "error": self.error,
             "engine_timings": self.engine_timings,
+            "e2e_tokens_per_sec": self.e2e_tokens_per_sec,
+            "coalesced": self.coalesced,
+            "content_reads": self.content_reads,
+            "engine_tokens_per_sec": self.engine_tokens_per_sec,
+            "engine_prompt_ms": self.engine_prompt_ms,
+            "engine_total_ms": self.engine_total_ms,
         }
 
 
@@ -77,21 +94,70 @@ def _ms(start_ns: int, end_ns: int) -> float:
     return round((end_ns - start_ns) / 1e6, 4)
 
 
-def derive_rates(measurement: CallMeasurement, content_arrivals_ns: Sequence[int]) -> None:
-    """Fill tokens/s, TPOT and inter-chunk gaps from the content chunk arrival times (SPEC §6)."""
+@dataclass(frozen=True)
+class Rates:
+    """A call's rates from its content arrival times (README "What it measures")."""
+
+    tokens_per_sec: float | None
+    tpot_ms: float | None
+    e2e_tokens_per_sec: float | None
+    coalesced: bool
+    content_reads: int
+
+
+def call_rates(
+    content_arrivals_ns: Sequence[int], completion_tokens: int | None, total_ms: float | None
+) -> Rates:
+    """Decode tokens/s: the tokens after the first read over the time from it to the last.
+
+    (n - k) / (last content arrival - first content arrival), n the server's completion_tokens
+    (the client's content chunk count where the server sent no usage), k the content chunks that
+    came in the first read. With one chunk per read k = 1: n tokens, n - 1 intervals. A larger k
+    (chunks held back and sent together: a proxy, a late client read) would otherwise put k - 1
+    tokens that took no time of their own into the span and make the rate read high. Content
+    that arrived in a single read spans no time: the call is `coalesced` and has no decode rate;
+    its end-to-end rate, n / total, still stands.
+    """
+    arrivals = content_arrivals_ns
+    tokens = len(arrivals) if completion_tokens is None else completion_tokens
+    reads = len(set(arrivals))
+    coalesced = reads == 1
+    decode = tpot = e2e = None
+    if not coalesced and arrivals:
+        span_ns = arrivals[-1] - arrivals[0]
+        decoded = tokens - arrivals.count(arrivals[0])
+        if decoded > 0 and span_ns > 0:
+            decode = round(decoded / (span_ns / 1e9), 3)
+            tpot = round(span_ns / 1e6 / decoded, 6)
+    if total_ms and total_ms > 0 and tokens > 0:
+        e2e = round(tokens / (total_ms / 1000.0), 3)
+    return Rates(decode, tpot, e2e, coalesced, reads)
+
+
+def finish_timing(
+    measurement: CallMeasurement, response: StreamedResponse, content_arrivals_ns: Sequence[int]
+) -> None:
+    """TTFT, total, chunk count and gaps from what arrived, whole or not; rates if it succeeded.
+
+    A failed call keeps the figures it got so far (TTFT, content chunks, send to last byte) beside
+    its error, but no rates: those are results, and a failed call is never one.
+    """
+    arrivals = content_arrivals_ns
+    if arrivals:
+        measurement.first_delta_ms = _ms(response.sent_ns, arrivals[0])
+    end_ns = response.last_byte_ns or (arrivals[-1] if arrivals else 0)
+    if end_ns:
+        measurement.total_duration_ms = _ms(response.sent_ns, end_ns)
+    measurement.client_chunks = len(arrivals)
     measurement.inter_chunk_ms = [
-        _ms(earlier, later)
-        for earlier, later in zip(content_arrivals_ns, content_arrivals_ns[1:], strict=False)
+        _ms(earlier, later) for earlier, later in itertools.pairwise(arrivals)
     ]
-    first, total = measurement.first_delta_ms, measurement.total_duration_ms
-    tokens = measurement.completion_tokens
-    if first is None or total is None or not tokens:
-        return
-    decode_ms = total - first
-    if decode_ms > 0:
-        measurement.tokens_per_sec = round(tokens / (decode_ms / 1000.0), 3)
-    if tokens > 1:
-        measurement.tpot_ms = round(decode_ms / (tokens - 1), 4)
+    rates = call_rates(arrivals, measurement.completion_tokens, measurement.total_duration_ms)
+    measurement.coalesced, measurement.content_reads = rates.coalesced, rates.content_reads
+    if measurement.error is None:
+        measurement.tokens_per_sec = rates.tokens_per_sec
+        measurement.tpot_ms = rates.tpot_ms
+        measurement.e2e_tokens_per_sec = rates.e2e_tokens_per_sec
 
 
 def _split_url(base_url: str) -> tuple[str, int, str]:
@@ -101,14 +167,30 @@ def _split_url(base_url: str) -> tuple[str, int, str]:
     return parts.hostname, parts.port or 80, parts.path.rstrip("/")
 
 
+class _ClosedByPeer(Exception):
+    """The server closed the connection where HTTP says it may not (before or within a reply)."""
+
+
 def _read_event(conn: h11.Connection, sock: socket.socket, stamps: list[int]) -> h11.Event:
-    """Next h11 event; each time bytes arrive, their arrival time is pushed onto `stamps`."""
+    """Next h11 event; each time bytes arrive, their arrival time is pushed onto `stamps`.
+
+    h11 reports a close in the wrong place in its own words ("can't handle event type
+    ConnectionClosed when role=SERVER…"); it becomes _ClosedByPeer, for a message a user can read.
+    """
+    closed = False
     while True:
-        event = conn.next_event()
+        try:
+            event = conn.next_event()
+        except h11.RemoteProtocolError:
+            if closed:
+                raise _ClosedByPeer from None
+            raise
         if event is not h11.NEED_DATA:
             return event  # type: ignore[return-value]
         raw = sock.recv(_RECV_BYTES)
-        stamps.append(time.perf_counter_ns())
+        if raw:
+            stamps.append(time.perf_counter_ns())
+        closed = not raw
         conn.receive_data(raw)
 
 
@@ -145,6 +227,12 @@ def stream_post(
     try:
         sock.sendall(payload)
         event = _read_event(conn, sock, stamps)
+    except _ClosedByPeer:
+        sock.close()
+        raise StreamError(f"{host}:{port} closed the connection before responding") from None
+    except ConnectionResetError:
+        sock.close()
+        raise StreamError(f"{host}:{port} reset the connection before responding") from None
     except (OSError, h11.RemoteProtocolError) as exc:
         sock.close()
         raise StreamError(f"no response from {host}:{port}: {exc}") from None
@@ -181,6 +269,11 @@ def _lines(
                 event = _read_event(conn, sock, stamps)
             except TimeoutError:
                 raise StreamError(f"no data for {deadline_s:g} s (read timed out)") from None
+            except _ClosedByPeer:
+                raise StreamError(
+                    f"stream broke after {response.chunks_received} chunks: the server closed "
+                    "the connection before the end of its response"
+                ) from None
             except (OSError, h11.RemoteProtocolError) as exc:
                 raise StreamError(
                     f"stream broke after {response.chunks_received} chunks: {exc}"

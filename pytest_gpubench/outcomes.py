@@ -1,5 +1,6 @@
 """What became of each planned cell: measured, failed (with its stage and reason), skipped on
-purpose (`skip:` in cells.yaml), or missing (planned, never run). Pure: records in, outcomes out."""
+purpose (`skip:` in cells.yaml), or missing (never run, or an optional cell that could not be
+measured). Pure: records in, outcomes out."""
 
 from __future__ import annotations
 
@@ -90,10 +91,21 @@ def _outcome(
     )
     if cell.spec.skip:
         return replace(missing, status="skipped", reason=cell.spec.skip)
+    outcome = _measured_or_failed(missing, skip, first_error.get(cell.cell_id))
+    # An optional cell that could not be measured is missing from the results, and allowed to be.
+    if outcome.status == "failed" and cell.spec.optional:
+        return replace(outcome, status="missing")
+    return outcome
+
+
+def _measured_or_failed(
+    missing: CellOutcome, skip: Mapping[str, Any] | None, first_error: str | None
+) -> CellOutcome:
+    n_calls, n_ok = missing.calls, missing.ok_calls
     if n_ok:
         return replace(missing, status="measured", reason=None)
     if n_calls:
-        error = first_error.get(cell.cell_id, "no reason given")
+        error = first_error or "no reason given"
         return replace(
             missing, status="failed", stage="benchmark", reason=f"every call failed: {error}"
         )

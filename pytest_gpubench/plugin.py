@@ -15,7 +15,7 @@ from pytest_gpubench.controller import RunController
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.harness import Harness
 from pytest_gpubench.matrix import Matrix, load_matrix
-from pytest_gpubench.options import Options, addoption
+from pytest_gpubench.options import Options, add_aliases, addoption, option_warnings
 
 CASE_FIXTURE = "gpubench_case"
 # Generous on purpose: the engine's own stream timeout (the cell's timeout_s) must fire first, so
@@ -27,10 +27,27 @@ RUN_KEY = pytest.StashKey[RunController]()
 RELEASE_KEY = pytest.StashKey[dict[str, str]]()
 RECORDS_KEY = pytest.StashKey[list[dict[str, Any]]]()
 RENTALS_KEY = pytest.StashKey[list[dict[str, Any]]]()
+# The short option aliases another plugin or conftest had already taken.
+TAKEN_ALIASES_KEY = pytest.StashKey[tuple[str, ...]]()
+# Why a benchmark test collected no cases (the matrix file is missing): a usage error, one line,
+# raised once collection is over (an error raised while collecting would be a traceback).
+MISSING_MATRIX_KEY = pytest.StashKey[str]()
+NOTHING_MEASURED = (
+    "{nodeid} asked for gpubench_case but never called gpubench_case.run(): nothing was measured"
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     addoption(parser)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_load_initial_conftests(
+    early_config: pytest.Config, parser: pytest.Parser, args: list[str]
+) -> Generator[None, None, None]:
+    """The short aliases go in after the initial conftests, so theirs win any clash."""
+    yield
+    early_config.stash[TAKEN_ALIASES_KEY] = add_aliases(parser)
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -43,10 +60,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cold: first call after the model was forced out of memory")
     config.addinivalue_line("markers", "warm: a call preceded by one to the same model within 60 s")
     options = Options.from_config(config)
+    _warn_about_options(config)
     run = RunController(
         options,
-        _matrix(config, options),
-        root=config.rootpath,
+        None if options.skip else _matrix(config, options),
+        root=options.anchor,
         argv=list(config.invocation_params.args),
         writes_ledger=not xdist.is_worker(config),
         run_id=xdist.worker_run_id(config),
@@ -54,11 +72,16 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[RUN_KEY] = run
     config.stash[RELEASE_KEY] = {}
-    config.pluginmanager.register(ReportReader(run), "gpubench-reports")
+    config.pluginmanager.register(ReportReader(config, run), "gpubench-reports")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(
             xdist.XdistHooks(config, lambda: config.stash[RUN_KEY]), "gpubench-xdist"
         )
+
+
+def _warn_about_options(config: pytest.Config) -> None:
+    for warning in option_warnings(config, config.stash.get(TAKEN_ALIASES_KEY, ())):
+        config.issue_config_time_warning(pytest.PytestConfigWarning(warning), stacklevel=2)
 
 
 def _matrix(config: pytest.Config, options: Options) -> Matrix | None:
@@ -89,11 +112,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if CASE_FIXTURE not in metafunc.fixturenames:
         return
     run = _run(metafunc.config)
+    if run.options.skip:
+        return  # deselected in pytest_collection_modifyitems
     if run.matrix is None:
-        raise pytest.UsageError(
+        missing = (
             f"{run.options.cells_path}: not found; {metafunc.function.__name__} needs the cell "
-            "matrix (write cells.yaml at the rootdir or pass --gpubench-cells PATH)"
+            f"matrix (looked in {run.options.anchor_kind}; run `gpubench init` there, or pass "
+            "--gpubench-cells PATH)"
         )
+        if xdist.is_worker(metafunc.config):
+            pytest.fail(missing, pytrace=False)  # the controller shows it as a collection error
+        metafunc.config.stash[MISSING_MATRIX_KEY] = missing
+        metafunc.parametrize(CASE_FIXTURE, [], indirect=True)
+        return
     matrix = run.matrix
     params = [
         pytest.param(case, id=case.case_id, marks=_case_marks(matrix, case))
@@ -110,11 +141,17 @@ def _case_marks(matrix: Matrix, case: Case) -> list[pytest.MarkDecorator]:
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
+    if _run(config).options.skip:
+        benchmarks = [item for item in items if CASE_FIXTURE in getattr(item, "fixturenames", ())]
+        if benchmarks:
+            config.hook.pytest_deselected(items=benchmarks)
+            items[:] = [item for item in items if item not in benchmarks]
+        return
     cases = [item for item in items if _case_of(item) is not None]
     if not cases:
         return
     others = [item for item in items if _case_of(item) is None]
-    cases.sort(key=lambda item: _case_of(item))  # type: ignore[arg-type, return-value]
+    cases.sort(key=_case_of)  # type: ignore[arg-type]
     run = _run(config)
     if run.options.smoke and run.matrix is not None:
         skipped = {cell.cell_id for cell in run.matrix.cells if cell.spec.skip}
@@ -127,9 +164,12 @@ def pytest_collection_modifyitems(
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """After every deselection: check the guards and open the ledger if any case will run."""
+    missing_matrix = session.config.stash.get(MISSING_MATRIX_KEY, None)
+    if missing_matrix is not None:
+        raise pytest.UsageError(missing_matrix)
     run = _run(session.config)
     session.config.stash[RELEASE_KEY] = _last_case_of_each_node(session.items, run.matrix)
-    planned = sum(1 for item in session.items if _case_of(item) is not None)
+    planned = [case for case in map(_case_of, session.items) if case is not None]
     if not planned or not run.writes_ledger or session.config.option.collectonly:
         return
     try:
@@ -167,11 +207,17 @@ class BenchCase:
     harness: Harness
     records: list[dict[str, Any]] = field(default_factory=list)
     record: dict[str, Any] | None = None
+    # The test item's user_properties: the call's figures go into the JUnit XML from here.
+    properties: list[tuple[str, object]] = field(default_factory=list)
 
     def run(self) -> dict[str, Any]:
-        """Measure the case; returns its call record (the sample record travels beside it)."""
+        """Measure the case once; returns its call record (README: "The call record"); the
+        case's sample record travels beside it."""
+        from pytest_gpubench.junit import call_properties
+
         self.record, others = self.harness.run_case(self.case)
         self.records.extend([self.record, *others])
+        self.properties.extend(call_properties(self.record))
         return self.record
 
 
@@ -188,7 +234,7 @@ def gpubench_case(request: pytest.FixtureRequest) -> BenchCase:
         if run.options.for_publication:
             pytest.fail(f"--for-publication: {case.cell_id} is unavailable: {reason}", False)
         pytest.skip(reason)
-    return BenchCase(case, run.harness, records)
+    return BenchCase(case, run.harness, records, properties=request.node.user_properties)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -196,6 +242,11 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
+    if call.when == "call" and report.passed:
+        bench = getattr(item, "funcargs", {}).get(CASE_FIXTURE)
+        if isinstance(bench, BenchCase) and bench.record is None:
+            report.outcome = "failed"
+            report.longrepr = NOTHING_MEASURED.format(nodeid=item.nodeid)
     # Records ride on the report (built-in types only) so xdist carries them to the controller.
     for key, attr in ((RECORDS_KEY, xdist.RECORDS_ATTR), (RENTALS_KEY, xdist.RENTALS_ATTR)):
         pending = item.stash.get(key, [])
@@ -211,7 +262,8 @@ class ReportReader:
     (wherever it ran) and the rentals a worker gave back (known here even if the run is
     interrupted before the worker ends)."""
 
-    def __init__(self, run: RunController) -> None:
+    def __init__(self, config: pytest.Config, run: RunController) -> None:
+        self.config = config
         self.run = run
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -219,8 +271,18 @@ class ReportReader:
             return
         records = getattr(report, xdist.RECORDS_ATTR, None)
         if records:
-            self.run.collect(records)
+            stop = self.run.collect(records)
+            if stop is not None:
+                _stop_session(self.config, stop)
         self.run.add_worker_rentals(getattr(report, xdist.RENTALS_ATTR, None) or [])
+
+
+def _stop_session(config: pytest.Config, reason: str) -> None:
+    """No case may start once nothing more can be recorded (pytest's own -x mechanism)."""
+    for name in ("session", "dsession"):
+        plugin = config.pluginmanager.get_plugin(name)
+        if plugin is not None:
+            plugin.shouldstop = reason
 
 
 @pytest.hookimpl(trylast=True)
@@ -245,14 +307,21 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     run = _run(session.config)
     if not run.options.probe or run.matrix is None or xdist.is_worker(session.config):
         return None
-    session.testsfailed = run.probe()
+    run.probe()  # an unhealthy required cell makes the session's status EXIT_UNMEASURED
     return True
 
 
+# First: the JUnit XML plugin writes its file in its own pytest_sessionfinish.
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    status = _run(session.config).finish(int(exitstatus), xdist.workeroutput(session.config))
-    if status is not None:
+    run = _run(session.config)
+    status = run.finish(int(exitstatus), xdist.workeroutput(session.config))
+    if status != exitstatus:
         session.exitstatus = status
+    if run.ledger is not None:
+        from pytest_gpubench.junit import add_gate_failures
+
+        add_gate_failures(session.config, run)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -271,6 +340,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         lines = []
         terminalreporter.write_sep("=", "gpubench")
         judgement = run.judgement
+        lines.extend(report.outcome_lines(run.outcomes))
         lines.extend(
             report.gate_lines(
                 judgement.summaries,
@@ -281,8 +351,23 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                 baselines_dir=run.options.baselines_dir,
             )
         )
+        if run.write_error is not None:
+            lines.append(report.TerminalLine(f"ERROR: {run.write_error}", red=True))
         lines.append(report.TerminalLine(f"ledger: {run.ledger.path}"))
     _write(terminalreporter, run, lines)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The last line a person reads is the status the process really exits with."""
+    run = config.stash.get(RUN_KEY, None)
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    if run is None or run.exit_status is None or terminal is None:
+        return
+    if run.ledger is None and not run.probe_rows and run.startup_error is None:
+        return
+    from pytest_gpubench.status import describe
+
+    terminal.write_line(f"gpubench: {describe(run.exit_status)}", red=run.exit_status != 0)
 
 
 def _write(terminalreporter: pytest.TerminalReporter, run: RunController, lines: list[Any]) -> None:

@@ -181,8 +181,11 @@ def end_record(
     regressions: int,
     gate_error: str | None,
     nodes: list[dict[str, Any]],
+    cells: list[dict[str, Any]],
+    exit_status: int,
 ) -> dict[str, Any]:
-    """The last line of a ledger: when it ended, the machine's load, and the gate's verdict."""
+    """The last line of a ledger: when it ended, the machine's load, the gate's verdict, every
+    planned cell's outcome and the session's exit status."""
     return {
         "type": "end",
         "benchmark_run_id": run_id,
@@ -195,4 +198,7 @@ def end_record(
         "regressions": regressions,
         "gate_error": gate_error,
         "nodes": nodes,
+        # What became of every planned cell: measured, failed (stage, reason), skipped, missing.
+        "cells": cells,
+        "exit_status": exit_status,
     }

@@ -12,13 +12,13 @@ from typing import Any, Protocol
 from tabulate import tabulate
 
 from pytest_gpubench.gate import (
-    EXIT_REGRESSION,
     METRIC_NAMES,
     SUCCESS_RATE,
     Verdict,
     overall_by_key,
     regressions,
 )
+from pytest_gpubench.outcomes import CellOutcome
 from pytest_gpubench.stats import PromptSummary, summarize
 from pytest_gpubench.targets.gpu import gpu_summary
 
@@ -26,6 +26,8 @@ NONE = "-"
 METRIC_LABELS = {
     "warm_ttft_p50_ms": "TTFT p50 ms",
     "warm_total_p50_ms": "total p50 ms",
+    "warm_decode_tokens_per_sec_p50": "decode tok/s p50",
+    # Gated before issue 11; still named when an older ledger's end record is rendered.
     "warm_tokens_per_sec_mean": "tok/s mean",
     SUCCESS_RATE: "success rate",
 }
@@ -91,9 +93,10 @@ SUMMARY_HEADERS = (
     "prompt",
     "TTFT p50 ms",
     "total p50 ms",
-    "tok/s",
+    "decode tok/s p50",
+    "coalesced",
     "success",
-    "Δ TTFT / total / tok/s",
+    "Δ TTFT / total / decode tok/s",
     "verdict",
 )
 
@@ -111,7 +114,8 @@ def summary_rows(
             summary.prompt_id,
             fixed(summary.warm_first_delta_ms_p50),
             fixed(summary.warm_total_duration_ms_p50),
-            fixed(summary.warm_tokens_per_sec_mean, 1),
+            fixed(summary.warm_decode_tokens_per_sec_p50, 1),
+            str(summary.warm_coalesced),
             success(summary),
             _changes(by_key.get(summary.key, {})),
             worst.get(summary.key, NONE),
@@ -134,22 +138,31 @@ def _changes(metrics: Mapping[str, Verdict]) -> str:
     return " / ".join(change(verdict.change_ratio if verdict else None) for verdict in ratios)
 
 
-def verdict_notes(verdicts: Iterable[Verdict]) -> list[str]:
-    """The messages of regressions, inconclusive changes and wins, worst first."""
+def verdict_notes(verdicts: Iterable[Verdict], *, accepted: bool = False) -> list[str]:
+    """The messages of regressions, inconclusive changes and wins, worst first. With
+    --baseline-update a change is not a finding but what is being ratified: `ACCEPTED`."""
     order = {kind: index for index, kind in enumerate(NOTEWORTHY)}
     chosen = [verdict for verdict in verdicts if verdict.verdict in order]
     metrics = {name: index for index, name in enumerate(METRIC_NAMES)}
     chosen.sort(key=lambda v: (order[v.verdict], v.key, metrics.get(v.metric, len(metrics))))
-    return [f"{verdict.verdict.upper()}: {verdict.message}" for verdict in chosen]
+    return [
+        f"ACCEPTED ({verdict.verdict}): {verdict.message}"
+        if accepted and verdict.verdict != "win"
+        else f"{verdict.verdict.upper()}: {verdict.message}"
+        for verdict in chosen
+    ]
 
 
-def render_summary(summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict]) -> str:
+def render_summary(
+    summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict], *, accepted: bool = False
+) -> str:
     """The terminal summary: the table, then one line per verdict that needs attention."""
     verdicts = list(verdicts)
     rows = summary_rows(summaries, verdicts)
     if not rows:
         return "no calls measured"
-    return "\n".join([table(rows, SUMMARY_HEADERS), *verdict_notes(verdicts)])
+    notes = verdict_notes(verdicts, accepted=accepted)
+    return "\n".join([table(rows, SUMMARY_HEADERS), *notes])
 
 
 # -- the end of a pytest session ------------------------------------------------------------
@@ -188,6 +201,33 @@ def rental_lines(rentals: Iterable[Mapping[str, Any]]) -> list[TerminalLine]:
     return lines
 
 
+OUTCOME_HEADERS = ("cell", "status", "calls ok", "stage", "reason")
+
+
+def outcome_lines(outcomes: Iterable[CellOutcome]) -> list[TerminalLine]:
+    """Every planned cell: measured, failed (stage, reason), skipped, missing; unmeasured in red."""
+    outcomes = list(outcomes)
+    if not outcomes:
+        return []
+    rows = [
+        [
+            o.cell_id,
+            o.status + (" (optional)" if o.optional and o.unmeasured else ""),
+            f"{o.ok_calls}/{o.calls}",
+            o.stage or NONE,
+            _shorten(o.reason or NONE),
+        ]
+        for o in outcomes
+    ]
+    text = table(rows, OUTCOME_HEADERS)
+    return [TerminalLine(text, red=any(o.fails_run for o in outcomes))]
+
+
+def _shorten(text: str, limit: int = 100) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 def gate_lines(
     summaries: Iterable[PromptSummary],
     verdicts: Iterable[Verdict],
@@ -199,7 +239,11 @@ def gate_lines(
 ) -> list[TerminalLine]:
     """The gate's part of the terminal summary: the table, baseline notes, errors, the status."""
     summaries, verdicts = list(summaries), list(verdicts)
-    lines = [TerminalLine(render_summary(summaries, verdicts))] if summaries else []
+    lines = (
+        [TerminalLine(render_summary(summaries, verdicts, accepted=baseline_update))]
+        if summaries
+        else []
+    )
     lines.extend(TerminalLine(note) for note in baseline_notes)
     if gate_error is not None:
         lines.append(TerminalLine(f"ERROR: {gate_error}", red=True))
@@ -207,8 +251,7 @@ def gate_lines(
     if found and not baseline_update:
         lines.append(
             TerminalLine(
-                f"gpubench: {len(found)} regression(s) against {baselines_dir}; "
-                f"exit status {EXIT_REGRESSION}",
+                f"gpubench: {len(found)} regression(s) against {baselines_dir}",
                 red=True,
             )
         )
@@ -380,7 +423,10 @@ WARM_HEADERS = (
     "total p50",
     "total p95",
     "total p99",
-    "tok/s mean",
+    "decode tok/s p50",
+    "TPOT p90 ms",
+    "engine tok/s p50",
+    "coalesced",
 )
 
 
@@ -410,7 +456,10 @@ def _warm_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
             fixed(s.warm_total_duration_ms_p50),
             fixed(s.warm_total_duration_ms_p95),
             fixed(s.warm_total_duration_ms_p99),
-            fixed(s.warm_tokens_per_sec_mean, 1),
+            fixed(s.warm_decode_tokens_per_sec_p50, 1),
+            fixed(s.warm_tpot_ms_p90, 3),
+            fixed(s.warm_engine_tokens_per_sec_p50, 1),
+            str(s.warm_coalesced),
         ]
         for s in summaries
     ]

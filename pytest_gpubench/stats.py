@@ -10,26 +10,59 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-PERCENTILES = (0.50, 0.95, 0.99)
+PERCENTILES = (0.50, 0.90, 0.95, 0.99)
+PERCENTILE_NAMES = ("p50", "p90", "p95", "p99")
+# The warm metrics summarized per (cell, prompt), each to the call record field it is read from.
+# The decode rate is the record's `tokens_per_sec` (and `tpot_ms` its inverse) only in records
+# that carry `coalesced`: older ledgers computed both another way, and are left out of them.
+WARM_METRICS: dict[str, str] = {
+    "first_delta_ms": "first_delta_ms",
+    "total_duration_ms": "total_duration_ms",
+    "decode_tokens_per_sec": "tokens_per_sec",
+    "tpot_ms": "tpot_ms",
+    "e2e_tokens_per_sec": "e2e_tokens_per_sec",
+    "engine_tokens_per_sec": "engine_tokens_per_sec",
+    "engine_prompt_ms": "engine_prompt_ms",
+    "engine_total_ms": "engine_total_ms",
+}
+_DECODE_METRICS = ("decode_tokens_per_sec", "tpot_ms")
 # Fields read from each call record; everything else (inter-chunk gaps, engine timings) is left
 # out of the frame so that a million records stay cheap.
 _TEXT_FIELDS = ("cell_id", "prompt_id", "prompt_sha256", "phase", "cold_kind")
-_NUMBER_FIELDS = ("run_idx", "first_delta_ms", "total_duration_ms", "tokens_per_sec")
-SAMPLE_FIELDS = ("first_delta_ms", "total_duration_ms", "tokens_per_sec")
+# The raw values kept per (cell, prompt): what the gate tests significance and attribution on.
+SAMPLE_FIELDS = (
+    "first_delta_ms",
+    "total_duration_ms",
+    "decode_tokens_per_sec",
+    "engine_prompt_ms",
+    "engine_tokens_per_sec",
+    "engine_total_ms",
+)
 
 
 @dataclass(frozen=True)
 class WarmSamples:
-    """Raw values of the successful warm calls, in ledger order: what the gate tests on."""
+    """Raw values of the successful warm calls, in ledger order: what the gate tests on.
+
+    The engine's own figures (engine_*) sit beside the client's, so that a change can be
+    attributed to the engine or to what lies between it and the client.
+    """
 
     first_delta_ms: tuple[float, ...] = ()
     total_duration_ms: tuple[float, ...] = ()
-    tokens_per_sec: tuple[float, ...] = ()
+    decode_tokens_per_sec: tuple[float, ...] = ()
+    engine_prompt_ms: tuple[float, ...] = ()
+    engine_tokens_per_sec: tuple[float, ...] = ()
+    engine_total_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
 class PromptSummary:
-    """The numbers of one (cell, prompt): its first cold call and its warm distribution."""
+    """The numbers of one (cell, prompt): its first cold call and its warm distribution.
+
+    Warm percentiles are named warm_<metric>_<p50|p90|p95|p99> for each metric of WARM_METRICS;
+    `warm_coalesced` counts the successful warm calls whose content came in one read.
+    """
 
     cell_id: str
     prompt_id: str
@@ -42,12 +75,38 @@ class PromptSummary:
     n_warm: int = 0
     n_warm_ok: int = 0
     warm_first_delta_ms_p50: float | None = None
+    warm_first_delta_ms_p90: float | None = None
     warm_first_delta_ms_p95: float | None = None
     warm_first_delta_ms_p99: float | None = None
     warm_total_duration_ms_p50: float | None = None
+    warm_total_duration_ms_p90: float | None = None
     warm_total_duration_ms_p95: float | None = None
     warm_total_duration_ms_p99: float | None = None
-    warm_tokens_per_sec_mean: float | None = None
+    warm_decode_tokens_per_sec_p50: float | None = None
+    warm_decode_tokens_per_sec_p90: float | None = None
+    warm_decode_tokens_per_sec_p95: float | None = None
+    warm_decode_tokens_per_sec_p99: float | None = None
+    warm_tpot_ms_p50: float | None = None
+    warm_tpot_ms_p90: float | None = None
+    warm_tpot_ms_p95: float | None = None
+    warm_tpot_ms_p99: float | None = None
+    warm_e2e_tokens_per_sec_p50: float | None = None
+    warm_e2e_tokens_per_sec_p90: float | None = None
+    warm_e2e_tokens_per_sec_p95: float | None = None
+    warm_e2e_tokens_per_sec_p99: float | None = None
+    warm_engine_tokens_per_sec_p50: float | None = None
+    warm_engine_tokens_per_sec_p90: float | None = None
+    warm_engine_tokens_per_sec_p95: float | None = None
+    warm_engine_tokens_per_sec_p99: float | None = None
+    warm_engine_prompt_ms_p50: float | None = None
+    warm_engine_prompt_ms_p90: float | None = None
+    warm_engine_prompt_ms_p95: float | None = None
+    warm_engine_prompt_ms_p99: float | None = None
+    warm_engine_total_ms_p50: float | None = None
+    warm_engine_total_ms_p90: float | None = None
+    warm_engine_total_ms_p95: float | None = None
+    warm_engine_total_ms_p99: float | None = None
+    warm_coalesced: int = 0
     samples: WarmSamples = WarmSamples()
 
     @property
@@ -58,6 +117,11 @@ class PromptSummary:
     def warm_success_rate(self) -> float | None:
         """Successful warm calls over all warm calls; None when no warm call ran."""
         return self.n_warm_ok / self.n_warm if self.n_warm else None
+
+    def warm_percentile(self, metric: str, percentile: str) -> float | None:
+        """warm_percentile("decode_tokens_per_sec", "p90"): one of the warm_* fields."""
+        value: float | None = getattr(self, f"warm_{metric}_{percentile}")
+        return value
 
 
 def is_success(record: Mapping[str, Any]) -> bool:
@@ -73,8 +137,13 @@ def call_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     frame = pd.DataFrame(
         {field: _objects([record.get(field) for record in calls]) for field in _TEXT_FIELDS}
     )
-    for field in _NUMBER_FIELDS:
-        frame[field] = _floats([record.get(field) for record in calls])
+    frame["run_idx"] = _floats([record.get("run_idx") for record in calls])
+    for metric, field in WARM_METRICS.items():
+        frame[metric] = _floats([record.get(field) for record in calls])
+    current_definition = np.array(["coalesced" in record for record in calls], dtype=bool)
+    for metric in _DECODE_METRICS:
+        frame.loc[~current_definition, metric] = np.nan
+    frame["coalesced"] = np.array([record.get("coalesced") is True for record in calls], dtype=bool)
     # is_success, inlined: a function call per record costs a third of a second per million.
     frame["ok"] = np.array(
         [
@@ -118,9 +187,8 @@ def summarize_frame(frame: pd.DataFrame) -> list[PromptSummary]:
     cold_counts = _counts(cold)
     first_cold = _first_cold(cold)
     warm_counts = _counts(warm)
-    ttft = _percentiles(warm_ok, "first_delta_ms")
-    total = _percentiles(warm_ok, "total_duration_ms")
-    means = warm_ok.groupby("group", sort=False)["tokens_per_sec"].mean()
+    percentiles = {metric: _percentiles(warm_ok, metric) for metric in WARM_METRICS}
+    coalesced = warm_ok.groupby("group", sort=False)["coalesced"].sum()
     samples = _samples(warm_ok)
     return [
         _summary(
@@ -129,9 +197,10 @@ def summarize_frame(frame: pd.DataFrame) -> list[PromptSummary]:
             cold_counts=cold_counts.get(group, (0, 0)),
             first_cold=first_cold.get(group),
             warm_counts=warm_counts.get(group, (0, 0)),
-            ttft=ttft.get(group, (None, None, None)),
-            total=total.get(group, (None, None, None)),
-            tokens_per_sec_mean=_number(means.get(group)),
+            warm={
+                metric: values.get(group, _NO_PERCENTILES) for metric, values in percentiles.items()
+            },
+            coalesced=int(coalesced.get(group, 0)),
             samples=samples.get(group, WarmSamples()),
         )
         for group in sorted(range(len(keys)), key=keys.__getitem__)
@@ -153,6 +222,9 @@ def _with_group_codes(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[str
     return kept, keys
 
 
+_NO_PERCENTILES: tuple[float | None, ...] = (None,) * len(PERCENTILES)
+
+
 def _summary(
     key: tuple[str, str],
     *,
@@ -160,12 +232,16 @@ def _summary(
     cold_counts: tuple[int, int],
     first_cold: tuple[str | None, float | None, float | None] | None,
     warm_counts: tuple[int, int],
-    ttft: tuple[float | None, float | None, float | None],
-    total: tuple[float | None, float | None, float | None],
-    tokens_per_sec_mean: float | None,
+    warm: Mapping[str, tuple[float | None, ...]],
+    coalesced: int,
     samples: WarmSamples,
 ) -> PromptSummary:
     cold_kind, cold_ttft, cold_total = first_cold or (None, None, None)
+    warm_fields = {
+        f"warm_{metric}_{name}": value
+        for metric, values in warm.items()
+        for name, value in zip(PERCENTILE_NAMES, values, strict=True)
+    }
     return PromptSummary(
         cell_id=key[0],
         prompt_id=key[1],
@@ -177,14 +253,9 @@ def _summary(
         cold_total_duration_ms=cold_total,
         n_warm=warm_counts[0],
         n_warm_ok=warm_counts[1],
-        warm_first_delta_ms_p50=ttft[0],
-        warm_first_delta_ms_p95=ttft[1],
-        warm_first_delta_ms_p99=ttft[2],
-        warm_total_duration_ms_p50=total[0],
-        warm_total_duration_ms_p95=total[1],
-        warm_total_duration_ms_p99=total[2],
-        warm_tokens_per_sec_mean=tokens_per_sec_mean,
+        warm_coalesced=coalesced,
         samples=samples,
+        **warm_fields,
     )
 
 
@@ -233,16 +304,14 @@ def _first_cold(cold: pd.DataFrame) -> dict[int, tuple[str | None, float | None,
     }
 
 
-def _percentiles(
-    frame: pd.DataFrame, field: str
-) -> dict[int, tuple[float | None, float | None, float | None]]:
-    """p50/p95/p99 with linear interpolation (numpy's default); NaN values are left out."""
+def _percentiles(frame: pd.DataFrame, field: str) -> dict[int, tuple[float | None, ...]]:
+    """p50/p90/p95/p99 with linear interpolation (numpy's default); NaN values are left out."""
     present = frame[frame[field].notna()]
     if present.empty:
         return {}
     table = present.groupby("group", sort=False)[field].quantile(np.array(PERCENTILES)).unstack()
     return {
-        int(group): (_number(row[0]), _number(row[1]), _number(row[2]))
+        int(group): tuple(_number(value) for value in row)
         for group, row in zip(table.index, table.to_numpy(), strict=True)
     }
 
@@ -262,9 +331,7 @@ def _samples(frame: pd.DataFrame) -> dict[int, WarmSamples]:
     }
     return {
         int(sorted_groups[start]): WarmSamples(
-            first_delta_ms=_finite(split["first_delta_ms"][index]),
-            total_duration_ms=_finite(split["total_duration_ms"][index]),
-            tokens_per_sec=_finite(split["tokens_per_sec"][index]),
+            **{field: _finite(split[field][index]) for field in SAMPLE_FIELDS}
         )
         for index, start in enumerate(starts.tolist())
     }

@@ -37,12 +37,15 @@ def session_status(
     incomparable: bool = False,
     regressed: bool = False,
 ) -> int:
-    """The run's status: pytest's own when its tests failed or it was interrupted (a benchmark
-    that failed is a failed test), else the most serious of the gate's findings."""
+    """The run's status. A ledger or baseline that could not be written comes first: records
+    were lost (the run stops itself then, which pytest calls an interruption). Otherwise pytest's
+    own status when its tests failed or it was interrupted (a benchmark that failed is a failed
+    test), else the most serious of the gate's findings."""
+    if write_failed:
+        return EXIT_WRITE_FAILED
     if pytest_status != pytest.ExitCode.OK:
         return pytest_status
     for found, status in (
-        (write_failed, EXIT_WRITE_FAILED),
         (unmeasured, EXIT_UNMEASURED),
         (incomparable, EXIT_INCOMPARABLE),
         (regressed, EXIT_REGRESSION),

@@ -72,12 +72,14 @@ class XdistHooks:
         run = self.run()
         if run.matrix is None or run.started:
             return
-        case_ids = {escaped_id(case.case_id) for case in build_cases(run.matrix, run.options.runs)}
-        count = sum(1 for test_id in ids if param_id(test_id) in case_ids)
-        if not count:
+        by_id = {
+            escaped_id(case.case_id): case for case in build_cases(run.matrix, run.options.runs)
+        }
+        cases = [by_id[param_id(test_id)] for test_id in ids if param_id(test_id) in by_id]
+        if not cases:
             return
         try:
-            run.begin(count)
+            run.begin(cases)
         except GpubenchError as exc:
             run.refuse(exc)
             # The distributed session stops at its next turn; NodeScheduling hands out nothing.

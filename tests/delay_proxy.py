@@ -1,4 +1,5 @@
-"""A TCP proxy on 127.0.0.1 that holds back the first content of a streamed chat reply."""
+"""A TCP proxy on 127.0.0.1 that holds back the first content of a streamed chat reply, or
+batches its chunks (several per write, or the whole reply in one)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 import selectors
 import socket
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,6 +26,8 @@ SPIN_S = 0.0003
 # A release due within this long is waited for on the spot rather than in select(): epoll rounds
 # its timeout up to whole milliseconds, which would make a 0.5 ms delay a 1 ms one.
 HOLD_INLINE_S = 0.002
+# batch_chunks for a reply held whole, from its first content to its end, and sent in one write.
+WHOLE_REPLY = sys.maxsize
 
 
 class FirstContentSplitter:
@@ -109,6 +113,8 @@ class _Connection:
         self.held: bytearray | None = None
         self.release_s = 0.0
         self.upstream_done = False
+        # The reply from its first content on, while chunks are being gathered into one write.
+        self.batch: bytearray | None = None
 
     def engine_call(self) -> EngineCall | None:
         if not self.is_chat or self.first_content_s is None:
@@ -126,11 +132,22 @@ class DelayProxy:
     after the client's clock has started, the proxy added 0.6-0.9 ms to a TTFT of 1.6 ms here, as
     much as the delays under test; like this it adds 0.2-0.4 ms. `delay_ms` may be changed between
     calls; a call reads it when its first content arrives.
+
+    With `batch_chunks` N > 0 (and no delay), the reply from its first content on is gathered
+    and sent N content chunks to a write, the rest at its end; WHOLE_REPLY sends it all in one
+    write at the end. The engine is not slowed, only what the client sees of its pace.
     """
 
-    def __init__(self, upstream_host: str, upstream_port: int, delay_ms: float = 0.0) -> None:
+    def __init__(
+        self,
+        upstream_host: str,
+        upstream_port: int,
+        delay_ms: float = 0.0,
+        batch_chunks: int = 0,
+    ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.delay_ms = delay_ms
+        self.batch_chunks = batch_chunks
         # The chat calls answered so far, in the order their streams ended.
         self.engine_calls: list[EngineCall] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -242,7 +259,8 @@ class DelayProxy:
             connection.upstream_done = True
             self._selector.unregister(connection.upstream)
             if connection.held is None:
-                self._to_client(connection, connection.splitter.flush())
+                batch, connection.batch = connection.batch or b"", None
+                self._to_client(connection, bytes(batch) + connection.splitter.flush())
                 self._finish(connection)
             return
         connection.last_byte_s = time.perf_counter()
@@ -250,23 +268,35 @@ class DelayProxy:
             self._to_client(connection, data)
         elif connection.held is not None:
             connection.held += data  # behind the held first content, in order
+        elif connection.batch is not None:
+            self._gather(connection, data)
         else:
             now, later = connection.splitter.feed(data)
             self._to_client(connection, now)
             if later is not None:
                 connection.first_content_s = connection.last_byte_s
+                if self.batch_chunks > 0:
+                    connection.batch = bytearray()
+                    self._gather(connection, later)
+                    return
                 connection.held = bytearray(later)
                 connection.release_s = connection.first_content_s + self.delay_ms / 1000.0
+
+    def _gather(self, connection: _Connection, data: bytes) -> None:
+        """Add to the batch; send it in one write once it holds batch_chunks content chunks."""
+        assert connection.batch is not None
+        connection.batch += data
+        if len(CONTENT.findall(connection.batch)) >= self.batch_chunks:
+            batch, connection.batch = bytes(connection.batch), bytearray()
+            self._to_client(connection, batch)
 
     def _to_client(self, connection: _Connection, data: bytes) -> None:
         if data:
             self._send(connection, connection.client, data)
 
     def _finish(self, connection: _Connection) -> None:
-        if connection not in self._connections:
-            return  # finished already, when the client went away first
         call = connection.engine_call()
-        if call is not None:
+        if call is not None and connection in self._connections:  # each connection once
             self.engine_calls.append(call)
         self._drop(connection)
 
@@ -277,7 +307,7 @@ class DelayProxy:
         try:
             return sock.recv(_RECV_BYTES)
         except OSError:
-            self._broken(connection, sock)
+            self._broken(connection)
             return None
 
     def _send(self, connection: _Connection, sock: socket.socket, data: bytes) -> None:
@@ -285,17 +315,12 @@ class DelayProxy:
         try:
             sock.sendall(data)
         except OSError:
-            self._broken(connection, sock)
+            self._broken(connection)
 
-    def _broken(self, connection: _Connection, sock: socket.socket) -> None:
-        """A socket failed. The client stops reading at `data: [DONE]` and closes its socket
-        whenever its reader is collected, which may be before the chunked body's terminator,
-        the engine's last bytes, reach it: the engine answered all the same, so a chat whose
-        content had arrived is still recorded. Any other failure drops the connection."""
-        if sock is connection.client and connection.first_content_s is not None:
-            self._finish(connection)
-        else:
-            self._drop(connection)
+    def _broken(self, connection: _Connection) -> None:
+        """A socket error: a client that closes as soon as it has read the reply's end can reset
+        the connection before the engine's own end arrives; the engine's call still counts."""
+        self._finish(connection)
 
     def _drop(self, connection: _Connection) -> None:
         if connection not in self._connections:
@@ -321,11 +346,13 @@ def hold_until(deadline: float) -> None:
 
 
 @contextmanager
-def delay_proxy(upstream_url: str, delay_ms: float = 0.0) -> Iterator[DelayProxy]:
+def delay_proxy(
+    upstream_url: str, delay_ms: float = 0.0, batch_chunks: int = 0
+) -> Iterator[DelayProxy]:
     """A running proxy in front of `upstream_url` (http://host:port), closed on exit."""
     host_port = upstream_url.split("://", 1)[-1].rstrip("/")
     host, _, port = host_port.rpartition(":")
-    proxy = DelayProxy(host, int(port), delay_ms).start()
+    proxy = DelayProxy(host, int(port), delay_ms, batch_chunks).start()
     try:
         yield proxy
     finally:

@@ -25,7 +25,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
     def _json(self, status: int, body: Any) -> None:
@@ -160,7 +160,9 @@ class FaultyOpenAIServer(_Server):
     """An OpenAI-style server that misbehaves on request: the prompt text picks the fault.
 
     A prompt containing BREAK closes the connection mid-stream, NOTJSON sends a line that is not
-    JSON, FAIL500 answers HTTP 500; any other prompt streams normally.
+    JSON, ERRLINE sends an error event mid-stream, STALL stops sending mid-stream (until the
+    client gives up), FAIL500 answers HTTP 500, HANGUP closes the connection before answering;
+    any other prompt streams normally.
     """
 
     def __init__(self, model: str = "m") -> None:
@@ -178,6 +180,10 @@ class FaultyOpenAIServer(_Server):
 
     def post(self, handler: _Handler, body: dict[str, Any]) -> None:
         prompt = body["messages"][-1]["content"]
+        if "HANGUP" in prompt:
+            handler.close_connection = True
+            handler.connection.shutdown(2)
+            return
         if "FAIL500" in prompt:
             handler._json(500, {"error": {"message": "out of memory", "code": 500}})
             return
@@ -192,6 +198,13 @@ class FaultyOpenAIServer(_Server):
             if index == 2 and "NOTJSON" in prompt:
                 handler._chunk(b"data: {this is not json\n\n")
                 continue
+            if index == 2 and "ERRLINE" in prompt:
+                error = {"error": {"message": "slot unavailable", "code": 503}}
+                handler._chunk(f"data: {json.dumps(error)}\n\n".encode())
+                continue
+            if index == 2 and "STALL" in prompt:
+                time.sleep(1.5)
+                return
             chunk = {"id": "x", "object": "chat.completion.chunk", "model": self.model,
                      "choices": [{"index": 0, "delta": {"content": f"t{index}"},
                                   "finish_reason": "length" if index == tokens - 1 else None}]}  # fmt: skip
@@ -211,6 +224,7 @@ def serving(server: _Server) -> Iterator[str]:
     thread.start()
     try:
         host, port = server.server_address[:2]
+        assert isinstance(host, str)  # an IPv4 server: never bytes
         yield f"http://{host}:{port}"
     finally:
         server.shutdown()

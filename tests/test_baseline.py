@@ -57,6 +57,10 @@ def call(
         "tokens_per_sec": None if error else 900 / ttft,
         "finish_reason": "error" if error else "stop",
         "error": error,
+        "coalesced": False,
+        "engine_tokens_per_sec": None if error else 1000 / ttft,
+        "engine_prompt_ms": None if error else ttft / 3,
+        "engine_total_ms": None if error else ttft * 7,
     }
 
 
@@ -138,11 +142,17 @@ summaries = st.builds(
     prompt_sha256=st.none() | st.text(min_size=1, max_size=8),
     n_cold=st.integers(0, 5),
     warm_first_delta_ms_p50=st.none() | st.floats(0, 1e9),
-    warm_tokens_per_sec_mean=st.none() | st.floats(0, 1e9),
+    warm_first_delta_ms_p90=st.none() | st.floats(0, 1e9),
+    warm_decode_tokens_per_sec_p50=st.none() | st.floats(0, 1e9),
+    warm_tpot_ms_p99=st.none() | st.floats(0, 1e9),
+    warm_e2e_tokens_per_sec_p95=st.none() | st.floats(0, 1e9),
+    warm_engine_prompt_ms_p90=st.none() | st.floats(0, 1e9),
+    warm_coalesced=st.integers(0, 100),
     samples=st.builds(
         WarmSamples,
         first_delta_ms=st.lists(st.floats(0, 1e9), max_size=5).map(tuple),
-        tokens_per_sec=st.lists(st.floats(0, 1e9), max_size=5).map(tuple),
+        decode_tokens_per_sec=st.lists(st.floats(0, 1e9), max_size=5).map(tuple),
+        engine_tokens_per_sec=st.lists(st.floats(0, 1e9), max_size=5).map(tuple),
     ),
 )
 
@@ -180,6 +190,14 @@ def test_corrupt_json_names_the_file(tmp_path: Path) -> None:
         (
             lambda d: d["prompts"]["P-EASY"]["warm"]["first_delta_ms"].update(p50="12"),
             "prompts.P-EASY.warm.first_delta_ms.p50: expected a number, got str",
+        ),
+        (
+            lambda d: d["prompts"]["P-EASY"]["warm"]["decode_tokens_per_sec"].pop("p90"),
+            "prompts.P-EASY.warm.decode_tokens_per_sec.p90: required key is missing",
+        ),
+        (
+            lambda d: d["prompts"]["P-EASY"]["samples"].pop("engine_prompt_ms"),
+            "prompts.P-EASY.samples.engine_prompt_ms: required key is missing",
         ),
         (lambda d: d.update(cell_id=""), "cell_id: must be a non-empty string"),
         (lambda d: d["provenance"].update(gpus={}), "provenance.gpus: expected a list"),
@@ -251,3 +269,65 @@ def test_load_summaries_from_a_baselines_dir_or_a_ledger(tmp_path: Path) -> None
     assert len(from_ledger) == 4
     with pytest.raises(GpubenchError, match="no such ledger or baselines directory"):
         load_summaries(tmp_path / "nowhere.jsonl")
+
+
+# A baseline as format 1 wrote it (before decode tokens/s, p90s and engine-side figures): its
+# tokens/s is the old mean of per-call rates, under another definition.
+FORMAT_1 = {
+    "cell_id": OTHER,
+    "format": 1,
+    "prompts": {
+        "P-EASY": {
+            "cold": {"first_delta_ms": 410.0, "kind": "restart", "n": 1, "n_ok": 1,
+                     "total_duration_ms": 480.0},
+            "prompt_sha256": "sha-of-P-EASY",
+            "samples": {"first_delta_ms": [3.0, 3.1, 3.2, 3.3, 3.4],
+                        "tokens_per_sec": [31861.0, 7292.0, 7300.0, 7301.0, 7299.0],
+                        "total_duration_ms": [24.0, 24.8, 25.6, 26.4, 27.2]},
+            "warm": {"first_delta_ms": {"p50": 3.2, "p95": 3.38, "p99": 3.396},
+                     "n": 5, "n_ok": 5, "success_rate": 1.0,
+                     "tokens_per_sec_mean": 12210.6,
+                     "total_duration_ms": {"p50": 25.6, "p95": 27.04, "p99": 27.168}},
+        }
+    },
+    "provenance": {"benchmark_run_id": RUN_ID, "date": "2025-06-01T10:00:00.000Z",
+                   "engine_version": "b6000", "git_sha": "0123abc", "gpus": [],
+                   "model_digest": None},
+}  # fmt: skip
+
+
+def test_a_format_1_baseline_loads_and_its_missing_figures_are_new(tmp_path: Path) -> None:
+    from pytest_gpubench.gate import judge
+    from pytest_gpubench.stats import summarize
+
+    path = tmp_path / "local_llamacpp_tiny.json"
+    path.write_text(json.dumps(FORMAT_1, indent=2), encoding="utf-8")
+    (old,) = load_baseline(path).prompts
+    assert (old.warm_first_delta_ms_p50, old.warm_first_delta_ms_p90) == (3.2, None)
+    assert old.warm_decode_tokens_per_sec_p50 is None and old.warm_coalesced == 0
+    assert old.samples.decode_tokens_per_sec == () and old.samples.engine_prompt_ms == ()
+    assert old.samples.total_duration_ms == (24.0, 24.8, 25.6, 26.4, 27.2)
+    current = [s for s in summarize(ledger()) if s.key == (OTHER, "P-EASY")]
+    verdicts = {v.metric: v for v in judge(current[0], old)}
+    assert verdicts["warm_ttft_p50_ms"].verdict == "ok"  # still compared
+    decode = verdicts["warm_decode_tokens_per_sec_p50"]
+    assert decode.verdict == "new" and decode.baseline is None
+    assert "the baseline has no warm decode tokens/s p50" in decode.message
+    # Written again, it becomes a format 2 file without the mean of ratios.
+    rewritten = json.loads(dumps_baseline(load_baseline(path)))
+    assert rewritten["format"] == 2
+    assert "tokens_per_sec_mean" not in rewritten["prompts"]["P-EASY"]["warm"]
+    assert rewritten["prompts"]["P-EASY"]["warm"]["decode_tokens_per_sec"]["p50"] is None
+
+
+def test_the_engine_side_samples_are_kept_beside_the_clients(tmp_path: Path) -> None:
+    (other, _) = baselines_from_records(ledger())  # sorted by cell id: local first
+    path = write_baseline(tmp_path, other)
+    stored = json.loads(path.read_text())["prompts"]["P-EASY"]
+    assert set(stored["samples"]) == {
+        "first_delta_ms", "total_duration_ms", "decode_tokens_per_sec",
+        "engine_prompt_ms", "engine_tokens_per_sec", "engine_total_ms",
+    }  # fmt: skip
+    assert len(stored["samples"]["engine_prompt_ms"]) == 20
+    assert set(stored["warm"]["engine_tokens_per_sec"]) == {"p50", "p90", "p95", "p99"}
+    assert stored["warm"]["coalesced"] == 0

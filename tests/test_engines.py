@@ -32,6 +32,18 @@ def test_ollama_adapter_streams_ndjson_and_keeps_engine_timings() -> None:
     }  # fmt: skip
     assert call.engine_timings["load_duration"] > 0  # first call loaded the model
     assert call.tokens_per_sec and call.tpot_ms and len(call.inter_chunk_ms) == 11
+    # Ollama's own rate is eval_count / eval_duration (ns); its prompt time includes the load.
+    timings = call.engine_timings
+    # Rates are recorded to 3 decimals, milliseconds to 4.
+    assert call.engine_tokens_per_sec == pytest.approx(
+        12 / (timings["eval_duration"] / 1e9), abs=5e-4
+    )
+    assert call.engine_prompt_ms == pytest.approx(
+        (timings["prompt_eval_duration"] + timings["load_duration"]) / 1e6, abs=5e-5
+    )
+    assert call.engine_total_ms == pytest.approx(timings["total_duration"] / 1e6, abs=5e-5)
+    # The stand-in sleeps 2 ms per token: the client's decode rate and the engine's agree.
+    assert call.tokens_per_sec == pytest.approx(call.engine_tokens_per_sec, rel=0.5)
 
 
 def test_ollama_cold_unloads_with_keep_alive_0_confirmed_by_ps() -> None:
@@ -60,18 +72,48 @@ def test_ollama_health_names_a_missing_model() -> None:
 
 
 @pytest.mark.parametrize(
-    ("prompt", "error"),
+    ("prompt", "error", "chunks"),
     [
-        ("BREAK", "stream broke after"),
-        ("NOTJSON", "stream sent a line that is not JSON"),
-        ("FAIL500", "HTTP 500: "),
+        ("BREAK", "stream broke after", 2),
+        ("NOTJSON", "stream sent a line that is not JSON", 2),
+        ("ERRLINE", 'engine error in stream: {"message": "slot unavailable"', 2),
+        ("STALL", "no data for 1 s (read timed out)", 2),
+        ("FAIL500", "HTTP 500: ", 0),
     ],
 )
-def test_stream_faults_become_error_measurements(prompt: str, error: str) -> None:
+def test_stream_faults_keep_their_partial_figures_beside_the_error(
+    prompt: str, error: str, chunks: int
+) -> None:
+    """Every fault kind records what arrived before it the same way: TTFT, chunks, total."""
     with serving(FaultyOpenAIServer()) as url:
-        call = OpenAIEngine(url, "m").chat(prompt, 6, 5)
+        call = OpenAIEngine(url, "m").chat(prompt, 6, 1)
     assert call.finish_reason == "error"
     assert call.error is not None and error in call.error
+    assert call.client_chunks == chunks
+    assert (call.first_delta_ms is not None) == (chunks > 0)
+    assert call.total_duration_ms is not None  # send to the last byte that came
+    if call.first_delta_ms is not None:
+        assert 0 < call.first_delta_ms <= call.total_duration_ms
+        assert len(call.inter_chunk_ms) == chunks - 1
+    # What a failed call measured is kept, but it is never a result: no rate.
+    assert call.tokens_per_sec is None and call.e2e_tokens_per_sec is None
+
+
+def test_a_server_that_hangs_up_before_answering_says_so() -> None:
+    with serving(FaultyOpenAIServer()) as url:
+        call = OpenAIEngine(url, "m").chat("HANGUP", 6, 5)
+    host_port = url.removeprefix("http://")
+    assert call.error == f"{host_port} closed the connection before responding"
+    assert "h11" not in call.error and "ConnectionClosed" not in call.error
+    assert (call.first_delta_ms, call.total_duration_ms, call.client_chunks) == (None, None, 0)
+
+
+def test_a_stream_cut_mid_way_names_the_close_not_the_http_librarys_words() -> None:
+    with serving(FaultyOpenAIServer()) as url:
+        call = OpenAIEngine(url, "m").chat("BREAK", 6, 5)
+    assert call.error is not None
+    assert "the server closed the connection before the end of its response" in call.error
+    assert "can't handle event" not in call.error
 
 
 def test_unreachable_engine_is_an_error_measurement() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -26,18 +28,29 @@ from pytest_gpubench.stats import PromptSummary, summarize
 
 CELL = "local:llamacpp:tiny"
 SHA = "ab" * 32
-RATIO_METRICS = ("warm_ttft_p50_ms", "warm_total_p50_ms", "warm_tokens_per_sec_mean")
+RATIO_METRICS = ("warm_ttft_p50_ms", "warm_total_p50_ms", "warm_decode_tokens_per_sec_p50")
 MIRROR = {"regression": "win", "win": "regression", "ok": "ok", "inconclusive": "inconclusive"}
 
 
 def summary_of(
-    ttfts: list[float], *, failures: int = 0, prompt_id: str = "P-EASY", sha: str = SHA
+    ttfts: list[float],
+    *,
+    failures: int = 0,
+    prompt_id: str = "P-EASY",
+    sha: str = SHA,
+    engine_ms: Sequence[float | None] | None = None,
+    cell_id: str = CELL,
 ) -> PromptSummary:
-    """A summary through the real aggregation: total = 10 x TTFT, tokens/s = 1000 / TTFT."""
+    """A summary through the real aggregation: total = 10 x TTFT, tokens/s = 1000 / TTFT.
+
+    The engine's own figures follow `engine_ms` (by default half of each TTFT): prompt time
+    engine_ms, prompt + decode 10 x engine_ms, decode rate 1000 / engine_ms.
+    """
+    own = [ttft / 2 for ttft in ttfts] if engine_ms is None else engine_ms
     records: list[dict[str, Any]] = [
         {
             "type": "call",
-            "cell_id": CELL,
+            "cell_id": cell_id,
             "prompt_id": prompt_id,
             "prompt_sha256": sha,
             "phase": "warm",
@@ -47,13 +60,17 @@ def summary_of(
             "tokens_per_sec": 1000 / ttft,
             "finish_reason": "stop",
             "error": None,
+            "coalesced": False,
+            "engine_prompt_ms": engine,
+            "engine_total_ms": None if engine is None else 10 * engine,
+            "engine_tokens_per_sec": None if engine is None else 1000 / engine,
         }
-        for index, ttft in enumerate(ttfts)
+        for index, (ttft, engine) in enumerate(zip(ttfts, own, strict=True))
     ]
     records += [
         {
             "type": "call",
-            "cell_id": CELL,
+            "cell_id": cell_id,
             "prompt_id": prompt_id,
             "prompt_sha256": sha,
             "phase": "warm",
@@ -63,6 +80,7 @@ def summary_of(
             "tokens_per_sec": None,
             "finish_reason": "error",
             "error": "connection refused",
+            "coalesced": False,
         }
         for index in range(failures)
     ]
@@ -111,7 +129,7 @@ def test_twice_as_slow_with_ten_or_more_runs_regresses(
     assert kinds(verdicts) == {
         "warm_ttft_p50_ms": "regression",
         "warm_total_p50_ms": "regression",
-        "warm_tokens_per_sec_mean": "regression",
+        "warm_decode_tokens_per_sec_p50": "regression",
         "warm_success_rate": "ok",
     }
     ttft = verdicts[0]
@@ -266,5 +284,121 @@ def test_verdict_record_is_plain_json() -> None:
         "p_value",
         "verdict",
         "message",
+        "attribution",
+        "engine_change_ratio",
     }
     assert all(type(r["p_value"]) in (float, type(None)) for r in records)
+
+
+def test_a_verdict_record_from_before_attribution_still_reads() -> None:
+    """End records of older ledgers have no attribution: read as None, not dropped."""
+    record = judge(summary_of([20.0, 21, 22, 23, 24]), summary_of([10.0, 10.5, 11, 11.5, 12]))[
+        0
+    ].to_record()
+    del record["attribution"], record["engine_change_ratio"]
+    old = Verdict.from_record(record | {"metric": "warm_tokens_per_sec_mean"})
+    assert old is not None and old.attribution is None and old.verdict == "regression"
+
+
+# -- attribution ----------------------------------------------------------------------------------
+
+BASELINE = [10.0 + i / 10 for i in range(12)]
+
+
+def by_metric(verdicts: list[Verdict]) -> dict[str, Verdict]:
+    return {verdict.metric: verdict for verdict in verdicts}
+
+
+def test_a_slower_engine_is_attributed_to_the_engine() -> None:
+    slower = [2 * value for value in BASELINE]  # the engine's own figures double with them
+    verdicts = by_metric(judge(summary_of(slower), summary_of(BASELINE)))
+    ttft, decode = verdicts["warm_ttft_p50_ms"], verdicts["warm_decode_tokens_per_sec_p50"]
+    assert ttft.verdict == decode.verdict == "regression"
+    assert {v.attribution for v in verdicts.values() if v.metric in RATIO_METRICS} == {"engine"}
+    assert ttft.engine_change_ratio == pytest.approx(2.0)
+    assert ttft.message.endswith("engine-side: llama-server's own prompt time +100.0%")
+    assert decode.message.endswith("engine-side: llama-server's own decode rate -50.0%")
+    assert "own prompt + decode time +100.0%" in verdicts["warm_total_p50_ms"].message
+
+
+def test_a_slower_transport_is_attributed_to_the_client_or_transport() -> None:
+    slower = [2 * value for value in BASELINE]
+    held = [value / 2 for value in BASELINE]  # the engine's own figures as in the baseline
+    verdicts = judge(summary_of(slower, engine_ms=held), summary_of(BASELINE))
+    (ttft, total, decode, success) = verdicts
+    assert [ttft.verdict, total.verdict, decode.verdict] == ["regression"] * 3
+    assert ttft.attribution == decode.attribution == "client_or_transport"
+    assert ttft.message.endswith(
+        "client or transport side: the engine's own timings held "
+        "(llama-server's own prompt time +0.0%; they leave out the wait before llama-server "
+        "starts on a request)"
+    )
+    assert decode.message.endswith(
+        "client or transport side: the engine's own timings held "
+        "(llama-server's own decode rate +0.0%)"
+    )
+    assert success.attribution is None
+
+
+@pytest.mark.parametrize(
+    ("engine_factor", "attribution"),
+    [(2.0, "engine"), (1.5, "engine"), (1.4, "client_or_transport"), (0.9, "client_or_transport")],
+)
+def test_engine_side_when_the_engines_own_figure_moved_at_least_half_as_far(
+    engine_factor: float, attribution: str
+) -> None:
+    """Half as far on a log scale: the client 2x slower, the engine at least √2 x slower."""
+    current = summary_of(
+        [2 * v for v in BASELINE], engine_ms=[v / 2 * engine_factor for v in BASELINE]
+    )
+    (ttft, *_) = judge(current, summary_of(BASELINE))
+    assert (ttft.verdict, ttft.attribution) == ("regression", attribution)
+
+
+def test_a_slower_engine_whose_prompt_time_held_shows_in_its_decode_rate() -> None:
+    """A busy host delays the start of a request, which the engine's prompt time leaves out."""
+    held = [value / 2 for value in BASELINE]
+    current = summary_of([3 * v for v in BASELINE], engine_ms=held)
+    old = summary_of(BASELINE)
+    assert old.warm_engine_tokens_per_sec_p50 is not None
+    busy = replace(current, warm_engine_tokens_per_sec_p50=old.warm_engine_tokens_per_sec_p50 / 2)
+    (ttft, *_) = judge(busy, old)
+    assert (ttft.verdict, ttft.attribution) == ("regression", "engine")
+    assert ttft.message.endswith(
+        "engine-side: llama-server's own decode rate -50.0% over the same calls "
+        "(llama-server's own prompt time +0.0%)"
+    )
+
+
+def test_without_engine_timings_the_change_is_not_attributed() -> None:
+    """vLLM's stream carries no per-request timings: the verdict says so instead of guessing."""
+    cell = "local:openai:Qwen/Qwen3-0.6B"
+    none = [None] * len(BASELINE)
+    current = summary_of([2 * v for v in BASELINE], engine_ms=none, cell_id=cell)
+    (ttft, *_) = judge(current, summary_of(BASELINE, engine_ms=none, cell_id=cell))
+    assert (ttft.verdict, ttft.attribution, ttft.engine_change_ratio) == (
+        "regression", "unknown", None
+    )  # fmt: skip
+    assert ttft.message.endswith("not attributed: the engine reports no timings of its own")
+
+
+def test_a_baseline_without_engine_figures_is_not_attributed() -> None:
+    none = [None] * len(BASELINE)
+    old = summary_of(BASELINE, engine_ms=none)
+    (ttft, *_) = judge(summary_of([2 * v for v in BASELINE]), old)
+    assert ttft.attribution == "unknown"
+    assert ttft.message.endswith("not attributed: the baseline has no llama-server prompt time")
+
+
+def test_unchanged_metrics_carry_no_attribution() -> None:
+    verdicts = judge(summary_of(BASELINE), summary_of(BASELINE))
+    assert {(v.verdict, v.attribution) for v in verdicts} == {("ok", None)}
+
+
+def test_the_gate_compares_the_median_decode_rate_not_a_mean_of_ratios() -> None:
+    """Collapsed calls (chunks in one read) once made a mean of ratios 4x the true rate."""
+    steady = [1000 / 7300] * 10  # 7,300 tokens/s, the engine's own rate
+    collapsed = [1000 / 7300] * 6 + [1000 / 200000] * 4  # four calls with a collapsed span
+    (_, _, decode, _) = judge(summary_of(collapsed), summary_of(steady))
+    assert decode.baseline == pytest.approx(7300) and decode.current == pytest.approx(7300)
+    assert decode.verdict == "ok"

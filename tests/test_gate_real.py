@@ -12,6 +12,7 @@ import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 from delay_proxy import DelayProxy, EngineSpeed, FirstContentSplitter, delay_proxy
@@ -211,7 +212,7 @@ def measured_run(
 
 
 def steady_run(
-    pytester: pytest.Pytester, proxy: DelayProxy, scenario: Scenario
+    pytester: pytest.Pytester, proxy: DelayProxy, scenario: Scenario, *args: str
 ) -> pytest.RunResult:
     """A baseline, then at once the scenario's run, measured again until the engine held still."""
     unsteady: list[str] = []
@@ -221,7 +222,7 @@ def steady_run(
         assert update.ret == 0, gpubench_section(update)
         update.stdout.fnmatch_lines([f"baseline written: {CELL} -> *local_llamacpp_tiny.json"])
         proxy.delay_ms = scenario.delay_fraction * baseline_ttft_p50(pytester.path)
-        result, speed = measured_run(pytester, proxy)
+        result, speed = measured_run(pytester, proxy, *args)
         # Shown when the test fails: what each run measured and what the gate made of it.
         print(f"{scenario.name}: engine {speed} against {at_baseline}; {verdict_row(result)}")
         if speed.within(at_baseline, STEADY):
@@ -240,14 +241,42 @@ def test_gate_against_a_baseline_through_the_proxy(
 ) -> None:
     """Exit 6 and a named regression for TTFT +60 %; exit 0 for +5 % and for no change at all."""
     bench_through(pytester, proxy.url)
-    result = steady_run(pytester, proxy, scenario)
+    junit = pytester.path / "junit.xml"
+    result = steady_run(pytester, proxy, scenario, f"--junitxml={junit}")
     assert result.ret == scenario.exit_status, f"{scenario.name}: {gpubench_section(result)}"
+    check_junit(junit, regressed=scenario.exit_status == 6)
     result.stdout.fnmatch_lines([f"{CELL}*{PROMPT_ID}*"])
     if scenario.exit_status == 6:
         result.stdout.fnmatch_lines(
             [
                 f"{CELL}*{PROMPT_ID}*regression",
-                f"REGRESSION: {CELL} {PROMPT_ID}: warm TTFT p50 +*(slower: *",
-                "gpubench: * regression(s) against *; exit status 6",
+                f"REGRESSION: {CELL} {PROMPT_ID}: warm TTFT p50 +*(slower: *"
+                "client or transport side: the engine's own timings held*",
+                "gpubench: * regression(s) against *",
+                "gpubench: exit status 6: benchmarks ran and at least one regressed",
             ]
         )
+
+
+def check_junit(path: Path, *, regressed: bool) -> None:
+    """CI sees what the gate saw: a failed test case naming the cell, prompt and metric for a
+    regression, and each case's figures as properties."""
+    root = ElementTree.parse(path).getroot()
+    cases = root.findall(".//testcase")
+    gate = [case for case in cases if case.get("classname") == "gpubench.gate"]
+    measured = [case for case in cases if case.get("classname") != "gpubench.gate"]
+    assert len(measured) == RUNS
+    properties = {p.get("name"): p.get("value") for p in measured[0].iter("property")}
+    assert float(properties["first_delta_ms"]) > 0  # type: ignore[arg-type]
+    assert float(properties["total_duration_ms"]) > 0  # type: ignore[arg-type]
+    assert properties["completion_tokens"] == str(MAX_TOKENS)
+    assert "engine.predicted_ms" in properties and "tokens_per_sec" in properties
+    if not regressed:
+        assert gate == []
+        return
+    names = [case.get("name") for case in gate]
+    assert f"{CELL} {PROMPT_ID} warm_ttft_p50_ms" in names
+    failure = gate[names.index(f"{CELL} {PROMPT_ID} warm_ttft_p50_ms")].find("failure")
+    assert failure is not None
+    assert failure.get("message", "").startswith(f"REGRESSION: {CELL} {PROMPT_ID}: warm TTFT p50 +")
+    assert int(root.find("testsuite").get("failures")) >= 1  # type: ignore[union-attr, arg-type]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from standins import FaultyOpenAIServer, OllamaStandin, serving
 
 from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.status import EXIT_UNMEASURED
 
 PROMPTS = """\
 prompts:
@@ -37,7 +39,7 @@ def git(path: Path, *args: str) -> None:
     )  # fmt: skip
 
 
-def ledger_of(pytester: pytest.Pytester) -> list[dict[str, object]]:
+def ledger_of(pytester: pytest.Pytester) -> list[dict[str, Any]]:
     (ledger,) = (pytester.path / "runs").glob("*.jsonl")
     return read_ledger(ledger)
 
@@ -54,7 +56,7 @@ def test_dirty_tree_is_refused_unless_allowed(pytester: pytest.Pytester) -> None
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
     refused.stderr.fnmatch_lines(
         [
-            "ERROR: git tree * has uncommitted changes (prompts.yaml): commit them, or pass --allow-dirty*"
+            "ERROR: git tree * has uncommitted changes (prompts.yaml): commit them, or pass --gpubench-allow-dirty*"
         ]
     )
     allowed.assert_outcomes(passed=2)
@@ -70,7 +72,9 @@ def test_loaded_machine_is_refused_unless_forced(pytester: pytest.Pytester) -> N
         refused = pytester.runpytest()
         forced = pytester.runpytest("--force-load", "-m", "warm")
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
-    refused.stderr.fnmatch_lines(["ERROR: 1-minute load average is *, above -1: *--force-load"])
+    refused.stderr.fnmatch_lines(
+        ["ERROR: 1-minute load average is *, above -1: *--gpubench-force-load"]
+    )
     assert not list((pytester.path / "runs").glob("*.jsonl")) or forced.ret == 0
     forced.assert_outcomes(passed=2)
 
@@ -85,7 +89,8 @@ def test_for_publication_fails_when_a_cell_is_unhealthy(pytester: pytest.Pyteste
         normal = pytester.runpytest("--force-load", "-m", "warm")
         publication = pytester.runpytest("--force-load", "-m", "warm", "--for-publication")
     normal.assert_outcomes(passed=2, skipped=2)
-    assert normal.ret == 0
+    # The unreachable cell is required: nothing unmeasured passes (tests/test_unmeasured.py).
+    assert normal.ret == EXIT_UNMEASURED
     publication.assert_outcomes(passed=2, errors=2)
     assert publication.ret == pytest.ExitCode.TESTS_FAILED
     publication.stdout.fnmatch_lines(["*--for-publication: local:openai:m is unavailable*"])
@@ -100,7 +105,7 @@ def test_probe_prints_a_table_and_measures_nothing(pytester: pytest.Pytester) ->
         )
         result = pytester.runpytest("--probe")
         strict = pytester.runpytest("--probe", "--for-publication")
-    assert result.ret == 0
+    assert result.ret == EXIT_UNMEASURED  # a required cell is unhealthy
     result.stdout.fnmatch_lines(
         [
             "*gpubench probe*",
@@ -112,7 +117,7 @@ def test_probe_prints_a_table_and_measures_nothing(pytester: pytest.Pytester) ->
     assert not (pytester.path / "runs").exists() or not list(
         (pytester.path / "runs").glob("*.jsonl")
     )
-    assert strict.ret == pytest.ExitCode.TESTS_FAILED
+    assert strict.ret == EXIT_UNMEASURED
 
 
 def test_smoke_measures_one_call(pytester: pytest.Pytester) -> None:
@@ -139,6 +144,24 @@ def test_meta_record_contents(pytester: pytest.Pytester, monkeypatch: pytest.Mon
     assert "--force-load" in meta["command_line"]
     end = ledger_of(pytester)[-1]
     assert end["type"] == "end" and isinstance(end["load_avg_end"], float)
+
+
+def test_cells_yaml_settings_env_is_recorded_too(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`settings: env:` in cells.yaml names variables for meta, like the gpubench_env ini key."""
+    monkeypatch.setenv("BENCH_GPU_CLOCK", "locked")
+    monkeypatch.setenv("BENCH_SECRET_TOKEN", "t0p-s3cret-value")
+    with serving(OllamaStandin()) as url:
+        setup_bench(pytester, url)
+        cells = (pytester.path / "cells.yaml").read_text()
+        (pytester.path / "cells.yaml").write_text(
+            "settings: {env: [BENCH_GPU_CLOCK, BENCH_SECRET_TOKEN]}\n" + cells
+        )
+        pytester.runpytest("--force-load", "-m", "warm")
+    env = ledger_of(pytester)[0]["env"]
+    assert env["BENCH_GPU_CLOCK"] == "locked"
+    assert env["BENCH_SECRET_TOKEN"] == "[REDACTED]"
 
 
 def test_secrets_appear_nowhere(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:

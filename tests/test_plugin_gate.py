@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from standins import FaultyOpenAIServer, OllamaStandin, serving
@@ -35,7 +36,7 @@ def bench(pytester: pytest.Pytester, url: str, extra: str = "") -> None:
     pytester.makepyfile(test_bench=TEST_FILE)
 
 
-def last_ledger(pytester: pytest.Pytester) -> list[dict[str, object]]:
+def last_ledger(pytester: pytest.Pytester) -> list[dict[str, Any]]:
     newest = max((pytester.path / "runs").glob("*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
     return read_ledger(newest)
 
@@ -63,12 +64,13 @@ def test_update_then_same_speed_passes_and_slower_exits_6(pytester: pytest.Pytes
         [
             f"{CELL}*P-EASY*regression",
             f"REGRESSION: {CELL} P-EASY: warm TTFT p50 +*",
-            "gpubench: * regression(s) against *; exit status 6",
+            "gpubench: * regression(s) against *",
+            "gpubench: exit status 6: benchmarks ran and at least one regressed",
         ]
     )
     end = last_ledger(pytester)[-1]
     assert end["type"] == "end" and end["regressions"] >= 1
-    metrics = {v["metric"] for v in end["verdicts"] if v["verdict"] == "regression"}  # type: ignore[union-attr]
+    metrics = {v["metric"] for v in end["verdicts"] if v["verdict"] == "regression"}
     assert "warm_ttft_p50_ms" in metrics
 
 
@@ -124,7 +126,7 @@ def test_no_baseline_is_new_not_a_failure(pytester: pytest.Pytester) -> None:
         result = pytester.runpytest("--force-load")
     assert result.ret == 0
     result.stdout.fnmatch_lines([f"{CELL}*P-EASY*new"])
-    assert {v["verdict"] for v in last_ledger(pytester)[-1]["verdicts"]} == {"new"}  # type: ignore[union-attr]
+    assert {v["verdict"] for v in last_ledger(pytester)[-1]["verdicts"]} == {"new"}
 
 
 def test_report_of_the_run_is_deterministic(pytester: pytest.Pytester, tmp_path: Path) -> None:
@@ -139,3 +141,35 @@ def test_report_of_the_run_is_deterministic(pytester: pytest.Pytester, tmp_path:
     assert main(["report", str(ledger), "-o", str(second)]) == 0
     assert first.read_bytes() == second.read_bytes()
     assert CELL in first.read_text()
+
+
+def test_junit_xml_shows_a_regression_as_a_failed_case_with_figures(
+    pytester: pytest.Pytester,
+) -> None:
+    """CI reads the JUnit XML: the regression is a failed test case naming the cell, prompt and
+    metric (the real-llama-server twin is in test_gate_real.py, judged when the machine holds
+    still), and every measured case carries its figures as properties."""
+    from xml.etree import ElementTree
+
+    server = OllamaStandin(token_s=0.003)
+    with serving(server) as url:
+        bench(pytester, url)
+        pytester.runpytest("--force-load", "--baseline-update")
+        server.token_s = 0.009
+        slower = pytester.runpytest("--force-load", "--junitxml=junit.xml")
+    assert slower.ret == 6
+    root = ElementTree.parse(pytester.path / "junit.xml").getroot()
+    cases = root.findall(".//testcase")
+    gate = {case.get("name"): case for case in cases if case.get("classname") == "gpubench.gate"}
+    regression = gate[f"{CELL} P-EASY warm_ttft_p50_ms"]
+    failure = regression.find("failure")
+    assert failure is not None
+    assert failure.get("message", "").startswith(f"REGRESSION: {CELL} P-EASY: warm TTFT p50 +")
+    measured = [case for case in cases if case.get("classname") != "gpubench.gate"]
+    assert len(measured) == 10 and all(case.find("failure") is None for case in measured)
+    properties = {p.get("name"): p.get("value") for p in measured[0].iter("property")}
+    assert float(properties["first_delta_ms"] or 0) > 0
+    assert properties["completion_tokens"] == "6"
+    assert "engine.eval_count" in properties and "engine.eval_duration" in properties
+    suite = root.find("testsuite")
+    assert suite is not None and int(suite.get("failures", "0")) == len(gate) >= 1

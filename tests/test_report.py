@@ -44,6 +44,8 @@ def call(
         "error": error,
         "inter_chunk_ms": [0.5, 0.7],
         "engine_timings": {"prompt_ms": 0.4},
+        "coalesced": False,
+        "engine_tokens_per_sec": None if error else 2100 / ttft,
     }
 
 
@@ -187,7 +189,8 @@ def test_terminal_summary_has_one_row_per_cell_and_prompt() -> None:
     assert rows[0][2:] == [
         "20.90",
         "104.50",
-        "95.8",
+        "95.7",  # the median decode rate, not the mean of the per-call rates
+        "0",
         "10/11",
         "+100.0% / +100.0% / -50.0%",
         "regression",
@@ -202,7 +205,7 @@ def test_terminal_summary_without_baselines_or_warm_calls() -> None:
     cold_only = [r for r in ledger() if r.get("phase") != "warm"]
     summaries = summarize(cold_only)
     rows = summary_rows(summaries, [v for s in summaries for v in judge(s, None)])
-    assert rows[0][2:] == ["-", "-", "-", "-", "-", "-"]
+    assert rows[0][2:] == ["-", "-", "-", "0", "-", "-", "-"]
     fresh = summarize(ledger())
     rows = summary_rows(fresh, [v for s in fresh for v in judge(s, None)])
     assert {row[-1] for row in rows} == {"new"}
@@ -253,3 +256,18 @@ def test_odd_gpu_entries_in_an_old_or_edited_ledger_do_not_break_the_report() ->
     cell["gpus"] = [{"name": "A100", "memory.total": 81920}, "H100", {"name": None}]
     text = render_markdown(records)
     assert "- GPUs: 1 × A100 (81920 MiB), 1 × GPU, 1 × H100" in text.splitlines()
+
+
+def test_the_mean_of_per_call_rates_is_gone_from_every_report() -> None:
+    old, new = summarize(ledger()), summarize(ledger(slowdown=2.0))
+    verdicts = compare(old, new)
+    for text in (
+        render_summary(new, verdicts),
+        render_comparison(verdicts),
+        render_comparison(verdicts, markdown=True),
+        render_markdown(ledger()),
+    ):
+        assert "mean" not in text
+        assert "decode tok/s p50" in text
+    warm_header = next(line for line in render_markdown(ledger()).splitlines() if "TPOT" in line)
+    assert "engine tok/s p50" in warm_header and "coalesced" in warm_header

@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_gpubench.stats import PromptSummary, WarmSamples, is_success, summarize
+from pytest_gpubench.stats import (
+    PERCENTILE_NAMES,
+    WARM_METRICS,
+    PromptSummary,
+    WarmSamples,
+    is_success,
+    summarize,
+)
 
 CELL = "local:llamacpp:tiny"
 
@@ -25,6 +32,8 @@ def call(
     tokens_per_sec: float | None = 50.0,
     error: str | None = None,
     cold_kind: str | None = None,
+    coalesced: bool = False,
+    engine_tokens_per_sec: float | None = 60.0,
 ) -> dict[str, Any]:
     return {
         "type": "call",
@@ -41,6 +50,12 @@ def call(
         "error": error,
         "inter_chunk_ms": [1.0, 2.0],
         "engine_timings": {"prompt_ms": 1.0},
+        "e2e_tokens_per_sec": 640.0,
+        "coalesced": coalesced,
+        "content_reads": 1 if coalesced else 64,
+        "engine_tokens_per_sec": engine_tokens_per_sec,
+        "engine_prompt_ms": 1.0,
+        "engine_total_ms": 90.0,
     }
 
 
@@ -68,8 +83,20 @@ def test_failed_calls_count_against_success_and_are_left_out_of_numbers() -> Non
     assert (summary.n_warm, summary.n_warm_ok) == (5, 4)
     assert summary.warm_success_rate == 0.8
     assert summary.warm_first_delta_ms_p99 == 10.0
-    assert summary.warm_tokens_per_sec_mean == 40.0
-    assert summary.samples == WarmSamples((10.0,) * 4, (100.0,) * 4, (40.0,) * 4)
+    assert summary.warm_decode_tokens_per_sec_p50 == summary.warm_decode_tokens_per_sec_p99 == 40.0
+    assert summary.samples == WarmSamples(
+        (10.0,) * 4, (100.0,) * 4, (40.0,) * 4, (1.0,) * 4, (60.0,) * 4, (90.0,) * 4
+    )
+
+
+def test_a_failed_call_is_never_a_result_even_when_it_carries_figures() -> None:
+    """Broken streams keep their partial figures in the ledger, never in a percentile or count."""
+    broken = call(5.0, 50.0, run_idx=1, tokens_per_sec=None, error="stream broke", coalesced=True)
+    summary = only([call(10.0, 100.0), broken])
+    for metric in WARM_METRICS:
+        values = {summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES}
+        assert values == {only([call(10.0, 100.0)]).warm_percentile(metric, "p50")}, metric
+    assert summary.warm_coalesced == 0 and summary.n_warm_ok == 1
 
 
 def test_finish_reason_error_alone_is_a_failure() -> None:
@@ -82,7 +109,7 @@ def test_all_warm_calls_failed() -> None:
     summary = only([call(None, None, error="refused", run_idx=i) for i in range(3)])
     assert summary.warm_success_rate == 0.0
     assert summary.warm_first_delta_ms_p50 is None
-    assert summary.warm_tokens_per_sec_mean is None
+    assert summary.warm_decode_tokens_per_sec_p50 is None
     assert summary.samples == WarmSamples()
 
 
@@ -128,19 +155,42 @@ def test_groups_are_sorted_and_other_record_types_ignored() -> None:
 
 def test_older_ledger_without_some_fields() -> None:
     record = call()
-    del record["tokens_per_sec"], record["prompt_sha256"], record["cold_kind"]
+    for field in ("tokens_per_sec", "prompt_sha256", "cold_kind", "engine_tokens_per_sec"):
+        del record[field]
     summary = only([record, record])
-    assert summary.warm_tokens_per_sec_mean is None
+    assert summary.warm_decode_tokens_per_sec_p50 is None
+    assert summary.warm_engine_tokens_per_sec_p50 is None
     assert summary.prompt_sha256 is None
-    assert summary.samples.tokens_per_sec == ()
+    assert summary.samples.decode_tokens_per_sec == ()
     assert summary.warm_first_delta_ms_p50 == 10.0
+
+
+def test_tokens_per_sec_of_a_ledger_before_the_decode_definition_is_not_a_decode_rate() -> None:
+    """Records without `coalesced` computed tokens/s as n over (total − TTFT): left out."""
+    record = call(tokens_per_sec=31861.0, engine_tokens_per_sec=None) | {"tpot_ms": 0.03}
+    for field in ("coalesced", "content_reads", "e2e_tokens_per_sec"):
+        del record[field]
+    summary = only([record])
+    assert summary.warm_decode_tokens_per_sec_p50 is None and summary.warm_tpot_ms_p50 is None
+    assert summary.samples.decode_tokens_per_sec == ()
+    assert summary.warm_first_delta_ms_p50 == 10.0 and summary.n_warm_ok == 1
 
 
 def test_success_without_token_rate_keeps_its_latency() -> None:
     summary = only([call(10.0, 20.0, tokens_per_sec=None), call(30.0, 40.0, run_idx=1)])
     assert summary.warm_first_delta_ms_p50 == 20.0
-    assert summary.warm_tokens_per_sec_mean == 50.0
-    assert summary.samples.tokens_per_sec == (50.0,)
+    assert summary.warm_decode_tokens_per_sec_p50 == 50.0
+    assert summary.samples.decode_tokens_per_sec == (50.0,)
+
+
+def test_coalesced_calls_are_counted_and_have_no_decode_rate() -> None:
+    records = [call(run_idx=i, tokens_per_sec=100.0 + i) for i in range(3)]
+    records += [call(run_idx=3 + i, tokens_per_sec=None, coalesced=True) for i in range(2)]
+    summary = only(records)
+    assert summary.warm_coalesced == 2 and summary.n_warm_ok == 5
+    assert summary.warm_decode_tokens_per_sec_p50 == 101.0
+    assert summary.samples.decode_tokens_per_sec == (100.0, 101.0, 102.0)
+    assert summary.samples.first_delta_ms == (10.0,) * 5  # their latency still counts
 
 
 def test_no_calls() -> None:
@@ -162,24 +212,26 @@ def test_no_calls() -> None:
 )
 def test_matches_numpy_per_group(rows: list[tuple[str, float, bool]]) -> None:
     records = [
-        call(ttft, ttft * 2, prompt_id=prompt, run_idx=i, error=None if ok else "boom")
+        call(ttft, ttft * 2, prompt_id=prompt, run_idx=i, error=None if ok else "boom",
+             tokens_per_sec=1e4 / ttft, engine_tokens_per_sec=2e4 / ttft)
         for i, (prompt, ttft, ok) in enumerate(rows)
-    ]
+    ]  # fmt: skip
     for summary in summarize(records):
         mine = [r for r in rows if r[0] == summary.prompt_id]
         good = [ttft for _, ttft, ok in mine if ok]
         assert summary.n_warm == len(mine) and summary.n_warm_ok == len(good)
         assert summary.samples.first_delta_ms == tuple(good)
-        if good:
-            for q, value in zip(
-                (50, 95, 99),
-                (
-                    summary.warm_first_delta_ms_p50,
-                    summary.warm_first_delta_ms_p95,
-                    summary.warm_first_delta_ms_p99,
-                ),
-                strict=True,
-            ):
-                assert value == pytest.approx(float(np.percentile(good, q)))
-        else:
-            assert summary.warm_first_delta_ms_p50 is None
+        expected = {
+            "first_delta_ms": good,
+            "total_duration_ms": [ttft * 2 for ttft in good],
+            "decode_tokens_per_sec": [1e4 / ttft for ttft in good],
+            "engine_tokens_per_sec": [2e4 / ttft for ttft in good],
+        }
+        for metric, values in expected.items():
+            for name in PERCENTILE_NAMES:
+                found = summary.warm_percentile(metric, name)
+                if not values:
+                    assert found is None
+                    continue
+                wanted = float(np.percentile(values, int(name[1:])))
+                assert found == pytest.approx(wanted), (metric, name)

@@ -15,7 +15,7 @@ from pytest_gpubench.measure import (
     Line,
     StreamedResponse,
     StreamError,
-    derive_rates,
+    finish_timing,
     read_error_body,
     stream_post,
 )
@@ -66,14 +66,8 @@ def get_json(
         return response.json()
 
 
-def _failed(
-    backend: str, error: str, measurement: CallMeasurement | None = None
-) -> CallMeasurement:
-    failed = measurement or CallMeasurement(backend=backend)
-    failed.backend = backend
-    failed.error = error
-    failed.finish_reason = "error"
-    return failed
+def _failed(backend: str, error: str) -> CallMeasurement:
+    return CallMeasurement(backend=backend, error=error, finish_reason="error")
 
 
 def measure_stream(
@@ -86,7 +80,11 @@ def measure_stream(
     headers: tuple[tuple[str, str], ...] = (),
     parse: ChunkParser,
 ) -> CallMeasurement:
-    """Send one streamed request and turn its stamped lines into a measurement."""
+    """Send one streamed request and turn its stamped lines into a measurement.
+
+    Every fault after the request went out (an HTTP error, an error line, a broken or timed-out
+    stream) keeps what was measured until then beside the error (measure.finish_timing).
+    """
     measurement = CallMeasurement(backend=backend)
     try:
         response = stream_post(
@@ -94,31 +92,48 @@ def measure_stream(
         )
     except StreamError as exc:
         return _failed(backend, str(exc))
+    content_arrivals: list[int] = []
     try:
         if response.status != 200:
-            body = read_error_body(response)
-            return _failed(backend, f"HTTP {response.status}: {body}")
-        content_arrivals = parse(response, measurement)
+            measurement.error = f"HTTP {response.status}: {read_error_body(response)}"
+        else:
+            parse(response, measurement, content_arrivals)
     except StreamError as exc:
-        return _failed(backend, str(exc), measurement)
+        measurement.error = str(exc)
     if not measurement.error and measurement.finish_reason not in ("stop", "length"):
         measurement.error = "stream ended without a finish reason"
     if measurement.error:
         measurement.finish_reason = "error"
-    if content_arrivals:
-        measurement.first_delta_ms = round((content_arrivals[0] - response.sent_ns) / 1e6, 4)
-    end_ns = response.last_byte_ns or (content_arrivals[-1] if content_arrivals else 0)
-    if end_ns:
-        measurement.total_duration_ms = round((end_ns - response.sent_ns) / 1e6, 4)
-    measurement.client_chunks = len(content_arrivals)
-    derive_rates(measurement, content_arrivals)
+    finish_timing(measurement, response, content_arrivals)
     return measurement
 
 
 class ChunkParser(Protocol):
-    def __call__(self, response: StreamedResponse, measurement: CallMeasurement) -> list[int]:
-        """Fill the measurement from the stream; return the arrival times of content chunks."""
+    def __call__(
+        self, response: StreamedResponse, measurement: CallMeasurement, arrivals: list[int]
+    ) -> None:
+        """Fill the measurement from the stream; append each content chunk's arrival time.
+
+        Appended as they come, so that a stream that breaks keeps the arrivals before the break.
+        """
         ...
+
+
+def json_number(value: Any) -> float | None:
+    """A number from an engine's JSON; None for anything else (booleans included)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def llamacpp_engine_figures(timings: dict[str, Any], measurement: CallMeasurement) -> None:
+    """llama-server's own rate and times from its `timings`: decode rate, prompt and total ms."""
+    prompt_ms = json_number(timings.get("prompt_ms"))
+    predicted_ms = json_number(timings.get("predicted_ms"))
+    measurement.engine_tokens_per_sec = json_number(timings.get("predicted_per_second"))
+    measurement.engine_prompt_ms = prompt_ms
+    if prompt_ms is not None and predicted_ms is not None:
+        measurement.engine_total_ms = round(prompt_ms + predicted_ms, 4)
 
 
 def _sse_events(lines: Iterator[Line]) -> Iterator[tuple[int, str]]:
@@ -130,9 +145,14 @@ def _sse_events(lines: Iterator[Line]) -> Iterator[tuple[int, str]]:
             yield line.arrived_ns, text
 
 
-def parse_openai_sse(response: StreamedResponse, measurement: CallMeasurement) -> list[int]:
-    """Server-sent events of /v1/chat/completions (OpenAI, vLLM, SGLang, TGI, llama.cpp)."""
-    arrivals: list[int] = []
+def parse_openai_sse(
+    response: StreamedResponse, measurement: CallMeasurement, arrivals: list[int]
+) -> None:
+    """Server-sent events of /v1/chat/completions (OpenAI, vLLM, SGLang, TGI, llama.cpp).
+
+    Only llama.cpp adds its own timings to the stream; vLLM's stream carries none per request,
+    so an OpenAI-compatible engine other than llama.cpp has no engine-side figures.
+    """
     for arrived_ns, data in _sse_events(response.lines):
         if data == "[DONE]":
             break
@@ -162,7 +182,7 @@ def parse_openai_sse(response: StreamedResponse, measurement: CallMeasurement) -
         timings = chunk.get("timings")
         if isinstance(timings, dict):
             measurement.engine_timings = timings
-    return arrivals
+            llamacpp_engine_figures(timings, measurement)
 
 
 # pytest_gpubench_make_engine (hookspecs.py), as pytest's hook relay calls it.

@@ -8,7 +8,13 @@ from typing import Any
 
 import httpx
 
-from pytest_gpubench.engines import Health, control_client, get_json, measure_stream
+from pytest_gpubench.engines import (
+    Health,
+    control_client,
+    get_json,
+    json_number,
+    measure_stream,
+)
 from pytest_gpubench.measure import CallMeasurement, StreamedResponse
 
 # The engine's own timings, kept unchanged (nanoseconds, as Ollama reports them).
@@ -24,11 +30,31 @@ OLLAMA_TIMING_FIELDS = (
 
 def _same_model(name: str, wanted: str) -> bool:
     """Ollama adds ':latest' to untagged names."""
-    return name == wanted or name == f"{wanted}:latest"
+    return name in (wanted, f"{wanted}:latest")
 
 
-def parse_ollama_ndjson(response: StreamedResponse, measurement: CallMeasurement) -> list[int]:
-    arrivals: list[int] = []
+def ollama_engine_figures(done: dict[str, Any], measurement: CallMeasurement) -> None:
+    """Ollama's own rate and times from its final chunk (durations in nanoseconds).
+
+    Decode rate eval_count / eval_duration; time to first token prompt_eval_duration +
+    load_duration (a cold call loads the model first); total its total_duration.
+    """
+    eval_count = json_number(done.get("eval_count"))
+    eval_ns = json_number(done.get("eval_duration"))
+    if eval_count is not None and eval_ns:
+        measurement.engine_tokens_per_sec = round(eval_count / (eval_ns / 1e9), 3)
+    prompt_ns = json_number(done.get("prompt_eval_duration"))
+    if prompt_ns is not None:
+        load_ns = json_number(done.get("load_duration")) or 0.0
+        measurement.engine_prompt_ms = round((prompt_ns + load_ns) / 1e6, 4)
+    total_ns = json_number(done.get("total_duration"))
+    if total_ns is not None:
+        measurement.engine_total_ms = round(total_ns / 1e6, 4)
+
+
+def parse_ollama_ndjson(
+    response: StreamedResponse, measurement: CallMeasurement, arrivals: list[int]
+) -> None:
     for line in response.lines:
         if not line.text.strip():
             continue
@@ -53,8 +79,8 @@ def parse_ollama_ndjson(response: StreamedResponse, measurement: CallMeasurement
             measurement.engine_timings = {
                 key: chunk[key] for key in OLLAMA_TIMING_FIELDS if key in chunk
             }
+            ollama_engine_figures(chunk, measurement)
             break
-    return arrivals
 
 
 class OllamaEngine:

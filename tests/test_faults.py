@@ -1,0 +1,181 @@
+"""I/O faults and signals against the real llama-server: a read-only ledger directory, a full
+disk and SIGTERM each end in one error line and a documented exit status, never an
+INTERNALERROR, with the managed server stopped and what was measured kept.
+
+The read-only and full filesystems are small tmpfs mounts the tests make (root only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.status import EXIT_WRITE_FAILED
+
+PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 8}\n'
+TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
+
+
+def bench(pytester: pytest.Pytester, llama_server: Path, runs: int) -> None:
+    pytester.makefile(
+        ".yaml",
+        prompts=PROMPTS,
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', "
+        f"server_args: [--threads, '1'], runs: {runs}, phases: [warm]}}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+
+
+def children_serving(parent: int) -> list[int]:
+    """llama-server processes whose parent is `parent` (a managed server of that pytest)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and argv0.endswith(b"llama-server"):
+            found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in state
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path) -> Iterator[object]:
+    """mount(path, options): a tmpfs the test owns, unmounted afterwards (root only)."""
+    mounted: list[Path] = []
+
+    def mount(path: Path, options: str) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            message = f"cannot mount a tmpfs here: {done.stderr.strip()}"
+            if os.environ.get("CI"):
+                pytest.fail(message)
+            pytest.skip(message)
+        mounted.append(path)
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+
+
+def run_subprocess(pytester: pytest.Pytester, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "--force-load", "-p", "no:cacheprovider", *args],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        check=False,
+    )
+
+
+def test_a_read_only_ledger_directory_is_one_clear_error(
+    pytester: pytest.Pytester, llama_server: Path, mount_tmpfs: object
+) -> None:
+    bench(pytester, llama_server, runs=2)
+    mount_tmpfs(pytester.path / "runs", "ro,size=64k")  # type: ignore[operator]
+    done = run_subprocess(pytester)
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
+    assert "INTERNALERROR" not in done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR:")]
+    assert len(errors) == 1 and "cannot create the ledger: Read-only file system" in errors[0]
+
+
+def test_a_full_disk_stops_the_run_keeps_whole_lines_and_exits_9(
+    pytester: pytest.Pytester, llama_server: Path, mount_tmpfs: object
+) -> None:
+    runs = pytester.path / "runs"
+    mount_tmpfs(runs, "size=16k")  # type: ignore[operator]
+    # Leave room for the meta and cell records and a few calls, not for 200 calls.
+    (runs / "filler").write_bytes(b"\0" * (16384 - 8192))
+    bench(pytester, llama_server, runs=200)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "--force-load", "-p", "no:cacheprovider"],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    servers: set[int] = set()
+    while process.poll() is None:
+        servers.update(children_serving(process.pid))
+        time.sleep(0.02)
+    output = process.stdout.read() if process.stdout else ""
+    assert process.returncode == EXIT_WRITE_FAILED, output
+    assert "INTERNALERROR" not in output and "Traceback" not in output
+    errors = [line for line in output.splitlines() if line.startswith("ERROR:")]
+    assert len(errors) == 1 and "cannot write the ledger: No space left on device" in errors[0]
+    assert output.splitlines()[-1] == (
+        "gpubench: exit status 9: the ledger or a baseline could not be written"
+    )
+    assert "stopping after" in output or "Interrupted" in output or "!!" in output
+    (ledger,) = runs.glob("*.jsonl")
+    text = ledger.read_text()
+    assert text.endswith("\n")
+    records = [json.loads(line) for line in text.splitlines()]  # every line whole
+    calls = [record for record in records if record["type"] == "call"]
+    assert records[0]["type"] == "meta" and 0 < len(calls) < 200
+    assert servers and not any(alive(pid) for pid in servers)
+
+
+def test_sigterm_ends_the_run_like_ctrl_c(pytester: pytest.Pytester, llama_server: Path) -> None:
+    bench(pytester, llama_server, runs=5000)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "--force-load", "-p", "no:cacheprovider"],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    servers: set[int] = set()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        servers.update(children_serving(process.pid))
+        ledgers = list((pytester.path / "runs").glob("*.jsonl"))
+        if ledgers and ledgers[0].read_text().count('"type":"call"') >= 20:
+            break
+        time.sleep(0.02)
+    assert servers, "the managed server never started"
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == pytest.ExitCode.INTERRUPTED, output
+    assert "INTERNALERROR" not in output
+    assert not any(alive(pid) for pid in servers)  # stopped by the session's own teardown
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    records = read_ledger(ledger)
+    end = records[-1]
+    assert end["type"] == "end" and end["pytest_exitstatus"] == pytest.ExitCode.INTERRUPTED
+    assert end["calls"] == sum(record["type"] == "call" for record in records) >= 20
+    assert "local:llamacpp:tiny" in output and "ledger:" in output  # the summary was printed
+    assert output.splitlines()[-1] == "gpubench: exit status 2: interrupted"
