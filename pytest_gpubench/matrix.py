@@ -47,12 +47,16 @@ class _Strict(BaseModel):
 
 
 class Thresholds(_Strict):
-    """Regression thresholds: relative slowdowns (0.30 = 30 %) and the minimum success rate."""
+    """Regression thresholds: relative slowdowns (0.30 = 30 %) and the minimum success rate;
+    the optional `max_` limits are absolute, on the warm calls' resource telemetry."""
 
     ttft_p50: PositiveFloat | None = None
     total_p50: PositiveFloat | None = None
     tokens_per_sec: PositiveFloat | None = None
     success_rate: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    max_peak_vram_mib: PositiveFloat | None = None
+    max_energy_j_per_token: PositiveFloat | None = None
+    max_engine_cpu_s_per_token: PositiveFloat | None = None
 
 
 class LocalNode(_Strict):

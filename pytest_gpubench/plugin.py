@@ -349,6 +349,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                 gate_error=judgement.gate_error,
                 baseline_update=run.options.baseline_update,
                 baselines_dir=run.options.baselines_dir,
+                telemetry=judgement.telemetry,
             )
         )
         if run.write_error is not None:

@@ -437,3 +437,57 @@ def test_cells_that_turn_telemetry_off_get_no_samples(pytester: pytest.Pytester)
         # An external engine: no process to follow, the node's memory and load still sampled.
         assert call["telemetry_interval_ms"] == 30 and call["engine_cpu_s"] is None
         assert call["system_mem_used_peak_mib"] > 0 and call["system_load1_max"] is not None
+
+
+def test_a_telemetry_limit_fails_the_gate_and_the_reports_show_the_figures(
+    pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
+) -> None:
+    pytester.makefile(".yaml", prompts=canonical_prompts())
+    pytester.makefile(
+        ".yaml",
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', "
+        "server_args: [--threads, '1'], runs: 2, phases: [warm], prompts: [P-HARD], "
+        "thresholds: {max_engine_cpu_s_per_token: 0.000001, max_peak_vram_mib: 1}}\n",
+    )
+    pytester.makepyfile(test_bench="def test_generate(gpubench_case):\n    gpubench_case.run()\n")
+    result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
+    assert result.ret == 6  # the benchmarks ran and one (cell, prompt) broke its limit
+    result.stdout.fnmatch_lines(
+        [
+            "*cell*prompt*peak VRAM MiB*engine CPU s*CPU s/token*peak RSS MiB*",
+            "local:llamacpp:tiny*P-HARD*",
+            "REGRESSION: local:llamacpp:tiny P-HARD: engine_cpu_s_per_token * over its limit "
+            "(max_engine_cpu_s_per_token: 1e-06)",
+        ]
+    )
+    # No GPU here: peak VRAM was not measured, so its limit breaks nothing.
+    assert "max_peak_vram_mib" not in result.stdout.str()
+    ledger = next((pytester.path / "runs").glob("*.jsonl"))
+    (end,) = [r for r in read_ledger(ledger) if r["type"] == "end"]
+    assert [v["metric"] for v in end["verdicts"] if v["verdict"] == "regression"] == [
+        "engine_cpu_s_per_token"
+    ]
+    from pytest_gpubench.report import render_markdown
+
+    markdown = render_markdown(read_ledger(ledger))
+    assert "## Resource telemetry (warm calls)" in markdown
+    section = markdown.split("## Resource telemetry (warm calls)")[1].split("\n## ")[0]
+    assert "local:llamacpp:tiny" in section and "P-HARD" in section and "peak RSS MiB" in section
+
+
+def test_telemetry_limit_keys_are_checked(tmp_path: Path) -> None:
+    cells, prompts = write_matrix(
+        tmp_path,
+        "settings: {thresholds: {max_energy_j_per_token: 0.5}}\n"
+        "nodes: {local: {kind: local}}\n"
+        "cells:\n  - {node: local, engine: llamacpp, model: tiny,"
+        " thresholds: {max_peak_vram_mib: -3}}\n",
+    )
+    with pytest.raises(GpubenchError, match=r"thresholds\.max_peak_vram_mib: .*greater than 0"):
+        load_matrix(cells, prompts)
+    cells.write_text(cells.read_text().replace("-3", "8000"))
+    (cell,) = load_matrix(cells, prompts).cells
+    assert (
+        cell.thresholds.max_peak_vram_mib == 8000 and cell.thresholds.max_energy_j_per_token == 0.5
+    )
