@@ -26,6 +26,7 @@ from pytest_gpubench.status import session_status
 if TYPE_CHECKING:
     from pytest_gpubench.gate import Verdict
     from pytest_gpubench.stats import PromptSummary
+    from pytest_gpubench.telemetry.aggregate import TelemetrySummary
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class Judgement:
 
     summaries: list[PromptSummary] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
+    # Per (cell, prompt): the warm calls' resource telemetry (telemetry/aggregate.py).
+    telemetry: list[TelemetrySummary] = field(default_factory=list)
     gate_error: str | None = None
     # The baselines could not be read (nothing was judged) or written.
     unjudged: bool = False
@@ -303,12 +306,14 @@ class RunController:
     def _judge(self) -> None:
         """Compare with the baselines (each cell's setup with its baseline's first), and write
         them with --baseline-update."""
-        from pytest_gpubench.gate import ACCEPT_OPTION, compare
+        from pytest_gpubench.gate import ACCEPT_OPTION, compare, telemetry_verdicts
         from pytest_gpubench.stats import summarize
+        from pytest_gpubench.telemetry.aggregate import telemetry_summaries
 
         assert self.matrix is not None
         judgement = self.judgement
         judgement.summaries = summarize(self.calls)
+        judgement.telemetry = telemetry_summaries(self.calls)
         thresholds = {cell.cell_id: cell.thresholds for cell in self.matrix.cells}
         writes = self.options.baseline_update and not self.options.smoke
         try:
@@ -320,6 +325,7 @@ class RunController:
                 changed_setups=judgement.changed_setups,
                 accept_incomparable=self.options.accept_incomparable,
             )
+            judgement.verdicts.extend(telemetry_verdicts(self.calls, thresholds))
         except GpubenchError as exc:
             judgement.gate_error = self.scrub(str(exc))
             judgement.unjudged = True

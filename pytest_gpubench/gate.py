@@ -462,6 +462,40 @@ def _for_cell(
     return thresholds.get(summary.cell_id, Thresholds())
 
 
+def telemetry_verdicts(
+    records: Iterable[Mapping[str, Any]], thresholds: Mapping[str, Thresholds]
+) -> list[Verdict]:
+    """A regression for each (cell, prompt) whose warm calls' resource figure went over its
+    cell's `max_` limit (peak VRAM, energy or engine CPU-seconds per token); none unmeasured."""
+    from pytest_gpubench.telemetry.aggregate import (
+        LIMITED_FIGURES,
+        limit_breaches,
+        telemetry_summaries,
+    )
+
+    limits = {
+        cell_id: {name: getattr(cell, name) for name in LIMITED_FIGURES}
+        for cell_id, cell in thresholds.items()
+    }
+    return [
+        Verdict(
+            cell_id=breach.cell_id,
+            prompt_id=breach.prompt_id,
+            metric=breach.figure,
+            baseline=None,
+            current=breach.value,
+            change_ratio=None,
+            p_value=None,
+            verdict="regression",
+            message=(
+                f"{breach.cell_id} {breach.prompt_id}: {breach.figure} {_number(breach.value)} "
+                f"over its limit ({breach.limit_name}: {_number(breach.limit)})"
+            ),
+        )
+        for breach in limit_breaches(telemetry_summaries(records), limits)
+    ]
+
+
 def overall(verdicts: Iterable[Verdict]) -> VerdictKind | None:
     """The worst verdict among a (cell, prompt)'s metrics; None when there are none."""
     kinds = {verdict.verdict for verdict in verdicts}

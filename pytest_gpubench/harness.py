@@ -18,12 +18,14 @@ from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.files import distinct_file_name
 from pytest_gpubench.matrix import Cell, LocalNode, Matrix, SshNode
 from pytest_gpubench.provenance import utc_now
-from pytest_gpubench.records import call_record, cell_record, skipped_record
+from pytest_gpubench.records import call_record, cell_record, sample_record, skipped_record
 from pytest_gpubench.secrets import SecretScrubber, secret_from_env
 from pytest_gpubench.targets import Target, TargetHook, open_target
 from pytest_gpubench.targets.gpu import gpu_summary
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.targets.stages import Stage, StageError
+from pytest_gpubench.telemetry import CaseSamples, NodeTelemetry, node_telemetry
+from pytest_gpubench.telemetry.aggregate import case_aggregates, sample_columns
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +237,8 @@ class Harness:
         target_hook = hooks.pytest_gpubench_open_target if hooks is not None else None
         self.nodes = NodePool(scrub, target_hook)
         self.cells: dict[str, LiveCell] = {}
+        # Each node's samplers, started with its first live cell (None: all its cells said off).
+        self.telemetry: dict[str, NodeTelemetry | None] = {}
 
     def live_cell(self, cell_id: str) -> tuple[LiveCell, bool]:
         """The cell, made ready on first use; the flag says it was made ready just now."""
@@ -249,7 +253,25 @@ class Harness:
         )
         self.cells[cell_id] = live
         live.prepare()
+        if live.unavailable is None:
+            self._start_telemetry(live)
         return live, True
+
+    def _start_telemetry(self, live: LiveCell) -> None:
+        """Start the node's samplers once; settings of all its cells decide what they sample."""
+        node_id = live.cell.spec.node
+        if node_id in self.telemetry or live.target is None:
+            return
+        settings = [cell.telemetry for cell in self.matrix.cells if cell.spec.node == node_id]
+        telemetry: NodeTelemetry | None = None
+        try:
+            telemetry = node_telemetry(node_id, live.target, settings, live.facts.get("gpus", []))
+            if telemetry is not None:
+                telemetry.start()
+        except Exception:  # telemetry is never worth a case: measure without it
+            log.warning("node %s: telemetry not started", node_id, exc_info=True)
+            telemetry = None
+        self.telemetry[node_id] = telemetry
 
     def prepare(self, case: Case) -> tuple[str | None, list[dict[str, Any]]]:
         """Make the case's cell ready: why it cannot run (or None), and the records to keep
@@ -292,11 +314,15 @@ class Harness:
             )
             return reason, [skipped], None
 
-    def run_case(self, case: Case) -> dict[str, Any]:
-        """Measure one case of a prompts.yaml prompt and return its call record."""
+    def run_case(self, case: Case) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Measure one case of a prompts.yaml prompt: its call record (with the case's resource
+        figures) and the other records it produced (its `sample` record when its node is
+        sampled)."""
         prompt = self.matrix.prompts[case.prompt_id]
-        record, _ = self.measure(case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256())
-        return record
+        record, others, _ = self.measure(
+            case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256()
+        )
+        return record, others
 
     def measure(
         self,
@@ -307,9 +333,10 @@ class Harness:
         sha256: str,
         messages: list[dict[str, Any]] | None = None,
         extra_body: dict[str, Any] | None = None,
-    ) -> tuple[dict[str, Any], str]:
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
         """One measured call of the case, made cold or warm for its phase first: its call record
-        (under the case's prompt_id, with `sha256`) and the answer's text (not recorded).
+        (under the case's prompt_id, with `sha256`), the other records it produced (its `sample`
+        record) and the answer's text (not recorded).
 
         `messages` and `extra_body` go to the engine only when given (a test's own request), so
         an engine that does not take them still measures the prompts of prompts.yaml."""
@@ -325,9 +352,11 @@ class Harness:
         else:
             live.warm_up(prompt, max_tokens, **request)
         assert live.engine is not None
+        window = self._begin_sampling(live)
         started = utc_now()
         measurement = live.engine.chat(prompt, max_tokens, live.cell.timeout_s, **request)
         live.last_call_end = time.monotonic()
+        samples = self._end_sampling(live, window)
         record = call_record(
             run_id=self.run_id,
             cell=live.cell,
@@ -336,21 +365,74 @@ class Harness:
             cold_kind=cold_kind,
             started_at_utc=started,
             measurement=measurement,
+            telemetry=(
+                case_aggregates(samples, measurement.completion_tokens) if samples else None
+            ),
         )
+        others = []
+        if samples is not None:
+            others.append(
+                sample_record(
+                    run_id=self.run_id,
+                    cell=live.cell,
+                    case=case,
+                    interval_ms=samples.interval_ms,
+                    gpu_source=samples.gpu_source,
+                    cpu_source=samples.cpu_source,
+                    columns=sample_columns(samples),
+                    notes=samples.notes,
+                )
+            )
         # An engine may echo a credential in an error message: cut it out before anyone sees it.
-        return self.scrub.record(record), measurement.text
+        scrubbed_others = [self.scrub.record(other) for other in others]
+        return self.scrub.record(record), scrubbed_others, measurement.text
+
+    def _begin_sampling(self, live: LiveCell) -> tuple[NodeTelemetry, float] | None:
+        """Point the node's samplers at the cell's engine; None when the cell is not sampled."""
+        settings = live.cell.telemetry
+        telemetry = self.telemetry.get(live.cell.spec.node)
+        if telemetry is None or (settings.gpu == "off" and settings.cpu == "off"):
+            return None
+        pid = live.server.pid if live.server is not None else None
+        try:
+            return telemetry, telemetry.begin_case(pid)
+        except Exception:
+            log.warning("cell %s: telemetry failed", live.cell.cell_id, exc_info=True)
+            return None
+
+    def _end_sampling(
+        self, live: LiveCell, window: tuple[NodeTelemetry, float] | None
+    ) -> CaseSamples | None:
+        if window is None:
+            return None
+        telemetry, start = window
+        settings = live.cell.telemetry
+        try:
+            return telemetry.end_case(start, gpu=settings.gpu != "off", cpu=settings.cpu != "off")
+        except Exception:
+            log.warning("cell %s: telemetry failed", live.cell.cell_id, exc_info=True)
+            return None
 
     def release_node(self, node_id: str) -> None:
         """After a node's last case: stop its cells' engines and give the node back now, so a
         rented machine is not paid for while other nodes run. A later case would reopen it."""
         cell_ids = [cid for cid, live in self.cells.items() if live.cell.spec.node == node_id]
         cells = [self.cells.pop(cell_id) for cell_id in cell_ids]
+        self._stop_telemetry([node_id])
         self._close(cells, self.nodes.take([node_id]))
 
     def close(self) -> None:
         """Stop every managed engine, then give back every node (a rented one is marked done)."""
         cells, self.cells = list(self.cells.values()), {}
+        self._stop_telemetry(list(self.telemetry))
         self._close(cells, self.nodes.take())
+
+    def _stop_telemetry(self, node_ids: list[str]) -> None:
+        """Stop the nodes' samplers before their engines and connections go."""
+        for node_id in node_ids:
+            telemetry = self.telemetry.pop(node_id, None)
+            if telemetry is not None:
+                telemetry.stop()
 
     def _close(self, cells: list[LiveCell], targets: dict[str, Target]) -> None:
         """Each step runs even when an earlier one is interrupted (a second Ctrl-C during a slow

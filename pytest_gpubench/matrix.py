@@ -6,7 +6,7 @@ import hashlib
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -47,12 +47,16 @@ class _Strict(BaseModel):
 
 
 class Thresholds(_Strict):
-    """Regression thresholds: relative slowdowns (0.30 = 30 %) and the minimum success rate."""
+    """Regression thresholds: relative slowdowns (0.30 = 30 %) and the minimum success rate;
+    the optional `max_` limits are absolute, on the warm calls' resource telemetry."""
 
     ttft_p50: PositiveFloat | None = None
     total_p50: PositiveFloat | None = None
     tokens_per_sec: PositiveFloat | None = None
     success_rate: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    max_peak_vram_mib: PositiveFloat | None = None
+    max_energy_j_per_token: PositiveFloat | None = None
+    max_engine_cpu_s_per_token: PositiveFloat | None = None
 
 
 class LocalNode(_Strict):
@@ -154,6 +158,23 @@ def _unknown_kind(what: str, value: str, known: tuple[str, ...]) -> PydanticCust
     )
 
 
+class TelemetrySettings(_Strict):
+    """Resource sampling while cases run: the interval, and each sampler on (`auto`: where the
+    node has it) or `off`."""
+
+    interval_ms: Annotated[int, Field(ge=20, le=60_000)] = 200
+    gpu: Literal["auto", "off"] = "auto"
+    cpu: Literal["auto", "off"] = "auto"
+
+    @field_validator("gpu", "cpu", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML reads a bare `off` as false (and `on` as true).
+        if value is False:
+            return "off"
+        return "auto" if value is True else value
+
+
 class CellDefaults(_Strict):
     """Matrix-wide defaults, overridable per cell."""
 
@@ -161,6 +182,7 @@ class CellDefaults(_Strict):
     timeout_s: PositiveFloat = 300.0
     thresholds: Thresholds = Thresholds()
     env: list[str] = []
+    telemetry: TelemetrySettings = TelemetrySettings()
 
 
 def cell_id_of(node: Any, engine: Any, model: Any, name: Any = None) -> str:
@@ -181,6 +203,7 @@ class CellSpec(_Strict):
     runs: PositiveInt | None = None
     timeout_s: PositiveFloat | None = None
     thresholds: Thresholds | None = None
+    telemetry: TelemetrySettings | None = None
     skip: str | None = None
     # A cell that may go unmeasured (an engine that is not always up) without failing the run.
     optional: bool = False
@@ -280,6 +303,7 @@ class Cell:
     runs: int
     timeout_s: float
     thresholds: Thresholds
+    telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
 
     @property
     def cell_id(self) -> str:
@@ -460,6 +484,9 @@ def load_matrix(
                 runs=spec.runs or parsed.settings.runs,
                 timeout_s=spec.timeout_s or parsed.settings.timeout_s,
                 thresholds=Thresholds(**merged),
+                telemetry=parsed.settings.telemetry.model_copy(
+                    update=spec.telemetry.model_dump(exclude_unset=True) if spec.telemetry else {}
+                ),
             )
         )
     return Matrix(

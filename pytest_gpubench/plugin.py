@@ -393,7 +393,7 @@ class BenchEngine:
             self.frozen.check(self.case.cell_id, test_id, sha256, self.nodeid)
         except GpubenchError as exc:
             pytest.fail(str(exc), pytrace=False)
-        record, text = self.harness.measure(
+        record, others, text = self.harness.measure(
             self.case,
             "",
             max_tokens,
@@ -402,7 +402,7 @@ class BenchEngine:
             extra_body=dict(options),
         )
         self.calls.append(record)
-        self.records.append(record)
+        self.records.extend([record, *others])
         self.properties.extend(call_properties(record))
         return ChatCall(record, text)
 
@@ -441,11 +441,12 @@ class BenchCase:
     properties: list[tuple[str, object]] = field(default_factory=list)
 
     def run(self) -> dict[str, Any]:
-        """Measure the case once; returns its call record (README: "The call record")."""
+        """Measure the case once; returns its call record (README: "The call record"); the
+        case's sample record travels beside it."""
         from pytest_gpubench.junit import call_properties
 
-        self.record = self.harness.run_case(self.case)
-        self.records.append(self.record)
+        self.record, others = self.harness.run_case(self.case)
+        self.records.extend([self.record, *others])
         self.properties.extend(call_properties(self.record))
         return self.record
 
@@ -632,6 +633,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                 gate_error=judgement.gate_error,
                 baseline_update=run.options.baseline_update,
                 baselines_dir=run.options.baselines_dir,
+                telemetry=judgement.telemetry,
             )
         )
         if run.write_error is not None:

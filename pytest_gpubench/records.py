@@ -1,4 +1,5 @@
-"""The builders of the ledger's records: meta, cell, call, skipped and end (one place each)."""
+"""The builders of the ledger's records: meta, cell, call, sample, skipped and end (one place
+each)."""
 
 from __future__ import annotations
 
@@ -93,8 +94,10 @@ def call_record(
     cold_kind: str | None,
     started_at_utc: str,
     measurement: CallMeasurement,
+    telemetry: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One measured call (successful or not) of a case."""
+    """One measured call (successful or not) of a case; `telemetry` adds the case's resource
+    figures (telemetry/aggregate.py CALL_FIELDS) after the others."""
     spec = cell.spec
     return {
         "type": "call",
@@ -113,6 +116,40 @@ def call_record(
         "cold_kind": cold_kind,
         "started_at_utc": started_at_utc,
         **measurement.to_record(),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+        **(telemetry or {}),
+    }
+
+
+def sample_record(
+    *,
+    run_id: str,
+    cell: Cell,
+    case: Case,
+    interval_ms: int,
+    gpu_source: str | None,
+    cpu_source: str | None,
+    columns: Mapping[str, Mapping[str, list[Any]]],
+    notes: Sequence[str],
+) -> dict[str, Any]:
+    """The resource samples of one case, as columns (`gpu`, `cpu`: name -> values, `t_ms` from
+    the case's start; the first and last samples may lie just outside it) and the notes of
+    samplers that ended or were missing."""
+    return {
+        "type": "sample",
+        "benchmark_run_id": run_id,
+        "cell_id": cell.cell_id,
+        "node": cell.spec.node,
+        "case_id": case.case_id,
+        "prompt_id": case.prompt_id,
+        "phase": case.phase,
+        "run_idx": case.run_idx,
+        "interval_ms": interval_ms,
+        "gpu_source": gpu_source,
+        "cpu_source": cpu_source,
+        "gpu": {name: list(values) for name, values in columns.get("gpu", {}).items()} or None,
+        "cpu": {name: list(values) for name, values in columns.get("cpu", {}).items()} or None,
+        "notes": list(notes) or None,
         "worker": os.environ.get("PYTEST_XDIST_WORKER"),
     }
 

@@ -23,6 +23,7 @@ from pytest_gpubench.gate import (
 from pytest_gpubench.outcomes import CellOutcome
 from pytest_gpubench.stats import PromptSummary, summarize
 from pytest_gpubench.targets.gpu import gpu_summary
+from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
 
 NONE = "-"
 METRIC_LABELS = {
@@ -157,15 +158,24 @@ def verdict_notes(verdicts: Iterable[Verdict], *, accepted: bool = False) -> lis
 
 
 def render_summary(
-    summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict], *, accepted: bool = False
+    summaries: Iterable[PromptSummary],
+    verdicts: Iterable[Verdict],
+    *,
+    accepted: bool = False,
+    telemetry: Iterable[TelemetrySummary] = (),
 ) -> str:
-    """The terminal summary: the table, then one line per verdict that needs attention."""
+    """The terminal summary: the table, the resource telemetry table (when anything was
+    sampled), then one line per verdict that needs attention."""
     verdicts = list(verdicts)
     rows = summary_rows(summaries, verdicts)
     if not rows:
         return "no calls measured"
     notes = verdict_notes(verdicts, accepted=accepted)
-    return "\n".join([table(rows, SUMMARY_HEADERS), *notes])
+    resources = telemetry_rows(telemetry)
+    tables = [table(rows, SUMMARY_HEADERS)]
+    if resources:
+        tables.append(table(resources, TELEMETRY_HEADERS))
+    return "\n".join([*tables, *notes])
 
 
 # -- the end of a pytest session ------------------------------------------------------------
@@ -239,11 +249,16 @@ def gate_lines(
     gate_error: str | None,
     baseline_update: bool,
     baselines_dir: Path,
+    telemetry: Iterable[TelemetrySummary] = (),
 ) -> list[TerminalLine]:
-    """The gate's part of the terminal summary: the table, baseline notes, errors, the status."""
+    """The gate's part of the terminal summary: the tables, baseline notes, errors, the status."""
     summaries, verdicts = list(summaries), list(verdicts)
     lines = (
-        [TerminalLine(render_summary(summaries, verdicts, accepted=baseline_update))]
+        [
+            TerminalLine(
+                render_summary(summaries, verdicts, accepted=baseline_update, telemetry=telemetry)
+            )
+        ]
         if summaries
         else []
     )
@@ -269,6 +284,72 @@ def gate_lines(
             )
         )
     return lines
+
+
+# -- resource telemetry --------------------------------------------------------------------------
+
+TELEMETRY_HEADERS = (
+    "cell",
+    "prompt",
+    "peak VRAM MiB",
+    "GPU util %",
+    "power W",
+    "J/token",
+    "tokens/J",
+    "engine CPU s",
+    "CPU s/token",
+    "peak RSS MiB",
+)
+
+
+def telemetry_rows(summaries: Iterable[TelemetrySummary]) -> list[list[str]]:
+    """One row per (cell, prompt) whose warm calls were sampled (medians; peaks of peaks). Energy
+    integrated from power, for GPUs without an energy counter, is marked `~`."""
+    rows = []
+    for summary in summaries:
+        figures = (
+            summary.gpu_peak_memory_used_mib,
+            summary.gpu_utilization_mean_pct,
+            summary.gpu_power_mean_w,
+            summary.gpu_energy_j_per_token,
+            summary.gpu_tokens_per_j,
+            summary.engine_cpu_s,
+            summary.engine_cpu_s_per_token,
+            summary.engine_peak_rss_mib,
+        )
+        if all(figure is None for figure in figures):
+            continue
+        integrated = "~" if summary.gpu_energy_source == "integrated_power" else ""
+        peak, util, power, joules, per_joule, cpu, cpu_per_token, rss = figures
+        rows.append(
+            [
+                summary.cell_id,
+                summary.prompt_id,
+                fixed(peak, 0),
+                fixed(util, 1),
+                fixed(power, 1),
+                integrated + fixed(joules, 4) if joules is not None else NONE,
+                integrated + fixed(per_joule, 2) if per_joule is not None else NONE,
+                fixed(cpu, 3),
+                fixed(cpu_per_token, 5),
+                fixed(rss, 1),
+            ]
+        )
+    return rows
+
+
+def _telemetry_section(records: Sequence[Mapping[str, Any]]) -> str:
+    rows = telemetry_rows(telemetry_summaries(records))
+    if not rows:
+        return ""
+    return "\n\n".join(
+        [
+            "## Resource telemetry (warm calls)",
+            "Medians per call; peak VRAM and RSS are the highest seen. `~`: energy integrated "
+            "from power draw (no energy counter on the GPU).",
+            table(rows, TELEMETRY_HEADERS, markdown=True),
+        ]
+    )
 
 
 # -- comparison of two runs -------------------------------------------------------------------
@@ -327,6 +408,7 @@ def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
             _cell_section(cell_id, cells.get(cell_id, {}), summaries, skipped)
             for cell_id in cell_ids
         ),
+        _telemetry_section(records),
         _gate_section(end),
     ]
     return "\n\n".join(section for section in sections if section) + "\n"

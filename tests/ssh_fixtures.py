@@ -146,6 +146,9 @@ def sshd() -> Iterator[SshServer]:
                     "PermitRootLogin no",
                     f"AllowUsers {TEST_USER}",
                     "AllowTcpForwarding local",
+                    # A key's authorized_keys line may set PATH (environment="PATH=..."): the
+                    # telemetry tests put a stand-in nvidia-smi first on the node's PATH.
+                    "PermitUserEnvironment PATH",
                     "MaxSessions 100",
                     "MaxStartups 100",
                     "UseDNS no",

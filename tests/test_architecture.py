@@ -34,6 +34,7 @@ LAYERS = (
     "stats",
     "outcomes",
     "targets",
+    "telemetry",
     "engines",
     "baseline",
     "gate",

@@ -39,8 +39,10 @@ def test_ledger_records_meta_cell_calls_end(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=6)
     (ledger,) = (pytester.path / "runs").glob("*.jsonl")
     records = read_ledger(ledger)
-    assert [r["type"] for r in records] == ["meta", "cell"] + ["call"] * 6 + ["end"]
-    meta, cell, *calls, end = records
+    # Each call is followed by its case's resource samples (the node's memory and load).
+    assert [r["type"] for r in records] == ["meta", "cell"] + ["call", "sample"] * 6 + ["end"]
+    meta, cell, *cases, end = records
+    calls = cases[::2]
     run_id = meta["benchmark_run_id"]
     assert ledger.name == f"{run_id}.jsonl"
     assert all(r["benchmark_run_id"] == run_id for r in records)

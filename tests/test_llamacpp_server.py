@@ -205,7 +205,8 @@ def test_kill_9_of_pytest_leaves_no_server(
     (ledger,) = (pytester.path / "runs").glob("*.jsonl")
     complete = ledger.read_text().split("\n")[:-1]
     kinds = [json.loads(line)["type"] for line in complete]
-    assert kinds[:2] == ["meta", "cell"] and set(kinds[2:]) == {"call"}, kinds
+    assert kinds[:2] == ["meta", "cell"] and set(kinds[2:]) <= {"call", "sample"}, kinds
+    assert "call" in kinds, kinds
 
 
 def test_ctrl_c_stops_the_server_and_closes_the_ledger(

@@ -99,6 +99,12 @@ class ManagedLlamaServer:
         self.stop()
         return self.start()
 
+    @property
+    def pid(self) -> int | None:
+        """The running server's process id on its node (telemetry reads its /proc entry)."""
+        pid = getattr(self._process, "pid", None)
+        return pid if isinstance(pid, int) else None
+
     def alive(self) -> bool:
         return self._process is not None and self._process.alive()
 

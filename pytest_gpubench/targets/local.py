@@ -62,6 +62,33 @@ class LocalProcess:
             return ""
 
 
+class LocalLineStream:
+    """A long-running command's output (stderr merged), line by line; close() ends it."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+
+    def readline(self) -> str | None:
+        assert self._popen.stdout is not None
+        line = self._popen.stdout.readline()
+        if not line:
+            return None
+        return line.decode("utf-8", "replace").rstrip("\r\n")
+
+    def close(self) -> None:
+        if self._popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._popen.pid, signal.SIGTERM)
+            try:
+                self._popen.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._popen.pid, signal.SIGKILL)
+                self._popen.wait(timeout=5.0)
+        if self._popen.stdout is not None:
+            self._popen.stdout.close()
+
+
 class LocalTarget:
     def __init__(self, node_id: str = "local") -> None:
         self.node_id = node_id
@@ -101,6 +128,17 @@ class LocalTarget:
         process = LocalProcess(popen, path)
         self._processes.append(process)
         return process
+
+    def stream(self, argv: Sequence[str]) -> LocalLineStream:
+        """Start a long-lived command (a telemetry stream) whose output is read as it comes."""
+        popen = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - needed for PDEATHSIG
+        )
+        return LocalLineStream(popen)
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

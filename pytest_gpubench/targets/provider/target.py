@@ -30,7 +30,7 @@ from pytest_gpubench.targets.provider.api import (
 )
 from pytest_gpubench.targets.ssh import SshTarget
 from pytest_gpubench.targets.ssh.hostkeys import HostKeyError
-from pytest_gpubench.targets.ssh.target import SshProcess
+from pytest_gpubench.targets.ssh.target import SshLineStream, SshProcess
 from pytest_gpubench.targets.stages import SetupStep, Stage, StageError, setup_steps
 
 log = logging.getLogger(__name__)
@@ -317,6 +317,9 @@ class ProviderTarget:
     def start(self, argv: Sequence[str], *, log_path: str) -> ProviderProcess:
         process = self.guarded("benchmark", lambda ssh: ssh.start(argv, log_path=log_path))
         return ProviderProcess(self, process)
+
+    def stream(self, argv: Sequence[str]) -> SshLineStream:
+        return self.guarded("benchmark", lambda ssh: ssh.stream(argv))
 
     def free_port(self) -> int:
         return self.guarded("benchmark", lambda ssh: ssh.free_port())

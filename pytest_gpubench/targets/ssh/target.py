@@ -103,6 +103,29 @@ class SshProcess:
         return result.stdout if result.ok else ""
 
 
+class SshLineStream:
+    """A long-running remote command's output (stderr merged), line by line. Closing the
+    channel ends the command: its next write fails once sshd has closed the pipes."""
+
+    def __init__(self, channel: paramiko.Channel) -> None:
+        self._channel = channel
+        self._file = channel.makefile("rb")
+
+    def readline(self) -> str | None:
+        try:
+            line = self._file.readline()
+        except (OSError, EOFError, paramiko.SSHException):
+            return None
+        if not line:
+            return None
+        text: str = line.decode("utf-8", "replace") if isinstance(line, bytes) else str(line)
+        return text.rstrip("\r\n")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._channel.close()
+
+
 class SshTarget:
     """A host reached over SSH with key authentication and verified host keys."""
 
@@ -277,6 +300,23 @@ class SshTarget:
             stdout=stdout.decode("utf-8", "replace"),
             stderr=stderr.decode("utf-8", "replace"),
         )
+
+    def stream(self, argv: Sequence[str]) -> SshLineStream:
+        """Start a long-lived command (a telemetry stream) on its own channel; no timeout: it
+        lasts until the stream is closed."""
+        transport = self._transport("benchmark")
+        try:
+            channel = transport.open_session(timeout=self.connect_timeout_s)
+            channel.set_combine_stderr(True)
+            channel.exec_command(shlex.join([str(a) for a in argv]))
+            channel.shutdown_write()
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise StageError(
+                "benchmark",
+                f"node {self.node_id}: cannot start `{argv[0] if argv else ''}` on {self.where}: "
+                f"{str(exc) or type(exc).__name__}",
+            ) from None
+        return SshLineStream(channel)
 
     def run_script(self, script: str, args: Sequence[str], timeout_s: float) -> CommandResult:
         """Run a fixed sh script of ours; values reach it only as positional parameters."""

@@ -1,0 +1,96 @@
+"""GPU samples on this machine through NVML (the `nvidia-ml-py` bindings, module `pynvml`),
+imported only when a local node is sampled."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from types import ModuleType
+from typing import Any
+
+from pytest_gpubench.telemetry import GpuSample, PollingSampler, Sample
+
+MIB = 1024 * 1024
+
+
+class NvmlUnavailable(Exception):
+    """NVML cannot be used here: no bindings, no library, no GPU."""
+
+
+def _load() -> tuple[ModuleType, list[Any]]:
+    try:
+        nvml = importlib.import_module("pynvml")
+    except ImportError as exc:
+        raise NvmlUnavailable(f"pynvml not importable: {exc}") from None
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
+        raise NvmlUnavailable(f"NVML library not loaded: {exc}") from None
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+        handles = [nvml.nvmlDeviceGetHandleByIndex(index) for index in range(count)]
+    except Exception as exc:
+        _shutdown(nvml)
+        raise NvmlUnavailable(f"NVML lists no GPU: {exc}") from None
+    if not handles:
+        _shutdown(nvml)
+        raise NvmlUnavailable("NVML lists no GPU")
+    return nvml, handles
+
+
+def _shutdown(nvml: ModuleType) -> None:
+    with contextlib.suppress(Exception):
+        nvml.nvmlShutdown()
+
+
+def _optional(nvml: ModuleType, read: Any) -> float | None:
+    """A reading the GPU may not support (energy counter, power on some boards): None then."""
+    try:
+        return float(read())
+    except nvml.NVMLError as exc:
+        if isinstance(exc, _not_supported(nvml)):
+            return None
+        raise
+
+
+def _not_supported(nvml: ModuleType) -> tuple[type[BaseException], ...]:
+    names = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
+    return tuple(getattr(nvml, name) for name in names if hasattr(nvml, name))
+
+
+def read_gpus(nvml: ModuleType, handles: list[Any], now: float) -> list[GpuSample]:
+    """One sample per GPU, converted to nvidia-smi's units (bytes → MiB, mW → W); a GPU that
+    cannot be read at all (lost, reset) raises, which ends the sampler with a note."""
+    return [_read_gpu(nvml, index, handle, now) for index, handle in enumerate(handles)]
+
+
+def _read_gpu(nvml: ModuleType, index: int, handle: Any, now: float) -> GpuSample:
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    utilization = nvml.nvmlDeviceGetUtilizationRates(handle)
+    temperature = _optional(
+        nvml, lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
+    )
+    milliwatts = _optional(nvml, lambda: nvml.nvmlDeviceGetPowerUsage(handle))
+    clock = _optional(nvml, lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
+    energy = _optional(nvml, lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+    return GpuSample(
+        t=now,
+        gpu=index,
+        utilization_pct=float(utilization.gpu),
+        memory_used_mib=memory.used / MIB,
+        memory_total_mib=memory.total / MIB,
+        temperature_c=temperature,
+        power_w=milliwatts / 1000.0 if milliwatts is not None else None,
+        sm_clock_mhz=clock,
+        energy_mj=energy,
+    )
+
+
+def nvml_sampler(interval_s: float) -> PollingSampler:
+    """A sampler of every GPU of this machine; raises NvmlUnavailable where NVML cannot load."""
+    nvml, handles = _load()
+
+    def read(now: float, _pid: int | None) -> list[Sample]:
+        return list(read_gpus(nvml, handles, now))
+
+    return PollingSampler("gpu", "nvml", interval_s, read, close=lambda: _shutdown(nvml))
