@@ -6,19 +6,21 @@ import contextlib
 import logging
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from pytest_gpubench.cases import Case
-from pytest_gpubench.engines import Engine, EngineHook, make_engine
+from pytest_gpubench.engines import Engine, EngineHook, KeepsConnection, make_engine
 from pytest_gpubench.engines.managed import ManagedLlamaServer, managed_llama_server
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.files import distinct_file_name
-from pytest_gpubench.matrix import Cell, LocalNode, Matrix, SshNode
+from pytest_gpubench.matrix import Cell, LocalNode, Matrix, Prompt, SshNode
+from pytest_gpubench.measure import CallMeasurement, StreamError, TlsSettings
 from pytest_gpubench.provenance import utc_now
-from pytest_gpubench.records import call_record, cell_record, skipped_record
+from pytest_gpubench.records import call_record, cell_record, skipped_record, tls_warning
 from pytest_gpubench.secrets import SecretScrubber, secret_from_env
 from pytest_gpubench.targets import Target, TargetHook, open_target
 from pytest_gpubench.targets.gpu import gpu_summary
@@ -89,6 +91,8 @@ class LiveCell:
     engine_hook: EngineHook | None = None
     # Cuts secrets out of text the cell writes (the engine log it fetches from a node).
     scrub: Callable[[str], str] = str
+    # Tells the scrubber a secret read at run time (a header's value).
+    learn_secret: Callable[[str], None] = lambda secret: None
     target: Target | None = None
     server: ManagedLlamaServer | None = None
     engine: Engine | None = None
@@ -114,6 +118,7 @@ class LiveCell:
                 base_url = self.server.start()
             else:
                 base_url = str(spec.endpoint).rstrip("/")
+                self._check_tls()
             self.engine = self._engine(base_url)
             health = self.engine.health(HEALTH_TIMEOUT_S)
             if not health.ok:
@@ -135,6 +140,21 @@ class LiveCell:
             self.unavailable = "interrupted while the cell was being prepared"
             raise
 
+    def _check_tls(self) -> None:
+        """A CA file that cannot be read is one line now, not a failed call per case; a cell
+        that checks no certificate says so (and its cell record says so too)."""
+        spec = self.cell.spec
+        if spec.endpoint is None or spec.endpoint.scheme != "https":
+            return
+        try:
+            TlsSettings(verify=spec.tls_verify, ca_file=spec.ca_file).context()
+        except StreamError as exc:
+            raise GpubenchError(f"cell {self.cell.cell_id}: {exc}") from None
+        warning = tls_warning(self.cell)
+        if warning is not None:
+            log.warning("%s", warning)
+            warnings.warn(warning, UserWarning, stacklevel=1)
+
     def _unavailable(self, exc: GpubenchError) -> None:
         self.unavailable = str(exc)
         self.unavailable_stage = _failed_stage(self.cell, exc)
@@ -146,17 +166,32 @@ class LiveCell:
             if name is not None
             else None
         )
+        headers = {}
+        for header, source in self.cell.spec.headers.items():
+            value = secret_from_env(
+                source.env, owner=f"cell {self.cell.cell_id}", key=f"headers.{header}"
+            )
+            self.learn_secret(value)
+            headers[header] = value
         return make_engine(
             self.cell,
             base_url,
             api_key=api_key,
             model_digest=self.model_digest,
             plugin_hook=self.engine_hook,
+            headers=headers,
         )
 
+    def close_connection(self) -> None:
+        """Close the engine's kept-alive connection: the next call opens a fresh one."""
+        if isinstance(self.engine, KeepsConnection):
+            self.engine.close_connection()
+
     def make_cold(self) -> str:
-        """Force the model out of memory; returns the cold_kind recorded with the call."""
+        """Force the model out of memory; returns the cold_kind recorded with the call.
+        A cold call also opens a fresh connection."""
         assert self.engine is not None
+        self.close_connection()
         if self.server is not None:
             self.engine = self._engine(self.server.restart())
             return "restart"
@@ -164,15 +199,25 @@ class LiveCell:
             return "unload"
         return "process_warm"
 
-    def warm_up(self, prompt: str, max_tokens: int) -> None:
-        """An unrecorded call, so that the measured call follows one within the warm window."""
+    def chat(self, prompt: Prompt) -> CallMeasurement:
+        """One call of `prompt` on the cell's engine, with the cell's and prompt's request keys
+        (passed only when some are set: a plugin's engine may not take them)."""
+        assert self.engine is not None
+        request = self.cell.request_for(prompt)
+        if request.model_dump(exclude_none=True):
+            chat: Callable[..., CallMeasurement] = self.engine.chat
+            return chat(prompt.prompt, prompt.max_tokens, self.cell.timeout_s, request=request)
+        return self.engine.chat(prompt.prompt, prompt.max_tokens, self.cell.timeout_s)
+
+    def warm_up(self, prompt: Prompt) -> None:
+        """An unrecorded call, so that the measured call follows one within the warm window
+        (and on a connection already open)."""
         recent = self.last_call_end is not None and (
             time.monotonic() - self.last_call_end < WARM_WINDOW_S
         )
         if recent:
             return
-        assert self.engine is not None
-        self.engine.chat(prompt, max_tokens, self.cell.timeout_s)
+        self.chat(prompt)
         self.last_call_end = time.monotonic()
 
     def close(self) -> None:
@@ -181,6 +226,7 @@ class LiveCell:
         A remote engine's log is read back (stage `results`) into the local log folder first:
         a rented node, and everything on it, is gone once it is given back.
         """
+        self.close_connection()
         if self.server is None:
             return
         with contextlib.suppress(Exception):
@@ -244,6 +290,7 @@ class Harness:
             self.nodes.target,
             engine_hook=self.engine_hook,
             scrub=self.scrub,
+            learn_secret=self.scrub.add,
         )
         self.cells[cell_id] = live
         live.prepare()
@@ -256,7 +303,14 @@ class Harness:
         records: list[dict[str, Any]] = []
         if fresh and live.facts:
             records.append(
-                self.scrub.record(cell_record(run_id=self.run_id, cell=live.cell, **live.facts))
+                self.scrub.record(
+                    cell_record(
+                        run_id=self.run_id,
+                        cell=live.cell,
+                        prompts=self.matrix.prompts,
+                        **live.facts,
+                    )
+                )
             )
         if live.unavailable is not None:
             reason = self.scrub(live.unavailable)
@@ -280,16 +334,16 @@ class Harness:
         if case.phase == "cold":
             cold_kind = live.make_cold()
         else:
-            live.warm_up(prompt.prompt, prompt.max_tokens)
+            live.warm_up(prompt)
         assert live.engine is not None
         started = utc_now()
-        measurement = live.engine.chat(prompt.prompt, prompt.max_tokens, live.cell.timeout_s)
+        measurement = live.chat(prompt)
         live.last_call_end = time.monotonic()
         record = call_record(
             run_id=self.run_id,
             cell=live.cell,
             case=case,
-            prompt_sha256=prompt.sha256(),
+            prompt_sha256=prompt.sha256(live.cell.request_for(prompt)),
             cold_kind=cold_kind,
             started_at_utc=started,
             measurement=measurement,
