@@ -5,6 +5,11 @@ first content chunk and sends that stamp in its last chunk; the client stamps th
 first content bytes. On Linux perf_counter_ns is CLOCK_MONOTONIC, shared by both processes, so the
 difference is what the client adds. Prints the median and p90 per client, side by side.
 
+The server keeps connections alive (tests/keepalive_server.py); pytest-gpubench is measured with a
+kept-alive connection and with a new connection per call, over plain HTTP and over TLS through
+stunnel4 (tests/tls_terminator.py, a CA made for the run), with the connect and TLS handshake times
+it records beside each call (never inside its TTFT).
+
     python benchmarks_dev/client_overhead.py [--requests 300]
 """
 
@@ -14,76 +19,67 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import socket
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
-from pytest_gpubench.measure import stream_post
+from pytest_gpubench.measure import HttpConnection, StreamedResponse, TlsSettings, stream_post
 
-CHUNKS = 8
-PREFILL_S = 0.002
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from keepalive_server import KeepAliveServer  # noqa: E402
+from tls_terminator import stunnel  # noqa: E402
 
 
 def _serve(port_queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    port_queue.put(listener.getsockname()[1])
+    server = KeepAliveServer().start()
+    port_queue.put(server.url)
     while True:
-        conn, _ = listener.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        request = b""
-        while b"\r\n\r\n" not in request:
-            request += conn.recv(65536)
-        head, _, body = request.partition(b"\r\n\r\n")
-        length = next(
-            (
-                int(line.split(b":")[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length")
-            ),
-            0,
-        )
-        while len(body) < length:
-            body += conn.recv(65536)
-        conn.sendall(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-        )
-        time.sleep(PREFILL_S)  # "prefill": the client is already waiting in recv()
-        first_write_ns = 0
-        for index in range(CHUNKS):
-            event = f'data: {{"choices":[{{"delta":{{"content":"t{index}"}}}}]}}\n\n'.encode()
-            if index == 0:
-                first_write_ns = time.perf_counter_ns()
-            conn.sendall(f"{len(event):x}\r\n".encode() + event + b"\r\n")
-            time.sleep(0.0005)
-        stamp = f"data: {json.dumps({'server_first_write_ns': first_write_ns})}\n\n".encode()
-        conn.sendall(f"{len(stamp):x}\r\n".encode() + stamp + b"\r\n0\r\n\r\n")
-        conn.close()
+        time.sleep(3600)
 
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
 
 
 def _server_stamp(text: str) -> int:
-    marker = text.rindex('{"server_first_write_ns"')
-    return int(json.loads(text[marker:].split("\n", 1)[0])["server_first_write_ns"])
+    for line in text.splitlines():
+        if "server_first_write_ns" in line:
+            return int(json.loads(line.removeprefix("data:").strip())["server_first_write_ns"])
+    raise ValueError("the server sent no server_first_write_ns")
 
 
-def gpubench_client(url: str) -> int:
-    response = stream_post(url, "/v1/chat/completions", BODY.encode(), timeout_s=10)
+def _read(response: StreamedResponse) -> int:
+    """The client's error on the first content: its arrival minus the server's first write."""
     first = 0
     text = []
     for line in response.lines:
         if not first and b'"content"' in line.text:
             first = line.arrived_ns
         text.append(line.text.decode())
+    response.release(True)
     return first - _server_stamp("\n".join(text))
+
+
+# Connect and TLS handshake ms of the calls that opened a connection, per client.
+SETUP_MS: dict[str, list[tuple[float, float | None]]] = {}
+
+
+def gpubench_new_connection(url: str, tls: TlsSettings | None = None, name: str = "") -> int:
+    response = stream_post(url, "/v1/chat/completions", BODY.encode(), timeout_s=10, tls=tls)
+    if name and response.connect_ms is not None:
+        SETUP_MS.setdefault(name, []).append((response.connect_ms, response.tls_handshake_ms))
+    return _read(response)
+
+
+def gpubench_kept_alive(connection: HttpConnection, name: str) -> int:
+    response = connection.post_stream("/v1/chat/completions", BODY.encode(), timeout_s=10)
+    if response.connect_ms is not None:
+        SETUP_MS.setdefault(name, []).append((response.connect_ms, response.tls_handshake_ms))
+    return _read(response)
 
 
 def httpx_sync_client(url: str) -> int:
@@ -117,35 +113,66 @@ def httpx_async_client(url: str) -> int:
     return asyncio.run(once())
 
 
+OURS = "gpubench http kept-alive"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=300)
     args = parser.parse_args()
-    ports: multiprocessing.Queue[int] = multiprocessing.Queue()
-    server = multiprocessing.Process(target=_serve, args=(ports,), daemon=True)
+    urls: multiprocessing.Queue[str] = multiprocessing.Queue()
+    server = multiprocessing.Process(target=_serve, args=(urls,), daemon=True)
     server.start()
-    url = f"http://127.0.0.1:{ports.get(timeout=10)}"
-    clients: dict[str, Callable[[str], int]] = {
-        "pytest-gpubench (h11, blocking socket)": gpubench_client,
-        "httpx sync": httpx_sync_client,
-        "httpx async": httpx_async_client,
-    }
-    samples: dict[str, list[float]] = {name: [] for name in clients}
-    for client in clients.values():
-        for _ in range(20):  # warm imports and caches
-            client(url)
-    # Interleave the clients so that machine noise hits them alike.
-    for _ in range(args.requests):
-        for name, client in clients.items():
-            samples[name].append(client(url) / 1e6)
+    url = urls.get(timeout=10)
+    with tempfile.TemporaryDirectory() as tmp, stunnel(url, Path(tmp)) as terminator:
+        tls = TlsSettings(ca_file=str(terminator.ca_file))
+        kept_http = HttpConnection(url)
+        kept_https = HttpConnection(terminator.url, tls)
+        https = terminator.url
+        clients: dict[str, Callable[[], int]] = {
+            OURS: lambda: gpubench_kept_alive(kept_http, OURS),
+            "gpubench http new connection": lambda: gpubench_new_connection(
+                url, name="gpubench http new connection"
+            ),
+            "gpubench https kept-alive": lambda: gpubench_kept_alive(
+                kept_https, "gpubench https kept-alive"
+            ),
+            "gpubench https new connection": lambda: gpubench_new_connection(
+                https, tls, "gpubench https new connection"
+            ),
+            "httpx sync (http, new client)": lambda: httpx_sync_client(url),
+            "httpx async (http, new client)": lambda: httpx_async_client(url),
+        }
+        samples: dict[str, list[float]] = {name: [] for name in clients}
+        for client in clients.values():
+            for _ in range(20):  # warm imports and caches
+                client()
+        SETUP_MS.clear()
+        # Interleave the clients so that machine noise hits them alike.
+        for _ in range(args.requests):
+            for name, client in clients.items():
+                samples[name].append(client() / 1e6)
+        handshakes = terminator.handshakes()
     server.terminate()
-    ours = statistics.median(samples["pytest-gpubench (h11, blocking socket)"])
-    print(f"{'client':40} {'median ms':>10} {'p90 ms':>8} {'vs ours':>8}")
+    ours = statistics.median(samples[OURS])
+    print("TTFT error: first content arrival at the client minus the server's first write (ms)")
+    header = f"{'client':32} {'median':>8} {'p90':>8} {'vs ours':>8} {'opened':>7}"
+    print(f"{header} {'connect p50':>12} {'TLS hs p50':>11}")
     for name, values in samples.items():
         median = statistics.median(values)
         p90 = statistics.quantiles(values, n=10)[-1]
-        print(f"{name:40} {median:10.3f} {p90:8.3f} {median / ours:7.2f}x")
-    print(f"({args.requests} requests per client, interleaved, one stream at a time)")
+        setup = SETUP_MS.get(name, [])
+        opened = str(len(setup)) if name.startswith("gpubench") else "-"
+        connect = f"{statistics.median(c for c, _ in setup):.3f}" if setup else "-"
+        tls_ms = [h for _, h in setup if h is not None]
+        handshake = f"{statistics.median(tls_ms):.3f}" if tls_ms else "-"
+        row = f"{name:32} {median:8.3f} {p90:8.3f} {median / ours:7.2f}x {opened:>7}"
+        print(f"{row} {connect:>12} {handshake:>11}")
+    print(
+        f"({args.requests} requests per client, interleaved, one stream at a time; 'opened': "
+        f"connections the client opened while measured; stunnel completed {handshakes} TLS "
+        "handshakes in all, warm-up included)"
+    )
 
 
 if __name__ == "__main__":
