@@ -387,3 +387,26 @@ def test_keepalive_server_stands_in_for_a_keep_alive_engine() -> None:
         assert json.dumps(server.requests[0].body["stream"]) == "true"
     finally:
         server.close()
+
+
+def test_a_header_whose_variable_is_unset_names_the_cell_the_header_and_the_variable(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GPUBENCH_TEST_UNSET", raising=False)
+    with keepalive_server() as server:
+        pytester.makefile(
+            ".yaml",
+            prompts="prompts:\n  P: {intent: i, prompt: 'Say hi.', max_tokens: 8}\n",
+            cells=f"nodes: {{local: {{kind: local}}}}\ncells:\n"
+            f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}', "
+            f"phases: [warm], runs: 1, headers: {{X-Team: {{env: GPUBENCH_TEST_UNSET}}}}}}\n",
+        )
+        pytester.makepyfile(BENCH)
+        pytester.runpytest("--force-load", "-p", "no:cacheprovider")
+        posted = list(server.requests)
+    records, _ = ledger_of(pytester)
+    (skipped,) = [r for r in records if r["type"] == "skipped"]
+    assert skipped["reason"] == (
+        "cell local:openai:m: headers.X-Team: $GPUBENCH_TEST_UNSET is not set"
+    )
+    assert posted == []
