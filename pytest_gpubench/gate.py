@@ -21,7 +21,8 @@ VERDICT_ORDER: tuple[VerdictKind, ...] = ("regression", "inconclusive", "win", "
 ALPHA = 0.05
 RERUN_RUNS = 20
 RERUN_HINT = f"re-run with --gpubench-runs {RERUN_RUNS}"
-# SPEC §8 defaults: relative changes for the ratio metrics, an absolute floor for success.
+# The defaults (README "The regression gate"): relative changes for the ratio metrics, an
+# absolute floor for success.
 DEFAULT_RATIO_THRESHOLD = 0.30
 DEFAULT_SUCCESS_RATE = 0.95
 # Up to this many samples on the smaller side the exact U distribution is used (scipy's own
@@ -95,7 +96,7 @@ DECODE_TOKENS_PER_SEC = Metric(
 )
 RATIO_METRICS = (TTFT_P50, TOTAL_P50, DECODE_TOKENS_PER_SEC)
 SUCCESS_RATE = "warm_success_rate"
-METRIC_NAMES = tuple(metric.name for metric in RATIO_METRICS) + (SUCCESS_RATE,)
+METRIC_NAMES = (*tuple(metric.name for metric in RATIO_METRICS), SUCCESS_RATE)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def check_git_tree(root: Path, ledger_dir: Path, *, allow_dirty: bool) -> dict[s
         shown += f" and {more} more" if more > 0 else ""
         raise GpubenchError(
             f"git tree {root} has uncommitted changes ({shown}): commit them, "
-            "or pass --allow-dirty to measure anyway (the dirty files go into the ledger)"
+            "or pass --gpubench-allow-dirty to measure anyway (the dirty files go into the ledger)"
         )
     return git
 
@@ -40,7 +40,7 @@ def check_load(threshold: float, *, force_load: bool) -> None:
     if load > threshold and not force_load:
         raise GpubenchError(
             f"1-minute load average is {load:.2f}, above {threshold:g}: "
-            "numbers measured now would not be comparable; wait, or pass --force-load"
+            "numbers measured now would not be comparable; wait, or pass --gpubench-force-load"
         )
 
 

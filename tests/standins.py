@@ -25,7 +25,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
     def _json(self, status: int, body: Any) -> None:
@@ -224,6 +224,7 @@ def serving(server: _Server) -> Iterator[str]:
     thread.start()
     try:
         host, port = server.server_address[:2]
+        assert isinstance(host, str)  # an IPv4 server: never bytes
         yield f"http://{host}:{port}"
     finally:
         server.shutdown()

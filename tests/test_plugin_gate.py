@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from standins import FaultyOpenAIServer, OllamaStandin, serving
@@ -35,7 +36,7 @@ def bench(pytester: pytest.Pytester, url: str, extra: str = "") -> None:
     pytester.makepyfile(test_bench=TEST_FILE)
 
 
-def last_ledger(pytester: pytest.Pytester) -> list[dict[str, object]]:
+def last_ledger(pytester: pytest.Pytester) -> list[dict[str, Any]]:
     newest = max((pytester.path / "runs").glob("*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
     return read_ledger(newest)
 
@@ -69,7 +70,7 @@ def test_update_then_same_speed_passes_and_slower_exits_6(pytester: pytest.Pytes
     )
     end = last_ledger(pytester)[-1]
     assert end["type"] == "end" and end["regressions"] >= 1
-    metrics = {v["metric"] for v in end["verdicts"] if v["verdict"] == "regression"}  # type: ignore[union-attr]
+    metrics = {v["metric"] for v in end["verdicts"] if v["verdict"] == "regression"}
     assert "warm_ttft_p50_ms" in metrics
 
 
@@ -125,7 +126,7 @@ def test_no_baseline_is_new_not_a_failure(pytester: pytest.Pytester) -> None:
         result = pytester.runpytest("--force-load")
     assert result.ret == 0
     result.stdout.fnmatch_lines([f"{CELL}*P-EASY*new"])
-    assert {v["verdict"] for v in last_ledger(pytester)[-1]["verdicts"]} == {"new"}  # type: ignore[union-attr]
+    assert {v["verdict"] for v in last_ledger(pytester)[-1]["verdicts"]} == {"new"}
 
 
 def test_report_of_the_run_is_deterministic(pytester: pytest.Pytester, tmp_path: Path) -> None:
