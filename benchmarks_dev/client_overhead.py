@@ -31,8 +31,8 @@ import httpx
 from pytest_gpubench.measure import HttpConnection, StreamedResponse, TlsSettings, stream_post
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from keepalive_server import KeepAliveServer  # noqa: E402
-from tls_terminator import stunnel  # noqa: E402
+from keepalive_server import KeepAliveServer
+from tls_terminator import stunnel
 
 
 def _serve(port_queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]

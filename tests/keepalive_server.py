@@ -14,7 +14,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -43,10 +43,17 @@ class KeepAliveServer:
     _open: list[socket.socket] = field(default_factory=list)
     _closed: bool = False
 
+    _threads: list[threading.Thread] = field(default_factory=list)
+
     def start(self) -> KeepAliveServer:
         self._listener = socket.create_server(("127.0.0.1", 0))
-        threading.Thread(target=self._accept_loop, daemon=True).start()
+        self._spawn(self._accept_loop)
         return self
+
+    def _spawn(self, target: Callable[..., None], *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     @property
     def url(self) -> str:
@@ -60,9 +67,16 @@ class KeepAliveServer:
             conn.close()
 
     def close(self) -> None:
+        """Stop listening and serving, and wait for every thread: nothing of this server may go
+        on answering on a port (or a file descriptor) that a later server gets."""
         self._closed = True
-        self.drop_connections()
+        # shutdown wakes the accept() blocked in the other thread; close alone does not.
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+        self.drop_connections()
+        for thread in self._threads:
+            thread.join(timeout=5)
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -73,7 +87,7 @@ class KeepAliveServer:
             self.connections_accepted += 1
             self._open.append(conn)
             number = self.connections_accepted
-            threading.Thread(target=self._serve, args=(conn, number), daemon=True).start()
+            self._spawn(self._serve, conn, number)
 
     def _serve(self, conn: socket.socket, number: int) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -139,9 +153,8 @@ class KeepAliveServer:
         time.sleep(self.prefill_s)  # "prefill": the client is already waiting in recv()
         first_write_ns = 0
         for index in range(self.chunks):
-            delta = {"choices": [{"delta": {"content": f"t{index}"}, "finish_reason": None}]}
-            if index == self.chunks - 1:
-                delta["choices"][0]["finish_reason"] = "length"  # type: ignore[index]
+            finish = "length" if index == self.chunks - 1 else None
+            delta = {"choices": [{"delta": {"content": f"t{index}"}, "finish_reason": finish}]}
             event = f"data: {json.dumps(delta)}\n\n".encode()
             if index == 0:
                 first_write_ns = time.perf_counter_ns()
