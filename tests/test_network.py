@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 from keepalive_server import KeepAliveServer, keepalive_server
+from standins import OllamaStandin, serving
 from tls_terminator import make_ca, stunnel, stunnel_binary
 
 from pytest_gpubench.engines import api_root
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.managed import ManagedLlamaServer
+from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.ledger import read_ledger
@@ -410,3 +412,16 @@ def test_a_header_whose_variable_is_unset_names_the_cell_the_header_and_the_vari
         "cell local:openai:m: headers.X-Team: $GPUBENCH_TEST_UNSET is not set"
     )
     assert posted == []
+
+
+def test_a_kept_alive_connection_does_not_hold_back_a_nagle_servers_writes() -> None:
+    """The Ollama stand-in (http.server) does not set TCP_NODELAY: once a kept-alive connection
+    has left Linux's quick-ACK start, a delayed ACK would hold its first content back 40 ms.
+    The client ACKs at once (TCP_QUICKACK before each read): TTFT stays the server's."""
+    with serving(OllamaStandin(token_s=0.003)) as url:
+        engine = OllamaEngine(url, "qwen3.5:0.8b")
+        calls = [engine.chat("hi", 6, 5) for _ in range(12)]
+    assert all(call.error is None for call in calls)
+    assert sum(call.connection_reused for call in calls) >= 10
+    warm = sorted(call.first_delta_ms or 0.0 for call in calls[2:])
+    assert warm[len(warm) // 2] < 20.0, warm  # 40+ ms each without the quick ACKs
