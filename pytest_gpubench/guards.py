@@ -67,7 +67,7 @@ def check_frozen_prompts(
                 recorded.prompt_id,
                 cell.cell_id,
                 baseline_sha256=recorded.prompt_sha256,
-                current_sha256=prompt.sha256(),
+                current_sha256=prompt.sha256(cell.request_for(prompt)),
                 source=matrix.prompts_path,
             )
             if error is not None:

@@ -6,19 +6,27 @@ import contextlib
 import logging
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from pytest_gpubench.cases import Case
-from pytest_gpubench.engines import Engine, EngineHook, make_engine
+from pytest_gpubench.engines import Engine, EngineHook, KeepsConnection, make_engine
 from pytest_gpubench.engines.managed import ManagedLlamaServer, managed_llama_server
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.files import distinct_file_name
-from pytest_gpubench.matrix import Cell, LocalNode, Matrix, SshNode
+from pytest_gpubench.matrix import Cell, LocalNode, Matrix, RequestShape, SshNode
+from pytest_gpubench.measure import CallMeasurement, StreamError, TlsSettings
 from pytest_gpubench.provenance import utc_now
-from pytest_gpubench.records import call_record, cell_record, sample_record, skipped_record
+from pytest_gpubench.records import (
+    call_record,
+    cell_record,
+    sample_record,
+    skipped_record,
+    tls_warning,
+)
 from pytest_gpubench.secrets import SecretScrubber, secret_from_env
 from pytest_gpubench.targets import Target, TargetHook, open_target
 from pytest_gpubench.targets.gpu import gpu_summary
@@ -91,6 +99,8 @@ class LiveCell:
     engine_hook: EngineHook | None = None
     # Cuts secrets out of text the cell writes (the engine log it fetches from a node).
     scrub: Callable[[str], str] = str
+    # Tells the scrubber a secret read at run time (a header's value).
+    learn_secret: Callable[[str], None] = lambda secret: None
     target: Target | None = None
     server: ManagedLlamaServer | None = None
     engine: Engine | None = None
@@ -116,6 +126,7 @@ class LiveCell:
                 base_url = self.server.start()
             else:
                 base_url = str(spec.endpoint).rstrip("/")
+                self._check_tls()
             self.engine = self._engine(base_url)
             health = self.engine.health(HEALTH_TIMEOUT_S)
             if not health.ok:
@@ -137,6 +148,21 @@ class LiveCell:
             self.unavailable = "interrupted while the cell was being prepared"
             raise
 
+    def _check_tls(self) -> None:
+        """A CA file that cannot be read is one line now, not a failed call per case; a cell
+        that checks no certificate says so (and its cell record says so too)."""
+        spec = self.cell.spec
+        if spec.endpoint is None or spec.endpoint.scheme != "https":
+            return
+        try:
+            TlsSettings(verify=spec.tls_verify, ca_file=spec.ca_file).context()
+        except StreamError as exc:
+            raise GpubenchError(f"cell {self.cell.cell_id}: {exc}") from None
+        warning = tls_warning(self.cell)
+        if warning is not None:
+            log.warning("%s", warning)
+            warnings.warn(warning, UserWarning, stacklevel=1)
+
     def _unavailable(self, exc: GpubenchError) -> None:
         self.unavailable = str(exc)
         self.unavailable_stage = _failed_stage(self.cell, exc)
@@ -148,17 +174,32 @@ class LiveCell:
             if name is not None
             else None
         )
+        headers = {}
+        for header, source in self.cell.spec.headers.items():
+            value = secret_from_env(
+                source.env, owner=f"cell {self.cell.cell_id}", key=f"headers.{header}"
+            )
+            self.learn_secret(value)
+            headers[header] = value
         return make_engine(
             self.cell,
             base_url,
             api_key=api_key,
             model_digest=self.model_digest,
             plugin_hook=self.engine_hook,
+            headers=headers,
         )
 
+    def close_connection(self) -> None:
+        """Close the engine's kept-alive connection: the next call opens a fresh one."""
+        if isinstance(self.engine, KeepsConnection):
+            self.engine.close_connection()
+
     def make_cold(self) -> str:
-        """Force the model out of memory; returns the cold_kind recorded with the call."""
+        """Force the model out of memory; returns the cold_kind recorded with the call.
+        A cold call also opens a fresh connection."""
         assert self.engine is not None
+        self.close_connection()
         if self.server is not None:
             self.engine = self._engine(self.server.restart())
             return "restart"
@@ -166,17 +207,29 @@ class LiveCell:
             return "unload"
         return "process_warm"
 
-    def warm_up(self, prompt: str, max_tokens: int, **request: Any) -> None:
-        """An unrecorded call, so that the measured call follows one within the warm window.
-        It sends the measured request itself (`request`: messages, extra_body), so that it
-        primes what the measured call will find (a prompt cache) on every run alike."""
+    def chat(
+        self, prompt: str, max_tokens: int, request: RequestShape, **own: Any
+    ) -> CallMeasurement:
+        """One call on the cell's engine: the cell's and prompt's request keys (`request`) and a
+        test's own request (`own`: messages, extra_body). Each is passed only when set: a plugin's
+        engine may not take them."""
+        assert self.engine is not None
+        keywords = dict(own)
+        if request.model_dump(exclude_none=True):
+            keywords["request"] = request
+        chat: Callable[..., CallMeasurement] = self.engine.chat
+        return chat(prompt, max_tokens, self.cell.timeout_s, **keywords)
+
+    def warm_up(self, prompt: str, max_tokens: int, request: RequestShape, **own: Any) -> None:
+        """An unrecorded call, so that the measured call follows one within the warm window (and
+        on a connection already open). It sends the measured request itself, so that it primes
+        what the measured call will find (a prompt cache) on every run alike."""
         recent = self.last_call_end is not None and (
             time.monotonic() - self.last_call_end < WARM_WINDOW_S
         )
         if recent:
             return
-        assert self.engine is not None
-        self.engine.chat(prompt, max_tokens, self.cell.timeout_s, **request)
+        self.chat(prompt, max_tokens, request, **own)
         self.last_call_end = time.monotonic()
 
     def close(self) -> None:
@@ -185,6 +238,7 @@ class LiveCell:
         A remote engine's log is read back (stage `results`) into the local log folder first:
         a rented node, and everything on it, is gone once it is given back.
         """
+        self.close_connection()
         if self.server is None:
             return
         with contextlib.suppress(Exception):
@@ -250,6 +304,7 @@ class Harness:
             self.nodes.target,
             engine_hook=self.engine_hook,
             scrub=self.scrub,
+            learn_secret=self.scrub.add,
         )
         self.cells[cell_id] = live
         live.prepare()
@@ -280,7 +335,14 @@ class Harness:
         records: list[dict[str, Any]] = []
         if fresh and live.facts:
             records.append(
-                self.scrub.record(cell_record(run_id=self.run_id, cell=live.cell, **live.facts))
+                self.scrub.record(
+                    cell_record(
+                        run_id=self.run_id,
+                        cell=live.cell,
+                        prompts=self.matrix.prompts,
+                        **live.facts,
+                    )
+                )
             )
         if live.unavailable is not None:
             reason = self.scrub(live.unavailable)
@@ -319,8 +381,9 @@ class Harness:
         figures) and the other records it produced (its `sample` record when its node is
         sampled)."""
         prompt = self.matrix.prompts[case.prompt_id]
+        request = self.matrix.cell(case.cell_id).request_for(prompt)
         record, others, _ = self.measure(
-            case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256()
+            case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request), request=request
         )
         return record, others
 
@@ -331,6 +394,7 @@ class Harness:
         max_tokens: int,
         *,
         sha256: str,
+        request: RequestShape | None = None,
         messages: list[dict[str, Any]] | None = None,
         extra_body: dict[str, Any] | None = None,
     ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
@@ -338,23 +402,25 @@ class Harness:
         (under the case's prompt_id, with `sha256`), the other records it produced (its `sample`
         record) and the answer's text (not recorded).
 
+        `request` is the cell's (and prompt's) request keys, the cell's own when not given;
         `messages` and `extra_body` go to the engine only when given (a test's own request), so
         an engine that does not take them still measures the prompts of prompts.yaml."""
         live = self.cells[case.cell_id]
-        request: dict[str, Any] = {}
+        shape = request if request is not None else (live.cell.spec.request or RequestShape())
+        own: dict[str, Any] = {}
         if messages is not None:
-            request["messages"] = messages
+            own["messages"] = messages
         if extra_body:
-            request["extra_body"] = extra_body
+            own["extra_body"] = extra_body
         cold_kind = None
         if case.phase == "cold":
             cold_kind = live.make_cold()
         else:
-            live.warm_up(prompt, max_tokens, **request)
+            live.warm_up(prompt, max_tokens, shape, **own)
         assert live.engine is not None
         window = self._begin_sampling(live)
         started = utc_now()
-        measurement = live.engine.chat(prompt, max_tokens, live.cell.timeout_s, **request)
+        measurement = live.chat(prompt, max_tokens, shape, **own)
         live.last_call_end = time.monotonic()
         samples = self._end_sampling(live, window)
         record = call_record(

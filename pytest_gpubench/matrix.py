@@ -175,6 +175,59 @@ class TelemetrySettings(_Strict):
         return "auto" if value is True else value
 
 
+class RequestShape(_Strict):
+    """What a chat request asks for beyond the prompt (a cell's `request`, a prompt's
+    `request`; the prompt's keys win). Unset keys are left out of the request, except
+    temperature, which is 0 unless set."""
+
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    seed: int | None = None
+    # A fixed output length: keep generating past the end-of-sequence token, or at least this many.
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    # Merged into the request's JSON body last (engine-specific fields).
+    extra_body: dict[str, Any] | None = None
+
+    def merged(self, over: RequestShape | None) -> RequestShape:
+        """These keys with `over`'s set keys on top."""
+        if over is None:
+            return self
+        return RequestShape(
+            **{**self.model_dump(exclude_none=True), **over.model_dump(exclude_none=True)}
+        )
+
+    @property
+    def temperature_or_default(self) -> float:
+        return 0.0 if self.temperature is None else self.temperature
+
+    def changed_keys(self) -> dict[str, Any]:
+        """The keys that change the request from the default one (temperature 0, nothing else):
+        what the frozen prompt hash covers, so that a baseline measured before these keys
+        existed keeps its hash."""
+        keys = self.model_dump(exclude_none=True)
+        if keys.get("temperature") == 0:
+            del keys["temperature"]
+        return keys
+
+
+# What each engine kind cannot send, and why: one line in the error.
+UNSUPPORTED_REQUEST_KEYS = {
+    "ollama": {
+        "ignore_eos": "Ollama's API has no ignore_eos: the output length cannot be fixed",
+        "min_tokens": "Ollama's API has no min_tokens: the output length cannot be fixed",
+    },
+    "llamacpp": {
+        "min_tokens": "llama-server has no min_tokens; use ignore_eos: true for a fixed length",
+    },
+}
+
+
+class HeaderFromEnv(_Strict):
+    """A request header's value, read from an environment variable (never written in a file)."""
+
+    env: str
+
+
 class CellDefaults(_Strict):
     """Matrix-wide defaults, overridable per cell."""
 
@@ -213,6 +266,12 @@ class CellSpec(_Strict):
     server_binary: str | None = None
     server_args: list[str] = []
     api_key_env: str | None = None
+    # https:// endpoints: a CA file to trust instead of the system store, or no checks at all.
+    ca_file: str | None = None
+    tls_verify: bool = True
+    request: RequestShape | None = None
+    # Extra headers on every request of the cell; each value from an environment variable.
+    headers: dict[str, HeaderFromEnv] = {}
     # The endpoint as the user wrote it: the URL type normalises (a trailing slash, a lower-case
     # scheme and host), and the record keeps what the user wrote.
     _endpoint_text: str | None = PrivateAttr(default=None)
@@ -274,11 +333,17 @@ class Prompt(_Strict):
     intent: str
     prompt: Annotated[str, Field(min_length=1)]
     max_tokens: PositiveInt
+    request: RequestShape | None = None
 
-    def sha256(self) -> str:
-        canonical = json.dumps(
-            {"prompt": self.prompt, "max_tokens": self.max_tokens}, sort_keys=True
-        ).encode()
+    def sha256(self, request: RequestShape | None = None) -> str:
+        """The frozen hash: the text and max_tokens, plus the request keys that change what is
+        measured (`request`, the effective one) only where some are set: a prompt measured
+        with the default request keeps the hash it had before request keys existed."""
+        frozen: dict[str, Any] = {"prompt": self.prompt, "max_tokens": self.max_tokens}
+        changed = request.changed_keys() if request is not None else {}
+        if changed:
+            frozen["request"] = changed
+        canonical = json.dumps(frozen, sort_keys=True).encode()
         return hashlib.sha256(canonical).hexdigest()
 
 
@@ -317,6 +382,10 @@ class Cell:
     def endpoint_as_written(self) -> str | None:
         """What the records carry as the endpoint: the user's text, not the normalised URL."""
         return self.spec.endpoint_as_written
+
+    def request_for(self, prompt: Prompt) -> RequestShape:
+        """The request keys of a call of `prompt` in this cell: the prompt's over the cell's."""
+        return (self.spec.request or RequestShape()).merged(prompt.request)
 
 
 @dataclass(frozen=True)
@@ -472,6 +541,7 @@ def load_matrix(
                 raise GpubenchError(
                     f"{where}: prompts: '{prompt_id}' is not defined in {prompts_path}"
                 )
+        _check_request_keys(where, spec, prompts, prompt_ids, prompts_path)
         merged = parsed.settings.thresholds.model_dump(exclude_none=True)
         if spec.thresholds is not None:
             merged.update(spec.thresholds.model_dump(exclude_none=True))
@@ -497,6 +567,28 @@ def load_matrix(
         cells=tuple(cells),
         prompts=prompts,
     )
+
+
+def _check_request_keys(
+    where: str,
+    spec: CellSpec,
+    prompts: dict[str, Prompt],
+    prompt_ids: Sequence[str],
+    prompts_path: Path,
+) -> None:
+    """Request keys the cell's engine cannot send, and TLS keys on a plain endpoint: one line."""
+    unsupported = UNSUPPORTED_REQUEST_KEYS.get(spec.engine, {})
+    sources: list[tuple[str, RequestShape | None]] = [(where, spec.request)]
+    sources += [(f"{prompts_path}: prompts.{pid}", prompts[pid].request) for pid in prompt_ids]
+    for source, shape in sources:
+        for key in shape.model_dump(exclude_none=True) if shape is not None else {}:
+            if key in unsupported:
+                suffix = f" (cell {spec.cell_id})" if source != where else ""
+                raise GpubenchError(f"{source}: request.{key}: {unsupported[key]}{suffix}")
+    plain = spec.endpoint is None or spec.endpoint.scheme != "https"
+    if plain and (spec.ca_file is not None or not spec.tls_verify):
+        key = "ca_file" if spec.ca_file is not None else "tls_verify"
+        raise GpubenchError(f"{where}: {key}: only applies to an https:// endpoint")
 
 
 def frozen_prompt_error(

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import select
 import socket
+import ssl
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,6 +20,7 @@ import h11
 # machine, median 0.06 ms against 0.15 ms for httpx sync and 0.25 ms for httpx async; the README
 # keeps the figures). Control calls (health, version, tags) use httpx.
 _RECV_BYTES = 65536
+_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
 
 
 class StreamError(Exception):
@@ -39,6 +43,13 @@ class StreamedResponse:
     lines: Iterator[Line]
     chunks_received: int = 0
     last_byte_ns: int = 0
+    # The connection the call went on: opened for it (connect, TLS handshake ms) or kept alive.
+    connect_ms: float | None = None
+    tls_handshake_ms: float | None = None
+    connection_reused: bool = False
+    reconnected: bool = False
+    # Ends the exchange: drain=True reads to the end and keeps the connection for the next call.
+    release: Callable[[bool], None] = lambda drain: None
 
 
 @dataclass
@@ -72,6 +83,13 @@ class CallMeasurement:
     # made the call (gpubench_engine.chat), never written to the ledger: an answer may be long,
     # and may hold what the prompt gave the model.
     text: str = ""
+    # The call's connection (issue 12): opened for it (connect and TLS handshake ms, outside
+    # the timed span) or kept alive from the previous call; `reconnected` when a kept-alive
+    # connection had been dropped and was reopened once before the clock started.
+    connect_ms: float | None = None
+    tls_handshake_ms: float | None = None
+    connection_reused: bool = False
+    reconnected: bool = False
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -94,6 +112,10 @@ class CallMeasurement:
             "engine_prompt_ms": self.engine_prompt_ms,
             "engine_total_ms": self.engine_total_ms,
             "system_fingerprint": self.system_fingerprint,
+            "connect_ms": self.connect_ms,
+            "tls_handshake_ms": self.tls_handshake_ms,
+            "connection_reused": self.connection_reused,
+            "reconnected": self.reconnected,
         }
 
 
@@ -167,11 +189,45 @@ def finish_timing(
         measurement.e2e_tokens_per_sec = rates.e2e_tokens_per_sec
 
 
-def _split_url(base_url: str) -> tuple[str, int, str]:
-    parts = urlsplit(base_url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise StreamError(f"{base_url}: only http:// endpoints can be streamed")
-    return parts.hostname, parts.port or 80, parts.path.rstrip("/")
+@dataclass(frozen=True)
+class TlsSettings:
+    """How an https:// endpoint is trusted: the system store, a CA file, or (loudly) not at all."""
+
+    verify: bool = True
+    ca_file: str | None = None
+
+    def context(self) -> ssl.SSLContext:
+        """The client context for both the timed streams and the control calls (httpx)."""
+        try:
+            context = ssl.create_default_context(cafile=self.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise StreamError(f"ca_file {self.ca_file}: cannot be read as PEM: {exc}") from None
+        if not self.verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a stream goes: scheme, host, port and the path prefix every request path follows."""
+
+    scheme: str
+    host: str
+    port: int
+    prefix: str
+
+    @classmethod
+    def parse(cls, base_url: str) -> Endpoint:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise StreamError(f"{base_url}: only http:// and https:// endpoints can be streamed")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
 
 
 class _ClosedByPeer(Exception):
@@ -181,6 +237,7 @@ class _ClosedByPeer(Exception):
 def _read_event(conn: h11.Connection, sock: socket.socket, stamps: list[int]) -> h11.Event:
     """Next h11 event; each time bytes arrive, their arrival time is pushed onto `stamps`.
 
+    Over TLS `sock` is the ssl socket: the stamp is when decrypted content bytes came out of it.
     h11 reports a close in the wrong place in its own words ("can't handle event type
     ConnectionClosed when role=SERVER…"); it becomes _ClosedByPeer, for a message a user can read.
     """
@@ -194,11 +251,269 @@ def _read_event(conn: h11.Connection, sock: socket.socket, stamps: list[int]) ->
             raise
         if event is not h11.NEED_DATA:
             return event  # type: ignore[return-value]
+        if _QUICKACK is not None:
+            # ACK at once what arrives: a kept-alive connection has left Linux's quick-ACK start,
+            # and a server that does not set TCP_NODELAY (Nagle) would hold its next small write
+            # until our delayed ACK, up to 40 ms, which TTFT would then count. Not sticky: set
+            # before every read, before the wait, so its microsecond is not after the arrival.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
         raw = sock.recv(_RECV_BYTES)
         if raw:
             stamps.append(time.perf_counter_ns())
         closed = not raw
         conn.receive_data(raw)
+
+
+class _NoAnswer(StreamError):
+    """The request went out and nothing came back before the connection ended."""
+
+
+class HttpConnection:
+    """One HTTP/1.1 connection to an endpoint, kept alive between calls (h11 start_next_cycle).
+
+    Opening it (TCP connect, TLS handshake) happens before a call's clock starts and is timed on
+    its own. A kept-alive connection the server has dropped is found before the call (or when the
+    server closes it on the request without a byte of answer) and reopened once, outside the
+    timed span; the response says so (`reconnected`). With `keep_alive` False every call opens
+    its own connection and asks the server to close it.
+    """
+
+    def __init__(
+        self, base_url: str, tls: TlsSettings | None = None, *, keep_alive: bool = True
+    ) -> None:
+        self.endpoint = Endpoint.parse(base_url)
+        self.tls = tls or TlsSettings()
+        self.keep_alive = keep_alive
+        self._sock: socket.socket | None = None
+        self._conn: h11.Connection | None = None
+        self._context: ssl.SSLContext | None = None
+        # How many connections this object opened (tests and benchmarks count them).
+        self.opened = 0
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        self._sock = self._conn = None
+
+    def _open(self, timeout_s: float) -> tuple[float, float | None]:
+        """Connect (and shake hands): (connect_ms, tls_handshake_ms or None over plain TCP)."""
+        self.close()
+        endpoint = self.endpoint
+        started = time.perf_counter_ns()
+        try:
+            sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s)
+        except OSError as exc:
+            raise StreamError(f"cannot connect to {endpoint.address}: {exc}") from None
+        connected = time.perf_counter_ns()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        handshake_ms = None
+        if endpoint.scheme == "https":
+            if self._context is None:
+                self._context = self.tls.context()
+            try:
+                sock = self._context.wrap_socket(sock, server_hostname=endpoint.host)
+            except ssl.SSLCertVerificationError as exc:
+                sock.close()
+                hint = "set ca_file to the CA that signed it" if not self.tls.ca_file else ""
+                where = f" by {self.tls.ca_file}" if self.tls.ca_file else ""
+                raise StreamError(
+                    f"TLS: the certificate of {endpoint.address} is not trusted{where}: "
+                    f"{exc.verify_message}{'; ' + hint if hint else ''}"
+                ) from None
+            except (OSError, ssl.SSLError) as exc:
+                sock.close()
+                raise StreamError(f"TLS handshake with {endpoint.address} failed: {exc}") from None
+            handshake_ms = _ms(connected, time.perf_counter_ns())
+        self._sock, self._conn = sock, h11.Connection(h11.CLIENT)
+        self.opened += 1
+        return _ms(started, connected), handshake_ms
+
+    def _idle_and_open(self) -> bool:
+        """Whether the kept connection can carry a request: nothing may arrive on an idle
+        connection, so anything readable (the server's FIN or TLS close_notify) means dropped."""
+        if self._sock is None or self._conn is None:
+            return False
+        if self._conn.our_state is not h11.IDLE or self._conn.their_state is not h11.IDLE:
+            return False
+        if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
+            return False
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        if not readable:
+            return True
+        if not isinstance(self._sock, ssl.SSLSocket):
+            return False
+        # TLS records that carry no data (a TLS 1.3 session ticket) leave the connection usable.
+        self._sock.setblocking(False)
+        try:
+            self._sock.recv(1)
+        except ssl.SSLWantReadError:
+            return True
+        except OSError:
+            return False
+        return False  # the end (b"") or bytes nobody asked for: not a connection to reuse
+
+    def post_stream(
+        self,
+        path: str,
+        body: bytes,
+        *,
+        timeout_s: float,
+        headers: Sequence[tuple[str, str]] = (),
+    ) -> StreamedResponse:
+        """POST `body` and return the response whose body lines are stamped on arrival.
+
+        The connection is ready before the clock starts, so TTFT measures the server, not TCP or
+        TLS set-up. The caller reads the lines, then calls `response.release`.
+        """
+        reused = self._idle_and_open()
+        reconnected = self._sock is not None and not reused and self._reusable_before()
+        connect_ms = handshake_ms = None
+        if not reused:
+            connect_ms, handshake_ms = self._open(timeout_s)
+        try:
+            response = self._send(path, body, timeout_s, headers)
+        except _NoAnswer:
+            if not reused:
+                raise
+            # Dropped between the check and the send: reopened once, and the clock restarts.
+            reconnected, reused = True, False
+            connect_ms, handshake_ms = self._open(timeout_s)
+            response = self._send(path, body, timeout_s, headers)
+        response.connect_ms, response.tls_handshake_ms = connect_ms, handshake_ms
+        response.connection_reused, response.reconnected = reused, reconnected
+        return response
+
+    def _reusable_before(self) -> bool:
+        """The kept connection had finished its last exchange cleanly (so losing it is a drop)."""
+        return (
+            self.keep_alive
+            and self._conn is not None
+            and self._conn.our_state is h11.IDLE
+            and self._conn.their_state is h11.IDLE
+        )
+
+    def _send(
+        self, path: str, body: bytes, timeout_s: float, headers: Sequence[tuple[str, str]]
+    ) -> StreamedResponse:
+        sock, conn, endpoint = self._sock, self._conn, self.endpoint
+        assert sock is not None and conn is not None
+        sock.settimeout(timeout_s)
+        request_headers = [
+            ("Host", endpoint.address),
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(body))),
+            *([] if self.keep_alive else [("Connection", "close")]),
+            *headers,
+        ]
+        target = endpoint.prefix + path
+        payload = conn.send(h11.Request(method="POST", target=target, headers=request_headers))
+        payload += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
+        stamps: list[int] = []
+        sent_ns = time.perf_counter_ns()
+        try:
+            sock.sendall(payload)
+            event = _read_event(conn, sock, stamps)
+        except (_ClosedByPeer, ssl.SSLEOFError):
+            self.close()
+            raise _NoAnswer(f"{endpoint.address} closed the connection before responding") from None
+        except (ConnectionResetError, BrokenPipeError):
+            self.close()
+            raise _NoAnswer(f"{endpoint.address} reset the connection before responding") from None
+        except (OSError, h11.RemoteProtocolError) as exc:
+            self.close()
+            raise StreamError(f"no response from {endpoint.address}: {exc}") from None
+        if not isinstance(event, h11.Response):
+            self.close()
+            raise StreamError(f"unexpected response from {endpoint.address}: {event!r}")
+        response_headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1") for name, value in event.headers
+        }
+        response = StreamedResponse(
+            sent_ns=sent_ns, status=event.status_code, headers=response_headers, lines=iter(())
+        )
+        response.lines = self._lines(sock, conn, stamps, response, deadline_s=timeout_s)
+        response.release = self._release_for(response)
+        return response
+
+    def _release_for(self, response: StreamedResponse) -> Callable[[bool], None]:
+        def release(drain: bool) -> None:
+            """Read the response to its end (its connection then carries the next call) when
+            `drain`; else, or when that fails, close the connection."""
+            if drain:
+                with contextlib.suppress(StreamError):
+                    for _ in response.lines:
+                        pass
+            conn = self._conn
+            if conn is None or conn.their_state is not h11.DONE or conn.our_state is not h11.DONE:
+                self.close()
+                return
+            if not self.keep_alive:
+                self.close()
+                return
+            conn.start_next_cycle()
+
+        return release
+
+    def _lines(
+        self,
+        sock: socket.socket,
+        conn: h11.Connection,
+        stamps: list[int],
+        response: StreamedResponse,
+        *,
+        deadline_s: float,
+    ) -> Iterator[Line]:
+        """Split the body into lines; each line keeps the arrival time of its first byte."""
+        pending = b""
+        pending_ns = 0
+        deadline = time.monotonic() + deadline_s
+        clean = False
+        try:
+            while True:
+                if time.monotonic() > deadline:
+                    raise StreamError(f"stream did not finish within {deadline_s:g} s")
+                try:
+                    event = _read_event(conn, sock, stamps)
+                except TimeoutError:
+                    raise StreamError(f"no data for {deadline_s:g} s (read timed out)") from None
+                except _ClosedByPeer:
+                    raise StreamError(
+                        f"stream broke after {response.chunks_received} chunks: the server "
+                        "closed the connection before the end of its response"
+                    ) from None
+                except (OSError, h11.RemoteProtocolError) as exc:
+                    raise StreamError(
+                        f"stream broke after {response.chunks_received} chunks: {exc}"
+                    ) from None
+                if isinstance(event, h11.Data):
+                    arrived = stamps[-1]
+                    response.chunks_received += 1
+                    response.last_byte_ns = arrived
+                    data = bytes(event.data)
+                    while data:
+                        if not pending:
+                            pending_ns = arrived
+                        newline = data.find(b"\n")
+                        if newline < 0:
+                            pending += data
+                            break
+                        pending += data[:newline]
+                        data = data[newline + 1 :]
+                        yield Line(pending_ns, pending.rstrip(b"\r"))
+                        pending = b""
+                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                    clean = isinstance(event, h11.EndOfMessage)
+                    if pending:
+                        yield Line(pending_ns, pending.rstrip(b"\r"))
+                    return
+        finally:
+            if not clean or not self.keep_alive:
+                self.close()
 
 
 def stream_post(
@@ -208,105 +523,11 @@ def stream_post(
     *,
     timeout_s: float,
     headers: Sequence[tuple[str, str]] = (),
+    tls: TlsSettings | None = None,
 ) -> StreamedResponse:
-    """POST `body` and return the response whose body lines are stamped on arrival.
-
-    The connection is opened before the clock starts, so TTFT measures the server, not TCP setup.
-    """
-    host, port, prefix = _split_url(base_url)
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout_s)
-    except OSError as exc:
-        raise StreamError(f"cannot connect to {host}:{port}: {exc}") from None
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    conn = h11.Connection(h11.CLIENT)
-    request_headers = [
-        ("Host", f"{host}:{port}"),
-        ("Content-Type", "application/json"),
-        ("Content-Length", str(len(body))),
-        ("Connection", "close"),
-        *headers,
-    ]
-    payload = conn.send(h11.Request(method="POST", target=prefix + path, headers=request_headers))
-    payload += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
-    stamps: list[int] = []
-    sent_ns = time.perf_counter_ns()
-    try:
-        sock.sendall(payload)
-        event = _read_event(conn, sock, stamps)
-    except _ClosedByPeer:
-        sock.close()
-        raise StreamError(f"{host}:{port} closed the connection before responding") from None
-    except ConnectionResetError:
-        sock.close()
-        raise StreamError(f"{host}:{port} reset the connection before responding") from None
-    except (OSError, h11.RemoteProtocolError) as exc:
-        sock.close()
-        raise StreamError(f"no response from {host}:{port}: {exc}") from None
-    if not isinstance(event, h11.Response):
-        sock.close()
-        raise StreamError(f"unexpected response from {host}:{port}: {event!r}")
-    response_headers = {
-        name.decode("latin-1").lower(): value.decode("latin-1") for name, value in event.headers
-    }
-    response = StreamedResponse(
-        sent_ns=sent_ns, status=event.status_code, headers=response_headers, lines=iter(())
-    )
-    response.lines = _lines(conn, sock, stamps, response, deadline_s=timeout_s)
-    return response
-
-
-def _lines(
-    conn: h11.Connection,
-    sock: socket.socket,
-    stamps: list[int],
-    response: StreamedResponse,
-    *,
-    deadline_s: float,
-) -> Iterator[Line]:
-    """Split the body into lines; each line keeps the arrival time of its first byte."""
-    pending = b""
-    pending_ns = 0
-    deadline = time.monotonic() + deadline_s
-    try:
-        while True:
-            if time.monotonic() > deadline:
-                raise StreamError(f"stream did not finish within {deadline_s:g} s")
-            try:
-                event = _read_event(conn, sock, stamps)
-            except TimeoutError:
-                raise StreamError(f"no data for {deadline_s:g} s (read timed out)") from None
-            except _ClosedByPeer:
-                raise StreamError(
-                    f"stream broke after {response.chunks_received} chunks: the server closed "
-                    "the connection before the end of its response"
-                ) from None
-            except (OSError, h11.RemoteProtocolError) as exc:
-                raise StreamError(
-                    f"stream broke after {response.chunks_received} chunks: {exc}"
-                ) from None
-            if isinstance(event, h11.Data):
-                arrived = stamps[-1]
-                response.chunks_received += 1
-                response.last_byte_ns = arrived
-                data = bytes(event.data)
-                while data:
-                    if not pending:
-                        pending_ns = arrived
-                    newline = data.find(b"\n")
-                    if newline < 0:
-                        pending += data
-                        break
-                    pending += data[:newline]
-                    data = data[newline + 1 :]
-                    yield Line(pending_ns, pending.rstrip(b"\r"))
-                    pending = b""
-            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                if pending:
-                    yield Line(pending_ns, pending.rstrip(b"\r"))
-                return
-    finally:
-        sock.close()
+    """One call on a connection of its own (`Connection: close`), closed once it is read."""
+    connection = HttpConnection(base_url, tls, keep_alive=False)
+    return connection.post_stream(path, body, timeout_s=timeout_s, headers=headers)
 
 
 def read_error_body(response: StreamedResponse, limit: int = 300) -> str:

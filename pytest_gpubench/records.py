@@ -15,7 +15,7 @@ import pytest
 
 from pytest_gpubench import HARNESS_VERSION, __version__
 from pytest_gpubench.cases import Case
-from pytest_gpubench.matrix import Cell
+from pytest_gpubench.matrix import Cell, Prompt, RequestShape
 from pytest_gpubench.measure import CallMeasurement
 from pytest_gpubench.provenance import chosen_environment, load_average, utc_now
 from pytest_gpubench.targets.stages import Stage
@@ -64,8 +64,10 @@ def cell_record(
     gpus: list[dict[str, str]],
     gpu_summary: str,
     node_info: Mapping[str, Any],
+    prompts: Mapping[str, Prompt] | None = None,
 ) -> dict[str, Any]:
-    """A healthy cell: the engine's version, the model's digest and the node's GPUs."""
+    """A healthy cell: the engine's version, the model's digest and the node's GPUs, and how it
+    is asked (TLS, request keys, header names; never a header's value)."""
     spec = cell.spec
     return {
         "type": "cell",
@@ -76,6 +78,7 @@ def cell_record(
         "model": spec.model,
         "managed": cell.managed,
         "endpoint": cell.endpoint_as_written,
+        **request_facts(cell, prompts or {}),
         **engine_facts,
         "gpus": gpus,
         "gpu_summary": gpu_summary,
@@ -83,6 +86,45 @@ def cell_record(
         "at_utc": utc_now(),
         "benchmark_run_id": run_id,
     }
+
+
+def tls_warning(cell: Cell) -> str | None:
+    """The line said (and recorded) when a cell does not check its endpoint's certificate."""
+    if cell.spec.tls_verify:
+        return None
+    return (
+        f"cell {cell.cell_id}: TLS certificate checks are OFF (tls_verify: false): "
+        f"anyone between here and {cell.endpoint_as_written} could answer for the engine"
+    )
+
+
+def request_facts(cell: Cell, prompts: Mapping[str, Prompt]) -> dict[str, Any]:
+    """TLS, the request keys (the cell's, and per prompt where a prompt changes them) and the
+    extra headers as `$VARIABLE` names, for the cell record."""
+    spec = cell.spec
+    https = spec.endpoint is not None and spec.endpoint.scheme == "https"
+    cell_request = spec.request or RequestShape()
+    by_prompt = {}
+    for prompt_id in cell.prompt_ids:
+        prompt = prompts.get(prompt_id)
+        if prompt is not None and prompt.request is not None:
+            by_prompt[prompt_id] = _request_keys(cell.request_for(prompt))
+    facts: dict[str, Any] = {
+        "tls_verify": spec.tls_verify if https else None,
+        "ca_file": spec.ca_file,
+        "request": _request_keys(cell_request),
+        "request_by_prompt": by_prompt,
+        "request_headers": {name: f"${value.env}" for name, value in spec.headers.items()},
+    }
+    warning = tls_warning(cell)
+    if warning is not None:
+        facts["tls_warning"] = warning
+    return facts
+
+
+def _request_keys(request: RequestShape) -> dict[str, Any]:
+    keys = request.model_dump(exclude_none=True)
+    return {"temperature": request.temperature_or_default, **keys}
 
 
 def call_record(

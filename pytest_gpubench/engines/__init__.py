@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+import ssl
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.measure import (
     CallMeasurement,
+    HttpConnection,
     Line,
     StreamedResponse,
     StreamError,
+    TlsSettings,
     finish_timing,
     read_error_body,
     stream_post,
@@ -46,10 +50,12 @@ class Engine(Protocol):
     def chat(self, prompt: str, max_tokens: int, timeout_s: float) -> CallMeasurement:
         """One streamed chat call; failures come back as a measurement with `error` set.
 
-        The built-in engines also take `messages=` (a whole conversation, sent in place of the
-        one user message `prompt`) and `extra_body=` (keys merged into the request's JSON); the
-        harness passes them only for a test's own request (gpubench_engine.chat), so an engine
-        without them still runs the prompts of prompts.yaml.
+        The built-in engines also take `request=` (matrix.RequestShape: temperature, seed,
+        ignore_eos, min_tokens, extra_body), `messages=` (a whole conversation, sent in place of
+        the one user message `prompt`) and `extra_body=` (a test's own request options, merged
+        into the JSON last). The harness passes each only when it is set (request keys that
+        differ from the default, a test's own request from gpubench_engine.chat), so an engine
+        without them still runs the cells and prompts that set none.
         """
         ...
 
@@ -58,15 +64,44 @@ class Engine(Protocol):
         ...
 
 
-def control_client(timeout_s: float, headers: dict[str, str] | None = None) -> httpx.Client:
-    """An httpx client for control calls (health, version, tags); never used for timed streams."""
-    return httpx.Client(timeout=timeout_s, headers=headers or {}, trust_env=False)
+@runtime_checkable
+class KeepsConnection(Protocol):
+    """An engine that keeps its streaming connection alive between calls (the built-in ones).
+    The harness closes it before a cold call, which then opens a fresh one."""
+
+    def close_connection(self) -> None: ...
+
+
+def api_root(base_url: str) -> str:
+    """The endpoint with a trailing `/v1` taken off: OpenAI clients, vLLM and guidellm write
+    base URLs as `http://host:8000/v1`, and the engines add `/v1/...` themselves. Any other path
+    is kept as a prefix (a gateway's `/serving/llama/v1` becomes `/serving/llama`)."""
+    parts = urlsplit(base_url.strip())
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1") or path == "/v1":
+        path = path[: -len("/v1")]
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+def control_client(
+    timeout_s: float, headers: Mapping[str, str] | None = None, tls: TlsSettings | None = None
+) -> httpx.Client:
+    """An httpx client for control calls (health, version, tags); never used for timed streams.
+    It trusts what the timed streams trust (ca_file, tls_verify)."""
+    verify: ssl.SSLContext | bool = tls.context() if tls is not None else True
+    return httpx.Client(
+        timeout=timeout_s, headers=dict(headers or {}), trust_env=False, verify=verify
+    )
 
 
 def get_json(
-    base_url: str, path: str, timeout_s: float, headers: dict[str, str] | None = None
+    base_url: str,
+    path: str,
+    timeout_s: float,
+    headers: Mapping[str, str] | None = None,
+    tls: TlsSettings | None = None,
 ) -> Any:
-    with control_client(timeout_s, headers) as client:
+    with control_client(timeout_s, headers, tls) as client:
         response = client.get(base_url.rstrip("/") + path)
         response.raise_for_status()
         return response.json()
@@ -75,6 +110,18 @@ def get_json(
 def chat_messages(prompt: str, messages: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """The conversation a request sends: `messages` when given, else `prompt` as one user turn."""
     return messages if messages is not None else [{"role": "user", "content": prompt}]
+
+
+def merge_body(payload: dict[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`extra` (a cell's or prompt's extra_body) merged into the request's JSON, mappings key by
+    key (an extra `options` adds to Ollama's options rather than replacing them)."""
+    merged = dict(payload)
+    for key, value in (extra or {}).items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = merge_body(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _failed(backend: str, error: str) -> CallMeasurement:
@@ -90,19 +137,31 @@ def measure_stream(
     timeout_s: float,
     headers: tuple[tuple[str, str], ...] = (),
     parse: ChunkParser,
+    connection: HttpConnection | None = None,
+    tls: TlsSettings | None = None,
 ) -> CallMeasurement:
     """Send one streamed request and turn its stamped lines into a measurement.
 
-    Every fault after the request went out (an HTTP error, an error line, a broken or timed-out
-    stream) keeps what was measured until then beside the error (measure.finish_timing).
+    On `connection` (kept alive between calls; its base URL wins over `base_url`), else on a
+    connection of its own. Every fault after the request went out (an HTTP error, an error line,
+    a broken or timed-out stream) keeps what was measured until then beside the error
+    (measure.finish_timing); the connection of a failed call is closed, never reused.
     """
     measurement = CallMeasurement(backend=backend)
+    body = json.dumps(payload).encode()
     try:
-        response = stream_post(
-            base_url, path, json.dumps(payload).encode(), timeout_s=timeout_s, headers=headers
-        )
+        if connection is not None:
+            response = connection.post_stream(path, body, timeout_s=timeout_s, headers=headers)
+        else:
+            response = stream_post(
+                base_url, path, body, timeout_s=timeout_s, headers=headers, tls=tls
+            )
     except StreamError as exc:
         return _failed(backend, str(exc))
+    measurement.connect_ms = response.connect_ms
+    measurement.tls_handshake_ms = response.tls_handshake_ms
+    measurement.connection_reused = response.connection_reused
+    measurement.reconnected = response.reconnected
     content_arrivals: list[int] = []
     try:
         if response.status != 200:
@@ -116,6 +175,8 @@ def measure_stream(
     if measurement.error:
         measurement.finish_reason = "error"
     finish_timing(measurement, response, content_arrivals)
+    # After the clock: the rest of a good reply is read so its connection can carry the next call.
+    response.release(measurement.error is None)
     return measurement
 
 
@@ -212,8 +273,12 @@ def make_engine(
     api_key: str | None,
     model_digest: str | None,
     plugin_hook: EngineHook | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> Engine:
-    """The engine for a cell: a plugin's first (pytest_gpubench_make_engine), else a built-in."""
+    """The engine for a cell: a plugin's first (pytest_gpubench_make_engine), else a built-in.
+
+    `headers`: the cell's extra request headers, their values already read from the environment.
+    """
     if plugin_hook is not None:
         engine = plugin_hook(
             cell=cell, base_url=base_url, api_key=api_key, model_digest=model_digest
@@ -221,18 +286,19 @@ def make_engine(
         if engine is not None:
             return engine
     spec = cell.spec
+    tls = TlsSettings(verify=spec.tls_verify, ca_file=spec.ca_file)
     if spec.engine == "llamacpp":
         from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 
-        return LlamaCppEngine(base_url, spec.model, api_key, model_digest)
+        return LlamaCppEngine(base_url, spec.model, api_key, model_digest, tls=tls, headers=headers)
     if spec.engine == "ollama":
         from pytest_gpubench.engines.ollama import OllamaEngine
 
-        return OllamaEngine(base_url, spec.model)
+        return OllamaEngine(base_url, spec.model, tls=tls, headers=headers)
     if spec.engine == "openai":
         from pytest_gpubench.engines.openai import OpenAIEngine
 
-        return OpenAIEngine(base_url, spec.model, api_key)
+        return OpenAIEngine(base_url, spec.model, api_key, tls=tls, headers=headers)
     raise GpubenchError(
         f"cell {cell.cell_id}: engine: no plugin built an engine of kind {spec.engine}"
     )

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from pytest_gpubench.engines import Health, control_client
 from pytest_gpubench.engines.openai import OpenAIEngine
+from pytest_gpubench.measure import StreamError, TlsSettings
+
+if TYPE_CHECKING:
+    from pytest_gpubench.matrix import RequestShape
 
 
 class LlamaCppEngine(OpenAIEngine):
@@ -19,26 +24,30 @@ class LlamaCppEngine(OpenAIEngine):
         model: str,
         api_key: str | None = None,
         model_digest: str | None = None,
+        *,
+        tls: TlsSettings | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
-        super().__init__(base_url, model, api_key)
+        super().__init__(base_url, model, api_key, tls=tls, headers=headers)
         self._model_digest = model_digest
 
     def payload(
         self,
         prompt: str,
         max_tokens: int,
+        request: RequestShape | None = None,
         messages: list[dict[str, Any]] | None = None,
-        extra_body: dict[str, Any] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        payload = super().payload(prompt, max_tokens, messages, extra_body)
-        payload["timings_per_token"] = False
+        payload = super().payload(prompt, max_tokens, request, messages, extra_body)
+        payload.setdefault("timings_per_token", False)
         return payload
 
     def health(self, timeout_s: float) -> Health:
         try:
-            with control_client(timeout_s, self._auth()) as client:
+            with control_client(timeout_s, self._auth(), self.tls) as client:
                 answer = client.get(f"{self.base_url}/health")
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, StreamError) as exc:
             return Health(False, f"{self.base_url}/health is unreachable: {exc}")
         if answer.status_code != 200:
             return Health(False, f"{self.base_url}/health answered {answer.status_code}")
@@ -47,11 +56,11 @@ class LlamaCppEngine(OpenAIEngine):
     def describe(self, timeout_s: float) -> dict[str, Any]:
         props: dict[str, Any] = {}
         try:
-            with control_client(timeout_s, self._auth()) as client:
+            with control_client(timeout_s, self._auth(), self.tls) as client:
                 answer = client.get(f"{self.base_url}/props")
                 if answer.status_code == 200:
                     props = answer.json()
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, ValueError, StreamError):
             pass
         # A managed server's GGUF has its sha256; an external one says only its file's path,
         # which is recorded as a path, never as a digest.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -15,8 +16,18 @@ from pytest_gpubench.engines import (
     get_json,
     json_number,
     measure_stream,
+    merge_body,
 )
-from pytest_gpubench.measure import CallMeasurement, StreamedResponse
+from pytest_gpubench.measure import (
+    CallMeasurement,
+    HttpConnection,
+    StreamedResponse,
+    StreamError,
+    TlsSettings,
+)
+
+if TYPE_CHECKING:
+    from pytest_gpubench.matrix import RequestShape
 
 # The engine's own timings, kept unchanged (nanoseconds, as Ollama reports them).
 OLLAMA_TIMING_FIELDS = (
@@ -89,16 +100,34 @@ def parse_ollama_ndjson(
 class OllamaEngine:
     kind = "ollama"
 
-    def __init__(self, base_url: str, model: str, keep_alive: str = "5m") -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        keep_alive: str = "5m",
+        *,
+        tls: TlsSettings | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        # A path after the host is a prefix (a gateway): the /api paths go under it.
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.keep_alive = keep_alive
+        self.tls = tls or TlsSettings()
+        self.headers = dict(headers or {})
+        self.connection = HttpConnection(self.base_url, self.tls)
+
+    def close_connection(self) -> None:
+        self.connection.close()
+
+    def _get(self, path: str, timeout_s: float) -> Any:
+        return get_json(self.base_url, path, timeout_s, self.headers, self.tls)
 
     def health(self, timeout_s: float) -> Health:
         try:
-            get_json(self.base_url, "/api/version", timeout_s)
-            tags = get_json(self.base_url, "/api/tags", timeout_s)
-        except (httpx.HTTPError, ValueError) as exc:
+            self._get("/api/version", timeout_s)
+            tags = self._get("/api/tags", timeout_s)
+        except (httpx.HTTPError, ValueError, StreamError) as exc:
             return Health(False, f"{self.base_url} is unreachable: {exc}")
         names = [entry.get("name", "") for entry in tags.get("models", [])]
         if not any(_same_model(name, self.model) for name in names):
@@ -108,51 +137,70 @@ class OllamaEngine:
     def describe(self, timeout_s: float) -> dict[str, Any]:
         version = digest = None
         try:
-            version = get_json(self.base_url, "/api/version", timeout_s).get("version")
-            for entry in get_json(self.base_url, "/api/tags", timeout_s).get("models", []):
+            version = self._get("/api/version", timeout_s).get("version")
+            for entry in self._get("/api/tags", timeout_s).get("models", []):
                 if _same_model(entry.get("name", ""), self.model):
                     digest = entry.get("digest")
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except (httpx.HTTPError, ValueError, AttributeError, StreamError):
             pass
         return {"engine_version": version, "model_digest": digest}
+
+    def payload(
+        self,
+        prompt: str,
+        max_tokens: int,
+        request: RequestShape | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Ollama's request. It has no ignore_eos or min_tokens (matrix.py refuses them). The
+        cell's and prompt's extra_body, then a test's own options, are merged in last; their
+        `options` add to Ollama's, key by key."""
+        options: dict[str, Any] = {
+            "num_predict": max_tokens,
+            "temperature": request.temperature_or_default if request is not None else 0,
+        }
+        if request is not None and request.seed is not None:
+            options["seed"] = request.seed
+        payload = {
+            "model": self.model,
+            "messages": chat_messages(prompt, messages),
+            "stream": True,
+            "keep_alive": self.keep_alive,
+            "options": options,
+        }
+        payload = merge_body(payload, request.extra_body if request is not None else None)
+        return merge_body(payload, extra_body)
 
     def chat(
         self,
         prompt: str,
         max_tokens: int,
         timeout_s: float,
+        request: RequestShape | None = None,
         messages: list[dict[str, Any]] | None = None,
-        extra_body: dict[str, Any] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
     ) -> CallMeasurement:
-        extra = dict(extra_body or {})  # its `options` add to Ollama's, key by key
-        payload = {
-            "model": self.model,
-            "messages": chat_messages(prompt, messages),
-            **extra,
-            "options": {"num_predict": max_tokens, "temperature": 0, **extra.get("options", {})},
-            "stream": True,
-            "keep_alive": self.keep_alive,
-        }
         return measure_stream(
             self.kind,
             self.base_url,
             "/api/chat",
-            payload,
+            self.payload(prompt, max_tokens, request, messages, extra_body),
             timeout_s=timeout_s,
+            headers=tuple(self.headers.items()),
             parse=parse_ollama_ndjson,
+            connection=self.connection,
         )
 
     def loaded_models(self, timeout_s: float) -> list[str]:
-        return [
-            entry.get("name", "")
-            for entry in get_json(self.base_url, "/api/ps", timeout_s).get("models", [])
-        ]
+        models = self._get("/api/ps", timeout_s).get("models", [])
+        return [entry.get("name", "") for entry in models]
 
     def unload(self, timeout_s: float) -> bool:
         """keep_alive 0 asks Ollama to unload; /api/ps confirms the model is gone."""
         deadline = time.monotonic() + timeout_s
         try:
-            with control_client(timeout_s) as client:
+            with control_client(timeout_s, self.headers, self.tls) as client:
                 client.post(
                     f"{self.base_url}/api/generate", json={"model": self.model, "keep_alive": 0}
                 ).raise_for_status()
@@ -160,6 +208,6 @@ class OllamaEngine:
                 if not any(_same_model(name, self.model) for name in self.loaded_models(timeout_s)):
                     return True
                 time.sleep(0.1)
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, ValueError, StreamError):
             return False
         return False

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from pytest_gpubench.engines import (
     Health,
+    api_root,
     chat_messages,
     control_client,
     measure_stream,
+    merge_body,
     parse_openai_sse,
 )
-from pytest_gpubench.measure import CallMeasurement
+from pytest_gpubench.measure import CallMeasurement, HttpConnection, StreamError, TlsSettings
+
+if TYPE_CHECKING:
+    from pytest_gpubench.matrix import RequestShape
 
 
 def serves_model(served: str, wanted: str) -> bool:
@@ -25,41 +31,68 @@ def serves_model(served: str, wanted: str) -> bool:
 class OpenAIEngine:
     kind = "openai"
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        *,
+        tls: TlsSettings | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        # `http://host:8000/v1` as OpenAI clients write it: the paths below add the /v1.
+        self.base_url = api_root(base_url)
         self.model = model
         self._api_key = api_key
+        self.tls = tls or TlsSettings()
+        self.headers = dict(headers or {})
+        # Warm calls share this connection; close_connection() makes the next call open one.
+        self.connection = HttpConnection(self.base_url, self.tls)
 
     def _auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        auth = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        return {**self.headers, **auth}
+
+    def close_connection(self) -> None:
+        self.connection.close()
 
     def payload(
         self,
         prompt: str,
         max_tokens: int,
+        request: RequestShape | None = None,
         messages: list[dict[str, Any]] | None = None,
-        extra_body: dict[str, Any] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        return {
+        """The request's JSON: the cell's and prompt's request keys, then a test's own options
+        (`extra_body`, gpubench_engine.chat) merged in last."""
+        payload: dict[str, Any] = {
             "model": self.model,
             "messages": chat_messages(prompt, messages),
             "max_tokens": max_tokens,
-            "temperature": 0,
-            **(extra_body or {}),
+            "temperature": request.temperature_or_default if request is not None else 0,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if request is not None:
+            # vLLM takes all three; llama-server takes seed and ignore_eos (min_tokens: matrix.py).
+            for key in ("seed", "ignore_eos", "min_tokens"):
+                value = getattr(request, key)
+                if value is not None:
+                    payload[key] = value
+            payload = merge_body(payload, request.extra_body)
+        return merge_body(payload, extra_body)
 
     def health(self, timeout_s: float) -> Health:
         try:
-            with control_client(timeout_s, self._auth()) as client:
+            with control_client(timeout_s, self._auth(), self.tls) as client:
                 health = client.get(f"{self.base_url}/health")
                 if health.status_code not in (200, 404):
                     return Health(False, f"{self.base_url}/health answered {health.status_code}")
                 models = client.get(f"{self.base_url}/v1/models")
                 models.raise_for_status()
                 ids = [entry.get("id") for entry in models.json().get("data", [])]
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, StreamError) as exc:
             return Health(False, f"{self.base_url} is unreachable: {exc}")
         if not any(serves_model(str(served), self.model) for served in ids if served):
             return Health(False, f"{self.base_url} does not serve model '{self.model}' ({ids})")
@@ -75,7 +108,7 @@ class OpenAIEngine:
         version = None
         entry: dict[str, Any] = {}
         try:
-            with control_client(timeout_s, self._auth()) as client:
+            with control_client(timeout_s, self._auth(), self.tls) as client:
                 answer = client.get(f"{self.base_url}/version")
                 if answer.status_code == 200:
                     version = answer.json().get("version")
@@ -90,7 +123,7 @@ class OpenAIEngine:
                         ),
                         {},
                     )
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except (httpx.HTTPError, ValueError, AttributeError, StreamError):
             pass
         root = entry.get("root")
         root = root if isinstance(root, str) and root else None
@@ -110,18 +143,20 @@ class OpenAIEngine:
         prompt: str,
         max_tokens: int,
         timeout_s: float,
+        request: RequestShape | None = None,
         messages: list[dict[str, Any]] | None = None,
-        extra_body: dict[str, Any] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
     ) -> CallMeasurement:
         headers = tuple(self._auth().items())
         return measure_stream(
             self.kind,
             self.base_url,
             "/v1/chat/completions",
-            self.payload(prompt, max_tokens, messages, extra_body),
+            self.payload(prompt, max_tokens, request, messages, extra_body),
             timeout_s=timeout_s,
             headers=headers,
             parse=parse_openai_sse,
+            connection=self.connection,
         )
 
     def unload(self, timeout_s: float) -> bool:
