@@ -6,8 +6,12 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pytest_gpubench.errors import GpubenchError
+
+if TYPE_CHECKING:
+    from pytest_gpubench.ledger_frame import LedgerData
 
 
 def _install_server(args: argparse.Namespace) -> int:
@@ -30,16 +34,44 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from pytest_gpubench.ledger import read_ledger
-    from pytest_gpubench.report import render_markdown
+    from pytest_gpubench.ledger_frame import read_ledger_frame
+    from pytest_gpubench.report import render_document
 
-    text = render_markdown(read_ledger(Path(args.ledger)))
+    data = read_ledger_frame(Path(args.ledger))
+    if args.html:
+        text = _html_report(data, args.baselines)
+    else:
+        text = render_document(data.others, data.summaries())
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
         print(args.output)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _html_report(data: LedgerData, baselines: str | None) -> str:
+    """The HTML report, against the baselines of --baselines, or else of baselines/ in the run's
+    rootdir (from the meta record) or in the current directory, where one exists."""
+    from pytest_gpubench.baseline import baseline_summaries
+    from pytest_gpubench.html_report import render_html
+
+    found = _baselines_dir(data, baselines)
+    cell_ids = {str(cell_id) for cell_id in data.calls["cell_id"].dropna().unique()}
+    baseline = baseline_summaries(found, cell_ids) if found is not None else []
+    return render_html(data, baseline, baseline_source=str(found) if found else None)
+
+
+def _baselines_dir(data: LedgerData, named: str | None) -> Path | None:
+    if named is not None:
+        path = Path(named)
+        if not path.is_dir():
+            raise GpubenchError(f"{path}: --baselines is not a directory")
+        return path
+    rootdir = data.meta.get("rootdir")
+    candidates = [Path(rootdir) / "baselines"] if isinstance(rootdir, str) else []
+    candidates.append(Path("baselines"))
+    return next((path for path in candidates if path.is_dir()), None)
 
 
 def compare_command(old: Path, new: Path) -> int:
@@ -73,9 +105,22 @@ def parser() -> argparse.ArgumentParser:
     model.add_argument("--seed", type=int, default=0)
     model.set_defaults(handler=_make_model)
 
-    report = commands.add_parser("report", help="write the Markdown baseline document of a ledger")
+    report = commands.add_parser(
+        "report", help="write the Markdown baseline document (or, --html, the HTML report) of a ledger"
+    )
     report.add_argument("ledger")
     report.add_argument("--output", "-o", help="file to write (default: standard output)")
+    report.add_argument(
+        "--html",
+        action="store_true",
+        help="one self-contained HTML file: charts, verdicts, cells, telemetry, provenance",
+    )
+    report.add_argument(
+        "--baselines",
+        metavar="DIR",
+        help="with --html: draw this baselines directory's distributions beside the run's "
+        "(default: baselines/ in the run's rootdir or the current directory, if any)",
+    )
     report.set_defaults(handler=_report)
 
     compare = commands.add_parser(

@@ -297,12 +297,20 @@ def render_comparison(verdicts: Iterable[Verdict], *, markdown: bool = False) ->
 def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
     """The baseline document of one ledger: the same ledger always gives the same bytes."""
     records = list(records)
+    others = [record for record in records if record.get("type") != "call"]
+    return render_document(others, summarize(records))
+
+
+def render_document(
+    others: Sequence[Mapping[str, Any]], summaries: Sequence[PromptSummary]
+) -> str:
+    """render_markdown from a ledger read as columns (ledger_frame): the records other than
+    calls, and the summaries of the calls."""
     empty: Mapping[str, Any] = {}
-    meta = next((r for r in records if r.get("type") == "meta"), empty)
-    end = next((r for r in reversed(records) if r.get("type") == "end"), empty)
-    cells = _first_by_cell(r for r in records if r.get("type") == "cell")
-    skipped = [r for r in records if r.get("type") == "skipped"]
-    summaries = summarize(records)
+    meta = next((r for r in others if r.get("type") == "meta"), empty)
+    end = next((r for r in reversed(others) if r.get("type") == "end"), empty)
+    cells = _first_by_cell(r for r in others if r.get("type") == "cell")
+    skipped = [r for r in others if r.get("type") == "skipped"]
     cell_ids = sorted(
         {s.cell_id for s in summaries} | set(cells) | {str(r.get("cell_id")) for r in skipped}
     )

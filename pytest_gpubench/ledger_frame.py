@@ -1,0 +1,228 @@
+"""Reads a ledger in one streaming pass into columns: the call records as a frame, the few
+other records (meta, cell, skipped, sample, end) as they are.
+
+A dict per call record costs about 9 KB in memory and most of the time of a report on a large
+ledger; here each line is parsed (orjson) and only the fields a report needs are kept, a chunk of
+rows at a time as numpy columns, text as categorical codes. The ledger itself is not changed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pandas as pd
+
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.stats import PromptSummary, summarize_frame
+
+# The columns stats.summarize needs (stats.call_frame builds the same frame from dicts).
+SUMMARY_TEXT = ("cell_id", "prompt_id", "prompt_sha256", "phase", "cold_kind", "finish_reason")
+SUMMARY_NUMBERS = (
+    "run_idx",
+    "first_delta_ms",
+    "total_duration_ms",
+    "tokens_per_sec",
+    "tpot_ms",
+    "e2e_tokens_per_sec",
+    "engine_tokens_per_sec",
+    "engine_prompt_ms",
+    "engine_total_ms",
+)
+# The further columns of a CSV export: one row per call record.
+EXPORT_TEXT = (
+    "benchmark_run_id",
+    "node",
+    "engine",
+    "model",
+    "case_id",
+    "started_at_utc",
+    "backend",
+    "error",
+    "worker",
+)
+EXPORT_NUMBERS = ("prompt_tokens", "completion_tokens", "client_chunks", "content_reads")
+# The call record's field that stats names decode_tokens_per_sec.
+_RENAMED = {"tokens_per_sec": "decode_tokens_per_sec"}
+_DECODE_METRICS = ("decode_tokens_per_sec", "tpot_ms")
+CHUNK_ROWS = 65_536
+_ABSENT = object()
+
+
+@dataclass
+class LedgerData:
+    """A ledger read for reporting: one row per call record, and every other record."""
+
+    path: Path | None
+    calls: pd.DataFrame
+    others: list[dict[str, Any]] = field(default_factory=list)
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        return [record for record in self.others if record.get("type") == kind]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return next((r for r in self.others if r.get("type") == "meta"), {})
+
+    @property
+    def end(self) -> dict[str, Any]:
+        return next((r for r in reversed(self.others) if r.get("type") == "end"), {})
+
+    def summaries(self) -> list[PromptSummary]:
+        return summarize_frame(self.calls)
+
+
+def read_ledger_frame(path: str | os.PathLike[str], *, export: bool = False) -> LedgerData:
+    """Stream a ledger into columns; a truncated last line (a killed run) is left out, a bad
+    line elsewhere is an error naming the file and line. `export`: keep the CSV columns too."""
+    path = Path(path)
+    # Millions of short-lived dicts would set off the cyclic collector thousands of times, each
+    # pass walking every row kept so far: off while reading (records hold no cycles).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _read(path, export=export)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _read(path: Path, *, export: bool) -> LedgerData:
+    builder = _FrameBuilder(export=export)
+    others: list[dict[str, Any]] = []
+    bad_line: int | None = None
+    try:
+        with path.open("rb") as ledger:
+            for number, line in enumerate(ledger, start=1):
+                if not line.strip():
+                    continue
+                if bad_line is not None:
+                    raise GpubenchError(f"{path}: line {bad_line} is not valid JSON")
+                try:
+                    record = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    bad_line = number  # fine if it is the truncated tail of a killed run
+                    continue
+                if not isinstance(record, dict):
+                    continue
+                if record.get("type") == "call":
+                    builder.add(record)
+                else:
+                    others.append(record)
+    except OSError as exc:
+        raise GpubenchError(f"{path}: cannot read ledger: {exc.strerror}") from None
+    return LedgerData(path, builder.frame(), others)
+
+
+def frame_of_records(records: Iterable[Mapping[str, Any]], *, export: bool = False) -> LedgerData:
+    """The same, from records already in memory (a run that just ended, a test)."""
+    builder = _FrameBuilder(export=export)
+    others: list[dict[str, Any]] = []
+    for record in records:
+        if record.get("type") == "call":
+            builder.add(record)
+        else:
+            others.append(dict(record))
+    return LedgerData(None, builder.frame(), others)
+
+
+class _FrameBuilder:
+    """Rows are gathered as tuples, and every CHUNK_ROWS turned into numpy columns."""
+
+    def __init__(self, *, export: bool) -> None:
+        self.text = SUMMARY_TEXT + (EXPORT_TEXT if export else ())
+        self.numbers = SUMMARY_NUMBERS + (EXPORT_NUMBERS if export else ())
+        # "error" is always read (it decides `ok`); kept as a column only for an export.
+        self.fields = (*self.text, *self.numbers, *(() if export else ("error",)))
+        self.export = export
+        self.rows: list[tuple[Any, ...]] = []
+        self.chunks: list[dict[str, Any]] = []
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        self.rows.append((*map(record.get, self.fields), record.get("coalesced", _ABSENT)))
+        if len(self.rows) >= CHUNK_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.rows:
+            return
+        columns = list(zip(*self.rows, strict=True))
+        self.rows = []
+        chunk: dict[str, Any] = {}
+        width = len(self.text)
+        for index, name in enumerate(self.text):
+            chunk[name] = pd.factorize(_objects(columns[index]), use_na_sentinel=True)
+        for index, name in enumerate(self.numbers, start=width):
+            chunk[name] = _floats(columns[index])
+        errors = columns[self.fields.index("error")]
+        finish = columns[self.fields.index("finish_reason")]
+        chunk["ok"] = np.fromiter(
+            (e is None and f != "error" for e, f in zip(errors, finish, strict=True)),
+            dtype=bool,
+            count=len(errors),
+        )
+        # Only records that carry `coalesced` have today's decode rate (stats.call_frame).
+        chunk["_current"] = np.fromiter(
+            (value is not _ABSENT for value in columns[-1]), dtype=bool, count=len(errors)
+        )
+        chunk["coalesced"] = np.fromiter(
+            (value is True for value in columns[-1]), dtype=bool, count=len(errors)
+        )
+        self.chunks.append(chunk)
+
+    def frame(self) -> pd.DataFrame:
+        self._flush()
+        data: dict[str, Any] = {}
+        for name in self.text:
+            data[name] = _categorical([chunk[name] for chunk in self.chunks])
+        for name in self.numbers:
+            data[_RENAMED.get(name, name)] = _concat([chunk[name] for chunk in self.chunks])
+        current = _concat([chunk["_current"] for chunk in self.chunks], dtype=bool)
+        for metric in _DECODE_METRICS:
+            data[metric][~current] = np.nan
+        data["ok"] = _concat([chunk["ok"] for chunk in self.chunks], dtype=bool)
+        data["coalesced"] = _concat([chunk["coalesced"] for chunk in self.chunks], dtype=bool)
+        return pd.DataFrame(data)
+
+
+def _objects(values: Sequence[Any]) -> np.ndarray[Any, np.dtype[np.object_]]:
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    return array
+
+
+def _floats(values: Sequence[Any]) -> np.ndarray[Any, np.dtype[np.float64]]:
+    try:
+        return np.array(values, dtype="float64")
+    except (TypeError, ValueError):
+        coerced = pd.to_numeric(pd.Series(_objects(values)), errors="coerce")
+        return coerced.to_numpy(dtype="float64", na_value=np.nan)
+
+
+def _concat(parts: list[Any], dtype: str | type = "float64") -> Any:
+    return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+
+
+def _categorical(parts: list[tuple[Any, Any]]) -> pd.Categorical:
+    """Chunks of (codes, uniques) as one categorical; values that are not text become text."""
+    categories: dict[str, int] = {}
+    codes = []
+    for chunk_codes, uniques in parts:
+        mapping = np.array(
+            [categories.setdefault(_as_text(value), len(categories)) for value in uniques]
+            + [-1],
+            dtype="int64",
+        )
+        codes.append(mapping[chunk_codes])  # the -1 of a missing value picks the last: -1
+    joined = np.concatenate(codes) if codes else np.empty(0, dtype="int64")
+    return pd.Categorical.from_codes(joined, categories=list(categories))
+
+
+def _as_text(value: Any) -> str:
+    return value if isinstance(value, str) else str(value)
