@@ -1,4 +1,5 @@
-"""The `gpubench` command, every subcommand: install-server, make-model, report, compare."""
+"""The `gpubench` command, every subcommand: install-server, make-model, report, history,
+export, compare."""
 
 from __future__ import annotations
 
@@ -74,6 +75,49 @@ def _baselines_dir(data: LedgerData, named: str | None) -> Path | None:
     return next((path for path in candidates if path.is_dir()), None)
 
 
+def _history(args: argparse.Namespace) -> int:
+    from pytest_gpubench.history import read_history, render_history, render_history_html
+
+    history = read_history(Path(args.directory))
+    if args.html:
+        output = Path(args.output or "history.html")
+        _write_text(output, render_history_html(history))
+        print(output)
+    elif args.output:
+        _write_text(Path(args.output), render_history(history) + "\n")
+        print(args.output)
+    else:
+        print(render_history(history))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pytest_gpubench.exports import write_csv, write_json, write_prometheus
+    from pytest_gpubench.ledger_frame import read_ledger_frame
+
+    if not (args.prometheus or args.csv or args.json):
+        raise GpubenchError("export: name at least one of --prometheus, --csv, --json")
+    data = read_ledger_frame(Path(args.ledger), export=bool(args.csv))
+    summaries = data.summaries()
+    if args.prometheus:
+        write_prometheus(data, summaries, Path(args.prometheus))
+        print(args.prometheus)
+    if args.csv:
+        rows = write_csv(data, Path(args.csv))
+        print(f"{args.csv} ({rows} call records)")
+    if args.json:
+        write_json(data, summaries, Path(args.json))
+        print(args.json)
+    return 0
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise GpubenchError(f"{path}: cannot write: {exc.strerror or exc}") from None
+
+
 def compare_command(old: Path, new: Path) -> int:
     """`gpubench compare OLD NEW`: prints the comparison; the regression status on a regression."""
     from pytest_gpubench.baseline import load_summaries
@@ -122,6 +166,33 @@ def parser() -> argparse.ArgumentParser:
         "(default: baselines/ in the run's rootdir or the current directory, if any)",
     )
     report.set_defaults(handler=_report)
+
+    history = commands.add_parser(
+        "history",
+        help="the trend of every cell, prompt and gated metric across the ledgers in a "
+        "directory, with regressions (R) and baseline updates (B) marked",
+    )
+    history.add_argument("directory", help="a directory of ledgers (*.jsonl, searched below)")
+    history.add_argument("--html", action="store_true", help="write an HTML page of charts")
+    history.add_argument(
+        "--output", "-o", help="file to write (default: standard output; history.html with --html)"
+    )
+    history.set_defaults(handler=_history)
+
+    export = commands.add_parser(
+        "export", help="export a ledger: Prometheus textfile, CSV of call records, JSON summary"
+    )
+    export.add_argument("ledger")
+    export.add_argument(
+        "--prometheus",
+        metavar="FILE",
+        help="a textfile for node_exporter's textfile collector (gauges gpubench_*)",
+    )
+    export.add_argument("--csv", metavar="FILE", help="one row per call record")
+    export.add_argument(
+        "--json", metavar="FILE", help="the summaries, verdicts and cell outcomes of the run"
+    )
+    export.set_defaults(handler=_export)
 
     compare = commands.add_parser(
         "compare", help="compare two ledgers, or a ledger (NEW) with a baselines/ directory (OLD)"

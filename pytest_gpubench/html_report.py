@@ -213,7 +213,7 @@ def _cold(summaries: Sequence[PromptSummary]) -> str:
 # -- charts -----------------------------------------------------------------------------------
 
 
-def _svg(figure: Any) -> str:
+def inline_svg(figure: Any) -> str:
     """The figure as inline SVG: text kept as text, no date, ids stable from run to run."""
     import matplotlib.pyplot as plt
 
@@ -225,7 +225,7 @@ def _svg(figure: Any) -> str:
     return f'<div class="chart">{text[start:]}</div>'
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -262,7 +262,7 @@ def _distribution_chart(
     warm: Sequence[PromptSummary], old: Mapping[tuple[str, str], PromptSummary]
 ) -> str:
     """One row per (cell, prompt), one panel per metric: the run's box above the baseline's."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = list(reversed(warm))
     figure, axes_row = plt.subplots(
         1, len(DISTRIBUTIONS), figsize=(12, 1.0 + 0.6 * len(rows)), sharey=True, squeeze=False
@@ -282,7 +282,7 @@ def _distribution_chart(
     first.set_yticks(range(len(rows)), [f"{s.cell_id}\n{s.prompt_id}" for s in rows])
     first.set_ylim(-0.6, len(rows) - 0.4)
     figure.tight_layout()
-    return _svg(figure)
+    return inline_svg(figure)
 
 
 def _box(axes: Any, values: Sequence[float], position: float, color: str) -> None:
@@ -321,7 +321,7 @@ def _telemetry_chart(cell_id: str, records: Sequence[Mapping[str, Any]]) -> str:
     series = _timelines(records)
     if not series:
         return ""
-    plt = _pyplot()
+    plt = pyplot()
     figure, axes_list = plt.subplots(
         len(series), 1, figsize=(9, 1.6 * len(series) + 0.6), sharex=True, squeeze=False
     )
@@ -334,7 +334,7 @@ def _telemetry_chart(cell_id: str, records: Sequence[Mapping[str, Any]]) -> str:
             axes.legend(fontsize=7, loc="upper right")
     axes_list[-1, 0].set_xlabel("s")
     figure.suptitle(cell_id)
-    return _svg(figure)
+    return inline_svg(figure)
 
 
 def _timelines(
