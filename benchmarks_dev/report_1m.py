@@ -100,8 +100,10 @@ def main() -> None:
         if not path.exists():
             started = time.perf_counter()
             write_ledger(path, args.records, args.cells)
-            print(f"wrote {args.records:,} call records ({path.stat().st_size / 1e9:.2f} GB) "
-                  f"in {time.perf_counter() - started:.0f} s")
+            print(
+                f"wrote {args.records:,} call records ({path.stat().st_size / 1e9:.2f} GB) "
+                f"in {time.perf_counter() - started:.0f} s"
+            )
         variants = [("after", AFTER)]
         if not args.skip_before:
             variants.insert(0, ("before", BEFORE))

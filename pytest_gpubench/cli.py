@@ -150,7 +150,8 @@ def parser() -> argparse.ArgumentParser:
     model.set_defaults(handler=_make_model)
 
     report = commands.add_parser(
-        "report", help="write the Markdown baseline document (or, --html, the HTML report) of a ledger"
+        "report",
+        help="write the Markdown baseline document (or, --html, the HTML report) of a ledger",
     )
     report.add_argument("ledger")
     report.add_argument("--output", "-o", help="file to write (default: standard output)")

@@ -54,7 +54,6 @@ _COUNTS = ("run_idx", "prompt_tokens", "completion_tokens", "client_chunks", "co
 def write_csv(data: LedgerData, path: Path) -> int:
     """One row per call record (a ledger read with export=True); returns the rows written.
     Counts are integers (blank where a failed call has none), times ISO 8601 UTC."""
-    import pandas as pd
 
     frame = data.calls
     missing = [c for c in (*EXPORT_TEXT, *EXPORT_NUMBERS) if c not in frame.columns]
@@ -62,7 +61,7 @@ def write_csv(data: LedgerData, path: Path) -> int:
         raise ValueError(f"write_csv needs a ledger read with export=True (no {missing[0]})")
     table = frame.reindex(columns=list(CSV_COLUMNS))
     for name in _COUNTS:
-        table[name] = pd.array(table[name].round(), dtype="Int64")
+        table[name] = table[name].round().astype("Int64")
     _write(path, lambda target: table.to_csv(target, index=False, lineterminator="\n"))
     return len(table)
 
@@ -105,9 +104,7 @@ def write_prometheus(data: LedgerData, summaries: Sequence[PromptSummary], path:
         raise GpubenchError(f"{path}: cannot write the Prometheus textfile: {exc}") from None
 
 
-def prometheus_registry(
-    data: LedgerData, summaries: Iterable[PromptSummary], registry: Any
-) -> Any:
+def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], registry: Any) -> Any:
     """Gauges labelled cell/prompt/metric: the warm percentiles, the cold call, the counts, the
     gate's change and verdict, and the run's start time and identity."""
     from prometheus_client import Gauge
@@ -120,19 +117,27 @@ def prometheus_registry(
         registry=registry,
     )
     cold = Gauge(
-        "gpubench_cold", "The first successful cold call per cell and prompt (ms)", labels,
+        "gpubench_cold",
+        "The first successful cold call per cell and prompt (ms)",
+        labels,
         registry=registry,
     )
     calls = Gauge(
-        "gpubench_warm_calls", "Warm calls per cell and prompt", ["cell", "prompt", "outcome"],
+        "gpubench_warm_calls",
+        "Warm calls per cell and prompt",
+        ["cell", "prompt", "outcome"],
         registry=registry,
     )
     ratio = Gauge(
-        "gpubench_gate_change_ratio", "Current over baseline, per gated metric", labels,
+        "gpubench_gate_change_ratio",
+        "Current over baseline, per gated metric",
+        labels,
         registry=registry,
     )
     regression = Gauge(
-        "gpubench_gate_regression", "1 when the gate found a regression in this metric", labels,
+        "gpubench_gate_regression",
+        "1 when the gate found a regression in this metric",
+        labels,
         registry=registry,
     )
     for summary in summaries:
@@ -151,10 +156,10 @@ def prometheus_registry(
         calls.labels(*key, "ok").set(summary.n_warm_ok)
         calls.labels(*key, "failed").set(summary.n_warm - summary.n_warm_ok)
     for verdict in end_verdicts(data.end):
-        key = (verdict.cell_id, verdict.prompt_id, verdict.metric)
+        names = (verdict.cell_id, verdict.prompt_id, verdict.metric)
         if verdict.change_ratio is not None:
-            ratio.labels(*key).set(verdict.change_ratio)
-        regression.labels(*key).set(1 if verdict.verdict == "regression" else 0)
+            ratio.labels(*names).set(verdict.change_ratio)
+        regression.labels(*names).set(1 if verdict.verdict == "regression" else 0)
     _run_gauges(data, registry)
     return registry
 
@@ -164,7 +169,9 @@ def _run_gauges(data: LedgerData, registry: Any) -> None:
 
     meta, end = data.meta, data.end
     info = Gauge(
-        "gpubench_run_info", "The run this file describes (always 1)", ["run_id", "git_sha"],
+        "gpubench_run_info",
+        "The run this file describes (always 1)",
+        ["run_id", "git_sha"],
         registry=registry,
     )
     info.labels(str(meta.get("benchmark_run_id", "")), str(meta.get("git_sha") or "")).set(1)
@@ -204,4 +211,3 @@ def _write(path: Path, write: Any) -> None:
         os.replace(temporary, path)
     except OSError as exc:
         raise GpubenchError(f"{path}: cannot write: {exc.strerror or exc}") from None
-

@@ -192,7 +192,7 @@ def _first(values: Sequence[float | None]) -> float | None:
 def render_history_html(history: History) -> str:
     """One self-contained page: a chart per (cell, prompt), one panel per metric, regressions as
     red crosses and baseline updates as dashed lines."""
-    from pytest_gpubench.html_report import STYLE, pyplot, inline_svg
+    from pytest_gpubench.html_report import STYLE, inline_svg, pyplot
 
     plt = pyplot()
     runs = history.runs
@@ -236,6 +236,7 @@ def render_history_html(history: History) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>gpubench history</title><style>{STYLE}</style></head>\n<body>\n"
-        f"<h1>Benchmark history: {len(runs)} runs</h1>\n{note}\n" + "\n".join(charts)
+        f"<h1>Benchmark history: {len(runs)} runs</h1>\n{note}\n"
+        + "\n".join(charts)
         + f"\n<h2>Runs</h2>\n{runs_table}\n</body></html>\n"
     )

@@ -40,7 +40,8 @@ TELEMETRY_SERIES = (
 STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;
 max-width:1200px}
-h1{font-size:1.5em}h2{font-size:1.2em;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:2em}
+h1{font-size:1.5em}
+h2{font-size:1.2em;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:2em}
 table{border-collapse:collapse;font-size:.9em;margin:8px 0}
 th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f4f4f4}td.num{text-align:right;font-variant-numeric:tabular-nums}
@@ -63,15 +64,15 @@ def render_html(
     sections = [
         f"<h1>Benchmark run {_e(run_id)}</h1>",
         _provenance(meta, end, data.of_type("cell")),
+        _distributions(summaries, baseline, baseline_source),
         _verdicts(end),
         _outcomes(end),
-        _distributions(summaries, baseline, baseline_source),
         _cold(summaries),
         _telemetry(data.of_type("sample")),
     ]
     body = "\n".join(section for section in sections if section)
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>gpubench {_e(run_id)}</title><style>{STYLE}</style></head>\n"
         f"<body>\n{body}\n</body></html>\n"
     )
@@ -84,7 +85,9 @@ def _e(value: Any) -> str:
     return html.escape(NONE if value is None or value == "" else str(value))
 
 
-def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], numeric: Sequence[int] = ()) -> str:
+def _table(
+    headers: Sequence[str], rows: Iterable[Sequence[str]], numeric: Sequence[int] = ()
+) -> str:
     """Cells already escaped (some carry markup)."""
     head = "".join(f"<th>{_e(h)}</th>" for h in headers)
     body = "".join(
@@ -111,8 +114,14 @@ def _provenance(
         ("finished (UTC)", _e(end.get("finished_at_utc"))),
         ("git sha", f"<code>{git}</code>"),
         ("host", f"{_e(meta.get('host'))} ({_e(meta.get('platform'))})"),
-        ("plugin / harness", f"{_e(meta.get('plugin_version'))} / {_e(meta.get('harness_version'))}"),
-        ("command", f"<code>{_e(' '.join(command) if isinstance(command, list) else command)}</code>"),
+        (
+            "plugin / harness",
+            f"{_e(meta.get('plugin_version'))} / {_e(meta.get('harness_version'))}",
+        ),
+        (
+            "command",
+            f"<code>{_e(' '.join(command) if isinstance(command, list) else command)}</code>",
+        ),
         ("exit status", _e(end.get("exit_status"))),
     ]
     run = "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{v}</td></tr>" for k, v in items)
@@ -165,8 +174,16 @@ def _verdicts(end: Mapping[str, Any]) -> str:
         for v in known
     ]
     headers = (
-        "cell", "prompt", "metric", "baseline", "current", "change", "p", "verdict",
-        "attribution", "message",
+        "cell",
+        "prompt",
+        "metric",
+        "baseline",
+        "current",
+        "change",
+        "p",
+        "verdict",
+        "attribution",
+        "message",
     )
     found = sum(v.verdict == "regression" for v in known)
     lead = f'<p class="{"regression" if found else "note"}">{found} regression(s)</p>'
@@ -188,7 +205,9 @@ def _outcomes(end: Mapping[str, Any]) -> str:
         )
         for cell in cells
     ]
-    return "<h2>Cells</h2>\n" + _table(("cell", "status", "calls ok", "stage", "reason"), rows, (2,))
+    return "<h2>Cells</h2>\n" + _table(
+        ("cell", "status", "calls ok", "stage", "reason"), rows, (2,)
+    )
 
 
 def _cold(summaries: Sequence[PromptSummary]) -> str:
@@ -229,9 +248,7 @@ def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
-    matplotlib.rcParams.update(
-        {"svg.fonttype": "none", "svg.hashsalt": "gpubench", "font.size": 9}
-    )
+    matplotlib.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "gpubench", "font.size": 9})
     import matplotlib.pyplot as plt
 
     return plt

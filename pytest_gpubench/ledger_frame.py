@@ -215,13 +215,15 @@ def _categorical(parts: list[tuple[Any, Any]]) -> pd.Categorical:
     codes = []
     for chunk_codes, uniques in parts:
         mapping = np.array(
-            [categories.setdefault(_as_text(value), len(categories)) for value in uniques]
-            + [-1],
+            [categories.setdefault(_as_text(value), len(categories)) for value in uniques] + [-1],
             dtype="int64",
         )
         codes.append(mapping[chunk_codes])  # the -1 of a missing value picks the last: -1
     joined = np.concatenate(codes) if codes else np.empty(0, dtype="int64")
-    return pd.Categorical.from_codes(joined, categories=list(categories))
+    result: pd.Categorical = pd.Categorical.from_codes(  # type: ignore[call-overload]
+        joined, categories=list(categories)
+    )
+    return result
 
 
 def _as_text(value: Any) -> str:

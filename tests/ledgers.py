@@ -42,7 +42,11 @@ def run_records(
             "platform": "Linux",
             "plugin_version": "0.1.0",
             "harness_version": "1",
-            "command_line": ["pytest", "benchmarks/", *(["--baseline-update"] if baseline_update else [])],
+            "command_line": [
+                "pytest",
+                "benchmarks/",
+                *(["--baseline-update"] if baseline_update else []),
+            ],
             "rootdir": "/nonexistent",
         }
     ]
@@ -189,3 +193,7 @@ def write(path: Path, records: Sequence[dict[str, Any]]) -> Path:
         for record in records:
             ledger.write(json.dumps(record, separators=(",", ":")) + "\n")
     return path
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]

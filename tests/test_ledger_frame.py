@@ -1,0 +1,77 @@
+"""The columnar ledger reader gives the summaries and the Markdown document that the reader of
+dicts gives, tolerates what ledger.iter_records tolerates, and names a bad line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ledgers
+import pytest
+
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.ledger_frame import frame_of_records, read_ledger_frame
+from pytest_gpubench.report import render_document, render_markdown
+from pytest_gpubench.stats import summarize
+
+
+def odd_records() -> list[dict[str, object]]:
+    """A real-shaped run plus the oddities of older ledgers: no `coalesced` (an older decode
+    definition), a missing prompt, a number written as text, a coalesced call."""
+    records = ledgers.run_records("run-odd", seed=3)
+    calls = [r for r in records if r["type"] == "call"]
+    del calls[5]["coalesced"]
+    del calls[6]["prompt_id"]
+    calls[7]["first_delta_ms"] = "12.5"
+    calls[8]["coalesced"] = True
+    calls[8]["tokens_per_sec"] = None
+    calls[9]["unknown_field"] = {"nested": [1, 2]}
+    records.insert(3, {"type": "load_summary", "something": "new"})
+    return records
+
+
+def test_same_summaries_and_document_as_the_dict_reader(tmp_path: Path) -> None:
+    path = ledgers.write(tmp_path / "run.jsonl", odd_records())
+    records = read_ledger(path)
+    data = read_ledger_frame(path)
+    assert data.summaries() == summarize(records)
+    assert render_document(data.others, data.summaries()) == render_markdown(records)
+    assert frame_of_records(records).summaries() == summarize(records)
+    assert data.meta["benchmark_run_id"] == "run-odd" and data.end["type"] == "end"
+    assert len(data.of_type("sample")) == 16
+    assert len(data.calls) == len([r for r in records if r["type"] == "call"])
+
+
+def test_a_truncated_last_line_is_left_out(tmp_path: Path) -> None:
+    path = ledgers.write(tmp_path / "run.jsonl", ledgers.run_records("r", samples=False)[:-1])
+    with path.open("a") as ledger:
+        ledger.write('{"type":"call","cell_id":"x","first_del')
+    data = read_ledger_frame(path)
+    assert data.summaries() == summarize(read_ledger(path))
+    assert "x" not in set(data.calls["cell_id"])
+
+
+def test_a_bad_line_in_the_middle_is_named(tmp_path: Path) -> None:
+    records = ledgers.run_records("r", samples=False)
+    path = ledgers.write(tmp_path / "run.jsonl", records[:3])
+    with path.open("a") as ledger:
+        ledger.write("not json\n" + json.dumps(records[3]) + "\n")
+    with pytest.raises(GpubenchError, match=r"run.jsonl: line 4 is not valid JSON"):
+        read_ledger_frame(path)
+
+
+def test_an_unreadable_ledger_is_named(tmp_path: Path) -> None:
+    with pytest.raises(GpubenchError, match="nope.jsonl: cannot read ledger"):
+        read_ledger_frame(tmp_path / "nope.jsonl")
+
+
+def test_chunks_join_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows are turned into columns a chunk at a time: the categories of later chunks (a cell
+    first seen late) keep their codes."""
+    import pytest_gpubench.ledger_frame as ledger_frame
+
+    monkeypatch.setattr(ledger_frame, "CHUNK_ROWS", 7)
+    records = odd_records() + ledgers.run_records("r2", seed=4, cells=("late:llamacpp:x",))
+    path = ledgers.write(tmp_path / "run.jsonl", records)
+    assert read_ledger_frame(path).summaries() == summarize(read_ledger(path))
