@@ -94,6 +94,8 @@ SUMMARY_HEADERS = (
     "TTFT p50 ms",
     "total p50 ms",
     "decode tok/s p50",
+    "cold TTFT ms",
+    "cold total ms",
     "coalesced",
     "success",
     "Δ TTFT / total / decode tok/s",
@@ -104,7 +106,8 @@ SUMMARY_HEADERS = (
 def summary_rows(
     summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict]
 ) -> list[list[str]]:
-    """One row per (cell, prompt): warm numbers, the change against the baseline, the verdict."""
+    """One row per (cell, prompt): warm numbers, the first cold call, the change against the
+    baseline, the verdict."""
     verdicts = list(verdicts)
     by_key = _verdicts_by_key(verdicts)
     worst = overall_by_key(verdicts)
@@ -115,6 +118,8 @@ def summary_rows(
             fixed(summary.warm_first_delta_ms_p50),
             fixed(summary.warm_total_duration_ms_p50),
             fixed(summary.warm_decode_tokens_per_sec_p50, 1),
+            fixed(summary.cold_first_delta_ms),
+            fixed(summary.cold_total_duration_ms),
             str(summary.warm_coalesced),
             success(summary),
             _changes(by_key.get(summary.key, {})),
