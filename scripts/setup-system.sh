@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the project needs to build llama-server and run the benchmarks,
-# only those missing, so a second run costs nothing. OpenSSH for the tests: setup-sshd.sh.
+# Installs the Debian packages the project needs to build llama-server, run the benchmarks and
+# check the HTML report in a browser (chromium), only those missing, so a second run costs
+# nothing. OpenSSH for the tests: setup-sshd.sh.
 set -euo pipefail
 need=()
 command -v cmake >/dev/null || need+=(cmake)
@@ -9,6 +10,8 @@ command -v g++ >/dev/null || need+=(g++)
 command -v git >/dev/null || need+=(git)
 command -v sha256sum >/dev/null || need+=(coreutils)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
+# The HTML report's test opens it in a real headless browser.
+command -v chromium >/dev/null || need+=(chromium)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi
