@@ -1,6 +1,7 @@
 """Seconds and peak memory of `gpubench report` on a generated ledger of 1,000,000 call records,
 before (a dict per record: ledger.read_ledger + report.render_markdown) and after (the columnar
-reader: ledger_frame.read_ledger_frame + report.render_document), each in a fresh process.
+reader: ledger_frame.read_ledger_frame + report.render_document), each in a fresh process: after
+on the ledger alone (it writes <ledger>.columns.npz), then again with that cache.
 
     python benchmarks_dev/report_1m.py [--records 1000000] [--cells 40] [--skip-before] [--html]
 
@@ -22,6 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from aggregate_1m import PROMPT_IDS, call_record  # noqa: E402
 
+from pytest_gpubench.ledger_frame import cache_path  # noqa: E402
+
 BEFORE = """
 from pytest_gpubench.ledger import read_ledger
 from pytest_gpubench.report import render_markdown
@@ -31,7 +34,7 @@ AFTER = """
 from pytest_gpubench.ledger_frame import read_ledger_frame
 from pytest_gpubench.report import render_document
 data = read_ledger_frame(PATH)
-text = render_document(data.others, data.summaries())
+text = render_document(data.others, data.summaries(with_samples=False))
 """
 HTML = """
 from pytest_gpubench.html_report import render_html
@@ -104,11 +107,12 @@ def main() -> None:
                 f"wrote {args.records:,} call records ({path.stat().st_size / 1e9:.2f} GB) "
                 f"in {time.perf_counter() - started:.0f} s"
             )
-        variants = [("after", AFTER)]
+        cache_path(path).unlink(missing_ok=True)
+        variants = [("after", AFTER), ("after, cached", AFTER)]
         if not args.skip_before:
             variants.insert(0, ("before", BEFORE))
         if args.html:
-            variants.append(("after, --html", HTML))
+            variants.append(("--html, cached", HTML))
         for name, variant in variants:
             result = measure(path, variant)
             print(

@@ -42,7 +42,7 @@ def _report(args: argparse.Namespace) -> int:
     if args.html:
         text = _html_report(data, args.baselines)
     else:
-        text = render_document(data.others, data.summaries())
+        text = render_document(data.others, data.summaries(with_samples=False))
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
         print(args.output)
@@ -98,7 +98,7 @@ def _export(args: argparse.Namespace) -> int:
     if not (args.prometheus or args.csv or args.json):
         raise GpubenchError("export: name at least one of --prometheus, --csv, --json")
     data = read_ledger_frame(Path(args.ledger), export=bool(args.csv))
-    summaries = data.summaries()
+    summaries = data.summaries(with_samples=False)
     if args.prometheus:
         write_prometheus(data, summaries, Path(args.prometheus))
         print(args.prometheus)

@@ -71,7 +71,7 @@ def read_history(directory: Path) -> History:
     runs: list[tuple[RunPoint, list[PromptSummary]]] = []
     for path in ledgers_in(directory):
         data = read_ledger_frame(path)
-        runs.append((run_point(data, path), data.summaries()))
+        runs.append((run_point(data, path), data.summaries(with_samples=False)))
     runs.sort(key=lambda run: (run[0].started_at_utc, str(run[0].path)))
     return History([run for run, _ in runs], trends([summaries for _, summaries in runs]))
 

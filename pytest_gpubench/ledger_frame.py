@@ -8,6 +8,7 @@ rows at a time as numpy columns, text as categorical codes. The ledger itself is
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -74,8 +75,8 @@ class LedgerData:
     def end(self) -> dict[str, Any]:
         return next((r for r in reversed(self.others) if r.get("type") == "end"), {})
 
-    def summaries(self) -> list[PromptSummary]:
-        return summarize_frame(self.calls)
+    def summaries(self, *, with_samples: bool = True) -> list[PromptSummary]:
+        return summarize_frame(self.calls, with_samples=with_samples)
 
 
 def read_ledger_frame(path: str | os.PathLike[str], *, export: bool = False) -> LedgerData:
@@ -87,19 +88,31 @@ def read_ledger_frame(path: str | os.PathLike[str], *, export: bool = False) -> 
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _read(path, export=export)
+        stamp = _stamp(path)
+        if not export:
+            cached = _load_cache(path, stamp)
+            if cached is not None:
+                return cached
+        data, complete = _read(path, export=export)
+        if complete and not export:
+            _save_cache(path, stamp, data)
+        return data
     finally:
         if collecting:
             gc.enable()
 
 
-def _read(path: Path, *, export: bool) -> LedgerData:
+def _read(path: Path, *, export: bool) -> tuple[LedgerData, bool]:
+    """The data, and whether the ledger ended with a whole line (nothing truncated or still
+    being written: the columns may then be cached)."""
     builder = _FrameBuilder(export=export)
     others: list[dict[str, Any]] = []
     bad_line: int | None = None
+    whole = True
     try:
         with path.open("rb") as ledger:
             for number, line in enumerate(ledger, start=1):
+                whole = line.endswith(b"\n")
                 if not line.strip():
                     continue
                 if bad_line is not None:
@@ -117,7 +130,75 @@ def _read(path: Path, *, export: bool) -> LedgerData:
                     others.append(record)
     except OSError as exc:
         raise GpubenchError(f"{path}: cannot read ledger: {exc.strerror}") from None
-    return LedgerData(path, builder.frame(), others)
+    return LedgerData(path, builder.frame(), others), whole and bad_line is None
+
+
+# -- the columnar cache beside the ledger -------------------------------------------------------
+# <ledger>.columns.npz holds the summary columns and the other records of a ledger that ended
+# with a whole line, stamped with the ledger's size and modification time: the ledger stays the
+# truth, the cache is used only while both match, and is rewritten otherwise.
+CACHE_SUFFIX = ".columns.npz"
+CACHE_VERSION = 1
+
+
+def cache_path(path: Path) -> Path:
+    return path.with_name(path.name + CACHE_SUFFIX)
+
+
+def _stamp(path: Path) -> str:
+    try:
+        status = path.stat()
+    except OSError as exc:
+        raise GpubenchError(f"{path}: cannot read ledger: {exc.strerror}") from None
+    return f"{CACHE_VERSION}:{status.st_size}:{status.st_mtime_ns}"
+
+
+def _save_cache(path: Path, stamp: str, data: LedgerData) -> None:
+    frame = data.calls
+    arrays: dict[str, Any] = {
+        "stamp": np.array(stamp),
+        "others": np.frombuffer(orjson.dumps(data.others), dtype=np.uint8),
+    }
+    for name in frame.columns:
+        column = frame[name]
+        if isinstance(column.dtype, pd.CategoricalDtype):
+            arrays[f"codes:{name}"] = column.cat.codes.to_numpy(dtype="int32")
+            categories = [str(value) for value in column.cat.categories]
+            arrays[f"categories:{name}"] = np.frombuffer(orjson.dumps(categories), dtype=np.uint8)
+        else:
+            arrays[f"values:{name}"] = column.to_numpy()
+    target = cache_path(path)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with temporary.open("wb") as file:
+            np.savez(file, allow_pickle=False, **arrays)
+        os.replace(temporary, target)
+    except OSError:
+        # A read-only directory or a full disk: the report is still right, only slower next time.
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+
+
+def _load_cache(path: Path, stamp: str) -> LedgerData | None:
+    target = cache_path(path)
+    try:
+        with np.load(target, allow_pickle=False) as archive:
+            if str(archive["stamp"]) != stamp:
+                return None
+            columns: dict[str, Any] = {}
+            for key in archive.files:
+                kind, _, name = key.partition(":")
+                if kind == "values":
+                    columns[name] = archive[key]
+                elif kind == "codes":
+                    categories = orjson.loads(archive[f"categories:{name}"].tobytes())
+                    columns[name] = pd.Categorical.from_codes(
+                        archive[key], categories=categories
+                    )
+            others = orjson.loads(archive["others"].tobytes())
+    except (OSError, ValueError, KeyError, orjson.JSONDecodeError):
+        return None  # none yet, or unreadable: read the ledger
+    return LedgerData(path, pd.DataFrame(columns), others)
 
 
 def frame_of_records(records: Iterable[Mapping[str, Any]], *, export: bool = False) -> LedgerData:

@@ -75,3 +75,36 @@ def test_chunks_join_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     records = odd_records() + ledgers.run_records("r2", seed=4, cells=("late:llamacpp:x",))
     path = ledgers.write(tmp_path / "run.jsonl", records)
     assert read_ledger_frame(path).summaries() == summarize(read_ledger(path))
+
+
+def test_the_columns_are_cached_beside_the_ledger_while_it_is_unchanged(tmp_path: Path) -> None:
+    from pytest_gpubench.ledger_frame import cache_path
+
+    records = odd_records()
+    path = ledgers.write(tmp_path / "run.jsonl", records)
+    first = read_ledger_frame(path)
+    cache = cache_path(path)
+    assert cache.name == "run.jsonl.columns.npz" and cache.exists()
+    second = read_ledger_frame(path)  # from the cache
+    assert second.summaries() == first.summaries() == summarize(records)
+    assert second.others == first.others
+    # Appended to (a run goes on): the ledger is read again, the cache rewritten.
+    more = ledgers.run_records("run-more", seed=9, cells=("new:llamacpp:x",), samples=False)
+    with path.open("a") as ledger:
+        ledger.writelines(json.dumps(record) + "\n" for record in more)
+    third = read_ledger_frame(path)
+    assert third.summaries() == summarize(records + more)
+    assert read_ledger_frame(path).summaries() == third.summaries()
+    # A cache that cannot be read is ignored.
+    cache.write_bytes(b"not an npz")
+    assert read_ledger_frame(path).summaries() == third.summaries()
+
+
+def test_no_cache_for_a_ledger_still_being_written(tmp_path: Path) -> None:
+    from pytest_gpubench.ledger_frame import cache_path
+
+    path = ledgers.write(tmp_path / "run.jsonl", ledgers.run_records("r", samples=False))
+    with path.open("a") as ledger:
+        ledger.write('{"type":"call","cell_id":"x"')
+    read_ledger_frame(path)
+    assert not cache_path(path).exists()
