@@ -293,6 +293,8 @@ def _distribution_chart(
             if previous:
                 _box(axes, previous, index - 0.17, BASELINE_COLOR)
         axes.set_title(f"{title} ({unit})")
+        if len(rows) > 8:  # a tall chart: the scale at the top too
+            axes.tick_params(labeltop=True, top=True)
         axes.grid(axis="x", color="#e5e5e5")
         axes.set_axisbelow(True)
     first = axes_row[0][0]
