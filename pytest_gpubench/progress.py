@@ -73,10 +73,11 @@ def duration(seconds: float) -> str:
 
 
 class ProgressLine:
-    """Registered by the plugin in the process that draws (never in an xdist worker). Active
-    only with benchmark cases, at the default verbosity (not -q, not -v: those lines are
-    pytest's), on a terminal with markup; it then replaces pytest's letters for the benchmark
-    cases (their outcomes are counted on the line and in pytest's summary)."""
+    """Registered by the plugin in the process that draws (never in an xdist worker; xdist's
+    controller collects no items, so it draws nothing there either). Active only with benchmark
+    cases, at the default verbosity (not -q, not -v: those lines are pytest's), on a terminal
+    with markup; it then replaces pytest's letters for the benchmark cases (their outcomes are
+    counted on the line and in pytest's summary)."""
 
     def __init__(self, config: pytest.Config, case_of: Callable[[pytest.Item], Any]) -> None:
         self.config = config
