@@ -37,8 +37,9 @@ test: setup sshd
 	$(BIN)/pytest tests/ $(PYTEST_ARGS)
 
 lint: python
-	$(BIN)/ruff check pytest_gpubench tests benchmarks
-	$(BIN)/mypy pytest_gpubench
+	$(BIN)/ruff check pytest_gpubench tests benchmarks benchmarks_dev
+	$(BIN)/ruff format --check pytest_gpubench tests benchmarks benchmarks_dev
+	$(BIN)/mypy pytest_gpubench tests benchmarks benchmarks_dev
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -8,17 +8,18 @@ baseline's warm TTFT p50 counts detections. Each run also shows llama-server's o
 it, as the proxy timed it (time to first content / last byte, p50) against the baseline run's,
 and the tally repeats the counts for the runs where that speed stayed within 10 %.
 
-    python benchmarks_dev/false_alarms.py [--repeat 20] [--runs N] [--detect]
+    python benchmarks_dev/false_alarms.py [--repeat 20] [--runs N] [--detect] [--hog N]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.tinymodel import ensure_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from delay_proxy import DelayProxy, EngineSpeed, delay_proxy  # noqa: E402
+from delay_proxy import DelayProxy, EngineSpeed, delay_proxy
 
 CELL = "local:llamacpp:tiny"
 PROMPT_ID = "P-EASY"
@@ -160,7 +161,41 @@ def main() -> None:
     parser.add_argument("--runs", type=int, help="warm runs per pytest run (default: the matrix's)")
     parser.add_argument("--detect", action="store_true", help="also repeat the +60 %% runs")
     parser.add_argument("--fraction", type=float, default=0.6, help="delay for --detect, × TTFT")
+    parser.add_argument(
+        "--hog",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N busy processes beside the engine for the whole session (a loaded machine)",
+    )
     args = parser.parse_args()
+    with cpu_hogs(args.hog):
+        measure(args)
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Iterator[None]:
+    """`count` processes spinning on the CPU, each in its own session (the kernel shares CPU time
+    between sessions first, so a hog in this session would mostly slow this script)."""
+    hogs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+        )
+        for _ in range(count)
+    ]
+    if hogs:
+        print(f"{count} CPU hog(s) running beside the engine", flush=True)
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def measure(args: argparse.Namespace) -> None:
     binary = find_llama_server(None)
     if binary is None:
         raise SystemExit("llama-server is not installed: run `make engine`")

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from aggregate_1m import PROMPT_IDS, call_record  # noqa: E402
+from aggregate_1m import PROMPT_IDS, call_record
 
-from pytest_gpubench.ledger_frame import cache_path  # noqa: E402
+from pytest_gpubench.ledger_frame import cache_path
 
 BEFORE = """
 from pytest_gpubench.ledger import read_ledger

@@ -1,4 +1,4 @@
-"""The `gpubench` command, every subcommand: install-server, make-model, report, history,
+"""The `gpubench` command, every subcommand: init, install-server, make-model, report, history,
 export, compare."""
 
 from __future__ import annotations
@@ -13,6 +13,15 @@ from pytest_gpubench.errors import GpubenchError
 
 if TYPE_CHECKING:
     from pytest_gpubench.ledger_frame import LedgerData
+
+
+def _init(args: argparse.Namespace) -> int:
+    from pytest_gpubench.init import NEXT_STEPS, init_project
+
+    for line in init_project(Path(args.directory), force=args.force):
+        print(line)
+    print(NEXT_STEPS)
+    return 0
 
 
 def _install_server(args: argparse.Namespace) -> int:
@@ -137,6 +146,15 @@ def _compare(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="gpubench", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True)
+
+    init = commands.add_parser(
+        "init",
+        help="write cells.yaml, prompts.yaml, benchmarks/test_inference.py, a CI workflow and the "
+        ".gitignore line for runs/ (existing files are kept)",
+    )
+    init.add_argument("directory", nargs="?", default=".", help="the repository (default: .)")
+    init.add_argument("--force", action="store_true", help="overwrite files that exist")
+    init.set_defaults(handler=_init)
 
     install = commands.add_parser(
         "install-server", help="build (or find) llama.cpp's llama-server and print its path"

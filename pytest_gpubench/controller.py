@@ -49,6 +49,16 @@ class Judgement:
     unjudged: bool = False
     write_failed: bool = False
     baseline_notes: list[str] = field(default_factory=list)
+    # Per cell id: what differs between its baseline's setup and this run's; and the cells whose
+    # new setup --baseline-update ratified (wrote).
+    changed_setups: dict[str, str] = field(default_factory=dict)
+    ratified: set[str] = field(default_factory=set)
+
+    def failing_incomparables(self) -> list[Verdict]:
+        """The `incomparable` verdicts that fail the run: those not ratified."""
+        from pytest_gpubench.gate import incomparables
+
+        return [v for v in incomparables(self.verdicts) if v.cell_id not in self.ratified]
 
 
 class RunController:
@@ -120,7 +130,11 @@ class RunController:
         options = self.options
         git = guards.check_git_tree(self.root, options.ledger_dir, allow_dirty=options.allow_dirty)
         guards.check_load(options.load_threshold, force_load=options.force_load)
-        guards.check_frozen_prompts(self.matrix, options.baselines_dir)
+        guards.check_frozen_prompts(
+            self.matrix,
+            options.baselines_dir,
+            replacing_corrupt=options.baseline_update and not options.smoke,
+        )
         self.started = True
         self.ledger = Ledger(options.ledger_dir / f"{self.run_id}.jsonl", self.scrub)
         self.meta = meta_record(
@@ -258,7 +272,9 @@ class RunController:
         status = session_status(
             exitstatus,
             write_failed=self.write_error is not None or judgement.write_failed,
+            unjudged=judgement.unjudged,
             unmeasured=any(outcome.fails_run for outcome in self.outcomes),
+            incomparable=bool(judgement.failing_incomparables()),
             regressed=bool(regressions(judgement.verdicts)) and not self.options.baseline_update,
         )
         self._append(
@@ -285,23 +301,35 @@ class RunController:
         return status
 
     def _judge(self) -> None:
-        """Compare with the baselines, and write them with --baseline-update."""
-        from pytest_gpubench.baseline import baseline_summaries
-        from pytest_gpubench.gate import compare
+        """Compare with the baselines (each cell's setup with its baseline's first), and write
+        them with --baseline-update."""
+        from pytest_gpubench.gate import ACCEPT_OPTION, compare
         from pytest_gpubench.stats import summarize
 
         assert self.matrix is not None
         judgement = self.judgement
         judgement.summaries = summarize(self.calls)
         thresholds = {cell.cell_id: cell.thresholds for cell in self.matrix.cells}
-        measured = sorted({call["cell_id"] for call in self.calls})
+        writes = self.options.baseline_update and not self.options.smoke
         try:
-            baselines = baseline_summaries(self.options.baselines_dir, measured)
-            judgement.verdicts = compare(baselines, judgement.summaries, thresholds)
+            baselines = self._baselines(replacing=writes)
+            judgement.verdicts = compare(
+                baselines,
+                judgement.summaries,
+                thresholds,
+                changed_setups=judgement.changed_setups,
+                accept_incomparable=self.options.accept_incomparable,
+            )
         except GpubenchError as exc:
             judgement.gate_error = self.scrub(str(exc))
             judgement.unjudged = True
             return
+        if self.options.accept_incomparable and not self.options.baseline_update:
+            judgement.baseline_notes.extend(
+                f"baseline of {cell_id} measured on another setup ({changes}): compared all "
+                f"the same ({ACCEPT_OPTION})"
+                for cell_id, changes in sorted(judgement.changed_setups.items())
+            )
         if self.options.baseline_update:
             if self.options.smoke:
                 # One call per cell can never reach significance: every later run would be
@@ -312,21 +340,71 @@ class RunController:
                 return
             self._update_baselines()
 
+    def _baselines(self, *, replacing: bool) -> list[PromptSummary]:
+        """The measured cells' baseline summaries; notes in the judgement which cells' baselines
+        came from another setup. A corrupt file counts as none when this run replaces it."""
+        from pytest_gpubench.baseline import (
+            CorruptBaseline,
+            cell_provenance,
+            find_baseline,
+            provenance_changes,
+        )
+
+        summaries: list[PromptSummary] = []
+        for cell_id in sorted({call["cell_id"] for call in self.calls}):
+            try:
+                baseline = find_baseline(self.options.baselines_dir, cell_id)
+            except CorruptBaseline:
+                if not replacing:
+                    raise
+                continue  # --baseline-update replaces it, and says so
+            if baseline is None:
+                continue
+            summaries.extend(baseline.prompts)
+            cell = self.cells.get(cell_id)
+            if cell is None:
+                continue  # nothing known of this run's setup: nothing to compare
+            current = cell_provenance(self.meta, cell, self.calls)
+            changes = provenance_changes(baseline.provenance, current)
+            if changes:
+                self.judgement.changed_setups[cell_id] = ", ".join(changes)
+        return summaries
+
     def _update_baselines(self) -> None:
         from pytest_gpubench.baseline import update_baselines
-        from pytest_gpubench.gate import success_threshold
+        from pytest_gpubench.gate import success_threshold, too_few_samples
 
         assert self.matrix is not None
+        judgement = self.judgement
         minimum = {cell.cell_id: success_threshold(cell.thresholds) for cell in self.matrix.cells}
+        # Later runs measure the cell's configured runs (cells.yaml), not this run's override.
+        future_runs = {cell.cell_id: cell.runs for cell in self.matrix.cells}
         records = [self.meta, *self.cells.values(), *self.calls, *self.skips]
         try:
-            update = update_baselines(self.options.baselines_dir, records, minimum)
+            update = update_baselines(
+                self.options.baselines_dir,
+                records,
+                minimum,
+                future_runs=future_runs,
+                sample_check=too_few_samples,
+            )
         except GpubenchError as exc:
-            self.judgement.gate_error = self.scrub(str(exc))
-            self.judgement.write_failed = True
+            judgement.gate_error = self.scrub(str(exc))
+            judgement.write_failed = True
             return
-        notes = self.judgement.baseline_notes
+        notes = judgement.baseline_notes
+        for _cell_id, reason in sorted(update.replaced.items()):
+            notes.append(f"{reason}: replaced with this run's numbers")
         for cell_id, path in sorted(update.written.items()):
             notes.append(f"baseline written: {cell_id} -> {path}")
+            changes = judgement.changed_setups.get(cell_id)
+            if changes is not None:
+                judgement.ratified.add(cell_id)
+                notes.append(f"baseline of {cell_id} ratified for this setup: {changes}")
         for cell_id, reason in sorted(update.refused.items()):
             notes.append(f"baseline NOT written for {cell_id}: {reason}")
+        if update.failed:
+            judgement.gate_error = self.scrub(
+                "; ".join(update.failed[c] for c in sorted(update.failed))
+            )
+            judgement.write_failed = True

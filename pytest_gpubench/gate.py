@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import partial
 from typing import Any, Literal
 
@@ -14,14 +14,25 @@ from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.matrix import Thresholds
 from pytest_gpubench.stats import PromptSummary, summaries_by_key
 
-VerdictKind = Literal["regression", "inconclusive", "win", "ok", "new"]
+VerdictKind = Literal["regression", "incomparable", "inconclusive", "win", "ok", "new"]
 # The worst first: a (cell, prompt) takes the verdict of its worst metric.
-VERDICT_ORDER: tuple[VerdictKind, ...] = ("regression", "inconclusive", "win", "ok", "new")
+VERDICT_ORDER: tuple[VerdictKind, ...] = (
+    "regression",
+    "incomparable",
+    "inconclusive",
+    "win",
+    "ok",
+    "new",
+)
+# The metric of an `incomparable` verdict: the baseline's provenance, not a number.
+PROVENANCE = "provenance"
+ACCEPT_OPTION = "--gpubench-accept-incomparable"
 
 ALPHA = 0.05
 RERUN_RUNS = 20
 RERUN_HINT = f"re-run with --gpubench-runs {RERUN_RUNS}"
-# SPEC §8 defaults: relative changes for the ratio metrics, an absolute floor for success.
+# The defaults (README "The regression gate"): relative changes for the ratio metrics, an
+# absolute floor for success.
 DEFAULT_RATIO_THRESHOLD = 0.30
 DEFAULT_SUCCESS_RATE = 0.95
 # Up to this many samples on the smaller side the exact U distribution is used (scipy's own
@@ -95,7 +106,7 @@ DECODE_TOKENS_PER_SEC = Metric(
 )
 RATIO_METRICS = (TTFT_P50, TOTAL_P50, DECODE_TOKENS_PER_SEC)
 SUCCESS_RATE = "warm_success_rate"
-METRIC_NAMES = tuple(metric.name for metric in RATIO_METRICS) + (SUCCESS_RATE,)
+METRIC_NAMES = (*tuple(metric.name for metric in RATIO_METRICS), SUCCESS_RATE)
 
 
 @dataclass(frozen=True)
@@ -387,16 +398,57 @@ def judge_success_rate(current: PromptSummary, baseline: PromptSummary, minimum:
     return found("ok", f"warm success rate {rate:.2f} ({counts})")
 
 
+def too_few_samples(n_baseline: int, n_later: int) -> str | None:
+    """Why a baseline of `n_baseline` warm samples can never give a significant verdict against
+    runs of `n_later` samples (--baseline-update refuses to write it), or None."""
+    floor = min_achievable_p(n_later, n_baseline)
+    if floor < ALPHA:
+        return None
+    return f"{n_baseline} against {n_later} (smallest possible p = {floor:.3g} ≥ {ALPHA})"
+
+
+def incomparable(current: PromptSummary, changes: str) -> Verdict:
+    """A baseline measured on another setup: its numbers are not judged."""
+    return _verdict(
+        current,
+        PROVENANCE,
+        "incomparable",
+        f"baseline measured on another setup ({changes}): its numbers are not judged; accept "
+        f"them with {ACCEPT_OPTION} or ratify this setup with --baseline-update",
+    )
+
+
 def compare(
     old_summaries: Iterable[PromptSummary],
     new_summaries: Iterable[PromptSummary],
     thresholds: Thresholds | Mapping[str, Thresholds] | None = None,
+    *,
+    changed_setups: Mapping[str, str] | None = None,
+    accept_incomparable: bool = False,
 ) -> list[Verdict]:
-    """Verdicts for every new (cell, prompt), sorted; thresholds may be given per cell id."""
+    """Verdicts for every new (cell, prompt), sorted; thresholds may be given per cell id.
+
+    `changed_setups`: per cell id, what differs between its baseline's setup and this run's
+    (`engine version b4100 → b4200`). Those cells' prompts with a baseline are `incomparable`,
+    or, accepted, judged with a note on every verdict that the baseline came from another setup.
+    """
     old = summaries_by_key(old_summaries)
+    changed = changed_setups or {}
     verdicts: list[Verdict] = []
     for summary in sorted(new_summaries, key=lambda item: item.key):
-        verdicts.extend(judge(summary, old.get(summary.key), _for_cell(thresholds, summary)))
+        baseline = old.get(summary.key)
+        changes = changed.get(summary.cell_id)
+        if changes and baseline is not None and summary.n_warm:
+            if not accept_incomparable:
+                verdicts.append(incomparable(summary, changes))
+                continue
+            note = f" [baseline from another setup ({changes}), accepted with {ACCEPT_OPTION}]"
+            verdicts.extend(
+                replace(verdict, message=verdict.message + note)
+                for verdict in judge(summary, baseline, _for_cell(thresholds, summary))
+            )
+            continue
+        verdicts.extend(judge(summary, baseline, _for_cell(thresholds, summary)))
     return verdicts
 
 
@@ -430,6 +482,10 @@ def overall_by_key(verdicts: Iterable[Verdict]) -> dict[tuple[str, str], Verdict
 
 def regressions(verdicts: Iterable[Verdict]) -> list[Verdict]:
     return [verdict for verdict in verdicts if verdict.verdict == "regression"]
+
+
+def incomparables(verdicts: Iterable[Verdict]) -> list[Verdict]:
+    return [verdict for verdict in verdicts if verdict.verdict == "incomparable"]
 
 
 def _verdict(

@@ -29,7 +29,7 @@ def check_git_tree(root: Path, ledger_dir: Path, *, allow_dirty: bool) -> dict[s
         shown += f" and {more} more" if more > 0 else ""
         raise GpubenchError(
             f"git tree {root} has uncommitted changes ({shown}): commit them, "
-            "or pass --allow-dirty to measure anyway (the dirty files go into the ledger)"
+            "or pass --gpubench-allow-dirty to measure anyway (the dirty files go into the ledger)"
         )
     return git
 
@@ -40,17 +40,25 @@ def check_load(threshold: float, *, force_load: bool) -> None:
     if load > threshold and not force_load:
         raise GpubenchError(
             f"1-minute load average is {load:.2f}, above {threshold:g}: "
-            "numbers measured now would not be comparable; wait, or pass --force-load"
+            "numbers measured now would not be comparable; wait, or pass --gpubench-force-load"
         )
 
 
-def check_frozen_prompts(matrix: Matrix, baselines_dir: Path) -> None:
-    """A prompt never changes under an id that a baseline was measured with."""
+def check_frozen_prompts(
+    matrix: Matrix, baselines_dir: Path, *, replacing_corrupt: bool = False
+) -> None:
+    """A prompt never changes under an id that a baseline was measured with. A corrupt baseline
+    is refused, unless this run replaces it (--baseline-update): it holds no prompt to check."""
     # Reading baselines needs pandas (their summaries): only once a benchmark runs.
-    from pytest_gpubench.baseline import find_baseline
+    from pytest_gpubench.baseline import CorruptBaseline, find_baseline
 
     for cell in matrix.cells:
-        baseline = find_baseline(baselines_dir, cell.cell_id)
+        try:
+            baseline = find_baseline(baselines_dir, cell.cell_id)
+        except CorruptBaseline:
+            if not replacing_corrupt:
+                raise
+            continue
         for recorded in baseline.prompts if baseline else []:
             prompt = matrix.prompts.get(recorded.prompt_id)
             if prompt is None:

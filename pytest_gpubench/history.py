@@ -54,7 +54,7 @@ def metric_value(summary: PromptSummary, metric: str) -> float | None:
     return next(m.value(summary) for m in RATIO_METRICS if m.name == metric)
 
 
-HISTORY_METRICS = tuple(m.name for m in RATIO_METRICS) + (SUCCESS_RATE,)
+HISTORY_METRICS = (*(m.name for m in RATIO_METRICS), SUCCESS_RATE)
 
 
 def ledgers_in(directory: Path) -> list[Path]:

@@ -60,11 +60,12 @@ def gate_failures(run: RunController) -> list[tuple[str, str]]:
         for outcome in run.outcomes
         if outcome.fails_run
     ]
-    if not run.options.baseline_update:
-        failures.extend(
-            (f"{v.cell_id} {v.prompt_id} {v.metric}", f"{v.verdict.upper()}: {v.message}")
-            for v in regressions(run.judgement.verdicts)
-        )
+    found = [] if run.options.baseline_update else regressions(run.judgement.verdicts)
+    found += run.judgement.failing_incomparables()
+    failures.extend(
+        (f"{v.cell_id} {v.prompt_id} {v.metric}", f"{v.verdict.upper()}: {v.message}")
+        for v in found
+    )
     return failures
 
 

@@ -192,9 +192,7 @@ def _load_cache(path: Path, stamp: str) -> LedgerData | None:
                     columns[name] = archive[key]
                 elif kind == "codes":
                     categories = orjson.loads(archive[f"categories:{name}"].tobytes())
-                    columns[name] = pd.Categorical.from_codes(
-                        archive[key], categories=categories
-                    )
+                    columns[name] = pd.Categorical.from_codes(archive[key], categories=categories)
             others = orjson.loads(archive["others"].tobytes())
     except (OSError, ValueError, KeyError, orjson.JSONDecodeError):
         return None  # none yet, or unreadable: read the ledger

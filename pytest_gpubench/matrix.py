@@ -355,7 +355,7 @@ def _describe_location(loc: tuple[int | str, ...], raw: Any) -> str:
                     entry = cells[item]
                     name = cell_id_of(*(entry.get(k) for k in ("node", "engine", "model", "name")))
                     parts[-1] += f" ({name})"
-        elif i == 2 and loc[0] == "nodes" and item in NODE_KINDS + ("plugin",):
+        elif i == 2 and loc[0] == "nodes" and item in (*NODE_KINDS, "plugin"):
             continue  # pydantic's union tag after nodes.<name>, not a key the user wrote
         else:
             parts.append(str(item))

@@ -15,7 +15,7 @@ from pytest_gpubench.controller import RunController
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.harness import Harness
 from pytest_gpubench.matrix import Matrix, load_matrix
-from pytest_gpubench.options import Options, addoption
+from pytest_gpubench.options import Options, add_aliases, addoption, option_warnings
 
 CASE_FIXTURE = "gpubench_case"
 # Generous on purpose: the engine's own stream timeout (the cell's timeout_s) must fire first, so
@@ -27,10 +27,27 @@ RUN_KEY = pytest.StashKey[RunController]()
 RELEASE_KEY = pytest.StashKey[dict[str, str]]()
 RECORDS_KEY = pytest.StashKey[list[dict[str, Any]]]()
 RENTALS_KEY = pytest.StashKey[list[dict[str, Any]]]()
+# The short option aliases another plugin or conftest had already taken.
+TAKEN_ALIASES_KEY = pytest.StashKey[tuple[str, ...]]()
+# Why a benchmark test collected no cases (the matrix file is missing): a usage error, one line,
+# raised once collection is over (an error raised while collecting would be a traceback).
+MISSING_MATRIX_KEY = pytest.StashKey[str]()
+NOTHING_MEASURED = (
+    "{nodeid} asked for gpubench_case but never called gpubench_case.run(): nothing was measured"
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     addoption(parser)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_load_initial_conftests(
+    early_config: pytest.Config, parser: pytest.Parser, args: list[str]
+) -> Generator[None, None, None]:
+    """The short aliases go in after the initial conftests, so theirs win any clash."""
+    yield
+    early_config.stash[TAKEN_ALIASES_KEY] = add_aliases(parser)
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -43,10 +60,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cold: first call after the model was forced out of memory")
     config.addinivalue_line("markers", "warm: a call preceded by one to the same model within 60 s")
     options = Options.from_config(config)
+    _warn_about_options(config)
     run = RunController(
         options,
-        _matrix(config, options),
-        root=config.rootpath,
+        None if options.skip else _matrix(config, options),
+        root=options.anchor,
         argv=list(config.invocation_params.args),
         writes_ledger=not xdist.is_worker(config),
         run_id=xdist.worker_run_id(config),
@@ -63,6 +81,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(
             xdist.XdistHooks(config, lambda: config.stash[RUN_KEY]), "gpubench-xdist"
         )
+
+
+def _warn_about_options(config: pytest.Config) -> None:
+    for warning in option_warnings(config, config.stash.get(TAKEN_ALIASES_KEY, ())):
+        config.issue_config_time_warning(pytest.PytestConfigWarning(warning), stacklevel=2)
 
 
 def _matrix(config: pytest.Config, options: Options) -> Matrix | None:
@@ -93,11 +116,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if CASE_FIXTURE not in metafunc.fixturenames:
         return
     run = _run(metafunc.config)
+    if run.options.skip:
+        return  # deselected in pytest_collection_modifyitems
     if run.matrix is None:
-        raise pytest.UsageError(
+        missing = (
             f"{run.options.cells_path}: not found; {metafunc.function.__name__} needs the cell "
-            "matrix (write cells.yaml at the rootdir or pass --gpubench-cells PATH)"
+            f"matrix (looked in {run.options.anchor_kind}; run `gpubench init` there, or pass "
+            "--gpubench-cells PATH)"
         )
+        if xdist.is_worker(metafunc.config):
+            pytest.fail(missing, pytrace=False)  # the controller shows it as a collection error
+        metafunc.config.stash[MISSING_MATRIX_KEY] = missing
+        metafunc.parametrize(CASE_FIXTURE, [], indirect=True)
+        return
     matrix = run.matrix
     params = [
         pytest.param(case, id=case.case_id, marks=_case_marks(matrix, case))
@@ -114,11 +145,17 @@ def _case_marks(matrix: Matrix, case: Case) -> list[pytest.MarkDecorator]:
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
+    if _run(config).options.skip:
+        benchmarks = [item for item in items if CASE_FIXTURE in getattr(item, "fixturenames", ())]
+        if benchmarks:
+            config.hook.pytest_deselected(items=benchmarks)
+            items[:] = [item for item in items if item not in benchmarks]
+        return
     cases = [item for item in items if _case_of(item) is not None]
     if not cases:
         return
     others = [item for item in items if _case_of(item) is None]
-    cases.sort(key=lambda item: _case_of(item))  # type: ignore[arg-type, return-value]
+    cases.sort(key=_case_of)  # type: ignore[arg-type]
     run = _run(config)
     if run.options.smoke and run.matrix is not None:
         skipped = {cell.cell_id for cell in run.matrix.cells if cell.spec.skip}
@@ -131,6 +168,9 @@ def pytest_collection_modifyitems(
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """After every deselection: check the guards and open the ledger if any case will run."""
+    missing_matrix = session.config.stash.get(MISSING_MATRIX_KEY, None)
+    if missing_matrix is not None:
+        raise pytest.UsageError(missing_matrix)
     run = _run(session.config)
     session.config.stash[RELEASE_KEY] = _last_case_of_each_node(session.items, run.matrix)
     planned = [case for case in map(_case_of, session.items) if case is not None]
@@ -205,6 +245,11 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
+    if call.when == "call" and report.passed:
+        bench = getattr(item, "funcargs", {}).get(CASE_FIXTURE)
+        if isinstance(bench, BenchCase) and bench.record is None:
+            report.outcome = "failed"
+            report.longrepr = NOTHING_MEASURED.format(nodeid=item.nodeid)
     # Records ride on the report (built-in types only) so xdist carries them to the controller.
     for key, attr in ((RECORDS_KEY, xdist.RECORDS_ATTR), (RENTALS_KEY, xdist.RENTALS_ATTR)):
         pending = item.stash.get(key, [])

@@ -13,8 +13,10 @@ from tabulate import tabulate
 
 from pytest_gpubench.gate import (
     METRIC_NAMES,
+    PROVENANCE,
     SUCCESS_RATE,
     Verdict,
+    incomparables,
     overall_by_key,
     regressions,
 )
@@ -30,9 +32,10 @@ METRIC_LABELS = {
     # Gated before issue 11; still named when an older ledger's end record is rendered.
     "warm_tokens_per_sec_mean": "tok/s mean",
     SUCCESS_RATE: "success rate",
+    PROVENANCE: "baseline setup",
 }
 # Shown under a table: the verdicts a reader has to act on.
-NOTEWORTHY = ("regression", "inconclusive", "win")
+NOTEWORTHY = ("regression", "incomparable", "inconclusive", "win")
 
 
 class ProbeRowLike(Protocol):
@@ -260,6 +263,16 @@ def gate_lines(
                 red=True,
             )
         )
+    unlike = incomparables(verdicts)
+    if unlike and not baseline_update:
+        cells = sorted({verdict.cell_id for verdict in unlike})
+        lines.append(
+            TerminalLine(
+                f"gpubench: the baselines of {', '.join(cells)} in {baselines_dir} were measured "
+                "on another setup: not judged",
+                red=True,
+            )
+        )
     return lines
 
 
@@ -306,9 +319,7 @@ def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
     return render_document(others, summarize(records))
 
 
-def render_document(
-    others: Sequence[Mapping[str, Any]], summaries: Sequence[PromptSummary]
-) -> str:
+def render_document(others: Sequence[Mapping[str, Any]], summaries: Sequence[PromptSummary]) -> str:
     """render_markdown from a ledger read as columns (ledger_frame): the records other than
     calls, and the summaries of the calls."""
     empty: Mapping[str, Any] = {}
@@ -411,12 +422,25 @@ def _cell_section(
 def _cell_description(cell: Mapping[str, Any]) -> str:
     items = [
         ("engine", f"{_text(cell.get('engine'))} {_code(cell.get('engine_version'))}"),
-        ("model", f"{_text(cell.get('model'))} (digest {_code(cell.get('model_digest'))})"),
+        ("model", f"{_text(cell.get('model'))} ({_model_identity(cell)})"),
         ("GPUs", _gpus(cell.get("gpus"))),
     ]
     if cell.get("endpoint"):
         items.append(("endpoint", _code(cell.get("endpoint"))))
     return "\n".join(f"- {name}: {value}" for name, value in items)
+
+
+def _model_identity(cell: Mapping[str, Any]) -> str:
+    """`digest sha256:…`, or what identifies the model where no digest is known."""
+    parts = [f"digest {_code(cell.get('model_digest'))}"]
+    identity = cell.get("model_identity")
+    if identity and identity != "digest":
+        parts.append(f"identity: {identity}")
+    if cell.get("model_root"):
+        parts.append(f"root {_code(cell.get('model_root'))}")
+    if cell.get("max_model_len"):
+        parts.append(f"max model length {cell.get('max_model_len')}")
+    return ", ".join(parts)
 
 
 def _gpus(gpus: Any) -> str:

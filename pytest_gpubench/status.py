@@ -33,6 +33,7 @@ def session_status(
     pytest_status: int,
     *,
     write_failed: bool = False,
+    unjudged: bool = False,
     unmeasured: bool = False,
     incomparable: bool = False,
     regressed: bool = False,
@@ -40,12 +41,14 @@ def session_status(
     """The run's status. A ledger or baseline that could not be written comes first: records
     were lost (the run stops itself then, which pytest calls an interruption). Otherwise pytest's
     own status when its tests failed or it was interrupted (a benchmark that failed is a failed
-    test), else the most serious of the gate's findings."""
+    test), then a gate that could not read its baselines (a usage error: nothing was judged), else
+    the most serious of the gate's findings."""
     if write_failed:
         return EXIT_WRITE_FAILED
     if pytest_status != pytest.ExitCode.OK:
         return pytest_status
     for found, status in (
+        (unjudged, int(pytest.ExitCode.USAGE_ERROR)),
         (unmeasured, EXIT_UNMEASURED),
         (incomparable, EXIT_INCOMPARABLE),
         (regressed, EXIT_REGRESSION),

@@ -14,6 +14,7 @@ from gguf import GGUFWriter, LlamaFileType, TokenType
 
 from pytest_gpubench.cache import cache_dir as default_cache_dir
 from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.files import file_sha256
 
 # Bump when the bytes written for the same arguments change; the cached file name follows it.
 GENERATOR_VERSION = 1
@@ -231,14 +232,6 @@ def _add_metadata(writer: GGUFWriter, config: TinyConfig, vocab: Vocab) -> None:
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _write_gguf(path: Path, seed: int) -> None:
     vocab = build_vocab()
     writer = GGUFWriter(path, arch="llama")
@@ -260,7 +253,7 @@ def write_tiny_model(path: Path, *, seed: int = 0) -> str:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_gguf(partial, seed)
-        digest = _sha256(partial)
+        digest = file_sha256(partial)
         # A rename is atomic: concurrent workers never see a half-written model.
         os.replace(partial, path)
     except OSError as exc:

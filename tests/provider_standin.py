@@ -1,4 +1,4 @@
-"""A stand-in for the GPU marketplace API of SPEC §10 on 127.0.0.1, playing scripted scenarios.
+"""A stand-in for the GPU marketplace API (README "Remote nodes") on 127.0.0.1, playing scripted scenarios.
 
 Endpoints: GET /api/v1/inventory (offers filtered by gpu_type, provider, min_vram as a broker
 would), POST /api/v1/sessions (a session plus `ssh_private_key`), GET /api/v1/sessions/{id}
@@ -60,7 +60,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
     def _reply(self, status: int, body: Any) -> None:

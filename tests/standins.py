@@ -25,7 +25,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
     def _json(self, status: int, body: Any) -> None:
@@ -87,6 +87,7 @@ class OllamaStandin(_Server):
         self.loaded = False
         self.load_s = load_s
         self.token_s = token_s
+        self.version = "0.12.3"
 
     def _entry(self) -> dict[str, Any]:
         return {
@@ -99,7 +100,7 @@ class OllamaStandin(_Server):
 
     def get(self, handler: _Handler) -> None:
         if handler.path == "/api/version":
-            handler._json(200, {"version": "0.12.3"})
+            handler._json(200, {"version": self.version})
         elif handler.path == "/api/tags":
             handler._json(200, {"models": [{**self._entry(), "modified_at": _now()}]})
         elif handler.path == "/api/ps":
@@ -224,6 +225,7 @@ def serving(server: _Server) -> Iterator[str]:
     thread.start()
     try:
         host, port = server.server_address[:2]
+        assert isinstance(host, str)  # an IPv4 server: never bytes
         yield f"http://{host}:{port}"
     finally:
         server.shutdown()

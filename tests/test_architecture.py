@@ -50,6 +50,7 @@ LAYERS = (
     "junit",
     "xdist",
     "hookspecs",
+    "init",
     "cli",
     "plugin",
 )
@@ -81,10 +82,10 @@ def _imports(tree: ast.AST) -> set[str]:
     (imports for type checking only are left out: they never run)."""
     found: set[str] = set()
 
-    def visit(node: ast.AST) -> None:
+    def visit(node: ast.AST) -> None:  # node: any syntax node, a statement or not
         if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
+            for statement in node.orelse:
+                visit(statement)
             return
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module.split(".")[0] == "pytest_gpubench":

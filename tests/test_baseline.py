@@ -313,9 +313,11 @@ def test_a_format_1_baseline_loads_and_its_missing_figures_are_new(tmp_path: Pat
     decode = verdicts["warm_decode_tokens_per_sec_p50"]
     assert decode.verdict == "new" and decode.baseline is None
     assert "the baseline has no warm decode tokens/s p50" in decode.message
-    # Written again, it becomes a format 2 file without the mean of ratios.
+    # Written again, it becomes a file of the current format (3) without the mean of ratios,
+    # its unknown identity facts null.
     rewritten = json.loads(dumps_baseline(load_baseline(path)))
-    assert rewritten["format"] == 2
+    assert rewritten["format"] == 3
+    assert rewritten["provenance"]["model_identity"] is None
     assert "tokens_per_sec_mean" not in rewritten["prompts"]["P-EASY"]["warm"]
     assert rewritten["prompts"]["P-EASY"]["warm"]["decode_tokens_per_sec"]["p50"] is None
 
@@ -331,3 +333,192 @@ def test_the_engine_side_samples_are_kept_beside_the_clients(tmp_path: Path) -> 
     assert len(stored["samples"]["engine_prompt_ms"]) == 20
     assert set(stored["warm"]["engine_tokens_per_sec"]) == {"p50", "p90", "p95", "p99"}
     assert stored["warm"]["coalesced"] == 0
+
+
+# -- --baseline-update merges, refuses what can never be significant, replaces corrupt files ----
+
+
+def only(records: list[dict[str, Any]], **wanted: str) -> list[dict[str, Any]]:
+    """The ledger with the call records of other prompts or phases left out (-k, -m)."""
+    return [
+        r
+        for r in records
+        if r["type"] != "call" or all(r.get(key) == value for key, value in wanted.items())
+    ]
+
+
+def entry_bytes(path: Path, prompt_id: str) -> str:
+    return json.dumps(json.loads(path.read_text())["prompts"][prompt_id], sort_keys=True)
+
+
+def test_an_update_of_one_prompt_keeps_the_others_byte_identical(tmp_path: Path) -> None:
+    update_baselines(tmp_path, ledger())
+    path = baseline_path(tmp_path, CELL)
+    medium_before, easy_before = entry_bytes(path, "P-MEDIUM"), entry_bytes(path, "P-EASY")
+    faster = [
+        {**r, "first_delta_ms": r["first_delta_ms"] / 2} if r["type"] == "call" else r
+        for r in ledger()
+    ]
+    update = update_baselines(tmp_path, only(faster, prompt_id="P-EASY"))
+    assert update.written == {CELL: path, OTHER: baseline_path(tmp_path, OTHER)}
+    assert entry_bytes(path, "P-MEDIUM") == medium_before  # untouched, to the byte
+    assert entry_bytes(path, "P-EASY") != easy_before
+    stored = json.loads(path.read_text())["prompts"]
+    assert stored["P-EASY"]["cold"]["first_delta_ms"] == 200.0  # this run's
+    assert stored["P-MEDIUM"]["cold"]["first_delta_ms"] == 400.0  # kept
+
+
+def test_a_warm_only_update_keeps_the_cold_figures_and_a_cold_only_one_the_warm(
+    tmp_path: Path,
+) -> None:
+    update_baselines(tmp_path, ledger())
+    path = baseline_path(tmp_path, CELL)
+    changed = [
+        {**r, "first_delta_ms": r["first_delta_ms"] * 3} if r["type"] == "call" else r
+        for r in ledger()
+    ]
+    update_baselines(tmp_path, only(changed, phase="warm"))
+    easy = json.loads(path.read_text())["prompts"]["P-EASY"]
+    assert easy["cold"]["first_delta_ms"] == 400.0  # kept
+    assert easy["warm"]["first_delta_ms"]["p50"] == pytest.approx(3 * 20.74)
+    update = update_baselines(tmp_path, only(changed, phase="cold"))
+    assert CELL in update.written and CELL not in update.refused
+    easy = json.loads(path.read_text())["prompts"]["P-EASY"]
+    assert easy["cold"]["first_delta_ms"] == 1200.0
+    assert easy["warm"]["first_delta_ms"]["p50"] == pytest.approx(3 * 20.74)  # kept
+
+
+def test_too_few_warm_samples_for_the_cells_runs_are_refused_per_prompt(tmp_path: Path) -> None:
+    from pytest_gpubench.gate import too_few_samples
+
+    assert too_few_samples(2, 5) is None  # smallest p = 1/C(7, 2) = 0.048 < 0.05
+    assert too_few_samples(1, 5) == "1 against 5 (smallest possible p = 0.167 ≥ 0.05)"
+    assert too_few_samples(3, 3) == "3 against 3 (smallest possible p = 0.05 ≥ 0.05)"
+    # P-EASY measured once (as --smoke would), P-MEDIUM five times; the cell runs 5 later.
+    records = [
+        r
+        for r in ledger()
+        if r["type"] != "call"
+        or r["prompt_id"] == "P-MEDIUM"
+        or r["phase"] == "cold"
+        or r["run_idx"] == 0
+    ]
+    update = update_baselines(
+        tmp_path, records, future_runs={CELL: 5, OTHER: 20}, sample_check=too_few_samples
+    )
+    assert update.refused[CELL] == (
+        "too few warm samples ever to be significant against the cell's runs: P-EASY 1 against "
+        "5 (smallest possible p = 0.167 ≥ 0.05) (measure more warm runs: --gpubench-runs N)"
+    )
+    stored = load_baseline(update.written[CELL])
+    assert [p.prompt_id for p in stored.prompts] == ["P-MEDIUM"]
+    # One sample against 20 later ones can be significant: smallest p = 1/C(21, 1) = 0.048.
+    assert OTHER in update.written and OTHER not in update.refused
+    # A cell whose every prompt is refused writes nothing at all.
+    smoke = [r for r in ledger() if r["type"] != "call" or r["run_idx"] == 0]
+    nothing = update_baselines(tmp_path / "new", smoke, future_runs=5, sample_check=too_few_samples)
+    assert nothing.written == {} and not (tmp_path / "new").exists()
+    assert "P-EASY 1 against 5" in nothing.refused[CELL]
+    assert "P-MEDIUM 1 against 5" in nothing.refused[CELL]
+
+
+def test_setup_changes_are_named_and_unknown_facts_are_no_change() -> None:
+    from pytest_gpubench.baseline import provenance_changes
+
+    old = Provenance(
+        engine_version="b4100", gpus=({"name": "RTX 4090"},), model_digest="sha256:" + "a" * 64
+    )
+    new = Provenance(
+        engine_version="b4200", gpus=({"name": "A100"},), model_digest="sha256:" + "a" * 64
+    )
+    assert provenance_changes(old, new) == [
+        "engine version b4100 → b4200",
+        "GPU 1 × RTX 4090 → 1 × A100",
+    ]
+    assert provenance_changes(old, Provenance(gpus=old.gpus)) == []  # nothing known: no change
+    vllm = Provenance(model_root="Qwen/Qwen3-0.6B", max_model_len=4096, system_fingerprint="fp1")
+    assert provenance_changes(
+        vllm, Provenance(model_root="Qwen/Qwen3-1.7B", max_model_len=8192)
+    ) == [
+        "model root Qwen/Qwen3-0.6B → Qwen/Qwen3-1.7B",
+        "max model length 4096 → 8192",
+    ]
+    build = Provenance(engine_version="b1-0c1e570", system_fingerprint="b1-0c1e570")
+    newer = Provenance(engine_version="b2-1d2f681", system_fingerprint="b2-1d2f681")
+    assert provenance_changes(build, newer) == ["engine version b1-0c1e570 → b2-1d2f681"]
+    digest = provenance_changes(
+        Provenance(model_digest="sha256:" + "a" * 64), Provenance(model_digest="sha256:" + "b" * 64)
+    )
+    assert digest == ["model digest sha256:aaaaaaaaaaaa… → sha256:bbbbbbbbbbbb…"]
+
+
+def with_engine(records: list[dict[str, Any]], version: str) -> list[dict[str, Any]]:
+    return [
+        {**r, "engine_version": version} if r["type"] == "cell" and r["cell_id"] == CELL else r
+        for r in records
+    ]
+
+
+def test_another_setup_replaces_the_file_whole_or_not_at_all(tmp_path: Path) -> None:
+    update_baselines(tmp_path, ledger())
+    path = baseline_path(tmp_path, CELL)
+    before = path.read_bytes()
+    partial = update_baselines(tmp_path, only(with_engine(ledger(), "0.13.0"), prompt_id="P-EASY"))
+    assert CELL not in partial.written and path.read_bytes() == before
+    assert partial.refused[CELL] == (
+        "this run's setup differs from the baseline's (engine version 0.12.3 → 0.13.0) and it "
+        "did not measure P-MEDIUM cold, P-MEDIUM warm: a baseline never mixes two setups; ratify "
+        "with a run of every prompt and phase"
+    )
+    whole = update_baselines(tmp_path, with_engine(ledger(), "0.13.0"))
+    assert CELL in whole.written
+    assert load_baseline(path).provenance.engine_version == "0.13.0"
+
+
+def test_a_merge_keeps_facts_this_run_did_not_learn(tmp_path: Path) -> None:
+    update_baselines(tmp_path, ledger())
+    unknown = [
+        {**r, "model_digest": None} if r["type"] == "cell" and r["cell_id"] == CELL else r
+        for r in ledger()
+    ]
+    update_baselines(tmp_path, only(unknown, prompt_id="P-EASY"))
+    assert load_baseline(baseline_path(tmp_path, CELL)).provenance.model_digest == "2ae6f6dd7a3d"
+
+
+def test_a_stable_system_fingerprint_is_recorded_a_varying_one_is_not(tmp_path: Path) -> None:
+    records = ledger()
+    calls = [r for r in records if r["type"] == "call"]
+    for call_record in calls:
+        call_record["system_fingerprint"] = (
+            "fp_44709d6fcb" if call_record["cell_id"] == CELL else (f"fp_{call_record['run_idx']}")
+        )
+    by_cell = {b.cell_id: b for b in baselines_from_records(records)}
+    assert by_cell[CELL].provenance.system_fingerprint == "fp_44709d6fcb"
+    assert by_cell[OTHER].provenance.system_fingerprint is None
+
+
+def test_a_corrupt_file_is_replaced_and_said_so(tmp_path: Path) -> None:
+    path = baseline_path(tmp_path, CELL)
+    path.write_text('{"format": 3, "cell_id": "', encoding="utf-8")
+    with pytest.raises(GpubenchError, match="corrupt baseline"):
+        find_baseline(tmp_path, CELL)
+    update = update_baselines(tmp_path, ledger())
+    assert update.written[CELL] == path
+    assert update.replaced[CELL].startswith(f"{path}: corrupt baseline: not valid JSON")
+    assert find_baseline(tmp_path, CELL) is not None
+    # A file of a newer format is not corrupt: it is never replaced.
+    path.write_text('{"format": 99}', encoding="utf-8")
+    with pytest.raises(GpubenchError, match="newer than this pytest-gpubench understands"):
+        update_baselines(tmp_path, ledger())
+
+
+def test_a_file_that_cannot_be_written_is_reported_and_the_others_are_written(
+    tmp_path: Path,
+) -> None:
+    update_baselines(tmp_path, ledger())
+    blocked = baseline_path(tmp_path, CELL)
+    blocked.unlink()
+    blocked.with_name(blocked.name + ".tmp").mkdir()  # the atomic write's partial file
+    update = update_baselines(tmp_path, ledger())
+    assert set(update.written) == {OTHER}
+    assert update.failed[CELL].startswith(f"{blocked}: cannot write baseline: ")

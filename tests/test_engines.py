@@ -34,11 +34,14 @@ def test_ollama_adapter_streams_ndjson_and_keeps_engine_timings() -> None:
     assert call.tokens_per_sec and call.tpot_ms and len(call.inter_chunk_ms) == 11
     # Ollama's own rate is eval_count / eval_duration (ns); its prompt time includes the load.
     timings = call.engine_timings
-    assert call.engine_tokens_per_sec == pytest.approx(12 / (timings["eval_duration"] / 1e9))
-    assert call.engine_prompt_ms == pytest.approx(
-        (timings["prompt_eval_duration"] + timings["load_duration"]) / 1e6
+    # Rates are recorded to 3 decimals, milliseconds to 4.
+    assert call.engine_tokens_per_sec == pytest.approx(
+        12 / (timings["eval_duration"] / 1e9), abs=5e-4
     )
-    assert call.engine_total_ms == pytest.approx(timings["total_duration"] / 1e6)
+    assert call.engine_prompt_ms == pytest.approx(
+        (timings["prompt_eval_duration"] + timings["load_duration"]) / 1e6, abs=5e-5
+    )
+    assert call.engine_total_ms == pytest.approx(timings["total_duration"] / 1e6, abs=5e-5)
     # The stand-in sleeps 2 ms per token: the client's decode rate and the engine's agree.
     assert call.tokens_per_sec == pytest.approx(call.engine_tokens_per_sec, rel=0.5)
 
@@ -250,3 +253,29 @@ def test_two_versions_side_by_side_are_named_cells_recorded_as_written(
     for server in (old, new):
         chats = [body for method, path, body in server.requests if method == "POST"]
         assert len(chats) >= 2 and {body["model"] for body in chats} == {"llama3.2"}
+
+
+def test_an_openai_compatible_server_is_described_without_calling_a_name_a_digest() -> None:
+    """vLLM's /v1/models entry says what the served name was loaded from and its context; a
+    server that says only the name is recorded as `name only`, its digest unknown."""
+
+    class VllmLike(FaultyOpenAIServer):
+        def get(self, handler: Any) -> None:
+            if handler.path == "/v1/models":
+                entry = {"id": "qwen", "object": "model", "owned_by": "vllm",
+                         "root": "Qwen/Qwen3-0.6B", "max_model_len": 4096}  # fmt: skip
+                handler._json(200, {"object": "list", "data": [entry]})
+            else:
+                super().get(handler)
+
+    with serving(VllmLike("qwen")) as url:
+        assert OpenAIEngine(url, "qwen").describe(5) == {
+            "engine_version": None,
+            "model_digest": None,
+            "model_identity": "name and root",
+            "model_root": "Qwen/Qwen3-0.6B",
+            "max_model_len": 4096,
+        }
+    with serving(FaultyOpenAIServer("m")) as url:
+        facts = OpenAIEngine(url, "m").describe(5)
+    assert facts["model_digest"] is None and facts["model_identity"] == "name only"

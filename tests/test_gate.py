@@ -402,3 +402,32 @@ def test_the_gate_compares_the_median_decode_rate_not_a_mean_of_ratios() -> None
     (_, _, decode, _) = judge(summary_of(collapsed), summary_of(steady))
     assert decode.baseline == pytest.approx(7300) and decode.current == pytest.approx(7300)
     assert decode.verdict == "ok"
+
+
+def test_a_baseline_of_another_setup_is_incomparable_not_judged() -> None:
+    old = summary_of([10.0 + i * 0.1 for i in range(20)])
+    slower = summary_of([30.0 + i * 0.1 for i in range(20)])
+    new_prompt = summary_of([10.0] * 20, prompt_id="P-NEW")
+    changes = {CELL: "engine version b4100 → b4200, GPU 1 × RTX 4090 → 1 × A100"}
+    verdicts = compare([old], [slower, new_prompt], changed_setups=changes)
+    (found, new) = verdicts[0], verdicts[1:]
+    assert (found.verdict, found.metric, found.change_ratio) == ("incomparable", "provenance", None)
+    assert found.message == (
+        f"{CELL} P-EASY: baseline measured on another setup (engine version b4100 → b4200, GPU "
+        "1 × RTX 4090 → 1 × A100): its numbers are not judged; accept them with "
+        "--gpubench-accept-incomparable or ratify this setup with --baseline-update"
+    )
+    assert {v.verdict for v in new} == {"new"}  # a prompt without a baseline is still new
+    assert overall([found]) == "incomparable"
+    assert Verdict.from_record(json.loads(json.dumps(found.to_record()))) == found
+    # Accepted: judged as any other baseline, every verdict saying where the baseline came from.
+    accepted = compare([old], [slower], changed_setups=changes, accept_incomparable=True)
+    ttft = next(v for v in accepted if v.metric == "warm_ttft_p50_ms")
+    assert ttft.verdict == "regression"
+    assert all(
+        v.message.endswith(
+            "[baseline from another setup (engine version b4100 → b4200, GPU 1 × RTX 4090 → "
+            "1 × A100), accepted with --gpubench-accept-incomparable]"
+        )
+        for v in accepted
+    )

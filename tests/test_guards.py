@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from standins import FaultyOpenAIServer, OllamaStandin, serving
@@ -38,7 +39,7 @@ def git(path: Path, *args: str) -> None:
     )  # fmt: skip
 
 
-def ledger_of(pytester: pytest.Pytester) -> list[dict[str, object]]:
+def ledger_of(pytester: pytest.Pytester) -> list[dict[str, Any]]:
     (ledger,) = (pytester.path / "runs").glob("*.jsonl")
     return read_ledger(ledger)
 
@@ -55,7 +56,7 @@ def test_dirty_tree_is_refused_unless_allowed(pytester: pytest.Pytester) -> None
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
     refused.stderr.fnmatch_lines(
         [
-            "ERROR: git tree * has uncommitted changes (prompts.yaml): commit them, or pass --allow-dirty*"
+            "ERROR: git tree * has uncommitted changes (prompts.yaml): commit them, or pass --gpubench-allow-dirty*"
         ]
     )
     allowed.assert_outcomes(passed=2)
@@ -71,7 +72,9 @@ def test_loaded_machine_is_refused_unless_forced(pytester: pytest.Pytester) -> N
         refused = pytester.runpytest()
         forced = pytester.runpytest("--force-load", "-m", "warm")
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
-    refused.stderr.fnmatch_lines(["ERROR: 1-minute load average is *, above -1: *--force-load"])
+    refused.stderr.fnmatch_lines(
+        ["ERROR: 1-minute load average is *, above -1: *--gpubench-force-load"]
+    )
     assert not list((pytester.path / "runs").glob("*.jsonl")) or forced.ret == 0
     forced.assert_outcomes(passed=2)
 
@@ -157,8 +160,8 @@ def test_cells_yaml_settings_env_is_recorded_too(
         )
         pytester.runpytest("--force-load", "-m", "warm")
     env = ledger_of(pytester)[0]["env"]
-    assert env["BENCH_GPU_CLOCK"] == "locked"  # type: ignore[index]
-    assert env["BENCH_SECRET_TOKEN"] == "[REDACTED]"  # type: ignore[index]
+    assert env["BENCH_GPU_CLOCK"] == "locked"
+    assert env["BENCH_SECRET_TOKEN"] == "[REDACTED]"
 
 
 def test_secrets_appear_nowhere(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,8 +32,8 @@ def test_a_second_ctrl_c_while_closing_still_gives_back_the_other_nodes() -> Non
     closed: list[str] = []
     session = Harness(None, log_dir=Path("runs"), scrub=SecretScrubber([]))  # type: ignore[arg-type]
     session.nodes.targets = {
-        "first": Node("first", closed, interrupt=True),  # type: ignore[dict-item]
-        "second": Node("second", closed),  # type: ignore[dict-item]
+        "first": Node("first", closed, interrupt=True),
+        "second": Node("second", closed),
     }
     with pytest.raises(KeyboardInterrupt):
         session.close()
@@ -53,8 +53,8 @@ def test_a_node_that_fails_to_close_does_not_stop_the_others() -> None:
 
     session = Harness(None, log_dir=Path("runs"), scrub=SecretScrubber([]))  # type: ignore[arg-type]
     session.nodes.targets = {
-        "broken": Broken("broken", closed),  # type: ignore[dict-item]
-        "fine": Node("fine", closed),  # type: ignore[dict-item]
+        "broken": Broken("broken", closed),
+        "fine": Node("fine", closed),
     }
     session.close()
     assert closed == ["broken", "fine"]
@@ -83,7 +83,7 @@ def test_an_engine_log_that_cannot_be_read_back_loses_nothing_else(tmp_path: Any
 
 
 class Cell:
-    class spec:  # noqa: N801 - stands in for CellSpec's attribute
+    class spec:
         node = "box"
 
     cell_id = "box:llamacpp:tiny"

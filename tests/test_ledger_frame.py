@@ -62,7 +62,7 @@ def test_a_bad_line_in_the_middle_is_named(tmp_path: Path) -> None:
 
 
 def test_an_unreadable_ledger_is_named(tmp_path: Path) -> None:
-    with pytest.raises(GpubenchError, match="nope.jsonl: cannot read ledger"):
+    with pytest.raises(GpubenchError, match=r"nope\.jsonl: cannot read ledger"):
         read_ledger_frame(tmp_path / "nope.jsonl")
 
 

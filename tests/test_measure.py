@@ -36,6 +36,7 @@ def test_evenly_spaced_tokens_decode_at_one_over_the_gap(
     assert rates.tokens_per_sec == pytest.approx(1e9 / gap_ns, rel=1e-3)
     assert rates.tpot_ms == pytest.approx(gap_ns / 1e6, rel=1e-3, abs=1e-4)
     assert rates.e2e_tokens_per_sec == pytest.approx(tokens / (total_ms / 1000), rel=1e-3, abs=1e-3)
+    assert rates.e2e_tokens_per_sec is not None and rates.tokens_per_sec is not None
     assert rates.e2e_tokens_per_sec <= rates.tokens_per_sec * (1 + 1e-3) * tokens / (tokens - 1)
 
 
@@ -139,5 +140,5 @@ def test_record_keeps_the_old_fields_in_their_order_and_adds_the_new_ones_after(
     ]  # fmt: skip
     assert fields[12:] == [
         "e2e_tokens_per_sec", "coalesced", "content_reads", "engine_tokens_per_sec",
-        "engine_prompt_ms", "engine_total_ms",
+        "engine_prompt_ms", "engine_total_ms", "system_fingerprint",
     ]  # fmt: skip

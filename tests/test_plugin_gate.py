@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from standins import FaultyOpenAIServer, OllamaStandin, serving
@@ -35,7 +36,7 @@ def bench(pytester: pytest.Pytester, url: str, extra: str = "") -> None:
     pytester.makepyfile(test_bench=TEST_FILE)
 
 
-def last_ledger(pytester: pytest.Pytester) -> list[dict[str, object]]:
+def last_ledger(pytester: pytest.Pytester) -> list[dict[str, Any]]:
     newest = max((pytester.path / "runs").glob("*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
     return read_ledger(newest)
 
@@ -69,7 +70,7 @@ def test_update_then_same_speed_passes_and_slower_exits_6(pytester: pytest.Pytes
     )
     end = last_ledger(pytester)[-1]
     assert end["type"] == "end" and end["regressions"] >= 1
-    metrics = {v["metric"] for v in end["verdicts"] if v["verdict"] == "regression"}  # type: ignore[union-attr]
+    metrics = {v["metric"] for v in end["verdicts"] if v["verdict"] == "regression"}
     assert "warm_ttft_p50_ms" in metrics
 
 
@@ -125,7 +126,7 @@ def test_no_baseline_is_new_not_a_failure(pytester: pytest.Pytester) -> None:
         result = pytester.runpytest("--force-load")
     assert result.ret == 0
     result.stdout.fnmatch_lines([f"{CELL}*P-EASY*new"])
-    assert {v["verdict"] for v in last_ledger(pytester)[-1]["verdicts"]} == {"new"}  # type: ignore[union-attr]
+    assert {v["verdict"] for v in last_ledger(pytester)[-1]["verdicts"]} == {"new"}
 
 
 def test_report_of_the_run_is_deterministic(pytester: pytest.Pytester, tmp_path: Path) -> None:
@@ -172,3 +173,23 @@ def test_junit_xml_shows_a_regression_as_a_failed_case_with_figures(
     assert "engine.eval_count" in properties and "engine.eval_duration" in properties
     suite = root.find("testsuite")
     assert suite is not None and int(suite.get("failures", "0")) == len(gate) >= 1
+
+
+def test_another_engine_version_is_incomparable_and_names_the_change(
+    pytester: pytest.Pytester,
+) -> None:
+    """The real llama-server here has one version; the stand-in's can change between runs."""
+    server = OllamaStandin()
+    with serving(server) as url:
+        bench(pytester, url)
+        assert pytester.runpytest("--force-load", "--baseline-update").ret == 0
+        server.version = "0.13.0"
+        result = pytester.runpytest("--force-load")
+    assert result.ret == 8
+    result.stdout.fnmatch_lines(
+        [
+            f"INCOMPARABLE: {CELL} P-EASY: baseline measured on another setup (engine version "
+            "0.12.3 → 0.13.0): its numbers are not judged*",
+            "gpubench: exit status 8: a baseline is not comparable with this run",
+        ]
+    )

@@ -1,8 +1,8 @@
-"""Cells on remote nodes, end to end through the plugin (SPEC §3, §10).
+"""Cells on remote nodes, end to end through the plugin (README: "cells.yaml", "Remote nodes").
 
 SSH nodes are a real OpenSSH server on 127.0.0.1 (ssh_fixtures.py) running the real
 llama-server with the project's tiny model. No GPU marketplace can be reached from here, so
-rented nodes go through a stand-in of the SPEC §10 API (provider_standin.py: inventory, sessions,
+rented nodes go through a stand-in of the marketplace API in README "Remote nodes" (provider_standin.py: inventory, sessions,
 status polls, done, field by field) that hands out that same sshd.
 """
 
@@ -176,7 +176,10 @@ def test_managed_cell_on_an_ssh_node(
     calls = [r for r in records if r["type"] == "call"]
     assert [c["phase"] for c in calls] == ["cold", "warm", "warm"]
     assert all(c["error"] is None and c["completion_tokens"] == 8 for c in calls)
-    assert all(0 < c["first_delta_ms"] < c["total_duration_ms"] for c in calls)
+    # Through the SSH forward 8 tiny-model tokens may arrive in one read: then TTFT honestly
+    # equals the total, and the call says it was coalesced (no decode rate).
+    assert all(0 < c["first_delta_ms"] <= c["total_duration_ms"] for c in calls)
+    assert all(c["coalesced"] for c in calls if c["first_delta_ms"] == c["total_duration_ms"])
     assert calls[0]["cold_kind"] == "restart" and calls[0]["engine_timings"]["cache_n"] == 0
     assert [m for m in markers if m.exists()] == []
     assert servers_of(sshd.user) == []  # stopped on the node when the session ended

@@ -273,3 +273,53 @@ def test_the_mean_of_per_call_rates_is_gone_from_every_report() -> None:
         assert "decode tok/s p50" in text
     warm_header = next(line for line in render_markdown(ledger()).splitlines() if "TPOT" in line)
     assert "engine tok/s p50" in warm_header and "coalesced" in warm_header
+
+
+def test_an_incomparable_baseline_is_shown_and_marked_red_unless_ratified() -> None:
+    from pytest_gpubench.report import gate_lines
+
+    records = ledger()
+    summaries = summarize(records)
+    changes = {s.cell_id: "engine version b4100 → b4200" for s in summaries}
+    verdicts = compare(summaries, summaries, changed_setups=changes)
+    assert {v.verdict for v in verdicts} == {"incomparable"}
+    lines = gate_lines(
+        summaries,
+        verdicts,
+        baseline_notes=[],
+        gate_error=None,
+        baseline_update=False,
+        baselines_dir=Path("baselines"),
+    )
+    text = "\n".join(line.text for line in lines)
+    assert "INCOMPARABLE: " in text and "(engine version b4100 → b4200)" in text
+    assert lines[-1].red and lines[-1].text.startswith("gpubench: the baselines of ")
+    ratifying = gate_lines(
+        summaries,
+        verdicts,
+        baseline_notes=[],
+        gate_error=None,
+        baseline_update=True,
+        baselines_dir=Path("baselines"),
+    )
+    assert not any(line.red for line in ratifying)
+    assert "ACCEPTED (incomparable): " in ratifying[0].text
+
+
+def test_markdown_says_what_identifies_a_model_without_a_digest() -> None:
+    cell: dict[str, Any] = {
+        "type": "cell",
+        "cell_id": "local:openai:qwen",
+        "engine": "openai",
+        "model": "qwen",
+        "model_digest": None,
+        "model_identity": "name and root",
+        "model_root": "Qwen/Qwen3-0.6B",
+        "max_model_len": 4096,
+        "gpus": [],
+    }
+    text = render_markdown([cell])
+    assert (
+        "- model: qwen (digest -, identity: name and root, root `Qwen/Qwen3-0.6B`, "
+        "max model length 4096)"
+    ) in text

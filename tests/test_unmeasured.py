@@ -5,6 +5,7 @@ own status (7), against the real llama-server."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,7 +50,7 @@ def bench(pytester: pytest.Pytester, url: str, bad: str, *, optional: bool = Fal
     return cell_id
 
 
-def end_record(pytester: pytest.Pytester) -> dict[str, object]:
+def end_record(pytester: pytest.Pytester) -> dict[str, Any]:
     (ledger,) = (pytester.path / "runs").glob("*.jsonl")
     return read_ledger(ledger)[-1]
 
@@ -77,7 +78,7 @@ def test_a_required_cell_that_cannot_be_measured_fails_the_session(
     assert result.outlines[-1] == "gpubench: exit status 7: a required cell was not measured"
     end = end_record(pytester)
     assert end["type"] == "end" and end["exit_status"] == EXIT_UNMEASURED
-    outcomes = {cell["cell_id"]: cell for cell in end["cells"]}  # type: ignore[attr-defined]
+    outcomes = {cell["cell_id"]: cell for cell in end["cells"]}
     assert outcomes["local:llamacpp:tiny"]["status"] == "measured"
     assert outcomes[cell_id]["status"] == "failed" and reason in outcomes[cell_id]["reason"]
 
@@ -94,7 +95,7 @@ def test_the_same_cell_marked_optional_is_listed_as_missing_and_passes(
     result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
     assert result.ret == 0
     result.stdout.fnmatch_lines([f"{cell_id} *missing (optional)*0/0*{BAD[bad][2]}*"])
-    outcomes = {cell["cell_id"]: cell for cell in end_record(pytester)["cells"]}  # type: ignore[attr-defined]
+    outcomes = {cell["cell_id"]: cell for cell in end_record(pytester)["cells"]}
     assert outcomes[cell_id]["status"] == "missing" and outcomes[cell_id]["optional"] is True
 
 

@@ -175,6 +175,9 @@ def parse_openai_sse(
                 arrivals.append(arrived_ns)
             if choice.get("finish_reason"):
                 measurement.finish_reason = str(choice["finish_reason"])
+        fingerprint = chunk.get("system_fingerprint")
+        if isinstance(fingerprint, str) and fingerprint:
+            measurement.system_fingerprint = fingerprint
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             measurement.prompt_tokens = usage.get("prompt_tokens")

@@ -47,9 +47,14 @@ class LlamaCppEngine(OpenAIEngine):
                     props = answer.json()
         except (httpx.HTTPError, ValueError):
             pass
+        # A managed server's GGUF has its sha256; an external one says only its file's path,
+        # which is recorded as a path, never as a digest.
         return {
             "engine_version": props.get("build_info"),
-            "model_digest": self._model_digest or props.get("model_path"),
+            "model_digest": self._model_digest,
+            "model_identity": "digest"
+            if self._model_digest
+            else ("path" if props.get("model_path") else None),
             "engine_props": {
                 key: props[key] for key in ("model_path", "total_slots", "n_ctx") if key in props
             },

@@ -53,7 +53,11 @@ def compiler_version() -> str:
     """The first line of `c++ --version`: a new compiler means a new cached build."""
     try:
         done = subprocess.run(
-            ["c++", "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S
+            ["c++", "--version"],
+            capture_output=True,
+            text=True,
+            timeout=VERSION_TIMEOUT_S,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
         return "no c++ compiler"
@@ -93,7 +97,7 @@ def answers_version(binary: Path) -> bool:
     """True when `binary --version` exits 0: a cached file that cannot run is rebuilt."""
     try:
         done = subprocess.run(
-            [str(binary), "--version"], capture_output=True, timeout=VERSION_TIMEOUT_S
+            [str(binary), "--version"], capture_output=True, timeout=VERSION_TIMEOUT_S, check=False
         )
     except (OSError, subprocess.TimeoutExpired):
         return False
@@ -227,7 +231,9 @@ def _download_sdist(directory: Path, log: BuildLog) -> Path:
     argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
     argv += [requirement, "-d", str(directory)]
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise GpubenchError(f"cannot download the {requirement} sdist with pip: {exc}") from exc
     log.file.write(done.stdout + done.stderr)

@@ -30,7 +30,7 @@ OLLAMA_TIMING_FIELDS = (
 
 def _same_model(name: str, wanted: str) -> bool:
     """Ollama adds ':latest' to untagged names."""
-    return name == wanted or name == f"{wanted}:latest"
+    return name in (wanted, f"{wanted}:latest")
 
 
 def ollama_engine_figures(done: dict[str, Any], measurement: CallMeasurement) -> None:

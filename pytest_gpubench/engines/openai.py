@@ -53,15 +53,44 @@ class OpenAIEngine:
         return Health(True)
 
     def describe(self, timeout_s: float) -> dict[str, Any]:
+        """engine_version where the server says (`/version`), and what identifies the model.
+
+        An OpenAI-compatible server gives no content digest: `model_digest` is None, never the
+        name. vLLM's /v1/models entry adds `root` (what the served name was loaded from) and
+        `max_model_len`; `model_identity` says which of these is known.
+        """
         version = None
+        entry: dict[str, Any] = {}
         try:
             with control_client(timeout_s, self._auth()) as client:
                 answer = client.get(f"{self.base_url}/version")
                 if answer.status_code == 200:
                     version = answer.json().get("version")
+                models = client.get(f"{self.base_url}/v1/models")
+                if models.status_code == 200:
+                    entry = next(
+                        (
+                            item
+                            for item in models.json().get("data") or []
+                            if isinstance(item, dict)
+                            and serves_model(str(item.get("id")), self.model)
+                        ),
+                        {},
+                    )
         except (httpx.HTTPError, ValueError, AttributeError):
             pass
-        return {"engine_version": version, "model_digest": self.model}
+        root = entry.get("root")
+        root = root if isinstance(root, str) and root else None
+        max_model_len = entry.get("max_model_len")
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int):
+            max_model_len = None
+        return {
+            "engine_version": version if isinstance(version, str) else None,
+            "model_digest": None,
+            "model_identity": "name and root" if root else "name only",
+            "model_root": root,
+            "max_model_len": max_model_len,
+        }
 
     def chat(self, prompt: str, max_tokens: int, timeout_s: float) -> CallMeasurement:
         headers = tuple(self._auth().items())

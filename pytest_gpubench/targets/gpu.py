@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from pytest_gpubench.targets import Target
 
 GPU_QUERY_FIELDS = (
@@ -45,7 +48,7 @@ def gpu_inventory_of(target: Target, timeout_s: float = 20.0) -> list[dict[str, 
     return parse_nvidia_smi(result.stdout)
 
 
-def gpu_summary(gpus: list[dict[str, str]]) -> str:
+def gpu_summary(gpus: Sequence[Mapping[str, Any]]) -> str:
     """One line for people: `1 × NVIDIA H100 80GB HBM3 (81559 MiB)`, or `no GPU`."""
     if not gpus:
         return "no GPU"

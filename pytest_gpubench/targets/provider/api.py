@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +15,9 @@ from typing import Any
 
 import httpx
 
+from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.matrix import ProviderNode
+from pytest_gpubench.secrets import SecretScrubber, secret_from_env
 from pytest_gpubench.targets.stages import Stage, StageError
 
 log = logging.getLogger(__name__)
@@ -27,9 +27,6 @@ WAITING_STATUSES = ("pending", "provisioning")
 RUNNING = "running"
 HTTP_TIMEOUT_S = 30.0
 DONE_ATTEMPTS = 3
-_PRIVATE_KEY_BLOCK = re.compile(
-    r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(-----END [A-Z0-9 ]*PRIVATE KEY-----|$)", re.DOTALL
-)
 
 
 @dataclass(frozen=True)
@@ -103,6 +100,7 @@ class MarketplaceClient:
         self.node = node
         self.api = str(node.api).rstrip("/")
         self._token = self._api_token()
+        self._scrub = SecretScrubber([self._token] if self._token else [])
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         self._http = httpx.Client(
             base_url=self.api, headers=headers, timeout=HTTP_TIMEOUT_S, trust_env=False
@@ -114,21 +112,19 @@ class MarketplaceClient:
         name = self.node.api_token_env
         if name is None:
             return None
-        value = os.environ.get(name)
-        if not value:
-            raise StageError("provision", f"node {self.node_id}: api_token_env: ${name} is not set")
-        return value
+        try:
+            return secret_from_env(name, owner=f"node {self.node_id}", key="api_token_env")
+        except GpubenchError as exc:
+            raise StageError("provision", str(exc)) from None
 
     def fail(self, stage: Stage, message: str) -> StageError:
         """The error for a failure of this node, secrets cut out."""
         return StageError(stage, self.redact(f"node {self.node_id}: {message}"))
 
     def redact(self, text: str) -> str:
-        """Secrets out of anything that may reach an error message or a log."""
-        text = _PRIVATE_KEY_BLOCK.sub("[private key redacted]", text)
-        if self._token:
-            text = text.replace(self._token, "[token redacted]")
-        return text
+        """Secrets (the token, any private key) out of anything that may reach an error message
+        or a log."""
+        return self._scrub(text)
 
     def _api_error(self, response: httpx.Response) -> str:
         detail = response.text.strip()
