@@ -241,15 +241,12 @@ class _FrameBuilder:
             chunk[name] = _floats(columns[index])
         errors = columns[self.fields.index("error")]
         finish = columns[self.fields.index("finish_reason")]
-        chunk["ok"] = np.fromiter(
-            (e is None and f != "error" for e, f in zip(errors, finish, strict=True)),
-            dtype=bool,
-            count=len(errors),
-        )
-        # Only records that carry `coalesced` have today's decode rate (stats.call_frame).
-        chunk["_current"] = np.fromiter(
-            (value is not _ABSENT for value in columns[-1]), dtype=bool, count=len(errors)
-        )
+        # Element-wise comparisons of object arrays run in C: None == None, "x" != "error".
+        none = np.array(None, dtype=object)
+        chunk["ok"] = np.equal(_objects(errors), none) & np.not_equal(_objects(finish), "error")
+        # Only records that carry `coalesced` have today's decode rate (stats.call_frame); the
+        # sentinel compares equal to itself only.
+        chunk["_current"] = np.not_equal(_objects(columns[-1]), np.array(_ABSENT, dtype=object))
         chunk["coalesced"] = np.fromiter(
             (value is True for value in columns[-1]), dtype=bool, count=len(errors)
         )
@@ -277,8 +274,9 @@ def _objects(values: Sequence[Any]) -> np.ndarray[Any, np.dtype[np.object_]]:
 
 
 def _floats(values: Sequence[Any]) -> np.ndarray[Any, np.dtype[np.float64]]:
+    # Through an object array: None becomes NaN two to three times faster than np.array(values).
     try:
-        return np.array(values, dtype="float64")
+        return _objects(values).astype("float64")
     except (TypeError, ValueError):
         coerced = pd.to_numeric(pd.Series(_objects(values)), errors="coerce")
         return coerced.to_numpy(dtype="float64", na_value=np.nan)
