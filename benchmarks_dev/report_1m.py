@@ -41,15 +41,20 @@ from pytest_gpubench.html_report import render_html
 from pytest_gpubench.ledger_frame import read_ledger_frame
 text = render_html(read_ledger_frame(PATH))
 """
-# Runs VARIANT on PATH and prints its seconds and peak RSS (KiB on Linux) as JSON.
+# Runs VARIANT on PATH and prints its wall seconds, CPU seconds (imports and the processes that
+# read byte ranges included: on a shared machine the wall time also counts the waits for a core),
+# its peak RSS and the largest peak RSS of those processes (KiB on Linux) as JSON.
 RUNNER = """
 import json, resource, sys, time
 PATH = sys.argv[1]
 started = time.perf_counter()
 exec(sys.argv[2])
 seconds = time.perf_counter() - started
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"seconds": seconds, "peak_kib": peak, "chars": len(text)}))
+usage = resource.getrusage(resource.RUSAGE_SELF)
+children = resource.getrusage(resource.RUSAGE_CHILDREN)
+cpu = usage.ru_utime + usage.ru_stime + children.ru_utime + children.ru_stime
+print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_kib": usage.ru_maxrss,
+                  "child_peak_kib": children.ru_maxrss, "chars": len(text)}))
 """
 
 
@@ -116,8 +121,9 @@ def main() -> None:
         for name, variant in variants:
             result = measure(path, variant)
             print(
-                f"{name:>14}: {result['seconds']:6.2f} s, peak RSS "
-                f"{result['peak_kib'] / 2**20:5.2f} GiB ({result['chars']:,} characters)"
+                f"{name:>14}: {result['seconds']:6.2f} s ({result['cpu']:6.2f} s CPU), peak RSS "
+                f"{result['peak_kib'] / 2**20:5.2f} GiB, of each reading process "
+                f"{result['child_peak_kib'] / 2**20:5.2f} GiB ({result['chars']:,} characters)"
             )
 
 

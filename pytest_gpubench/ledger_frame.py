@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
+import multiprocessing
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -104,33 +106,107 @@ def read_ledger_frame(path: str | os.PathLike[str], *, export: bool = False) -> 
 
 def _read(path: Path, *, export: bool) -> tuple[LedgerData, bool]:
     """The data, and whether the ledger ended with a whole line (nothing truncated or still
-    being written: the columns may then be cached)."""
+    being written: the columns may then be cached). A large ledger is read in byte ranges, one
+    per core, each in a forked process: parsing JSON is most of the time and holds one core."""
+    try:
+        size = path.stat().st_size
+        workers = min(os.cpu_count() or 1, MAX_WORKERS)
+        if size < PARALLEL_MIN_BYTES or workers < 2 or not _can_fork():
+            parts = [_read_range(path, 0, size, export)]
+        else:
+            bounds = _line_bounds(path, size, workers)
+            ranges = [(path, a, b, export) for a, b in itertools.pairwise(bounds)]
+            with multiprocessing.get_context("fork").Pool(len(ranges)) as pool:
+                parts = pool.starmap(_read_range, ranges)
+    except OSError as exc:
+        raise GpubenchError(f"{path}: cannot read ledger: {exc.strerror}") from None
+    builder = _FrameBuilder(export=export)
+    others: list[dict[str, Any]] = []
+    lines_before = 0
+    truncated = False
+    for index, part in enumerate(parts):
+        if part.bad_line is not None:
+            later = any(p.records for p in parts[index + 1 :])
+            if part.content_after_bad or later:
+                raise GpubenchError(
+                    f"{path}: line {lines_before + part.bad_line} is not valid JSON"
+                )
+            truncated = True  # the tail of a run that died while writing
+        builder.chunks.extend(part.chunks)
+        others.extend(part.others)
+        lines_before += part.lines
+    whole = parts[-1].whole if parts else True
+    return LedgerData(path, builder.frame(), others), whole and not truncated
+
+
+PARALLEL_MIN_BYTES = 64 << 20
+MAX_WORKERS = 4
+
+
+def _can_fork() -> bool:
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+def _line_bounds(path: Path, size: int, parts: int) -> list[int]:
+    """Byte offsets that split the file into about equal ranges, each at a line's start."""
+    bounds = [0]
+    with path.open("rb") as ledger:
+        for number in range(1, parts):
+            ledger.seek(size * number // parts)
+            ledger.readline()  # to the start of the next whole line
+            bounds.append(ledger.tell())
+    bounds.append(size)
+    return sorted(set(bounds))
+
+
+@dataclass
+class _Part:
+    """What one byte range of a ledger held."""
+
+    chunks: list[dict[str, Any]]
+    others: list[dict[str, Any]]
+    lines: int
+    records: int
+    bad_line: int | None
+    content_after_bad: bool
+    whole: bool
+
+
+def _read_range(path: Path, start: int, end: int, export: bool) -> _Part:
     builder = _FrameBuilder(export=export)
     others: list[dict[str, Any]] = []
     bad_line: int | None = None
+    after_bad = False
     whole = True
-    try:
-        with path.open("rb") as ledger:
-            for number, line in enumerate(ledger, start=1):
-                whole = line.endswith(b"\n")
-                if not line.strip():
-                    continue
-                if bad_line is not None:
-                    raise GpubenchError(f"{path}: line {bad_line} is not valid JSON")
-                try:
-                    record = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    bad_line = number  # fine if it is the truncated tail of a killed run
-                    continue
-                if not isinstance(record, dict):
-                    continue
-                if record.get("type") == "call":
-                    builder.add(record)
-                else:
-                    others.append(record)
-    except OSError as exc:
-        raise GpubenchError(f"{path}: cannot read ledger: {exc.strerror}") from None
-    return LedgerData(path, builder.frame(), others), whole and bad_line is None
+    lines = records = 0
+    position = start
+    with path.open("rb") as ledger:
+        ledger.seek(start)
+        for line in ledger:
+            if position >= end:
+                break
+            position += len(line)
+            lines += 1
+            whole = line.endswith(b"\n")
+            if not line.strip():
+                continue
+            records += 1
+            if bad_line is not None:
+                after_bad = True
+                break
+            try:
+                record = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                bad_line = lines
+                continue
+            if not isinstance(record, dict):
+                continue
+            if record.get("type") == "call":
+                builder.add(record)
+            else:
+                others.append(record)
+    builder.flush()
+    return _Part(builder.chunks, others, lines, records, bad_line, after_bad, whole)
 
 
 # -- the columnar cache beside the ledger -------------------------------------------------------
@@ -226,9 +302,9 @@ class _FrameBuilder:
     def add(self, record: Mapping[str, Any]) -> None:
         self.rows.append((*map(record.get, self.fields), record.get("coalesced", _ABSENT)))
         if len(self.rows) >= CHUNK_ROWS:
-            self._flush()
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         if not self.rows:
             return
         columns = list(zip(*self.rows, strict=True))
@@ -253,7 +329,7 @@ class _FrameBuilder:
         self.chunks.append(chunk)
 
     def frame(self) -> pd.DataFrame:
-        self._flush()
+        self.flush()
         data: dict[str, Any] = {}
         for name in self.text:
             data[name] = _categorical([chunk[name] for chunk in self.chunks])

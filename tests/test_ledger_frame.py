@@ -108,3 +108,39 @@ def test_no_cache_for_a_ledger_still_being_written(tmp_path: Path) -> None:
         ledger.write('{"type":"call","cell_id":"x"')
     read_ledger_frame(path)
     assert not cache_path(path).exists()
+
+
+@pytest.fixture
+def in_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ledger read in byte ranges by forked processes, as a large one is."""
+    import pytest_gpubench.ledger_frame as ledger_frame
+
+    monkeypatch.setattr(ledger_frame, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(ledger_frame, "MAX_WORKERS", 3)
+    monkeypatch.setattr(ledger_frame.os, "cpu_count", lambda: 3)
+
+
+@pytest.mark.usefixtures("in_ranges")
+def test_read_in_ranges_gives_the_same(tmp_path: Path) -> None:
+    records = odd_records() + ledgers.run_records("r2", seed=4, cells=("late:llamacpp:x",))
+    path = ledgers.write(tmp_path / "run.jsonl", records)
+    data = read_ledger_frame(path)
+    assert data.summaries() == summarize(records)
+    assert data.others == [r for r in records if r["type"] != "call"]
+    assert render_document(data.others, data.summaries()) == render_markdown(records)
+
+
+@pytest.mark.usefixtures("in_ranges")
+def test_read_in_ranges_keeps_the_rules_for_bad_lines(tmp_path: Path) -> None:
+    records = ledgers.run_records("r", samples=False)
+    path = ledgers.write(tmp_path / "run.jsonl", records)
+    with path.open("a") as ledger:
+        ledger.write('{"type":"call","cell_id":"x","first_del')
+    assert read_ledger_frame(path).summaries() == summarize(records)
+
+    # A bad line early on, with whole records after it (in later ranges): named by its number.
+    path = ledgers.write(tmp_path / "bad.jsonl", records[:2])
+    with path.open("a") as ledger:
+        ledger.write("\nnot json\n" + "".join(json.dumps(r) + "\n" for r in records[2:]))
+    with pytest.raises(GpubenchError, match=r"bad\.jsonl: line 4 is not valid JSON"):
+        read_ledger_frame(path)
