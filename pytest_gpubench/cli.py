@@ -1,4 +1,5 @@
-"""The `gpubench` command, every subcommand: init, install-server, make-model, report, compare."""
+"""The `gpubench` command, every subcommand: init, install-server, make-model, report, history,
+export, compare."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pytest_gpubench.errors import GpubenchError
+
+if TYPE_CHECKING:
+    from pytest_gpubench.ledger_frame import LedgerData
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -39,16 +44,87 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from pytest_gpubench.ledger import read_ledger
-    from pytest_gpubench.report import render_markdown
+    from pytest_gpubench.ledger_frame import read_ledger_frame
+    from pytest_gpubench.report import render_document
 
-    text = render_markdown(read_ledger(Path(args.ledger)))
+    data = read_ledger_frame(Path(args.ledger))
+    if args.html:
+        text = _html_report(data, args.baselines)
+    else:
+        text = render_document(data.others, data.summaries(with_samples=False), data.telemetry())
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
         print(args.output)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _html_report(data: LedgerData, baselines: str | None) -> str:
+    """The HTML report, against the baselines of --baselines, or else of baselines/ in the run's
+    rootdir (from the meta record) or in the current directory, where one exists."""
+    from pytest_gpubench.baseline import baseline_summaries
+    from pytest_gpubench.html_report import render_html
+
+    found = _baselines_dir(data, baselines)
+    cell_ids = {str(cell_id) for cell_id in data.calls["cell_id"].dropna().unique()}
+    baseline = baseline_summaries(found, cell_ids) if found is not None else []
+    return render_html(data, baseline, baseline_source=str(found) if found else None)
+
+
+def _baselines_dir(data: LedgerData, named: str | None) -> Path | None:
+    if named is not None:
+        path = Path(named)
+        if not path.is_dir():
+            raise GpubenchError(f"{path}: --baselines is not a directory")
+        return path
+    rootdir = data.meta.get("rootdir")
+    candidates = [Path(rootdir) / "baselines"] if isinstance(rootdir, str) else []
+    candidates.append(Path("baselines"))
+    return next((path for path in candidates if path.is_dir()), None)
+
+
+def _history(args: argparse.Namespace) -> int:
+    from pytest_gpubench.history import read_history, render_history, render_history_html
+
+    history = read_history(Path(args.directory))
+    if args.html:
+        output = Path(args.output or "history.html")
+        _write_text(output, render_history_html(history))
+        print(output)
+    elif args.output:
+        _write_text(Path(args.output), render_history(history) + "\n")
+        print(args.output)
+    else:
+        print(render_history(history))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pytest_gpubench.exports import write_csv, write_json, write_prometheus
+    from pytest_gpubench.ledger_frame import read_ledger_frame
+
+    if not (args.prometheus or args.csv or args.json):
+        raise GpubenchError("export: name at least one of --prometheus, --csv, --json")
+    data = read_ledger_frame(Path(args.ledger), export=bool(args.csv))
+    summaries = data.summaries(with_samples=False)
+    if args.prometheus:
+        write_prometheus(data, summaries, Path(args.prometheus))
+        print(args.prometheus)
+    if args.csv:
+        rows = write_csv(data, Path(args.csv))
+        print(f"{args.csv} ({rows} call records)")
+    if args.json:
+        write_json(data, summaries, Path(args.json))
+        print(args.json)
+    return 0
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise GpubenchError(f"{path}: cannot write: {exc.strerror or exc}") from None
 
 
 def compare_command(old: Path, new: Path) -> int:
@@ -91,10 +167,51 @@ def parser() -> argparse.ArgumentParser:
     model.add_argument("--seed", type=int, default=0)
     model.set_defaults(handler=_make_model)
 
-    report = commands.add_parser("report", help="write the Markdown baseline document of a ledger")
+    report = commands.add_parser(
+        "report",
+        help="write the Markdown baseline document (or, --html, the HTML report) of a ledger",
+    )
     report.add_argument("ledger")
     report.add_argument("--output", "-o", help="file to write (default: standard output)")
+    report.add_argument(
+        "--html",
+        action="store_true",
+        help="one self-contained HTML file: charts, verdicts, cells, telemetry, provenance",
+    )
+    report.add_argument(
+        "--baselines",
+        metavar="DIR",
+        help="with --html: draw this baselines directory's distributions beside the run's "
+        "(default: baselines/ in the run's rootdir or the current directory, if any)",
+    )
     report.set_defaults(handler=_report)
+
+    history = commands.add_parser(
+        "history",
+        help="the trend of every cell, prompt and gated metric across the ledgers in a "
+        "directory, with regressions (R) and baseline updates (B) marked",
+    )
+    history.add_argument("directory", help="a directory of ledgers (*.jsonl, searched below)")
+    history.add_argument("--html", action="store_true", help="write an HTML page of charts")
+    history.add_argument(
+        "--output", "-o", help="file to write (default: standard output; history.html with --html)"
+    )
+    history.set_defaults(handler=_history)
+
+    export = commands.add_parser(
+        "export", help="export a ledger: Prometheus textfile, CSV of call records, JSON summary"
+    )
+    export.add_argument("ledger")
+    export.add_argument(
+        "--prometheus",
+        metavar="FILE",
+        help="a textfile for node_exporter's textfile collector (gauges gpubench_*)",
+    )
+    export.add_argument("--csv", metavar="FILE", help="one row per call record")
+    export.add_argument(
+        "--json", metavar="FILE", help="the summaries, verdicts and cell outcomes of the run"
+    )
+    export.set_defaults(handler=_export)
 
     compare = commands.add_parser(
         "compare", help="compare two ledgers, or a ledger (NEW) with a baselines/ directory (OLD)"

@@ -100,6 +100,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[RUN_KEY] = run
     config.stash[RELEASE_KEY] = {}
     config.pluginmanager.register(ReportReader(config, run), "gpubench-reports")
+    if not xdist.is_worker(config):
+        from pytest_gpubench.progress import ProgressLine
+
+        config.pluginmanager.register(ProgressLine(config, _case_of), "gpubench-progress")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(
             xdist.XdistHooks(config, lambda: config.stash[RUN_KEY]), "gpubench-xdist"

@@ -98,6 +98,8 @@ SUMMARY_HEADERS = (
     "TTFT p50 ms",
     "total p50 ms",
     "decode tok/s p50",
+    "cold TTFT ms",
+    "cold total ms",
     "coalesced",
     "success",
     "Δ TTFT / total / decode tok/s",
@@ -108,7 +110,8 @@ SUMMARY_HEADERS = (
 def summary_rows(
     summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict]
 ) -> list[list[str]]:
-    """One row per (cell, prompt): warm numbers, the change against the baseline, the verdict."""
+    """One row per (cell, prompt): warm numbers, the first cold call, the change against the
+    baseline, the verdict."""
     verdicts = list(verdicts)
     by_key = _verdicts_by_key(verdicts)
     worst = overall_by_key(verdicts)
@@ -119,6 +122,8 @@ def summary_rows(
             fixed(summary.warm_first_delta_ms_p50),
             fixed(summary.warm_total_duration_ms_p50),
             fixed(summary.warm_decode_tokens_per_sec_p50, 1),
+            fixed(summary.cold_first_delta_ms),
+            fixed(summary.cold_total_duration_ms),
             str(summary.warm_coalesced),
             success(summary),
             _changes(by_key.get(summary.key, {})),
@@ -338,8 +343,8 @@ def telemetry_rows(summaries: Iterable[TelemetrySummary]) -> list[list[str]]:
     return rows
 
 
-def _telemetry_section(records: Sequence[Mapping[str, Any]]) -> str:
-    rows = telemetry_rows(telemetry_summaries(records))
+def _telemetry_section(telemetry: Sequence[TelemetrySummary]) -> str:
+    rows = telemetry_rows(telemetry)
     if not rows:
         return ""
     return "\n\n".join(
@@ -391,12 +396,22 @@ def render_comparison(verdicts: Iterable[Verdict], *, markdown: bool = False) ->
 def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
     """The baseline document of one ledger: the same ledger always gives the same bytes."""
     records = list(records)
+    others = [record for record in records if record.get("type") != "call"]
+    return render_document(others, summarize(records), telemetry_summaries(records))
+
+
+def render_document(
+    others: Sequence[Mapping[str, Any]],
+    summaries: Sequence[PromptSummary],
+    telemetry: Sequence[TelemetrySummary] = (),
+) -> str:
+    """render_markdown from a ledger read as columns (ledger_frame): the records other than
+    calls, the summaries of the calls and their resource figures."""
     empty: Mapping[str, Any] = {}
-    meta = next((r for r in records if r.get("type") == "meta"), empty)
-    end = next((r for r in reversed(records) if r.get("type") == "end"), empty)
-    cells = _first_by_cell(r for r in records if r.get("type") == "cell")
-    skipped = [r for r in records if r.get("type") == "skipped"]
-    summaries = summarize(records)
+    meta = next((r for r in others if r.get("type") == "meta"), empty)
+    end = next((r for r in reversed(others) if r.get("type") == "end"), empty)
+    cells = _first_by_cell(r for r in others if r.get("type") == "cell")
+    skipped = [r for r in others if r.get("type") == "skipped"]
     cell_ids = sorted(
         {s.cell_id for s in summaries} | set(cells) | {str(r.get("cell_id")) for r in skipped}
     )
@@ -408,7 +423,7 @@ def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
             _cell_section(cell_id, cells.get(cell_id, {}), summaries, skipped)
             for cell_id in cell_ids
         ),
-        _telemetry_section(records),
+        _telemetry_section(telemetry),
         _gate_section(end),
     ]
     return "\n\n".join(section for section in sections if section) + "\n"

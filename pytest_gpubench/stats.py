@@ -175,8 +175,9 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[PromptSummary]:
     return summarize_frame(call_frame(records))
 
 
-def summarize_frame(frame: pd.DataFrame) -> list[PromptSummary]:
-    """Summaries of a call_frame; every groupby runs on one integer code per (cell, prompt)."""
+def summarize_frame(frame: pd.DataFrame, *, with_samples: bool = True) -> list[PromptSummary]:
+    """Summaries of a call_frame; every groupby runs on one integer code per (cell, prompt).
+    Without samples (a report that draws no distribution) a million calls cost a second less."""
     frame, keys = _with_group_codes(frame)
     if frame.empty:
         return []
@@ -189,7 +190,7 @@ def summarize_frame(frame: pd.DataFrame) -> list[PromptSummary]:
     warm_counts = _counts(warm)
     percentiles = {metric: _percentiles(warm_ok, metric) for metric in WARM_METRICS}
     coalesced = warm_ok.groupby("group", sort=False)["coalesced"].sum()
-    samples = _samples(warm_ok)
+    samples = _samples(warm_ok) if with_samples else {}
     return [
         _summary(
             keys[group],

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the project needs to build llama-server and run the benchmarks and
-# tests (stunnel4), only those missing, so a second run costs nothing. OpenSSH for the tests:
-# setup-sshd.sh.
+# Installs the Debian packages the project needs to build llama-server, run the benchmarks and
+# the tests (stunnel4 for TLS, chromium to check the HTML report in a browser), only those
+# missing, so a second run costs nothing. OpenSSH for the tests: setup-sshd.sh.
 set -euo pipefail
 need=()
 command -v cmake >/dev/null || need+=(cmake)
@@ -12,6 +12,8 @@ command -v sha256sum >/dev/null || need+=(coreutils)
 # The TLS terminator the tests and benchmarks_dev/client_overhead.py put in front of llama-server.
 command -v stunnel4 >/dev/null || need+=(stunnel4)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
+# The HTML report's test opens it in a real headless browser.
+command -v chromium >/dev/null || need+=(chromium)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

@@ -223,7 +223,10 @@ def telemetry_summaries(records: Iterable[Mapping[str, Any]]) -> list[TelemetryS
     for record in records:
         if record.get("type") != "call" or record.get("phase") != "warm" or record.get("error"):
             continue
-        groups.setdefault((record["cell_id"], record["prompt_id"]), []).append(record)
+        cell_id, prompt_id = record.get("cell_id"), record.get("prompt_id")
+        if not isinstance(cell_id, str) or not isinstance(prompt_id, str):
+            continue  # an odd or edited ledger: stats leaves such a record out too
+        groups.setdefault((cell_id, prompt_id), []).append(record)
     summaries = []
     for (cell_id, prompt_id), calls in sorted(groups.items()):
         sources = sorted({str(c["gpu_energy_source"]) for c in calls if c.get("gpu_energy_source")})
