@@ -138,9 +138,9 @@ def test_record_keeps_the_old_fields_in_their_order_and_adds_the_new_ones_after(
         "client_chunks", "tokens_per_sec", "tpot_ms", "inter_chunk_ms", "finish_reason",
         "backend", "error", "engine_timings",
     ]  # fmt: skip
-    assert fields[12:18] == [
+    assert fields[12:19] == [
         "e2e_tokens_per_sec", "coalesced", "content_reads", "engine_tokens_per_sec",
         "engine_prompt_ms", "engine_total_ms", "system_fingerprint",
     ]  # fmt: skip
     # issue 12: the call's connection.
-    assert fields[18:] == ["connect_ms", "tls_handshake_ms", "connection_reused", "reconnected"]
+    assert fields[19:] == ["connect_ms", "tls_handshake_ms", "connection_reused", "reconnected"]
