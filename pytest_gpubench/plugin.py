@@ -3,24 +3,25 @@ harness, the report or the xdist module."""
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_gpubench import xdist
-from pytest_gpubench.cases import Case, build_cases, build_test_cases, request_sha256, smoke_case
+from pytest_gpubench.benchmark import BenchCase, BenchEngine, ChatCall
+from pytest_gpubench.cases import Case, build_cases, build_test_cases, smoke_case
 from pytest_gpubench.controller import RunController
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.guards import FrozenRequests
-from pytest_gpubench.harness import Harness
-from pytest_gpubench.matrix import PHASES, Cell, Matrix, load_matrix
+from pytest_gpubench.matrix import PHASES, Matrix, load_matrix
 from pytest_gpubench.options import Options, add_aliases, addoption, option_warnings
 
 if TYPE_CHECKING:
-    from pytest_gpubench.engines import Engine
     from pytest_gpubench.targets import Target
+
+# What benchmark tests import from here (their annotations): defined in benchmark.py.
+__all__ = ["BenchCase", "BenchEngine", "ChatCall"]
 
 CASE_FIXTURE = "gpubench_case"
 ENGINE_FIXTURE = "gpubench_engine"
@@ -308,151 +309,6 @@ def _case_of(item: pytest.Item) -> Case | None:
         return None
     param = callspec.params.get(PARAM_FIXTURE)
     return param if isinstance(param, Case) else None
-
-
-class ChatCall(Mapping[str, Any]):
-    """What gpubench_engine.chat() returns: the call record (README "The call record"), read
-    like a dict (`call["first_delta_ms"]`), and `text`, the answer (not in the ledger)."""
-
-    def __init__(self, record: dict[str, Any], text: str) -> None:
-        self.record = record
-        self.text = text
-
-    def __getitem__(self, key: str) -> Any:
-        return self.record[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.record)
-
-    def __len__(self) -> int:
-        return len(self.record)
-
-    @property
-    def error(self) -> str | None:
-        error = self.record.get("error")
-        return None if error is None else str(error)
-
-    def __repr__(self) -> str:
-        return f"ChatCall(case_id={self.record.get('case_id')!r}, error={self.error!r})"
-
-
-@dataclass
-class BenchEngine:
-    """What `gpubench_engine` gives a test: the cell's engine, ready (started, health-checked),
-    and `chat()`, one measured call that goes into the ledger under the test's name."""
-
-    case: Case
-    harness: Harness
-    frozen: FrozenRequests
-    # The test's node id, for the messages that name it.
-    nodeid: str
-    records: list[dict[str, Any]] = field(default_factory=list)
-    properties: list[tuple[str, object]] = field(default_factory=list)
-    # The call records this case made, in order.
-    calls: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def cell(self) -> Cell:
-        """The cell (cell_id, spec.engine, spec.model, timeout_s, ...)."""
-        return self.harness.matrix.cell(self.case.cell_id)
-
-    @property
-    def engine(self) -> Engine:
-        """The engine itself (health, describe); its calls are not measured into the ledger."""
-        engine = self.harness.cells[self.case.cell_id].engine
-        assert engine is not None  # the fixture skipped the test otherwise
-        return engine
-
-    def chat(
-        self,
-        messages: str | Sequence[Mapping[str, Any]],
-        max_tokens: int,
-        **options: Any,
-    ) -> ChatCall:
-        """One streamed call, measured and recorded (prompt_id: the test's name, prompt_sha256:
-        the hash of `messages`, `max_tokens` and `options`). `messages`: a string (one user
-        turn) or the whole conversation; `options`: keys added to the request's JSON body.
-        A request that differs from the one this test was baselined with is refused, unsent."""
-        from pytest_gpubench.junit import call_properties
-
-        test_id = self.case.test_id
-        if test_id is None:
-            pytest.fail(
-                f"{self.nodeid}: gpubench_engine.chat() measures a test's own requests; this "
-                "test asks for gpubench_case, which measures the prompts of prompts.yaml: call "
-                "gpubench_case.run()",
-                pytrace=False,
-            )
-        conversation = _conversation(messages, self.nodeid)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            pytest.fail(
-                f"{self.nodeid}: max_tokens: expected a positive integer, got {max_tokens!r}",
-                pytrace=False,
-            )
-        try:
-            sha256 = request_sha256(conversation, max_tokens, options)
-        except (TypeError, ValueError) as exc:
-            pytest.fail(f"{self.nodeid}: request options are not JSON: {exc}", pytrace=False)
-        try:
-            self.frozen.check(self.case.cell_id, test_id, sha256, self.nodeid)
-        except GpubenchError as exc:
-            pytest.fail(str(exc), pytrace=False)
-        record, others, text = self.harness.measure(
-            self.case,
-            "",
-            max_tokens,
-            sha256=sha256,
-            messages=conversation,
-            extra_body=dict(options),
-        )
-        self.calls.append(record)
-        self.records.extend([record, *others])
-        self.properties.extend(call_properties(record))
-        return ChatCall(record, text)
-
-
-def _conversation(messages: str | Sequence[Mapping[str, Any]], nodeid: str) -> list[dict[str, Any]]:
-    """The messages a test sends, as a list of {role, content, ...}; a string is one user turn."""
-    if isinstance(messages, str):
-        if not messages:
-            pytest.fail(f"{nodeid}: messages: an empty prompt", pytrace=False)
-        return [{"role": "user", "content": messages}]
-    conversation = [dict(message) for message in messages if isinstance(message, Mapping)]
-    if not conversation or len(conversation) != len(list(messages)):
-        pytest.fail(
-            f"{nodeid}: messages: expected a string or a non-empty list of "
-            f"{{'role': ..., 'content': ...}} mappings, got {messages!r}"[:300],
-            pytrace=False,
-        )
-    for index, message in enumerate(conversation):
-        if not isinstance(message.get("role"), str) or "content" not in message:
-            pytest.fail(
-                f"{nodeid}: messages[{index}]: needs a 'role' and a 'content' ({message!r})"[:300],
-                pytrace=False,
-            )
-    return conversation
-
-
-@dataclass
-class BenchCase:
-    """What a benchmark test gets: the case, and `run()` to measure it once."""
-
-    case: Case
-    harness: Harness
-    records: list[dict[str, Any]] = field(default_factory=list)
-    record: dict[str, Any] | None = None
-    # The test item's user_properties: the call's figures go into the JUnit XML from here.
-    properties: list[tuple[str, object]] = field(default_factory=list)
-
-    def run(self) -> dict[str, Any]:
-        """Measure the case once; returns its call record (README: "The call record"); the
-        case's sample record travels beside it."""
-        from pytest_gpubench.junit import call_properties
-
-        self.record, others = self.harness.run_case(self.case)
-        self.records.extend([self.record, *others])
-        self.properties.extend(call_properties(self.record))
-        return self.record
 
 
 @pytest.fixture

@@ -49,6 +49,7 @@ LAYERS = (
     "harness",
     "controller",
     "junit",
+    "benchmark",
     "xdist",
     "hookspecs",
     "init",
