@@ -97,6 +97,18 @@ def run_subprocess(pytester: pytest.Pytester, *args: str) -> subprocess.Complete
     )
 
 
+def start_pytest(pytester: pytest.Pytester) -> subprocess.Popen[str]:
+    """A pytest subprocess in the test's directory, its output (stdout and stderr) piped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pytest", "--force-load", "-p", "no:cacheprovider"],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+
 def test_a_read_only_ledger_directory_is_one_clear_error(
     pytester: pytest.Pytester, llama_server: Path, mount_tmpfs: object
 ) -> None:
@@ -118,14 +130,7 @@ def test_a_full_disk_stops_the_run_keeps_whole_lines_and_exits_9(
     # Leave room for the meta and cell records and a few calls, not for 200 calls.
     (runs / "filler").write_bytes(b"\0" * (16384 - 8192))
     bench(pytester, llama_server, runs=200)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "--force-load", "-p", "no:cacheprovider"],
-        cwd=pytester.path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    process = start_pytest(pytester)
     servers: set[int] = set()
     while process.poll() is None:
         servers.update(children_serving(process.pid))
@@ -150,14 +155,7 @@ def test_a_full_disk_stops_the_run_keeps_whole_lines_and_exits_9(
 
 def test_sigterm_ends_the_run_like_ctrl_c(pytester: pytest.Pytester, llama_server: Path) -> None:
     bench(pytester, llama_server, runs=5000)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "--force-load", "-p", "no:cacheprovider"],
-        cwd=pytester.path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    process = start_pytest(pytester)
     servers: set[int] = set()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
