@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_gpubench.matrix import PHASES, Matrix
+from pytest_gpubench.matrix import PHASES, Cell, Matrix
 
 COLD_RUNS = 1
 # A test's own cases sort after the cell's prompts (the field is only an order).
@@ -41,25 +41,18 @@ class Case:
 
 def build_cases(matrix: Matrix, runs_override: int | None = None) -> list[Case]:
     """All cases in a deterministic order (xdist needs the same order on every worker)."""
-    cases = []
-    node_order = list(dict.fromkeys(cell.spec.node for cell in matrix.cells))
-    for cell in matrix.cells:
-        for phase in cell.spec.phases:
-            runs = COLD_RUNS if phase == "cold" else (runs_override or cell.runs)
-            for prompt_index, prompt_id in enumerate(cell.prompt_ids):
-                for run_idx in range(runs):
-                    cases.append(
-                        Case(
-                            node_index=node_order.index(cell.spec.node),
-                            cell_index=cell.index,
-                            phase_index=PHASES.index(phase),
-                            prompt_index=prompt_index,
-                            run_idx=run_idx,
-                            cell_id=cell.cell_id,
-                            prompt_id=prompt_id,
-                            phase=phase,
-                        )
-                    )
+    node_order = _node_order(matrix)
+    cases = [
+        case
+        for cell in matrix.cells
+        for case in _cell_cases(
+            cell,
+            node_order,
+            phases=cell.spec.phases,
+            warm_runs=runs_override or cell.runs,
+            prompts=list(enumerate(cell.prompt_ids)),
+        )
+    ]
     return sorted(set(cases))
 
 
@@ -75,28 +68,53 @@ def build_test_cases(
     """The cases of a test with requests of its own: per cell (all, or `cells`), per phase (the
     cell's, or `phases`), 1 cold run or the warm runs (--gpubench-runs, else `runs`, else the
     cell's). Ordered as build_cases orders its own."""
-    cases = []
-    node_order = list(dict.fromkeys(cell.spec.node for cell in matrix.cells))
-    for cell in matrix.cells:
-        if cells is not None and cell.cell_id not in cells:
-            continue
-        for phase in phases if phases is not None else cell.spec.phases:
-            warm_runs = runs_override or runs or cell.runs
-            for run_idx in range(COLD_RUNS if phase == "cold" else warm_runs):
-                cases.append(
-                    Case(
-                        node_index=node_order.index(cell.spec.node),
-                        cell_index=cell.index,
-                        phase_index=PHASES.index(phase),
-                        prompt_index=TEST_PROMPT_INDEX,
-                        run_idx=run_idx,
-                        cell_id=cell.cell_id,
-                        prompt_id=test_id,
-                        phase=phase,
-                        test_id=test_id,
-                    )
-                )
+    node_order = _node_order(matrix)
+    cases = [
+        case
+        for cell in matrix.cells
+        if cells is None or cell.cell_id in cells
+        for case in _cell_cases(
+            cell,
+            node_order,
+            phases=phases if phases is not None else cell.spec.phases,
+            warm_runs=runs_override or runs or cell.runs,
+            prompts=[(TEST_PROMPT_INDEX, test_id)],
+            test_id=test_id,
+        )
+    ]
     return sorted(set(cases))
+
+
+def _node_order(matrix: Matrix) -> list[str]:
+    return list(dict.fromkeys(cell.spec.node for cell in matrix.cells))
+
+
+def _cell_cases(
+    cell: Cell,
+    node_order: list[str],
+    *,
+    phases: Sequence[str],
+    warm_runs: int,
+    prompts: Sequence[tuple[int, str]],
+    test_id: str | None = None,
+) -> list[Case]:
+    """One cell's cases: per phase, per prompt (index, id), 1 cold run or `warm_runs`."""
+    return [
+        Case(
+            node_index=node_order.index(cell.spec.node),
+            cell_index=cell.index,
+            phase_index=PHASES.index(phase),
+            prompt_index=prompt_index,
+            run_idx=run_idx,
+            cell_id=cell.cell_id,
+            prompt_id=prompt_id,
+            phase=phase,
+            test_id=test_id,
+        )
+        for phase in phases
+        for prompt_index, prompt_id in prompts
+        for run_idx in range(COLD_RUNS if phase == "cold" else warm_runs)
+    ]
 
 
 _CASE_TAIL = re.compile(r"(?P<head>.+)-(?P<phase>cold|warm)-(?P<run_idx>[0-9]+)")

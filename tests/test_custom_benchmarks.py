@@ -134,7 +134,9 @@ def test_a_custom_test_is_collected_per_cell_measured_recorded_and_baselined(
         (TWO, "test_greeting"),
         (TWO, "test_on_two_only"),
     }
-    assert all(v["verdict"] != "new" and v["baseline"] is not None for v in judged), judged
+    # TTFT always has a baseline figure (a 2-token reply may have no decode rate: coalesced).
+    ttft = [v for v in judged if v["metric"] == "warm_ttft_p50_ms"]
+    assert len(ttft) == 3 and all(v["verdict"] != "new" and v["baseline"] for v in ttft), ttft
 
 
 def test_under_xdist_a_custom_test_is_planned_and_its_node_runs_on_one_worker(
