@@ -52,20 +52,7 @@ def tiny_model() -> Path:
 @pytest.fixture
 def server(llama_server: Path, tiny_model: Path, tmp_path: Path) -> Iterator["ManagedLlamaServer"]:
     """A running llama-server (one thread) serving the tiny model as `tiny`, stopped afterwards."""
-    from pytest_gpubench.engines.managed import ManagedLlamaServer
-    from pytest_gpubench.targets.local import LocalTarget
+    from tiny_server import tiny_llama_server
 
-    target = LocalTarget()
-    managed = ManagedLlamaServer(
-        target,
-        cell_id="local:llamacpp:tiny",
-        binary=str(llama_server),
-        model_path=str(tiny_model),
-        alias="tiny",
-        log_dir=str(tmp_path),
-        extra_args=("--threads", "1"),
-    )
-    managed.start()
-    yield managed
-    managed.stop()
-    target.close()
+    with tiny_llama_server(llama_server, tiny_model, tmp_path) as managed:
+        yield managed

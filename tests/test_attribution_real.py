@@ -19,11 +19,10 @@ from typing import Any
 
 import pytest
 from delay_proxy import WHOLE_REPLY, delay_proxy
+from tiny_server import tiny_llama_server
 
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
-from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.measure import CallMeasurement
-from pytest_gpubench.targets.local import LocalTarget
 
 CELL = "local:llamacpp:tiny"
 PROMPT_ID = "P-EASY"
@@ -49,25 +48,11 @@ def pinned_server(
     wrapper = tmp_path / "pinned-llama-server"
     wrapper.write_text(f'#!/bin/sh\nexec taskset -c {cpu} "{llama_server}" "$@"\n')
     wrapper.chmod(0o755)
-    target = LocalTarget()
-    managed = ManagedLlamaServer(
-        target,
-        cell_id=CELL,
-        binary=str(wrapper),
-        model_path=str(tiny_model),
-        alias="tiny",
-        log_dir=str(tmp_path / "log"),
-        extra_args=("--threads", "1"),
-    )
-    try:
-        url = managed.start()
-        engine = LlamaCppEngine(url, "tiny")
+    with tiny_llama_server(wrapper, tiny_model, tmp_path / "log", CELL) as managed:
+        engine = LlamaCppEngine(managed.base_url, "tiny")
         for _ in range(WARM_UP_CALLS):
             engine.chat(PROMPT, MAX_TOKENS, 30)
-        yield url, cpu
-    finally:
-        managed.stop()
-        target.close()
+        yield managed.base_url, cpu
 
 
 @contextmanager

@@ -16,10 +16,9 @@ from xml.etree import ElementTree
 
 import pytest
 from delay_proxy import DelayProxy, EngineSpeed, FirstContentSplitter, delay_proxy
+from tiny_server import tiny_llama_server
 
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
-from pytest_gpubench.engines.managed import ManagedLlamaServer
-from pytest_gpubench.targets.local import LocalTarget
 
 CELL = "local:llamacpp:tiny"
 PROMPT_ID = "P-EASY"
@@ -65,21 +64,9 @@ def upstream(
     llama_server: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """A real llama-server (one thread), started once for the module; its base URL."""
-    target = LocalTarget()
-    managed = ManagedLlamaServer(
-        target,
-        cell_id=CELL,
-        binary=str(llama_server),
-        model_path=str(tiny_model),
-        alias="tiny",
-        log_dir=str(tmp_path_factory.mktemp("llama-server-log")),
-        extra_args=("--threads", "1"),
-    )
-    try:
-        yield managed.start()
-    finally:
-        managed.stop()
-        target.close()
+    log_dir = tmp_path_factory.mktemp("llama-server-log")
+    with tiny_llama_server(llama_server, tiny_model, log_dir, CELL) as managed:
+        yield managed.base_url
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,13 @@ from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.ledger import read_ledger
 from pytest_gpubench.matrix import TelemetrySettings, load_matrix
 from pytest_gpubench.targets.local import LocalTarget
-from pytest_gpubench.telemetry import GpuSample, ProcSample, node_telemetry
+from pytest_gpubench.telemetry import (
+    CaseSamples,
+    GpuSample,
+    NodeTelemetry,
+    ProcSample,
+    node_telemetry,
+)
 from pytest_gpubench.telemetry.aggregate import (
     case_aggregates,
     counter_delta,
@@ -103,7 +109,6 @@ def gpu(t: float, *, power: float, energy: float | None, used: float = 1000.0) -
 
 
 def test_case_energy_from_the_counter_else_integrated_power_flagged() -> None:
-    from pytest_gpubench.telemetry import CaseSamples
 
     case = CaseSamples(start=10.0, end=12.0, interval_ms=200)
     case.gpu = [gpu(9.9, power=100, energy=0), gpu(11.0, power=100, energy=110_000, used=3000),
@@ -197,6 +202,17 @@ def test_unknown_or_bad_telemetry_keys_are_errors_naming_them(tmp_path: Path) ->
         load_matrix(cells, prompts)
 
 
+def one_case(telemetry: NodeTelemetry, *, cpu: bool) -> CaseSamples:
+    """Start the node's samplers, take one 0.3 s case window with no engine pid, stop them."""
+    telemetry.start()
+    try:
+        start = telemetry.begin_case(None)
+        time.sleep(0.3)
+        return telemetry.end_case(start, gpu=True, cpu=cpu)
+    finally:
+        telemetry.stop()
+
+
 # -- GPU through the NVML stand-in -------------------------------------------------------------
 
 
@@ -205,13 +221,7 @@ def test_nvml_samples_in_mib_watts_celsius_and_millijoules(monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, "pynvml", module)
     telemetry = node_telemetry("local", LocalTarget(), [FAST], gpus=[])
     assert telemetry is not None
-    telemetry.start()
-    try:
-        start = telemetry.begin_case(None)
-        time.sleep(0.3)
-        case = telemetry.end_case(start, gpu=True, cpu=True)
-    finally:
-        telemetry.stop()
+    case = one_case(telemetry, cpu=True)
     assert case.gpu_source == "nvml" and case.cpu_source == "proc"
     assert {s.gpu for s in case.gpu} == {0, 1}
     sample = case.gpu[0]
@@ -261,13 +271,7 @@ def test_without_the_nvml_library_a_local_gpu_is_sampled_with_nvidia_smi(
     assert gpus[0]["name"] == "NVIDIA H100 80GB HBM3" and gpus[0]["memory.total"] == "81559"
     telemetry = node_telemetry("local", target, [FAST], gpus=gpus)
     assert telemetry is not None
-    telemetry.start()
-    try:
-        start = telemetry.begin_case(None)
-        time.sleep(0.3)
-        case = telemetry.end_case(start, gpu=True, cpu=False)
-    finally:
-        telemetry.stop()
+    case = one_case(telemetry, cpu=False)
     assert case.gpu_source == "nvidia-smi" and len(case.gpu) >= 3
     assert any("NVML unavailable" in note and "Library Not Found" in note for note in case.notes)
     assert case.gpu[0].memory_total_mib == MEMORY_TOTAL_MIB and case.gpu[0].power_w == POWER_W
