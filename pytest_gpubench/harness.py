@@ -380,12 +380,22 @@ class Harness:
         """Measure one case of a prompts.yaml prompt: its call record (with the case's resource
         figures) and the other records it produced (its `sample` record when its node is
         sampled)."""
+        if case.load_point is not None:
+            return self.run_load_case(case)
         prompt = self.matrix.prompts[case.prompt_id]
         request = self.matrix.cell(case.cell_id).request_for(prompt)
         record, others, _ = self.measure(
             case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request), request=request
         )
         return record, others
+
+    def run_load_case(self, case: Case) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Measure one load case (load/runner.py): its `load` record, and the call records of
+        its requests (and a sweep's per-step load records)."""
+        from pytest_gpubench.load.runner import run_load_case
+
+        outcome = run_load_case(self.cells[case.cell_id], self.matrix, case, self.run_id)
+        return self.scrub.record(outcome.record), [self.scrub.record(r) for r in outcome.others]
 
     def measure(
         self,

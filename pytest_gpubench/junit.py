@@ -60,7 +60,8 @@ def gate_failures(run: RunController) -> list[tuple[str, str]]:
         for outcome in run.outcomes
         if outcome.fails_run
     ]
-    found = [] if run.options.baseline_update else regressions(run.judgement.verdicts)
+    judged = [*run.judgement.verdicts, *run.judgement.load_verdicts]
+    found = [] if run.options.baseline_update else regressions(judged)
     found += run.judgement.failing_incomparables()
     failures.extend(
         (f"{v.cell_id} {v.prompt_id} {v.metric}", f"{v.verdict.upper()}: {v.message}")

@@ -31,6 +31,8 @@ class ManagedLlamaServer:
         log_dir: str,
         extra_args: Sequence[str] = (),
         ready_timeout_s: float = 120.0,
+        parallel: int = 1,
+        metrics: bool = False,
     ) -> None:
         self.target = target
         self.cell_id = cell_id
@@ -42,6 +44,9 @@ class ManagedLlamaServer:
             PurePosixPath(log_dir) / f"llama-server-{distinct_file_name(cell_id)}.log"
         )
         self.extra_args = tuple(extra_args)
+        # Slots (requests decoded at once, the cell's `parallel`), and /metrics for a load case.
+        self.parallel = parallel
+        self.metrics = metrics
         self.ready_timeout_s = ready_timeout_s
         self.base_url = ""
         self.starts = 0
@@ -54,8 +59,9 @@ class ManagedLlamaServer:
             "--alias", self.alias,
             "--host", "127.0.0.1",
             "--port", str(port),
-            "--parallel", "1",
+            "--parallel", str(self.parallel),
             "--no-webui",
+            *(["--metrics"] if self.metrics else []),
             *self.extra_args,
         ]  # fmt: skip
 
@@ -152,6 +158,8 @@ def managed_llama_server(
         alias=spec.model,
         log_dir=work_dir,
         extra_args=spec.server_args,
+        parallel=spec.parallel or 1,
+        metrics=cell.load is not None,
     )
     return server, f"sha256:{digest}"
 

@@ -1,0 +1,138 @@
+"""One load point while it runs: the connection pool, the window bounds (warm-up, measured,
+cool-down), and sending one request at its scheduled time with the send lag stamped."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from pytest_gpubench.engines import measure_response, parse_openai_sse
+from pytest_gpubench.load.client import ConnectionPool, request_bytes
+from pytest_gpubench.load_profile import LoadProfile
+from pytest_gpubench.measure import CallMeasurement, Endpoint, StreamError
+
+Window = Literal["warmup", "measured", "cooldown"]
+# Before a scheduled send the loop sleeps until this long before it, then spins: epoll wakes on
+# whole milliseconds, which alone would make every send up to 1 ms late.
+SPIN_NS = 1_500_000
+TIMED_OUT = "did not finish within"
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One request of a load point: when it was due, when it went out, and what it measured.
+    Times are perf_counter_ns."""
+
+    index: int
+    window: Window
+    scheduled_ns: int
+    sent_ns: int
+    measurement: CallMeasurement
+
+    @property
+    def send_lag_ms(self) -> float:
+        return round(max(0, self.sent_ns - self.scheduled_ns) / 1e6, 4)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What every request of a load point sends, and where."""
+
+    backend: str
+    endpoint: Endpoint
+    request: bytes
+    timeout_s: float
+    # The cell's headers (an API key among them), for the engine's /metrics too.
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+class Bounds:
+    """Which window a request due now falls in: warm-up for `warmup_s`, then measured until
+    `duration_s` has passed or `requests` were sent, then cool-down for `cooldown_s`; None once
+    all three are over (no request is sent after that)."""
+
+    def __init__(self, profile: LoadProfile, started_ns: int) -> None:
+        self.measured_from = started_ns + int(profile.warmup_s * 1e9)
+        self.measured_until = (
+            self.measured_from + int(profile.duration_s * 1e9)
+            if profile.duration_s is not None
+            else None
+        )
+        self.requests = profile.requests
+        self.cooldown_ns = int(profile.cooldown_s * 1e9)
+        self.cooldown_until: int | None = None
+        self.measured = 0
+
+    def window(self, now_ns: int) -> Window | None:
+        if now_ns < self.measured_from:
+            return "warmup"
+        if self.cooldown_until is None:
+            in_time = self.measured_until is None or now_ns < self.measured_until
+            in_count = self.requests is None or self.measured < self.requests
+            if in_time and in_count:
+                self.measured += 1
+                return "measured"
+            self.cooldown_until = now_ns + self.cooldown_ns
+        return "cooldown" if now_ns < self.cooldown_until else None
+
+
+class LoadRun:
+    """Sends the requests of one load point and keeps every one it sent."""
+
+    def __init__(self, target: Target, profile: LoadProfile) -> None:
+        self.target = target
+        self.profile = profile
+        self.pool = ConnectionPool(target.endpoint, connect_timeout_s=min(target.timeout_s, 10.0))
+        self.sent: list[Sent] = []
+        self.bounds = Bounds(profile, time.perf_counter_ns())
+        self.started_ns = 0
+        self.next_index = 0
+
+    async def open(self, connections: int) -> None:
+        """Open the connections the point needs before its clock starts."""
+        await self.pool.fill(connections)
+        self.started_ns = time.perf_counter_ns()
+        self.bounds = Bounds(self.profile, self.started_ns)
+
+    def window(self) -> Window | None:
+        return self.bounds.window(time.perf_counter_ns())
+
+    async def send(self, scheduled_ns: int, window: Window) -> None:
+        """One request, due at `scheduled_ns`: sent as soon as a connection is at hand."""
+        target = self.target
+        index, self.next_index = self.next_index, self.next_index + 1
+        sent_ns = time.perf_counter_ns()
+        try:
+            connection = await self.pool.take()
+            raw = await connection.exchange(target.request, target.timeout_s)
+        except StreamError as exc:
+            measurement = CallMeasurement(backend=target.backend, error=str(exc))
+            self.sent.append(Sent(index, window, scheduled_ns, sent_ns, measurement))
+            return
+        measurement = measure_response(target.backend, raw.streamed(), parse_openai_sse)
+        self.pool.give_back(connection, raw.keep_alive and measurement.error is None)
+        self.sent.append(Sent(index, window, scheduled_ns, raw.sent_ns, measurement))
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+
+async def wait_until(target_ns: int, clock: Callable[[], int] = time.perf_counter_ns) -> None:
+    """Sleep until just before `target_ns`, then spin to it (sub-millisecond send lag). Yields
+    to the loop at least once, so that a send just scheduled goes out before the spin."""
+    delay_ns = target_ns - clock() - SPIN_NS
+    await asyncio.sleep(max(0.0, delay_ns / 1e9))
+    while clock() < target_ns:
+        pass
+
+
+def build_target(
+    backend: str, base_url: str, payload: bytes, headers: dict[str, str], timeout_s: float
+) -> Target:
+    endpoint = Endpoint.parse(base_url)
+    pairs = tuple(headers.items())
+    request = request_bytes(endpoint, "/v1/chat/completions", payload, pairs)
+    return Target(backend, endpoint, request, timeout_s, pairs)
