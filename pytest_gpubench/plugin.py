@@ -492,11 +492,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         judgement = run.judgement
         lines.extend(report.outcome_lines(run.outcomes))
         lines.extend(
-            report.load_lines(
-                run.loads, judgement.load_verdicts, baseline_update=run.options.baseline_update
-            )
-        )
-        lines.extend(
             report.gate_lines(
                 judgement.summaries,
                 judgement.verdicts,
@@ -505,6 +500,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                 baseline_update=run.options.baseline_update,
                 baselines_dir=run.options.baselines_dir,
                 telemetry=judgement.telemetry,
+            )
+        )
+        lines.extend(
+            report.load_lines(
+                run.loads, judgement.load_verdicts, baseline_update=run.options.baseline_update
             )
         )
         if run.write_error is not None:

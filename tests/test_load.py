@@ -4,7 +4,7 @@ tests/keepalive_server.py, a timing-controlled OpenAI-style server)."""
 
 from __future__ import annotations
 
-import asyncio
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -107,6 +107,7 @@ def test_merged_profile_off_and_empty() -> None:
 
 # -- the client's reading of a response --------------------------------------------------------
 
+
 def chunk(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
@@ -148,7 +149,9 @@ def test_a_sized_response_ends_at_its_length() -> None:
 # -- the summary --------------------------------------------------------------------------------
 
 
-def call(send_ms: float, ttft: float, total: float, *, window: str = "measured", **extra: object) -> dict[str, object]:
+def call(
+    send_ms: float, ttft: float, total: float, *, window: str = "measured", **extra: object
+) -> dict[str, object]:
     record: dict[str, object] = {
         "send_ms": send_ms,
         "scheduled_send_ms": send_ms,
@@ -170,7 +173,9 @@ def test_the_summary_counts_only_the_measured_window() -> None:
     calls = [call(0.0, 10.0, 100.0, window="warmup")]
     calls += [call(100.0 * i, 10.0 + i, 1000.0) for i in range(10)]
     calls += [call(1000.0, 5.0, 50.0, window="cooldown")]
-    calls += [call(500.0, 5.0, 5.0, error="stream did not finish within 1 s", finish_reason="error")]
+    calls += [
+        call(500.0, 5.0, 5.0, error="stream did not finish within 1 s", finish_reason="error")
+    ]
     summary = summarize_point(calls, offered_rate=10.0, slo=Slo(ttft_ms=15.0), max_send_lag_ms=1.0)
     assert summary["requests"] == 11 and summary["ok"] == 10
     assert summary["errors"] == 1 and summary["timeouts"] == 1
@@ -338,6 +343,6 @@ def test_load_cases_run_end_to_end_and_write_their_records(pytester: pytest.Pyte
         )
     # The open loop's schedule: Poisson gaps of mean 1/50 s, the same on every run (seed 0).
     due = sorted(c["scheduled_send_ms"] for c in calls if c["load_point"] == "r50")
-    assert 5 < statistics.mean(b - a for a, b in zip(due, due[1:])) < 60
+    assert 5 < statistics.mean(b - a for a, b in itertools.pairwise(due)) < 60
     end = records[-1]
     assert end["type"] == "end" and end["calls"] == len(calls)

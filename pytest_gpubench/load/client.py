@@ -50,7 +50,8 @@ class RawResponse:
 
 
 def stamped_lines(pieces: Sequence[tuple[int, bytes]]) -> list[Line]:
-    """Split stamped body pieces into lines; a line keeps the stamp of the piece it began in."""
+    """Split stamped body pieces into lines, blank ones left out; a line keeps the stamp of the
+    piece it began in."""
     lines: list[Line] = []
     pending = b""
     pending_ns = 0
@@ -63,7 +64,8 @@ def stamped_lines(pieces: Sequence[tuple[int, bytes]]) -> list[Line]:
             if newline < 0:
                 break
             text = pending + data[start:newline] if pending else data[start:newline]
-            lines.append(Line(pending_ns, text.rstrip(b"\r")))
+            if text and text != b"\r":  # blank lines only separate events: no parser reads them
+                lines.append(Line(pending_ns, text.rstrip(b"\r")))
             pending = b""
             pending_ns = arrived
             start = newline + 1
@@ -133,13 +135,21 @@ class _ResponseReader:
         self.response.keep_alive = not closes and (self.chunked or self.remaining >= 0)
 
     def _chunks(self, arrived: int, buffer: bytes) -> None:
-        pieces = self.response.pieces
+        """Decode the chunks of one read; their data becomes one piece with the read's stamp."""
+        parts: list[bytes] = []
+        try:
+            self._decode(buffer, parts)
+        finally:
+            if parts:
+                self.response.pieces.append((arrived, b"".join(parts)))
+
+    def _decode(self, buffer: bytes, parts: list[bytes]) -> None:
         position = 0
         size = len(buffer)
         while position < size:
             if self.remaining > 0:
                 piece = buffer[position : position + self.remaining]
-                pieces.append((arrived, piece))
+                parts.append(piece)
                 self.remaining -= len(piece)
                 position += len(piece)
                 continue

@@ -1,0 +1,171 @@
+"""Load cases against the real llama-server serving the tiny model with 4 slots: throughput
+rises with concurrency, every request gets max_tokens, an open loop keeps its Poisson schedule,
+the engine's own token counter agrees with the client's, and the gate fails a load point whose
+throughput a pacing proxy halved (tests/pacing_proxy.py) while passing an unchanged one."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pacing_proxy import PacingProxy, pacing_proxy
+
+from pytest_gpubench.engines.managed import ManagedLlamaServer
+from pytest_gpubench.targets.local import LocalTarget
+
+MAX_TOKENS = 32
+PROMPTS = (
+    f"prompts:\n  P-LOAD: {{intent: load, prompt: 'Count to ten.', max_tokens: {MAX_TOKENS}}}\n"
+)
+TEST_FILE = (Path(__file__).parent.parent / "benchmarks" / "test_inference.py").read_text()
+
+
+def ledger_records(root: Path) -> list[dict[str, Any]]:
+    (ledger,) = sorted((root / "runs").glob("*.jsonl"))[-1:]
+    return [json.loads(line) for line in ledger.read_text().splitlines()]
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess(
+        "--force-load", "--allow-dirty", "-p", "no:cacheprovider", "-m", "load", *args
+    )
+
+
+def managed_cell(load: str) -> str:
+    return (
+        "nodes: {local: {kind: local}}\ncells:\n"
+        "  - {node: local, engine: llamacpp, model: tiny, parallel: 4,"
+        f" server_args: [--threads, '1'], load: {{{load}}}}}\n"
+    )
+
+
+def test_throughput_rises_with_concurrency_and_every_request_gets_max_tokens(
+    pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
+) -> None:
+    pytester.makefile(
+        ".yaml", prompts=PROMPTS, cells=managed_cell("concurrency: [1, 2, 4], duration_s: 3")
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    result = run(pytester)
+    result.assert_outcomes(passed=3)
+    records = ledger_records(pytester.path)
+    loads = {r["load_point"]: r for r in records if r["type"] == "load"}
+    calls = [r for r in records if r["type"] == "call"]
+    throughput = [loads[p]["output_tokens_per_sec"] for p in ("c1", "c2", "c4")]
+    print("output tokens/s at concurrency 1, 2, 4:", throughput)
+    assert throughput[0] < throughput[1] < throughput[2], throughput
+    assert all(r["error"] is None for r in calls)
+    # ignore_eos: every request generates exactly max_tokens, by the engine's count and ours.
+    assert {r["completion_tokens"] for r in calls} == {MAX_TOKENS}
+    assert {r["client_chunks"] for r in calls} == {MAX_TOKENS}
+    for point, load in loads.items():
+        assert load["valid"], load["invalid_reason"]
+        # The engine's own counter (llama-server --metrics) over the point equals the client's.
+        assert (
+            load["engine_counters"]["llamacpp:tokens_predicted_total"]
+            == load["client_completion_tokens"]
+        ), point
+    samples = [r for r in records if r["type"] == "sample" and r.get("engine")]
+    assert {s["load_point"] for s in samples} == {"c1", "c2", "c4"}
+    busy = max(v or 0 for s in samples for v in s["engine"]["llamacpp:requests_processing"])
+    assert busy >= 3  # the gauge saw the slots in use at concurrency 4
+    result.stdout.fnmatch_lines(["load: local:llamacpp:tiny", "*P-LOAD*c4*ok"])
+
+
+def test_a_poisson_run_records_its_schedule_and_keeps_it(
+    pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
+) -> None:
+    pytester.makefile(
+        ".yaml", prompts=PROMPTS, cells=managed_cell("rate: [4], arrival: poisson, duration_s: 5")
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    result = run(pytester)
+    result.assert_outcomes(passed=1)
+    records = ledger_records(pytester.path)
+    (load,) = [r for r in records if r["type"] == "load"]
+    calls = [r for r in records if r["type"] == "call"]
+    print(
+        "send lag p50/p99/max ms:",
+        load["send_lag_ms_p50"],
+        load["send_lag_ms_p99"],
+        load["send_lag_ms_max"],
+    )
+    assert load["pattern"] == "open" and load["arrival"] == "poisson" and load["rate"] == 4
+    assert len(calls) == load["requests"] >= 8
+    for call in calls:
+        assert call["scheduled_send_ms"] <= call["send_ms"]
+        assert call["send_lag_ms"] == pytest.approx(
+            call["send_ms"] - call["scheduled_send_ms"], abs=1e-3
+        )
+    scheduled = [c["scheduled_send_ms"] for c in sorted(calls, key=lambda c: c["request_idx"])]
+    gaps = [b - a for a, b in itertools.pairwise(scheduled)]
+    assert len(set(round(g, 1) for g in gaps)) > len(gaps) // 2  # Poisson, not constant
+    assert load["send_lag_ms_p99"] < 1.0
+    assert load["valid"]
+
+
+@pytest.fixture(scope="module")
+def four_slot_server(
+    llama_server: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    target = LocalTarget()
+    managed = ManagedLlamaServer(
+        target,
+        cell_id="local:llamacpp:tiny",
+        binary=str(llama_server),
+        model_path=str(tiny_model),
+        alias="tiny",
+        log_dir=str(tmp_path_factory.mktemp("llama-log")),
+        extra_args=("--threads", "1"),
+        parallel=4,
+        metrics=True,
+    )
+    try:
+        yield managed.start()
+    finally:
+        managed.stop()
+        target.close()
+
+
+@pytest.fixture
+def proxy(four_slot_server: str) -> Iterator[PacingProxy]:
+    with pacing_proxy(four_slot_server) as running:
+        yield running
+
+
+def test_a_halved_throughput_at_concurrency_4_fails_the_gate_and_an_unchanged_one_passes(
+    pytester: pytest.Pytester, proxy: PacingProxy
+) -> None:
+    pytester.makefile(
+        ".yaml",
+        prompts=PROMPTS,
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, endpoint: '{proxy.url}',"
+        " load: {concurrency: [4], duration_s: 4}}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    baseline = run(pytester, "--baseline-update")
+    assert baseline.ret == 0, baseline.stdout.str()[-3000:]
+    assert (pytester.path / "baselines" / "load" / "local_llamacpp_tiny.json").exists()
+    (measured,) = [r for r in ledger_records(pytester.path) if r["type"] == "load"]
+
+    unchanged = run(pytester)
+    assert unchanged.ret == 0, unchanged.stdout.str()[-3000:]
+
+    # Each content event waits twice the engine's own inter-token time at this load.
+    proxy.gap_s = 2 * measured["itl_ms_p50"] / 1000.0
+    halved = run(pytester)
+    text = halved.stdout.str()
+    assert halved.ret == 6, text[-3000:]
+    (load,) = [r for r in ledger_records(pytester.path) if r["type"] == "load"]
+    assert load["output_tokens_per_sec"] < 0.7 * measured["output_tokens_per_sec"]
+    halved.stdout.fnmatch_lines(
+        [
+            "REGRESSION: local:llamacpp:tiny P-LOAD@load-c4: output tokens/s -*",
+            "*load regression(s)*",
+        ]
+    )
