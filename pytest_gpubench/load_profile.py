@@ -87,6 +87,9 @@ class LoadProfile(_Strict):
     # A case whose requests went out later than this after their scheduled time (p99) is
     # invalid: the client could not keep the schedule, and its figures would understate latency.
     max_send_lag_ms: PositiveFloat = 10.0
+    # Client processes sharing each point (one process may not keep up with a fast engine):
+    # each sends its share (streams, or rate/N) and reports its own send lag.
+    processes: Annotated[int, Field(ge=1, le=64)] = 1
     slo: Slo | None = None
     thresholds: LoadThresholds = LoadThresholds()
 

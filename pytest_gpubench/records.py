@@ -172,6 +172,7 @@ def load_call_record(
     scheduled_send_ms: float,
     send_ms: float,
     send_lag_ms: float,
+    process: int | None = None,
 ) -> dict[str, Any]:
     """A call record of a load case (`call`'s fields first), with its load point, the window it
     was sent in (warmup, measured, cooldown), and when it was due and went out, in ms from the
@@ -184,6 +185,8 @@ def load_call_record(
         "scheduled_send_ms": scheduled_send_ms,
         "send_ms": send_ms,
         "send_lag_ms": send_lag_ms,
+        # The client process that sent it (`processes: N`), or None with one.
+        "process": process,
     }
 
 

@@ -346,3 +346,79 @@ def test_load_cases_run_end_to_end_and_write_their_records(pytester: pytest.Pyte
     assert 5 < statistics.mean(b - a for a, b in itertools.pairwise(due)) < 60
     end = records[-1]
     assert end["type"] == "end" and end["calls"] == len(calls)
+
+
+def test_markers_select_load_cases_apart_from_cold_and_warm(pytester: pytest.Pytester) -> None:
+    pytester.makefile(".yaml", prompts=PROMPTS)
+    pytester.makefile(
+        ".yaml",
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        "  - {node: local, engine: openai, model: m, endpoint: 'http://127.0.0.1:9', runs: 2,"
+        " load: {concurrency: [2], rate: [1], duration_s: 1}}\n",
+    )
+    pytester.makepyfile(test_bench="def test_generate(gpubench_case):\n    gpubench_case.run()\n")
+    warm = pytester.runpytest("--collect-only", "-q", "-m", "warm", "-p", "no:cacheprovider")
+    load = pytester.runpytest("--collect-only", "-q", "-m", "load", "-p", "no:cacheprovider")
+    everything = pytester.runpytest("--collect-only", "-q", "-p", "no:cacheprovider")
+    assert [line for line in warm.outlines if "load" in line and "::" in line] == []
+    load.stdout.fnmatch_lines(
+        [
+            "test_bench.py::test_generate[[]local:openai:m-P-EASY-load-c2[]]",
+            "test_bench.py::test_generate[[]local:openai:m-P-EASY-load-r1[]]",
+            "2/5 tests collected (3 deselected)*",
+        ]
+    )
+    everything.stdout.fnmatch_lines(["5 tests collected*"])
+
+
+def test_the_markdown_report_has_a_load_table_per_cell() -> None:
+    from pytest_gpubench.report import render_markdown
+
+    point = load([1000.0] * 3, [10.0, 11.0, 12.0])
+    point.update(
+        achieved_rate=12.5, ttft_ms_p50=10.5, ok=30, errors=1, timeouts=0, send_lag_ms_p99=0.2,
+        send_lag_ms_max=0.4, offered_rate=None, goodput_rate=None, e2e_ms_p99=80.0,
+    )  # fmt: skip
+    late = dict(point, load_point="r50", valid=False, invalid_reason="send lag p99 12 ms > 10 ms")
+    text = render_markdown([{"type": "meta"}, point, late])
+    assert "## c\n" in text and "### Load" in text
+    rows = {
+        line.split("|")[2].strip(): line for line in text.splitlines() if line.startswith("| P ")
+    }
+    assert set(rows) == {"c4", "r50"}
+    assert "12.50" in rows["c4"] and "30 / 1 / 0" in rows["c4"] and "| ok" in rows["c4"]
+    assert "INVALID: send lag p99 12 ms > 10 ms" in rows["r50"]
+
+
+def test_processes_share_a_point_and_each_reports_its_send_lag(pytester: pytest.Pytester) -> None:
+    with keepalive_server() as server:
+        pytester.makefile(".yaml", prompts=PROMPTS)
+        pytester.makefile(
+            ".yaml",
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"
+            " load: {concurrency: [4], rate: [40], arrival: constant, requests: 20,"
+            " processes: 2}}\n",
+        )
+        pytester.makepyfile(
+            test_bench="def test_generate(gpubench_case):\n    gpubench_case.run()\n"
+        )
+        result = pytester.runpytest_subprocess(
+            "--force-load", "-p", "no:cacheprovider", "-m", "load"
+        )
+    result.assert_outcomes(passed=2)
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    for point in ("c4", "r40"):
+        (summary,) = [r for r in records if r["type"] == "load" and r["load_point"] == point]
+        calls = [r for r in records if r["type"] == "call" and r["load_point"] == point]
+        assert summary["requests"] == summary["ok"] == len(calls) == 20
+        assert {c["process"] for c in calls} == {0, 1}
+        rows = summary["send_lag_by_process"]
+        assert [row["process"] for row in rows] == [0, 1]
+        assert [row["requests"] for row in rows] == [10, 10]
+    # Two constant schedules at 20/s, interleaved: one at 40/s.
+    due = sorted(
+        r["scheduled_send_ms"] for r in records if r["type"] == "call" and r["load_point"] == "r40"
+    )
+    assert [round(b - a, 1) for a, b in itertools.pairwise(due)] == [25.0] * 19

@@ -31,6 +31,8 @@ class Sent:
     scheduled_ns: int
     sent_ns: int
     measurement: CallMeasurement
+    # Which of the point's client processes sent it (`processes: N`; 0 with one).
+    process: int = 0
 
     @property
     def send_lag_ms(self) -> float:
@@ -82,9 +84,10 @@ class Bounds:
 class LoadRun:
     """Sends the requests of one load point and keeps every one it sent."""
 
-    def __init__(self, target: Target, profile: LoadProfile) -> None:
+    def __init__(self, target: Target, profile: LoadProfile, process: int = 0) -> None:
         self.target = target
         self.profile = profile
+        self.process = process
         self.pool = ConnectionPool(target.endpoint, connect_timeout_s=min(target.timeout_s, 10.0))
         self.sent: list[Sent] = []
         self.bounds = Bounds(profile, time.perf_counter_ns())
@@ -94,8 +97,12 @@ class LoadRun:
     async def open(self, connections: int) -> None:
         """Open the connections the point needs before its clock starts."""
         await self.pool.fill(connections)
-        self.started_ns = time.perf_counter_ns()
-        self.bounds = Bounds(self.profile, self.started_ns)
+        self.start(time.perf_counter_ns())
+
+    def start(self, started_ns: int) -> None:
+        """Start the point's clock (processes of one point share one start)."""
+        self.started_ns = started_ns
+        self.bounds = Bounds(self.profile, started_ns)
 
     def window(self) -> Window | None:
         return self.bounds.window(time.perf_counter_ns())
@@ -110,11 +117,11 @@ class LoadRun:
             raw = await connection.exchange(target.request, target.timeout_s)
         except StreamError as exc:
             measurement = CallMeasurement(backend=target.backend, error=str(exc))
-            self.sent.append(Sent(index, window, scheduled_ns, sent_ns, measurement))
+            self.sent.append(Sent(index, window, scheduled_ns, sent_ns, measurement, self.process))
             return
         measurement = measure_response(target.backend, raw.streamed(), parse_openai_sse)
         self.pool.give_back(connection, raw.keep_alive and measurement.error is None)
-        self.sent.append(Sent(index, window, scheduled_ns, raw.sent_ns, measurement))
+        self.sent.append(Sent(index, window, scheduled_ns, raw.sent_ns, measurement, self.process))
 
     async def close(self) -> None:
         await self.pool.close()

@@ -36,6 +36,8 @@ class OpenLoop:
     arrival: str = "poisson"
     burstiness: float = 1.0
     seed: int = 0
+    # The first send, after the point's start (the processes of a constant schedule interleave).
+    offset_s: float = 0.0
 
     @property
     def connections(self) -> int:
@@ -47,7 +49,7 @@ class OpenLoop:
 
     async def drive(self, run: LoadRun) -> None:
         in_flight: set[asyncio.Task[None]] = set()
-        due_ns = run.started_ns
+        due_ns = run.started_ns + int(self.offset_s * 1e9)
         # The first request goes out at the start; each later one a gap after the one before.
         gaps = arrival_gaps(self.rate, self.arrival, self.burstiness, self.seed)
         while True:

@@ -15,7 +15,8 @@ from pytest_gpubench.cases import Case
 from pytest_gpubench.load import LoadPattern, make_pattern, pattern_facts
 from pytest_gpubench.load.driver import LoadRun, Sent, Target, build_target
 from pytest_gpubench.load.gauges import GaugeScraper
-from pytest_gpubench.load.summary import summarize_point
+from pytest_gpubench.load.processes import run_in_processes
+from pytest_gpubench.load.summary import percentile, summarize_point
 from pytest_gpubench.load.synthetic import synthetic_prompt
 from pytest_gpubench.load_profile import LoadProfile
 from pytest_gpubench.matrix import Cell, Matrix, Prompt, RequestShape
@@ -115,12 +116,22 @@ class _Recorder:
         before = await scraper.scrape()
         stop = asyncio.Event()
         scraping: asyncio.Task[None] | None = None
+        if before is not None:
+            scraper.samples.counters_before = before[1]
         try:
-            await run.open(pattern.connections)
-            if before is not None:
-                scraper.samples.counters_before = before[1]
-                scraping = asyncio.create_task(scraper.run(run.started_ns, stop))
-            await pattern.drive(run)
+            if self.profile.processes > 1:
+                started_ns = time.perf_counter_ns()
+                scraping = asyncio.create_task(scraper.run(started_ns, stop)) if before else None
+                started_ns, sent = await asyncio.to_thread(
+                    run_in_processes, target, self.profile, pattern
+                )
+            else:
+                await run.open(pattern.connections)
+                started_ns = run.started_ns
+                if before is not None:
+                    scraping = asyncio.create_task(scraper.run(started_ns, stop))
+                await pattern.drive(run)
+                sent = run.sent
         finally:
             stop.set()
             if scraping is not None:
@@ -129,7 +140,7 @@ class _Recorder:
         after = await scraper.scrape() if before is not None else None
         if after is not None:
             scraper.samples.counters_after = after[1]
-        calls = [self._call(point, run.started_ns, wall_ns, sent) for sent in run.sent]
+        calls = [self._call(point, started_ns, wall_ns, item) for item in sent]
         summary = summarize_point(
             calls,
             offered_rate=pattern.offered_rate,
@@ -146,6 +157,10 @@ class _Recorder:
             started_at_utc=started,
             summary={
                 **summary,
+                "processes": self.profile.processes,
+                "send_lag_by_process": _lag_by_process(calls)
+                if self.profile.processes > 1
+                else None,
                 # Every request of the point (warm-up and cool-down too) against the engine's
                 # own counters over the same span (None where it exposes none).
                 "client_completion_tokens": sum(
@@ -195,4 +210,26 @@ class _Recorder:
             scheduled_send_ms=round((sent.scheduled_ns - started_ns) / 1e6, 4),
             send_ms=round((sent.sent_ns - started_ns) / 1e6, 4),
             send_lag_ms=sent.send_lag_ms,
+            process=sent.process if self.profile.processes > 1 else None,
         )
+
+
+def _lag_by_process(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each client process's own send lag (p50, p99, max ms) over the measured window."""
+    rows = []
+    for process in sorted({call["process"] for call in calls}):
+        lags = [
+            float(call["send_lag_ms"])
+            for call in calls
+            if call["process"] == process and call["load_window"] == "measured"
+        ]
+        rows.append(
+            {
+                "process": process,
+                "requests": len(lags),
+                "send_lag_ms_p50": percentile(lags, 50),
+                "send_lag_ms_p99": percentile(lags, 99),
+                "send_lag_ms_max": max(lags) if lags else None,
+            }
+        )
+    return rows
