@@ -394,8 +394,25 @@ class Harness:
         its requests (and a sweep's per-step load records)."""
         from pytest_gpubench.load.runner import run_load_case
 
-        outcome = run_load_case(self.cells[case.cell_id], self.matrix, case, self.run_id)
-        return self.scrub.record(outcome.record), [self.scrub.record(r) for r in outcome.others]
+        live = self.cells[case.cell_id]
+        window = self._begin_sampling(live)
+        outcome = run_load_case(live, self.matrix, case, self.run_id)
+        samples = self._end_sampling(live, window)
+        others = list(outcome.others)
+        if samples is not None:
+            others.append(
+                sample_record(
+                    run_id=self.run_id,
+                    cell=live.cell,
+                    case=case,
+                    interval_ms=samples.interval_ms,
+                    gpu_source=samples.gpu_source,
+                    cpu_source=samples.cpu_source,
+                    columns=sample_columns(samples),
+                    notes=samples.notes,
+                )
+            )
+        return self.scrub.record(outcome.record), [self.scrub.record(r) for r in others]
 
     def measure(
         self,

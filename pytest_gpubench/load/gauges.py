@@ -102,6 +102,21 @@ class GaugeScraper:
             self._note(f"/metrics is not Prometheus text: {exc}")
             return None
 
+    async def settled_counters(self, timeout_s: float = 3.0) -> dict[str, float] | None:
+        """The token counters once two reads 100 ms apart agree (an engine may count a step
+        after its reply went out), or the last read at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        last: dict[str, float] | None = None
+        while True:
+            page = await self.scrape()
+            if page is None:
+                return last
+            counters = {name: page[1][name] for name in TOKEN_COUNTERS if name in page[1]}
+            if counters == last or time.monotonic() > deadline:
+                return page[1]
+            last = counters
+            await asyncio.sleep(0.1)
+
     def _note(self, note: str) -> None:
         if note not in self.samples.notes:
             self.samples.notes.append(note)

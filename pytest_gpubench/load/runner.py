@@ -137,9 +137,9 @@ class _Recorder:
             if scraping is not None:
                 await scraping
             await run.close()
-        after = await scraper.scrape() if before is not None else None
+        after = await scraper.settled_counters() if before is not None else None
         if after is not None:
-            scraper.samples.counters_after = after[1]
+            scraper.samples.counters_after = after
         calls = [self._call(point, started_ns, wall_ns, item) for item in sent]
         summary = summarize_point(
             calls,
