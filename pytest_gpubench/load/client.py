@@ -78,6 +78,11 @@ def stamped_lines(pieces: Sequence[tuple[int, bytes]]) -> list[Line]:
     return lines
 
 
+class DroppedConnection(StreamError):
+    """The server closed the connection without a byte of answer: on a reused connection, it
+    had dropped it before the request (the request may be sent again on a new one)."""
+
+
 class _ResponseReader:
     """An HTTP/1.1 response parser fed with stamped reads: head, then a chunked, sized or
     close-delimited body. `done` once the response has ended."""
@@ -181,6 +186,8 @@ class _ResponseReader:
             self.done = True
             self.response.keep_alive = False
             return
+        if self.response.reads == 0:
+            raise DroppedConnection("the server closed the connection without an answer")
         raise StreamError(
             f"stream broke after {self.response.reads} reads: the server closed the connection "
             "before the end of its response"
@@ -195,6 +202,7 @@ class StreamConnection(asyncio.Protocol):
         self._reader: _ResponseReader | None = None
         self._done: asyncio.Future[RawResponse] | None = None
         self.lost = False
+        self.exchanges = 0
 
     @classmethod
     async def open(cls, endpoint: Endpoint, timeout_s: float) -> StreamConnection:
@@ -249,6 +257,9 @@ class StreamConnection(asyncio.Protocol):
     async def exchange(self, request: bytes, timeout_s: float) -> RawResponse:
         """Send one request and wait for the end of its response (at most `timeout_s`)."""
         assert self.transport is not None
+        if self.lost:
+            raise DroppedConnection("the connection was closed before the request")
+        self.exchanges += 1
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         response = RawResponse(sent_ns=time.perf_counter_ns())
@@ -291,6 +302,7 @@ class ConnectionPool:
         self.connect_timeout_s = connect_timeout_s
         self.idle: list[StreamConnection] = []
         self.opened = 0
+        self.server_closes = False
         self._replacing: set[asyncio.Future[None]] = set()
 
     async def fill(self, count: int) -> None:
@@ -308,19 +320,30 @@ class ConnectionPool:
             connection = self.idle.pop()
             if connection.usable:
                 return connection
+            if connection.exchanges:
+                self.dropped()  # the server closed a connection after its reply
         return await self._open()
 
     def give_back(self, connection: StreamConnection, keep: bool) -> None:
-        """A connection the server keeps goes back to the idle ones; one it closes (llama-server
-        closes after every streamed reply) is replaced now, in the background, so that the
-        next request finds one open and its send is not late by a connect."""
-        if keep and connection.usable:
+        """A connection the server keeps goes back to the idle ones. A server that closes its
+        connection after each reply (llama-server does, though it answers `Keep-Alive`) gets a
+        fresh one opened now, in the background, so the next request finds one ready and its
+        send is not late by a connect."""
+        if keep and connection.usable and not self.server_closes:
             self.idle.append(connection)
             return
         connection.close()
-        task = asyncio.ensure_future(self._replace())
-        self._replacing.add(task)
-        task.add_done_callback(self._replacing.discard)
+        if self.server_closes:
+            task = asyncio.ensure_future(self._replace())
+            self._replacing.add(task)
+            task.add_done_callback(self._replacing.discard)
+
+    def dropped(self) -> None:
+        """A kept connection was found closed on reuse: from now on none is reused."""
+        self.server_closes = True
+        for idle in self.idle:
+            idle.close()
+        self.idle.clear()
 
     async def _replace(self) -> None:
         with contextlib.suppress(StreamError):
@@ -329,8 +352,7 @@ class ConnectionPool:
     async def close(self) -> None:
         for task in list(self._replacing):
             task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*self._replacing, return_exceptions=True)
+        await asyncio.gather(*self._replacing, return_exceptions=True)
         for connection in self.idle:
             connection.close()
         self.idle.clear()

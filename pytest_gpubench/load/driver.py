@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pytest_gpubench.engines import measure_response, parse_openai_sse
-from pytest_gpubench.load.client import ConnectionPool, request_bytes
+from pytest_gpubench.load.client import ConnectionPool, DroppedConnection, request_bytes
 from pytest_gpubench.load_profile import LoadProfile
 from pytest_gpubench.measure import CallMeasurement, Endpoint, StreamError
 
@@ -112,14 +112,29 @@ class LoadRun:
         target = self.target
         index, self.next_index = self.next_index, self.next_index + 1
         sent_ns = time.perf_counter_ns()
+        reconnected = False
         try:
             connection = await self.pool.take()
-            raw = await connection.exchange(target.request, target.timeout_s)
+            try:
+                raw = await connection.exchange(target.request, target.timeout_s)
+            except DroppedConnection:
+                if connection.exchanges <= 1 and not connection.lost:
+                    raise
+                # A kept connection the server had closed: sent again on a new one, once; the
+                # send lag counts the lost attempt.
+                self.pool.dropped()
+                reconnected = True
+                connection = await self.pool.take()
+                raw = await connection.exchange(target.request, target.timeout_s)
         except StreamError as exc:
             measurement = CallMeasurement(backend=target.backend, error=str(exc))
             self.sent.append(Sent(index, window, scheduled_ns, sent_ns, measurement, self.process))
             return
         measurement = measure_response(target.backend, raw.streamed(), parse_openai_sse)
+        measurement.reconnected = reconnected
+        measurement.connection_reused = connection.exchanges > 1
+        if not raw.keep_alive:
+            self.pool.server_closes = True
         self.pool.give_back(connection, raw.keep_alive and measurement.error is None)
         self.sent.append(Sent(index, window, scheduled_ns, raw.sent_ns, measurement, self.process))
 

@@ -4,6 +4,7 @@ sweep), then its records: a `call` record per request and a `load` record per lo
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from collections.abc import Mapping
@@ -52,7 +53,21 @@ def load_prompt(matrix: Matrix, cell: Cell, prompt_id: str) -> tuple[Prompt, Req
 
 
 def run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> LoadOutcome:
-    """Warm the engine up with the case's request, then run its load point."""
+    """Warm the engine up with the case's request, then run its load point, with Python's
+    cyclic garbage collector held off: a full collection in a pytest process takes milliseconds,
+    and a send due then would go out that late (the client's allocations are freed by reference
+    counting all the same)."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        return _run_load_case(live, matrix, case, run_id)
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def _run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> LoadOutcome:
     cell = live.cell
     profile = cell.load
     assert profile is not None and case.load_point is not None and live.engine is not None
@@ -145,7 +160,9 @@ class _Recorder:
             calls,
             offered_rate=pattern.offered_rate,
             slo=self.profile.slo,
-            max_send_lag_ms=self.profile.max_send_lag_ms,
+            max_send_lag_ms=(
+                self.profile.max_send_lag_ms if pattern.offered_rate is not None else None
+            ),
         )
         record = load_record(
             run_id=self.run_id,

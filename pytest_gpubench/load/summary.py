@@ -114,10 +114,14 @@ def summarize_point(
     *,
     offered_rate: float | None,
     slo: Slo | None,
-    max_send_lag_ms: float,
+    max_send_lag_ms: float | None,
 ) -> dict[str, Any]:
     """The summary of one load point from all of its call records; only those sent in the
-    measured window count (warm-up and cool-down ones are kept in the ledger, not here)."""
+    measured window count (warm-up and cool-down ones are kept in the ledger, not here).
+
+    `max_send_lag_ms` bounds an open loop's send lag (None for a closed loop: it has no
+    schedule to keep; its send lag, the time from a stream's last reply to its next request, is
+    reported all the same)."""
     measured = [call for call in calls if call.get("load_window") == "measured"]
     ok = [call for call in measured if is_ok(call)]
     sends = _numbers(measured, "send_ms")
@@ -191,11 +195,11 @@ def _goodput(
     }
 
 
-def _invalid(summary: Mapping[str, Any], max_send_lag_ms: float) -> str | None:
+def _invalid(summary: Mapping[str, Any], max_send_lag_ms: float | None) -> str | None:
     """Why the point is no result: the client could not keep its schedule, or nothing came
     back."""
     lag = summary.get("send_lag_ms_p99")
-    if lag is not None and lag > max_send_lag_ms:
+    if lag is not None and max_send_lag_ms is not None and lag > max_send_lag_ms:
         return (
             f"send lag p99 {lag:g} ms > {max_send_lag_ms:g} ms (max_send_lag_ms): the client "
             "could not keep its schedule; its latencies would understate what a user sees"
