@@ -28,7 +28,6 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import httpx
 
-from pytest_gpubench.engines import measure_response, parse_openai_sse
 from pytest_gpubench.load.client import StreamConnection, request_bytes, stamped_lines
 from pytest_gpubench.load.closed_loop import ClosedLoop
 from pytest_gpubench.load.driver import LoadRun, build_target
@@ -172,7 +171,9 @@ async def httpx_ttft(url: str, requests: int) -> list[float]:
     errors = []
     async with httpx.AsyncClient(timeout=10) as client:
         for _ in range(requests + 5):
-            async with client.stream("POST", f"{url}/v1/chat/completions", content=BODY) as response:
+            async with client.stream(
+                "POST", f"{url}/v1/chat/completions", content=BODY
+            ) as response:
                 first: list[int] = []
                 lines = []
                 async for line in response.aiter_lines():
@@ -200,9 +201,7 @@ async def gpubench_ceiling(url: str, streams: int, seconds: float) -> float:
     return sum(sent.measurement.client_chunks for sent in run.sent) / elapsed
 
 
-async def _ceiling(
-    streams: int, seconds: float, one: Callable[[], Awaitable[int]]
-) -> float:
+async def _ceiling(streams: int, seconds: float, one: Callable[[], Awaitable[int]]) -> float:
     deadline = time.perf_counter() + seconds
     started = time.perf_counter()
 
@@ -221,7 +220,7 @@ async def aiohttp_ceiling(url: str, streams: int, seconds: float) -> float:
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def one() -> int:
-            tokens, first = 0, []
+            tokens, first = 0, list[int]()
             async with session.post(f"{url}/v1/chat/completions", data=BODY) as response:
                 async for line in response.content:
                     tokens += _count(line.strip(), first, time.perf_counter_ns())
@@ -235,8 +234,10 @@ async def httpx_ceiling(url: str, streams: int, seconds: float) -> float:
     async with httpx.AsyncClient(timeout=30, limits=limits) as client:
 
         async def one() -> int:
-            tokens, first = 0, []
-            async with client.stream("POST", f"{url}/v1/chat/completions", content=BODY) as response:
+            tokens, first = 0, list[int]()
+            async with client.stream(
+                "POST", f"{url}/v1/chat/completions", content=BODY
+            ) as response:
                 async for line in response.aiter_lines():
                     tokens += _count(line.encode(), first, time.perf_counter_ns())
             return tokens
@@ -256,8 +257,10 @@ def main() -> None:
     url = f"http://127.0.0.1:{ports.get(timeout=10)}"
     print(f"load average before: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
     try:
-        print(f"\nTTFT error at 1 stream, ms (client first-content arrival - server first write), "
-              f"{args.ttft_requests} requests, kept-alive connection:")
+        print(
+            f"\nTTFT error at 1 stream, ms (client first-content arrival - server first write), "
+            f"{args.ttft_requests} requests, kept-alive connection:"
+        )
         ttft = {
             "raw socket (floor)": raw_socket_ttft(url, args.ttft_requests),
             "pytest-gpubench load client": asyncio.run(gpubench_ttft(url, args.ttft_requests)),
@@ -270,7 +273,9 @@ def main() -> None:
             ordered = sorted(errors)
             p50, p90 = statistics.median(ordered), ordered[int(len(ordered) * 0.9)]
             print(f"{name:32} {p50:8.3f} {p90:8.3f} {p50 - floor:12.3f}")
-        print(f"\nceiling output tokens/s ({args.tokens} tokens per reply, {args.seconds:g} s each):")
+        print(
+            f"\nceiling output tokens/s ({args.tokens} tokens per reply, {args.seconds:g} s each):"
+        )
         print(f"{'client':32} {'1 stream':>10} {'16 streams':>11} {'64 streams':>11}")
         clients = {
             "pytest-gpubench load client": gpubench_ceiling,

