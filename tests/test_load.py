@@ -24,6 +24,7 @@ from pytest_gpubench.load_profile import LoadProfile, LoadThresholds, Slo, merge
 from pytest_gpubench.matrix import load_matrix
 
 PROMPTS = "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 8}\n"
+TEST_GENERATE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
 
 
 def matrix_of(tmp_path: Path, cells: str) -> object:
@@ -422,3 +423,32 @@ def test_processes_share_a_point_and_each_reports_its_send_lag(pytester: pytest.
         r["scheduled_send_ms"] for r in records if r["type"] == "call" and r["load_point"] == "r40"
     )
     assert [round(b - a, 1) for a, b in itertools.pairwise(due)] == [25.0] * 19
+
+
+def test_a_sweep_runs_its_steps_and_reports_the_saturation_point(pytester: pytest.Pytester) -> None:
+    with keepalive_server() as server:
+        pytester.makefile(".yaml", prompts=PROMPTS)
+        pytester.makefile(
+            ".yaml",
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"
+            " load: {sweep: {rates: 2, max_concurrency: 4}, requests: 12,"
+            " slo: {ttft_ms: 10000}}}\n",
+        )
+        pytester.makepyfile(test_bench=TEST_GENERATE)
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
+    result.assert_outcomes(passed=1)
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    loads = [r for r in records if r["type"] == "load"]
+    (sweep,) = [r for r in loads if r["pattern"] == "sweep"]
+    steps = {r["load_point"]: r for r in loads if r["pattern"] != "sweep"}
+    low, high = steps["sweep-c1"]["achieved_rate"], steps["sweep-c4"]["achieved_rate"]
+    rates = sorted(r["rate"] for r in steps.values() if r["pattern"] == "open")
+    # Two open-loop rates evenly between one-at-a-time and as-fast-as-it-takes.
+    assert rates == pytest.approx([low + (high - low) / 3, low + 2 * (high - low) / 3], rel=1e-3)
+    assert [row["load_point"] for row in sweep["steps"]] == list(steps)
+    # Every step met the (generous) SLO: the saturation point is the highest achieved rate.
+    assert sweep["saturation_rate"] == max(r["achieved_rate"] for r in steps.values())
+    assert {c["load_point"] for c in records if c["type"] == "call"} == set(steps)
+    result.stdout.fnmatch_lines(["*P-EASY*sweep*saturation*req/s*"])
