@@ -10,7 +10,7 @@ perf_counter_ns is CLOCK_MONOTONIC, shared by both processes, so first-content a
 stamp is what a client adds to TTFT. Every client parses every event as JSON and counts the
 content tokens; tokens/s is all tokens over the wall time of the whole run.
 
-    python benchmarks_dev/load_client.py [--tokens 256] [--seconds 4] [--ttft-requests 300]
+    python benchmarks_dev/load_client.py [--tokens 256] [--seconds 4] [--ttft-requests 500]
 """
 
 from __future__ import annotations
@@ -184,6 +184,14 @@ async def httpx_ttft(url: str, requests: int) -> list[float]:
     return errors[5:]
 
 
+TTFT_CLIENTS: dict[str, Callable[[str, int], list[float]]] = {
+    "raw socket (floor)": raw_socket_ttft,
+    "pytest-gpubench load client": lambda url, n: asyncio.run(gpubench_ttft(url, n)),
+    "aiohttp": lambda url, n: asyncio.run(aiohttp_ttft(url, n)),
+    "httpx async": lambda url, n: asyncio.run(httpx_ttft(url, n)),
+}
+
+
 # -- ceiling output tokens/s --------------------------------------------------------------------
 
 
@@ -199,6 +207,51 @@ async def gpubench_ceiling(url: str, streams: int, seconds: float) -> float:
     await run.close()
     assert all(sent.measurement.error is None for sent in run.sent)
     return sum(sent.measurement.client_chunks for sent in run.sent) / elapsed
+
+
+class _RawCounter(asyncio.Protocol):
+    """Raw asyncio reads, content events counted by a byte search, no HTTP or JSON parsing: how
+    fast the server delivers, so that the clients' figures below are their own ceilings."""
+
+    def __init__(self) -> None:
+        self.done: asyncio.Future[int] | None = None
+        self.tokens = 0
+        self.tail = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        self.tokens += data.count(b'"content":"')
+        self.tail = (self.tail + data)[-5:]
+        if self.tail == b"0\r\n\r\n" and self.done is not None:
+            self.done.set_result(self.tokens)
+
+
+async def raw_asyncio_ceiling(url: str, streams: int, seconds: float) -> float:
+    endpoint = Endpoint.parse(url)
+    request = request_bytes(endpoint, "/v1/chat/completions", BODY, ())
+    loop = asyncio.get_running_loop()
+    connections = [
+        await loop.create_connection(_RawCounter, endpoint.host, endpoint.port)
+        for _ in range(streams)
+    ]
+    free = list(connections)
+
+    async def one() -> int:
+        transport, protocol = free.pop()
+        protocol.tokens, protocol.tail = 0, b""
+        protocol.done = loop.create_future()
+        transport.write(request)
+        tokens = await protocol.done
+        free.append((transport, protocol))
+        return tokens
+
+    try:
+        return await _ceiling(streams, seconds, one)
+    finally:
+        for transport, _ in connections:
+            transport.close()
 
 
 async def _ceiling(streams: int, seconds: float, one: Callable[[], Awaitable[int]]) -> float:
@@ -249,7 +302,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256, help="tokens per reply")
     parser.add_argument("--seconds", type=float, default=4.0, help="per ceiling measurement")
-    parser.add_argument("--ttft-requests", type=int, default=300)
+    parser.add_argument("--ttft-requests", type=int, default=500, help="per client, in 50s")
     args = parser.parse_args()
     ports: multiprocessing.Queue[int] = multiprocessing.Queue()
     server = multiprocessing.Process(target=_serve, args=(ports, args.tokens), daemon=True)
@@ -261,30 +314,30 @@ def main() -> None:
             f"\nTTFT error at 1 stream, ms (client first-content arrival - server first write), "
             f"{args.ttft_requests} requests, kept-alive connection:"
         )
-        ttft = {
-            "raw socket (floor)": raw_socket_ttft(url, args.ttft_requests),
-            "pytest-gpubench load client": asyncio.run(gpubench_ttft(url, args.ttft_requests)),
-            "aiohttp": asyncio.run(aiohttp_ttft(url, args.ttft_requests)),
-            "httpx async": asyncio.run(httpx_ttft(url, args.ttft_requests)),
-        }
+        # Round-robin in rounds of 50, so that every client sees the machine's same moods.
+        ttft: dict[str, list[float]] = {name: [] for name in TTFT_CLIENTS}
+        for _ in range(max(1, args.ttft_requests // 50)):
+            for name, measure in TTFT_CLIENTS.items():
+                ttft[name] += measure(url, 50)
         floor = statistics.median(ttft["raw socket (floor)"])
-        print(f"{'client':32} {'p50':>8} {'p90':>8} {'p50 - floor':>12}")
+        print(f"{'client':42} {'p50':>8} {'p90':>8} {'p50 - floor':>12}")
         for name, errors in ttft.items():
             ordered = sorted(errors)
             p50, p90 = statistics.median(ordered), ordered[int(len(ordered) * 0.9)]
-            print(f"{name:32} {p50:8.3f} {p90:8.3f} {p50 - floor:12.3f}")
+            print(f"{name:42} {p50:8.3f} {p90:8.3f} {p50 - floor:12.3f}")
         print(
             f"\nceiling output tokens/s ({args.tokens} tokens per reply, {args.seconds:g} s each):"
         )
-        print(f"{'client':32} {'1 stream':>10} {'16 streams':>11} {'64 streams':>11}")
+        print(f"{'client':42} {'1 stream':>10} {'16 streams':>11} {'64 streams':>11}")
         clients = {
+            "raw asyncio, bytes counted (server check)": raw_asyncio_ceiling,
             "pytest-gpubench load client": gpubench_ceiling,
             "aiohttp": aiohttp_ceiling,
             "httpx async": httpx_ceiling,
         }
         for name, ceiling in clients.items():
             rates = [asyncio.run(ceiling(url, streams, args.seconds)) for streams in (1, 16, 64)]
-            print(f"{name:32} " + " ".join(f"{rate:10,.0f} " for rate in rates))
+            print(f"{name:42} " + " ".join(f"{rate:10,.0f} " for rate in rates))
     finally:
         server.terminate()
     print(f"\nload average after: {os.getloadavg()[0]:.2f} (1 min)")
