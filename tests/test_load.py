@@ -452,3 +452,48 @@ def test_a_sweep_runs_its_steps_and_reports_the_saturation_point(pytester: pytes
     assert sweep["saturation_rate"] == max(r["achieved_rate"] for r in steps.values())
     assert {c["load_point"] for c in records if c["type"] == "call"} == set(steps)
     result.stdout.fnmatch_lines(["*P-EASY*sweep*saturation*req/s*"])
+
+
+def test_a_point_that_missed_its_schedule_fails_its_test_and_keeps_its_records(
+    pytester: pytest.Pytester,
+) -> None:
+    """A send lag bound no client can keep (1 µs): the point is measured, recorded and shown,
+    marked invalid with the reason, and its test fails; nothing measured is lost."""
+    with keepalive_server() as server:
+        pytester.makefile(".yaml", prompts=PROMPTS)
+        pytester.makefile(
+            ".yaml",
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"
+            " load: {rate: [40], requests: 12, max_send_lag_ms: 0.001}}\n",
+        )
+        pytester.makepyfile(
+            test_bench=(Path(__file__).parent.parent / "benchmarks/test_inference.py").read_text()
+        )
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*local:openai:m-P-EASY-load-r40: send lag p99 * ms > 0.001 ms (max_send_lag_ms)*",
+            "*INVALID local:openai:m-P-EASY-load-r40 [[]r40[]]: send lag p99*",
+        ]
+    )
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    (point,) = [r for r in records if r["type"] == "load"]
+    assert point["valid"] is False and point["requests"] == 12
+    assert "could not keep its schedule" in point["invalid_reason"]
+    assert len([r for r in records if r["type"] == "call"]) == 12
+
+
+def test_a_corrupt_load_baseline_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    from pytest_gpubench.load.baseline import load_baseline_path, read_load_baseline
+
+    path = load_baseline_path(tmp_path, "local:openai:m")
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with pytest.raises(GpubenchError, match=r"local_openai_m\.json: corrupt load baseline"):
+        read_load_baseline(tmp_path, "local:openai:m")
+    path.write_text(json.dumps({"cell_id": "other", "points": {}}))
+    with pytest.raises(GpubenchError, match="not the load baseline of local:openai:m"):
+        read_load_baseline(tmp_path, "local:openai:m")
