@@ -497,3 +497,31 @@ def test_a_corrupt_load_baseline_is_one_line_naming_the_file(tmp_path: Path) -> 
     path.write_text(json.dumps({"cell_id": "other", "points": {}}))
     with pytest.raises(GpubenchError, match="not the load baseline of local:openai:m"):
         read_load_baseline(tmp_path, "local:openai:m")
+
+
+def test_a_load_case_on_an_https_endpoint_trusts_what_the_cell_trusts(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """stunnel (tests/tls_terminator.py, a CA made for the test) in front of the keepalive
+    server: the load client connects over TLS with the cell's ca_file."""
+    from tls_terminator import stunnel, stunnel_binary
+
+    if stunnel_binary() is None:
+        pytest.skip("stunnel4 is not installed (scripts/setup-system.sh)")
+    with keepalive_server() as server, stunnel(server.url, tmp_path / "tls") as terminator:
+        pytester.makefile(".yaml", prompts=PROMPTS)
+        pytester.makefile(
+            ".yaml",
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: openai, model: m, endpoint: '{terminator.url}',"
+            f" ca_file: '{terminator.ca_file}', load: {{concurrency: [2], requests: 6}}}}\n",
+        )
+        pytester.makepyfile(test_bench=TEST_GENERATE)
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
+        handshakes = terminator.handshakes()
+    result.assert_outcomes(passed=1)
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    (point,) = [r for r in records if r["type"] == "load"]
+    assert point["ok"] == 6 and point["valid"]
+    assert handshakes >= 2  # the warm-up's connection and the load client's own

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -205,12 +206,26 @@ class StreamConnection(asyncio.Protocol):
         self.exchanges = 0
 
     @classmethod
-    async def open(cls, endpoint: Endpoint, timeout_s: float) -> StreamConnection:
+    async def open(
+        cls, endpoint: Endpoint, timeout_s: float, tls: ssl.SSLContext | None = None
+    ) -> StreamConnection:
+        """Connect (over TLS for an https:// endpoint: `tls` is the cell's context, the one its
+        single calls trust); the stamps are taken on the decrypted bytes."""
         loop = asyncio.get_running_loop()
+        secure = tls if endpoint.scheme == "https" else None
         try:
             _, protocol = await asyncio.wait_for(
-                loop.create_connection(cls, endpoint.host, endpoint.port), timeout_s
+                loop.create_connection(
+                    cls,
+                    endpoint.host,
+                    endpoint.port,
+                    ssl=secure,
+                    server_hostname=endpoint.host if secure is not None else None,
+                ),
+                timeout_s,
             )
+        except ssl.SSLError as exc:
+            raise StreamError(f"TLS handshake with {endpoint.address} failed: {exc}") from None
         except (OSError, TimeoutError) as exc:
             raise StreamError(f"cannot connect to {endpoint.address}: {exc}") from None
         return protocol
@@ -297,9 +312,15 @@ def request_bytes(
 class ConnectionPool:
     """Idle kept-alive connections to one endpoint; a dropped one is replaced when taken."""
 
-    def __init__(self, endpoint: Endpoint, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        connect_timeout_s: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.connect_timeout_s = connect_timeout_s
+        self.tls = tls
         self.idle: list[StreamConnection] = []
         self.opened = 0
         self.server_closes = False
@@ -311,7 +332,7 @@ class ConnectionPool:
             self.idle.append(await self._open())
 
     async def _open(self) -> StreamConnection:
-        connection = await StreamConnection.open(self.endpoint, self.connect_timeout_s)
+        connection = await StreamConnection.open(self.endpoint, self.connect_timeout_s, self.tls)
         self.opened += 1
         return connection
 

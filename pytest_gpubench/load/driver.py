@@ -4,6 +4,7 @@ cool-down), and sending one request at its scheduled time with the send lag stam
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import Literal
 from pytest_gpubench.engines import measure_response, parse_openai_sse
 from pytest_gpubench.load.client import ConnectionPool, DroppedConnection, request_bytes
 from pytest_gpubench.load_profile import LoadProfile
-from pytest_gpubench.measure import CallMeasurement, Endpoint, StreamError
+from pytest_gpubench.measure import CallMeasurement, Endpoint, StreamError, TlsSettings
 
 Window = Literal["warmup", "measured", "cooldown"]
 # Before a scheduled send the loop sleeps until this long before it, then spins: epoll wakes on
@@ -49,6 +50,8 @@ class Target:
     timeout_s: float
     # The cell's headers (an API key among them), for the engine's /metrics too.
     headers: tuple[tuple[str, str], ...] = ()
+    # An https:// endpoint's client context (the cell's ca_file, tls_verify).
+    tls: ssl.SSLContext | None = None
 
 
 class Bounds:
@@ -88,7 +91,9 @@ class LoadRun:
         self.target = target
         self.profile = profile
         self.process = process
-        self.pool = ConnectionPool(target.endpoint, connect_timeout_s=min(target.timeout_s, 10.0))
+        self.pool = ConnectionPool(
+            target.endpoint, connect_timeout_s=min(target.timeout_s, 10.0), tls=target.tls
+        )
         self.sent: list[Sent] = []
         self.bounds = Bounds(profile, time.perf_counter_ns())
         self.started_ns = 0
@@ -152,9 +157,15 @@ async def wait_until(target_ns: int, clock: Callable[[], int] = time.perf_counte
 
 
 def build_target(
-    backend: str, base_url: str, payload: bytes, headers: dict[str, str], timeout_s: float
+    backend: str,
+    base_url: str,
+    payload: bytes,
+    headers: dict[str, str],
+    timeout_s: float,
+    tls: TlsSettings | None = None,
 ) -> Target:
     endpoint = Endpoint.parse(base_url)
     pairs = tuple(headers.items())
     request = request_bytes(endpoint, "/v1/chat/completions", payload, pairs)
-    return Target(backend, endpoint, request, timeout_s, pairs)
+    context = (tls or TlsSettings()).context() if endpoint.scheme == "https" else None
+    return Target(backend, endpoint, request, timeout_s, pairs, context)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -74,8 +75,15 @@ class GaugeScraper:
     """Reads `/metrics` on a connection of its own for each scrape (llama-server closes after
     every reply), outside the timed requests' connections."""
 
-    def __init__(self, endpoint: Endpoint, headers: Sequence[tuple[str, str]], interval_ms: int):
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        headers: Sequence[tuple[str, str]],
+        interval_ms: int,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.endpoint = endpoint
+        self.tls = tls
         head = [f"GET {endpoint.prefix}/metrics HTTP/1.1", f"Host: {endpoint.address}"]
         head += [f"{name}: {value}" for name, value in headers]
         self.request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
@@ -84,7 +92,7 @@ class GaugeScraper:
     async def scrape(self) -> tuple[dict[str, float], dict[str, float]] | None:
         """The page parsed, or None when the engine exposes none (and why, in the notes)."""
         try:
-            connection = await StreamConnection.open(self.endpoint, 5.0)
+            connection = await StreamConnection.open(self.endpoint, 5.0, self.tls)
             try:
                 raw = await connection.exchange(self.request, 5.0)
             finally:

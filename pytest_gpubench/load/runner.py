@@ -81,6 +81,7 @@ def _run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> L
         json.dumps(payload).encode(),
         engine.request_headers(),
         cell.timeout_s,
+        getattr(engine, "tls", None),
     )
     recorder = _Recorder(run_id, cell, case, prompt.sha256(request), profile)
     if case.load_point == "sweep":
@@ -127,7 +128,9 @@ class _Recorder:
         run = LoadRun(target, self.profile)
         started = utc_now()
         wall_ns = time.time_ns() - time.perf_counter_ns()
-        scraper = GaugeScraper(target.endpoint, target.headers, self.cell.telemetry.interval_ms)
+        scraper = GaugeScraper(
+            target.endpoint, target.headers, self.cell.telemetry.interval_ms, target.tls
+        )
         before = await scraper.scrape()
         stop = asyncio.Event()
         scraping: asyncio.Task[None] | None = None
