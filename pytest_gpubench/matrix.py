@@ -55,6 +55,8 @@ class Thresholds(_Strict):
     tokens_per_sec: PositiveFloat | None = None
     success_rate: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     max_peak_vram_mib: PositiveFloat | None = None
+    # The engine's own processes' VRAM (NVML on this machine); the whole GPU's is the one above.
+    max_engine_vram_mib: PositiveFloat | None = None
     max_energy_j_per_token: PositiveFloat | None = None
     max_engine_cpu_s_per_token: PositiveFloat | None = None
 

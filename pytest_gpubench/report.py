@@ -297,6 +297,7 @@ TELEMETRY_HEADERS = (
     "cell",
     "prompt",
     "peak VRAM MiB",
+    "engine VRAM MiB",
     "GPU util %",
     "power W",
     "J/token",
@@ -314,6 +315,7 @@ def telemetry_rows(summaries: Iterable[TelemetrySummary]) -> list[list[str]]:
     for summary in summaries:
         figures = (
             summary.gpu_peak_memory_used_mib,
+            summary.engine_gpu_memory_peak_mib,
             summary.gpu_utilization_mean_pct,
             summary.gpu_power_mean_w,
             summary.gpu_energy_j_per_token,
@@ -325,12 +327,13 @@ def telemetry_rows(summaries: Iterable[TelemetrySummary]) -> list[list[str]]:
         if all(figure is None for figure in figures):
             continue
         integrated = "~" if summary.gpu_energy_source == "integrated_power" else ""
-        peak, util, power, joules, per_joule, cpu, cpu_per_token, rss = figures
+        peak, engine_peak, util, power, joules, per_joule, cpu, cpu_per_token, rss = figures
         rows.append(
             [
                 summary.cell_id,
                 summary.prompt_id,
                 fixed(peak, 0),
+                fixed(engine_peak, 0),
                 fixed(util, 1),
                 fixed(power, 1),
                 integrated + fixed(joules, 4) if joules is not None else NONE,
@@ -350,8 +353,9 @@ def _telemetry_section(telemetry: Sequence[TelemetrySummary]) -> str:
     return "\n\n".join(
         [
             "## Resource telemetry (warm calls)",
-            "Medians per call; peak VRAM and RSS are the highest seen. `~`: energy integrated "
-            "from power draw (no energy counter on the GPU).",
+            "Medians per call; peak VRAM and RSS are the highest seen. Peak VRAM is the whole "
+            "GPU's, engine VRAM the engine's own processes' (NVML). `~`: energy integrated "
+            "from power draw (no energy counter on the GPU, or one too coarse for the call).",
             table(rows, TELEMETRY_HEADERS, markdown=True),
         ]
     )

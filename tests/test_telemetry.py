@@ -31,6 +31,7 @@ from gpu_standins import (
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.ledger import read_ledger
 from pytest_gpubench.matrix import TelemetrySettings, load_matrix
+from pytest_gpubench.report import TELEMETRY_HEADERS, telemetry_rows
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.telemetry import (
     CaseSamples,
@@ -47,7 +48,8 @@ from pytest_gpubench.telemetry.aggregate import (
     telemetry_summaries,
 )
 from pytest_gpubench.telemetry.nvidia_smi import BatchedLineParser, parse_sample_line
-from pytest_gpubench.telemetry.proc import RemoteLineParser, cpu_seconds
+from pytest_gpubench.telemetry.nvml import engine_memory_mib
+from pytest_gpubench.telemetry.proc import RemoteLineParser, cpu_seconds, process_tree
 
 if TYPE_CHECKING:
     from ssh_fixtures import SshServer
@@ -258,6 +260,49 @@ def test_nvml_samples_in_mib_watts_celsius_and_millijoules(monkeypatch: pytest.M
     assert fields["gpu_energy_source"] == "counter" and fields["gpu_energy_j"] > 0
     assert fields["gpu_memory_total_mib"] == 2 * MEMORY_TOTAL_MIB
     assert state.shut_down
+
+
+def test_the_engines_own_vram_is_told_apart_from_the_whole_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What an H100 showed: a cell's peak VRAM is the whole GPU's, so it counts another cell's
+    idle server. The engine's own figure sums what NVML lists for the engine's process and its
+    descendants (vLLM's engine core holds the GPU, not its API server), here a real grandchild."""
+    module, state = nvml_module(gpus=2)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    engine = subprocess.Popen(["sh", "-c", "sh -c 'sleep 30' & wait"])
+    try:
+        deadline = time.monotonic() + 5
+        while len(tree := process_tree(engine.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        worker = max(tree)
+        assert len(tree) == 3 and engine.pid in tree
+        mib = 1024 * 1024
+        state.processes = {0: {worker: 600 * mib, 1: 1000 * mib}, 1: {worker: 100 * mib}}
+        telemetry = node_telemetry("local", LocalTarget(), [FAST], gpus=[])
+        assert telemetry is not None
+        telemetry.start()
+        try:
+            start = telemetry.begin_case(engine.pid)
+            time.sleep(0.2)
+            case = telemetry.end_case(start, gpu=True, cpu=False)
+        finally:
+            telemetry.stop()
+        fields = case_aggregates(case, completion_tokens=10)
+        assert fields["engine_gpu_memory_peak_mib"] == pytest.approx(700.0)  # both GPUs
+        assert fields["gpu_peak_memory_used_mib"] > 2 * MEMORY_USED_MIB  # the GPUs' own, all of it
+        # A driver that cannot tell a process's memory: unknown, never 0.
+        state.processes = {0: {worker: None}}
+        assert engine_memory_mib(module, 0, tree) is None
+        assert engine_memory_mib(module, 1, tree) == 0.0  # listed nowhere on GPU 1: none there
+        assert engine_memory_mib(module, 0, ()) is None  # no engine process (an external engine)
+    finally:
+        engine.kill()
+        engine.wait()
+    summary = telemetry_summaries([{"type": "call", "phase": "warm", "error": None,
+                                    "cell_id": "c", "prompt_id": "p", **fields}])  # fmt: skip
+    (row,) = telemetry_rows(summary)
+    assert row[TELEMETRY_HEADERS.index("engine VRAM MiB")] == "700"
 
 
 def test_a_lost_gpu_ends_the_nvml_sampler_with_a_note(monkeypatch: pytest.MonkeyPatch) -> None:

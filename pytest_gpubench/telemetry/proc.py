@@ -96,6 +96,31 @@ def proc_sample(
     )
 
 
+def process_tree(pid: int, root: Path = Path("/proc")) -> set[int]:
+    """pid and every process descended from it on this machine (from each /proc/<pid>/stat's
+    parent field); just {pid} where /proc cannot be listed."""
+    parents: dict[int, int] = {}
+    try:
+        entries = [entry for entry in root.iterdir() if entry.name.isdigit()]
+    except OSError:
+        return {pid}
+    for entry in entries:
+        try:
+            stat_line = (entry / "stat").read_text()
+        except OSError:
+            continue  # ended while we looked
+        fields = stat_line[stat_line.rfind(")") + 2 :].split()
+        if len(fields) > 1 and fields[1].isdigit():
+            parents[int(entry.name)] = int(fields[1])
+    tree = {pid}
+    grew = True
+    while grew:
+        children = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= children
+        grew = bool(children)
+    return tree
+
+
 def read_local(now: float, pid: int | None, root: Path = Path("/proc")) -> ProcSample:
     """This machine's /proc, read at once."""
     stat_line = status = None
