@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from gpu_standins import (
@@ -425,6 +425,45 @@ def test_ssh_node_streams_nvidia_smi_and_proc_of_its_engine(
         for note in after.notes
     )
     assert after.cpu, "the CPU sampler goes on after the GPU is gone"
+
+
+# An engine whose work is done by a child process (vLLM's engine core, Ollama's runner): the
+# process the harness started only waits.
+BUSY_CHILD = ["sh", "-c", "sh -c 'while :; do :; done' & wait"]
+
+
+def busy_child_case(target: LocalTarget | SshTarget, log_dir: str) -> dict[str, Any]:
+    engine = target.start(BUSY_CHILD, log_path=f"{log_dir}/busy-child.log")
+    telemetry = node_telemetry("n", target, [TelemetrySettings(interval_ms=100, gpu="off")], [])
+    assert telemetry is not None
+    telemetry.start()
+    try:
+        start = telemetry.begin_case(engine.pid)
+        time.sleep(1.0)
+        case = telemetry.end_case(start, gpu=False, cpu=True)
+    finally:
+        telemetry.stop()
+        engine.stop()
+    return case_aggregates(case, completion_tokens=10)
+
+
+def test_the_engines_cpu_time_counts_its_child_processes(tmp_path: Path) -> None:
+    """Locally: the idle parent's own stat line says ~0 s; its tree burns most of the second."""
+    target = LocalTarget()
+    try:
+        fields = busy_child_case(target, str(tmp_path))
+    finally:
+        target.close()
+    assert fields["engine_cpu_s"] > 0.2 and fields["engine_peak_rss_mib"] > 0
+
+
+def test_the_engines_cpu_time_counts_its_child_processes_over_ssh(
+    gpu_node: tuple[SshTarget, Path],
+) -> None:
+    target, _ = gpu_node
+    fields = busy_child_case(target, target.work_dir)
+    assert fields["engine_cpu_s"] > 0.2 and fields["engine_peak_rss_mib"] > 0
+    assert wait_for_no_process(target.user, ("while :", "clk_tck")) == []
 
 
 # -- the real llama-server, through the plugin ---------------------------------------------
