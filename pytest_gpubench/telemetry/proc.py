@@ -33,7 +33,12 @@ STIME_AFTER_COMM = 15 - 3
 # A write to a closed channel ends the loop.
 REMOTE_LOOP = r"""
 pid=$1 interval=$2
-tree() { echo "$1"; for f in /proc/$1/task/*/children; do for c in $(cat "$f" 2>/dev/null); do tree "$c"; done; done; }
+tree() {
+  echo "$1"
+  for f in /proc/$1/task/*/children; do
+    for c in $(cat "$f" 2>/dev/null); do tree "$c"; done
+  done
+}
 echo "clk_tck $(getconf CLK_TCK 2>/dev/null || echo 100)" || exit 0
 while :; do
   stat= rss= ticks=
@@ -42,8 +47,10 @@ while :; do
   fi
   if [ -n "$stat" ]; then
     pids=$(tree "$pid")
-    rss=$(for p in $pids; do cat "/proc/$p/status" 2>/dev/null; done | awk '/^VmRSS:/ {s+=$2} END {print s+0}')
-    ticks=$(for p in $pids; do cat "/proc/$p/stat" 2>/dev/null; echo; done | awk 'NF {sub(/.*\) /, ""); t+=$12+$13} END {print t+0}')
+    rss=$(for p in $pids; do cat "/proc/$p/status" 2>/dev/null; done |
+      awk '/^VmRSS:/ {s+=$2} END {print s+0}')
+    ticks=$(for p in $pids; do cat "/proc/$p/stat" 2>/dev/null; echo; done |
+      awk 'NF {sub(/.*\) /, ""); t+=$12+$13} END {print t+0}')
   fi
   mem=$(awk '/^MemTotal:/ {t=$2} /^MemAvailable:/ {a=$2} END {print t, a}' /proc/meminfo)
   read -r load rest < /proc/loadavg
