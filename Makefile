@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup system sshd python engine bench test lint clean
+.PHONY: setup system sshd slurm python engine bench test lint clean
 
 setup: system python engine
 
@@ -33,7 +33,11 @@ bench: setup
 sshd:
 	bash scripts/setup-sshd.sh
 
-test: setup sshd
+# The Slurm tests need slurmctld, slurmd and munge (a real single-node cluster on loopback).
+slurm:
+	bash scripts/setup-slurm.sh
+
+test: setup sshd slurm
 	$(BIN)/pytest tests/ $(PYTEST_ARGS)
 
 lint: python
