@@ -183,7 +183,9 @@ Node = Annotated[
     Discriminator(
         _node_tag,
         custom_error_type="node_not_mapping",
-        custom_error_message="a node is a mapping with a 'kind' key (local, ssh, provider, slurm, ...)",
+        custom_error_message=(
+            "a node is a mapping with a 'kind' key (local, ssh, provider, slurm, ...)"
+        ),
     ),
 ]
 AnyNode = LocalNode | SshNode | ProviderNode | SlurmNode | PluginNode

@@ -149,7 +149,7 @@ def _wait_idle(cluster: SlurmCluster, daemons: list[subprocess.Popen[bytes]]) ->
         for daemon in daemons:
             if daemon.poll() is not None:
                 raise RuntimeError(
-                    f"{daemon.args[0]} exited with {daemon.returncode}; logs in "
+                    f"{daemon.args!s} exited with {daemon.returncode}; logs in "
                     f"{cluster.base_dir / 'log'}"
                 )
         shown = cluster.client("sinfo", "-h", "-n", cluster.node_name, "-o", "%T")
@@ -189,7 +189,9 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         cpus = os.cpu_count() or 1
         conf = base / "slurm.conf"
         conf.write_text(
-            slurm_conf(base, cpus=cpus, memory_mib=_memory_mib(), ports=(_free_port(), _free_port())),
+            slurm_conf(
+                base, cpus=cpus, memory_mib=_memory_mib(), ports=(_free_port(), _free_port())
+            ),
             encoding="ascii",
         )
         cluster = SlurmCluster(conf, NODE_NAME, PARTITION, cpus, base)

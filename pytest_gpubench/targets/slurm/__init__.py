@@ -9,9 +9,7 @@ from pytest_gpubench.targets.slurm.target import SlurmJob, SlurmTarget
 __all__ = ["SlurmJob", "SlurmTarget", "open_slurm_target"]
 
 
-def open_slurm_target(
-    node_id: str, node: SlurmNode, *, on_job_ended: RentalClosed
-) -> SlurmTarget:
+def open_slurm_target(node_id: str, node: SlurmNode, *, on_job_ended: RentalClosed) -> SlurmTarget:
     """The cluster through its login node: this machine, or an SSH host (key auth, known
     hosts verified, as an ssh node)."""
     login: Target

@@ -140,7 +140,9 @@ class SlurmClient:
         fields = parse_fields(shown.stdout) if shown.ok else {}
         if "JobState" not in fields:
             return None
-        return FinalState(fields["JobState"], elapsed_seconds(fields.get("RunTime", "")), "scontrol")
+        return FinalState(
+            fields["JobState"], elapsed_seconds(fields.get("RunTime", "")), "scontrol"
+        )
 
     def node_address(self, node_name: str) -> str:
         """The address a compute node is reached at (its NodeAddr), else its name."""

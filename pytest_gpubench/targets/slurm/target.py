@@ -229,7 +229,9 @@ class SlurmTarget:
             try:
                 job.stop()
             except Exception:
-                log.warning("node %s: cancelling job %s failed", self.node_id, job.job_id, exc_info=True)
+                log.warning(
+                    "node %s: cancelling job %s failed", self.node_id, job.job_id, exc_info=True
+                )
             except BaseException as exc:
                 interrupted = interrupted or exc
         self.jobs.clear()
