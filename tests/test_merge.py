@@ -162,9 +162,7 @@ def test_shards_split_by_node_and_cover_the_matrix_once(tmp_path: Path) -> None:
         encoding="utf-8",
     )
     matrix = load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
-    shards = [
-        [c.cell_id for c in shard_matrix(matrix, Shard(i, 2)).cells] for i in range(2)
-    ]
+    shards = [[c.cell_id for c in shard_matrix(matrix, Shard(i, 2)).cells] for i in range(2)]
     assert shards == [["a:llamacpp:m1", "a:llamacpp:m2"], ["b:llamacpp:m1", "c:llamacpp:m1"]]
     assert node_groups(matrix.cells)["a"] == ["a:llamacpp:m1", "a:llamacpp:m2"]
     with pytest.raises(Exception, match="0 <= i < N"):

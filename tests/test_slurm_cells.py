@@ -192,7 +192,7 @@ def test_interrupting_the_run_cancels_the_job(
                 for job in slurm_cluster.jobs()
                 if slurm_cluster.job_field(job, "JobState") == "RUNNING"
             ]
-            if running and list(pytester.path.glob("runs/*.jsonl")):
+            if running and any(pytester.path.glob("runs/*.jsonl")):
                 ledger = next(pytester.path.glob("runs/*.jsonl")).read_text()
                 if '"type":"call"' in ledger:
                     break

@@ -89,7 +89,9 @@ def test_a_container_runs_the_engine_through_apptainer_exec_nv() -> None:
 
 
 def test_job_names_stay_plain() -> None:
-    assert job_name("gpu box:llamacpp:qwen3.5:0.8b@v2") == "gpubench-gpu_box_llamacpp_qwen3.5_0.8b_v2"
+    assert (
+        job_name("gpu box:llamacpp:qwen3.5:0.8b@v2") == "gpubench-gpu_box_llamacpp_qwen3.5_0.8b_v2"
+    )
 
 
 def test_sbatch_accepts_the_container_script(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
