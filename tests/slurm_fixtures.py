@@ -162,7 +162,9 @@ def _wait_idle(cluster: SlurmCluster, daemons: list[subprocess.Popen[bytes]]) ->
 
 def _cancel_every_job(cluster: SlurmCluster) -> None:
     """Jobs outlive slurmd (slurmstepd runs them): cancel them and wait until they are gone."""
-    cluster.client("scancel", "--full", f"--user={os.getuid()}")
+    jobs = cluster.jobs()
+    if jobs:
+        cluster.client("scancel", "--full", *jobs)
     deadline = time.monotonic() + 20.0
     while cluster.jobs() and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -7,6 +7,7 @@ run as a batch job on that node.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,8 +23,9 @@ from pytest_gpubench.status import EXIT_UNMEASURED
 
 if TYPE_CHECKING:
     from slurm_fixtures import SlurmCluster
+    from ssh_fixtures import SshServer
 
-pytest_plugins = ["slurm_fixtures"]
+pytest_plugins = ["slurm_fixtures", "ssh_fixtures"]
 
 
 def slurm_node(cluster: SlurmCluster, work_dir: Path, **extra: Any) -> str:
@@ -214,3 +216,52 @@ def test_interrupting_the_run_cancels_the_job(
     (job,) = records[-1]["nodes"]
     assert (job["slurm_job_id"], job["state"]) == (job_id, "CANCELLED")
     assert any(r["type"] == "call" and r["error"] is None for r in records)
+
+
+def test_a_login_node_over_ssh_submits_the_job_and_forwards_its_port(
+    pytester: pytest.Pytester,
+    slurm_cluster: SlurmCluster,
+    sshd: SshServer,
+    llama_server: Path,
+    tiny_model: Path,
+) -> None:
+    """sbatch, squeue and scancel run on the login node (the real sshd, as its unprivileged
+    user, whose job it then is); the engine's port on the compute node is reached through the
+    SSH connection's forward."""
+    install = sshd.remote_dir / "slurm-install"
+    install.mkdir(exist_ok=True)
+    binary = Path(shutil.copy2(llama_server, install / "llama-server"))
+    model = Path(shutil.copy2(tiny_model, install / "tiny.gguf"))
+    work_dir = sshd.remote_dir / "slurm-work"
+    work_dir.mkdir(exist_ok=True)
+    subprocess.run(
+        ["chown", "-R", f"{sshd.user}:{sshd.user}", str(install), str(work_dir)], check=True
+    )
+    login = (
+        f"{{host: {sshd.host}, port: {sshd.port}, user: {sshd.user}, "
+        f"key_file: '{sshd.key_file}', known_hosts: '{sshd.known_hosts}'}}"
+    )
+    node = slurm_node(slurm_cluster, work_dir).replace(
+        "{kind: 'slurm'", f"{{kind: 'slurm', login: {login}"
+    )
+    write_project(
+        pytester,
+        {"cluster": node},
+        [managed_cell("cluster", binary, model, phases=["warm"], runs=2)],
+    )
+    result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+
+    records = ledger_of(pytester)
+    (cell,) = [r for r in records if r["type"] == "cell"]
+    job_id = cell["node_info"]["slurm_job_id"]
+    assert slurm_cluster.job_field(job_id, "UserId").startswith(sshd.user)
+    assert slurm_cluster.job_field(job_id, "JobState") == "CANCELLED"
+    calls = [r for r in records if r["type"] == "call"]
+    assert len(calls) == 2 and all(c["error"] is None for c in calls)
+    (job,) = records[-1]["nodes"]
+    assert (job["slurm_job_id"], job["state"]) == (job_id, "CANCELLED")
+    assert slurm_cluster.jobs() == []
+    # The engine log, written on the shared filesystem, was read back over SSH.
+    (engine_log,) = (pytester.path / "runs" / "logs").glob("cluster-llama-server-*.log")
+    assert "listening on" in engine_log.read_text()
