@@ -30,13 +30,15 @@ ARRAY_TIMEOUT_S = 300
 
 
 def _cells(binary: Path, model: Path) -> str:
-    cell = (
-        "{{node: {node}, engine: llamacpp, model: tiny, phases: [warm], runs: 5, "
-        f"server_binary: '{binary}', model_path: '{model}', server_args: ['--threads', '1']}}"
-    )
+    def cell(node: str) -> str:
+        return (
+            f"{{node: {node}, engine: llamacpp, model: tiny, phases: [warm], runs: 5, "
+            f"server_binary: '{binary}', model_path: '{model}', server_args: ['--threads', '1']}}"
+        )
+
     return (
         "nodes:\n  box-a: {kind: local}\n  box-b: {kind: local}\n"
-        f"cells:\n  - {cell.format(node='box-a')}\n  - {cell.format(node='box-b')}\n"
+        f"cells:\n  - {cell('box-a')}\n  - {cell('box-b')}\n"
     )
 
 
@@ -104,7 +106,9 @@ def test_a_two_task_job_array_is_merged_and_gated(
     assert main(["gate", str(merged), "--baselines", str(project / "baselines")]) == 0
     judged = capsys.readouterr().out
     assert "box-a:llamacpp:tiny" in judged and "box-b:llamacpp:tiny" in judged
-    assert "regression" not in judged
+    rows = [line.split() for line in judged.splitlines() if ":llamacpp:tiny" in line]
+    assert len(rows) == 8 and {row[-1] for row in rows} == {"ok"}
+    assert "gpubench gate: exit status 0" in judged
 
     # Without the second task's ledger its cell is unmeasured: the gate does not pass.
     first = next(p for p, meta in zip(ledgers, metas, strict=True) if meta["shard"]["index"] == 0)
