@@ -255,7 +255,7 @@ def test_a_login_node_over_ssh_submits_the_job_and_forwards_its_port(
     records = ledger_of(pytester)
     (cell,) = [r for r in records if r["type"] == "cell"]
     job_id = cell["node_info"]["slurm_job_id"]
-    assert slurm_cluster.job_field(job_id, "UserId").startswith(sshd.user)
+    assert str(slurm_cluster.job_field(job_id, "UserId")).startswith(f"{sshd.user}(")
     assert slurm_cluster.job_field(job_id, "JobState") == "CANCELLED"
     calls = [r for r in records if r["type"] == "call"]
     assert len(calls) == 2 and all(c["error"] is None for c in calls)
