@@ -11,6 +11,7 @@ tasks are not bound (`task/none`). There is no slurmdbd (it needs MySQL), so `sa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -170,12 +171,10 @@ def _cancel_every_job(cluster: SlurmCluster) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[SlurmCluster]:
-    """munged, slurmctld and slurmd for the session; stopped (and their jobs with them) after."""
-    if os.geteuid() != 0:
-        pytest.skip("the Slurm tests start slurmd, which runs jobs as their user only as root")
-    _ensure_installed()
+@contextlib.contextmanager
+def running_cluster() -> Iterator[SlurmCluster]:
+    """munged, slurmctld and slurmd from a fresh temporary folder; every job cancelled and the
+    daemons stopped on leaving."""
     base = Path(tempfile.mkdtemp(prefix="gpubench-slurm-"))
     base.chmod(0o755)
     daemons: list[subprocess.Popen[bytes]] = []
@@ -231,3 +230,13 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
                 daemon.kill()
                 daemon.wait()
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """A single-node cluster for the session; stopped (and its jobs with it) after."""
+    if os.geteuid() != 0:
+        pytest.skip("the Slurm tests start slurmd, which runs jobs as their user only as root")
+    _ensure_installed()
+    with running_cluster() as cluster:
+        yield cluster
