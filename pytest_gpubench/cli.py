@@ -193,9 +193,14 @@ def _slurm_submit(args: argparse.Namespace) -> int:
     )
 
     root = Path(args.root).resolve()
-    shards = args.shards or default_shards(
-        root / (args.cells or "cells.yaml"), root / (args.prompts or "prompts.yaml")
-    )
+    cells = root / (args.cells or "cells.yaml")
+    groups = default_shards(cells, root / (args.prompts or "prompts.yaml"))
+    shards = args.shards or groups
+    if shards > groups:
+        raise GpubenchError(
+            f"slurm submit: --shards {shards}: {cells} has {groups} node(s); a shard runs whole "
+            "nodes, so the others would have nothing to run"
+        )
     pytest_args = list(args.pytest_args)
     if pytest_args[:1] == ["--"]:
         pytest_args = pytest_args[1:]

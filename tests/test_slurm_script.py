@@ -161,7 +161,25 @@ def test_a_container_job_runs_its_engine_in_the_image(
     assert slurm_cluster.job_field(job.job_id, "JobState") == "CANCELLED"
 
 
+def _four_nodes(root: Path) -> None:
+    (root / "prompts.yaml").write_text(
+        'prompts:\n  P: {intent: x, prompt: "hi", max_tokens: 4}\n', encoding="utf-8"
+    )
+    nodes = ["a", "b", "c", "d"]
+    (root / "cells.yaml").write_text(
+        "nodes:\n"
+        + "".join(f"  {node}: {{kind: local}}\n" for node in nodes)
+        + "cells:\n"
+        + "".join(
+            f"  - {{node: {node}, engine: llamacpp, model: m, endpoint: 'http://127.0.0.1:1'}}\n"
+            for node in nodes
+        ),
+        encoding="utf-8",
+    )
+
+
 def test_slurm_submit_writes_a_job_array_of_shards(tmp_path: Path) -> None:
+    _four_nodes(tmp_path)
     script = tmp_path / "array.sbatch"
     status = main(
         [
@@ -184,3 +202,14 @@ def test_slurm_submit_writes_a_job_array_of_shards(tmp_path: Path) -> None:
     assert (tmp_path / "shared" / "logs").is_dir()
     ran = subprocess.run(["sh", "-n", str(script)], capture_output=True, check=False)
     assert ran.returncode == 0
+
+
+def test_slurm_submit_splits_by_node_at_most(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _four_nodes(tmp_path)
+    common = ["slurm", "submit", "--no-submit", "--root", str(tmp_path)]
+    assert main([*common, "--ledger-dir", str(tmp_path / "s")]) == 0
+    assert "#SBATCH --array=0-3" in (tmp_path / "s" / "gpubench-array.sbatch").read_text()
+    assert main([*common, "--ledger-dir", str(tmp_path / "s"), "--shards", "5"]) == 2
+    assert "has 4 node(s)" in capsys.readouterr().err
