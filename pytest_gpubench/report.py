@@ -208,6 +208,9 @@ def rental_lines(rentals: Iterable[Mapping[str, Any]]) -> list[TerminalLine]:
     """What each rented node cost, and loudly any session that could not be ended."""
     lines = []
     for rental in rentals:
+        if rental.get("kind") == "slurm":
+            lines.append(_slurm_job_line(rental))
+            continue
         done = rental.get("session_done")
         state = "marked done" if done else "NOT marked done: end it by hand"
         text = (
@@ -217,6 +220,19 @@ def rental_lines(rentals: Iterable[Mapping[str, Any]]) -> list[TerminalLine]:
         )
         lines.append(TerminalLine(text, red=not done))
     return lines
+
+
+def _slurm_job_line(job: Mapping[str, Any]) -> TerminalLine:
+    """A Slurm job of a cell's engine: how it ended; red when it may still be running."""
+    state = job.get("state")
+    ended = isinstance(state, str) and state not in ("RUNNING", "PENDING")
+    text = (
+        f"slurm node {job.get('node')}: job {job.get('slurm_job_id')} ({job.get('job_name')}) "
+        f"on {job.get('compute_node')}: {state} after {job.get('elapsed_s')} s"
+    )
+    if not ended:
+        text += f"; cancel it by hand: scancel {job.get('slurm_job_id')}"
+    return TerminalLine(text, red=not ended)
 
 
 OUTCOME_HEADERS = ("cell", "status", "calls ok", "stage", "reason")
