@@ -11,7 +11,7 @@ import httpx
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.files import distinct_file_name, file_sha256
 from pytest_gpubench.matrix import TINY_MODEL, Cell
-from pytest_gpubench.targets import BackgroundProcess, Target
+from pytest_gpubench.targets import BackgroundProcess, ListensBeyondLoopback, Target
 from pytest_gpubench.targets.local import LocalTarget
 
 READY_POLL_S = 0.05
@@ -50,6 +50,11 @@ class ManagedLlamaServer:
         self.ready_timeout_s = ready_timeout_s
         self.base_url = ""
         self.starts = 0
+        # A node whose engine is reached from another machine (a Slurm compute node) says where
+        # the engine listens; everywhere else it is reached on the node's own loopback.
+        self.bind_host = (
+            target.engine_bind_host if isinstance(target, ListensBeyondLoopback) else "127.0.0.1"
+        )
         self._process: BackgroundProcess | None = None
 
     def argv(self, port: int) -> list[str]:
@@ -57,7 +62,7 @@ class ManagedLlamaServer:
             self.binary,
             "--model", self.model_path,
             "--alias", self.alias,
-            "--host", "127.0.0.1",
+            "--host", self.bind_host,
             "--port", str(port),
             "--parallel", str(self.parallel),
             "--no-webui",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from pytest_gpubench.matrix import AnyNode
@@ -30,6 +30,15 @@ class BackgroundProcess(Protocol):
     def stop(self, timeout_s: float = 10.0) -> None: ...
 
     def log_tail(self, max_bytes: int = 4000) -> str: ...
+
+
+@runtime_checkable
+class ListensBeyondLoopback(Protocol):
+    """A node whose managed engines must listen on another address than 127.0.0.1 (a Slurm
+    job's compute node is reached from the login node)."""
+
+    @property
+    def engine_bind_host(self) -> str: ...
 
 
 class Target(Protocol):
@@ -86,11 +95,11 @@ def open_target(
     """A connected, set-up target for a node of cells.yaml; raises StageError naming the stage.
 
     A rented node calls on_rental_closed once when its session is given back, also when
-    opening it fails after the session was created.
+    opening it fails after the session was created; a Slurm node once per job it ran.
     """
     # Each kind is imported when a node of it is opened: the kinds import this module (the
     # protocol), and a run with local nodes only loads neither paramiko nor the provider client.
-    from pytest_gpubench.matrix import LocalNode, PluginNode, SshNode
+    from pytest_gpubench.matrix import LocalNode, PluginNode, SlurmNode, SshNode
     from pytest_gpubench.targets.stages import StageError, setup_steps
 
     if isinstance(node, LocalNode):
@@ -123,6 +132,10 @@ def open_target(
             ssh.close()
             raise
         return ssh
+    if isinstance(node, SlurmNode):
+        from pytest_gpubench.targets.slurm import open_slurm_target
+
+        return open_slurm_target(node_id, node, on_job_ended=on_rental_closed)
     from pytest_gpubench.targets.provider import ProviderTarget
 
     return ProviderTarget(node_id, node, on_rental_closed=on_rental_closed).open()

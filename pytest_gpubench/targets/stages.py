@@ -9,7 +9,14 @@ from typing import Literal
 from pytest_gpubench.errors import GpubenchError
 
 Stage = Literal[
-    "provision", "ssh_wait", "ssh_connect", "engine_install", "model_pull", "benchmark", "results"
+    "provision",
+    "ssh_wait",
+    "ssh_connect",
+    "engine_install",
+    "model_pull",
+    "queue",
+    "benchmark",
+    "results",
 ]
 
 
