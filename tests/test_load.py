@@ -10,6 +10,8 @@ import statistics
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from keepalive_server import keepalive_server
 
 from pytest_gpubench.cases import build_cases
@@ -525,3 +527,27 @@ def test_a_load_case_on_an_https_endpoint_trusts_what_the_cell_trusts(
     (point,) = [r for r in records if r["type"] == "load"]
     assert point["ok"] == 6 and point["valid"]
     assert handshakes >= 2  # the warm-up's connection and the load client's own
+
+
+@given(
+    text=st.lists(st.sampled_from([b"data: {}", b"\r", b"\n", b"ab", b"\r\n", b"x"]), max_size=30),
+    cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=8),
+)
+def test_stamped_lines_match_a_plain_split_whatever_the_reads(
+    text: list[bytes], cuts: list[int]
+) -> None:
+    body = b"".join(text)
+    bounds = sorted({0, len(body), *(cut for cut in cuts if cut < len(body))})
+    pieces = [(index, body[a:b]) for index, (a, b) in enumerate(itertools.pairwise(bounds))]
+    lines = stamped_lines([piece for piece in pieces if piece[1]])
+    expected = [line.rstrip(b"\r") for line in body.split(b"\n") if line and line != b"\r"]
+    assert [line.text for line in lines] == expected
+    # Each line carries the stamp of the read that brought its first byte.
+    starts, position = [], 0
+    for line in body.split(b"\n"):
+        if line and line != b"\r":
+            starts.append(
+                next(i for i, (a, b) in enumerate(itertools.pairwise(bounds)) if a <= position < b)
+            )
+        position += len(line) + 1
+    assert [line.arrived_ns for line in lines] == starts
