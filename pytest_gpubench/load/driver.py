@@ -16,9 +16,12 @@ from pytest_gpubench.load_profile import LoadProfile
 from pytest_gpubench.measure import CallMeasurement, Endpoint, StreamError, TlsSettings
 
 Window = Literal["warmup", "measured", "cooldown"]
-# Before a scheduled send the loop sleeps until this long before it, then spins: epoll wakes on
-# whole milliseconds, which alone would make every send up to 1 ms late.
-SPIN_NS = 1_500_000
+# Before a scheduled send the loop sleeps until this long before it, then spins: epoll rounds
+# its timeout up to whole milliseconds, which alone would make every send up to 1 ms late. No
+# longer: on a busy machine a process that spins is the first to lose its core (3 ms made the
+# send lag p99 worse, 4-10 ms against 0.6-0.9 ms). At most SPIN_SHARE of the time between sends.
+SPIN_NS = 1_200_000
+SPIN_SHARE = 0.1
 TIMED_OUT = "did not finish within"
 
 
@@ -147,10 +150,17 @@ class LoadRun:
         await self.pool.close()
 
 
-async def wait_until(target_ns: int, clock: Callable[[], int] = time.perf_counter_ns) -> None:
-    """Sleep until just before `target_ns`, then spin to it (sub-millisecond send lag). Yields
-    to the loop at least once, so that a send just scheduled goes out before the spin."""
-    delay_ns = target_ns - clock() - SPIN_NS
+def spin_ns(rate: float) -> int:
+    """How long to spin before each send at `rate` requests/s."""
+    return int(min(SPIN_NS, SPIN_SHARE * 1e9 / rate))
+
+
+async def wait_until(
+    target_ns: int, spin: int = SPIN_NS, clock: Callable[[], int] = time.perf_counter_ns
+) -> None:
+    """Sleep until `spin` ns before `target_ns`, then spin to it (sub-millisecond send lag).
+    Yields to the loop at least once, so that a send just scheduled goes out before the spin."""
+    delay_ns = target_ns - clock() - spin
     await asyncio.sleep(max(0.0, delay_ns / 1e9))
     while clock() < target_ns:
         pass

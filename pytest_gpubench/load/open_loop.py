@@ -8,7 +8,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pytest_gpubench.load.driver import LoadRun, wait_until
+from pytest_gpubench.load.driver import LoadRun, spin_ns, wait_until
 
 # Connections opened ahead: enough for this many seconds of arrivals (more open on demand).
 PREOPEN_S = 1.0
@@ -52,8 +52,9 @@ class OpenLoop:
         due_ns = run.started_ns + int(self.offset_s * 1e9)
         # The first request goes out at the start; each later one a gap after the one before.
         gaps = arrival_gaps(self.rate, self.arrival, self.burstiness, self.seed)
+        spin = spin_ns(self.rate)
         while True:
-            await wait_until(due_ns)
+            await wait_until(due_ns, spin)
             window = run.bounds.window(due_ns)
             if window is None:
                 break
