@@ -56,6 +56,10 @@ HEAVY = TinyConfig(n_embd=512, n_layer=4, n_head=8, n_head_kv=4, n_ff=1536)
 # The machine is shared: a run whose neighbours took the cores during one point is measured
 # again, up to this many times.
 ATTEMPTS = 3
+# The send lag of a Poisson run is a matter of getting a core on time: with a 1-minute load of
+# 2.5-3 on 2 cores (this machine while other work runs), one run in two or three has a send
+# or two late by 1-5 ms among 32.
+LAG_ATTEMPTS = 5
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +121,7 @@ def test_a_poisson_run_records_its_schedule_and_keeps_it(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
 ) -> None:
     """The client keeps a Poisson schedule to within a millisecond (p99). This machine is
-    shared: a run during which neighbours held both cores is measured again (ATTEMPTS)."""
+    shared: a run during which neighbours held both cores is measured again (LAG_ATTEMPTS)."""
     pytester.makefile(
         ".yaml",
         prompts=PROMPTS.replace(str(MAX_TOKENS), "16"),
@@ -125,7 +129,7 @@ def test_a_poisson_run_records_its_schedule_and_keeps_it(
     )
     pytester.makepyfile(test_bench=TEST_FILE)
     seen = []
-    for _ in range(ATTEMPTS):
+    for _ in range(LAG_ATTEMPTS):
         result = run(pytester)
         result.assert_outcomes(passed=1)
         records = ledger_records(pytester.path)
@@ -146,7 +150,7 @@ def test_a_poisson_run_records_its_schedule_and_keeps_it(
         seen.append(lags)
         if load["send_lag_ms_p99"] < 1.0:
             return
-    pytest.fail(f"send lag p50/p99/max over {ATTEMPTS} runs: {seen}")
+    pytest.fail(f"send lag p50/p99/max over {LAG_ATTEMPTS} runs: {seen}")
 
 
 @pytest.fixture(scope="module")
