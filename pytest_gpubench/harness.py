@@ -14,10 +14,10 @@ from typing import Any
 
 from pytest_gpubench.cases import Case
 from pytest_gpubench.engines import Engine, EngineHook, KeepsConnection, make_engine
-from pytest_gpubench.engines.managed import ManagedLlamaServer, managed_llama_server
+from pytest_gpubench.engines.managed import ManagedServer, managed_server, model_size
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.files import distinct_file_name
-from pytest_gpubench.matrix import Cell, LocalNode, Matrix, RequestShape, SshNode
+from pytest_gpubench.matrix import Cell, LocalNode, Matrix, ProviderNode, RequestShape, SshNode
 from pytest_gpubench.measure import CallMeasurement, StreamError, TlsSettings
 from pytest_gpubench.provenance import utc_now
 from pytest_gpubench.records import (
@@ -25,13 +25,15 @@ from pytest_gpubench.records import (
     cell_record,
     sample_record,
     skipped_record,
+    stage_record,
     tls_warning,
 )
 from pytest_gpubench.secrets import SecretScrubber, secret_from_env
 from pytest_gpubench.targets import Target, TargetHook, open_target
+from pytest_gpubench.targets.bringup import check_vram
 from pytest_gpubench.targets.gpu import gpu_summary
 from pytest_gpubench.targets.local import LocalTarget
-from pytest_gpubench.targets.stages import Stage, StageError
+from pytest_gpubench.targets.stages import Stage, StageClock, StageError, StageOutcome
 from pytest_gpubench.telemetry import CaseSamples, NodeTelemetry, node_telemetry
 from pytest_gpubench.telemetry.aggregate import case_aggregates, sample_columns
 
@@ -55,6 +57,12 @@ class NodePool:
         self.target_hook = target_hook
         self.targets: dict[str, Target] = {}
         self.failures: dict[str, GpubenchError] = {}
+        # Each remote node's stage clock (its stage timeouts and budget), and the stage outcomes
+        # not yet turned into records.
+        self.clocks: dict[str, StageClock] = {}
+        # The provider APIs whose leaked sessions (rental journal) this run has given back.
+        self.released_apis: set[str] = set()
+        self.stage_outcomes: list[StageOutcome] = []
         # What each rented node cost, reported by the rental itself when it is given back.
         self.rentals: list[dict[str, Any]] = []
 
@@ -65,18 +73,61 @@ class NodePool:
         if failure is not None:
             raise failure
         if node_id not in self.targets:
+            if isinstance(cell.node, ProviderNode):
+                self._release_leaked(cell.node)
             try:
                 self.targets[node_id] = open_target(
                     node_id,
                     cell.node,
                     plugin_hook=self.target_hook,
                     on_rental_closed=self._rental_closed,
+                    clock=self.clock(cell),
                 )
             except Exception as exc:
                 failure = exc if isinstance(exc, GpubenchError) else _opening_error(cell, exc)
                 self.failures[node_id] = failure
                 raise failure from None
         return self.targets[node_id]
+
+    def _release_leaked(self, node: ProviderNode) -> None:
+        """Give back the sessions of this API that a killed run left (the rental journal), once
+        per API; each one's cost is reported as a rental given back now."""
+        api = str(node.api).rstrip("/")
+        if api in self.released_apis:
+            return
+        self.released_apis.add(api)
+        from pytest_gpubench.targets.provider.journal import RentalJournal, release
+
+        journal = RentalJournal()
+        for entry in journal.leaked(api):
+            log.warning(
+                "node %s: session %s was left rented by a run that was killed; giving it back",
+                entry.facts.get("node"),
+                entry.session_id,
+            )
+            self._rental_closed(release(entry, journal))
+
+    def clock(self, cell: Cell) -> StageClock:
+        """The stage clock of the cell's node, made when the node is first opened; a local
+        node's stages are timed but not recorded."""
+        node_id = cell.spec.node
+        if node_id not in self.clocks:
+            node = cell.node
+            report = (lambda outcome: None) if isinstance(node, LocalNode) else self._stage_done
+            self.clocks[node_id] = StageClock(
+                node_id,
+                report=report,
+                timeouts=getattr(node, "stage_timeouts", None),
+                budget_s=getattr(node, "budget_s", None),
+            )
+        return self.clocks[node_id]
+
+    def _stage_done(self, outcome: StageOutcome) -> None:
+        self.stage_outcomes.append(outcome)
+
+    def take_stage_outcomes(self) -> list[StageOutcome]:
+        taken, self.stage_outcomes = self.stage_outcomes, []
+        return taken
 
     def _rental_closed(self, facts: dict[str, Any]) -> None:
         self.rentals.append(self.scrub.record(facts))
@@ -96,13 +147,15 @@ class LiveCell:
     log_dir: Path
     # How the cell gets its node: the harness shares one target between a node's cells.
     node_target: Callable[[Cell], Target]
+    # The node's stage clock (stage timeouts, budget, outcomes recorded).
+    node_clock: Callable[[Cell], StageClock] = lambda cell: StageClock(cell.spec.node)
     engine_hook: EngineHook | None = None
     # Cuts secrets out of text the cell writes (the engine log it fetches from a node).
     scrub: Callable[[str], str] = str
     # Tells the scrubber a secret read at run time (a header's value).
     learn_secret: Callable[[str], None] = lambda secret: None
     target: Target | None = None
-    server: ManagedLlamaServer | None = None
+    server: ManagedServer | None = None
     engine: Engine | None = None
     model_digest: str | None = None
     unavailable: str | None = None
@@ -110,6 +163,8 @@ class LiveCell:
     last_call_end: float | None = None
     # The cell record's facts (engine version, model digest, GPUs), once healthy.
     facts: dict[str, Any] = field(default_factory=dict)
+    # When the cell became ready (its benchmark stage runs from there until it is closed).
+    ready_at: float | None = None
 
     def prepare(self) -> None:
         """Open the node, launch a managed engine, health-check; on failure mark it unavailable."""
@@ -120,10 +175,14 @@ class LiveCell:
         try:
             self.target = self.node_target(self.cell)
             if self.cell.managed:
-                self.server, self.model_digest = managed_llama_server(
+                self.server, self.model_digest = managed_server(
                     self.cell, self.target, self.log_dir
                 )
-                base_url = self.server.start()
+                base_url = self._start_server(self.server, self.target)
+            elif spec.port is not None:
+                # An engine already running on the node, addressed by its port there.
+                host, port = self.target.reach("127.0.0.1", spec.port)
+                base_url = f"http://{host}:{port}"
             else:
                 base_url = str(spec.endpoint).rstrip("/")
                 self._check_tls()
@@ -139,6 +198,7 @@ class LiveCell:
                 "gpu_summary": gpu_summary(gpus),
                 "node_info": self.target.describe(),
             }
+            self.ready_at = time.monotonic()
         except GpubenchError as exc:
             self._unavailable(exc)
         except Exception as exc:  # an OSError, a plugin's engine or target: still one clear line
@@ -147,6 +207,18 @@ class LiveCell:
             # Ctrl-C while preparing: no later case may find a half-built cell.
             self.unavailable = "interrupted while the cell was being prepared"
             raise
+
+    def _start_server(self, server: ManagedServer, target: Target) -> str:
+        """Stages vram_check (where the model's size is known) and engine_start (within the
+        cell's ready_timeout_s, cut to what is left of the node's budget)."""
+        clock = self.node_clock(self.cell)
+        cell_id = self.cell.cell_id
+        size, where = model_size(self.cell, server, target)
+        check_vram(target, clock, cell_id=cell_id, model_bytes=size, where=where)
+        with clock.stage("engine_start", server.ready_timeout_s, cell_id=cell_id) as limit:
+            if limit is not None:
+                server.ready_timeout_s = limit
+            return server.start()
 
     def _check_tls(self) -> None:
         """A CA file that cannot be read is one line now, not a failed call per case; a cell
@@ -239,12 +311,25 @@ class LiveCell:
         a rented node, and everything on it, is gone once it is given back.
         """
         self.close_connection()
+        clock = self.node_clock(self.cell)
+        if self.ready_at is not None:
+            elapsed = time.monotonic() - self.ready_at
+            clock.note("benchmark", "ok", elapsed, cell_id=self.cell.cell_id)
+            self.ready_at = None
         if self.server is None:
             return
         with contextlib.suppress(Exception):
             self.server.stop()
         if self.target is not None and not isinstance(self.target, LocalTarget):
-            self.fetch_log(self.target, self.server.log_path)
+            begun = time.monotonic()
+            fetched = self.fetch_log(self.target, self.server.log_path)
+            clock.note(
+                "collect",
+                "ok" if fetched is not None else "failed",
+                time.monotonic() - begun,
+                error=None if fetched is not None else "engine log not read back",
+                cell_id=self.cell.cell_id,
+            )
 
     def fetch_log(self, target: Target, remote_path: str) -> Path | None:
         """The last LOG_FETCH_MAX_BYTES of a remote engine log, copied here; None on failure."""
@@ -302,6 +387,7 @@ class Harness:
             self.matrix.cell(cell_id),
             self.log_dir,
             self.nodes.target,
+            node_clock=self.nodes.clock,
             engine_hook=self.engine_hook,
             scrub=self.scrub,
             learn_secret=self.scrub.add,
@@ -332,7 +418,7 @@ class Harness:
         """Make the case's cell ready: why it cannot run (or None), and the records to keep
         (the cell record the first time, a skipped record when it cannot run)."""
         live, fresh = self.live_cell(case.cell_id)
-        records: list[dict[str, Any]] = []
+        records: list[dict[str, Any]] = self.stage_records()
         if fresh and live.facts:
             records.append(
                 self.scrub.record(
@@ -367,14 +453,22 @@ class Harness:
             reason, records = self.prepare(case)
             return reason, records, None
         try:
-            return None, [], self.nodes.target(cell)
+            target = self.nodes.target(cell)
         except GpubenchError as exc:
             reason = self.scrub(str(exc))
             stage = _failed_stage(cell, exc)
             skipped = skipped_record(
                 run_id=self.run_id, cell=cell, case=case, reason=reason, stage=stage
             )
-            return reason, [skipped], None
+            return reason, [*self.stage_records(), skipped], None
+        return None, self.stage_records(), target
+
+    def stage_records(self) -> list[dict[str, Any]]:
+        """The `stage` records of the stages that ended since the last call."""
+        return [
+            self.scrub.record(stage_record(run_id=self.run_id, facts=outcome.to_facts()))
+            for outcome in self.nodes.take_stage_outcomes()
+        ]
 
     def run_case(self, case: Case) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Measure one case of a prompts.yaml prompt: its call record (with the case's resource
@@ -513,12 +607,28 @@ class Harness:
             except BaseException as exc:
                 interrupted = interrupted or exc
         for node_id, target in targets.items():
+            begun = time.monotonic()
+            rentals_before = len(self.nodes.rentals)
+            problem: str | None = None
             try:
                 target.close()
-            except Exception:
+            except Exception as exc:
+                problem = _plain(exc)
                 log.warning("node %s: closing failed", node_id, exc_info=True)
             except BaseException as exc:
+                problem = "interrupted"
                 interrupted = interrupted or exc
+            for rental in self.nodes.rentals[rentals_before:]:
+                if not rental.get("session_done"):
+                    problem = f"session {rental.get('session_id')} not marked done: end it by hand"
+            clock = self.nodes.clocks.get(node_id)
+            if clock is not None:
+                clock.note(
+                    "cleanup",
+                    "ok" if problem is None else "failed",
+                    time.monotonic() - begun,
+                    error=problem,
+                )
         if interrupted is not None:
             raise interrupted
 

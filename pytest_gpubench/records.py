@@ -215,6 +215,19 @@ def skipped_record(
     }
 
 
+def stage_record(*, run_id: str, facts: Mapping[str, Any]) -> dict[str, Any]:
+    """How one stage of a remote node (or of a cell on it) ended: node, cell_id (None for a
+    node's own stage), stage, outcome (ok, failed, timeout, skipped), elapsed_s, timeout_s,
+    error."""
+    return {
+        "type": "stage",
+        "benchmark_run_id": run_id,
+        **facts,
+        "at_utc": utc_now(),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+    }
+
+
 def end_record(
     *,
     run_id: str,
