@@ -95,6 +95,8 @@ class RunController:
                 run_id=run_id,
                 hooks=hooks,
             )
+            if writes_ledger:
+                self.harness.sink = self.collect
         self.ledger: Ledger | None = None
         self.started = False
         self.startup_error: str | None = None

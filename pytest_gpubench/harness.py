@@ -17,12 +17,21 @@ from pytest_gpubench.engines import Engine, EngineHook, KeepsConnection, make_en
 from pytest_gpubench.engines.managed import ManagedServer, managed_server, model_size
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.files import distinct_file_name
-from pytest_gpubench.matrix import Cell, LocalNode, Matrix, ProviderNode, RequestShape, SshNode
+from pytest_gpubench.matrix import (
+    Cell,
+    LocalNode,
+    Matrix,
+    Prompt,
+    ProviderNode,
+    RequestShape,
+    SshNode,
+)
 from pytest_gpubench.measure import CallMeasurement, StreamError, TlsSettings
 from pytest_gpubench.provenance import utc_now
 from pytest_gpubench.records import (
     call_record,
     cell_record,
+    checkpoint_record,
     sample_record,
     skipped_record,
     stage_record,
@@ -42,6 +51,10 @@ log = logging.getLogger(__name__)
 # A call is warm when the same model answered a call less than this long ago.
 WARM_WINDOW_S = 60.0
 HEALTH_TIMEOUT_S = 10.0
+# A timed run's checkpoint interval when its cell sets none.
+DEFAULT_CHECKPOINT_S = 60.0
+# How long an engine that pulls its own model may take to, on a node without setup_timeout_s.
+PULL_TIMEOUT_S = 1800.0
 LOG_FETCH_TIMEOUT_S = 60.0
 # The log on the node grows across runs (it is appended to): its tail holds this run.
 LOG_FETCH_MAX_BYTES = 4 << 20
@@ -192,11 +205,16 @@ class LiveCell:
                 self._unavailable(GpubenchError(f"health check failed: {health.reason}"))
                 return
             gpus = self.target.gpu_inventory()
+            engine_facts = self.engine.describe(HEALTH_TIMEOUT_S)
+            if engine_facts.get("model_digest") is None and self.model_digest is not None:
+                # A managed engine's model file, hashed on its node (the engine may not say).
+                engine_facts = {**engine_facts, "model_digest": self.model_digest}
             self.facts = {
-                "engine_facts": self.engine.describe(HEALTH_TIMEOUT_S),
+                "engine_facts": engine_facts,
                 "gpus": gpus,
                 "gpu_summary": gpu_summary(gpus),
                 "node_info": self.target.describe(),
+                "engine_url": base_url,
             }
             self.ready_at = time.monotonic()
         except GpubenchError as exc:
@@ -213,12 +231,33 @@ class LiveCell:
         cell's ready_timeout_s, cut to what is left of the node's budget)."""
         clock = self.node_clock(self.cell)
         cell_id = self.cell.cell_id
-        size, where = model_size(self.cell, server, target)
-        check_vram(target, clock, cell_id=cell_id, model_bytes=size, where=where)
+        if not server.pulls_model:
+            size, where = model_size(self.cell, server, target)
+            check_vram(target, clock, cell_id=cell_id, model_bytes=size, where=where)
         with clock.stage("engine_start", server.ready_timeout_s, cell_id=cell_id) as limit:
             if limit is not None:
                 server.ready_timeout_s = limit
-            return server.start()
+            base_url = server.start()
+        if server.pulls_model:
+            self._pull(base_url, clock)
+            size, where = model_size(self.cell, server, target)
+            if size is None:
+                from pytest_gpubench.engines.managed_ollama import pulled_model_bytes
+
+                size, where = pulled_model_bytes(base_url, self.cell.spec.model), "/api/tags"
+            check_vram(target, clock, cell_id=cell_id, model_bytes=size, where=where)
+        return base_url
+
+    def _pull(self, base_url: str, clock: StageClock) -> None:
+        """Stage model_pull of an engine that fetches its own model (Ollama), within the node's
+        model_pull timeout (setup_timeout_s by default); its progress goes with the outcome."""
+        from pytest_gpubench.engines.managed_ollama import pull_model
+
+        cell_id = self.cell.cell_id
+        default = getattr(self.cell.node, "setup_timeout_s", PULL_TIMEOUT_S)
+        with clock.stage("model_pull", default, cell_id=cell_id) as limit:
+            progress = pull_model(base_url, self.cell.spec.model, limit or default)
+            clock.detail("model_pull", progress, cell_id)
 
     def _check_tls(self) -> None:
         """A CA file that cannot be read is one line now, not a failed call per case; a cell
@@ -272,7 +311,7 @@ class LiveCell:
         A cold call also opens a fresh connection."""
         assert self.engine is not None
         self.close_connection()
-        if self.server is not None:
+        if self.server is not None and self.cell.cold_mode == "restart":
             self.engine = self._engine(self.server.restart())
             return "restart"
         if self.engine.unload(timeout_s=30.0):
@@ -320,7 +359,8 @@ class LiveCell:
             return
         with contextlib.suppress(Exception):
             self.server.stop()
-        if self.target is not None and not isinstance(self.target, LocalTarget):
+        started = self.server.starts > 0
+        if started and self.target is not None and not isinstance(self.target, LocalTarget):
             begun = time.monotonic()
             fetched = self.fetch_log(self.target, self.server.log_path)
             clock.note(
@@ -378,6 +418,9 @@ class Harness:
         self.cells: dict[str, LiveCell] = {}
         # Each node's samplers, started with its first live cell (None: all its cells said off).
         self.telemetry: dict[str, NodeTelemetry | None] = {}
+        # Where records go the moment they are made (the ledger, when this process writes it):
+        # a timed run's checkpoints.
+        self.sink: Callable[[list[dict[str, Any]]], object] | None = None
 
     def live_cell(self, cell_id: str) -> tuple[LiveCell, bool]:
         """The cell, made ready on first use; the flag says it was made ready just now."""
@@ -475,11 +518,89 @@ class Harness:
         figures) and the other records it produced (its `sample` record when its node is
         sampled)."""
         prompt = self.matrix.prompts[case.prompt_id]
-        request = self.matrix.cell(case.cell_id).request_for(prompt)
+        cell = self.matrix.cell(case.cell_id)
+        request = cell.request_for(prompt)
+        if cell.spec.duration_s is not None and case.phase == "warm":
+            return self.run_timed(case, prompt, request)
         record, others, _ = self.measure(
             case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request), request=request
         )
         return record, others
+
+    def run_timed(
+        self, case: Case, prompt: Prompt, request: RequestShape
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """A timed warm case: calls one after the other for the cell's duration_s, a checkpoint
+        record every checkpoint_s. Where this process writes the ledger (`sink`), each
+        checkpoint goes there at once with the calls before it, so that a run killed mid-way
+        keeps them; the last call and the last checkpoint travel as a case's records do."""
+        spec = self.matrix.cell(case.cell_id).spec
+        assert spec.duration_s is not None
+        every = spec.checkpoint_s or DEFAULT_CHECKPOINT_S
+        started = time.monotonic()
+        end = started + spec.duration_s
+        pending: list[dict[str, Any]] = []
+        window: list[dict[str, Any]] = []
+        calls = 0
+        checkpoints = 0
+        last: dict[str, Any] | None = None
+        while last is None or time.monotonic() < end:
+            record, others, _ = self.measure(
+                case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request),
+                request=request,
+            )  # fmt: skip
+            record["timed_idx"] = calls
+            calls += 1
+            last = record
+            pending.extend([record, *others])
+            window.append(record)
+            now = time.monotonic()
+            if now >= end:
+                break
+            if now - started >= (checkpoints + 1) * every:
+                checkpoints += 1
+                pending.append(
+                    self._checkpoint(case, checkpoints, now - started, window, calls, final=False)
+                )
+                window = []
+                if self.sink is not None:
+                    self.sink(pending)
+                    pending = []
+        checkpoints += 1
+        final = self._checkpoint(
+            case, checkpoints, time.monotonic() - started, window, calls, final=True
+        )
+        if self.sink is not None:
+            self.sink([record for record in pending if record is not last])
+            return last, [final]
+        return last, [record for record in pending if record is not last] + [final]
+
+    def _checkpoint(
+        self,
+        case: Case,
+        index: int,
+        elapsed_s: float,
+        window: list[dict[str, Any]],
+        calls: int,
+        *,
+        final: bool,
+    ) -> dict[str, Any]:
+        record = checkpoint_record(
+            run_id=self.run_id,
+            cell=self.matrix.cell(case.cell_id),
+            case=case,
+            index=index,
+            elapsed_s=elapsed_s,
+            window=window,
+            calls_so_far=calls,
+            final=final,
+        )
+        log.info(
+            "cell %s %s: checkpoint %d at %.1f s: %d calls, decode p50 %s tok/s",
+            case.cell_id, case.prompt_id, index, elapsed_s, record["calls"],
+            record["tokens_per_sec_p50"],
+        )  # fmt: skip
+        return record
 
     def measure(
         self,

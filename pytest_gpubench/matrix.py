@@ -307,6 +307,13 @@ class CellSpec(_Strict):
     launch_env: dict[str, str] = {}
     health_path: str | None = None
     ready_timeout_s: PositiveFloat | None = None
+    # A timed warm phase: each prompt's warm case calls for `duration_s` seconds, a checkpoint
+    # record every `checkpoint_s` (60 s when not set) keeping what was measured so far.
+    duration_s: PositiveFloat | None = None
+    checkpoint_s: PositiveFloat | None = None
+    # How a managed engine's cold case starts cold: a restart of its process (the default), or
+    # `unload` (Ollama: keep_alive 0, confirmed by /api/ps; the default for a managed ollama).
+    cold: Literal["restart", "unload"] | None = None
     # The memory the model needs on the node's GPUs (stage vram_check), where its file's size
     # does not say (a model directory, quantisation overheads).
     vram_gb: PositiveFloat | None = None
@@ -418,6 +425,13 @@ class Cell:
     @property
     def managed(self) -> bool:
         return self.spec.managed
+
+    @property
+    def cold_mode(self) -> Literal["restart", "unload"]:
+        """How a managed engine is made cold (an external one is always asked to unload)."""
+        if self.spec.cold is not None:
+            return self.spec.cold
+        return "unload" if self.spec.engine == "ollama" else "restart"
 
     @property
     def endpoint_as_written(self) -> str | None:
@@ -610,14 +624,14 @@ def _check_endpoint_keys(where: str, spec: CellSpec) -> None:
     """One way to reach the engine: an endpoint, a port on the node, or a launch; and a managed
     engine of a kind the harness can start."""
     if spec.endpoint is not None:
-        for key in ("port", "launch", "launch_env", "health_path", "ready_timeout_s"):
+        for key in ("port", "launch", "launch_env", "health_path", "ready_timeout_s", "cold"):
             if getattr(spec, key):
                 raise GpubenchError(
                     f"{where}: {key}: only for an engine on the node (port:) or one the "
                     "harness launches; this cell has an endpoint"
                 )
     if not spec.managed:
-        for key in ("launch_env", "health_path", "ready_timeout_s"):
+        for key in ("launch_env", "health_path", "ready_timeout_s", "cold"):
             if getattr(spec, key):
                 raise GpubenchError(
                     f"{where}: {key}: only for a managed engine (give the cell a launch:)"

@@ -288,7 +288,7 @@ def test_failed_nodes_are_skipped_with_their_stage_and_the_others_go_on(
     calls = [r for r in records if r["type"] == "call"]
     assert {c["cell_id"] for c in calls} == {"local:llamacpp:tiny"}
     skipped = {r["cell_id"]: r for r in records if r["type"] == "skipped"}
-    assert skipped["nogpu:llamacpp:tiny"]["stage"] == "provision"
+    assert skipped["nogpu:llamacpp:tiny"]["stage"] == "inventory"
     assert "no offer for" in skipped["nogpu:llamacpp:tiny"]["reason"]
     for cell_id in ("spoofed:llamacpp:tiny", "spoofed:llamacpp:tiny-2"):
         assert skipped[cell_id]["stage"] == "ssh_connect"

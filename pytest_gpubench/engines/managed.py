@@ -51,6 +51,8 @@ class LaunchPlan:
     values: Mapping[str, str] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
     model_digest: str | None = None
+    # The engine fetches its model itself once it runs (Ollama: stage model_pull).
+    pulls_model: bool = False
 
 
 class ManagedServer:
@@ -69,8 +71,10 @@ class ManagedServer:
         env: Mapping[str, str] | None = None,
         ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
         port: int | None = None,
+        pulls_model: bool = False,
     ) -> None:
         self.target = target
+        self.pulls_model = pulls_model
         self.cell_id = cell_id
         self.launch = tuple(launch)
         self.health_path = health_path if health_path.startswith("/") else f"/{health_path}"
@@ -135,6 +139,7 @@ class ManagedServer:
             f"cell {self.cell_id}: {self.program} not healthy at {self.health_path} after "
             f"{self.ready_timeout_s:g} s ({last}); raise the cell's ready_timeout_s if it loads "
             f"slowly; log tail:\n{tail}",
+            timed_out=True,
         )
 
     def restart(self) -> str:
@@ -225,6 +230,7 @@ def managed_server(cell: Cell, target: Target, log_dir: Path) -> tuple[ManagedSe
         env={**plan.env, **spec.launch_env},
         ready_timeout_s=spec.ready_timeout_s or DEFAULT_READY_TIMEOUT_S,
         port=spec.port,
+        pulls_model=plan.pulls_model,
     )
     return server, plan.model_digest
 

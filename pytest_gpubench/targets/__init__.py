@@ -137,7 +137,8 @@ def open_target(
                 default_timeout_s=node.setup_timeout_s,
             )
         except BaseException:
-            ssh.close()
+            with clock.stage("cleanup"):
+                ssh.close()
             raise
         return ssh
     from pytest_gpubench.targets.provider import ProviderTarget

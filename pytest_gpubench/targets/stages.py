@@ -78,6 +78,8 @@ class StageOutcome:
     timeout_s: float | None
     error: str | None = None
     cell_id: str | None = None
+    # What the stage found on the way (a model pull's progress).
+    details: Mapping[str, Any] | None = None
 
     def to_facts(self) -> dict[str, Any]:
         return {
@@ -88,6 +90,7 @@ class StageOutcome:
             "elapsed_s": round(self.elapsed_s, 3),
             "timeout_s": self.timeout_s,
             "error": self.error,
+            "details": dict(self.details) if self.details is not None else None,
         }
 
 
@@ -121,6 +124,7 @@ class StageClock:
         self.budget_s = budget_s
         self.started = time.monotonic()
         self._skipped: dict[tuple[Stage, str | None], str] = {}
+        self._details: dict[tuple[Stage, str | None], Mapping[str, Any]] = {}
 
     def note(
         self,
@@ -133,6 +137,10 @@ class StageClock:
     ) -> None:
         """Report a stage timed elsewhere (a cell's benchmark, from ready to closed)."""
         self.report(StageOutcome(self.node_id, stage, outcome, elapsed_s, None, error, cell_id))
+
+    def detail(self, stage: Stage, details: Mapping[str, Any], cell_id: str | None = None) -> None:
+        """Inside `stage()`: what the stage found, kept with its outcome."""
+        self._details[(stage, cell_id)] = details
 
     def skip(self, stage: Stage, reason: str, cell_id: str | None = None) -> None:
         """Inside `stage()`: the stage could not be done here, and passes as `skipped`."""
@@ -187,4 +195,7 @@ class StageClock:
     ) -> None:
         elapsed = time.monotonic() - begun
         shown = None if limit is None else round(limit, 3)
-        self.report(StageOutcome(self.node_id, stage, outcome, elapsed, shown, error, cell_id))
+        details = self._details.pop((stage, cell_id), None)
+        self.report(
+            StageOutcome(self.node_id, stage, outcome, elapsed, shown, error, cell_id, details)
+        )

@@ -141,9 +141,23 @@ class ProviderTarget:
                 default_timeout_s=node.setup_timeout_s,
             )
         except BaseException:
-            self.close()
+            self._close_after_failure()
             raise
         return self
+
+    def _close_after_failure(self) -> None:
+        """Give everything back when opening failed, as stage cleanup (the harness never
+        holds a node that failed to open, so it cannot time this one)."""
+        begun = time.monotonic()
+        rented = self.session_id is not None
+        self.close()
+        given_back = self.done_marked or not rented
+        self.clock.note(
+            "cleanup",
+            "ok" if given_back else "failed",
+            time.monotonic() - begun,
+            error=None if given_back else f"session {self.session_id} not marked done",
+        )
 
     def _provision(self, candidates: Sequence[Offer], limit_s: float) -> None:
         deadline = time.monotonic() + limit_s
