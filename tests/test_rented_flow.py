@@ -148,7 +148,7 @@ STAGE_FAILURES = {
     "model_pull": ({"model_pull": ["echo no such model >&2; exit 3"]}, {}, {}, "failed",
                    "exited with status 3: no such model"),
     "vram_check": ({}, {"vram_gb": 400}, {}, "failed",
-                   "the model needs 400.00 GiB (vram_gb), but the node's GPUs have 156.89 GiB"),
+                   "the model needs 400.00 GiB (vram_gb), but the node's GPUs have 156.88 GiB"),
     "engine_start": ({}, {"launch": ["sleep", "60"], "ready_timeout_s": 1}, {}, "timeout",
                      "not healthy at /health after 1 s"),
 }  # fmt: skip

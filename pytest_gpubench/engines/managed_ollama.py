@@ -74,7 +74,8 @@ def pull_model(base_url: str, model: str, timeout_s: float) -> dict[str, Any]:
     except httpx.TimeoutException:
         raise StageError(
             "model_pull",
-            f"ollama pull {model} did not finish within {timeout_s:g} s ({', '.join(statuses)})",
+            f"ollama pull {model} did not finish within {timeout_s:g} s "
+            f"(last status: {statuses[-1] if statuses else 'none yet'})",
             timed_out=True,
         ) from None
     except httpx.HTTPError as exc:
