@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from test_remote_cells import (  # noqa: F401 - node_install is a fixture
+from test_remote_cells import (
     _yaml,
     ledger_of,
-    node_install,
     run_matrix,
     servers_of,
     ssh_node,
@@ -85,7 +84,10 @@ def test_an_openai_cell_launched_from_a_template_on_this_machine(
     assert all(c["error"] is None and c["completion_tokens"] == 8 for c in calls)
     assert [r for r in records if r["type"] == "stage"] == []  # a local node's stages: not kept
     children = subprocess.run(
-        ["ps", "--ppid", str(os.getpid()), "-o", "stat=,args="], capture_output=True, text=True
+        ["ps", "--ppid", str(os.getpid()), "-o", "stat=,args="],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     live = [line for line in children.stdout.splitlines() if not line.startswith("Z")]
     assert not [line for line in live if "llama-server" in line]  # stopped at the end
@@ -178,9 +180,12 @@ def test_vllm_launched_on_an_ssh_node_measured_through_the_forward_and_stopped(
         "model_path": str(VLLM_MODEL_DIR), "launch": template, "health_path": "/health",
         "ready_timeout_s": 480, "phases": ["warm"], "runs": 2, "timeout_s": 120,
     })  # fmt: skip
-    cell = cell[:-1] + ", launch_env: {" + ", ".join(
-        f"{key}: {_yaml(value)}" for key, value in environment.items()
-    ) + "}}"
+    cell = (
+        cell[:-1]
+        + ", launch_env: {"
+        + ", ".join(f"{key}: {_yaml(value)}" for key, value in environment.items())
+        + "}}"
+    )
     result = run_matrix(pytester, {"gpubox": ssh_node(sshd, command_timeout_s=60)}, [cell])
     result.assert_outcomes(passed=2)
     records = ledger_of(pytester)

@@ -72,7 +72,9 @@ def test_managed_ollama_on_an_ssh_node_pulls_checks_measures_and_stops(
         ollama_cell("qwen3:0.6b", models, runs=2),
         ollama_cell("llama3:70b", models, phases=["warm"], runs=1),
         ollama_cell("missing-model:1b", models, phases=["warm"], runs=1),
-        ollama_cell("slow:1b", models, phases=["warm"], runs=1, env={"OLLAMA_STANDIN_PULL_S": "20"}),
+        ollama_cell(
+            "slow:1b", models, phases=["warm"], runs=1, env={"OLLAMA_STANDIN_PULL_S": "20"}
+        ),
     ]
     nodes = {"gpubox": node.replace("}", ", stage_timeouts: {model_pull: 2}}")}
     result = run_matrix(pytester, nodes, cells)
@@ -95,9 +97,7 @@ def test_managed_ollama_on_an_ssh_node_pulls_checks_measures_and_stops(
         ("engine_start", "ok"), ("model_pull", "ok"), ("vram_check", "ok"),
         ("benchmark", "ok"), ("collect", "ok"),
     ]  # fmt: skip
-    (pull,) = [
-        r for r in stages if r["stage"] == "model_pull" and r["cell_id"] == cell["cell_id"]
-    ]
+    (pull,) = [r for r in stages if r["stage"] == "model_pull" and r["cell_id"] == cell["cell_id"]]
     assert pull["details"]["statuses"] == [
         "pulling manifest", "pulling", "verifying sha256 digest", "writing manifest", "success",
     ]  # fmt: skip
@@ -110,8 +110,9 @@ def test_managed_ollama_on_an_ssh_node_pulls_checks_measures_and_stops(
     skipped = {r["cell_id"]: r for r in records if r["type"] == "skipped"}
     big = skipped["gpubox:ollama:llama3:70b"]
     assert big["stage"] == "vram_check"
-    assert "the model needs 158.32 GiB (/api/tags), but the node's GPUs have 156.88 GiB" in (
-        big["reason"]
+    assert (
+        "the model needs 158.32 GiB (/api/tags), but the node's GPUs have 156.88 GiB"
+        in (big["reason"])
     )
     missing = skipped["gpubox:ollama:missing-model:1b"]
     assert missing["stage"] == "model_pull"

@@ -9,6 +9,7 @@ first on the node's PATH by the session key's authorized_keys line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,12 +24,11 @@ import pytest
 from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
 from gpu_standins import write_nvidia_smi
 from provider_standin import ProviderStandIn, Scenario
-from test_remote_cells import (  # noqa: F401 - node_install is a fixture
+from test_remote_cells import (
     TOKEN,
     TOKEN_ENV,
     ledger_of,
     managed_cell,
-    node_install,
     run_matrix,
     servers_of,
 )
@@ -135,7 +135,8 @@ def test_every_stage_of_a_rented_node_is_in_the_ledger(
     assert list((Path(os.environ["GPUBENCH_CACHE_DIR"]) / "rentals").glob("*.json")) == []
 
 
-STAGE_FAILURES = {
+Keys = dict[str, Any]
+STAGE_FAILURES: dict[str, tuple[Keys, Keys, Keys, str, str]] = {
     # stage: (node keys, cell keys, scenario changes, outcome, words in the reason)
     "provision": ({"provision_timeout_s": 1}, {}, {"statuses": ["provisioning"]}, "timeout",
                   "not running after 1 s"),
@@ -311,3 +312,18 @@ def test_gpubench_rentals_release_gives_back_what_a_killed_run_left(
     assert capsys.readouterr().out.startswith("no rentals in ")
     (killed,) = (pytester.path / "runs").glob("*.jsonl")
     assert sum(r["type"] == "call" for r in read_ledger(killed)) >= 2  # measured, kept
+    # A real rented machine is destroyed once given back; this one is the test's own sshd, so
+    # stop the killed run's server by hand.
+    stop_servers_running(node_install[0])
+
+
+def stop_servers_running(binary: Path) -> None:
+    """Stop (by pid) the llama-servers started from this session's copy of the binary."""
+    listing = subprocess.run(
+        ["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=False
+    )
+    for line in listing.stdout.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if args.startswith(str(binary)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)

@@ -69,7 +69,8 @@ Outcome = Literal["ok", "failed", "timeout", "skipped"]
 @dataclass(frozen=True)
 class StageOutcome:
     """How one stage ended on a node (for one cell, where the stage is a cell's): `ok`,
-    `failed`, `timeout` or `skipped` (it could not be done: `error` says why), after `elapsed_s`, against `timeout_s` (None: no limit of its own)."""
+    `failed`, `timeout` or `skipped` (it could not be done: `error` says why), after
+    `elapsed_s`, against `timeout_s` (None: no limit of its own)."""
 
     node: str
     stage: Stage
