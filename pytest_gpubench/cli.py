@@ -25,9 +25,26 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _install_server(args: argparse.Namespace) -> int:
-    from pytest_gpubench.engines.llamacpp_build import ensure_llama_server
+    from pytest_gpubench.engines.llamacpp_build import (
+        CMAKE_FLAGS,
+        build_llama_server,
+        cuda_flags,
+        ensure_llama_server,
+    )
 
-    binary = ensure_llama_server(args.binary, progress=lambda line: print(line, flush=True))
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    if args.cuda or args.sdist:
+        if args.binary:
+            raise GpubenchError(
+                "install-server: --binary cannot be combined with --cuda or --sdist"
+            )
+        flags = cuda_flags(args.cuda_arch) if args.cuda else CMAKE_FLAGS
+        sdist = Path(args.sdist).expanduser() if args.sdist else None
+        binary = build_llama_server(progress=say, flags=flags, sdist=sdist)
+    else:
+        binary = ensure_llama_server(args.binary, progress=say)
     print(binary)
     return 0
 
@@ -189,6 +206,22 @@ def parser() -> argparse.ArgumentParser:
         "install-server", help="build (or find) llama.cpp's llama-server and print its path"
     )
     install.add_argument("--binary", help="use this llama-server instead of searching or building")
+    install.add_argument(
+        "--cuda",
+        action="store_true",
+        help="build a CUDA llama-server (needs nvcc), cached apart from the CPU build; name it "
+        "in a cell's server_binary",
+    )
+    install.add_argument(
+        "--cuda-arch",
+        default="native",
+        help="CMAKE_CUDA_ARCHITECTURES of a --cuda build (default: native; 90 for Hopper)",
+    )
+    install.add_argument(
+        "--sdist",
+        help="build from this llama-cpp-python sdist file instead of downloading it (a node "
+        "with no package index)",
+    )
     install.set_defaults(handler=_install_server)
 
     model = commands.add_parser("make-model", help="write the tiny deterministic GGUF model")

@@ -20,6 +20,8 @@ import scipy.stats  # noqa: F401
 from pytest_gpubench.cache import cache_dir
 
 if TYPE_CHECKING:
+    from vllm_server import VllmServer
+
     from pytest_gpubench.engines.managed import ManagedLlamaServer
 
 # pytester points HOME at each test's directory; keep one cache (the llama-server build, the tiny
@@ -56,3 +58,28 @@ def server(llama_server: Path, tiny_model: Path, tmp_path: Path) -> Iterator["Ma
 
     with tiny_llama_server(llama_server, tiny_model, tmp_path) as managed:
         yield managed
+
+
+@pytest.fixture(scope="session")
+def vllm_install() -> Path:
+    """The vLLM venv's Python (`make vllm`); skipped where it is not installed, failed on CI."""
+    from vllm_server import VLLM_PYTHON, vllm_installed
+
+    missing = vllm_installed()
+    if missing is not None:
+        if os.environ.get("CI"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+    return VLLM_PYTHON
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    vllm_install: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator["VllmServer"]:
+    """One real vLLM (tiny model, served as `tiny-vllm`) shared by the session's tests: it takes
+    a minute or more to start on two cores."""
+    from vllm_server import running_vllm
+
+    with running_vllm(tmp_path_factory.mktemp("vllm")) as server:
+        yield server

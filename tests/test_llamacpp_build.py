@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from pytest_gpubench.engines.llamacpp_build import (
     build_key,
     build_llama_server,
     cached_binary_path,
+    cuda_flags,
     ensure_llama_server,
     find_llama_server,
 )
@@ -151,3 +153,64 @@ def test_the_real_cached_binary_answers_version() -> None:
     )
     assert done.returncode == 0
     assert "version" in done.stdout + done.stderr
+
+
+def _fake_sdist(path: Path) -> Path:
+    """A llama-cpp-python-shaped sdist whose vendored "llama.cpp" builds a small program named
+    llama-server with the real cmake and compiler (the real tree takes minutes to compile)."""
+    import tarfile
+
+    tree = path.parent / "tree" / "llama_cpp_python-0.0.0" / "vendor" / "llama.cpp"
+    tree.mkdir(parents=True)
+    (tree / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.16)\nproject(fake CXX)\n"
+        "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
+        'add_executable(llama-server main.cpp)\ntarget_compile_definitions(llama-server PRIVATE CUDA="${GGML_CUDA}")\n'
+    )
+    (tree / "main.cpp").write_text(
+        '#include <cstdio>\nint main() { std::printf("version: fake cuda=%s\\n", CUDA); }\n'
+    )
+    with tarfile.open(path, "w:gz") as archive:
+        archive.add(tree.parents[1], arcname="llama_cpp_python-0.0.0")
+    return path
+
+
+def test_a_cuda_build_from_a_local_sdist_is_cached_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`install-server --cuda --sdist FILE`: built from the file (no pip download), configured
+    with the CUDA flags, cached under its own key beside the CPU build, reused the second time."""
+    sdist = _fake_sdist(tmp_path / "llama_cpp_python-0.0.0.tar.gz")
+    fake_bin = _fake_binary(tmp_path / "bin" / "nvcc")
+    monkeypatch.setenv("PATH", f"{fake_bin.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(
+        llamacpp_build, "_download_sdist", lambda *args: pytest.fail("downloaded the sdist")
+    )
+    cache = tmp_path / "cache"
+    binary = build_llama_server(
+        cache_root=cache, flags=cuda_flags("90"), sdist=sdist, progress=lambda line: None
+    )
+    assert binary.parent != cached_binary_path(cache).parent
+    done = subprocess.run([str(binary)], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "version: fake cuda=ON"
+    build_log = (binary.parent / "build.log").read_text()
+    assert "-DGGML_CUDA=ON" in build_log and "-DCMAKE_CUDA_ARCHITECTURES=90" in build_log
+    stamp = binary.stat().st_mtime_ns
+    again = build_llama_server(
+        cache_root=cache, flags=cuda_flags("90"), sdist=sdist, progress=lambda line: None
+    )
+    assert again == binary and binary.stat().st_mtime_ns == stamp
+
+
+def test_a_cuda_build_without_nvcc_is_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(GpubenchError, match="nvcc is not on PATH") as raised:
+        build_llama_server(cache_root=tmp_path, flags=cuda_flags(), progress=lambda line: None)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_missing_sdist_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(GpubenchError, match=r"--sdist: .*nothing\.tar\.gz does not exist"):
+        build_llama_server(cache_root=tmp_path, sdist=tmp_path / "nothing.tar.gz")

@@ -111,8 +111,9 @@ def gpu(t: float, *, power: float, energy: float | None, used: float = 1000.0) -
 def test_case_energy_from_the_counter_else_integrated_power_flagged() -> None:
 
     case = CaseSamples(start=10.0, end=12.0, interval_ms=200)
-    case.gpu = [gpu(9.9, power=100, energy=0), gpu(11.0, power=100, energy=110_000, used=3000),
-                gpu(12.1, power=100, energy=220_000)]  # fmt: skip
+    # A counter that moves with every 200 ms sample: 100 W, in mJ.
+    case.gpu = [gpu(t / 10, power=100, energy=(t - 99) * 10_000, used=3000 if t == 111 else 1000)
+                for t in range(99, 123, 2)]  # fmt: skip
     fields = case_aggregates(case, completion_tokens=100)
     assert fields["gpu_energy_source"] == "counter"
     assert fields["gpu_energy_j"] == pytest.approx(200.0)  # 100 J/s over the 2 s of the case
@@ -124,6 +125,28 @@ def test_case_energy_from_the_counter_else_integrated_power_flagged() -> None:
     fields = case_aggregates(case, completion_tokens=100)
     assert fields["gpu_energy_source"] == "integrated_power"
     assert fields["gpu_energy_j"] == pytest.approx(200.0)
+
+
+def test_a_counter_that_moves_in_coarse_steps_is_not_read_over_a_short_case() -> None:
+    """What an H100 did (NVML, driver 580): its energy counter moved about every 100 ms by the
+    energy of that period, so read over a 15 ms call it said 0 J. A case the counter moved fewer
+    than MIN_COUNTER_STEPS times over is measured by its integrated power, flagged as such."""
+    steps = [gpu(t / 10, power=130, energy=(t // 1) * 13_000) for t in range(0, 11)]
+    short = CaseSamples(start=0.52, end=0.535, interval_ms=100)
+    short.gpu = steps
+    assert counter_delta(_energy(steps), short.start, short.end) == pytest.approx(0.0, abs=2_000)
+    fields = case_aggregates(short, completion_tokens=16)
+    assert fields["gpu_energy_source"] == "integrated_power"
+    assert fields["gpu_energy_j"] == pytest.approx(130 * 0.015)
+    long = CaseSamples(start=0.05, end=0.95, interval_ms=100)
+    long.gpu = steps
+    fields = case_aggregates(long, completion_tokens=16)
+    assert fields["gpu_energy_source"] == "counter"
+    assert fields["gpu_energy_j"] == pytest.approx(130 * 0.9)
+
+
+def _energy(samples: list[GpuSample]) -> list[tuple[float, float]]:
+    return [(s.t, float(s.energy_mj)) for s in samples if s.energy_mj is not None]
 
 
 def test_summaries_per_cell_and_prompt_take_medians_and_peaks() -> None:

@@ -39,6 +39,8 @@ CMAKE_FLAGS: tuple[str, ...] = (
     "-DLLAMA_BUILD_SERVER=ON",
     "-DLLAMA_BUILD_TOOLS=ON",
 )
+# A CUDA build adds these (`gpubench install-server --cuda`); it is cached under its own key.
+CUDA_FLAG = "-DGGML_CUDA=ON"
 BINARY_NAME = "llama-server"
 BINARY_ENV = "GPUBENCH_LLAMA_SERVER"
 VERSION_TIMEOUT_S = 30.0
@@ -91,6 +93,12 @@ def cached_binary_path(
 ) -> Path:
     """Where the built llama-server is kept (it may not exist yet)."""
     return build_dir(cache_root, version=version, flags=flags) / BINARY_NAME
+
+
+def cuda_flags(architectures: str = "native") -> tuple[str, ...]:
+    """The build flags of a CUDA llama-server for these GPU architectures (`90` for Hopper,
+    `native` for the GPUs of the machine that builds it)."""
+    return (*CMAKE_FLAGS, CUDA_FLAG, f"-DCMAKE_CUDA_ARCHITECTURES={architectures}")
 
 
 def answers_version(binary: Path) -> bool:
@@ -155,16 +163,30 @@ def _build_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def build_llama_server(*, progress: Progress | None = None, cache_root: Path | None = None) -> Path:
-    """Download the pinned sdist, build `llama-server` with cmake, and cache it."""
+def build_llama_server(
+    *,
+    progress: Progress | None = None,
+    cache_root: Path | None = None,
+    flags: Sequence[str] = CMAKE_FLAGS,
+    sdist: Path | None = None,
+) -> Path:
+    """Build `llama-server` with cmake from the pinned sdist (downloaded, or the file `sdist`
+    for a machine with no package index, a rented GPU node say) and cache it under its flags."""
     say = progress or _print_progress
-    target_dir = build_dir(cache_root)
+    target_dir = build_dir(cache_root, flags=flags)
     binary = target_dir / BINARY_NAME
+    if sdist is not None and not sdist.is_file():
+        raise GpubenchError(f"--sdist: {sdist} does not exist; give a llama-cpp-python sdist")
+    if CUDA_FLAG in flags and not shutil.which("nvcc"):
+        raise GpubenchError(
+            "cannot build a CUDA llama-server: nvcc is not on PATH (install the CUDA toolkit, "
+            "or build without --cuda)"
+        )
     try:
         with _build_lock(target_dir):
             if binary.is_file() and answers_version(binary):
                 return binary
-            _build_into(binary, target_dir / "build.log", say)
+            _build_into(binary, target_dir / "build.log", say, flags=flags, sdist=sdist)
     except OSError as exc:
         raise GpubenchError(f"llama-server build in {target_dir} failed: {exc}") from exc
     return binary
@@ -195,7 +217,9 @@ class BuildLog:
         self.say(f"[{time.monotonic() - self.started:5.0f}s] {text}")
 
 
-def _build_into(binary: Path, log_path: Path, say: Progress) -> None:
+def _build_into(
+    binary: Path, log_path: Path, say: Progress, *, flags: Sequence[str], sdist: Path | None
+) -> None:
     generator = _require_tools()
     say(f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (log: {log_path})")
     with (
@@ -203,22 +227,22 @@ def _build_into(binary: Path, log_path: Path, say: Progress) -> None:
         log_path.open("w", encoding="utf-8") as file,
     ):
         log = BuildLog(file, log_path, say)
-        sdist = _download_sdist(Path(work) / "sdist", log)
-        log.progress(f"downloaded {sdist.name}")
+        if sdist is None:
+            sdist = _download_sdist(Path(work) / "sdist", log)
+            log.progress(f"downloaded {sdist.name}")
         source = _extract_llama_cpp(sdist, Path(work) / "src")
-        built = _compile(source, Path(work) / "build", generator, log)
+        built = _compile(source, Path(work) / "build", [*generator, *flags], log)
         _install_binary(built, binary)
     if not answers_version(binary):
         raise GpubenchError(f"the built {binary} does not answer --version; see {log_path}")
     log.progress(f"llama-server ready: {binary}")
 
 
-def _compile(source: Path, build: Path, generator: list[str], log: BuildLog) -> Path:
-    """Configure and build the one target; returns the built binary."""
+def _compile(source: Path, build: Path, arguments: list[str], log: BuildLog) -> Path:
+    """Configure (generator and flags in `arguments`) and build the one target; returns the
+    built binary."""
     log.progress("configuring with cmake")
-    _run_logged(
-        ["cmake", "-S", str(source), "-B", str(build), *generator, *CMAKE_FLAGS], "configure", log
-    )
+    _run_logged(["cmake", "-S", str(source), "-B", str(build), *arguments], "configure", log)
     jobs = str(os.cpu_count() or 1)
     log.progress(f"compiling {BINARY_NAME} with {jobs} jobs")
     compile_ = ["cmake", "--build", str(build), "--config", "Release", "--target", BINARY_NAME]

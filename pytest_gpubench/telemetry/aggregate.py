@@ -36,6 +36,11 @@ CALL_FIELDS = (
 )
 
 Points = list[tuple[float, float]]
+# NVML's energy counter on an H100 moves about every 100 ms, in steps of the power over that
+# period (13 J at 130 W): read over a 15 ms call it gave 0 J in 19 of 21 calls, and over 240 ms
+# calls it gave 25 or 39 J. Below this many moves in a case, power integrated over the case's own
+# span measures it better.
+MIN_COUNTER_STEPS = 4
 
 
 def _at(points: Points, x: float) -> float:
@@ -53,6 +58,13 @@ def counter_delta(points: Points, start: float, end: float) -> float | None:
     if len(points) < 2:
         return None
     return _at(points, end) - _at(points, start)
+
+
+def counter_steps(points: Points, start: float, end: float) -> int:
+    """How many times a cumulative counter moved between consecutive samples that overlap
+    [start, end]: a counter that the driver updates in coarse steps moves only a few times over a
+    short case, and reading it then measures the step, not the case."""
+    return sum(1 for (t0, v0), (t1, v1) in pairwise(points) if t1 > start and t0 < end and v1 > v0)
 
 
 def integral(points: Points, start: float, end: float) -> float | None:
@@ -93,7 +105,8 @@ def _sum_or_none(values: Sequence[float | None]) -> float | None:
 def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> dict[str, Any]:
     """Across the node's GPUs: peak memory (the sum of each GPU's peak), mean utilisation (of
     all GPUs), mean power and energy (summed over GPUs). Energy comes from the counter where
-    every GPU has one, else from integrated power, and says which."""
+    every GPU has one that moved at least MIN_COUNTER_STEPS times over the case, else from
+    integrated power, and says which."""
     gpus = _by_gpu(samples)
     inside = [_inside(gpu_samples, start, end) for gpu_samples in gpus.values()]
     peaks = [max((s.memory_used_mib for s in g if s.memory_used_mib is not None), default=None)
@@ -105,7 +118,12 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> di
     temperatures = [
         s.temperature_c for g in gpus.values() for s in g if s.temperature_c is not None
     ]
-    counters = [counter_delta(_series(g, "energy_mj"), start, end) for g in gpus.values()]
+    counters = [
+        counter_delta(series, start, end)
+        if counter_steps(series := _series(g, "energy_mj"), start, end) >= MIN_COUNTER_STEPS
+        else None
+        for g in gpus.values()
+    ]
     energy_mj = _sum_or_none(counters) if gpus else None
     source = "counter" if energy_mj is not None else None
     if energy_mj is None and gpus:

