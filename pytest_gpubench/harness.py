@@ -26,7 +26,7 @@ from pytest_gpubench.matrix import (
     RequestShape,
     SshNode,
 )
-from pytest_gpubench.measure import CallMeasurement, StreamError, TlsSettings
+from pytest_gpubench.measure import STALL_LIMIT_S, CallMeasurement, StreamError, TlsSettings
 from pytest_gpubench.provenance import utc_now
 from pytest_gpubench.records import (
     call_record,
@@ -329,7 +329,11 @@ class LiveCell:
         if request.model_dump(exclude_none=True):
             keywords["request"] = request
         chat: Callable[..., CallMeasurement] = self.engine.chat
-        return chat(prompt, max_tokens, self.cell.timeout_s, **keywords)
+        stall = STALL_LIMIT_S.set(self.cell.spec.stall_s)
+        try:
+            return chat(prompt, max_tokens, self.cell.timeout_s, **keywords)
+        finally:
+            STALL_LIMIT_S.reset(stall)
 
     def warm_up(self, prompt: str, max_tokens: int, request: RequestShape, **own: Any) -> None:
         """An unrecorded call, so that the measured call follows one within the warm window (and

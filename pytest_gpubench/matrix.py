@@ -311,6 +311,8 @@ class CellSpec(_Strict):
     # record every `checkpoint_s` (60 s when not set) keeping what was measured so far.
     duration_s: PositiveFloat | None = None
     checkpoint_s: PositiveFloat | None = None
+    # A streamed reply with no token for this long is aborted and recorded as stalled.
+    stall_s: PositiveFloat | None = None
     # How a managed engine's cold case starts cold: a restart of its process (the default), or
     # `unload` (Ollama: keep_alive 0, confirmed by /api/ps; the default for a managed ollama).
     cold: Literal["restart", "unload"] | None = None

@@ -17,7 +17,7 @@ import pytest
 from pytest_gpubench import HARNESS_VERSION, __version__
 from pytest_gpubench.cases import Case
 from pytest_gpubench.matrix import Cell, Prompt, RequestShape
-from pytest_gpubench.measure import CallMeasurement
+from pytest_gpubench.measure import STALLED, CallMeasurement
 from pytest_gpubench.provenance import chosen_environment, load_average, utc_now
 from pytest_gpubench.targets.stages import Stage
 
@@ -248,6 +248,7 @@ def checkpoint_record(
         "final": final,
         "calls": len(window),
         "errors": len(window) - len(ok),
+        "stalls": sum(str(call.get("error") or "").startswith(STALLED) for call in window),
         "calls_so_far": calls_so_far,
         "ttft_p50_ms": _median([call.get("first_delta_ms") for call in ok]),
         "total_p50_ms": _median([call.get("total_duration_ms") for call in ok]),

@@ -162,30 +162,33 @@ def test_an_engine_already_on_the_node_is_addressed_by_its_port(
 
 
 def test_vllm_launched_on_an_ssh_node_measured_through_the_forward_and_stopped(
-    pytester: pytest.Pytester, sshd: SshServer, vllm_install: Any
+    pytester: pytest.Pytester, sshd: SshServer, vllm_install: Path
 ) -> None:
     """The managed vLLM flow of a rented GPU, on the loopback sshd: vLLM's OpenAI server started
     on the node from the cell's launch template (one start: warm cases only), measured through
     the SSH forward, stopped when the node is given back."""
-    from vllm_server import VLLM_MODEL_DIR, VLLM_PYTHON, vllm_env
+    from vllm_server import DEFAULT_ARGS, READY_TIMEOUT_S, VLLM_MODEL_DIR, VLLM_VENV, vllm_env
 
+    # The install the node's user can run (scripts/setup-vllm.sh: the same packages, read by a
+    # Python outside root's home).
+    node_python = VLLM_VENV.with_name(VLLM_VENV.name + "-node") / "bin" / "python"
+    if not node_python.exists():
+        message = f"{node_python} is missing: run `make vllm` (scripts/setup-vllm.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
     template = [
-        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        str(node_python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", "{model_path}", "--served-model-name", "{model}",
-        "--host", "{host}", "--port", "{port}", "--max-model-len", "512",
+        "--host", "{host}", "--port", "{port}", *DEFAULT_ARGS,
     ]  # fmt: skip
-    environment = {key: value for key, value in vllm_env().items() if key.startswith("VLLM_")}
     cell = flow({
         "node": "gpubox", "engine": "openai", "model": "tiny-vllm",
         "model_path": str(VLLM_MODEL_DIR), "launch": template, "health_path": "/health",
-        "ready_timeout_s": 480, "phases": ["warm"], "runs": 2, "timeout_s": 120,
+        "ready_timeout_s": READY_TIMEOUT_S, "phases": ["warm"], "runs": 2, "timeout_s": 120,
     })  # fmt: skip
-    cell = (
-        cell[:-1]
-        + ", launch_env: {"
-        + ", ".join(f"{key}: {_yaml(value)}" for key, value in environment.items())
-        + "}}"
-    )
+    # The node's own environment for it (no hub, a small CPU KV cache), as cells.yaml gives it.
+    cell = cell[:-1] + ", launch_env: " + flow(vllm_env()) + "}"
     result = run_matrix(pytester, {"gpubox": ssh_node(sshd, command_timeout_s=60)}, [cell])
     result.assert_outcomes(passed=2)
     records = ledger_of(pytester)

@@ -12,10 +12,16 @@ import sys
 import time
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import pytest
 from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
+from delay_proxy import delay_proxy
 
 from pytest_gpubench.ledger import read_ledger
+
+if TYPE_CHECKING:
+    from pytest_gpubench.engines.managed import ManagedLlamaServer
 
 DURATION_S = 20
 CHECKPOINT_S = 5
@@ -97,3 +103,34 @@ def test_a_timed_run_killed_after_12_s_keeps_its_first_two_checkpoints(
     calls = [r for r in records if r["type"] == "call"]
     assert len(calls) == checkpoints[-1]["calls_so_far"] > 0  # the calls before it, kept
     assert all(r["type"] != "end" for r in records)  # killed: no end record, nothing lost
+
+
+def test_a_stream_with_no_token_for_stall_s_is_aborted_and_recorded(
+    pytester: pytest.Pytester, server: ManagedLlamaServer
+) -> None:
+    """The real llama-server behind a proxy that holds its first token back 1.5 s: with
+    `stall_s: 0.4` each call is cut off after 0.4 s without a token, recorded as stalled, and
+    the timed run's checkpoints count the stalls."""
+    with delay_proxy(server.base_url, delay_ms=1500) as proxy:
+        pytester.makefile(
+            ".yaml",
+            prompts=ONE_PROMPT,
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: llamacpp, model: tiny, endpoint: '{proxy.url}', "
+            "phases: [warm], duration_s: 3, checkpoint_s: 1.5, stall_s: 0.4}\n",
+        )
+        pytester.makepyfile(
+            test_bench="def test_generate(gpubench_case):\n    gpubench_case.run()\n"
+        )
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    records = read_ledger(ledger)
+    calls = [r for r in records if r["type"] == "call"]
+    assert calls and all(c["error"].startswith("stalled: no token for 0.4 s") for c in calls)
+    assert all(c["finish_reason"] == "error" for c in calls)
+    # Cut off at stall_s, not after the 1.5 s the token took.
+    assert all(c["total_duration_ms"] < 1200 for c in calls)
+    checkpoints = [r for r in records if r["type"] == "checkpoint"]
+    assert checkpoints and sum(c["stalls"] for c in checkpoints) == len(calls)
+    assert all(c["stalls"] == c["errors"] == c["calls"] for c in checkpoints)
