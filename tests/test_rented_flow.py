@@ -327,3 +327,32 @@ def stop_servers_running(binary: Path) -> None:
         if args.startswith(str(binary)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
+
+
+def test_every_stage_reaches_the_ledger_from_an_xdist_worker(
+    pytester: pytest.Pytester,
+    market: ProviderStandIn,
+    node_install: tuple[Path, Path],
+    llama_server: Path,
+) -> None:
+    """Under -n 2 the worker that ran the rented node sends its stages with its cases, and its
+    collect and cleanup stages with the teardown of its last case."""
+    pytest.importorskip("xdist")
+    local = (
+        "{node: local, engine: llamacpp, model: tiny, phases: [warm], runs: 1, "
+        f"server_binary: '{llama_server}', server_args: [--threads, '1']}}"
+    )
+    result = run_matrix(
+        pytester,
+        {"rented": rented(market, node_install, gpu_count=2), "local": "{kind: local}"},
+        [managed_cell("rented", "tiny", node_install, phases=["warm"], runs=1), local],
+        "-n",
+        "2",
+        "-p",
+        "xdist",
+    )
+    result.assert_outcomes(passed=2)
+    records = ledger_of(pytester)
+    assert stages_of(records) == [(stage, "ok") for stage in EVERY_STAGE]
+    assert {r["worker"] for r in records if r["type"] == "stage"} <= {"gw0", "gw1"}
+    assert market.done() == ["sess-1"]
