@@ -136,36 +136,62 @@ def test_every_stage_of_a_rented_node_is_in_the_ledger(
 
 
 Keys = dict[str, Any]
-STAGE_FAILURES: dict[str, tuple[Keys, Keys, Keys, str, str]] = {
-    # stage: (node keys, cell keys, scenario changes, outcome, words in the reason)
-    "provision": ({"provision_timeout_s": 1}, {}, {"statuses": ["provisioning"]}, "timeout",
-                  "not running after 1 s"),
-    "ssh_wait": ({"ssh_wait_timeout_s": 1}, {}, {"ssh_port": "closed"}, "timeout",
-                 "did not answer SSH within 1 s"),
-    "gpu_check": ({"gpu_type": "RTX 4090"}, {}, {}, "failed",
-                  "gpu_type is 'RTX 4090', but nvidia-smi reports NVIDIA H100 80GB HBM3"),
-    "engine_install": ({"setup": ["sleep 30"], "stage_timeouts": {"engine_install": 1}}, {}, {},
-                       "timeout", "did not finish within 1 s"),
-    "model_pull": ({"model_pull": ["echo no such model >&2; exit 3"]}, {}, {}, "failed",
-                   "exited with status 3: no such model"),
-    "vram_check": ({}, {"vram_gb": 400}, {}, "failed",
-                   "the model needs 400.00 GiB (vram_gb), but the node's GPUs have 156.88 GiB"),
-    "engine_start": ({}, {"launch": ["sleep", "60"], "ready_timeout_s": 1}, {}, "timeout",
-                     "not healthy at /health after 1 s"),
-}  # fmt: skip
+STAGE_FAILURES: list[tuple[str, Keys, Keys, Keys, str, str]] = [
+    # (stage, node keys, cell keys, scenario changes, outcome, words in the reason)
+    ("inventory", {"max_price": 0.1}, {}, {}, "failed", "no offer for gpu_type 'H100'"),
+    ("provision", {"provision_timeout_s": 1}, {}, {"statuses": ["provisioning"]}, "timeout",
+     "not running after 1 s"),
+    ("provision", {}, {}, {"statuses": ["failed"], "error": "GPU fell off the bus"}, "failed",
+     "session sess-1 failed: GPU fell off the bus"),
+    ("ssh_wait", {"ssh_wait_timeout_s": 1}, {}, {"ssh_port": "closed"}, "timeout",
+     "did not answer SSH within 1 s"),
+    ("ssh_connect", {"stage_timeouts": {"ssh_connect": 2}}, {}, {"private_key": "unknown"},
+     "failed", "gpubench-test@127.0.0.1"),
+    ("gpu_check", {"gpu_type": "RTX 4090"}, {}, {}, "failed",
+     "gpu_type is 'RTX 4090', but nvidia-smi reports NVIDIA H100 80GB HBM3"),
+    ("gpu_check", {"gpu_count": 4}, {}, {}, "failed", "gpu_count is 4, but nvidia-smi reports 2"),
+    ("engine_install", {"setup": ["sleep 30"], "stage_timeouts": {"engine_install": 1}}, {}, {},
+     "timeout", "did not finish within 1 s"),
+    ("engine_install", {"setup": ["echo no compiler >&2; exit 7"]}, {}, {}, "failed",
+     "exited with status 7: no compiler"),
+    ("model_pull", {"model_pull": ["echo no such model >&2; exit 3"]}, {}, {}, "failed",
+     "exited with status 3: no such model"),
+    ("model_pull", {"model_pull": ["sleep 30"], "stage_timeouts": {"model_pull": 1}}, {}, {},
+     "timeout", "did not finish within 1 s"),
+    ("vram_check", {}, {"vram_gb": 400}, {}, "failed",
+     "the model needs 400.00 GiB (vram_gb), but the node's GPUs have 156.88 GiB"),
+    ("engine_start", {}, {"launch": ["sleep", "60"], "ready_timeout_s": 1}, {}, "timeout",
+     "not healthy at /health after 1 s"),
+    ("engine_start", {}, {"launch": ["false"]}, {}, "failed", "exited while starting"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("stage", list(STAGE_FAILURES))
+@pytest.mark.parametrize(
+    ("stage", "node_keys", "cell_keys", "scenario", "outcome", "reason"),
+    STAGE_FAILURES,
+    ids=[f"{failure[0]}-{failure[4]}" + ("-count" if "gpu_count" in failure[1] else "")
+         for failure in STAGE_FAILURES],
+)  # fmt: skip
 def test_a_stage_that_fails_or_times_out_is_recorded_and_the_rental_given_back(
     pytester: pytest.Pytester,
     market: ProviderStandIn,
     node_install: tuple[Path, Path],
     sshd: SshServer,
+    tmp_path: Path,
     stage: str,
+    node_keys: Keys,
+    cell_keys: Keys,
+    scenario: Keys,
+    outcome: str,
+    reason: str,
 ) -> None:
-    node_keys, cell_keys, scenario, outcome, reason = STAGE_FAILURES[stage]
     for key, value in scenario.items():
-        setattr(market.scenario, key, sshd.closed_port() if value == "closed" else value)
+        if value == "closed":
+            value = sshd.closed_port()
+        elif value == "unknown":  # a key this node's sshd does not know
+            sshd.new_key(tmp_path / "unknown_ed25519", "unknown")
+            value = (tmp_path / "unknown_ed25519").read_text()
+        setattr(market.scenario, key, value)
     before = key_dirs()
     result = run_matrix(
         pytester,
@@ -184,10 +210,14 @@ def test_a_stage_that_fails_or_times_out_is_recorded_and_the_rental_given_back(
     upto = EVERY_STAGE[: EVERY_STAGE.index(stage) + 1]
     read_back = ["collect"] if stage == "engine_start" else []
     assert [name for name, _ in stages] == upto + read_back + ["cleanup"]
-    assert market.done() == ["sess-1"] and key_dirs() <= before
+    assert key_dirs() <= before
+    assert servers_of(sshd.user) == []
+    if stage == "inventory":  # nothing was rented, so there is nothing to give back
+        assert market.created() == [] and records[-1]["nodes"] == []
+        return
+    assert market.done() == ["sess-1"]
     (node,) = records[-1]["nodes"]
     assert node["session_done"] is True and node["cost"] > 0
-    assert servers_of(sshd.user) == []
 
 
 def test_a_node_budget_cuts_the_stage_that_runs_past_it(
