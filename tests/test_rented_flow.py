@@ -185,10 +185,11 @@ def test_a_stage_that_fails_or_times_out_is_recorded_and_the_rental_given_back(
     outcome: str,
     reason: str,
 ) -> None:
-    for key, value in scenario.items():
-        if value == "closed":
+    for key, wanted in scenario.items():
+        value = wanted
+        if wanted == "closed":
             value = sshd.closed_port()
-        elif value == "unknown":  # a key this node's sshd does not know
+        elif wanted == "unknown":  # a key this node's sshd does not know
             sshd.new_key(tmp_path / "unknown_ed25519", "unknown")
             value = (tmp_path / "unknown_ed25519").read_text()
         setattr(market.scenario, key, value)
