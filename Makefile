@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup system sshd vllm python engine bench test lint clean
+.PHONY: setup system sshd vllm slurm python engine bench test lint clean
 
 setup: system python engine
 
@@ -38,7 +38,11 @@ sshd:
 vllm:
 	bash scripts/setup-vllm.sh
 
-test: setup sshd vllm
+# The Slurm tests need slurmctld, slurmd and munge (a real single-node cluster on loopback).
+slurm:
+	bash scripts/setup-slurm.sh
+
+test: setup sshd vllm slurm
 	$(BIN)/pytest tests/ $(PYTEST_ARGS)
 
 lint: python

@@ -1,5 +1,5 @@
 """The `gpubench` command, every subcommand: init, install-server, make-model, report, history,
-export, compare, rentals."""
+export, compare, merge, gate, slurm submit, rentals."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.errors import GpubenchError
 
@@ -160,6 +160,93 @@ def _compare(args: argparse.Namespace) -> int:
     return compare_command(Path(args.old), Path(args.new))
 
 
+def _merge(args: argparse.Namespace) -> int:
+    import json
+
+    from pytest_gpubench.ledger import read_ledger
+    from pytest_gpubench.merge import ShardLedger, merge_ledgers
+
+    ledgers = [ShardLedger(str(path), read_ledger(path)) for path in args.ledgers]
+    merged = merge_ledgers(ledgers)
+    text = "".join(
+        json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=str) + "\n"
+        for record in merged
+    )
+    _write_text(Path(args.output), text)
+    shard = merged[0]["shard"]
+    missing = f"; shards missing: {shard['missing']}" if shard["missing"] else ""
+    print(f"{args.output}: {len(ledgers)} of {shard['count']} shards merged{missing}")
+    return 0
+
+
+def _gate(args: argparse.Namespace) -> int:
+    from pytest_gpubench.ledger import read_ledger
+    from pytest_gpubench.ledger_gate import judge_ledger
+    from pytest_gpubench.report import render_comparison
+    from pytest_gpubench.status import describe
+
+    records = read_ledger(Path(args.ledger))
+    baselines = Path(args.baselines)
+    if not baselines.is_dir():
+        raise GpubenchError(f"{baselines}: --baselines is not a directory")
+    cells = Path(args.cells) if args.cells else None
+    judgement = judge_ledger(records, baselines, cells_path=cells)
+    print(render_comparison(judgement.verdicts))
+    for note in judgement.notes:
+        print(f"note: {note}")
+    for cell in judgement.unmeasured:
+        print(f"unmeasured: {cell.get('cell_id')}: {cell.get('status')}: {cell.get('reason')}")
+    print(f"gpubench gate: {describe(judgement.exit_status)}")
+    return judgement.exit_status
+
+
+def _slurm_submit(args: argparse.Namespace) -> int:
+    from pytest_gpubench.slurm_array import (
+        ArraySpec,
+        array_script,
+        default_shards,
+        next_steps,
+        submit,
+    )
+
+    root = Path(args.root).resolve()
+    cells = root / (args.cells or "cells.yaml")
+    groups = default_shards(cells, root / (args.prompts or "prompts.yaml"))
+    shards = args.shards or groups
+    if shards > groups:
+        raise GpubenchError(
+            f"slurm submit: --shards {shards}: {cells} has {groups} node(s); a shard runs whole "
+            "nodes, so the others would have nothing to run"
+        )
+    pytest_args = list(args.pytest_args)
+    if pytest_args[:1] == ["--"]:
+        pytest_args = pytest_args[1:]
+    if args.cells:
+        pytest_args.append(f"--gpubench-cells={args.cells}")
+    if args.prompts:
+        pytest_args.append(f"--gpubench-prompts={args.prompts}")
+    spec = ArraySpec(
+        shards=shards,
+        root=root,
+        ledger_dir=Path(args.ledger_dir).resolve(),
+        python=args.python or sys.executable,
+        pytest_args=tuple(pytest_args),
+        sbatch_options=tuple(args.sbatch_option),
+    )
+    script = Path(args.script) if args.script else spec.ledger_dir / "gpubench-array.sbatch"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    (spec.ledger_dir / "logs").mkdir(parents=True, exist_ok=True)
+    _write_text(script, array_script(spec))
+    if args.no_submit:
+        print(script)
+        return 0
+    job_id = submit(script)
+    baselines = Path(args.baselines) if args.baselines else None
+    for line in next_steps(job_id, spec, baselines):
+        print(line)
+    return 0
+
+
 def _rentals(args: argparse.Namespace) -> int:
     """The rental journal: each session not yet given back; --release gives back those whose
     run is gone. Status 1 when one could not be given back."""
@@ -281,6 +368,7 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("old", help="the older ledger, or a baselines/ directory")
     compare.add_argument("new", help="the newer ledger")
     compare.set_defaults(handler=_compare)
+    _add_sharded_run_commands(commands)
 
     rentals = commands.add_parser(
         "rentals",
@@ -293,6 +381,58 @@ def parser() -> argparse.ArgumentParser:
     )
     rentals.set_defaults(handler=_rentals)
     return root
+
+
+def _add_sharded_run_commands(commands: argparse._SubParsersAction[Any]) -> None:
+    """merge, gate and slurm submit: a matrix spread over a job array, merged, then gated."""
+    merge = commands.add_parser(
+        "merge",
+        help="combine the ledgers of one sharded run (the tasks of a job array) into one ledger",
+    )
+    merge.add_argument("ledgers", nargs="+", help="each shard's ledger (one meta per shard)")
+    merge.add_argument("--output", "-o", required=True, help="the merged ledger to write")
+    merge.set_defaults(handler=_merge)
+
+    gate = commands.add_parser(
+        "gate",
+        help="judge a ledger (a merged one) against the baselines; exits as the run would: "
+        "6 on a regression, 7 with a cell unmeasured, 8 on an incomparable baseline",
+    )
+    gate.add_argument("ledger")
+    gate.add_argument("--baselines", default="baselines", metavar="DIR")
+    gate.add_argument(
+        "--cells", metavar="PATH", help="the cells.yaml with the thresholds (default: the run's)"
+    )
+    gate.set_defaults(handler=_gate)
+
+    slurm = commands.add_parser("slurm", help="run a matrix on a Slurm cluster")
+    slurm_commands = slurm.add_subparsers(dest="slurm_command", required=True)
+    submit = slurm_commands.add_parser(
+        "submit",
+        help="write a job-array script (task i runs pytest --gpubench-shard i/N) and sbatch it",
+    )
+    submit.add_argument("pytest_args", nargs=argparse.REMAINDER, help="-- then pytest's arguments")
+    submit.add_argument("--shards", type=int, help="tasks (default: one per node of cells.yaml)")
+    submit.add_argument(
+        "--ledger-dir", required=True, metavar="DIR", help="a shared folder for the ledgers"
+    )
+    submit.add_argument("--root", default=".", help="the project (default: .)")
+    submit.add_argument("--cells", metavar="PATH", help="cells.yaml, relative to --root")
+    submit.add_argument("--prompts", metavar="PATH", help="prompts.yaml, relative to --root")
+    submit.add_argument("--python", help="the Python that runs pytest (default: this one)")
+    submit.add_argument(
+        "--sbatch-option",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="an sbatch option of every task, e.g. --sbatch-option=--partition=gpu (repeatable)",
+    )
+    submit.add_argument("--script", metavar="PATH", help="where to write the job script")
+    submit.add_argument("--baselines", metavar="DIR", help="named in the gate step it prints")
+    submit.add_argument(
+        "--no-submit", action="store_true", help="write the script and print its path only"
+    )
+    submit.set_defaults(handler=_slurm_submit)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

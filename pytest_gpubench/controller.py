@@ -20,6 +20,7 @@ from pytest_gpubench.options import Options
 from pytest_gpubench.outcomes import CellOutcome, cell_outcomes
 from pytest_gpubench.records import end_record, meta_record
 from pytest_gpubench.secrets import SecretScrubber
+from pytest_gpubench.shards import shard_facts, shard_matrix
 from pytest_gpubench.signals import TerminateAsInterrupt
 from pytest_gpubench.status import session_status
 
@@ -81,6 +82,11 @@ class RunController:
         hooks: Any = None,
     ) -> None:
         self.options = options
+        # A shard of a job array runs only its share of the matrix; its meta names them all.
+        self.shard: dict[str, Any] | None = None
+        if matrix is not None and options.shard is not None:
+            self.shard = shard_facts(options.shard, [cell.cell_id for cell in matrix.cells])
+            matrix = shard_matrix(matrix, options.shard)
         self.matrix = matrix
         self.root = root
         self.argv = argv
@@ -152,6 +158,7 @@ class RunController:
             argv=self.argv,
             cells_path=options.cells_path,
             prompts_path=options.prompts_path,
+            shard=self.shard,
         )
         self.ledger.append(self.meta)
         self.catch_signals.install()

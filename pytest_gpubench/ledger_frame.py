@@ -50,6 +50,7 @@ TELEMETRY_NUMBERS = (
     "engine_cpu_s",
     "engine_cpu_s_per_token",
     "engine_peak_rss_mib",
+    "engine_gpu_memory_peak_mib",
 )
 # The further columns of a CSV export: one row per call record.
 EXPORT_TEXT = (
@@ -246,7 +247,8 @@ def _read_range(path: Path, start: int, end: int, export: bool) -> _Part:
 # with a whole line, stamped with the ledger's size and modification time: the ledger stays the
 # truth, the cache is used only while both match, and is rewritten otherwise.
 CACHE_SUFFIX = ".columns.npz"
-CACHE_VERSION = 1
+# 2: the engine's own VRAM column.
+CACHE_VERSION = 2
 
 
 def cache_path(path: Path) -> Path:

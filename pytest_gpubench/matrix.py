@@ -33,12 +33,13 @@ from pytest_gpubench.errors import GpubenchError
 
 PHASES = ("cold", "warm")
 ENGINE_KINDS = ("llamacpp", "ollama", "openai")
-NODE_KINDS = ("local", "ssh", "provider")
+NODE_KINDS = ("local", "ssh", "provider", "slurm")
 # Engines the harness knows how to launch itself when a cell has no endpoint.
 MANAGED_ENGINE_KINDS = ("llamacpp", "ollama", "openai")
 TINY_MODEL = "tiny"
 # The stages of bringing up a node and benchmarking on it, in order (targets/stages.py); ssh_wait
-# (a rented node's sshd coming up) and results (logs read back) are older names still recorded.
+# (a rented node's sshd coming up) and results (logs read back) are older names still recorded;
+# queue is a Slurm job waiting for its node.
 StageName = Literal[
     "inventory",
     "provision",
@@ -48,6 +49,7 @@ StageName = Literal[
     "engine_install",
     "model_pull",
     "vram_check",
+    "queue",
     "engine_start",
     "benchmark",
     "collect",
@@ -72,6 +74,8 @@ class Thresholds(_Strict):
     tokens_per_sec: PositiveFloat | None = None
     success_rate: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     max_peak_vram_mib: PositiveFloat | None = None
+    # The engine's own processes' VRAM (NVML on this machine); the whole GPU's is the one above.
+    max_engine_vram_mib: PositiveFloat | None = None
     max_energy_j_per_token: PositiveFloat | None = None
     max_engine_cpu_s_per_token: PositiveFloat | None = None
 
@@ -130,6 +134,50 @@ class ProviderNode(_Strict):
     budget_s: PositiveFloat | None = None
 
 
+class SlurmLogin(_Strict):
+    """The login node a Slurm node's commands (sbatch, squeue, ...) run on, over SSH."""
+
+    host: str
+    port: Annotated[int, Field(ge=1, le=65535)] = 22
+    user: str
+    key_file: str | None = None
+    known_hosts: str = "~/.ssh/known_hosts"
+    trust_new_host: bool = False
+    connect_timeout_s: PositiveFloat = 15.0
+
+
+class SlurmNode(_Strict):
+    """A Slurm cluster: each managed engine of its cells runs as a batch job (targets/slurm/)."""
+
+    kind: Literal["slurm"]
+    # The job's resources, as sbatch's options of the same names (`time_limit` is --time).
+    partition: str | None = None
+    gres: str | None = None
+    time_limit: str | None = None
+    account: str | None = None
+    constraint: str | None = None
+    qos: str | None = None
+    cpus_per_task: PositiveInt | None = None
+    mem: str | None = None
+    # Other sbatch options, each one whole word ("--exclusive", "--reservation=bench").
+    sbatch_args: list[str] = []
+    # An Apptainer/Singularity image the engine runs in (`exec --nv IMAGE argv`).
+    container: str | None = None
+    container_runtime: Literal["apptainer", "singularity"] = "apptainer"
+    container_args: list[str] = []
+    # Where sbatch and squeue run: a login node over SSH, or this machine when absent.
+    login: SlurmLogin | None = None
+    # The cluster's slurm.conf, when not the login node's default (SLURM_CONF for every command).
+    slurm_conf: str | None = None
+    # A folder that the login and compute nodes share, for job scripts and engine logs.
+    work_dir: str | None = None
+    # The address the engine listens on in its job: the compute node is another machine.
+    bind_host: str = "0.0.0.0"
+    # How long a job may wait in the queue before its cell fails (stage `queue`).
+    queue_timeout_s: PositiveFloat = 600.0
+    command_timeout_s: PositiveFloat = 60.0
+
+
 class PluginNode(BaseModel):
     """A node of a kind another package adds (hookspecs.py); its other keys are its options."""
 
@@ -162,14 +210,17 @@ Node = Annotated[
     Annotated[LocalNode, Tag("local")]
     | Annotated[SshNode, Tag("ssh")]
     | Annotated[ProviderNode, Tag("provider")]
+    | Annotated[SlurmNode, Tag("slurm")]
     | Annotated[PluginNode, Tag("plugin")],
     Discriminator(
         _node_tag,
         custom_error_type="node_not_mapping",
-        custom_error_message="a node is a mapping with a 'kind' key (local, ssh, provider, ...)",
+        custom_error_message=(
+            "a node is a mapping with a 'kind' key (local, ssh, provider, slurm, ...)"
+        ),
     ),
 ]
-AnyNode = LocalNode | SshNode | ProviderNode | PluginNode
+AnyNode = LocalNode | SshNode | ProviderNode | SlurmNode | PluginNode
 
 
 def _context_kinds(info: ValidationInfo, key: str) -> tuple[str, ...]:

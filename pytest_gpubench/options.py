@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.shards import Shard
+
 CELLS_DESC = "the cell matrix file (default: cells.yaml at the project anchor, see README)"
 PROMPTS_DESC = "the frozen prompts file (default: prompts.yaml at the project anchor)"
 BASELINES_DESC = "directory of committed baselines (default: baselines/ at the project anchor)"
@@ -29,6 +32,10 @@ RUNS_DESC = "warm runs per (cell, prompt); raise it (e.g. 20) when investigating
 LOAD_DESC = "refuse to start when the 1-minute load average is above this (default: 4.0)"
 ENV_DESC = (
     "environment variables recorded in the ledger's meta record (secret-looking ones redacted)"
+)
+SHARD_DESC = (
+    "run shard i of N (0 <= i < N): a deterministic share of the matrix's nodes with all their "
+    "cells, for a Slurm job array (gpubench slurm submit)"
 )
 SKIP_DESC = "deselect every benchmark case: run a repository's other tests only (no guards)"
 
@@ -80,6 +87,7 @@ def addoption(parser: pytest.Parser) -> None:
     group.addoption("--gpubench-runs", metavar="N", type=int, help=RUNS_DESC)
     for flag in FLAGS:
         group.addoption(flag.name, action="store_true", dest=flag.dest, help=flag.help)
+    group.addoption("--gpubench-shard", metavar="i/N", help=SHARD_DESC)
     group.addoption("--gpubench-skip", action="store_true", dest="gpubench_skip", help=SKIP_DESC)
     group.addoption(
         "--gpubench-accept-incomparable",
@@ -221,6 +229,8 @@ class Options:
     anchor_kind: str = "pytest's rootdir"
     # Judge against baselines measured on another setup (--gpubench-accept-incomparable).
     accept_incomparable: bool = False
+    # Run only this shard of the matrix (--gpubench-shard i/N).
+    shard: Shard | None = None
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Options:
@@ -248,6 +258,11 @@ class Options:
             ) from None
         if runs is not None and runs < 1:
             raise pytest.UsageError(f"{runs_source}: must be at least 1 (got {runs})")
+        shard_text = config.getoption("gpubench_shard")
+        try:
+            shard = Shard.parse(shard_text) if shard_text else None
+        except GpubenchError as exc:
+            raise pytest.UsageError(str(exc)) from None
         return cls(
             cells_path=cells_path,
             prompts_path=prompts_path,
@@ -267,4 +282,5 @@ class Options:
             anchor=anchor,
             anchor_kind=anchor_kind,
             accept_incomparable=bool(config.getoption("gpubench_accept_incomparable")),
+            shard=shard,
         )

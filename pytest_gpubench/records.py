@@ -33,8 +33,10 @@ def meta_record(
     argv: list[str],
     cells_path: Path,
     prompts_path: Path,
+    shard: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The first line of a ledger: where, when, from which code and how the run was started."""
+    """The first line of a ledger: where, when, from which code and how the run was started;
+    a shard of a job array says which (`shard`: index, count, the whole matrix's cells)."""
     return {
         "type": "meta",
         "benchmark_run_id": run_id,
@@ -54,7 +56,16 @@ def meta_record(
         "rootdir": str(root),
         "cells_file": str(cells_path),
         "prompts_file": str(prompts_path),
+        "shard": dict(shard) if shard is not None else None,
+        # The Slurm job (an array task) the run ran in, when it ran in one.
+        "slurm_job": _slurm_job(),
     }
+
+
+def _slurm_job() -> dict[str, str] | None:
+    names = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_NODELIST")
+    found = {name.lower(): os.environ[name] for name in names if name in os.environ}
+    return found or None
 
 
 def cell_record(

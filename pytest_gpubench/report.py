@@ -208,6 +208,9 @@ def rental_lines(rentals: Iterable[Mapping[str, Any]]) -> list[TerminalLine]:
     """What each rented node cost, and loudly any session that could not be ended."""
     lines = []
     for rental in rentals:
+        if rental.get("kind") == "slurm":
+            lines.append(_slurm_job_line(rental))
+            continue
         done = rental.get("session_done")
         state = "marked done" if done else "NOT marked done: end it by hand"
         leaked = "left rented by a killed run, given back now: " if rental.get("leaked") else ""
@@ -218,6 +221,19 @@ def rental_lines(rentals: Iterable[Mapping[str, Any]]) -> list[TerminalLine]:
         )
         lines.append(TerminalLine(text, red=not done))
     return lines
+
+
+def _slurm_job_line(job: Mapping[str, Any]) -> TerminalLine:
+    """A Slurm job of a cell's engine: how it ended; red when it may still be running."""
+    state = job.get("state")
+    ended = isinstance(state, str) and state not in ("RUNNING", "PENDING")
+    text = (
+        f"slurm node {job.get('node')}: job {job.get('slurm_job_id')} ({job.get('job_name')}) "
+        f"on {job.get('compute_node')}: {state} after {job.get('elapsed_s')} s"
+    )
+    if not ended:
+        text += f"; cancel it by hand: scancel {job.get('slurm_job_id')}"
+    return TerminalLine(text, red=not ended)
 
 
 OUTCOME_HEADERS = ("cell", "status", "calls ok", "stage", "reason")
@@ -298,6 +314,7 @@ TELEMETRY_HEADERS = (
     "cell",
     "prompt",
     "peak VRAM MiB",
+    "engine VRAM MiB",
     "GPU util %",
     "power W",
     "J/token",
@@ -315,6 +332,7 @@ def telemetry_rows(summaries: Iterable[TelemetrySummary]) -> list[list[str]]:
     for summary in summaries:
         figures = (
             summary.gpu_peak_memory_used_mib,
+            summary.engine_gpu_memory_peak_mib,
             summary.gpu_utilization_mean_pct,
             summary.gpu_power_mean_w,
             summary.gpu_energy_j_per_token,
@@ -326,12 +344,13 @@ def telemetry_rows(summaries: Iterable[TelemetrySummary]) -> list[list[str]]:
         if all(figure is None for figure in figures):
             continue
         integrated = "~" if summary.gpu_energy_source == "integrated_power" else ""
-        peak, util, power, joules, per_joule, cpu, cpu_per_token, rss = figures
+        peak, engine_peak, util, power, joules, per_joule, cpu, cpu_per_token, rss = figures
         rows.append(
             [
                 summary.cell_id,
                 summary.prompt_id,
                 fixed(peak, 0),
+                fixed(engine_peak, 0),
                 fixed(util, 1),
                 fixed(power, 1),
                 integrated + fixed(joules, 4) if joules is not None else NONE,
@@ -351,8 +370,9 @@ def _telemetry_section(telemetry: Sequence[TelemetrySummary]) -> str:
     return "\n\n".join(
         [
             "## Resource telemetry (warm calls)",
-            "Medians per call; peak VRAM and RSS are the highest seen. `~`: energy integrated "
-            "from power draw (no energy counter on the GPU).",
+            "Medians per call; peak VRAM and RSS are the highest seen. Peak VRAM is the whole "
+            "GPU's, engine VRAM the engine's own processes' (NVML). `~`: energy integrated "
+            "from power draw (no energy counter on the GPU, or one too coarse for the call).",
             table(rows, TELEMETRY_HEADERS, markdown=True),
         ]
     )

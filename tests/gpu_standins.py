@@ -164,6 +164,17 @@ class _Utilization:
     memory: int
 
 
+@dataclass
+class _ProcessInfo:
+    """nvidia-ml-py's c_nvmlProcessInfo_t as its nvmlDeviceGetComputeRunningProcesses returns
+    it: `usedGpuMemory` in bytes, None where the driver cannot tell (NVML_VALUE_NOT_AVAILABLE)."""
+
+    pid: int
+    usedGpuMemory: int | None  # NVML's own field names
+    gpuInstanceId: int = 0xFFFFFFFF
+    computeInstanceId: int = 0xFFFFFFFF
+
+
 class NvmlState:
     """What the stand-in module reports; a test changes it while the sampler runs."""
 
@@ -176,6 +187,8 @@ class NvmlState:
         self.energy_mj = 5_000_000  # since the driver loaded
         self.milliwatts = round(POWER_W * 1000)
         self.shut_down = False
+        # The compute processes on each GPU: {gpu index: {pid: bytes used, or None}}.
+        self.processes: dict[int, dict[int, int | None]] = {}
 
 
 def nvml_module(
@@ -220,8 +233,13 @@ def nvml_module(
         state.energy_mj += 20
         return state.energy_mj
 
+    def processes(handle: int) -> list[_ProcessInfo]:
+        check(handle)
+        return [_ProcessInfo(pid, used) for pid, used in state.processes.get(handle, {}).items()]
+
     functions: dict[str, Any] = {
         "nvmlInit": init,
+        "nvmlDeviceGetComputeRunningProcesses": processes,
         "nvmlShutdown": shutdown,
         "nvmlDeviceGetCount": lambda: state.gpus,
         "nvmlDeviceGetHandleByIndex": lambda index: index,

@@ -80,7 +80,7 @@ def test_valid_matrix_applies_defaults_and_per_cell_overrides(tmp_path: Path) ->
         ),
         (
             "nodes: {rack: {kind: k8s, namespace: gpu}}\ncells: []\n",
-            "cells.yaml: nodes.rack.kind: unknown node kind 'k8s' (known: local, ssh, provider;",
+            "cells.yaml: nodes.rack.kind: unknown node kind 'k8s' (known: local, ssh, provider, slurm;",
         ),
         (
             "nodes: {local: {kind: local, gpus: 2}}\ncells: []\n",

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from gpu_standins import (
@@ -31,6 +31,7 @@ from gpu_standins import (
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.ledger import read_ledger
 from pytest_gpubench.matrix import TelemetrySettings, load_matrix
+from pytest_gpubench.report import TELEMETRY_HEADERS, telemetry_rows
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.telemetry import (
     CaseSamples,
@@ -47,7 +48,8 @@ from pytest_gpubench.telemetry.aggregate import (
     telemetry_summaries,
 )
 from pytest_gpubench.telemetry.nvidia_smi import BatchedLineParser, parse_sample_line
-from pytest_gpubench.telemetry.proc import RemoteLineParser, cpu_seconds
+from pytest_gpubench.telemetry.nvml import engine_memory_mib
+from pytest_gpubench.telemetry.proc import RemoteLineParser, cpu_seconds, process_tree
 
 if TYPE_CHECKING:
     from ssh_fixtures import SshServer
@@ -260,6 +262,49 @@ def test_nvml_samples_in_mib_watts_celsius_and_millijoules(monkeypatch: pytest.M
     assert state.shut_down
 
 
+def test_the_engines_own_vram_is_told_apart_from_the_whole_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What an H100 showed: a cell's peak VRAM is the whole GPU's, so it counts another cell's
+    idle server. The engine's own figure sums what NVML lists for the engine's process and its
+    descendants (vLLM's engine core holds the GPU, not its API server), here a real grandchild."""
+    module, state = nvml_module(gpus=2)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    engine = subprocess.Popen(["sh", "-c", "sh -c 'sleep 30' & wait"])
+    try:
+        deadline = time.monotonic() + 5
+        while len(tree := process_tree(engine.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        worker = max(tree)
+        assert len(tree) == 3 and engine.pid in tree
+        mib = 1024 * 1024
+        state.processes = {0: {worker: 600 * mib, 1: 1000 * mib}, 1: {worker: 100 * mib}}
+        telemetry = node_telemetry("local", LocalTarget(), [FAST], gpus=[])
+        assert telemetry is not None
+        telemetry.start()
+        try:
+            start = telemetry.begin_case(engine.pid)
+            time.sleep(0.2)
+            case = telemetry.end_case(start, gpu=True, cpu=False)
+        finally:
+            telemetry.stop()
+        fields = case_aggregates(case, completion_tokens=10)
+        assert fields["engine_gpu_memory_peak_mib"] == pytest.approx(700.0)  # both GPUs
+        assert fields["gpu_peak_memory_used_mib"] > 2 * MEMORY_USED_MIB  # the GPUs' own, all of it
+        # A driver that cannot tell a process's memory: unknown, never 0.
+        state.processes = {0: {worker: None}}
+        assert engine_memory_mib(module, 0, tree) is None
+        assert engine_memory_mib(module, 1, tree) == 0.0  # listed nowhere on GPU 1: none there
+        assert engine_memory_mib(module, 0, ()) is None  # no engine process (an external engine)
+    finally:
+        engine.kill()
+        engine.wait()
+    summary = telemetry_summaries([{"type": "call", "phase": "warm", "error": None,
+                                    "cell_id": "c", "prompt_id": "p", **fields}])  # fmt: skip
+    (row,) = telemetry_rows(summary)
+    assert row[TELEMETRY_HEADERS.index("engine VRAM MiB")] == "700"
+
+
 def test_a_lost_gpu_ends_the_nvml_sampler_with_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
     module, state = nvml_module(energy_counter=False)
     monkeypatch.setitem(sys.modules, "pynvml", module)
@@ -380,6 +425,45 @@ def test_ssh_node_streams_nvidia_smi_and_proc_of_its_engine(
         for note in after.notes
     )
     assert after.cpu, "the CPU sampler goes on after the GPU is gone"
+
+
+# An engine whose work is done by a child process (vLLM's engine core, Ollama's runner): the
+# process the harness started only waits.
+BUSY_CHILD = ["sh", "-c", "sh -c 'while :; do :; done' & wait"]
+
+
+def busy_child_case(target: LocalTarget | SshTarget, log_dir: str) -> dict[str, Any]:
+    engine = target.start(BUSY_CHILD, log_path=f"{log_dir}/busy-child.log")
+    telemetry = node_telemetry("n", target, [TelemetrySettings(interval_ms=100, gpu="off")], [])
+    assert telemetry is not None
+    telemetry.start()
+    try:
+        start = telemetry.begin_case(engine.pid)
+        time.sleep(1.0)
+        case = telemetry.end_case(start, gpu=False, cpu=True)
+    finally:
+        telemetry.stop()
+        engine.stop()
+    return case_aggregates(case, completion_tokens=10)
+
+
+def test_the_engines_cpu_time_counts_its_child_processes(tmp_path: Path) -> None:
+    """Locally: the idle parent's own stat line says ~0 s; its tree burns most of the second."""
+    target = LocalTarget()
+    try:
+        fields = busy_child_case(target, str(tmp_path))
+    finally:
+        target.close()
+    assert fields["engine_cpu_s"] > 0.2 and fields["engine_peak_rss_mib"] > 0
+
+
+def test_the_engines_cpu_time_counts_its_child_processes_over_ssh(
+    gpu_node: tuple[SshTarget, Path],
+) -> None:
+    target, _ = gpu_node
+    fields = busy_child_case(target, target.work_dir)
+    assert fields["engine_cpu_s"] > 0.2 and fields["engine_peak_rss_mib"] > 0
+    assert wait_for_no_process(target.user, ("while :", "clk_tck")) == []
 
 
 # -- the real llama-server, through the plugin ---------------------------------------------

@@ -21,13 +21,13 @@ import httpx
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.files import distinct_file_name
 from pytest_gpubench.matrix import Cell
-from pytest_gpubench.targets import BackgroundProcess, Target
+from pytest_gpubench.targets import BackgroundProcess, ListensBeyondLoopback, Target
 from pytest_gpubench.targets.stages import StageError
 
 READY_POLL_S = 0.05
 DEFAULT_READY_TIMEOUT_S = 120.0
-# The address a managed engine listens on: the node's loopback, reached through the node's
-# forward (SSH) or directly (this machine).
+# The address a managed engine listens on (`{host}`): the node's loopback, reached through the
+# node's forward (SSH) or directly (this machine), unless the node says otherwise (Slurm).
 LISTEN_HOST = "127.0.0.1"
 PLACEHOLDER = re.compile(r"\{(model|port|host|model_path)\}")
 
@@ -88,12 +88,17 @@ class ManagedServer:
         self.port: int | None = None
         self.base_url = ""
         self.starts = 0
+        # A node whose engine is reached from another machine (a Slurm compute node) says where
+        # the engine listens; everywhere else it is reached on the node's own loopback.
+        self.bind_host = (
+            target.engine_bind_host if isinstance(target, ListensBeyondLoopback) else LISTEN_HOST
+        )
         self._process: BackgroundProcess | None = None
 
     def argv(self, port: int) -> list[str]:
         """The command that starts the server on `port`; its environment goes first through
         `env NAME=value`, so that every node kind starts it the same way."""
-        values = {**self.values, "port": str(port), "host": LISTEN_HOST}
+        values = {**self.values, "port": str(port), "host": self.bind_host}
         command = render_launch(self.launch, values)
         if not self.env:
             return command

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from pytest_gpubench.matrix import AnyNode
@@ -31,6 +31,15 @@ class BackgroundProcess(Protocol):
     def stop(self, timeout_s: float = 10.0) -> None: ...
 
     def log_tail(self, max_bytes: int = 4000) -> str: ...
+
+
+@runtime_checkable
+class ListensBeyondLoopback(Protocol):
+    """A node whose managed engines must listen on another address than 127.0.0.1 (a Slurm
+    job's compute node is reached from the login node)."""
+
+    @property
+    def engine_bind_host(self) -> str: ...
 
 
 class Target(Protocol):
@@ -88,13 +97,13 @@ def open_target(
     """A connected, set-up target for a node of cells.yaml; raises StageError naming the stage.
 
     A rented node calls on_rental_closed once when its session is given back, also when
-    opening it fails after the session was created. `clock` times the stages (ssh_connect,
-    gpu_check, engine_install, model_pull; a rented node's inventory and provision first) and
-    reports each outcome.
+    opening it fails after the session was created; a Slurm node once per job it ran. `clock`
+    times the stages (ssh_connect, gpu_check, engine_install, model_pull; a rented node's
+    inventory and provision first) and reports each outcome.
     """
     # Each kind is imported when a node of it is opened: the kinds import this module (the
     # protocol), and a run with local nodes only loads neither paramiko nor the provider client.
-    from pytest_gpubench.matrix import LocalNode, PluginNode, SshNode
+    from pytest_gpubench.matrix import LocalNode, PluginNode, SlurmNode, SshNode
     from pytest_gpubench.targets.bringup import check_gpus, run_setup_stages
     from pytest_gpubench.targets.stages import StageClock, StageError
 
@@ -141,6 +150,10 @@ def open_target(
                 ssh.close()
             raise
         return ssh
+    if isinstance(node, SlurmNode):
+        from pytest_gpubench.targets.slurm import open_slurm_target
+
+        return open_slurm_target(node_id, node, on_job_ended=on_rental_closed)
     from pytest_gpubench.targets.provider import ProviderTarget
 
     return ProviderTarget(node_id, node, on_rental_closed=on_rental_closed, clock=clock).open()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -54,13 +54,6 @@ class SetupStep:
         """How errors name the step: its program only, since arguments may carry tokens."""
         words = self.command.split()
         return words[0] if words else "(empty)"
-
-
-def setup_steps(engine_install: Sequence[str], model_pull: Sequence[str]) -> list[SetupStep]:
-    """A node's `setup` and `model_pull` commands, in that order, each under its own stage."""
-    return [SetupStep("engine_install", command) for command in engine_install] + [
-        SetupStep("model_pull", command) for command in model_pull
-    ]
 
 
 Outcome = Literal["ok", "failed", "timeout", "skipped"]

@@ -39,6 +39,10 @@ class GpuSample:
     power_w: float | None
     sm_clock_mhz: float | None
     energy_mj: float | None
+    # The memory the engine's processes (the managed engine's pid and its children: vLLM's
+    # engine core holds the GPU, not its API server) hold on this GPU, where the sampler can tell
+    # (NVML on this machine); None elsewhere. memory_used_mib is the whole GPU's.
+    engine_memory_mib: float | None = None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ CALL_FIELDS = (
     "engine_peak_rss_mib",
     "system_mem_used_peak_mib",
     "system_load1_max",
+    "engine_gpu_memory_peak_mib",
 )
 
 Points = list[tuple[float, float]]
@@ -131,8 +132,13 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> di
         joules = _sum_or_none(integrated)
         if joules is not None:
             energy_mj, source = joules * 1000.0, "integrated_power"
+    engine_peaks = [
+        max((s.engine_memory_mib for s in g if s.engine_memory_mib is not None), default=None)
+        for g in gpus.values()
+    ]
     return {
         "gpu_peak_memory_used_mib": _sum_or_none(peaks) if gpus else None,
+        "engine_gpu_memory_peak_mib": _sum_or_none(engine_peaks) if gpus else None,
         "gpu_memory_total_mib": _sum_or_none(totals) if gpus else None,
         "gpu_utilization_mean_pct": _mean(utilization),
         "gpu_power_mean_w": _sum_or_none(power_means) if gpus else None,
@@ -212,6 +218,7 @@ class TelemetrySummary:
     prompt_id: str
     calls: int
     gpu_peak_memory_used_mib: float | None
+    engine_gpu_memory_peak_mib: float | None
     gpu_utilization_mean_pct: float | None
     gpu_power_mean_w: float | None
     gpu_energy_j_per_token: float | None
@@ -254,6 +261,7 @@ def telemetry_summaries(records: Iterable[Mapping[str, Any]]) -> list[TelemetryS
                 prompt_id=prompt_id,
                 calls=len(calls),
                 gpu_peak_memory_used_mib=_peak(calls, "gpu_peak_memory_used_mib"),
+                engine_gpu_memory_peak_mib=_peak(calls, "engine_gpu_memory_peak_mib"),
                 gpu_utilization_mean_pct=_median(calls, "gpu_utilization_mean_pct"),
                 gpu_power_mean_w=_median(calls, "gpu_power_mean_w"),
                 gpu_energy_j_per_token=_median(calls, "gpu_energy_j_per_token"),
@@ -270,6 +278,7 @@ def telemetry_summaries(records: Iterable[Mapping[str, Any]]) -> list[TelemetryS
 # The optional limits a gate may hold a (cell, prompt) to: its summary's figure by each name.
 LIMITED_FIGURES = {
     "max_peak_vram_mib": "gpu_peak_memory_used_mib",
+    "max_engine_vram_mib": "engine_gpu_memory_peak_mib",
     "max_energy_j_per_token": "gpu_energy_j_per_token",
     "max_engine_cpu_s_per_token": "engine_cpu_s_per_token",
 }

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Collection
 from types import ModuleType
 from typing import Any
 
 from pytest_gpubench.telemetry import GpuSample, PollingSampler, Sample
+from pytest_gpubench.telemetry.proc import process_tree
 
 MIB = 1024 * 1024
 
@@ -58,13 +60,39 @@ def _not_supported(nvml: ModuleType) -> tuple[type[BaseException], ...]:
     return tuple(getattr(nvml, name) for name in names if hasattr(nvml, name))
 
 
-def read_gpus(nvml: ModuleType, handles: list[Any], now: float) -> list[GpuSample]:
-    """One sample per GPU, converted to nvidia-smi's units (bytes → MiB, mW → W); a GPU that
-    cannot be read at all (lost, reset) raises, which ends the sampler with a note."""
-    return [_read_gpu(nvml, index, handle, now) for index, handle in enumerate(handles)]
+def read_gpus(
+    nvml: ModuleType, handles: list[Any], now: float, engine_pids: Collection[int] = ()
+) -> list[GpuSample]:
+    """One sample per GPU, converted to nvidia-smi's units (bytes → MiB, mW → W), with the
+    memory `engine_pids` hold on it; a GPU that cannot be read at all (lost, reset) raises, which
+    ends the sampler with a note."""
+    return [
+        _read_gpu(nvml, index, handle, now, engine_pids) for index, handle in enumerate(handles)
+    ]
 
 
-def _read_gpu(nvml: ModuleType, index: int, handle: Any, now: float) -> GpuSample:
+def engine_memory_mib(nvml: ModuleType, handle: Any, engine_pids: Collection[int]) -> float | None:
+    """What the engine's processes hold on this GPU (MiB), from NVML's list of compute
+    processes: 0 when none of them is listed (a CPU-only engine), None when there is no engine
+    process, or the driver does not say (no list, or a process's `usedGpuMemory` unknown, as
+    under some virtualisation)."""
+    if not engine_pids:
+        return None
+    try:
+        processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except nvml.NVMLError as exc:
+        if isinstance(exc, _not_supported(nvml)):
+            return None
+        raise
+    used = [p.usedGpuMemory for p in processes if int(p.pid) in engine_pids]
+    if any(value is None for value in used):
+        return None
+    return sum(int(value) for value in used) / MIB
+
+
+def _read_gpu(
+    nvml: ModuleType, index: int, handle: Any, now: float, engine_pids: Collection[int]
+) -> GpuSample:
     memory = nvml.nvmlDeviceGetMemoryInfo(handle)
     utilization = nvml.nvmlDeviceGetUtilizationRates(handle)
     temperature = _optional(
@@ -83,6 +111,7 @@ def _read_gpu(nvml: ModuleType, index: int, handle: Any, now: float) -> GpuSampl
         power_w=milliwatts / 1000.0 if milliwatts is not None else None,
         sm_clock_mhz=clock,
         energy_mj=energy,
+        engine_memory_mib=engine_memory_mib(nvml, handle, engine_pids),
     )
 
 
@@ -90,7 +119,7 @@ def nvml_sampler(interval_s: float) -> PollingSampler:
     """A sampler of every GPU of this machine; raises NvmlUnavailable where NVML cannot load."""
     nvml, handles = _load()
 
-    def read(now: float, _pid: int | None) -> list[Sample]:
-        return list(read_gpus(nvml, handles, now))
+    def read(now: float, pid: int | None) -> list[Sample]:
+        return list(read_gpus(nvml, handles, now, process_tree(pid) if pid is not None else ()))
 
     return PollingSampler("gpu", "nvml", interval_s, read, close=lambda: _shutdown(nvml))

@@ -1,0 +1,171 @@
+"""`gpubench merge` and `gpubench gate` on generated shard ledgers (tests/ledgers.py): the merged
+ledger's shape, the gate's exit status on it, and the refusals. The real job array's ledgers are
+merged and gated in test_slurm_array.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ledgers import CELLS, read, run_records, write
+
+from pytest_gpubench.baseline import update_baselines
+from pytest_gpubench.cli import main
+from pytest_gpubench.shards import Shard, assign_nodes, node_groups, shard_matrix
+from pytest_gpubench.status import EXIT_REGRESSION, EXIT_UNMEASURED
+
+
+def _shard_of(cell_id: str) -> int:
+    groups: dict[str, list[str]] = {}
+    for cell in CELLS:
+        groups.setdefault(cell.split(":")[0], []).append(cell)
+    return assign_nodes(groups, 2)[cell_id.split(":")[0]]
+
+
+def shard_ledger(
+    tmp_path: Path, cell_id: str, *, slowdown: float = 1.0, seed: int = 0, end: bool = True
+) -> Path:
+    """The ledger one array task writes: its own cell only, a meta naming its shard."""
+    index = _shard_of(cell_id)
+    records = run_records(f"run-{index}", seed=seed, slowdown=slowdown, cells=[cell_id])
+    records[0]["git_sha"] = "abc1234"
+    records[0]["cells_planned"] = [cell_id]
+    records[0]["shard"] = {"index": index, "count": 2, "matrix_cells": list(CELLS)}
+    records[-1]["cells"] = [c for c in records[-1]["cells"] if c["cell_id"] == cell_id]
+    records[-1]["exit_status"] = 0
+    if not end:
+        records.pop()
+    return write(tmp_path / f"shard-{index}-{seed}.jsonl", records)
+
+
+def baselines(tmp_path: Path) -> Path:
+    directory = tmp_path / "baselines"
+    update_baselines(directory, run_records("baseline-run", seed=99))
+    return directory
+
+
+def test_merged_ledger_has_one_meta_every_record_and_one_end(tmp_path: Path) -> None:
+    paths = [shard_ledger(tmp_path, cell) for cell in CELLS]
+    merged = tmp_path / "merged.jsonl"
+    assert main(["merge", *map(str, reversed(paths)), "-o", str(merged)]) == 0
+
+    records = read(merged)
+    shards = [read(path) for path in paths]
+    assert [r["type"] for r in records].count("meta") == 1
+    assert [r["type"] for r in records].count("end") == 1
+    meta, end = records[0], records[-1]
+    assert meta["shard"] == {
+        "count": 2, "matrix_cells": list(CELLS), "merged": [0, 1], "missing": []
+    }  # fmt: skip
+    assert sorted(meta["cells_planned"]) == sorted(CELLS)
+    assert [m["shard"] for m in meta["merged_from"]] == [0, 1]
+    body = [r for r in records if r["type"] not in ("meta", "end")]
+    assert len(body) == sum(len(s) - 2 for s in shards)
+    assert {r["benchmark_run_id"] for r in records} == {meta["benchmark_run_id"]}
+    assert {r["shard_run_id"] for r in body} == {"run-0", "run-1"}
+    assert sorted(c["cell_id"] for c in end["cells"]) == sorted(CELLS)
+    assert end["calls"] == sum(r["type"] == "call" for r in body)
+    assert end["exit_status"] == 0
+
+
+def test_merged_ledger_is_read_by_gpubench_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = [shard_ledger(tmp_path, cell) for cell in CELLS]
+    merged = tmp_path / "merged.jsonl"
+    main(["merge", *map(str, paths), "-o", str(merged)])
+    capsys.readouterr()
+    assert main(["report", str(merged)]) == 0
+    document = capsys.readouterr().out
+    assert all(cell in document for cell in CELLS)
+
+
+@pytest.mark.parametrize(
+    ("slowdown", "status"), [(1.0, 0), (2.0, EXIT_REGRESSION)], ids=["same", "twice-as-slow"]
+)
+def test_gate_judges_the_merged_ledger_with_the_sessions_exit_status(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], slowdown: float, status: int
+) -> None:
+    paths = [shard_ledger(tmp_path, cell, slowdown=slowdown, seed=3) for cell in CELLS]
+    merged = tmp_path / "merged.jsonl"
+    main(["merge", *map(str, paths), "-o", str(merged)])
+    assert main(["gate", str(merged), "--baselines", str(baselines(tmp_path))]) == status
+    out = capsys.readouterr().out
+    assert all(cell in out for cell in CELLS)
+    if status:
+        assert "regression" in out
+        assert f"exit status {status}" in out
+
+
+def test_a_missing_shard_leaves_its_cells_unmeasured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only shard 0 merged: the gate never passes the cells of shard 1."""
+    first = next(cell for cell in CELLS if _shard_of(cell) == 0)
+    other = next(cell for cell in CELLS if _shard_of(cell) == 1)
+    merged = tmp_path / "merged.jsonl"
+    assert main(["merge", str(shard_ledger(tmp_path, first)), "-o", str(merged)]) == 0
+    assert "shards missing: [1]" in capsys.readouterr().out
+    status = main(["gate", str(merged), "--baselines", str(baselines(tmp_path))])
+    assert status == EXIT_UNMEASURED
+    out = capsys.readouterr().out
+    assert f"unmeasured: {other}: missing: shard 1/2: no ledger merged" in out
+
+
+def test_a_shard_that_died_before_its_end_record_leaves_its_cells_unmeasured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dead = next(cell for cell in CELLS if _shard_of(cell) == 1)
+    paths = [shard_ledger(tmp_path, cell, end=cell != dead) for cell in CELLS]
+    merged = tmp_path / "merged.jsonl"
+    main(["merge", *map(str, paths), "-o", str(merged)])
+    assert main(["gate", str(merged), "--baselines", str(baselines(tmp_path))]) == EXIT_UNMEASURED
+    assert f"unmeasured: {dead}: missing: shard 1/2: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fault", ["twice", "not-a-shard", "other-matrix", "other-commit"])
+def test_ledgers_of_different_runs_are_refused_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str
+) -> None:
+    first, second = (shard_ledger(tmp_path, cell) for cell in CELLS)
+    records = read(second)
+    edits: dict[str, Any] = {
+        "twice": {"shard": dict(records[0]["shard"], index=_shard_of(CELLS[0]))},
+        "not-a-shard": {"shard": None},
+        "other-matrix": {"shard": dict(records[0]["shard"], matrix_cells=[CELLS[0]])},
+        "other-commit": {"git_sha": "fff0000"},
+    }
+    records[0].update(edits[fault])
+    write(second, records)
+    merged = tmp_path / "merged.jsonl"
+    assert main(["merge", str(first), str(second), "-o", str(merged)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("gpubench: error: ") and str(second) in error
+    assert error.count("\n") == 1 and "Traceback" not in error
+    assert not merged.exists()
+
+
+def test_shards_split_by_node_and_cover_the_matrix_once(tmp_path: Path) -> None:
+    from pytest_gpubench.matrix import load_matrix
+
+    (tmp_path / "prompts.yaml").write_text(
+        'prompts:\n  P: {intent: x, prompt: "hi", max_tokens: 4}\n', encoding="utf-8"
+    )
+    (tmp_path / "cells.yaml").write_text(
+        "nodes:\n  a: {kind: local}\n  b: {kind: local}\n  c: {kind: local}\n"
+        "cells:\n"
+        "  - {node: a, engine: llamacpp, model: m1, endpoint: 'http://127.0.0.1:1'}\n"
+        "  - {node: a, engine: llamacpp, model: m2, endpoint: 'http://127.0.0.1:1'}\n"
+        "  - {node: b, engine: llamacpp, model: m1, endpoint: 'http://127.0.0.1:1'}\n"
+        "  - {node: c, engine: llamacpp, model: m1, endpoint: 'http://127.0.0.1:1'}\n",
+        encoding="utf-8",
+    )
+    matrix = load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+    shards = [[c.cell_id for c in shard_matrix(matrix, Shard(i, 2)).cells] for i in range(2)]
+    assert shards == [["a:llamacpp:m1", "a:llamacpp:m2"], ["b:llamacpp:m1", "c:llamacpp:m1"]]
+    assert node_groups(matrix.cells)["a"] == ["a:llamacpp:m1", "a:llamacpp:m2"]
+    with pytest.raises(Exception, match="0 <= i < N"):
+        Shard.parse("2/2")
+    with pytest.raises(Exception, match="is not i/N"):
+        Shard.parse("first")

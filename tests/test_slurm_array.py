@@ -1,0 +1,125 @@
+"""A matrix spread over a real Slurm job array (slurm_fixtures.py), its ledgers merged and gated.
+
+`gpubench slurm submit` writes and submits the array; each task runs pytest on its shard of a
+2-cell matrix (two nodes, one managed llama-server each, run inside the task's allocation) and
+writes its ledger to the shared folder; `gpubench merge` combines them and `gpubench gate`
+judges the result against the baselines the tasks wrote.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
+
+from pytest_gpubench.baseline import baseline_path
+from pytest_gpubench.cli import main
+from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.status import EXIT_UNMEASURED
+
+if TYPE_CHECKING:
+    from slurm_fixtures import SlurmCluster
+
+pytest_plugins = ["slurm_fixtures"]
+
+ARRAY_TIMEOUT_S = 300
+
+
+def _cells(binary: Path, model: Path) -> str:
+    def cell(node: str) -> str:
+        return (
+            f"{{node: {node}, engine: llamacpp, model: tiny, phases: [warm], runs: 5, "
+            f"server_binary: '{binary}', model_path: '{model}', server_args: ['--threads', '1']}}"
+        )
+
+    return (
+        "nodes:\n  box-a: {kind: local}\n  box-b: {kind: local}\n"
+        f"cells:\n  - {cell('box-a')}\n  - {cell('box-b')}\n"
+    )
+
+
+def _wait_for_array(cluster: SlurmCluster, job_id: str) -> None:
+    deadline = time.monotonic() + ARRAY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        listed = cluster.client("squeue", "-h", "-j", job_id, "-o", "%i")
+        if not listed.stdout.strip():
+            return
+        time.sleep(1.0)
+    raise AssertionError(f"job array {job_id} still running after {ARRAY_TIMEOUT_S} s")
+
+
+def test_a_two_task_job_array_is_merged_and_gated(
+    pytester: pytest.Pytester,
+    slurm_cluster: SlurmCluster,
+    llama_server: Path,
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    project = pytester.path
+    pytester.makefile(".yaml", prompts=ONE_PROMPT, cells=_cells(llama_server, tiny_model))
+    pytester.makepyfile(test_bench=CHECKED_TEST_FILE)
+    shared = project / "shared"
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
+    status = main(
+        [
+            "slurm", "submit", "--root", str(project), "--ledger-dir", str(shared),
+            "--sbatch-option=--time=10:00", "--sbatch-option=--cpus-per-task=1",
+            "--", "test_bench.py", "--force-load", "-p", "no:cacheprovider", "--baseline-update",
+        ]
+    )  # fmt: skip
+    assert status == 0
+    out = capsys.readouterr().out
+    match = re.search(r"submitted job array (\d+): 2 tasks", out)
+    assert match, out
+    array_id = match.group(1)
+    _wait_for_array(slurm_cluster, array_id)
+
+    ledgers = sorted((shared / f"array-{array_id}").glob("*.jsonl"))
+    logs = "\n".join(path.read_text()[-1500:] for path in (shared / "logs").glob("*.out"))
+    assert len(ledgers) == 2, logs
+    metas = [read_ledger(path)[0] for path in ledgers]
+    assert sorted(meta["shard"]["index"] for meta in metas) == [0, 1]
+    assert {meta["slurm_job"]["slurm_array_job_id"] for meta in metas} == {array_id}
+    assert sorted(cell for meta in metas for cell in meta["cells_planned"]) == [
+        "box-a:llamacpp:tiny",
+        "box-b:llamacpp:tiny",
+    ]
+    # Each task measured only its own shard's cell, and wrote that cell's baseline.
+    assert all(len(meta["cells_planned"]) == 1 for meta in metas)
+    for cell_id in ("box-a:llamacpp:tiny", "box-b:llamacpp:tiny"):
+        assert baseline_path(project / "baselines", cell_id).exists()
+
+    merged = shared / "merged.jsonl"
+    assert main(["merge", *map(str, ledgers), "-o", str(merged)]) == 0
+    records = read_ledger(merged)
+    calls = [r for r in records if r["type"] == "call"]
+    assert sorted({c["cell_id"] for c in calls}) == ["box-a:llamacpp:tiny", "box-b:llamacpp:tiny"]
+    assert all(c["error"] is None for c in calls) and len(calls) == 10
+    capsys.readouterr()
+
+    # The baselines were written from these very numbers: the gate finds no change.
+    assert main(["gate", str(merged), "--baselines", str(project / "baselines")]) == 0
+    judged = capsys.readouterr().out
+    assert "box-a:llamacpp:tiny" in judged and "box-b:llamacpp:tiny" in judged
+    rows = [line.split() for line in judged.splitlines() if ":llamacpp:tiny" in line]
+    # Every metric judged unchanged; a cell whose 8 tokens all came in one read has no decode
+    # rate on either side (`new`: nothing to compare).
+    assert len(rows) == 8 and {row[-1] for row in rows} <= {"ok", "new"}, judged
+    assert [row[-1] for row in rows if row[2] == "TTFT"] == ["ok", "ok"], judged
+    assert "gpubench gate: exit status 0" in judged
+
+    # Without the second task's ledger its cell is unmeasured: the gate does not pass.
+    first = next(p for p, meta in zip(ledgers, metas, strict=True) if meta["shard"]["index"] == 0)
+    partial = shared / "partial.jsonl"
+    assert main(["merge", str(first), "-o", str(partial)]) == 0
+    assert main(["gate", str(partial), "--baselines", str(project / "baselines")]) == (
+        EXIT_UNMEASURED
+    )
+    assert "shard 1/2: no ledger merged" in capsys.readouterr().out
+    assert main(["report", str(merged)]) == 0
+    assert "box-b:llamacpp:tiny" in capsys.readouterr().out
