@@ -366,7 +366,8 @@ class LiveCell:
         started = self.server.starts > 0
         if started and self.target is not None and not isinstance(self.target, LocalTarget):
             begun = time.monotonic()
-            fetched = self.fetch_log(self.target, self.server.log_path)
+            limit = clock.limit("collect", LOG_FETCH_TIMEOUT_S) or LOG_FETCH_TIMEOUT_S
+            fetched = self.fetch_log(self.target, self.server.log_path, max(limit, 1.0))
             clock.note(
                 "collect",
                 "ok" if fetched is not None else "failed",
@@ -375,14 +376,16 @@ class LiveCell:
                 cell_id=self.cell.cell_id,
             )
 
-    def fetch_log(self, target: Target, remote_path: str) -> Path | None:
+    def fetch_log(
+        self, target: Target, remote_path: str, timeout_s: float = LOG_FETCH_TIMEOUT_S
+    ) -> Path | None:
         """The last LOG_FETCH_MAX_BYTES of a remote engine log, copied here; None on failure."""
         node = self.cell.spec.node
         name = f"{distinct_file_name(node)}-{PurePosixPath(remote_path).name}"
         local = self.log_dir / name
         tail = ["tail", "-c", str(LOG_FETCH_MAX_BYTES), remote_path]
         try:
-            result = target.run(tail, timeout_s=LOG_FETCH_TIMEOUT_S)
+            result = target.run(tail, timeout_s=timeout_s)
             if not result.ok:
                 raise GpubenchError(result.stderr.strip()[-300:] or f"status {result.returncode}")
             local.parent.mkdir(parents=True, exist_ok=True)

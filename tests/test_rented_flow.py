@@ -294,6 +294,7 @@ def test_a_rental_left_by_a_killed_run_is_given_back_by_the_next_run(
     (entry,) = (Path(os.environ["GPUBENCH_CACHE_DIR"]) / "rentals").glob("*.json")
     facts = json.loads(entry.read_text())
     assert facts["session_id"] == "sess-1" and facts["api"] == market.url
+    assert Path(facts["key_dir"], "session_key").exists()  # the killed run's key, left behind
     assert TOKEN not in entry.read_text() and "PRIVATE KEY" not in entry.read_text()
     for ledger in (pytester.path / "runs").glob("*.jsonl"):
         ledger.rename(ledger.with_suffix(".killed"))
@@ -317,6 +318,7 @@ def test_a_rental_left_by_a_killed_run_is_given_back_by_the_next_run(
     )
     assert nodes["sess-2"].get("leaked") is None
     assert list(entry.parent.glob("*.json")) == []
+    assert not Path(facts["key_dir"]).exists()  # deleted with the session it logged in to
     # The killed run's llama-server was stopped as stale when the next one started.
     assert servers_of(sshd.user) == []
 
@@ -334,7 +336,11 @@ def test_gpubench_rentals_release_gives_back_what_a_killed_run_left(
     listed = capsys.readouterr().out
     assert "session sess-1" in listed and "left by a killed run" in listed
     assert market.done() == []  # listing gives nothing back
+    (entry,) = (Path(os.environ["GPUBENCH_CACHE_DIR"]) / "rentals").glob("*.json")
+    key_dir = Path(json.loads(entry.read_text())["key_dir"])
+    assert key_dir.exists()
     assert gpubench_main(["rentals", "--release"]) == 0
+    assert not key_dir.exists()
     released = capsys.readouterr().out.strip()
     assert released.startswith("rented node rented: left rented by a killed run, given back now:")
     assert released.endswith("session sess-1 marked done")

@@ -9,7 +9,9 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -108,6 +110,10 @@ class RentalJournal:
         facts.update(session_id=session_id, created_at=time.time(), created_at_utc=utc_now())
         self._write(path, facts)
 
+    def update(self, path: Path, **facts: Any) -> None:
+        entry = self._read(path)
+        self._write(path, {**(entry.facts if entry is not None else {}), **facts})
+
     def close(self, path: Path) -> None:
         """The session was given back (or never created): strike it off."""
         with contextlib.suppress(FileNotFoundError):
@@ -178,6 +184,7 @@ def release(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
             finally:
                 client.close()
         if done:
+            _delete_key_dir(facts.get("key_dir"))
             journal.close(entry.path)
     return {
         "node": facts.get("node"),
@@ -192,3 +199,15 @@ def release(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
         "leaked": True,
         "leaked_at_utc": facts.get("created_at_utc"),
     }
+
+
+def _delete_key_dir(key_dir: Any) -> None:
+    """The session's temporary key, left on disk by the killed run (only a folder the provider
+    target made: `gpubench-provider-*` in the temporary directory)."""
+    if not isinstance(key_dir, str):
+        return
+    folder = Path(key_dir)
+    if folder.name.startswith("gpubench-provider-") and folder.parent == Path(
+        tempfile.gettempdir()
+    ):
+        shutil.rmtree(folder, ignore_errors=True)

@@ -213,6 +213,8 @@ class ProviderTarget:
                 "provision", f"session {created.session_id}: answer lacks ssh_private_key"
             )
         self._write_key(key)
+        # A run killed with -9 leaves the key on disk: whoever gives the session back deletes it.
+        self.journal.update(self._journal_entry, key_dir=str(self.key_dir))
         self._take_ssh_address(created.session)
         log.info(
             "node %s: session %s on offer %s (%s, %s/h)",
