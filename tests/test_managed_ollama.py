@@ -75,12 +75,21 @@ def test_managed_ollama_on_an_ssh_node_pulls_checks_measures_and_stops(
         ollama_cell(
             "slow:1b", models, phases=["warm"], runs=1, env={"OLLAMA_STANDIN_PULL_S": "20"}
         ),
+        ollama_cell("qwen3:0.6b", models, name="restarted", cold="restart", runs=1),
     ]
     nodes = {"gpubox": node.replace("}", ", stage_timeouts: {model_pull: 2}}")}
     result = run_matrix(pytester, nodes, cells)
-    result.assert_outcomes(passed=3, skipped=3)
+    result.assert_outcomes(passed=5, skipped=3)
     records = ledger_of(pytester)
 
+    # cold: restart: `ollama serve` stopped and started again, the model pulled already.
+    restarted = [r for r in records if r["type"] == "call" and r["cell_id"].endswith("@restarted")]
+    assert [(c["phase"], c["cold_kind"]) for c in restarted] == [
+        ("cold", "restart"),
+        ("warm", None),
+    ]
+    assert restarted[0]["engine_timings"]["load_duration"] > 0
+    records = [r for r in records if not str(r.get("cell_id")).endswith("@restarted")]
     (cell,) = [r for r in records if r["type"] == "cell"]
     assert cell["cell_id"] == "gpubox:ollama:qwen3:0.6b" and cell["managed"] is True
     assert cell["engine_version"] == OLLAMA_VERSION
@@ -127,5 +136,6 @@ def test_managed_ollama_on_an_ssh_node_pulls_checks_measures_and_stops(
     pulled = json.loads((models / "standin-manifests.json").read_text())
     assert "qwen3:0.6b" in pulled and "llama3:70b" in pulled
     assert serving(sshd.user) == []
-    (engine_log,) = (pytester.path / "runs" / "logs").glob("gpubox-ollama-*qwen3*.log")
+    logs = (pytester.path / "runs" / "logs").glob("gpubox-ollama-*qwen3*.log")
+    (engine_log,) = [log for log in logs if "restarted" not in log.name]
     assert "Listening on 127.0.0.1:" in engine_log.read_text()

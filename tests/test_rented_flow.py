@@ -393,3 +393,45 @@ def test_every_stage_reaches_the_ledger_from_an_xdist_worker(
     assert stages_of(records) == [(stage, "ok") for stage in EVERY_STAGE]
     assert {r["worker"] for r in records if r["type"] == "stage"} <= {"gw0", "gw1"}
     assert market.done() == ["sess-1"]
+
+
+def test_an_engine_on_a_rented_node_is_addressed_by_its_port_there(
+    pytester: pytest.Pytester,
+    market: ProviderStandIn,
+    node_install: tuple[Path, Path],
+    sshd: SshServer,
+) -> None:
+    """A rented node's address is not known in advance: `port: N` reaches the engine the node
+    runs on its own loopback at N, through the rented node's SSH forward."""
+    from pytest_gpubench.engines.managed import ManagedServer
+    from pytest_gpubench.targets.ssh import SshTarget
+
+    binary, gguf = node_install
+    node = SshTarget(
+        "by-hand", sshd.host, sshd.port, sshd.user, key_file=str(sshd.key_file),
+        known_hosts=str(sshd.known_hosts), connect_timeout_s=5.0, command_timeout_s=20.0,
+    )  # fmt: skip
+    engine = ManagedServer(
+        node,
+        cell_id="by-hand",
+        launch=[str(binary), "--model", "{model_path}", "--alias", "{model}", "--host", "{host}",
+                "--port", "{port}", "--threads", "1"],
+        log_dir=f"{node.work_dir}/by-hand",
+        values={"model": "tiny", "model_path": str(gguf)},
+        ready_timeout_s=60,
+    )  # fmt: skip
+    engine.start()
+    try:
+        cell = f"{{node: rented, engine: openai, model: tiny, port: {engine.port}, runs: 1, phases: [warm]}}"
+        result = run_matrix(pytester, {"rented": rented(market, node_install)}, [cell])
+        result.assert_outcomes(passed=1)
+        records = ledger_of(pytester)
+        (record,) = [r for r in records if r["type"] == "cell"]
+        assert record["node_kind"] == "provider" and record["node_port"] == engine.port
+        assert int(record["engine_url"].rsplit(":", 1)[1]) != engine.port  # the forward's own
+        (call,) = [r for r in records if r["type"] == "call"]
+        assert call["error"] is None and call["completion_tokens"] == 8
+        assert market.done() == ["sess-1"] and engine.alive()
+    finally:
+        engine.stop()
+        node.close()
