@@ -53,7 +53,7 @@ WARM_WINDOW_S = 60.0
 HEALTH_TIMEOUT_S = 10.0
 # A timed run's checkpoint interval when its cell sets none.
 DEFAULT_CHECKPOINT_S = 60.0
-# How long an engine that pulls its own model may take to, on a node without setup_timeout_s.
+# How long an engine may take to pull its own model where the node has no setup_timeout_s.
 PULL_TIMEOUT_S = 1800.0
 LOG_FETCH_TIMEOUT_S = 60.0
 # The log on the node grows across runs (it is appended to): its tail holds this run.
