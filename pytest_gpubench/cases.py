@@ -55,7 +55,8 @@ def build_cases(matrix: Matrix, runs_override: int | None = None) -> list[Case]:
             cell,
             node_order,
             phases=cell.spec.phases,
-            warm_runs=runs_override or cell.runs,
+            # A timed cell's warm phase is one case per prompt, which calls for duration_s.
+            warm_runs=1 if cell.spec.duration_s else (runs_override or cell.runs),
             prompts=list(enumerate(cell.prompt_ids)),
         )
     ]

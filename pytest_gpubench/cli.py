@@ -1,5 +1,5 @@
 """The `gpubench` command, every subcommand: init, install-server, make-model, report, history,
-export, compare, merge, gate, slurm submit."""
+export, compare, merge, gate, slurm submit, rentals."""
 
 from __future__ import annotations
 
@@ -247,6 +247,35 @@ def _slurm_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rentals(args: argparse.Namespace) -> int:
+    """The rental journal: each session not yet given back; --release gives back those whose
+    run is gone. Status 1 when one could not be given back."""
+    from pytest_gpubench.report import rental_lines
+    from pytest_gpubench.targets.provider.journal import RentalJournal, release
+
+    journal = RentalJournal()
+    entries = journal.entries()
+    if not entries:
+        print(f"no rentals in {journal.directory}")
+        return 0
+    failed = False
+    for entry in entries:
+        facts = entry.facts
+        in_use = entry.run_alive()
+        if args.release and not in_use:
+            released = release(entry, journal)
+            failed = failed or not released["session_done"]
+            print(rental_lines([released])[0].text)
+            continue
+        state = f"in use by pid {facts.get('pid')}" if in_use else "left by a killed run"
+        print(
+            f"node {facts.get('node')}: session {entry.session_id} at {facts.get('api')} "
+            f"({facts.get('gpu_name')}, {facts.get('price_per_hour')}/h, since "
+            f"{facts.get('created_at_utc')}): {state}"
+        )
+    return 1 if failed else 0
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="gpubench", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True)
@@ -340,6 +369,17 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("new", help="the newer ledger")
     compare.set_defaults(handler=_compare)
     _add_sharded_run_commands(commands)
+
+    rentals = commands.add_parser(
+        "rentals",
+        help="the rented sessions not yet given back (the rental journal in the cache directory)",
+    )
+    rentals.add_argument(
+        "--release",
+        action="store_true",
+        help="give back every session whose run is gone (killed) and print what it cost",
+    )
+    rentals.set_defaults(handler=_rentals)
     return root
 
 

@@ -103,6 +103,8 @@ class RunController:
                 run_id=run_id,
                 hooks=hooks,
             )
+            if writes_ledger:
+                self.harness.sink = self.collect
         self.ledger: Ledger | None = None
         self.started = False
         self.startup_error: str | None = None
@@ -235,6 +237,8 @@ class RunController:
             self.harness.release_node(node_id)
         finally:
             unsent = self.unsent_rentals()
+            if self.writes_ledger:
+                self.collect(self.harness.stage_records())
         return unsent
 
     # -- probe ---------------------------------------------------------------------------------
@@ -269,6 +273,8 @@ class RunController:
             if self.harness is not None:
                 self.harness.close()
         finally:
+            if self.harness is not None and self.writes_ledger:
+                self.collect(self.harness.stage_records())
             if workeroutput is not None:
                 # xdist sends this to the controller, which writes it into the end record.
                 workeroutput["gpubench_rentals"] = self.unsent_rentals()

@@ -36,8 +36,27 @@ PHASES = ("cold", "warm")
 ENGINE_KINDS = ("llamacpp", "ollama", "openai")
 NODE_KINDS = ("local", "ssh", "provider", "slurm")
 # Engines the harness knows how to launch itself when a cell has no endpoint.
-MANAGED_ENGINE_KINDS = ("llamacpp",)
+MANAGED_ENGINE_KINDS = ("llamacpp", "ollama", "openai")
 TINY_MODEL = "tiny"
+# The stages of bringing up a node and benchmarking on it, in order (targets/stages.py); ssh_wait
+# (a rented node's sshd coming up) and results (logs read back) are older names still recorded;
+# queue is a Slurm job waiting for its node.
+StageName = Literal[
+    "inventory",
+    "provision",
+    "ssh_wait",
+    "ssh_connect",
+    "gpu_check",
+    "engine_install",
+    "model_pull",
+    "vram_check",
+    "queue",
+    "engine_start",
+    "benchmark",
+    "collect",
+    "results",
+    "cleanup",
+]
 # A cell's optional `name` ends its id (`<node>:<engine>:<model>@<name>`), so it must stay plain
 # in pytest ids, ledgers and baseline file names.
 CELL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -82,6 +101,13 @@ class SshNode(_Strict):
     model_pull: list[str] = []
     setup_timeout_s: PositiveFloat = 900.0
     forward: bool = True
+    # What the node's nvidia-smi must report (stage gpu_check), each stage's own timeout and
+    # the whole node's budget (every stage's timeout is cut to what is left of it).
+    gpu_type: str | None = None
+    gpu_count: PositiveInt | None = None
+    gpu_check: Literal["auto", "required", "off"] = "auto"
+    stage_timeouts: dict[StageName, PositiveFloat] = {}
+    budget_s: PositiveFloat | None = None
 
 
 class ProviderNode(_Strict):
@@ -103,6 +129,10 @@ class ProviderNode(_Strict):
     model_pull: list[str] = []
     setup_timeout_s: PositiveFloat = 1800.0
     connect_timeout_s: PositiveFloat = 15.0
+    gpu_count: PositiveInt | None = None
+    gpu_check: Literal["auto", "required", "off"] = "auto"
+    stage_timeouts: dict[StageName, PositiveFloat] = {}
+    budget_s: PositiveFloat | None = None
 
 
 class SlurmLogin(_Strict):
@@ -322,6 +352,27 @@ class CellSpec(_Strict):
     ca_file: str | None = None
     tls_verify: bool = True
     request: RequestShape | None = None
+    # An engine on the cell's node, addressed by its port there (reached through the node's SSH
+    # forward): already running there, or started there from `launch`.
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    # A managed engine's argv, with {model}, {port}, {host} and {model_path} filled in; its
+    # environment; the path that answers 200 once it is ready, and how long it may take.
+    launch: Annotated[list[str], Field(min_length=1)] | None = None
+    launch_env: dict[str, str] = {}
+    health_path: str | None = None
+    ready_timeout_s: PositiveFloat | None = None
+    # A timed warm phase: each prompt's warm case calls for `duration_s` seconds, a checkpoint
+    # record every `checkpoint_s` (60 s when not set) keeping what was measured so far.
+    duration_s: PositiveFloat | None = None
+    checkpoint_s: PositiveFloat | None = None
+    # A streamed reply with no token for this long is aborted and recorded as stalled.
+    stall_s: PositiveFloat | None = None
+    # How a managed engine's cold case starts cold: a restart of its process (the default), or
+    # `unload` (Ollama: keep_alive 0, confirmed by /api/ps; the default for a managed ollama).
+    cold: Literal["restart", "unload"] | None = None
+    # The memory the model needs on the node's GPUs (stage vram_check), where its file's size
+    # does not say (a model directory, quantisation overheads).
+    vram_gb: PositiveFloat | None = None
     # Extra headers on every request of the cell; each value from an environment variable.
     headers: dict[str, HeaderFromEnv] = {}
     # Load cases (load_profile.py): the cell's keys over settings.load; `false` turns them off.
@@ -380,7 +431,8 @@ class CellSpec(_Strict):
 
     @property
     def managed(self) -> bool:
-        return self.endpoint is None
+        """The harness starts the engine: no endpoint, and a launch template or no port."""
+        return self.endpoint is None and (self.port is None or self.launch is not None)
 
     @property
     def load_setting(self) -> LoadSetting | None:
@@ -445,6 +497,13 @@ class Cell:
     @property
     def managed(self) -> bool:
         return self.spec.managed
+
+    @property
+    def cold_mode(self) -> Literal["restart", "unload"]:
+        """How a managed engine is made cold (an external one is always asked to unload)."""
+        if self.spec.cold is not None:
+            return self.spec.cold
+        return "unload" if self.spec.engine == "ollama" else "restart"
 
     @property
     def endpoint_as_written(self) -> str | None:
@@ -598,11 +657,7 @@ def load_matrix(
             raise GpubenchError(
                 f"{where}: node: '{spec.node}' is not defined under nodes (defined: {known})"
             )
-        if spec.managed and spec.engine not in MANAGED_ENGINE_KINDS:
-            raise GpubenchError(
-                f"{where}: endpoint: required for engine '{spec.engine}' "
-                f"(the harness can only launch {', '.join(MANAGED_ENGINE_KINDS)} itself)"
-            )
+        _check_endpoint_keys(where, spec)
         prompt_ids = tuple(spec.prompts) if spec.prompts is not None else tuple(prompts)
         for prompt_id in prompt_ids:
             if prompt_id not in prompts:
@@ -638,6 +693,36 @@ def load_matrix(
         cells=tuple(cells),
         prompts=prompts,
     )
+
+
+def _check_endpoint_keys(where: str, spec: CellSpec) -> None:
+    """One way to reach the engine: an endpoint, a port on the node, or a launch; and a managed
+    engine of a kind the harness can start."""
+    if spec.endpoint is not None:
+        for key in ("port", "launch", "launch_env", "health_path", "ready_timeout_s", "cold"):
+            if getattr(spec, key):
+                raise GpubenchError(
+                    f"{where}: {key}: only for an engine on the node (port:) or one the "
+                    "harness launches; this cell has an endpoint"
+                )
+    if not spec.managed:
+        for key in ("launch_env", "health_path", "ready_timeout_s", "cold"):
+            if getattr(spec, key):
+                raise GpubenchError(
+                    f"{where}: {key}: only for a managed engine (give the cell a launch:)"
+                )
+        return
+    if spec.engine not in MANAGED_ENGINE_KINDS:
+        raise GpubenchError(
+            f"{where}: endpoint: required for engine '{spec.engine}' "
+            f"(the harness can only launch {', '.join(MANAGED_ENGINE_KINDS)} itself)"
+        )
+    if spec.engine == "openai" and spec.launch is None:
+        raise GpubenchError(
+            f"{where}: launch: a managed openai cell needs a launch template (e.g. "
+            '[vllm, serve, "{model}", --host, "{host}", --port, "{port}"]), '
+            "or an endpoint or port of an engine already running"
+        )
 
 
 def _check_request_keys(
@@ -678,6 +763,10 @@ def _check_load(
         raise GpubenchError(
             f"{where}: parallel: only a managed llamacpp cell (no endpoint) takes it; an "
             "external server's slots are set where it is started"
+        )
+    if spec.parallel is not None and spec.launch is not None:
+        raise GpubenchError(
+            f"{where}: parallel: the cell's launch: replaces the argv; put --parallel there"
         )
     if load is None:
         return

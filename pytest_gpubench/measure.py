@@ -9,11 +9,18 @@ import socket
 import ssl
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import h11
+
+# A stream that sends nothing for this long once its response began is aborted as stalled (a
+# cell's stall_s, set by the harness around its calls); None: only the call's timeout applies.
+STALL_LIMIT_S: ContextVar[float | None] = ContextVar("gpubench_stall_limit_s", default=None)
+# How a stalled call's error starts: the harness counts them by it.
+STALLED = "stalled"
 
 # Why not httpx here: against a server that logs when it writes its first byte, a blocking socket
 # read by h11 adds the least to TTFT (benchmarks_dev/client_overhead.py; on a loaded 2-core
@@ -436,7 +443,12 @@ class HttpConnection:
         response = StreamedResponse(
             sent_ns=sent_ns, status=event.status_code, headers=response_headers, lines=iter(())
         )
-        response.lines = self._lines(sock, conn, stamps, response, deadline_s=timeout_s)
+        stall_s = STALL_LIMIT_S.get()
+        if stall_s is not None and stall_s < timeout_s:
+            sock.settimeout(stall_s)
+        response.lines = self._lines(
+            sock, conn, stamps, response, deadline_s=timeout_s, stall_s=stall_s
+        )
         response.release = self._release_for(response)
         return response
 
@@ -467,6 +479,7 @@ class HttpConnection:
         response: StreamedResponse,
         *,
         deadline_s: float,
+        stall_s: float | None = None,
     ) -> Iterator[Line]:
         """Split the body into lines; each line keeps the arrival time of its first byte."""
         pending = b""
@@ -480,6 +493,11 @@ class HttpConnection:
                 try:
                     event = _read_event(conn, sock, stamps)
                 except TimeoutError:
+                    if stall_s is not None and stall_s < deadline_s:
+                        raise StreamError(
+                            f"{STALLED}: no token for {stall_s:g} s after "
+                            f"{response.chunks_received} chunks (stall_s)"
+                        ) from None
                     raise StreamError(f"no data for {deadline_s:g} s (read timed out)") from None
                 except _ClosedByPeer:
                     raise StreamError(

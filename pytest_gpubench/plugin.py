@@ -450,6 +450,9 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     rentals = run.release_node(node)
     if rentals:
         item.stash[RENTALS_KEY] = rentals
+    if not run.writes_ledger:
+        # On an xdist worker the node's collect and cleanup stages ride on this teardown report.
+        item.stash.setdefault(RECORDS_KEY, []).extend(run.harness.stage_records())
 
 
 @pytest.hookimpl(tryfirst=True)

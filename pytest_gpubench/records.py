@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from pytest_gpubench import HARNESS_VERSION, __version__
 from pytest_gpubench.cases import Case
 from pytest_gpubench.matrix import Cell, Prompt, RequestShape
-from pytest_gpubench.measure import CallMeasurement
+from pytest_gpubench.measure import STALLED, CallMeasurement
 from pytest_gpubench.provenance import chosen_environment, load_average, utc_now
 from pytest_gpubench.targets.stages import Stage
 
@@ -76,6 +77,7 @@ def cell_record(
     gpu_summary: str,
     node_info: Mapping[str, Any],
     prompts: Mapping[str, Prompt] | None = None,
+    engine_url: str | None = None,
 ) -> dict[str, Any]:
     """A healthy cell: the engine's version, the model's digest and the node's GPUs, and how it
     is asked (TLS, request keys, header names; never a header's value)."""
@@ -96,6 +98,11 @@ def cell_record(
         "node_info": dict(node_info),
         "at_utc": utc_now(),
         "benchmark_run_id": run_id,
+        # An engine on the node addressed by its port there; how a managed one was launched;
+        # the address it was reached at from here (through the node's SSH forward).
+        "node_port": spec.port,
+        "launch": list(spec.launch) if spec.launch is not None else None,
+        "engine_url": engine_url,
     }
 
 
@@ -293,6 +300,61 @@ def skipped_record(
         "at_utc": utc_now(),
         "node": cell.spec.node,
         "stage": stage,
+    }
+
+
+def checkpoint_record(
+    *,
+    run_id: str,
+    cell: Cell,
+    case: Case,
+    index: int,
+    elapsed_s: float,
+    window: Sequence[Mapping[str, Any]],
+    calls_so_far: int,
+    final: bool,
+) -> dict[str, Any]:
+    """A timed run's figures so far (README "Timed runs"): written every checkpoint_s, so that
+    a run that dies keeps them. `window`: the call records since the previous checkpoint."""
+    ok = [call for call in window if call.get("error") is None]
+    return {
+        "type": "checkpoint",
+        "benchmark_run_id": run_id,
+        "cell_id": cell.cell_id,
+        "node": cell.spec.node,
+        "prompt_id": case.prompt_id,
+        "case_id": case.case_id,
+        "checkpoint_idx": index,
+        "elapsed_s": round(elapsed_s, 3),
+        "final": final,
+        "calls": len(window),
+        "errors": len(window) - len(ok),
+        "stalls": sum(str(call.get("error") or "").startswith(STALLED) for call in window),
+        "calls_so_far": calls_so_far,
+        "ttft_p50_ms": _median([call.get("first_delta_ms") for call in ok]),
+        "total_p50_ms": _median([call.get("total_duration_ms") for call in ok]),
+        "tokens_per_sec_p50": _median([call.get("tokens_per_sec") for call in ok]),
+        "completion_tokens": sum(call.get("completion_tokens") or 0 for call in ok),
+        "at_utc": utc_now(),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+    }
+
+
+def _median(values: Sequence[Any]) -> float | None:
+    numbers = [float(value) for value in values if isinstance(value, int | float)]
+    return round(statistics.median(numbers), 4) if numbers else None
+
+
+def stage_record(*, run_id: str, facts: Mapping[str, Any]) -> dict[str, Any]:
+    """How one stage of a remote node (or of a cell on it) ended: node, cell_id (None for a
+    node's own stage), stage, outcome (ok, failed, timeout, skipped), elapsed_s, timeout_s,
+    error."""
+    return {
+        "type": "stage",
+        "benchmark_run_id": run_id,
+        **facts,
+        "at_utc": utc_now(),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER"),
     }
 
 

@@ -213,8 +213,9 @@ def rental_lines(rentals: Iterable[Mapping[str, Any]]) -> list[TerminalLine]:
             continue
         done = rental.get("session_done")
         state = "marked done" if done else "NOT marked done: end it by hand"
+        leaked = "left rented by a killed run, given back now: " if rental.get("leaked") else ""
         text = (
-            f"rented node {rental.get('node')}: {rental.get('gpu_name')} at "
+            f"rented node {rental.get('node')}: {leaked}{rental.get('gpu_name')} at "
             f"{rental.get('price_per_hour')}/h for {rental.get('elapsed_s')} s, cost "
             f"{rental.get('cost')}; session {rental.get('session_id')} {state}"
         )

@@ -50,4 +50,23 @@ if [ "$want" != "$have" ]; then
   echo "$want" >"$MODEL/.gpubench-maker-sha256"
 fi
 
+# The venv's interpreter links to the Python that made it; where that one lives in a home others
+# cannot enter (pyenv under /root), the SSH tests' user cannot start it. A second, tiny venv made
+# from the system Python of the same minor version reads the same packages: the "node" install.
+NODE_VENV="$VENV-node"
+SYSTEM_PYTHON=/usr/bin/python3
+if [ -x "$SYSTEM_PYTHON" ] && [ ! -e "$NODE_VENV/.gpubench-installed" ]; then
+  same="$("$SYSTEM_PYTHON" -c 'import sys; print(sys.version_info[:2])')"
+  want_version="$("$VENV/bin/python" -c 'import sys; print(sys.version_info[:2])')"
+  if [ "$same" = "$want_version" ]; then
+    rm -rf "$NODE_VENV"
+    "$SYSTEM_PYTHON" -m venv --without-pip "$NODE_VENV"
+    site="$("$NODE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    packages="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "import site; site.addsitedir('$packages')" >"$site/gpubench-vllm.pth"
+    "$NODE_VENV/bin/python" -c 'import vllm; print("setup-vllm: node install of vllm", vllm.__version__)'
+    touch "$NODE_VENV/.gpubench-installed"
+  fi
+fi
+
 chmod -R a+rX "$PREFIX"

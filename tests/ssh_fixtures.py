@@ -201,3 +201,17 @@ def session_key(sshd: SshServer, tmp_path_factory: pytest.TempPathFactory) -> st
     path = tmp_path_factory.mktemp("provider-key") / "session_ed25519"
     sshd.authorize(generate_key(path, "gpubench-provider-session"))
     return path.read_text(encoding="ascii")
+
+
+@pytest.fixture(scope="module")
+def node_install(sshd: SshServer, llama_server: Path, tiny_model: Path) -> tuple[Path, Path]:
+    """llama-server and the tiny model as the node's own install: copies the test user may run.
+
+    (Root's cache, where `make engine` put them, is closed to that user.)
+    """
+    install = sshd.remote_dir / "install"
+    install.mkdir(exist_ok=True)
+    binary = Path(shutil.copy2(llama_server, install / "llama-server"))
+    model = Path(shutil.copy2(tiny_model, install / "tiny.gguf"))
+    subprocess.run(["chown", "-R", f"{sshd.user}:{sshd.user}", str(install)], check=True)
+    return binary, model

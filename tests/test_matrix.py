@@ -69,8 +69,9 @@ def test_valid_matrix_applies_defaults_and_per_cell_overrides(tmp_path: Path) ->
             "cells.yaml: cells[0] (gpu1:llamacpp:tiny): node: 'gpu1' is not defined under nodes",
         ),
         (
-            "nodes: {local: {kind: local}}\ncells:\n  - {node: local, engine: ollama, model: m}\n",
-            "cells.yaml: cells[0] (local:ollama:m): endpoint: required for engine 'ollama'",
+            "nodes: {local: {kind: local}}\ncells:\n  - {node: local, engine: openai, model: m}\n",
+            "cells.yaml: cells[0] (local:openai:m): launch: a managed openai cell needs a launch "
+            "template",
         ),
         (
             "nodes: {local: {kind: local}}\ncells:\n  - {node: local, engine: tgi, model: m}\n",

@@ -9,7 +9,6 @@ status polls, done, field by field) that hands out that same sshd.
 from __future__ import annotations
 
 import hashlib
-import shutil
 import subprocess
 from collections.abc import Iterator
 from datetime import datetime
@@ -37,20 +36,6 @@ OFFERS = [
     {"id": "o-dear", "provider": "vastai", "gpu_name": "RTX 4090", "vram_gb": 24,
      "price_per_hour": 0.55},
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def node_install(sshd: SshServer, llama_server: Path, tiny_model: Path) -> tuple[Path, Path]:
-    """llama-server and the tiny model as the node's own install: copies the test user may run.
-
-    (Root's cache, where `make engine` put them, is closed to that user.)
-    """
-    install = sshd.remote_dir / "install"
-    install.mkdir(exist_ok=True)
-    binary = Path(shutil.copy2(llama_server, install / "llama-server"))
-    model = Path(shutil.copy2(tiny_model, install / "tiny.gguf"))
-    subprocess.run(["chown", "-R", f"{sshd.user}:{sshd.user}", str(install)], check=True)
-    return binary, model
 
 
 @pytest.fixture
@@ -288,7 +273,7 @@ def test_failed_nodes_are_skipped_with_their_stage_and_the_others_go_on(
     calls = [r for r in records if r["type"] == "call"]
     assert {c["cell_id"] for c in calls} == {"local:llamacpp:tiny"}
     skipped = {r["cell_id"]: r for r in records if r["type"] == "skipped"}
-    assert skipped["nogpu:llamacpp:tiny"]["stage"] == "provision"
+    assert skipped["nogpu:llamacpp:tiny"]["stage"] == "inventory"
     assert "no offer for" in skipped["nogpu:llamacpp:tiny"]["reason"]
     for cell_id in ("spoofed:llamacpp:tiny", "spoofed:llamacpp:tiny-2"):
         assert skipped[cell_id]["stage"] == "ssh_connect"

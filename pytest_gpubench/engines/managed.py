@@ -1,81 +1,118 @@
-"""Engines the harness launches itself: start, health-wait, restart (a true cold start), stop."""
+"""Engines the harness launches itself: start, health-wait, restart (a true cold start), stop.
+
+One `ManagedServer` runs any engine from a launch template (an argv whose words may hold
+`{model}`, `{port}`, `{host}` and `{model_path}`); what differs per kind (the default argv,
+the health path, the model's digest) is in `managed_llamacpp.py`, `managed_ollama.py` and
+`managed_openai.py`. On every node the process is its own process group with a pid file beside
+its log, and a server that a killed run left behind is stopped before a new one starts
+(targets: `Target.start`).
+"""
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import httpx
 
 from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.files import distinct_file_name, file_sha256
-from pytest_gpubench.matrix import TINY_MODEL, Cell
+from pytest_gpubench.files import distinct_file_name
+from pytest_gpubench.matrix import Cell
 from pytest_gpubench.targets import BackgroundProcess, ListensBeyondLoopback, Target
-from pytest_gpubench.targets.local import LocalTarget
+from pytest_gpubench.targets.stages import StageError
 
 READY_POLL_S = 0.05
+DEFAULT_READY_TIMEOUT_S = 120.0
+# The address a managed engine listens on (`{host}`): the node's loopback, reached through the
+# node's forward (SSH) or directly (this machine), unless the node says otherwise (Slurm).
+LISTEN_HOST = "127.0.0.1"
+PLACEHOLDER = re.compile(r"\{(model|port|host|model_path)\}")
 
 
-class ManagedLlamaServer:
-    """A llama-server process on a target, serving one GGUF under the cell's model name."""
+def render_launch(template: Sequence[str], values: Mapping[str, str]) -> list[str]:
+    """The argv of a launch template: each known `{name}` replaced by its value; any other
+    brace (a JSON argument) is left as written."""
+    return [PLACEHOLDER.sub(lambda match: values[match.group(1)], word) for word in template]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one managed engine is started on its node: the argv template, the environment it is
+    started with (values may hold placeholders too), the path that answers 200 once it is
+    ready, the name its log file starts with, the values of the placeholders other than
+    `{port}` and `{host}`, and the model's digest (None where there is no single file)."""
+
+    launch: tuple[str, ...]
+    health_path: str
+    program: str
+    values: Mapping[str, str] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+    model_digest: str | None = None
+    # The engine fetches its model itself once it runs (Ollama: stage model_pull).
+    pulls_model: bool = False
+
+
+class ManagedServer:
+    """An engine's server process on a target, started from a launch template."""
 
     def __init__(
         self,
         target: Target,
         *,
         cell_id: str,
-        binary: str,
-        model_path: str,
-        alias: str,
+        launch: Sequence[str],
         log_dir: str,
-        extra_args: Sequence[str] = (),
-        ready_timeout_s: float = 120.0,
-        parallel: int = 1,
-        metrics: bool = False,
+        health_path: str = "/health",
+        program: str = "server",
+        values: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        port: int | None = None,
+        pulls_model: bool = False,
     ) -> None:
         self.target = target
+        self.pulls_model = pulls_model
         self.cell_id = cell_id
-        self.binary = binary
-        self.model_path = model_path
-        self.alias = alias
+        self.launch = tuple(launch)
+        self.health_path = health_path if health_path.startswith("/") else f"/{health_path}"
+        self.program = program
+        self.values = dict(values or {})
+        self.env = dict(env or {})
         # The cell id holds the model name, which may hold anything: keep the file name plain.
-        self.log_path = str(
-            PurePosixPath(log_dir) / f"llama-server-{distinct_file_name(cell_id)}.log"
-        )
-        self.extra_args = tuple(extra_args)
-        # Slots (requests decoded at once, the cell's `parallel`), and /metrics for a load case.
-        self.parallel = parallel
-        self.metrics = metrics
+        self.log_path = str(PurePosixPath(log_dir) / f"{program}-{distinct_file_name(cell_id)}.log")
         self.ready_timeout_s = ready_timeout_s
+        self.fixed_port = port
+        self.port: int | None = None
         self.base_url = ""
         self.starts = 0
         # A node whose engine is reached from another machine (a Slurm compute node) says where
         # the engine listens; everywhere else it is reached on the node's own loopback.
         self.bind_host = (
-            target.engine_bind_host if isinstance(target, ListensBeyondLoopback) else "127.0.0.1"
+            target.engine_bind_host if isinstance(target, ListensBeyondLoopback) else LISTEN_HOST
         )
         self._process: BackgroundProcess | None = None
 
     def argv(self, port: int) -> list[str]:
-        return [
-            self.binary,
-            "--model", self.model_path,
-            "--alias", self.alias,
-            "--host", self.bind_host,
-            "--port", str(port),
-            "--parallel", str(self.parallel),
-            "--no-webui",
-            *(["--metrics"] if self.metrics else []),
-            *self.extra_args,
-        ]  # fmt: skip
+        """The command that starts the server on `port`; its environment goes first through
+        `env NAME=value`, so that every node kind starts it the same way."""
+        values = {**self.values, "port": str(port), "host": self.bind_host}
+        command = render_launch(self.launch, values)
+        if not self.env:
+            return command
+        assignments = [f"{name}={value}" for name, value in self.env.items()]
+        return ["env", *render_launch(assignments, values), *command]
 
     def start(self) -> str:
-        """Start the server and return its base URL once /health answers 200."""
-        port = self.target.free_port()
+        """Start the server and return its base URL (as reached from here) once its health
+        path answers 200."""
+        port = self.fixed_port if self.fixed_port is not None else self.target.free_port()
+        self.port = port
         self._process = self.target.start(self.argv(port), log_path=self.log_path)
         self.starts += 1
-        host, local_port = self.target.reach("127.0.0.1", port)
+        host, local_port = self.target.reach(LISTEN_HOST, port)
         self.base_url = f"http://{host}:{local_port}"
         self._wait_ready()
         return self.base_url
@@ -87,22 +124,27 @@ class ManagedLlamaServer:
             while time.monotonic() < deadline:
                 if self._process is not None and not self._process.alive():
                     tail = self._process.log_tail(1500)
-                    raise GpubenchError(
-                        f"cell {self.cell_id}: llama-server exited while starting; "
-                        f"log tail:\n{tail}"
+                    raise StageError(
+                        "engine_start",
+                        f"cell {self.cell_id}: {self.program} exited while starting; "
+                        f"log tail:\n{tail}",
                     )
                 try:
-                    answer = client.get(f"{self.base_url}/health")
+                    answer = client.get(f"{self.base_url}{self.health_path}")
                     if answer.status_code == 200:
                         return
                     last = f"HTTP {answer.status_code}"
                 except httpx.HTTPError as exc:
                     last = type(exc).__name__
                 time.sleep(READY_POLL_S)
+        tail = self._process.log_tail(800) if self._process is not None else ""
         self.stop()
-        raise GpubenchError(
-            f"cell {self.cell_id}: llama-server not healthy after "
-            f"{self.ready_timeout_s:g} s ({last})"
+        raise StageError(
+            "engine_start",
+            f"cell {self.cell_id}: {self.program} not healthy at {self.health_path} after "
+            f"{self.ready_timeout_s:g} s ({last}); raise the cell's ready_timeout_s if it loads "
+            f"slowly; log tail:\n{tail}",
+            timed_out=True,
         )
 
     def restart(self) -> str:
@@ -125,62 +167,115 @@ class ManagedLlamaServer:
             self._process = None
 
 
-def managed_llama_server(
-    cell: Cell, target: Target, log_dir: Path
-) -> tuple[ManagedLlamaServer, str]:
-    """The cell's llama-server on its node, not yet started, and the sha256 of its model.
+class ManagedLlamaServer(ManagedServer):
+    """A llama-server process on a target, serving one GGUF under the cell's model name."""
 
-    On this machine the binary is found or built and the model is the cell's GGUF (or the tiny
-    model); on a remote node both are paths there, put in place by the node's setup.
+    def __init__(
+        self,
+        target: Target,
+        *,
+        cell_id: str,
+        binary: str,
+        model_path: str,
+        alias: str,
+        log_dir: str,
+        extra_args: Sequence[str] = (),
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        parallel: int = 1,
+        metrics: bool = False,
+    ) -> None:
+        from pytest_gpubench.engines.managed_llamacpp import llama_server_launch
+
+        super().__init__(
+            target,
+            cell_id=cell_id,
+            launch=llama_server_launch(binary, extra_args, parallel=parallel, metrics=metrics),
+            log_dir=log_dir,
+            program="llama-server",
+            values={"model": alias, "model_path": model_path},
+            ready_timeout_s=ready_timeout_s,
+        )
+        self.binary = binary
+        self.model_path = model_path
+        self.alias = alias
+        self.extra_args = tuple(extra_args)
+
+
+def managed_server(cell: Cell, target: Target, log_dir: Path) -> tuple[ManagedServer, str | None]:
+    """The cell's engine server on its node, not yet started, and its model's digest.
+
+    The engine kind says what runs by default; a cell's `launch:` replaces that argv, its
+    `launch_env:`, `health_path:`, `ready_timeout_s:` and `port:` apply to every kind.
     """
     spec = cell.spec
-    if isinstance(target, LocalTarget):
-        from pytest_gpubench.engines.llamacpp_build import ensure_llama_server
+    if spec.engine == "llamacpp":
+        from pytest_gpubench.engines.managed_llamacpp import llamacpp_plan
 
-        binary = str(ensure_llama_server(spec.server_binary))
-        model = _local_model(cell)
-        model_path, digest = str(model), file_sha256(model)
-        work_dir = str(log_dir)
+        plan = llamacpp_plan(cell, target, log_dir)
+    elif spec.engine == "ollama":
+        from pytest_gpubench.engines.managed_ollama import ollama_plan
+
+        plan = ollama_plan(cell, target)
+    elif spec.engine == "openai":
+        from pytest_gpubench.engines.managed_openai import openai_plan
+
+        plan = openai_plan(cell, target)
     else:
-        if not (spec.server_binary and spec.model_path):
-            raise GpubenchError(
-                f"cell {cell.cell_id}: a managed llamacpp cell on a remote node needs "
-                "server_binary and model_path (paths on the node; install them with setup)"
-            )
-        binary, model_path = spec.server_binary, spec.model_path
-        digest_run = target.run(["sha256sum", model_path], timeout_s=120)
-        if not digest_run.ok:
-            raise GpubenchError(
-                f"cell {cell.cell_id}: model_path: cannot read {model_path} on the node"
-            )
-        digest = digest_run.stdout.split()[0]
-        work_dir = target.work_dir
-    server = ManagedLlamaServer(
+        raise GpubenchError(
+            f"cell {cell.cell_id}: endpoint: required for engine '{spec.engine}' (the harness "
+            "launches llamacpp, ollama and openai itself)"
+        )
+    work_dir = str(log_dir) if _is_local(target) else target.work_dir
+    server = ManagedServer(
         target,
         cell_id=cell.cell_id,
-        binary=binary,
-        model_path=model_path,
-        alias=spec.model,
+        launch=plan.launch,
         log_dir=work_dir,
-        extra_args=spec.server_args,
-        parallel=spec.parallel or 1,
-        metrics=cell.load is not None,
+        health_path=spec.health_path or plan.health_path,
+        program=plan.program,
+        values=plan.values,
+        env={**plan.env, **spec.launch_env},
+        ready_timeout_s=spec.ready_timeout_s or DEFAULT_READY_TIMEOUT_S,
+        port=spec.port,
+        pulls_model=plan.pulls_model,
     )
-    return server, f"sha256:{digest}"
+    return server, plan.model_digest
 
 
-def _local_model(cell: Cell) -> Path:
-    spec = cell.spec
-    if spec.model_path:
-        model = Path(spec.model_path).expanduser()
-        if not model.is_file():
-            raise GpubenchError(f"cell {cell.cell_id}: model_path: {model} does not exist")
-        return model
-    if spec.model == TINY_MODEL:
-        from pytest_gpubench.tinymodel import ensure_tiny_model
+def _is_local(target: Target) -> bool:
+    from pytest_gpubench.targets.local import LocalTarget
 
-        return ensure_tiny_model()
-    raise GpubenchError(
-        f"cell {cell.cell_id}: model_path: a managed llamacpp cell needs a GGUF "
-        f"file (or model: {TINY_MODEL} for the generated tiny model)"
-    )
+    return isinstance(target, LocalTarget)
+
+
+def node_file_digest(cell: Cell, target: Target, path: str) -> str | None:
+    """`sha256:<hex>` of a model file on the node; None where the path is not one file (a
+    model directory, a name the engine resolves itself)."""
+    if _is_local(target):
+        from pytest_gpubench.files import file_sha256
+
+        local = Path(path).expanduser()
+        return f"sha256:{file_sha256(local)}" if local.is_file() else None
+    result = target.run(["sh", "-c", 'test -f "$1" && sha256sum "$1"', "sh", path], timeout_s=600)
+    if not result.ok or not result.stdout.split():
+        return None
+    return f"sha256:{result.stdout.split()[0]}"
+
+
+GIB = 1 << 30
+
+
+def model_size(cell: Cell, server: ManagedServer, target: Target) -> tuple[float | None, str]:
+    """The bytes the model needs in VRAM and where that figure comes from: the cell's
+    `vram_gb`, else the size of its model file on the node (a GGUF), else unknown (None)."""
+    if cell.spec.vram_gb is not None:
+        return cell.spec.vram_gb * GIB, "vram_gb"
+    path = server.values.get("model_path")
+    if not path or path == cell.spec.model:
+        return None, ""
+    if _is_local(target):
+        local = Path(path).expanduser()
+        return (float(local.stat().st_size), f"size of {path}") if local.is_file() else (None, "")
+    result = target.run(["sh", "-c", 'test -f "$1" && stat -c %s "$1"', "sh", path], timeout_s=60)
+    text = result.stdout.strip()
+    return (float(text), f"size of {path}") if result.ok and text.isdigit() else (None, "")

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from pytest_gpubench.matrix import AnyNode
+    from pytest_gpubench.targets.stages import StageClock
 
 
 @dataclass(frozen=True)
@@ -91,16 +92,22 @@ def open_target(
     *,
     plugin_hook: TargetHook | None,
     on_rental_closed: RentalClosed,
+    clock: StageClock | None = None,
 ) -> Target:
     """A connected, set-up target for a node of cells.yaml; raises StageError naming the stage.
 
     A rented node calls on_rental_closed once when its session is given back, also when
-    opening it fails after the session was created; a Slurm node once per job it ran.
+    opening it fails after the session was created; a Slurm node once per job it ran. `clock`
+    times the stages (ssh_connect, gpu_check, engine_install, model_pull; a rented node's
+    inventory and provision first) and reports each outcome.
     """
     # Each kind is imported when a node of it is opened: the kinds import this module (the
     # protocol), and a run with local nodes only loads neither paramiko nor the provider client.
     from pytest_gpubench.matrix import LocalNode, PluginNode, SlurmNode, SshNode
-    from pytest_gpubench.targets.stages import StageError, setup_steps
+    from pytest_gpubench.targets.bringup import check_gpus, run_setup_stages
+    from pytest_gpubench.targets.stages import StageClock, StageError
+
+    clock = clock or StageClock(node_id)
 
     if isinstance(node, LocalNode):
         from pytest_gpubench.targets.local import LocalTarget
@@ -114,22 +121,33 @@ def open_target(
     if isinstance(node, SshNode):
         from pytest_gpubench.targets.ssh import SshTarget
 
-        ssh = SshTarget(
-            node_id,
-            node.host,
-            node.port,
-            node.user,
-            key_file=node.key_file,
-            known_hosts=node.known_hosts,
-            trust_new_host=node.trust_new_host,
-            connect_timeout_s=node.connect_timeout_s,
-            command_timeout_s=node.command_timeout_s,
-            forward=node.forward,
-        )
+        with clock.stage("ssh_connect", node.connect_timeout_s) as limit:
+            ssh = SshTarget(
+                node_id,
+                node.host,
+                node.port,
+                node.user,
+                key_file=node.key_file,
+                known_hosts=node.known_hosts,
+                trust_new_host=node.trust_new_host,
+                connect_timeout_s=limit or node.connect_timeout_s,
+                command_timeout_s=node.command_timeout_s,
+                forward=node.forward,
+            )
         try:
-            ssh.run_setup(setup_steps(node.setup, node.model_pull), node.setup_timeout_s)
+            check_gpus(
+                ssh, clock, gpu_type=node.gpu_type, gpu_count=node.gpu_count, mode=node.gpu_check
+            )
+            run_setup_stages(
+                ssh,
+                clock,
+                engine_install=node.setup,
+                model_pull=node.model_pull,
+                default_timeout_s=node.setup_timeout_s,
+            )
         except BaseException:
-            ssh.close()
+            with clock.stage("cleanup"):
+                ssh.close()
             raise
         return ssh
     if isinstance(node, SlurmNode):
@@ -138,4 +156,4 @@ def open_target(
         return open_slurm_target(node_id, node, on_job_ended=on_rental_closed)
     from pytest_gpubench.targets.provider import ProviderTarget
 
-    return ProviderTarget(node_id, node, on_rental_closed=on_rental_closed).open()
+    return ProviderTarget(node_id, node, on_rental_closed=on_rental_closed, clock=clock).open()

@@ -1,37 +1,46 @@
-"""The stages of bringing up a remote node and benchmarking on it; a failure names its stage."""
+"""The stages of bringing up a node and benchmarking on it: each timed against its own timeout
+and the node's total budget, each outcome reported; a failure names its stage."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, get_args
 
 from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.matrix import StageName
 
-Stage = Literal[
-    "provision",
-    "ssh_wait",
-    "ssh_connect",
-    "engine_install",
-    "model_pull",
-    "queue",
-    "benchmark",
-    "results",
-]
+# The stage names, in the order a rented node goes through them (matrix.StageName: cells.yaml's
+# stage_timeouts keys).
+Stage = StageName
+STAGES: tuple[Stage, ...] = get_args(StageName)
 
 
 class StageError(GpubenchError):
     """A remote node failed in one stage; `stage` says which, the message says why."""
 
-    def __init__(self, stage: Stage, message: str) -> None:
+    timed_out = False
+
+    def __init__(self, stage: Stage, message: str, *, timed_out: bool = False) -> None:
         super().__init__(f"[{stage}] {message}")
         self.stage: Stage = stage
         self.message = message
+        # The stage ran past its timeout (rather than failing of itself).
+        self.timed_out = timed_out
 
-    def __reduce__(self) -> tuple[type[StageError], tuple[Stage, str]]:
+    def __reduce__(self) -> Any:
         # xdist and multiprocessing pickle exceptions; the default would call __init__ with the
         # formatted text as the only argument.
-        return type(self), (self.stage, self.message)
+        return _rebuild_stage_error, (type(self), self.stage, self.message, self.timed_out)
+
+
+def _rebuild_stage_error(
+    kind: type[StageError], stage: Stage, message: str, timed_out: bool
+) -> StageError:
+    return kind(stage, message, timed_out=timed_out)
 
 
 @dataclass(frozen=True)
@@ -47,8 +56,140 @@ class SetupStep:
         return words[0] if words else "(empty)"
 
 
-def setup_steps(engine_install: Sequence[str], model_pull: Sequence[str]) -> list[SetupStep]:
-    """A node's `setup` and `model_pull` commands, in that order, each under its own stage."""
-    return [SetupStep("engine_install", command) for command in engine_install] + [
-        SetupStep("model_pull", command) for command in model_pull
-    ]
+Outcome = Literal["ok", "failed", "timeout", "skipped"]
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    """How one stage ended on a node (for one cell, where the stage is a cell's): `ok`,
+    `failed`, `timeout` or `skipped` (it could not be done: `error` says why), after
+    `elapsed_s`, against `timeout_s` (None: no limit of its own)."""
+
+    node: str
+    stage: Stage
+    outcome: Outcome
+    elapsed_s: float
+    timeout_s: float | None
+    error: str | None = None
+    cell_id: str | None = None
+    # What the stage found on the way (a model pull's progress).
+    details: Mapping[str, Any] | None = None
+
+    def to_facts(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "cell_id": self.cell_id,
+            "stage": self.stage,
+            "outcome": self.outcome,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "timeout_s": self.timeout_s,
+            "error": self.error,
+            "details": dict(self.details) if self.details is not None else None,
+        }
+
+
+# Told each stage's outcome as it ends (the harness turns them into `stage` records).
+StageReport = Callable[[StageOutcome], None]
+
+
+def ignore_stage(outcome: StageOutcome) -> None:
+    """A StageReport for callers that keep no stage records."""
+
+
+class StageClock:
+    """Times a node's stages against each one's timeout and the node's total budget.
+
+    `stage()` gives the body the seconds it may take (its own timeout, cut to what is left of
+    the budget); a body that ran past them, or a budget already spent, fails the stage with a
+    StageError that says which limit it was.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        *,
+        report: StageReport = ignore_stage,
+        timeouts: Mapping[str, float] | None = None,
+        budget_s: float | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.report = report
+        self.timeouts = dict(timeouts or {})
+        self.budget_s = budget_s
+        self.started = time.monotonic()
+        self._skipped: dict[tuple[Stage, str | None], str] = {}
+        self._details: dict[tuple[Stage, str | None], Mapping[str, Any]] = {}
+
+    def note(
+        self,
+        stage: Stage,
+        outcome: Outcome,
+        elapsed_s: float,
+        *,
+        error: str | None = None,
+        cell_id: str | None = None,
+    ) -> None:
+        """Report a stage timed elsewhere (a cell's benchmark, from ready to closed)."""
+        self.report(StageOutcome(self.node_id, stage, outcome, elapsed_s, None, error, cell_id))
+
+    def detail(self, stage: Stage, details: Mapping[str, Any], cell_id: str | None = None) -> None:
+        """Inside `stage()`: what the stage found, kept with its outcome."""
+        self._details[(stage, cell_id)] = details
+
+    def skip(self, stage: Stage, reason: str, cell_id: str | None = None) -> None:
+        """Inside `stage()`: the stage could not be done here, and passes as `skipped`."""
+        self._skipped[(stage, cell_id)] = reason
+
+    def limit(self, stage: Stage, default_s: float | None) -> float | None:
+        """The stage's timeout: the node's `stage_timeouts` entry, else `default_s`; cut to what
+        is left of the budget."""
+        own = self.timeouts.get(stage, default_s)
+        if self.budget_s is None:
+            return own
+        left = self.budget_s - (time.monotonic() - self.started)
+        return left if own is None else min(own, left)
+
+    @contextmanager
+    def stage(
+        self, stage: Stage, default_s: float | None = None, *, cell_id: str | None = None
+    ) -> Iterator[float | None]:
+        limit = self.limit(stage, default_s)
+        begun = time.monotonic()
+        if limit is not None and limit <= 0:
+            error = StageError(
+                stage, f"node {self.node_id}: budget of {self.budget_s:g} s spent before {stage}"
+            )
+            self._report(stage, "timeout", begun, limit, error.message, cell_id)
+            raise error
+        try:
+            yield limit
+        except BaseException as exc:
+            timed_out = isinstance(exc, subprocess.TimeoutExpired | TimeoutError) or (
+                isinstance(exc, StageError) and exc.timed_out
+            )
+            message = (
+                exc.message if isinstance(exc, StageError) else (str(exc) or type(exc).__name__)
+            )
+            self._report(
+                stage, "timeout" if timed_out else "failed", begun, limit, message, cell_id
+            )
+            raise
+        skipped = self._skipped.pop((stage, cell_id), None)
+        outcome: Outcome = "ok" if skipped is None else "skipped"
+        self._report(stage, outcome, begun, limit, skipped, cell_id)
+
+    def _report(
+        self,
+        stage: Stage,
+        outcome: Outcome,
+        begun: float,
+        limit: float | None,
+        error: str | None,
+        cell_id: str | None,
+    ) -> None:
+        elapsed = time.monotonic() - begun
+        shown = None if limit is None else round(limit, 3)
+        details = self._details.pop((stage, cell_id), None)
+        self.report(
+            StageOutcome(self.node_id, stage, outcome, elapsed, shown, error, cell_id, details)
+        )

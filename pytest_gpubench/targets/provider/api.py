@@ -140,28 +140,40 @@ class MarketplaceClient:
     def _request(self, stage: Stage, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             return self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise StageError(
+                stage,
+                self.redact(
+                    f"node {self.node_id}: provider API {self.api} did not answer in "
+                    f"time ({type(exc).__name__})"
+                ),
+                timed_out=True,
+            ) from None
         except httpx.HTTPError as exc:
             raise self.fail(
                 stage, f"provider API {self.api} unreachable ({type(exc).__name__}: {exc})"
             ) from None
 
-    def inventory(self) -> list[Offer]:
-        """The offers listed for the node's gpu_type (and provider, and VRAM minimum)."""
+    def inventory(self, timeout_s: float = HTTP_TIMEOUT_S) -> list[Offer]:
+        """The offers listed for the node's gpu_type (and provider, and VRAM minimum); stage
+        inventory."""
         params: dict[str, str] = {"gpu_type": self.node.gpu_type}
         if self.node.provider:
             params["provider"] = self.node.provider
         if self.node.min_vram_gb is not None:
             params["min_vram"] = f"{self.node.min_vram_gb:g}"
-        response = self._request("provision", "GET", "/api/v1/inventory", params=params)
+        response = self._request(
+            "inventory", "GET", "/api/v1/inventory", params=params, timeout=timeout_s
+        )
         if response.status_code != 200:
-            raise self.fail("provision", f"inventory query failed: {self._api_error(response)}")
+            raise self.fail("inventory", f"inventory query failed: {self._api_error(response)}")
         try:
             body = response.json()
         except ValueError:
-            raise self.fail("provision", "inventory answer is not JSON") from None
+            raise self.fail("inventory", "inventory answer is not JSON") from None
         raw_offers = body.get("offers") if isinstance(body, dict) else body
         if not isinstance(raw_offers, list):
-            raise self.fail("provision", "inventory answer holds no list of offers")
+            raise self.fail("inventory", "inventory answer holds no list of offers")
         self.listed = len(raw_offers)
         return [offer for offer in map(Offer.from_api, raw_offers) if offer is not None]
 
@@ -172,7 +184,7 @@ class MarketplaceClient:
         if self.node.min_vram_gb is not None:
             wanted += f" with at least {self.node.min_vram_gb:g} GB VRAM"
         return self.fail(
-            "provision",
+            "inventory",
             f"no offer for {wanted} at or below max_price {self.node.max_price:g}/h with "
             f"availability confidence above {MIN_CONFIDENCE} ({self.listed} listed); raise "
             "max_price or try another gpu_type",
@@ -216,7 +228,7 @@ class MarketplaceClient:
         return session
 
     def wait_until_running(
-        self, session_id: str, deadline: float, poll_interval_s: float
+        self, session_id: str, deadline: float, poll_interval_s: float, limit_s: float
     ) -> dict[str, Any]:
         """The session's state once it runs; raises when it ends or the deadline passes."""
         while True:
@@ -231,11 +243,14 @@ class MarketplaceClient:
                 ended = "failed" if status == "failed" else f"was {status} by the provider"
                 raise self.fail("provision", f"session {session_id} {ended}: {error}")
             if time.monotonic() >= deadline:
-                raise self.fail(
+                raise StageError(
                     "provision",
-                    f"session {session_id} not running after "
-                    f"{self.node.provision_timeout_s:g} s (status {status}); raise "
-                    "provision_timeout_s or try another offer",
+                    self.redact(
+                        f"node {self.node_id}: session {session_id} not running after "
+                        f"{limit_s:g} s (status {status}); raise provision_timeout_s or try "
+                        "another offer"
+                    ),
+                    timed_out=True,
                 )
             time.sleep(min(poll_interval_s, max(0.0, deadline - time.monotonic())))
 

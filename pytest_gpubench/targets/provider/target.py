@@ -21,17 +21,20 @@ from typing import Any, TypeVar
 
 from pytest_gpubench.matrix import ProviderNode
 from pytest_gpubench.targets import CommandResult, RentalClosed
+from pytest_gpubench.targets.bringup import check_gpus, run_setup_stages
 from pytest_gpubench.targets.provider.api import (
+    HTTP_TIMEOUT_S,
     CreatedSession,
     MarketplaceClient,
     NoPublicIp,
     Offer,
     choose_offers,
 )
+from pytest_gpubench.targets.provider.journal import RentalJournal
 from pytest_gpubench.targets.ssh import SshTarget
 from pytest_gpubench.targets.ssh.hostkeys import HostKeyError
 from pytest_gpubench.targets.ssh.target import SshLineStream, SshProcess
-from pytest_gpubench.targets.stages import SetupStep, Stage, StageError, setup_steps
+from pytest_gpubench.targets.stages import SetupStep, Stage, StageClock, StageError
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +77,13 @@ class ProviderTarget:
         on_rental_closed: RentalClosed,
         poll_interval_s: float = 5.0,
         watch_interval_s: float = 30.0,
+        clock: StageClock | None = None,
+        journal: RentalJournal | None = None,
     ) -> None:
         self.node_id = node_id
+        self.clock = clock or StageClock(node_id)
+        self.journal = journal if journal is not None else RentalJournal()
+        self._journal_entry: Path | None = None
         self.node = node
         self.on_rental_closed = on_rental_closed
         self.poll_interval_s = poll_interval_s
@@ -105,30 +113,60 @@ class ProviderTarget:
 
     def open(self) -> ProviderTarget:
         """Provision, wait for SSH, connect and run the setup; on any failure give it all back."""
+        clock, node = self.clock, self.node
         try:
-            self._provision()
+            with clock.stage("inventory", HTTP_TIMEOUT_S) as limit:
+                candidates = choose_offers(
+                    self._api.inventory(limit or HTTP_TIMEOUT_S),
+                    max_price=node.max_price,
+                    min_vram_gb=node.min_vram_gb,
+                )
+                if not candidates:
+                    raise self._api.no_offer_error()
+            with clock.stage("provision", node.provision_timeout_s) as limit:
+                self._provision(candidates, limit or node.provision_timeout_s)
             self._start_watch()
-            host, port = self._wait_for_ssh()
-            self._ssh = self._connect(host, port)
-            self._setup(setup_steps(self.node.setup, self.node.model_pull))
+            with clock.stage("ssh_wait", node.ssh_wait_timeout_s) as limit:
+                host, port = self._wait_for_ssh(limit or node.ssh_wait_timeout_s)
+            with clock.stage("ssh_connect", min(node.ssh_wait_timeout_s, 120.0)) as limit:
+                self._ssh = self._connect(host, port, limit or node.connect_timeout_s)
+            check_gpus(
+                self, clock, gpu_type=node.gpu_type, gpu_count=node.gpu_count, mode=node.gpu_check
+            )
+            run_setup_stages(
+                self,
+                clock,
+                engine_install=node.setup,
+                model_pull=node.model_pull,
+                default_timeout_s=node.setup_timeout_s,
+            )
         except BaseException:
-            self.close()
+            self._close_after_failure()
             raise
         return self
 
-    def _provision(self) -> None:
-        deadline = time.monotonic() + self.node.provision_timeout_s
-        candidates = choose_offers(
-            self._api.inventory(), max_price=self.node.max_price, min_vram_gb=self.node.min_vram_gb
+    def _close_after_failure(self) -> None:
+        """Give everything back when opening failed, as stage cleanup (the harness never
+        holds a node that failed to open, so it cannot time this one)."""
+        begun = time.monotonic()
+        rented = self.session_id is not None
+        self.close()
+        given_back = self.done_marked or not rented
+        self.clock.note(
+            "cleanup",
+            "ok" if given_back else "failed",
+            time.monotonic() - begun,
+            error=None if given_back else f"session {self.session_id} not marked done",
         )
-        if not candidates:
-            raise self._api.no_offer_error()
+
+    def _provision(self, candidates: Sequence[Offer], limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
         without_ip: list[str] = []
         for offer in candidates:
             try:
                 self._rent(offer)
                 running = self._api.wait_until_running(
-                    self._session(), deadline, self.poll_interval_s
+                    self._session(), deadline, self.poll_interval_s, limit_s
                 )
             except NoPublicIp as exc:
                 log.warning(
@@ -148,7 +186,20 @@ class ProviderTarget:
         )
 
     def _rent(self, offer: Offer) -> None:
-        created: CreatedSession = self._api.create_session(offer)
+        # Written down before it is asked for: a run killed from here on leaves a trace that
+        # the next run (and `gpubench rentals --release`) follows to give the session back.
+        self._journal_entry = self.journal.begin(
+            self.node_id,
+            self.node,
+            {"id": offer.id, "gpu_name": offer.gpu_name, "price_per_hour": offer.price_per_hour},
+        )
+        try:
+            created: CreatedSession = self._api.create_session(offer)
+        except BaseException:
+            self.journal.close(self._journal_entry)
+            self._journal_entry = None
+            raise
+        self.journal.created(self._journal_entry, created.session_id)
         self.offer = offer
         self.session_id = created.session_id
         self.done_marked = False
@@ -162,6 +213,8 @@ class ProviderTarget:
                 "provision", f"session {created.session_id}: answer lacks ssh_private_key"
             )
         self._write_key(key)
+        # A run killed with -9 leaves the key on disk: whoever gives the session back deletes it.
+        self.journal.update(self._journal_entry, key_dir=str(self.key_dir))
         self._take_ssh_address(created.session)
         log.info(
             "node %s: session %s on offer %s (%s, %s/h)",
@@ -242,11 +295,11 @@ class ProviderTarget:
 
     # --- SSH ------------------------------------------------------------------------------
 
-    def _wait_for_ssh(self) -> tuple[str, int]:
+    def _wait_for_ssh(self, limit_s: float) -> tuple[str, int]:
         """Until the instance's sshd answers with its banner (a heavy image may still pull)."""
         assert self.ssh_host is not None
         host, port = self.ssh_host, self.ssh_port
-        deadline = time.monotonic() + self.node.ssh_wait_timeout_s
+        deadline = time.monotonic() + limit_s
         last = "no answer yet"
         next_status_check = time.monotonic() + self.poll_interval_s
         while True:
@@ -267,17 +320,21 @@ class ProviderTarget:
                     raise StageError("ssh_wait", reason)
                 next_status_check = time.monotonic() + self.poll_interval_s
             if time.monotonic() >= deadline:
-                raise self._api.fail(
+                raise StageError(
                     "ssh_wait",
-                    f"{host}:{port} did not answer SSH within {self.node.ssh_wait_timeout_s:g} s "
-                    f"({last}); a large image may still be pulling: raise ssh_wait_timeout_s",
+                    self._api.redact(
+                        f"node {self.node_id}: {host}:{port} did not answer SSH within "
+                        f"{limit_s:g} s ({last}); a large image may still be pulling: raise "
+                        "ssh_wait_timeout_s"
+                    ),
+                    timed_out=True,
                 )
             time.sleep(min(1.0, self.poll_interval_s, max(0.0, deadline - time.monotonic())))
 
-    def _connect(self, host: str, port: int) -> SshTarget:
+    def _connect(self, host: str, port: int, limit_s: float) -> SshTarget:
         assert self.key_path is not None and self.key_dir is not None
         # Until the instance has installed the session key, logins fail; retry a little while.
-        deadline = time.monotonic() + min(self.node.ssh_wait_timeout_s, 120.0)
+        deadline = time.monotonic() + limit_s
         while True:
             try:
                 return SshTarget(
@@ -303,11 +360,10 @@ class ProviderTarget:
                 log.info("node %s: SSH not ready yet (%s); retrying", self.node_id, exc.message)
                 time.sleep(min(2.0, self.poll_interval_s))
 
-    def _setup(self, steps: Sequence[SetupStep]) -> None:
+    def run_setup(self, steps: Sequence[SetupStep], timeout_s: float) -> None:
+        """The node's setup commands (targets/bringup.py runs them stage by stage)."""
         if steps:
-            self.guarded(
-                steps[0].stage, lambda ssh: ssh.run_setup(steps, self.node.setup_timeout_s)
-            )
+            self.guarded(steps[0].stage, lambda ssh: ssh.run_setup(steps, timeout_s))
 
     # --- the Target protocol --------------------------------------------------------------
 
@@ -415,6 +471,9 @@ class ProviderTarget:
         if self._ended_at is None:
             self._ended_at = time.monotonic()
         self.done_marked = self._api.mark_done(session_id)
+        if self.done_marked and self._journal_entry is not None:
+            self.journal.close(self._journal_entry)
+            self._journal_entry = None
         if self.session_id == session_id and not self._closed:
             self.session_id = None
 

@@ -59,6 +59,7 @@ class SshCommandTimeout(StageError, subprocess.TimeoutExpired):
         self.message = message
         self.cmd = list(argv)
         self.timeout = timeout_s
+        self.timed_out = True
         self.output = None
         self.stderr = None
 
@@ -333,7 +334,7 @@ class SshTarget:
                 )
             except SshCommandTimeout:
                 raise StageError(
-                    step.stage, f"{what} did not finish within {timeout_s:g} s"
+                    step.stage, f"{what} did not finish within {timeout_s:g} s", timed_out=True
                 ) from None
             if status != 0:
                 output = (stderr or stdout).decode("utf-8", "replace").strip()[-800:]

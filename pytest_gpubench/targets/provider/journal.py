@@ -1,0 +1,213 @@
+"""The rental journal: every rented session written down before it is created, outside the
+clone (under the cache directory), and struck off once it is given back. A run killed with -9
+leaves its entry behind; the next run (for the same API) and `gpubench rentals --release` give
+that session back and say what it cost."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_gpubench.cache import cache_dir
+from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.matrix import ProviderNode
+from pytest_gpubench.provenance import utc_now
+
+log = logging.getLogger(__name__)
+
+JOURNAL_FOLDER = "rentals"
+
+
+def journal_dir() -> Path:
+    return cache_dir() / JOURNAL_FOLDER
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of a process (field 22 of /proc/PID/stat): a pid reused by another
+    process later has another start time."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One rental as written down: where it lives on disk and what it says."""
+
+    path: Path
+    facts: dict[str, Any]
+
+    @property
+    def session_id(self) -> str | None:
+        value = self.facts.get("session_id")
+        return None if value is None else str(value)
+
+    def run_alive(self) -> bool:
+        """Whether the run that rented it still runs (then it is not leaked, only in use)."""
+        if self.facts.get("host") != socket.gethostname():
+            return False
+        pid = self.facts.get("pid")
+        return isinstance(pid, int) and _process_start(pid) == self.facts.get("pid_start")
+
+    def cost(self, now: float) -> tuple[float, float]:
+        """Seconds held from creation until `now`, and what that cost (an upper bound)."""
+        created = self.facts.get("created_at")
+        price = self.facts.get("price_per_hour") or 0.0
+        if not isinstance(created, int | float):
+            return 0.0, 0.0
+        elapsed = max(0.0, now - created)
+        return elapsed, elapsed / 3600.0 * float(price)
+
+
+class RentalJournal:
+    """The journal's folder; one JSON file per rental not yet given back (mode 0600: it names
+    the API and the environment variable of its token, never the token)."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = directory if directory is not None else journal_dir()
+
+    def begin(self, node_id: str, node: ProviderNode, offer: dict[str, Any]) -> Path:
+        """Written before the session is asked for: a kill between asking and the answer still
+        leaves a trace."""
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self.directory / f"{uuid.uuid4()}.json"
+        facts = {
+            "node": node_id,
+            "api": str(node.api).rstrip("/"),
+            "api_token_env": node.api_token_env,
+            "gpu_type": node.gpu_type,
+            "max_price": node.max_price,
+            "offer_id": offer.get("id"),
+            "gpu_name": offer.get("gpu_name"),
+            "price_per_hour": offer.get("price_per_hour"),
+            "session_id": None,
+            "created_at": None,
+            "created_at_utc": None,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "pid_start": _process_start(os.getpid()),
+            "written_at_utc": utc_now(),
+        }
+        self._write(path, facts)
+        return path
+
+    def created(self, path: Path, session_id: str) -> None:
+        entry = self._read(path)
+        facts = entry.facts if entry is not None else {}
+        facts.update(session_id=session_id, created_at=time.time(), created_at_utc=utc_now())
+        self._write(path, facts)
+
+    def update(self, path: Path, **facts: Any) -> None:
+        entry = self._read(path)
+        self._write(path, {**(entry.facts if entry is not None else {}), **facts})
+
+    def close(self, path: Path) -> None:
+        """The session was given back (or never created): strike it off."""
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+    def entries(self) -> list[JournalEntry]:
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for path in sorted(self.directory.glob("*.json")):
+            entry = self._read(path)
+            if entry is not None:
+                found.append(entry)
+        return found
+
+    def leaked(self, api: str | None = None) -> list[JournalEntry]:
+        """Entries whose run is gone (for one API, when given)."""
+        return [
+            entry
+            for entry in self.entries()
+            if not entry.run_alive() and (api is None or entry.facts.get("api") == api.rstrip("/"))
+        ]
+
+    def _write(self, path: Path, facts: dict[str, Any]) -> None:
+        partial = path.with_suffix(".partial")
+        descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as out:
+            json.dump(facts, out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, path)
+
+    def _read(self, path: Path) -> JournalEntry | None:
+        try:
+            facts = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return JournalEntry(path, facts) if isinstance(facts, dict) else None
+
+
+def release(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
+    """Give a leaked session back (POST .../done, with the token from its environment
+    variable) and return what it cost, in the shape of a rental given back (RentalClosed) plus
+    `leaked: true`. An entry whose session was never created is struck off: nothing to give
+    back. One whose session could not be marked done stays, to be tried again."""
+    from pytest_gpubench.targets.provider.api import MarketplaceClient
+
+    facts = entry.facts
+    elapsed, cost = entry.cost(time.time())
+    done = False
+    if entry.session_id is None:
+        journal.close(entry.path)
+    else:
+        node = ProviderNode(
+            kind="provider",
+            api=facts["api"],
+            gpu_type=str(facts.get("gpu_type") or "unknown"),
+            max_price=float(facts.get("max_price") or 1.0),
+            api_token_env=facts.get("api_token_env"),
+        )
+        try:
+            client = MarketplaceClient(str(facts.get("node")), node)
+        except GpubenchError as exc:  # its token's variable is not set here
+            log.error("rental %s: cannot give it back: %s", entry.session_id, exc)
+        else:
+            try:
+                done = client.mark_done(entry.session_id)
+            finally:
+                client.close()
+        if done:
+            _delete_key_dir(facts.get("key_dir"))
+            journal.close(entry.path)
+    return {
+        "node": facts.get("node"),
+        "kind": "provider",
+        "session_id": entry.session_id,
+        "offer_id": facts.get("offer_id"),
+        "gpu_name": facts.get("gpu_name"),
+        "price_per_hour": facts.get("price_per_hour"),
+        "elapsed_s": round(elapsed, 3),
+        "cost": round(cost, 6),
+        "session_done": done,
+        "leaked": True,
+        "leaked_at_utc": facts.get("created_at_utc"),
+    }
+
+
+def _delete_key_dir(key_dir: Any) -> None:
+    """The session's temporary key, left on disk by the killed run (only a folder the provider
+    target made: `gpubench-provider-*` in the temporary directory)."""
+    if not isinstance(key_dir, str):
+        return
+    folder = Path(key_dir)
+    if folder.name.startswith("gpubench-provider-") and folder.parent == Path(
+        tempfile.gettempdir()
+    ):
+        shutil.rmtree(folder, ignore_errors=True)
