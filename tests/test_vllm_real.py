@@ -63,7 +63,9 @@ def test_an_openai_cell_on_the_real_vllm(
         assert call["error"] is None
         # ignore_eos: vLLM generates exactly max_tokens, however random the weights.
         assert call["completion_tokens"] == max_tokens[call["prompt_id"]]
-        assert 0 < call["first_delta_ms"] < call["total_duration_ms"]
+        # A reply that arrived in one read (coalesced, on a busy machine) ends where it starts.
+        assert 0 < call["first_delta_ms"] <= call["total_duration_ms"]
+        assert call["coalesced"] or call["first_delta_ms"] < call["total_duration_ms"]
     (cell,) = [r for r in records if r["type"] == "cell"]
     assert cell["model_identity"] == "name and root"
     assert cell["model_root"] == str(VLLM_MODEL_DIR)
