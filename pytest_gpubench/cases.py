@@ -13,6 +13,8 @@ from typing import Any
 from pytest_gpubench.matrix import PHASES, Cell, Matrix
 
 COLD_RUNS = 1
+# The phase of a load case: many requests at once (load_profile.py), after the cold and warm ones.
+LOAD_PHASE = "load"
 # A test's own cases sort after the cell's prompts (the field is only an order).
 TEST_PROMPT_INDEX = 1 << 16
 
@@ -33,9 +35,13 @@ class Case:
     # case's prompt_id (the gate, the baselines and the reports key on that). None for the
     # prompts of prompts.yaml.
     test_id: str | None = None
+    # A load case (phase `load`): its load point (`c4`, `r5`, `sweep`); run_idx is its index.
+    load_point: str | None = None
 
     @property
     def case_id(self) -> str:
+        if self.load_point is not None:
+            return f"{self.cell_id}-{self.prompt_id}-{LOAD_PHASE}-{self.load_point}"
         return f"{self.cell_id}-{self.prompt_id}-{self.phase}-{self.run_idx}"
 
 
@@ -54,7 +60,29 @@ def build_cases(matrix: Matrix, runs_override: int | None = None) -> list[Case]:
             prompts=list(enumerate(cell.prompt_ids)),
         )
     ]
+    cases += [case for cell in matrix.cells for case in _load_cases(cell, node_order)]
     return sorted(set(cases))
+
+
+def _load_cases(cell: Cell, node_order: list[str]) -> list[Case]:
+    """A cell's load cases: per prompt its load sends, per load point, in the profile's order."""
+    if cell.load is None:
+        return []
+    return [
+        Case(
+            node_index=node_order.index(cell.spec.node),
+            cell_index=cell.index,
+            phase_index=len(PHASES),
+            prompt_index=prompt_index,
+            run_idx=point_index,
+            cell_id=cell.cell_id,
+            prompt_id=prompt_id,
+            phase=LOAD_PHASE,
+            load_point=point,
+        )
+        for prompt_index, prompt_id in enumerate(cell.load.prompt_ids(cell.prompt_ids))
+        for point_index, point in enumerate(cell.load.points)
+    ]
 
 
 def build_test_cases(

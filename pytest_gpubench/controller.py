@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_gpubench import guards
-from pytest_gpubench.cases import Case
+from pytest_gpubench.cases import LOAD_PHASE, Case
 from pytest_gpubench.errors import GpubenchError
 from pytest_gpubench.harness import Harness
 from pytest_gpubench.ledger import Ledger, LedgerWriteError
@@ -46,6 +46,8 @@ class Judgement:
 
     summaries: list[PromptSummary] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
+    # Per load point (load/gate.py), kept apart: the warm table and its notes never show them.
+    load_verdicts: list[Verdict] = field(default_factory=list)
     # Per (cell, prompt): the warm calls' resource telemetry (telemetry/aggregate.py).
     telemetry: list[TelemetrySummary] = field(default_factory=list)
     gate_error: str | None = None
@@ -108,6 +110,10 @@ class RunController:
         self.startup_error: str | None = None
         self.meta: dict[str, Any] = {}
         self.calls: list[dict[str, Any]] = []
+        # A load case's call records (phase `load`: judged per load point, never with the warm
+        # calls) and its `load` records.
+        self.load_calls: list[dict[str, Any]] = []
+        self.loads: list[dict[str, Any]] = []
         self.skips: list[dict[str, Any]] = []
         self.cells: dict[str, dict[str, Any]] = {}
         self.probe_rows: list[ProbeRow] = []
@@ -176,8 +182,12 @@ class RunController:
         the summary still shows them."""
         for record in records:
             kind = record.get("type")
-            if kind == "call":
+            if kind == "call" and record.get("phase") == LOAD_PHASE:
+                self.load_calls.append(record)
+            elif kind == "call":
                 self.calls.append(record)
+            elif kind == "load":
+                self.loads.append(record)
             elif kind == "skipped":
                 self.skips.append(record)
             elif kind == "cell":
@@ -281,8 +291,10 @@ class RunController:
             return session_status(exitstatus, unmeasured=self.probe_failed)
         if self.calls:
             self._judge()
+        if self.loads:
+            self._judge_loads()
         self.outcomes = cell_outcomes(
-            self.planned, cells=self.cells, skips=self.skips, calls=self.calls
+            self.planned, cells=self.cells, skips=self.skips, calls=self.calls + self.load_calls
         )
         judgement = self.judgement
         status = session_status(
@@ -291,16 +303,20 @@ class RunController:
             unjudged=judgement.unjudged,
             unmeasured=any(outcome.fails_run for outcome in self.outcomes),
             incomparable=bool(judgement.failing_incomparables()),
-            regressed=bool(regressions(judgement.verdicts)) and not self.options.baseline_update,
+            regressed=bool(regressions([*judgement.verdicts, *judgement.load_verdicts]))
+            and not self.options.baseline_update,
         )
         self._append(
             end_record(
                 run_id=self.run_id,
                 pytest_exitstatus=exitstatus,
-                calls=len(self.calls),
+                calls=len(self.calls) + len(self.load_calls),
                 skipped=len(self.skips),
-                verdicts=[verdict.to_record() for verdict in judgement.verdicts],
-                regressions=len(regressions(judgement.verdicts)),
+                verdicts=[
+                    verdict.to_record()
+                    for verdict in [*judgement.verdicts, *judgement.load_verdicts]
+                ],
+                regressions=len(regressions([*judgement.verdicts, *judgement.load_verdicts])),
                 gate_error=judgement.gate_error,
                 nodes=self.rentals(),
                 cells=[outcome.to_record() for outcome in self.outcomes],
@@ -358,6 +374,36 @@ class RunController:
                 )
                 return
             self._update_baselines()
+
+    def _judge_loads(self) -> None:
+        """Each load point against its load baseline (baselines/load/); written with
+        --baseline-update (never from --smoke)."""
+        from pytest_gpubench.load.baseline import read_load_baselines, write_load_baselines
+        from pytest_gpubench.load.gate import judge_loads
+
+        assert self.matrix is not None
+        judgement = self.judgement
+        thresholds = {c.cell_id: c.load.thresholds for c in self.matrix.cells if c.load is not None}
+        writes = self.options.baseline_update and not self.options.smoke
+        cell_ids = {str(record.get("cell_id")) for record in self.loads}
+        try:
+            baselines = read_load_baselines(self.options.baselines_dir, cell_ids)
+        except GpubenchError as exc:
+            if not writes:
+                judgement.gate_error = self.scrub(str(exc))
+                judgement.unjudged = True
+                return
+            baselines = {}
+        judgement.load_verdicts = judge_loads(self.loads, baselines, thresholds)
+        if not writes:
+            return
+        try:
+            judgement.baseline_notes.extend(
+                write_load_baselines(self.options.baselines_dir, self.loads)
+            )
+        except GpubenchError as exc:
+            judgement.gate_error = self.scrub(str(exc))
+            judgement.write_failed = True
 
     def _baselines(self, *, replacing: bool) -> list[PromptSummary]:
         """The measured cells' baseline summaries; notes in the judgement which cells' baselines

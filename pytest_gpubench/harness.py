@@ -524,6 +524,8 @@ class Harness:
         """Measure one case of a prompts.yaml prompt: its call record (with the case's resource
         figures) and the other records it produced (its `sample` record when its node is
         sampled)."""
+        if case.load_point is not None:
+            return self.run_load_case(case)
         prompt = self.matrix.prompts[case.prompt_id]
         cell = self.matrix.cell(case.cell_id)
         request = cell.request_for(prompt)
@@ -533,6 +535,31 @@ class Harness:
             case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request), request=request
         )
         return record, others
+
+    def run_load_case(self, case: Case) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Measure one load case (load/runner.py): its `load` record, and the call records of
+        its requests (and a sweep's per-step load records)."""
+        from pytest_gpubench.load.runner import run_load_case
+
+        live = self.cells[case.cell_id]
+        window = self._begin_sampling(live)
+        outcome = run_load_case(live, self.matrix, case, self.run_id)
+        samples = self._end_sampling(live, window)
+        others = list(outcome.others)
+        if samples is not None:
+            others.append(
+                sample_record(
+                    run_id=self.run_id,
+                    cell=live.cell,
+                    case=case,
+                    interval_ms=samples.interval_ms,
+                    gpu_source=samples.gpu_source,
+                    cpu_source=samples.cpu_source,
+                    columns=sample_columns(samples),
+                    notes=samples.notes,
+                )
+            )
+        return self.scrub.record(outcome.record), [self.scrub.record(r) for r in others]
 
     def run_timed(
         self, case: Case, prompt: Prompt, request: RequestShape

@@ -32,8 +32,28 @@ CALL_PROPERTIES = (
 )
 
 
+# A load case's figures (its `load` record).
+LOAD_PROPERTIES = (
+    "load_point",
+    "achieved_rate",
+    "output_tokens_per_sec",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_p99",
+    "goodput_rate",
+    "errors",
+    "send_lag_ms_p99",
+    "valid",
+    "saturation_rate",
+    "error",
+)
+
+
 def call_properties(record: Mapping[str, Any]) -> list[tuple[str, object]]:
-    """A call record's figures as JUnit properties; the engine's own timings as `engine.<name>`."""
+    """A call record's figures as JUnit properties; the engine's own timings as `engine.<name>`.
+    A load case's record gives its load figures."""
+    if record.get("type") == "load":
+        return [(name, record[name]) for name in LOAD_PROPERTIES if record.get(name) is not None]
     properties: list[tuple[str, object]] = [
         (name, record[name]) for name in CALL_PROPERTIES if record.get(name) is not None
     ]
@@ -60,7 +80,8 @@ def gate_failures(run: RunController) -> list[tuple[str, str]]:
         for outcome in run.outcomes
         if outcome.fails_run
     ]
-    found = [] if run.options.baseline_update else regressions(run.judgement.verdicts)
+    judged = [*run.judgement.verdicts, *run.judgement.load_verdicts]
+    found = [] if run.options.baseline_update else regressions(judged)
     found += run.judgement.failing_incomparables()
     failures.extend(
         (f"{v.cell_id} {v.prompt_id} {v.metric}", f"{v.verdict.upper()}: {v.message}")

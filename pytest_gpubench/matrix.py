@@ -30,6 +30,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.load_profile import LoadProfile, LoadSetting, merged_profile
 
 PHASES = ("cold", "warm")
 ENGINE_KINDS = ("llamacpp", "ollama", "openai")
@@ -315,6 +316,8 @@ class CellDefaults(_Strict):
     thresholds: Thresholds = Thresholds()
     env: list[str] = []
     telemetry: TelemetrySettings = TelemetrySettings()
+    # The load profile of every cell (load_profile.py); a cell's own `load:` keys win.
+    load: LoadProfile | None = None
 
 
 def cell_id_of(node: Any, engine: Any, model: Any, name: Any = None) -> str:
@@ -372,16 +375,25 @@ class CellSpec(_Strict):
     vram_gb: PositiveFloat | None = None
     # Extra headers on every request of the cell; each value from an environment variable.
     headers: dict[str, HeaderFromEnv] = {}
+    # Load cases (load_profile.py): the cell's keys over settings.load; `false` turns them off.
+    load: LoadProfile | None = None
+    # Managed llama.cpp: the server's slots (requests it decodes at once), its --parallel.
+    parallel: PositiveInt | None = None
     # The endpoint as the user wrote it: the URL type normalises (a trailing slash, a lower-case
     # scheme and host), and the record keeps what the user wrote.
     _endpoint_text: str | None = PrivateAttr(default=None)
+    # `load: off` (or false): no load cases even where settings.load gives some.
+    _load_off: bool = PrivateAttr(default=False)
 
     @model_validator(mode="wrap")
     @classmethod
     def _keep_endpoint_text(
         cls, data: Any, handler: ModelWrapValidatorHandler[CellSpec]
     ) -> CellSpec:
-        spec = handler(data)
+        # YAML reads a bare `off` as false.
+        load_off = isinstance(data, dict) and data.get("load") in (False, "off")
+        spec = handler({**data, "load": None} if load_off else data)
+        spec._load_off = load_off
         written = data.get("endpoint") if isinstance(data, dict) else None
         if spec.endpoint is not None and isinstance(written, str):
             spec._endpoint_text = written.strip()
@@ -421,6 +433,11 @@ class CellSpec(_Strict):
     def managed(self) -> bool:
         """The harness starts the engine: no endpoint, and a launch template or no port."""
         return self.endpoint is None and (self.port is None or self.launch is not None)
+
+    @property
+    def load_setting(self) -> LoadSetting | None:
+        """The cell's own `load:`: its keys, False for `off`, or None when it has none."""
+        return False if self._load_off else self.load
 
     @property
     def endpoint_as_written(self) -> str | None:
@@ -470,6 +487,8 @@ class Cell:
     timeout_s: float
     thresholds: Thresholds
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
+    # The effective load profile (settings.load with the cell's keys); None: no load cases.
+    load: LoadProfile | None = None
 
     @property
     def cell_id(self) -> str:
@@ -646,6 +665,8 @@ def load_matrix(
                     f"{where}: prompts: '{prompt_id}' is not defined in {prompts_path}"
                 )
         _check_request_keys(where, spec, prompts, prompt_ids, prompts_path)
+        load = merged_profile(parsed.settings.load, spec.load_setting)
+        _check_load(where, spec, load, prompts, prompts_path)
         merged = parsed.settings.thresholds.model_dump(exclude_none=True)
         if spec.thresholds is not None:
             merged.update(spec.thresholds.model_dump(exclude_none=True))
@@ -661,6 +682,7 @@ def load_matrix(
                 telemetry=parsed.settings.telemetry.model_copy(
                     update=spec.telemetry.model_dump(exclude_unset=True) if spec.telemetry else {}
                 ),
+                load=load,
             )
         )
     return Matrix(
@@ -723,6 +745,47 @@ def _check_request_keys(
     if plain and (spec.ca_file is not None or not spec.tls_verify):
         key = "ca_file" if spec.ca_file is not None else "tls_verify"
         raise GpubenchError(f"{where}: {key}: only applies to an https:// endpoint")
+
+
+# The engine kinds a load case can drive: those that speak OpenAI's streamed chat completions.
+LOAD_ENGINE_KINDS = ("llamacpp", "openai")
+
+
+def _check_load(
+    where: str,
+    spec: CellSpec,
+    load: LoadProfile | None,
+    prompts: dict[str, Prompt],
+    prompts_path: Path,
+) -> None:
+    """A load profile that cannot run, and `parallel` where no managed server takes it: one line."""
+    if spec.parallel is not None and not (spec.managed and spec.engine == "llamacpp"):
+        raise GpubenchError(
+            f"{where}: parallel: only a managed llamacpp cell (no endpoint) takes it; an "
+            "external server's slots are set where it is started"
+        )
+    if spec.parallel is not None and spec.launch is not None:
+        raise GpubenchError(
+            f"{where}: parallel: the cell's launch: replaces the argv; put --parallel there"
+        )
+    if load is None:
+        return
+    if spec.engine not in LOAD_ENGINE_KINDS:
+        raise GpubenchError(
+            f"{where}: load: engine '{spec.engine}' cannot be load-tested yet (load cases drive "
+            f"{', '.join(LOAD_ENGINE_KINDS)})"
+        )
+    if not load.bounded:
+        raise GpubenchError(
+            f"{where}: load: needs duration_s or requests (or both) to bound each load point"
+        )
+    for prompt_id in load.prompts or ():
+        if prompt_id not in prompts:
+            raise GpubenchError(
+                f"{where}: load.prompts: '{prompt_id}' is not defined in {prompts_path}"
+            )
+    if load.prompts and load.synthetic is not None:
+        raise GpubenchError(f"{where}: load: give prompts or synthetic, not both")
 
 
 def frozen_prompt_error(

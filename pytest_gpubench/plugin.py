@@ -81,6 +81,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cold: first call after the model was forced out of memory")
     config.addinivalue_line("markers", "warm: a call preceded by one to the same model within 60 s")
     config.addinivalue_line(
+        "markers", "load: many requests at once at one load point of a cell's load: profile"
+    )
+    config.addinivalue_line(
         "markers",
         "gpubench(cells=None, phases=None, runs=None): the cases of a test that asks for "
         "gpubench_engine: `cells` the cell ids it runs on (None: every cell of cells.yaml), "
@@ -238,7 +241,10 @@ def _names(value: Any, where: str) -> list[str] | None:
 
 
 def _case_marks(matrix: Matrix, case: Case) -> list[pytest.MarkDecorator]:
-    timeout = matrix.cell(case.cell_id).timeout_s * CASE_TIMEOUT_FACTOR + CASE_TIMEOUT_SLACK_S
+    cell = matrix.cell(case.cell_id)
+    timeout = cell.timeout_s * CASE_TIMEOUT_FACTOR + CASE_TIMEOUT_SLACK_S
+    if case.load_point is not None and cell.load is not None:
+        timeout += cell.load.longest_s
     return [getattr(pytest.mark, case.phase), pytest.mark.timeout(timeout)]
 
 
@@ -497,6 +503,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                 baseline_update=run.options.baseline_update,
                 baselines_dir=run.options.baselines_dir,
                 telemetry=judgement.telemetry,
+            )
+        )
+        lines.extend(
+            report.load_lines(
+                run.loads, judgement.load_verdicts, baseline_update=run.options.baseline_update
             )
         )
         if run.write_error is not None:

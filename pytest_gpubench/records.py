@@ -1,5 +1,5 @@
-"""The builders of the ledger's records: meta, cell, call, sample, skipped and end (one place
-each)."""
+"""The builders of the ledger's records: meta, cell, call, load, sample, skipped and end (one
+place each)."""
 
 from __future__ import annotations
 
@@ -181,6 +181,69 @@ def call_record(
     }
 
 
+def load_call_record(
+    call: Mapping[str, Any],
+    *,
+    load_point: str,
+    window: str,
+    request_idx: int,
+    scheduled_send_ms: float,
+    send_ms: float,
+    send_lag_ms: float,
+    process: int | None = None,
+) -> dict[str, Any]:
+    """A call record of a load case (`call`'s fields first), with its load point, the window it
+    was sent in (warmup, measured, cooldown), and when it was due and went out, in ms from the
+    point's start: the send lag is what coordinated omission would hide."""
+    return {
+        **call,
+        "load_point": load_point,
+        "load_window": window,
+        "request_idx": request_idx,
+        "scheduled_send_ms": scheduled_send_ms,
+        "send_ms": send_ms,
+        "send_lag_ms": send_lag_ms,
+        # The client process that sent it (`processes: N`), or None with one.
+        "process": process,
+    }
+
+
+def load_record(
+    *,
+    run_id: str,
+    cell: Cell,
+    case: Case,
+    prompt_sha256: str,
+    load_point: str,
+    pattern: Mapping[str, Any],
+    started_at_utc: str,
+    summary: Mapping[str, Any],
+    error: str | None,
+) -> dict[str, Any]:
+    """One load point's summary (load/summary.py): rates, throughput, latency percentiles,
+    goodput, errors, send lag, whether it is a result (`valid`, `invalid_reason`) and the
+    per-request samples the gate compares. `error` says why the case failed, or None."""
+    spec = cell.spec
+    return {
+        "type": "load",
+        "benchmark_run_id": run_id,
+        "cell_id": cell.cell_id,
+        "node": spec.node,
+        "engine": spec.engine,
+        "model": spec.model,
+        "prompt_id": case.prompt_id,
+        "prompt_sha256": prompt_sha256,
+        "phase": case.phase,
+        "case_id": case.case_id,
+        "load_point": load_point,
+        **pattern,
+        "started_at_utc": started_at_utc,
+        **summary,
+        "error": error,
+        "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+    }
+
+
 def sample_record(
     *,
     run_id: str,
@@ -191,11 +254,14 @@ def sample_record(
     cpu_source: str | None,
     columns: Mapping[str, Mapping[str, list[Any]]],
     notes: Sequence[str],
+    engine: Mapping[str, list[Any]] | None = None,
+    load_point: str | None = None,
 ) -> dict[str, Any]:
     """The resource samples of one case, as columns (`gpu`, `cpu`: name -> values, `t_ms` from
     the case's start; the first and last samples may lie just outside it) and the notes of
-    samplers that ended or were missing."""
-    return {
+    samplers that ended or were missing. A load case adds the engine's own gauges (`engine`,
+    from its /metrics) per load point."""
+    record = {
         "type": "sample",
         "benchmark_run_id": run_id,
         "cell_id": cell.cell_id,
@@ -212,6 +278,10 @@ def sample_record(
         "notes": list(notes) or None,
         "worker": os.environ.get("PYTEST_XDIST_WORKER"),
     }
+    if engine is not None:
+        record["engine"] = {name: list(values) for name, values in engine.items()}
+        record["load_point"] = load_point
+    return record
 
 
 def skipped_record(

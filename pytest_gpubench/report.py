@@ -433,15 +433,18 @@ def render_document(
     end = next((r for r in reversed(others) if r.get("type") == "end"), empty)
     cells = _first_by_cell(r for r in others if r.get("type") == "cell")
     skipped = [r for r in others if r.get("type") == "skipped"]
+    loads = [r for r in others if r.get("type") == "load"]
     cell_ids = sorted(
-        {s.cell_id for s in summaries} | set(cells) | {str(r.get("cell_id")) for r in skipped}
+        {s.cell_id for s in summaries}
+        | set(cells)
+        | {str(r.get("cell_id")) for r in [*skipped, *loads]}
     )
     sections = [
         _title(meta),
         _run_section(meta, end),
         _top_summary(summaries),
         *(
-            _cell_section(cell_id, cells.get(cell_id, {}), summaries, skipped)
+            _cell_section(cell_id, cells.get(cell_id, {}), summaries, skipped, loads)
             for cell_id in cell_ids
         ),
         _telemetry_section(telemetry),
@@ -506,6 +509,7 @@ def _cell_section(
     cell: Mapping[str, Any],
     summaries: Sequence[PromptSummary],
     skipped: Sequence[Mapping[str, Any]],
+    loads: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     mine = [s for s in summaries if s.cell_id == cell_id]
     parts = [f"## {_md(cell_id)}"]
@@ -517,6 +521,9 @@ def _cell_section(
         parts.append("### Cold\n\n" + table(_cold_rows(cold), COLD_HEADERS, markdown=True))
     if warm:
         parts.append("### Warm\n\n" + table(_warm_rows(warm), WARM_HEADERS, markdown=True))
+    own_loads = [record for record in loads if record.get("cell_id") == cell_id]
+    if own_loads:
+        parts.append("### Load\n\n" + render_load_table(own_loads, markdown=True))
     reasons = Counter(
         str(r.get("reason") or "no reason given") for r in skipped if r.get("cell_id") == cell_id
     )
@@ -629,3 +636,99 @@ def _code(value: Any) -> str:
 def _md(text: str) -> str:
     """Escape the one character that breaks a Markdown table cell."""
     return text.replace("|", "\\|")
+
+
+# -- load cases -------------------------------------------------------------------------------
+
+LOAD_HEADERS = (
+    "prompt",
+    "point",
+    "offered req/s",
+    "req/s",
+    "out tok/s",
+    "TTFT p50 / p99 ms",
+    "TPOT p50 / p99 ms",
+    "ITL p99 ms",
+    "E2E p99 ms",
+    "goodput req/s",
+    "ok / err / timeout",
+    "send lag p99 / max ms",
+    "result",
+)
+
+
+def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
+    """One row per load point (a sweep: per step, then the sweep's saturation point)."""
+    rows = []
+    for load in loads:
+        if load.get("pattern") == "sweep":
+            saturation = load.get("saturation_rate")
+            rows.append(
+                [
+                    _text(load.get("prompt_id")),
+                    "sweep",
+                    *([NONE] * 10),
+                    f"saturation {fixed(saturation)} req/s"
+                    if saturation is not None
+                    else (load.get("error") or "no step met the SLO"),
+                ]
+            )
+            continue
+        result = (
+            "ok"
+            if load.get("valid")
+            else f"INVALID: {_shorten(str(load.get('invalid_reason')), 60)}"
+        )
+        rows.append(
+            [
+                _text(load.get("prompt_id")),
+                _text(load.get("load_point")),
+                fixed(load.get("offered_rate")),
+                fixed(load.get("achieved_rate")),
+                fixed(load.get("output_tokens_per_sec"), 1),
+                f"{fixed(load.get('ttft_ms_p50'))} / {fixed(load.get('ttft_ms_p99'))}",
+                f"{fixed(load.get('tpot_ms_p50'))} / {fixed(load.get('tpot_ms_p99'))}",
+                fixed(load.get("itl_ms_p99")),
+                fixed(load.get("e2e_ms_p99")),
+                fixed(load.get("goodput_rate")),
+                f"{load.get('ok', 0)} / {load.get('errors', 0)} / {load.get('timeouts', 0)}",
+                f"{fixed(load.get('send_lag_ms_p99'), 3)} / "
+                f"{fixed(load.get('send_lag_ms_max'), 3)}",
+                result,
+            ]
+        )
+    return rows
+
+
+def render_load_table(loads: Iterable[Mapping[str, Any]], *, markdown: bool = False) -> str:
+    return table(load_rows(loads), LOAD_HEADERS, markdown=markdown)
+
+
+def load_lines(
+    loads: Sequence[Mapping[str, Any]],
+    verdicts: Sequence[Verdict] = (),
+    *,
+    baseline_update: bool = False,
+) -> list[TerminalLine]:
+    """The terminal's load tables: one per cell, each point's figures and whether it is a
+    result (an invalid point in red), then the gate's findings on the load points."""
+    lines: list[TerminalLine] = []
+    for cell_id in sorted({str(load.get("cell_id")) for load in loads}):
+        own = [load for load in loads if load.get("cell_id") == cell_id]
+        lines.append(TerminalLine(f"load: {cell_id}"))
+        lines.append(TerminalLine(render_load_table(own)))
+        for load in own:
+            if load.get("pattern") != "sweep" and not load.get("valid"):
+                lines.append(
+                    TerminalLine(
+                        f"INVALID {load.get('case_id')} [{load.get('load_point')}]: "
+                        f"{load.get('invalid_reason')}",
+                        red=True,
+                    )
+                )
+    for note in verdict_notes(verdicts, accepted=baseline_update):
+        lines.append(TerminalLine(note, red=note.startswith("REGRESSION")))
+    found = regressions(verdicts)
+    if found and not baseline_update:
+        lines.append(TerminalLine(f"gpubench: {len(found)} load regression(s)", red=True))
+    return lines

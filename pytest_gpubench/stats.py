@@ -178,7 +178,8 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[PromptSummary]:
 def summarize_frame(frame: pd.DataFrame, *, with_samples: bool = True) -> list[PromptSummary]:
     """Summaries of a call_frame; every groupby runs on one integer code per (cell, prompt).
     Without samples (a report that draws no distribution) a million calls cost a second less."""
-    frame, keys = _with_group_codes(frame)
+    # A load case's calls are summarised per load point (load/summary.py), not here.
+    frame, keys = _with_group_codes(frame[frame["phase"] != "load"])
     if frame.empty:
         return []
     warm = frame[frame["phase"] == "warm"]

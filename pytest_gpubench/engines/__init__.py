@@ -147,7 +147,6 @@ def measure_stream(
     a broken or timed-out stream) keeps what was measured until then beside the error
     (measure.finish_timing); the connection of a failed call is closed, never reused.
     """
-    measurement = CallMeasurement(backend=backend)
     body = json.dumps(payload).encode()
     try:
         if connection is not None:
@@ -158,6 +157,18 @@ def measure_stream(
             )
     except StreamError as exc:
         return _failed(backend, str(exc))
+    measurement = measure_response(backend, response, parse)
+    # After the clock: the rest of a good reply is read so its connection can carry the next call.
+    response.release(measurement.error is None)
+    return measurement
+
+
+def measure_response(
+    backend: str, response: StreamedResponse, parse: ChunkParser
+) -> CallMeasurement:
+    """A measurement from a response whose lines carry their arrival stamps: the stream parser
+    fills it, measure.finish_timing times it (a single call's, and each of a load case's)."""
+    measurement = CallMeasurement(backend=backend)
     measurement.connect_ms = response.connect_ms
     measurement.tls_handshake_ms = response.tls_handshake_ms
     measurement.connection_reused = response.connection_reused
@@ -175,8 +186,6 @@ def measure_stream(
     if measurement.error:
         measurement.finish_reason = "error"
     finish_timing(measurement, response, content_arrivals)
-    # After the clock: the rest of a good reply is read so its connection can carry the next call.
-    response.release(measurement.error is None)
     return measurement
 
 

