@@ -24,18 +24,28 @@ class PacingProxy:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._closed = False
         self._sockets: list[socket.socket] = []
+        self._accepting: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
 
     def start(self) -> PacingProxy:
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._accepting = threading.Thread(target=self._accept, daemon=True)
+        self._accepting.start()
         return self
 
     def close(self) -> None:
+        """Stop listening and wait for the accepting thread: a listener closed while a thread is
+        blocked in its accept() goes on accepting, and answered a later test's requests (the same
+        fix as keepalive_server's)."""
         self._closed = True
+        # shutdown wakes the accept() blocked in the other thread; close alone does not.
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+        if self._accepting is not None:
+            self._accepting.join(timeout=5)
         for sock in self._sockets:
             with contextlib.suppress(OSError):
                 sock.close()

@@ -60,7 +60,9 @@ def test_health_stream_usage_timings_and_restart(server: ManagedLlamaServer) -> 
         first.engine_timings
     )
     assert first.first_delta_ms is not None and first.total_duration_ms is not None
-    assert 0 < first.first_delta_ms < first.total_duration_ms
+    # A reply that arrived in one read (coalesced, on a busy machine) ends where it starts.
+    assert 0 < first.first_delta_ms <= first.total_duration_ms
+    assert first.coalesced or first.first_delta_ms < first.total_duration_ms
     assert len(first.inter_chunk_ms) == 31
     # A decode rate unless the 32 chunks came in one read (a late read on a busy machine).
     assert (first.tokens_per_sec is None) == first.coalesced
