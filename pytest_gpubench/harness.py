@@ -545,20 +545,7 @@ class Harness:
         window = self._begin_sampling(live)
         outcome = run_load_case(live, self.matrix, case, self.run_id)
         samples = self._end_sampling(live, window)
-        others = list(outcome.others)
-        if samples is not None:
-            others.append(
-                sample_record(
-                    run_id=self.run_id,
-                    cell=live.cell,
-                    case=case,
-                    interval_ms=samples.interval_ms,
-                    gpu_source=samples.gpu_source,
-                    cpu_source=samples.cpu_source,
-                    columns=sample_columns(samples),
-                    notes=samples.notes,
-                )
-            )
+        others = [*outcome.others, *self._sample_records(live, case, samples)]
         return self.scrub.record(outcome.record), [self.scrub.record(r) for r in others]
 
     def run_timed(
@@ -684,20 +671,7 @@ class Harness:
                 case_aggregates(samples, measurement.completion_tokens) if samples else None
             ),
         )
-        others = []
-        if samples is not None:
-            others.append(
-                sample_record(
-                    run_id=self.run_id,
-                    cell=live.cell,
-                    case=case,
-                    interval_ms=samples.interval_ms,
-                    gpu_source=samples.gpu_source,
-                    cpu_source=samples.cpu_source,
-                    columns=sample_columns(samples),
-                    notes=samples.notes,
-                )
-            )
+        others = self._sample_records(live, case, samples)
         # An engine may echo a credential in an error message: cut it out before anyone sees it.
         scrubbed_others = [self.scrub.record(other) for other in others]
         return self.scrub.record(record), scrubbed_others, measurement.text
@@ -727,6 +701,25 @@ class Harness:
         except Exception:
             log.warning("cell %s: telemetry failed", live.cell.cell_id, exc_info=True)
             return None
+
+    def _sample_records(
+        self, live: LiveCell, case: Case, samples: CaseSamples | None
+    ) -> list[dict[str, Any]]:
+        """The case's `sample` record, or none where the cell was not sampled."""
+        if samples is None:
+            return []
+        return [
+            sample_record(
+                run_id=self.run_id,
+                cell=live.cell,
+                case=case,
+                interval_ms=samples.interval_ms,
+                gpu_source=samples.gpu_source,
+                cpu_source=samples.cpu_source,
+                columns=sample_columns(samples),
+                notes=samples.notes,
+            )
+        ]
 
     def release_node(self, node_id: str) -> None:
         """After a node's last case: stop its cells' engines and give the node back now, so a
