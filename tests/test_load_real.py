@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gguf import GGUFWriter
 from pacing_proxy import PacingProxy, pacing_proxy
 
 from pytest_gpubench import tinymodel
@@ -66,15 +65,7 @@ LAG_ATTEMPTS = 5
 def heavy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's vocabulary and weights generator at a size where batching pays."""
     path = tmp_path_factory.mktemp("heavy") / "heavy.gguf"
-    vocab = tinymodel.build_vocab()
-    writer = GGUFWriter(path, arch="llama")
-    tinymodel._add_metadata(writer, HEAVY, vocab)
-    for name, tensor in tinymodel.build_tensors(HEAVY, vocab, seed=0).items():
-        writer.add_tensor(name, tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    tinymodel.write_tiny_model(path, config=HEAVY)
     return path
 
 
