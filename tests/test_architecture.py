@@ -52,6 +52,8 @@ LAYERS = (
     "exports",
     "progress",
     "guards",
+    "nodes",
+    "live_cell",
     "harness",
     "controller",
     "junit",
