@@ -192,6 +192,9 @@ def _gate(args: argparse.Namespace) -> int:
     cells = Path(args.cells) if args.cells else None
     judgement = judge_ledger(records, baselines, cells_path=cells)
     print(render_comparison(judgement.verdicts))
+    if judgement.load_verdicts:
+        print("load points:")
+        print(render_comparison(judgement.load_verdicts))
     for note in judgement.notes:
         print(f"note: {note}")
     for cell in judgement.unmeasured:

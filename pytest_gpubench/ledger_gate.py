@@ -13,18 +13,21 @@ from pytest_gpubench.status import session_status
 
 if TYPE_CHECKING:
     from pytest_gpubench.gate import Verdict
+    from pytest_gpubench.load_profile import LoadThresholds
     from pytest_gpubench.matrix import Thresholds
     from pytest_gpubench.stats import PromptSummary
 
 
 @dataclass
 class LedgerJudgement:
-    """What the gate found in a ledger: verdicts, the cells that fail the run unmeasured."""
+    """What the gate found in a ledger: verdicts (the warm calls', the load points'), the cells
+    that fail the run unmeasured."""
 
     verdicts: list[Verdict]
     unmeasured: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
     exit_status: int = 0
+    load_verdicts: list[Verdict] = field(default_factory=list)
 
 
 def unmeasured_cells(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -50,9 +53,16 @@ def unmeasured_cells(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     ]
 
 
-def _thresholds(
-    meta: Mapping[str, Any], cells_path: Path | None
-) -> tuple[dict[str, Thresholds], str | None]:
+@dataclass
+class _CellThresholds:
+    """Each cell's thresholds from the run's cells.yaml: its warm calls', its load points'."""
+
+    warm: dict[str, Thresholds] = field(default_factory=dict)
+    load: dict[str, LoadThresholds] = field(default_factory=dict)
+    note: str | None = None
+
+
+def _thresholds(meta: Mapping[str, Any], cells_path: Path | None) -> _CellThresholds:
     """Each cell's thresholds from the run's cells.yaml (the meta's, or the one named); the
     defaults, with a note, where that file is gone."""
     from pytest_gpubench.matrix import load_matrix
@@ -60,12 +70,34 @@ def _thresholds(
     cells = cells_path or (Path(meta["cells_file"]) if meta.get("cells_file") else None)
     prompts = Path(meta["prompts_file"]) if meta.get("prompts_file") else None
     if cells is None or prompts is None or not cells.exists() or not prompts.exists():
-        return {}, "the run's cells.yaml is not here: default thresholds for every cell"
+        return _CellThresholds(
+            note="the run's cells.yaml is not here: default thresholds for every cell"
+        )
     try:
         matrix = load_matrix(cells, prompts)
     except GpubenchError as exc:
-        return {}, f"default thresholds for every cell: {exc}"
-    return {cell.cell_id: cell.thresholds for cell in matrix.cells}, None
+        return _CellThresholds(note=f"default thresholds for every cell: {exc}")
+    return _CellThresholds(
+        warm={cell.cell_id: cell.thresholds for cell in matrix.cells},
+        load={cell.cell_id: cell.load.thresholds for cell in matrix.cells if cell.load},
+    )
+
+
+def judge_load_points(
+    records: Sequence[Mapping[str, Any]],
+    baselines_dir: Path,
+    thresholds: Mapping[str, LoadThresholds],
+) -> list[Verdict]:
+    """Each load point of the ledger against its load baseline (baselines/load/<cell>.json),
+    as the session's gate does (load/gate.py); none where the ledger has no load records."""
+    from pytest_gpubench.load.baseline import read_load_baselines
+    from pytest_gpubench.load.gate import judge_loads
+
+    loads = [record for record in records if record.get("type") == "load"]
+    if not loads:
+        return []
+    baselines = read_load_baselines(baselines_dir, {str(load.get("cell_id")) for load in loads})
+    return judge_loads(loads, baselines, thresholds)
 
 
 def judge_ledger(
@@ -74,8 +106,8 @@ def judge_ledger(
     *,
     cells_path: Path | None = None,
 ) -> LedgerJudgement:
-    """Compare the ledger's summaries with the baselines (a baseline of another setup is
-    `incomparable`), as the session's gate does, and find its unmeasured cells."""
+    """Compare the ledger's summaries and load points with the baselines (a baseline of another
+    setup is `incomparable`), as the session's gate does, and find its unmeasured cells."""
     from pytest_gpubench.baseline import cell_provenance, find_baseline, provenance_changes
     from pytest_gpubench.gate import compare, incomparables, regressions, telemetry_verdicts
     from pytest_gpubench.stats import summarize
@@ -87,7 +119,7 @@ def judge_ledger(
     cells = {
         str(record.get("cell_id")): record for record in records if record.get("type") == "cell"
     }
-    thresholds, note = _thresholds(meta, cells_path)
+    thresholds = _thresholds(meta, cells_path)
     baselines: list[PromptSummary] = []
     changed: dict[str, str] = {}
     for cell_id in sorted({str(call.get("cell_id")) for call in calls}):
@@ -100,14 +132,22 @@ def judge_ledger(
             changes = provenance_changes(baseline.provenance, cell_provenance(meta, cell, calls))
             if changes:
                 changed[cell_id] = ", ".join(changes)
-    verdicts = compare(baselines, summarize(calls), thresholds, changed_setups=changed)
-    verdicts.extend(telemetry_verdicts(calls, thresholds))
+    verdicts = compare(baselines, summarize(calls), thresholds.warm, changed_setups=changed)
+    verdicts.extend(telemetry_verdicts(calls, thresholds.warm))
+    load_verdicts = judge_load_points(records, baselines_dir, thresholds.load)
     unmeasured = unmeasured_cells(records)
-    judgement = LedgerJudgement(verdicts, unmeasured, [note] if note else [])
+    judgement = LedgerJudgement(
+        verdicts,
+        unmeasured,
+        [thresholds.note] if thresholds.note else [],
+        load_verdicts=load_verdicts,
+    )
+    # As the session's: a load point's regression fails the run; an `incomparable` load point
+    # (its request changed) is reported, as in the session, without failing it.
     judgement.exit_status = session_status(
         0,
         unmeasured=bool(unmeasured),
         incomparable=bool(incomparables(verdicts)),
-        regressed=bool(regressions(verdicts)),
+        regressed=bool(regressions([*verdicts, *load_verdicts])),
     )
     return judgement

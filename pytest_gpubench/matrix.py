@@ -85,8 +85,9 @@ class LocalNode(_Strict):
     kind: Literal["local"]
 
 
-class SshNode(_Strict):
-    kind: Literal["ssh"]
+class SshConnection(_Strict):
+    """How to log in to a host over SSH: an ssh node, or a Slurm node's login node."""
+
     host: str
     port: Annotated[int, Field(ge=1, le=65535)] = 22
     user: str
@@ -94,6 +95,10 @@ class SshNode(_Strict):
     known_hosts: str = "~/.ssh/known_hosts"
     trust_new_host: bool = False
     connect_timeout_s: PositiveFloat = 15.0
+
+
+class SshNode(SshConnection):
+    kind: Literal["ssh"]
     command_timeout_s: PositiveFloat = 60.0
     # Shell commands run on the node before its cells, each within setup_timeout_s: `setup`
     # installs the engine (stage engine_install), `model_pull` fetches models (stage model_pull).
@@ -135,16 +140,8 @@ class ProviderNode(_Strict):
     budget_s: PositiveFloat | None = None
 
 
-class SlurmLogin(_Strict):
+class SlurmLogin(SshConnection):
     """The login node a Slurm node's commands (sbatch, squeue, ...) run on, over SSH."""
-
-    host: str
-    port: Annotated[int, Field(ge=1, le=65535)] = 22
-    user: str
-    key_file: str | None = None
-    known_hosts: str = "~/.ssh/known_hosts"
-    trust_new_host: bool = False
-    connect_timeout_s: PositiveFloat = 15.0
 
 
 class SlurmNode(_Strict):

@@ -145,6 +145,25 @@ def _request_keys(request: RequestShape) -> dict[str, Any]:
     return {"temperature": request.temperature_or_default, **keys}
 
 
+def _case_head(
+    record_type: str, run_id: str, cell: Cell, case: Case, prompt_sha256: str
+) -> dict[str, Any]:
+    """The first fields of a case's measurement (`call`, `load`): what ran, where, on which
+    prompt, in which phase."""
+    spec = cell.spec
+    return {
+        "type": record_type,
+        "benchmark_run_id": run_id,
+        "cell_id": cell.cell_id,
+        "node": spec.node,
+        "engine": spec.engine,
+        "model": spec.model,
+        "prompt_id": case.prompt_id,
+        "prompt_sha256": prompt_sha256,
+        "phase": case.phase,
+    }
+
+
 def call_record(
     *,
     run_id: str,
@@ -158,17 +177,8 @@ def call_record(
 ) -> dict[str, Any]:
     """One measured call (successful or not) of a case; `telemetry` adds the case's resource
     figures (telemetry/aggregate.py CALL_FIELDS) after the others."""
-    spec = cell.spec
     return {
-        "type": "call",
-        "benchmark_run_id": run_id,
-        "cell_id": cell.cell_id,
-        "node": spec.node,
-        "engine": spec.engine,
-        "model": spec.model,
-        "prompt_id": case.prompt_id,
-        "prompt_sha256": prompt_sha256,
-        "phase": case.phase,
+        **_case_head("call", run_id, cell, case, prompt_sha256),
         "run_idx": case.run_idx,
         "case_id": case.case_id,
         # The test that measured its own request (its prompt_id is then the test's name).
@@ -223,17 +233,8 @@ def load_record(
     """One load point's summary (load/summary.py): rates, throughput, latency percentiles,
     goodput, errors, send lag, whether it is a result (`valid`, `invalid_reason`) and the
     per-request samples the gate compares. `error` says why the case failed, or None."""
-    spec = cell.spec
     return {
-        "type": "load",
-        "benchmark_run_id": run_id,
-        "cell_id": cell.cell_id,
-        "node": spec.node,
-        "engine": spec.engine,
-        "model": spec.model,
-        "prompt_id": case.prompt_id,
-        "prompt_sha256": prompt_sha256,
-        "phase": case.phase,
+        **_case_head("load", run_id, cell, case, prompt_sha256),
         "case_id": case.case_id,
         "load_point": load_point,
         **pattern,

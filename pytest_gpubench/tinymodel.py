@@ -232,11 +232,11 @@ def _add_metadata(writer: GGUFWriter, config: TinyConfig, vocab: Vocab) -> None:
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def _write_gguf(path: Path, seed: int) -> None:
+def _write_gguf(path: Path, seed: int, config: TinyConfig) -> None:
     vocab = build_vocab()
     writer = GGUFWriter(path, arch="llama")
-    _add_metadata(writer, CONFIG, vocab)
-    for name, tensor in build_tensors(CONFIG, vocab, seed).items():
+    _add_metadata(writer, config, vocab)
+    for name, tensor in build_tensors(config, vocab, seed).items():
         writer.add_tensor(name, tensor)
     try:
         writer.write_header_to_file()
@@ -246,13 +246,15 @@ def _write_gguf(path: Path, seed: int) -> None:
         writer.close()
 
 
-def write_tiny_model(path: Path, *, seed: int = 0) -> str:
-    """Write the tiny GGUF to `path` (atomically) and return its sha256 hex digest."""
+def write_tiny_model(path: Path, *, seed: int = 0, config: TinyConfig = CONFIG) -> str:
+    """Write the tiny GGUF to `path` (atomically) and return its sha256 hex digest. Another
+    `config` gives a model of that size with the same vocabulary and weight generator (a larger
+    one where batching pays, for load tests); the default is the tiny model itself."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_gguf(partial, seed)
+        _write_gguf(partial, seed, config)
         digest = file_sha256(partial)
         # A rename is atomic: concurrent workers never see a half-written model.
         os.replace(partial, path)

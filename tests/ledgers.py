@@ -1,10 +1,11 @@
-"""Generated ledgers shaped like a real run's (meta, cell, call, sample and end records), for the
-report, history and export tests."""
+"""Generated ledgers shaped like a real run's (meta, cell, call, sample, load and end records), for
+the report, history, export, merge and gate tests."""
 
 from __future__ import annotations
 
 import json
 import random
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,67 @@ def run_records(
                 if samples and run_idx < 4:
                     records.append(_sample(run_id, cell_id, prompt_id, phase, run_idx, rng))
     records.append(_end(run_id, records, against))
+    return records
+
+
+def load_records(
+    run_id: str,
+    cell_id: str,
+    *,
+    seed: int = 0,
+    slowdown: float = 1.0,
+    points: Sequence[int] = (1, 4),
+) -> list[dict[str, Any]]:
+    """A cell's closed-loop load points (`c<N>` for each concurrency N) on P-EASY, each with the
+    figures and per-request samples the gate compares (load/gate.py); output tokens/s / slowdown,
+    TTFT and TPOT x slowdown."""
+    rng = random.Random(seed)
+    records = []
+    for concurrency in points:
+        throughput = [
+            400.0 * concurrency / slowdown * rng.lognormvariate(0, 0.03) for _ in range(12)
+        ]
+        ttft = [20.0 * slowdown * rng.lognormvariate(0, 0.05) for _ in range(24)]
+        tpot = [2.5 * slowdown * rng.lognormvariate(0, 0.05) for _ in range(24)]
+        records.append(
+            {
+                "type": "load",
+                "benchmark_run_id": run_id,
+                "cell_id": cell_id,
+                "node": cell_id.split(":")[0],
+                "engine": "llamacpp",
+                "model": cell_id.rsplit(":", 1)[-1],
+                "prompt_id": "P-EASY",
+                "prompt_sha256": "sha-P-EASY",
+                "phase": "load",
+                "case_id": f"{cell_id}-P-EASY-load-c{concurrency}",
+                "load_point": f"c{concurrency}",
+                "pattern": "closed",
+                "concurrency": concurrency,
+                "rate": None,
+                "arrival": None,
+                "started_at_utc": "2026-11-01T10:03:00.000Z",
+                "requests": 24,
+                "ok": 24,
+                "errors": 0,
+                "timeouts": 0,
+                "valid": True,
+                "invalid_reason": None,
+                "achieved_rate": round(concurrency * 6.0 / slowdown, 3),
+                "output_tokens_per_sec": round(statistics.median(throughput), 3),
+                "ttft_ms_p50": round(statistics.median(ttft), 3),
+                "ttft_ms_p99": round(max(ttft), 3),
+                "tpot_ms_p50": round(statistics.median(tpot), 4),
+                "tpot_ms_p99": round(max(tpot), 4),
+                "e2e_ms_p99": round(max(ttft) + 64 * max(tpot), 3),
+                "goodput_rate": None,
+                "slo": None,
+                "send_lag_ms_p99": 0.2,
+                "samples": {"output_tokens_per_sec": throughput, "ttft_ms": ttft, "tpot_ms": tpot},
+                "error": None,
+                "worker": None,
+            }
+        )
     return records
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pytest_process import start_pytest
 
 from pytest_gpubench.ledger import read_ledger
 from pytest_gpubench.status import EXIT_WRITE_FAILED
@@ -94,18 +95,6 @@ def run_subprocess(pytester: pytest.Pytester, *args: str) -> subprocess.Complete
         timeout=300,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         check=False,
-    )
-
-
-def start_pytest(pytester: pytest.Pytester) -> subprocess.Popen[str]:
-    """A pytest subprocess in the test's directory, its output (stdout and stderr) piped."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "pytest", "--force-load", "-p", "no:cacheprovider"],
-        cwd=pytester.path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
 
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from pytest_gpubench.harness import Harness, LiveCell
+from pytest_gpubench.harness import Harness
+from pytest_gpubench.live_cell import LiveCell
 from pytest_gpubench.secrets import SecretScrubber
 
 

@@ -8,6 +8,7 @@ import itertools
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -27,6 +28,22 @@ from pytest_gpubench.matrix import load_matrix
 
 PROMPTS = "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 8}\n"
 TEST_GENERATE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
+INFERENCE_TEST = (Path(__file__).parent.parent / "benchmarks/test_inference.py").read_text()
+
+
+def write_load_project(
+    pytester: pytest.Pytester, cell_lines: str, test_bench: str = TEST_GENERATE
+) -> None:
+    """prompts.yaml (P-EASY), cells.yaml with a local node and these cells, and the test file."""
+    pytester.makefile(".yaml", prompts=PROMPTS)
+    pytester.makefile(".yaml", cells="nodes: {local: {kind: local}}\ncells:\n" + cell_lines)
+    pytester.makepyfile(test_bench=test_bench)
+
+
+def ledger_records(pytester: pytest.Pytester) -> list[dict[str, Any]]:
+    """The records of the run's only ledger."""
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    return [json.loads(line) for line in ledger.read_text().splitlines()]
 
 
 def matrix_of(tmp_path: Path, cells: str) -> object:
@@ -310,16 +327,12 @@ def test_load_cases_run_end_to_end_and_write_their_records(pytester: pytest.Pyte
     """The keepalive server streams 8 chunks per request with usage; `-m load` runs only the
     load cases, and their records and the terminal's load table follow."""
     with keepalive_server() as server:
-        pytester.makefile(".yaml", prompts=PROMPTS)
-        pytester.makefile(
-            ".yaml",
-            cells="nodes: {local: {kind: local}}\ncells:\n"
+        write_load_project(
+            pytester,
             f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"
             " load: {concurrency: [1, 4], rate: [50], arrival: poisson, requests: 24,"
             " warmup_s: 0.05, slo: {ttft_ms: 1000}}}\n",
-        )
-        pytester.makepyfile(
-            test_bench=(Path(__file__).parent.parent / "benchmarks/test_inference.py").read_text()
+            INFERENCE_TEST,
         )
         result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
     result.assert_outcomes(passed=3)
@@ -327,8 +340,7 @@ def test_load_cases_run_end_to_end_and_write_their_records(pytester: pytest.Pyte
     result.stdout.fnmatch_lines(
         ["load: local:openai:m", "*P-EASY*c1*", "*P-EASY*c4*", "*P-EASY*r50*50.00*"]
     )
-    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
-    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    records = ledger_records(pytester)
     loads = {r["load_point"]: r for r in records if r["type"] == "load"}
     calls = [r for r in records if r["type"] == "call"]
     assert set(loads) == {"c1", "c4", "r50"}
@@ -352,14 +364,11 @@ def test_load_cases_run_end_to_end_and_write_their_records(pytester: pytest.Pyte
 
 
 def test_markers_select_load_cases_apart_from_cold_and_warm(pytester: pytest.Pytester) -> None:
-    pytester.makefile(".yaml", prompts=PROMPTS)
-    pytester.makefile(
-        ".yaml",
-        cells="nodes: {local: {kind: local}}\ncells:\n"
+    write_load_project(
+        pytester,
         "  - {node: local, engine: openai, model: m, endpoint: 'http://127.0.0.1:9', runs: 2,"
         " load: {concurrency: [2], rate: [1], duration_s: 1}}\n",
     )
-    pytester.makepyfile(test_bench="def test_generate(gpubench_case):\n    gpubench_case.run()\n")
     warm = pytester.runpytest("--collect-only", "-q", "-m", "warm", "-p", "no:cacheprovider")
     load = pytester.runpytest("--collect-only", "-q", "-m", "load", "-p", "no:cacheprovider")
     everything = pytester.runpytest("--collect-only", "-q", "-p", "no:cacheprovider")
@@ -395,23 +404,17 @@ def test_the_markdown_report_has_a_load_table_per_cell() -> None:
 
 def test_processes_share_a_point_and_each_reports_its_send_lag(pytester: pytest.Pytester) -> None:
     with keepalive_server() as server:
-        pytester.makefile(".yaml", prompts=PROMPTS)
-        pytester.makefile(
-            ".yaml",
-            cells="nodes: {local: {kind: local}}\ncells:\n"
+        write_load_project(
+            pytester,
             f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"
             " load: {concurrency: [4], rate: [40], arrival: constant, requests: 20,"
             " processes: 2}}\n",
-        )
-        pytester.makepyfile(
-            test_bench="def test_generate(gpubench_case):\n    gpubench_case.run()\n"
         )
         result = pytester.runpytest_subprocess(
             "--force-load", "-p", "no:cacheprovider", "-m", "load"
         )
     result.assert_outcomes(passed=2)
-    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
-    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    records = ledger_records(pytester)
     for point in ("c4", "r40"):
         (summary,) = [r for r in records if r["type"] == "load" and r["load_point"] == point]
         calls = [r for r in records if r["type"] == "call" and r["load_point"] == point]
@@ -429,19 +432,15 @@ def test_processes_share_a_point_and_each_reports_its_send_lag(pytester: pytest.
 
 def test_a_sweep_runs_its_steps_and_reports_the_saturation_point(pytester: pytest.Pytester) -> None:
     with keepalive_server() as server:
-        pytester.makefile(".yaml", prompts=PROMPTS)
-        pytester.makefile(
-            ".yaml",
-            cells="nodes: {local: {kind: local}}\ncells:\n"
+        write_load_project(
+            pytester,
             f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"
             " load: {sweep: {rates: 2, max_concurrency: 4}, requests: 12,"
             " slo: {ttft_ms: 10000}}}\n",
         )
-        pytester.makepyfile(test_bench=TEST_GENERATE)
         result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
     result.assert_outcomes(passed=1)
-    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
-    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    records = ledger_records(pytester)
     loads = [r for r in records if r["type"] == "load"]
     (sweep,) = [r for r in loads if r["pattern"] == "sweep"]
     steps = {r["load_point"]: r for r in loads if r["pattern"] != "sweep"}
@@ -462,15 +461,11 @@ def test_a_point_that_missed_its_schedule_fails_its_test_and_keeps_its_records(
     """A send lag bound no client can keep (1 µs): the point is measured, recorded and shown,
     marked invalid with the reason, and its test fails; nothing measured is lost."""
     with keepalive_server() as server:
-        pytester.makefile(".yaml", prompts=PROMPTS)
-        pytester.makefile(
-            ".yaml",
-            cells="nodes: {local: {kind: local}}\ncells:\n"
+        write_load_project(
+            pytester,
             f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"
             " load: {rate: [40], requests: 12, max_send_lag_ms: 0.001}}\n",
-        )
-        pytester.makepyfile(
-            test_bench=(Path(__file__).parent.parent / "benchmarks/test_inference.py").read_text()
+            INFERENCE_TEST,
         )
         result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
     result.assert_outcomes(failed=1)
@@ -480,8 +475,7 @@ def test_a_point_that_missed_its_schedule_fails_its_test_and_keeps_its_records(
             "*INVALID local:openai:m-P-EASY-load-r40 [[]r40[]]: send lag p99*",
         ]
     )
-    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
-    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    records = ledger_records(pytester)
     (point,) = [r for r in records if r["type"] == "load"]
     assert point["valid"] is False and point["requests"] == 12
     assert "could not keep its schedule" in point["invalid_reason"]
@@ -511,19 +505,15 @@ def test_a_load_case_on_an_https_endpoint_trusts_what_the_cell_trusts(
     if stunnel_binary() is None:
         pytest.skip("stunnel4 is not installed (scripts/setup-system.sh)")
     with keepalive_server() as server, stunnel(server.url, tmp_path / "tls") as terminator:
-        pytester.makefile(".yaml", prompts=PROMPTS)
-        pytester.makefile(
-            ".yaml",
-            cells="nodes: {local: {kind: local}}\ncells:\n"
+        write_load_project(
+            pytester,
             f"  - {{node: local, engine: openai, model: m, endpoint: '{terminator.url}',"
             f" ca_file: '{terminator.ca_file}', load: {{concurrency: [2], requests: 6}}}}\n",
         )
-        pytester.makepyfile(test_bench=TEST_GENERATE)
         result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
         handshakes = terminator.handshakes()
     result.assert_outcomes(passed=1)
-    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
-    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    records = ledger_records(pytester)
     (point,) = [r for r in records if r["type"] == "load"]
     assert point["ok"] == 6 and point["valid"]
     assert handshakes >= 2  # the warm-up's connection and the load client's own

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gguf import GGUFWriter
 from pacing_proxy import PacingProxy, pacing_proxy
 
 from pytest_gpubench import tinymodel
@@ -38,6 +37,13 @@ def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     return pytester.runpytest_subprocess(
         "--force-load", "--allow-dirty", "-p", "no:cacheprovider", "-m", "load", *args
     )
+
+
+def write_project(pytester: pytest.Pytester, cells: str, max_tokens: int = MAX_TOKENS) -> None:
+    """prompts.yaml (P-LOAD with max_tokens), this cells.yaml, the shipped benchmark test."""
+    prompts = PROMPTS.replace(str(MAX_TOKENS), str(max_tokens))
+    pytester.makefile(".yaml", prompts=prompts, cells=cells)
+    pytester.makepyfile(test_bench=TEST_FILE)
 
 
 def managed_cell(load: str, model: str = "tiny", model_path: Path | None = None) -> str:
@@ -66,27 +72,18 @@ LAG_ATTEMPTS = 5
 def heavy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's vocabulary and weights generator at a size where batching pays."""
     path = tmp_path_factory.mktemp("heavy") / "heavy.gguf"
-    vocab = tinymodel.build_vocab()
-    writer = GGUFWriter(path, arch="llama")
-    tinymodel._add_metadata(writer, HEAVY, vocab)
-    for name, tensor in tinymodel.build_tensors(HEAVY, vocab, seed=0).items():
-        writer.add_tensor(name, tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    tinymodel.write_tiny_model(path, config=HEAVY)
     return path
 
 
 def test_throughput_rises_with_concurrency_and_every_request_gets_max_tokens(
     pytester: pytest.Pytester, llama_server: Path, heavy_model: Path
 ) -> None:
-    pytester.makefile(
-        ".yaml",
-        prompts=PROMPTS.replace(str(MAX_TOKENS), "16"),
-        cells=managed_cell("concurrency: [1, 2, 4], duration_s: 4", "heavy", heavy_model),
+    write_project(
+        pytester,
+        managed_cell("concurrency: [1, 2, 4], duration_s: 4", "heavy", heavy_model),
+        max_tokens=16,
     )
-    pytester.makepyfile(test_bench=TEST_FILE)
     seen = []
     for _ in range(ATTEMPTS):
         result = run(pytester)
@@ -122,12 +119,9 @@ def test_a_poisson_run_records_its_schedule_and_keeps_it(
 ) -> None:
     """The client keeps a Poisson schedule to within a millisecond (p99). This machine is
     shared: a run during which neighbours held both cores is measured again (LAG_ATTEMPTS)."""
-    pytester.makefile(
-        ".yaml",
-        prompts=PROMPTS.replace(str(MAX_TOKENS), "16"),
-        cells=managed_cell("rate: [4], arrival: poisson, duration_s: 8"),
+    write_project(
+        pytester, managed_cell("rate: [4], arrival: poisson, duration_s: 8"), max_tokens=16
     )
-    pytester.makepyfile(test_bench=TEST_FILE)
     seen = []
     for _ in range(LAG_ATTEMPTS):
         result = run(pytester)
@@ -185,14 +179,12 @@ def proxy(four_slot_server: str) -> Iterator[PacingProxy]:
 def test_a_halved_throughput_at_concurrency_4_fails_the_gate_and_an_unchanged_one_passes(
     pytester: pytest.Pytester, proxy: PacingProxy
 ) -> None:
-    pytester.makefile(
-        ".yaml",
-        prompts=PROMPTS,
-        cells="nodes: {local: {kind: local}}\ncells:\n"
+    write_project(
+        pytester,
+        "nodes: {local: {kind: local}}\ncells:\n"
         f"  - {{node: local, engine: llamacpp, model: tiny, endpoint: '{proxy.url}',"
         " load: {concurrency: [4], duration_s: 5, thresholds: {ttft_p99: 5, tpot_p99: 5}}}\n",
     )
-    pytester.makepyfile(test_bench=TEST_FILE)
     baseline = run(pytester, "--baseline-update")
     assert baseline.ret == 0, baseline.stdout.str()[-3000:]
     assert (pytester.path / "baselines" / "load" / "local_llamacpp_tiny.json").exists()

@@ -12,15 +12,16 @@ import hashlib
 import os
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
-from test_remote_cells import (
-    _yaml,
+from remote_cells import (
+    flow_mapping,
     ledger_of,
     run_matrix,
     servers_of,
     ssh_node,
+    ssh_target,
 )
 
 from pytest_gpubench.engines.managed import ManagedServer, render_launch
@@ -30,10 +31,6 @@ if TYPE_CHECKING:
     from ssh_fixtures import SshServer
 
 pytest_plugins = ["ssh_fixtures"]
-
-
-def flow(options: dict[str, Any]) -> str:
-    return "{" + ", ".join(f"{key}: {_yaml(value)}" for key, value in options.items()) + "}"
 
 
 def llama_template(binary: Path | str) -> list[str]:
@@ -65,7 +62,7 @@ def test_an_openai_cell_launched_from_a_template_on_this_machine(
 ) -> None:
     """engine: openai with a launch template: started, health-waited on its health_path,
     restarted for the cold case, stopped at the end; the template is in the cell record."""
-    cell = flow({
+    cell = flow_mapping({
         "node": "local", "engine": "openai", "model": "tiny", "model_path": str(tiny_model),
         "launch": llama_template(llama_server), "health_path": "/health",
         "ready_timeout_s": 60, "runs": 2,
@@ -97,7 +94,7 @@ def test_an_openai_cell_launched_on_an_ssh_node_and_reached_through_the_forward(
     pytester: pytest.Pytester, sshd: SshServer, node_install: tuple[Path, Path]
 ) -> None:
     binary, gguf = node_install
-    cell = flow({
+    cell = flow_mapping({
         "node": "gpubox", "engine": "openai", "model": "tiny", "model_path": str(gguf),
         "launch": llama_template(binary), "ready_timeout_s": 60, "runs": 1,
     })  # fmt: skip
@@ -125,13 +122,8 @@ def test_an_engine_already_on_the_node_is_addressed_by_its_port(
 ) -> None:
     """`port: N` on an SSH node: the engine the node runs on its own loopback at N, reached
     through the node's SSH forward (a local port of its own), left running: not ours."""
-    from pytest_gpubench.targets.ssh import SshTarget
-
     binary, gguf = node_install
-    node = SshTarget(
-        "gpubox", sshd.host, sshd.port, sshd.user, key_file=str(sshd.key_file),
-        known_hosts=str(sshd.known_hosts), connect_timeout_s=5.0, command_timeout_s=20.0,
-    )  # fmt: skip
+    node = ssh_target(sshd, "gpubox")
     engine = ManagedServer(
         node,
         cell_id="setup",
@@ -143,7 +135,7 @@ def test_an_engine_already_on_the_node_is_addressed_by_its_port(
     engine.start()
     assert engine.port is not None
     try:
-        cell = flow({"node": "gpubox", "engine": "openai", "model": "tiny",
+        cell = flow_mapping({"node": "gpubox", "engine": "openai", "model": "tiny",
                      "port": engine.port, "phases": ["warm"], "runs": 2})  # fmt: skip
         result = run_matrix(pytester, {"gpubox": ssh_node(sshd)}, [cell])
         result.assert_outcomes(passed=2)
@@ -182,13 +174,13 @@ def test_vllm_launched_on_an_ssh_node_measured_through_the_forward_and_stopped(
         "--model", "{model_path}", "--served-model-name", "{model}",
         "--host", "{host}", "--port", "{port}", *DEFAULT_ARGS,
     ]  # fmt: skip
-    cell = flow({
+    cell = flow_mapping({
         "node": "gpubox", "engine": "openai", "model": "tiny-vllm",
         "model_path": str(VLLM_MODEL_DIR), "launch": template, "health_path": "/health",
         "ready_timeout_s": READY_TIMEOUT_S, "phases": ["warm"], "runs": 2, "timeout_s": 120,
     })  # fmt: skip
     # The node's own environment for it (no hub, a small CPU KV cache), as cells.yaml gives it.
-    cell = cell[:-1] + ", launch_env: " + flow(vllm_env()) + "}"
+    cell = cell[:-1] + ", launch_env: " + flow_mapping(vllm_env()) + "}"
     result = run_matrix(pytester, {"gpubox": ssh_node(sshd, command_timeout_s=60)}, [cell])
     result.assert_outcomes(passed=2)
     records = ledger_of(pytester)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from gpu_standins import write_nvidia_smi
 from ollama_standin import OLLAMA_VERSION, write_ollama
-from test_remote_cells import _yaml, ledger_of, run_matrix, ssh_node
+from remote_cells import flow_mapping, ledger_of, run_matrix, ssh_node
 
 if TYPE_CHECKING:
     from ssh_fixtures import SshServer
@@ -48,9 +48,7 @@ def ollama_cell(model: str, models: Path, **extra: Any) -> str:
     options: dict[str, Any] = {"node": "gpubox", "engine": "ollama", "model": model, **extra}
     env = {"OLLAMA_MODELS": str(models), "OLLAMA_KEEP_ALIVE": "5m", **extra.pop("env", {})}
     options.pop("env", None)
-    body = ", ".join(f"{key}: {_yaml(value)}" for key, value in options.items())
-    launch_env = ", ".join(f"{key}: {_yaml(value)}" for key, value in env.items())
-    return f"{{{body}, launch_env: {{{launch_env}}}}}"
+    return flow_mapping({**options, "launch_env": env})
 
 
 def serving(user: str) -> list[str]:

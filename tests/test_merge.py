@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ledgers import CELLS, read, run_records, write
+from ledgers import CELLS, load_records, read, run_records, write
 
 from pytest_gpubench.baseline import update_baselines
 from pytest_gpubench.cli import main
+from pytest_gpubench.load.baseline import load_baseline_path, write_load_baselines
 from pytest_gpubench.shards import Shard, assign_nodes, node_groups, shard_matrix
 from pytest_gpubench.status import EXIT_REGRESSION, EXIT_UNMEASURED
 
@@ -24,9 +25,16 @@ def _shard_of(cell_id: str) -> int:
 
 
 def shard_ledger(
-    tmp_path: Path, cell_id: str, *, slowdown: float = 1.0, seed: int = 0, end: bool = True
+    tmp_path: Path,
+    cell_id: str,
+    *,
+    slowdown: float = 1.0,
+    seed: int = 0,
+    end: bool = True,
+    load_slowdown: float | None = None,
 ) -> Path:
-    """The ledger one array task writes: its own cell only, a meta naming its shard."""
+    """The ledger one array task writes: its own cell only, a meta naming its shard; with
+    `load_slowdown`, load points too (ledgers.load_records)."""
     index = _shard_of(cell_id)
     records = run_records(f"run-{index}", seed=seed, slowdown=slowdown, cells=[cell_id])
     records[0]["git_sha"] = "abc1234"
@@ -34,6 +42,9 @@ def shard_ledger(
     records[0]["shard"] = {"index": index, "count": 2, "matrix_cells": list(CELLS)}
     records[-1]["cells"] = [c for c in records[-1]["cells"] if c["cell_id"] == cell_id]
     records[-1]["exit_status"] = 0
+    if load_slowdown is not None:
+        run_id = f"run-{index}"
+        records[-1:-1] = load_records(run_id, cell_id, seed=seed, slowdown=load_slowdown)
     if not end:
         records.pop()
     return write(tmp_path / f"shard-{index}-{seed}.jsonl", records)
@@ -96,6 +107,72 @@ def test_gate_judges_the_merged_ledger_with_the_sessions_exit_status(
     if status:
         assert "regression" in out
         assert f"exit status {status}" in out
+
+
+@pytest.mark.parametrize(
+    ("load_slowdown", "status"), [(1.0, 0), (2.0, EXIT_REGRESSION)], ids=["same", "halved"]
+)
+def test_gate_judges_the_merged_ledgers_load_points_as_the_session_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], load_slowdown: float, status: int
+) -> None:
+    """Each shard measured load points (c1, c4) besides its warm calls, which are unchanged:
+    the merged ledger keeps every load record, and `gpubench gate` judges each point against
+    baselines/load/: half the throughput (and twice the TTFT and TPOT) is exit status 6, with
+    the point and the metric named, as the session's gate would have it."""
+    paths = [shard_ledger(tmp_path, cell, seed=3, load_slowdown=load_slowdown) for cell in CELLS]
+    merged = tmp_path / "merged.jsonl"
+    assert main(["merge", *map(str, paths), "-o", str(merged)]) == 0
+    loads = [r for r in read(merged) if r["type"] == "load"]
+    shard_loads = [r for path in paths for r in read(path) if r["type"] == "load"]
+    assert len(loads) == len(shard_loads) == 2 * len(CELLS)
+    assert {(r["cell_id"], r["load_point"]) for r in loads} == {
+        (cell, point) for cell in CELLS for point in ("c1", "c4")
+    }
+    assert [r["samples"] for r in loads] == [r["samples"] for r in shard_loads]
+    directory = baselines(tmp_path)
+    baseline_loads = [r for cell in CELLS for r in load_records("baseline-run", cell, seed=99)]
+    write_load_baselines(directory, baseline_loads)
+    assert all(load_baseline_path(directory, cell).exists() for cell in CELLS)
+    capsys.readouterr()
+
+    assert main(["gate", str(merged), "--baselines", str(directory)]) == status
+    out = capsys.readouterr().out
+    rows = load_rows(out)
+    assert set(rows) == {(cell, point) for cell in CELLS for point in ("c1", "c4")}
+    for (cell, point), verdicts in rows.items():
+        key = f"{cell} P-EASY@load-{point}"
+        if status:
+            assert verdicts["load_output_tokens_per_sec"] == "regression"
+            assert f"REGRESSION: {key}: output tokens/s -" in out
+            assert f"REGRESSION: {key}: TTFT p99 +" in out
+        else:
+            assert "regression" not in verdicts.values()
+    assert f"gpubench gate: exit status {status}" in out
+
+
+def test_gate_calls_load_points_without_a_load_baseline_new(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Load points with no load baseline yet are `new`, as in the session: they fail nothing."""
+    paths = [shard_ledger(tmp_path, cell, seed=3, load_slowdown=2.0) for cell in CELLS]
+    merged = tmp_path / "merged.jsonl"
+    main(["merge", *map(str, paths), "-o", str(merged)])
+    capsys.readouterr()
+    assert main(["gate", str(merged), "--baselines", str(baselines(tmp_path))]) == 0
+    rows = load_rows(capsys.readouterr().out)
+    assert set(rows) == {(cell, point) for cell in CELLS for point in ("c1", "c4")}
+    assert {verdict for verdicts in rows.values() for verdict in verdicts.values()} == {"new"}
+
+
+def load_rows(out: str) -> dict[tuple[str, str], dict[str, str]]:
+    """The gate's load table: {(cell, point): {metric: verdict}}."""
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    for line in out.splitlines():
+        words = line.split()
+        if len(words) > 3 and "@load-" in words[1]:
+            point = words[1].rsplit("@load-", 1)[1]
+            rows.setdefault((words[0], point), {})[words[2]] = words[-1]
+    return rows
 
 
 def test_a_missing_shard_leaves_its_cells_unmeasured(

@@ -9,27 +9,29 @@ status polls, done, field by field) that hands out that same sshd.
 from __future__ import annotations
 
 import hashlib
-import subprocess
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
-from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
-from provider_standin import ProviderStandIn, Scenario
-
-from pytest_gpubench.ledger import read_ledger
+from provider_standin import ProviderStandIn
+from remote_cells import (
+    TOKEN,
+    TOKEN_ENV,
+    ledger_of,
+    managed_cell,
+    marketplace,
+    run_matrix,
+    servers_of,
+    ssh_node,
+)
 
 if TYPE_CHECKING:
     from ssh_fixtures import SshServer
 
 pytest_plugins = ["ssh_fixtures"]
 
-TOKEN = "tok-remote-cells-7d1e"
-TOKEN_ENV = "GPUBENCH_TEST_PROVIDER_TOKEN"
-PROMPTS = ONE_PROMPT
-TEST_FILE = CHECKED_TEST_FILE
 OFFERS = [
     {"id": "o-cheap", "provider": "vastai", "gpu_name": "RTX 4090", "vram_gb": 24,
      "price_per_hour": 0.40, "availability_confidence": 0.9},
@@ -42,33 +44,8 @@ OFFERS = [
 def provider_api(
     sshd: SshServer, session_key: str, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[ProviderStandIn]:
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    scenario = Scenario(
-        offers=OFFERS,
-        private_key=session_key,
-        ssh_host=sshd.host,
-        ssh_port=sshd.port,
-        ssh_user=sshd.user,
-        statuses=["running"],
-        token=TOKEN,
-    )
-    with ProviderStandIn(scenario) as api:
+    with marketplace(sshd, session_key, OFFERS, monkeypatch) as api:
         yield api
-
-
-def ssh_node(sshd: SshServer, **extra: Any) -> str:
-    options = {
-        "kind": "ssh",
-        "host": sshd.host,
-        "port": sshd.port,
-        "user": sshd.user,
-        "key_file": str(sshd.key_file),
-        "known_hosts": str(sshd.known_hosts),
-        "connect_timeout_s": 5,
-        "command_timeout_s": 20,
-        **extra,
-    }
-    return "{" + ", ".join(f"{key}: {_yaml(value)}" for key, value in options.items()) + "}"
 
 
 def provider_node(api: ProviderStandIn, gpu_type: str = "RTX 4090", ssh_wait_s: float = 10) -> str:
@@ -80,62 +57,8 @@ def provider_node(api: ProviderStandIn, gpu_type: str = "RTX 4090", ssh_wait_s: 
     )
 
 
-def managed_cell(node: str, model: str, install: tuple[Path, Path], **extra: Any) -> str:
-    binary, gguf = install
-    options = {
-        "node": node,
-        "engine": "llamacpp",
-        "model": model,
-        "server_binary": str(binary),
-        "model_path": str(gguf),
-        "server_args": ["--threads", "1"],
-        **extra,
-    }
-    return "{" + ", ".join(f"{key}: {_yaml(value)}" for key, value in options.items()) + "}"
-
-
-def _yaml(value: Any) -> str:
-    if isinstance(value, str):
-        return "'" + value.replace("'", "''") + "'"
-    if isinstance(value, list):
-        return "[" + ", ".join(_yaml(item) for item in value) + "]"
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def run_matrix(
-    pytester: pytest.Pytester, nodes: dict[str, str], cells: list[str], *args: str
-) -> Any:
-    pytester.makefile(
-        ".yaml",
-        prompts=PROMPTS,
-        cells="nodes:\n"
-        + "".join(f"  {name}: {node}\n" for name, node in nodes.items())
-        + "cells:\n"
-        + "".join(f"  - {cell}\n" for cell in cells),
-    )
-    pytester.makepyfile(test_bench=TEST_FILE)
-    return pytester.runpytest("--force-load", "-p", "no:cacheprovider", *args)
-
-
-def ledger_of(pytester: pytest.Pytester) -> list[dict[str, Any]]:
-    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
-    return read_ledger(ledger)
-
-
 def _connections(sshd: SshServer) -> int:
     return sshd.log_path.read_text(errors="replace").count("Connection from")
-
-
-def servers_of(user: str) -> list[str]:
-    """The user's live llama-server processes (zombies awaiting their reaper do not count)."""
-    listing = subprocess.run(
-        ["ps", "-u", user, "-o", "pid=,stat=,args="], capture_output=True, text=True, check=False
-    )
-    return [
-        line.split()[0]
-        for line in listing.stdout.splitlines()
-        if "llama-server" in line and not line.split()[1].startswith("Z")
-    ]
 
 
 def test_managed_cell_on_an_ssh_node(

@@ -14,23 +14,25 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
 from gpu_standins import write_nvidia_smi
-from provider_standin import ProviderStandIn, Scenario
-from test_remote_cells import (
+from provider_standin import ProviderStandIn
+from pytest_process import start_pytest
+from remote_cells import (
     TOKEN,
     TOKEN_ENV,
     ledger_of,
     managed_cell,
+    marketplace,
     run_matrix,
     servers_of,
+    ssh_target,
+    write_project,
 )
 
 from pytest_gpubench.cli import main as gpubench_main
@@ -76,17 +78,7 @@ def gpu_session_key(sshd: SshServer, tmp_path: Path) -> str:
 def market(
     sshd: SshServer, gpu_session_key: str, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[ProviderStandIn]:
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    scenario = Scenario(
-        offers=H100_OFFERS,
-        private_key=gpu_session_key,
-        ssh_host=sshd.host,
-        ssh_port=sshd.port,
-        ssh_user=sshd.user,
-        statuses=["running"],
-        token=TOKEN,
-    )
-    with ProviderStandIn(scenario) as api:
+    with marketplace(sshd, gpu_session_key, H100_OFFERS, monkeypatch) as api:
         yield api
 
 
@@ -240,17 +232,6 @@ def test_a_node_budget_cuts_the_stage_that_runs_past_it(
     assert market.done() == ["sess-1"]
 
 
-def start_pytest(pytester: pytest.Pytester) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "pytest", "--force-load", "-p", "no:cacheprovider"],
-        cwd=pytester.path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-
-
 def kill_mid_run(pytester: pytest.Pytester, market: ProviderStandIn) -> None:
     """Start a long run on the rented node and kill -9 pytest once it measures."""
     process = start_pytest(pytester)
@@ -273,12 +254,7 @@ def write_long_run(
 ) -> None:
     """The files of a run of 400 calls on the rented node (one that is killed long before)."""
     cell = managed_cell("rented", "tiny", install, phases=["warm"], runs=400)
-    pytester.makefile(
-        ".yaml",
-        prompts=ONE_PROMPT,
-        cells=f"nodes:\n  rented: {rented(market, install)}\ncells:\n  - {cell}\n",
-    )
-    pytester.makepyfile(test_bench=CHECKED_TEST_FILE)
+    write_project(pytester, {"rented": rented(market, install)}, [cell])
 
 
 def test_a_rental_left_by_a_killed_run_is_given_back_by_the_next_run(
@@ -404,13 +380,9 @@ def test_an_engine_on_a_rented_node_is_addressed_by_its_port_there(
     """A rented node's address is not known in advance: `port: N` reaches the engine the node
     runs on its own loopback at N, through the rented node's SSH forward."""
     from pytest_gpubench.engines.managed import ManagedServer
-    from pytest_gpubench.targets.ssh import SshTarget
 
     binary, gguf = node_install
-    node = SshTarget(
-        "by-hand", sshd.host, sshd.port, sshd.user, key_file=str(sshd.key_file),
-        known_hosts=str(sshd.known_hosts), connect_timeout_s=5.0, command_timeout_s=20.0,
-    )  # fmt: skip
+    node = ssh_target(sshd, "by-hand")
     engine = ManagedServer(
         node,
         cell_id="by-hand",

@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
+from remote_cells import flow_mapping, ledger_of, managed_cell, write_project
 
-from pytest_gpubench.ledger import read_ledger
 from pytest_gpubench.status import EXIT_UNMEASURED
 
 if TYPE_CHECKING:
@@ -39,45 +38,7 @@ def slurm_node(cluster: SlurmCluster, work_dir: Path, **extra: Any) -> str:
         "time_limit": "10:00",
         **extra,
     }
-    return "{" + ", ".join(f"{key}: {_yaml(value)}" for key, value in options.items()) + "}"
-
-
-def managed_cell(node: str, binary: Path, model: Path, **extra: Any) -> str:
-    options = {
-        "node": node,
-        "engine": "llamacpp",
-        "model": "tiny",
-        "server_binary": str(binary),
-        "model_path": str(model),
-        "server_args": ["--threads", "1"],
-        **extra,
-    }
-    return "{" + ", ".join(f"{key}: {_yaml(value)}" for key, value in options.items()) + "}"
-
-
-def _yaml(value: Any) -> str:
-    if isinstance(value, str):
-        return "'" + value.replace("'", "''") + "'"
-    if isinstance(value, list):
-        return "[" + ", ".join(_yaml(item) for item in value) + "]"
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def write_project(pytester: pytest.Pytester, nodes: dict[str, str], cells: list[str]) -> None:
-    pytester.makefile(
-        ".yaml",
-        prompts=ONE_PROMPT,
-        cells="nodes:\n"
-        + "".join(f"  {name}: {node}\n" for name, node in nodes.items())
-        + "cells:\n"
-        + "".join(f"  - {cell}\n" for cell in cells),
-    )
-    pytester.makepyfile(test_bench=CHECKED_TEST_FILE)
-
-
-def ledger_of(pytester: pytest.Pytester) -> list[dict[str, Any]]:
-    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
-    return read_ledger(ledger)
+    return flow_mapping(options)
 
 
 def test_managed_cell_runs_as_a_slurm_job_is_measured_and_cancelled(
@@ -93,7 +54,7 @@ def test_managed_cell_runs_as_a_slurm_job_is_measured_and_cancelled(
     write_project(
         pytester,
         {"cluster": slurm_node(slurm_cluster, tmp_path)},
-        [managed_cell("cluster", llama_server, tiny_model, runs=2)],
+        [managed_cell("cluster", "tiny", (llama_server, tiny_model), runs=2)],
     )
     result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3)
@@ -142,7 +103,7 @@ def test_a_job_left_pending_fails_its_cell_at_the_queue_timeout_with_squeues_rea
     write_project(
         pytester,
         {"cluster": node},
-        [managed_cell("cluster", llama_server, tiny_model, phases=["warm"], runs=1)],
+        [managed_cell("cluster", "tiny", (llama_server, tiny_model), phases=["warm"], runs=1)],
     )
     started = time.monotonic()
     result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
@@ -176,7 +137,7 @@ def test_interrupting_the_run_cancels_the_job(
         pytester,
         {"cluster": slurm_node(slurm_cluster, tmp_path)},
         # Many warm runs: the run is still measuring when the signal comes.
-        [managed_cell("cluster", llama_server, tiny_model, phases=["warm"], runs=200)],
+        [managed_cell("cluster", "tiny", (llama_server, tiny_model), phases=["warm"], runs=200)],
     )
     log = (tmp_path / "pytest.out").open("wb")
     run = subprocess.Popen(
@@ -247,7 +208,7 @@ def test_a_login_node_over_ssh_submits_the_job_and_forwards_its_port(
     write_project(
         pytester,
         {"cluster": node},
-        [managed_cell("cluster", binary, model, phases=["warm"], runs=2)],
+        [managed_cell("cluster", "tiny", (binary, model), phases=["warm"], runs=2)],
     )
     result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)

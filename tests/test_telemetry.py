@@ -227,13 +227,21 @@ def test_unknown_or_bad_telemetry_keys_are_errors_naming_them(tmp_path: Path) ->
         load_matrix(cells, prompts)
 
 
-def one_case(telemetry: NodeTelemetry, *, cpu: bool) -> CaseSamples:
-    """Start the node's samplers, take one 0.3 s case window with no engine pid, stop them."""
+def one_case(
+    telemetry: NodeTelemetry,
+    *,
+    cpu: bool,
+    gpu: bool = True,
+    pid: int | None = None,
+    seconds: float = 0.3,
+) -> CaseSamples:
+    """Start the node's samplers, take one case window of `seconds` (around the engine `pid`,
+    none by default), stop them."""
     telemetry.start()
     try:
-        start = telemetry.begin_case(None)
-        time.sleep(0.3)
-        return telemetry.end_case(start, gpu=True, cpu=cpu)
+        start = telemetry.begin_case(pid)
+        time.sleep(seconds)
+        return telemetry.end_case(start, gpu=gpu, cpu=cpu)
     finally:
         telemetry.stop()
 
@@ -281,13 +289,7 @@ def test_the_engines_own_vram_is_told_apart_from_the_whole_gpus(
         state.processes = {0: {worker: 600 * mib, 1: 1000 * mib}, 1: {worker: 100 * mib}}
         telemetry = node_telemetry("local", LocalTarget(), [FAST], gpus=[])
         assert telemetry is not None
-        telemetry.start()
-        try:
-            start = telemetry.begin_case(engine.pid)
-            time.sleep(0.2)
-            case = telemetry.end_case(start, gpu=True, cpu=False)
-        finally:
-            telemetry.stop()
+        case = one_case(telemetry, pid=engine.pid, seconds=0.2, cpu=False)
         fields = case_aggregates(case, completion_tokens=10)
         assert fields["engine_gpu_memory_peak_mib"] == pytest.approx(700.0)  # both GPUs
         assert fields["gpu_peak_memory_used_mib"] > 2 * MEMORY_USED_MIB  # the GPUs' own, all of it
@@ -436,13 +438,9 @@ def busy_child_case(target: LocalTarget | SshTarget, log_dir: str) -> dict[str, 
     engine = target.start(BUSY_CHILD, log_path=f"{log_dir}/busy-child.log")
     telemetry = node_telemetry("n", target, [TelemetrySettings(interval_ms=100, gpu="off")], [])
     assert telemetry is not None
-    telemetry.start()
     try:
-        start = telemetry.begin_case(engine.pid)
-        time.sleep(1.0)
-        case = telemetry.end_case(start, gpu=False, cpu=True)
+        case = one_case(telemetry, pid=engine.pid, seconds=1.0, gpu=False, cpu=True)
     finally:
-        telemetry.stop()
         engine.stop()
     return case_aggregates(case, completion_tokens=10)
 

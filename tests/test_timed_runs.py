@@ -5,10 +5,7 @@ checkpoints (and the calls before them) that were written before it died."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
 from delay_proxy import delay_proxy
+from pytest_process import start_pytest
 
 from pytest_gpubench.ledger import read_ledger
 
@@ -66,14 +64,7 @@ def test_a_timed_run_killed_after_12_s_keeps_its_first_two_checkpoints(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
     timed_bench(pytester, llama_server)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "--force-load", "-p", "no:cacheprovider"],
-        cwd=pytester.path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    process = start_pytest(pytester)
     ledger_path: Path | None = None
     first_seen: float | None = None
     first_elapsed = 0.0

@@ -22,6 +22,7 @@ from pytest_gpubench.tinymodel import (
     CONFIG,
     GENERATOR_VERSION,
     SPACE,
+    TinyConfig,
     build_vocab,
     ensure_tiny_model,
     tiny_model_path,
@@ -57,6 +58,25 @@ def test_two_writes_give_the_same_bytes(tmp_path: Path, model_file: Path) -> Non
     assert again == write_tiny_model(tmp_path / "third.gguf")
     assert (tmp_path / "again.gguf").read_bytes() == model_file.read_bytes()
     assert write_tiny_model(tmp_path / "other-seed.gguf", seed=1) != again
+
+
+def test_another_config_writes_a_model_of_that_size_with_the_same_vocabulary(
+    tmp_path: Path, reader: GGUFReader
+) -> None:
+    """write_tiny_model(config=...): the load tests' larger model, same tokenizer and template;
+    the same config and seed give the same bytes."""
+    config = TinyConfig(n_embd=128, n_layer=3, n_head=8, n_head_kv=4, n_ff=384)
+    digest = write_tiny_model(tmp_path / "larger.gguf", config=config)
+    assert digest == write_tiny_model(tmp_path / "again.gguf", config=config)
+    larger = GGUFReader(tmp_path / "larger.gguf")
+    assert _field(larger, "llama.embedding_length") == 128
+    assert _field(larger, "llama.block_count") == 3
+    assert _field(larger, "llama.attention.head_count") == 8
+    assert _field(larger, "llama.feed_forward_length") == 384
+    tokens = "tokenizer.ggml.tokens"
+    assert _field(larger, tokens) == _field(reader, tokens)
+    assert _field(larger, "tokenizer.chat_template") == CHAT_TEMPLATE
+    assert _tensor(larger, "blk.2.ffn_up.weight").size == 128 * 384
 
 
 def test_size_is_about_one_megabyte(model_file: Path) -> None:

@@ -25,7 +25,7 @@ from pytest_gpubench.provenance import utc_now
 from pytest_gpubench.records import call_record, load_call_record, load_record, sample_record
 
 if TYPE_CHECKING:
-    from pytest_gpubench.harness import LiveCell
+    from pytest_gpubench.live_cell import LiveCell
 
 
 @dataclass

@@ -5,7 +5,7 @@ timeouts, send lag, and whether the point is a result at all."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import accumulate
 from typing import Any
 
@@ -73,19 +73,8 @@ def throughput_samples(
     calls: Sequence[Mapping[str, Any]], start_ms: float, end_ms: float
 ) -> list[float]:
     """Output tokens/s per whole THROUGHPUT_BUCKET_S of the window (chunks as tokens)."""
-    width = THROUGHPUT_BUCKET_S * 1000.0
-    buckets = int((end_ms - start_ms) // width)
-    if buckets < 1:
-        return []
-    counts = [0] * buckets
-    for call in calls:
-        if not is_ok(call):
-            continue
-        for at in content_times_ms(call):
-            index = int((at - start_ms) // width)
-            if 0 <= index < buckets:
-                counts[index] += 1
-    return [count / THROUGHPUT_BUCKET_S for count in counts]
+    chunks = (at for call in calls if is_ok(call) for at in content_times_ms(call))
+    return _rates_per_bucket(chunks, start_ms, end_ms)
 
 
 def goodput_samples(
@@ -93,17 +82,26 @@ def goodput_samples(
 ) -> list[float]:
     """Requests/s that met the SLO, per whole THROUGHPUT_BUCKET_S of the window (by when each
     ended)."""
-    width = THROUGHPUT_BUCKET_S * 1000.0
-    buckets = int((end_ms - start_ms) // width)
-    if buckets < 1:
-        return []
-    counts = [0] * buckets
+    ends = []
     for call in calls:
         send, total = call.get("send_ms"), call.get("total_duration_ms")
         if not meets_slo(call, slo) or not isinstance(send, int | float):
             continue
         assert isinstance(total, int | float)
-        index = int((send + total - start_ms) // width)
+        ends.append(send + total)
+    return _rates_per_bucket(ends, start_ms, end_ms)
+
+
+def _rates_per_bucket(times_ms: Iterable[float], start_ms: float, end_ms: float) -> list[float]:
+    """Events per second in each whole THROUGHPUT_BUCKET_S of the window; events outside it
+    do not count."""
+    width = THROUGHPUT_BUCKET_S * 1000.0
+    buckets = int((end_ms - start_ms) // width)
+    if buckets < 1:
+        return []
+    counts = [0] * buckets
+    for at in times_ms:
+        index = int((at - start_ms) // width)
         if 0 <= index < buckets:
             counts[index] += 1
     return [count / THROUGHPUT_BUCKET_S for count in counts]

@@ -104,7 +104,7 @@ def open_target(
     # Each kind is imported when a node of it is opened: the kinds import this module (the
     # protocol), and a run with local nodes only loads neither paramiko nor the provider client.
     from pytest_gpubench.matrix import LocalNode, PluginNode, SlurmNode, SshNode
-    from pytest_gpubench.targets.bringup import check_gpus, run_setup_stages
+    from pytest_gpubench.targets.bringup import bring_up
     from pytest_gpubench.targets.stages import StageClock, StageError
 
     clock = clock or StageClock(node_id)
@@ -135,16 +135,7 @@ def open_target(
                 forward=node.forward,
             )
         try:
-            check_gpus(
-                ssh, clock, gpu_type=node.gpu_type, gpu_count=node.gpu_count, mode=node.gpu_check
-            )
-            run_setup_stages(
-                ssh,
-                clock,
-                engine_install=node.setup,
-                model_pull=node.model_pull,
-                default_timeout_s=node.setup_timeout_s,
-            )
+            bring_up(ssh, clock, node)
         except BaseException:
             with clock.stage("cleanup"):
                 ssh.close()

@@ -6,10 +6,13 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.stages import SetupStep, Stage, StageClock, StageError
+
+if TYPE_CHECKING:
+    from pytest_gpubench.matrix import ProviderNode, SshNode
 
 # nvidia-smi's documented query: one CSV line per GPU (`nvidia-smi --help-query-gpu`).
 GPU_CHECK_FIELDS = ("name", "memory.total", "memory.free")
@@ -19,6 +22,10 @@ MIB = 1024 * 1024
 
 class RunsSetup(Protocol):
     def run_setup(self, steps: Sequence[SetupStep], timeout_s: float) -> None: ...
+
+
+class SetupTarget(Target, RunsSetup, Protocol):
+    """A node that runs its setup commands: an ssh node, a rented one."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,19 @@ def run_setup_stages(
             node.run_setup(
                 [SetupStep(stage, command) for command in commands], limit or default_timeout_s
             )
+
+
+def bring_up(target: SetupTarget, clock: StageClock, node: SshNode | ProviderNode) -> None:
+    """The stages after the node is reached: gpu_check, then engine_install and model_pull,
+    each from the node's keys."""
+    check_gpus(target, clock, gpu_type=node.gpu_type, gpu_count=node.gpu_count, mode=node.gpu_check)
+    run_setup_stages(
+        target,
+        clock,
+        engine_install=node.setup,
+        model_pull=node.model_pull,
+        default_timeout_s=node.setup_timeout_s,
+    )
 
 
 def check_vram(

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from pytest_gpubench.matrix import ProviderNode
 from pytest_gpubench.targets import CommandResult, RentalClosed
-from pytest_gpubench.targets.bringup import check_gpus, run_setup_stages
+from pytest_gpubench.targets.bringup import bring_up
 from pytest_gpubench.targets.provider.api import (
     HTTP_TIMEOUT_S,
     CreatedSession,
@@ -130,16 +130,7 @@ class ProviderTarget:
                 host, port = self._wait_for_ssh(limit or node.ssh_wait_timeout_s)
             with clock.stage("ssh_connect", min(node.ssh_wait_timeout_s, 120.0)) as limit:
                 self._ssh = self._connect(host, port, limit or node.connect_timeout_s)
-            check_gpus(
-                self, clock, gpu_type=node.gpu_type, gpu_count=node.gpu_count, mode=node.gpu_check
-            )
-            run_setup_stages(
-                self,
-                clock,
-                engine_install=node.setup,
-                model_pull=node.model_pull,
-                default_timeout_s=node.setup_timeout_s,
-            )
+            bring_up(self, clock, node)
         except BaseException:
             self._close_after_failure()
             raise
