@@ -116,27 +116,27 @@ def proc_sample(
 
 
 def process_tree(pid: int, root: Path = Path("/proc")) -> set[int]:
-    """pid and every process descended from it on this machine (from each /proc/<pid>/stat's
-    parent field); just {pid} where /proc cannot be listed."""
-    parents: dict[int, int] = {}
-    try:
-        entries = [entry for entry in root.iterdir() if entry.name.isdigit()]
-    except OSError:
-        return {pid}
-    for entry in entries:
+    """pid and every process descended from it on this machine, from the kernel's
+    /proc/<pid>/task/<tid>/children lists: a few small reads per process of the tree, so that a
+    sampler polling every 100 ms never holds the interpreter for long (scanning all of /proc took
+    7 ms with 133 processes, and delayed the load client's scheduled sends)."""
+    tree: set[int] = set()
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        if current in tree:
+            continue
+        tree.add(current)
         try:
-            stat_line = (entry / "stat").read_text()
+            tasks = list((root / str(current) / "task").iterdir())
         except OSError:
             continue  # ended while we looked
-        fields = stat_line[stat_line.rfind(")") + 2 :].split()
-        if len(fields) > 1 and fields[1].isdigit():
-            parents[int(entry.name)] = int(fields[1])
-    tree = {pid}
-    grew = True
-    while grew:
-        children = {child for child, parent in parents.items() if parent in tree} - tree
-        tree |= children
-        grew = bool(children)
+        for task in tasks:
+            try:
+                children = (task / "children").read_text()
+            except OSError:
+                continue
+            pending.extend(int(child) for child in children.split())
     return tree
 
 
