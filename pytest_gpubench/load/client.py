@@ -366,18 +366,24 @@ class ConnectionPool:
         if keep and connection.usable and not self.server_closes:
             self.idle.append(connection)
             return
+        if keep and not connection.usable:
+            # It said keep-alive and closed all the same: so will the next ones. Until this was
+            # noticed here, each later send waited for a connect of its own (0.5-1 ms late).
+            self.server_closes = True
         connection.close()
-        if self.server_closes:
-            task = asyncio.ensure_future(self._replace())
-            self._replacing.add(task)
-            task.add_done_callback(self._replacing.discard)
+        task = asyncio.ensure_future(self._replace())
+        self._replacing.add(task)
+        task.add_done_callback(self._replacing.discard)
 
     def dropped(self) -> None:
-        """A kept connection was found closed on reuse: from now on none is reused."""
+        """A kept connection was found closed on reuse: from now on none is reused. The idle
+        connections that never carried a request stay: they were opened ahead so that no send
+        waits for a connect, and closing them made the next send late by one (1-2 ms)."""
         self.server_closes = True
-        for idle in self.idle:
+        used = [idle for idle in self.idle if idle.exchanges]
+        for idle in used:
             idle.close()
-        self.idle.clear()
+        self.idle = [idle for idle in self.idle if not idle.exchanges]
 
     async def _replace(self) -> None:
         with contextlib.suppress(StreamError):
