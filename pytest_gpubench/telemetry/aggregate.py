@@ -94,6 +94,14 @@ def _by_gpu(samples: Sequence[GpuSample]) -> dict[int, list[GpuSample]]:
     return gpus
 
 
+def _peaks_per_gpu(gpus: Mapping[int, Sequence[GpuSample]], attr: str) -> list[float | None]:
+    """Each GPU's highest reading of `attr` (None for a GPU that never gave one)."""
+    return [
+        max((v for s in samples if (v := getattr(s, attr)) is not None), default=None)
+        for samples in gpus.values()
+    ]
+
+
 def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
@@ -110,10 +118,8 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> di
     integrated power, and says which."""
     gpus = _by_gpu(samples)
     inside = [_inside(gpu_samples, start, end) for gpu_samples in gpus.values()]
-    peaks = [max((s.memory_used_mib for s in g if s.memory_used_mib is not None), default=None)
-             for g in gpus.values()]  # fmt: skip
-    totals = [max((s.memory_total_mib for s in g if s.memory_total_mib is not None), default=None)
-              for g in gpus.values()]  # fmt: skip
+    peaks = _peaks_per_gpu(gpus, "memory_used_mib")
+    totals = _peaks_per_gpu(gpus, "memory_total_mib")
     utilization = [s.utilization_pct for g in inside for s in g if s.utilization_pct is not None]
     power_means = [_mean([s.power_w for s in g if s.power_w is not None]) for g in inside]
     temperatures = [
@@ -132,10 +138,7 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> di
         joules = _sum_or_none(integrated)
         if joules is not None:
             energy_mj, source = joules * 1000.0, "integrated_power"
-    engine_peaks = [
-        max((s.engine_memory_mib for s in g if s.engine_memory_mib is not None), default=None)
-        for g in gpus.values()
-    ]
+    engine_peaks = _peaks_per_gpu(gpus, "engine_memory_mib")
     return {
         "gpu_peak_memory_used_mib": _sum_or_none(peaks) if gpus else None,
         "engine_gpu_memory_peak_mib": _sum_or_none(engine_peaks) if gpus else None,
