@@ -297,14 +297,15 @@ class RunController:
             self.planned, cells=self.cells, skips=self.skips, calls=self.calls + self.load_calls
         )
         judgement = self.judgement
+        verdicts = [*judgement.verdicts, *judgement.load_verdicts]
+        regressed = regressions(verdicts)
         status = session_status(
             exitstatus,
             write_failed=self.write_error is not None or judgement.write_failed,
             unjudged=judgement.unjudged,
             unmeasured=any(outcome.fails_run for outcome in self.outcomes),
             incomparable=bool(judgement.failing_incomparables()),
-            regressed=bool(regressions([*judgement.verdicts, *judgement.load_verdicts]))
-            and not self.options.baseline_update,
+            regressed=bool(regressed) and not self.options.baseline_update,
         )
         self._append(
             end_record(
@@ -312,11 +313,8 @@ class RunController:
                 pytest_exitstatus=exitstatus,
                 calls=len(self.calls) + len(self.load_calls),
                 skipped=len(self.skips),
-                verdicts=[
-                    verdict.to_record()
-                    for verdict in [*judgement.verdicts, *judgement.load_verdicts]
-                ],
-                regressions=len(regressions([*judgement.verdicts, *judgement.load_verdicts])),
+                verdicts=[verdict.to_record() for verdict in verdicts],
+                regressions=len(regressed),
                 gate_error=judgement.gate_error,
                 nodes=self.rentals(),
                 cells=[outcome.to_record() for outcome in self.outcomes],
