@@ -161,17 +161,12 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    import json
-
-    from pytest_gpubench.ledger import read_ledger
+    from pytest_gpubench.ledger import read_ledger, record_line
     from pytest_gpubench.merge import ShardLedger, merge_ledgers
 
     ledgers = [ShardLedger(str(path), read_ledger(path)) for path in args.ledgers]
     merged = merge_ledgers(ledgers)
-    text = "".join(
-        json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=str) + "\n"
-        for record in merged
-    )
+    text = "".join(record_line(record) + "\n" for record in merged)
     _write_text(Path(args.output), text)
     shard = merged[0]["shard"]
     missing = f"; shards missing: {shard['missing']}" if shard["missing"] else ""

@@ -16,6 +16,11 @@ class LedgerWriteError(GpubenchError):
     """The ledger could not be created or written (a read-only directory, a full disk)."""
 
 
+def record_line(record: dict[str, Any]) -> str:
+    """One ledger line (without its newline): compact JSON, non-ASCII kept as is."""
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
 class Ledger:
     """Appends records to runs/<benchmark_run_id>.jsonl; only the controller process writes.
 
@@ -36,7 +41,7 @@ class Ledger:
     def append(self, record: dict[str, Any]) -> None:
         if self._fd is None:
             raise LedgerWriteError(f"{self.path}: the ledger is closed")
-        line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=str)
+        line = record_line(record)
         if self._scrub is not None:
             line = self._scrub(line)
         data = (line + "\n").encode("utf-8")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.targets.slurm.commands import parse_job_id
 
 ARRAY_JOB_NAME = "gpubench-array"
 
@@ -73,8 +74,8 @@ def submit(script_path: Path, *, env: dict[str, str] | None = None) -> str:
         )
     except FileNotFoundError:
         raise GpubenchError("slurm submit: sbatch not found: run this on a login node") from None
-    job_id = done.stdout.strip().split(";", 1)[0]
-    if done.returncode != 0 or not job_id.isdigit():
+    job_id = parse_job_id(done.stdout)
+    if done.returncode != 0 or job_id is None:
         why = (done.stderr or done.stdout).strip()[-500:]
         raise GpubenchError(f"slurm submit: sbatch refused {script_path}: {why}")
     return job_id

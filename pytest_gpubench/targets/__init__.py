@@ -11,6 +11,10 @@ if TYPE_CHECKING:
     from pytest_gpubench.targets.stages import StageClock
 
 
+# The names a node's own loopback goes by (what `reach` maps to the node itself).
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+
+
 @dataclass(frozen=True)
 class CommandResult:
     argv: tuple[str, ...]

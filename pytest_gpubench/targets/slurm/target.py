@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pytest_gpubench.matrix import SlurmNode
-from pytest_gpubench.targets import CommandResult, RentalClosed, Target
+from pytest_gpubench.targets import LOOPBACK_HOSTS, CommandResult, RentalClosed, Target
 from pytest_gpubench.targets.gpu import nvidia_smi_argv, parse_nvidia_smi
 from pytest_gpubench.targets.slurm.commands import QueueState, SlurmClient
 from pytest_gpubench.targets.slurm.script import job_name, job_script
@@ -29,7 +29,6 @@ QUEUE_POLL_S = 0.5
 ALIVE_CACHE_S = 1.0
 # How long a cancelled job may take to leave the queue (Slurm's KillWait is 30 s by default).
 CANCEL_WAIT_S = 40.0
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 # Writes a job script on the login node; values arrive as positional parameters only.
 WRITE_SCRIPT = 'mkdir -p "$1" && printf %s "$2" > "$3"'
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import paramiko
 
-from pytest_gpubench.targets import CommandResult
+from pytest_gpubench.targets import LOOPBACK_HOSTS, CommandResult
 from pytest_gpubench.targets.gpu import gpu_inventory_of
 from pytest_gpubench.targets.ssh.connect import open_client
 from pytest_gpubench.targets.ssh.forward import POLL_S, PortForward
@@ -44,7 +44,6 @@ CLIENT_GRACE_S = 10.0
 KILL_AFTER_S = 5
 # GNU timeout's statuses for "the command timed out" (SIGKILL needed: 128 + 9).
 TIMEOUT_STATUSES = (124, 137)
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 # Ports free_port() draws from when the node has no python3 to ask the kernel for one.
 FALLBACK_PORT_RANGE = (20000, 60999)
 
