@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.outcomes import CellOutcome
+from pytest_gpubench.records import end_record
 from pytest_gpubench.shards import assign_nodes
 
 # The merged end record's exit status: the first of these that a shard ended with.
@@ -107,18 +109,15 @@ def _missing_outcomes(
             and r.get("cell_id") == cell_id
         ]  # fmt: skip
         outcomes.append(
-            {
-                "cell_id": cell_id,
-                "node": _node_of(cell_id),
-                "status": "missing",
-                "optional": False,
-                "stage": None,
-                "reason": reason,
-                "calls": len(calls),
-                "ok_calls": sum(call.get("error") is None for call in calls),
-                "gpu_summary": None,
-                "engine_version": None,
-            }
+            CellOutcome(
+                cell_id=cell_id,
+                node=_node_of(cell_id),
+                status="missing",
+                optional=False,
+                reason=reason,
+                calls=len(calls),
+                ok_calls=sum(call.get("error") is None for call in calls),
+            ).to_record()
         )
     return outcomes
 
@@ -176,21 +175,18 @@ def merge_ledgers(ledgers: Sequence[ShardLedger]) -> list[dict[str, Any]]:
     ]
     ends = [end for end in (ledger.end for ledger in ordered) if end is not None]
     gate_errors = [str(end["gate_error"]) for end in ends if end.get("gate_error")]
-    end = {
-        "type": "end",
-        "benchmark_run_id": merged_id,
-        "finished_at_utc": max((str(end.get("finished_at_utc")) for end in ends), default=None),
-        "load_avg_end": None,
-        "pytest_exitstatus": max(
-            (int(end.get("pytest_exitstatus") or 0) for end in ends), default=0
-        ),
-        "calls": sum(record.get("type") == "call" for record in body),
-        "skipped": sum(record.get("type") == "skipped" for record in body),
-        "verdicts": [verdict for end in ends for verdict in end.get("verdicts", [])],
-        "regressions": sum(int(end.get("regressions") or 0) for end in ends),
-        "gate_error": "; ".join(gate_errors) or None,
-        "nodes": [node for end in ends for node in end.get("nodes", [])],
-        "cells": [cell for end in ends for cell in end.get("cells", [])] + missing,
-        "exit_status": _exit_status(ends, bool(missing)),
-    }
+    end = end_record(
+        run_id=merged_id,
+        pytest_exitstatus=max((int(end.get("pytest_exitstatus") or 0) for end in ends), default=0),
+        calls=sum(record.get("type") == "call" for record in body),
+        skipped=sum(record.get("type") == "skipped" for record in body),
+        verdicts=[verdict for end in ends for verdict in end.get("verdicts", [])],
+        regressions=sum(int(end.get("regressions") or 0) for end in ends),
+        gate_error="; ".join(gate_errors) or None,
+        nodes=[node for end in ends for node in end.get("nodes", [])],
+        cells=[cell for end in ends for cell in end.get("cells", [])] + missing,
+        exit_status=_exit_status(ends, bool(missing)),
+        # The last shard's end; the shards ran on other machines, so no load of this one.
+        ended=(max((str(end.get("finished_at_utc")) for end in ends), default=None), None),
+    )
     return [meta, *body, end]

@@ -371,14 +371,17 @@ def end_record(
     nodes: list[dict[str, Any]],
     cells: list[dict[str, Any]],
     exit_status: int,
+    ended: tuple[str | None, Any] | None = None,
 ) -> dict[str, Any]:
     """The last line of a ledger: when it ended, the machine's load, the gate's verdict, every
-    planned cell's outcome and the session's exit status."""
+    planned cell's outcome and the session's exit status. `ended` gives when and under what
+    load, for a ledger not ended here and now (a merged one); else they are read now."""
+    finished_at_utc, load_avg_end = ended if ended is not None else (utc_now(), load_average())
     return {
         "type": "end",
         "benchmark_run_id": run_id,
-        "finished_at_utc": utc_now(),
-        "load_avg_end": load_average(),
+        "finished_at_utc": finished_at_utc,
+        "load_avg_end": load_avg_end,
         "pytest_exitstatus": pytest_exitstatus,
         "calls": calls,
         "skipped": skipped,
