@@ -91,6 +91,11 @@ class GaugeScraper:
 
     async def scrape(self) -> tuple[dict[str, float], dict[str, float]] | None:
         """The page parsed, or None when the engine exposes none (and why, in the notes)."""
+        text = await self.fetch()
+        return self._parse(text) if text is not None else None
+
+    async def fetch(self) -> str | None:
+        """The page's text, unparsed (None when the engine exposes none, and why in the notes)."""
         try:
             connection = await StreamConnection.open(self.endpoint, 5.0, self.tls)
             try:
@@ -103,7 +108,9 @@ class GaugeScraper:
         if raw.status != 200:
             self._note(f"/metrics answered HTTP {raw.status} (llama-server needs --metrics)")
             return None
-        text = b"".join(piece for _, piece in raw.pieces).decode("utf-8", "replace")
+        return b"".join(piece for _, piece in raw.pieces).decode("utf-8", "replace")
+
+    def _parse(self, text: str) -> tuple[dict[str, float], dict[str, float]] | None:
         try:
             return parse_metrics(text)
         except ValueError as exc:
@@ -132,9 +139,16 @@ class GaugeScraper:
     async def run(self, started_ns: int, stop: asyncio.Event) -> None:
         """Scrape every interval until `stop` is set."""
         interval_s = self.samples.interval_ms / 1000.0
+        # Parsed once the point has ended: prometheus_client's parser is pure Python, and a vLLM
+        # page (histograms) kept the load client's event loop from its sends for 100-500 ms.
+        pages: list[tuple[float, str]] = []
         while not stop.is_set():
-            page = await self.scrape()
-            if page is not None:
-                self.samples.add((time.perf_counter_ns() - started_ns) / 1e6, page[0])
+            text = await self.fetch()
+            if text is not None:
+                pages.append(((time.perf_counter_ns() - started_ns) / 1e6, text))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
+        for t_ms, text in pages:
+            page = self._parse(text)
+            if page is not None:
+                self.samples.add(t_ms, page[0])
