@@ -35,7 +35,7 @@ def test_a_concurrency_sweep_on_vllm_counts_what_vllm_counts(
         prompts=PROMPTS,
         cells="nodes: {local: {kind: local}}\ncells:\n"
         f"  - {{node: local, engine: openai, model: tiny-vllm, endpoint: '{vllm_server.base_url}',"
-        " timeout_s: 120, telemetry: {interval_ms: 100},"
+        " timeout_s: 120, telemetry: {interval_ms: 50},"
         " load: {concurrency: [1, 2, 4], requests: 8}}\n",
     )
     pytester.makepyfile(test_bench=TEST_FILE)
