@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.ledger import read_ledger
-from pytest_gpubench.stats import summarize
+from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.results.stats import summarize
 
 PROMPT_IDS = ("P-EASY", "P-MEDIUM", "P-HARD")
 

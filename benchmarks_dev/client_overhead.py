@@ -28,7 +28,12 @@ from pathlib import Path
 
 import httpx
 
-from pytest_gpubench.measure import HttpConnection, StreamedResponse, TlsSettings, stream_post
+from pytest_gpubench.measure.stream import (
+    HttpConnection,
+    StreamedResponse,
+    TlsSettings,
+    stream_post,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from keepalive_server import KeepAliveServer

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pytest_gpubench.core.status import EXIT_REGRESSION
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
 from pytest_gpubench.engines.managed import ManagedLlamaServer
-from pytest_gpubench.ledger import read_ledger
-from pytest_gpubench.status import EXIT_REGRESSION
+from pytest_gpubench.engines.tinymodel import ensure_tiny_model
+from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.targets.local import LocalTarget
-from pytest_gpubench.tinymodel import ensure_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from delay_proxy import DelayProxy, EngineSpeed, delay_proxy

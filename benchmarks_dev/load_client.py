@@ -30,11 +30,11 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from pytest_gpubench.load.client import StreamConnection, request_bytes, stamped_lines
-from pytest_gpubench.load.closed_loop import ClosedLoop
-from pytest_gpubench.load.driver import LoadRun, build_target
-from pytest_gpubench.load_profile import LoadProfile
-from pytest_gpubench.measure import Endpoint
+from pytest_gpubench.config.load_profile import LoadProfile
+from pytest_gpubench.measure.load_client import StreamConnection, request_bytes, stamped_lines
+from pytest_gpubench.measure.stream import Endpoint
+from pytest_gpubench.run.load.closed_loop import ClosedLoop
+from pytest_gpubench.run.load.driver import LoadRun, build_target
 
 PREFILL_S = 0.002
 BODY = json.dumps(

@@ -23,22 +23,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from aggregate_1m import PROMPT_IDS, call_record
 
-from pytest_gpubench.ledger_frame import cache_path
+from pytest_gpubench.reports.frame import cache_path
 
 BEFORE = """
-from pytest_gpubench.ledger import read_ledger
-from pytest_gpubench.report import render_markdown
+from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.reports.terminal import render_markdown
 text = render_markdown(read_ledger(PATH))
 """
 AFTER = """
-from pytest_gpubench.ledger_frame import read_ledger_frame
-from pytest_gpubench.report import render_document
+from pytest_gpubench.reports.frame import read_ledger_frame
+from pytest_gpubench.reports.terminal import render_document
 data = read_ledger_frame(PATH)
 text = render_document(data.others, data.summaries(with_samples=False))
 """
 HTML = """
-from pytest_gpubench.html_report import render_html
-from pytest_gpubench.ledger_frame import read_ledger_frame
+from pytest_gpubench.reports.html import render_html
+from pytest_gpubench.reports.frame import read_ledger_frame
 text = render_html(read_ledger_frame(PATH))
 """
 # Runs VARIANT on PATH and prints its wall seconds, CPU seconds (imports and the processes that

@@ -21,13 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pytest_gpubench.config.matrix import SlurmNode
 from pytest_gpubench.engines.llamacpp_build import ensure_llama_server
 from pytest_gpubench.engines.managed import ManagedLlamaServer
-from pytest_gpubench.matrix import SlurmNode
+from pytest_gpubench.engines.tinymodel import ensure_tiny_model
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.targets.slurm import SlurmTarget, open_slurm_target
-from pytest_gpubench.tinymodel import ensure_tiny_model
 
 
 def _timed(step: Callable[[], Any]) -> float:

@@ -11,7 +11,7 @@ import multiprocessing
 import socket
 import time
 
-from pytest_gpubench.measure import stream_post
+from pytest_gpubench.measure.stream import stream_post
 
 CHUNKS = 8
 PREFILL_S = 0.002

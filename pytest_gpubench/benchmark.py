@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpubench.cases import Case, request_sha256
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.guards import FrozenRequests
-from pytest_gpubench.harness import Harness
-from pytest_gpubench.matrix import Cell
+from pytest_gpubench.config.cases import Case, request_sha256
+from pytest_gpubench.config.matrix import Cell
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.run.guards import FrozenRequests
+from pytest_gpubench.run.harness import Harness
 
 if TYPE_CHECKING:
     from pytest_gpubench.engines import Engine
@@ -83,7 +83,7 @@ class BenchEngine:
         the hash of `messages`, `max_tokens` and `options`). `messages`: a string (one user
         turn) or the whole conversation; `options`: keys added to the request's JSON body.
         A request that differs from the one this test was baselined with is refused, unsent."""
-        from pytest_gpubench.junit import call_properties
+        from pytest_gpubench.reports.junit import call_properties
 
         test_id = self.case.test_id
         if test_id is None:
@@ -157,7 +157,7 @@ class BenchCase:
     def run(self) -> dict[str, Any]:
         """Measure the case once; returns its call record (README: "The call record"); the
         case's sample record travels beside it."""
-        from pytest_gpubench.junit import call_properties
+        from pytest_gpubench.reports.junit import call_properties
 
         self.record, others = self.harness.run_case(self.case)
         self.records.extend([self.record, *others])

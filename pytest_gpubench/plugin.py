@@ -10,12 +10,12 @@ import pytest
 
 from pytest_gpubench import xdist
 from pytest_gpubench.benchmark import BenchCase, BenchEngine, ChatCall
-from pytest_gpubench.cases import Case, build_cases, build_test_cases, smoke_case
-from pytest_gpubench.controller import RunController
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.guards import FrozenRequests
-from pytest_gpubench.matrix import PHASES, Matrix, load_matrix
-from pytest_gpubench.options import Options, add_aliases, addoption, option_warnings
+from pytest_gpubench.config.cases import Case, build_cases, build_test_cases, smoke_case
+from pytest_gpubench.config.matrix import PHASES, Matrix, load_matrix
+from pytest_gpubench.config.options import Options, add_aliases, addoption, option_warnings
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.run.controller import RunController
+from pytest_gpubench.run.guards import FrozenRequests
 
 if TYPE_CHECKING:
     from pytest_gpubench.targets import Target
@@ -105,7 +105,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[RELEASE_KEY] = {}
     config.pluginmanager.register(ReportReader(config, run), "gpubench-reports")
     if not xdist.is_worker(config):
-        from pytest_gpubench.progress import ProgressLine
+        from pytest_gpubench.run.progress import ProgressLine
 
         config.pluginmanager.register(ProgressLine(config, _case_of), "gpubench-progress")
     if config.pluginmanager.hasplugin("xdist"):
@@ -472,13 +472,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if status != exitstatus:
         session.exitstatus = status
     if run.ledger is not None:
-        from pytest_gpubench.junit import add_gate_failures
+        from pytest_gpubench.reports.junit import add_gate_failures
 
         add_gate_failures(session.config, run)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    from pytest_gpubench import report
+    from pytest_gpubench.reports import terminal as report
 
     run = _run(terminalreporter.config)
     lines: list[report.TerminalLine] = []
@@ -524,7 +524,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         return
     if run.ledger is None and not run.probe_rows and run.startup_error is None:
         return
-    from pytest_gpubench.status import describe
+    from pytest_gpubench.core.status import describe
 
     terminal.write_line(f"gpubench: {describe(run.exit_status)}", red=run.exit_status != 0)
 

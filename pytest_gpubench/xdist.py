@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpubench.cases import build_cases, escaped_id, own_case_of_id, param_id
-from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.config.cases import build_cases, escaped_id, own_case_of_id, param_id
+from pytest_gpubench.core.errors import GpubenchError
 
 if TYPE_CHECKING:
-    from pytest_gpubench.controller import RunController
-    from pytest_gpubench.matrix import Matrix
+    from pytest_gpubench.config.matrix import Matrix
+    from pytest_gpubench.run.controller import RunController
 
 # Worker -> controller: the records of a case and the rentals given back ride on its test report
 # (built-in types only), the rentals left at a worker's end on its workeroutput.

@@ -17,7 +17,7 @@ import paramiko  # noqa: F401
 import pytest
 import scipy.stats  # noqa: F401
 
-from pytest_gpubench.cache import cache_dir
+from pytest_gpubench.core.cache import cache_dir
 
 if TYPE_CHECKING:
     from vllm_server import VllmServer
@@ -46,7 +46,7 @@ def llama_server() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The project's tiny GGUF model, written once into the cache."""
-    from pytest_gpubench.tinymodel import ensure_tiny_model
+    from pytest_gpubench.engines.tinymodel import ensure_tiny_model
 
     return ensure_tiny_model()
 

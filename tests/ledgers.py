@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.gate import compare
-from pytest_gpubench.stats import summarize
+from pytest_gpubench.results.gate import compare
+from pytest_gpubench.results.stats import summarize
 
 CELLS = ("local:llamacpp:tiny", "gpu1:llamacpp:qwen")
 PROMPTS = ("P-EASY", "P-HARD")

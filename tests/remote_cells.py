@@ -13,7 +13,7 @@ import pytest
 from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
 from provider_standin import ProviderStandIn, Scenario
 
-from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.ledger.writer import read_ledger
 
 if TYPE_CHECKING:
     from ssh_fixtures import SshServer

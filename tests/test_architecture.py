@@ -13,61 +13,34 @@ import pytest
 import pytest_gpubench
 
 PACKAGE = Path(pytest_gpubench.__file__).parent
-# Bottom first: a module may import only from modules listed before it. A subpackage (engines/,
-# targets/) is one entry: its __init__ holds the protocol and the factory that imports its
-# submodules, and its submodules import the protocol.
+# Bottom first: a module may import only from the folders (and public modules) listed before it.
+# A folder is one entry: its modules import each other freely, and where a folder's __init__
+# holds a protocol and a factory (engines/, targets/, telemetry/, run/load/) the factory imports
+# its submodules lazily, inside the function.
 LAYERS = (
     "pytest_gpubench",
-    "errors",
-    "cache",
-    "files",
-    "secrets",
-    "signals",
-    "provenance",
-    "load_profile",
-    "matrix",
-    "shards",
-    "options",
-    "status",
+    "core",
+    "config",
     "measure",
-    "ledger",
-    "tinymodel",
-    "cases",
-    "stats",
-    "outcomes",
     "targets",
-    "slurm_array",
     "telemetry",
-    "ledger_frame",
     "engines",
-    "baseline",
-    "gate",
-    "records",
-    "merge",
-    "load",
-    "ledger_gate",
-    "report",
-    "html_report",
-    "history",
-    "exports",
-    "progress",
-    "guards",
-    "nodes",
-    "live_cell",
-    "harness",
-    "controller",
-    "junit",
+    "ledger",
+    "results",
+    "reports",
+    "run",
+    "cli",
     "benchmark",
     "xdist",
     "hookspecs",
-    "init",
-    "cli",
     "plugin",
 )
+# What a user's code and other plugins import: everything else lives in a folder by layer.
+PUBLIC_FACE = {"__init__", "plugin", "xdist", "hookspecs", "benchmark"}
 
 
 def _unit(module: str) -> str:
-    """The LAYERS entry of a dotted module name."""
+    """The LAYERS entry of a dotted module name: its folder, or the public module itself."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -87,12 +60,14 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(tree: ast.AST) -> set[str]:
-    """The package's modules a file imports at run time, at module level or inside functions
-    (imports for type checking only are left out: they never run)."""
+def _imports(tree: ast.AST, *, in_functions: bool = True) -> set[str]:
+    """The package's modules a file imports at run time, at module level and, unless told not
+    to, inside functions (imports for type checking only are left out: they never run)."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:  # node: any syntax node, a statement or not
+        if not in_functions and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            return
         if isinstance(node, ast.If) and _is_type_checking(node):
             for statement in node.orelse:
                 visit(statement)
@@ -123,6 +98,27 @@ def import_graph() -> dict[str, set[str]]:
         unit = _unit(_module_name(path))
         imported = {_unit(module) for module in _imports(ast.parse(path.read_text()))}
         graph.setdefault(unit, set()).update(imported - {unit})
+    return graph
+
+
+def _folder(module: str) -> str:
+    """The folder (package) a module sits in, the package itself for an __init__."""
+    path = PACKAGE.parent / module.replace(".", "/")
+    return module if path.is_dir() else module.rpartition(".")[0]
+
+
+def module_graph() -> dict[str, set[str]]:
+    """{module: the package's modules it imports}, leaving out the lazy imports a folder's
+    factory makes of its own submodules inside a function."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        tree = ast.parse(path.read_text())
+        eager = _imports(tree, in_functions=False)
+        lazy = _imports(tree) - eager
+        graph[module] = (
+            eager | {m for m in lazy if not _folder(m).startswith(_folder(module))}
+        ) - {module}
     return graph
 
 
@@ -161,6 +157,19 @@ def test_find_cycle_finds_one_and_only_one() -> None:
 def test_the_package_has_no_import_cycle() -> None:
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_module_imports_another_in_a_cycle() -> None:
+    """Inside a folder too: only a factory's lazy import of its own submodules may close a loop."""
+    cycle = find_cycle(module_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_only_the_public_face_sits_at_the_top() -> None:
+    top = {path.stem for path in PACKAGE.glob("*.py")}
+    folders = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert top == PUBLIC_FACE
+    assert folders | PUBLIC_FACE - {"__init__"} == set(LAYERS) - {"pytest_gpubench"}
 
 
 def test_every_module_is_placed_in_a_layer() -> None:

@@ -22,7 +22,7 @@ from delay_proxy import WHOLE_REPLY, delay_proxy
 from tiny_server import tiny_llama_server
 
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
-from pytest_gpubench.measure import CallMeasurement
+from pytest_gpubench.measure.stream import CallMeasurement
 
 CELL = "local:llamacpp:tiny"
 PROMPT_ID = "P-EASY"

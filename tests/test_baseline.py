@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_gpubench.baseline import (
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.results.baseline import (
     CellBaseline,
     Provenance,
     baseline_file_name,
@@ -26,8 +27,7 @@ from pytest_gpubench.baseline import (
     update_baselines,
     write_baseline,
 )
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.stats import PromptSummary, WarmSamples
+from pytest_gpubench.results.stats import PromptSummary, WarmSamples
 
 RUN_ID = "5b1c1f43-58a3-4d5e-9d0e-2f3c8a0e4b11"
 CELL = "pavilion:ollama:qwen3.5:0.8b"
@@ -297,8 +297,8 @@ FORMAT_1 = {
 
 
 def test_a_format_1_baseline_loads_and_its_missing_figures_are_new(tmp_path: Path) -> None:
-    from pytest_gpubench.gate import judge
-    from pytest_gpubench.stats import summarize
+    from pytest_gpubench.results.gate import judge
+    from pytest_gpubench.results.stats import summarize
 
     path = tmp_path / "local_llamacpp_tiny.json"
     path.write_text(json.dumps(FORMAT_1, indent=2), encoding="utf-8")
@@ -389,7 +389,7 @@ def test_a_warm_only_update_keeps_the_cold_figures_and_a_cold_only_one_the_warm(
 
 
 def test_too_few_warm_samples_for_the_cells_runs_are_refused_per_prompt(tmp_path: Path) -> None:
-    from pytest_gpubench.gate import too_few_samples
+    from pytest_gpubench.results.gate import too_few_samples
 
     assert too_few_samples(2, 5) is None  # smallest p = 1/C(7, 2) = 0.048 < 0.05
     assert too_few_samples(1, 5) == "1 against 5 (smallest possible p = 0.167 ≥ 0.05)"
@@ -423,7 +423,7 @@ def test_too_few_warm_samples_for_the_cells_runs_are_refused_per_prompt(tmp_path
 
 
 def test_setup_changes_are_named_and_unknown_facts_are_no_change() -> None:
-    from pytest_gpubench.baseline import provenance_changes
+    from pytest_gpubench.results.baseline import provenance_changes
 
     old = Provenance(
         engine_version="b4100", gpus=({"name": "RTX 4090"},), model_digest="sha256:" + "a" * 64

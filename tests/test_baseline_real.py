@@ -17,8 +17,8 @@ from xml.etree import ElementTree
 import pytest
 from test_faults import mount_tmpfs  # noqa: F401 - the fixture, shared
 
-from pytest_gpubench.ledger import read_ledger
-from pytest_gpubench.status import EXIT_INCOMPARABLE, EXIT_WRITE_FAILED
+from pytest_gpubench.core.status import EXIT_INCOMPARABLE, EXIT_WRITE_FAILED
+from pytest_gpubench.ledger.writer import read_ledger
 
 CELL = "local:llamacpp:tiny"
 FILE = "local_llamacpp_tiny.json"
@@ -115,7 +115,7 @@ def test_another_model_digest_is_incomparable_until_accepted_or_ratified(
     assert failure is not None and failure.get("message", "").startswith(
         f"INCOMPARABLE: {CELL} P-EASY: baseline measured on another setup ({change})"
     )
-    from pytest_gpubench.cli import main
+    from pytest_gpubench.cli.main import main
 
     (ledger,) = [
         p for p in (pytester.path / "runs").glob("*.jsonl") if p.read_text().count('"incomparable"')

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from delay_proxy import DelayProxy, EngineSpeed, delay_proxy
 
-from pytest_gpubench.cases import request_sha256
+from pytest_gpubench.config.cases import request_sha256
 from pytest_gpubench.engines.managed import ManagedLlamaServer
-from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.ledger.writer import read_ledger
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 4}\n'
@@ -405,8 +405,8 @@ def test_a_custom_test_60_percent_slower_to_first_token_exits_6_naming_test_and_
 
 
 def test_a_case_id_names_its_cell_even_when_one_cell_id_starts_another(tmp_path: Path) -> None:
-    from pytest_gpubench.cases import build_test_cases, own_case_of_id
-    from pytest_gpubench.matrix import load_matrix
+    from pytest_gpubench.config.cases import build_test_cases, own_case_of_id
+    from pytest_gpubench.config.matrix import load_matrix
 
     (tmp_path / "prompts.yaml").write_text(PROMPTS)
     (tmp_path / "cells.yaml").write_text(

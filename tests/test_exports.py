@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pytest_gpubench.cli import main
-from pytest_gpubench.stats import summarize
+from pytest_gpubench.cli.main import main
+from pytest_gpubench.results.stats import summarize
 
 
 @pytest.fixture

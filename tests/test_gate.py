@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.gate import (
+from pytest_gpubench.config.matrix import Thresholds
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.results.gate import (
     RERUN_HINT,
     Verdict,
     compare,
@@ -23,8 +24,7 @@ from pytest_gpubench.gate import (
     overall,
     overall_by_key,
 )
-from pytest_gpubench.matrix import Thresholds
-from pytest_gpubench.stats import PromptSummary, summarize
+from pytest_gpubench.results.stats import PromptSummary, summarize
 
 CELL = "local:llamacpp:tiny"
 SHA = "ab" * 32

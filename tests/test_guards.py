@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from standins import FaultyOpenAIServer, OllamaStandin, serving
 
-from pytest_gpubench.ledger import read_ledger
-from pytest_gpubench.status import EXIT_UNMEASURED
+from pytest_gpubench.core.status import EXIT_UNMEASURED
+from pytest_gpubench.ledger.writer import read_ledger
 
 PROMPTS = """\
 prompts:

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from pytest_gpubench.harness import Harness
-from pytest_gpubench.live_cell import LiveCell
-from pytest_gpubench.secrets import SecretScrubber
+from pytest_gpubench.core.secrets import SecretScrubber
+from pytest_gpubench.run.harness import Harness
+from pytest_gpubench.run.live_cell import LiveCell
 
 
 class Node:

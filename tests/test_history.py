@@ -8,8 +8,8 @@ from pathlib import Path
 import ledgers
 import pytest
 
-from pytest_gpubench.cli import main
-from pytest_gpubench.history import read_history, sparkline
+from pytest_gpubench.cli.main import main
+from pytest_gpubench.reports.history import read_history, sparkline
 
 PLANTED = 17  # the run that is 60 % slower
 UPDATES = (0, 20)  # runs started with --baseline-update

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
 
-from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.ledger.writer import read_ledger
 
 if TYPE_CHECKING:
     from pytest_gpubench.engines.managed import ManagedLlamaServer

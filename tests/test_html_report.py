@@ -12,8 +12,8 @@ from pathlib import Path
 import ledgers
 import pytest
 
-from pytest_gpubench.baseline import baselines_from_records, write_baseline
-from pytest_gpubench.cli import main
+from pytest_gpubench.cli.main import main
+from pytest_gpubench.results.baseline import baselines_from_records, write_baseline
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pytest_gpubench.init import template_text
+from pytest_gpubench.cli.init import template_text
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-GPUBENCH = [sys.executable, "-m", "pytest_gpubench.cli"]
+GPUBENCH = [sys.executable, "-m", "pytest_gpubench.cli.main"]
 STARTER_FILES = (
     "cells.yaml",
     "prompts.yaml",

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from standins import OllamaStandin, serving
 
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.ledger.writer import read_ledger
 
 PROMPTS = """\
 prompts:

@@ -10,11 +10,11 @@ from pathlib import Path
 import ledgers
 import pytest
 
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.ledger import read_ledger
-from pytest_gpubench.ledger_frame import frame_of_records, read_ledger_frame
-from pytest_gpubench.report import render_document, render_markdown
-from pytest_gpubench.stats import summarize
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.reports.frame import frame_of_records, read_ledger_frame
+from pytest_gpubench.reports.terminal import render_document, render_markdown
+from pytest_gpubench.results.stats import summarize
 
 
 def odd_records() -> list[dict[str, object]]:
@@ -70,7 +70,7 @@ def test_an_unreadable_ledger_is_named(tmp_path: Path) -> None:
 def test_chunks_join_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows are turned into columns a chunk at a time: the categories of later chunks (a cell
     first seen late) keep their codes."""
-    import pytest_gpubench.ledger_frame as ledger_frame
+    import pytest_gpubench.reports.frame as ledger_frame
 
     monkeypatch.setattr(ledger_frame, "CHUNK_ROWS", 7)
     records = odd_records() + ledgers.run_records("r2", seed=4, cells=("late:llamacpp:x",))
@@ -79,7 +79,7 @@ def test_chunks_join_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_the_columns_are_cached_beside_the_ledger_while_it_is_unchanged(tmp_path: Path) -> None:
-    from pytest_gpubench.ledger_frame import cache_path
+    from pytest_gpubench.reports.frame import cache_path
 
     records = odd_records()
     path = ledgers.write(tmp_path / "run.jsonl", records)
@@ -102,7 +102,7 @@ def test_the_columns_are_cached_beside_the_ledger_while_it_is_unchanged(tmp_path
 
 
 def test_no_cache_for_a_ledger_still_being_written(tmp_path: Path) -> None:
-    from pytest_gpubench.ledger_frame import cache_path
+    from pytest_gpubench.reports.frame import cache_path
 
     path = ledgers.write(tmp_path / "run.jsonl", ledgers.run_records("r", samples=False))
     with path.open("a") as ledger:
@@ -114,7 +114,7 @@ def test_no_cache_for_a_ledger_still_being_written(tmp_path: Path) -> None:
 @pytest.fixture
 def in_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every ledger read in byte ranges by forked processes, as a large one is."""
-    import pytest_gpubench.ledger_frame as ledger_frame
+    import pytest_gpubench.reports.frame as ledger_frame
 
     monkeypatch.setattr(ledger_frame, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(ledger_frame, "MAX_WORKERS", 3)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines import llamacpp_build
 from pytest_gpubench.engines.llamacpp_build import (
     BINARY_ENV,
@@ -22,7 +23,6 @@ from pytest_gpubench.engines.llamacpp_build import (
     ensure_llama_server,
     find_llama_server,
 )
-from pytest_gpubench.errors import GpubenchError
 
 
 def _fake_binary(path: Path, exit_status: int = 0) -> Path:

@@ -15,7 +15,7 @@ from bench_files import CHECKED_TEST_FILE
 
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.managed import ManagedLlamaServer
-from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.ledger.writer import read_ledger
 
 PROMPTS = """\
 prompts:
@@ -157,7 +157,7 @@ def test_xdist_writes_one_ledger_with_one_call_per_case(
 
 
 def _tiny_path() -> Path:
-    from pytest_gpubench.tinymodel import ensure_tiny_model
+    from pytest_gpubench.engines.tinymodel import ensure_tiny_model
 
     return ensure_tiny_model()
 

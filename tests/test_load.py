@@ -15,16 +15,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from keepalive_server import keepalive_server
 
-from pytest_gpubench.cases import build_cases
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.load.client import RawResponse, _ResponseReader, stamped_lines
-from pytest_gpubench.load.gate import judge_point
-from pytest_gpubench.load.gauges import parse_metrics
-from pytest_gpubench.load.open_loop import arrival_gaps
-from pytest_gpubench.load.summary import summarize_point
-from pytest_gpubench.load.sweep import saturation_rate
-from pytest_gpubench.load_profile import LoadProfile, LoadThresholds, Slo, merged_profile
-from pytest_gpubench.matrix import load_matrix
+from pytest_gpubench.config.cases import build_cases
+from pytest_gpubench.config.load_profile import LoadProfile, LoadThresholds, Slo, merged_profile
+from pytest_gpubench.config.matrix import load_matrix
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.measure.gauges import parse_metrics
+from pytest_gpubench.measure.load_client import RawResponse, _ResponseReader, stamped_lines
+from pytest_gpubench.results.load_gate import judge_point
+from pytest_gpubench.results.load_summary import summarize_point
+from pytest_gpubench.run.load.open_loop import arrival_gaps
+from pytest_gpubench.run.load.sweep import saturation_rate
 
 PROMPTS = "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 8}\n"
 TEST_GENERATE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
@@ -384,7 +384,7 @@ def test_markers_select_load_cases_apart_from_cold_and_warm(pytester: pytest.Pyt
 
 
 def test_the_markdown_report_has_a_load_table_per_cell() -> None:
-    from pytest_gpubench.report import render_markdown
+    from pytest_gpubench.reports.terminal import render_markdown
 
     point = load([1000.0] * 3, [10.0, 11.0, 12.0])
     point.update(
@@ -483,7 +483,7 @@ def test_a_point_that_missed_its_schedule_fails_its_test_and_keeps_its_records(
 
 
 def test_a_corrupt_load_baseline_is_one_line_naming_the_file(tmp_path: Path) -> None:
-    from pytest_gpubench.load.baseline import load_baseline_path, read_load_baseline
+    from pytest_gpubench.results.load_baseline import load_baseline_path, read_load_baseline
 
     path = load_baseline_path(tmp_path, "local:openai:m")
     path.parent.mkdir(parents=True)

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from pacing_proxy import PacingProxy, pacing_proxy
 
-from pytest_gpubench import tinymodel
+from pytest_gpubench.engines import tinymodel
 from pytest_gpubench.engines.managed import ManagedLlamaServer
+from pytest_gpubench.engines.tinymodel import TinyConfig
 from pytest_gpubench.targets.local import LocalTarget
-from pytest_gpubench.tinymodel import TinyConfig
 
 MAX_TOKENS = 64
 PROMPTS = (

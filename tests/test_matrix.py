@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpubench.baseline import baseline_file_name
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.matrix import PluginNode, load_matrix, load_prompts
+from pytest_gpubench.config.matrix import PluginNode, load_matrix, load_prompts
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.results.baseline import baseline_file_name
 
 PROMPTS = """\
 prompts:

@@ -7,7 +7,12 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pytest_gpubench.measure import CallMeasurement, StreamedResponse, call_rates, finish_timing
+from pytest_gpubench.measure.stream import (
+    CallMeasurement,
+    StreamedResponse,
+    call_rates,
+    finish_timing,
+)
 
 MS = 1_000_000  # nanoseconds
 

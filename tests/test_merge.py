@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from ledgers import CELLS, load_records, read, run_records, write
 
-from pytest_gpubench.baseline import update_baselines
-from pytest_gpubench.cli import main
-from pytest_gpubench.load.baseline import load_baseline_path, write_load_baselines
-from pytest_gpubench.shards import Shard, assign_nodes, node_groups, shard_matrix
-from pytest_gpubench.status import EXIT_REGRESSION, EXIT_UNMEASURED
+from pytest_gpubench.cli.main import main
+from pytest_gpubench.config.shards import Shard, assign_nodes, node_groups, shard_matrix
+from pytest_gpubench.core.status import EXIT_REGRESSION, EXIT_UNMEASURED
+from pytest_gpubench.results.baseline import update_baselines
+from pytest_gpubench.results.load_baseline import load_baseline_path, write_load_baselines
 
 
 def _shard_of(cell_id: str) -> int:
@@ -224,7 +224,7 @@ def test_ledgers_of_different_runs_are_refused_with_one_line(
 
 
 def test_shards_split_by_node_and_cover_the_matrix_once(tmp_path: Path) -> None:
-    from pytest_gpubench.matrix import load_matrix
+    from pytest_gpubench.config.matrix import load_matrix
 
     (tmp_path / "prompts.yaml").write_text(
         'prompts:\n  P: {intent: x, prompt: "hi", max_tokens: 4}\n', encoding="utf-8"

@@ -14,15 +14,15 @@ from keepalive_server import KeepAliveServer, keepalive_server
 from standins import OllamaStandin, serving
 from tls_terminator import make_ca, stunnel, stunnel_binary
 
+from pytest_gpubench.config.matrix import Prompt, RequestShape, load_matrix
+from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines import api_root
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.ledger import read_ledger
-from pytest_gpubench.matrix import Prompt, RequestShape, load_matrix
-from pytest_gpubench.measure import TlsSettings
+from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.measure.stream import TlsSettings
 
 needs_stunnel = pytest.mark.skipif(
     stunnel_binary() is None, reason="stunnel4 is not installed (make setup installs it)"

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from standins import FaultyOpenAIServer, OllamaStandin, serving
 
-from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.ledger.writer import read_ledger
 
 PROMPTS = """\
 prompts:
@@ -130,7 +130,7 @@ def test_no_baseline_is_new_not_a_failure(pytester: pytest.Pytester) -> None:
 
 
 def test_report_of_the_run_is_deterministic(pytester: pytest.Pytester, tmp_path: Path) -> None:
-    from pytest_gpubench.cli import main
+    from pytest_gpubench.cli.main import main
 
     with serving(OllamaStandin()) as url:
         bench(pytester, url)

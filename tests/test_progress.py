@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from pytest_gpubench.engines.managed import ManagedLlamaServer
-from pytest_gpubench.progress import Progress, duration
+from pytest_gpubench.run.progress import Progress, duration
 
 PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 4}\n'
 TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"

@@ -35,8 +35,8 @@ from remote_cells import (
     write_project,
 )
 
-from pytest_gpubench.cli import main as gpubench_main
-from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.cli.main import main as gpubench_main
+from pytest_gpubench.ledger.writer import read_ledger
 
 if TYPE_CHECKING:
     from ssh_fixtures import SshServer

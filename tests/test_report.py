@@ -9,16 +9,16 @@ from typing import Any
 
 import pytest
 
-from pytest_gpubench.baseline import update_baselines
-from pytest_gpubench.cli import compare_command, main
-from pytest_gpubench.gate import Verdict, compare, judge
-from pytest_gpubench.report import (
+from pytest_gpubench.cli.main import compare_command, main
+from pytest_gpubench.reports.terminal import (
     render_comparison,
     render_markdown,
     render_summary,
     summary_rows,
 )
-from pytest_gpubench.stats import summarize
+from pytest_gpubench.results.baseline import update_baselines
+from pytest_gpubench.results.gate import Verdict, compare, judge
+from pytest_gpubench.results.stats import summarize
 
 RUN_ID = "9f0e3c1a-2b4d-4c6e-8f00-112233445566"
 TINY = "local:llamacpp:tiny"
@@ -276,7 +276,7 @@ def test_the_mean_of_per_call_rates_is_gone_from_every_report() -> None:
 
 
 def test_an_incomparable_baseline_is_shown_and_marked_red_unless_ratified() -> None:
-    from pytest_gpubench.report import gate_lines
+    from pytest_gpubench.reports.terminal import gate_lines
 
     records = ledger()
     summaries = summarize(records)

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import pytest
 from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
 
-from pytest_gpubench.baseline import baseline_path
-from pytest_gpubench.cli import main
-from pytest_gpubench.ledger import read_ledger
-from pytest_gpubench.status import EXIT_UNMEASURED
+from pytest_gpubench.cli.main import main
+from pytest_gpubench.core.status import EXIT_UNMEASURED
+from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.results.baseline import baseline_path
 
 if TYPE_CHECKING:
     from slurm_fixtures import SlurmCluster

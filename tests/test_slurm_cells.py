@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from remote_cells import flow_mapping, ledger_of, managed_cell, write_project
 
-from pytest_gpubench.status import EXIT_UNMEASURED
+from pytest_gpubench.core.status import EXIT_UNMEASURED
 
 if TYPE_CHECKING:
     from slurm_fixtures import SlurmCluster

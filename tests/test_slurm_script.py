@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from pytest_gpubench.cli import main
-from pytest_gpubench.matrix import SlurmNode
+from pytest_gpubench.cli.main import main
+from pytest_gpubench.config.matrix import SlurmNode
 from pytest_gpubench.targets.slurm import open_slurm_target
 from pytest_gpubench.targets.slurm.script import job_name, job_script
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.targets.ssh import SshTarget
 from pytest_gpubench.targets.ssh.hostkeys import HostKeyError
 from pytest_gpubench.targets.ssh.target import (

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_gpubench.stats import (
+from pytest_gpubench.results.stats import (
     PERCENTILE_NAMES,
     WARM_METRICS,
     PromptSummary,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_gpubench.status import (
+from pytest_gpubench.core.status import (
     EXIT_INCOMPARABLE,
     EXIT_REGRESSION,
     EXIT_UNMEASURED,

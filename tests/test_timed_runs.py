@@ -15,7 +15,7 @@ from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
 from delay_proxy import delay_proxy
 from pytest_process import start_pytest
 
-from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.ledger.writer import read_ledger
 
 if TYPE_CHECKING:
     from pytest_gpubench.engines.managed import ManagedLlamaServer

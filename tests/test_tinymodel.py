@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, TokenType
 
-from pytest_gpubench.matrix import load_prompts
-from pytest_gpubench.tinymodel import (
+from pytest_gpubench.config.matrix import load_prompts
+from pytest_gpubench.engines.tinymodel import (
     CHAT_TEMPLATE,
     CONFIG,
     GENERATOR_VERSION,

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from pytest_gpubench.core.status import EXIT_UNMEASURED
 from pytest_gpubench.engines.managed import ManagedLlamaServer
-from pytest_gpubench.ledger import read_ledger
-from pytest_gpubench.status import EXIT_UNMEASURED
+from pytest_gpubench.ledger.writer import read_ledger
 
 PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 4}\n'
 TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"

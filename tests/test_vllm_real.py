@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_server import VLLM_MODEL_DIR, VLLM_VERSION, VllmServer
 
-from pytest_gpubench.ledger import read_ledger
+from pytest_gpubench.ledger.writer import read_ledger
 
 PROMPTS = """\
 prompts:

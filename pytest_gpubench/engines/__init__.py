@@ -11,8 +11,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.measure import (
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.measure.stream import (
     CallMeasurement,
     HttpConnection,
     Line,
@@ -25,7 +25,7 @@ from pytest_gpubench.measure import (
 )
 
 if TYPE_CHECKING:
-    from pytest_gpubench.matrix import Cell
+    from pytest_gpubench.config.matrix import Cell
 
 
 @dataclass(frozen=True)

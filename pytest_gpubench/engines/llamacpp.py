@@ -9,10 +9,10 @@ import httpx
 
 from pytest_gpubench.engines import Health, control_client
 from pytest_gpubench.engines.openai import OpenAIEngine
-from pytest_gpubench.measure import StreamError, TlsSettings
+from pytest_gpubench.measure.stream import StreamError, TlsSettings
 
 if TYPE_CHECKING:
-    from pytest_gpubench.matrix import RequestShape
+    from pytest_gpubench.config.matrix import RequestShape
 
 
 class LlamaCppEngine(OpenAIEngine):

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from pytest_gpubench.cache import cache_dir
-from pytest_gpubench.errors import GpubenchError
+from pytest_gpubench.core.cache import cache_dir
+from pytest_gpubench.core.errors import GpubenchError
 
 # The sdist vendors a llama.cpp tree that its authors release and test together.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"

@@ -18,9 +18,9 @@ from pathlib import Path, PurePosixPath
 
 import httpx
 
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.files import distinct_file_name
-from pytest_gpubench.matrix import Cell
+from pytest_gpubench.config.matrix import Cell
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.files import distinct_file_name
 from pytest_gpubench.targets import BackgroundProcess, ListensBeyondLoopback, Target
 from pytest_gpubench.targets.stages import StageError
 
@@ -252,7 +252,7 @@ def node_file_digest(cell: Cell, target: Target, path: str) -> str | None:
     """`sha256:<hex>` of a model file on the node; None where the path is not one file (a
     model directory, a name the engine resolves itself)."""
     if _is_local(target):
-        from pytest_gpubench.files import file_sha256
+        from pytest_gpubench.core.files import file_sha256
 
         local = Path(path).expanduser()
         return f"sha256:{file_sha256(local)}" if local.is_file() else None

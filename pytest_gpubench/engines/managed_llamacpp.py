@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from pytest_gpubench.config.matrix import TINY_MODEL, Cell
+from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines.managed import LaunchPlan, node_file_digest
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.matrix import TINY_MODEL, Cell
 from pytest_gpubench.targets import Target
 
 
@@ -75,7 +75,7 @@ def _local_model(cell: Cell) -> Path:
             raise GpubenchError(f"cell {cell.cell_id}: model_path: {model} does not exist")
         return model
     if spec.model == TINY_MODEL:
-        from pytest_gpubench.tinymodel import ensure_tiny_model
+        from pytest_gpubench.engines.tinymodel import ensure_tiny_model
 
         return ensure_tiny_model()
     raise GpubenchError(

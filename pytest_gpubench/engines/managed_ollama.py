@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
+from pytest_gpubench.config.matrix import Cell
 from pytest_gpubench.engines.managed import LaunchPlan
-from pytest_gpubench.matrix import Cell
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.stages import StageError
 

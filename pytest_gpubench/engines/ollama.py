@@ -18,7 +18,7 @@ from pytest_gpubench.engines import (
     measure_stream,
     merge_body,
 )
-from pytest_gpubench.measure import (
+from pytest_gpubench.measure.stream import (
     CallMeasurement,
     HttpConnection,
     StreamedResponse,
@@ -27,7 +27,7 @@ from pytest_gpubench.measure import (
 )
 
 if TYPE_CHECKING:
-    from pytest_gpubench.matrix import RequestShape
+    from pytest_gpubench.config.matrix import RequestShape
 
 # The engine's own timings, kept unchanged (nanoseconds, as Ollama reports them).
 OLLAMA_TIMING_FIELDS = (

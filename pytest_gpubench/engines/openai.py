@@ -16,10 +16,10 @@ from pytest_gpubench.engines import (
     merge_body,
     parse_openai_sse,
 )
-from pytest_gpubench.measure import CallMeasurement, HttpConnection, StreamError, TlsSettings
+from pytest_gpubench.measure.stream import CallMeasurement, HttpConnection, StreamError, TlsSettings
 
 if TYPE_CHECKING:
-    from pytest_gpubench.matrix import RequestShape
+    from pytest_gpubench.config.matrix import RequestShape
 
 
 def serves_model(served: str, wanted: str) -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from pytest_gpubench.matrix import AnyNode
+    from pytest_gpubench.config.matrix import AnyNode
     from pytest_gpubench.targets.stages import StageClock
 
 
@@ -107,7 +107,7 @@ def open_target(
     """
     # Each kind is imported when a node of it is opened: the kinds import this module (the
     # protocol), and a run with local nodes only loads neither paramiko nor the provider client.
-    from pytest_gpubench.matrix import LocalNode, PluginNode, SlurmNode, SshNode
+    from pytest_gpubench.config.matrix import LocalNode, PluginNode, SlurmNode, SshNode
     from pytest_gpubench.targets.bringup import bring_up
     from pytest_gpubench.targets.stages import StageClock, StageError
 

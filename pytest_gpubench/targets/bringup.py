@@ -12,7 +12,7 @@ from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.stages import SetupStep, Stage, StageClock, StageError
 
 if TYPE_CHECKING:
-    from pytest_gpubench.matrix import ProviderNode, SshNode
+    from pytest_gpubench.config.matrix import ProviderNode, SshNode
 
 # nvidia-smi's documented query: one CSV line per GPU (`nvidia-smi --help-query-gpu`).
 GPU_CHECK_FIELDS = ("name", "memory.total", "memory.free")

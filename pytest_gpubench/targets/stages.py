@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.matrix import StageName
+from pytest_gpubench.config.matrix import StageName
+from pytest_gpubench.core.errors import GpubenchError
 
 # The stage names, in the order a rented node goes through them (matrix.StageName: cells.yaml's
 # stage_timeouts keys).

@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.matrix import ProviderNode
-from pytest_gpubench.secrets import SecretScrubber, secret_from_env
+from pytest_gpubench.config.matrix import ProviderNode
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.secrets import SecretScrubber, secret_from_env
 from pytest_gpubench.targets.stages import Stage, StageError
 
 log = logging.getLogger(__name__)

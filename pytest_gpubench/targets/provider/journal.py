@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.cache import cache_dir
-from pytest_gpubench.errors import GpubenchError
-from pytest_gpubench.matrix import ProviderNode
-from pytest_gpubench.provenance import utc_now
+from pytest_gpubench.config.matrix import ProviderNode
+from pytest_gpubench.core.cache import cache_dir
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.provenance import utc_now
 
 log = logging.getLogger(__name__)
 

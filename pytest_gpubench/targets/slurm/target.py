@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pytest_gpubench.matrix import SlurmNode
+from pytest_gpubench.config.matrix import SlurmNode
 from pytest_gpubench.targets import LOOPBACK_HOSTS, CommandResult, RentalClosed, Target
 from pytest_gpubench.targets.gpu import nvidia_smi_argv, parse_nvidia_smi
 from pytest_gpubench.targets.slurm.commands import QueueState, SlurmClient

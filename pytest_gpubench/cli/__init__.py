@@ -1,0 +1,1 @@
+"""The gpubench command and its starter files."""

@@ -1,0 +1,451 @@
+"""The `gpubench` command, every subcommand: init, install-server, make-model, report, history,
+export, compare, merge, gate, slurm submit, rentals."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpubench.core.errors import GpubenchError
+
+if TYPE_CHECKING:
+    from pytest_gpubench.reports.frame import LedgerData
+
+
+def _init(args: argparse.Namespace) -> int:
+    from pytest_gpubench.cli.init import NEXT_STEPS, init_project
+
+    for line in init_project(Path(args.directory), force=args.force):
+        print(line)
+    print(NEXT_STEPS)
+    return 0
+
+
+def _install_server(args: argparse.Namespace) -> int:
+    from pytest_gpubench.engines.llamacpp_build import (
+        CMAKE_FLAGS,
+        build_llama_server,
+        cuda_flags,
+        ensure_llama_server,
+    )
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    if args.cuda or args.sdist:
+        if args.binary:
+            raise GpubenchError(
+                "install-server: --binary cannot be combined with --cuda or --sdist"
+            )
+        flags = cuda_flags(args.cuda_arch) if args.cuda else CMAKE_FLAGS
+        sdist = Path(args.sdist).expanduser() if args.sdist else None
+        binary = build_llama_server(progress=say, flags=flags, sdist=sdist)
+    else:
+        binary = ensure_llama_server(args.binary, progress=say)
+    print(binary)
+    return 0
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from pytest_gpubench.engines.tinymodel import ensure_tiny_model, write_tiny_model
+
+    if args.output:
+        digest = write_tiny_model(Path(args.output), seed=args.seed)
+        print(f"{args.output} sha256:{digest}")
+    else:
+        print(ensure_tiny_model())
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pytest_gpubench.reports.frame import read_ledger_frame
+    from pytest_gpubench.reports.terminal import render_document
+
+    data = read_ledger_frame(Path(args.ledger))
+    if args.html:
+        text = _html_report(data, args.baselines)
+    else:
+        text = render_document(data.others, data.summaries(with_samples=False), data.telemetry())
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(args.output)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _html_report(data: LedgerData, baselines: str | None) -> str:
+    """The HTML report, against the baselines of --baselines, or else of baselines/ in the run's
+    rootdir (from the meta record) or in the current directory, where one exists."""
+    from pytest_gpubench.reports.html import render_html
+    from pytest_gpubench.results.baseline import baseline_summaries
+
+    found = _baselines_dir(data, baselines)
+    cell_ids = {str(cell_id) for cell_id in data.calls["cell_id"].dropna().unique()}
+    baseline = baseline_summaries(found, cell_ids) if found is not None else []
+    return render_html(data, baseline, baseline_source=str(found) if found else None)
+
+
+def _baselines_dir(data: LedgerData, named: str | None) -> Path | None:
+    if named is not None:
+        path = Path(named)
+        if not path.is_dir():
+            raise GpubenchError(f"{path}: --baselines is not a directory")
+        return path
+    rootdir = data.meta.get("rootdir")
+    candidates = [Path(rootdir) / "baselines"] if isinstance(rootdir, str) else []
+    candidates.append(Path("baselines"))
+    return next((path for path in candidates if path.is_dir()), None)
+
+
+def _history(args: argparse.Namespace) -> int:
+    from pytest_gpubench.reports.history import read_history, render_history, render_history_html
+
+    history = read_history(Path(args.directory))
+    if args.html:
+        output = Path(args.output or "history.html")
+        _write_text(output, render_history_html(history))
+        print(output)
+    elif args.output:
+        _write_text(Path(args.output), render_history(history) + "\n")
+        print(args.output)
+    else:
+        print(render_history(history))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pytest_gpubench.reports.exports import write_csv, write_json, write_prometheus
+    from pytest_gpubench.reports.frame import read_ledger_frame
+
+    if not (args.prometheus or args.csv or args.json):
+        raise GpubenchError("export: name at least one of --prometheus, --csv, --json")
+    data = read_ledger_frame(Path(args.ledger), export=bool(args.csv))
+    summaries = data.summaries(with_samples=False)
+    if args.prometheus:
+        write_prometheus(data, summaries, Path(args.prometheus))
+        print(args.prometheus)
+    if args.csv:
+        rows = write_csv(data, Path(args.csv))
+        print(f"{args.csv} ({rows} call records)")
+    if args.json:
+        write_json(data, summaries, Path(args.json))
+        print(args.json)
+    return 0
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise GpubenchError(f"{path}: cannot write: {exc.strerror or exc}") from None
+
+
+def compare_command(old: Path, new: Path) -> int:
+    """`gpubench compare OLD NEW`: prints the comparison; the regression status on a regression."""
+    from pytest_gpubench.core.status import EXIT_REGRESSION
+    from pytest_gpubench.reports.terminal import render_comparison
+    from pytest_gpubench.results.baseline import load_summaries
+    from pytest_gpubench.results.gate import compare, regressions
+
+    verdicts = compare(load_summaries(old), load_summaries(new))
+    print(render_comparison(verdicts))
+    return EXIT_REGRESSION if regressions(verdicts) else 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    return compare_command(Path(args.old), Path(args.new))
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from pytest_gpubench.ledger.merge import ShardLedger, merge_ledgers
+    from pytest_gpubench.ledger.writer import read_ledger, record_line
+
+    ledgers = [ShardLedger(str(path), read_ledger(path)) for path in args.ledgers]
+    merged = merge_ledgers(ledgers)
+    text = "".join(record_line(record) + "\n" for record in merged)
+    _write_text(Path(args.output), text)
+    shard = merged[0]["shard"]
+    missing = f"; shards missing: {shard['missing']}" if shard["missing"] else ""
+    print(f"{args.output}: {len(ledgers)} of {shard['count']} shards merged{missing}")
+    return 0
+
+
+def _gate(args: argparse.Namespace) -> int:
+    from pytest_gpubench.core.status import describe
+    from pytest_gpubench.ledger.writer import read_ledger
+    from pytest_gpubench.reports.terminal import render_comparison
+    from pytest_gpubench.results.ledger_verdicts import judge_ledger
+
+    records = read_ledger(Path(args.ledger))
+    baselines = Path(args.baselines)
+    if not baselines.is_dir():
+        raise GpubenchError(f"{baselines}: --baselines is not a directory")
+    cells = Path(args.cells) if args.cells else None
+    judgement = judge_ledger(records, baselines, cells_path=cells)
+    print(render_comparison(judgement.verdicts))
+    if judgement.load_verdicts:
+        print("load points:")
+        print(render_comparison(judgement.load_verdicts))
+    for note in judgement.notes:
+        print(f"note: {note}")
+    for cell in judgement.unmeasured:
+        print(f"unmeasured: {cell.get('cell_id')}: {cell.get('status')}: {cell.get('reason')}")
+    print(f"gpubench gate: {describe(judgement.exit_status)}")
+    return judgement.exit_status
+
+
+def _slurm_submit(args: argparse.Namespace) -> int:
+    from pytest_gpubench.targets.slurm.array import (
+        ArraySpec,
+        array_script,
+        default_shards,
+        next_steps,
+        submit,
+    )
+
+    root = Path(args.root).resolve()
+    cells = root / (args.cells or "cells.yaml")
+    groups = default_shards(cells, root / (args.prompts or "prompts.yaml"))
+    shards = args.shards or groups
+    if shards > groups:
+        raise GpubenchError(
+            f"slurm submit: --shards {shards}: {cells} has {groups} node(s); a shard runs whole "
+            "nodes, so the others would have nothing to run"
+        )
+    pytest_args = list(args.pytest_args)
+    if pytest_args[:1] == ["--"]:
+        pytest_args = pytest_args[1:]
+    if args.cells:
+        pytest_args.append(f"--gpubench-cells={args.cells}")
+    if args.prompts:
+        pytest_args.append(f"--gpubench-prompts={args.prompts}")
+    spec = ArraySpec(
+        shards=shards,
+        root=root,
+        ledger_dir=Path(args.ledger_dir).resolve(),
+        python=args.python or sys.executable,
+        pytest_args=tuple(pytest_args),
+        sbatch_options=tuple(args.sbatch_option),
+    )
+    script = Path(args.script) if args.script else spec.ledger_dir / "gpubench-array.sbatch"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    (spec.ledger_dir / "logs").mkdir(parents=True, exist_ok=True)
+    _write_text(script, array_script(spec))
+    if args.no_submit:
+        print(script)
+        return 0
+    job_id = submit(script)
+    baselines = Path(args.baselines) if args.baselines else None
+    for line in next_steps(job_id, spec, baselines):
+        print(line)
+    return 0
+
+
+def _rentals(args: argparse.Namespace) -> int:
+    """The rental journal: each session not yet given back; --release gives back those whose
+    run is gone. Status 1 when one could not be given back."""
+    from pytest_gpubench.reports.terminal import rental_lines
+    from pytest_gpubench.targets.provider.journal import RentalJournal, release
+
+    journal = RentalJournal()
+    entries = journal.entries()
+    if not entries:
+        print(f"no rentals in {journal.directory}")
+        return 0
+    failed = False
+    for entry in entries:
+        facts = entry.facts
+        in_use = entry.run_alive()
+        if args.release and not in_use:
+            released = release(entry, journal)
+            failed = failed or not released["session_done"]
+            print(rental_lines([released])[0].text)
+            continue
+        state = f"in use by pid {facts.get('pid')}" if in_use else "left by a killed run"
+        print(
+            f"node {facts.get('node')}: session {entry.session_id} at {facts.get('api')} "
+            f"({facts.get('gpu_name')}, {facts.get('price_per_hour')}/h, since "
+            f"{facts.get('created_at_utc')}): {state}"
+        )
+    return 1 if failed else 0
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="gpubench", description=__doc__)
+    commands = root.add_subparsers(dest="command", required=True)
+
+    init = commands.add_parser(
+        "init",
+        help="write cells.yaml, prompts.yaml, benchmarks/test_inference.py, a CI workflow and the "
+        ".gitignore line for runs/ (existing files are kept)",
+    )
+    init.add_argument("directory", nargs="?", default=".", help="the repository (default: .)")
+    init.add_argument("--force", action="store_true", help="overwrite files that exist")
+    init.set_defaults(handler=_init)
+
+    install = commands.add_parser(
+        "install-server", help="build (or find) llama.cpp's llama-server and print its path"
+    )
+    install.add_argument("--binary", help="use this llama-server instead of searching or building")
+    install.add_argument(
+        "--cuda",
+        action="store_true",
+        help="build a CUDA llama-server (needs nvcc), cached apart from the CPU build; name it "
+        "in a cell's server_binary",
+    )
+    install.add_argument(
+        "--cuda-arch",
+        default="native",
+        help="CMAKE_CUDA_ARCHITECTURES of a --cuda build (default: native; 90 for Hopper)",
+    )
+    install.add_argument(
+        "--sdist",
+        help="build from this llama-cpp-python sdist file instead of downloading it (a node "
+        "with no package index)",
+    )
+    install.set_defaults(handler=_install_server)
+
+    model = commands.add_parser("make-model", help="write the tiny deterministic GGUF model")
+    model.add_argument("--output", "-o", help="write here instead of the cache")
+    model.add_argument("--seed", type=int, default=0)
+    model.set_defaults(handler=_make_model)
+
+    report = commands.add_parser(
+        "report",
+        help="write the Markdown baseline document (or, --html, the HTML report) of a ledger",
+    )
+    report.add_argument("ledger")
+    report.add_argument("--output", "-o", help="file to write (default: standard output)")
+    report.add_argument(
+        "--html",
+        action="store_true",
+        help="one self-contained HTML file: charts, verdicts, cells, telemetry, provenance",
+    )
+    report.add_argument(
+        "--baselines",
+        metavar="DIR",
+        help="with --html: draw this baselines directory's distributions beside the run's "
+        "(default: baselines/ in the run's rootdir or the current directory, if any)",
+    )
+    report.set_defaults(handler=_report)
+
+    history = commands.add_parser(
+        "history",
+        help="the trend of every cell, prompt and gated metric across the ledgers in a "
+        "directory, with regressions (R) and baseline updates (B) marked",
+    )
+    history.add_argument("directory", help="a directory of ledgers (*.jsonl, searched below)")
+    history.add_argument("--html", action="store_true", help="write an HTML page of charts")
+    history.add_argument(
+        "--output", "-o", help="file to write (default: standard output; history.html with --html)"
+    )
+    history.set_defaults(handler=_history)
+
+    export = commands.add_parser(
+        "export", help="export a ledger: Prometheus textfile, CSV of call records, JSON summary"
+    )
+    export.add_argument("ledger")
+    export.add_argument(
+        "--prometheus",
+        metavar="FILE",
+        help="a textfile for node_exporter's textfile collector (gauges gpubench_*)",
+    )
+    export.add_argument("--csv", metavar="FILE", help="one row per call record")
+    export.add_argument(
+        "--json", metavar="FILE", help="the summaries, verdicts and cell outcomes of the run"
+    )
+    export.set_defaults(handler=_export)
+
+    compare = commands.add_parser(
+        "compare", help="compare two ledgers, or a ledger (NEW) with a baselines/ directory (OLD)"
+    )
+    compare.add_argument("old", help="the older ledger, or a baselines/ directory")
+    compare.add_argument("new", help="the newer ledger")
+    compare.set_defaults(handler=_compare)
+    _add_sharded_run_commands(commands)
+
+    rentals = commands.add_parser(
+        "rentals",
+        help="the rented sessions not yet given back (the rental journal in the cache directory)",
+    )
+    rentals.add_argument(
+        "--release",
+        action="store_true",
+        help="give back every session whose run is gone (killed) and print what it cost",
+    )
+    rentals.set_defaults(handler=_rentals)
+    return root
+
+
+def _add_sharded_run_commands(commands: argparse._SubParsersAction[Any]) -> None:
+    """merge, gate and slurm submit: a matrix spread over a job array, merged, then gated."""
+    merge = commands.add_parser(
+        "merge",
+        help="combine the ledgers of one sharded run (the tasks of a job array) into one ledger",
+    )
+    merge.add_argument("ledgers", nargs="+", help="each shard's ledger (one meta per shard)")
+    merge.add_argument("--output", "-o", required=True, help="the merged ledger to write")
+    merge.set_defaults(handler=_merge)
+
+    gate = commands.add_parser(
+        "gate",
+        help="judge a ledger (a merged one) against the baselines; exits as the run would: "
+        "6 on a regression, 7 with a cell unmeasured, 8 on an incomparable baseline",
+    )
+    gate.add_argument("ledger")
+    gate.add_argument("--baselines", default="baselines", metavar="DIR")
+    gate.add_argument(
+        "--cells", metavar="PATH", help="the cells.yaml with the thresholds (default: the run's)"
+    )
+    gate.set_defaults(handler=_gate)
+
+    slurm = commands.add_parser("slurm", help="run a matrix on a Slurm cluster")
+    slurm_commands = slurm.add_subparsers(dest="slurm_command", required=True)
+    submit = slurm_commands.add_parser(
+        "submit",
+        help="write a job-array script (task i runs pytest --gpubench-shard i/N) and sbatch it",
+    )
+    submit.add_argument("pytest_args", nargs=argparse.REMAINDER, help="-- then pytest's arguments")
+    submit.add_argument("--shards", type=int, help="tasks (default: one per node of cells.yaml)")
+    submit.add_argument(
+        "--ledger-dir", required=True, metavar="DIR", help="a shared folder for the ledgers"
+    )
+    submit.add_argument("--root", default=".", help="the project (default: .)")
+    submit.add_argument("--cells", metavar="PATH", help="cells.yaml, relative to --root")
+    submit.add_argument("--prompts", metavar="PATH", help="prompts.yaml, relative to --root")
+    submit.add_argument("--python", help="the Python that runs pytest (default: this one)")
+    submit.add_argument(
+        "--sbatch-option",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="an sbatch option of every task, e.g. --sbatch-option=--partition=gpu (repeatable)",
+    )
+    submit.add_argument("--script", metavar="PATH", help="where to write the job script")
+    submit.add_argument("--baselines", metavar="DIR", help="named in the gate step it prints")
+    submit.add_argument(
+        "--no-submit", action="store_true", help="write the script and print its path only"
+    )
+    submit.set_defaults(handler=_slurm_submit)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        status = handler(args)
+    except GpubenchError as exc:
+        print(f"gpubench: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gpubench: interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

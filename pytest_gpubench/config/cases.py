@@ -1,0 +1,223 @@
+"""The cases: every (cell, prompt, phase, run_idx) a benchmark test is parametrized over, and
+every (cell, test, phase, run_idx) of a test that measures requests of its own."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_gpubench.config.matrix import PHASES, Cell, Matrix
+
+COLD_RUNS = 1
+# The phase of a load case: many requests at once (load_profile.py), after the cold and warm ones.
+LOAD_PHASE = "load"
+# A test's own cases sort after the cell's prompts (the field is only an order).
+TEST_PROMPT_INDEX = 1 << 16
+
+
+@dataclass(frozen=True, order=True)
+class Case:
+    # Field order is the run order: a node's cells together (so that a rented node can be given
+    # back after its last case), a cell's cases together, its cold cases first.
+    node_index: int
+    cell_index: int
+    phase_index: int
+    prompt_index: int
+    run_idx: int
+    cell_id: str
+    prompt_id: str
+    phase: str
+    # A test that measures its own requests (gpubench_engine.chat): its name, which is also the
+    # case's prompt_id (the gate, the baselines and the reports key on that). None for the
+    # prompts of prompts.yaml.
+    test_id: str | None = None
+    # A load case (phase `load`): its load point (`c4`, `r5`, `sweep`); run_idx is its index.
+    load_point: str | None = None
+
+    @property
+    def case_id(self) -> str:
+        if self.load_point is not None:
+            return f"{self.cell_id}-{self.prompt_id}-{LOAD_PHASE}-{self.load_point}"
+        return f"{self.cell_id}-{self.prompt_id}-{self.phase}-{self.run_idx}"
+
+
+def build_cases(matrix: Matrix, runs_override: int | None = None) -> list[Case]:
+    """All cases in a deterministic order (xdist needs the same order on every worker)."""
+    node_order = _node_order(matrix)
+    cases = [
+        case
+        for cell in matrix.cells
+        for case in _cell_cases(
+            cell,
+            node_order,
+            phases=cell.spec.phases,
+            # A timed cell's warm phase is one case per prompt, which calls for duration_s.
+            warm_runs=1 if cell.spec.duration_s else (runs_override or cell.runs),
+            prompts=list(enumerate(cell.prompt_ids)),
+        )
+    ]
+    cases += [case for cell in matrix.cells for case in _load_cases(cell, node_order)]
+    return sorted(set(cases))
+
+
+def _load_cases(cell: Cell, node_order: list[str]) -> list[Case]:
+    """A cell's load cases: per prompt its load sends, per load point, in the profile's order."""
+    if cell.load is None:
+        return []
+    return [
+        Case(
+            node_index=node_order.index(cell.spec.node),
+            cell_index=cell.index,
+            phase_index=len(PHASES),
+            prompt_index=prompt_index,
+            run_idx=point_index,
+            cell_id=cell.cell_id,
+            prompt_id=prompt_id,
+            phase=LOAD_PHASE,
+            load_point=point,
+        )
+        for prompt_index, prompt_id in enumerate(cell.load.prompt_ids(cell.prompt_ids))
+        for point_index, point in enumerate(cell.load.points)
+    ]
+
+
+def build_test_cases(
+    matrix: Matrix,
+    test_id: str,
+    *,
+    cells: Sequence[str] | None = None,
+    phases: Sequence[str] | None = None,
+    runs: int | None = None,
+    runs_override: int | None = None,
+) -> list[Case]:
+    """The cases of a test with requests of its own: per cell (all, or `cells`), per phase (the
+    cell's, or `phases`), 1 cold run or the warm runs (--gpubench-runs, else `runs`, else the
+    cell's). Ordered as build_cases orders its own."""
+    node_order = _node_order(matrix)
+    cases = [
+        case
+        for cell in matrix.cells
+        if cells is None or cell.cell_id in cells
+        for case in _cell_cases(
+            cell,
+            node_order,
+            phases=phases if phases is not None else cell.spec.phases,
+            warm_runs=runs_override or runs or cell.runs,
+            prompts=[(TEST_PROMPT_INDEX, test_id)],
+            test_id=test_id,
+        )
+    ]
+    return sorted(set(cases))
+
+
+def _node_order(matrix: Matrix) -> list[str]:
+    return list(dict.fromkeys(cell.spec.node for cell in matrix.cells))
+
+
+def _cell_cases(
+    cell: Cell,
+    node_order: list[str],
+    *,
+    phases: Sequence[str],
+    warm_runs: int,
+    prompts: Sequence[tuple[int, str]],
+    test_id: str | None = None,
+) -> list[Case]:
+    """One cell's cases: per phase, per prompt (index, id), 1 cold run or `warm_runs`."""
+    return [
+        Case(
+            node_index=node_order.index(cell.spec.node),
+            cell_index=cell.index,
+            phase_index=PHASES.index(phase),
+            prompt_index=prompt_index,
+            run_idx=run_idx,
+            cell_id=cell.cell_id,
+            prompt_id=prompt_id,
+            phase=phase,
+            test_id=test_id,
+        )
+        for phase in phases
+        for prompt_index, prompt_id in prompts
+        for run_idx in range(COLD_RUNS if phase == "cold" else warm_runs)
+    ]
+
+
+_CASE_TAIL = re.compile(r"(?P<head>.+)-(?P<phase>cold|warm)-(?P<run_idx>[0-9]+)")
+
+
+def own_case_of_id(matrix: Matrix, param: str) -> Case | None:
+    """The case of a test with requests of its own, from its parameter id as it appears in a
+    node id (`<cell>-<test>-<phase>-<run_idx>`), or None. Under xdist the controller learns of
+    the cases only from the workers' node ids, and a test's marker is read on the workers."""
+    match = _CASE_TAIL.fullmatch(param)
+    if match is None:
+        return None
+    head = match["head"]
+    node_order = list(dict.fromkeys(cell.spec.node for cell in matrix.cells))
+    # The longest cell id first: `m:openai:qwen3-0.6b-test_x` is not a test of `m:openai:qwen3`.
+    for cell in sorted(matrix.cells, key=lambda cell: -len(escaped_id(cell.cell_id))):
+        prefix = escaped_id(cell.cell_id) + "-"
+        if not head.startswith(prefix) or len(head) == len(prefix):
+            continue
+        test_id = head[len(prefix) :]
+        if test_id in matrix.prompts:
+            return None  # a prompts.yaml case: build_cases knows it
+        return Case(
+            node_index=node_order.index(cell.spec.node),
+            cell_index=cell.index,
+            phase_index=PHASES.index(match["phase"]),
+            prompt_index=TEST_PROMPT_INDEX,
+            run_idx=int(match["run_idx"]),
+            cell_id=cell.cell_id,
+            prompt_id=test_id,
+            phase=match["phase"],
+            test_id=test_id,
+        )
+    return None
+
+
+def request_sha256(
+    messages: Sequence[Mapping[str, Any]], max_tokens: int, options: Mapping[str, Any]
+) -> str:
+    """What a test's request is frozen by: the sha256 of its messages, max_tokens and request
+    options as canonical JSON (keys sorted, no spaces, UTF-8)."""
+    canonical = json.dumps(
+        {"messages": list(messages), "max_tokens": max_tokens, "options": dict(options)},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def smoke_case(cases: list[Case], skipped_cells: set[str]) -> Case | None:
+    """The case --smoke runs: the first runnable cell's first prompt, one run, warm if it can."""
+    runnable = [case for case in cases if case.cell_id not in skipped_cells] or cases
+    if not runnable:
+        return None
+    first_cell = runnable[0].cell_id
+    of_cell = [case for case in runnable if case.cell_id == first_cell]
+    warm = [case for case in of_cell if case.phase == "warm"]
+    return (warm or of_cell)[0]
+
+
+def param_id(node_id: str) -> str:
+    """The parameter id of a node id (`test_generate[<case id>]` -> `<case id>`)."""
+    if "[" not in node_id:
+        return ""
+    return node_id.split("[", 1)[1].rsplit("]", 1)[0]
+
+
+# pytest escapes non-ASCII and non-printable characters in parameter ids (_pytest.compat's
+# ascii_escaped), so a node id names `modèle` as `mod\xe8le`.
+_NON_PRINTABLE = {i: f"\\x{i:02x}" for i in range(128) if i not in range(32, 127)}
+_NON_PRINTABLE.update({ord("\t"): "\\t", ord("\r"): "\\r", ord("\n"): "\\n"})
+
+
+def escaped_id(case_id: str) -> str:
+    """A case id as it appears inside a pytest node id."""
+    return case_id.encode("unicode_escape").decode("ascii").translate(_NON_PRINTABLE)

@@ -1,0 +1,1 @@
+"""The ground floor: errors, files, the cache, secrets, signals, provenance, exit statuses."""

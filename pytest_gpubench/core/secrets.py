@@ -1,0 +1,62 @@
+"""Secrets: where they come from (the environment) and the one scrubber that keeps them out of
+everything the plugin writes (the ledger, the terminal, engine logs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from pytest_gpubench.core.errors import GpubenchError
+
+# Environment variables whose values are never written anywhere, whatever they are used for.
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
+REDACTED = "[REDACTED]"
+PRIVATE_KEY_BLOCK = re.compile(
+    r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.DOTALL
+)
+# Shorter values would cut ordinary words out of the text.
+MIN_SECRET_LENGTH = 4
+
+
+def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Values of environment variables whose names look secret."""
+    environ = os.environ if environ is None else environ
+    return [value for name, value in environ.items() if SECRET_NAME.search(name) and value]
+
+
+def secret_from_env(name: str, *, owner: str, key: str) -> str:
+    """The value of `$name`, which a cells.yaml key names; a usage error naming both if unset."""
+    value = os.environ.get(name)
+    if not value:
+        raise GpubenchError(f"{owner}: {key}: ${name} is not set")
+    return value
+
+
+class SecretScrubber:
+    """Replaces every known secret, and any private key block, wherever it appears in text."""
+
+    def __init__(self, secrets: list[str] | None = None) -> None:
+        values = secret_values() if secrets is None else secrets
+        # Longest first so a secret containing another is replaced whole.
+        self._secrets = sorted(
+            {s for s in values if len(s) >= MIN_SECRET_LENGTH}, key=len, reverse=True
+        )
+
+    def add(self, secret: str) -> None:
+        """A secret learnt at run time (a rented node's key, a token read from a file)."""
+        if len(secret) >= MIN_SECRET_LENGTH and secret not in self._secrets:
+            self._secrets = sorted([*self._secrets, secret], key=len, reverse=True)
+
+    def __call__(self, text: str) -> str:
+        text = PRIVATE_KEY_BLOCK.sub(REDACTED, text)
+        for secret in self._secrets:
+            text = text.replace(secret, REDACTED)
+        return text
+
+    def record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The record with every secret cut out of its values."""
+        scrubbed: dict[str, Any] = json.loads(self(json.dumps(record, default=str)))
+        return scrubbed

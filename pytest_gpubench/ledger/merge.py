@@ -1,0 +1,192 @@
+"""Merging the ledgers of one sharded run (the tasks of a Slurm job array) into one ledger.
+
+Each shard's ledger has its own meta, records and end. The merged ledger has one meta (the
+lowest shard's facts, the run's start, every shard's run id, host and Slurm task under
+`merged_from`), every shard's other records in shard order, and one end record whose `cells`
+names every cell of the matrix: a shard whose ledger is missing, or that ended without its end
+record, leaves its cells `missing`, so the gate never passes them. Pure: records in, records out.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_gpubench.config.shards import assign_nodes
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.ledger.outcomes import CellOutcome
+from pytest_gpubench.ledger.records import end_record
+
+# The merged end record's exit status: the first of these that a shard ended with.
+STATUS_PRIORITY = (9, 3, 4, 2, 1, 5, 7, 8, 6)
+
+
+@dataclass(frozen=True)
+class ShardLedger:
+    """One shard's ledger as read: where it came from and its records."""
+
+    source: str
+    records: list[dict[str, Any]]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        first = self.records[0] if self.records else {}
+        if first.get("type") != "meta":
+            raise GpubenchError(f"{self.source}: not a ledger (its first line is no meta record)")
+        return first
+
+    @property
+    def shard(self) -> dict[str, Any]:
+        shard = self.meta.get("shard")
+        if not isinstance(shard, dict):
+            raise GpubenchError(
+                f"{self.source}: not the ledger of a shard (its meta has no shard: run pytest "
+                "with --gpubench-shard i/N)"
+            )
+        return shard
+
+    @property
+    def end(self) -> dict[str, Any] | None:
+        last = self.records[-1] if self.records else {}
+        return last if last.get("type") == "end" else None
+
+
+def _node_of(cell_id: str) -> str:
+    return cell_id.split(":", 1)[0]
+
+
+def _check_one_run(ledgers: Sequence[ShardLedger]) -> tuple[int, list[str]]:
+    """The shard count and the matrix's cells, the same in every ledger; no shard twice."""
+    first = ledgers[0]
+    count, cells = int(first.shard["count"]), list(first.shard["matrix_cells"])
+    seen: dict[int, str] = {}
+    for ledger in ledgers:
+        shard = ledger.shard
+        if int(shard["count"]) != count or list(shard["matrix_cells"]) != cells:
+            raise GpubenchError(
+                f"{ledger.source}: shard of another matrix or split than {first.source} "
+                f"({shard['index']}/{shard['count']} vs {first.shard['index']}/{count}): "
+                "merge the ledgers of one run only"
+            )
+        if ledger.meta.get("git_sha") != first.meta.get("git_sha"):
+            raise GpubenchError(
+                f"{ledger.source}: measured at commit {ledger.meta.get('git_sha')}, "
+                f"{first.source} at {first.meta.get('git_sha')}: merge the ledgers of one run only"
+            )
+        index = int(shard["index"])
+        if index in seen:
+            raise GpubenchError(
+                f"{ledger.source}: shard {index}/{count} is also in {seen[index]}: merge each "
+                "shard once"
+            )
+        seen[index] = ledger.source
+    return count, cells
+
+
+def _missing_outcomes(
+    cells: Sequence[str], count: int, ledgers: Sequence[ShardLedger]
+) -> list[dict[str, Any]]:
+    """A `missing` outcome for each cell of a shard that left no ledger or no end record."""
+    groups: dict[str, list[str]] = {}
+    for cell_id in cells:
+        groups.setdefault(_node_of(cell_id), []).append(cell_id)
+    shard_of = assign_nodes(groups, count)
+    by_index = {int(ledger.shard["index"]): ledger for ledger in ledgers}
+    outcomes = []
+    for cell_id in cells:
+        index = shard_of[_node_of(cell_id)]
+        ledger = by_index.get(index)
+        if ledger is not None and ledger.end is not None:
+            continue
+        if ledger is None:
+            reason = f"shard {index}/{count}: no ledger merged"
+        else:
+            reason = f"shard {index}/{count}: {ledger.source} has no end record (the task died)"
+        calls = [
+            r for r in (ledger.records if ledger else []) if r.get("type") == "call"
+            and r.get("cell_id") == cell_id
+        ]  # fmt: skip
+        outcomes.append(
+            CellOutcome(
+                cell_id=cell_id,
+                node=_node_of(cell_id),
+                status="missing",
+                optional=False,
+                reason=reason,
+                calls=len(calls),
+                ok_calls=sum(call.get("error") is None for call in calls),
+            ).to_record()
+        )
+    return outcomes
+
+
+def _exit_status(ends: Sequence[Mapping[str, Any]], missing: bool) -> int:
+    statuses = {end.get("exit_status") for end in ends}
+    if missing:
+        statuses.add(7)
+    return next((status for status in STATUS_PRIORITY if status in statuses), 0)
+
+
+def merge_ledgers(ledgers: Sequence[ShardLedger]) -> list[dict[str, Any]]:
+    """The merged ledger's records: one meta, the shards' records, one end."""
+    if not ledgers:
+        raise GpubenchError("merge: name at least one ledger")
+    ordered = sorted(ledgers, key=lambda ledger: int(ledger.shard["index"]))
+    count, cells = _check_one_run(ordered)
+    run_ids = [str(ledger.meta.get("benchmark_run_id")) for ledger in ordered]
+    merged_id = str(uuid.uuid5(uuid.NAMESPACE_URL, "gpubench-merge:" + "|".join(run_ids)))
+    present = [int(ledger.shard["index"]) for ledger in ordered]
+    metas = [ledger.meta for ledger in ordered]
+    planned = {cell_id for meta in metas for cell_id in meta.get("cells_planned", [])}
+    missing = _missing_outcomes(cells, count, ordered)
+    meta = {
+        **metas[0],
+        "benchmark_run_id": merged_id,
+        "started_at_utc": min(str(meta.get("started_at_utc")) for meta in metas),
+        "cells_planned": [
+            c for c in cells if c in planned or any(m["cell_id"] == c for m in missing)
+        ],
+        "cases_planned": sum(int(meta.get("cases_planned") or 0) for meta in metas),
+        "shard": {
+            "count": count,
+            "matrix_cells": cells,
+            "merged": present,
+            "missing": [index for index in range(count) if index not in present],
+        },
+        "merged_from": [
+            {
+                "source": ledger.source,
+                "benchmark_run_id": meta.get("benchmark_run_id"),
+                "shard": ledger.shard.get("index"),
+                "host": meta.get("host"),
+                "started_at_utc": meta.get("started_at_utc"),
+                "slurm_job": meta.get("slurm_job"),
+            }
+            for ledger, meta in zip(ordered, metas, strict=True)
+        ],
+    }
+    body = [
+        {**record, "benchmark_run_id": merged_id, "shard_run_id": record.get("benchmark_run_id")}
+        for ledger in ordered
+        for record in ledger.records[1:]
+        if record.get("type") not in ("meta", "end")
+    ]
+    ends = [end for end in (ledger.end for ledger in ordered) if end is not None]
+    gate_errors = [str(end["gate_error"]) for end in ends if end.get("gate_error")]
+    end = end_record(
+        run_id=merged_id,
+        pytest_exitstatus=max((int(end.get("pytest_exitstatus") or 0) for end in ends), default=0),
+        calls=sum(record.get("type") == "call" for record in body),
+        skipped=sum(record.get("type") == "skipped" for record in body),
+        verdicts=[verdict for end in ends for verdict in end.get("verdicts", [])],
+        regressions=sum(int(end.get("regressions") or 0) for end in ends),
+        gate_error="; ".join(gate_errors) or None,
+        nodes=[node for end in ends for node in end.get("nodes", [])],
+        cells=[cell for end in ends for cell in end.get("cells", [])] + missing,
+        exit_status=_exit_status(ends, bool(missing)),
+        # The last shard's end; the shards ran on other machines, so no load of this one.
+        ended=(max((str(end.get("finished_at_utc")) for end in ends), default=None), None),
+    )
+    return [meta, *body, end]

@@ -1,0 +1,154 @@
+"""The engine's own gauges during a load point, where it exposes Prometheus `/metrics` (vLLM;
+llama-server started with --metrics): running and waiting requests, KV-cache usage, sampled at
+an interval; and its token counters before and after, to set against the client's count."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pytest_gpubench.measure.load_client import StreamConnection
+from pytest_gpubench.measure.stream import Endpoint, StreamError
+
+# Counters whose change over a point is the engine's own count of what it generated and read.
+TOKEN_COUNTERS = (
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
+    "vllm:request_success_total",
+    "llamacpp:tokens_predicted_total",
+    "llamacpp:prompt_tokens_total",
+    "llamacpp:n_decode_total",
+)
+
+
+def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, float]]:
+    """({gauge: value}, {counter sample: value}) of a Prometheus text page; a name's samples
+    with different labels (vLLM's per-model, per-engine ones) are added up."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    gauges: dict[str, float] = {}
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type not in ("gauge", "counter"):
+            continue
+        into = gauges if family.type == "gauge" else counters
+        for sample in family.samples:
+            if family.type == "counter" and not sample.name.endswith("_total"):
+                continue  # _created timestamps
+            into[sample.name] = into.get(sample.name, 0.0) + float(sample.value)
+    return gauges, counters
+
+
+@dataclass
+class GaugeSamples:
+    """What was scraped during a point: gauge columns (`t_ms` from the point's start) and the
+    token counters' change from before to after."""
+
+    interval_ms: int
+    columns: dict[str, list[float | None]] = field(default_factory=dict)
+    counters_before: dict[str, float] = field(default_factory=dict)
+    counters_after: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def counter_changes(self) -> dict[str, float]:
+        return {
+            name: round(self.counters_after[name] - self.counters_before[name], 6)
+            for name in TOKEN_COUNTERS
+            if name in self.counters_before and name in self.counters_after
+        }
+
+    def add(self, t_ms: float, gauges: Mapping[str, float]) -> None:
+        rows = len(self.columns.get("t_ms", []))
+        for name in gauges:
+            self.columns.setdefault(name, [None] * rows)
+        self.columns.setdefault("t_ms", []).append(round(t_ms, 3))
+        for name, column in self.columns.items():
+            if name != "t_ms":
+                column.append(gauges.get(name))
+
+
+class GaugeScraper:
+    """Reads `/metrics` on a connection of its own for each scrape (llama-server closes after
+    every reply), outside the timed requests' connections."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        headers: Sequence[tuple[str, str]],
+        interval_ms: int,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.tls = tls
+        head = [f"GET {endpoint.prefix}/metrics HTTP/1.1", f"Host: {endpoint.address}"]
+        head += [f"{name}: {value}" for name, value in headers]
+        self.request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
+        self.samples = GaugeSamples(interval_ms)
+
+    async def scrape(self) -> tuple[dict[str, float], dict[str, float]] | None:
+        """The page parsed, or None when the engine exposes none (and why, in the notes)."""
+        text = await self.fetch()
+        return self._parse(text) if text is not None else None
+
+    async def fetch(self) -> str | None:
+        """The page's text, unparsed (None when the engine exposes none, and why in the notes)."""
+        try:
+            connection = await StreamConnection.open(self.endpoint, 5.0, self.tls)
+            try:
+                raw = await connection.exchange(self.request, 5.0)
+            finally:
+                connection.close()
+        except StreamError as exc:
+            self._note(f"/metrics not read: {exc}")
+            return None
+        if raw.status != 200:
+            self._note(f"/metrics answered HTTP {raw.status} (llama-server needs --metrics)")
+            return None
+        return b"".join(piece for _, piece in raw.pieces).decode("utf-8", "replace")
+
+    def _parse(self, text: str) -> tuple[dict[str, float], dict[str, float]] | None:
+        try:
+            return parse_metrics(text)
+        except ValueError as exc:
+            self._note(f"/metrics is not Prometheus text: {exc}")
+            return None
+
+    async def settled_counters(self, timeout_s: float = 3.0) -> dict[str, float] | None:
+        """The token counters once two reads 100 ms apart agree (an engine may count a step
+        after its reply went out), or the last read at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        last: dict[str, float] | None = None
+        while True:
+            page = await self.scrape()
+            if page is None:
+                return last
+            counters = {name: page[1][name] for name in TOKEN_COUNTERS if name in page[1]}
+            if counters == last or time.monotonic() > deadline:
+                return page[1]
+            last = counters
+            await asyncio.sleep(0.1)
+
+    def _note(self, note: str) -> None:
+        if note not in self.samples.notes:
+            self.samples.notes.append(note)
+
+    async def run(self, started_ns: int, stop: asyncio.Event) -> None:
+        """Scrape every interval until `stop` is set."""
+        interval_s = self.samples.interval_ms / 1000.0
+        # Parsed once the point has ended: prometheus_client's parser is pure Python, and a vLLM
+        # page (histograms) kept the load client's event loop from its sends for 100-500 ms.
+        pages: list[tuple[float, str]] = []
+        while not stop.is_set():
+            text = await self.fetch()
+            if text is not None:
+                pages.append(((time.perf_counter_ns() - started_ns) / 1e6, text))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+        for t_ms, text in pages:
+            page = self._parse(text)
+            if page is not None:
+                self.samples.add(t_ms, page[0])

@@ -1,0 +1,1 @@
+"""Everything rendered from results: terminal, Markdown, HTML, history, exports, JUnit."""

@@ -1,0 +1,213 @@
+"""Exports of one ledger for other tools: a Prometheus textfile (node_exporter's textfile
+collector), a CSV of the call records and a JSON of the summaries."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.reports.frame import EXPORT_NUMBERS, EXPORT_TEXT, LedgerData
+from pytest_gpubench.results.gate import Verdict
+from pytest_gpubench.results.stats import PERCENTILE_NAMES, WARM_METRICS, PromptSummary
+
+# The CSV's columns in order; the numbers as the call record names them.
+CSV_COLUMNS = (
+    "benchmark_run_id",
+    "cell_id",
+    "node",
+    "engine",
+    "model",
+    "prompt_id",
+    "prompt_sha256",
+    "phase",
+    "run_idx",
+    "case_id",
+    "cold_kind",
+    "started_at_utc",
+    "ok",
+    "first_delta_ms",
+    "total_duration_ms",
+    "decode_tokens_per_sec",
+    "tpot_ms",
+    "e2e_tokens_per_sec",
+    "engine_tokens_per_sec",
+    "engine_prompt_ms",
+    "engine_total_ms",
+    "prompt_tokens",
+    "completion_tokens",
+    "client_chunks",
+    "content_reads",
+    "coalesced",
+    "finish_reason",
+    "backend",
+    "error",
+    "worker",
+)
+_COUNTS = ("run_idx", "prompt_tokens", "completion_tokens", "client_chunks", "content_reads")
+
+
+def write_csv(data: LedgerData, path: Path) -> int:
+    """One row per call record (a ledger read with export=True); returns the rows written.
+    Counts are integers (blank where a failed call has none), times ISO 8601 UTC."""
+
+    frame = data.calls
+    missing = [c for c in (*EXPORT_TEXT, *EXPORT_NUMBERS) if c not in frame.columns]
+    if missing:
+        raise ValueError(f"write_csv needs a ledger read with export=True (no {missing[0]})")
+    table = frame.reindex(columns=list(CSV_COLUMNS))
+    for name in _COUNTS:
+        table[name] = table[name].round().astype("Int64")
+    _write(path, lambda target: table.to_csv(target, index=False, lineterminator="\n"))
+    return len(table)
+
+
+def summaries_json(data: LedgerData, summaries: Sequence[PromptSummary]) -> dict[str, Any]:
+    """The run's summaries (without raw samples), its verdicts and cell outcomes."""
+    meta, end = data.meta, data.end
+    rows = []
+    for summary in summaries:
+        row = asdict(summary)
+        row.pop("samples")
+        row["warm_success_rate"] = summary.warm_success_rate
+        rows.append(row)
+    return {
+        "benchmark_run_id": meta.get("benchmark_run_id"),
+        "git_sha": meta.get("git_sha"),
+        "started_at_utc": meta.get("started_at_utc"),
+        "finished_at_utc": end.get("finished_at_utc"),
+        "exit_status": end.get("exit_status"),
+        "summaries": rows,
+        "verdicts": end.get("verdicts") or [],
+        "cells": end.get("cells") or [],
+    }
+
+
+def write_json(data: LedgerData, summaries: Sequence[PromptSummary], path: Path) -> None:
+    text = json.dumps(summaries_json(data, summaries), indent=2, sort_keys=True, default=str)
+    _write(path, lambda target: Path(target).write_text(text + "\n", encoding="utf-8"))
+
+
+def write_prometheus(data: LedgerData, summaries: Sequence[PromptSummary], path: Path) -> None:
+    """The textfile collector's file, written atomically by prometheus_client."""
+    from prometheus_client import CollectorRegistry, write_to_textfile
+
+    registry = prometheus_registry(data, summaries, CollectorRegistry())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_to_textfile(str(path), registry)
+    except OSError as exc:
+        raise GpubenchError(f"{path}: cannot write the Prometheus textfile: {exc}") from None
+
+
+def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], registry: Any) -> Any:
+    """Gauges labelled cell/prompt/metric: the warm percentiles, the cold call, the counts, the
+    gate's change and verdict, and the run's start time and identity."""
+    from prometheus_client import Gauge
+
+    labels = ("cell", "prompt", "metric")
+    warm = Gauge(
+        "gpubench_warm",
+        "Warm percentile of a metric per cell and prompt (ms, or tokens/s for rates)",
+        [*labels, "percentile"],
+        registry=registry,
+    )
+    cold = Gauge(
+        "gpubench_cold",
+        "The first successful cold call per cell and prompt (ms)",
+        labels,
+        registry=registry,
+    )
+    calls = Gauge(
+        "gpubench_warm_calls",
+        "Warm calls per cell and prompt",
+        ["cell", "prompt", "outcome"],
+        registry=registry,
+    )
+    ratio = Gauge(
+        "gpubench_gate_change_ratio",
+        "Current over baseline, per gated metric",
+        labels,
+        registry=registry,
+    )
+    regression = Gauge(
+        "gpubench_gate_regression",
+        "1 when the gate found a regression in this metric",
+        labels,
+        registry=registry,
+    )
+    for summary in summaries:
+        key = (summary.cell_id, summary.prompt_id)
+        for metric in WARM_METRICS:
+            for percentile in PERCENTILE_NAMES:
+                value = summary.warm_percentile(metric, percentile)
+                if value is not None:
+                    warm.labels(*key, metric, percentile).set(value)
+        for metric, value in (
+            ("first_delta_ms", summary.cold_first_delta_ms),
+            ("total_duration_ms", summary.cold_total_duration_ms),
+        ):
+            if value is not None:
+                cold.labels(*key, metric).set(value)
+        calls.labels(*key, "ok").set(summary.n_warm_ok)
+        calls.labels(*key, "failed").set(summary.n_warm - summary.n_warm_ok)
+    for verdict in end_verdicts(data.end):
+        names = (verdict.cell_id, verdict.prompt_id, verdict.metric)
+        if verdict.change_ratio is not None:
+            ratio.labels(*names).set(verdict.change_ratio)
+        regression.labels(*names).set(1 if verdict.verdict == "regression" else 0)
+    _run_gauges(data, registry)
+    return registry
+
+
+def _run_gauges(data: LedgerData, registry: Any) -> None:
+    from prometheus_client import Gauge
+
+    meta, end = data.meta, data.end
+    info = Gauge(
+        "gpubench_run_info",
+        "The run this file describes (always 1)",
+        ["run_id", "git_sha"],
+        registry=registry,
+    )
+    info.labels(str(meta.get("benchmark_run_id", "")), str(meta.get("git_sha") or "")).set(1)
+    started = _epoch(meta.get("started_at_utc"))
+    if started is not None:
+        Gauge(
+            "gpubench_run_started_timestamp_seconds", "When the run started", registry=registry
+        ).set(started)
+    if isinstance(end.get("exit_status"), int):
+        Gauge("gpubench_run_exit_status", "The run's exit status", registry=registry).set(
+            end["exit_status"]
+        )
+
+
+def end_verdicts(end: dict[str, Any]) -> list[Verdict]:
+    raw = end.get("verdicts") or []
+    verdicts = [Verdict.from_record(r) for r in raw if isinstance(r, dict)]
+    return [verdict for verdict in verdicts if verdict is not None]
+
+
+def _epoch(text: Any) -> float | None:
+    from datetime import datetime
+
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _write(path: Path, write: Any) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        write(temporary)
+        os.replace(temporary, path)
+    except OSError as exc:
+        raise GpubenchError(f"{path}: cannot write: {exc.strerror or exc}") from None

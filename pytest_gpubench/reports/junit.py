@@ -1,0 +1,112 @@
+"""What CI sees in pytest's JUnit XML (--junitxml): each case's figures as properties, and each
+regression, incomparable baseline and unmeasured cell as a failed test case of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from pytest_gpubench.run.controller import RunController
+
+# The JUnit "file" of the gate's own test cases; their class name is gpubench.gate.
+GATE_PATH = "gpubench/gate"
+CALL_PROPERTIES = (
+    "first_delta_ms",
+    "total_duration_ms",
+    "prompt_tokens",
+    "completion_tokens",
+    "client_chunks",
+    "tokens_per_sec",
+    "tpot_ms",
+    "e2e_tokens_per_sec",
+    "coalesced",
+    "engine_tokens_per_sec",
+    "engine_prompt_ms",
+    "engine_total_ms",
+    "finish_reason",
+    "cold_kind",
+    "error",
+)
+
+
+# A load case's figures (its `load` record).
+LOAD_PROPERTIES = (
+    "load_point",
+    "achieved_rate",
+    "output_tokens_per_sec",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_p99",
+    "goodput_rate",
+    "errors",
+    "send_lag_ms_p99",
+    "valid",
+    "saturation_rate",
+    "error",
+)
+
+
+def call_properties(record: Mapping[str, Any]) -> list[tuple[str, object]]:
+    """A call record's figures as JUnit properties; the engine's own timings as `engine.<name>`.
+    A load case's record gives its load figures."""
+    if record.get("type") == "load":
+        return [(name, record[name]) for name in LOAD_PROPERTIES if record.get(name) is not None]
+    properties: list[tuple[str, object]] = [
+        (name, record[name]) for name in CALL_PROPERTIES if record.get(name) is not None
+    ]
+    timings = record.get("engine_timings")
+    if isinstance(timings, Mapping):
+        properties.extend(
+            (f"engine.{name}", value)
+            for name, value in sorted(timings.items())
+            if isinstance(value, int | float | str)
+        )
+    return properties
+
+
+def gate_failures(run: RunController) -> list[tuple[str, str]]:
+    """(test name, message) of everything the gate failed the run for."""
+    from pytest_gpubench.results.gate import regressions
+
+    failures = [
+        (
+            f"{outcome.cell_id} unmeasured",
+            f"{outcome.cell_id}: {outcome.status} "
+            f"({outcome.stage or 'no stage'}): {outcome.reason}",
+        )
+        for outcome in run.outcomes
+        if outcome.fails_run
+    ]
+    judged = [*run.judgement.verdicts, *run.judgement.load_verdicts]
+    found = [] if run.options.baseline_update else regressions(judged)
+    found += run.judgement.failing_incomparables()
+    failures.extend(
+        (f"{v.cell_id} {v.prompt_id} {v.metric}", f"{v.verdict.upper()}: {v.message}")
+        for v in found
+    )
+    return failures
+
+
+def add_gate_failures(config: pytest.Config, run: RunController) -> None:
+    """Write the gate's failures into the JUnit XML, when pytest writes one."""
+    from _pytest.junitxml import xml_key
+
+    xml = config.stash.get(xml_key, None)
+    if xml is None:
+        return
+    for name, message in gate_failures(run):
+        nodeid = f"{GATE_PATH}::{name}"
+        for when, outcome in (("call", "failed"), ("teardown", "passed")):
+            xml.pytest_runtest_logreport(
+                pytest.TestReport(
+                    nodeid,
+                    (GATE_PATH, None, name),
+                    {},
+                    outcome,  # type: ignore[arg-type]
+                    message if outcome == "failed" else None,
+                    when,  # type: ignore[arg-type]
+                )
+            )

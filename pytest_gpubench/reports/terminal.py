@@ -1,0 +1,734 @@
+"""All rendering: the terminal summary, the probe table, rented nodes, run comparisons and the
+Markdown baseline document. Pure: text in, text out."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from tabulate import tabulate
+
+from pytest_gpubench.ledger.outcomes import CellOutcome
+from pytest_gpubench.results.gate import (
+    METRIC_NAMES,
+    PROVENANCE,
+    SUCCESS_RATE,
+    Verdict,
+    incomparables,
+    overall_by_key,
+    regressions,
+)
+from pytest_gpubench.results.stats import PromptSummary, summarize
+from pytest_gpubench.targets.gpu import gpu_summary
+from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
+
+NONE = "-"
+METRIC_LABELS = {
+    "warm_ttft_p50_ms": "TTFT p50 ms",
+    "warm_total_p50_ms": "total p50 ms",
+    "warm_decode_tokens_per_sec_p50": "decode tok/s p50",
+    # Gated before issue 11; still named when an older ledger's end record is rendered.
+    "warm_tokens_per_sec_mean": "tok/s mean",
+    SUCCESS_RATE: "success rate",
+    PROVENANCE: "baseline setup",
+}
+# Shown under a table: the verdicts a reader has to act on.
+NOTEWORTHY = ("regression", "incomparable", "inconclusive", "win")
+
+
+class ProbeRowLike(Protocol):
+    """A cell's health as --probe found it (the run controller's ProbeRow)."""
+
+    @property
+    def cell_id(self) -> str: ...
+    @property
+    def engine_version(self) -> str | None: ...
+    @property
+    def model_digest(self) -> str | None: ...
+    @property
+    def status(self) -> str: ...
+
+
+# -- formatting -------------------------------------------------------------------------------
+
+
+def fixed(value: float | None, digits: int = 2) -> str:
+    return NONE if value is None else f"{value:.{digits}f}"
+
+
+def change(ratio: float | None) -> str:
+    """1.352 -> "+35.2%"."""
+    return NONE if ratio is None else f"{ratio - 1.0:+.1%}"
+
+
+def success(summary: PromptSummary) -> str:
+    return f"{summary.n_warm_ok}/{summary.n_warm}" if summary.n_warm else NONE
+
+
+def table(rows: Sequence[Sequence[str]], headers: Sequence[str], *, markdown: bool = False) -> str:
+    """Cells pre-formatted as text; columns of numbers right-aligned, names left-aligned."""
+    cell = _md if markdown else str
+    texts = [[cell(value) for value in row] for row in rows]
+    align = [
+        "right" if all(_numeric(row[index]) for row in texts) and texts else "left"
+        for index in range(len(headers))
+    ]
+    return tabulate(
+        texts,
+        headers=[cell(header) for header in headers],
+        tablefmt="pipe" if markdown else "simple",
+        disable_numparse=True,
+        colalign=align,
+    )
+
+
+def _numeric(text: str) -> bool:
+    """A number as this module formats it: 12.30, +5.1%, 4/5, 1.2e-05, or the "-" of none."""
+    return text == NONE or text[:1].isdigit() or (text[:1] in "+-" and text[1:2].isdigit())
+
+
+# -- the terminal summary ---------------------------------------------------------------------
+
+SUMMARY_HEADERS = (
+    "cell",
+    "prompt",
+    "TTFT p50 ms",
+    "total p50 ms",
+    "decode tok/s p50",
+    "cold TTFT ms",
+    "cold total ms",
+    "coalesced",
+    "success",
+    "Δ TTFT / total / decode tok/s",
+    "verdict",
+)
+
+
+def summary_rows(
+    summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict]
+) -> list[list[str]]:
+    """One row per (cell, prompt): warm numbers, the first cold call, the change against the
+    baseline, the verdict."""
+    verdicts = list(verdicts)
+    by_key = _verdicts_by_key(verdicts)
+    worst = overall_by_key(verdicts)
+    return [
+        [
+            summary.cell_id,
+            summary.prompt_id,
+            fixed(summary.warm_first_delta_ms_p50),
+            fixed(summary.warm_total_duration_ms_p50),
+            fixed(summary.warm_decode_tokens_per_sec_p50, 1),
+            fixed(summary.cold_first_delta_ms),
+            fixed(summary.cold_total_duration_ms),
+            str(summary.warm_coalesced),
+            success(summary),
+            _changes(by_key.get(summary.key, {})),
+            worst.get(summary.key, NONE),
+        ]
+        for summary in sorted(summaries, key=lambda item: item.key)
+    ]
+
+
+def _verdicts_by_key(verdicts: Iterable[Verdict]) -> dict[tuple[str, str], dict[str, Verdict]]:
+    grouped: dict[tuple[str, str], dict[str, Verdict]] = {}
+    for verdict in verdicts:
+        grouped.setdefault(verdict.key, {})[verdict.metric] = verdict
+    return grouped
+
+
+def _changes(metrics: Mapping[str, Verdict]) -> str:
+    ratios = [metrics.get(name) for name in METRIC_NAMES if name != SUCCESS_RATE]
+    if all(verdict is None or verdict.change_ratio is None for verdict in ratios):
+        return NONE
+    return " / ".join(change(verdict.change_ratio if verdict else None) for verdict in ratios)
+
+
+def verdict_notes(verdicts: Iterable[Verdict], *, accepted: bool = False) -> list[str]:
+    """The messages of regressions, inconclusive changes and wins, worst first. With
+    --baseline-update a change is not a finding but what is being ratified: `ACCEPTED`."""
+    order = {kind: index for index, kind in enumerate(NOTEWORTHY)}
+    chosen = [verdict for verdict in verdicts if verdict.verdict in order]
+    metrics = {name: index for index, name in enumerate(METRIC_NAMES)}
+    chosen.sort(key=lambda v: (order[v.verdict], v.key, metrics.get(v.metric, len(metrics))))
+    return [
+        f"ACCEPTED ({verdict.verdict}): {verdict.message}"
+        if accepted and verdict.verdict != "win"
+        else f"{verdict.verdict.upper()}: {verdict.message}"
+        for verdict in chosen
+    ]
+
+
+def render_summary(
+    summaries: Iterable[PromptSummary],
+    verdicts: Iterable[Verdict],
+    *,
+    accepted: bool = False,
+    telemetry: Iterable[TelemetrySummary] = (),
+) -> str:
+    """The terminal summary: the table, the resource telemetry table (when anything was
+    sampled), then one line per verdict that needs attention."""
+    verdicts = list(verdicts)
+    rows = summary_rows(summaries, verdicts)
+    if not rows:
+        return "no calls measured"
+    notes = verdict_notes(verdicts, accepted=accepted)
+    resources = telemetry_rows(telemetry)
+    tables = [table(rows, SUMMARY_HEADERS)]
+    if resources:
+        tables.append(table(resources, TELEMETRY_HEADERS))
+    return "\n".join([*tables, *notes])
+
+
+# -- the end of a pytest session ------------------------------------------------------------
+
+PROBE_HEADERS = ("cell", "engine version", "model digest", "status")
+
+
+@dataclass(frozen=True)
+class TerminalLine:
+    text: str
+    red: bool = False
+
+
+def render_probe(rows: Iterable[ProbeRowLike]) -> str:
+    return tabulate(
+        [
+            [row.cell_id, row.engine_version or NONE, row.model_digest or NONE, row.status]
+            for row in rows
+        ],
+        headers=PROBE_HEADERS,
+    )
+
+
+def rental_lines(rentals: Iterable[Mapping[str, Any]]) -> list[TerminalLine]:
+    """What each rented node cost, and loudly any session that could not be ended."""
+    lines = []
+    for rental in rentals:
+        if rental.get("kind") == "slurm":
+            lines.append(_slurm_job_line(rental))
+            continue
+        done = rental.get("session_done")
+        state = "marked done" if done else "NOT marked done: end it by hand"
+        leaked = "left rented by a killed run, given back now: " if rental.get("leaked") else ""
+        text = (
+            f"rented node {rental.get('node')}: {leaked}{rental.get('gpu_name')} at "
+            f"{rental.get('price_per_hour')}/h for {rental.get('elapsed_s')} s, cost "
+            f"{rental.get('cost')}; session {rental.get('session_id')} {state}"
+        )
+        lines.append(TerminalLine(text, red=not done))
+    return lines
+
+
+def _slurm_job_line(job: Mapping[str, Any]) -> TerminalLine:
+    """A Slurm job of a cell's engine: how it ended; red when it may still be running."""
+    state = job.get("state")
+    ended = isinstance(state, str) and state not in ("RUNNING", "PENDING")
+    text = (
+        f"slurm node {job.get('node')}: job {job.get('slurm_job_id')} ({job.get('job_name')}) "
+        f"on {job.get('compute_node')}: {state} after {job.get('elapsed_s')} s"
+    )
+    if not ended:
+        text += f"; cancel it by hand: scancel {job.get('slurm_job_id')}"
+    return TerminalLine(text, red=not ended)
+
+
+OUTCOME_HEADERS = ("cell", "status", "calls ok", "stage", "reason")
+
+
+def outcome_lines(outcomes: Iterable[CellOutcome]) -> list[TerminalLine]:
+    """Every planned cell: measured, failed (stage, reason), skipped, missing; unmeasured in red."""
+    outcomes = list(outcomes)
+    if not outcomes:
+        return []
+    rows = [
+        [
+            o.cell_id,
+            o.status + (" (optional)" if o.optional and o.unmeasured else ""),
+            f"{o.ok_calls}/{o.calls}",
+            o.stage or NONE,
+            _shorten(o.reason or NONE),
+        ]
+        for o in outcomes
+    ]
+    text = table(rows, OUTCOME_HEADERS)
+    return [TerminalLine(text, red=any(o.fails_run for o in outcomes))]
+
+
+def _shorten(text: str, limit: int = 100) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def gate_lines(
+    summaries: Iterable[PromptSummary],
+    verdicts: Iterable[Verdict],
+    *,
+    baseline_notes: Iterable[str],
+    gate_error: str | None,
+    baseline_update: bool,
+    baselines_dir: Path,
+    telemetry: Iterable[TelemetrySummary] = (),
+) -> list[TerminalLine]:
+    """The gate's part of the terminal summary: the tables, baseline notes, errors, the status."""
+    summaries, verdicts = list(summaries), list(verdicts)
+    lines = (
+        [
+            TerminalLine(
+                render_summary(summaries, verdicts, accepted=baseline_update, telemetry=telemetry)
+            )
+        ]
+        if summaries
+        else []
+    )
+    lines.extend(TerminalLine(note) for note in baseline_notes)
+    if gate_error is not None:
+        lines.append(TerminalLine(f"ERROR: {gate_error}", red=True))
+    found = regressions(verdicts)
+    if found and not baseline_update:
+        lines.append(
+            TerminalLine(
+                f"gpubench: {len(found)} regression(s) against {baselines_dir}",
+                red=True,
+            )
+        )
+    unlike = incomparables(verdicts)
+    if unlike and not baseline_update:
+        cells = sorted({verdict.cell_id for verdict in unlike})
+        lines.append(
+            TerminalLine(
+                f"gpubench: the baselines of {', '.join(cells)} in {baselines_dir} were measured "
+                "on another setup: not judged",
+                red=True,
+            )
+        )
+    return lines
+
+
+# -- resource telemetry --------------------------------------------------------------------------
+
+TELEMETRY_HEADERS = (
+    "cell",
+    "prompt",
+    "peak VRAM MiB",
+    "engine VRAM MiB",
+    "GPU util %",
+    "power W",
+    "J/token",
+    "tokens/J",
+    "engine CPU s",
+    "CPU s/token",
+    "peak RSS MiB",
+)
+
+
+def telemetry_rows(summaries: Iterable[TelemetrySummary]) -> list[list[str]]:
+    """One row per (cell, prompt) whose warm calls were sampled (medians; peaks of peaks). Energy
+    integrated from power, for GPUs without an energy counter, is marked `~`."""
+    rows = []
+    for summary in summaries:
+        figures = (
+            summary.gpu_peak_memory_used_mib,
+            summary.engine_gpu_memory_peak_mib,
+            summary.gpu_utilization_mean_pct,
+            summary.gpu_power_mean_w,
+            summary.gpu_energy_j_per_token,
+            summary.gpu_tokens_per_j,
+            summary.engine_cpu_s,
+            summary.engine_cpu_s_per_token,
+            summary.engine_peak_rss_mib,
+        )
+        if all(figure is None for figure in figures):
+            continue
+        integrated = "~" if summary.gpu_energy_source == "integrated_power" else ""
+        peak, engine_peak, util, power, joules, per_joule, cpu, cpu_per_token, rss = figures
+        rows.append(
+            [
+                summary.cell_id,
+                summary.prompt_id,
+                fixed(peak, 0),
+                fixed(engine_peak, 0),
+                fixed(util, 1),
+                fixed(power, 1),
+                integrated + fixed(joules, 4) if joules is not None else NONE,
+                integrated + fixed(per_joule, 2) if per_joule is not None else NONE,
+                fixed(cpu, 3),
+                fixed(cpu_per_token, 5),
+                fixed(rss, 1),
+            ]
+        )
+    return rows
+
+
+def _telemetry_section(telemetry: Sequence[TelemetrySummary]) -> str:
+    rows = telemetry_rows(telemetry)
+    if not rows:
+        return ""
+    return "\n\n".join(
+        [
+            "## Resource telemetry (warm calls)",
+            "Medians per call; peak VRAM and RSS are the highest seen. Peak VRAM is the whole "
+            "GPU's, engine VRAM the engine's own processes' (NVML). `~`: energy integrated "
+            "from power draw (no energy counter on the GPU, or one too coarse for the call).",
+            table(rows, TELEMETRY_HEADERS, markdown=True),
+        ]
+    )
+
+
+# -- comparison of two runs -------------------------------------------------------------------
+
+COMPARISON_HEADERS = ("cell", "prompt", "metric", "old", "new", "change", "p", "verdict")
+
+
+def comparison_rows(verdicts: Iterable[Verdict]) -> list[list[str]]:
+    return [
+        [
+            verdict.cell_id,
+            verdict.prompt_id,
+            METRIC_LABELS.get(verdict.metric, verdict.metric),
+            fixed(verdict.baseline),
+            fixed(verdict.current),
+            change(verdict.change_ratio),
+            NONE if verdict.p_value is None else f"{verdict.p_value:.3g}",
+            verdict.verdict,
+        ]
+        for verdict in verdicts
+    ]
+
+
+def render_comparison(verdicts: Iterable[Verdict], *, markdown: bool = False) -> str:
+    verdicts = list(verdicts)
+    if not verdicts:
+        return "nothing to compare: no (cell, prompt) with warm calls in the new run"
+    lines = [table(comparison_rows(verdicts), COMPARISON_HEADERS, markdown=markdown)]
+    notes = verdict_notes(verdicts)
+    if notes:
+        lines.append("")
+        lines.extend(f"- {note}" if markdown else note for note in notes)
+    return "\n".join(lines)
+
+
+# -- the Markdown baseline document -----------------------------------------------------------
+
+
+def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
+    """The baseline document of one ledger: the same ledger always gives the same bytes."""
+    records = list(records)
+    others = [record for record in records if record.get("type") != "call"]
+    return render_document(others, summarize(records), telemetry_summaries(records))
+
+
+def render_document(
+    others: Sequence[Mapping[str, Any]],
+    summaries: Sequence[PromptSummary],
+    telemetry: Sequence[TelemetrySummary] = (),
+) -> str:
+    """render_markdown from a ledger read as columns (ledger_frame): the records other than
+    calls, the summaries of the calls and their resource figures."""
+    empty: Mapping[str, Any] = {}
+    meta = next((r for r in others if r.get("type") == "meta"), empty)
+    end = next((r for r in reversed(others) if r.get("type") == "end"), empty)
+    cells = _first_by_cell(r for r in others if r.get("type") == "cell")
+    skipped = [r for r in others if r.get("type") == "skipped"]
+    loads = [r for r in others if r.get("type") == "load"]
+    cell_ids = sorted(
+        {s.cell_id for s in summaries}
+        | set(cells)
+        | {str(r.get("cell_id")) for r in [*skipped, *loads]}
+    )
+    sections = [
+        _title(meta),
+        _run_section(meta, end),
+        _top_summary(summaries),
+        *(
+            _cell_section(cell_id, cells.get(cell_id, {}), summaries, skipped, loads)
+            for cell_id in cell_ids
+        ),
+        _telemetry_section(telemetry),
+        _gate_section(end),
+    ]
+    return "\n\n".join(section for section in sections if section) + "\n"
+
+
+def _first_by_cell(records: Iterable[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    first: dict[str, Mapping[str, Any]] = {}
+    for record in records:
+        first.setdefault(str(record.get("cell_id")), record)
+    return first
+
+
+def _title(meta: Mapping[str, Any]) -> str:
+    run_id = meta.get("benchmark_run_id")
+    return f"# Benchmark run {run_id}" if run_id else "# Benchmark run"
+
+
+def _run_section(meta: Mapping[str, Any], end: Mapping[str, Any]) -> str:
+    dirty = meta.get("git_dirty_files") or []
+    git = _code(meta.get("git_sha"))
+    if meta.get("git_dirty"):
+        git += f" (dirty: {', '.join(_code(name) for name in dirty) or 'yes'})"
+    command = meta.get("command_line")
+    python = f"{_text(meta.get('python_version'))} / {_text(meta.get('pytest_version'))}"
+    load = f"{_text(meta.get('load_avg_start'))} / {_text(end.get('load_avg_end'))}"
+    items = [
+        ("started (UTC)", _text(meta.get("started_at_utc"))),
+        ("finished (UTC)", _text(end.get("finished_at_utc"))),
+        ("git", git),
+        ("harness", _text(meta.get("harness_version"))),
+        ("plugin", _text(meta.get("plugin_version"))),
+        ("Python / pytest", python),
+        ("host", f"{_text(meta.get('host'))} ({_text(meta.get('platform'))})"),
+        ("load average start / end", load),
+        ("command", _code(" ".join(command) if isinstance(command, list) else command)),
+    ]
+    env = meta.get("env")
+    if isinstance(env, dict) and env:
+        items.append(("environment", ", ".join(f"`{k}={env[k]}`" for k in sorted(env))))
+    return "\n".join(f"- {name}: {value}" for name, value in items)
+
+
+def _top_summary(summaries: Sequence[PromptSummary]) -> str:
+    """Warm TTFT p50 per cell (rows) and prompt (columns)."""
+    if not summaries:
+        return "No calls were measured."
+    prompt_ids = sorted({s.prompt_id for s in summaries})
+    values = {s.key: s.warm_first_delta_ms_p50 for s in summaries}
+    rows = [
+        [cell_id, *(fixed(values.get((cell_id, p))) for p in prompt_ids)]
+        for cell_id in sorted({s.cell_id for s in summaries})
+    ]
+    aligned = table(rows, ["cell", *prompt_ids], markdown=True)
+    return f"## Warm TTFT p50 (ms)\n\n{aligned}"
+
+
+def _cell_section(
+    cell_id: str,
+    cell: Mapping[str, Any],
+    summaries: Sequence[PromptSummary],
+    skipped: Sequence[Mapping[str, Any]],
+    loads: Sequence[Mapping[str, Any]] = (),
+) -> str:
+    mine = [s for s in summaries if s.cell_id == cell_id]
+    parts = [f"## {_md(cell_id)}"]
+    if cell:
+        parts.append(_cell_description(cell))
+    cold = [s for s in mine if s.n_cold]
+    warm = [s for s in mine if s.n_warm]
+    if cold:
+        parts.append("### Cold\n\n" + table(_cold_rows(cold), COLD_HEADERS, markdown=True))
+    if warm:
+        parts.append("### Warm\n\n" + table(_warm_rows(warm), WARM_HEADERS, markdown=True))
+    own_loads = [record for record in loads if record.get("cell_id") == cell_id]
+    if own_loads:
+        parts.append("### Load\n\n" + render_load_table(own_loads, markdown=True))
+    reasons = Counter(
+        str(r.get("reason") or "no reason given") for r in skipped if r.get("cell_id") == cell_id
+    )
+    if reasons:
+        lines = [f"- {reason} ({count}×)" for reason, count in sorted(reasons.items())]
+        parts.append("### Skipped\n\n" + "\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def _cell_description(cell: Mapping[str, Any]) -> str:
+    items = [
+        ("engine", f"{_text(cell.get('engine'))} {_code(cell.get('engine_version'))}"),
+        ("model", f"{_text(cell.get('model'))} ({_model_identity(cell)})"),
+        ("GPUs", _gpus(cell.get("gpus"))),
+    ]
+    if cell.get("endpoint"):
+        items.append(("endpoint", _code(cell.get("endpoint"))))
+    return "\n".join(f"- {name}: {value}" for name, value in items)
+
+
+def _model_identity(cell: Mapping[str, Any]) -> str:
+    """`digest sha256:…`, or what identifies the model where no digest is known."""
+    parts = [f"digest {_code(cell.get('model_digest'))}"]
+    identity = cell.get("model_identity")
+    if identity and identity != "digest":
+        parts.append(f"identity: {identity}")
+    if cell.get("model_root"):
+        parts.append(f"root {_code(cell.get('model_root'))}")
+    if cell.get("max_model_len"):
+        parts.append(f"max model length {cell.get('max_model_len')}")
+    return ", ".join(parts)
+
+
+def _gpus(gpus: Any) -> str:
+    if not isinstance(gpus, list):
+        return "none reported"
+    return gpu_summary([gpu if isinstance(gpu, dict) else {"name": gpu} for gpu in gpus])
+
+
+COLD_HEADERS = ("prompt", "cold kind", "calls", "ok", "TTFT ms", "total ms")
+WARM_HEADERS = (
+    "prompt",
+    "calls",
+    "ok",
+    "TTFT p50",
+    "TTFT p95",
+    "TTFT p99",
+    "total p50",
+    "total p95",
+    "total p99",
+    "decode tok/s p50",
+    "TPOT p90 ms",
+    "engine tok/s p50",
+    "coalesced",
+)
+
+
+def _cold_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
+    return [
+        [
+            s.prompt_id,
+            _text(s.cold_kind),
+            str(s.n_cold),
+            str(s.n_cold_ok),
+            fixed(s.cold_first_delta_ms),
+            fixed(s.cold_total_duration_ms),
+        ]
+        for s in summaries
+    ]
+
+
+def _warm_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
+    return [
+        [
+            s.prompt_id,
+            str(s.n_warm),
+            str(s.n_warm_ok),
+            fixed(s.warm_first_delta_ms_p50),
+            fixed(s.warm_first_delta_ms_p95),
+            fixed(s.warm_first_delta_ms_p99),
+            fixed(s.warm_total_duration_ms_p50),
+            fixed(s.warm_total_duration_ms_p95),
+            fixed(s.warm_total_duration_ms_p99),
+            fixed(s.warm_decode_tokens_per_sec_p50, 1),
+            fixed(s.warm_tpot_ms_p90, 3),
+            fixed(s.warm_engine_tokens_per_sec_p50, 1),
+            str(s.warm_coalesced),
+        ]
+        for s in summaries
+    ]
+
+
+def _gate_section(end: Mapping[str, Any]) -> str:
+    raw = end.get("verdicts")
+    verdicts = [Verdict.from_record(r) for r in raw if isinstance(r, dict)] if raw else []
+    known = [verdict for verdict in verdicts if verdict is not None]
+    if not known:
+        return ""
+    return "## Regression gate\n\n" + render_comparison(known, markdown=True)
+
+
+def _text(value: Any) -> str:
+    return NONE if value is None or value == "" else str(value)
+
+
+def _code(value: Any) -> str:
+    return NONE if value is None or value == "" else f"`{value}`"
+
+
+def _md(text: str) -> str:
+    """Escape the one character that breaks a Markdown table cell."""
+    return text.replace("|", "\\|")
+
+
+# -- load cases -------------------------------------------------------------------------------
+
+LOAD_HEADERS = (
+    "prompt",
+    "point",
+    "offered req/s",
+    "req/s",
+    "out tok/s",
+    "TTFT p50 / p99 ms",
+    "TPOT p50 / p99 ms",
+    "ITL p99 ms",
+    "E2E p99 ms",
+    "goodput req/s",
+    "ok / err / timeout",
+    "send lag p99 / max ms",
+    "result",
+)
+
+
+def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
+    """One row per load point (a sweep: per step, then the sweep's saturation point)."""
+    rows = []
+    for load in loads:
+        if load.get("pattern") == "sweep":
+            saturation = load.get("saturation_rate")
+            rows.append(
+                [
+                    _text(load.get("prompt_id")),
+                    "sweep",
+                    *([NONE] * 10),
+                    f"saturation {fixed(saturation)} req/s"
+                    if saturation is not None
+                    else (load.get("error") or "no step met the SLO"),
+                ]
+            )
+            continue
+        result = (
+            "ok"
+            if load.get("valid")
+            else f"INVALID: {_shorten(str(load.get('invalid_reason')), 60)}"
+        )
+        rows.append(
+            [
+                _text(load.get("prompt_id")),
+                _text(load.get("load_point")),
+                fixed(load.get("offered_rate")),
+                fixed(load.get("achieved_rate")),
+                fixed(load.get("output_tokens_per_sec"), 1),
+                f"{fixed(load.get('ttft_ms_p50'))} / {fixed(load.get('ttft_ms_p99'))}",
+                f"{fixed(load.get('tpot_ms_p50'))} / {fixed(load.get('tpot_ms_p99'))}",
+                fixed(load.get("itl_ms_p99")),
+                fixed(load.get("e2e_ms_p99")),
+                fixed(load.get("goodput_rate")),
+                f"{load.get('ok', 0)} / {load.get('errors', 0)} / {load.get('timeouts', 0)}",
+                f"{fixed(load.get('send_lag_ms_p99'), 3)} / "
+                f"{fixed(load.get('send_lag_ms_max'), 3)}",
+                result,
+            ]
+        )
+    return rows
+
+
+def render_load_table(loads: Iterable[Mapping[str, Any]], *, markdown: bool = False) -> str:
+    return table(load_rows(loads), LOAD_HEADERS, markdown=markdown)
+
+
+def load_lines(
+    loads: Sequence[Mapping[str, Any]],
+    verdicts: Sequence[Verdict] = (),
+    *,
+    baseline_update: bool = False,
+) -> list[TerminalLine]:
+    """The terminal's load tables: one per cell, each point's figures and whether it is a
+    result (an invalid point in red), then the gate's findings on the load points."""
+    lines: list[TerminalLine] = []
+    for cell_id in sorted({str(load.get("cell_id")) for load in loads}):
+        own = [load for load in loads if load.get("cell_id") == cell_id]
+        lines.append(TerminalLine(f"load: {cell_id}"))
+        lines.append(TerminalLine(render_load_table(own)))
+        for load in own:
+            if load.get("pattern") != "sweep" and not load.get("valid"):
+                lines.append(
+                    TerminalLine(
+                        f"INVALID {load.get('case_id')} [{load.get('load_point')}]: "
+                        f"{load.get('invalid_reason')}",
+                        red=True,
+                    )
+                )
+    for note in verdict_notes(verdicts, accepted=baseline_update):
+        lines.append(TerminalLine(note, red=note.startswith("REGRESSION")))
+    found = regressions(verdicts)
+    if found and not baseline_update:
+        lines.append(TerminalLine(f"gpubench: {len(found)} load regression(s)", red=True))
+    return lines

@@ -1,0 +1,1 @@
+"""Numbers into verdicts: summaries, baselines, the gate per metric and per load point."""

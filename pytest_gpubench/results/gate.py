@@ -1,0 +1,558 @@
+"""The regression gate: each (cell, prompt) summary against its baseline, metric by metric."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from functools import partial
+from typing import Any, Literal
+
+from scipy import stats as scipy_stats
+
+from pytest_gpubench.config.matrix import Thresholds
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
+
+VerdictKind = Literal["regression", "incomparable", "inconclusive", "win", "ok", "new"]
+# The worst first: a (cell, prompt) takes the verdict of its worst metric.
+VERDICT_ORDER: tuple[VerdictKind, ...] = (
+    "regression",
+    "incomparable",
+    "inconclusive",
+    "win",
+    "ok",
+    "new",
+)
+# The metric of an `incomparable` verdict: the baseline's provenance, not a number.
+PROVENANCE = "provenance"
+ACCEPT_OPTION = "--gpubench-accept-incomparable"
+
+ALPHA = 0.05
+RERUN_RUNS = 20
+RERUN_HINT = f"re-run with --gpubench-runs {RERUN_RUNS}"
+# The defaults (README "The regression gate"): relative changes for the ratio metrics, an
+# absolute floor for success.
+DEFAULT_RATIO_THRESHOLD = 0.30
+DEFAULT_SUCCESS_RATE = 0.95
+# Up to this many samples on the smaller side the exact U distribution is used (scipy's own
+# cut-off); its p-value can never fall below 1 / C(n1 + n2, n1), which makes "too few samples
+# to ever be significant" a computable fact rather than a guess.
+EXACT_TEST_MAX_N = 8
+# A change is engine-side when the engine's own figure moved the same way by at least this share
+# of the client's change (on a log scale: 0.5 means half as far); otherwise the engine held and
+# the change lies between the engine and the client (transport, proxy, client machine).
+ENGINE_SHARE = 0.5
+AttributionKind = Literal["engine", "client_or_transport", "unknown"]
+# How the verdicts name an engine kind's server.
+ENGINE_NAMES = {"llamacpp": "llama-server", "ollama": "Ollama"}
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A gated number: how to read it from a summary and which direction is better.
+
+    `engine_value` reads the engine's own counterpart (its prompt time for TTFT, its decode rate
+    for decode tokens/s), which says whether a change happened inside the engine.
+    """
+
+    name: str
+    label: str
+    threshold_field: str
+    higher_is_better: bool
+    value: Callable[[PromptSummary], float | None]
+    samples: Callable[[PromptSummary], tuple[float, ...]]
+    engine_label: str
+    engine_value: Callable[[PromptSummary], float | None]
+
+    @property
+    def worse(self) -> str:
+        return "lower" if self.higher_is_better else "slower"
+
+    @property
+    def better(self) -> str:
+        return "higher" if self.higher_is_better else "faster"
+
+
+TTFT_P50 = Metric(
+    name="warm_ttft_p50_ms",
+    label="warm TTFT p50",
+    threshold_field="ttft_p50",
+    higher_is_better=False,
+    value=lambda summary: summary.warm_first_delta_ms_p50,
+    samples=lambda summary: summary.samples.first_delta_ms,
+    engine_label="prompt time",
+    engine_value=lambda summary: summary.warm_engine_prompt_ms_p50,
+)
+TOTAL_P50 = Metric(
+    name="warm_total_p50_ms",
+    label="warm total p50",
+    threshold_field="total_p50",
+    higher_is_better=False,
+    value=lambda summary: summary.warm_total_duration_ms_p50,
+    samples=lambda summary: summary.samples.total_duration_ms,
+    engine_label="prompt + decode time",
+    engine_value=lambda summary: summary.warm_engine_total_ms_p50,
+)
+DECODE_TOKENS_PER_SEC = Metric(
+    name="warm_decode_tokens_per_sec_p50",
+    label="warm decode tokens/s p50",
+    threshold_field="tokens_per_sec",
+    higher_is_better=True,
+    value=lambda summary: summary.warm_decode_tokens_per_sec_p50,
+    samples=lambda summary: summary.samples.decode_tokens_per_sec,
+    engine_label="decode rate",
+    engine_value=lambda summary: summary.warm_engine_tokens_per_sec_p50,
+)
+RATIO_METRICS = (TTFT_P50, TOTAL_P50, DECODE_TOKENS_PER_SEC)
+SUCCESS_RATE = "warm_success_rate"
+METRIC_NAMES = (*tuple(metric.name for metric in RATIO_METRICS), SUCCESS_RATE)
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Whether the engine's own figure moved with a change the client measured."""
+
+    kind: AttributionKind
+    engine_change_ratio: float | None
+    message: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The gate's finding for one metric of one (cell, prompt)."""
+
+    cell_id: str
+    prompt_id: str
+    metric: str
+    baseline: float | None
+    current: float | None
+    # current / baseline: 1.35 is 35 % more than the baseline.
+    change_ratio: float | None
+    p_value: float | None
+    verdict: VerdictKind
+    message: str
+    # For a change past the threshold: "engine", "client_or_transport" or "unknown" (the engine
+    # reports no timings of its own); None when there is no change to attribute.
+    attribution: AttributionKind | None = None
+    # The engine's own figure, current / baseline (its counterpart of change_ratio).
+    engine_change_ratio: float | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.cell_id, self.prompt_id)
+
+    def to_record(self) -> dict[str, Any]:
+        """Built-in types only: goes into the ledger's end record."""
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Verdict | None:
+        """A verdict read back from a ledger's end record; None when it is not one."""
+        if record.get("verdict") not in VERDICT_ORDER:
+            return None
+        # Fields with a default were added later: older end records lack them.
+        try:
+            return cls(
+                **{
+                    field.name: record[field.name]
+                    for field in fields(cls)
+                    if field.name in record or field.default is MISSING
+                }
+            )
+        except (KeyError, TypeError):
+            return None
+
+
+def ratio_threshold(thresholds: Thresholds, field: str) -> float:
+    value = getattr(thresholds, field)
+    return DEFAULT_RATIO_THRESHOLD if value is None else float(value)
+
+
+def success_threshold(thresholds: Thresholds) -> float:
+    value = thresholds.success_rate
+    return DEFAULT_SUCCESS_RATE if value is None else float(value)
+
+
+def judge(
+    current: PromptSummary,
+    baseline: PromptSummary | None,
+    thresholds: Thresholds | None = None,
+) -> list[Verdict]:
+    """One verdict per metric; none when nothing warm was measured (a cold-only run)."""
+    thresholds = thresholds or Thresholds()
+    if current.n_warm == 0:
+        return []
+    if baseline is None:
+        values = [metric.value(current) for metric in RATIO_METRICS]
+        values.append(current.warm_success_rate)
+        return [
+            _verdict(current, name, "new", "no baseline yet", value=value)
+            for name, value in zip(METRIC_NAMES, values, strict=True)
+        ]
+    check_prompt_unchanged(current, baseline)
+    verdicts = [
+        judge_ratio(metric, current, baseline, ratio_threshold(thresholds, metric.threshold_field))
+        for metric in RATIO_METRICS
+    ]
+    verdicts.append(judge_success_rate(current, baseline, success_threshold(thresholds)))
+    return verdicts
+
+
+def check_prompt_unchanged(current: PromptSummary, baseline: PromptSummary) -> None:
+    """A frozen prompt never changes: comparing numbers of two different prompts means nothing."""
+    if current.prompt_sha256 is None or baseline.prompt_sha256 is None:
+        return
+    if current.prompt_sha256 != baseline.prompt_sha256:
+        raise GpubenchError(
+            f"prompt '{current.prompt_id}' changed: cell {current.cell_id} has a baseline measured "
+            f"with sha256 {baseline.prompt_sha256[:12]}…, this run used "
+            f"{current.prompt_sha256[:12]}…. Prompts are frozen once shipped: restore the text of "
+            f"'{current.prompt_id}' and add the new prompt under a new id instead."
+        )
+
+
+def judge_ratio(
+    metric: Metric, current: PromptSummary, baseline: PromptSummary, threshold: float
+) -> Verdict:
+    """Large (the ratio passes the threshold) and significant (one-sided Mann-Whitney U)."""
+    old, new = metric.value(baseline), metric.value(current)
+    if old is None or old <= 0:
+        return _verdict(
+            current, metric.name, "new", f"the baseline has no {metric.label}", value=new
+        )
+    found = partial(_verdict, current, metric.name, baseline=old, value=new)
+    if new is None:
+        return found("inconclusive", f"{metric.label}: {_why_missing(metric, current)}")
+    ratio = new / old
+    direction = change_direction(old, new, threshold, higher_is_better=metric.higher_is_better)
+    if direction is None:
+        within = f"{metric.label} {_percent(ratio)} (within the {threshold:.0%} threshold)"
+        return found("ok", within, ratio=ratio)
+    word = metric.worse if direction == "worse" else metric.better
+    change = f"{metric.label} {_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
+    cause = attribute(metric, current, baseline, ratio)
+    found = partial(
+        found, attribution=cause.kind, engine_ratio=cause.engine_change_ratio, ratio=ratio
+    )
+    current_samples, baseline_samples = metric.samples(current), metric.samples(baseline)
+    floor = min_achievable_p(len(current_samples), len(baseline_samples))
+    if floor >= ALPHA:
+        too_few = (
+            f"{change}, but {len(current_samples)} samples against the baseline's "
+            f"{len(baseline_samples)} cannot be significant (smallest possible p = {floor:.3g} "
+            f"≥ {ALPHA}); {RERUN_HINT}; {cause.message}"
+        )
+        return found("inconclusive", too_few)
+    p_value = one_sided_p(current_samples, baseline_samples, _alternative(metric, direction))
+    if not p_value < ALPHA:
+        unsure = (
+            f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA}); {RERUN_HINT}; "
+            f"{cause.message}"
+        )
+        return found("inconclusive", unsure, p_value=p_value)
+    kind: VerdictKind = "regression" if direction == "worse" else "win"
+    return found(kind, f"{change}, p = {p_value:.3g}; {cause.message}", p_value=p_value)
+
+
+def _why_missing(metric: Metric, current: PromptSummary) -> str:
+    if metric is DECODE_TOKENS_PER_SEC and current.warm_coalesced:
+        return (
+            f"no decode rate in this run: {current.warm_coalesced} of {current.n_warm_ok} "
+            "successful warm calls were coalesced (their content arrived in one read)"
+        )
+    return "no successful warm call to compare"
+
+
+def engine_name(cell_id: str) -> str:
+    """The server of the cell's engine kind (`<node>:<engine>:<model>`), for the messages."""
+    parts = cell_id.split(":", 2)
+    return ENGINE_NAMES.get(parts[1], "the engine") if len(parts) == 3 else "the engine"
+
+
+def attribute(
+    metric: Metric, current: PromptSummary, baseline: PromptSummary, ratio: float
+) -> Attribution:
+    """Did the engine's own figure move with the client's (current / baseline = `ratio`)?"""
+    old, new = metric.engine_value(baseline), metric.engine_value(current)
+    engine = engine_name(current.cell_id)
+    if old is None and new is None:
+        return Attribution(
+            "unknown", None, f"not attributed: {engine} reports no timings of its own"
+        )
+    if old is None or new is None or old <= 0 or new <= 0:
+        side = "this run" if old is not None else "the baseline"
+        return Attribution(
+            "unknown", None, f"not attributed: {side} has no {engine} {metric.engine_label}"
+        )
+    engine_ratio = new / old
+    own = f"{engine}'s own {metric.engine_label} {_percent(engine_ratio)}"
+    if _share(engine_ratio, ratio) >= ENGINE_SHARE:
+        return Attribution("engine", engine_ratio, f"engine-side: {own}")
+    # The engine's prompt time leaves out the wait before it starts on a request (its queue, a
+    # busy host); an engine slowed as a whole shows it in its decode rate over the same calls.
+    # A lower rate is a longer time: inverted, it moves the way a slower TTFT or total does.
+    rate_old = DECODE_TOKENS_PER_SEC.engine_value(baseline)
+    rate_new = DECODE_TOKENS_PER_SEC.engine_value(current)
+    if (
+        metric is not DECODE_TOKENS_PER_SEC
+        and rate_old
+        and rate_new
+        and _share(rate_old / rate_new, ratio) >= ENGINE_SHARE
+    ):
+        slower = f"{engine}'s own decode rate {_percent(rate_new / rate_old)}"
+        return Attribution(
+            "engine", engine_ratio, f"engine-side: {slower} over the same calls ({own})"
+        )
+    # The engine's timings start when it begins on the prompt: say what they cannot see.
+    unseen = (
+        ""
+        if metric is DECODE_TOKENS_PER_SEC
+        else f"; they leave out the wait before {engine} starts on a request"
+    )
+    return Attribution(
+        "client_or_transport",
+        engine_ratio,
+        f"client or transport side: the engine's own timings held ({own}{unseen})",
+    )
+
+
+def _share(engine_ratio: float, client_ratio: float) -> float:
+    """How far the engine's figure moved relative to the client's, on a log scale (1 = as far)."""
+    if engine_ratio <= 0 or client_ratio <= 0 or client_ratio == 1.0:
+        return 0.0
+    return math.log(engine_ratio) / math.log(client_ratio)
+
+
+def _alternative(
+    metric: Metric, direction: Literal["worse", "better"]
+) -> Literal["greater", "less"]:
+    """The one-sided hypothesis about the current samples relative to the baseline's."""
+    current_larger = (direction == "worse") != metric.higher_is_better
+    return "greater" if current_larger else "less"
+
+
+def change_direction(
+    old: float, new: float, threshold: float, *, higher_is_better: bool
+) -> Literal["worse", "better"] | None:
+    """Whether new is at least `threshold` worse than old, or as large an improvement.
+
+    Slower by 30 % means new ≥ 1.3 × old, so a win is old ≥ 1.3 × new; lower by 30 % means
+    new ≤ 0.7 × old, so a win is old ≤ 0.7 × new. Written this way (no division), swapping
+    old and new turns a regression into a win exactly, in floating point too.
+    """
+    if higher_is_better:
+        if new <= old * (1.0 - threshold):
+            return "worse"
+        if old <= new * (1.0 - threshold):
+            return "better"
+        return None
+    if new >= old * (1.0 + threshold):
+        return "worse"
+    if old >= new * (1.0 + threshold):
+        return "better"
+    return None
+
+
+def mwu_method(n_current: int, n_baseline: int) -> Literal["exact", "asymptotic"]:
+    return "exact" if min(n_current, n_baseline) <= EXACT_TEST_MAX_N else "asymptotic"
+
+
+def min_achievable_p(n_current: int, n_baseline: int) -> float:
+    """The smallest one-sided p-value the test can give for these sample sizes."""
+    if n_current == 0 or n_baseline == 0:
+        return 1.0
+    if mwu_method(n_current, n_baseline) == "exact":
+        return 1.0 / math.comb(n_current + n_baseline, n_current)
+    # The normal approximation's extreme: every current sample above every baseline sample.
+    separated = tuple(float(n_baseline + i) for i in range(n_current))
+    return one_sided_p(separated, tuple(float(i) for i in range(n_baseline)), "greater")
+
+
+def one_sided_p(
+    current: Sequence[float], baseline: Sequence[float], alternative: Literal["greater", "less"]
+) -> float:
+    """Mann-Whitney U: p of current being stochastically `alternative` than baseline."""
+    if not current or not baseline:
+        return 1.0
+    result = scipy_stats.mannwhitneyu(
+        current, baseline, alternative=alternative, method=mwu_method(len(current), len(baseline))
+    )
+    p_value = float(result.pvalue)
+    # All values tied: the asymptotic variance is zero and scipy gives NaN; nothing to see there.
+    return 1.0 if math.isnan(p_value) else p_value
+
+
+def judge_success_rate(current: PromptSummary, baseline: PromptSummary, minimum: float) -> Verdict:
+    """Absolute: below the minimum is a regression whatever the baseline was."""
+    rate, old = current.warm_success_rate, baseline.warm_success_rate
+    if rate is None:
+        return _verdict(current, SUCCESS_RATE, "new", "no warm call measured", baseline=old)
+    ratio = rate / old if old else None
+    found = partial(_verdict, current, SUCCESS_RATE, baseline=old, value=rate, ratio=ratio)
+    counts = f"{current.n_warm_ok}/{current.n_warm}"
+    if rate < minimum:
+        return found(
+            "regression", f"warm success rate {rate:.2f} ({counts}) is below {minimum:.2f}"
+        )
+    return found("ok", f"warm success rate {rate:.2f} ({counts})")
+
+
+def too_few_samples(n_baseline: int, n_later: int) -> str | None:
+    """Why a baseline of `n_baseline` warm samples can never give a significant verdict against
+    runs of `n_later` samples (--baseline-update refuses to write it), or None."""
+    floor = min_achievable_p(n_later, n_baseline)
+    if floor < ALPHA:
+        return None
+    return f"{n_baseline} against {n_later} (smallest possible p = {floor:.3g} ≥ {ALPHA})"
+
+
+def incomparable(current: PromptSummary, changes: str) -> Verdict:
+    """A baseline measured on another setup: its numbers are not judged."""
+    return _verdict(
+        current,
+        PROVENANCE,
+        "incomparable",
+        f"baseline measured on another setup ({changes}): its numbers are not judged; accept "
+        f"them with {ACCEPT_OPTION} or ratify this setup with --baseline-update",
+    )
+
+
+def compare(
+    old_summaries: Iterable[PromptSummary],
+    new_summaries: Iterable[PromptSummary],
+    thresholds: Thresholds | Mapping[str, Thresholds] | None = None,
+    *,
+    changed_setups: Mapping[str, str] | None = None,
+    accept_incomparable: bool = False,
+) -> list[Verdict]:
+    """Verdicts for every new (cell, prompt), sorted; thresholds may be given per cell id.
+
+    `changed_setups`: per cell id, what differs between its baseline's setup and this run's
+    (`engine version b4100 → b4200`). Those cells' prompts with a baseline are `incomparable`,
+    or, accepted, judged with a note on every verdict that the baseline came from another setup.
+    """
+    old = summaries_by_key(old_summaries)
+    changed = changed_setups or {}
+    verdicts: list[Verdict] = []
+    for summary in sorted(new_summaries, key=lambda item: item.key):
+        baseline = old.get(summary.key)
+        changes = changed.get(summary.cell_id)
+        if changes and baseline is not None and summary.n_warm:
+            if not accept_incomparable:
+                verdicts.append(incomparable(summary, changes))
+                continue
+            note = f" [baseline from another setup ({changes}), accepted with {ACCEPT_OPTION}]"
+            verdicts.extend(
+                replace(verdict, message=verdict.message + note)
+                for verdict in judge(summary, baseline, _for_cell(thresholds, summary))
+            )
+            continue
+        verdicts.extend(judge(summary, baseline, _for_cell(thresholds, summary)))
+    return verdicts
+
+
+def _for_cell(
+    thresholds: Thresholds | Mapping[str, Thresholds] | None, summary: PromptSummary
+) -> Thresholds:
+    if thresholds is None:
+        return Thresholds()
+    if isinstance(thresholds, Thresholds):
+        return thresholds
+    return thresholds.get(summary.cell_id, Thresholds())
+
+
+def telemetry_verdicts(
+    records: Iterable[Mapping[str, Any]], thresholds: Mapping[str, Thresholds]
+) -> list[Verdict]:
+    """A regression for each (cell, prompt) whose warm calls' resource figure went over its
+    cell's `max_` limit (peak VRAM, energy or engine CPU-seconds per token); none unmeasured."""
+    from pytest_gpubench.telemetry.aggregate import (
+        LIMITED_FIGURES,
+        limit_breaches,
+        telemetry_summaries,
+    )
+
+    limits = {
+        cell_id: {name: getattr(cell, name) for name in LIMITED_FIGURES}
+        for cell_id, cell in thresholds.items()
+    }
+    return [
+        Verdict(
+            cell_id=breach.cell_id,
+            prompt_id=breach.prompt_id,
+            metric=breach.figure,
+            baseline=None,
+            current=breach.value,
+            change_ratio=None,
+            p_value=None,
+            verdict="regression",
+            message=(
+                f"{breach.cell_id} {breach.prompt_id}: {breach.figure} {_number(breach.value)} "
+                f"over its limit ({breach.limit_name}: {_number(breach.limit)})"
+            ),
+        )
+        for breach in limit_breaches(telemetry_summaries(records), limits)
+    ]
+
+
+def overall(verdicts: Iterable[Verdict]) -> VerdictKind | None:
+    """The worst verdict among a (cell, prompt)'s metrics; None when there are none."""
+    kinds = {verdict.verdict for verdict in verdicts}
+    return next((kind for kind in VERDICT_ORDER if kind in kinds), None)
+
+
+def overall_by_key(verdicts: Iterable[Verdict]) -> dict[tuple[str, str], VerdictKind]:
+    grouped: dict[tuple[str, str], list[Verdict]] = {}
+    for verdict in verdicts:
+        grouped.setdefault(verdict.key, []).append(verdict)
+    result: dict[tuple[str, str], VerdictKind] = {}
+    for key, group in grouped.items():
+        kind = overall(group)
+        if kind is not None:
+            result[key] = kind
+    return result
+
+
+def regressions(verdicts: Iterable[Verdict]) -> list[Verdict]:
+    return [verdict for verdict in verdicts if verdict.verdict == "regression"]
+
+
+def incomparables(verdicts: Iterable[Verdict]) -> list[Verdict]:
+    return [verdict for verdict in verdicts if verdict.verdict == "incomparable"]
+
+
+def _verdict(
+    current: PromptSummary,
+    metric: str,
+    kind: VerdictKind,
+    message: str,
+    *,
+    baseline: float | None = None,
+    value: float | None = None,
+    ratio: float | None = None,
+    p_value: float | None = None,
+    attribution: AttributionKind | None = None,
+    engine_ratio: float | None = None,
+) -> Verdict:
+    return Verdict(
+        cell_id=current.cell_id,
+        prompt_id=current.prompt_id,
+        metric=metric,
+        baseline=baseline,
+        current=value,
+        change_ratio=ratio,
+        p_value=p_value,
+        verdict=kind,
+        message=f"{current.cell_id} {current.prompt_id}: {message}",
+        attribution=attribution,
+        engine_change_ratio=engine_ratio,
+    )
+
+
+def _percent(ratio: float) -> str:
+    return f"{ratio - 1.0:+.1%}"
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}"

@@ -1,0 +1,97 @@
+"""Load baselines: `baselines/load/<cell>.json`, one entry per load point (`<prompt>@load-<point>`)
+with its figures and per-request samples; read for the gate, merged by --baseline-update."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.results.baseline import baseline_file_name
+from pytest_gpubench.results.load_gate import baseline_point, gated, point_key
+
+FORMAT = 1
+LOAD_DIR = "load"
+
+
+def load_baseline_path(baselines_dir: Path, cell_id: str) -> Path:
+    return baselines_dir / LOAD_DIR / baseline_file_name(cell_id)
+
+
+def read_load_baseline(baselines_dir: Path, cell_id: str) -> dict[str, dict[str, Any]]:
+    """{point key: baseline point} of a cell; empty when it has no load baseline yet."""
+    path = load_baseline_path(baselines_dir, cell_id)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GpubenchError(
+            f"{path}: corrupt load baseline ({exc}); restore it from git or rewrite it with "
+            "--baseline-update"
+        ) from None
+    points = data.get("points") if isinstance(data, dict) else None
+    if not isinstance(points, dict) or data.get("cell_id") != cell_id:
+        raise GpubenchError(
+            f"{path}: not the load baseline of {cell_id} (no 'points', or another cell_id); "
+            "restore it from git or rewrite it with --baseline-update"
+        )
+    return {str(key): value for key, value in points.items() if isinstance(value, dict)}
+
+
+def read_load_baselines(
+    baselines_dir: Path, cell_ids: Iterable[str]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    return {
+        cell_id: read_load_baseline(baselines_dir, cell_id) for cell_id in sorted(set(cell_ids))
+    }
+
+
+def write_load_baselines(
+    baselines_dir: Path, loads: Sequence[Mapping[str, Any]], *, replacing: bool = True
+) -> list[str]:
+    """--baseline-update: each cell's valid load points of this run over its file's (a point
+    not measured now keeps its old entry); the notes say what was written and what not."""
+    notes: list[str] = []
+    by_cell: dict[str, list[Mapping[str, Any]]] = {}
+    for record in loads:
+        if gated(record):
+            by_cell.setdefault(str(record.get("cell_id")), []).append(record)
+    for cell_id, records in sorted(by_cell.items()):
+        valid = [record for record in records if record.get("valid")]
+        for record in records:
+            if not record.get("valid"):
+                notes.append(
+                    f"load baseline NOT written for {cell_id} {point_key(record)}: "
+                    f"{record.get('invalid_reason')}"
+                )
+        if not valid:
+            continue
+        try:
+            points = read_load_baseline(baselines_dir, cell_id)
+        except GpubenchError:
+            if not replacing:
+                raise
+            points = {}
+        points.update({point_key(record): baseline_point(record) for record in valid})
+        path = load_baseline_path(baselines_dir, cell_id)
+        _write(path, {"format": FORMAT, "cell_id": cell_id, "points": dict(sorted(points.items()))})
+        notes.append(f"load baseline written: {cell_id} -> {path}")
+    return notes
+
+
+def _write(path: Path, data: Mapping[str, Any]) -> None:
+    """Atomically: a crash leaves the old file or the new one."""
+    partial = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+        os.replace(partial, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise GpubenchError(f"{path}: cannot write load baseline: {exc.strerror}") from None

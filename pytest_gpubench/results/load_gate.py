@@ -1,0 +1,195 @@
+"""The gate on load points (pure): each point's output tokens/s, TTFT p99, TPOT p99 and goodput
+against its baseline, under gate.py's rule: a change counts when it passes the ratio threshold
+and is significant on the samples (one-sided Mann-Whitney U)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_gpubench.config.load_profile import LoadThresholds
+from pytest_gpubench.results.gate import (
+    ALPHA,
+    Verdict,
+    VerdictKind,
+    change_direction,
+    min_achievable_p,
+    one_sided_p,
+)
+
+
+@dataclass(frozen=True)
+class LoadMetric:
+    """A gated figure of a load record: its summary field, its samples, which way is better."""
+
+    name: str
+    label: str
+    field: str
+    samples: str
+    threshold_field: str
+    higher_is_better: bool
+
+
+LOAD_METRICS = (
+    LoadMetric(
+        "load_output_tokens_per_sec", "output tokens/s", "output_tokens_per_sec",
+        "output_tokens_per_sec", "throughput", True,
+    ),
+    LoadMetric("load_ttft_p99_ms", "TTFT p99", "ttft_ms_p99", "ttft_ms", "ttft_p99", False),
+    LoadMetric("load_tpot_p99_ms", "TPOT p99", "tpot_ms_p99", "tpot_ms", "tpot_p99", False),
+    LoadMetric("load_goodput_rate", "goodput", "goodput_rate", "goodput_rate", "goodput", True),
+)  # fmt: skip
+
+
+def point_key(record: Mapping[str, Any]) -> str:
+    """How a load point is named in its baseline and verdicts: `<prompt>@load-<point>`."""
+    return f"{record.get('prompt_id')}@load-{record.get('load_point')}"
+
+
+def gated(record: Mapping[str, Any]) -> bool:
+    """The load records the gate judges: a point's (a sweep's steps have rates that move with
+    the engine's speed, so no two runs measure the same points)."""
+    return record.get("type") == "load" and record.get("pattern") in ("closed", "open")
+
+
+def judge_point(
+    current: Mapping[str, Any],
+    baseline: Mapping[str, Any] | None,
+    thresholds: LoadThresholds,
+) -> list[Verdict]:
+    """One verdict per metric the point has (goodput only under an SLO)."""
+    cell_id, key = str(current.get("cell_id")), point_key(current)
+    # Goodput only where an SLO defines it.
+    metrics = [m for m in LOAD_METRICS if m.field != "goodput_rate" or current.get("slo")]
+    if baseline is None:
+        return [
+            _verdict(cell_id, key, m, "new", "no load baseline yet", value=current.get(m.field))
+            for m in metrics
+        ]
+    if baseline.get("prompt_sha256") not in (None, current.get("prompt_sha256")):
+        return [
+            _verdict(
+                cell_id, key, metrics[0], "incomparable",
+                "the request changed since the load baseline was measured (prompt sha256): "
+                "ratify it with --baseline-update",
+            )
+        ]  # fmt: skip
+    if not current.get("valid"):
+        reason = current.get("invalid_reason") or "not a result"
+        return [_verdict(cell_id, key, m, "inconclusive", f"not judged: {reason}") for m in metrics]
+    return [
+        judge_metric(m, current, baseline, float(getattr(thresholds, m.threshold_field)))
+        for m in metrics
+    ]
+
+
+def judge_metric(
+    metric: LoadMetric,
+    current: Mapping[str, Any],
+    baseline: Mapping[str, Any],
+    threshold: float,
+) -> Verdict:
+    cell_id, key = str(current.get("cell_id")), point_key(current)
+    old, new = _number(baseline.get(metric.field)), _number(current.get(metric.field))
+    if old is None or old <= 0:
+        return _verdict(
+            cell_id, key, metric, "new", f"the baseline has no {metric.label}", value=new
+        )
+    if new is None:
+        return _verdict(
+            cell_id, key, metric, "inconclusive", f"{metric.label}: not measured", baseline=old
+        )
+    ratio = new / old
+    direction = change_direction(old, new, threshold, higher_is_better=metric.higher_is_better)
+    found = {"baseline": old, "value": new, "ratio": ratio}
+    if direction is None:
+        text = f"{metric.label} {ratio - 1:+.1%} (within the {threshold:.0%} threshold)"
+        return _verdict(cell_id, key, metric, "ok", text, **found)
+    word = (
+        ("lower" if metric.higher_is_better else "higher")
+        if direction == "worse"
+        else ("higher" if metric.higher_is_better else "lower")
+    )
+    change = f"{metric.label} {ratio - 1:+.1%} ({word}: {old:.4g} → {new:.4g})"
+    now, then = _samples(current, metric), _samples(baseline, metric)
+    floor = min_achievable_p(len(now), len(then))
+    if floor >= ALPHA:
+        text = (
+            f"{change}, but {len(now)} samples against the baseline's {len(then)} cannot be "
+            f"significant (smallest possible p = {floor:.3g}); run the point longer (duration_s)"
+        )
+        return _verdict(cell_id, key, metric, "inconclusive", text, **found)
+    current_larger = (direction == "worse") != metric.higher_is_better
+    p_value = one_sided_p(now, then, "greater" if current_larger else "less")
+    if not p_value < ALPHA:
+        text = f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA})"
+        return _verdict(cell_id, key, metric, "inconclusive", text, p_value=p_value, **found)
+    kind: VerdictKind = "regression" if direction == "worse" else "win"
+    return _verdict(
+        cell_id, key, metric, kind, f"{change}, p = {p_value:.3g}", p_value=p_value, **found
+    )
+
+
+def judge_loads(
+    loads: Sequence[Mapping[str, Any]],
+    baselines: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    thresholds: Mapping[str, LoadThresholds],
+) -> list[Verdict]:
+    """Verdicts of every gated load record; `baselines`: {cell id: {point key: baseline}}."""
+    verdicts: list[Verdict] = []
+    for record in loads:
+        if not gated(record):
+            continue
+        cell_id = str(record.get("cell_id"))
+        baseline = baselines.get(cell_id, {}).get(point_key(record))
+        verdicts.extend(judge_point(record, baseline, thresholds.get(cell_id, LoadThresholds())))
+    return verdicts
+
+
+def baseline_point(record: Mapping[str, Any]) -> dict[str, Any]:
+    """What a baseline keeps of a valid load record: its figures and per-request samples."""
+    keep = (
+        "prompt_id", "prompt_sha256", "load_point", "pattern", "concurrency", "rate", "arrival",
+        "requests", "ok", "achieved_rate", "output_tokens_per_sec", "ttft_ms_p50", "ttft_ms_p99",
+        "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_p99", "goodput_rate", "send_lag_ms_p99",
+        "benchmark_run_id", "started_at_utc", "samples",
+    )  # fmt: skip
+    return {name: record.get(name) for name in keep}
+
+
+def _samples(record: Mapping[str, Any], metric: LoadMetric) -> list[float]:
+    samples = record.get("samples")
+    values = samples.get(metric.samples) if isinstance(samples, Mapping) else None
+    return [float(v) for v in values or [] if _number(v) is not None]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _verdict(
+    cell_id: str,
+    key: str,
+    metric: LoadMetric,
+    kind: VerdictKind,
+    message: str,
+    *,
+    baseline: float | None = None,
+    value: Any = None,
+    ratio: float | None = None,
+    p_value: float | None = None,
+) -> Verdict:
+    return Verdict(
+        cell_id=cell_id,
+        prompt_id=key,
+        metric=metric.name,
+        baseline=baseline,
+        current=_number(value),
+        change_ratio=ratio,
+        p_value=p_value,
+        verdict=kind,
+        message=f"{cell_id} {key}: {message}",
+    )

@@ -1,0 +1,473 @@
+"""The run controller: begins the run (guards, ledger, meta), collects every record, and at the
+end judges against the baselines and closes the ledger. It decides; it never draws."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from pytest_gpubench.config.cases import LOAD_PHASE, Case
+from pytest_gpubench.config.matrix import Cell, Matrix
+from pytest_gpubench.config.options import Options
+from pytest_gpubench.config.shards import shard_facts, shard_matrix
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.secrets import SecretScrubber
+from pytest_gpubench.core.signals import TerminateAsInterrupt
+from pytest_gpubench.core.status import session_status
+from pytest_gpubench.ledger.outcomes import CellOutcome, cell_outcomes
+from pytest_gpubench.ledger.records import end_record, meta_record
+from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError
+from pytest_gpubench.run import guards
+from pytest_gpubench.run.harness import Harness
+
+if TYPE_CHECKING:
+    from pytest_gpubench.results.gate import Verdict
+    from pytest_gpubench.results.stats import PromptSummary
+    from pytest_gpubench.telemetry.aggregate import TelemetrySummary
+
+
+@dataclass(frozen=True)
+class ProbeRow:
+    """One cell's health as --probe found it."""
+
+    cell_id: str
+    engine_version: str | None
+    model_digest: str | None
+    status: str
+
+
+@dataclass
+class Judgement:
+    """What the gate found at the end of a run (empty until then)."""
+
+    summaries: list[PromptSummary] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+    # Per load point (load/gate.py), kept apart: the warm table and its notes never show them.
+    load_verdicts: list[Verdict] = field(default_factory=list)
+    # Per (cell, prompt): the warm calls' resource telemetry (telemetry/aggregate.py).
+    telemetry: list[TelemetrySummary] = field(default_factory=list)
+    gate_error: str | None = None
+    # The baselines could not be read (nothing was judged) or written.
+    unjudged: bool = False
+    write_failed: bool = False
+    baseline_notes: list[str] = field(default_factory=list)
+    # Per cell id: what differs between its baseline's setup and this run's; and the cells whose
+    # new setup --baseline-update ratified (wrote).
+    changed_setups: dict[str, str] = field(default_factory=dict)
+    ratified: set[str] = field(default_factory=set)
+
+    def failing_incomparables(self) -> list[Verdict]:
+        """The `incomparable` verdicts that fail the run: those not ratified."""
+        from pytest_gpubench.results.gate import incomparables
+
+        return [v for v in incomparables(self.verdicts) if v.cell_id not in self.ratified]
+
+
+class RunController:
+    """One benchmark run across the pytest session, in the process that writes the ledger
+    (the only process under plain pytest, the xdist controller otherwise); on an xdist worker it
+    only measures and sends records on."""
+
+    def __init__(
+        self,
+        options: Options,
+        matrix: Matrix | None,
+        *,
+        root: Path,
+        argv: list[str],
+        writes_ledger: bool,
+        run_id: str | None = None,
+        hooks: Any = None,
+    ) -> None:
+        self.options = options
+        # A shard of a job array runs only its share of the matrix; its meta names them all.
+        self.shard: dict[str, Any] | None = None
+        if matrix is not None and options.shard is not None:
+            self.shard = shard_facts(options.shard, [cell.cell_id for cell in matrix.cells])
+            matrix = shard_matrix(matrix, options.shard)
+        self.matrix = matrix
+        self.root = root
+        self.argv = argv
+        self.writes_ledger = writes_ledger
+        self.scrub = SecretScrubber()
+        self.harness: Harness | None = None
+        if matrix is not None:
+            self.harness = Harness(
+                matrix,
+                log_dir=options.ledger_dir / "logs",
+                scrub=self.scrub,
+                run_id=run_id,
+                hooks=hooks,
+            )
+            if writes_ledger:
+                self.harness.sink = self.collect
+        self.ledger: Ledger | None = None
+        self.started = False
+        self.startup_error: str | None = None
+        self.meta: dict[str, Any] = {}
+        self.calls: list[dict[str, Any]] = []
+        # A load case's call records (phase `load`: judged per load point, never with the warm
+        # calls) and its `load` records.
+        self.load_calls: list[dict[str, Any]] = []
+        self.loads: list[dict[str, Any]] = []
+        self.skips: list[dict[str, Any]] = []
+        self.cells: dict[str, dict[str, Any]] = {}
+        self.probe_rows: list[ProbeRow] = []
+        self.probe_failed = False
+        self.judgement = Judgement()
+        # The cells with at least one selected case, in the matrix's order, and at the end what
+        # became of each.
+        self.planned: list[Cell] = []
+        self.outcomes: list[CellOutcome] = []
+        self.write_error: str | None = None
+        self.exit_status: int | None = None
+        # SIGTERM (a cancelled CI job) ends the run as Ctrl-C does, while a ledger is open.
+        self.catch_signals = TerminateAsInterrupt()
+        # Rentals given back in xdist workers (this process's own are in the harness's pool),
+        # and on a worker how many of its own it has sent on.
+        self.worker_rentals: list[dict[str, Any]] = []
+        self.rentals_sent = 0
+
+    @property
+    def run_id(self) -> str:
+        return self.harness.run_id if self.harness is not None else ""
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def begin(self, cases: Sequence[Case]) -> None:
+        """Check the guards and open the ledger with its meta record (writing process only)."""
+        if self.started or self.matrix is None or self.options.probe:
+            return
+        planned = {case.cell_id for case in cases}
+        self.planned = [cell for cell in self.matrix.cells if cell.cell_id in planned]
+        options = self.options
+        git = guards.check_git_tree(self.root, options.ledger_dir, allow_dirty=options.allow_dirty)
+        guards.check_load(options.load_threshold, force_load=options.force_load)
+        guards.check_frozen_prompts(
+            self.matrix,
+            options.baselines_dir,
+            replacing_corrupt=options.baseline_update and not options.smoke,
+        )
+        self.started = True
+        self.ledger = Ledger(options.ledger_dir / f"{self.run_id}.jsonl", self.scrub)
+        self.meta = meta_record(
+            run_id=self.run_id,
+            root=self.root,
+            git=git,
+            env_names=[*options.env_names, *self.matrix.settings.env],
+            cells_planned=[cell.cell_id for cell in self.planned],
+            cases_planned=len(cases),
+            argv=self.argv,
+            cells_path=options.cells_path,
+            prompts_path=options.prompts_path,
+            shard=self.shard,
+        )
+        self.ledger.append(self.meta)
+        self.catch_signals.install()
+
+    def refuse(self, error: GpubenchError) -> None:
+        """A guard refused the run after the cases were handed out (xdist): nothing may run."""
+        self.startup_error = self.scrub(str(error))
+        self.started = True
+
+    # -- records -------------------------------------------------------------------------------
+
+    def collect(self, records: list[dict[str, Any]]) -> str | None:
+        """Keep a case's records and append them to the ledger; returns why the run must stop
+        (the ledger can no longer be written), or None. Records stay in memory either way, so
+        the summary still shows them."""
+        for record in records:
+            kind = record.get("type")
+            if kind == "call" and record.get("phase") == LOAD_PHASE:
+                self.load_calls.append(record)
+            elif kind == "call":
+                self.calls.append(record)
+            elif kind == "load":
+                self.loads.append(record)
+            elif kind == "skipped":
+                self.skips.append(record)
+            elif kind == "cell":
+                if record["cell_id"] in self.cells:
+                    continue  # each xdist worker that ran the cell describes it; keep the first
+                self.cells[record["cell_id"]] = record
+            self._append(record)
+        return self.write_error
+
+    def _append(self, record: dict[str, Any], *, after_failure: bool = False) -> None:
+        """Append to the ledger until a write fails, and after that only what must be tried
+        anyway (the end record, in case room was made); the first error is kept."""
+        if self.ledger is None or (self.write_error is not None and not after_failure):
+            return
+        try:
+            self.ledger.append(record)
+        except LedgerWriteError as exc:
+            self.write_error = self.write_error or str(exc)
+
+    def add_worker_rentals(self, rentals: list[dict[str, Any]]) -> None:
+        """Rentals a worker gave back, sent on a test report or at its end; each counted once."""
+        known = {(rental.get("node"), rental.get("session_id")) for rental in self.worker_rentals}
+        for rental in rentals:
+            key = (rental.get("node"), rental.get("session_id"))
+            if key not in known:
+                self.worker_rentals.append(rental)
+                known.add(key)
+
+    def unsent_rentals(self) -> list[dict[str, Any]]:
+        """On a worker: the rentals given back since the last call, for the controller."""
+        if self.writes_ledger or self.harness is None:
+            return []
+        own = self.harness.nodes.rentals
+        unsent = own[self.rentals_sent :]
+        self.rentals_sent = len(own)
+        return unsent
+
+    def rentals(self) -> list[dict[str, Any]]:
+        """Every rented node given back in this run, with its cost, by node."""
+        own = self.harness.nodes.rentals if self.harness is not None else []
+        return sorted([*own, *self.worker_rentals], key=lambda rental: str(rental.get("node")))
+
+    def release_node(self, node_id: str) -> list[dict[str, Any]]:
+        """Give a node back after its last case; on a worker, the rentals for the controller."""
+        assert self.harness is not None
+        try:
+            self.harness.release_node(node_id)
+        finally:
+            unsent = self.unsent_rentals()
+            if self.writes_ledger:
+                self.collect(self.harness.stage_records())
+        return unsent
+
+    # -- probe ---------------------------------------------------------------------------------
+
+    def probe(self) -> int:
+        """Health-check every cell; returns how many required cells are unavailable."""
+        assert self.matrix is not None and self.harness is not None
+        unavailable = 0
+        for cell in self.matrix.cells:
+            live, _ = self.harness.live_cell(cell.cell_id)
+            facts = live.facts.get("engine_facts", {})
+            unavailable += live.unavailable is not None and not cell.spec.optional
+            self.probe_rows.append(
+                ProbeRow(
+                    cell.cell_id,
+                    facts.get("engine_version"),
+                    facts.get("model_digest"),
+                    "ok" if live.unavailable is None else self.scrub(live.unavailable),
+                )
+            )
+        self.harness.close()
+        self.probe_failed = unavailable > 0
+        return unavailable
+
+    # -- end -----------------------------------------------------------------------------------
+
+    def finish(self, exitstatus: int, workeroutput: dict[str, Any] | None) -> int:
+        """Give everything back, then judge and close the ledger, even if giving back failed.
+        Returns the session's exit status."""
+        self.catch_signals.restore()
+        try:
+            if self.harness is not None:
+                self.harness.close()
+        finally:
+            if self.harness is not None and self.writes_ledger:
+                self.collect(self.harness.stage_records())
+            if workeroutput is not None:
+                # xdist sends this to the controller, which writes it into the end record.
+                workeroutput["gpubench_rentals"] = self.unsent_rentals()
+            status = self._close_ledger(exitstatus)
+        self.exit_status = status
+        return status
+
+    def _close_ledger(self, exitstatus: int) -> int:
+        from pytest_gpubench.results.gate import regressions
+
+        if self.startup_error is not None:
+            return int(pytest.ExitCode.USAGE_ERROR)
+        if self.ledger is None:
+            return session_status(exitstatus, unmeasured=self.probe_failed)
+        if self.calls:
+            self._judge()
+        if self.loads:
+            self._judge_loads()
+        self.outcomes = cell_outcomes(
+            self.planned, cells=self.cells, skips=self.skips, calls=self.calls + self.load_calls
+        )
+        judgement = self.judgement
+        verdicts = [*judgement.verdicts, *judgement.load_verdicts]
+        regressed = regressions(verdicts)
+        status = session_status(
+            exitstatus,
+            write_failed=self.write_error is not None or judgement.write_failed,
+            unjudged=judgement.unjudged,
+            unmeasured=any(outcome.fails_run for outcome in self.outcomes),
+            incomparable=bool(judgement.failing_incomparables()),
+            regressed=bool(regressed) and not self.options.baseline_update,
+        )
+        self._append(
+            end_record(
+                run_id=self.run_id,
+                pytest_exitstatus=exitstatus,
+                calls=len(self.calls) + len(self.load_calls),
+                skipped=len(self.skips),
+                verdicts=[verdict.to_record() for verdict in verdicts],
+                regressions=len(regressed),
+                gate_error=judgement.gate_error,
+                nodes=self.rentals(),
+                cells=[outcome.to_record() for outcome in self.outcomes],
+                exit_status=status,
+            ),
+            after_failure=True,
+        )
+        try:
+            self.ledger.close()
+        except LedgerWriteError as exc:
+            self.write_error = self.write_error or str(exc)
+        if self.write_error is not None:
+            status = session_status(exitstatus, write_failed=True)
+        return status
+
+    def _judge(self) -> None:
+        """Compare with the baselines (each cell's setup with its baseline's first), and write
+        them with --baseline-update."""
+        from pytest_gpubench.results.gate import ACCEPT_OPTION, compare, telemetry_verdicts
+        from pytest_gpubench.results.stats import summarize
+        from pytest_gpubench.telemetry.aggregate import telemetry_summaries
+
+        assert self.matrix is not None
+        judgement = self.judgement
+        judgement.summaries = summarize(self.calls)
+        judgement.telemetry = telemetry_summaries(self.calls)
+        thresholds = {cell.cell_id: cell.thresholds for cell in self.matrix.cells}
+        writes = self.options.baseline_update and not self.options.smoke
+        try:
+            baselines = self._baselines(replacing=writes)
+            judgement.verdicts = compare(
+                baselines,
+                judgement.summaries,
+                thresholds,
+                changed_setups=judgement.changed_setups,
+                accept_incomparable=self.options.accept_incomparable,
+            )
+            judgement.verdicts.extend(telemetry_verdicts(self.calls, thresholds))
+        except GpubenchError as exc:
+            judgement.gate_error = self.scrub(str(exc))
+            judgement.unjudged = True
+            return
+        if self.options.accept_incomparable and not self.options.baseline_update:
+            judgement.baseline_notes.extend(
+                f"baseline of {cell_id} measured on another setup ({changes}): compared all "
+                f"the same ({ACCEPT_OPTION})"
+                for cell_id, changes in sorted(judgement.changed_setups.items())
+            )
+        if self.options.baseline_update:
+            if self.options.smoke:
+                # One call per cell can never reach significance: every later run would be
+                # "inconclusive" against it.
+                judgement.baseline_notes.append(
+                    "baselines NOT written: --smoke measures one call, too few to judge against"
+                )
+                return
+            self._update_baselines()
+
+    def _judge_loads(self) -> None:
+        """Each load point against its load baseline (baselines/load/); written with
+        --baseline-update (never from --smoke)."""
+        from pytest_gpubench.results.load_baseline import read_load_baselines, write_load_baselines
+        from pytest_gpubench.results.load_gate import judge_loads
+
+        assert self.matrix is not None
+        judgement = self.judgement
+        thresholds = {c.cell_id: c.load.thresholds for c in self.matrix.cells if c.load is not None}
+        writes = self.options.baseline_update and not self.options.smoke
+        cell_ids = {str(record.get("cell_id")) for record in self.loads}
+        try:
+            baselines = read_load_baselines(self.options.baselines_dir, cell_ids)
+        except GpubenchError as exc:
+            if not writes:
+                judgement.gate_error = self.scrub(str(exc))
+                judgement.unjudged = True
+                return
+            baselines = {}
+        judgement.load_verdicts = judge_loads(self.loads, baselines, thresholds)
+        if not writes:
+            return
+        try:
+            judgement.baseline_notes.extend(
+                write_load_baselines(self.options.baselines_dir, self.loads)
+            )
+        except GpubenchError as exc:
+            judgement.gate_error = self.scrub(str(exc))
+            judgement.write_failed = True
+
+    def _baselines(self, *, replacing: bool) -> list[PromptSummary]:
+        """The measured cells' baseline summaries; notes in the judgement which cells' baselines
+        came from another setup. A corrupt file counts as none when this run replaces it."""
+        from pytest_gpubench.results.baseline import (
+            CorruptBaseline,
+            cell_provenance,
+            find_baseline,
+            provenance_changes,
+        )
+
+        summaries: list[PromptSummary] = []
+        for cell_id in sorted({call["cell_id"] for call in self.calls}):
+            try:
+                baseline = find_baseline(self.options.baselines_dir, cell_id)
+            except CorruptBaseline:
+                if not replacing:
+                    raise
+                continue  # --baseline-update replaces it, and says so
+            if baseline is None:
+                continue
+            summaries.extend(baseline.prompts)
+            cell = self.cells.get(cell_id)
+            if cell is None:
+                continue  # nothing known of this run's setup: nothing to compare
+            current = cell_provenance(self.meta, cell, self.calls)
+            changes = provenance_changes(baseline.provenance, current)
+            if changes:
+                self.judgement.changed_setups[cell_id] = ", ".join(changes)
+        return summaries
+
+    def _update_baselines(self) -> None:
+        from pytest_gpubench.results.baseline import update_baselines
+        from pytest_gpubench.results.gate import success_threshold, too_few_samples
+
+        assert self.matrix is not None
+        judgement = self.judgement
+        minimum = {cell.cell_id: success_threshold(cell.thresholds) for cell in self.matrix.cells}
+        # Later runs measure the cell's configured runs (cells.yaml), not this run's override.
+        future_runs = {cell.cell_id: cell.runs for cell in self.matrix.cells}
+        records = [self.meta, *self.cells.values(), *self.calls, *self.skips]
+        try:
+            update = update_baselines(
+                self.options.baselines_dir,
+                records,
+                minimum,
+                future_runs=future_runs,
+                sample_check=too_few_samples,
+            )
+        except GpubenchError as exc:
+            judgement.gate_error = self.scrub(str(exc))
+            judgement.write_failed = True
+            return
+        notes = judgement.baseline_notes
+        for _cell_id, reason in sorted(update.replaced.items()):
+            notes.append(f"{reason}: replaced with this run's numbers")
+        for cell_id, path in sorted(update.written.items()):
+            notes.append(f"baseline written: {cell_id} -> {path}")
+            changes = judgement.changed_setups.get(cell_id)
+            if changes is not None:
+                judgement.ratified.add(cell_id)
+                notes.append(f"baseline of {cell_id} ratified for this setup: {changes}")
+        for cell_id, reason in sorted(update.refused.items()):
+            notes.append(f"baseline NOT written for {cell_id}: {reason}")
+        if update.failed:
+            judgement.gate_error = self.scrub(
+                "; ".join(update.failed[c] for c in sorted(update.failed))
+            )
+            judgement.write_failed = True

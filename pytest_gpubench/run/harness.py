@@ -1,0 +1,419 @@
+"""The harness: runs cases on live cells: measuring one case, timed runs, load cases, telemetry
+around them, and giving nodes back."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pytest_gpubench.config.cases import Case
+from pytest_gpubench.config.matrix import Matrix, Prompt, RequestShape
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.provenance import utc_now
+from pytest_gpubench.core.secrets import SecretScrubber
+from pytest_gpubench.engines import EngineHook
+from pytest_gpubench.ledger.records import (
+    call_record,
+    cell_record,
+    checkpoint_record,
+    sample_record,
+    skipped_record,
+    stage_record,
+)
+from pytest_gpubench.run.live_cell import LiveCell, failed_stage
+from pytest_gpubench.run.nodes import NodePool, plain_error
+from pytest_gpubench.targets import Target
+from pytest_gpubench.telemetry import CaseSamples, NodeTelemetry, node_telemetry
+from pytest_gpubench.telemetry.aggregate import case_aggregates, sample_columns
+
+log = logging.getLogger(__name__)
+
+# A timed run's checkpoint interval when its cell sets none.
+DEFAULT_CHECKPOINT_S = 60.0
+
+
+class Harness:
+    """Runs cases: makes each cell live on its first case, measures, and gives nodes back.
+
+    Every record it hands out has had its secrets cut out."""
+
+    def __init__(
+        self,
+        matrix: Matrix,
+        *,
+        log_dir: Path,
+        scrub: SecretScrubber,
+        run_id: str | None = None,
+        hooks: Any = None,
+    ) -> None:
+        self.matrix = matrix
+        self.run_id = run_id or str(uuid.uuid4())
+        self.log_dir = log_dir
+        self.scrub = scrub
+        # pytest's hook relay, for engine and node kinds that plugins add (hookspecs.py).
+        self.engine_hook: EngineHook | None = (
+            hooks.pytest_gpubench_make_engine if hooks is not None else None
+        )
+        target_hook = hooks.pytest_gpubench_open_target if hooks is not None else None
+        self.nodes = NodePool(scrub, target_hook)
+        self.cells: dict[str, LiveCell] = {}
+        # Each node's samplers, started with its first live cell (None: all its cells said off).
+        self.telemetry: dict[str, NodeTelemetry | None] = {}
+        # Where records go the moment they are made (the ledger, when this process writes it):
+        # a timed run's checkpoints.
+        self.sink: Callable[[list[dict[str, Any]]], object] | None = None
+
+    def live_cell(self, cell_id: str) -> tuple[LiveCell, bool]:
+        """The cell, made ready on first use; the flag says it was made ready just now."""
+        if cell_id in self.cells:
+            return self.cells[cell_id], False
+        live = LiveCell(
+            self.matrix.cell(cell_id),
+            self.log_dir,
+            self.nodes.target,
+            node_clock=self.nodes.clock,
+            engine_hook=self.engine_hook,
+            scrub=self.scrub,
+            learn_secret=self.scrub.add,
+        )
+        self.cells[cell_id] = live
+        live.prepare()
+        if live.unavailable is None:
+            self._start_telemetry(live)
+        return live, True
+
+    def _start_telemetry(self, live: LiveCell) -> None:
+        """Start the node's samplers once; settings of all its cells decide what they sample."""
+        node_id = live.cell.spec.node
+        if node_id in self.telemetry or live.target is None:
+            return
+        settings = [cell.telemetry for cell in self.matrix.cells if cell.spec.node == node_id]
+        telemetry: NodeTelemetry | None = None
+        try:
+            telemetry = node_telemetry(node_id, live.target, settings, live.facts.get("gpus", []))
+            if telemetry is not None:
+                telemetry.start()
+        except Exception:  # telemetry is never worth a case: measure without it
+            log.warning("node %s: telemetry not started", node_id, exc_info=True)
+            telemetry = None
+        self.telemetry[node_id] = telemetry
+
+    def prepare(self, case: Case) -> tuple[str | None, list[dict[str, Any]]]:
+        """Make the case's cell ready: why it cannot run (or None), and the records to keep
+        (the cell record the first time, a skipped record when it cannot run)."""
+        live, fresh = self.live_cell(case.cell_id)
+        records: list[dict[str, Any]] = self.stage_records()
+        if fresh and live.facts:
+            records.append(
+                self.scrub.record(
+                    cell_record(
+                        run_id=self.run_id,
+                        cell=live.cell,
+                        prompts=self.matrix.prompts,
+                        **live.facts,
+                    )
+                )
+            )
+        if live.unavailable is not None:
+            reason = self.scrub(live.unavailable)
+            records.append(
+                skipped_record(
+                    run_id=self.run_id,
+                    cell=live.cell,
+                    case=case,
+                    reason=reason,
+                    stage=live.unavailable_stage,
+                )
+            )
+            return reason, records
+        return None, records
+
+    def open_node(self, case: Case) -> tuple[str | None, list[dict[str, Any]], Target | None]:
+        """The case's node (gpubench_target), opened once and shared by its cells: why it cannot
+        be had (or None), the records to keep (a skipped record then), and the node."""
+        cell = self.matrix.cell(case.cell_id)
+        live = self.cells.get(case.cell_id)
+        if cell.spec.skip or (live is not None and live.unavailable is not None):
+            reason, records = self.prepare(case)
+            return reason, records, None
+        try:
+            target = self.nodes.target(cell)
+        except GpubenchError as exc:
+            reason = self.scrub(str(exc))
+            stage = failed_stage(cell, exc)
+            skipped = skipped_record(
+                run_id=self.run_id, cell=cell, case=case, reason=reason, stage=stage
+            )
+            return reason, [*self.stage_records(), skipped], None
+        return None, self.stage_records(), target
+
+    def stage_records(self) -> list[dict[str, Any]]:
+        """The `stage` records of the stages that ended since the last call."""
+        return [
+            self.scrub.record(stage_record(run_id=self.run_id, facts=outcome.to_facts()))
+            for outcome in self.nodes.take_stage_outcomes()
+        ]
+
+    def run_case(self, case: Case) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Measure one case of a prompts.yaml prompt: its call record (with the case's resource
+        figures) and the other records it produced (its `sample` record when its node is
+        sampled)."""
+        if case.load_point is not None:
+            return self.run_load_case(case)
+        prompt = self.matrix.prompts[case.prompt_id]
+        cell = self.matrix.cell(case.cell_id)
+        request = cell.request_for(prompt)
+        if cell.spec.duration_s is not None and case.phase == "warm":
+            return self.run_timed(case, prompt, request)
+        record, others, _ = self.measure(
+            case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request), request=request
+        )
+        return record, others
+
+    def run_load_case(self, case: Case) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Measure one load case (load/runner.py): its `load` record, and the call records of
+        its requests (and a sweep's per-step load records)."""
+        from pytest_gpubench.run.load.runner import run_load_case
+
+        live = self.cells[case.cell_id]
+        window = self._begin_sampling(live)
+        outcome = run_load_case(live, self.matrix, case, self.run_id)
+        samples = self._end_sampling(live, window)
+        others = [*outcome.others, *self._sample_records(live, case, samples)]
+        return self.scrub.record(outcome.record), [self.scrub.record(r) for r in others]
+
+    def run_timed(
+        self, case: Case, prompt: Prompt, request: RequestShape
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """A timed warm case: calls one after the other for the cell's duration_s, a checkpoint
+        record every checkpoint_s. Where this process writes the ledger (`sink`), each
+        checkpoint goes there at once with the calls before it, so that a run killed mid-way
+        keeps them; the last call and the last checkpoint travel as a case's records do."""
+        spec = self.matrix.cell(case.cell_id).spec
+        assert spec.duration_s is not None
+        every = spec.checkpoint_s or DEFAULT_CHECKPOINT_S
+        started = time.monotonic()
+        end = started + spec.duration_s
+        pending: list[dict[str, Any]] = []
+        window: list[dict[str, Any]] = []
+        calls = 0
+        checkpoints = 0
+        last: dict[str, Any] | None = None
+        while last is None or time.monotonic() < end:
+            record, others, _ = self.measure(
+                case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request),
+                request=request,
+            )  # fmt: skip
+            record["timed_idx"] = calls
+            calls += 1
+            last = record
+            pending.extend([record, *others])
+            window.append(record)
+            now = time.monotonic()
+            if now >= end:
+                break
+            if now - started >= (checkpoints + 1) * every:
+                checkpoints += 1
+                pending.append(
+                    self._checkpoint(case, checkpoints, now - started, window, calls, final=False)
+                )
+                window = []
+                if self.sink is not None:
+                    self.sink(pending)
+                    pending = []
+        checkpoints += 1
+        final = self._checkpoint(
+            case, checkpoints, time.monotonic() - started, window, calls, final=True
+        )
+        if self.sink is not None:
+            self.sink([record for record in pending if record is not last])
+            return last, [final]
+        return last, [record for record in pending if record is not last] + [final]
+
+    def _checkpoint(
+        self,
+        case: Case,
+        index: int,
+        elapsed_s: float,
+        window: list[dict[str, Any]],
+        calls: int,
+        *,
+        final: bool,
+    ) -> dict[str, Any]:
+        record = checkpoint_record(
+            run_id=self.run_id,
+            cell=self.matrix.cell(case.cell_id),
+            case=case,
+            index=index,
+            elapsed_s=elapsed_s,
+            window=window,
+            calls_so_far=calls,
+            final=final,
+        )
+        log.info(
+            "cell %s %s: checkpoint %d at %.1f s: %d calls, decode p50 %s tok/s",
+            case.cell_id, case.prompt_id, index, elapsed_s, record["calls"],
+            record["tokens_per_sec_p50"],
+        )  # fmt: skip
+        return record
+
+    def measure(
+        self,
+        case: Case,
+        prompt: str,
+        max_tokens: int,
+        *,
+        sha256: str,
+        request: RequestShape | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        extra_body: dict[str, Any] | None = None,
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+        """One measured call of the case, made cold or warm for its phase first: its call record
+        (under the case's prompt_id, with `sha256`), the other records it produced (its `sample`
+        record) and the answer's text (not recorded).
+
+        `request` is the cell's (and prompt's) request keys, the cell's own when not given;
+        `messages` and `extra_body` go to the engine only when given (a test's own request), so
+        an engine that does not take them still measures the prompts of prompts.yaml."""
+        live = self.cells[case.cell_id]
+        shape = request if request is not None else (live.cell.spec.request or RequestShape())
+        own: dict[str, Any] = {}
+        if messages is not None:
+            own["messages"] = messages
+        if extra_body:
+            own["extra_body"] = extra_body
+        cold_kind = None
+        if case.phase == "cold":
+            cold_kind = live.make_cold()
+        else:
+            live.warm_up(prompt, max_tokens, shape, **own)
+        assert live.engine is not None
+        window = self._begin_sampling(live)
+        started = utc_now()
+        measurement = live.chat(prompt, max_tokens, shape, **own)
+        live.last_call_end = time.monotonic()
+        samples = self._end_sampling(live, window)
+        record = call_record(
+            run_id=self.run_id,
+            cell=live.cell,
+            case=case,
+            prompt_sha256=sha256,
+            cold_kind=cold_kind,
+            started_at_utc=started,
+            measurement=measurement,
+            telemetry=(
+                case_aggregates(samples, measurement.completion_tokens) if samples else None
+            ),
+        )
+        others = self._sample_records(live, case, samples)
+        # An engine may echo a credential in an error message: cut it out before anyone sees it.
+        scrubbed_others = [self.scrub.record(other) for other in others]
+        return self.scrub.record(record), scrubbed_others, measurement.text
+
+    def _begin_sampling(self, live: LiveCell) -> tuple[NodeTelemetry, float] | None:
+        """Point the node's samplers at the cell's engine; None when the cell is not sampled."""
+        settings = live.cell.telemetry
+        telemetry = self.telemetry.get(live.cell.spec.node)
+        if telemetry is None or (settings.gpu == "off" and settings.cpu == "off"):
+            return None
+        pid = live.server.pid if live.server is not None else None
+        try:
+            return telemetry, telemetry.begin_case(pid)
+        except Exception:
+            log.warning("cell %s: telemetry failed", live.cell.cell_id, exc_info=True)
+            return None
+
+    def _end_sampling(
+        self, live: LiveCell, window: tuple[NodeTelemetry, float] | None
+    ) -> CaseSamples | None:
+        if window is None:
+            return None
+        telemetry, start = window
+        settings = live.cell.telemetry
+        try:
+            return telemetry.end_case(start, gpu=settings.gpu != "off", cpu=settings.cpu != "off")
+        except Exception:
+            log.warning("cell %s: telemetry failed", live.cell.cell_id, exc_info=True)
+            return None
+
+    def _sample_records(
+        self, live: LiveCell, case: Case, samples: CaseSamples | None
+    ) -> list[dict[str, Any]]:
+        """The case's `sample` record, or none where the cell was not sampled."""
+        if samples is None:
+            return []
+        return [
+            sample_record(
+                run_id=self.run_id,
+                cell=live.cell,
+                case=case,
+                interval_ms=samples.interval_ms,
+                gpu_source=samples.gpu_source,
+                cpu_source=samples.cpu_source,
+                columns=sample_columns(samples),
+                notes=samples.notes,
+            )
+        ]
+
+    def release_node(self, node_id: str) -> None:
+        """After a node's last case: stop its cells' engines and give the node back now, so a
+        rented machine is not paid for while other nodes run. A later case would reopen it."""
+        cell_ids = [cid for cid, live in self.cells.items() if live.cell.spec.node == node_id]
+        cells = [self.cells.pop(cell_id) for cell_id in cell_ids]
+        self._stop_telemetry([node_id])
+        self._close(cells, self.nodes.take([node_id]))
+
+    def close(self) -> None:
+        """Stop every managed engine, then give back every node (a rented one is marked done)."""
+        cells, self.cells = list(self.cells.values()), {}
+        self._stop_telemetry(list(self.telemetry))
+        self._close(cells, self.nodes.take())
+
+    def _stop_telemetry(self, node_ids: list[str]) -> None:
+        """Stop the nodes' samplers before their engines and connections go."""
+        for node_id in node_ids:
+            telemetry = self.telemetry.pop(node_id, None)
+            if telemetry is not None:
+                telemetry.stop()
+
+    def _close(self, cells: list[LiveCell], targets: dict[str, Target]) -> None:
+        """Each step runs even when an earlier one is interrupted (a second Ctrl-C during a slow
+        teardown): a rented node left running costs money. The first interruption is raised
+        once everything has been tried."""
+        interrupted: BaseException | None = None
+        for live in cells:
+            try:
+                live.close()
+            except Exception:
+                log.warning("cell %s: closing failed", live.cell.cell_id, exc_info=True)
+            except BaseException as exc:
+                interrupted = interrupted or exc
+        for node_id, target in targets.items():
+            begun = time.monotonic()
+            rentals_before = len(self.nodes.rentals)
+            problem: str | None = None
+            try:
+                target.close()
+            except Exception as exc:
+                problem = plain_error(exc)
+                log.warning("node %s: closing failed", node_id, exc_info=True)
+            except BaseException as exc:
+                problem = "interrupted"
+                interrupted = interrupted or exc
+            for rental in self.nodes.rentals[rentals_before:]:
+                if not rental.get("session_done"):
+                    problem = f"session {rental.get('session_id')} not marked done: end it by hand"
+            clock = self.nodes.clocks.get(node_id)
+            if clock is not None:
+                clock.note(
+                    "cleanup",
+                    "ok" if problem is None else "failed",
+                    time.monotonic() - begun,
+                    error=problem,
+                )
+        if interrupted is not None:
+            raise interrupted

@@ -1,0 +1,59 @@
+"""Load patterns: the `LoadPattern` protocol every pattern follows, and the factory that makes
+the pattern of a load point (`c<N>` closed loop, `r<rate>` open loop; `sweep` runs several)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pytest_gpubench.config.load_profile import LoadProfile
+    from pytest_gpubench.run.load.driver import LoadRun
+
+
+class LoadPattern(Protocol):
+    """How the requests of one load point are sent."""
+
+    @property
+    def connections(self) -> int:
+        """The kept-alive connections opened before the point's clock starts."""
+        ...
+
+    @property
+    def offered_rate(self) -> float | None:
+        """Requests/s the pattern offers (None: a closed loop offers what the engine takes)."""
+        ...
+
+    async def drive(self, run: LoadRun) -> None:
+        """Send requests through `run` until its bounds say stop, then wait for the last."""
+        ...
+
+
+def make_pattern(profile: LoadProfile, point: str) -> LoadPattern:
+    """The pattern of a point id of `profile.points` (not `sweep`: load/sweep.py)."""
+    if point.startswith("c"):
+        from pytest_gpubench.run.load.closed_loop import ClosedLoop
+
+        return ClosedLoop(int(point[1:]))
+    if point.startswith("r"):
+        from pytest_gpubench.run.load.open_loop import OpenLoop
+
+        return OpenLoop(float(point[1:]), profile.arrival, profile.burstiness, profile.seed)
+    raise ValueError(f"not a load point of a single pattern: {point!r}")
+
+
+def pattern_facts(pattern: LoadPattern) -> dict[str, object]:
+    """What the load record says of the pattern: its kind and its setting."""
+    from pytest_gpubench.run.load.closed_loop import ClosedLoop
+    from pytest_gpubench.run.load.open_loop import OpenLoop
+
+    if isinstance(pattern, ClosedLoop):
+        return {"pattern": "closed", "concurrency": pattern.concurrency, "rate": None}
+    if isinstance(pattern, OpenLoop):
+        return {
+            "pattern": "open",
+            "concurrency": None,
+            "rate": pattern.rate,
+            "arrival": pattern.arrival,
+            "burstiness": pattern.burstiness if pattern.arrival == "gamma" else None,
+        }
+    return {"pattern": type(pattern).__name__}

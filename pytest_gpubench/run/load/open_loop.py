@@ -1,0 +1,66 @@
+"""Open loop: requests sent at scheduled times (constant, Poisson or gamma arrivals at a rate),
+whether or not earlier ones have ended; a send that is late says so (send lag)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pytest_gpubench.run.load.driver import LoadRun, spin_ns, wait_until
+
+# Connections opened ahead: enough for this many seconds of arrivals (more open on demand).
+PREOPEN_S = 1.0
+PREOPEN_MAX = 256
+
+
+def arrival_gaps(rate: float, arrival: str, burstiness: float, seed: int) -> Iterator[float]:
+    """The seconds between consecutive sends, the same sequence for the same arguments.
+
+    poisson: exponential gaps; gamma: gamma gaps of shape `burstiness` and the same mean 1/rate
+    (below 1 burstier than Poisson); constant: 1/rate each."""
+    chooser = random.Random(seed)
+    while True:
+        if arrival == "constant":
+            yield 1.0 / rate
+        elif arrival == "poisson":
+            yield chooser.expovariate(rate)
+        else:
+            yield chooser.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+@dataclass(frozen=True)
+class OpenLoop:
+    rate: float
+    arrival: str = "poisson"
+    burstiness: float = 1.0
+    seed: int = 0
+    # The first send, after the point's start (the processes of a constant schedule interleave).
+    offset_s: float = 0.0
+
+    @property
+    def connections(self) -> int:
+        return max(1, min(PREOPEN_MAX, int(self.rate * PREOPEN_S) + 1))
+
+    @property
+    def offered_rate(self) -> float | None:
+        return self.rate
+
+    async def drive(self, run: LoadRun) -> None:
+        in_flight: set[asyncio.Task[None]] = set()
+        due_ns = run.started_ns + int(self.offset_s * 1e9)
+        # The first request goes out at the start; each later one a gap after the one before.
+        gaps = arrival_gaps(self.rate, self.arrival, self.burstiness, self.seed)
+        spin = spin_ns(self.rate)
+        while True:
+            await wait_until(due_ns, spin)
+            window = run.bounds.window(due_ns)
+            if window is None:
+                break
+            task = asyncio.create_task(run.send(due_ns, window))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+            due_ns += int(next(gaps) * 1e9)
+        if in_flight:
+            await asyncio.gather(*in_flight)

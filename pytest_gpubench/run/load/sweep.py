@@ -1,0 +1,77 @@
+"""The sweep: one request at a time, then as fast as the engine takes (a closed loop at
+`max_concurrency`), then k open-loop rates evenly between the two; the saturation point is the
+highest rate that met the SLO (without one: that the engine kept up with)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from pytest_gpubench.config.load_profile import LoadProfile, rate_text
+from pytest_gpubench.run.load import LoadPattern
+from pytest_gpubench.run.load.closed_loop import ClosedLoop
+from pytest_gpubench.run.load.open_loop import OpenLoop
+
+# Without an SLO, a rate is served when the engine completed at least this share of it.
+KEPT_UP = 0.9
+
+# Runs one step (its point id, its pattern) and returns its summary (load/summary.py).
+StepRunner = Callable[[str, LoadPattern], Awaitable[Mapping[str, Any]]]
+
+
+async def run_sweep(profile: LoadProfile, run_step: StepRunner) -> dict[str, Any]:
+    """Run every step; the sweep's own facts: its steps and its saturation point."""
+    assert profile.sweep is not None
+    steps: list[tuple[str, LoadPattern, Mapping[str, Any]]] = []
+    first: tuple[tuple[str, LoadPattern], ...] = (
+        ("sweep-c1", ClosedLoop(1)),
+        (f"sweep-c{profile.sweep.max_concurrency}", ClosedLoop(profile.sweep.max_concurrency)),
+    )
+    for point, pattern in first:
+        steps.append((point, pattern, await run_step(point, pattern)))
+    low = steps[0][2].get("achieved_rate") or 0.0
+    high = steps[1][2].get("achieved_rate") or 0.0
+    k = profile.sweep.rates
+    for i in range(1, k + 1):
+        rate = round(low + (high - low) * i / (k + 1), 3)
+        if rate <= 0:
+            continue
+        open_loop = OpenLoop(rate, profile.arrival, profile.burstiness, profile.seed)
+        point = f"sweep-r{rate_text(rate)}"
+        steps.append((point, open_loop, await run_step(point, open_loop)))
+    return {
+        "steps": [_step_row(point, pattern, summary) for point, pattern, summary in steps],
+        "saturation_rate": saturation_rate(
+            [(pattern.offered_rate, summary) for _, pattern, summary in steps]
+        ),
+    }
+
+
+def _step_row(point: str, pattern: LoadPattern, summary: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("achieved_rate", "output_tokens_per_sec", "ttft_ms_p99", "tpot_ms_p99", "meets_slo")
+    return {
+        "load_point": point,
+        "offered_rate": pattern.offered_rate,
+        **{key: summary.get(key) for key in keys},
+        "valid": summary.get("valid"),
+    }
+
+
+def saturation_rate(steps: list[tuple[float | None, Mapping[str, Any]]]) -> float | None:
+    """The highest achieved rate of a valid step that met the SLO, or without an SLO of one
+    whose engine kept up with what was offered (a closed loop always does)."""
+    served = []
+    for offered, summary in steps:
+        achieved = summary.get("achieved_rate")
+        if not summary.get("valid") or achieved is None:
+            continue
+        if summary.get("meets_slo") is False:
+            continue
+        if (
+            summary.get("meets_slo") is None
+            and offered is not None
+            and achieved < KEPT_UP * offered
+        ):
+            continue
+        served.append(float(achieved))
+    return max(served) if served else None
