@@ -5,10 +5,10 @@ first content chunk and sends that stamp in its last chunk; the client stamps th
 first content bytes. On Linux perf_counter_ns is CLOCK_MONOTONIC, shared by both processes, so the
 difference is what the client adds. Prints the median and p90 per client, side by side.
 
-The server keeps connections alive (tests/keepalive_server.py); pytest-gpubench is measured with a
-kept-alive connection and with a new connection per call, over plain HTTP and over TLS through
-stunnel4 (tests/tls_terminator.py, a CA made for the run), with the connect and TLS handshake times
-it records beside each call (never inside its TTFT).
+The server keeps connections alive (tests/support/keepalive_server.py); pytest-gpubench is
+measured with a kept-alive connection and with a new connection per call, over plain HTTP and
+over TLS through stunnel4 (tests/support/tls_terminator.py, a CA made for the run), with the
+connect and TLS handshake times it records beside each call (never inside its TTFT).
 
     python benchmarks_dev/client_overhead.py [--requests 300]
 """
@@ -36,8 +36,8 @@ from pytest_gpubench.measure.stream import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from keepalive_server import KeepAliveServer
-from tls_terminator import stunnel
+from support.keepalive_server import KeepAliveServer
+from support.tls_terminator import stunnel
 
 
 def _serve(port_queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]

@@ -1,9 +1,9 @@
 """How often the gate cries wolf on an unchanged real llama-server, and how often it catches +60 %.
 
-Starts llama-server (the tiny model, one thread) behind the delaying proxy of tests/delay_proxy.py,
-writes one baseline through the proxy with no delay, then repeats full pytest runs (each a
-subprocess, in a temporary directory) and counts exit statuses and verdicts: exit 6 with no delay
-is a false alarm. With --detect, the same again with the first content held back by 60 % of the
+Starts llama-server (the tiny model, one thread) behind the delaying proxy of
+tests/support/delay_proxy.py, writes one baseline through the proxy with no delay, then repeats
+full pytest runs (each a subprocess, in a temporary directory) and counts exit statuses and
+verdicts: exit 6 with no delay is a false alarm. With --detect, the same again with the first content held back by 60 % of the
 baseline's warm TTFT p50 counts detections. Each run also shows llama-server's own speed during
 it, as the proxy timed it (time to first content / last byte, p50) against the baseline run's,
 and the tally repeats the counts for the runs where that speed stayed within 10 %.
@@ -33,7 +33,7 @@ from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.targets.local import LocalTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from delay_proxy import DelayProxy, EngineSpeed, delay_proxy
+from support.delay_proxy import DelayProxy, EngineSpeed, delay_proxy
 
 CELL = "local:llamacpp:tiny"
 PROMPT_ID = "P-EASY"

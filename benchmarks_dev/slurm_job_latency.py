@@ -1,7 +1,7 @@
 """What running a managed llama-server as a Slurm job costs against running it locally.
 
-Starts the tests' single-node Slurm cluster on loopback (tests/slurm_fixtures.py), then, --repeat
-times each: the managed llama-server (tiny model) started as a Slurm job (write the script,
+Starts the tests' single-node Slurm cluster on loopback (tests/support/slurm_fixtures.py), then,
+--repeat times each: the managed llama-server (tiny model) started as a Slurm job (write the script,
 sbatch, wait for RUNNING, wait for /health) and stopped (scancel, wait until the job has left the
 queue, read its final state), and the same server started and stopped as a local process. Prints
 the median and max of each step in milliseconds. Needs root, `bash scripts/setup-slurm.sh` and
@@ -67,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     # The tests' cluster set-up, shared rather than copied.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from slurm_fixtures import running_cluster
+    from support.slurm_fixtures import running_cluster
 
     with tempfile.TemporaryDirectory() as work, running_cluster() as cluster:
         ended: list[dict[str, Any]] = []

@@ -33,7 +33,7 @@ SHORTEST_INTERVAL_MS = int(TelemetrySettings.model_fields["interval_ms"].metadat
 def _standin_on_path() -> list[dict[str, str]]:
     """Put the tests' nvidia-smi stand-in first on PATH; returns the inventory it reports."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from gpu_standins import write_nvidia_smi
+    from support.gpu_standins import write_nvidia_smi
 
     folder = Path(tempfile.mkdtemp(prefix="gpubench-standin-"))
     write_nvidia_smi(folder)

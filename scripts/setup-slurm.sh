@@ -2,7 +2,7 @@
 # Installs what the Slurm tests need: Debian's slurmctld, slurmd, the client commands (sbatch,
 # squeue, scancel, sacct, scontrol) and munge. Idempotent: a second run changes nothing.
 # The tests start their own single-node cluster on loopback from a private slurm.conf and munge
-# key (tests/slurm_fixtures.py): no system-wide daemon is configured or started here.
+# key (tests/support/slurm_fixtures.py): no system-wide daemon is configured or started here.
 set -euo pipefail
 
 if [ "$(id -u)" -ne 0 ]; then

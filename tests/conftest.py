@@ -20,7 +20,7 @@ import scipy.stats  # noqa: F401
 from pytest_gpubench.core.cache import cache_dir
 
 if TYPE_CHECKING:
-    from vllm_server import VllmServer
+    from support.vllm_server import VllmServer
 
     from pytest_gpubench.engines.managed import ManagedLlamaServer
 
@@ -54,7 +54,7 @@ def tiny_model() -> Path:
 @pytest.fixture
 def server(llama_server: Path, tiny_model: Path, tmp_path: Path) -> Iterator["ManagedLlamaServer"]:
     """A running llama-server (one thread) serving the tiny model as `tiny`, stopped afterwards."""
-    from tiny_server import tiny_llama_server
+    from support.tiny_server import tiny_llama_server
 
     with tiny_llama_server(llama_server, tiny_model, tmp_path) as managed:
         yield managed
@@ -63,7 +63,7 @@ def server(llama_server: Path, tiny_model: Path, tmp_path: Path) -> Iterator["Ma
 @pytest.fixture(scope="session")
 def vllm_install() -> Path:
     """The vLLM venv's Python (`make vllm`); skipped where it is not installed, failed on CI."""
-    from vllm_server import VLLM_PYTHON, vllm_installed
+    from support.vllm_server import VLLM_PYTHON, vllm_installed
 
     missing = vllm_installed()
     if missing is not None:
@@ -79,7 +79,7 @@ def vllm_server(
 ) -> Iterator["VllmServer"]:
     """One real vLLM (tiny model, served as `tiny-vllm`) shared by the session's tests: it takes
     a minute or more to start on two cores."""
-    from vllm_server import running_vllm
+    from support.vllm_server import running_vllm
 
     with running_vllm(tmp_path_factory.mktemp("vllm")) as server:
         yield server

@@ -1,6 +1,6 @@
 """Decode rate and attribution against the real llama-server (the tiny model, one thread).
 
-A proxy (tests/delay_proxy.py) that batches the reply's chunks must not move the decode rate away
+A proxy (tests/support/delay_proxy.py) that batches the reply's chunks must not move the decode rate away
 from llama-server's own; a delay added only by the proxy is the transport's; an engine slowed by
 CPU hogs pinned to its core is the engine's.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from delay_proxy import WHOLE_REPLY, delay_proxy
-from tiny_server import tiny_llama_server
+from support.delay_proxy import WHOLE_REPLY, delay_proxy
+from support.tiny_server import tiny_llama_server
 
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.measure.stream import CallMeasurement

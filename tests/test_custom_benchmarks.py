@@ -1,7 +1,7 @@
 """Benchmarks users write themselves: a test that asks for `gpubench_engine` is parametrized over
 the matrix, and every call it makes is measured, recorded under the test's name, baselined and
 gated like the built-in prompts; its request is frozen by its hash. Against the real llama-server
-(tests/conftest.py `server`), through the delaying proxy (tests/delay_proxy.py) for the gate.
+(tests/conftest.py `server`), through the delaying proxy (tests/support/delay_proxy.py) for the gate.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from delay_proxy import DelayProxy, EngineSpeed, delay_proxy
+from support.delay_proxy import DelayProxy, EngineSpeed, delay_proxy
 
 from pytest_gpubench.config.cases import request_sha256
 from pytest_gpubench.engines.managed import ManagedLlamaServer

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from standins import OLLAMA_DIGEST, FaultyOpenAIServer, OllamaStandin, serving
+from support.standins import OLLAMA_DIGEST, FaultyOpenAIServer, OllamaStandin, serving
 
 from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine

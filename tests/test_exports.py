@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import ledgers
 import pandas as pd
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support import ledgers
 
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.results.stats import summarize

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pytest_process import start_pytest
+from support.pytest_process import start_pytest
 
 from pytest_gpubench.core.status import EXIT_WRITE_FAILED
 from pytest_gpubench.ledger.writer import read_ledger

@@ -1,6 +1,6 @@
 """The regression gate against the real llama-server, made slower on purpose by a delaying proxy.
 
-The proxy (tests/delay_proxy.py) sits in front of a llama-server serving the tiny model and holds
+The proxy (tests/support/delay_proxy.py) sits in front of a llama-server serving the tiny model and holds
 back the first content of each streamed reply. The baseline is measured through the proxy with no
 delay, so its own overhead is in the baseline and in every comparison alike.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
-from delay_proxy import DelayProxy, EngineSpeed, FirstContentSplitter, delay_proxy
-from tiny_server import tiny_llama_server
+from support.delay_proxy import DelayProxy, EngineSpeed, FirstContentSplitter, delay_proxy
+from support.tiny_server import tiny_llama_server
 
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from standins import FaultyOpenAIServer, OllamaStandin, serving
+from support.standins import FaultyOpenAIServer, OllamaStandin, serving
 
 from pytest_gpubench.core.status import EXIT_UNMEASURED
 from pytest_gpubench.ledger.writer import read_ledger

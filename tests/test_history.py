@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import ledgers
 import pytest
+from support import ledgers
 
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.reports.history import read_history, sparkline

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
+from support.bench_files import CHECKED_TEST_FILE, ONE_PROMPT
 
 from pytest_gpubench.ledger.writer import read_ledger
 

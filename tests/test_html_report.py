@@ -9,8 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import ledgers
 import pytest
+from support import ledgers
 
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.results.baseline import baselines_from_records, write_baseline

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from standins import OllamaStandin, serving
+from support.standins import OllamaStandin, serving
 
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.writer import read_ledger

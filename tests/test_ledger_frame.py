@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-import ledgers
 import pytest
+from support import ledgers
 
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.writer import read_ledger

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bench_files import CHECKED_TEST_FILE
+from support.bench_files import CHECKED_TEST_FILE
 
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.managed import ManagedLlamaServer

@@ -1,6 +1,6 @@
 """Load cases without a real engine: the profile, the cases, the client's HTTP reading, the
 summary, the arrival schedules, the gate on load points and the /metrics parser (pure or against
-tests/keepalive_server.py, a timing-controlled OpenAI-style server)."""
+tests/support/keepalive_server.py, a timing-controlled OpenAI-style server)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from keepalive_server import keepalive_server
+from support.keepalive_server import keepalive_server
 
 from pytest_gpubench.config.cases import build_cases
 from pytest_gpubench.config.load_profile import LoadProfile, LoadThresholds, Slo, merged_profile
@@ -498,9 +498,9 @@ def test_a_corrupt_load_baseline_is_one_line_naming_the_file(tmp_path: Path) -> 
 def test_a_load_case_on_an_https_endpoint_trusts_what_the_cell_trusts(
     pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
-    """stunnel (tests/tls_terminator.py, a CA made for the test) in front of the keepalive
+    """stunnel (tests/support/tls_terminator.py, a CA made for the test) in front of the keepalive
     server: the load client connects over TLS with the cell's ca_file."""
-    from tls_terminator import stunnel, stunnel_binary
+    from support.tls_terminator import stunnel, stunnel_binary
 
     if stunnel_binary() is None:
         pytest.skip("stunnel4 is not installed (scripts/setup-system.sh)")

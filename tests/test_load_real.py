@@ -1,7 +1,7 @@
 """Load cases against the real llama-server serving the tiny model with 4 slots: throughput
 rises with concurrency, every request gets max_tokens, an open loop keeps its Poisson schedule,
 the engine's own token counter agrees with the client's, and the gate fails a load point whose
-throughput a pacing proxy halved (tests/pacing_proxy.py) while passing an unchanged one."""
+throughput a pacing proxy halved (tests/support/pacing_proxy.py) while passing an unchanged one."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pacing_proxy import PacingProxy, pacing_proxy
+from support.pacing_proxy import PacingProxy, pacing_proxy
 
 from pytest_gpubench.engines import tinymodel
 from pytest_gpubench.engines.managed import ManagedLlamaServer

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip(
-    "vllm_server", reason="the shared vLLM set-up (tests/vllm_server.py) is missing"
+    "vllm_server", reason="the shared vLLM set-up (tests/support/vllm_server.py) is missing"
 )
 
 MAX_TOKENS = 16

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from remote_cells import (
+from support.remote_cells import (
     flow_mapping,
     ledger_of,
     run_matrix,
@@ -28,9 +28,9 @@ from pytest_gpubench.engines.managed import ManagedServer, render_launch
 from pytest_gpubench.targets.local import LocalTarget
 
 if TYPE_CHECKING:
-    from ssh_fixtures import SshServer
+    from support.ssh_fixtures import SshServer
 
-pytest_plugins = ["ssh_fixtures"]
+pytest_plugins = ["support.ssh_fixtures"]
 
 
 def llama_template(binary: Path | str) -> list[str]:
@@ -159,7 +159,13 @@ def test_vllm_launched_on_an_ssh_node_measured_through_the_forward_and_stopped(
     """The managed vLLM flow of a rented GPU, on the loopback sshd: vLLM's OpenAI server started
     on the node from the cell's launch template (one start: warm cases only), measured through
     the SSH forward, stopped when the node is given back."""
-    from vllm_server import DEFAULT_ARGS, READY_TIMEOUT_S, VLLM_MODEL_DIR, VLLM_VENV, vllm_env
+    from support.vllm_server import (
+        DEFAULT_ARGS,
+        READY_TIMEOUT_S,
+        VLLM_MODEL_DIR,
+        VLLM_VENV,
+        vllm_env,
+    )
 
     # The install the node's user can run (scripts/setup-vllm.sh: the same packages, read by a
     # Python outside root's home).

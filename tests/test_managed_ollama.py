@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from gpu_standins import write_nvidia_smi
-from ollama_standin import OLLAMA_VERSION, write_ollama
-from remote_cells import flow_mapping, ledger_of, run_matrix, ssh_node
+from support.gpu_standins import write_nvidia_smi
+from support.ollama_standin import OLLAMA_VERSION, write_ollama
+from support.remote_cells import flow_mapping, ledger_of, run_matrix, ssh_node
 
 if TYPE_CHECKING:
-    from ssh_fixtures import SshServer
+    from support.ssh_fixtures import SshServer
 
-pytest_plugins = ["ssh_fixtures"]
+pytest_plugins = ["support.ssh_fixtures"]
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""`gpubench merge` and `gpubench gate` on generated shard ledgers (tests/ledgers.py): the merged
+"""`gpubench merge` and `gpubench gate` on generated shard ledgers (tests/support/ledgers.py): the merged
 ledger's shape, the gate's exit status on it, and the refusals. The real job array's ledgers are
 merged and gated in test_slurm_array.py."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ledgers import CELLS, load_records, read, run_records, write
+from support.ledgers import CELLS, load_records, read, run_records, write
 
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.config.shards import Shard, assign_nodes, node_groups, shard_matrix

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from keepalive_server import KeepAliveServer, keepalive_server
-from standins import OllamaStandin, serving
-from tls_terminator import make_ca, stunnel, stunnel_binary
+from support.keepalive_server import KeepAliveServer, keepalive_server
+from support.standins import OllamaStandin, serving
+from support.tls_terminator import make_ca, stunnel, stunnel_binary
 
 from pytest_gpubench.config.matrix import Prompt, RequestShape, load_matrix
 from pytest_gpubench.core.errors import GpubenchError

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from standins import OllamaStandin, serving
+from support.standins import OllamaStandin, serving
 
 PROMPTS = """\
 prompts:

@@ -1,7 +1,7 @@
 """The gate inside a pytest run: --baseline-update, verdicts, exit 6, frozen prompts, bad baselines.
 
 Ollama cannot run here: these runs use the stand-in that follows Ollama's docs/api.md field by field
-(tests/standins.py), whose speed the tests control. The same gate against the real llama-server
+(tests/support/standins.py), whose speed the tests control. The same gate against the real llama-server
 is in tests/test_gate_real.py.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from standins import FaultyOpenAIServer, OllamaStandin, serving
+from support.standins import FaultyOpenAIServer, OllamaStandin, serving
 
 from pytest_gpubench.ledger.writer import read_ledger
 

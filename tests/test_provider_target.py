@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from provider_standin import ProviderStandIn, Scenario
+from support.provider_standin import ProviderStandIn, Scenario
 
 from pytest_gpubench.config.matrix import LocalNode, ProviderNode, SshNode
 from pytest_gpubench.targets import open_target
@@ -24,9 +24,9 @@ from pytest_gpubench.targets.ssh import SshTarget
 from pytest_gpubench.targets.stages import StageError
 
 if TYPE_CHECKING:
-    from ssh_fixtures import SshServer
+    from support.ssh_fixtures import SshServer
 
-pytest_plugins = ["ssh_fixtures"]
+pytest_plugins = ["support.ssh_fixtures"]
 
 TOKEN = "tok-3f9c1a-secret"
 TOKEN_ENV = "GPUBENCH_TEST_PROVIDER_TOKEN"

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from provider_standin import ProviderStandIn
-from remote_cells import (
+from support.provider_standin import ProviderStandIn
+from support.remote_cells import (
     TOKEN,
     TOKEN_ENV,
     ledger_of,
@@ -28,9 +28,9 @@ from remote_cells import (
 )
 
 if TYPE_CHECKING:
-    from ssh_fixtures import SshServer
+    from support.ssh_fixtures import SshServer
 
-pytest_plugins = ["ssh_fixtures"]
+pytest_plugins = ["support.ssh_fixtures"]
 
 OFFERS = [
     {"id": "o-cheap", "provider": "vastai", "gpu_name": "RTX 4090", "vram_gb": 24,

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from gpu_standins import write_nvidia_smi
-from provider_standin import ProviderStandIn
-from pytest_process import start_pytest
-from remote_cells import (
+from support.gpu_standins import write_nvidia_smi
+from support.provider_standin import ProviderStandIn
+from support.pytest_process import start_pytest
+from support.remote_cells import (
     TOKEN,
     TOKEN_ENV,
     ledger_of,
@@ -39,9 +39,9 @@ from pytest_gpubench.cli.main import main as gpubench_main
 from pytest_gpubench.ledger.writer import read_ledger
 
 if TYPE_CHECKING:
-    from ssh_fixtures import SshServer
+    from support.ssh_fixtures import SshServer
 
-pytest_plugins = ["ssh_fixtures"]
+pytest_plugins = ["support.ssh_fixtures"]
 
 H100_OFFERS = [
     {"id": "o-h100", "provider": "vastai", "gpu_name": "H100", "vram_gb": 80,

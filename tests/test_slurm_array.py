@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
+from support.bench_files import CHECKED_TEST_FILE, ONE_PROMPT
 
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.core.status import EXIT_UNMEASURED
@@ -22,9 +22,9 @@ from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.baseline import baseline_path
 
 if TYPE_CHECKING:
-    from slurm_fixtures import SlurmCluster
+    from support.slurm_fixtures import SlurmCluster
 
-pytest_plugins = ["slurm_fixtures"]
+pytest_plugins = ["support.slurm_fixtures"]
 
 ARRAY_TIMEOUT_S = 300
 

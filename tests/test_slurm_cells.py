@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from remote_cells import flow_mapping, ledger_of, managed_cell, write_project
+from support.remote_cells import flow_mapping, ledger_of, managed_cell, write_project
 
 from pytest_gpubench.core.status import EXIT_UNMEASURED
 
 if TYPE_CHECKING:
-    from slurm_fixtures import SlurmCluster
-    from ssh_fixtures import SshServer
+    from support.slurm_fixtures import SlurmCluster
+    from support.ssh_fixtures import SshServer
 
-pytest_plugins = ["slurm_fixtures", "ssh_fixtures"]
+pytest_plugins = ["support.slurm_fixtures", "support.ssh_fixtures"]
 
 
 def slurm_node(cluster: SlurmCluster, work_dir: Path, **extra: Any) -> str:

@@ -24,9 +24,9 @@ from pytest_gpubench.targets.slurm import open_slurm_target
 from pytest_gpubench.targets.slurm.script import job_name, job_script
 
 if TYPE_CHECKING:
-    from slurm_fixtures import SlurmCluster
+    from support.slurm_fixtures import SlurmCluster
 
-pytest_plugins = ["slurm_fixtures"]
+pytest_plugins = ["support.slurm_fixtures"]
 
 ARGV = ["/opt/llama/llama-server", "--model", "/scratch/m o.gguf", "--alias", "x;rm -rf /"]
 

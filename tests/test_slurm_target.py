@@ -19,9 +19,9 @@ from pytest_gpubench.targets.slurm import SlurmTarget, open_slurm_target
 from pytest_gpubench.targets.stages import StageError
 
 if TYPE_CHECKING:
-    from slurm_fixtures import SlurmCluster
+    from support.slurm_fixtures import SlurmCluster
 
-pytest_plugins = ["slurm_fixtures"]
+pytest_plugins = ["support.slurm_fixtures"]
 
 
 def _target(

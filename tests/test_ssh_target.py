@@ -24,9 +24,9 @@ from pytest_gpubench.targets.ssh.target import (
 from pytest_gpubench.targets.stages import SetupStep, StageError
 
 if TYPE_CHECKING:
-    from ssh_fixtures import SshServer
+    from support.ssh_fixtures import SshServer
 
-pytest_plugins = ["ssh_fixtures"]
+pytest_plugins = ["support.ssh_fixtures"]
 
 
 def connect(server: SshServer, **overrides: object) -> SshTarget:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gpu_standins import write_nvidia_smi
+from support.gpu_standins import write_nvidia_smi
 
 from pytest_gpubench.targets.bringup import (
     NodeGpus,

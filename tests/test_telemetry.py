@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from gpu_standins import (
+from support.gpu_standins import (
     MEMORY_TOTAL_MIB,
     MEMORY_USED_MIB,
     POWER_W,
@@ -52,11 +52,11 @@ from pytest_gpubench.telemetry.nvml import engine_memory_mib
 from pytest_gpubench.telemetry.proc import RemoteLineParser, cpu_seconds, process_tree
 
 if TYPE_CHECKING:
-    from ssh_fixtures import SshServer
+    from support.ssh_fixtures import SshServer
 
     from pytest_gpubench.targets.ssh import SshTarget
 
-pytest_plugins = ["ssh_fixtures"]
+pytest_plugins = ["support.ssh_fixtures"]
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = TelemetrySettings(interval_ms=50)
@@ -517,7 +517,7 @@ def test_real_llama_server_cpu_time_and_rss_and_a_gpu_that_vanishes(
 
 def test_cells_that_turn_telemetry_off_get_no_samples(pytester: pytest.Pytester) -> None:
     """Ollama cannot run here: the stand-in follows Ollama's docs/api.md field by field."""
-    from standins import OllamaStandin, serving
+    from support.standins import OllamaStandin, serving
 
     with serving(OllamaStandin("a:1")) as quiet, serving(OllamaStandin()) as sampled:
         pytester.makefile(

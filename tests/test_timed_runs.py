@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
-from delay_proxy import delay_proxy
-from pytest_process import start_pytest
+from support.bench_files import CHECKED_TEST_FILE, ONE_PROMPT
+from support.delay_proxy import delay_proxy
+from support.pytest_process import start_pytest
 
 from pytest_gpubench.ledger.writer import read_ledger
 

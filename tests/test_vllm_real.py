@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_server import VLLM_MODEL_DIR, VLLM_VERSION, VllmServer
+from support.vllm_server import VLLM_MODEL_DIR, VLLM_VERSION, VllmServer
 
 from pytest_gpubench.ledger.writer import read_ledger
 

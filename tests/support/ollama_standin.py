@@ -36,7 +36,7 @@ from pathlib import Path
 OLLAMA_VERSION = "0.12.3"
 
 OLLAMA_SCRIPT = r'''#!/usr/bin/python3
-"""Stand-in for ollama (tests/ollama_standin.py says what it follows)."""
+"""Stand-in for ollama (tests/support/ollama_standin.py says what it follows)."""
 import hashlib, json, os, sys, threading, time, urllib.error, urllib.request
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

@@ -10,15 +10,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from bench_files import CHECKED_TEST_FILE, ONE_PROMPT
-from provider_standin import ProviderStandIn, Scenario
 
 from pytest_gpubench.ledger.writer import read_ledger
+from support.bench_files import CHECKED_TEST_FILE, ONE_PROMPT
+from support.provider_standin import ProviderStandIn, Scenario
 
 if TYPE_CHECKING:
-    from ssh_fixtures import SshServer
-
     from pytest_gpubench.targets.ssh import SshTarget
+    from support.ssh_fixtures import SshServer
 
 TOKEN = "tok-remote-cells-7d1e"
 TOKEN_ENV = "GPUBENCH_TEST_PROVIDER_TOKEN"

@@ -40,7 +40,7 @@ POWER_W = 71.23
 SM_CLOCK_MHZ = 1980
 
 NVIDIA_SMI_SCRIPT = r'''#!/usr/bin/python3
-"""Stand-in for nvidia-smi (tests/gpu_standins.py says what it follows)."""
+"""Stand-in for nvidia-smi (tests/support/gpu_standins.py says what it follows)."""
 import sys, time
 
 GPUS = {gpus}
@@ -196,7 +196,7 @@ def nvml_module(
 ) -> tuple[types.ModuleType, NvmlState]:
     """A module to put in sys.modules as `pynvml`, and the state it reports from."""
     state = NvmlState(gpus, energy_counter, library)
-    module = types.ModuleType("pynvml", "Stand-in for nvidia-ml-py (tests/gpu_standins.py)")
+    module = types.ModuleType("pynvml", "Stand-in for nvidia-ml-py (tests/support/gpu_standins.py)")
     mib = 1024 * 1024
 
     def check(handle: int) -> None:
