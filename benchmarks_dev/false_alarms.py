@@ -1,12 +1,12 @@
 """How often the gate cries wolf on an unchanged real llama-server, and how often it catches +60 %.
 
 Starts llama-server (the tiny model, one thread) behind the delaying proxy of
-tests/support/delay_proxy.py, writes one baseline through the proxy with no delay, then repeats
-full pytest runs (each a subprocess, in a temporary directory) and counts exit statuses and
-verdicts: exit 6 with no delay is a false alarm. With --detect, the same again with the first content held back by 60 % of the
-baseline's warm TTFT p50 counts detections. Each run also shows llama-server's own speed during
-it, as the proxy timed it (time to first content / last byte, p50) against the baseline run's,
-and the tally repeats the counts for the runs where that speed stayed within 10 %.
+tests/support/delay_proxy.py, writes one baseline through the proxy with no delay, then repeats full
+pytest runs (each a subprocess, in a temporary directory) and counts exit statuses and verdicts:
+exit 6 with no delay is a false alarm. With --detect, the same again with the first content held
+back by 60 % of the baseline's warm TTFT p50 counts detections. Each run also shows llama-server's
+own speed during it, as the proxy timed it (time to first content / last byte, p50) against the
+baseline run's, and the tally repeats the counts for the runs where that speed stayed within 10 %.
 
     python benchmarks_dev/false_alarms.py [--repeat 20] [--runs N] [--detect] [--hog N]
 """
