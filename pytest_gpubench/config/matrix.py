@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     AnyHttpUrl,
     BaseModel,
@@ -30,6 +29,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting, merged_profile
+from pytest_gpubench.config.yaml_file import parse_yaml
 from pytest_gpubench.core.errors import GpubenchError
 
 PHASES = ("cold", "warm")
@@ -546,13 +546,7 @@ def _read_yaml(path: Path, expected: str) -> Any:
             f"{path}: line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
             f"{exc.start}); save the file as UTF-8"
         ) from None
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise GpubenchError(f"{path}:{where}: malformed YAML: {problem}") from None
+    loaded = parse_yaml(text, path)
     if loaded is None:
         raise GpubenchError(f"{path}: the file is empty (expected {expected})")
     if not isinstance(loaded, dict):
