@@ -122,8 +122,8 @@ def summary_rows(
             fixed(summary.warm_first_delta_ms_p50),
             fixed(summary.warm_total_duration_ms_p50),
             fixed(summary.warm_decode_tokens_per_sec_p50, 1),
-            fixed(summary.cold_first_delta_ms),
-            fixed(summary.cold_total_duration_ms),
+            _cold_figure(summary, summary.cold_first_delta_ms),
+            _cold_figure(summary, summary.cold_total_duration_ms),
             str(summary.warm_coalesced),
             success(summary),
             _changes(by_key.get(summary.key, {})),
@@ -131,6 +131,16 @@ def summary_rows(
         ]
         for summary in sorted(summaries, key=lambda item: item.key)
     ]
+
+
+# A cold case on an engine that cannot unload its model (an `openai` endpoint) runs warm: its
+# figure is shown, but never as if it were a cold start.
+RAN_WARM = "process_warm"
+
+
+def _cold_figure(summary: PromptSummary, value: float | None) -> str:
+    shown = fixed(value)
+    return f"{shown} (ran warm)" if summary.cold_kind == RAN_WARM and value is not None else shown
 
 
 def _verdicts_by_key(verdicts: Iterable[Verdict]) -> dict[tuple[str, str], dict[str, Verdict]]:
