@@ -559,7 +559,10 @@ def _describe_location(loc: tuple[int | str, ...], raw: Any) -> str:
     parts: list[str] = []
     for i, item in enumerate(loc):
         if isinstance(item, int):
-            parts[-1] = f"{parts[-1]}[{item}]" if parts else f"[{item}]"
+            if not parts:
+                parts.append(f"[{item}]")  # a key that is a number, at the top level
+                continue
+            parts[-1] = f"{parts[-1]}[{item}]"
             if loc[:i] == ("cells",) and isinstance(raw, dict):
                 cells = raw.get("cells")
                 if isinstance(cells, list) and item < len(cells) and isinstance(cells[item], dict):
@@ -569,8 +572,15 @@ def _describe_location(loc: tuple[int | str, ...], raw: Any) -> str:
         elif i == 2 and loc[0] == "nodes" and item in (*NODE_KINDS, "plugin"):
             continue  # pydantic's union tag after nodes.<name>, not a key the user wrote
         else:
-            parts.append(str(item))
+            parts.append(_shown_key(str(item)))
     return ".".join(parts)
+
+
+def _shown_key(key: str) -> str:
+    """A key as written, or quoted where it is empty, holds a dot or a character that would
+    break the line (a carriage return would hide the file's name)."""
+    plain = key and key.isprintable() and "." not in key and key.strip() == key
+    return key if plain else repr(key)
 
 
 def _first_error(path: Path, exc: ValidationError, raw: Any) -> GpubenchError:
