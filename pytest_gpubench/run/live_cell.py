@@ -66,6 +66,8 @@ class LiveCell:
     facts: dict[str, Any] = field(default_factory=dict)
     # When the cell became ready (its benchmark stage runs from there until it is closed).
     ready_at: float | None = None
+    # Why its benchmark stage was stopped (its timeout or the node's budget spent), if it was.
+    benchmark_stopped: str | None = None
 
     def prepare(self) -> None:
         """Open the node, launch a managed engine, health-check; on failure mark it unavailable."""
@@ -223,6 +225,24 @@ class LiveCell:
         finally:
             STALL_LIMIT_S.reset(stall)
 
+    def benchmark_left(self) -> float | None:
+        """Seconds the cell's benchmark stage may still run (stage_timeouts.benchmark, cut to
+        the node's budget); None: no limit."""
+        if self.ready_at is None:
+            return None
+        return self.node_clock(self.cell).left("benchmark", self.ready_at)
+
+    def check_benchmark_time(self) -> None:
+        """Before a case: a benchmark stage past its timeout (or the node's budget) ends, and
+        the cell's remaining cases are skipped with the reason, stage `benchmark`."""
+        if self.ready_at is None or self.unavailable is not None:
+            return
+        overrun = self.node_clock(self.cell).overrun("benchmark", self.ready_at)
+        if overrun is not None:
+            self.benchmark_stopped = overrun
+            self.unavailable = overrun
+            self.unavailable_stage = "benchmark"
+
     def warm_up(self, prompt: str, max_tokens: int, request: RequestShape, **own: Any) -> None:
         """An unrecorded call, so that the measured call follows one within the warm window (and
         on a connection already open). It sends the measured request itself, so that it primes
@@ -245,7 +265,14 @@ class LiveCell:
         clock = self.node_clock(self.cell)
         if self.ready_at is not None:
             elapsed = time.monotonic() - self.ready_at
-            clock.note("benchmark", "ok", elapsed, cell_id=self.cell.cell_id)
+            timeout = clock.timeouts.get("benchmark")
+            if self.benchmark_stopped is not None:
+                clock.note(
+                    "benchmark", "timeout", elapsed, error=self.benchmark_stopped,
+                    cell_id=self.cell.cell_id, timeout_s=timeout,
+                )  # fmt: skip
+            else:
+                clock.note("benchmark", "ok", elapsed, cell_id=self.cell.cell_id, timeout_s=timeout)
             self.ready_at = None
         if self.server is None:
             return
