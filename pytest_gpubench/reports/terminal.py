@@ -237,9 +237,11 @@ def _slurm_job_line(job: Mapping[str, Any]) -> TerminalLine:
     """A Slurm job of a cell's engine: how it ended; red when it may still be running."""
     state = job.get("state")
     ended = isinstance(state, str) and state not in ("RUNNING", "PENDING")
+    leaked = "left by a killed run, cancelled now: " if job.get("leaked") else ""
     text = (
-        f"slurm node {job.get('node')}: job {job.get('slurm_job_id')} ({job.get('job_name')}) "
-        f"on {job.get('compute_node')}: {state} after {job.get('elapsed_s')} s"
+        f"slurm node {job.get('node')}: {leaked}job {job.get('slurm_job_id')} "
+        f"({job.get('job_name')}) on {job.get('compute_node')}: {state} after "
+        f"{job.get('elapsed_s')} s"
     )
     if not ended:
         text += f"; cancel it by hand: scancel {job.get('slurm_job_id')}"

@@ -13,12 +13,15 @@ import logging
 import posixpath
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pytest_gpubench.config.matrix import SlurmNode
 from pytest_gpubench.targets import LOOPBACK_HOSTS, CommandResult, RentalClosed, Target
 from pytest_gpubench.targets.gpu import nvidia_smi_argv, parse_nvidia_smi
-from pytest_gpubench.targets.slurm.commands import QueueState, SlurmClient
+from pytest_gpubench.targets.provider.journal import RentalJournal
+from pytest_gpubench.targets.slurm.commands import ACTIVE_STATES, QueueState, SlurmClient
+from pytest_gpubench.targets.slurm.leases import begin_job, job_submitted
 from pytest_gpubench.targets.slurm.script import job_name, job_script
 from pytest_gpubench.targets.stages import StageError
 
@@ -44,6 +47,8 @@ class SlurmJob:
         self.node_name: str | None = None
         self.address: str | None = None
         self.ended = False
+        # Its entry in the lease journal, struck off once it has ended.
+        self.lease: Path | None = None
         self._checked_at = 0.0
         self._alive = True
 
@@ -98,6 +103,9 @@ class SlurmTarget:
         )
         self.jobs: list[SlurmJob] = []
         self.current: SlurmJob | None = None
+        # Every job is written down before sbatch and struck off once it has ended: a run
+        # killed with -9 leaves it for the next run or `gpubench leases --release` to cancel.
+        self.journal = RentalJournal()
 
     @property
     def work_dir(self) -> str:
@@ -127,7 +135,15 @@ class SlurmTarget:
                 f"node {self.node_id}: cannot write the job script {script_path}: "
                 f"{written.stderr.strip()[-300:]}",
             )
-        job = SlurmJob(self, self.client.submit(script_path), name, log_path)
+        lease = begin_job(self.journal, self.node_id, self.node, name)
+        try:
+            job_id = self.client.submit(script_path)
+        except BaseException:
+            self.journal.close(lease)  # a refused job holds nothing; a kill keeps the entry
+            raise
+        job_submitted(self.journal, lease, job_id)
+        job = SlurmJob(self, job_id, name, log_path)
+        job.lease = lease
         self.jobs.append(job)
         log.info("node %s: submitted Slurm job %s (%s)", self.node_id, job.job_id, name)
         try:
@@ -172,6 +188,8 @@ class SlurmTarget:
         if self.current is job:
             self.current = None
         final = self.client.final_state(job.job_id)
+        if job.lease is not None and not (final is not None and final.state in ACTIVE_STATES):
+            self.journal.close(job.lease)
         self.on_job_ended(
             {
                 "node": self.node_id,
