@@ -251,6 +251,7 @@ def _leases(args: argparse.Namespace) -> int:
     one could not be given back."""
     from pytest_gpubench.reports.terminal import rental_lines
     from pytest_gpubench.targets.provider.journal import RentalJournal, release
+    from pytest_gpubench.targets.slurm.leases import release_job
 
     journal = RentalJournal()
     entries = journal.entries()
@@ -262,7 +263,7 @@ def _leases(args: argparse.Namespace) -> int:
         facts = entry.facts
         in_use = entry.run_alive()
         if args.release and not in_use:
-            released = release(entry, journal)
+            released = (release_job if entry.kind == "slurm" else release)(entry, journal)
             failed = failed or not released["session_done"]
             print(rental_lines([released])[0].text)
             continue

@@ -191,10 +191,6 @@ def release(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
     variable) and return what it cost, in the shape of a rental given back (RentalClosed) plus
     `leaked: true`. An entry whose session was never created is struck off: nothing to give
     back. One whose session could not be marked done stays, to be tried again."""
-    if entry.kind == "slurm":
-        from pytest_gpubench.targets.slurm.leases import release_job
-
-        return release_job(entry, journal)
     from pytest_gpubench.targets.provider.api import MarketplaceClient
 
     facts = entry.facts
