@@ -174,6 +174,10 @@ class SlurmNode(_Strict):
     # How long a job may wait in the queue before its cell fails (stage `queue`).
     queue_timeout_s: PositiveFloat = 600.0
     command_timeout_s: PositiveFloat = 60.0
+    # What nvidia-smi must report inside each job (stage gpu_check, on the job's own node).
+    gpu_type: str | None = None
+    gpu_count: PositiveInt | None = None
+    gpu_check: Literal["auto", "required", "off"] = "auto"
 
 
 class PluginNode(BaseModel):
