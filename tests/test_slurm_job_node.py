@@ -109,3 +109,84 @@ def test_gpu_check_fails_on_what_the_jobs_node_reports(
     (outcome,) = records[-1]["cells"]
     assert outcome["status"] == "failed" and outcome["stage"] == "gpu_check"
     assert slurm_cluster.jobs() == []  # the job was cancelled when its check failed
+
+
+def test_a_managed_cell_without_paths_runs_from_the_submit_hosts_shared_files(
+    pytester: pytest.Pytester,
+    slurm_cluster: SlurmCluster,
+    llama_server: Path,
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No server_binary, no model_path: the job's node sees this host's llama-server and tiny
+    model at the same paths (one machine: a shared filesystem), checked by sha256, and runs
+    them; the cell record says which paths it took."""
+    monkeypatch.setenv("GPUBENCH_LLAMA_SERVER", str(llama_server))
+    node = flow_mapping(
+        {
+            "kind": "slurm",
+            "partition": slurm_cluster.partition,
+            "slurm_conf": str(slurm_cluster.conf),
+            "work_dir": str(tmp_path),
+            "bind_host": "127.0.0.1",
+            "queue_timeout_s": 60,
+            "time_limit": "10:00",
+        }
+    )
+    cell = flow_mapping(
+        {
+            "node": "cluster",
+            "engine": "llamacpp",
+            "model": "tiny",
+            "server_args": ["--threads", "1"],
+            "phases": ["warm"],
+            "runs": 1,
+        }
+    )
+    write_project(pytester, {"cluster": node}, [cell])
+    result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    (described,) = [r for r in ledger_of(pytester) if r["type"] == "cell"]
+    assert described["shared_paths"] == {
+        "model_path": str(tiny_model.resolve()),
+        "server_binary": str(llama_server.resolve()),
+    }
+    assert described["node_info"]["slurm_job_id"]
+
+
+def test_a_path_the_node_does_not_share_is_one_clear_line(tmp_path: Path) -> None:
+    """A node that does not see this host's file (or holds another one there)."""
+    from pytest_gpubench.config.matrix import load_matrix
+    from pytest_gpubench.core.errors import GpubenchError
+    from pytest_gpubench.engines.managed_llamacpp import _shared_path
+    from pytest_gpubench.targets import CommandResult
+
+    (tmp_path / "prompts.yaml").write_text("prompts: {P: {intent: x, prompt: hi, max_tokens: 4}}\n")
+    (tmp_path / "cells.yaml").write_text(
+        "nodes: {box: {kind: ssh, host: 127.0.0.1, user: bench}}\n"
+        "cells: [{node: box, engine: llamacpp, model: tiny}]\n"
+    )
+    (cell,) = load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml").cells
+    local = tmp_path / "llama-server"
+    local.write_bytes(b"the submit host's build")
+
+    class Node:
+        """A node that answers sha256sum with another file's digest, or not at all."""
+
+        def __init__(self, answer: str | None) -> None:
+            self.answer = answer
+
+        def run(self, argv: Any, *, timeout_s: float) -> CommandResult:
+            if self.answer is None:
+                return CommandResult(tuple(argv), 1, "", "")
+            return CommandResult(tuple(argv), 0, f"{self.answer}  {argv[-1]}\n", "")
+
+    for answer, why in ((None, "the node does not see it"), ("0" * 64, "holds another file")):
+        with pytest.raises(GpubenchError) as excinfo:
+            _shared_path(cell, Node(answer), "server_binary", local)  # type: ignore[arg-type]
+        message = str(excinfo.value)
+        assert (
+            message.startswith("cell box:llamacpp:tiny: server_binary: not set") and why in message
+        )
+        assert "\n" not in message

@@ -101,6 +101,9 @@ class LiveCell:
             if engine_facts.get("model_digest") is None and self.model_digest is not None:
                 # A managed engine's model file, hashed on its node (the engine may not say).
                 engine_facts = {**engine_facts, "model_digest": self.model_digest}
+            if self.server is not None and self.server.shared_paths:
+                # Which of this host's paths the node ran from (a shared filesystem).
+                engine_facts = {**engine_facts, "shared_paths": self.server.shared_paths}
             self.facts = {
                 "engine_facts": engine_facts,
                 "gpus": gpus,
