@@ -252,6 +252,7 @@ def _leases(args: argparse.Namespace) -> int:
     from pytest_gpubench.reports.terminal import rental_lines
     from pytest_gpubench.targets.provider.journal import RentalJournal, release
     from pytest_gpubench.targets.slurm.leases import release_job
+    from pytest_gpubench.targets.ssh.leases import release_server
 
     journal = RentalJournal()
     entries = journal.entries()
@@ -263,11 +264,19 @@ def _leases(args: argparse.Namespace) -> int:
         facts = entry.facts
         in_use = entry.run_alive()
         if args.release and not in_use:
-            released = (release_job if entry.kind == "slurm" else release)(entry, journal)
+            giver = {"slurm": release_job, "ssh_server": release_server}.get(entry.kind, release)
+            released = giver(entry, journal)
             failed = failed or not released["session_done"]
             print(rental_lines([released])[0].text)
             continue
         state = f"in use by pid {facts.get('pid')}" if in_use else "left by a killed run"
+        if entry.kind == "ssh_server":
+            print(
+                f"ssh node {facts.get('node')}: {facts.get('program')} (pid "
+                f"{entry.session_id or 'not read back'}, since {facts.get('created_at_utc')}): "
+                f"{state}"
+            )
+            continue
         if entry.kind == "slurm":
             print(
                 f"slurm node {facts.get('node')}: job {entry.session_id or '(id not read back)'} "

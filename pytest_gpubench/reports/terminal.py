@@ -221,6 +221,15 @@ def rental_lines(rentals: Iterable[Mapping[str, Any]]) -> list[TerminalLine]:
         if rental.get("kind") == "slurm":
             lines.append(_slurm_job_line(rental))
             continue
+        if rental.get("kind") == "ssh_server":
+            stopped = bool(rental.get("session_done"))
+            how = rental.get("state") if stopped else "NOT stopped: stop it by hand"
+            text = (
+                f"ssh node {rental.get('node')}: left by a killed run: {rental.get('program')} "
+                f"(pid {rental.get('pid')}): {how}"
+            )
+            lines.append(TerminalLine(text, red=not stopped))
+            continue
         done = rental.get("session_done")
         state = "marked done" if done else "NOT marked done: end it by hand"
         leaked = "left rented by a killed run, given back now: " if rental.get("leaked") else ""

@@ -47,6 +47,8 @@ class NodePool:
                 self._release_leaked(cell.node)
             elif isinstance(cell.node, SlurmNode):
                 self._cancel_leaked_jobs(cell.node)
+            elif isinstance(cell.node, SshNode):
+                self._stop_leaked_servers(cell.node)
             try:
                 self.targets[node_id] = open_target(
                     node_id,
@@ -92,6 +94,20 @@ class NodePool:
         journal = RentalJournal()
         for entry in leaked_jobs(journal, node):
             self._rental_closed(release_job(entry, journal))
+
+    def _stop_leaked_servers(self, node: SshNode) -> None:
+        """Stop the managed servers on this ssh node that a killed run left (the lease
+        journal), once per node; each is reported as a lease given back now."""
+        from pytest_gpubench.targets.provider.journal import RentalJournal
+        from pytest_gpubench.targets.ssh.leases import leaked_servers, node_key, release_server
+
+        key = node_key(node.host, node.port, node.user or "")
+        if key in self.released_apis:
+            return
+        self.released_apis.add(key)
+        journal = RentalJournal()
+        for entry in leaked_servers(journal, node):
+            self._rental_closed(release_server(entry, journal))
 
     def clock(self, cell: Cell) -> StageClock:
         """The stage clock of the cell's node, made when the node is first opened; a local
