@@ -26,6 +26,7 @@ from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.ledger.writer import Ledger, iter_records
 from pytest_gpubench.results.baseline import load_baseline
+from pytest_gpubench.results.load_baseline import load_baseline_path, read_load_baseline
 
 # Example counts: listed in docs/clusters-and-leases.md; a run of this file takes about 40 s.
 MANY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -303,6 +304,30 @@ def test_a_cut_or_spliced_baseline_file_gives_one_clear_error(text: str) -> None
 @pytest.mark.parametrize("depth", [100, 2_000, 200_000])
 def test_a_deeply_nested_baseline_file_is_one_clear_error(depth: int) -> None:
     read_baseline("[" * depth + "]" * depth)
+
+
+LOAD_BASELINE: dict[str, Any] = {
+    "format": 1,
+    "cell_id": "local:llamacpp:tiny",
+    "points": {"P-EASY@load-c4": {"output_tokens_per_sec": 120.5, "samples": {"ttft_ms": [1.0]}}},
+}
+
+
+@SOME
+@given(mutated(LOAD_BASELINE) | damaged_text(json.dumps(LOAD_BASELINE)))
+def test_any_load_baseline_file_gives_points_or_one_clear_error(document: Any) -> None:
+    """`baselines/load/<cell>.json`, read through results.load_baseline's reader."""
+    text = document if isinstance(document, str) else json_text(document)
+    with tempfile.TemporaryDirectory() as directory:
+        path = load_baseline_path(Path(directory), "local:llamacpp:tiny")
+        path.parent.mkdir(parents=True)
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        try:
+            points = read_load_baseline(Path(directory), "local:llamacpp:tiny")
+        except GpubenchError as error:
+            assert_one_clear_error(error, path)
+        else:
+            assert all(isinstance(point, dict) for point in points.values())
 
 
 # -- ledger lines ------------------------------------------------------------------------------
