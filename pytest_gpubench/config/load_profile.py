@@ -4,9 +4,12 @@ measured at, how each is bounded, what it sends and the SLO its goodput is count
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+from pytest_gpubench.config.datasets import Dataset
 
 ARRIVALS = ("constant", "poisson", "gamma")
 
@@ -82,6 +85,8 @@ class LoadProfile(_Strict):
     # The frozen prompts sent (ids of prompts.yaml; default: the cell's), or synthetic ones.
     prompts: list[str] | None = None
     synthetic: Synthetic | None = None
+    # Prompts sampled from a dataset file (config/datasets.py), sent in turn.
+    dataset: Dataset | None = None
     # The arrival times' seed (poisson, gamma): the same schedule on every run.
     seed: int = 0
     # A case whose requests went out later than this after their scheduled time (p99) is
@@ -113,6 +118,8 @@ class LoadProfile(_Strict):
         frozen prompts, or the cell's."""
         if self.synthetic is not None:
             return (self.synthetic.prompt_id,)
+        if self.dataset is not None:
+            return (dataset_prompt_id(self.dataset),)
         return tuple(self.prompts) if self.prompts else cell_prompts
 
     @property
@@ -128,6 +135,11 @@ class LoadProfile(_Strict):
             span += float(self.requests)  # one request a second at the slowest, then the cap
         steps = (self.sweep.rates + 2) if self.sweep is not None else 1
         return span * steps
+
+
+def dataset_prompt_id(dataset: Dataset) -> str:
+    """The id a dataset load case carries: `dataset-<file stem>`."""
+    return f"dataset-{Path(dataset.path).stem}"
 
 
 def rate_text(rate: float) -> str:

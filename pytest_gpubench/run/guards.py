@@ -6,7 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.config.matrix import Matrix, frozen_prompt_error
+from pytest_gpubench.config.load_profile import dataset_prompt_id
+from pytest_gpubench.config.matrix import (
+    Cell,
+    Matrix,
+    RequestShape,
+    frozen_prompt_error,
+    load_dataset_sha256,
+)
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.provenance import git_state, load_average
 
@@ -72,6 +79,30 @@ def check_frozen_prompts(
             )
             if error is not None:
                 raise error
+        _check_frozen_dataset(cell, baselines_dir)
+
+
+def _check_frozen_dataset(cell: Cell, baselines_dir: Path) -> None:
+    """A load case's dataset sends what its load baseline was measured with: an edit to the
+    file that changes the sampled prompts stops the run, as a changed prompt does."""
+    if cell.load is None or cell.load.dataset is None:
+        return
+    from pytest_gpubench.results.load_baseline import read_load_baseline
+
+    prompt_id = dataset_prompt_id(cell.load.dataset)
+    current = load_dataset_sha256(cell.load, cell.spec.request or RequestShape())
+    for point in read_load_baseline(baselines_dir, cell.cell_id).values():
+        if point.get("prompt_id") != prompt_id:
+            continue
+        error = frozen_prompt_error(
+            prompt_id,
+            cell.cell_id,
+            baseline_sha256=point.get("prompt_sha256"),
+            current_sha256=current,
+            source=Path(cell.load.dataset.path),
+        )
+        if error is not None:
+            raise error
 
 
 def _relative_prefix(path: Path, root: Path) -> str | None:

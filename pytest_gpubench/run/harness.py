@@ -170,8 +170,9 @@ class Harness:
         if cell.spec.duration_s is not None and case.phase == "warm":
             return self.run_timed(case, prompt, request)
         record, others, _ = self.measure(
-            case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request), request=request
-        )
+            case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request), request=request,
+            messages=prompt.chat_messages(),
+        )  # fmt: skip
         return record, others
 
     def run_load_case(self, case: Case) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -206,7 +207,7 @@ class Harness:
         while last is None or time.monotonic() < end:
             record, others, _ = self.measure(
                 case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request),
-                request=request,
+                request=request, messages=prompt.chat_messages(),
             )  # fmt: skip
             record["timed_idx"] = calls
             calls += 1

@@ -56,6 +56,13 @@ class Target:
     headers: tuple[tuple[str, str], ...] = ()
     # An https:// endpoint's client context (the cell's ca_file, tls_verify).
     tls: ssl.SSLContext | None = None
+    # Where the point sends several requests (a dataset's prompts): request i is the
+    # (i mod n)-th of these, and `request` is the first.
+    variants: tuple[bytes, ...] = ()
+
+    def request_for(self, index: int) -> bytes:
+        """The bytes of the point's `index`-th request."""
+        return self.variants[index % len(self.variants)] if self.variants else self.request
 
 
 class Bounds:
@@ -120,12 +127,13 @@ class LoadRun:
         """One request, due at `scheduled_ns`: sent as soon as a connection is at hand."""
         target = self.target
         index, self.next_index = self.next_index, self.next_index + 1
+        request = target.request_for(index)
         sent_ns = time.perf_counter_ns()
         reconnected = False
         try:
             connection = await self.pool.take()
             try:
-                raw = await connection.exchange(target.request, target.timeout_s)
+                raw = await connection.exchange(request, target.timeout_s)
             except DroppedConnection:
                 if connection.exchanges <= 1 and not connection.lost:
                     raise
@@ -134,7 +142,7 @@ class LoadRun:
                 self.pool.dropped()
                 reconnected = True
                 connection = await self.pool.take()
-                raw = await connection.exchange(target.request, target.timeout_s)
+                raw = await connection.exchange(request, target.timeout_s)
         except StreamError as exc:
             measurement = CallMeasurement(backend=target.backend, error=str(exc))
             self.sent.append(Sent(index, window, scheduled_ns, sent_ns, measurement, self.process))
@@ -174,9 +182,17 @@ def build_target(
     headers: dict[str, str],
     timeout_s: float,
     tls: TlsSettings | None = None,
+    more_payloads: tuple[bytes, ...] = (),
 ) -> Target:
+    """The point's target; `more_payloads` are sent in turn after `payload` (a dataset)."""
     endpoint = Endpoint.parse(base_url)
     pairs = tuple(headers.items())
-    request = request_bytes(endpoint, "/v1/chat/completions", payload, pairs)
+    path = "/v1/chat/completions"
+    request = request_bytes(endpoint, path, payload, pairs)
     context = (tls or TlsSettings()).context() if endpoint.scheme == "https" else None
-    return Target(backend, endpoint, request, timeout_s, pairs, context)
+    variants = (
+        (request, *(request_bytes(endpoint, path, more, pairs) for more in more_payloads))
+        if more_payloads
+        else ()
+    )
+    return Target(backend, endpoint, request, timeout_s, pairs, context, variants)

@@ -13,8 +13,16 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.config.cases import Case
-from pytest_gpubench.config.load_profile import LoadProfile
-from pytest_gpubench.config.matrix import Cell, Matrix, Prompt, RequestShape
+from pytest_gpubench.config.datasets import sample_dataset
+from pytest_gpubench.config.load_profile import LoadProfile, dataset_prompt_id
+from pytest_gpubench.config.matrix import (
+    Cell,
+    Matrix,
+    Prompt,
+    RequestShape,
+    dataset_prompt,
+    load_dataset_sha256,
+)
 from pytest_gpubench.config.synthetic import synthetic_prompt
 from pytest_gpubench.core.provenance import utc_now
 from pytest_gpubench.ledger.records import call_record, load_call_record, load_record, sample_record
@@ -52,6 +60,30 @@ def load_prompt(matrix: Matrix, cell: Cell, prompt_id: str) -> tuple[Prompt, Req
     return prompt, request
 
 
+@dataclass(frozen=True)
+class LoadPrompts:
+    """What a load case sends: its prompts in turn (one, or a dataset's), the request keys and
+    the hash it is frozen by."""
+
+    prompts: tuple[Prompt, ...]
+    request: RequestShape
+    sha256: str
+
+
+def load_prompts(matrix: Matrix, cell: Cell, prompt_id: str) -> LoadPrompts:
+    """The prompts of a load case: a dataset's sampled ones (their own max_tokens, ended where
+    the model ends them unless the cell says ignore_eos), else load_prompt's one."""
+    profile = cell.load
+    assert profile is not None
+    if profile.dataset is not None and prompt_id == dataset_prompt_id(profile.dataset):
+        items = sample_dataset(profile.dataset, f"{cell.cell_id}: load.dataset")
+        prompts = tuple(dataset_prompt(prompt_id, None, item, profile.dataset) for item in items)
+        request = cell.spec.request or RequestShape()
+        return LoadPrompts(prompts, request, load_dataset_sha256(profile, request))
+    prompt, request = load_prompt(matrix, cell, prompt_id)
+    return LoadPrompts((prompt,), request, prompt.sha256(request))
+
+
 def run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> LoadOutcome:
     """Warm the engine up with the case's request, then run its load point, with Python's
     cyclic garbage collector held off: a full collection in a pytest process takes milliseconds,
@@ -71,19 +103,29 @@ def _run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> L
     cell = live.cell
     profile = cell.load
     assert profile is not None and case.load_point is not None and live.engine is not None
-    prompt, request = load_prompt(matrix, cell, case.prompt_id)
-    live.warm_up(prompt.prompt, prompt.max_tokens, request)
+    sends = load_prompts(matrix, cell, case.prompt_id)
+    prompt, request = sends.prompts[0], sends.request
+    own = {"messages": prompt.chat_messages()} if prompt.messages is not None else {}
+    live.warm_up(prompt.prompt, prompt.max_tokens, request, **own)
     engine: Any = live.engine
-    payload = engine.payload(prompt.prompt, prompt.max_tokens, request)
+    payloads = [
+        json.dumps(
+            engine.payload(p.prompt, p.max_tokens, request, p.chat_messages())
+            if p.messages is not None
+            else engine.payload(p.prompt, p.max_tokens, request)
+        ).encode()
+        for p in sends.prompts
+    ]
     target = build_target(
         engine.kind,
         engine.base_url,
-        json.dumps(payload).encode(),
+        payloads[0],
         engine.request_headers(),
         cell.timeout_s,
         getattr(engine, "tls", None),
+        tuple(payloads[1:]),
     )
-    recorder = _Recorder(run_id, cell, case, prompt.sha256(request), profile)
+    recorder = _Recorder(run_id, cell, case, sends.sha256, profile)
     if case.load_point == "sweep":
         from pytest_gpubench.run.load.sweep import run_sweep
 

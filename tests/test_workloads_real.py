@@ -1,0 +1,104 @@
+"""Workloads against the real llama-server serving the tiny model: a ShareGPT-style dataset
+measured single-call and under load, frozen by what it sends (an edit to the file stops the
+next run, as a changed prompt does)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SAMPLE = (
+    Path(__file__).parent.parent / "pytest_gpubench" / "config" / "samples" / "chat_sample.jsonl"
+)
+TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
+LOAD_TEST_FILE = (Path(__file__).parent.parent / "benchmarks" / "test_inference.py").read_text()
+DATASET = "{path: chat.jsonl, format: sharegpt, count: 3, seed: 7, max_output_words: 20}"
+
+
+def ledger_records(root: Path) -> list[dict[str, Any]]:
+    newest = max((root / "runs").glob("*.jsonl"), key=lambda path: path.stat().st_mtime_ns)
+    return [json.loads(line) for line in newest.read_text().splitlines()]
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess(
+        "--force-load", "--allow-dirty", "-p", "no:cacheprovider", *args
+    )
+
+
+def edit_every_question(path: Path) -> None:
+    """Reword every user turn of the file (what a careless edit of a shipped dataset does)."""
+    lines = []
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        for turn in entry["conversations"]:
+            if turn["from"] == "human":
+                turn["value"] = "Please answer: " + turn["value"]
+        lines.append(json.dumps(entry))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_a_sharegpt_sample_is_measured_single_call_and_frozen(
+    pytester: pytest.Pytester, llama_server: Path
+) -> None:
+    (pytester.path / "chat.jsonl").write_text(SAMPLE.read_text())
+    pytester.makefile(
+        ".yaml",
+        prompts=f"prompts:\n  chat: {{intent: support chat, dataset: {DATASET}}}\n",
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', "
+        "server_args: [--threads, '1'], runs: 5, phases: [warm], prompts: [chat]}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    first = run(pytester, "--baseline-update")
+    assert first.ret == 0, first.stdout.str()
+    calls = [r for r in ledger_records(pytester.path) if r["type"] == "call"]
+    prompt_ids = {r["prompt_id"] for r in calls}
+    assert len(prompt_ids) == 3 and all(p.startswith("chat#") for p in prompt_ids)
+    assert all(r["error"] is None and r["prompt_tokens"] > 0 for r in calls)
+    # Different conversations: different prompt lengths and different frozen hashes.
+    assert len({r["prompt_sha256"] for r in calls}) == 3
+    assert len({r["prompt_tokens"] for r in calls}) > 1
+    assert run(pytester).ret == 0  # unchanged: measured again
+
+    edit_every_question(pytester.path / "chat.jsonl")
+    stopped = run(pytester)
+    assert stopped.ret == pytest.ExitCode.USAGE_ERROR
+    stopped.stderr.fnmatch_lines(
+        ["*prompt chat#* changed since the baseline of local:llamacpp:tiny*"]
+    )
+
+
+def test_a_sharegpt_sample_under_load_sends_each_prompt_and_is_frozen(
+    pytester: pytest.Pytester, llama_server: Path
+) -> None:
+    (pytester.path / "chat.jsonl").write_text(SAMPLE.read_text())
+    pytester.makefile(
+        ".yaml",
+        prompts="prompts:\n  P: {intent: p, prompt: hi, max_tokens: 4}\n",
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, parallel: 2,"
+        f" server_args: [--threads, '1'], load: {{concurrency: [2], requests: 9, dataset: {DATASET}}}}}\n",
+    )
+    pytester.makepyfile(test_bench=LOAD_TEST_FILE)
+    first = run(pytester, "-m", "load", "--baseline-update")
+    assert first.ret == 0, first.stdout.str()
+    records = ledger_records(pytester.path)
+    (load,) = [r for r in records if r["type"] == "load"]
+    calls = [r for r in records if r["type"] == "call"]
+    assert load["prompt_id"] == "dataset-chat" and load["valid"], load["invalid_reason"]
+    assert len(calls) == 9 and all(r["error"] is None for r in calls)
+    # The three sampled conversations in turn: request i sends prompt i mod 3.
+    by_turn = {}
+    for call in calls:
+        by_turn.setdefault(call["request_idx"] % 3, set()).add(call["prompt_tokens"])
+    assert all(len(tokens) == 1 for tokens in by_turn.values()), by_turn
+    assert len(set().union(*by_turn.values())) == 3
+
+    edit_every_question(pytester.path / "chat.jsonl")
+    stopped = run(pytester, "-m", "load")
+    assert stopped.ret == pytest.ExitCode.USAGE_ERROR
+    stopped.stderr.fnmatch_lines(["*chat.jsonl: prompt dataset-chat changed since the baseline*"])
