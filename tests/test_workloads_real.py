@@ -92,7 +92,7 @@ def test_a_sharegpt_sample_under_load_sends_each_prompt_and_is_frozen(
     assert load["prompt_id"] == "dataset-chat" and load["valid"], load["invalid_reason"]
     assert len(calls) == 9 and all(r["error"] is None for r in calls)
     # The three sampled conversations in turn: request i sends prompt i mod 3.
-    by_turn = {}
+    by_turn: dict[int, set[int]] = {}
     for call in calls:
         by_turn.setdefault(call["request_idx"] % 3, set()).add(call["prompt_tokens"])
     assert all(len(tokens) == 1 for tokens in by_turn.values()), by_turn
