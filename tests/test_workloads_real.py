@@ -1,6 +1,7 @@
 """Workloads against the real llama-server serving the tiny model: a ShareGPT-style dataset
 measured single-call and under load, frozen by what it sends (an edit to the file stops the
-next run, as a changed prompt does)."""
+next run, as a changed prompt does); token-exact synthetic prompts of three sizes whose
+`prompt_tokens` is the size asked plus the chat template's overhead reported beside it."""
 
 from __future__ import annotations
 
@@ -102,3 +103,38 @@ def test_a_sharegpt_sample_under_load_sends_each_prompt_and_is_frozen(
     stopped = run(pytester, "-m", "load")
     assert stopped.ret == pytest.ExitCode.USAGE_ERROR
     stopped.stderr.fnmatch_lines(["*chat.jsonl: prompt dataset-chat changed since the baseline*"])
+
+
+SIZES = (16, 100, 400)
+
+
+def test_token_exact_synthetic_prompts_of_three_sizes_single_call_and_under_load(
+    pytester: pytest.Pytester, llama_server: Path
+) -> None:
+    pytester.makefile(
+        ".yaml",
+        prompts="prompts:\n"
+        f"  syn: {{intent: sizes, synthetic: {{input_tokens: {list(SIZES)}, output_tokens: 4}}}}\n",
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', "
+        "parallel: 2, server_args: [--threads, '1'], runs: 2, phases: [warm], prompts: [syn],"
+        f" load: {{concurrency: [2], requests: 6,"
+        f" synthetic: {{input_tokens: {list(SIZES)}, output_tokens: 4}}}}}}\n",
+    )
+    pytester.makepyfile(test_bench=LOAD_TEST_FILE)
+    result = run(pytester)
+    assert result.ret == 0, result.stdout.str()
+    records = ledger_records(pytester.path)
+    calls = [r for r in records if r["type"] == "call"]
+    single = [r for r in calls if r.get("load_point") is None]
+    loaded = [r for r in calls if r.get("load_point") is not None]
+    assert {r["prompt_id"] for r in single} == {f"syn#in{size}" for size in SIZES}
+    assert {r["input_tokens_requested"] for r in loaded} == set(SIZES)
+    for call in calls:
+        assert call["error"] is None and call["tokens_counted_by"] == "engine /tokenize"
+        # The engine's own count: the tokens asked for plus what its chat template adds.
+        assert call["template_tokens"] > 0
+        assert call["prompt_tokens"] == call["input_tokens_requested"] + call["template_tokens"]
+        assert call["completion_tokens"] == 4
+    (load,) = [r for r in records if r["type"] == "load"]
+    assert load["prompt_id"] == "synthetic-in16_100_400-out4" and load["valid"]

@@ -4,6 +4,7 @@ measured at, how each is bounded, what it sends and the SLO its goodput is count
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -47,16 +48,45 @@ class LoadThresholds(_Strict):
 
 
 class Synthetic(_Strict):
-    """Prompts given by token counts, made by a seeded generator (load/synthetic.py)."""
+    """Prompts given by token counts of the model's own tokenizer (vLLM `bench serve`'s
+    `random`, guidellm's `prompt_tokens`): a seeded text of exactly `input_tokens` tokens,
+    counted through the engine (engines/tokenizer.py), asking for `output_tokens` (ignore_eos).
+    `input_tokens` may be a list of sizes, or a mean with `spread` (a standard deviation in
+    tokens, `count` sizes drawn with `seed`): each size is one prompt, sent in turn under load."""
 
-    input_tokens: PositiveInt
+    input_tokens: PositiveInt | list[PositiveInt]
     output_tokens: PositiveInt
     seed: int = 0
+    spread: Annotated[float, Field(ge=0.0)] | None = None
+    count: Annotated[int, Field(ge=1, le=1024)] = 8
+
+    @model_validator(mode="after")
+    def _spread_of_one_mean(self) -> Synthetic:
+        if isinstance(self.input_tokens, list) and not self.input_tokens:
+            raise ValueError("input_tokens: an empty list (give a count, or a list of counts)")
+        if isinstance(self.input_tokens, list) and self.spread is not None:
+            raise ValueError("spread: only with one input_tokens mean, not a list of sizes")
+        return self
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The input sizes in tokens, in the order they are sent."""
+        if isinstance(self.input_tokens, list):
+            return tuple(self.input_tokens)
+        if self.spread is None or self.spread == 0:
+            return (self.input_tokens,)
+        chooser = random.Random(f"{self.seed}:{self.input_tokens}:{self.spread}")
+        mean = self.input_tokens
+        return tuple(max(1, round(chooser.gauss(mean, self.spread))) for _ in range(self.count))
 
     @property
     def prompt_id(self) -> str:
         """The id its cases and records carry in place of a prompts.yaml id."""
-        return f"synthetic-in{self.input_tokens}-out{self.output_tokens}"
+        if isinstance(self.input_tokens, list):
+            sizes = "_".join(str(size) for size in self.input_tokens)
+            return f"synthetic-in{sizes}-out{self.output_tokens}"
+        spread = f"sd{self.spread:g}" if self.spread else ""
+        return f"synthetic-in{self.input_tokens}{spread}-out{self.output_tokens}"
 
 
 class Sweep(_Strict):

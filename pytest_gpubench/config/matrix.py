@@ -30,7 +30,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pytest_gpubench.config.datasets import Dataset, DatasetPrompt, dataset_sha256, sample_dataset
-from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting, merged_profile
+from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting, Synthetic, merged_profile
+from pytest_gpubench.config.words import seeded_words
 from pytest_gpubench.core.errors import GpubenchError
 
 PHASES = ("cold", "warm")
@@ -338,6 +339,9 @@ class CellSpec(_Strict):
     thresholds: Thresholds | None = None
     telemetry: TelemetrySettings | None = None
     skip: str | None = None
+    # A tokenizer (a tokenizer.json or a model folder) counting synthetic prompts' tokens where
+    # the engine has no /tokenize (engines/tokenizer.py).
+    tokenizer: str | None = None
     # A cell that may go unmeasured (an engine that is not always up) without failing the run.
     optional: bool = False
     # Managed llama.cpp: the GGUF file to serve (default: the generated tiny model), the server
@@ -458,6 +462,9 @@ class Prompt(_Strict):
     # A whole conversation sent in place of `prompt` alone (a dataset's entry with a system
     # turn); `prompt` is then its last user turn.
     messages: tuple[ChatTurn, ...] | None = None
+    # A token-exact synthetic prompt of one size: `prompt` holds word text until the live cell
+    # counts the exact text through the engine (run/workloads.py); frozen at that point.
+    synthetic: Synthetic | None = None
 
     def chat_messages(self) -> list[dict[str, Any]] | None:
         """The conversation to send, or None where `prompt` is sent as one user turn."""
@@ -501,6 +508,30 @@ class DatasetEntry(_Strict):
 
 class _DatasetPromptsFile(_Strict):
     prompts: dict[str, DatasetEntry]
+
+
+class SyntheticEntry(_Strict):
+    """A prompts.yaml entry of token-exact synthetic prompts: one prompt per input size, with
+    ids `<id>#in<N>`."""
+
+    intent: str = ""
+    synthetic: Synthetic
+
+
+class _SyntheticPromptsFile(_Strict):
+    prompts: dict[str, SyntheticEntry]
+
+
+def synthetic_entry_prompt(key: str, intent: str, synthetic: Synthetic, size: int) -> Prompt:
+    """One size of a synthetic entry, its text still words (made exact on the live cell)."""
+    one = synthetic.model_copy(update={"input_tokens": size, "spread": None})
+    return Prompt(
+        intent=f"{intent or key}: {size} input tokens, {synthetic.output_tokens} output",
+        prompt=seeded_words(synthetic.seed, size, size),
+        max_tokens=synthetic.output_tokens,
+        request=RequestShape(ignore_eos=True),
+        synthetic=one,
+    )
 
 
 def dataset_prompt(
@@ -658,21 +689,41 @@ def load_prompt_file(path: Path) -> tuple[dict[str, Prompt], dict[str, tuple[str
     from_datasets = {
         key: value for key, value in named.items() if isinstance(value, dict) and "dataset" in value
     }
-    plain = {**raw, "prompts": {k: v for k, v in named.items() if k not in from_datasets}}
+    generated = {
+        key: value
+        for key, value in named.items()
+        if isinstance(value, dict) and "synthetic" in value and key not in from_datasets
+    }
+    plain = {
+        **raw,
+        "prompts": {
+            k: v for k, v in named.items() if k not in from_datasets and k not in generated
+        },
+    }
     if not isinstance(entries, dict):
         plain = raw
     try:
         parsed = _PromptsFile.model_validate(plain)
         sampled = _DatasetPromptsFile.model_validate({"prompts": from_datasets})
+        synthetic = _SyntheticPromptsFile.model_validate({"prompts": generated})
     except ValidationError as exc:
         raise _first_error(path, exc, raw) from None
-    if not parsed.prompts and not sampled.prompts:
+    if not parsed.prompts and not sampled.prompts and not synthetic.prompts:
         raise GpubenchError(f"{path}: prompts: no prompts defined")
     prompts: dict[str, Prompt] = {}
     groups: dict[str, tuple[str, ...]] = {}
     for key in named:
         if key in parsed.prompts:
             prompts[key] = parsed.prompts[key]
+            continue
+        if key in synthetic.prompts:
+            made = synthetic.prompts[key]
+            sizes = tuple(dict.fromkeys(made.synthetic.sizes))
+            for size in sizes:
+                prompts[f"{key}#in{size}"] = synthetic_entry_prompt(
+                    key, made.intent, made.synthetic, size
+                )
+            groups[key] = tuple(f"{key}#in{size}" for size in sizes)
             continue
         entry = sampled.prompts[key]
         dataset = entry.dataset.resolved(path.parent)

@@ -68,8 +68,8 @@ def check_frozen_prompts(
             continue
         for recorded in baseline.prompts if baseline else []:
             prompt = matrix.prompts.get(recorded.prompt_id)
-            if prompt is None:
-                continue
+            if prompt is None or prompt.synthetic is not None:
+                continue  # a synthetic prompt's text is made on the live cell: checked there
             error = frozen_prompt_error(
                 recorded.prompt_id,
                 cell.cell_id,
@@ -123,8 +123,11 @@ class FrozenRequests:
         self._frozen: dict[tuple[str, str], tuple[str, str]] = {}
         self._read: set[str] = set()
 
-    def check(self, cell_id: str, test_id: str, sha256: str, where: str) -> None:
-        """Raises GpubenchError naming the test (at `where`) when its request changed."""
+    def check(
+        self, cell_id: str, test_id: str, sha256: str, where: str, kind: str = "benchmark test"
+    ) -> None:
+        """Raises GpubenchError naming the test (at `where`) when its request changed; `kind`
+        says what it is (a test, or a prompt whose text is made on the live cell)."""
         self._read_baseline(cell_id)
         known = self._frozen.get((cell_id, test_id))
         if known is None:
@@ -133,7 +136,7 @@ class FrozenRequests:
         frozen, since = known
         if frozen != sha256:
             raise GpubenchError(
-                f"{where}: benchmark test {test_id} changed its request since {since} on "
+                f"{where}: {kind} {test_id} changed its request since {since} on "
                 f"{cell_id} (sha256 {frozen[:12]} -> {sha256[:12]}): a test's request (messages, "
                 "max_tokens, options) is frozen under its name like a prompt in prompts.yaml; "
                 f"restore it, or measure the new request in a test with a new name"

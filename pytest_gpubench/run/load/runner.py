@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import json
 import time
 from collections.abc import Mapping
@@ -68,13 +69,29 @@ class LoadPrompts:
     prompts: tuple[Prompt, ...]
     request: RequestShape
     sha256: str
+    # What each prompt's call records carry beside the measurement (a synthetic size's counts).
+    facts: tuple[dict[str, Any], ...] = ()
 
 
-def load_prompts(matrix: Matrix, cell: Cell, prompt_id: str) -> LoadPrompts:
+def load_prompts(live: LiveCell, matrix: Matrix, prompt_id: str) -> LoadPrompts:
     """The prompts of a load case: a dataset's sampled ones (their own max_tokens, ended where
-    the model ends them unless the cell says ignore_eos), else load_prompt's one."""
+    the model ends them unless the cell says ignore_eos), the synthetic sizes made exact on the
+    live cell, else load_prompt's one."""
+    cell = live.cell
     profile = cell.load
     assert profile is not None
+    synthetic = profile.synthetic
+    if synthetic is not None and prompt_id == synthetic.prompt_id:
+        from pytest_gpubench.run.workloads import exact, exact_facts
+
+        base, request = load_prompt(matrix, cell, prompt_id)
+        made = [exact(live, size, synthetic.seed) for size in synthetic.sizes]
+        prompts = tuple(base.model_copy(update={"prompt": m.text}) for m in made)
+        digest = hashlib.sha256(
+            "\n".join(prompt.sha256(request) for prompt in prompts).encode()
+        ).hexdigest()
+        sha = prompts[0].sha256(request) if len(prompts) == 1 else digest
+        return LoadPrompts(prompts, request, sha, tuple(exact_facts(m) for m in made))
     if profile.dataset is not None and prompt_id == dataset_prompt_id(profile.dataset):
         items = sample_dataset(profile.dataset, f"{cell.cell_id}: load.dataset")
         prompts = tuple(dataset_prompt(prompt_id, None, item, profile.dataset) for item in items)
@@ -103,7 +120,7 @@ def _run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> L
     cell = live.cell
     profile = cell.load
     assert profile is not None and case.load_point is not None and live.engine is not None
-    sends = load_prompts(matrix, cell, case.prompt_id)
+    sends = load_prompts(live, matrix, case.prompt_id)
     prompt, request = sends.prompts[0], sends.request
     own = {"messages": prompt.chat_messages()} if prompt.messages is not None else {}
     live.warm_up(prompt.prompt, prompt.max_tokens, request, **own)
@@ -126,6 +143,7 @@ def _run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> L
         tuple(payloads[1:]),
     )
     recorder = _Recorder(run_id, cell, case, sends.sha256, profile)
+    recorder.facts = sends.facts
     if case.load_point == "sweep":
         from pytest_gpubench.run.load.sweep import run_sweep
 
@@ -165,6 +183,8 @@ class _Recorder:
         self.profile = profile
         self.records: list[dict[str, Any]] = []
         self.loads: list[dict[str, Any]] = []
+        # Per prompt sent in turn: what its call records carry (request i: i mod n).
+        self.facts: tuple[dict[str, Any], ...] = ()
 
     async def step(self, target: Target, point: str, pattern: LoadPattern) -> Mapping[str, Any]:
         run = LoadRun(target, self.profile)
@@ -264,6 +284,8 @@ class _Recorder:
             started_at_utc=at.isoformat(timespec="microseconds").replace("+00:00", "Z"),
             measurement=sent.measurement,
         )
+        if self.facts:
+            call.update(self.facts[sent.index % len(self.facts)])
         return load_call_record(
             call,
             load_point=point,

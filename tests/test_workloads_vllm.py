@@ -1,0 +1,64 @@
+"""Workloads against a real vLLM on CPU (conftest's `vllm_server`): token-exact synthetic
+prompts of three sizes counted through vLLM's /tokenize, single-call and under load, and the same
+through the model's tokenizer.json named by the cell (`tokenizer:`); `prompt_tokens` from
+vLLM's usage is the size asked plus the chat template's overhead reported beside it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm_server", reason="the shared vLLM set-up (tests/support/vllm_server.py) is missing"
+)
+
+TEST_FILE = (Path(__file__).parent.parent / "benchmarks" / "test_inference.py").read_text()
+SIZES = (16, 100, 400)
+
+
+def ledger_records(root: Path) -> list[dict[str, Any]]:
+    newest = max((root / "runs").glob("*.jsonl"), key=lambda path: path.stat().st_mtime_ns)
+    return [json.loads(line) for line in newest.read_text().splitlines()]
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess(
+        "--force-load", "--allow-dirty", "-p", "no:cacheprovider", *args
+    )
+
+
+@pytest.mark.parametrize("tokenizer", [None, "model folder"])
+def test_token_exact_synthetic_prompts_on_vllm(
+    pytester: pytest.Pytester, vllm_server: Any, tokenizer: str | None
+) -> None:
+    from support.vllm_server import VLLM_MODEL_DIR
+
+    named = f" tokenizer: '{VLLM_MODEL_DIR}'," if tokenizer else ""
+    sizes = list(SIZES)
+    pytester.makefile(
+        ".yaml",
+        prompts="prompts:\n"
+        f"  syn: {{intent: sizes, synthetic: {{input_tokens: {sizes}, output_tokens: 4}}}}\n",
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: openai, model: tiny-vllm, endpoint: '{vllm_server.base_url}',"
+        f"{named} timeout_s: 120, runs: 2, phases: [warm], prompts: [syn],"
+        f" load: {{concurrency: [2], requests: 6,"
+        f" synthetic: {{input_tokens: {sizes}, output_tokens: 4}}}}}}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    result = run(pytester)
+    assert result.ret == 0, result.stdout.str()
+    calls = [r for r in ledger_records(pytester.path) if r["type"] == "call"]
+    assert {r["input_tokens_requested"] for r in calls} == set(SIZES)
+    assert {r["prompt_id"] for r in calls if r.get("load_point") is None} == {
+        f"syn#in{size}" for size in SIZES
+    }
+    counted_by = f"tokenizer {VLLM_MODEL_DIR / 'tokenizer.json'}" if tokenizer else None
+    for call in calls:
+        assert call["error"] is None
+        assert call["tokens_counted_by"] == (counted_by or "engine /tokenize")
+        assert call["template_tokens"] is not None and call["template_tokens"] > 0
+        assert call["prompt_tokens"] == call["input_tokens_requested"] + call["template_tokens"]
