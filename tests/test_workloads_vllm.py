@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip(
-    "vllm_server", reason="the shared vLLM set-up (tests/support/vllm_server.py) is missing"
+    "support.vllm_server", reason="the shared vLLM set-up (tests/support/vllm_server.py) is missing"
 )
 
 TEST_FILE = (Path(__file__).parent.parent / "benchmarks" / "test_inference.py").read_text()

@@ -8,7 +8,15 @@ import random
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 from pytest_gpubench.config.datasets import Dataset
 
@@ -54,16 +62,25 @@ class Synthetic(_Strict):
     `input_tokens` may be a list of sizes, or a mean with `spread` (a standard deviation in
     tokens, `count` sizes drawn with `seed`): each size is one prompt, sent in turn under load."""
 
-    input_tokens: PositiveInt | list[PositiveInt]
+    input_tokens: int | list[int]
     output_tokens: PositiveInt
     seed: int = 0
     spread: Annotated[float, Field(ge=0.0)] | None = None
     count: Annotated[int, Field(ge=1, le=1024)] = 8
 
+    @field_validator("input_tokens", mode="before")
+    @classmethod
+    def _counts(cls, value: Any) -> Any:
+        # One message for both spellings (a union would report each branch on a line of its own).
+        def positive(item: Any) -> bool:
+            return isinstance(item, int) and not isinstance(item, bool) and item > 0
+
+        if positive(value) or (isinstance(value, list) and value and all(map(positive, value))):
+            return value
+        raise ValueError("a positive token count, or a non-empty list of them")
+
     @model_validator(mode="after")
     def _spread_of_one_mean(self) -> Synthetic:
-        if isinstance(self.input_tokens, list) and not self.input_tokens:
-            raise ValueError("input_tokens: an empty list (give a count, or a list of counts)")
         if isinstance(self.input_tokens, list) and self.spread is not None:
             raise ValueError("spread: only with one input_tokens mean, not a list of sizes")
         return self
