@@ -138,3 +138,50 @@ def test_token_exact_synthetic_prompts_of_three_sizes_single_call_and_under_load
         assert call["completion_tokens"] == 4
     (load,) = [r for r in records if r["type"] == "load"]
     assert load["prompt_id"] == "synthetic-in16_100_400-out4" and load["valid"]
+
+
+def prefix_cells(cell: str) -> str:
+    """Two cells on one engine kind: prompts sharing a 256-token prefix in 2 groups, and
+    unique prompts of the same length."""
+    shared = (
+        "load: {concurrency: [2], requests: 12, synthetic: {input_tokens: 32, output_tokens: 4,"
+        " count: 6}, prefix: {tokens: 256, groups: 2}}"
+    )
+    unique = "load: {concurrency: [2], requests: 12, synthetic: {input_tokens: 288, output_tokens: 4, count: 13}}"
+    return (
+        "nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{{cell}, name: prefix, {shared}}}\n"
+        f"  - {{{cell}, name: unique, {unique}}}\n"
+    )
+
+
+def test_a_shared_prefix_shows_as_prefix_cache_hits_through_cache_n(
+    pytester: pytest.Pytester, llama_server: Path
+) -> None:
+    pytester.makefile(
+        ".yaml",
+        prompts="prompts:\n  P: {intent: p, prompt: hi, max_tokens: 4}\n",
+        cells=prefix_cells(
+            f"node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}',"
+            " parallel: 2, server_args: [--threads, '1']"
+        ),
+    )
+    pytester.makepyfile(test_bench=LOAD_TEST_FILE)
+    result = run(pytester, "-m", "load")
+    assert result.ret == 0, result.stdout.str()
+    records = ledger_records(pytester.path)
+    loads = {r["cell_id"].rsplit("@", 1)[1]: r for r in records if r["type"] == "load"}
+    calls = [r for r in records if r["type"] == "call" and r["cell_id"].endswith("@prefix")]
+    assert {c["prefix_group"] for c in calls} == {0, 1}
+    assert {c["prefix_tokens"] for c in calls} == {256}
+    assert all(c["cached_prompt_tokens"] is not None for c in calls)
+    shared, unique = loads["prefix"], loads["unique"]
+    print(
+        "llama.cpp prefix cache hit rate with / without a shared prefix:",
+        shared["prefix_cache_hit_rate"], unique["prefix_cache_hit_rate"],
+        "TTFT p50 ms:", shared["ttft_ms_p50"], unique["ttft_ms_p50"],
+    )  # fmt: skip
+    assert shared["prefix_cache_source"] == unique["prefix_cache_source"] == "cache_n"
+    assert shared["prefix_cache_hit_rate"] > 0.5
+    # Unique prompts share only the chat template's first tokens.
+    assert unique["prefix_cache_hit_rate"] < 0.05

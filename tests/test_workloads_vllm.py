@@ -62,3 +62,45 @@ def test_token_exact_synthetic_prompts_on_vllm(
         assert call["tokens_counted_by"] == (counted_by or "engine /tokenize")
         assert call["template_tokens"] is not None and call["template_tokens"] > 0
         assert call["prompt_tokens"] == call["input_tokens_requested"] + call["template_tokens"]
+
+
+def test_a_shared_prefix_shows_in_vllm_prefix_cache_counters(
+    pytester: pytest.Pytester, vllm_server: Any
+) -> None:
+    """Prompts sharing a 512-token prefix (2 groups) against unique prompts of the same length:
+    vLLM's own prefix-cache counters over each point, in its load record."""
+    cell = (
+        f"node: local, engine: openai, model: tiny-vllm, endpoint: '{vllm_server.base_url}',"
+        " timeout_s: 120"
+    )
+    shared = (
+        "load: {concurrency: [2], requests: 12, synthetic: {input_tokens: 32, output_tokens: 4,"
+        " count: 6}, prefix: {tokens: 512, groups: 2}}"
+    )
+    unique = (
+        "load: {concurrency: [2], requests: 12,"
+        " synthetic: {input_tokens: 544, output_tokens: 4, count: 13}}"
+    )
+    pytester.makefile(
+        ".yaml",
+        prompts="prompts:\n  P: {intent: p, prompt: hi, max_tokens: 4}\n",
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{{cell}, name: prefix, {shared}}}\n  - {{{cell}, name: unique, {unique}}}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    result = run(pytester, "-m", "load")
+    assert result.ret == 0, result.stdout.str()
+    loads = {
+        r["cell_id"].rsplit("@", 1)[1]: r
+        for r in ledger_records(pytester.path)
+        if r["type"] == "load"
+    }
+    shared_load, unique_load = loads["prefix"], loads["unique"]
+    print(
+        "vLLM prefix cache hit rate with / without a shared prefix:",
+        shared_load["prefix_cache_hit_rate"], unique_load["prefix_cache_hit_rate"],
+        "TTFT p50 ms:", shared_load["ttft_ms_p50"], unique_load["ttft_ms_p50"],
+    )  # fmt: skip
+    assert shared_load["prefix_cache_source"] == unique_load["prefix_cache_source"] == "vllm"
+    assert shared_load["prefix_cache_hit_rate"] > 0.5
+    assert unique_load["prefix_cache_hit_rate"] < 0.1

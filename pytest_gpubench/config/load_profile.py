@@ -55,6 +55,15 @@ class LoadThresholds(_Strict):
     goodput: PositiveFloat = 0.30
 
 
+class Prefix(_Strict):
+    """Shared-prefix prompts (vLLM `bench serve`'s prefix repetition, SGLang's generated shared
+    prefix): `groups` prefixes of `tokens` tokens each; every prompt starts with its group's
+    prefix, then its own `input_tokens`. A prefix cache serves the shared part."""
+
+    tokens: PositiveInt
+    groups: Annotated[int, Field(ge=1, le=1024)] = 1
+
+
 class Synthetic(_Strict):
     """Prompts given by token counts of the model's own tokenizer (vLLM `bench serve`'s
     `random`, guidellm's `prompt_tokens`): a seeded text of exactly `input_tokens` tokens,
@@ -66,7 +75,10 @@ class Synthetic(_Strict):
     output_tokens: PositiveInt
     seed: int = 0
     spread: Annotated[float, Field(ge=0.0)] | None = None
+    # Distinct prompts: the sizes drawn with `spread`, or (when set) this many different texts
+    # of each size; with `prefix`, spread over its groups.
     count: Annotated[int, Field(ge=1, le=1024)] = 8
+    prefix: Prefix | None = None
 
     @field_validator("input_tokens", mode="before")
     @classmethod
@@ -97,13 +109,28 @@ class Synthetic(_Strict):
         return tuple(max(1, round(chooser.gauss(mean, self.spread))) for _ in range(self.count))
 
     @property
+    def variants(self) -> tuple[tuple[int, int], ...]:
+        """(size, seed) of each distinct prompt, in the order they are sent: one per size, or
+        `count` texts of each size where `count` is set or a prefix is shared."""
+        sizes = self.sizes
+        repeat = "count" in self.model_fields_set or self.prefix is not None
+        if self.spread or not repeat:
+            return tuple((size, self.seed + i) for i, size in enumerate(sizes))
+        return tuple(
+            (size, self.seed + i * len(sizes) + j)
+            for i in range(self.count)
+            for j, size in enumerate(sizes)
+        )
+
+    @property
     def prompt_id(self) -> str:
         """The id its cases and records carry in place of a prompts.yaml id."""
+        prefix = f"-prefix{self.prefix.tokens}x{self.prefix.groups}" if self.prefix else ""
         if isinstance(self.input_tokens, list):
             sizes = "_".join(str(size) for size in self.input_tokens)
-            return f"synthetic-in{sizes}-out{self.output_tokens}"
+            return f"synthetic-in{sizes}-out{self.output_tokens}{prefix}"
         spread = f"sd{self.spread:g}" if self.spread else ""
-        return f"synthetic-in{self.input_tokens}{spread}-out{self.output_tokens}"
+        return f"synthetic-in{self.input_tokens}{spread}-out{self.output_tokens}{prefix}"
 
 
 class Sweep(_Strict):
@@ -150,7 +177,14 @@ class LoadProfile(_Strict):
     def _sweep_shorthand(cls, data: Any) -> Any:
         # `sweep: true` is a sweep with the default steps.
         if isinstance(data, dict) and data.get("sweep") is True:
-            return {**data, "sweep": {}}
+            data = {**data, "sweep": {}}
+        # `prefix:` beside `synthetic:` (the peers' spelling) is the synthetic prompts' prefix.
+        if isinstance(data, dict) and "prefix" in data:
+            synthetic = data.get("synthetic")
+            if not isinstance(synthetic, dict):
+                raise ValueError("prefix: shares a prefix among synthetic prompts: add synthetic:")
+            rest = {key: value for key, value in data.items() if key != "prefix"}
+            return {**rest, "synthetic": {**synthetic, "prefix": data["prefix"]}}
         return data
 
     @property

@@ -279,10 +279,15 @@ def parse_openai_sse(
             # OpenAI's and vLLM's (with a reasoning parser) count of the reasoning tokens.
             if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
                 measurement.reasoning_tokens = details["reasoning_tokens"]
+            cached = usage.get("prompt_tokens_details")
+            if isinstance(cached, dict) and isinstance(cached.get("cached_tokens"), int):
+                measurement.cached_prompt_tokens = cached["cached_tokens"]
         timings = chunk.get("timings")
         if isinstance(timings, dict):
             measurement.engine_timings = timings
             llamacpp_engine_figures(timings, measurement)
+            if isinstance(timings.get("cache_n"), int):
+                measurement.cached_prompt_tokens = timings["cache_n"]
 
 
 # pytest_gpubench_make_engine (hookspecs.py), as pytest's hook relay calls it.

@@ -104,6 +104,9 @@ class CallMeasurement:
     first_answer_ms: float | None = None
     reasoning_tokens: int | None = None
     answer_tokens: int | None = None
+    # Prompt tokens the engine served from its prefix cache (llama.cpp's timings.cache_n, else
+    # usage.prompt_tokens_details.cached_tokens); None where it says nothing.
+    cached_prompt_tokens: int | None = None
     # Filled by the stream parsers, turned into the figures above by finish_timing.
     first_answer_ns: int = 0
     reasoning_chunks: int = 0
@@ -137,6 +140,7 @@ class CallMeasurement:
             "first_answer_ms": self.first_answer_ms,
             "reasoning_tokens": self.reasoning_tokens,
             "answer_tokens": self.answer_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
         }
 
 

@@ -85,13 +85,31 @@ def load_prompts(live: LiveCell, matrix: Matrix, prompt_id: str) -> LoadPrompts:
         from pytest_gpubench.run.workloads import exact, exact_facts
 
         base, request = load_prompt(matrix, cell, prompt_id)
-        made = [exact(live, size, synthetic.seed) for size in synthetic.sizes]
-        prompts = tuple(base.model_copy(update={"prompt": m.text}) for m in made)
+        texts: list[str] = []
+        facts: list[dict[str, Any]] = []
+        for index, (size, seed) in enumerate(synthetic.variants):
+            made = exact(live, size, seed)
+            texts.append(made.text)
+            facts.append(exact_facts(made))
+            if synthetic.prefix is not None:
+                # Group g's prefix: its own seeded text (seeds below 0 are never a prompt's).
+                group = index % synthetic.prefix.groups
+                head = exact(live, synthetic.prefix.tokens, -1 - group)
+                texts[-1] = f"{head.text}\n{made.text}"
+                facts[-1] = {
+                    **facts[-1],
+                    "prefix_tokens": synthetic.prefix.tokens,
+                    "prefix_group": group,
+                    # The prefix and the prompt meet at a newline the tokenizer may merge: the
+                    # template's share of usage is not known to the token here.
+                    "template_tokens": None,
+                }
+        prompts = tuple(base.model_copy(update={"prompt": text}) for text in texts)
         digest = hashlib.sha256(
             "\n".join(prompt.sha256(request) for prompt in prompts).encode()
         ).hexdigest()
         sha = prompts[0].sha256(request) if len(prompts) == 1 else digest
-        return LoadPrompts(prompts, request, sha, tuple(exact_facts(m) for m in made))
+        return LoadPrompts(prompts, request, sha, tuple(facts))
     if profile.dataset is not None and prompt_id == dataset_prompt_id(profile.dataset):
         items = sample_dataset(profile.dataset, f"{cell.cell_id}: load.dataset")
         prompts = tuple(dataset_prompt(prompt_id, None, item, profile.dataset) for item in items)
@@ -121,7 +139,9 @@ def _run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> L
     profile = cell.load
     assert profile is not None and case.load_point is not None and live.engine is not None
     sends = load_prompts(live, matrix, case.prompt_id)
-    prompt, request = sends.prompts[0], sends.request
+    # The warm-up sends the last of the prompts taken in turn: a point that sends each once
+    # (unique prompts) then finds none of them cached by the warm-up.
+    prompt, request = sends.prompts[-1], sends.request
     own = {"messages": prompt.chat_messages()} if prompt.messages is not None else {}
     live.warm_up(prompt.prompt, prompt.max_tokens, request, **own)
     engine: Any = live.engine
@@ -250,6 +270,7 @@ class _Recorder:
                 ),
                 "engine_counters": scraper.samples.counter_changes() or None,
                 "engine_metrics_notes": scraper.samples.notes or None,
+                **prefix_cache_figures(calls, scraper.samples.counter_changes()),
             },
             error=summary["invalid_reason"],
         )
@@ -296,6 +317,27 @@ class _Recorder:
             send_lag_ms=sent.send_lag_ms,
             process=sent.process if self.profile.processes > 1 else None,
         )
+
+
+def prefix_cache_figures(
+    calls: list[dict[str, Any]], counters: Mapping[str, float]
+) -> dict[str, Any]:
+    """The engine's prefix cache over the point, beside its latency: the share of prompt tokens
+    it found cached, from vLLM's own counters (prefix_cache_hits / queries over the point), else
+    from llama.cpp's per-request `cache_n` against the prompt tokens (every request of the
+    point, warm-up and cool-down too, as the counters count them)."""
+    queries = counters.get("vllm:prefix_cache_queries_total")
+    hits = counters.get("vllm:prefix_cache_hits_total")
+    if queries and hits is not None:
+        return {"prefix_cache_hit_rate": round(hits / queries, 4), "prefix_cache_source": "vllm"}
+    cached = [
+        c for c in calls if c.get("cached_prompt_tokens") is not None and c.get("prompt_tokens")
+    ]
+    if cached:
+        found = sum(int(c["cached_prompt_tokens"]) for c in cached)
+        prompt = sum(int(c["prompt_tokens"]) for c in cached)
+        return {"prefix_cache_hit_rate": round(found / prompt, 4), "prefix_cache_source": "cache_n"}
+    return {"prefix_cache_hit_rate": None, "prefix_cache_source": None}
 
 
 def _lag_by_process(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
