@@ -5,6 +5,7 @@ next run, as a changed prompt does); token-exact synthetic prompts of three size
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -185,3 +186,44 @@ def test_a_shared_prefix_shows_as_prefix_cache_hits_through_cache_n(
     assert shared["prefix_cache_hit_rate"] > 0.5
     # Unique prompts share only the chat template's first tokens.
     assert unique["prefix_cache_hit_rate"] < 0.05
+
+
+def test_three_turn_sessions_at_concurrency_four_grow_their_prompt_each_turn(
+    pytester: pytest.Pytester, llama_server: Path
+) -> None:
+    pytester.makefile(
+        ".yaml",
+        prompts="prompts:\n  P-CHAT: {intent: chat, prompt: 'Tell me about the sea.', max_tokens: 12}\n",
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}',"
+        " parallel: 4, server_args: [--threads, '1'],"
+        " load: {concurrency: [4], requests: 8, turns: 3, think_time_s: 0.05}}\n",
+    )
+    pytester.makepyfile(test_bench=LOAD_TEST_FILE)
+    result = run(pytester, "-m", "load")
+    assert result.ret == 0, result.stdout.str()
+    records = ledger_records(pytester.path)
+    (load,) = [r for r in records if r["type"] == "load"]
+    calls = [r for r in records if r["type"] == "call" and r["load_window"] == "measured"]
+    assert load["valid"], load["invalid_reason"]
+    assert load["turns"] == 3 and load["sessions"] == load["sessions_ok"] == 8
+    assert len(calls) == 24 and all(c["error"] is None for c in calls)
+    sessions: dict[int, list[dict[str, Any]]] = {}
+    for call in calls:
+        sessions.setdefault(call["session_idx"], []).append(call)
+    for turns in sessions.values():
+        turns.sort(key=lambda c: c["turn"])
+        assert [c["turn"] for c in turns] == [0, 1, 2]
+        # Each turn sends the history and the previous answer: the prompt grows by at least
+        # the previous answer (12 tokens) and the question asked again.
+        growth = [b["prompt_tokens"] - a["prompt_tokens"] for a, b in itertools.pairwise(turns)]
+        assert all(g > 12 for g in growth), growth
+        # Turns of one session follow each other, think time apart.
+        for a, b in itertools.pairwise(turns):
+            assert b["send_ms"] >= a["send_ms"] + a["total_duration_ms"] + 50.0 - 1.0
+        assert all(c["first_delta_ms"] > 0 for c in turns)
+    ttft_by_turn = load["ttft_ms_p50_by_turn"]
+    tokens_by_turn = load["prompt_tokens_p50_by_turn"]
+    print("per-turn TTFT p50 ms:", ttft_by_turn, "prompt tokens p50:", tokens_by_turn)
+    assert len(ttft_by_turn) == 3 and tokens_by_turn[0] < tokens_by_turn[1] < tokens_by_turn[2]
+    assert load["session_ms_p50"] > 0

@@ -161,6 +161,11 @@ class LoadProfile(_Strict):
     synthetic: Synthetic | None = None
     # Prompts sampled from a dataset file (config/datasets.py), sent in turn.
     dataset: Dataset | None = None
+    # Multi-turn sessions: each send is a session of `turns` requests, each with the history
+    # and the previous answer, `think_time_s` between an answer and the next turn; `requests`
+    # then counts sessions.
+    turns: Annotated[int, Field(ge=1, le=64)] | None = None
+    think_time_s: Annotated[float, Field(ge=0.0)] = 0.0
     # The arrival times' seed (poisson, gamma): the same schedule on every run.
     seed: int = 0
     # A case whose requests went out later than this after their scheduled time (p99) is

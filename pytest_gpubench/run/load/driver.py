@@ -4,6 +4,7 @@ cool-down), and sending one request at its scheduled time with the send lag stam
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 import time
 from collections.abc import Callable
@@ -38,10 +39,38 @@ class Sent:
     measurement: CallMeasurement
     # Which of the point's client processes sent it (`processes: N`; 0 with one).
     process: int = 0
+    # A multi-turn session's request (`turns:`): the session's index and this turn (0-based).
+    session: int | None = None
+    turn: int | None = None
 
     @property
     def send_lag_ms(self) -> float:
         return round(max(0, self.sent_ns - self.scheduled_ns) / 1e6, 4)
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """How the turns of a session are sent: `turns` requests one after the other on one
+    stream, `think_time_s` apart (from an answer's end to the next send); turn t of session s
+    asks user turn (s * turns + t) mod n of `user_turns`, after the whole history so far."""
+
+    turns: int
+    think_time_s: float
+    # The request's JSON body without its messages (model, max_tokens, stream, ...).
+    body: bytes
+    # Each a conversation of its own (system turn and user turn), its last one the question.
+    user_turns: tuple[tuple[tuple[str, str], ...], ...]
+    path: str = "/v1/chat/completions"
+
+    def request(
+        self,
+        endpoint: Endpoint,
+        headers: tuple[tuple[str, str], ...],
+        history: list[dict[str, str]],
+    ) -> bytes:
+        body = json.loads(self.body)
+        body["messages"] = history
+        return request_bytes(endpoint, self.path, json.dumps(body).encode(), headers)
 
 
 @dataclass(frozen=True)
@@ -59,6 +88,9 @@ class Target:
     # Where the point sends several requests (a dataset's prompts): request i is the
     # (i mod n)-th of these, and `request` is the first.
     variants: tuple[bytes, ...] = ()
+    # Multi-turn sessions (`turns:`): each send is a whole session, its requests built as it
+    # goes (the history, the previous answer, the next user turn).
+    session: SessionPlan | None = None
 
     def request_for(self, index: int) -> bytes:
         """The bytes of the point's `index`-th request."""
@@ -109,6 +141,7 @@ class LoadRun:
         self.bounds = Bounds(profile, time.perf_counter_ns())
         self.started_ns = 0
         self.next_index = 0
+        self.next_session = 0
 
     async def open(self, connections: int) -> None:
         """Open the connections the point needs before its clock starts."""
@@ -124,10 +157,46 @@ class LoadRun:
         return self.bounds.window(time.perf_counter_ns())
 
     async def send(self, scheduled_ns: int, window: Window) -> None:
-        """One request, due at `scheduled_ns`: sent as soon as a connection is at hand."""
+        """One request, due at `scheduled_ns`: sent as soon as a connection is at hand (a
+        multi-turn point's whole session)."""
+        if self.target.session is not None:
+            await self._session(self.target.session, scheduled_ns, window)
+            return
+        await self._send_one(scheduled_ns, window, None)
+
+    async def _session(self, plan: SessionPlan, scheduled_ns: int, window: Window) -> None:
+        """The turns of one session in order; each sends the history and the previous answer.
+        A turn that failed ends its session (there is no answer to go on from)."""
+        session, self.next_session = self.next_session, self.next_session + 1
+        history: list[dict[str, str]] = []
+        due_ns = scheduled_ns
+        for turn in range(plan.turns):
+            asked = plan.user_turns[(session * plan.turns + turn) % len(plan.user_turns)]
+            for role, content in asked:
+                if role != "system" or not history:
+                    history.append({"role": role, "content": content})
+            request = plan.request(self.target.endpoint, self.target.headers, history)
+            sent = await self._send_one(due_ns, window, request, session=session, turn=turn)
+            if sent.measurement.error is not None:
+                return
+            history.append({"role": "assistant", "content": sent.measurement.text})
+            if turn + 1 < plan.turns:
+                await asyncio.sleep(plan.think_time_s)
+                due_ns = time.perf_counter_ns()
+
+    async def _send_one(
+        self,
+        scheduled_ns: int,
+        window: Window,
+        request: bytes | None,
+        *,
+        session: int | None = None,
+        turn: int | None = None,
+    ) -> Sent:
         target = self.target
         index, self.next_index = self.next_index, self.next_index + 1
-        request = target.request_for(index)
+        if request is None:
+            request = target.request_for(index)
         sent_ns = time.perf_counter_ns()
         reconnected = False
         try:
@@ -145,15 +214,22 @@ class LoadRun:
                 raw = await connection.exchange(request, target.timeout_s)
         except StreamError as exc:
             measurement = CallMeasurement(backend=target.backend, error=str(exc))
-            self.sent.append(Sent(index, window, scheduled_ns, sent_ns, measurement, self.process))
-            return
+            failed = Sent(
+                index, window, scheduled_ns, sent_ns, measurement, self.process, session, turn
+            )
+            self.sent.append(failed)
+            return failed
         measurement = measure_response(target.backend, raw.streamed(), parse_openai_sse)
         measurement.reconnected = reconnected
         measurement.connection_reused = connection.exchanges > 1
         if not raw.keep_alive:
             self.pool.server_closes = True
         self.pool.give_back(connection, raw.keep_alive and measurement.error is None)
-        self.sent.append(Sent(index, window, scheduled_ns, raw.sent_ns, measurement, self.process))
+        done = Sent(
+            index, window, scheduled_ns, raw.sent_ns, measurement, self.process, session, turn
+        )
+        self.sent.append(done)
+        return done
 
     async def close(self) -> None:
         await self.pool.close()
@@ -183,6 +259,7 @@ def build_target(
     timeout_s: float,
     tls: TlsSettings | None = None,
     more_payloads: tuple[bytes, ...] = (),
+    session: SessionPlan | None = None,
 ) -> Target:
     """The point's target; `more_payloads` are sent in turn after `payload` (a dataset)."""
     endpoint = Endpoint.parse(base_url)
@@ -195,4 +272,4 @@ def build_target(
         if more_payloads
         else ()
     )
-    return Target(backend, endpoint, request, timeout_s, pairs, context, variants)
+    return Target(backend, endpoint, request, timeout_s, pairs, context, variants, session)

@@ -30,7 +30,7 @@ from pytest_gpubench.ledger.records import call_record, load_call_record, load_r
 from pytest_gpubench.measure.gauges import GaugeScraper
 from pytest_gpubench.results.load_summary import percentile, summarize_point
 from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts
-from pytest_gpubench.run.load.driver import LoadRun, Sent, Target, build_target
+from pytest_gpubench.run.load.driver import LoadRun, Sent, SessionPlan, Target, build_target
 from pytest_gpubench.run.load.processes import run_in_processes
 
 if TYPE_CHECKING:
@@ -119,6 +119,53 @@ def load_prompts(live: LiveCell, matrix: Matrix, prompt_id: str) -> LoadPrompts:
     return LoadPrompts((prompt,), request, prompt.sha256(request))
 
 
+def session_plan(profile: LoadProfile, sends: LoadPrompts, engine: Any) -> SessionPlan | None:
+    """`turns:`: the sessions' plan, its user turns the load case's prompts in turn."""
+    if profile.turns is None:
+        return None
+    first = sends.prompts[0]
+    body = engine.payload(first.prompt, first.max_tokens, sends.request)
+    body.pop("messages", None)
+    user_turns = tuple(
+        tuple((turn["role"], turn["content"]) for turn in prompt.chat_messages() or [])
+        if prompt.messages is not None
+        else (("user", prompt.prompt),)
+        for prompt in sends.prompts
+    )
+    return SessionPlan(profile.turns, profile.think_time_s, json.dumps(body).encode(), user_turns)
+
+
+def session_figures(calls: list[dict[str, Any]], turns: int | None) -> dict[str, Any]:
+    """A multi-turn point's sessions as units: how many ran whole, per-turn TTFT and prompt
+    tokens (p50 of each turn), and the session's span from its first send to its last byte."""
+    if turns is None:
+        return {}
+    sessions: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for call in calls:
+        if call.get("load_window") == "measured" and call.get("session_idx") is not None:
+            sessions.setdefault((call["process"] or 0, call["session_idx"]), []).append(call)
+    whole = [s for s in sessions.values() if len(s) == turns and all(c["error"] is None for c in s)]
+    spans = [
+        max(c["send_ms"] + (c["total_duration_ms"] or 0.0) for c in s)
+        - min(c["send_ms"] for c in s)
+        for s in whole
+    ]
+    by_turn = [[c for s in whole for c in s if c["turn"] == t] for t in range(turns)]
+    return {
+        "turns": turns,
+        "sessions": len(sessions),
+        "sessions_ok": len(whole),
+        "ttft_ms_p50_by_turn": [
+            percentile([c["first_delta_ms"] for c in group], 50) for group in by_turn
+        ],
+        "prompt_tokens_p50_by_turn": [
+            percentile([float(c["prompt_tokens"] or 0) for c in group], 50) for group in by_turn
+        ],
+        "session_ms_p50": percentile(spans, 50),
+        "session_ms_p99": percentile(spans, 99),
+    }
+
+
 def run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> LoadOutcome:
     """Warm the engine up with the case's request, then run its load point, with Python's
     cyclic garbage collector held off: a full collection in a pytest process takes milliseconds,
@@ -161,6 +208,7 @@ def _run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> L
         cell.timeout_s,
         getattr(engine, "tls", None),
         tuple(payloads[1:]),
+        session_plan(profile, sends, engine),
     )
     recorder = _Recorder(run_id, cell, case, sends.sha256, profile)
     recorder.facts = sends.facts
@@ -271,6 +319,7 @@ class _Recorder:
                 "engine_counters": scraper.samples.counter_changes() or None,
                 "engine_metrics_notes": scraper.samples.notes or None,
                 **prefix_cache_figures(calls, scraper.samples.counter_changes()),
+                **session_figures(calls, self.profile.turns),
             },
             error=summary["invalid_reason"],
         )
@@ -307,6 +356,8 @@ class _Recorder:
         )
         if self.facts:
             call.update(self.facts[sent.index % len(self.facts)])
+        if sent.session is not None:
+            call.update(session_idx=sent.session, turn=sent.turn)
         return load_call_record(
             call,
             load_point=point,
