@@ -20,6 +20,8 @@ from pytest_gpubench.core.errors import GpubenchError
 # differently at the cut moves the count by one or two; more than this is a tokenizer that does
 # not round-trip).
 ROUNDS = 12
+# Where the cut of the seeded text starts, at most this many tokens in.
+OFFSETS = 16
 CONTROL_TIMEOUT_S = 30.0
 
 
@@ -193,16 +195,23 @@ def exact_text(counter: TokenCounter, size: int, seed: int) -> ExactText:
     decoded, cut or grown until the decoded text counts `size` again."""
     source = seeded_words(seed, size, size * 2 + 16)
     ids = counter.encode(source)
-    while len(ids) < size + ROUNDS:
+    while len(ids) < size + ROUNDS + OFFSETS:
         source += " " + seeded_words(seed + len(ids), size, size + 16)
         ids = counter.encode(source)
-    take = size
-    for _ in range(ROUNDS):
-        text = counter.decode(ids[:take]).strip()
-        got = len(counter.encode(text))
-        if got == size:
-            return ExactText(text, size, _overhead(counter, text, size), counter.counted_by)
-        take = max(1, take + size - got)
+    # A cut may fall where decoding and encoding again merge or split tokens, and the count
+    # swing between size - 1 and size + 1: then the window starts a token later and tries again.
+    for start in range(OFFSETS):
+        window = ids[start:]
+        take, tried = size, set()
+        for _ in range(ROUNDS):
+            if take in tried or take > len(window):
+                break
+            tried.add(take)
+            text = counter.decode(window[:take]).strip()
+            got = len(counter.encode(text))
+            if got == size:
+                return ExactText(text, size, _overhead(counter, text, size), counter.counted_by)
+            take = max(1, take + size - got)
     raise GpubenchError(
         f"synthetic: no text of exactly {size} tokens found ({counter.counted_by}): the "
         "tokenizer does not round-trip its own tokens"
