@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from pytest_gpubench.config.datasets import Dataset
+from pytest_gpubench.config.traces import Trace
 
 ARRIVALS = ("constant", "poisson", "gamma")
 
@@ -166,6 +167,9 @@ class LoadProfile(_Strict):
     # then counts sessions.
     turns: Annotated[int, Field(ge=1, le=64)] | None = None
     think_time_s: Annotated[float, Field(ge=0.0)] = 0.0
+    # A trace replayed on its own schedule (config/traces.py): a point `trace-x<speedup>` per
+    # speed-up, each request its own prompt and output length.
+    trace: Trace | None = None
     # The arrival times' seed (poisson, gamma): the same schedule on every run.
     seed: int = 0
     # A case whose requests went out later than this after their scheduled time (p99) is
@@ -197,6 +201,8 @@ class LoadProfile(_Strict):
         """The load points in run order: `c<N>` closed loops, `r<rate>` open loops, `sweep`."""
         points = [f"c{n}" for n in dict.fromkeys(self.concurrency or [])]
         points += [f"r{rate_text(rate)}" for rate in dict.fromkeys(self.rate or [])]
+        if self.trace is not None:
+            points += [f"trace-x{rate_text(x)}" for x in dict.fromkeys(self.trace.speedup)]
         return points + (["sweep"] if self.sweep is not None else [])
 
     def prompt_ids(self, cell_prompts: tuple[str, ...]) -> tuple[str, ...]:
@@ -206,11 +212,14 @@ class LoadProfile(_Strict):
             return (self.synthetic.prompt_id,)
         if self.dataset is not None:
             return (dataset_prompt_id(self.dataset),)
+        if self.trace is not None:
+            return (f"trace-{Path(self.trace.path).stem}",)
         return tuple(self.prompts) if self.prompts else cell_prompts
 
     @property
     def bounded(self) -> bool:
-        return self.duration_s is not None or self.requests is not None
+        # A trace ends with its last request.
+        return self.duration_s is not None or self.requests is not None or self.trace is not None
 
     @property
     def longest_s(self) -> float:
@@ -220,6 +229,8 @@ class LoadProfile(_Strict):
         if self.duration_s is None and self.requests is not None:
             span += float(self.requests)  # one request a second at the slowest, then the cap
         steps = (self.sweep.rates + 2) if self.sweep is not None else 1
+        if self.trace is not None and self.duration_s is None:
+            span += 600.0  # the trace's own length, not known before it is read
         return span * steps
 
 

@@ -31,6 +31,7 @@ from pydantic_core import PydanticCustomError
 
 from pytest_gpubench.config.datasets import Dataset, DatasetPrompt, dataset_sha256, sample_dataset
 from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting, Synthetic, merged_profile
+from pytest_gpubench.config.traces import read_trace
 from pytest_gpubench.config.words import seeded_words
 from pytest_gpubench.core.errors import GpubenchError
 
@@ -838,6 +839,10 @@ def _resolved_load(where: str, load: LoadProfile | None, base: Path) -> LoadProf
         dataset = load.dataset.resolved(base)
         sample_dataset(dataset, f"{where}: load.dataset")
         load = load.model_copy(update={"dataset": dataset})
+    if load.trace is not None:
+        trace = load.trace.resolved(base)
+        read_trace(trace, f"{where}: load.trace")
+        load = load.model_copy(update={"trace": trace})
     return load
 
 
@@ -943,7 +948,7 @@ def _check_load(
             raise GpubenchError(
                 f"{where}: load.prompts: '{prompt_id}' is not defined in {prompts_path}"
             )
-    sources = [key for key in ("prompts", "synthetic", "dataset") if getattr(load, key)]
+    sources = [key for key in ("prompts", "synthetic", "dataset", "trace") if getattr(load, key)]
     if len(sources) > 1:
         raise GpubenchError(
             f"{where}: load: give one of prompts, synthetic, dataset (got {', '.join(sources)})"

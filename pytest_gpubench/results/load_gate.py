@@ -50,7 +50,7 @@ def point_key(record: Mapping[str, Any]) -> str:
 def gated(record: Mapping[str, Any]) -> bool:
     """The load records the gate judges: a point's (a sweep's steps have rates that move with
     the engine's speed, so no two runs measure the same points)."""
-    return record.get("type") == "load" and record.get("pattern") in ("closed", "open")
+    return record.get("type") == "load" and record.get("pattern") in ("closed", "open", "trace")
 
 
 def judge_point(

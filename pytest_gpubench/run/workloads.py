@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.config.matrix import Prompt, RequestShape
+from pytest_gpubench.config.traces import Trace, TraceEntry
 from pytest_gpubench.engines.tokenizer import (
     ExactText,
     LlamaCppCounter,
@@ -82,3 +83,31 @@ def exact_facts(made: ExactText) -> dict[str, Any]:
         "template_tokens": made.template_tokens,
         "tokens_counted_by": made.counted_by,
     }
+
+
+# Seeds of a trace's hash_id blocks start here (the prompts' own seeds are small numbers).
+BLOCK_SEED = 1 << 20
+
+
+def trace_texts(live: LiveCell, trace: Trace, entries: list[TraceEntry]) -> list[str]:
+    """Each trace request's prompt: its hash_id blocks, each a seeded text of `block_tokens`
+    tokens (the same block for the same id, so requests that shared a prefix in the trace share
+    it here), the last block cut to the request's input length; a request without hash_ids
+    (BurstGPT) a text of its own of its input length."""
+    texts = []
+    for index, entry in enumerate(entries):
+        if not entry.hash_ids:
+            texts.append(exact(live, entry.input_tokens, BLOCK_SEED + index).text)
+            continue
+        parts = []
+        left = entry.input_tokens
+        for block in entry.hash_ids:
+            if left <= 0:
+                break
+            size = min(trace.block_tokens, left)
+            parts.append(exact(live, size, -BLOCK_SEED - block).text)
+            left -= size
+        if left > 0:  # more input than its blocks cover: the rest its own
+            parts.append(exact(live, left, BLOCK_SEED + index).text)
+        texts.append("\n".join(parts))
+    return texts

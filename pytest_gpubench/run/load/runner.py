@@ -25,6 +25,7 @@ from pytest_gpubench.config.matrix import (
     load_dataset_sha256,
 )
 from pytest_gpubench.config.synthetic import synthetic_prompt
+from pytest_gpubench.config.traces import Trace, read_trace
 from pytest_gpubench.core.provenance import utc_now
 from pytest_gpubench.ledger.records import call_record, load_call_record, load_record, sample_record
 from pytest_gpubench.measure.gauges import GaugeScraper
@@ -110,6 +111,8 @@ def load_prompts(live: LiveCell, matrix: Matrix, prompt_id: str) -> LoadPrompts:
         ).hexdigest()
         sha = prompts[0].sha256(request) if len(prompts) == 1 else digest
         return LoadPrompts(prompts, request, sha, tuple(facts))
+    if profile.trace is not None and prompt_id == profile.prompt_ids(())[0]:
+        return _trace_prompts(live, profile.trace)
     if profile.dataset is not None and prompt_id == dataset_prompt_id(profile.dataset):
         items = sample_dataset(profile.dataset, f"{cell.cell_id}: load.dataset")
         prompts = tuple(dataset_prompt(prompt_id, None, item, profile.dataset) for item in items)
@@ -117,6 +120,33 @@ def load_prompts(live: LiveCell, matrix: Matrix, prompt_id: str) -> LoadPrompts:
         return LoadPrompts(prompts, request, load_dataset_sha256(profile, request))
     prompt, request = load_prompt(matrix, cell, prompt_id)
     return LoadPrompts((prompt,), request, prompt.sha256(request))
+
+
+def _trace_prompts(live: LiveCell, trace: Trace) -> LoadPrompts:
+    """A trace's requests in arrival order, each its own prompt and output length (fixed:
+    ignore_eos, as the trace's answer was that long)."""
+    from pytest_gpubench.run.workloads import trace_texts
+
+    entries = read_trace(trace, f"{live.cell.cell_id}: load.trace")
+    request = live.cell.spec.request or RequestShape()
+    if request.ignore_eos is None:
+        request = request.merged(RequestShape(ignore_eos=True))
+    prompts = tuple(
+        Prompt(intent=f"trace request {i}", prompt=text, max_tokens=entry.output_tokens)
+        for i, (entry, text) in enumerate(
+            zip(entries, trace_texts(live, trace, entries), strict=True)
+        )
+    )
+    facts = tuple(
+        {
+            "input_tokens_requested": entry.input_tokens,
+            "trace_at_s": round(entry.at_s, 6),
+            "trace_hash_ids": len(entry.hash_ids),
+        }
+        for entry in entries
+    )
+    digest = hashlib.sha256("\n".join(p.sha256(request) for p in prompts).encode()).hexdigest()
+    return LoadPrompts(prompts, request, digest, facts)
 
 
 def session_plan(profile: LoadProfile, sends: LoadPrompts, engine: Any) -> SessionPlan | None:
