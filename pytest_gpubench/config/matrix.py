@@ -719,6 +719,11 @@ def load_prompt_file(path: Path) -> tuple[dict[str, Prompt], dict[str, tuple[str
             continue
         if key in synthetic.prompts:
             made = synthetic.prompts[key]
+            if made.synthetic.prefix is not None:
+                raise GpubenchError(
+                    f"{path}: prompts.{key}.synthetic.prefix: a shared prefix is measured under "
+                    "load (a cell's load: synthetic: with prefix:), where requests share it"
+                )
             sizes = tuple(dict.fromkeys(made.synthetic.sizes))
             for size in sizes:
                 prompts[f"{key}#in{size}"] = synthetic_entry_prompt(
