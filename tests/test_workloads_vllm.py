@@ -104,3 +104,41 @@ def test_a_shared_prefix_shows_in_vllm_prefix_cache_counters(
     assert shared_load["prefix_cache_source"] == unique_load["prefix_cache_source"] == "vllm"
     assert shared_load["prefix_cache_hit_rate"] > 0.5
     assert unique_load["prefix_cache_hit_rate"] < 0.1
+
+
+SAMPLE = (
+    Path(__file__).parent.parent / "pytest_gpubench" / "config" / "samples" / "chat_sample.jsonl"
+)
+DATASET = "{path: chat.jsonl, format: sharegpt, count: 3, seed: 7, max_output_words: 20}"
+
+
+def test_a_sharegpt_sample_on_vllm_single_call_and_under_load_frozen(
+    pytester: pytest.Pytester, vllm_server: Any
+) -> None:
+    (pytester.path / "chat.jsonl").write_text(SAMPLE.read_text())
+    pytester.makefile(
+        ".yaml",
+        prompts=f"prompts:\n  chat: {{intent: support chat, dataset: {DATASET}}}\n",
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: openai, model: tiny-vllm, endpoint: '{vllm_server.base_url}',"
+        " timeout_s: 120, runs: 5, phases: [warm], prompts: [chat],"
+        f" load: {{concurrency: [2], requests: 6, dataset: {DATASET}}}}}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    first = run(pytester, "--baseline-update")
+    assert first.ret == 0, first.stdout.str()
+    records = ledger_records(pytester.path)
+    calls = [r for r in records if r["type"] == "call"]
+    single = {r["prompt_id"] for r in calls if r.get("load_point") is None}
+    assert len(single) == 3 and all(p.startswith("chat#") for p in single)
+    (load,) = [r for r in records if r["type"] == "load"]
+    assert load["prompt_id"] == "dataset-chat" and load["valid"] and load["ok"] == 6
+    assert all(r["error"] is None for r in calls)
+
+    text = (pytester.path / "chat.jsonl").read_text()
+    (pytester.path / "chat.jsonl").write_text(
+        text.replace('"human", "value": "', '"human", "value": "Now: ')
+    )
+    stopped = run(pytester)
+    assert stopped.ret == pytest.ExitCode.USAGE_ERROR
+    stopped.stderr.fnmatch_lines(["*changed since the baseline of local:openai:tiny-vllm*"])
