@@ -65,7 +65,10 @@ def test_a_sharegpt_sample_is_measured_single_call_and_frozen(
     # Different conversations: different prompt lengths and different frozen hashes.
     assert len({r["prompt_sha256"] for r in calls}) == 3
     assert len({r["prompt_tokens"] for r in calls}) > 1
-    assert run(pytester).ret == 0  # unchanged: measured again
+    # Unchanged: measured again and judged (a verdict on a shared machine may go either way).
+    again = run(pytester)
+    assert again.ret in (0, 6), again.stdout.str()
+    again.stdout.fnmatch_lines(["*chat#*"])
 
     edit_every_question(pytester.path / "chat.jsonl")
     stopped = run(pytester)
