@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 
+from pytest_gpubench.engines import tinymodel
+from pytest_gpubench.engines.tinymodel import TinyConfig
+
 SAMPLE = (
     Path(__file__).parent.parent / "pytest_gpubench" / "config" / "samples" / "chat_sample.jsonl"
 )
@@ -160,15 +163,27 @@ def prefix_cells(cell: str) -> str:
     )
 
 
+# A model whose prompt processing takes time (the tiny one reads a prompt in well under a
+# millisecond): the cached prefix then shows in TTFT.
+HEAVY = TinyConfig(n_embd=512, n_layer=4, n_head=8, n_head_kv=4, n_ff=1536)
+
+
+@pytest.fixture(scope="module")
+def heavy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("heavy") / "heavy.gguf"
+    tinymodel.write_tiny_model(path, config=HEAVY)
+    return path
+
+
 def test_a_shared_prefix_shows_as_prefix_cache_hits_through_cache_n(
-    pytester: pytest.Pytester, llama_server: Path
+    pytester: pytest.Pytester, llama_server: Path, heavy_model: Path
 ) -> None:
     pytester.makefile(
         ".yaml",
         prompts="prompts:\n  P: {intent: p, prompt: hi, max_tokens: 4}\n",
         cells=prefix_cells(
-            f"node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}',"
-            " parallel: 2, server_args: [--threads, '1']"
+            f"node: local, engine: llamacpp, model: heavy, model_path: '{heavy_model}',"
+            f" server_binary: '{llama_server}', parallel: 2, server_args: [--threads, '1']"
         ),
     )
     pytester.makepyfile(test_bench=LOAD_TEST_FILE)
@@ -181,6 +196,19 @@ def test_a_shared_prefix_shows_as_prefix_cache_hits_through_cache_n(
     assert {c["prefix_tokens"] for c in calls} == {256}
     assert all(c["cached_prompt_tokens"] is not None for c in calls)
     shared, unique = loads["prefix"], loads["unique"]
+    for name in ("prefix", "unique"):
+        mine = [r for r in records if r["type"] == "call" and r["cell_id"].endswith(name)]
+        print(
+            name,
+            "engine prompt ms:",
+            sorted(r["engine_prompt_ms"] for r in mine)[len(mine) // 2],
+            "cache_n:",
+            [r["cached_prompt_tokens"] for r in mine][:6],
+            "prompt:",
+            [r["prompt_tokens"] for r in mine][:6],
+            "ttft:",
+            [round(r["first_delta_ms"]) for r in mine][:6],
+        )
     print(
         "llama.cpp prefix cache hit rate with / without a shared prefix:",
         shared["prefix_cache_hit_rate"], unique["prefix_cache_hit_rate"],
@@ -190,6 +218,8 @@ def test_a_shared_prefix_shows_as_prefix_cache_hits_through_cache_n(
     assert shared["prefix_cache_hit_rate"] > 0.5
     # Unique prompts share only the chat template's first tokens.
     assert unique["prefix_cache_hit_rate"] < 0.05
+    # The engine reads 32 new tokens a request instead of 288: TTFT shows it.
+    assert shared["ttft_ms_p50"] < unique["ttft_ms_p50"]
 
 
 def test_three_turn_sessions_at_concurrency_four_grow_their_prompt_each_turn(
