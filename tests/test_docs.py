@@ -1,5 +1,6 @@
 """The reference site (mkdocs.yml, docs/): `make docs` builds it with `mkdocs build --strict` as
-`make test` does, so a broken link or anchor, or a page left out of the nav, fails the build."""
+`make test` does, so a broken link or anchor, or a page left out of the nav, fails the build; one
+page is served on 127.0.0.1 and opened in a real headless Chromium (as the HTML report is)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,15 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
+from test_html_report import chromium, console_problems, needs_chromium
 
 REPO = Path(__file__).resolve().parent.parent
 # What the site is built from: docs/architecture.md includes ARCHITECTURE.md (pymdownx.snippets).
@@ -107,3 +114,72 @@ def test_a_broken_link_fails_make_docs(tmp_path: Path, link: str, named: str) ->
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert "ci.md" in output and named in output, output
+
+
+class _Site(SimpleHTTPRequestHandler):
+    """Serves the built site and notes every request with its status."""
+
+    requests: list[tuple[str, int]]
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        self.requests.append((self.path, int(code)))
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def served_site(tmp_path: Path) -> Iterator[tuple[str, list[tuple[str, int]]]]:
+    """The site built by `make docs`, on a loopback port; yields its URL and the requests made."""
+    root = site_sources(tmp_path)
+    result = make_docs(root)
+    assert result.returncode == 0, result.stdout + result.stderr
+    requests: list[tuple[str, int]] = []
+    handler = type("Handler", (_Site,), {"requests": requests})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(handler, directory=str(root / "site")))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", requests
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@needs_chromium
+def test_chromium_renders_a_docs_page_with_its_nav_and_no_console_errors(
+    served_site: tuple[str, list[tuple[str, int]]], tmp_path: Path
+) -> None:
+    url, requests = served_site
+    screenshot = tmp_path / "gate.png"
+    page = f"{url}/gate/"
+    shot = chromium(
+        page,
+        tmp_path / "profile-1",
+        "--window-size=1280,1600",
+        "--hide-scrollbars",
+        f"--screenshot={screenshot}",
+    )
+    dom = chromium(page, tmp_path / "profile-2", "--dump-dom")
+
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert screenshot.stat().st_size > 50_000  # a styled page of text, not a blank one
+    assert console_problems(shot.stderr + dom.stderr) == []
+    html = dom.stdout
+    assert re.search(r"<h1[^>]*>The regression gate", html)
+    assert 'id="how-far-to-trust-it"' in html
+    # The site's navigation (sections nest their own <nav>s), up to the page's content.
+    nav = re.search(r'<nav class="md-nav md-nav--primary".*?class="md-content"', html, flags=re.S)
+    assert nav is not None
+    for entry in (
+        "Getting started",
+        "cells.yaml and prompts.yaml",
+        "Exit statuses",
+        "Architecture",
+    ):
+        assert f">{entry}<" in re.sub(r">\s+", ">", re.sub(r"\s+<", "<", nav.group(0))), entry
+    # The theme's stylesheet and script came from the site itself, and nothing was missing.
+    paths = [path for path, _ in requests]
+    assert any(re.match(r"/assets/stylesheets/main\.\w+\.min\.css", p) for p in paths), paths
+    assert any(re.match(r"/assets/javascripts/bundle\.\w+\.min\.js", p) for p in paths), paths
+    assert [(path, code) for path, code in requests if code != 200] == []
