@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.vllm_server import VllmServer
 
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.ledger.writer import read_ledger
@@ -121,3 +122,30 @@ def test_the_json_examples_expected_failure_follows_the_model_not_the_cell_id(
     # Measured all the same, on every cell.
     calls = calls_by_test(pytester)["test_json_answer"]
     assert len(calls) == 15 and all(call["error"] is None for call in calls)
+
+
+def test_the_examples_run_on_a_real_vllm_that_ignores_the_cache_switch(
+    pytester: pytest.Pytester, vllm_server: VllmServer
+) -> None:
+    """vLLM (tests/support/vllm_server.py: a tiny random-weight model, served as `tiny-vllm`)
+    takes the long-context request with `cache_prompt` in it (a key it does not have) and
+    prefills the whole prompt on the cold call; the JSON example is judged on this model, not
+    expected to fail, and fails on its noise."""
+    examples(
+        pytester,
+        f"  - {{node: local, engine: openai, model: {vllm_server.served_name}, "
+        f"endpoint: '{vllm_server.base_url}/v1', runs: 2}}\n",
+    )
+    result = run(pytester, "-rxf")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.assert_outcomes(passed=5, failed=5)
+    result.stdout.fnmatch_lines(
+        ["*local:openai:tiny-vllm-test_json_answer-warm-0: the answer is not JSON (*"]
+    )
+    by_test = calls_by_test(pytester)
+    prefill = by_test["test_long_context_prefill"]
+    assert [call["phase"] for call in prefill] == ["cold", "warm", "warm"]
+    for call in prefill:
+        assert call["error"] is None and call["prompt_tokens"] >= PROMPT_TOKENS
+        assert not call["engine_timings"]  # vLLM sends no per-request timings in its stream
+    assert all(call["error"] is None for calls in by_test.values() for call in calls)
