@@ -128,9 +128,9 @@ def test_the_examples_run_on_a_real_vllm_that_ignores_the_cache_switch(
     pytester: pytest.Pytester, vllm_server: VllmServer
 ) -> None:
     """vLLM (tests/support/vllm_server.py: a tiny random-weight model, served as `tiny-vllm`)
-    takes the long-context request with `cache_prompt` in it (a key it does not have) and
-    prefills the whole prompt on the cold call; the JSON example is judged on this model, not
-    expected to fail, and fails on its noise."""
+    takes the long-context request with `cache_prompt` in it (a key it does not have) and counts
+    the whole prompt; its prefix cache is the server's setting, which these calls leave as it is.
+    The JSON example is judged on this model, not expected to fail, and fails on its noise."""
     examples(
         pytester,
         f"  - {{node: local, engine: openai, model: {vllm_server.served_name}, "
