@@ -315,7 +315,7 @@ def checkpoint_record(
     calls_so_far: int,
     final: bool,
 ) -> dict[str, Any]:
-    """A timed run's figures so far (README "Timed runs"): written every checkpoint_s, so that
+    """A timed run's figures so far (docs/cells.md): written every checkpoint_s, so that
     a run that dies keeps them. `window`: the call records since the previous checkpoint."""
     ok = [call for call in window if call.get("error") is None]
     return {
