@@ -166,6 +166,7 @@ class _Recorder:
             max_send_lag_ms=(
                 self.profile.max_send_lag_ms if pattern.offered_rate is not None else None
             ),
+            server=scraper.samples.server_changes() or None,
         )
         record = load_record(
             run_id=self.run_id,
