@@ -1,7 +1,9 @@
 """A TCP proxy on 127.0.0.1 that understands HTTP/1.1 replies, kept-alive connections included
 (vLLM's): it can hold each reply back and deliver it whole in one write at its end, or slow the
 requests that arrive while the offered rate is above a threshold (an engine that degrades only
-under load). One thread per client connection: the tests drive a few streams at a time."""
+under load), and let at most `slots` requests at a time through to the upstream (an engine with
+that many batch slots: above them, throughput is the engine's, whatever else waits). One thread
+per client connection: the tests drive a few streams at a time."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ class ReplyProxy:
     engine is not slowed; the client sees every reply arrive in one read, as a client that was
     not scheduled while the bytes queued would). `slow_above_rate` req/s: a chat request that
     arrives when more than that many arrived in the last `rate_window_s` is held `slow_ms` before
-    it goes upstream.
+    it goes upstream. `slots`: at most that many chat requests upstream at a time, the others
+    wait their turn (after any hold).
     """
 
     def __init__(
@@ -37,8 +40,10 @@ class ReplyProxy:
         slow_above_rate: float | None = None,
         slow_ms: float = 0.0,
         rate_window_s: float = 1.0,
+        slots: int | None = None,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
+        self._slots = threading.BoundedSemaphore(slots) if slots else None
         self.whole_replies = whole_replies
         self.slow_above_rate = slow_above_rate
         self.slow_ms = slow_ms
@@ -101,8 +106,16 @@ class ReplyProxy:
                 chat = request.startswith(b"POST") and b"/chat/completions" in request[:200]
                 if chat:
                     self._pace()
-                upstream.sendall(request)
-                if not self._relay(upstream, client, hold=chat and self.whole_replies):
+                slot = self._slots if chat else None
+                if slot is not None:
+                    slot.acquire()
+                try:
+                    upstream.sendall(request)
+                    kept = self._relay(upstream, client, hold=chat and self.whole_replies)
+                finally:
+                    if slot is not None:
+                        slot.release()
+                if not kept:
                     return
         except OSError:
             return
@@ -193,6 +206,7 @@ def reply_proxy(
     slow_above_rate: float | None = None,
     slow_ms: float = 0.0,
     rate_window_s: float = 1.0,
+    slots: int | None = None,
 ) -> Iterator[ReplyProxy]:
     """A running ReplyProxy in front of `upstream_url` (http://host:port), closed on exit."""
     host_port = upstream_url.split("://", 1)[-1].rstrip("/")
@@ -204,6 +218,7 @@ def reply_proxy(
         slow_above_rate=slow_above_rate,
         slow_ms=slow_ms,
         rate_window_s=rate_window_s,
+        slots=slots,
     ).start()
     try:
         yield proxy
