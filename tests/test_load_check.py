@@ -110,6 +110,17 @@ def test_llama_servers_prompt_and_generation_seconds_give_its_means() -> None:
     assert check["ttft_ms"]["server_mean"] == 10.0 and check["ttft_ms"]["offset_ms"] == 2.0
     assert check["tpot_ms"]["server_mean"] == 10.0
     assert server_check(calls, {"vllm:generation_tokens_total": 1.0}) is None
+    # Its prompt time leaves out the wait for a slot and the first decode step: a client TTFT
+    # ten times as long is shown, not warned about.
+    summary = summarize_point(
+        calls,
+        offered_rate=None,
+        slo=None,
+        max_send_lag_ms=None,
+        server={"llamacpp:prompt_seconds_total": 0.004},
+    )
+    assert summary["server_check"]["ttft_ms"]["offset_ms"] == pytest.approx(11.0)
+    assert summary["delivery_warnings"] is None
 
 
 def test_coalesced_replies_are_counted_with_the_n_of_each_percentile_and_warned_about() -> None:

@@ -82,11 +82,19 @@ def _html_report(data: LedgerData, baselines: str | None) -> str:
     rootdir (from the meta record) or in the current directory, where one exists."""
     from pytest_gpubench.reports.html import render_html
     from pytest_gpubench.results.baseline import baseline_summaries
+    from pytest_gpubench.results.load_baseline import read_load_baselines
 
     found = _baselines_dir(data, baselines)
     cell_ids = {str(cell_id) for cell_id in data.calls["cell_id"].dropna().unique()}
     baseline = baseline_summaries(found, cell_ids) if found is not None else []
-    return render_html(data, baseline, baseline_source=str(found) if found else None)
+    load_cells = {str(record.get("cell_id")) for record in data.of_type("load")}
+    load_baselines = read_load_baselines(found, load_cells) if found is not None else None
+    return render_html(
+        data,
+        baseline,
+        baseline_source=str(found) if found else None,
+        load_baselines=load_baselines,
+    )
 
 
 def _baselines_dir(data: LedgerData, named: str | None) -> Path | None:

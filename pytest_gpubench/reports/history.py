@@ -192,7 +192,8 @@ def _first(values: Sequence[float | None]) -> float | None:
 def render_history_html(history: History) -> str:
     """One self-contained page: a chart per (cell, prompt), one panel per metric, regressions as
     red crosses and baseline updates as dashed lines."""
-    from pytest_gpubench.reports.html import STYLE, inline_svg, pyplot
+    from pytest_gpubench.reports.charts import inline_svg, pyplot
+    from pytest_gpubench.reports.html import STYLE
 
     plt = pyplot()
     runs = history.runs
