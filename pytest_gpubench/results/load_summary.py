@@ -12,6 +12,7 @@ from itertools import accumulate
 from typing import Any
 
 from pytest_gpubench.config.load_profile import Slo
+from pytest_gpubench.ledger.gaps import gaps_ms
 
 PERCENTILES = (50, 90, 99)
 # The figures with p50/p90/p99, and the call record field each is read from.
@@ -76,8 +77,7 @@ def content_times_ms(call: Mapping[str, Any]) -> list[float]:
     send, first = call.get("send_ms"), call.get("first_delta_ms")
     if not isinstance(send, int | float) or not isinstance(first, int | float):
         return []
-    gaps = call.get("inter_chunk_ms") or []
-    return [send + first + offset for offset in accumulate(gaps, initial=0.0)]
+    return [send + first + offset for offset in accumulate(gaps_ms(call), initial=0.0)]
 
 
 def token_times_ms(call: Mapping[str, Any]) -> list[tuple[float, float]]:
@@ -188,7 +188,7 @@ def summarize_point(
         summary[f"{name}_n"] = len(values)
         for q in PERCENTILES:
             summary[f"{name}_p{q}"] = percentile(values, q)
-    gaps = [float(gap) for call in ok for gap in call.get("inter_chunk_ms") or []]
+    gaps = [gap for call in ok for gap in gaps_ms(call)]
     summary["itl_ms_n"] = len(gaps)
     for q in PERCENTILES:
         summary[f"itl_ms_p{q}"] = percentile(gaps, q)
