@@ -46,7 +46,7 @@ def test_the_saturation_rate_is_judged_on_the_throughput_threshold(tmp_path: Pat
         f"{CELL} P@load-sweep: saturation rate -40.0% (10 → 6 req/s), past the 30% threshold",
     )
     assert verdict(9.0)[0] == "ok"
-    assert verdict(14.0)[0] == "win"
+    assert verdict(15.0)[0] == "win"
     assert verdict(None) == (
         "inconclusive",
         f"{CELL} P@load-sweep: saturation rate: not found (no step of the sweep was a valid result)",
