@@ -1,5 +1,7 @@
 """One load point while it runs: the connection pool, the window bounds (warm-up, measured,
-cool-down), and sending one request at its scheduled time with the send lag stamped."""
+cool-down), and sending one request at its scheduled time with the send lag stamped. Replies are
+kept raw (their reads stamped) while the point runs and parsed once it has ended: a reply parsed
+in the event loop held the next scheduled send behind it."""
 
 from __future__ import annotations
 
@@ -12,7 +14,12 @@ from typing import Literal
 
 from pytest_gpubench.config.load_profile import LoadProfile
 from pytest_gpubench.engines import measure_response, parse_openai_sse
-from pytest_gpubench.measure.load_client import ConnectionPool, DroppedConnection, request_bytes
+from pytest_gpubench.measure.load_client import (
+    ConnectionPool,
+    DroppedConnection,
+    RawResponse,
+    request_bytes,
+)
 from pytest_gpubench.measure.stream import CallMeasurement, Endpoint, StreamError, TlsSettings
 
 Window = Literal["warmup", "measured", "cooldown"]
@@ -42,6 +49,27 @@ class Sent:
     @property
     def send_lag_ms(self) -> float:
         return round(max(0, self.sent_ns - self.scheduled_ns) / 1e6, 4)
+
+
+@dataclass(frozen=True)
+class Received:
+    """A reply as it came, not parsed yet: what `send` keeps while the point runs."""
+
+    index: int
+    window: Window
+    scheduled_ns: int
+    raw: RawResponse
+    reconnected: bool
+    connection_reused: bool
+    process: int
+
+    def parsed(self, backend: str) -> Sent:
+        measurement = measure_response(backend, self.raw.streamed(), parse_openai_sse)
+        measurement.reconnected = self.reconnected
+        measurement.connection_reused = self.connection_reused
+        return Sent(
+            self.index, self.window, self.scheduled_ns, self.raw.sent_ns, measurement, self.process
+        )
 
 
 @dataclass(frozen=True)
@@ -98,7 +126,7 @@ class LoadRun:
         self.pool = ConnectionPool(
             target.endpoint, connect_timeout_s=min(target.timeout_s, 10.0), tls=target.tls
         )
-        self.sent: list[Sent] = []
+        self._sent: list[Sent | Received] = []
         self.bounds = Bounds(profile, time.perf_counter_ns())
         self.started_ns = 0
         self.next_index = 0
@@ -115,6 +143,15 @@ class LoadRun:
 
     def window(self) -> Window | None:
         return self.bounds.window(time.perf_counter_ns())
+
+    @property
+    def sent(self) -> list[Sent]:
+        """Every request sent, its reply parsed now (once): read it after the point."""
+        backend = self.target.backend
+        self._sent = [
+            item.parsed(backend) if isinstance(item, Received) else item for item in self._sent
+        ]
+        return [item for item in self._sent if isinstance(item, Sent)]
 
     async def send(self, scheduled_ns: int, window: Window) -> None:
         """One request, due at `scheduled_ns`: sent as soon as a connection is at hand."""
@@ -137,15 +174,24 @@ class LoadRun:
                 raw = await connection.exchange(target.request, target.timeout_s)
         except StreamError as exc:
             measurement = CallMeasurement(backend=target.backend, error=str(exc))
-            self.sent.append(Sent(index, window, scheduled_ns, sent_ns, measurement, self.process))
+            self._sent.append(Sent(index, window, scheduled_ns, sent_ns, measurement, self.process))
             return
-        measurement = measure_response(target.backend, raw.streamed(), parse_openai_sse)
-        measurement.reconnected = reconnected
-        measurement.connection_reused = connection.exchanges > 1
         if not raw.keep_alive:
             self.pool.server_closes = True
-        self.pool.give_back(connection, raw.keep_alive and measurement.error is None)
-        self.sent.append(Sent(index, window, scheduled_ns, raw.sent_ns, measurement, self.process))
+        # Reused only after a whole 200 reply (the reader found its end): its stream's content is
+        # parsed after the point, and an error event inside it leaves the HTTP framing intact.
+        self.pool.give_back(connection, raw.keep_alive and raw.status == 200)
+        self._sent.append(
+            Received(
+                index,
+                window,
+                scheduled_ns,
+                raw,
+                reconnected,
+                connection.exchanges > 1,
+                self.process,
+            )
+        )
 
     async def close(self) -> None:
         await self.pool.close()
