@@ -67,7 +67,7 @@ def test_token_exact_synthetic_prompts_on_vllm(
 def test_a_shared_prefix_shows_in_vllm_prefix_cache_counters(
     pytester: pytest.Pytester, vllm_server: Any
 ) -> None:
-    """Prompts sharing a 512-token prefix (2 groups) against unique prompts of the same length:
+    """Prompts sharing a 1536-token prefix (2 groups) against unique prompts of the same length:
     vLLM's own prefix-cache counters over each point, in its load record."""
     cell = (
         f"node: local, engine: openai, model: tiny-vllm, endpoint: '{vllm_server.base_url}',"
@@ -75,11 +75,11 @@ def test_a_shared_prefix_shows_in_vllm_prefix_cache_counters(
     )
     shared = (
         "load: {concurrency: [2], requests: 12, synthetic: {input_tokens: 32, output_tokens: 4,"
-        " count: 6}, prefix: {tokens: 512, groups: 2}}"
+        " count: 6}, prefix: {tokens: 1536, groups: 2}}"
     )
     unique = (
         "load: {concurrency: [2], requests: 12,"
-        " synthetic: {input_tokens: 544, output_tokens: 4, count: 13}}"
+        " synthetic: {input_tokens: 1568, output_tokens: 4, count: 13}}"
     )
     pytester.makefile(
         ".yaml",

@@ -24,8 +24,8 @@ STALLED = "stalled"
 
 # Why not httpx here: against a server that logs when it writes its first byte, a blocking socket
 # read by h11 adds the least to TTFT (benchmarks_dev/client_overhead.py; on a loaded 2-core
-# machine, median 0.06 ms against 0.15 ms for httpx sync and 0.25 ms for httpx async; the README
-# keeps the figures). Control calls (health, version, tags) use httpx.
+# machine, median 0.06 ms against 0.15 ms for httpx sync and 0.25 ms for httpx async;
+# docs/metrics.md keeps the figures). Control calls (health, version, tags) use httpx.
 _RECV_BYTES = 65536
 _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
 
@@ -61,7 +61,7 @@ class StreamedResponse:
 
 @dataclass
 class CallMeasurement:
-    """What one call measured, in the units of README "What it measures"."""
+    """What one call measured, in the units of docs/metrics.md."""
 
     first_delta_ms: float | None = None
     total_duration_ms: float | None = None
@@ -150,7 +150,7 @@ def _ms(start_ns: int, end_ns: int) -> float:
 
 @dataclass(frozen=True)
 class Rates:
-    """A call's rates from its content arrival times (README "What it measures")."""
+    """A call's rates from its content arrival times (docs/metrics.md)."""
 
     tokens_per_sec: float | None
     tpot_ms: float | None

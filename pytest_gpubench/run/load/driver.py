@@ -1,5 +1,7 @@
 """One load point while it runs: the connection pool, the window bounds (warm-up, measured,
-cool-down), and sending one request at its scheduled time with the send lag stamped."""
+cool-down), and sending one request at its scheduled time with the send lag stamped. Replies are
+kept raw (their reads stamped) while the point runs and parsed once it has ended: a reply parsed
+in the event loop held the next scheduled send behind it."""
 
 from __future__ import annotations
 
@@ -13,7 +15,12 @@ from typing import Literal
 
 from pytest_gpubench.config.load_profile import LoadProfile
 from pytest_gpubench.engines import measure_response, parse_openai_sse
-from pytest_gpubench.measure.load_client import ConnectionPool, DroppedConnection, request_bytes
+from pytest_gpubench.measure.load_client import (
+    ConnectionPool,
+    DroppedConnection,
+    RawResponse,
+    request_bytes,
+)
 from pytest_gpubench.measure.stream import CallMeasurement, Endpoint, StreamError, TlsSettings
 
 Window = Literal["warmup", "measured", "cooldown"]
@@ -46,6 +53,36 @@ class Sent:
     @property
     def send_lag_ms(self) -> float:
         return round(max(0, self.sent_ns - self.scheduled_ns) / 1e6, 4)
+
+
+@dataclass(frozen=True)
+class Received:
+    """A reply as it came, not parsed yet: what `send` keeps while the point runs."""
+
+    index: int
+    window: Window
+    scheduled_ns: int
+    raw: RawResponse
+    reconnected: bool
+    connection_reused: bool
+    process: int
+    session: int | None = None
+    turn: int | None = None
+
+    def parsed(self, backend: str) -> Sent:
+        measurement = measure_response(backend, self.raw.streamed(), parse_openai_sse)
+        measurement.reconnected = self.reconnected
+        measurement.connection_reused = self.connection_reused
+        return Sent(
+            self.index,
+            self.window,
+            self.scheduled_ns,
+            self.raw.sent_ns,
+            measurement,
+            self.process,
+            self.session,
+            self.turn,
+        )
 
 
 @dataclass(frozen=True)
@@ -137,7 +174,7 @@ class LoadRun:
         self.pool = ConnectionPool(
             target.endpoint, connect_timeout_s=min(target.timeout_s, 10.0), tls=target.tls
         )
-        self.sent: list[Sent] = []
+        self._sent: list[Sent | Received] = []
         self.bounds = Bounds(profile, time.perf_counter_ns())
         self.started_ns = 0
         self.next_index = 0
@@ -156,6 +193,15 @@ class LoadRun:
     def window(self) -> Window | None:
         return self.bounds.window(time.perf_counter_ns())
 
+    @property
+    def sent(self) -> list[Sent]:
+        """Every request sent, its reply parsed now (once): read it after the point."""
+        backend = self.target.backend
+        self._sent = [
+            item.parsed(backend) if isinstance(item, Received) else item for item in self._sent
+        ]
+        return [item for item in self._sent if isinstance(item, Sent)]
+
     async def send(self, scheduled_ns: int, window: Window) -> None:
         """One request, due at `scheduled_ns`: sent as soon as a connection is at hand (a
         multi-turn point's whole session)."""
@@ -165,8 +211,9 @@ class LoadRun:
         await self._send_one(scheduled_ns, window, None)
 
     async def _session(self, plan: SessionPlan, scheduled_ns: int, window: Window) -> None:
-        """The turns of one session in order; each sends the history and the previous answer.
-        A turn that failed ends its session (there is no answer to go on from)."""
+        """The turns of one session in order; each sends the history and the previous answer,
+        so a turn's reply is parsed as it ends (the next turn needs its text). A turn that
+        failed ends its session (there is no answer to go on from)."""
         session, self.next_session = self.next_session, self.next_session + 1
         history: list[dict[str, str]] = []
         due_ns = scheduled_ns
@@ -176,7 +223,10 @@ class LoadRun:
                 if role != "system" or not history:
                     history.append({"role": role, "content": content})
             request = plan.request(self.target.endpoint, self.target.headers, history)
-            sent = await self._send_one(due_ns, window, request, session=session, turn=turn)
+            await self._send_one(due_ns, window, request, session=session, turn=turn)
+            last = self._sent[-1]
+            sent = last.parsed(self.target.backend) if isinstance(last, Received) else last
+            self._sent[-1] = sent
             if sent.measurement.error is not None:
                 return
             history.append({"role": "assistant", "content": sent.measurement.text})
@@ -192,7 +242,7 @@ class LoadRun:
         *,
         session: int | None = None,
         turn: int | None = None,
-    ) -> Sent:
+    ) -> None:
         target = self.target
         index, self.next_index = self.next_index, self.next_index + 1
         if request is None:
@@ -214,22 +264,28 @@ class LoadRun:
                 raw = await connection.exchange(request, target.timeout_s)
         except StreamError as exc:
             measurement = CallMeasurement(backend=target.backend, error=str(exc))
-            failed = Sent(
-                index, window, scheduled_ns, sent_ns, measurement, self.process, session, turn
+            self._sent.append(
+                Sent(index, window, scheduled_ns, sent_ns, measurement, self.process, session, turn)
             )
-            self.sent.append(failed)
-            return failed
-        measurement = measure_response(target.backend, raw.streamed(), parse_openai_sse)
-        measurement.reconnected = reconnected
-        measurement.connection_reused = connection.exchanges > 1
+            return
         if not raw.keep_alive:
             self.pool.server_closes = True
-        self.pool.give_back(connection, raw.keep_alive and measurement.error is None)
-        done = Sent(
-            index, window, scheduled_ns, raw.sent_ns, measurement, self.process, session, turn
+        # Reused only after a whole 200 reply (the reader found its end): its stream's content is
+        # parsed after the point, and an error event inside it leaves the HTTP framing intact.
+        self.pool.give_back(connection, raw.keep_alive and raw.status == 200)
+        self._sent.append(
+            Received(
+                index,
+                window,
+                scheduled_ns,
+                raw,
+                reconnected,
+                connection.exchanges > 1,
+                self.process,
+                session,
+                turn,
+            )
         )
-        self.sent.append(done)
-        return done
 
     async def close(self) -> None:
         await self.pool.close()

@@ -247,7 +247,10 @@ def _run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> L
 
         started = utc_now()
         sweep = asyncio.run(
-            run_sweep(profile, lambda point, pattern: recorder.step(target, point, pattern))
+            run_sweep(
+                profile,
+                lambda point, pattern, step: recorder.step(target, point, pattern, step),
+            )
         )
         steps = [record for record in recorder.loads]
         valid = [step for step in steps if step["valid"]]
@@ -284,7 +287,9 @@ class _Recorder:
         # Per prompt sent in turn: what its call records carry (request i: i mod n).
         self.facts: tuple[dict[str, Any], ...] = ()
 
-    async def step(self, target: Target, point: str, pattern: LoadPattern) -> Mapping[str, Any]:
+    async def step(
+        self, target: Target, point: str, pattern: LoadPattern, sweep_step: str | None = None
+    ) -> Mapping[str, Any]:
         run = LoadRun(target, self.profile)
         started = utc_now()
         wall_ns = time.time_ns() - time.perf_counter_ns()
@@ -326,6 +331,7 @@ class _Recorder:
             max_send_lag_ms=(
                 self.profile.max_send_lag_ms if pattern.offered_rate is not None else None
             ),
+            server=scraper.samples.server_changes() or None,
         )
         record = load_record(
             run_id=self.run_id,
@@ -337,6 +343,7 @@ class _Recorder:
             started_at_utc=started,
             summary={
                 **summary,
+                **({"sweep_step": sweep_step} if sweep_step is not None else {}),
                 "processes": self.profile.processes,
                 "send_lag_by_process": _lag_by_process(calls)
                 if self.profile.processes > 1
