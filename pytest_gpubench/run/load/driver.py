@@ -224,6 +224,8 @@ class LoadRun:
                     history.append({"role": role, "content": content})
             request = plan.request(self.target.endpoint, self.target.headers, history)
             await self._send_one(due_ns, window, request, session=session, turn=turn)
+            # _send_one appended this turn's reply last and returned without yielding to the
+            # loop after that: no other send came in between.
             last = self._sent[-1]
             sent = last.parsed(self.target.backend) if isinstance(last, Received) else last
             self._sent[-1] = sent
