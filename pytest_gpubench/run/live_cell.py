@@ -66,6 +66,8 @@ class LiveCell:
     facts: dict[str, Any] = field(default_factory=dict)
     # When the cell became ready (its benchmark stage runs from there until it is closed).
     ready_at: float | None = None
+    # Token-exact synthetic texts counted on this cell, by (size, seed) (run/workloads.py).
+    exact_texts: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     def prepare(self) -> None:
         """Open the node, launch a managed engine, health-check; on failure mark it unavailable."""
