@@ -3,6 +3,8 @@
 Measured, recorded and gated like the others; and the test fails, saying why, when the answer
 does not parse. The embedded tiny model answers noise, never JSON: on it the test is expected to
 fail (xfail, strict: the day it passes, that is reported too); `--runxfail` shows the failure.
+The expectation follows the model (`model: tiny`), whatever the cell's engine kind, node or name:
+an `openai` cell in front of the same llama-server expects the same failure.
 On an engine with a JSON mode, add it as a request option, e.g.
 `gpubench_engine.chat(MESSAGES, max_tokens=32, response_format={"type": "json_object"})`
 (the tiny model's vocabulary cannot satisfy llama-server's JSON grammar: it answers HTTP 400).
@@ -18,6 +20,7 @@ MESSAGES = [
     {"role": "system", "content": "Answer with one JSON object and nothing else."},
     {"role": "user", "content": 'What is the capital of France? Answer as {"city": "..."}.'},
 ]
+# The embedded default's model name (cells.yaml `model: tiny`), on any engine kind.
 TINY_MODEL = "tiny"
 
 

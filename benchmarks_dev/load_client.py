@@ -10,6 +10,11 @@ perf_counter_ns is CLOCK_MONOTONIC, shared by both processes, so first-content a
 stamp is what a client adds to TTFT. Every client parses every event as JSON and counts the
 content tokens; tokens/s is all tokens over the wall time of the whole run.
 
+The load client runs twice in the same run: as it is (replies kept raw during the point and
+parsed after it; its figure is the point's tokens over the point's wall time, and the parse after
+it is timed apart) and as it was before issue 24 (each reply parsed in the event loop as soon as
+it ended, between sends).
+
     python benchmarks_dev/load_client.py [--tokens 256] [--seconds 4] [--ttft-requests 500]
 """
 
@@ -34,7 +39,7 @@ from pytest_gpubench.config.load_profile import LoadProfile
 from pytest_gpubench.measure.load_client import StreamConnection, request_bytes, stamped_lines
 from pytest_gpubench.measure.stream import Endpoint
 from pytest_gpubench.run.load.closed_loop import ClosedLoop
-from pytest_gpubench.run.load.driver import LoadRun, build_target
+from pytest_gpubench.run.load.driver import LoadRun, Received, Window, build_target
 
 PREFILL_S = 0.002
 BODY = json.dumps(
@@ -197,18 +202,42 @@ TTFT_CLIENTS: dict[str, Callable[[str, int], list[float]]] = {
 # -- ceiling output tokens/s --------------------------------------------------------------------
 
 
-async def gpubench_ceiling(url: str, streams: int, seconds: float) -> float:
-    """The load client itself: LoadRun + ClosedLoop, each reply parsed by measure_response."""
+class InlineParsingRun(LoadRun):
+    """The load client before issue 24: each reply parsed in the event loop as it ends."""
+
+    async def send(self, scheduled_ns: int, window: Window) -> None:
+        await super().send(scheduled_ns, window)
+        item = self._sent[-1]
+        if isinstance(item, Received):
+            self._sent[-1] = item.parsed(self.target.backend)
+
+
+# The parse after the point, seconds per run (the last gpubench_ceiling's).
+PARSE_AFTER_S: list[float] = []
+
+
+async def gpubench_ceiling(
+    url: str, streams: int, seconds: float, run_class: type[LoadRun] = LoadRun
+) -> float:
+    """The load client itself: LoadRun + ClosedLoop, each reply parsed by measure_response
+    (after the point; with InlineParsingRun, as each reply ends)."""
     target = build_target("openai", url, BODY, {}, 30.0)
-    run = LoadRun(target, LoadProfile(duration_s=seconds))
+    run = run_class(target, LoadProfile(duration_s=seconds))
     pattern = ClosedLoop(streams)
     await run.open(pattern.connections)
     started = time.perf_counter()
     await pattern.drive(run)
     elapsed = time.perf_counter() - started
     await run.close()
-    assert all(sent.measurement.error is None for sent in run.sent)
-    return sum(sent.measurement.client_chunks for sent in run.sent) / elapsed
+    parsing = time.perf_counter()
+    sent = run.sent
+    PARSE_AFTER_S.append(time.perf_counter() - parsing)
+    assert all(item.measurement.error is None for item in sent)
+    return sum(item.measurement.client_chunks for item in sent) / elapsed
+
+
+async def gpubench_inline_ceiling(url: str, streams: int, seconds: float) -> float:
+    return await gpubench_ceiling(url, streams, seconds, InlineParsingRun)
 
 
 class _RawCounter(asyncio.Protocol):
@@ -382,13 +411,18 @@ def main() -> None:
         print(f"{'client':42} {'1 stream':>10} {'16 streams':>11} {'64 streams':>11}")
         clients = {
             "raw asyncio, bytes counted (server check)": raw_asyncio_ceiling,
-            "pytest-gpubench load client": gpubench_ceiling,
+            "pytest-gpubench load client (parse after)": gpubench_ceiling,
+            "pytest-gpubench, parsed inline (before)": gpubench_inline_ceiling,
             "aiohttp": aiohttp_ceiling,
             "httpx async": httpx_ceiling,
         }
         for name, ceiling in clients.items():
+            PARSE_AFTER_S.clear()
             rates = [asyncio.run(ceiling(url, streams, args.seconds)) for streams in (1, 16, 64)]
             print(f"{name:42} " + " ".join(f"{rate:10,.0f} " for rate in rates))
+            if ceiling is gpubench_ceiling:
+                parse = " ".join(f"{seconds:10.2f} " for seconds in PARSE_AFTER_S)
+                print(f"{'  its parse after the point, s':42} {parse}")
         vllm = vllm_ceilings(url, args.seconds)
         if vllm is not None:
             name = "vLLM 0.32 benchmark request function"

@@ -1,6 +1,6 @@
 """What a benchmark test gets from the fixtures: `BenchCase` (gpubench_case), `BenchEngine`
-(gpubench_engine) and `ChatCall`, the result of one measured chat (README "Writing a benchmark
-test", "Writing your own benchmark")."""
+(gpubench_engine) and `ChatCall`, the result of one measured chat (docs/benchmarks.md "Writing a
+benchmark test", "Writing your own benchmark")."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 
 class ChatCall(Mapping[str, Any]):
-    """What gpubench_engine.chat() returns: the call record (README "The call record"), read
-    like a dict (`call["first_delta_ms"]`), and `text`, the answer (not in the ledger)."""
+    """What gpubench_engine.chat() returns: the call record (docs/benchmarks.md), read like
+    a dict (`call["first_delta_ms"]`), and `text`, the answer (not in the ledger)."""
 
     def __init__(self, record: dict[str, Any], text: str) -> None:
         self.record = record
@@ -155,8 +155,8 @@ class BenchCase:
     properties: list[tuple[str, object]] = field(default_factory=list)
 
     def run(self) -> dict[str, Any]:
-        """Measure the case once; returns its call record (README: "The call record"); the
-        case's sample record travels beside it."""
+        """Measure the case once; returns its call record (docs/benchmarks.md); the case's
+        sample record travels beside it."""
         from pytest_gpubench.reports.junit import call_properties
 
         self.record, others = self.harness.run_case(self.case)

@@ -531,6 +531,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         if run.write_error is not None:
             lines.append(report.TerminalLine(f"ERROR: {run.write_error}", red=True))
         lines.append(report.TerminalLine(f"ledger: {run.ledger.path}"))
+        if run.summary_path is not None:
+            lines.append(report.TerminalLine(f"pull request summary: {run.summary_path}"))
+        if run.summary_error is not None:
+            lines.append(report.TerminalLine(f"WARNING: {run.summary_error}", red=True))
     _write(terminalreporter, run, lines)
 
 

@@ -34,10 +34,12 @@ FLAGS = (
 )
 
 
-def chromium(page: Path, profile: Path, *action: str) -> subprocess.CompletedProcess[str]:
+def chromium(page: Path | str, profile: Path, *action: str) -> subprocess.CompletedProcess[str]:
+    """Chromium run once on a file or a URL (tests/test_docs.py serves the docs site)."""
     assert CHROMIUM is not None
+    url = page if isinstance(page, str) else page.as_uri()
     return subprocess.run(
-        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *action, page.as_uri()],
+        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *action, url],
         capture_output=True,
         text=True,
         timeout=120,

@@ -101,11 +101,13 @@ def test_the_workflow_runs_the_gate_and_keeps_ledger_and_report(tmp_path: Path) 
     assert "gpubench install-server" in runs["llama-server and the tiny model"]
     assert runs["Regression gate"] == "pytest benchmarks/"
     (report,) = [step for step in steps if step.get("name") == "Report"]
-    assert report["run"] == "gpubench report runs/*.jsonl -o report.md"
+    assert report["run"].splitlines()[0] == "gpubench report runs/*.jsonl -o report.md"
+    # The HTML report too: the pull request summary points at it in the run's artifacts.
+    assert report["run"].splitlines()[1] == "gpubench report --html runs/*.jsonl -o report.html"
     assert "always()" in report["if"]
     (upload,) = [step for step in steps if "upload-artifact" in step.get("uses", "")]
     assert "always()" in upload["if"]
-    assert upload["with"]["path"].split() == ["runs/", "report.md"]
+    assert upload["with"]["path"].split() == ["runs/", "report.md", "report.html"]
     # The report step runs after the gate, the upload after the report.
     names = [step.get("name") for step in steps]
     assert names.index("Regression gate") < names.index("Report") < steps.index(upload)

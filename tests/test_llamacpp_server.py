@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,14 @@ prompts:
   P-MEDIUM: {intent: longer, prompt: "Explain why the sky is blue.", max_tokens: 24}
 """
 TEST_FILE = CHECKED_TEST_FILE
+
+
+def own_model(pytester: pytest.Pytester, tiny_model: Path) -> Path:
+    """A copy of the tiny model in this test's directory: the servers that serve it are this
+    test's own, whatever other sessions on the machine run from the shared cache."""
+    copy = pytester.path / "own-tiny.gguf"
+    shutil.copyfile(tiny_model, copy)
+    return copy
 
 
 def server_pids(model: Path) -> list[int]:
@@ -88,11 +97,12 @@ def test_every_request_generates_exactly_max_tokens(server: ManagedLlamaServer) 
 def test_warm_and_cold_run_through_the_plugin(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
 ) -> None:
+    tiny_model = own_model(pytester, tiny_model)
     pytester.makefile(
         ".yaml",
         prompts=PROMPTS,
         cells=f"nodes: {{local: {{kind: local}}}}\ncells:\n"
-        f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 2}}\n",
+        f"  - {{node: local, engine: llamacpp, model: tiny, model_path: '{tiny_model}', server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 2}}\n",
     )
     pytester.makepyfile(test_bench=TEST_FILE)
     result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
@@ -165,12 +175,13 @@ def _tiny_path() -> Path:
 def start_long_run(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
 ) -> subprocess.Popen[bytes]:
-    """A pytest subprocess measuring thousands of warm cases; returns once 50 calls are in."""
+    """A pytest subprocess measuring thousands of warm cases (the model given is this test's own
+    copy); returns once 50 calls are in."""
     pytester.makefile(
         ".yaml",
         prompts=PROMPTS,
         cells=f"nodes: {{local: {{kind: local}}}}\ncells:\n"
-        f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 5000, phases: [warm]}}\n",
+        f"  - {{node: local, engine: llamacpp, model: tiny, model_path: '{tiny_model}', server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 5000, phases: [warm]}}\n",
     )
     pytester.makepyfile(test_bench=TEST_FILE)
     process = subprocess.Popen(
@@ -200,6 +211,7 @@ def wait_until_gone(model: Path, timeout_s: float = 10) -> list[int]:
 def test_kill_9_of_pytest_leaves_no_server(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
 ) -> None:
+    tiny_model = own_model(pytester, tiny_model)
     process = start_long_run(pytester, llama_server, tiny_model)
     os.kill(process.pid, signal.SIGKILL)
     process.wait(timeout=10)
@@ -214,6 +226,7 @@ def test_kill_9_of_pytest_leaves_no_server(
 def test_ctrl_c_stops_the_server_and_closes_the_ledger(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
 ) -> None:
+    tiny_model = own_model(pytester, tiny_model)
     process = start_long_run(pytester, llama_server, tiny_model)
     os.kill(process.pid, signal.SIGINT)
     assert process.wait(timeout=30) == pytest.ExitCode.INTERRUPTED

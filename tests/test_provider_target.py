@@ -122,7 +122,7 @@ def rented(
 
 
 def assert_given_back(target: ProviderTarget, api: ProviderStandIn) -> None:
-    """README "Remote nodes": every session created was marked done, and the temporary key is gone."""
+    """docs/remote-nodes.md: every session created was marked done, and the temporary key is gone."""
     assert api.created(), "expected a session to have been created"
     assert sorted(set(api.done())) == sorted(api.created())
     assert target.key_path is not None and not target.key_path.exists()

@@ -1,8 +1,8 @@
-"""Cells on remote nodes, end to end through the plugin (README: "cells.yaml", "Remote nodes").
+"""Cells on remote nodes, end to end through the plugin (docs/cells.md, docs/remote-nodes.md).
 
 SSH nodes are a real OpenSSH server on 127.0.0.1 (ssh_fixtures.py) running the real
 llama-server with the project's tiny model. No GPU marketplace can be reached from here, so
-rented nodes go through a stand-in of the marketplace API in README "Remote nodes" (provider_standin.py: inventory, sessions,
+rented nodes go through a stand-in of the marketplace API in docs/remote-nodes.md (provider_standin.py: inventory, sessions,
 status polls, done, field by field) that hands out that same sshd.
 """
 

@@ -1,4 +1,4 @@
-"""The rented-GPU flow end to end, stage by stage (README "Stages", "Rentals never leak").
+"""The rented-GPU flow end to end, stage by stage (docs/remote-nodes.md "Stages", "Rentals never leak").
 
 The node is the real sshd on 127.0.0.1 (ssh_fixtures.py) running the real llama-server. Two
 things cannot run here and are stand-ins that follow the upstream's documented interface field by

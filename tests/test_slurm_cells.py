@@ -1,4 +1,4 @@
-"""Cells on a Slurm node, end to end through the plugin (README: "Slurm clusters").
+"""Cells on a Slurm node, end to end through the plugin (docs/slurm.md).
 
 The cluster is a real single-node Slurm (slurmctld, slurmd, munged from Debian's slurm-wlm) on
 loopback (slurm_fixtures.py); the managed engine is the real llama-server with the tiny model,

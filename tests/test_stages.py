@@ -1,4 +1,4 @@
-"""Stages of a node (README "Stages"): each timed against its own timeout and the node's budget,
+"""Stages of a node (docs/remote-nodes.md "Stages"): each timed against its own timeout and the node's budget,
 each outcome reported; gpu_check and vram_check against nvidia-smi.
 
 This machine has no GPU: nvidia-smi is the stand-in of gpu_standins.py, which prints

@@ -1,4 +1,4 @@
-"""Timed runs against the real llama-server (README "Timed runs"): a warm phase that calls for
+"""Timed runs against the real llama-server (docs/cells.md "Timed runs"): a warm phase that calls for
 `duration_s`, a checkpoint record every `checkpoint_s`, and a run killed with -9 keeps the
 checkpoints (and the calls before them) that were written before it died."""
 

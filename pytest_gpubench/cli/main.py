@@ -82,11 +82,19 @@ def _html_report(data: LedgerData, baselines: str | None) -> str:
     rootdir (from the meta record) or in the current directory, where one exists."""
     from pytest_gpubench.reports.html import render_html
     from pytest_gpubench.results.baseline import baseline_summaries
+    from pytest_gpubench.results.load_baseline import read_load_baselines
 
     found = _baselines_dir(data, baselines)
     cell_ids = {str(cell_id) for cell_id in data.calls["cell_id"].dropna().unique()}
     baseline = baseline_summaries(found, cell_ids) if found is not None else []
-    return render_html(data, baseline, baseline_source=str(found) if found else None)
+    load_cells = {str(record.get("cell_id")) for record in data.of_type("load")}
+    load_baselines = read_load_baselines(found, load_cells) if found is not None else None
+    return render_html(
+        data,
+        baseline,
+        baseline_source=str(found) if found else None,
+        load_baselines=load_baselines,
+    )
 
 
 def _baselines_dir(data: LedgerData, named: str | None) -> Path | None:
@@ -118,11 +126,16 @@ def _history(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from pytest_gpubench.reports.exports import write_csv, write_json, write_prometheus
+    from pytest_gpubench.reports.exports import (
+        write_csv,
+        write_json,
+        write_load_csv,
+        write_prometheus,
+    )
     from pytest_gpubench.reports.frame import read_ledger_frame
 
-    if not (args.prometheus or args.csv or args.json):
-        raise GpubenchError("export: name at least one of --prometheus, --csv, --json")
+    if not (args.prometheus or args.csv or args.json or args.load_csv):
+        raise GpubenchError("export: name at least one of --prometheus, --csv, --json, --load-csv")
     data = read_ledger_frame(Path(args.ledger), export=bool(args.csv))
     summaries = data.summaries(with_samples=False)
     if args.prometheus:
@@ -131,6 +144,9 @@ def _export(args: argparse.Namespace) -> int:
     if args.csv:
         rows = write_csv(data, Path(args.csv))
         print(f"{args.csv} ({rows} call records)")
+    if args.load_csv:
+        rows = write_load_csv(data, Path(args.load_csv))
+        print(f"{args.load_csv} ({rows} load records)")
     if args.json:
         write_json(data, summaries, Path(args.json))
         print(args.json)
@@ -373,7 +389,14 @@ def parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--csv", metavar="FILE", help="one row per call record")
     export.add_argument(
-        "--json", metavar="FILE", help="the summaries, verdicts and cell outcomes of the run"
+        "--load-csv",
+        metavar="FILE",
+        help="one row per load point: its figures, the engine's own means and the offsets",
+    )
+    export.add_argument(
+        "--json",
+        metavar="FILE",
+        help="the summaries, load points, verdicts and cell outcomes of the run",
     )
     export.set_defaults(handler=_export)
 

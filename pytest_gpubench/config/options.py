@@ -24,7 +24,7 @@ import pytest
 from pytest_gpubench.config.shards import Shard
 from pytest_gpubench.core.errors import GpubenchError
 
-CELLS_DESC = "the cell matrix file (default: cells.yaml at the project anchor, see README)"
+CELLS_DESC = "the cell matrix file (default: cells.yaml at the project anchor, see docs/options.md)"
 PROMPTS_DESC = "the frozen prompts file (default: prompts.yaml at the project anchor)"
 BASELINES_DESC = "directory of committed baselines (default: baselines/ at the project anchor)"
 LEDGER_DIR_DESC = "directory the JSONL ledgers go to (default: runs/ at the project anchor)"

@@ -1,4 +1,4 @@
-"""The session's exit statuses (README: "Exit statuses"), all in one place, and the rule that
+"""The session's exit statuses (docs/exit-statuses.md), all in one place, and the rule that
 picks one when several apply."""
 
 from __future__ import annotations

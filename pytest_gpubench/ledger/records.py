@@ -18,6 +18,7 @@ from pytest_gpubench import HARNESS_VERSION, __version__
 from pytest_gpubench.config.cases import Case
 from pytest_gpubench.config.matrix import Cell, Prompt, RequestShape
 from pytest_gpubench.core.provenance import chosen_environment, load_average, utc_now
+from pytest_gpubench.ledger.gaps import packed_record
 from pytest_gpubench.measure.stream import STALLED, CallMeasurement
 from pytest_gpubench.targets.stages import Stage
 
@@ -176,7 +177,8 @@ def call_record(
     telemetry: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One measured call (successful or not) of a case; `telemetry` adds the case's resource
-    figures (telemetry/aggregate.py CALL_FIELDS) after the others."""
+    figures (telemetry/aggregate.py CALL_FIELDS) after the others. Its inter-chunk gaps are
+    packed into `inter_chunk_packed` (read them with ledger.gaps.gaps_ms)."""
     return {
         **_case_head("call", run_id, cell, case, prompt_sha256),
         "run_idx": case.run_idx,
@@ -185,7 +187,8 @@ def call_record(
         "test_id": case.test_id,
         "cold_kind": cold_kind,
         "started_at_utc": started_at_utc,
-        **measurement.to_record(),
+        # The gaps packed (ledger/gaps.py): most of a long reply's record otherwise.
+        **packed_record(measurement.to_record()),
         "worker": os.environ.get("PYTEST_XDIST_WORKER"),
         **(telemetry or {}),
     }
@@ -315,7 +318,7 @@ def checkpoint_record(
     calls_so_far: int,
     final: bool,
 ) -> dict[str, Any]:
-    """A timed run's figures so far (README "Timed runs"): written every checkpoint_s, so that
+    """A timed run's figures so far (docs/cells.md): written every checkpoint_s, so that
     a run that dies keeps them. `window`: the call records since the previous checkpoint."""
     ok = [call for call in window if call.get("error") is None]
     return {

@@ -1,6 +1,7 @@
 """The engine's own gauges during a load point, where it exposes Prometheus `/metrics` (vLLM;
 llama-server started with --metrics): running and waiting requests, KV-cache usage, sampled at
-an interval; and its token counters before and after, to set against the client's count."""
+an interval; and its token counters and latency histograms' sums and counts before and after,
+to set against the client's count and the client's own latencies."""
 
 from __future__ import annotations
 
@@ -19,26 +20,46 @@ TOKEN_COUNTERS = (
     "vllm:generation_tokens_total",
     "vllm:prompt_tokens_total",
     "vllm:request_success_total",
+    # vLLM's prefix cache: prompt tokens looked up, and those found cached.
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
     "llamacpp:tokens_predicted_total",
     "llamacpp:prompt_tokens_total",
     "llamacpp:n_decode_total",
 )
+# The engine's own latency figures: a histogram's `_sum` and `_count` (vLLM), or the seconds it
+# spent and the tokens it spent them on (llama-server); their change over a point gives the
+# point's server-side means (results/load_summary.server_check).
+SERVER_HISTOGRAMS = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+)
+SERVER_SERIES = (
+    *(f"{name}_{part}" for name in SERVER_HISTOGRAMS for part in ("sum", "count")),
+    "llamacpp:prompt_seconds_total",
+    "llamacpp:tokens_predicted_seconds_total",
+    "llamacpp:tokens_predicted_total",
+)
 
 
 def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, float]]:
-    """({gauge: value}, {counter sample: value}) of a Prometheus text page; a name's samples
-    with different labels (vLLM's per-model, per-engine ones) are added up."""
+    """({gauge: value}, {counter sample: value}) of a Prometheus text page, a histogram's `_sum`
+    and `_count` among the counters; a name's samples with different labels (vLLM's per-model,
+    per-engine ones) are added up."""
     from prometheus_client.parser import text_string_to_metric_families
 
     gauges: dict[str, float] = {}
     counters: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.type not in ("gauge", "counter"):
+        if family.type not in ("gauge", "counter", "histogram"):
             continue
         into = gauges if family.type == "gauge" else counters
         for sample in family.samples:
             if family.type == "counter" and not sample.name.endswith("_total"):
                 continue  # _created timestamps
+            if family.type == "histogram" and not sample.name.endswith(("_sum", "_count")):
+                continue  # buckets: the means need only the sum and the count
             into[sample.name] = into.get(sample.name, 0.0) + float(sample.value)
     return gauges, counters
 
@@ -58,6 +79,14 @@ class GaugeSamples:
         return {
             name: round(self.counters_after[name] - self.counters_before[name], 6)
             for name in TOKEN_COUNTERS
+            if name in self.counters_before and name in self.counters_after
+        }
+
+    def server_changes(self) -> dict[str, float]:
+        """The change over the point of each SERVER_SERIES the engine exposes."""
+        return {
+            name: round(self.counters_after[name] - self.counters_before[name], 9)
+            for name in SERVER_SERIES
             if name in self.counters_before and name in self.counters_after
         }
 
@@ -126,7 +155,11 @@ class GaugeScraper:
             page = await self.scrape()
             if page is None:
                 return last
-            counters = {name: page[1][name] for name in TOKEN_COUNTERS if name in page[1]}
+            # The histograms too: vLLM observes a request's latencies when it finishes, and a
+            # read between its last token and that would miss them.
+            counters = {
+                name: page[1][name] for name in (*TOKEN_COUNTERS, *SERVER_SERIES) if name in page[1]
+            }
             if counters == last or time.monotonic() > deadline:
                 return page[1]
             last = counters

@@ -1,11 +1,12 @@
 """Exports of one ledger for other tools: a Prometheus textfile (node_exporter's textfile
-collector), a CSV of the call records and a JSON of the summaries."""
+collector), a CSV of the call records, a CSV of the load points and a JSON of the summaries and
+load points."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,22 @@ CSV_COLUMNS = (
     "worker",
 )
 _COUNTS = ("run_idx", "prompt_tokens", "completion_tokens", "client_chunks", "content_reads")
+# A load record's figures, as the record names them: the load CSV's columns after its keys, and
+# the Prometheus gauge gpubench_load's `metric` label.
+LOAD_FIGURES = (
+    "offered_rate", "achieved_rate", "send_rate", "requests", "ok", "errors", "timeouts",
+    "window_s", "output_tokens", "output_tokens_per_sec",
+    "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "ttft_ms_n",
+    "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "tpot_ms_n",
+    "itl_ms_p50", "itl_ms_p99", "itl_ms_n", "e2e_ms_p50", "e2e_ms_p99", "e2e_ms_n",
+    "goodput_rate", "slo_attainment", "send_lag_ms_p50", "send_lag_ms_p99", "send_lag_ms_max",
+    "coalesced_calls", "coalesced_share", "saturation_rate",
+)  # fmt: skip
+LOAD_KEYS = (
+    "benchmark_run_id", "cell_id", "prompt_id", "load_point", "sweep_step", "pattern",
+    "concurrency", "rate", "arrival", "started_at_utc", "valid", "invalid_reason",
+)  # fmt: skip
+SERVER_FIGURES = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
 def write_csv(data: LedgerData, path: Path) -> int:
@@ -66,8 +83,38 @@ def write_csv(data: LedgerData, path: Path) -> int:
     return len(table)
 
 
+def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One flat row per load record: its keys, figures, the engine's own means beside the
+    client's with the offsets (`server_ttft_ms_mean`, `client_ttft_ms_mean`,
+    `offset_ttft_ms`, ...) and its delivery warnings joined."""
+    rows = []
+    for load in loads:
+        row = {name: load.get(name) for name in (*LOAD_KEYS, *LOAD_FIGURES)}
+        check = load.get("server_check") or {}
+        row["server_engine"] = check.get("engine")
+        for name in SERVER_FIGURES:
+            figure = check.get(name) or {}
+            row[f"server_{name}_mean"] = figure.get("server_mean")
+            row[f"client_{name}_mean"] = figure.get("client_mean")
+            row[f"offset_{name}"] = figure.get("offset_ms")
+        row["delivery_warnings"] = " | ".join(load.get("delivery_warnings") or ()) or None
+        rows.append(row)
+    return rows
+
+
+def write_load_csv(data: LedgerData, path: Path) -> int:
+    """One row per load record (load_rows); returns the rows written."""
+    import pandas as pd
+
+    rows = load_rows(data.of_type("load"))
+    table = pd.DataFrame(rows, columns=list(load_rows([{}])[0]))
+    _write(path, lambda target: table.to_csv(target, index=False, lineterminator="\n"))
+    return len(table)
+
+
 def summaries_json(data: LedgerData, summaries: Sequence[PromptSummary]) -> dict[str, Any]:
-    """The run's summaries (without raw samples), its verdicts and cell outcomes."""
+    """The run's summaries (without raw samples), its load points (without their per-request
+    samples), its verdicts and cell outcomes."""
     meta, end = data.meta, data.end
     rows = []
     for summary in summaries:
@@ -82,6 +129,10 @@ def summaries_json(data: LedgerData, summaries: Sequence[PromptSummary]) -> dict
         "finished_at_utc": end.get("finished_at_utc"),
         "exit_status": end.get("exit_status"),
         "summaries": rows,
+        "loads": [
+            {key: value for key, value in load.items() if key != "samples"}
+            for load in data.of_type("load")
+        ],
         "verdicts": end.get("verdicts") or [],
         "cells": end.get("cells") or [],
     }
@@ -156,6 +207,7 @@ def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], re
                 cold.labels(*key, metric, summary.cold_kind or "").set(value)
         calls.labels(*key, "ok").set(summary.n_warm_ok)
         calls.labels(*key, "failed").set(summary.n_warm - summary.n_warm_ok)
+    _load_gauges(data.of_type("load"), registry)
     for verdict in end_verdicts(data.end):
         names = (verdict.cell_id, verdict.prompt_id, verdict.metric)
         if verdict.change_ratio is not None:
@@ -163,6 +215,37 @@ def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], re
         regression.labels(*names).set(1 if verdict.verdict == "regression" else 0)
     _run_gauges(data, registry)
     return registry
+
+
+def _load_gauges(loads: Iterable[Mapping[str, Any]], registry: Any) -> None:
+    """gpubench_load{cell, prompt, point, metric}: each load point's figures (the verdicts'
+    `prompt` label for a point is `<prompt>@load-<point>`); gpubench_load_server_offset_ms: the
+    client's mean minus the engine's own."""
+    from prometheus_client import Gauge
+
+    labels = ("cell", "prompt", "point", "metric")
+    figures = Gauge(
+        "gpubench_load",
+        "A load point's figure (rates per second, latencies in ms, counts)",
+        labels,
+        registry=registry,
+    )
+    offsets = Gauge(
+        "gpubench_load_server_offset_ms",
+        "A load point's client mean minus the engine's own mean over the same point (ms)",
+        labels,
+        registry=registry,
+    )
+    for row in load_rows(loads):
+        key = (str(row["cell_id"]), str(row["prompt_id"]), str(row["load_point"]))
+        for name in LOAD_FIGURES:
+            value = row.get(name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                figures.labels(*key, name).set(value)
+        for name in SERVER_FIGURES:
+            offset = row.get(f"offset_{name}")
+            if isinstance(offset, int | float):
+                offsets.labels(*key, name).set(offset)
 
 
 def _run_gauges(data: LedgerData, registry: Any) -> None:

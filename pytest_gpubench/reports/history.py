@@ -1,11 +1,12 @@
 """History across runs: per cell, prompt and gated metric, the value of each ledger in a
-directory, in run order, with the baseline updates and the gate's regressions marked; rendered
-as a terminal table of sparklines and as an HTML page of charts."""
+directory, in run order, with the baseline updates and the gate's regressions marked; load points
+too (`<prompt>@load-<point>`: throughput, p99s, goodput, a sweep's saturation rate); rendered as a
+terminal table of sparklines and as an HTML page of charts."""
 
 from __future__ import annotations
 
 import html
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.reports.frame import LedgerData, read_ledger_frame
 from pytest_gpubench.reports.terminal import METRIC_LABELS, NONE, fixed, table
 from pytest_gpubench.results.gate import RATIO_METRICS, SUCCESS_RATE, Verdict
+from pytest_gpubench.results.load_gate import LOAD_METRICS, SATURATION, gated, point_key
 from pytest_gpubench.results.stats import PromptSummary
 
 BASELINE_UPDATE_FLAG = "--baseline-update"
@@ -55,6 +57,9 @@ def metric_value(summary: PromptSummary, metric: str) -> float | None:
 
 
 HISTORY_METRICS = (*(m.name for m in RATIO_METRICS), SUCCESS_RATE)
+# A load record's gated figures: {metric name: (record field, label)}.
+LOAD_HISTORY = {m.name: (m.field, m.label) for m in (*LOAD_METRICS, SATURATION)}
+LABELS = {**METRIC_LABELS, **{name: label for name, (_, label) in LOAD_HISTORY.items()}}
 
 
 def ledgers_in(directory: Path) -> list[Path]:
@@ -68,12 +73,16 @@ def ledgers_in(directory: Path) -> list[Path]:
 
 def read_history(directory: Path) -> History:
     """Every ledger under the directory, ordered by the start time of its run."""
-    runs: list[tuple[RunPoint, list[PromptSummary]]] = []
+    runs: list[tuple[RunPoint, list[PromptSummary], list[dict[str, object]]]] = []
     for path in ledgers_in(directory):
         data = read_ledger_frame(path)
-        runs.append((run_point(data, path), data.summaries(with_samples=False)))
+        loads = [record for record in data.of_type("load") if gated(record)]
+        runs.append((run_point(data, path), data.summaries(with_samples=False), loads))
     runs.sort(key=lambda run: (run[0].started_at_utc, str(run[0].path)))
-    return History([run for run, _ in runs], trends([summaries for _, summaries in runs]))
+    return History(
+        [run for run, _, _ in runs],
+        trends([summaries for _, summaries, _ in runs], [loads for _, _, loads in runs]),
+    )
 
 
 def run_point(data: LedgerData, path: Path) -> RunPoint:
@@ -96,7 +105,12 @@ def run_point(data: LedgerData, path: Path) -> RunPoint:
     )
 
 
-def trends(runs: Sequence[Iterable[PromptSummary]]) -> list[Trend]:
+def trends(
+    runs: Sequence[Iterable[PromptSummary]],
+    loads: Sequence[Iterable[Mapping[str, object]]] = (),
+) -> list[Trend]:
+    """The warm metrics' trends per (cell, prompt), and the load figures' per (cell, point);
+    `loads`: each run's gated load records, in the runs' order."""
     found: dict[tuple[str, str, str], Trend] = {}
     for index, summaries in enumerate(runs):
         for summary in summaries:
@@ -104,7 +118,16 @@ def trends(runs: Sequence[Iterable[PromptSummary]]) -> list[Trend]:
                 key = (summary.cell_id, summary.prompt_id, metric)
                 trend = found.setdefault(key, Trend(*key, values=[None] * len(runs)))
                 trend.values[index] = metric_value(summary, metric)
-    order = {metric: index for index, metric in enumerate(HISTORY_METRICS)}
+    for index, records in enumerate(loads):
+        for record in records:
+            for metric, (source, _) in LOAD_HISTORY.items():
+                value = record.get(source)
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    continue
+                key = (str(record.get("cell_id")), point_key(record), metric)
+                trend = found.setdefault(key, Trend(*key, values=[None] * len(runs)))
+                trend.values[index] = float(value)
+    order = {metric: index for index, metric in enumerate([*HISTORY_METRICS, *LOAD_HISTORY])}
     return sorted(found.values(), key=lambda t: (t.cell_id, t.prompt_id, order[t.metric]))
 
 
@@ -157,7 +180,7 @@ def render_history(history: History) -> str:
             [
                 trend.cell_id,
                 trend.prompt_id,
-                METRIC_LABELS.get(trend.metric, trend.metric),
+                LABELS.get(trend.metric, trend.metric),
                 sparkline(trend.values),
                 marks(trend, runs) or NONE,
                 fixed(_first(trend.values), digits),
@@ -174,7 +197,7 @@ def render_history(history: History) -> str:
     )
     regressed = [
         f"REGRESSION in run {run.run_id} ({run.started_at_utc}): "
-        + ", ".join(f"{c} {p} {METRIC_LABELS.get(m, m)}" for c, p, m in sorted(run.regressions))
+        + ", ".join(f"{c} {p} {LABELS.get(m, m)}" for c, p, m in sorted(run.regressions))
         for run in runs
         if run.regressions
     ]
@@ -192,7 +215,8 @@ def _first(values: Sequence[float | None]) -> float | None:
 def render_history_html(history: History) -> str:
     """One self-contained page: a chart per (cell, prompt), one panel per metric, regressions as
     red crosses and baseline updates as dashed lines."""
-    from pytest_gpubench.reports.html import STYLE, inline_svg, pyplot
+    from pytest_gpubench.reports.charts import inline_svg, pyplot
+    from pytest_gpubench.reports.html import STYLE
 
     plt = pyplot()
     runs = history.runs
@@ -212,7 +236,7 @@ def render_history_html(history: History) -> str:
                 value = trend.values[index]
                 if (cell_id, prompt_id, trend.metric) in run.regressions and value is not None:
                     axes.plot([index], [value], marker="X", markersize=9, color="#c0392b")
-            axes.set_title(METRIC_LABELS.get(trend.metric, trend.metric), fontsize=9)
+            axes.set_title(LABELS.get(trend.metric, trend.metric), fontsize=9)
             axes.set_xlabel("run")
             axes.grid(color="#eeeeee")
         figure.suptitle(f"{cell_id} · {prompt_id}")

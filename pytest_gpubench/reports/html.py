@@ -5,11 +5,12 @@ baseline's summaries in, HTML text out."""
 from __future__ import annotations
 
 import html
-import io
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from pytest_gpubench.reports.charts import inline_svg, pyplot
 from pytest_gpubench.reports.frame import LedgerData
+from pytest_gpubench.reports.load_html import LoadBaselines, render_load_section
 from pytest_gpubench.reports.terminal import METRIC_LABELS, NONE, change, fixed
 from pytest_gpubench.results.gate import Verdict
 from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
@@ -42,6 +43,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;
 max-width:1200px}
 h1{font-size:1.5em}
 h2{font-size:1.2em;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:2em}
+h3{font-size:1.05em;margin-top:1.4em}
 table{border-collapse:collapse;font-size:.9em;margin:8px 0}
 th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f4f4f4}td.num{text-align:right;font-variant-numeric:tabular-nums}
@@ -56,8 +58,10 @@ def render_html(
     baseline: Sequence[PromptSummary] = (),
     *,
     baseline_source: str | None = None,
+    load_baselines: LoadBaselines | None = None,
 ) -> str:
-    """The report; the same ledger and baseline always give the same bytes."""
+    """The report; the same ledger and baseline always give the same bytes. `load_baselines`:
+    the load baseline points per cell, drawn beside this run's load points."""
     summaries = data.summaries()
     meta, end = data.meta, data.end
     run_id = meta.get("benchmark_run_id") or (data.path.stem if data.path else "run")
@@ -67,6 +71,7 @@ def render_html(
         _distributions(summaries, baseline, baseline_source),
         _verdicts(end),
         _outcomes(end),
+        render_load_section(data.of_type("load"), load_baselines),
         _cold(summaries),
         _telemetry(data.of_type("sample")),
     ]
@@ -230,28 +235,6 @@ def _cold(summaries: Sequence[PromptSummary]) -> str:
 
 
 # -- charts -----------------------------------------------------------------------------------
-
-
-def inline_svg(figure: Any) -> str:
-    """The figure as inline SVG: text kept as text, no date, ids stable from run to run."""
-    import matplotlib.pyplot as plt
-
-    buffer = io.StringIO()
-    figure.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None})
-    plt.close(figure)
-    text = buffer.getvalue()
-    start = text.find("<svg")
-    return f'<div class="chart">{text[start:]}</div>'
-
-
-def pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    matplotlib.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "gpubench", "font.size": 9})
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _distributions(

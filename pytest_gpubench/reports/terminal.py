@@ -545,6 +545,16 @@ def _cell_section(
     own_loads = [record for record in loads if record.get("cell_id") == cell_id]
     if own_loads:
         parts.append("### Load\n\n" + render_load_table(own_loads, markdown=True))
+        check = render_server_check(own_loads, markdown=True)
+        if check:
+            parts.append("Client against engine, per point:\n\n" + check)
+        warnings = [
+            f"- **{_md(str(load.get('load_point')))}**: {_md(warning)}"
+            for load in own_loads
+            for warning in load.get("delivery_warnings") or ()
+        ]
+        if warnings:
+            parts.append("\n".join(warnings))
     reasons = Counter(
         str(r.get("reason") or "no reason given") for r in skipped if r.get("cell_id") == cell_id
     )
@@ -725,6 +735,56 @@ def render_load_table(loads: Iterable[Mapping[str, Any]], *, markdown: bool = Fa
     return table(load_rows(loads), LOAD_HEADERS, markdown=markdown)
 
 
+SERVER_CHECK_HEADERS = (
+    "point",
+    "engine",
+    "TTFT client / engine / offset ms",
+    "TPOT client / engine / offset ms",
+    "E2E client / engine / offset ms",
+    "coalesced",
+    "n TTFT / TPOT",
+)
+
+
+def _against(figure: Any) -> str:
+    if not isinstance(figure, Mapping):
+        return NONE
+    offset = figure.get("offset_ms")
+    return f"{fixed(figure.get('client_mean'))} / {fixed(figure.get('server_mean'))} / " + (
+        NONE if offset is None else f"{offset:+.2f}"
+    )
+
+
+def server_check_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
+    """One row per load point: the client's means beside the engine's own over the same point,
+    the replies that came whole in one read, and the `n` behind the percentiles."""
+    rows = []
+    for load in loads:
+        if load.get("pattern") == "sweep":
+            continue
+        check = load.get("server_check") or {}
+        rows.append(
+            [
+                _text(load.get("load_point")),
+                _text(check.get("engine")),
+                _against(check.get("ttft_ms")),
+                _against(check.get("tpot_ms")),
+                _against(check.get("e2e_ms")),
+                f"{load.get('coalesced_calls', NONE)} of {load.get('ok', 0)}",
+                f"{load.get('ttft_ms_n', NONE)} / {load.get('tpot_ms_n', NONE)}",
+            ]
+        )
+    return rows
+
+
+def render_server_check(loads: Sequence[Mapping[str, Any]], *, markdown: bool = False) -> str:
+    """The client against the engine per point; empty when no point has either figure (a ledger
+    written before they were recorded)."""
+    if not any("coalesced_calls" in load or load.get("server_check") for load in loads):
+        return ""
+    return table(server_check_rows(loads), SERVER_CHECK_HEADERS, markdown=markdown)
+
+
 def load_lines(
     loads: Sequence[Mapping[str, Any]],
     verdicts: Sequence[Verdict] = (),
@@ -738,12 +798,22 @@ def load_lines(
         own = [load for load in loads if load.get("cell_id") == cell_id]
         lines.append(TerminalLine(f"load: {cell_id}"))
         lines.append(TerminalLine(render_load_table(own)))
+        check = render_server_check(own)
+        if check:
+            lines.append(TerminalLine(check))
         for load in own:
             if load.get("pattern") != "sweep" and not load.get("valid"):
                 lines.append(
                     TerminalLine(
                         f"INVALID {load.get('case_id')} [{load.get('load_point')}]: "
                         f"{load.get('invalid_reason')}",
+                        red=True,
+                    )
+                )
+            for warning in load.get("delivery_warnings") or ():
+                lines.append(
+                    TerminalLine(
+                        f"WARNING {load.get('case_id')} [{load.get('load_point')}]: {warning}",
                         red=True,
                     )
                 )

@@ -31,7 +31,7 @@ ACCEPT_OPTION = "--gpubench-accept-incomparable"
 ALPHA = 0.05
 RERUN_RUNS = 20
 RERUN_HINT = f"re-run with --gpubench-runs {RERUN_RUNS}"
-# The defaults (README "The regression gate"): relative changes for the ratio metrics, an
+# The defaults (docs/gate.md): relative changes for the ratio metrics, an
 # absolute floor for success.
 DEFAULT_RATIO_THRESHOLD = 0.30
 DEFAULT_SUCCESS_RATE = 0.95

@@ -12,7 +12,7 @@ from typing import Any
 
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.results.baseline import baseline_file_name
-from pytest_gpubench.results.load_gate import baseline_point, gated, point_key
+from pytest_gpubench.results.load_gate import baseline_point, gated, is_result, point_key
 
 FORMAT = 1
 LOAD_DIR = "load"
@@ -63,12 +63,12 @@ def write_load_baselines(
         if gated(record):
             by_cell.setdefault(str(record.get("cell_id")), []).append(record)
     for cell_id, records in sorted(by_cell.items()):
-        valid = [record for record in records if record.get("valid")]
+        valid = [record for record in records if is_result(record)]
         for record in records:
-            if not record.get("valid"):
+            if not is_result(record):
+                reason = record.get("invalid_reason") or record.get("error") or "no result"
                 notes.append(
-                    f"load baseline NOT written for {cell_id} {point_key(record)}: "
-                    f"{record.get('invalid_reason')}"
+                    f"load baseline NOT written for {cell_id} {point_key(record)}: {reason}"
                 )
         if not valid:
             continue

@@ -1,6 +1,8 @@
 """The gate on load points (pure): each point's output tokens/s, TTFT p99, TPOT p99 and goodput
 against its baseline, under gate.py's rule: a change counts when it passes the ratio threshold
-and is significant on the samples (one-sided Mann-Whitney U)."""
+and is significant on the samples (one-sided Mann-Whitney U). A sweep's steps are points too,
+named by their place in the sweep; its saturation rate, one figure per run, is judged on the
+threshold alone."""
 
 from __future__ import annotations
 
@@ -42,15 +44,63 @@ LOAD_METRICS = (
 )  # fmt: skip
 
 
+SATURATION = LoadMetric(
+    "load_saturation_rate", "saturation rate", "saturation_rate", "", "throughput", True
+)
+
+
 def point_key(record: Mapping[str, Any]) -> str:
-    """How a load point is named in its baseline and verdicts: `<prompt>@load-<point>`."""
-    return f"{record.get('prompt_id')}@load-{record.get('load_point')}"
+    """How a load point is named in its baseline and verdicts: `<prompt>@load-<point>`; a sweep
+    step by its place (`sweep-c1`, `sweep-c<max>`, `sweep-s<i>`: the i-th open-loop rate, whose
+    value moves with the engine's speed from run to run)."""
+    step = record.get("sweep_step")
+    point = f"sweep-{step}" if step else record.get("load_point")
+    return f"{record.get('prompt_id')}@load-{point}"
 
 
 def gated(record: Mapping[str, Any]) -> bool:
-    """The load records the gate judges: a point's (a sweep's steps have rates that move with
-    the engine's speed, so no two runs measure the same points)."""
-    return record.get("type") == "load" and record.get("pattern") in ("closed", "open")
+    """The load records the gate judges: every point's (a trace replay's too), a sweep's steps
+    among them, and the sweep's own (its saturation rate)."""
+    return record.get("type") == "load" and record.get("pattern") in (
+        "closed",
+        "open",
+        "sweep",
+        "trace",
+    )
+
+
+def is_result(record: Mapping[str, Any]) -> bool:
+    """A point that is a result, or a sweep that found its saturation rate."""
+    if record.get("pattern") == "sweep":
+        return _number(record.get("saturation_rate")) is not None
+    return bool(record.get("valid"))
+
+
+def _judge_saturation(
+    current: Mapping[str, Any], baseline: Mapping[str, Any] | None, threshold: float
+) -> Verdict:
+    """The sweep's saturation rate against the baseline's, on the throughput threshold alone
+    (one figure per run: no samples to test; its steps' verdicts carry the significance)."""
+    cell_id, key = str(current.get("cell_id")), point_key(current)
+    new = _number(current.get("saturation_rate"))
+    old = _number(baseline.get("saturation_rate")) if baseline is not None else None
+    if old is None or old <= 0:
+        text = "no load baseline yet" if baseline is None else "the baseline has no saturation rate"
+        return _verdict(cell_id, key, SATURATION, "new", text, value=new)
+    if new is None:
+        reason = current.get("error") or "no step was served"
+        text = f"saturation rate: not found ({reason})"
+        return _verdict(cell_id, key, SATURATION, "inconclusive", text, baseline=old)
+    ratio = new / old
+    direction = change_direction(old, new, threshold, higher_is_better=True)
+    found = {"baseline": old, "value": new, "ratio": ratio}
+    change = f"saturation rate {ratio - 1:+.1%} ({old:.4g} → {new:.4g} req/s)"
+    if direction is None:
+        text = f"{change} (within the {threshold:.0%} threshold)"
+        return _verdict(cell_id, key, SATURATION, "ok", text, **found)
+    kind: VerdictKind = "regression" if direction == "worse" else "win"
+    text = f"{change}, past the {threshold:.0%} threshold"
+    return _verdict(cell_id, key, SATURATION, kind, text, **found)
 
 
 def judge_point(
@@ -60,6 +110,8 @@ def judge_point(
 ) -> list[Verdict]:
     """One verdict per metric the point has (goodput only under an SLO)."""
     cell_id, key = str(current.get("cell_id")), point_key(current)
+    if current.get("pattern") == "sweep":
+        return [_judge_saturation(current, baseline, thresholds.throughput)]
     # Goodput only where an SLO defines it.
     metrics = [m for m in LOAD_METRICS if m.field != "goodput_rate" or current.get("slo")]
     if baseline is None:
@@ -153,7 +205,7 @@ def baseline_point(record: Mapping[str, Any]) -> dict[str, Any]:
         "prompt_id", "prompt_sha256", "load_point", "pattern", "concurrency", "rate", "arrival",
         "requests", "ok", "achieved_rate", "output_tokens_per_sec", "ttft_ms_p50", "ttft_ms_p99",
         "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_p99", "goodput_rate", "send_lag_ms_p99",
-        "benchmark_run_id", "started_at_utc", "samples",
+        "benchmark_run_id", "started_at_utc", "samples", "sweep_step", "saturation_rate",
     )  # fmt: skip
     return {name: record.get(name) for name in keep}
 

@@ -1,6 +1,8 @@
 """A load point's summary from its requests' call records (pure): offered and achieved rate,
 requests/s, output tokens/s, TTFT/ITL/TPOT/E2E percentiles, goodput under the SLO, errors,
-timeouts, send lag, and whether the point is a result at all."""
+timeouts, send lag, and whether the point is a result at all; beside them the engine's own means
+over the same point (where it exposes them), the client-server offsets, the coalesced replies,
+and the warnings when the client's figures are delivery delay rather than engine time."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from itertools import accumulate
 from typing import Any
 
 from pytest_gpubench.config.load_profile import Slo
+from pytest_gpubench.ledger.gaps import gaps_ms
 
 PERCENTILES = (50, 90, 99)
 # The figures with p50/p90/p99, and the call record field each is read from.
@@ -17,9 +20,20 @@ LATENCIES = {
     "ttft_ms": "first_delta_ms",
     "tpot_ms": "tpot_ms",
     "e2e_ms": "total_duration_ms",
+    # A reasoning model's first answer token (the same as TTFT where it does not reason).
+    "first_answer_ms": "first_answer_ms",
 }
-# A throughput sample per this long of the window (the gate's samples of output tokens/s).
+# A throughput sample per about this long of the window (the gate's samples of output tokens/s):
+# the window is cut into round(window / THROUGHPUT_BUCKET_S) equal buckets, so that every token
+# of the window falls in one and the samples' mean is the headline output tokens/s.
 THROUGHPUT_BUCKET_S = 1.0
+# A point whose measured replies came whole (all their content in one read) this often measured
+# the client's reads, not the engine's pace: its TTFT is the reply's end, its TPOT missing.
+COALESCED_WARN_SHARE = 0.1
+# A client mean further than this from the engine's own over the same point (and more than the
+# engine's own mean itself: most of the client's figure is then not engine time) is delivery
+# delay: the network, a proxy, or a client that was not scheduled. Floors per figure, in ms.
+OFFSET_FLOOR_MS = {"ttft_ms": 5.0, "tpot_ms": 1.0, "e2e_ms": 5.0}
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -65,16 +79,28 @@ def content_times_ms(call: Mapping[str, Any]) -> list[float]:
     send, first = call.get("send_ms"), call.get("first_delta_ms")
     if not isinstance(send, int | float) or not isinstance(first, int | float):
         return []
-    gaps = call.get("inter_chunk_ms") or []
-    return [send + first + offset for offset in accumulate(gaps, initial=0.0)]
+    return [send + first + offset for offset in accumulate(gaps_ms(call), initial=0.0)]
+
+
+def token_times_ms(call: Mapping[str, Any]) -> list[tuple[float, float]]:
+    """(arrival ms, tokens) of each content chunk of a call: the call's completion tokens spread
+    evenly over its chunks (an engine may pack several tokens into one event: vLLM sent 64
+    tokens in about 54), so that the chunks add up to the tokens the server counted."""
+    times = content_times_ms(call)
+    if not times:
+        return []
+    tokens = call.get("completion_tokens")
+    per_chunk = float(tokens) / len(times) if isinstance(tokens, int) and tokens > 0 else 1.0
+    return [(at, per_chunk) for at in times]
 
 
 def throughput_samples(
     calls: Sequence[Mapping[str, Any]], start_ms: float, end_ms: float
 ) -> list[float]:
-    """Output tokens/s per whole THROUGHPUT_BUCKET_S of the window (chunks as tokens)."""
-    chunks = (at for call in calls if is_ok(call) for at in content_times_ms(call))
-    return _rates_per_bucket(chunks, start_ms, end_ms)
+    """Output tokens/s per bucket of the window (tokens, not chunks: their mean is the
+    headline output tokens/s when every call's content lies inside the window)."""
+    tokens = (pair for call in calls if is_ok(call) for pair in token_times_ms(call))
+    return _rates_per_bucket(tokens, start_ms, end_ms)
 
 
 def goodput_samples(
@@ -88,23 +114,29 @@ def goodput_samples(
         if not meets_slo(call, slo) or not isinstance(send, int | float):
             continue
         assert isinstance(total, int | float)
-        ends.append(send + total)
+        ends.append((send + total, 1.0))
     return _rates_per_bucket(ends, start_ms, end_ms)
 
 
-def _rates_per_bucket(times_ms: Iterable[float], start_ms: float, end_ms: float) -> list[float]:
-    """Events per second in each whole THROUGHPUT_BUCKET_S of the window; events outside it
-    do not count."""
-    width = THROUGHPUT_BUCKET_S * 1000.0
-    buckets = int((end_ms - start_ms) // width)
+def _rates_per_bucket(
+    weighted_ms: Iterable[tuple[float, float]], start_ms: float, end_ms: float
+) -> list[float]:
+    """Events (each with its weight) per second in each of the round(window /
+    THROUGHPUT_BUCKET_S) equal buckets that tile the window; events outside it do not count (one
+    at its very end falls in the last bucket)."""
+    span = end_ms - start_ms
+    buckets = round(span / (THROUGHPUT_BUCKET_S * 1000.0))
     if buckets < 1:
         return []
-    counts = [0] * buckets
-    for at in times_ms:
+    width = span / buckets
+    sums = [0.0] * buckets
+    for at, weight in weighted_ms:
         index = int((at - start_ms) // width)
+        if index == buckets and at <= end_ms:
+            index -= 1
         if 0 <= index < buckets:
-            counts[index] += 1
-    return [count / THROUGHPUT_BUCKET_S for count in counts]
+            sums[index] += weight
+    return [round(total / (width / 1000.0), 4) for total in sums]
 
 
 def summarize_point(
@@ -113,9 +145,12 @@ def summarize_point(
     offered_rate: float | None,
     slo: Slo | None,
     max_send_lag_ms: float | None,
+    server: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The summary of one load point from all of its call records; only those sent in the
-    measured window count (warm-up and cool-down ones are kept in the ledger, not here).
+    measured window count (warm-up and cool-down ones are kept in the ledger, not here), but
+    for `server_check`: `server` is the change of the engine's own series over the whole point
+    (measure/gauges.SERVER_SERIES), set against every request of the point.
 
     `max_send_lag_ms` bounds an open loop's send lag (None for a closed loop: it has no
     schedule to keep; its send lag, the time from a stream's last reply to its next request, is
@@ -149,13 +184,20 @@ def summarize_point(
         "output_tokens_per_sec": round(tokens / window_s, 3) if window_s > 0 else None,
     }
     summary["requests_per_sec"] = summary["achieved_rate"]
+    # Each percentile's `n`: a coalesced reply has no TPOT, so TPOT's may be far below `ok`.
     for name, field in LATENCIES.items():
         values = _numbers(ok, field)
+        summary[f"{name}_n"] = len(values)
         for q in PERCENTILES:
             summary[f"{name}_p{q}"] = percentile(values, q)
-    gaps = [float(gap) for call in ok for gap in call.get("inter_chunk_ms") or []]
+    gaps = [gap for call in ok for gap in gaps_ms(call)]
+    summary["itl_ms_n"] = len(gaps)
     for q in PERCENTILES:
         summary[f"itl_ms_p{q}"] = percentile(gaps, q)
+    summary["coalesced_calls"] = sum(bool(call.get("coalesced")) for call in ok)
+    summary["coalesced_share"] = round(summary["coalesced_calls"] / len(ok), 4) if ok else None
+    summary["server_check"] = server_check(calls, server) if server else None
+    summary["delivery_warnings"] = delivery_warnings(summary) or None
     summary.update(_goodput(ok, measured, slo, window_s))
     lags = _numbers(measured, "send_lag_ms")
     summary["send_lag_ms_p50"] = percentile(lags, 50)
@@ -173,6 +215,88 @@ def summarize_point(
         ),
     }
     return summary
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def server_check(
+    calls: Sequence[Mapping[str, Any]], server: Mapping[str, float]
+) -> dict[str, Any] | None:
+    """The engine's own means over the point beside the client's over the same requests (every
+    window: the /metrics reads bracket the whole point), and the offset client - server per
+    figure. vLLM: its TTFT, TPOT and E2E histograms' sum / count. llama-server: its prompt time
+    per request (no queueing in it: compare at concurrency <= its slots) and its generation time
+    per predicted token. None when the engine exposes none of them."""
+    ok = [call for call in calls if is_ok(call)]
+    client = {name: _numbers(ok, field) for name, field in LATENCIES.items()}
+    figures: dict[str, dict[str, Any]] = {}
+    if "vllm:e2e_request_latency_seconds_count" in server:
+        engine = "vllm"
+        requests: float | None = server["vllm:e2e_request_latency_seconds_count"]
+        for name, series in (
+            ("ttft_ms", "vllm:time_to_first_token_seconds"),
+            ("tpot_ms", "vllm:request_time_per_output_token_seconds"),
+            ("e2e_ms", "vllm:e2e_request_latency_seconds"),
+        ):
+            count, total = server.get(f"{series}_count"), server.get(f"{series}_sum")
+            if count and total is not None:
+                figures[name] = {"server_mean": round(total * 1000.0 / count, 4), "server_n": count}
+    elif "llamacpp:prompt_seconds_total" in server:
+        engine, requests = "llamacpp", None
+        prompt_s = server["llamacpp:prompt_seconds_total"]
+        if ok:
+            figures["ttft_ms"] = {
+                "server_mean": round(prompt_s * 1000.0 / len(ok), 4),
+                "server_n": len(ok),
+                # Not the same span as the client's TTFT: no wait for a slot, no first decode
+                # step, no HTTP; shown, not warned on.
+                "engine_span": "prompt processing only",
+            }
+        predicted = server.get("llamacpp:tokens_predicted_total")
+        seconds = server.get("llamacpp:tokens_predicted_seconds_total")
+        if predicted and seconds is not None:
+            figures["tpot_ms"] = {
+                "server_mean": round(seconds * 1000.0 / predicted, 4),
+                "server_n": predicted,
+            }
+    else:
+        return None
+    for name, figure in figures.items():
+        mean = _mean(client[name])
+        figure["client_mean"] = mean
+        figure["client_n"] = len(client[name])
+        figure["offset_ms"] = round(mean - figure["server_mean"], 4) if mean is not None else None
+    return {"engine": engine, "requests": requests, "client_requests": len(ok), **figures}
+
+
+def delivery_warnings(summary: Mapping[str, Any]) -> list[str]:
+    """Why a point's client-side figures are delivery delay rather than engine time: replies
+    that came whole, or a client mean that the engine's own is a small part of."""
+    warnings = []
+    share = summary.get("coalesced_share")
+    if isinstance(share, float) and share >= COALESCED_WARN_SHARE:
+        warnings.append(
+            f"{summary['coalesced_calls']} of {summary['ok']} replies ({share:.0%}) came whole "
+            "in one read: their TTFT is the reply's end and they have no TPOT; the client's "
+            "figures measure delivery, not the engine"
+        )
+    check = summary.get("server_check") or {}
+    for name, floor in OFFSET_FLOOR_MS.items():
+        figure = check.get(name)
+        if not isinstance(figure, Mapping) or figure.get("offset_ms") is None:
+            continue
+        if figure.get("engine_span"):
+            continue  # the engine's figure covers less than the client's: no like for like
+        offset, own = float(figure["offset_ms"]), float(figure["server_mean"])
+        if abs(offset) > max(floor, own):
+            warnings.append(
+                f"{name.removesuffix('_ms').upper()} mean {figure['client_mean']:g} ms at the "
+                f"client against {own:g} ms at the engine (offset {offset:+g} ms): the client's "
+                "figure is mostly delivery delay, not engine time"
+            )
+    return warnings
 
 
 def _goodput(

@@ -3,6 +3,8 @@ end judges against the baselines and closes the ledger. It decides; it never dra
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,10 @@ if TYPE_CHECKING:
     from pytest_gpubench.results.gate import Verdict
     from pytest_gpubench.results.stats import PromptSummary
     from pytest_gpubench.telemetry.aggregate import TelemetrySummary
+
+
+# A session of at least this many calls writes its ledger's columnar cache as it ends.
+CACHE_AT_END_CALLS = 10_000
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,7 @@ class RunController:
                 run_id=run_id,
                 hooks=hooks,
             )
+            self.harness.frozen = guards.FrozenRequests(options.baselines_dir)
             if writes_ledger:
                 self.harness.sink = self.collect
         self.ledger: Ledger | None = None
@@ -125,6 +132,10 @@ class RunController:
         self.outcomes: list[CellOutcome] = []
         self.write_error: str | None = None
         self.exit_status: int | None = None
+        # The end record as written, and where the pull request summary went.
+        self.end: dict[str, Any] | None = None
+        self.summary_path: Path | None = None
+        self.summary_error: str | None = None
         # SIGTERM (a cancelled CI job) ends the run as Ctrl-C does, while a ledger is open.
         self.catch_signals = TerminateAsInterrupt()
         # Rentals given back in xdist workers (this process's own are in the harness's pool),
@@ -280,7 +291,49 @@ class RunController:
                 workeroutput["gpubench_rentals"] = self.unsent_rentals()
             status = self._close_ledger(exitstatus)
         self.exit_status = status
+        self._write_pr_summary(status)
+        self._cache_columns()
         return status
+
+    def _cache_columns(self) -> None:
+        """A large ledger's columnar cache (reports/frame.py), written as the run ends, so that
+        the first report on it reads the cache: a million-call ledger's first read otherwise
+        takes 17 s of CPU; the run that wrote it took hours. A small ledger is read fast as it
+        is, and its session does not pay the columnar reader's imports."""
+        if self.ledger is None or self.write_error is not None:
+            return
+        if len(self.calls) + len(self.load_calls) < CACHE_AT_END_CALLS:
+            return
+        from pytest_gpubench.reports.frame import read_ledger_frame
+
+        with contextlib.suppress(GpubenchError):
+            read_ledger_frame(self.ledger.path)
+
+    def _write_pr_summary(self, status: int) -> None:
+        """The pull request's summary (reports/pr_summary.py): appended to
+        $GITHUB_STEP_SUMMARY where it is set, else written beside the ledger. Never changes the
+        status: a summary that cannot be written is said in the terminal."""
+        from pytest_gpubench.reports.pr_summary import (
+            render_pr_summary,
+            report_pointer,
+            write_pr_summary,
+        )
+
+        if self.ledger is None or self.end is None:
+            return
+        ledger = str(self.ledger.path)
+        text = render_pr_summary(
+            {**self.end, "exit_status": status},
+            self.loads,
+            ledger=ledger,
+            report=report_pointer(ledger, os.environ),
+        )
+        try:
+            self.summary_path = write_pr_summary(
+                self.scrub(text), self.options.ledger_dir, self.run_id
+            )
+        except OSError as exc:
+            self.summary_error = f"the pull request summary was not written: {exc}"
 
     def _close_ledger(self, exitstatus: int) -> int:
         from pytest_gpubench.results.gate import regressions
@@ -307,21 +360,19 @@ class RunController:
             incomparable=bool(judgement.failing_incomparables()),
             regressed=bool(regressed) and not self.options.baseline_update,
         )
-        self._append(
-            end_record(
-                run_id=self.run_id,
-                pytest_exitstatus=exitstatus,
-                calls=len(self.calls) + len(self.load_calls),
-                skipped=len(self.skips),
-                verdicts=[verdict.to_record() for verdict in verdicts],
-                regressions=len(regressed),
-                gate_error=judgement.gate_error,
-                nodes=self.rentals(),
-                cells=[outcome.to_record() for outcome in self.outcomes],
-                exit_status=status,
-            ),
-            after_failure=True,
+        self.end = end_record(
+            run_id=self.run_id,
+            pytest_exitstatus=exitstatus,
+            calls=len(self.calls) + len(self.load_calls),
+            skipped=len(self.skips),
+            verdicts=[verdict.to_record() for verdict in verdicts],
+            regressions=len(regressed),
+            gate_error=judgement.gate_error,
+            nodes=self.rentals(),
+            cells=[outcome.to_record() for outcome in self.outcomes],
+            exit_status=status,
         )
+        self._append(self.end, after_failure=True)
         try:
             self.ledger.close()
         except LedgerWriteError as exc:

@@ -25,6 +25,7 @@ from pytest_gpubench.ledger.records import (
     skipped_record,
     stage_record,
 )
+from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
 from pytest_gpubench.targets import Target
@@ -58,6 +59,8 @@ class Harness:
         hooks: Any = None,
     ) -> None:
         self.matrix = matrix
+        # Prompts known only on a live cell (token-exact synthetic ones) are frozen here.
+        self.frozen: FrozenRequests | None = None
         self.run_id = run_id or str(uuid.uuid4())
         self.log_dir = log_dir
         self.scrub = scrub
@@ -180,12 +183,35 @@ class Harness:
         prompt = self.matrix.prompts[case.prompt_id]
         cell = self.matrix.cell(case.cell_id)
         request = cell.request_for(prompt)
+        facts: dict[str, Any] = {}
+        if prompt.synthetic is not None:
+            prompt, facts = self._exact_prompt(case, prompt, request)
         if cell.spec.duration_s is not None and case.phase == "warm":
             return self.run_timed(case, prompt, request)
         record, others, _ = self.measure(
-            case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request), request=request
-        )
+            case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request), request=request,
+            messages=prompt.chat_messages(),
+        )  # fmt: skip
+        record.update(facts)
         return record, others
+
+    def _exact_prompt(
+        self, case: Case, prompt: Prompt, request: RequestShape
+    ) -> tuple[Prompt, dict[str, Any]]:
+        """A synthetic prompt made exact on the case's live cell, frozen from then on like a
+        test's own request (its text is known only once the engine counted it)."""
+        from pytest_gpubench.run.workloads import exact_prompt
+
+        exact, facts = exact_prompt(self.cells[case.cell_id], prompt)
+        if self.frozen is not None:
+            self.frozen.check(
+                case.cell_id,
+                case.prompt_id,
+                exact.sha256(request),
+                str(self.matrix.prompts_path),
+                kind="synthetic prompt",
+            )
+        return exact, facts
 
     def run_load_case(self, case: Case) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Measure one load case (load/runner.py): its `load` record, and the call records of
@@ -224,7 +250,7 @@ class Harness:
         while last is None or time.monotonic() < end:
             record, others, _ = self.measure(
                 case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request),
-                request=request,
+                request=request, messages=prompt.chat_messages(),
             )  # fmt: skip
             record["timed_idx"] = calls
             calls += 1

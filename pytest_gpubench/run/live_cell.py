@@ -70,6 +70,8 @@ class LiveCell:
     job_node_checked: bool = False
     # Why its benchmark stage was stopped (its timeout or the node's budget spent), if it was.
     benchmark_stopped: str | None = None
+    # Token-exact synthetic texts counted on this cell, by (size, seed) (run/workloads.py).
+    exact_texts: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     def prepare(self) -> None:
         """Open the node, launch a managed engine, health-check; on failure mark it unavailable."""

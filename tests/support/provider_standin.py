@@ -1,4 +1,4 @@
-"""A stand-in for the GPU marketplace API (README "Remote nodes") on 127.0.0.1, playing scripted scenarios.
+"""A stand-in for the GPU marketplace API (docs/remote-nodes.md) on 127.0.0.1, playing scripted scenarios.
 
 Endpoints: GET /api/v1/inventory (offers filtered by gpu_type, provider, min_vram as a broker
 would), POST /api/v1/sessions (a session plus `ssh_private_key`), GET /api/v1/sessions/{id}

@@ -15,20 +15,23 @@ from pytest_gpubench.run.load.open_loop import OpenLoop
 # Without an SLO, a rate is served when the engine completed at least this share of it.
 KEPT_UP = 0.9
 
-# Runs one step (its point id, its pattern) and returns its summary (load/summary.py).
-StepRunner = Callable[[str, LoadPattern], Awaitable[Mapping[str, Any]]]
+# Runs one step (its point id, its pattern, its place in the sweep) and returns its summary
+# (results/load_summary.py).
+StepRunner = Callable[[str, LoadPattern, str], Awaitable[Mapping[str, Any]]]
 
 
 async def run_sweep(profile: LoadProfile, run_step: StepRunner) -> dict[str, Any]:
     """Run every step; the sweep's own facts: its steps and its saturation point."""
     assert profile.sweep is not None
     steps: list[tuple[str, LoadPattern, Mapping[str, Any]]] = []
+    top = profile.sweep.max_concurrency
     first: tuple[tuple[str, LoadPattern], ...] = (
-        ("sweep-c1", ClosedLoop(1)),
-        (f"sweep-c{profile.sweep.max_concurrency}", ClosedLoop(profile.sweep.max_concurrency)),
+        ("c1", ClosedLoop(1)),
+        (f"c{top}", ClosedLoop(top)),
     )
-    for point, pattern in first:
-        steps.append((point, pattern, await run_step(point, pattern)))
+    for step, pattern in first:
+        point = f"sweep-{step}"
+        steps.append((point, pattern, await run_step(point, pattern, step)))
     low = steps[0][2].get("achieved_rate") or 0.0
     high = steps[1][2].get("achieved_rate") or 0.0
     k = profile.sweep.rates
@@ -38,7 +41,9 @@ async def run_sweep(profile: LoadProfile, run_step: StepRunner) -> dict[str, Any
             continue
         open_loop = OpenLoop(rate, profile.arrival, profile.burstiness, profile.seed)
         point = f"sweep-r{rate_text(rate)}"
-        steps.append((point, open_loop, await run_step(point, open_loop)))
+        # Its place (`s<i>`: the i-th rate between the two closed loops), not its rate, names
+        # it to the gate: the rates move with the engine's speed from run to run.
+        steps.append((point, open_loop, await run_step(point, open_loop, f"s{i}")))
     return {
         "steps": [_step_row(point, pattern, summary) for point, pattern, summary in steps],
         "saturation_rate": saturation_rate(

@@ -1,0 +1,219 @@
+"""The HTML report's load section (pure): per cell and prompt, its load points drawn against
+concurrency (closed loops) or request rate (open loops and sweeps) — output tokens/s and goodput,
+TTFT and TPOT p50/p99, the latency-throughput curve with the saturation rate and the SLO marked,
+send lag and errors — beside the load baseline's points where there are any; then the points'
+table, the client against the engine's own means, and the delivery warnings."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pytest_gpubench.reports.charts import inline_svg, pyplot
+from pytest_gpubench.reports.terminal import (
+    LOAD_HEADERS,
+    NONE,
+    SERVER_CHECK_HEADERS,
+    load_rows,
+    server_check_rows,
+)
+from pytest_gpubench.results.load_gate import point_key
+
+CURRENT_COLOR = "#1f6fb4"
+P99_COLOR = "#c0392b"
+BASELINE_COLOR = "#9a9a9a"
+SLO_COLOR = "#d68910"
+SATURATION_COLOR = "#1e8449"
+
+# {cell id: {point key: baseline point}} as results/load_baseline.read_load_baselines gives.
+LoadBaselines = Mapping[str, Mapping[str, Mapping[str, Any]]]
+
+
+def _e(value: Any) -> str:
+    return html.escape(NONE if value is None or value == "" else str(value))
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def axis_of(point: Mapping[str, Any]) -> tuple[str, float | None]:
+    """Which axis a point is drawn on and where: a closed loop by its concurrency, unless it is
+    a sweep's step (all of a sweep's steps by request rate: offered, or achieved where a closed
+    step offered none)."""
+    if point.get("pattern") == "closed" and not point.get("sweep_step"):
+        return "concurrency", _number(point.get("concurrency"))
+    offered = _number(point.get("rate"))
+    return "request rate (req/s)", offered if offered is not None else _number(
+        point.get("achieved_rate")
+    )
+
+
+def render_load_section(
+    loads: Sequence[Mapping[str, Any]], baselines: LoadBaselines | None = None
+) -> str:
+    """The section; empty for a ledger without load records."""
+    if not loads:
+        return ""
+    baselines = baselines or {}
+    parts = [
+        "<h2>Load</h2>",
+        "<p class=note>Each load point of this run in colour (p50 solid, p99 dashed), the load "
+        "baseline's points in grey where there are any. The latency-throughput panel marks the "
+        "saturation rate (green) and the SLO's TTFT limit (orange).</p>",
+    ]
+    for cell_id in sorted({str(load.get("cell_id")) for load in loads}):
+        own = [load for load in loads if str(load.get("cell_id")) == cell_id]
+        parts.append(f"<h3>{_e(cell_id)}</h3>")
+        old = baselines.get(cell_id, {})
+        for prompt_id in sorted({str(load.get("prompt_id")) for load in own}):
+            points = [
+                load
+                for load in own
+                if str(load.get("prompt_id")) == prompt_id and load.get("pattern") != "sweep"
+            ]
+            sweeps = [
+                load
+                for load in own
+                if str(load.get("prompt_id")) == prompt_id and load.get("pattern") == "sweep"
+            ]
+            by_axis: dict[str, list[Mapping[str, Any]]] = {}
+            for point in points:
+                by_axis.setdefault(axis_of(point)[0], []).append(point)
+            for axis, drawn in sorted(by_axis.items()):
+                previous = [old[point_key(point)] for point in drawn if point_key(point) in old]
+                saturation = next(
+                    (_number(s.get("saturation_rate")) for s in sweeps if axis != "concurrency"),
+                    None,
+                )
+                parts.append(
+                    _load_chart(f"{cell_id} · {prompt_id}", axis, drawn, previous, saturation)
+                )
+        parts.append(_points_table(own))
+    return "\n".join(parts)
+
+
+def _points_table(loads: Sequence[Mapping[str, Any]]) -> str:
+    rows = load_rows(loads)
+    head = "".join(f"<th>{_e(h)}</th>" for h in LOAD_HEADERS)
+    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    text = f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    checks = server_check_rows(loads)
+    if any("coalesced_calls" in load or load.get("server_check") for load in loads):
+        head = "".join(f"<th>{_e(h)}</th>" for h in SERVER_CHECK_HEADERS)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in checks
+        )
+        text += (
+            "\n<p class=note>The client's means against the engine's own over the same point "
+            "(its /metrics read before and after), the replies that came whole in one read, "
+            "and the requests behind the percentiles.</p>"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        )
+    warnings = [
+        f"<li class=regression>{_e(load.get('load_point'))}: {_e(warning)}</li>"
+        for load in loads
+        for warning in load.get("delivery_warnings") or ()
+    ]
+    if warnings:
+        text += "\n<ul>" + "".join(warnings) + "</ul>"
+    return text
+
+
+def _series(points: Sequence[Mapping[str, Any]], field: str) -> tuple[list[float], list[float]]:
+    pairs = sorted(
+        (x, y)
+        for point in points
+        if (x := axis_of(point)[1]) is not None and (y := _number(point.get(field))) is not None
+    )
+    return [x for x, _ in pairs], [y for _, y in pairs]
+
+
+def _load_chart(
+    title: str,
+    axis: str,
+    points: Sequence[Mapping[str, Any]],
+    baseline: Sequence[Mapping[str, Any]],
+    saturation: float | None,
+) -> str:
+    """Four panels against one axis: throughput and goodput, TTFT and TPOT p50/p99, latency
+    against throughput, send lag and errors."""
+    plt = pyplot()
+    figure, (rate, latency, curve, client) = plt.subplots(1, 4, figsize=(13, 3.0))
+
+    def draw(axes: Any, field: str, label: str, color: str, dashed: bool = False) -> None:
+        style = "--" if dashed else "-"
+        xs, ys = _series(points, field)
+        if xs:
+            axes.plot(xs, ys, style, marker="o", markersize=3.5, color=color, label=label)
+        old_x, old_y = _series(baseline, field)
+        if old_x:
+            axes.plot(old_x, old_y, style, marker="o", markersize=3, color=BASELINE_COLOR,
+                      linewidth=0.9, label=f"{label} (baseline)")  # fmt: skip
+
+    draw(rate, "output_tokens_per_sec", "output tokens/s", CURRENT_COLOR)
+    rate.set_title("output tokens/s", loc="left")
+    if any(_number(p.get("goodput_rate")) is not None for p in points):
+        goodput = rate.twinx()
+        draw(goodput, "goodput_rate", "goodput req/s", SLO_COLOR, dashed=True)
+        goodput.set_ylabel("goodput req/s (dashed)")
+    draw(latency, "ttft_ms_p50", "TTFT p50", CURRENT_COLOR)
+    draw(latency, "ttft_ms_p99", "TTFT p99", CURRENT_COLOR, dashed=True)
+    draw(latency, "tpot_ms_p50", "TPOT p50", P99_COLOR)
+    draw(latency, "tpot_ms_p99", "TPOT p99", P99_COLOR, dashed=True)
+    latency.set_title("TTFT (blue) and TPOT (red) ms", loc="left")
+    if any(_number(p.get("ttft_ms_p50")) for p in points):
+        latency.set_yscale("log")
+    latency.legend(fontsize=6, loc="upper left")
+    _latency_curve(curve, points, baseline, saturation)
+    draw(client, "send_lag_ms_p99", "send lag p99 ms", CURRENT_COLOR)
+    client.set_title("send lag p99 ms; errors (bars)", loc="left")
+    errors = client.twinx()
+    xs, ys = _series(points, "errors")
+    if xs:
+        width = (max(xs) - min(xs)) / 30 if len(xs) > 1 and max(xs) > min(xs) else 0.3
+        errors.bar(xs, ys, width=width, color=P99_COLOR, alpha=0.5)
+    errors.set_ylim(bottom=0, top=max([*ys, 1.0]) * 1.2)
+    for axes in (rate, latency, client):
+        axes.set_xlabel(axis)
+        axes.grid(color="#eeeeee")
+    figure.suptitle(title, x=0.01, ha="left", fontsize=10)
+    figure.tight_layout()
+    return inline_svg(figure)
+
+
+def _latency_curve(
+    axes: Any,
+    points: Sequence[Mapping[str, Any]],
+    baseline: Sequence[Mapping[str, Any]],
+    saturation: float | None,
+) -> None:
+    """TTFT p99 against achieved requests/s (each point labelled), the saturation rate and the
+    SLO's TTFT limit."""
+    for group, color, label in ((baseline, BASELINE_COLOR, "baseline"), (points, P99_COLOR, "")):
+        pairs = sorted(
+            (x, y, str(point.get("load_point")))
+            for point in group
+            if (x := _number(point.get("achieved_rate"))) is not None
+            and (y := _number(point.get("ttft_ms_p99"))) is not None
+        )
+        if not pairs:
+            continue
+        axes.plot([x for x, _, _ in pairs], [y for _, y, _ in pairs], "-", marker="o",
+                  markersize=3.5, color=color, label=label or "this run")  # fmt: skip
+        if group is points:
+            for x, y, name in pairs:
+                axes.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    if saturation is not None:
+        axes.axvline(saturation, color=SATURATION_COLOR, linestyle=":", label="saturation")
+    slo = next((p.get("slo") for p in points if isinstance(p.get("slo"), Mapping)), None)
+    limit = _number(slo.get("ttft_ms")) if slo is not None else None
+    if limit is not None:
+        axes.axhline(limit, color=SLO_COLOR, linestyle="--", label="SLO TTFT")
+    axes.set_title("TTFT p99 ms against req/s", loc="left")
+    axes.set_xlabel("achieved req/s")
+    axes.grid(color="#eeeeee")
+    axes.legend(fontsize=6, loc="upper left")

@@ -1,0 +1,178 @@
+"""The run's short Markdown summary for a pull request: the exit status, the verdicts that
+matter (regressions first), the cells' status, the load points, and where the full report is;
+appended to `$GITHUB_STEP_SUMMARY` in a GitHub Actions job (its summary page), written beside
+the ledger otherwise."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pytest_gpubench.core.status import describe
+
+STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"
+# Verdict words in the order a reviewer needs them; a word not listed here (a newer gate's)
+# comes after these, and `ok` rows are only counted.
+VERDICT_RANK = ("regression", "incomparable", "inconclusive", "win", "new")
+MAX_VERDICT_ROWS = 15
+NONE = "-"
+
+
+def _md(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _number(value: Any, digits: int = 2) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return NONE
+    return f"{value:.{digits}f}"
+
+
+def _change(ratio: Any) -> str:
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float):
+        return NONE
+    return f"{ratio - 1.0:+.1%}"
+
+
+def _p_value(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return NONE
+    return f"{value:.2g}"
+
+
+def _rank(verdict: Mapping[str, Any]) -> int:
+    word = str(verdict.get("verdict"))
+    return VERDICT_RANK.index(word) if word in VERDICT_RANK else len(VERDICT_RANK)
+
+
+def verdict_section(verdicts: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The verdicts other than `ok`, regressions first, at most MAX_VERDICT_ROWS of them."""
+    shown = sorted((v for v in verdicts if v.get("verdict") != "ok"), key=_rank)
+    ok = len(verdicts) - len(shown)
+    if not verdicts:
+        return ["No verdicts: nothing was judged against a baseline."]
+    lines = [
+        "| verdict | cell | case | metric | change | p |",
+        "|---|---|---|---|---:|---:|",
+    ]
+    for verdict in shown[:MAX_VERDICT_ROWS]:
+        word = str(verdict.get("verdict"))
+        lines.append(
+            f"| {'**' + word.upper() + '**' if word == 'regression' else word} "
+            f"| {_md(verdict.get('cell_id'))} | {_md(verdict.get('prompt_id'))} "
+            f"| {_md(verdict.get('metric'))} | {_change(verdict.get('change_ratio'))} "
+            f"| {_p_value(verdict.get('p_value'))} |"
+        )
+    rest = len(shown) - MAX_VERDICT_ROWS
+    notes = []
+    if rest > 0:
+        notes.append(f"{rest} more not shown")
+    notes.append(f"{ok} within their thresholds")
+    return [*(lines if shown else []), "", f"_{'; '.join(notes)}._"]
+
+
+def cells_section(cells: Sequence[Mapping[str, Any]]) -> list[str]:
+    if not cells:
+        return []
+    lines = ["| cell | status | calls ok | reason |", "|---|---|---:|---|"]
+    for cell in cells:
+        reason = cell.get("reason") or NONE
+        lines.append(
+            f"| {_md(cell.get('cell_id'))} | {_md(cell.get('status'))} "
+            f"| {cell.get('ok_calls', 0)}/{cell.get('calls', 0)} | {_md(reason)[:120]} |"
+        )
+    return lines
+
+
+def load_section(loads: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One row per load point (a sweep's saturation rate as its own row), then each point's
+    delivery warnings."""
+    if not loads:
+        return []
+    lines = [
+        "| cell | point | req/s | out tok/s | TTFT p99 ms | TPOT p99 ms | goodput req/s | result |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    warnings = []
+    for load in loads:
+        cell, point = _md(load.get("cell_id")), _md(load.get("load_point"))
+        if load.get("pattern") == "sweep":
+            rate = load.get("saturation_rate")
+            result = f"saturation {_number(rate)} req/s" if rate is not None else NONE
+            lines.append(f"| {cell} | sweep | | | | | | {result} |")
+            continue
+        result = "ok" if load.get("valid") else f"INVALID: {_md(load.get('invalid_reason'))[:80]}"
+        if load.get("delivery_warnings"):
+            result += " ⚠"
+            warnings += [f"- ⚠ {cell} {point}: {_md(w)}" for w in load["delivery_warnings"]]
+        lines.append(
+            f"| {cell} | {point} | {_number(load.get('achieved_rate'))} "
+            f"| {_number(load.get('output_tokens_per_sec'), 1)} "
+            f"| {_number(load.get('ttft_ms_p99'))} | {_number(load.get('tpot_ms_p99'))} "
+            f"| {_number(load.get('goodput_rate'))} | {result} |"
+        )
+    return [*lines, *(["", *warnings] if warnings else [])]
+
+
+def render_pr_summary(
+    end: Mapping[str, Any],
+    loads: Sequence[Mapping[str, Any]],
+    *,
+    ledger: str,
+    report: str,
+) -> str:
+    """The summary from a run's end record and its load records; `report` says where the full
+    report is (a link or a command)."""
+    status = end.get("exit_status")
+    regressions = int(end.get("regressions") or 0)
+    mark = "❌" if status not in (0, None) else "✅"
+    head = f"## {mark} gpubench: {describe(int(status)) if status is not None else 'no status'}"
+    parts = [head]
+    if regressions:
+        parts.append(f"**{regressions} regression(s)**")
+    if end.get("gate_error"):
+        parts.append(f"Gate error: {_md(end['gate_error'])}")
+    verdicts = list(end.get("verdicts") or [])
+    parts.append("### Verdicts\n\n" + "\n".join(verdict_section(verdicts)))
+    cells = cells_section(list(end.get("cells") or []))
+    if cells:
+        parts.append("### Cells\n\n" + "\n".join(cells))
+    load = load_section(loads)
+    if load:
+        parts.append("### Load points\n\n" + "\n".join(load))
+    parts.append(f"Ledger: `{ledger}` · Full report: {report}")
+    return "\n\n".join(parts) + "\n"
+
+
+def report_pointer(ledger: str, environ: Mapping[str, str]) -> str:
+    """Where the HTML report is: the job's artifacts in a GitHub Actions run (the shipped
+    workflow uploads report.html there), else the command that writes it."""
+    command = f"`gpubench report --html {ledger} -o report.html`"
+    server, repository, run = (
+        environ.get("GITHUB_SERVER_URL"),
+        environ.get("GITHUB_REPOSITORY"),
+        environ.get("GITHUB_RUN_ID"),
+    )
+    if server and repository and run:
+        link = f"{server}/{repository}/actions/runs/{run}"
+        return f"[report.html in the run's artifacts]({link}) ({command})"
+    return command
+
+
+def write_pr_summary(
+    text: str, ledger_dir: Path, run_id: str, environ: Mapping[str, str] | None = None
+) -> Path:
+    """Append to $GITHUB_STEP_SUMMARY when it is set (GitHub's documented way: every step may
+    add to the file), else write `<run_id>.summary.md` beside the ledger; the path written."""
+    env = os.environ if environ is None else environ
+    target = env.get(STEP_SUMMARY_ENV)
+    if target:
+        path = Path(target)
+        with path.open("a", encoding="utf-8") as out:
+            out.write(text)
+        return path
+    path = ledger_dir / f"{run_id}.summary.md"
+    path.write_text(text, encoding="utf-8")
+    return path

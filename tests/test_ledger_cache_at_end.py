@@ -1,0 +1,48 @@
+"""A large session writes its ledger's columnar cache as it ends, so that the first report on
+it reads the cache (the threshold is lowered here: a session of 10,000 calls is a benchmark's
+job, not a test's). The engine is the Ollama stand-in (tests/support/standins.py)."""
+
+from __future__ import annotations
+
+import pytest
+from support.standins import OllamaStandin, serving
+
+from pytest_gpubench.reports.frame import _load_cache, _stamp, cache_path, read_ledger_frame
+from pytest_gpubench.run import controller
+
+PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 6}\n'
+TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
+
+
+def run_session(pytester: pytest.Pytester, url: str) -> None:
+    pytester.makefile(
+        ".yaml",
+        prompts=PROMPTS,
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: ollama, model: 'qwen3.5:0.8b', endpoint: '{url}',"
+        " runs: 4, phases: [warm]}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    assert pytester.runpytest("--force-load").ret == 0
+
+
+def test_a_large_session_leaves_the_cache_its_first_report_reads(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(controller, "CACHE_AT_END_CALLS", 4)
+    with serving(OllamaStandin()) as url:
+        run_session(pytester, url)
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    assert cache_path(ledger).is_file()
+    cached = _load_cache(ledger, _stamp(ledger))
+    assert cached is not None  # stamped with the closed ledger: the report's first read uses it
+    assert len(cached.calls) == 4
+    assert cached.end["type"] == "end"
+    assert read_ledger_frame(ledger).summaries(with_samples=False)
+
+
+def test_a_small_session_writes_no_cache(pytester: pytest.Pytester) -> None:
+    with serving(OllamaStandin()) as url:
+        run_session(pytester, url)
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    assert not cache_path(ledger).exists()

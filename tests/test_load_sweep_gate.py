@@ -1,0 +1,73 @@
+"""A sweep's steps gated like load points: a step whose latency regresses fails the run with
+exit 6, named by its place in the sweep (`sweep-s1`: its rate moves with the engine's speed).
+
+The engine is the timing-controlled keep-alive server behind tests/support/reply_proxy.py, which
+gives it two batch slots (so that the closed loops' rates are the proxy's to set: about 38 req/s
+one at a time, about twice that with every slot busy, less on a busy machine) and, in the
+regressed run, holds each request 60 ms while more arrived in the last second than halfway
+between the one-at-a-time rate and the middle step's: the middle, open-loop step slows; the
+one-at-a-time step does not, and the saturating step keeps its throughput (its requests wait
+for a slot all the same)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.keepalive_server import keepalive_server
+from support.reply_proxy import reply_proxy
+
+PROMPTS = "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 8}\n"
+TEST_GENERATE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
+
+
+def end_verdicts(root: Path) -> list[dict[str, Any]]:
+    newest = max((root / "runs").glob("*.jsonl"), key=lambda path: path.stat().st_mtime)
+    records = [json.loads(line) for line in newest.read_text().splitlines()]
+    (end,) = [r for r in records if r["type"] == "end"]
+    return list(end.get("load_verdicts") or end.get("verdicts") or [])
+
+
+def test_a_sweep_whose_middle_step_slows_exits_6_naming_that_step(
+    pytester: pytest.Pytester,
+) -> None:
+    with (
+        keepalive_server(prefill_s=0.02) as server,
+        reply_proxy(server.url, slots=2, slow_ms=60.0) as proxy,
+    ):
+        pytester.makefile(".yaml", prompts=PROMPTS)
+        pytester.makefile(
+            ".yaml",
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: openai, model: m, endpoint: '{proxy.url}',"
+            " load: {sweep: {rates: 1, max_concurrency: 12}, arrival: constant,"
+            " duration_s: 2, warmup_s: 0.2, max_send_lag_ms: 50}}\n",
+        )
+        pytester.makepyfile(test_bench=TEST_GENERATE)
+        args = ("--force-load", "-p", "no:cacheprovider", "-m", "load")
+        update = pytester.runpytest_subprocess(*args, "--baseline-update")
+        assert update.ret == 0, update.stdout.str()[-3000:]
+        stored = json.loads(
+            (pytester.path / "baselines" / "load" / "local_openai_m.json").read_text()
+        )
+        assert set(stored["points"]) == {
+            "P-EASY@load-sweep-c1",
+            "P-EASY@load-sweep-c12",
+            "P-EASY@load-sweep-s1",
+            "P-EASY@load-sweep",
+        }
+        assert stored["points"]["P-EASY@load-sweep"]["saturation_rate"] > 0
+        one = stored["points"]["P-EASY@load-sweep-c1"]["achieved_rate"]
+        middle = stored["points"]["P-EASY@load-sweep-s1"]["rate"]
+        assert middle > 1.15 * one, (one, middle)
+        # Halfway between: the one-at-a-time step stays below it, the middle one above.
+        proxy.slow_above_rate = (one + middle) / 2
+        result = pytester.runpytest_subprocess(*args)
+    text = result.stdout.str()
+    print(text[-4000:])
+    assert proxy.slowed > 0
+    assert result.ret == 6, text[-3000:]
+    result.stdout.fnmatch_lines(["REGRESSION: local:openai:m P-EASY@load-sweep-s1: TTFT p99 +*"])
+    assert "load regression(s)" in text
