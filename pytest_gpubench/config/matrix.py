@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     AnyHttpUrl,
     BaseModel,
@@ -33,6 +32,7 @@ from pytest_gpubench.config.datasets import Dataset, DatasetPrompt, dataset_sha2
 from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting, Synthetic, merged_profile
 from pytest_gpubench.config.traces import read_trace
 from pytest_gpubench.config.words import seeded_words
+from pytest_gpubench.config.yaml_file import parse_yaml
 from pytest_gpubench.core.errors import GpubenchError
 
 PHASES = ("cold", "warm")
@@ -177,6 +177,10 @@ class SlurmNode(_Strict):
     # How long a job may wait in the queue before its cell fails (stage `queue`).
     queue_timeout_s: PositiveFloat = 600.0
     command_timeout_s: PositiveFloat = 60.0
+    # What nvidia-smi must report inside each job (stage gpu_check, on the job's own node).
+    gpu_type: str | None = None
+    gpu_count: PositiveInt | None = None
+    gpu_check: Literal["auto", "required", "off"] = "auto"
 
 
 class PluginNode(BaseModel):
@@ -626,13 +630,7 @@ def _read_yaml(path: Path, expected: str) -> Any:
             f"{path}: line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
             f"{exc.start}); save the file as UTF-8"
         ) from None
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise GpubenchError(f"{path}:{where}: malformed YAML: {problem}") from None
+    loaded = parse_yaml(text, path)
     if loaded is None:
         raise GpubenchError(f"{path}: the file is empty (expected {expected})")
     if not isinstance(loaded, dict):
@@ -645,7 +643,10 @@ def _describe_location(loc: tuple[int | str, ...], raw: Any) -> str:
     parts: list[str] = []
     for i, item in enumerate(loc):
         if isinstance(item, int):
-            parts[-1] = f"{parts[-1]}[{item}]" if parts else f"[{item}]"
+            if not parts:
+                parts.append(f"[{item}]")  # a key that is a number, at the top level
+                continue
+            parts[-1] = f"{parts[-1]}[{item}]"
             if loc[:i] == ("cells",) and isinstance(raw, dict):
                 cells = raw.get("cells")
                 if isinstance(cells, list) and item < len(cells) and isinstance(cells[item], dict):
@@ -655,8 +656,15 @@ def _describe_location(loc: tuple[int | str, ...], raw: Any) -> str:
         elif i == 2 and loc[0] == "nodes" and item in (*NODE_KINDS, "plugin"):
             continue  # pydantic's union tag after nodes.<name>, not a key the user wrote
         else:
-            parts.append(str(item))
+            parts.append(_shown_key(str(item)))
     return ".".join(parts)
+
+
+def _shown_key(key: str) -> str:
+    """A key as written, or quoted where it is empty, holds a dot or a character that would
+    break the line (a carriage return would hide the file's name)."""
+    plain = key and key.isprintable() and "." not in key and key.strip() == key
+    return key if plain else repr(key)
 
 
 def _first_error(path: Path, exc: ValidationError, raw: Any) -> GpubenchError:

@@ -23,7 +23,7 @@ import orjson
 import pandas as pd
 
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.results.stats import PromptSummary, summarize_frame
+from pytest_gpubench.results.stats import PromptSummary, summarize_frame, text_column
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
 
 # The columns stats.summarize needs (stats.call_frame builds the same frame from dicts).
@@ -346,7 +346,7 @@ class _FrameBuilder:
         chunk: dict[str, Any] = {}
         width = len(self.text)
         for index, name in enumerate(self.text):
-            chunk[name] = pd.factorize(_objects(columns[index]), use_na_sentinel=True)
+            chunk[name] = pd.factorize(text_column(columns[index]), use_na_sentinel=True)
         for index, name in enumerate(self.numbers, start=width):
             chunk[name] = _floats(columns[index])
         errors = columns[self.fields.index("error")]
