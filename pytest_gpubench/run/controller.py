@@ -136,6 +136,14 @@ class RunController:
     def run_id(self) -> str:
         return self.harness.run_id if self.harness is not None else ""
 
+    @property
+    def ab_seed(self) -> int:
+        """The seed of the A/B pairs' call order (--gpubench-ab-seed, else from the run id)."""
+        from pytest_gpubench.config.cases import seed_of_run
+
+        given = self.options.ab_seed
+        return given if given is not None else seed_of_run(self.run_id)
+
     # -- start ---------------------------------------------------------------------------------
 
     def begin(self, cases: Sequence[Case]) -> None:
@@ -166,6 +174,10 @@ class RunController:
             prompts_path=options.prompts_path,
             shard=self.shard,
         )
+        pairs = {cell.cell_id: cell.reference for cell in self.planned if cell.reference}
+        if pairs:
+            # What repeats this session's A/B call order: --gpubench-ab-seed with this seed.
+            self.meta["ab"] = {"seed": self.ab_seed, "pairs": pairs}
         self.ledger.append(self.meta)
         self.catch_signals.install()
 
