@@ -137,6 +137,17 @@ class Verdict:
     attribution: AttributionKind | None = None
     # The engine's own figure, current / baseline (its counterpart of change_ratio).
     engine_change_ratio: float | None = None
+    # A head-to-head A/B verdict (results/paired.py): the reference cell it was judged against
+    # (baseline is then the reference's median, change_ratio the ratio of medians), the
+    # bootstrap interval of that ratio, the pairs judged (of the most that could be), and what
+    # the verdict cost: calls of both sides and the seconds they held the engines.
+    reference: str | None = None
+    interval_low: float | None = None
+    interval_high: float | None = None
+    pairs: int | None = None
+    max_pairs: int | None = None
+    calls: int | None = None
+    busy_s: float | None = None
 
     @property
     def key(self) -> tuple[str, str]:

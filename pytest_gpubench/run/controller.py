@@ -303,6 +303,7 @@ class RunController:
             return session_status(exitstatus, unmeasured=self.probe_failed)
         if self.calls:
             self._judge()
+            self._judge_pairs()
         if self.loads:
             self._judge_loads()
         self.outcomes = cell_outcomes(
@@ -317,7 +318,10 @@ class RunController:
             unjudged=judgement.unjudged,
             unmeasured=any(outcome.fails_run for outcome in self.outcomes),
             incomparable=bool(judgement.failing_incomparables()),
-            regressed=bool(regressed) and not self.options.baseline_update,
+            # An A/B regression is against the reference, not a baseline: ratifying baselines
+            # does not accept it.
+            regressed=any(v.reference is not None for v in regressed)
+            or (bool(regressed) and not self.options.baseline_update),
         )
         self._append(
             end_record(
@@ -384,6 +388,12 @@ class RunController:
                 )
                 return
             self._update_baselines()
+
+    def _judge_pairs(self) -> None:
+        """Each A/B candidate against its reference, pair by pair (results/paired.py)."""
+        from pytest_gpubench.results.paired import ab_verdicts
+
+        self.judgement.verdicts.extend(ab_verdicts(self.calls, self.planned, self.options.runs))
 
     def _judge_loads(self) -> None:
         """Each load point against its load baseline (baselines/load/); written with
