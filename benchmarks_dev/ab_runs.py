@@ -151,7 +151,7 @@ def judged(records: list[dict[str, Any]], replay_root: Path, status: int, wall_s
     if end.get("type") != "end" or status not in (0, EXIT_REGRESSION):
         raise SystemExit(f"pytest failed (exit {status}): see {records[0].get('rootdir')}")
     ab = [v for v in end.get("verdicts") or [] if v.get("reference") == MAIN]
-    ttft = next((v for v in ab if v["metric"] == "warm_ttft_p50_ms"), {})
+    ttft: dict[str, Any] = next((v for v in ab if v["metric"] == "warm_ttft_p50_ms"), {})
     # The sequential rule on the same pairs, in the order measured (replay_root's cells.yaml is
     # this one with min_runs set).
     matrix = load_matrix(replay_root / "cells.yaml", replay_root / "prompts.yaml")
