@@ -11,6 +11,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import pytest
 from support.delay_proxy import DelayProxy, delay_proxy
@@ -20,6 +21,7 @@ from pytest_gpubench.config.cases import build_cases
 from pytest_gpubench.config.matrix import load_matrix
 from pytest_gpubench.config.synthetic import WORDS
 from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.reports.terminal import render_markdown
 
 MAIN = "local:llamacpp:tiny@main"
 PR = "local:llamacpp:tiny@pr"
@@ -131,6 +133,42 @@ def test_a_candidate_held_back_is_a_regression_against_its_reference(
         assert call["ab_pair"]["reference"] == MAIN
         assert call["ab_pair"]["index"] == call["run_idx"]
     assert {c["ab_pair"]["order"] for c in calls} == {0, 1}
+    # The terminal, the JUnit XML and the Markdown report say it too.
+    result.stdout.fnmatch_lines(
+        [
+            "candidate * reference * prompt * metric * ratio of medians * 95% interval * p *"
+            " pairs * calls * engine s * verdict",
+            f"{PR} * {MAIN} * {PROMPT_ID} * TTFT p50 ms * +* * +*… +* * 8/8 * 16 * regression",
+            f"REGRESSION: {PR} {PROMPT_ID}: warm TTFT p50 +*A/B over 8 pairs (slower), Wilcoxon p"
+            f" = * against {MAIN}",
+            "gpubench: * A/B regression(s) of a candidate against its reference",
+        ]
+    )
+    failures = junit_cases(pytester, "failure")
+    assert f"{PR} {PROMPT_ID} warm_ttft_p50_ms" in failures
+    assert failures[f"{PR} {PROMPT_ID} warm_ttft_p50_ms"].startswith("REGRESSION: ")
+    assert "A/B over 8 pairs" in failures[f"{PR} {PROMPT_ID} warm_ttft_p50_ms"]
+    markdown = render_markdown(records)
+    assert "## Head-to-head A/B" in markdown
+    assert f"| {PR} " in markdown.split("## Head-to-head A/B")[1]
+
+
+def junit_cases(pytester: pytest.Pytester, kind: str) -> dict[str, str]:
+    """The gate's JUnit test cases: {name: the failure message} (kind "failure"), or
+    {name: the verdict property} of the passed ones (kind "verdict")."""
+    tree = ElementTree.parse(pytester.path / "junit.xml")
+    found: dict[str, str] = {}
+    for case in tree.iter("testcase"):
+        if case.get("classname") != "gpubench.gate":
+            continue
+        failure = case.find("failure")
+        if kind == "failure" and failure is not None:
+            found[str(case.get("name"))] = str(failure.get("message"))
+        if kind == "verdict" and failure is None:
+            for prop in case.iter("property"):
+                if prop.get("name") == "gpubench.verdict":
+                    found[str(case.get("name"))] = str(prop.get("value"))
+    return found
 
 
 def test_two_identical_servers_called_turn_about_pass(
@@ -156,3 +194,6 @@ def test_two_identical_servers_called_turn_about_pass(
         assert verdict["calls"] == 2 * RUNS
     # A call whose reply came in one read has no decode rate: that pair is left out of it alone.
     assert verdicts["warm_ttft_p50_ms"]["pairs"] == RUNS
+    passed = junit_cases(pytester, "verdict")
+    assert passed[f"{PR} vs {MAIN} {PROMPT_ID} warm_ttft_p50_ms"] in ("ok", "inconclusive")
+    result.stdout.fnmatch_lines([f"{PR} * {MAIN} * {PROMPT_ID} * TTFT p50 ms * 8/8 * 16 * *"])
