@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -289,6 +290,8 @@ def main() -> None:
         "--replay", type=Path, help="judge the ledgers kept under this folder again, run nothing"
     )
     args = parser.parse_args()
+    # A kill ends the script through its `finally`s: the busy processes and servers stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.replay is not None:
         replay_kept(args)
         return

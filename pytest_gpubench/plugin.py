@@ -364,6 +364,11 @@ def gpubench_engine(
     run = _run(request.config)
     assert run.harness is not None
     records = request.node.stash.setdefault(RECORDS_KEY, [])
+    # Sequential sampling: a pair whose verdict is decided runs no more; its cases say why.
+    stopped, skipped = run.harness.stopped_early(case)
+    if stopped is not None:
+        records.extend(skipped)
+        pytest.skip(stopped)
     reason, prepared = run.harness.prepare(case)
     records.extend(prepared)
     if reason is not None:

@@ -1,13 +1,15 @@
-"""Head-to-head A/B against the real llama-server: a managed reference and a candidate served by a
-second llama-server on the same binary and model, its replies held back by the delaying proxy
-(tests/support/delay_proxy.py) where the test wants it slower. Each session is one pytest run,
-in-process; the set-ups make each outcome certain: the held-back candidate is many times slower
-than the threshold, and the unchanged one is judged at a threshold (+100 %) that two identical
-servers called turn about do not come near."""
+"""Head-to-head A/B against the real llama-server: two managed cells, each a llama-server on the
+same binary and model that the session starts, the candidate's replies held back by the delaying
+proxy (tests/support/delay_proxy.py) where the test wants it slower: its cell's `port:` is the
+proxy's, and its `launch:` starts the server on the port behind it. Each session is one pytest
+run, in-process; the set-ups make each outcome certain: the held-back candidate is many times
+slower than the threshold, and the unchanged one is judged at a threshold (+100 %) that two
+identical servers called turn about do not come near."""
 
 from __future__ import annotations
 
 import random
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,6 @@ from xml.etree import ElementTree
 
 import pytest
 from support.delay_proxy import DelayProxy, delay_proxy
-from support.tiny_server import tiny_llama_server
 
 from pytest_gpubench.config.cases import build_cases
 from pytest_gpubench.config.matrix import load_matrix
@@ -41,26 +42,34 @@ RUNS = 8
 HELD_MS = 150.0
 
 
-@pytest.fixture(scope="module")
-def upstream(
-    llama_server: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    """The candidate's llama-server (one thread, as the managed reference runs)."""
-    log_dir = tmp_path_factory.mktemp("llama-server-log")
-    with tiny_llama_server(llama_server, tiny_model, log_dir, PR) as managed:
-        yield managed.base_url
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port: int = listener.getsockname()[1]
+        return port
 
 
 @pytest.fixture
-def proxy(upstream: str) -> Iterator[DelayProxy]:
-    with delay_proxy(upstream) as running:
+def proxy() -> Iterator[DelayProxy]:
+    """A proxy in front of a free port, where the candidate's launch: starts its server."""
+    with delay_proxy(f"http://127.0.0.1:{free_port()}") as running:
         yield running
+
+
+def candidate_keys(llama_server: Path, proxy: DelayProxy | None) -> str:
+    """The candidate cell's keys: managed like the reference, or behind the proxy."""
+    if proxy is None:
+        return f"server_binary: '{llama_server}', server_args: [--threads, '1']"
+    launch = (
+        f"[{llama_server}, --model, '{{model_path}}', --alias, '{{model}}', --host, '{{host}}',"
+        f" --port, '{proxy.upstream[1]}', --parallel, '1', --no-webui, --threads, '1']"
+    )
+    return f"port: {proxy.port}, launch: {launch}"
 
 
 def write_project(
     pytester: pytest.Pytester,
     llama_server: Path,
-    endpoint: str,
+    proxy: DelayProxy | None,
     *,
     thresholds: str = "{ttft_p50: 0.5, total_p50: 0.5, tokens_per_sec: 0.5}",
     min_runs: int | None = None,
@@ -72,12 +81,12 @@ def write_project(
         ".yaml",
         prompts=prompts,
         cells=(
-            f"settings: {{runs: {runs}}}\n"
+            f"settings: {{runs: {runs}, telemetry: {{cpu: off}}}}\n"
             "nodes: {local: {kind: local}}\ncells:\n"
             "  - {node: local, engine: llamacpp, model: tiny, name: main, phases: [warm],"
             f" server_binary: '{llama_server}', server_args: [--threads, '1']}}\n"
             f"  - {{node: local, engine: llamacpp, model: tiny, name: pr, phases: [warm],"
-            f" endpoint: '{endpoint}', reference: '{MAIN}', thresholds: {thresholds}"
+            f" {candidate_keys(llama_server, proxy)}, reference: '{MAIN}', thresholds: {thresholds}"
             f"{sequential}}}\n"
         ),
     )
@@ -110,7 +119,7 @@ def test_a_candidate_held_back_is_a_regression_against_its_reference(
     pytester: pytest.Pytester, llama_server: Path, proxy: DelayProxy
 ) -> None:
     proxy.delay_ms = HELD_MS
-    write_project(pytester, llama_server, proxy.url)
+    write_project(pytester, llama_server, proxy)
     result = run_session(pytester, "--gpubench-ab-seed", "11")
     assert result.ret == 6, summary(result)
     records = ledger(pytester)
@@ -172,12 +181,12 @@ def junit_cases(pytester: pytest.Pytester, kind: str) -> dict[str, str]:
 
 
 def test_two_identical_servers_called_turn_about_pass(
-    pytester: pytest.Pytester, llama_server: Path, upstream: str
+    pytester: pytest.Pytester, llama_server: Path
 ) -> None:
     write_project(
         pytester,
         llama_server,
-        upstream,
+        None,
         thresholds="{ttft_p50: 1.0, total_p50: 1.0, tokens_per_sec: 0.9}",
         prompts=LONG_PROMPTS,
     )
@@ -197,3 +206,69 @@ def test_two_identical_servers_called_turn_about_pass(
     passed = junit_cases(pytester, "verdict")
     assert passed[f"{PR} vs {MAIN} {PROMPT_ID} warm_ttft_p50_ms"] in ("ok", "inconclusive")
     result.stdout.fnmatch_lines([f"{PR} * {MAIN} * {PROMPT_ID} * TTFT p50 ms * 8/8 * 16 * *"])
+
+
+# -- sequential sampling --------------------------------------------------------------------------
+
+
+def skipped_reasons(records: list[dict[str, Any]]) -> list[str]:
+    return [str(r["reason"]) for r in records if r["type"] == "skipped"]
+
+
+def test_a_huge_slowdown_stops_at_the_minimum_and_skips_the_rest_with_a_reason(
+    pytester: pytest.Pytester, llama_server: Path, proxy: DelayProxy
+) -> None:
+    # 400 ms held back: no hiccup of a busy machine makes the reference that slow, so each of
+    # the first 7 pairs is slower on the candidate's side, and 7 pairs all one way are
+    # significant at the first look's share of alpha (p = 1/128 < 0.05 / 4).
+    proxy.delay_ms = 400.0
+    write_project(pytester, llama_server, proxy, min_runs=7, runs=16)
+    result = run_session(pytester, "-rs")
+    assert result.ret == 6, summary(result)
+    result.assert_outcomes(passed=14, skipped=18)
+    records = ledger(pytester)
+    ttft = ab_verdicts(records)["warm_ttft_p50_ms"]
+    assert ttft["verdict"] == "regression"
+    assert (ttft["pairs"], ttft["max_pairs"], ttft["calls"]) == (7, 16, 14)
+    assert "decided after 7 of 16 pairs" in ttft["message"]
+    reasons = skipped_reasons(records)
+    assert len(reasons) == 18
+    assert set(reasons) == {
+        f"sequential sampling: {PR} {PROMPT_ID} decided (regression) after 7 of 16 pairs "
+        f"against {MAIN}"
+    }
+    assert len([r for r in records if r["type"] == "call"]) == 14
+    # The A/B table shows the pairs judged of the most; pytest says why each case was skipped.
+    result.stdout.fnmatch_lines([f"{PR} * {MAIN} * {PROMPT_ID} * TTFT p50 ms * 7/16 * 14 * *"])
+    result.stdout.fnmatch_lines(["SKIPPED * sequential sampling: * decided (regression) after *"])
+
+
+def test_identical_sides_stop_as_unchanged_or_run_to_the_maximum(
+    pytester: pytest.Pytester, llama_server: Path
+) -> None:
+    write_project(
+        pytester,
+        llama_server,
+        None,
+        thresholds="{ttft_p50: 1.0, total_p50: 1.0, tokens_per_sec: 0.9}",
+        prompts=LONG_PROMPTS,
+        min_runs=7,
+        runs=12,
+    )
+    result = run_session(pytester)
+    assert result.ret == 0, summary(result)
+    records = ledger(pytester)
+    verdicts = ab_verdicts(records)
+    ttft = verdicts["warm_ttft_p50_ms"]
+    calls = len([r for r in records if r["type"] == "call"])
+    assert ttft["calls"] == calls
+    reasons = skipped_reasons(records)
+    print(f"identical sides: {ttft['pairs']} of 12 pairs; {ttft['message']}")
+    if ttft["pairs"] < 12:
+        # Stopped early: as unchanged, never as a regression, and every verdict says ok.
+        assert reasons and all("decided (unchanged)" in reason for reason in reasons), reasons
+        assert {v["verdict"] for v in verdicts.values()} == {"ok"}
+        assert calls + len(reasons) == 24
+    else:
+        assert calls == 24 and not reasons
+        assert {v["verdict"] for v in verdicts.values()} <= {"ok", "inconclusive"}

@@ -120,7 +120,8 @@ class PairedResult:
     p_value: float | None
     # Where the candidate lies: past the threshold "worse" or "better", or None within it.
     direction: Literal["worse", "better"] | None
-    # The paired log-ratios' median is inside ±threshold with confidence (sequential only).
+    # No change past the threshold either way, with confidence (what stops a sequential pair
+    # as unchanged).
     within: bool
 
 
@@ -150,7 +151,7 @@ def judge_pairs(
         interval=ratio_interval(candidate, reference),
         p_value=p_value,
         direction=direction,
-        within=_within(log_ratios, threshold, alpha),
+        within=direction is None and _within(metric, candidate, reference, threshold, alpha),
     )
 
 
@@ -169,7 +170,7 @@ def min_signed_rank_p(pairs: int) -> float:
 
 
 def ratio_interval(
-    candidate: Sequence[float], reference: Sequence[float]
+    candidate: Sequence[float], reference: Sequence[float], level: float = INTERVAL_LEVEL
 ) -> tuple[float, float] | None:
     """The bootstrap interval of median(candidate) / median(reference), pairs resampled whole
     (a pair's two calls share the machine's state: kept together, its drift still cancels)."""
@@ -181,7 +182,7 @@ def ratio_interval(
         paired=True,
         vectorized=True,
         n_resamples=BOOTSTRAP_RESAMPLES,
-        confidence_level=INTERVAL_LEVEL,
+        confidence_level=level,
         method="percentile",
         rng=np.random.default_rng(BOOTSTRAP_SEED),
     )
@@ -191,36 +192,45 @@ def ratio_interval(
     return (low, high)
 
 
-def _within(log_ratios: np.ndarray, threshold: float, alpha: float) -> bool:
-    """Whether the median paired log-ratio lies inside ±log(1 + threshold) with confidence
-    1 - 2·alpha: a distribution-free interval from order statistics (the sign test's), so a few
-    calls that the machine hit hard only widen it."""
-    n = len(log_ratios)
-    if n == 0:
+def _within(
+    metric: PairedMetric,
+    candidate: Sequence[float],
+    reference: Sequence[float],
+    threshold: float,
+    alpha: float,
+) -> bool:
+    """Whether the ratio of medians lies inside the threshold both ways with confidence: its
+    bootstrap interval at 1 - 2·alpha (each bound a one-sided test at alpha) falls short of a
+    change the gate would call worse or better."""
+    interval = ratio_interval(candidate, reference, level=1.0 - 2.0 * alpha)
+    if interval is None:
         return False
-    # The largest k with P(Binomial(n, 1/2) < k) ≤ alpha: [x_(k), x_(n-k+1)] covers the median.
-    k = int(scipy_stats.binom.ppf(alpha, n, 0.5))
-    while k > 0 and scipy_stats.binom.cdf(k - 1, n, 0.5) > alpha:
-        k -= 1
-    if k < 1:
-        return False
-    ordered = np.sort(log_ratios)
-    bound = math.log1p(threshold)
-    low, high = float(ordered[k - 1]), float(ordered[n - k])
-    # A win's bound is a 1/(1 + threshold) ratio, as change_direction reads it.
-    return -bound < low and high < bound
+    low, high = interval
+    if metric.higher_is_better:
+        return 1.0 - threshold < low and high * (1.0 - threshold) < 1.0
+    return low * (1.0 + threshold) > 1.0 and high < 1.0 + threshold
 
 
 # -- sequential sampling -------------------------------------------------------------------------
 
 
 def looks(min_pairs: int, max_pairs: int) -> tuple[int, ...]:
-    """The pair counts at which a sequential pair is judged: the minimum, then evenly spaced,
-    the maximum last; at most MAX_LOOKS."""
-    if min_pairs >= max_pairs:
+    """The pair counts at which a sequential pair is judged, at most MAX_LOOKS, the maximum
+    last: evenly from the minimum, or from the fewest pairs that can be significant at a look's
+    share of ALPHA (7 at four looks: the signed-rank test's smallest p is 1/2^n)."""
+    count = max(1, min(MAX_LOOKS, max_pairs - min_pairs + 1))
+    first = min(max(min_pairs, _fewest_significant(ALPHA / count)), max_pairs)
+    if first >= max_pairs:
         return (max_pairs,)
-    step = math.ceil((max_pairs - min_pairs) / (MAX_LOOKS - 1))
-    return (*range(min_pairs, max_pairs, step), max_pairs)
+    step = math.ceil((max_pairs - first) / (count - 1))
+    return (*range(first, max_pairs, step), max_pairs)
+
+
+def _fewest_significant(alpha: float) -> int:
+    pairs = 1
+    while min_signed_rank_p(pairs) >= alpha:
+        pairs += 1
+    return pairs
 
 
 def decide(

@@ -103,6 +103,7 @@ class RunController:
                 run_id=run_id,
                 hooks=hooks,
             )
+            self.harness.sequential.runs_override = options.runs
             if writes_ledger:
                 self.harness.sink = self.collect
         self.ledger: Ledger | None = None
