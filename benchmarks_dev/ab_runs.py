@@ -20,7 +20,11 @@ before it, exactly as the harness does when a cell sets min_runs: that gives the
 would have cost with sequential sampling on the same sessions. `--live-sequential` runs the
 sessions with min_runs set instead, so that the harness itself stops them.
 
+`--pin 1` runs both servers on CPU 1 (taskset), so that a busy process that shares a core with
+one of them shares it with both.
+
     python benchmarks_dev/ab_runs.py [--scenarios b,d] [--repeat 20] [--runs 20] [--min-runs 6]
+        [--pin CPUS] [--keep DIR] [--replay DIR] [--live-sequential]
 """
 
 from __future__ import annotations
@@ -89,34 +93,46 @@ class Session:
         )
 
 
-def cells_yaml(binary: str, runs: int, min_runs: int | None, proxy: DelayProxy | None) -> str:
-    """Two managed llama-servers: the reference on a port of its own, the candidate on
-    `upstream_port` behind the proxy (its cell's `port:` is the proxy's, so the harness reaches
-    it, health checks and all, through the proxy), or on its own port, direct."""
+def cells_yaml(
+    binary: str, runs: int, min_runs: int | None, proxy: DelayProxy | None, pin: str | None = None
+) -> str:
+    """Two managed llama-servers: the reference on a port of its own, the candidate on the port
+    behind the proxy (its cell's `port:` is the proxy's, so the harness reaches it, health checks
+    and all, through the proxy), or on its own port, direct. With `pin` (a CPU list) both run
+    under `taskset -c pin`: on the same cores, whatever else runs there hits both alike."""
     sequential = f", min_runs: {min_runs}" if min_runs is not None else ""
-    server = f"server_binary: '{binary}', server_args: [--threads, '1']"
-    if proxy is None:
-        candidate = server
-    else:
-        launch = (
-            f"[{binary}, --model, '{{model_path}}', --alias, '{{model}}', --host, '{{host}}', "
-            f"--port, '{proxy.upstream[1]}', --parallel, '1', --no-webui, --threads, '1']"
+
+    def launch(port: str) -> str:
+        pinned = f"taskset, -c, '{pin}', " if pin is not None else ""
+        return (
+            f"[{pinned}{binary}, --model, '{{model_path}}', --alias, '{{model}}', --host, "
+            f"'{{host}}', --port, '{port}', --parallel, '1', --no-webui, --threads, '1']"
         )
-        candidate = f"port: {proxy.port}, launch: {launch}"
+
+    reference = f"launch: {launch('{port}')}"
+    if proxy is None:
+        candidate = reference
+    else:
+        candidate = f"port: {proxy.port}, launch: {launch(str(proxy.upstream[1]))}"
     return (
         f"settings: {{runs: {runs}, telemetry: {{cpu: off}}}}\n"
         "nodes: {local: {kind: local}}\ncells:\n"
         "  - {node: local, engine: llamacpp, model: tiny, name: main, phases: [warm],"
-        f" {server}}}\n"
+        f" {reference}}}\n"
         f"  - {{node: local, engine: llamacpp, model: tiny, name: pr, phases: [warm], {candidate},"
         f" reference: '{MAIN}', thresholds: {THRESHOLDS}{sequential}}}\n"
     )
 
 
 def write_project(
-    root: Path, binary: str, runs: int, min_runs: int | None, proxy: DelayProxy | None
+    root: Path,
+    binary: str,
+    runs: int,
+    min_runs: int | None,
+    proxy: DelayProxy | None,
+    pin: str | None = None,
 ) -> None:
-    (root / "cells.yaml").write_text(cells_yaml(binary, runs, min_runs, proxy))
+    (root / "cells.yaml").write_text(cells_yaml(binary, runs, min_runs, proxy, pin))
     (root / "prompts.yaml").write_text(
         f"prompts:\n  {PROMPT_ID}: {{intent: long prefill, prompt: '{PROMPT_TEXT}',"
         " max_tokens: 4, request: {extra_body: {cache_prompt: false}}}\n"
@@ -285,6 +301,9 @@ def main() -> None:
     parser.add_argument(
         "--live-sequential", action="store_true", help="sessions with min_runs set (live stops)"
     )
+    parser.add_argument(
+        "--pin", metavar="CPUS", help="run both servers under taskset -c CPUS (e.g. 1)"
+    )
     parser.add_argument("--keep", type=Path, help="copy each session's ledger under this folder")
     parser.add_argument(
         "--replay", type=Path, help="judge the ledgers kept under this folder again, run nothing"
@@ -312,8 +331,8 @@ def main() -> None:
                     for folder in (project, replay):
                         folder.mkdir(exist_ok=True)
                     live = args.min_runs if args.live_sequential else None
-                    write_project(project, str(binary), args.runs, live, behind)
-                    write_project(replay, str(binary), args.runs, args.min_runs, behind)
+                    write_project(project, str(binary), args.runs, live, behind, args.pin)
+                    write_project(replay, str(binary), args.runs, args.min_runs, behind, args.pin)
                     print(f"\n{label}: {args.repeat} sessions", flush=True)
                     sessions = []
                     keep = (
