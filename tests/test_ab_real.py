@@ -23,6 +23,7 @@ from pytest_gpubench.config.matrix import load_matrix
 from pytest_gpubench.config.synthetic import WORDS
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.reports.terminal import render_markdown
+from pytest_gpubench.results.ledger_verdicts import judge_ledger
 
 MAIN = "local:llamacpp:tiny@main"
 PR = "local:llamacpp:tiny@pr"
@@ -159,6 +160,11 @@ def test_a_candidate_held_back_is_a_regression_against_its_reference(
     assert "A/B over 8 pairs" in failures[f"{PR} {PROMPT_ID} warm_ttft_p50_ms"]
     markdown = render_markdown(records)
     assert "## Head-to-head A/B" in markdown
+    # `gpubench gate` over the finished ledger finds the same A/B regression.
+    judged = judge_ledger(records, pytester.path / "baselines")
+    assert judged.exit_status == 6
+    again = [v for v in judged.verdicts if v.reference == MAIN and v.metric == "warm_ttft_p50_ms"]
+    assert [(v.verdict, v.pairs) for v in again] == [("regression", RUNS)]
     assert f"| {PR} " in markdown.split("## Head-to-head A/B")[1]
 
 
