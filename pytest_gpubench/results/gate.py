@@ -118,6 +118,10 @@ class Attribution:
     message: str
 
 
+# The fields of a head-to-head A/B verdict (results/paired.py), None on every other.
+AB_FIELDS = ("reference", "interval_low", "interval_high", "pairs", "max_pairs", "calls", "busy_s")
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The gate's finding for one metric of one (cell, prompt)."""
@@ -154,8 +158,13 @@ class Verdict:
         return (self.cell_id, self.prompt_id)
 
     def to_record(self) -> dict[str, Any]:
-        """Built-in types only: goes into the ledger's end record."""
-        return asdict(self)
+        """Built-in types only: goes into the ledger's end record (the A/B fields only on an
+        A/B verdict)."""
+        record = asdict(self)
+        if self.reference is None:
+            for name in AB_FIELDS:
+                del record[name]
+        return record
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Verdict | None:

@@ -5,6 +5,7 @@ of results/paired.py), its remaining pairs are not run but skipped, with the rea
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.config.cases import Case
@@ -18,14 +19,20 @@ class SequentialPairs:
     """The pairs measured so far of every candidate with `min_runs`, and the decided ones."""
 
     def __init__(self, matrix: Matrix, runs_override: int | None = None) -> None:
+        self.matrix = matrix
         self.runs_override = runs_override
-        self.candidates: dict[str, list[Cell]] = {}
-        for cell in matrix.cells:
-            if cell.reference is not None:
-                self.candidates.setdefault(cell.reference, []).append(cell)
         self.pairs: dict[tuple[str, str], Pairs] = {}
         # (candidate, prompt): why its remaining pairs are skipped.
         self.decided: dict[tuple[str, str], str] = {}
+
+    @cached_property
+    def candidates(self) -> dict[str, list[Cell]]:
+        """{reference cell id: its candidates}, read from the matrix on first use."""
+        found: dict[str, list[Cell]] = {}
+        for cell in self.matrix.cells:
+            if cell.reference is not None:
+                found.setdefault(cell.reference, []).append(cell)
+        return found
 
     def _max_pairs(self, cell: Cell) -> int:
         return self.runs_override or cell.runs
