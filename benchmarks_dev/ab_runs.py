@@ -5,8 +5,8 @@ Each session is one pytest run (a subprocess, in a temporary project) with two m
 this machine, llama-servers on the same binary and model (the tiny one, one thread each) that the
 harness starts for the session: the reference, and the candidate, reached directly ("unchanged")
 or through the delaying proxy of tests/support/delay_proxy.py (its cell's `port:` is the proxy's)
-holding each reply's first content back by a fraction of that call's own time to first content
-that makes the client's TTFT 30 % longer (calibrated on quiet calls first: "+30 %"). The prompt
+holding each reply's first content back by 30 % of that call's own time to first content as the
+proxy saw it ("+30 %"; each session's line prints the TTFT change the plugin measured). The prompt
 is about 800 tokens of never-cached prefill (TTFT of tens of ms), 4 output tokens. While the
 sessions run, busy processes load the machine:
 
@@ -45,16 +45,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.config.matrix import RequestShape, load_matrix
+from pytest_gpubench.config.matrix import load_matrix
 from pytest_gpubench.config.synthetic import WORDS
 from pytest_gpubench.core.status import EXIT_REGRESSION
-from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
-from pytest_gpubench.engines.managed import ManagedLlamaServer
-from pytest_gpubench.engines.tinymodel import ensure_tiny_model
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.paired import collect_pairs, judge_candidate
-from pytest_gpubench.targets.local import LocalTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support.delay_proxy import DelayProxy, delay_proxy
@@ -193,46 +189,6 @@ def free_port() -> int:
         return port
 
 
-def calibration(binary: str, root: Path) -> float:
-    """The delay_fraction, measured on a llama-server of its own (stopped after)."""
-    target = LocalTarget()
-    server = ManagedLlamaServer(
-        target, cell_id=PR, binary=binary, model_path=str(ensure_tiny_model()), alias="tiny",
-        log_dir=str(root / "server-log"), extra_args=("--threads", "1"),
-    )  # fmt: skip
-    try:
-        with delay_proxy(server.start()) as proxy:
-            return calibrate(proxy)
-    finally:
-        server.stop()
-        target.close()
-
-
-def calibrate(proxy: DelayProxy, calls: int = 30) -> float:
-    """The proxy's delay_fraction that makes the client's TTFT 30 % longer: the proxy holds back
-    a fraction of the engine's own time to first content, which is shorter than the TTFT the
-    client measures (the request's upload, the client's side); measured on quiet calls."""
-    proxy.delay_fraction = 0.0
-    engine = LlamaCppEngine(proxy.url, "tiny")
-    request = RequestShape(extra_body={"cache_prompt": False})
-    since = len(proxy.wait_until_idle())
-    client = [engine.chat(PROMPT_TEXT, 4, 30, request).first_delta_ms for _ in range(calls)]
-    seen = proxy.wait_until_idle()[since:]
-    ratios = [
-        ttft / call.first_content_ms
-        for ttft, call in zip(client, seen, strict=False)
-        if ttft is not None and call.first_content_ms > 0
-    ]
-    scale = statistics.median(ratios)
-    print(
-        f"calibration: client TTFT p50 {statistics.median(t for t in client if t):.1f} ms, "
-        f"engine's first content p50 {statistics.median(c.first_content_ms for c in seen):.1f} "
-        f"ms; delay_fraction {SLOWER * scale:.3f}",
-        flush=True,
-    )
-    return SLOWER * scale
-
-
 @contextlib.contextmanager
 def busy(scenario: str) -> Iterator[None]:
     """The scenario's busy processes, each in its own session (the kernel shares CPU time between
@@ -320,9 +276,8 @@ def main() -> None:
     lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="gpubench-ab-") as temp:
         root = Path(temp)
-        fraction = calibration(str(binary), root)
         with delay_proxy(f"http://127.0.0.1:{free_port()}") as proxy:
-            proxy.delay_fraction = fraction
+            proxy.delay_fraction = SLOWER
             for scenario in args.scenarios.split(","):
                 for slower in (True, False):
                     label = f"({scenario}) {'+30 %' if slower else 'unchanged'}"
