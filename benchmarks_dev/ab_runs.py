@@ -24,7 +24,8 @@ sessions with min_runs set instead, so that the harness itself stops them.
 one of them shares it with both.
 
     python benchmarks_dev/ab_runs.py [--scenarios b,d] [--repeat 20] [--runs 20] [--min-runs 6]
-        [--pin CPUS] [--keep DIR] [--replay DIR] [--live-sequential]
+        [--pin CPUS] [--slower 0.30] [--kinds slower,unchanged] [--keep DIR] [--replay DIR]
+        [--live-sequential]
 """
 
 from __future__ import annotations
@@ -258,6 +259,13 @@ def main() -> None:
         "--live-sequential", action="store_true", help="sessions with min_runs set (live stops)"
     )
     parser.add_argument(
+        "--slower",
+        type=float,
+        default=SLOWER,
+        help="the share of each call's own time to first content the proxy holds back (0.30)",
+    )
+    parser.add_argument("--kinds", default="slower,unchanged", help="of slower,unchanged")
+    parser.add_argument(
         "--pin", metavar="CPUS", help="run both servers under taskset -c CPUS (e.g. 1)"
     )
     parser.add_argument("--keep", type=Path, help="copy each session's ledger under this folder")
@@ -277,9 +285,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gpubench-ab-") as temp:
         root = Path(temp)
         with delay_proxy(f"http://127.0.0.1:{free_port()}") as proxy:
-            proxy.delay_fraction = SLOWER
+            proxy.delay_fraction = args.slower
             for scenario in args.scenarios.split(","):
-                for slower in (True, False):
+                for slower in [kind == "slower" for kind in args.kinds.split(",")]:
                     label = f"({scenario}) {'+30 %' if slower else 'unchanged'}"
                     behind = proxy if slower else None
                     project, replay = root / "project", root / "replay"
