@@ -162,10 +162,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     matrix = run.matrix
     if CASE_FIXTURE in metafunc.fixturenames:
-        cases = build_cases(matrix, run.options.runs)
+        cases = build_cases(matrix, run.options.runs, seed=run.ab_seed)
     else:
         try:
-            cases = _test_cases(metafunc, matrix, run.options.runs)
+            cases = _test_cases(metafunc, matrix, run.options.runs, run.ab_seed)
         except GpubenchError as exc:
             if xdist.is_worker(metafunc.config):
                 pytest.fail(str(exc), pytrace=False)
@@ -183,7 +183,9 @@ def _test_id(metafunc: pytest.Metafunc) -> str:
     return f"{metafunc.cls.__name__}.{name}" if metafunc.cls is not None else name
 
 
-def _test_cases(metafunc: pytest.Metafunc, matrix: Matrix, runs_override: int | None) -> list[Case]:
+def _test_cases(
+    metafunc: pytest.Metafunc, matrix: Matrix, runs_override: int | None, seed: int
+) -> list[Case]:
     """The cases of a test that measures requests of its own, from its gpubench marker."""
     test_id = _test_id(metafunc)
     where = metafunc.definition.nodeid
@@ -201,7 +203,7 @@ def _test_cases(metafunc: pytest.Metafunc, matrix: Matrix, runs_override: int | 
         )
     marker = metafunc.definition.get_closest_marker(MARKER)
     if marker is None:
-        return build_test_cases(matrix, test_id, runs_override=runs_override)
+        return build_test_cases(matrix, test_id, runs_override=runs_override, seed=seed)
     mark = f"{where}: @pytest.mark.{MARKER}"
     if marker.args:
         raise GpubenchError(f"{mark}: takes keywords only ({', '.join(MARKER_KEYS)})")
@@ -226,7 +228,13 @@ def _test_cases(metafunc: pytest.Metafunc, matrix: Matrix, runs_override: int | 
     if runs is not None and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
         raise GpubenchError(f"{mark}: runs: expected a positive integer, got {runs!r}")
     return build_test_cases(
-        matrix, test_id, cells=cells, phases=phases, runs=runs, runs_override=runs_override
+        matrix,
+        test_id,
+        cells=cells,
+        phases=phases,
+        runs=runs,
+        runs_override=runs_override,
+        seed=seed,
     )
 
 
@@ -374,6 +382,11 @@ def gpubench_engine(
     run = _run(request.config)
     assert run.harness is not None
     records = request.node.stash.setdefault(RECORDS_KEY, [])
+    # Sequential sampling: a pair whose verdict is decided runs no more; its cases say why.
+    stopped, skipped = run.harness.stopped_early(case)
+    if stopped is not None:
+        records.extend(skipped)
+        pytest.skip(stopped)
     reason, prepared = run.harness.prepare(case)
     records.extend(prepared)
     if reason is not None:

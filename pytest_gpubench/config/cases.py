@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import total_ordering
 from typing import Any
 
 from pytest_gpubench.config.matrix import PHASES, Cell, Matrix
@@ -19,10 +21,12 @@ LOAD_PHASE = "load"
 TEST_PROMPT_INDEX = 1 << 16
 
 
-@dataclass(frozen=True, order=True)
+@total_ordering
+@dataclass(frozen=True)
 class Case:
     # Field order is the run order: a node's cells together (so that a rented node can be given
-    # back after its last case), a cell's cases together, its cold cases first.
+    # back after its last case), a cell's cases together, its cold cases first; an A/B group's
+    # cells (a reference and its candidates) together as one, their calls interleaved.
     node_index: int
     cell_index: int
     phase_index: int
@@ -37,6 +41,35 @@ class Case:
     test_id: str | None = None
     # A load case (phase `load`): its load point (`c4`, `r5`, `sweep`); run_idx is its index.
     load_point: str | None = None
+    # A cell of an A/B group: the group's reference cell id and index (its cases run as one
+    # cell's), and for a warm case its place among the group's calls of the same prompt and
+    # run_idx (0 first), drawn per pair from the seed. Only the run order: not in equality, so a
+    # case rebuilt from its id (xdist) is the same case.
+    pair_reference: str | None = field(default=None, compare=False)
+    pair_group: int | None = field(default=None, compare=False)
+    pair_order: int | None = field(default=None, compare=False)
+
+    def _run_order(self) -> tuple[Any, ...]:
+        group = self.cell_index if self.pair_group is None else self.pair_group
+        return (
+            self.node_index,
+            group,
+            self.phase_index,
+            self.prompt_index,
+            self.run_idx,
+            self.pair_order or 0,
+            self.cell_index,
+            self.cell_id,
+            self.prompt_id,
+            self.phase,
+            self.test_id or "",
+            self.load_point or "",
+        )
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, Case):
+            return NotImplemented
+        return self._run_order() < other._run_order()
 
     @property
     def case_id(self) -> str:
@@ -45,8 +78,73 @@ class Case:
         return f"{self.cell_id}-{self.prompt_id}-{self.phase}-{self.run_idx}"
 
 
-def build_cases(matrix: Matrix, runs_override: int | None = None) -> list[Case]:
-    """All cases in a deterministic order (xdist needs the same order on every worker)."""
+def seed_of_run(run_id: str) -> int:
+    """The A/B order's seed when none is given: drawn from the run id, which every xdist worker
+    shares, so that all of them order the cases alike."""
+    return int(hashlib.sha256(run_id.encode()).hexdigest()[:8], 16)
+
+
+def ab_groups(matrix: Matrix) -> dict[str, list[Cell]]:
+    """{reference cell id: the reference and its candidates, in the matrix's order}."""
+    groups: dict[str, list[Cell]] = {}
+    for cell in matrix.cells:
+        if cell.reference is not None:
+            groups.setdefault(cell.reference, [matrix.cell(cell.reference)]).append(cell)
+    return {ref: sorted(cells, key=lambda cell: cell.index) for ref, cells in groups.items()}
+
+
+def pair_order(
+    seed: int, reference: str, prompt_id: str, run_idx: int, cells: Sequence[str]
+) -> list[str]:
+    """The order in which an A/B group's cells make their call of one (prompt, run_idx): drawn
+    from the seed for each two pairs, the second of them in the reverse order (A B, B A; B A,
+    A B; …). The same in every process and session with that seed. Counterbalanced: a call
+    made second in its pair finds the machine warmer (measured here: about 5 % faster), and a
+    side that went second more often by chance would look faster for it."""
+    order = list(cells)
+    random.Random(f"{seed}:{reference}:{prompt_id}:{run_idx // 2}").shuffle(order)
+    return order[::-1] if run_idx % 2 else order
+
+
+def _paired(matrix: Matrix, cases: list[Case], seed: int) -> list[Case]:
+    """The cases of A/B groups' cells with their group and, warm, their place in each pair."""
+    groups = ab_groups(matrix)
+    if not groups:
+        return cases
+    group_of = {cell.cell_id: ref for ref, cells in groups.items() for cell in cells}
+    paired: list[Case] = []
+    for case in cases:
+        reference = group_of.get(case.cell_id)
+        if reference is None:
+            paired.append(case)
+            continue
+        members = [
+            cell.cell_id
+            for cell in groups[reference]
+            if case.phase != "warm" or _measures(cell, case)
+        ]
+        order = (
+            pair_order(seed, reference, case.prompt_id, case.run_idx, members).index(case.cell_id)
+            if case.phase == "warm" and case.load_point is None
+            else None
+        )
+        group_index = min(cell.index for cell in groups[reference])
+        paired.append(
+            replace(case, pair_reference=reference, pair_group=group_index, pair_order=order)
+        )
+    return paired
+
+
+def _measures(cell: Cell, case: Case) -> bool:
+    """Whether the cell has a warm call of the case's prompt and run_idx."""
+    if case.test_id is not None:
+        return True
+    return case.prompt_id in cell.prompt_ids
+
+
+def build_cases(matrix: Matrix, runs_override: int | None = None, *, seed: int = 0) -> list[Case]:
+    """All cases in a deterministic order (xdist needs the same order on every worker); an A/B
+    group's warm calls interleaved, each pair in the order `seed` draws for it."""
     node_order = _node_order(matrix)
     cases = [
         case
@@ -61,7 +159,7 @@ def build_cases(matrix: Matrix, runs_override: int | None = None) -> list[Case]:
         )
     ]
     cases += [case for cell in matrix.cells for case in _load_cases(cell, node_order)]
-    return sorted(set(cases))
+    return sorted(set(_paired(matrix, cases, seed)))
 
 
 def _load_cases(cell: Cell, node_order: list[str]) -> list[Case]:
@@ -93,6 +191,7 @@ def build_test_cases(
     phases: Sequence[str] | None = None,
     runs: int | None = None,
     runs_override: int | None = None,
+    seed: int = 0,
 ) -> list[Case]:
     """The cases of a test with requests of its own: per cell (all, or `cells`), per phase (the
     cell's, or `phases`), 1 cold run or the warm runs (--gpubench-runs, else `runs`, else the
@@ -111,7 +210,7 @@ def build_test_cases(
             test_id=test_id,
         )
     ]
-    return sorted(set(cases))
+    return sorted(set(_paired(matrix, cases, seed)))
 
 
 def _node_order(matrix: Matrix) -> list[str]:

@@ -386,6 +386,12 @@ class CellSpec(_Strict):
     load: LoadProfile | None = None
     # Managed llama.cpp: the server's slots (requests it decodes at once), its --parallel.
     parallel: PositiveInt | None = None
+    # Head-to-head A/B (docs/ab-runs.md): the id of the cell this one (the candidate) is measured
+    # against, call for call on the same node, and judged on the paired differences.
+    reference: str | None = None
+    # Sequential sampling (an A/B candidate): each prompt measures at least this many warm pairs
+    # and at most `runs`, stopping as soon as its verdict is decided either way.
+    min_runs: PositiveInt | None = None
     # The endpoint as the user wrote it: the URL type normalises (a trailing slash, a lower-case
     # scheme and host), and the record keeps what the user wrote.
     _endpoint_text: str | None = PrivateAttr(default=None)
@@ -576,6 +582,11 @@ class Cell:
     @property
     def managed(self) -> bool:
         return self.spec.managed
+
+    @property
+    def reference(self) -> str | None:
+        """The cell id of this cell's A/B reference, or None when it is not a candidate."""
+        return self.spec.reference
 
     @property
     def cold_mode(self) -> Literal["restart", "unload"]:
@@ -832,6 +843,7 @@ def load_matrix(
                 load=load,
             )
         )
+    _check_references(cells_path, cells)
     return Matrix(
         cells_path=cells_path,
         prompts_path=prompts_path,
@@ -870,6 +882,73 @@ def load_dataset_sha256(profile: LoadProfile, request: RequestShape) -> str:
         return digest
     canonical = json.dumps({"dataset": digest, "request": changed}, sort_keys=True).encode()
     return hashlib.sha256(canonical).hexdigest()
+
+
+def _check_references(cells_path: Path, cells: Sequence[Cell]) -> None:
+    """An A/B candidate's `reference:` names another cell, on the same node, that is measured
+    the same way (warm, the same runs, the candidate's prompts) and is no candidate itself."""
+    by_id = {cell.cell_id: cell for cell in cells}
+    for cell in cells:
+        spec = cell.spec
+        where = f"{cells_path}: cells[{cell.index}] ({cell.cell_id})"
+        if spec.reference is None:
+            if spec.min_runs is not None:
+                raise GpubenchError(
+                    f"{where}: min_runs: sequential sampling applies to an A/B candidate only "
+                    "(a cell with reference:)"
+                )
+            continue
+        reference = by_id.get(spec.reference)
+        if reference is None:
+            raise GpubenchError(
+                f"{where}: reference: '{spec.reference}' is not a cell of this file "
+                f"(cells: {', '.join(by_id)})"
+            )
+        if reference is cell:
+            raise GpubenchError(f"{where}: reference: a cell cannot be its own reference")
+        if reference.reference is not None:
+            raise GpubenchError(
+                f"{where}: reference: '{reference.cell_id}' has a reference of its own "
+                f"('{reference.reference}'); chains are not supported: name "
+                f"'{reference.reference}' here"
+            )
+        _check_pair(where, cell, reference)
+
+
+def _check_pair(where: str, cell: Cell, reference: Cell) -> None:
+    """What makes an A/B pair's calls comparable one for one, each broken rule in one line."""
+    ref = f"its reference '{reference.cell_id}'"
+    if reference.spec.node != cell.spec.node:
+        raise GpubenchError(
+            f"{where}: reference: {ref} runs on node '{reference.spec.node}', this cell on "
+            f"'{cell.spec.node}'; an A/B pair shares one node, so that the machine's drift "
+            "hits both sides"
+        )
+    for side, other in ((cell, "this cell"), (reference, ref)):
+        if "warm" not in side.spec.phases:
+            raise GpubenchError(f"{where}: reference: {other} has no warm phase to pair")
+        if side.spec.duration_s is not None:
+            raise GpubenchError(
+                f"{where}: reference: {other} has a timed warm phase (duration_s); an A/B pair "
+                "counts its calls in runs"
+            )
+        if side.spec.skip or side.spec.optional:
+            key = "skip" if side.spec.skip else "optional"
+            raise GpubenchError(
+                f"{where}: reference: {other} is {key}: an A/B verdict needs both sides measured"
+            )
+    if reference.runs != cell.runs:
+        raise GpubenchError(
+            f"{where}: runs: {cell.runs}, but {ref} has {reference.runs}; a pair measures both "
+            "sides the same number of times"
+        )
+    for prompt_id in cell.prompt_ids:
+        if prompt_id not in reference.prompt_ids:
+            raise GpubenchError(f"{where}: prompts: '{prompt_id}' is not measured by {ref}")
+    if cell.spec.min_runs is not None and cell.spec.min_runs > cell.runs:
+        raise GpubenchError(
+            f"{where}: min_runs: {cell.spec.min_runs} is more than runs ({cell.runs})"
+        )
 
 
 def _check_endpoint_keys(where: str, spec: CellSpec) -> None:

@@ -96,6 +96,13 @@ def addoption(parser: pytest.Parser) -> None:
         help="judge against baselines measured on another engine version, model or GPU "
         "(otherwise their cells are `incomparable` and the session exits 8)",
     )
+    group.addoption(
+        "--gpubench-ab-seed",
+        metavar="N",
+        type=int,
+        help="seed of the A/B pairs' call order (default: drawn from the run id; the ledger's "
+        "meta record keeps it, so a session's order can be repeated)",
+    )
     parser.addini("gpubench_cells", CELLS_DESC)
     parser.addini("gpubench_prompts", PROMPTS_DESC)
     parser.addini("gpubench_baselines", BASELINES_DESC)
@@ -231,6 +238,8 @@ class Options:
     accept_incomparable: bool = False
     # Run only this shard of the matrix (--gpubench-shard i/N).
     shard: Shard | None = None
+    # The seed of the A/B pairs' call order (--gpubench-ab-seed); None: drawn from the run id.
+    ab_seed: int | None = None
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Options:
@@ -283,4 +292,5 @@ class Options:
             anchor_kind=anchor_kind,
             accept_incomparable=bool(config.getoption("gpubench_accept_incomparable")),
             shard=shard,
+            ab_seed=config.getoption("gpubench_ab_seed"),
         )

@@ -190,7 +190,22 @@ def call_record(
         # The gaps packed (ledger/gaps.py): most of a long reply's record otherwise.
         **packed_record(measurement.to_record()),
         "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+        **_ab_pair(case),
         **(telemetry or {}),
+    }
+
+
+def _ab_pair(case: Case) -> dict[str, Any]:
+    """A warm call of an A/B group: the group's reference, its pair (run_idx) and its place in
+    the pair's order (0: called first)."""
+    if case.pair_reference is None or case.pair_order is None:
+        return {}
+    return {
+        "ab_pair": {
+            "reference": case.pair_reference,
+            "index": case.run_idx,
+            "order": case.pair_order,
+        }
     }
 
 

@@ -81,7 +81,10 @@ def gate_failures(run: RunController) -> list[tuple[str, str]]:
         if outcome.fails_run
     ]
     judged = [*run.judgement.verdicts, *run.judgement.load_verdicts]
-    found = [] if run.options.baseline_update else regressions(judged)
+    # An A/B regression is against the candidate's reference: ratifying baselines keeps it.
+    found = [
+        v for v in regressions(judged) if v.reference is not None or not run.options.baseline_update
+    ]
     found += run.judgement.failing_incomparables()
     failures.extend(
         (f"{v.cell_id} {v.prompt_id} {v.metric}", f"{v.verdict.upper()}: {v.message}")
@@ -90,13 +93,49 @@ def gate_failures(run: RunController) -> list[tuple[str, str]]:
     return failures
 
 
+def ab_passes(run: RunController) -> list[tuple[str, list[tuple[str, object]]]]:
+    """(test name, properties) of each A/B verdict that is no regression (those are failures):
+    CI sees every candidate's verdict word, its ratio of medians, interval and p."""
+    return [
+        (
+            f"{v.cell_id} vs {v.reference} {v.prompt_id} {v.metric}",
+            [
+                ("gpubench.verdict", v.verdict),
+                ("gpubench.change_ratio", v.change_ratio),
+                ("gpubench.interval", f"{v.interval_low} {v.interval_high}"),
+                ("gpubench.p_value", v.p_value),
+                ("gpubench.pairs", f"{v.pairs}/{v.max_pairs}"),
+                ("gpubench.calls", v.calls),
+                ("gpubench.message", v.message),
+            ],
+        )
+        for v in run.judgement.verdicts
+        if v.reference is not None and v.verdict != "regression"
+    ]
+
+
 def add_gate_failures(config: pytest.Config, run: RunController) -> None:
-    """Write the gate's failures into the JUnit XML, when pytest writes one."""
+    """Write the gate's failures into the JUnit XML, when pytest writes one, and each A/B
+    verdict that passed (with its figures as properties)."""
     from _pytest.junitxml import xml_key
 
     xml = config.stash.get(xml_key, None)
     if xml is None:
         return
+    for name, properties in ab_passes(run):
+        nodeid = f"{GATE_PATH}::{name}"
+        for when in ("call", "teardown"):
+            xml.pytest_runtest_logreport(
+                pytest.TestReport(
+                    nodeid,
+                    (GATE_PATH, None, name),
+                    {},
+                    "passed",
+                    None,
+                    "call" if when == "call" else "teardown",
+                    user_properties=properties if when == "teardown" else (),
+                )
+            )
     for name, message in gate_failures(run):
         nodeid = f"{GATE_PATH}::{name}"
         for when, outcome in (("call", "failed"), ("teardown", "passed")):

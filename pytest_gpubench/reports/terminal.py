@@ -190,7 +190,58 @@ def render_summary(
     tables = [table(rows, SUMMARY_HEADERS)]
     if resources:
         tables.append(table(resources, TELEMETRY_HEADERS))
+    head_to_head = render_ab(verdicts)
+    if head_to_head:
+        tables.append(head_to_head)
     return "\n".join([*tables, *notes])
+
+
+# -- head-to-head A/B ---------------------------------------------------------------------------
+
+AB_HEADERS = (
+    "candidate",
+    "reference",
+    "prompt",
+    "metric",
+    "ratio of medians",
+    "95% interval",
+    "p",
+    "pairs",
+    "calls",
+    "engine s",
+    "verdict",
+)
+
+
+def ab_rows(verdicts: Iterable[Verdict]) -> list[list[str]]:
+    """One row per A/B verdict (a candidate's metric against its reference, pair by pair):
+    the change, its interval, the Wilcoxon p, the pairs judged of the most (fewer: sequential
+    sampling stopped once decided), the calls and engine-seconds the verdict cost, the word."""
+    return [
+        [
+            verdict.cell_id,
+            str(verdict.reference),
+            verdict.prompt_id,
+            METRIC_LABELS.get(verdict.metric, verdict.metric),
+            change(verdict.change_ratio),
+            NONE
+            if verdict.interval_low is None or verdict.interval_high is None
+            else f"{change(verdict.interval_low)} … {change(verdict.interval_high)}",
+            NONE if verdict.p_value is None else f"{verdict.p_value:.3g}",
+            NONE if verdict.pairs is None else f"{verdict.pairs}/{verdict.max_pairs}",
+            NONE if verdict.calls is None else str(verdict.calls),
+            fixed(verdict.busy_s),
+            verdict.verdict,
+        ]
+        for verdict in verdicts
+        if verdict.reference is not None
+    ]
+
+
+def render_ab(verdicts: Iterable[Verdict], *, markdown: bool = False) -> str:
+    """The A/B table, or "" when no cell has a reference."""
+    rows = ab_rows(verdicts)
+    return table(rows, AB_HEADERS, markdown=markdown) if rows else ""
 
 
 # -- the end of a pytest session ------------------------------------------------------------
@@ -309,10 +360,20 @@ def gate_lines(
     if gate_error is not None:
         lines.append(TerminalLine(f"ERROR: {gate_error}", red=True))
     found = regressions(verdicts)
-    if found and not baseline_update:
+    against_baselines = [v for v in found if v.reference is None]
+    if against_baselines and not baseline_update:
         lines.append(
             TerminalLine(
-                f"gpubench: {len(found)} regression(s) against {baselines_dir}",
+                f"gpubench: {len(against_baselines)} regression(s) against {baselines_dir}",
+                red=True,
+            )
+        )
+    head_to_head = [v for v in found if v.reference is not None]
+    if head_to_head:
+        lines.append(
+            TerminalLine(
+                f"gpubench: {len(head_to_head)} A/B regression(s) of a candidate against its "
+                "reference",
                 red=True,
             )
         )
@@ -653,7 +714,11 @@ def _gate_section(end: Mapping[str, Any]) -> str:
     known = [verdict for verdict in verdicts if verdict is not None]
     if not known:
         return ""
-    return "## Regression gate\n\n" + render_comparison(known, markdown=True)
+    gate = "## Regression gate\n\n" + render_comparison(known, markdown=True)
+    head_to_head = render_ab(known, markdown=True)
+    if head_to_head:
+        gate += "\n\n## Head-to-head A/B\n\n" + head_to_head
+    return gate
 
 
 def _text(value: Any) -> str:

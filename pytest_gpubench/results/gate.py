@@ -118,6 +118,10 @@ class Attribution:
     message: str
 
 
+# The fields of a head-to-head A/B verdict (results/paired.py), None on every other.
+AB_FIELDS = ("reference", "interval_low", "interval_high", "pairs", "max_pairs", "calls", "busy_s")
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The gate's finding for one metric of one (cell, prompt)."""
@@ -137,14 +141,30 @@ class Verdict:
     attribution: AttributionKind | None = None
     # The engine's own figure, current / baseline (its counterpart of change_ratio).
     engine_change_ratio: float | None = None
+    # A head-to-head A/B verdict (results/paired.py): the reference cell it was judged against
+    # (baseline is then the reference's median, change_ratio the ratio of medians), the
+    # bootstrap interval of that ratio, the pairs judged (of the most that could be), and what
+    # the verdict cost: calls of both sides and the seconds they held the engines.
+    reference: str | None = None
+    interval_low: float | None = None
+    interval_high: float | None = None
+    pairs: int | None = None
+    max_pairs: int | None = None
+    calls: int | None = None
+    busy_s: float | None = None
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.cell_id, self.prompt_id)
 
     def to_record(self) -> dict[str, Any]:
-        """Built-in types only: goes into the ledger's end record."""
-        return asdict(self)
+        """Built-in types only: goes into the ledger's end record (the A/B fields only on an
+        A/B verdict)."""
+        record = asdict(self)
+        if self.reference is None:
+            for name in AB_FIELDS:
+                del record[name]
+        return record
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Verdict | None:

@@ -13,7 +13,7 @@ from pytest_gpubench.core.status import session_status
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.load_profile import LoadThresholds
-    from pytest_gpubench.config.matrix import Thresholds
+    from pytest_gpubench.config.matrix import Cell, Thresholds
     from pytest_gpubench.results.gate import Verdict
     from pytest_gpubench.results.stats import PromptSummary
 
@@ -60,6 +60,8 @@ class _CellThresholds:
     warm: dict[str, Thresholds] = field(default_factory=dict)
     load: dict[str, LoadThresholds] = field(default_factory=dict)
     note: str | None = None
+    # The run's cells, for its A/B pairs (a candidate's reference, its min_runs).
+    cells: tuple[Cell, ...] = ()
 
 
 def _thresholds(meta: Mapping[str, Any], cells_path: Path | None) -> _CellThresholds:
@@ -80,7 +82,22 @@ def _thresholds(meta: Mapping[str, Any], cells_path: Path | None) -> _CellThresh
     return _CellThresholds(
         warm={cell.cell_id: cell.thresholds for cell in matrix.cells},
         load={cell.cell_id: cell.load.thresholds for cell in matrix.cells if cell.load},
+        cells=matrix.cells,
     )
+
+
+def runs_given(meta: Mapping[str, Any]) -> int | None:
+    """The run's --gpubench-runs, read from its command line (None when not given)."""
+    argv = [str(arg) for arg in meta.get("command_line") or []]
+    for index, arg in enumerate(argv):
+        value = None
+        if arg == "--gpubench-runs" and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif arg.startswith("--gpubench-runs="):
+            value = arg.split("=", 1)[1]
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
 
 
 def judge_load_points(
@@ -134,6 +151,10 @@ def judge_ledger(
                 changed[cell_id] = ", ".join(changes)
     verdicts = compare(baselines, summarize(calls), thresholds.warm, changed_setups=changed)
     verdicts.extend(telemetry_verdicts(calls, thresholds.warm))
+    if any(cell.reference is not None for cell in thresholds.cells):
+        from pytest_gpubench.results.paired import ab_verdicts
+
+        verdicts.extend(ab_verdicts(calls, thresholds.cells, runs_given(meta)))
     load_verdicts = judge_load_points(records, baselines_dir, thresholds.load)
     unmeasured = unmeasured_cells(records)
     judgement = LedgerJudgement(

@@ -110,6 +110,7 @@ class RunController:
                 hooks=hooks,
             )
             self.harness.frozen = guards.FrozenRequests(options.baselines_dir)
+            self.harness.sequential.runs_override = options.runs
             if writes_ledger:
                 self.harness.sink = self.collect
         self.ledger: Ledger | None = None
@@ -147,6 +148,14 @@ class RunController:
     def run_id(self) -> str:
         return self.harness.run_id if self.harness is not None else ""
 
+    @property
+    def ab_seed(self) -> int:
+        """The seed of the A/B pairs' call order (--gpubench-ab-seed, else from the run id)."""
+        from pytest_gpubench.config.cases import seed_of_run
+
+        given = self.options.ab_seed
+        return given if given is not None else seed_of_run(self.run_id)
+
     # -- start ---------------------------------------------------------------------------------
 
     def begin(self, cases: Sequence[Case]) -> None:
@@ -177,6 +186,10 @@ class RunController:
             prompts_path=options.prompts_path,
             shard=self.shard,
         )
+        pairs = {cell.cell_id: cell.reference for cell in self.planned if cell.reference}
+        if pairs:
+            # What repeats this session's A/B call order: --gpubench-ab-seed with this seed.
+            self.meta["ab"] = {"seed": self.ab_seed, "pairs": pairs}
         self.ledger.append(self.meta)
         self.catch_signals.install()
 
@@ -344,6 +357,7 @@ class RunController:
             return session_status(exitstatus, unmeasured=self.probe_failed)
         if self.calls:
             self._judge()
+            self._judge_pairs()
         if self.loads:
             self._judge_loads()
         self.outcomes = cell_outcomes(
@@ -358,7 +372,10 @@ class RunController:
             unjudged=judgement.unjudged,
             unmeasured=any(outcome.fails_run for outcome in self.outcomes),
             incomparable=bool(judgement.failing_incomparables()),
-            regressed=bool(regressed) and not self.options.baseline_update,
+            # An A/B regression is against the reference, not a baseline: ratifying baselines
+            # does not accept it.
+            regressed=any(v.reference is not None for v in regressed)
+            or (bool(regressed) and not self.options.baseline_update),
         )
         self.end = end_record(
             run_id=self.run_id,
@@ -423,6 +440,12 @@ class RunController:
                 )
                 return
             self._update_baselines()
+
+    def _judge_pairs(self) -> None:
+        """Each A/B candidate against its reference, pair by pair (results/paired.py)."""
+        from pytest_gpubench.results.paired import ab_verdicts
+
+        self.judgement.verdicts.extend(ab_verdicts(self.calls, self.planned, self.options.runs))
 
     def _judge_loads(self) -> None:
         """Each load point against its load baseline (baselines/load/); written with

@@ -28,6 +28,7 @@ from pytest_gpubench.ledger.records import (
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
+from pytest_gpubench.run.sequential import SequentialPairs
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.stages import Outcome, StageClock
 from pytest_gpubench.telemetry import CaseSamples, NodeTelemetry, node_telemetry
@@ -78,6 +79,9 @@ class Harness:
         self.sink: Callable[[list[dict[str, Any]]], object] | None = None
         # Cell records handed out with a case's records but not yet sent to the sink.
         self.unwritten_cells: dict[str, dict[str, Any]] = {}
+        # Sequential sampling of A/B pairs: what each candidate's pairs hold so far, and why a
+        # case is not run (its pair's verdict decided). --gpubench-runs, when given.
+        self.sequential = SequentialPairs(matrix)
 
     def live_cell(self, cell_id: str) -> tuple[LiveCell, bool]:
         """The cell, made ready on first use; the flag says it was made ready just now."""
@@ -147,6 +151,18 @@ class Harness:
             )
             return reason, records
         return None, records
+
+    def stopped_early(self, case: Case) -> tuple[str | None, list[dict[str, Any]]]:
+        """Why the case is not run, its pair's verdict decided (sequential sampling), with its
+        `skipped` record; (None, []) when it runs."""
+        reason = self.sequential.stopped(case)
+        if reason is None:
+            return None, []
+        cell = self.matrix.cell(case.cell_id)
+        skipped = skipped_record(
+            run_id=self.run_id, cell=cell, case=case, reason=reason, stage=None
+        )
+        return reason, [skipped]
 
     def open_node(self, case: Case) -> tuple[str | None, list[dict[str, Any]], Target | None]:
         """The case's node (gpubench_target), opened once and shared by its cells: why it cannot
@@ -354,6 +370,7 @@ class Harness:
             ),
         )
         others = self._sample_records(live, case, samples)
+        self.sequential.observe(case, record)
         # An engine may echo a credential in an error message: cut it out before anyone sees it.
         scrubbed_others = [self.scrub.record(other) for other in others]
         return self.scrub.record(record), scrubbed_others, measurement.text

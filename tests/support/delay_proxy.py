@@ -144,9 +144,14 @@ class DelayProxy:
         upstream_port: int,
         delay_ms: float = 0.0,
         batch_chunks: int = 0,
+        delay_fraction: float = 0.0,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.delay_ms = delay_ms
+        # Also held back: this fraction of the call's own time to first content (0.3: the call
+        # takes 30 % longer to its first content than the engine took), a slowdown that follows
+        # the machine's state as a slower engine's would.
+        self.delay_fraction = delay_fraction
         self.batch_chunks = batch_chunks
         # The chat calls answered so far, in the order their streams ended.
         self.engine_calls: list[EngineCall] = []
@@ -280,7 +285,12 @@ class DelayProxy:
                     self._gather(connection, later)
                     return
                 connection.held = bytearray(later)
-                connection.release_s = connection.first_content_s + self.delay_ms / 1000.0
+                engine_s = connection.first_content_s - connection.request_sent_s
+                connection.release_s = (
+                    connection.first_content_s
+                    + self.delay_ms / 1000.0
+                    + self.delay_fraction * max(0.0, engine_s)
+                )
 
     def _gather(self, connection: _Connection, data: bytes) -> None:
         """Add to the batch; send it in one write once it holds batch_chunks content chunks."""

@@ -1,0 +1,410 @@
+"""Head-to-head A/B verdicts (docs/ab-runs.md): a candidate cell's warm calls judged against its
+reference's, pair by pair, so that what the machine did to both cancels; and the bounded
+sequential rule that lets a pair stop sampling once its verdict is decided either way. Pure:
+call records in, verdicts out."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from scipy import stats as scipy_stats
+
+from pytest_gpubench.config.matrix import Cell, Thresholds
+from pytest_gpubench.results.gate import (
+    ALPHA,
+    Verdict,
+    VerdictKind,
+    change_direction,
+    ratio_threshold,
+)
+from pytest_gpubench.results.stats import is_success
+
+# The bootstrap interval of the ratio of medians: its level, its resamples, and its seed (fixed:
+# the same calls give the same interval).
+INTERVAL_LEVEL = 0.95
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 20261125
+# Sequential sampling looks at the pairs at most this many times (the minimum, then evenly up to
+# the maximum); each look spends an equal share of ALPHA (Bonferroni), so deciding early at
+# some look is no likelier by chance than a fixed-N verdict at ALPHA.
+MAX_LOOKS = 4
+Decision = Literal["regression", "win", "unchanged"]
+
+
+@dataclass(frozen=True)
+class PairedMetric:
+    """A gated number of a call record, and which direction is better."""
+
+    name: str
+    label: str
+    field: str
+    threshold_field: str
+    higher_is_better: bool
+
+
+PAIRED_METRICS = (
+    PairedMetric("warm_ttft_p50_ms", "warm TTFT p50", "first_delta_ms", "ttft_p50", False),
+    PairedMetric("warm_total_p50_ms", "warm total p50", "total_duration_ms", "total_p50", False),
+    PairedMetric(
+        "warm_decode_tokens_per_sec_p50",
+        "warm decode tokens/s p50",
+        "tokens_per_sec",
+        "tokens_per_sec",
+        True,
+    ),
+)
+
+
+@dataclass
+class Pairs:
+    """One (candidate, prompt)'s warm calls and its reference's, by pair index (run_idx)."""
+
+    candidate: dict[int, Mapping[str, Any]] = field(default_factory=dict)
+    reference: dict[int, Mapping[str, Any]] = field(default_factory=dict)
+
+    def values(self, metric: PairedMetric) -> tuple[list[float], list[float]]:
+        """The metric's (candidate, reference) values of the pairs where both calls have it,
+        in pair order."""
+        candidate, reference = [], []
+        for index in sorted(set(self.candidate) & set(self.reference)):
+            new, old = _value(self.candidate[index], metric), _value(self.reference[index], metric)
+            if new is not None and old is not None:
+                candidate.append(new)
+                reference.append(old)
+        return candidate, reference
+
+    @property
+    def complete(self) -> int:
+        """Pairs whose two calls both succeeded."""
+        both = set(self.candidate) & set(self.reference)
+        return sum(is_success(self.candidate[i]) and is_success(self.reference[i]) for i in both)
+
+    def busy_seconds(self) -> float:
+        """How long the calls held the engines: the sum of their total durations."""
+        records = [*self.candidate.values(), *self.reference.values()]
+        return sum(float(r.get("total_duration_ms") or 0.0) for r in records) / 1000.0
+
+    def prefix(self, count: int) -> Pairs:
+        """The first `count` complete pairs (a sequential look sees only those)."""
+        kept = [
+            i
+            for i in sorted(set(self.candidate) & set(self.reference))
+            if is_success(self.candidate[i]) and is_success(self.reference[i])
+        ][:count]
+        return Pairs({i: self.candidate[i] for i in kept}, {i: self.reference[i] for i in kept})
+
+
+def _value(record: Mapping[str, Any], metric: PairedMetric) -> float | None:
+    if not is_success(record):
+        return None
+    value = record.get(metric.field)
+    if not isinstance(value, int | float) or value <= 0 or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+@dataclass(frozen=True)
+class PairedResult:
+    """One metric of one (candidate, prompt) over its pairs."""
+
+    metric: PairedMetric
+    pairs: int
+    reference_median: float | None
+    candidate_median: float | None
+    ratio: float | None
+    interval: tuple[float, float] | None
+    p_value: float | None
+    # Where the candidate lies: past the threshold "worse" or "better", or None within it.
+    direction: Literal["worse", "better"] | None
+    # No change past the threshold either way, with confidence (what stops a sequential pair
+    # as unchanged).
+    within: bool
+
+
+def judge_pairs(
+    metric: PairedMetric, candidate: Sequence[float], reference: Sequence[float], threshold: float,
+    *, alpha: float = ALPHA,
+) -> PairedResult:  # fmt: skip
+    """The ratio of medians (candidate / reference) with its bootstrap interval, and the
+    one-sided Wilcoxon signed-rank p of the paired log-ratios in the direction of the change."""
+    n = len(candidate)
+    if n == 0:
+        return PairedResult(metric, 0, None, None, None, None, None, None, False)
+    new, old = float(np.median(candidate)), float(np.median(reference))
+    ratio = new / old
+    direction = change_direction(old, new, threshold, higher_is_better=metric.higher_is_better)
+    log_ratios = np.log(np.asarray(candidate) / np.asarray(reference))
+    p_value: float | None = None
+    if direction is not None:
+        larger = (direction == "worse") != metric.higher_is_better
+        p_value = signed_rank_p(log_ratios, "greater" if larger else "less")
+    return PairedResult(
+        metric=metric,
+        pairs=n,
+        reference_median=old,
+        candidate_median=new,
+        ratio=ratio,
+        interval=ratio_interval(candidate, reference),
+        p_value=p_value,
+        direction=direction,
+        within=direction is None and _within(metric, candidate, reference, threshold, alpha),
+    )
+
+
+def signed_rank_p(log_ratios: np.ndarray, alternative: Literal["greater", "less"]) -> float:
+    """Wilcoxon signed-rank: p of the paired log-ratios lying `alternative` than zero."""
+    if len(log_ratios) == 0 or not np.any(log_ratios):
+        return 1.0
+    result = scipy_stats.wilcoxon(log_ratios, alternative=alternative)
+    p_value = float(result.pvalue)
+    return 1.0 if math.isnan(p_value) else p_value
+
+
+def min_signed_rank_p(pairs: int) -> float:
+    """The smallest one-sided p the exact signed-rank test gives for this many pairs."""
+    return 0.5**pairs if pairs else 1.0
+
+
+def ratio_interval(
+    candidate: Sequence[float], reference: Sequence[float], level: float = INTERVAL_LEVEL
+) -> tuple[float, float] | None:
+    """The bootstrap interval of median(candidate) / median(reference), pairs resampled whole
+    (a pair's two calls share the machine's state: kept together, its drift still cancels)."""
+    if len(candidate) < 3:
+        return None
+    result = scipy_stats.bootstrap(
+        (np.asarray(candidate), np.asarray(reference)),
+        lambda new, old, axis: np.median(new, axis=axis) / np.median(old, axis=axis),
+        paired=True,
+        vectorized=True,
+        n_resamples=BOOTSTRAP_RESAMPLES,
+        confidence_level=level,
+        method="percentile",
+        rng=np.random.default_rng(BOOTSTRAP_SEED),
+    )
+    low, high = float(result.confidence_interval.low), float(result.confidence_interval.high)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return None
+    return (low, high)
+
+
+def _within(
+    metric: PairedMetric,
+    candidate: Sequence[float],
+    reference: Sequence[float],
+    threshold: float,
+    alpha: float,
+) -> bool:
+    """Whether the ratio of medians lies inside the threshold both ways with confidence: its
+    bootstrap interval at 1 - 2·alpha (each bound a one-sided test at alpha) falls short of a
+    change the gate would call worse or better."""
+    interval = ratio_interval(candidate, reference, level=1.0 - 2.0 * alpha)
+    if interval is None:
+        return False
+    low, high = interval
+    if metric.higher_is_better:
+        return 1.0 - threshold < low and high * (1.0 - threshold) < 1.0
+    return low * (1.0 + threshold) > 1.0 and high < 1.0 + threshold
+
+
+# -- sequential sampling -------------------------------------------------------------------------
+
+
+def looks(min_pairs: int, max_pairs: int) -> tuple[int, ...]:
+    """The pair counts at which a sequential pair is judged, at most MAX_LOOKS, the maximum
+    last: evenly from the minimum, or from the fewest pairs that can be significant at a look's
+    share of ALPHA (7 at four looks: the signed-rank test's smallest p is 1/2^n)."""
+    count = max(1, min(MAX_LOOKS, max_pairs - min_pairs + 1))
+    first = min(max(min_pairs, _fewest_significant(ALPHA / count)), max_pairs)
+    if first >= max_pairs:
+        return (max_pairs,)
+    step = math.ceil((max_pairs - first) / (count - 1))
+    return (*range(first, max_pairs, step), max_pairs)
+
+
+def _fewest_significant(alpha: float) -> int:
+    pairs = 1
+    while min_signed_rank_p(pairs) >= alpha:
+        pairs += 1
+    return pairs
+
+
+def decide(
+    pairs: Pairs, thresholds: Thresholds, alpha: float
+) -> tuple[Decision | None, list[PairedResult]]:
+    """At one look: regression as soon as one metric is significantly worse past its threshold;
+    otherwise decided only once every metric with values is (unchanged or a win)."""
+    results = []
+    for metric in PAIRED_METRICS:
+        candidate, reference = pairs.values(metric)
+        if candidate:
+            threshold = ratio_threshold(thresholds, metric.threshold_field)
+            results.append(judge_pairs(metric, candidate, reference, threshold, alpha=alpha))
+    decisions: list[Decision | None] = []
+    for result in results:
+        significant = result.p_value is not None and result.p_value < alpha
+        if result.direction == "worse" and significant:
+            return "regression", results
+        if result.direction == "better" and significant:
+            decisions.append("win")
+        elif result.direction is None and result.within:
+            decisions.append("unchanged")
+        else:
+            decisions.append(None)
+    if not decisions or None in decisions:
+        return None, results
+    return ("win" if "win" in decisions else "unchanged"), results
+
+
+def sequential_stop(
+    pairs: Pairs, thresholds: Thresholds, min_pairs: int, max_pairs: int
+) -> tuple[Decision, int] | None:
+    """(the decision, the pairs it took) when a look at or before `pairs.complete` decided
+    it; None while undecided. The harness asks after each pair; the verdict replays it."""
+    planned = looks(min_pairs, max_pairs)
+    alpha = ALPHA / len(planned)
+    for count in planned:
+        if count > pairs.complete or count == max_pairs:
+            return None  # the last look is the verdict at the end, never an early stop
+        decision, _ = decide(pairs.prefix(count), thresholds, alpha)
+        if decision is not None:
+            return decision, count
+    return None
+
+
+# -- the verdicts ----------------------------------------------------------------------------------
+
+
+def collect_pairs(
+    calls: Iterable[Mapping[str, Any]], candidates: Mapping[str, str]
+) -> dict[tuple[str, str], Pairs]:
+    """{(candidate, prompt): its pairs} from warm call records; `candidates`: {candidate cell id:
+    its reference's}."""
+    found: dict[tuple[str, str], Pairs] = {}
+    references: dict[str, list[str]] = {}
+    for candidate, reference in candidates.items():
+        references.setdefault(reference, []).append(candidate)
+    for record in calls:
+        if record.get("type") != "call" or record.get("phase") != "warm":
+            continue
+        cell_id, prompt_id = str(record.get("cell_id")), str(record.get("prompt_id"))
+        index = record.get("run_idx")
+        if not isinstance(index, int):
+            continue
+        if cell_id in candidates:
+            found.setdefault((cell_id, prompt_id), Pairs()).candidate[index] = record
+        for candidate in references.get(cell_id, []):
+            found.setdefault((candidate, prompt_id), Pairs()).reference[index] = record
+    return {key: pairs for key, pairs in found.items() if pairs.candidate}
+
+
+def ab_verdicts(
+    calls: Iterable[Mapping[str, Any]], cells: Sequence[Cell], runs_override: int | None = None
+) -> list[Verdict]:
+    """Every A/B candidate's verdicts, per prompt and metric, against its reference."""
+    by_id = {cell.cell_id: cell for cell in cells}
+    candidates = {cell.cell_id: cell.reference for cell in cells if cell.reference is not None}
+    verdicts: list[Verdict] = []
+    for (cell_id, prompt_id), pairs in sorted(collect_pairs(calls, candidates).items()):
+        cell = by_id[cell_id]
+        verdicts.extend(judge_candidate(cell, prompt_id, pairs, runs_override=runs_override))
+    return verdicts
+
+
+def judge_candidate(
+    cell: Cell, prompt_id: str, pairs: Pairs, *, runs_override: int | None = None
+) -> list[Verdict]:
+    """One verdict per metric. Fixed N: large (past the threshold) and significant (Wilcoxon at
+    ALPHA). Sequential (`min_runs`): the look that decided it, or the last, each at its share
+    of ALPHA; an early stop as unchanged is `ok`."""
+    reference = str(cell.reference)
+    max_pairs = runs_override or cell.runs
+    min_pairs = min(cell.spec.min_runs or max_pairs, max_pairs)
+    alpha, decided_at = ALPHA, None
+    judged = pairs
+    if cell.spec.min_runs is not None:
+        planned = looks(min_pairs, max_pairs)
+        alpha = ALPHA / len(planned)
+        stop = sequential_stop(pairs, cell.thresholds, min_pairs, max_pairs)
+        if stop is not None:
+            decided_at = stop[1]
+            judged = pairs.prefix(decided_at)
+    _, results = decide(judged, cell.thresholds, alpha)
+    by_name = {result.metric.name: result for result in results}
+    calls = len(judged.candidate) + len(judged.reference)
+    verdicts = []
+    for metric in PAIRED_METRICS:
+        result = by_name.get(metric.name)
+        if result is None:
+            result = judge_pairs(metric, [], [], 0.0)
+        threshold = ratio_threshold(cell.thresholds, metric.threshold_field)
+        kind, message = _word(result, threshold, alpha, decided_at, max_pairs)
+        verdicts.append(
+            Verdict(
+                cell_id=cell.cell_id,
+                prompt_id=prompt_id,
+                metric=metric.name,
+                baseline=result.reference_median,
+                current=result.candidate_median,
+                change_ratio=result.ratio,
+                p_value=result.p_value,
+                verdict=kind,
+                message=f"{cell.cell_id} {prompt_id}: {message} against {reference}",
+                reference=reference,
+                interval_low=result.interval[0] if result.interval else None,
+                interval_high=result.interval[1] if result.interval else None,
+                pairs=result.pairs,
+                max_pairs=max_pairs,
+                calls=calls,
+                busy_s=round(judged.busy_seconds(), 3),
+            )
+        )
+    return verdicts
+
+
+def _word(
+    result: PairedResult, threshold: float, alpha: float, decided_at: int | None, max_pairs: int
+) -> tuple[VerdictKind, str]:
+    metric = result.metric
+    if result.ratio is None:
+        return "inconclusive", f"{metric.label}: no pair with both calls measured (A/B)"
+    interval = (
+        f" [{INTERVAL_LEVEL:.0%} interval {_percent(result.interval[0])} … "
+        f"{_percent(result.interval[1])}]"
+        if result.interval
+        else ""
+    )
+    over = (
+        f"decided after {decided_at} of {max_pairs} pairs"
+        if decided_at is not None and decided_at < max_pairs
+        else f"over {result.pairs} pairs"
+    )
+    change = f"{metric.label} {_percent(result.ratio)}{interval}, A/B {over}"
+    if result.direction is None:
+        return "ok", f"{change} (within the {threshold:.0%} threshold)"
+    word = (
+        ("lower" if metric.higher_is_better else "slower")
+        if result.direction == "worse"
+        else ("higher" if metric.higher_is_better else "faster")
+    )
+    floor = min_signed_rank_p(result.pairs)
+    if floor >= alpha:
+        return "inconclusive", (
+            f"{change} ({word}), but {result.pairs} pairs cannot be significant (smallest "
+            f"possible p = {floor:.3g} ≥ {alpha:.3g}); raise runs"
+        )
+    p_value = 1.0 if result.p_value is None else result.p_value
+    if not p_value < alpha:
+        return "inconclusive", (
+            f"{change} ({word}), but not significant (Wilcoxon p = {p_value:.3g} ≥ {alpha:.3g})"
+        )
+    kind: VerdictKind = "regression" if result.direction == "worse" else "win"
+    return kind, f"{change} ({word}), Wilcoxon p = {p_value:.3g}"
+
+
+def _percent(ratio: float) -> str:
+    return f"{ratio - 1.0:+.1%}"

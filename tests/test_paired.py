@@ -1,0 +1,156 @@
+"""The paired A/B verdict and the sequential rule on numbers the test chooses (results/paired.py):
+pair by pair, what the machine did to both sides of a pair cancels."""
+
+from __future__ import annotations
+
+import random
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from pytest_gpubench.config.matrix import Cell, Thresholds, load_matrix
+from pytest_gpubench.results.gate import ALPHA, Verdict
+from pytest_gpubench.results.paired import (
+    PAIRED_METRICS,
+    Pairs,
+    ab_verdicts,
+    judge_pairs,
+    looks,
+    min_signed_rank_p,
+    sequential_stop,
+)
+
+TTFT = PAIRED_METRICS[0]
+MAIN, PR = "local:llamacpp:tiny@main", "local:llamacpp:tiny@pr"
+
+
+def drifting_machine(pairs: int, seed: int = 5) -> list[float]:
+    """The reference's TTFT per pair on a machine whose speed swings 3x from pair to pair."""
+    chooser = random.Random(seed)
+    return [
+        50.0 * chooser.choice([1.0, 1.5, 3.0]) * chooser.uniform(0.97, 1.03) for _ in range(pairs)
+    ]
+
+
+def call(cell_id: str, run_idx: int, ttft: float, total: float | None = None) -> dict[str, Any]:
+    return {
+        "type": "call",
+        "cell_id": cell_id,
+        "prompt_id": "P",
+        "phase": "warm",
+        "run_idx": run_idx,
+        "first_delta_ms": ttft,
+        "total_duration_ms": total if total is not None else ttft + 20.0,
+        "tokens_per_sec": 200.0,
+        "error": None,
+        "finish_reason": "length",
+    }
+
+
+def pairs_of(reference: list[float], factor: float, seed: int = 9) -> Pairs:
+    chooser = random.Random(seed)
+    pairs = Pairs()
+    for index, ttft in enumerate(reference):
+        # Each pair's two calls see the same machine; a little noise of their own.
+        pairs.reference[index] = call(MAIN, index, ttft)
+        pairs.candidate[index] = call(PR, index, ttft * factor * chooser.uniform(0.98, 1.02))
+    return pairs
+
+
+def cell(tmp_path: Path, extra: str = "") -> Cell:
+    (tmp_path / "cells.yaml").write_text(
+        textwrap.dedent(
+            f"""\
+            settings: {{runs: 20}}
+            nodes: {{local: {{kind: local}}}}
+            cells:
+              - {{node: local, engine: llamacpp, model: tiny, name: main}}
+              - {{node: local, engine: llamacpp, model: tiny, name: pr, reference: '{MAIN}',
+                 thresholds: {{ttft_p50: 0.15, total_p50: 0.15}}{extra}}}
+            """
+        )
+    )
+    (tmp_path / "prompts.yaml").write_text(
+        "prompts:\n  P: {intent: x, prompt: hi, max_tokens: 4}\n"
+    )
+    return load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml").cell(PR)
+
+
+def test_a_slower_candidate_is_caught_through_a_drifting_machine() -> None:
+    reference = drifting_machine(12)
+    candidate = [
+        ttft * 1.3 * random.Random(i).uniform(0.98, 1.02) for i, ttft in enumerate(reference)
+    ]
+    result = judge_pairs(TTFT, candidate, reference, 0.15)
+    assert result.direction == "worse"
+    assert result.p_value is not None and result.p_value < ALPHA
+    assert result.ratio is not None and 1.2 < result.ratio < 1.4
+    assert result.interval is not None and result.interval[0] > 1.15
+
+
+def test_an_unchanged_candidate_on_a_drifting_machine_is_within() -> None:
+    reference = drifting_machine(12)
+    candidate = [ttft * random.Random(i).uniform(0.98, 1.02) for i, ttft in enumerate(reference)]
+    result = judge_pairs(TTFT, candidate, reference, 0.15)
+    assert result.direction is None and result.p_value is None and result.within
+
+
+def test_ab_verdicts_from_call_records_carry_the_pairing_figures(tmp_path: Path) -> None:
+    candidate = cell(tmp_path)
+    pairs = pairs_of(drifting_machine(20), 1.3)
+    calls = [*pairs.reference.values(), *pairs.candidate.values()]
+    verdicts = {v.metric: v for v in ab_verdicts(calls, [candidate])}
+    ttft = verdicts["warm_ttft_p50_ms"]
+    assert ttft.verdict == "regression" and ttft.reference == MAIN
+    assert (ttft.pairs, ttft.max_pairs, ttft.calls) == (20, 20, 40)
+    assert ttft.interval_low is not None and ttft.interval_high is not None
+    assert ttft.interval_low <= ttft.change_ratio <= ttft.interval_high  # type: ignore[operator]
+    assert "A/B over 20 pairs (slower), Wilcoxon p = " in ttft.message
+    assert verdicts["warm_decode_tokens_per_sec_p50"].verdict == "ok"
+    # The end record keeps the new fields, and an older reader's record still reads back.
+    assert Verdict.from_record(ttft.to_record()) == ttft
+    old = {k: v for k, v in ttft.to_record().items() if k not in ("reference", "pairs")}
+    assert Verdict.from_record(old) is not None
+
+
+def test_looks_start_where_a_look_can_be_significant() -> None:
+    assert looks(8, 20) == (8, 12, 16, 20)
+    # 6 pairs all one way give p = 1/64, more than 0.05 / 4: the first look is at 7.
+    assert min_signed_rank_p(6) > ALPHA / 4 > min_signed_rank_p(7)
+    assert looks(6, 20)[0] == 7
+    assert looks(20, 20) == (20,)
+
+
+def test_a_huge_slowdown_stops_at_the_first_look(tmp_path: Path) -> None:
+    candidate = cell(tmp_path, ", min_runs: 7")
+    pairs = pairs_of(drifting_machine(20), 3.0)
+    assert sequential_stop(pairs.prefix(6), candidate.thresholds, 7, 20) is None
+    assert sequential_stop(pairs.prefix(7), candidate.thresholds, 7, 20) == ("regression", 7)
+    ttft = next(
+        v
+        for v in ab_verdicts(
+            [*pairs.prefix(7).candidate.values(), *pairs.prefix(7).reference.values()], [candidate]
+        )
+        if v.metric == "warm_ttft_p50_ms"
+    )
+    assert ttft.verdict == "regression" and (ttft.pairs, ttft.calls) == (7, 14)
+    assert "decided after 7 of 20 pairs" in ttft.message
+
+
+def test_identical_sides_stop_as_unchanged_or_run_to_the_maximum(tmp_path: Path) -> None:
+    candidate = cell(tmp_path, ", min_runs: 7")
+    stop = sequential_stop(pairs_of(drifting_machine(20), 1.0), candidate.thresholds, 7, 20)
+    assert stop is not None and stop[0] == "unchanged" and stop[1] < 20
+    # Never decided at the last look: that is the verdict at the end, not an early stop.
+    noisy = pairs_of([50.0 * (1 + (i % 2)) for i in range(20)], 1.0)
+    for index in noisy.candidate:
+        noisy.candidate[index] = call(
+            PR, index, noisy.reference[index]["first_delta_ms"] * (0.6 if index % 3 else 1.6)
+        )
+    assert sequential_stop(noisy, candidate.thresholds, 7, 20) is None
+
+
+def test_a_win_is_decided_the_other_way() -> None:
+    pairs = pairs_of(drifting_machine(20), 0.5)
+    stop = sequential_stop(pairs, Thresholds(ttft_p50=0.15, total_p50=0.15), 7, 20)
+    assert stop == ("win", 7)
