@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -513,12 +515,22 @@ def test_a_corrupt_file_is_replaced_and_said_so(tmp_path: Path) -> None:
 
 
 def test_a_file_that_cannot_be_written_is_reported_and_the_others_are_written(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A full disk for one file (tests run as root here, so a read-only folder blocks nothing):
+    the rename that would put it in place fails with ENOSPC."""
     update_baselines(tmp_path, ledger())
     blocked = baseline_path(tmp_path, CELL)
     blocked.unlink()
-    blocked.with_name(blocked.name + ".tmp").mkdir()  # the atomic write's partial file
+    replace = os.replace
+
+    def full_disk_for_blocked(source: Any, target: Any) -> None:
+        if Path(target) == blocked:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", full_disk_for_blocked)
     update = update_baselines(tmp_path, ledger())
     assert set(update.written) == {OTHER}
     assert update.failed[CELL].startswith(f"{blocked}: cannot write baseline: ")
+    assert not blocked.exists() and not list(tmp_path.glob(".*.tmp"))  # nothing half-written

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -14,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.stats import (
     PERCENTILE_NAMES,
@@ -705,14 +704,9 @@ def write_baseline(
             if not replace_corrupt:
                 raise
     text = dumps_baseline(baseline)
-    partial = path.with_name(path.name + ".tmp")
     try:
-        baselines_dir.mkdir(parents=True, exist_ok=True)
-        partial.write_text(text, encoding="utf-8")
-        os.replace(partial, path)
+        atomic_write(path, text)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            partial.unlink()
         raise BaselineWriteError(f"{path}: cannot write baseline: {exc.strerror}") from None
     return path
 
