@@ -62,7 +62,7 @@ class Provenance:
 # The facts that make two runs comparable, each with its label and how it is shown. A fact that
 # is unknown on either side (an older file, an engine that does not say) is not a difference.
 def _gpu_text(provenance: Provenance) -> str:
-    return gpu_summary([gpu if isinstance(gpu, dict) else {"name": gpu} for gpu in provenance.gpus])
+    return gpu_summary(provenance.gpus)
 
 
 def _short(value: object) -> str:
