@@ -80,6 +80,25 @@ def test_merged_ledger_has_one_meta_every_record_and_one_end(tmp_path: Path) -> 
     assert end["exit_status"] == 0
 
 
+@pytest.mark.parametrize(
+    ("statuses", "merged_status"),
+    [((5, EXIT_UNMEASURED), EXIT_UNMEASURED), ((EXIT_REGRESSION, 1), 1), ((0, 5), 5)],
+    ids=["nothing-collected-below-unmeasured", "failed-tests-above-regression", "5-above-ok"],
+)
+def test_the_merged_status_is_the_most_severe_shard_s_as_a_session_ranks_them(
+    tmp_path: Path, statuses: tuple[int, int], merged_status: int
+) -> None:
+    """A shard that collected nothing (5) must not hide another's unmeasured cells (7)."""
+    paths = [shard_ledger(tmp_path, cell) for cell in CELLS]
+    for path, status in zip(paths, statuses, strict=True):
+        records = read(path)
+        records[-1]["exit_status"] = status
+        write(path, records)
+    merged = tmp_path / "merged.jsonl"
+    main(["merge", *map(str, paths), "-o", str(merged)])
+    assert read(merged)[-1]["exit_status"] == merged_status
+
+
 def test_merged_ledger_is_read_by_gpubench_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
