@@ -30,6 +30,16 @@ _RECV_BYTES = 65536
 _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
 
 
+def ack_at_once(sock: socket.socket) -> None:
+    """ACK at once what arrives on `sock` (Linux's TCP_QUICKACK; elsewhere nothing): a
+    kept-alive connection has left Linux's quick-ACK start, and a server that does not set
+    TCP_NODELAY (Nagle) would hold its next small write until our delayed ACK, up to 40 ms,
+    which TTFT would then count. Not sticky: the kernel may leave it, so callers set it again."""
+    if _QUICKACK is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
+
+
 class StreamError(Exception):
     """The request could not be completed (connect, HTTP status, broken or timed-out stream)."""
 
@@ -258,13 +268,8 @@ def _read_event(conn: h11.Connection, sock: socket.socket, stamps: list[int]) ->
             raise
         if event is not h11.NEED_DATA:
             return event  # type: ignore[return-value]
-        if _QUICKACK is not None:
-            # ACK at once what arrives: a kept-alive connection has left Linux's quick-ACK start,
-            # and a server that does not set TCP_NODELAY (Nagle) would hold its next small write
-            # until our delayed ACK, up to 40 ms, which TTFT would then count. Not sticky: set
-            # before every read, before the wait, so its microsecond is not after the arrival.
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
+        # Before every read, before the wait, so its microsecond is not after the arrival.
+        ack_at_once(sock)
         raw = sock.recv(_RECV_BYTES)
         if raw:
             stamps.append(time.perf_counter_ns())
