@@ -11,7 +11,7 @@ import pytest
 from pytest_gpubench import xdist
 from pytest_gpubench.benchmark import BenchCase, BenchEngine, ChatCall
 from pytest_gpubench.config.cases import Case, build_cases, build_test_cases, smoke_case
-from pytest_gpubench.config.matrix import PHASES, Matrix, load_matrix
+from pytest_gpubench.config.matrix import PHASES, Matrix, read_matrix
 from pytest_gpubench.config.options import Options, add_aliases, addoption, option_warnings
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.run.controller import RunController
@@ -123,7 +123,7 @@ def _matrix(config: pytest.Config, options: Options) -> Matrix | None:
     if not (options.cells_named or options.cells_path.exists()):
         return None
     try:
-        return load_matrix(
+        return read_matrix(
             options.cells_path,
             options.prompts_path,
             engine_kinds=_kinds(config.hook.pytest_gpubench_engine_kinds()),

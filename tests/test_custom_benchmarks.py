@@ -406,7 +406,7 @@ def test_a_custom_test_60_percent_slower_to_first_token_exits_6_naming_test_and_
 
 def test_a_case_id_names_its_cell_even_when_one_cell_id_starts_another(tmp_path: Path) -> None:
     from pytest_gpubench.config.cases import build_test_cases, own_case_of_id
-    from pytest_gpubench.config.matrix import load_matrix
+    from pytest_gpubench.config.matrix import read_matrix
 
     (tmp_path / "prompts.yaml").write_text(PROMPTS)
     (tmp_path / "cells.yaml").write_text(
@@ -414,7 +414,7 @@ def test_a_case_id_names_its_cell_even_when_one_cell_id_starts_another(tmp_path:
         "  - {node: a, engine: openai, model: qwen3, endpoint: 'http://127.0.0.1:9'}\n"
         "  - {node: b, engine: openai, model: qwen3-0.6b, endpoint: 'http://127.0.0.1:9'}\n"
     )
-    matrix = load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+    matrix = read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
     cases = build_test_cases(matrix, "test_x", runs=2)
     assert [case.case_id for case in cases] == [
         "a:openai:qwen3-test_x-cold-0",

@@ -243,7 +243,7 @@ def test_ledgers_of_different_runs_are_refused_with_one_line(
 
 
 def test_shards_split_by_node_and_cover_the_matrix_once(tmp_path: Path) -> None:
-    from pytest_gpubench.config.matrix import load_matrix
+    from pytest_gpubench.config.matrix import read_matrix
 
     (tmp_path / "prompts.yaml").write_text(
         'prompts:\n  P: {intent: x, prompt: "hi", max_tokens: 4}\n', encoding="utf-8"
@@ -257,7 +257,7 @@ def test_shards_split_by_node_and_cover_the_matrix_once(tmp_path: Path) -> None:
         "  - {node: c, engine: llamacpp, model: m1, endpoint: 'http://127.0.0.1:1'}\n",
         encoding="utf-8",
     )
-    matrix = load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+    matrix = read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
     shards = [[c.cell_id for c in shard_matrix(matrix, Shard(i, 2)).cells] for i in range(2)]
     assert shards == [["a:llamacpp:m1", "a:llamacpp:m2"], ["b:llamacpp:m1", "c:llamacpp:m1"]]
     assert node_groups(matrix.cells)["a"] == ["a:llamacpp:m1", "a:llamacpp:m2"]

@@ -14,7 +14,7 @@ from support.keepalive_server import KeepAliveServer, keepalive_server
 from support.standins import OllamaStandin, serving
 from support.tls_terminator import make_ca, stunnel, stunnel_binary
 
-from pytest_gpubench.config.matrix import Prompt, RequestShape, load_matrix
+from pytest_gpubench.config.matrix import Prompt, RequestShape, read_matrix
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines import api_root
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
@@ -240,7 +240,7 @@ def test_request_and_tls_keys_an_engine_cannot_take_are_one_line(
         tmp_path, f"nodes: {{l: {{kind: local}}}}\ncells:\n  - {cell}\n", prompts
     )
     with pytest.raises(GpubenchError) as raised:
-        load_matrix(cells_path, prompts_path)
+        read_matrix(cells_path, prompts_path)
     assert error in str(raised.value) and "\n" not in str(raised.value)
 
 

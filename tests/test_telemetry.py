@@ -28,7 +28,7 @@ from support.gpu_standins import (
     write_nvidia_smi,
 )
 
-from pytest_gpubench.config.matrix import TelemetrySettings, load_matrix
+from pytest_gpubench.config.matrix import TelemetrySettings, read_matrix
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.reports.terminal import TELEMETRY_HEADERS, telemetry_rows
@@ -203,7 +203,7 @@ def test_telemetry_settings_globally_and_per_cell(tmp_path: Path) -> None:
         "cells:\n  - {node: local, engine: llamacpp, model: tiny}\n"
         "  - {node: local, engine: llamacpp, model: tiny, name: b, telemetry: {cpu: off}}\n",
     )
-    first, second = load_matrix(cells, prompts).cells
+    first, second = read_matrix(cells, prompts).cells
     assert first.telemetry == TelemetrySettings(interval_ms=100, gpu="off", cpu="auto")
     assert second.telemetry == TelemetrySettings(interval_ms=100, gpu="off", cpu="off")
     default = TelemetrySettings()
@@ -218,13 +218,13 @@ def test_unknown_or_bad_telemetry_keys_are_errors_naming_them(tmp_path: Path) ->
     )
     with pytest.raises(GpubenchError, match=r"cells\[0\] \(local:llamacpp:tiny\)\.telemetry\."
                        r"interval: unknown key"):  # fmt: skip
-        load_matrix(cells, prompts)
+        read_matrix(cells, prompts)
     cells.write_text(
         "settings: {telemetry: {gpu: maybe}}\nnodes: {local: {kind: local}}\n"
         "cells:\n  - {node: local, engine: llamacpp, model: tiny}\n"
     )
     with pytest.raises(GpubenchError, match=r"settings\.telemetry\.gpu: .*'auto' or 'off'"):
-        load_matrix(cells, prompts)
+        read_matrix(cells, prompts)
 
 
 def one_case(
@@ -594,9 +594,9 @@ def test_telemetry_limit_keys_are_checked(tmp_path: Path) -> None:
         " thresholds: {max_peak_vram_mib: -3}}\n",
     )
     with pytest.raises(GpubenchError, match=r"thresholds\.max_peak_vram_mib: .*greater than 0"):
-        load_matrix(cells, prompts)
+        read_matrix(cells, prompts)
     cells.write_text(cells.read_text().replace("-3", "8000"))
-    (cell,) = load_matrix(cells, prompts).cells
+    (cell,) = read_matrix(cells, prompts).cells
     assert (
         cell.thresholds.max_peak_vram_mib == 8000 and cell.thresholds.max_energy_j_per_token == 0.5
     )

@@ -148,10 +148,10 @@ def compare_command(old: Path, new: Path) -> int:
     """`gpubench compare OLD NEW`: prints the comparison; the regression status on a regression."""
     from pytest_gpubench.core.status import EXIT_REGRESSION
     from pytest_gpubench.reports.terminal import render_comparison
-    from pytest_gpubench.results.baseline import load_summaries
+    from pytest_gpubench.results.baseline import read_summaries
     from pytest_gpubench.results.gate import compare, regressions
 
-    verdicts = compare(load_summaries(old), load_summaries(new))
+    verdicts = compare(read_summaries(old), read_summaries(new))
     print(render_comparison(verdicts))
     return EXIT_REGRESSION if regressions(verdicts) else 0
 

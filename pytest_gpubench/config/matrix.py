@@ -595,7 +595,7 @@ def _first_error(path: Path, exc: ValidationError, raw: Any) -> GpubenchError:
     return GpubenchError("\n".join(lines))
 
 
-def load_prompts(path: Path) -> dict[str, Prompt]:
+def read_prompts(path: Path) -> dict[str, Prompt]:
     raw = _read_yaml(path, "a mapping with a 'prompts' key")
     if raw.get("prompts") is None and "prompts" in raw:
         raise GpubenchError(f"{path}: prompts: no prompts defined")
@@ -608,7 +608,7 @@ def load_prompts(path: Path) -> dict[str, Prompt]:
     return dict(parsed.prompts)
 
 
-def load_matrix(
+def read_matrix(
     cells_path: Path,
     prompts_path: Path,
     *,
@@ -620,7 +620,7 @@ def load_matrix(
     `engine_kinds` and `node_kinds` are the kinds plugins add (hookspecs.py).
     """
     raw = _read_yaml(cells_path, "a mapping with 'nodes' and 'cells' keys")
-    prompts = load_prompts(prompts_path)
+    prompts = read_prompts(prompts_path)
     if raw.get("cells") is None and "cells" in raw:
         raw = {**raw, "cells": []}  # `cells:` with nothing under it: said below, after the nodes
     context = {"engine_kinds": tuple(engine_kinds), "node_kinds": tuple(node_kinds)}

@@ -126,7 +126,7 @@ def read_ledger_frame(path: str | os.PathLike[str], *, export: bool = False) -> 
     try:
         stamp = _stamp(path)
         if not export:
-            cached = _load_cache(path, stamp)
+            cached = _read_cache(path, stamp)
             if cached is not None:
                 return cached
         data, complete = _read(path, export=export)
@@ -288,7 +288,7 @@ def _save_cache(path: Path, stamp: str, data: LedgerData) -> None:
         np.savez(file, allow_pickle=False, **arrays)
 
 
-def _load_cache(path: Path, stamp: str) -> LedgerData | None:
+def _read_cache(path: Path, stamp: str) -> LedgerData | None:
     target = cache_path(path)
     try:
         with np.load(target, allow_pickle=False) as archive:

@@ -639,7 +639,7 @@ def _for_cell(value: Any, cell_id: str, default: Any) -> Any:
 # -- disk -------------------------------------------------------------------------------------
 
 
-def load_baseline(path: Path) -> CellBaseline:
+def read_baseline(path: Path) -> CellBaseline:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -656,7 +656,7 @@ def find_baseline(baselines_dir: Path, cell_id: str) -> CellBaseline | None:
     path = baseline_path(baselines_dir, cell_id)
     if not path.exists():
         return None
-    baseline = load_baseline(path)
+    baseline = read_baseline(path)
     if baseline.cell_id != cell_id:
         raise GpubenchError(
             f"{path}: holds the baseline of cell '{baseline.cell_id}', not '{cell_id}': the two "
@@ -665,11 +665,11 @@ def find_baseline(baselines_dir: Path, cell_id: str) -> CellBaseline | None:
     return baseline
 
 
-def load_baselines(baselines_dir: Path) -> list[CellBaseline]:
+def read_baselines(baselines_dir: Path) -> list[CellBaseline]:
     """Every baseline file in the directory, sorted by cell id."""
     if not baselines_dir.is_dir():
         raise GpubenchError(f"{baselines_dir}: not a baselines directory")
-    baselines = [load_baseline(path) for path in sorted(baselines_dir.glob("*.json"))]
+    baselines = [read_baseline(path) for path in sorted(baselines_dir.glob("*.json"))]
     return sorted(baselines, key=lambda baseline: baseline.cell_id)
 
 
@@ -683,10 +683,10 @@ def baseline_summaries(baselines_dir: Path, cell_ids: Iterable[str]) -> list[Pro
     return summaries
 
 
-def load_summaries(path: Path) -> list[PromptSummary]:
+def read_summaries(path: Path) -> list[PromptSummary]:
     """Summaries from a ledger file, or from every baseline in a baselines directory."""
     if path.is_dir():
-        return [summary for baseline in load_baselines(path) for summary in baseline.prompts]
+        return [summary for baseline in read_baselines(path) for summary in baseline.prompts]
     if not path.exists():
         raise GpubenchError(f"{path}: no such ledger or baselines directory")
     return summarize(read_ledger(path))
