@@ -107,6 +107,7 @@ def test_the_same_ledger_gives_the_same_bytes(report: Path, tmp_path: Path) -> N
     assert again.read_bytes() == report.read_bytes()
 
 
+@pytest.mark.browser
 @needs_chromium
 def test_chromium_renders_the_charts_without_console_errors(report: Path, tmp_path: Path) -> None:
     screenshot = tmp_path / "report.png"
@@ -135,6 +136,7 @@ def test_chromium_renders_the_charts_without_console_errors(report: Path, tmp_pa
         assert "GPU power W" in telemetry and telemetry.count("<path") > 5
 
 
+@pytest.mark.browser
 @needs_chromium
 def test_the_console_check_catches_a_page_error(tmp_path: Path) -> None:
     """The check above is not vacuous: a script error on a page is seen."""

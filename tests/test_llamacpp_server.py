@@ -17,6 +17,8 @@ from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.ledger.writer import read_ledger
 
+pytestmark = pytest.mark.engine
+
 PROMPTS = """\
 prompts:
   P-EASY: {intent: short, prompt: "What is the capital of France?", max_tokens: 8}

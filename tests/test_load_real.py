@@ -21,6 +21,8 @@ from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.engines.tinymodel import TinyConfig
 from pytest_gpubench.targets.local import LocalTarget
 
+pytestmark = pytest.mark.engine
+
 MAX_TOKENS = 64
 PROMPTS = (
     f"prompts:\n  P-LOAD: {{intent: load, prompt: 'Count to ten.', max_tokens: {MAX_TOKENS}}}\n"

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.vllm
+
 pytest.importorskip(
     "support.vllm_server", reason="the shared vLLM set-up (tests/support/vllm_server.py) is missing"
 )

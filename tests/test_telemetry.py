@@ -389,6 +389,7 @@ def wait_for_no_process(user: str, words: tuple[str, ...], timeout_s: float = 5.
         time.sleep(0.1)
 
 
+@pytest.mark.sshd
 def test_ssh_node_streams_nvidia_smi_and_proc_of_its_engine(
     gpu_node: tuple[SshTarget, Path],
 ) -> None:
@@ -455,6 +456,7 @@ def test_the_engines_cpu_time_counts_its_child_processes(tmp_path: Path) -> None
     assert fields["engine_cpu_s"] > 0.2 and fields["engine_peak_rss_mib"] > 0
 
 
+@pytest.mark.sshd
 def test_the_engines_cpu_time_counts_its_child_processes_over_ssh(
     gpu_node: tuple[SshTarget, Path],
 ) -> None:
@@ -471,6 +473,7 @@ def canonical_prompts() -> str:
     return (REPO / "prompts.yaml").read_text()
 
 
+@pytest.mark.engine
 def test_real_llama_server_cpu_time_and_rss_and_a_gpu_that_vanishes(
     pytester: pytest.Pytester,
     llama_server: Path,
@@ -548,6 +551,7 @@ def test_cells_that_turn_telemetry_off_get_no_samples(pytester: pytest.Pytester)
         assert call["system_mem_used_peak_mib"] > 0 and call["system_load1_max"] is not None
 
 
+@pytest.mark.engine
 def test_a_telemetry_limit_fails_the_gate_and_the_reports_show_the_figures(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
 ) -> None:
