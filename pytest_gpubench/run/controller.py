@@ -10,23 +10,24 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpubench.config.cases import LOAD_PHASE, Case
-from pytest_gpubench.config.matrix import Cell, Matrix
-from pytest_gpubench.config.options import Options
-from pytest_gpubench.config.shards import shard_facts, shard_matrix
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.secrets import SecretScrubber
 from pytest_gpubench.core.signals import TerminateAsInterrupt
 from pytest_gpubench.core.status import session_status
-from pytest_gpubench.ledger.outcomes import CellOutcome, cell_outcomes
-from pytest_gpubench.ledger.records import end_record, meta_record
-from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError
-from pytest_gpubench.run import guards
-from pytest_gpubench.run.harness import Harness
+from pytest_gpubench.ledger.writer import LedgerWriteError
 
+# A session without benchmarks makes a controller too (the plugin loads in every session of its
+# environment): what a run needs (the matrix's pydantic, the harness's HTTP clients, the ledger's
+# records) is imported where a run begins, so that such a session does not pay for it.
 if TYPE_CHECKING:
+    from pytest_gpubench.config.cases import Case
+    from pytest_gpubench.config.matrix import Cell, Matrix
+    from pytest_gpubench.config.options import Options
+    from pytest_gpubench.ledger.outcomes import CellOutcome
+    from pytest_gpubench.ledger.writer import Ledger
     from pytest_gpubench.results.gate import Verdict
     from pytest_gpubench.results.stats import PromptSummary
+    from pytest_gpubench.run.harness import Harness
     from pytest_gpubench.telemetry.aggregate import TelemetrySummary
 
 
@@ -87,6 +88,8 @@ class RunController:
         # A shard of a job array runs only its share of the matrix; its meta names them all.
         self.shard: dict[str, Any] | None = None
         if matrix is not None and options.shard is not None:
+            from pytest_gpubench.config.shards import shard_facts, shard_matrix
+
             self.shard = shard_facts(options.shard, [cell.cell_id for cell in matrix.cells])
             matrix = shard_matrix(matrix, options.shard)
         self.matrix = matrix
@@ -96,6 +99,8 @@ class RunController:
         self.scrub = SecretScrubber()
         self.harness: Harness | None = None
         if matrix is not None:
+            from pytest_gpubench.run.harness import Harness
+
             self.harness = Harness(
                 matrix,
                 log_dir=options.ledger_dir / "logs",
@@ -142,6 +147,10 @@ class RunController:
         """Check the guards and open the ledger with its meta record (writing process only)."""
         if self.started or self.matrix is None or self.options.probe:
             return
+        from pytest_gpubench.ledger.records import meta_record
+        from pytest_gpubench.ledger.writer import Ledger
+        from pytest_gpubench.run import guards
+
         planned = {case.cell_id for case in cases}
         self.planned = [cell for cell in self.matrix.cells if cell.cell_id in planned]
         options = self.options
@@ -180,6 +189,8 @@ class RunController:
         """Keep a case's records and append them to the ledger; returns why the run must stop
         (the ledger can no longer be written), or None. Records stay in memory either way, so
         the summary still shows them."""
+        from pytest_gpubench.config.cases import LOAD_PHASE
+
         for record in records:
             kind = record.get("type")
             if kind == "call" and record.get("phase") == LOAD_PHASE:
@@ -289,6 +300,9 @@ class RunController:
             return int(pytest.ExitCode.USAGE_ERROR)
         if self.ledger is None:
             return session_status(exitstatus, unmeasured=self.probe_failed)
+        from pytest_gpubench.ledger.outcomes import cell_outcomes
+        from pytest_gpubench.ledger.records import end_record
+
         if self.calls:
             self._judge()
         if self.loads:
