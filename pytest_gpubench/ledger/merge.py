@@ -19,6 +19,7 @@ from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.status import EXIT_UNMEASURED, most_severe
 from pytest_gpubench.ledger.outcomes import CellOutcome
 from pytest_gpubench.ledger.records import end_record
+from pytest_gpubench.ledger.schema import as_json
 
 
 @dataclass(frozen=True)
@@ -187,4 +188,4 @@ def merge_ledgers(ledgers: Sequence[ShardLedger]) -> list[dict[str, Any]]:
         # The last shard's end; the shards ran on other machines, so no load of this one.
         ended=(max((str(end.get("finished_at_utc")) for end in ends), default=None), None),
     )
-    return [meta, *body, end]
+    return [meta, *body, as_json(end)]

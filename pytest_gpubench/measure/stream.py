@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import urlsplit
 
 import h11
@@ -69,6 +69,34 @@ class StreamedResponse:
     release: Callable[[bool], None] = lambda drain: None
 
 
+class MeasurementFields(TypedDict):
+    """A call record's measured fields (CallMeasurement.to_record; ledger/schema.py CallRecord)."""
+
+    first_delta_ms: float | None
+    total_duration_ms: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    client_chunks: int
+    tokens_per_sec: float | None
+    tpot_ms: float | None
+    inter_chunk_ms: list[float]
+    finish_reason: str
+    backend: str
+    error: str | None
+    engine_timings: dict[str, Any]
+    e2e_tokens_per_sec: float | None
+    coalesced: bool
+    content_reads: int
+    engine_tokens_per_sec: float | None
+    engine_prompt_ms: float | None
+    engine_total_ms: float | None
+    system_fingerprint: str | None
+    connect_ms: float | None
+    tls_handshake_ms: float | None
+    connection_reused: bool
+    reconnected: bool
+
+
 @dataclass
 class CallMeasurement:
     """What one call measured, in the units of README "What it measures"."""
@@ -108,7 +136,7 @@ class CallMeasurement:
     connection_reused: bool = False
     reconnected: bool = False
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> MeasurementFields:
         return {
             "first_delta_ms": self.first_delta_ms,
             "total_duration_ms": self.total_duration_ms,

@@ -148,6 +148,7 @@ class RunController:
         if self.started or self.matrix is None or self.options.probe:
             return
         from pytest_gpubench.ledger.records import meta_record
+        from pytest_gpubench.ledger.schema import as_json
         from pytest_gpubench.ledger.writer import Ledger
         from pytest_gpubench.run import guards
 
@@ -163,17 +164,19 @@ class RunController:
         )
         self.started = True
         self.ledger = Ledger(options.ledger_dir / f"{self.run_id}.jsonl", self.scrub)
-        self.meta = meta_record(
-            run_id=self.run_id,
-            root=self.root,
-            git=git,
-            env_names=[*options.env_names, *self.matrix.settings.env],
-            cells_planned=[cell.cell_id for cell in self.planned],
-            cases_planned=len(cases),
-            argv=self.argv,
-            cells_path=options.cells_path,
-            prompts_path=options.prompts_path,
-            shard=self.shard,
+        self.meta = as_json(
+            meta_record(
+                run_id=self.run_id,
+                root=self.root,
+                git=git,
+                env_names=[*options.env_names, *self.matrix.settings.env],
+                cells_planned=[cell.cell_id for cell in self.planned],
+                cases_planned=len(cases),
+                argv=self.argv,
+                cells_path=options.cells_path,
+                prompts_path=options.prompts_path,
+                shard=self.shard,
+            )
         )
         self.ledger.append(self.meta)
         self.catch_signals.install()
@@ -302,6 +305,7 @@ class RunController:
             return session_status(exitstatus, unmeasured=self.probe_failed)
         from pytest_gpubench.ledger.outcomes import cell_outcomes
         from pytest_gpubench.ledger.records import end_record
+        from pytest_gpubench.ledger.schema import as_json
 
         if self.calls:
             self._judge()
@@ -322,17 +326,19 @@ class RunController:
             regressed=bool(regressed) and not self.options.baseline_update,
         )
         self._append(
-            end_record(
-                run_id=self.run_id,
-                pytest_exitstatus=exitstatus,
-                calls=len(self.calls) + len(self.load_calls),
-                skipped=len(self.skips),
-                verdicts=[verdict.to_record() for verdict in verdicts],
-                regressions=len(regressed),
-                gate_error=judgement.gate_error,
-                nodes=self.rentals(),
-                cells=[outcome.to_record() for outcome in self.outcomes],
-                exit_status=status,
+            as_json(
+                end_record(
+                    run_id=self.run_id,
+                    pytest_exitstatus=exitstatus,
+                    calls=len(self.calls) + len(self.load_calls),
+                    skipped=len(self.skips),
+                    verdicts=[verdict.to_record() for verdict in verdicts],
+                    regressions=len(regressed),
+                    gate_error=judgement.gate_error,
+                    nodes=self.rentals(),
+                    cells=[outcome.to_record() for outcome in self.outcomes],
+                    exit_status=status,
+                )
             ),
             after_failure=True,
         )
