@@ -512,16 +512,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    run = _run(terminalreporter.config)
+    rentals = run.rentals()
+    if run.startup_error is None and not run.probe_rows and not rentals and run.ledger is None:
+        return  # nothing of ours to say: the report's modules (pandas, scipy) stay unloaded
     from pytest_gpubench.reports import terminal as report
 
-    run = _run(terminalreporter.config)
     lines: list[report.TerminalLine] = []
     if run.startup_error is not None:
         lines.append(report.TerminalLine(f"ERROR: {run.startup_error}", red=True))
     if run.probe_rows:
         terminalreporter.write_sep("=", "gpubench probe")
         lines.append(report.TerminalLine(report.render_probe(run.probe_rows)))
-    lines.extend(report.rental_lines(run.rentals()))
+    lines.extend(report.rental_lines(rentals))
     if run.ledger is not None:
         _write(terminalreporter, run, lines)
         lines = []

@@ -205,6 +205,17 @@ def test_importing_the_plugin_loads_neither_pandas_nor_scipy(module: str) -> Non
 def test_a_session_without_benchmarks_loads_neither_pandas_nor_scipy(
     pytester: pytest.Pytester,
 ) -> None:
+    """Nor pydantic, httpx, h11 or paramiko: not during the test, nor by the end of the session
+    (the plugin's sessionfinish and terminal summary run after it; the conftest looks last)."""
+    pytester.makeconftest(
+        f"""
+        import sys
+
+        def pytest_unconfigure(config):
+            loaded = sorted(name for name in {HEAVY!r} if name in sys.modules)
+            print("loaded by the end:", loaded)
+        """
+    )
     pytester.makepyfile(
         test_plain="""
         import sys
@@ -218,3 +229,4 @@ def test_a_session_without_benchmarks_loads_neither_pandas_nor_scipy(
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["loaded by the end: []"])

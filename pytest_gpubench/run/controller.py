@@ -297,8 +297,6 @@ class RunController:
         return status
 
     def _close_ledger(self, exitstatus: int) -> int:
-        from pytest_gpubench.results.gate import regressions
-
         if self.startup_error is not None:
             return int(pytest.ExitCode.USAGE_ERROR)
         if self.ledger is None:
@@ -306,6 +304,7 @@ class RunController:
         from pytest_gpubench.ledger.outcomes import cell_outcomes
         from pytest_gpubench.ledger.records import end_record
         from pytest_gpubench.ledger.schema import as_json
+        from pytest_gpubench.results.gate import regressions
 
         if self.calls:
             self._judge()
