@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # The markers of what a test needs beyond Python (pyproject.toml; tests/conftest.py checks them).
 FAST_MARKERS := not sshd and not vllm and not slurm
 
-.PHONY: setup setup-fast system sshd vllm slurm python engine bench test test-fast lint clean
+.PHONY: setup setup-fast system sshd vllm slurm python engine bench test test-fast wheel-check lint clean
 
 setup: system python engine
 
@@ -49,8 +49,13 @@ vllm:
 slurm:
 	bash scripts/setup-slurm.sh
 
-test: setup sshd vllm slurm
+test: setup sshd vllm slurm wheel-check
 	$(BIN)/pytest tests/ $(PYTEST_ARGS)
+
+# The package as a user installs it: build, twine check, the wheel in a fresh venv, then
+# `gpubench init` and `pytest benchmarks/ -m warm` from it in an empty directory.
+wheel-check: setup
+	bash scripts/wheel-check.sh $(BIN)/python
 
 test-fast: setup-fast
 	$(BIN)/pytest tests/ -m "$(FAST_MARKERS)" -n 2 $(PYTEST_ARGS)

@@ -9,6 +9,7 @@ import io
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.reports.frame import LedgerData
 from pytest_gpubench.reports.terminal import METRIC_LABELS, NONE, change, fixed
 from pytest_gpubench.results.gate import Verdict
@@ -58,6 +59,7 @@ def render_html(
     baseline_source: str | None = None,
 ) -> str:
     """The report; the same ledger and baseline always give the same bytes."""
+    pyplot()  # without the [html] extra: one line before any work, whatever the ledger holds
     summaries = data.summaries()
     meta, end = data.meta, data.end
     run_id = meta.get("benchmark_run_id") or (data.path.stem if data.path else "run")
@@ -244,8 +246,20 @@ def inline_svg(figure: Any) -> str:
     return f'<div class="chart">{text[start:]}</div>'
 
 
+# The one line a user without the extra reads (gpubench exits 2, as for any usage error).
+MISSING_MATPLOTLIB = (
+    "the HTML report draws its charts with matplotlib, which is not installed: "
+    "pip install 'pytest-gpubench[html]'"
+)
+
+
 def pyplot() -> Any:
-    import matplotlib
+    """matplotlib's pyplot, drawing off-screen (Agg) with stable SVG output; a GpubenchError
+    naming the extra where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise GpubenchError(MISSING_MATPLOTLIB) from None
 
     matplotlib.use("Agg")
     matplotlib.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "gpubench", "font.size": 9})
