@@ -27,8 +27,22 @@ prompts:
 TEST_FILE = CHECKED_TEST_FILE
 
 
+# Which test's servers: the machine is shared (other sessions, and the other xdist worker of
+# `make test-fast`, serve the same tiny model), so a server counts only if it inherited this
+# test's mark in its environment, which it keeps even when orphaned.
+OWNER_VARIABLE = "GPUBENCH_TEST_OWNER"
+
+
+@pytest.fixture(autouse=True)
+def owner_mark(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    mark = f"{os.getpid()}:{request.node.nodeid}"
+    monkeypatch.setenv(OWNER_VARIABLE, mark)
+    return mark
+
+
 def server_pids(model: Path) -> list[int]:
-    """llama-server processes serving this model file, from /proc."""
+    """This test's llama-server processes serving this model file, from /proc."""
+    owner = f"{OWNER_VARIABLE}={os.environ[OWNER_VARIABLE]}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -36,6 +50,7 @@ def server_pids(model: Path) -> list[int]:
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
             status = (entry / "status").read_text()
+            environment = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
         zombie = "State:\tZ" in status
@@ -44,6 +59,7 @@ def server_pids(model: Path) -> list[int]:
             and argv
             and argv[0].endswith(b"llama-server")
             and str(model).encode() in argv
+            and owner in environment
         ):
             pids.append(int(entry.name))
     return pids
