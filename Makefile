@@ -1,13 +1,20 @@
 # make bench: set everything up, then run the warm benchmarks on the embedded default (cells.yaml).
-# make test:  set everything up, build the docs site, then run the plugin's own test suite.
+# make test:  set everything up, build the docs site, then run the plugin's own test suite (CI's).
+# make test-fast: the tests that need none of sshd, vLLM or Slurm, on two workers (docs/development.md).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup system sshd vllm slurm python engine bench docs test lint clean
+# The markers of what a test needs beyond Python (pyproject.toml; tests/conftest.py checks them).
+FAST_MARKERS := not sshd and not vllm and not slurm
+
+.PHONY: setup setup-fast system sshd vllm slurm python engine bench docs test test-fast wheel-check lint clean
 
 setup: system python engine
+
+# What test-fast needs: the same as setup (no sshd, no vLLM, no Slurm), named for the docs.
+setup-fast: setup
 
 system:
 	bash scripts/setup-system.sh
@@ -47,8 +54,16 @@ slurm:
 docs: python
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-test: setup sshd vllm slurm docs
+test: setup sshd vllm slurm docs wheel-check
 	$(BIN)/pytest tests/ $(PYTEST_ARGS)
+
+# The package as a user installs it: build, twine check, the wheel in a fresh venv, then
+# `gpubench init` and `pytest benchmarks/ -m warm` from it in an empty directory.
+wheel-check: setup
+	bash scripts/wheel-check.sh $(BIN)/python
+
+test-fast: setup-fast
+	$(BIN)/pytest tests/ -m "$(FAST_MARKERS)" -n 2 $(PYTEST_ARGS)
 
 lint: python
 	$(BIN)/ruff check pytest_gpubench tests benchmarks benchmarks_dev

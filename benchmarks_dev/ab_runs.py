@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.config.matrix import load_matrix
+from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.synthetic import WORDS
 from pytest_gpubench.core.status import EXIT_REGRESSION
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
@@ -168,7 +168,7 @@ def judged(records: list[dict[str, Any]], replay_root: Path, status: int, wall_s
     ttft: dict[str, Any] = next((v for v in ab if v["metric"] == "warm_ttft_p50_ms"), {})
     # The sequential rule on the same pairs, in the order measured (replay_root's cells.yaml is
     # this one with min_runs set).
-    matrix = load_matrix(replay_root / "cells.yaml", replay_root / "prompts.yaml")
+    matrix = read_matrix(replay_root / "cells.yaml", replay_root / "prompts.yaml")
     candidate = matrix.cell(PR)
     calls = [r for r in records if r.get("type") == "call"]
     pairs = collect_pairs(calls, {PR: MAIN})[(PR, PROMPT_ID)]

@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from pytest_gpubench.config.cases import Case, build_cases
-from pytest_gpubench.config.matrix import Cell, load_matrix
+from pytest_gpubench.config.matrix import Cell, read_matrix
 from pytest_gpubench.ledger.gaps import PACKED_FIELD, unpack_gaps
 from pytest_gpubench.ledger.records import call_record
+from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.ledger.writer import record_line
 from pytest_gpubench.measure.stream import CallMeasurement
 
@@ -41,7 +42,7 @@ def cells_and_cases(cells: int) -> list[tuple[Cell, Case]]:
             for i in range(cells)
         )
         path.write_text(f"nodes:\n{nodes}cells:\n{rows}")
-        matrix = load_matrix(path, PROMPTS)
+        matrix = read_matrix(path, PROMPTS)
     by_id = {cell.cell_id: cell for cell in matrix.cells}
     return [
         (by_id[case.cell_id], case)
@@ -115,15 +116,17 @@ def records(count: int, cells: int = 40, seed: int = 0, packed: bool = True) -> 
     for number in range(count):
         cell, case = cases[number % len(cases)]
         tokens = PROMPT_TOKENS[case.prompt_id]
-        record = call_record(
-            run_id="00000000-0000-4000-8000-000000000000",
-            cell=cell,
-            case=case,
-            prompt_sha256="ab" * 32,
-            cold_kind=None,
-            started_at_utc="2026-11-25T10:00:00.000000Z",
-            measurement=measurement(rng, tokens),
-            telemetry=telemetry(rng, tokens),
+        record = as_json(
+            call_record(
+                run_id="00000000-0000-4000-8000-000000000000",
+                cell=cell,
+                case=case,
+                prompt_sha256="ab" * 32,
+                cold_kind=None,
+                started_at_utc="2026-11-25T10:00:00.000000Z",
+                measurement=measurement(rng, tokens),
+                telemetry=telemetry(rng, tokens),
+            )
         )
         record["run_idx"] = number // len(cases)
         if not packed:
@@ -148,12 +151,12 @@ def main() -> None:
     for prompt_id in ("P-EASY", "P-HARD"):
         cell, case = next((c, k) for c, k in cases if k.prompt_id == prompt_id)
         tokens = PROMPT_TOKENS[prompt_id]
-        record = call_record(
+        record = as_json(call_record(
             run_id="00000000-0000-4000-8000-000000000000", cell=cell, case=case,
             prompt_sha256="ab" * 32, cold_kind=None,
             started_at_utc="2026-11-25T10:00:00.000000Z",
             measurement=measurement(rng, tokens), telemetry=telemetry(rng, tokens),
-        )  # fmt: skip
+        ))  # fmt: skip
         after = len(record_line(record).encode()) + 1
         before = len(record_line(unpacked(record)).encode()) + 1
         print(f"{prompt_id:10} {tokens:6} {before:9,} {after:8,} {after / before:13.2f}")

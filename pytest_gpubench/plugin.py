@@ -1,5 +1,9 @@
 """The pytest plugin: hooks and fixtures only; each hook delegates to the run controller, the
-harness, the report or the xdist module."""
+harness, the report or the xdist module.
+
+Free when unused: the plugin loads in every pytest session of its environment, so what a
+benchmark needs (the matrix's pydantic, the harness's HTTP clients) is imported only by a
+session that has a cells file or a benchmark test (tests/test_architecture.py checks it)."""
 
 from __future__ import annotations
 
@@ -9,19 +13,29 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_gpubench import xdist
-from pytest_gpubench.benchmark import BenchCase, BenchEngine, ChatCall
-from pytest_gpubench.config.cases import Case, build_cases, build_test_cases, smoke_case
-from pytest_gpubench.config.matrix import PHASES, Matrix, load_matrix
 from pytest_gpubench.config.options import Options, add_aliases, addoption, option_warnings
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.run.controller import RunController
-from pytest_gpubench.run.guards import FrozenRequests
 
 if TYPE_CHECKING:
+    from pytest_gpubench.benchmark import BenchCase, BenchEngine, ChatCall
+    from pytest_gpubench.config.cases import Case
+    from pytest_gpubench.config.matrix import Matrix
+    from pytest_gpubench.run.controller import RunController
+    from pytest_gpubench.run.guards import FrozenRequests
     from pytest_gpubench.targets import Target
 
-# What benchmark tests import from here (their annotations): defined in benchmark.py.
+# What benchmark tests import from here (their annotations): defined in benchmark.py, imported
+# on first use (__getattr__).
 __all__ = ["BenchCase", "BenchEngine", "ChatCall"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from pytest_gpubench import benchmark
+
+        return getattr(benchmark, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 CASE_FIXTURE = "gpubench_case"
 ENGINE_FIXTURE = "gpubench_engine"
@@ -34,7 +48,7 @@ MARKER_KEYS = ("cells", "phases", "runs")
 # that a slow call is still recorded; this only catches a hang in the harness itself.
 CASE_TIMEOUT_FACTOR = 2.0
 CASE_TIMEOUT_SLACK_S = 180.0
-RUN_KEY = pytest.StashKey[RunController]()
+RUN_KEY: pytest.StashKey[RunController] = pytest.StashKey()
 # {test node id: the cells.yaml node it is the last case of}, in the final run order.
 RELEASE_KEY = pytest.StashKey[dict[str, str]]()
 RECORDS_KEY = pytest.StashKey[list[dict[str, Any]]]()
@@ -48,7 +62,7 @@ MISSING_MATRIX_KEY = pytest.StashKey[str]()
 MARKER_ERROR_KEY = pytest.StashKey[str]()
 # {test id: the node id of the test that has it}: two tests may not share a name.
 TEST_IDS_KEY = pytest.StashKey[dict[str, str]]()
-FROZEN_KEY = pytest.StashKey[FrozenRequests]()
+FROZEN_KEY: pytest.StashKey[FrozenRequests] = pytest.StashKey()
 NOTHING_MEASURED = (
     "{nodeid} asked for gpubench_case but never called gpubench_case.run(): nothing was measured"
 )
@@ -90,6 +104,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "`phases` cold and/or warm (None: each cell's), `runs` warm runs per cell (None: the "
         "cell's; --gpubench-runs overrides)",
     )
+    from pytest_gpubench.run.controller import RunController
+
     options = Options.from_config(config)
     _warn_about_options(config)
     run = RunController(
@@ -122,8 +138,10 @@ def _warn_about_options(config: pytest.Config) -> None:
 def _matrix(config: pytest.Config, options: Options) -> Matrix | None:
     if not (options.cells_named or options.cells_path.exists()):
         return None
+    from pytest_gpubench.config.matrix import read_matrix
+
     try:
-        return load_matrix(
+        return read_matrix(
             options.cells_path,
             options.prompts_path,
             engine_kinds=_kinds(config.hook.pytest_gpubench_engine_kinds()),
@@ -160,6 +178,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.config.stash[MISSING_MATRIX_KEY] = missing
         metafunc.parametrize(PARAM_FIXTURE, [], indirect=True)
         return
+    from pytest_gpubench.config.cases import build_cases
+
     matrix = run.matrix
     if CASE_FIXTURE in metafunc.fixturenames:
         cases = build_cases(matrix, run.options.runs, seed=run.ab_seed)
@@ -187,6 +207,9 @@ def _test_cases(
     metafunc: pytest.Metafunc, matrix: Matrix, runs_override: int | None, seed: int
 ) -> list[Case]:
     """The cases of a test that measures requests of its own, from its gpubench marker."""
+    from pytest_gpubench.config.cases import build_test_cases
+    from pytest_gpubench.config.matrix import PHASES
+
     test_id = _test_id(metafunc)
     where = metafunc.definition.nodeid
     taken = metafunc.config.stash.setdefault(TEST_IDS_KEY, {})
@@ -272,6 +295,8 @@ def pytest_collection_modifyitems(
     cases.sort(key=_case_of)  # type: ignore[arg-type]
     run = _run(config)
     if run.options.smoke and run.matrix is not None:
+        from pytest_gpubench.config.cases import smoke_case
+
         skipped = {cell.cell_id for cell in run.matrix.cells if cell.spec.skip}
         chosen = smoke_case([c for c in (_case_of(i) for i in cases) if c], skipped)
         kept = [item for item in cases if _case_of(item) == chosen][:1]
@@ -337,9 +362,11 @@ def _last_case_of_each_node(items: list[pytest.Item], matrix: Matrix | None) -> 
 
 def _case_of(item: pytest.Item) -> Case | None:
     callspec = getattr(item, "callspec", None)
-    if callspec is None:
-        return None
-    param = callspec.params.get(PARAM_FIXTURE)
+    if callspec is None or PARAM_FIXTURE not in callspec.params:
+        return None  # not a benchmark: nothing to import
+    from pytest_gpubench.config.cases import Case
+
+    param = callspec.params[PARAM_FIXTURE]
     return param if isinstance(param, Case) else None
 
 
@@ -378,6 +405,9 @@ def gpubench_engine(
     """The case's engine on its node: started (managed) and health-checked. Each call of
     chat() is made cold (a restart, an unload) or warm (an unrecorded call first, unless the
     model answered within 60 s) for the case's phase, just before it is measured."""
+    from pytest_gpubench.benchmark import BenchEngine
+    from pytest_gpubench.run.guards import FrozenRequests
+
     case = _gpubench_param
     run = _run(request.config)
     assert run.harness is not None
@@ -405,6 +435,8 @@ def gpubench_engine(
 @pytest.fixture
 def gpubench_case(gpubench_engine: BenchEngine) -> BenchCase:
     """The (cell, prompt, phase, run_idx) this test measures, with its engine ready."""
+    from pytest_gpubench.benchmark import BenchCase
+
     return BenchCase(
         gpubench_engine.case,
         gpubench_engine.harness,
@@ -418,8 +450,10 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    if call.when == "call" and report.passed:
-        funcargs = getattr(item, "funcargs", {})
+    funcargs = getattr(item, "funcargs", {})
+    if call.when == "call" and report.passed and (ENGINE_FIXTURE in funcargs):
+        from pytest_gpubench.benchmark import BenchCase, BenchEngine
+
         bench, engine = funcargs.get(CASE_FIXTURE), funcargs.get(ENGINE_FIXTURE)
         if isinstance(bench, BenchCase):
             if bench.record is None:
@@ -509,16 +543,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    run = _run(terminalreporter.config)
+    rentals = run.rentals()
+    if run.startup_error is None and not run.probe_rows and not rentals and run.ledger is None:
+        return  # nothing of ours to say: the report's modules (pandas, scipy) stay unloaded
     from pytest_gpubench.reports import terminal as report
 
-    run = _run(terminalreporter.config)
     lines: list[report.TerminalLine] = []
     if run.startup_error is not None:
         lines.append(report.TerminalLine(f"ERROR: {run.startup_error}", red=True))
     if run.probe_rows:
         terminalreporter.write_sep("=", "gpubench probe")
         lines.append(report.TerminalLine(report.render_probe(run.probe_rows)))
-    lines.extend(report.rental_lines(run.rentals()))
+    lines.extend(report.rental_lines(rentals))
     if run.ledger is not None:
         _write(terminalreporter, run, lines)
         lines = []

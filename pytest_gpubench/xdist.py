@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpubench.config.cases import build_cases, escaped_id, own_case_of_id, param_id
 from pytest_gpubench.core.errors import GpubenchError
 
 if TYPE_CHECKING:
@@ -54,6 +53,8 @@ class XdistHooks:
         run = self.run()
         if config.getvalue("dist") != "load" or run.matrix is None:
             return None
+        from pytest_gpubench.config.cases import build_cases, escaped_id
+
         matrix = run.matrix
         nodes = {
             escaped_id(case.case_id): matrix.cell(case.cell_id).spec.node
@@ -73,6 +74,8 @@ class XdistHooks:
         run = self.run()
         if run.matrix is None or run.started:
             return
+        from pytest_gpubench.config.cases import build_cases, escaped_id, own_case_of_id, param_id
+
         by_id = {
             escaped_id(case.case_id): case for case in build_cases(run.matrix, run.options.runs)
         }
@@ -100,6 +103,8 @@ class XdistHooks:
 def node_scheduling_class() -> type[Any]:
     """The scheduler class, built on first use: importing xdist costs a session that has none."""
     from xdist.scheduler import LoadScopeScheduling
+
+    from pytest_gpubench.config.cases import own_case_of_id, param_id
 
     class NodeScheduling(LoadScopeScheduling):  # type: ignore[misc]
         """One scope per node; every other test is a scope of its own, as under `--dist load`.

@@ -24,6 +24,29 @@ if TYPE_CHECKING:
 
     from pytest_gpubench.engines.managed import ManagedLlamaServer
 
+# What a test needs beyond Python, by the fixture that provides it, and the marker (pyproject's
+# `markers`) it must then carry: `make test-fast` leaves out sshd, vllm and slurm by these.
+NEEDS = {
+    "llama_server": "engine",
+    "sshd": "sshd",
+    "vllm_install": "vllm",
+    "slurm_cluster": "slurm",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse a test that uses one of NEEDS' fixtures (directly or through another fixture)
+    without its marker: `-m 'not sshd'` would run it and fail where sshd is missing."""
+    unmarked = [
+        f"{item.nodeid} uses the fixture {fixture}: mark it @pytest.mark.{marker}"
+        for item in items
+        for fixture, marker in NEEDS.items()
+        if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None
+    ]
+    if unmarked:
+        raise pytest.UsageError("\n".join(unmarked))
+
+
 # pytester points HOME at each test's directory; keep one cache (the llama-server build, the tiny
 # model) shared by the in-process and subprocess runs, so they find what `make engine` made.
 os.environ.setdefault("GPUBENCH_CACHE_DIR", str(cache_dir()))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpubench.config.matrix import load_matrix
+from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.core.errors import GpubenchError
 
 PROMPTS = """\
@@ -32,7 +32,7 @@ def test_a_candidate_names_its_reference_and_its_minimum(tmp_path: Path) -> None
         "  - {node: local, engine: llamacpp, model: tiny, name: pr,"
         " reference: 'local:llamacpp:tiny@main', min_runs: 3}\n"
     )
-    matrix = load_matrix(*write(tmp_path, cells))
+    matrix = read_matrix(*write(tmp_path, cells))
     main, candidate = matrix.cells
     assert main.reference is None
     assert candidate.reference == "local:llamacpp:tiny@main"
@@ -103,7 +103,7 @@ def test_a_bad_reference_is_one_line_naming_file_cell_and_key(
     tmp_path: Path, cells: str, expected: str
 ) -> None:
     with pytest.raises(GpubenchError) as excinfo:
-        load_matrix(*write(tmp_path, MAIN + cells))
+        read_matrix(*write(tmp_path, MAIN + cells))
     message = str(excinfo.value)
     assert expected in message
     assert "\n" not in message

@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 from pytest_gpubench.config.cases import Case, build_cases, build_test_cases, seed_of_run
-from pytest_gpubench.config.matrix import Matrix, load_matrix
+from pytest_gpubench.config.matrix import Matrix, read_matrix
 
 PROMPTS = """\
 prompts:
@@ -28,7 +28,7 @@ MAIN, OTHER, PR = "local:llamacpp:tiny@main", "local:llamacpp:other", "local:lla
 def matrix(tmp_path: Path) -> Matrix:
     (tmp_path / "cells.yaml").write_text(textwrap.dedent(CELLS))
     (tmp_path / "prompts.yaml").write_text(PROMPTS)
-    return load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+    return read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
 
 
 def warm_pairs(cases: list[Case], prompt_id: str) -> list[list[Case]]:

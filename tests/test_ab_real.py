@@ -19,7 +19,7 @@ import pytest
 from support.delay_proxy import DelayProxy, delay_proxy
 
 from pytest_gpubench.config.cases import build_cases
-from pytest_gpubench.config.matrix import load_matrix
+from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.synthetic import WORDS
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.reports.terminal import render_markdown
@@ -116,6 +116,7 @@ def summary(result: pytest.RunResult) -> str:
     return text[text.find("gpubench") :]
 
 
+@pytest.mark.engine
 def test_a_candidate_held_back_is_a_regression_against_its_reference(
     pytester: pytest.Pytester, llama_server: Path, proxy: DelayProxy
 ) -> None:
@@ -136,7 +137,7 @@ def test_a_candidate_held_back_is_a_regression_against_its_reference(
     assert [(c["cell_id"], c["run_idx"]) for c in calls] == [
         (case.cell_id, case.run_idx)
         for case in build_cases(
-            load_matrix(pytester.path / "cells.yaml", pytester.path / "prompts.yaml"), seed=11
+            read_matrix(pytester.path / "cells.yaml", pytester.path / "prompts.yaml"), seed=11
         )
     ]
     for call in calls:
@@ -186,6 +187,7 @@ def junit_cases(pytester: pytest.Pytester, kind: str) -> dict[str, str]:
     return found
 
 
+@pytest.mark.engine
 def test_two_identical_servers_called_turn_about_pass(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
@@ -221,6 +223,7 @@ def skipped_reasons(records: list[dict[str, Any]]) -> list[str]:
     return [str(r["reason"]) for r in records if r["type"] == "skipped"]
 
 
+@pytest.mark.engine
 def test_a_huge_slowdown_stops_at_the_minimum_and_skips_the_rest_with_a_reason(
     pytester: pytest.Pytester, llama_server: Path, proxy: DelayProxy
 ) -> None:
@@ -249,6 +252,7 @@ def test_a_huge_slowdown_stops_at_the_minimum_and_skips_the_rest_with_a_reason(
     result.stdout.fnmatch_lines(["SKIPPED * sequential sampling: * decided (regression) after *"])
 
 
+@pytest.mark.engine
 def test_identical_sides_stop_as_unchanged_or_run_to_the_maximum(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:

@@ -187,13 +187,15 @@ def test_no_module_imports_from_a_layer_above_it() -> None:
     assert upward == []
 
 
+# What a benchmark needs and a session without one must not pay for: the statistics, SSH, the
+# matrix's validation (pydantic) and the HTTP clients (httpx, h11): together 0.2-0.3 s.
+HEAVY = ("pandas", "scipy", "numpy", "paramiko", "pydantic", "httpx", "h11", "yaml")
+
+
 @pytest.mark.parametrize("module", ["pytest_gpubench.plugin", "pytest_gpubench.xdist"])
 def test_importing_the_plugin_loads_neither_pandas_nor_scipy(module: str) -> None:
     """Installing the plugin costs nothing to a session that runs no benchmark."""
-    code = (
-        f"import sys, {module}\n"
-        "print(sorted(m for m in ('pandas', 'scipy', 'numpy', 'paramiko') if m in sys.modules))"
-    )
+    code = f"import sys, {module}\nprint(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
@@ -203,6 +205,17 @@ def test_importing_the_plugin_loads_neither_pandas_nor_scipy(module: str) -> Non
 def test_a_session_without_benchmarks_loads_neither_pandas_nor_scipy(
     pytester: pytest.Pytester,
 ) -> None:
+    """Nor pydantic, httpx, h11 or paramiko: not during the test, nor by the end of the session
+    (the plugin's sessionfinish and terminal summary run after it; the conftest looks last)."""
+    pytester.makeconftest(
+        f"""
+        import sys
+
+        def pytest_unconfigure(config):
+            loaded = sorted(name for name in {HEAVY!r} if name in sys.modules)
+            print("loaded by the end:", loaded)
+        """
+    )
     pytester.makepyfile(
         test_plain="""
         import sys
@@ -210,7 +223,10 @@ def test_a_session_without_benchmarks_loads_neither_pandas_nor_scipy(
         def test_heavy_libraries_absent():
             assert "pandas" not in sys.modules
             assert "scipy" not in sys.modules
+            for name in ("pydantic", "httpx", "h11", "paramiko"):
+                assert name not in sys.modules, name
         """
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["loaded by the end: []"])

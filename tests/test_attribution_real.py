@@ -24,6 +24,8 @@ from support.tiny_server import tiny_llama_server
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.measure.stream import CallMeasurement
 
+pytestmark = pytest.mark.engine
+
 CELL = "local:llamacpp:tiny"
 PROMPT_ID = "P-EASY"
 PROMPT = "What is the capital of France?"

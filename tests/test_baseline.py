@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +22,10 @@ from pytest_gpubench.results.baseline import (
     baselines_from_records,
     dumps_baseline,
     find_baseline,
-    load_baseline,
-    load_baselines,
-    load_summaries,
     loads_baseline,
+    read_baseline,
+    read_baselines,
+    read_summaries,
     update_baselines,
     write_baseline,
 )
@@ -103,7 +105,7 @@ def test_file_name_replaces_unsafe_characters_and_keeps_the_id_inside(tmp_path: 
 def test_round_trip(tmp_path: Path) -> None:
     for baseline in baselines_from_records(ledger()):
         path = write_baseline(tmp_path, baseline)
-        assert load_baseline(path) == baseline
+        assert read_baseline(path) == baseline
     loaded = find_baseline(tmp_path, CELL)
     assert loaded is not None
     assert loaded.provenance == Provenance(
@@ -118,7 +120,7 @@ def test_round_trip(tmp_path: Path) -> None:
     assert easy is not None
     assert easy.samples.first_delta_ms == (20.0, 20.37, 20.74, 21.11, 21.48)
     assert easy.prompt_sha256 == "sha-of-P-EASY" and easy.cold_first_delta_ms == 400.0
-    assert [cell.cell_id for cell in load_baselines(tmp_path)] == [OTHER, CELL]
+    assert [cell.cell_id for cell in read_baselines(tmp_path)] == [OTHER, CELL]
 
 
 def test_stable_bytes_sorted_indented_with_final_newline(tmp_path: Path) -> None:
@@ -131,7 +133,7 @@ def test_stable_bytes_sorted_indented_with_final_newline(tmp_path: Path) -> None
     assert text == json.dumps(json.loads(text), sort_keys=True, indent=2) + "\n"
     path = write_baseline(tmp_path, first)
     before = path.read_bytes()
-    write_baseline(tmp_path, load_baseline(path))
+    write_baseline(tmp_path, read_baseline(path))
     assert path.read_bytes() == before
 
 
@@ -172,7 +174,7 @@ def test_corrupt_json_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "local_llamacpp_tiny.json"
     path.write_text('{"cell_id": "local:llamacpp:tiny", "prompts": {', encoding="utf-8")
     with pytest.raises(GpubenchError) as raised:
-        load_baseline(path)
+        read_baseline(path)
     message = str(raised.value)
     assert message.startswith(f"{path}: corrupt baseline: not valid JSON (line 1")
     assert "--baseline-update" in message
@@ -210,7 +212,7 @@ def test_missing_or_wrong_keys_name_file_and_key(tmp_path: Path, edit: Any, expe
     path = tmp_path / "cell.json"
     path.write_text(json.dumps(data), encoding="utf-8")
     with pytest.raises(GpubenchError, match="corrupt baseline") as raised:
-        load_baseline(path)
+        read_baseline(path)
     assert str(raised.value).startswith(f"{path}: ")
     assert expected in str(raised.value)
 
@@ -219,10 +221,10 @@ def test_not_an_object_and_newer_format(tmp_path: Path) -> None:
     path = tmp_path / "cell.json"
     path.write_text("[1, 2]", encoding="utf-8")
     with pytest.raises(GpubenchError, match="top level: expected an object"):
-        load_baseline(path)
+        read_baseline(path)
     path.write_text('{"format": 99}', encoding="utf-8")
     with pytest.raises(GpubenchError, match="format 99 is newer"):
-        load_baseline(path)
+        read_baseline(path)
 
 
 def test_missing_baseline_is_none_and_colliding_names_are_refused(tmp_path: Path) -> None:
@@ -263,12 +265,12 @@ def test_load_summaries_from_a_baselines_dir_or_a_ledger(tmp_path: Path) -> None
     run = tmp_path / "run.jsonl"
     lines = [json.dumps(record) for record in records]
     run.write_text("\n".join(lines) + '\n{"type": "call", "cell', encoding="utf-8")
-    from_dir = load_summaries(tmp_path / "baselines")
-    from_ledger = load_summaries(run)
+    from_dir = read_summaries(tmp_path / "baselines")
+    from_ledger = read_summaries(run)
     assert from_dir == from_ledger
     assert len(from_ledger) == 4
     with pytest.raises(GpubenchError, match="no such ledger or baselines directory"):
-        load_summaries(tmp_path / "nowhere.jsonl")
+        read_summaries(tmp_path / "nowhere.jsonl")
 
 
 # A baseline as format 1 wrote it (before decode tokens/s, p90s and engine-side figures): its
@@ -302,7 +304,7 @@ def test_a_format_1_baseline_loads_and_its_missing_figures_are_new(tmp_path: Pat
 
     path = tmp_path / "local_llamacpp_tiny.json"
     path.write_text(json.dumps(FORMAT_1, indent=2), encoding="utf-8")
-    (old,) = load_baseline(path).prompts
+    (old,) = read_baseline(path).prompts
     assert (old.warm_first_delta_ms_p50, old.warm_first_delta_ms_p90) == (3.2, None)
     assert old.warm_decode_tokens_per_sec_p50 is None and old.warm_coalesced == 0
     assert old.samples.decode_tokens_per_sec == () and old.samples.engine_prompt_ms == ()
@@ -315,7 +317,7 @@ def test_a_format_1_baseline_loads_and_its_missing_figures_are_new(tmp_path: Pat
     assert "the baseline has no warm decode tokens/s p50" in decode.message
     # Written again, it becomes a file of the current format (3) without the mean of ratios,
     # its unknown identity facts null.
-    rewritten = json.loads(dumps_baseline(load_baseline(path)))
+    rewritten = json.loads(dumps_baseline(read_baseline(path)))
     assert rewritten["format"] == 3
     assert rewritten["provenance"]["model_identity"] is None
     assert "tokens_per_sec_mean" not in rewritten["prompts"]["P-EASY"]["warm"]
@@ -410,7 +412,7 @@ def test_too_few_warm_samples_for_the_cells_runs_are_refused_per_prompt(tmp_path
         "too few warm samples ever to be significant against the cell's runs: P-EASY 1 against "
         "5 (smallest possible p = 0.167 ≥ 0.05) (measure more warm runs: --gpubench-runs N)"
     )
-    stored = load_baseline(update.written[CELL])
+    stored = read_baseline(update.written[CELL])
     assert [p.prompt_id for p in stored.prompts] == ["P-MEDIUM"]
     # One sample against 20 later ones can be significant: smallest p = 1/C(21, 1) = 0.048.
     assert OTHER in update.written and OTHER not in update.refused
@@ -472,7 +474,7 @@ def test_another_setup_replaces_the_file_whole_or_not_at_all(tmp_path: Path) -> 
     )
     whole = update_baselines(tmp_path, with_engine(ledger(), "0.13.0"))
     assert CELL in whole.written
-    assert load_baseline(path).provenance.engine_version == "0.13.0"
+    assert read_baseline(path).provenance.engine_version == "0.13.0"
 
 
 def test_a_merge_keeps_facts_this_run_did_not_learn(tmp_path: Path) -> None:
@@ -482,7 +484,7 @@ def test_a_merge_keeps_facts_this_run_did_not_learn(tmp_path: Path) -> None:
         for r in ledger()
     ]
     update_baselines(tmp_path, only(unknown, prompt_id="P-EASY"))
-    assert load_baseline(baseline_path(tmp_path, CELL)).provenance.model_digest == "2ae6f6dd7a3d"
+    assert read_baseline(baseline_path(tmp_path, CELL)).provenance.model_digest == "2ae6f6dd7a3d"
 
 
 def test_a_stable_system_fingerprint_is_recorded_a_varying_one_is_not(tmp_path: Path) -> None:
@@ -513,12 +515,22 @@ def test_a_corrupt_file_is_replaced_and_said_so(tmp_path: Path) -> None:
 
 
 def test_a_file_that_cannot_be_written_is_reported_and_the_others_are_written(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A full disk for one file (tests run as root here, so a read-only folder blocks nothing):
+    the rename that would put it in place fails with ENOSPC."""
     update_baselines(tmp_path, ledger())
     blocked = baseline_path(tmp_path, CELL)
     blocked.unlink()
-    blocked.with_name(blocked.name + ".tmp").mkdir()  # the atomic write's partial file
+    replace = os.replace
+
+    def full_disk_for_blocked(source: Any, target: Any) -> None:
+        if Path(target) == blocked:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", full_disk_for_blocked)
     update = update_baselines(tmp_path, ledger())
     assert set(update.written) == {OTHER}
     assert update.failed[CELL].startswith(f"{blocked}: cannot write baseline: ")
+    assert not blocked.exists() and not list(tmp_path.glob(".*.tmp"))  # nothing half-written

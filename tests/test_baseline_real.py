@@ -20,6 +20,8 @@ from test_faults import mount_tmpfs  # noqa: F401 - the fixture, shared
 from pytest_gpubench.core.status import EXIT_INCOMPARABLE, EXIT_WRITE_FAILED
 from pytest_gpubench.ledger.writer import read_ledger
 
+pytestmark = pytest.mark.engine
+
 CELL = "local:llamacpp:tiny"
 FILE = "local_llamacpp_tiny.json"
 TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"

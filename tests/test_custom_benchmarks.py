@@ -73,6 +73,7 @@ def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     return pytester.runpytest("--force-load", "-p", "no:cacheprovider", *args)
 
 
+@pytest.mark.engine
 def test_a_custom_test_is_collected_per_cell_measured_recorded_and_baselined(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:
@@ -139,6 +140,7 @@ def test_a_custom_test_is_collected_per_cell_measured_recorded_and_baselined(
     assert len(ttft) == 3 and all(v["verdict"] != "new" and v["baseline"] for v in ttft), ttft
 
 
+@pytest.mark.engine
 def test_under_xdist_a_custom_test_is_planned_and_its_node_runs_on_one_worker(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:
@@ -156,6 +158,7 @@ def test_under_xdist_a_custom_test_is_planned_and_its_node_runs_on_one_worker(
     assert len({call["worker"] for call in calls}) == 1
 
 
+@pytest.mark.engine
 def test_a_test_that_asks_for_the_engine_but_measures_nothing_fails(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:
@@ -173,6 +176,7 @@ def test_a_test_that_asks_for_the_engine_but_measures_nothing_fails(
 # -- the frozen request --------------------------------------------------------------------------
 
 
+@pytest.mark.engine
 def test_a_changed_request_under_the_same_name_is_refused_naming_the_test(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:
@@ -197,6 +201,7 @@ def test_a_changed_request_under_the_same_name_is_refused_naming_the_test(
     assert {c["prompt_id"] for c in calls} == {"test_on_two_only"}
 
 
+@pytest.mark.engine
 def test_two_requests_under_one_name_in_a_run_are_refused(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:
@@ -285,6 +290,7 @@ def examples_bench(pytester: pytest.Pytester, url: str) -> None:
         shutil.copy(REPO / "benchmarks" / name, pytester.path / name)
 
 
+@pytest.mark.engine
 def test_the_examples_pass_against_the_real_llama_server(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:
@@ -317,6 +323,7 @@ def test_the_examples_pass_against_the_real_llama_server(
         assert call["engine_timings"]["prompt_n"] == call["prompt_tokens"]
 
 
+@pytest.mark.engine
 def test_the_json_example_fails_with_a_clear_message_when_the_answer_does_not_parse(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:
@@ -364,6 +371,7 @@ def measured_run(
     return result, EngineSpeed.of(calls)
 
 
+@pytest.mark.engine
 def test_a_custom_test_60_percent_slower_to_first_token_exits_6_naming_test_and_cell(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:
@@ -406,7 +414,7 @@ def test_a_custom_test_60_percent_slower_to_first_token_exits_6_naming_test_and_
 
 def test_a_case_id_names_its_cell_even_when_one_cell_id_starts_another(tmp_path: Path) -> None:
     from pytest_gpubench.config.cases import build_test_cases, own_case_of_id
-    from pytest_gpubench.config.matrix import load_matrix
+    from pytest_gpubench.config.matrix import read_matrix
 
     (tmp_path / "prompts.yaml").write_text(PROMPTS)
     (tmp_path / "cells.yaml").write_text(
@@ -414,7 +422,7 @@ def test_a_case_id_names_its_cell_even_when_one_cell_id_starts_another(tmp_path:
         "  - {node: a, engine: openai, model: qwen3, endpoint: 'http://127.0.0.1:9'}\n"
         "  - {node: b, engine: openai, model: qwen3-0.6b, endpoint: 'http://127.0.0.1:9'}\n"
     )
-    matrix = load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+    matrix = read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
     cases = build_test_cases(matrix, "test_x", runs=2)
     assert [case.case_id for case in cases] == [
         "a:openai:qwen3-test_x-cold-0",

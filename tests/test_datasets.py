@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpubench.config.datasets import Dataset, dataset_sha256, sample_dataset
-from pytest_gpubench.config.matrix import load_matrix, load_prompt_file
+from pytest_gpubench.config.matrix import read_matrix, read_prompt_file
 from pytest_gpubench.core.errors import GpubenchError
 
 SAMPLE = (
@@ -93,14 +93,14 @@ def test_a_prompts_yaml_dataset_entry_stands_for_its_sampled_prompts(tmp_path: P
         f"  chat: {{intent: support chat, dataset: {{path: '{SAMPLE}', format: sharegpt,"
         " count: 3, seed: 1}}\n"
     )
-    prompts, groups = load_prompt_file(tmp_path / "prompts.yaml")
+    prompts, groups = read_prompt_file(tmp_path / "prompts.yaml")
     assert next(iter(prompts)) == "P-ONE" and len(groups["chat"]) == 3
     assert all(pid.startswith("chat#") and pid in prompts for pid in groups["chat"])
     (tmp_path / "cells.yaml").write_text(
         "nodes: {local: {kind: local}}\ncells:\n"
         "  - {node: local, engine: llamacpp, model: tiny, prompts: [chat]}\n"
     )
-    matrix = load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+    matrix = read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
     assert matrix.cells[0].prompt_ids == groups["chat"]
 
 
@@ -142,7 +142,7 @@ def test_bad_dataset_input_is_one_line_naming_the_file_and_key(
     (tmp_path / "bad.jsonl").write_text(json.dumps(good) + "\n{oops\n")
     (tmp_path / "prompts.yaml").write_text(f"prompts:\n  chat: {{dataset: {entry}}}\n")
     with pytest.raises(GpubenchError) as caught:
-        load_prompt_file(tmp_path / "prompts.yaml")
+        read_prompt_file(tmp_path / "prompts.yaml")
     text = str(caught.value)
     assert "\n" not in text and text.startswith(str(tmp_path / "prompts.yaml"))
     assert fnmatch.fnmatch(text, f"*{message}"), text
@@ -161,4 +161,4 @@ def test_a_load_dataset_with_a_bad_file_names_the_cell_and_key(tmp_path: Path) -
         GpubenchError,
         match=r"cells\[0\] \(local:llamacpp:tiny\): load\.dataset\.path: .*gone\.jsonl: file not found",
     ):
-        load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+        read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")

@@ -147,6 +147,7 @@ def served_site(tmp_path: Path) -> Iterator[tuple[str, list[tuple[str, int]]]]:
 
 
 @needs_chromium
+@pytest.mark.browser
 def test_chromium_renders_a_docs_page_with_its_nav_and_no_console_errors(
     served_site: tuple[str, list[tuple[str, int]]], tmp_path: Path
 ) -> None:

@@ -64,6 +64,7 @@ def prompt_evaluated(base_url: str) -> int:
     return int(answer.json()["timings"]["prompt_n"])
 
 
+@pytest.mark.engine
 def test_on_an_openai_cell_in_front_of_llama_server_every_long_context_call_is_a_whole_prefill(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:
@@ -98,6 +99,7 @@ def test_on_an_openai_cell_in_front_of_llama_server_every_long_context_call_is_a
     print(f"warm TTFT {warm_ttft:.1f} ms, whole prefill; cache on: {cached} tokens evaluated")
 
 
+@pytest.mark.engine
 def test_the_json_examples_expected_failure_follows_the_model_not_the_cell_id(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:
@@ -124,6 +126,7 @@ def test_the_json_examples_expected_failure_follows_the_model_not_the_cell_id(
     assert len(calls) == 15 and all(call["error"] is None for call in calls)
 
 
+@pytest.mark.vllm
 def test_the_examples_run_on_a_real_vllm_that_ignores_the_cache_switch(
     pytester: pytest.Pytester, vllm_server: VllmServer
 ) -> None:

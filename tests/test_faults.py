@@ -21,6 +21,8 @@ from support.pytest_process import start_pytest
 from pytest_gpubench.core.status import EXIT_WRITE_FAILED
 from pytest_gpubench.ledger.writer import read_ledger
 
+pytestmark = pytest.mark.engine
+
 PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 8}\n'
 TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
 

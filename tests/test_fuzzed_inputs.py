@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from support import ledgers
 
 from pytest_gpubench.cli.main import main
-from pytest_gpubench.config.matrix import load_matrix, load_prompts
+from pytest_gpubench.config.matrix import read_matrix, read_prompts
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.ledger.writer import Ledger, iter_records
-from pytest_gpubench.results.baseline import load_baseline
+from pytest_gpubench.results.baseline import read_baseline
 from pytest_gpubench.results.load_baseline import load_baseline_path, read_load_baseline
 
 # Example counts: listed in docs/clusters-and-leases.md; a run of this file takes about 40 s.
@@ -163,13 +163,13 @@ def assert_one_clear_error(error: GpubenchError, path: Path) -> None:
         assert line.startswith(str(path)), message
 
 
-def read_matrix(cells: str, prompts: str) -> None:
+def matrix_or_one_line(cells: str, prompts: str) -> None:
     with tempfile.TemporaryDirectory() as directory:
         cells_path, prompts_path = Path(directory, "cells.yaml"), Path(directory, "prompts.yaml")
         cells_path.write_text(cells, encoding="utf-8", errors="surrogatepass")
         prompts_path.write_text(prompts, encoding="utf-8", errors="surrogatepass")
         try:
-            load_matrix(cells_path, prompts_path)
+            read_matrix(cells_path, prompts_path)
         except GpubenchError as error:
             named = prompts_path if str(error).startswith(str(prompts_path)) else cells_path
             assert_one_clear_error(error, named)
@@ -181,13 +181,13 @@ def test_the_fixed_documents_are_valid() -> None:
         cells_path, prompts_path = Path(directory, "cells.yaml"), Path(directory, "prompts.yaml")
         cells_path.write_text(dumped(CELLS))
         prompts_path.write_text(dumped(PROMPTS))
-        assert len(load_matrix(cells_path, prompts_path).cells) == 2
+        assert len(read_matrix(cells_path, prompts_path).cells) == 2
 
 
 @MANY
 @given(mutated(CELLS))
 def test_any_cells_yaml_gives_a_matrix_or_one_clear_error(document: Any) -> None:
-    read_matrix(dumped(document), dumped(PROMPTS))
+    matrix_or_one_line(dumped(document), dumped(PROMPTS))
 
 
 @SOME
@@ -197,7 +197,7 @@ def test_any_load_profile_gives_a_matrix_or_one_clear_error(data: st.DataObject)
     document = replaced(CELLS, ("cells", 1, "load"), profile)
     if data.draw(st.booleans()):
         document = replaced(document, ("settings", "load"), profile)
-    read_matrix(dumped(document), dumped(PROMPTS))
+    matrix_or_one_line(dumped(document), dumped(PROMPTS))
 
 
 @MANY
@@ -207,7 +207,7 @@ def test_any_prompts_yaml_gives_prompts_or_one_clear_error(document: Any) -> Non
         path = Path(directory, "prompts.yaml")
         path.write_text(dumped(document), encoding="utf-8")
         try:
-            load_prompts(path)
+            read_prompts(path)
         except GpubenchError as error:
             assert_one_clear_error(error, path)
 
@@ -215,7 +215,7 @@ def test_any_prompts_yaml_gives_prompts_or_one_clear_error(document: Any) -> Non
 @SOME
 @given(damaged_text(dumped(CELLS)), damaged_text(dumped(PROMPTS)))
 def test_cut_or_spliced_yaml_gives_a_matrix_or_one_clear_error(cells: str, prompts: str) -> None:
-    read_matrix(cells, prompts)
+    matrix_or_one_line(cells, prompts)
 
 
 @SOME
@@ -226,7 +226,7 @@ def test_any_bytes_as_cells_yaml_give_a_matrix_or_one_clear_error(data: bytes) -
         cells_path.write_bytes(data)
         prompts_path.write_text(dumped(PROMPTS))
         try:
-            load_matrix(cells_path, prompts_path)
+            read_matrix(cells_path, prompts_path)
         except GpubenchError as error:
             assert_one_clear_error(error, cells_path)
 
@@ -267,12 +267,12 @@ BASELINE: dict[str, Any] = {
 }
 
 
-def read_baseline(text: str) -> None:
+def baseline_or_one_line(text: str) -> None:
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory, "local_llamacpp_tiny.json")
         path.write_text(text, encoding="utf-8", errors="surrogatepass")
         try:
-            load_baseline(path)
+            read_baseline(path)
         except GpubenchError as error:
             assert_one_clear_error(error, path)
 
@@ -292,18 +292,18 @@ def json_text(document: Any) -> str:
 @MANY
 @given(mutated(BASELINE))
 def test_any_baseline_file_gives_a_baseline_or_one_clear_error(document: Any) -> None:
-    read_baseline(json_text(document))
+    baseline_or_one_line(json_text(document))
 
 
 @SOME
 @given(damaged_text(json.dumps(BASELINE, indent=2)))
 def test_a_cut_or_spliced_baseline_file_gives_one_clear_error(text: str) -> None:
-    read_baseline(text)
+    baseline_or_one_line(text)
 
 
 @pytest.mark.parametrize("depth", [100, 2_000, 200_000])
 def test_a_deeply_nested_baseline_file_is_one_clear_error(depth: int) -> None:
-    read_baseline("[" * depth + "]" * depth)
+    baseline_or_one_line("[" * depth + "]" * depth)
 
 
 LOAD_BASELINE: dict[str, Any] = {
@@ -467,7 +467,7 @@ def test_a_pytest_run_on_any_cells_yaml_ends_with_its_documented_status(
 
 def test_a_number_too_long_to_read_is_one_clear_error(tmp_path: Path) -> None:
     """Python reads integers of at most 4,300 digits: json.loads raised a bare ValueError."""
-    read_baseline(json.dumps(BASELINE).replace('"format": 3', '"format": ' + "9" * 5000))
+    baseline_or_one_line(json.dumps(BASELINE).replace('"format": 3', '"format": ' + "9" * 5000))
     path = tmp_path / "run.jsonl"
     path.write_text('{"type": "meta"}\n{"type": "call", "n": ' + "9" * 5000 + "}\n")
     with pytest.raises(GpubenchError, match="line 2 is not a ledger record"):
@@ -479,6 +479,7 @@ def test_a_number_too_long_to_read_is_one_clear_error(tmp_path: Path) -> None:
     ["[" * 5_000 + "]" * 5_000, '{"format": ' + "9" * 5_000 + "}", json.dumps(BASELINE)[:200]],
     ids=["nested-5000-deep", "number-5000-digits", "cut-short"],
 )
+@pytest.mark.engine
 def test_a_bad_baseline_is_a_usage_error_before_anything_runs(
     pytester: pytest.Pytester, server: ManagedLlamaServer, baseline: str
 ) -> None:

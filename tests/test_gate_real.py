@@ -120,6 +120,7 @@ def test_the_split_falls_at_the_start_of_the_first_content_line(piece: int) -> N
     assert after.startswith(FIRST_CONTENT_EVENT)
 
 
+@pytest.mark.engine
 def test_the_proxy_passes_control_calls_and_delays_only_the_first_content(
     proxy: DelayProxy, upstream: str
 ) -> None:
@@ -136,6 +137,7 @@ def test_the_proxy_passes_control_calls_and_delays_only_the_first_content(
     assert call.first_content_ms < 50.0 <= held.first_delta_ms  # the engine was not slowed down
 
 
+@pytest.mark.engine
 def test_the_proxy_adds_little_to_ttft(proxy: DelayProxy, upstream: str) -> None:
     """Its overhead is in the baseline and the comparisons alike, but it must not swamp TTFT."""
     direct, proxied = LlamaCppEngine(upstream, "tiny"), LlamaCppEngine(proxy.url, "tiny")
@@ -223,6 +225,7 @@ def steady_run(
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda scenario: scenario.test_id)
+@pytest.mark.engine
 def test_gate_against_a_baseline_through_the_proxy(
     pytester: pytest.Pytester, proxy: DelayProxy, scenario: Scenario
 ) -> None:

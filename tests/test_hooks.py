@@ -70,6 +70,7 @@ def pytest_gpubench_open_target(node_id, node):
 """
 
 
+@pytest.mark.engine
 def test_plugin_engine_and_node_kinds_run_cells(
     pytester: pytest.Pytester, server: ManagedLlamaServer, llama_server: Path
 ) -> None:

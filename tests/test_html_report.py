@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,7 @@ def test_the_same_ledger_gives_the_same_bytes(report: Path, tmp_path: Path) -> N
     assert again.read_bytes() == report.read_bytes()
 
 
+@pytest.mark.browser
 @needs_chromium
 def test_chromium_renders_the_charts_without_console_errors(report: Path, tmp_path: Path) -> None:
     screenshot = tmp_path / "report.png"
@@ -137,6 +139,7 @@ def test_chromium_renders_the_charts_without_console_errors(report: Path, tmp_pa
         assert "GPU power W" in telemetry and telemetry.count("<path") > 5
 
 
+@pytest.mark.browser
 @needs_chromium
 def test_the_console_check_catches_a_page_error(tmp_path: Path) -> None:
     """The check above is not vacuous: a script error on a page is seen."""
@@ -166,3 +169,25 @@ def test_a_missing_baselines_dir_is_one_clear_error(
     assert capsys.readouterr().err.strip() == (
         f"gpubench: error: {tmp_path / 'nope'}: --baselines is not a directory"
     )
+
+
+@pytest.mark.parametrize("command", ["report", "history"])
+def test_without_the_html_extra_the_html_commands_say_so_in_one_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+) -> None:
+    """matplotlib is the [html] extra: where it is not installed (here: its import blocked, as
+    Python does for a None entry in sys.modules), `--html` gives one line and exit status 2.
+    scripts/wheel-check.sh shows the same in a fresh venv without the extra."""
+    ledger = ledgers.write(tmp_path / "runs" / "run.jsonl", ledgers.run_records("r"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    target = str(ledger) if command == "report" else str(ledger.parent)
+    code = main([command, target, "--html", "-o", str(tmp_path / "page.html")])
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "gpubench: error: the HTML report draws its charts with matplotlib, which is not "
+        "installed: pip install 'pytest-gpubench[html]'"
+    ]
+    assert not (tmp_path / "page.html").exists()

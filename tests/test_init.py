@@ -113,6 +113,7 @@ def test_the_workflow_runs_the_gate_and_keeps_ledger_and_report(tmp_path: Path) 
     assert names.index("Regression gate") < names.index("Report") < steps.index(upload)
 
 
+@pytest.mark.engine
 def test_init_then_commit_then_pytest_benchmarks_passes(
     pytester: pytest.Pytester,
     monkeypatch: pytest.MonkeyPatch,

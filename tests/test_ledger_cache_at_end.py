@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from support.standins import OllamaStandin, serving
 
-from pytest_gpubench.reports.frame import _load_cache, _stamp, cache_path, read_ledger_frame
+from pytest_gpubench.reports.frame import _read_cache, _stamp, cache_path, read_ledger_frame
 from pytest_gpubench.run import controller
 
 PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 6}\n'
@@ -34,7 +34,7 @@ def test_a_large_session_leaves_the_cache_its_first_report_reads(
         run_session(pytester, url)
     (ledger,) = (pytester.path / "runs").glob("*.jsonl")
     assert cache_path(ledger).is_file()
-    cached = _load_cache(ledger, _stamp(ledger))
+    cached = _read_cache(ledger, _stamp(ledger))
     assert cached is not None  # stamped with the closed ledger: the report's first read uses it
     assert len(cached.calls) == 4
     assert cached.end["type"] == "end"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpubench.config.cases import build_cases
-from pytest_gpubench.config.matrix import load_matrix
+from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.ledger.gaps import gaps_ms, pack_gaps, unpack_gaps
 from pytest_gpubench.ledger.records import call_record
 from pytest_gpubench.ledger.writer import record_line
@@ -54,7 +54,7 @@ def test_a_call_record_carries_its_gaps_packed(tmp_path: Path) -> None:
     (tmp_path / "prompts.yaml").write_text(
         "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 8}\n"
     )
-    matrix = load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+    matrix = read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
     gaps = measured_gaps(63)
     measurement = CallMeasurement(inter_chunk_ms=gaps, finish_reason="length", client_chunks=64)
     record = call_record(

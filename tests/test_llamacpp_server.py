@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +17,8 @@ from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.ledger.writer import read_ledger
 
+pytestmark = pytest.mark.engine
+
 PROMPTS = """\
 prompts:
   P-EASY: {intent: short, prompt: "What is the capital of France?", max_tokens: 8}
@@ -26,16 +27,22 @@ prompts:
 TEST_FILE = CHECKED_TEST_FILE
 
 
-def own_model(pytester: pytest.Pytester, tiny_model: Path) -> Path:
-    """A copy of the tiny model in this test's directory: the servers that serve it are this
-    test's own, whatever other sessions on the machine run from the shared cache."""
-    copy = pytester.path / "own-tiny.gguf"
-    shutil.copyfile(tiny_model, copy)
-    return copy
+# Which test's servers: the machine is shared (other sessions, and the other xdist worker of
+# `make test-fast`, serve the same tiny model), so a server counts only if it inherited this
+# test's mark in its environment, which it keeps even when orphaned.
+OWNER_VARIABLE = "GPUBENCH_TEST_OWNER"
+
+
+@pytest.fixture(autouse=True)
+def owner_mark(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    mark = f"{os.getpid()}:{request.node.nodeid}"
+    monkeypatch.setenv(OWNER_VARIABLE, mark)
+    return mark
 
 
 def server_pids(model: Path) -> list[int]:
-    """llama-server processes serving this model file, from /proc."""
+    """This test's llama-server processes serving this model file, from /proc."""
+    owner = f"{OWNER_VARIABLE}={os.environ[OWNER_VARIABLE]}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -43,6 +50,7 @@ def server_pids(model: Path) -> list[int]:
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
             status = (entry / "status").read_text()
+            environment = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
         zombie = "State:\tZ" in status
@@ -51,6 +59,7 @@ def server_pids(model: Path) -> list[int]:
             and argv
             and argv[0].endswith(b"llama-server")
             and str(model).encode() in argv
+            and owner in environment
         ):
             pids.append(int(entry.name))
     return pids
@@ -97,12 +106,11 @@ def test_every_request_generates_exactly_max_tokens(server: ManagedLlamaServer) 
 def test_warm_and_cold_run_through_the_plugin(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
 ) -> None:
-    tiny_model = own_model(pytester, tiny_model)
     pytester.makefile(
         ".yaml",
         prompts=PROMPTS,
         cells=f"nodes: {{local: {{kind: local}}}}\ncells:\n"
-        f"  - {{node: local, engine: llamacpp, model: tiny, model_path: '{tiny_model}', server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 2}}\n",
+        f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 2}}\n",
     )
     pytester.makepyfile(test_bench=TEST_FILE)
     result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
@@ -175,13 +183,12 @@ def _tiny_path() -> Path:
 def start_long_run(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
 ) -> subprocess.Popen[bytes]:
-    """A pytest subprocess measuring thousands of warm cases (the model given is this test's own
-    copy); returns once 50 calls are in."""
+    """A pytest subprocess measuring thousands of warm cases; returns once 50 calls are in."""
     pytester.makefile(
         ".yaml",
         prompts=PROMPTS,
         cells=f"nodes: {{local: {{kind: local}}}}\ncells:\n"
-        f"  - {{node: local, engine: llamacpp, model: tiny, model_path: '{tiny_model}', server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 5000, phases: [warm]}}\n",
+        f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 5000, phases: [warm]}}\n",
     )
     pytester.makepyfile(test_bench=TEST_FILE)
     process = subprocess.Popen(
@@ -211,7 +218,6 @@ def wait_until_gone(model: Path, timeout_s: float = 10) -> list[int]:
 def test_kill_9_of_pytest_leaves_no_server(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
 ) -> None:
-    tiny_model = own_model(pytester, tiny_model)
     process = start_long_run(pytester, llama_server, tiny_model)
     os.kill(process.pid, signal.SIGKILL)
     process.wait(timeout=10)
@@ -226,7 +232,6 @@ def test_kill_9_of_pytest_leaves_no_server(
 def test_ctrl_c_stops_the_server_and_closes_the_ledger(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
 ) -> None:
-    tiny_model = own_model(pytester, tiny_model)
     process = start_long_run(pytester, llama_server, tiny_model)
     os.kill(process.pid, signal.SIGINT)
     assert process.wait(timeout=30) == pytest.ExitCode.INTERRUPTED

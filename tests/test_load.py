@@ -17,7 +17,7 @@ from support.keepalive_server import keepalive_server
 
 from pytest_gpubench.config.cases import build_cases
 from pytest_gpubench.config.load_profile import LoadProfile, LoadThresholds, Slo, merged_profile
-from pytest_gpubench.config.matrix import load_matrix
+from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.measure.gauges import parse_metrics
 from pytest_gpubench.measure.load_client import RawResponse, _ResponseReader, stamped_lines
@@ -49,7 +49,7 @@ def ledger_records(pytester: pytest.Pytester) -> list[dict[str, Any]]:
 def matrix_of(tmp_path: Path, cells: str) -> object:
     (tmp_path / "cells.yaml").write_text(cells)
     (tmp_path / "prompts.yaml").write_text(PROMPTS)
-    return load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+    return read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
 
 
 # -- the profile and the cases ----------------------------------------------------------------

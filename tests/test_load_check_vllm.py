@@ -43,6 +43,7 @@ def run_point(pytester: pytest.Pytester, endpoint: str) -> tuple[dict[str, Any],
     return load, result.stdout.str()
 
 
+@pytest.mark.vllm
 def test_a_vllm_load_point_carries_the_engines_own_means_beside_the_clients(
     pytester: pytest.Pytester, vllm_server: Any
 ) -> None:
@@ -71,6 +72,7 @@ def test_a_vllm_load_point_carries_the_engines_own_means_beside_the_clients(
     assert "TTFT client / engine / offset ms" in output
 
 
+@pytest.mark.vllm
 def test_replies_delivered_whole_are_counted_and_warned_about(
     pytester: pytest.Pytester, vllm_server: Any
 ) -> None:

@@ -33,6 +33,8 @@ def newest_ledger(root: Path) -> Path:
 
 
 @needs_chromium
+@pytest.mark.browser
+@pytest.mark.engine
 def test_a_real_sweep_draws_its_load_section_in_chromium(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path, tmp_path: Path
 ) -> None:

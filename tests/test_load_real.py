@@ -1,5 +1,6 @@
 """Load cases against the real llama-server serving the tiny model with 4 slots: throughput
-rises with concurrency, every request gets max_tokens, an open loop keeps its Poisson schedule,
+rises with concurrency (each stream paced by a proxy, so that a request's time is certain), every
+request gets max_tokens, an open loop keeps its Poisson schedule,
 the engine's own token counter agrees with the client's, and the gate fails a load point whose
 throughput a pacing proxy halved (tests/support/pacing_proxy.py) while passing an unchanged one."""
 
@@ -19,6 +20,8 @@ from pytest_gpubench.engines import tinymodel
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.engines.tinymodel import TinyConfig
 from pytest_gpubench.targets.local import LocalTarget
+
+pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 64
 PROMPTS = (
@@ -62,6 +65,10 @@ HEAVY = TinyConfig(n_embd=512, n_layer=4, n_head=8, n_head_kv=4, n_ff=1536)
 # The machine is shared: a run whose neighbours took the cores during one point is measured
 # again, up to this many times.
 ATTEMPTS = 3
+# One content event per stream every 25 ms: 16 tokens take 0.4 s whatever the engine's speed
+# (the tiny model's 4 slots give 16 tokens in about 30 ms here), so 4 paced streams ask the
+# engine for 160 tokens/s, a fifth of what it serves on one busy core.
+PACED_GAP_S = 0.025
 # The send lag of a Poisson run is a matter of getting a core on time: with a 1-minute load of
 # 2.5-3 on 2 cores (this machine while other work runs), one run in two or three has a send
 # or two late by 1-5 ms among 32.
@@ -77,41 +84,58 @@ def heavy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_throughput_rises_with_concurrency_and_every_request_gets_max_tokens(
-    pytester: pytest.Pytester, llama_server: Path, heavy_model: Path
+    pytester: pytest.Pytester, llama_server: Path, heavy_model: Path, proxy: PacingProxy
 ) -> None:
+    """Counts and gauges on the heavy model as it is; the rise of throughput with concurrency
+    through the pacing proxy. Whether a real engine gives more tokens/s at 2 streams than at 1
+    is a figure of the machine, not of this code (on a fresh 2-core machine it did not:
+    557/463/669 tokens/s at 1, 2, 4): with each stream paced to one content event every
+    PACED_GAP_S, a request's time is the proxy's, and only a closed loop that keeps 1, 2 and 4
+    requests in flight gives 1, 2 and 4 times its throughput."""
     write_project(
         pytester,
         managed_cell("concurrency: [1, 2, 4], duration_s: 4", "heavy", heavy_model),
         max_tokens=16,
     )
-    seen = []
-    for _ in range(ATTEMPTS):
-        result = run(pytester)
-        result.assert_outcomes(passed=3)
-        records = ledger_records(pytester.path)
-        loads = {r["load_point"]: r for r in records if r["type"] == "load"}
-        calls = [r for r in records if r["type"] == "call"]
-        assert all(r["error"] is None for r in calls)
-        # ignore_eos: every request generates exactly max_tokens, by the engine's count and ours.
-        assert {r["completion_tokens"] for r in calls} == {16}
-        assert {r["client_chunks"] for r in calls} == {16}
-        for point, load in loads.items():
-            assert load["valid"], load["invalid_reason"]
-            # The engine's own counter (llama-server --metrics) over the point equals ours.
-            counters = load["engine_counters"]
-            assert counters["llamacpp:tokens_predicted_total"] == load["client_completion_tokens"]
-            assert load["ok"] == load["requests"] > 0, point
-        samples = [r for r in records if r["type"] == "sample" and r.get("engine")]
-        assert {s["load_point"] for s in samples} == {"c1", "c2", "c4"}
-        at_four = next(s for s in samples if s["load_point"] == "c4")["engine"]
-        assert max(v or 0 for v in at_four["llamacpp:requests_processing"]) >= 3
-        result.stdout.fnmatch_lines(["load: local:llamacpp:heavy", "*P-LOAD*c4*ok"])
-        throughput = [loads[p]["output_tokens_per_sec"] for p in ("c1", "c2", "c4")]
-        print("output tokens/s at concurrency 1, 2, 4:", throughput)
-        seen.append(throughput)
-        if throughput[0] < throughput[1] < throughput[2]:
-            return
-    pytest.fail(f"throughput did not rise with concurrency in {ATTEMPTS} runs: {seen}")
+    result = run(pytester)
+    result.assert_outcomes(passed=3)
+    records = ledger_records(pytester.path)
+    loads = {r["load_point"]: r for r in records if r["type"] == "load"}
+    calls = [r for r in records if r["type"] == "call"]
+    assert all(r["error"] is None for r in calls)
+    # ignore_eos: every request generates exactly max_tokens, by the engine's count and ours.
+    assert {r["completion_tokens"] for r in calls} == {16}
+    assert {r["client_chunks"] for r in calls} == {16}
+    for point, load in loads.items():
+        assert load["valid"], load["invalid_reason"]
+        # The engine's own counter (llama-server --metrics) over the point equals ours.
+        counters = load["engine_counters"]
+        assert counters["llamacpp:tokens_predicted_total"] == load["client_completion_tokens"]
+        assert load["ok"] == load["requests"] > 0, point
+    samples = [r for r in records if r["type"] == "sample" and r.get("engine")]
+    assert {s["load_point"] for s in samples} == {"c1", "c2", "c4"}
+    at_four = next(s for s in samples if s["load_point"] == "c4")["engine"]
+    assert max(v or 0 for v in at_four["llamacpp:requests_processing"]) >= 3
+    result.stdout.fnmatch_lines(["load: local:llamacpp:heavy", "*P-LOAD*c4*ok"])
+    print(
+        "output tokens/s of the heavy model at concurrency 1, 2, 4:",
+        [loads[p]["output_tokens_per_sec"] for p in ("c1", "c2", "c4")],
+    )
+
+    proxy.gap_s = PACED_GAP_S
+    write_project(
+        pytester,
+        "nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, endpoint: '{proxy.url}',"
+        " load: {concurrency: [1, 2, 4], duration_s: 3}}\n",
+        max_tokens=16,
+    )
+    paced = run(pytester)
+    paced.assert_outcomes(passed=3)
+    loads = {r["load_point"]: r for r in ledger_records(pytester.path) if r["type"] == "load"}
+    throughput = [loads[p]["output_tokens_per_sec"] for p in ("c1", "c2", "c4")]
+    print("output tokens/s through the pacing proxy at concurrency 1, 2, 4:", throughput)
+    assert throughput[0] < throughput[1] < throughput[2]
 
 
 def test_a_poisson_run_records_its_schedule_and_keeps_it(
@@ -185,6 +209,9 @@ def test_a_halved_throughput_at_concurrency_4_fails_the_gate_and_an_unchanged_on
         f"  - {{node: local, engine: llamacpp, model: tiny, endpoint: '{proxy.url}',"
         " load: {concurrency: [4], duration_s: 5, thresholds: {ttft_p99: 5, tpot_p99: 5}}}\n",
     )
+    # The throughput is the proxy's, not the shared machine's: one content event every
+    # PACED_GAP_S for the baseline and the unchanged run, every twice that for the halved one.
+    proxy.gap_s = PACED_GAP_S
     baseline = run(pytester, "--baseline-update")
     assert baseline.ret == 0, baseline.stdout.str()[-3000:]
     assert (pytester.path / "baselines" / "load" / "local_llamacpp_tiny.json").exists()
@@ -198,9 +225,9 @@ def test_a_halved_throughput_at_concurrency_4_fails_the_gate_and_an_unchanged_on
         unchanged.append(run(pytester))
     assert unchanged[-1].ret == 0, unchanged[-1].stdout.str()[-3000:]
 
-    # Each content event waits for its turn, one every twice a request's time per token at this
-    # load: every stream takes about twice as long, while the engine runs as fast as before.
-    proxy.gap_s = 2 * measured["e2e_ms_p50"] / MAX_TOKENS / 1000.0
+    # Each content event waits for its turn, one every twice the gap: every stream takes about
+    # twice as long, while the engine runs as fast as before.
+    proxy.gap_s = 2 * PACED_GAP_S
     halved = run(pytester)
     text = halved.stdout.str()
     assert halved.ret == 6, text[-3000:]

@@ -11,11 +11,17 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.vllm
+
 pytest.importorskip(
-    "vllm_server", reason="the shared vLLM set-up (tests/support/vllm_server.py) is missing"
+    "support.vllm_server", reason="the shared vLLM set-up (tests/support/vllm_server.py) is missing"
 )
 
-MAX_TOKENS = 16
+# Long enough that a request is in flight for a second or more (vLLM on CPU gives the tiny model
+# about a hundred tokens/s a stream here): the c4 point's running gauge, sampled every 50 ms,
+# then certainly sees its requests. With 16 tokens the point lasted 0.2 s, and on a fresh
+# machine no sample caught a running request (`0 >= 2`).
+MAX_TOKENS = 128
 PROMPTS = (
     f"prompts:\n  P-LOAD: {{intent: load, prompt: 'Count to ten.', max_tokens: {MAX_TOKENS}}}\n"
 )

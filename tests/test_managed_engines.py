@@ -57,6 +57,7 @@ def test_a_launch_template_is_filled_in_and_its_environment_goes_first() -> None
     assert render_launch(["{model_path}", "{nope}"], {"model_path": "/m"}) == ["/m", "{nope}"]
 
 
+@pytest.mark.engine
 def test_an_openai_cell_launched_from_a_template_on_this_machine(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
 ) -> None:
@@ -90,6 +91,8 @@ def test_an_openai_cell_launched_from_a_template_on_this_machine(
     assert not [line for line in live if "llama-server" in line]  # stopped at the end
 
 
+@pytest.mark.engine
+@pytest.mark.sshd
 def test_an_openai_cell_launched_on_an_ssh_node_and_reached_through_the_forward(
     pytester: pytest.Pytester, sshd: SshServer, node_install: tuple[Path, Path]
 ) -> None:
@@ -117,6 +120,8 @@ def test_an_openai_cell_launched_on_an_ssh_node_and_reached_through_the_forward(
     assert "listening on" in engine_log.read_text()
 
 
+@pytest.mark.engine
+@pytest.mark.sshd
 def test_an_engine_already_on_the_node_is_addressed_by_its_port(
     pytester: pytest.Pytester, sshd: SshServer, node_install: tuple[Path, Path]
 ) -> None:
@@ -153,6 +158,8 @@ def test_an_engine_already_on_the_node_is_addressed_by_its_port(
         node.close()
 
 
+@pytest.mark.sshd
+@pytest.mark.vllm
 def test_vllm_launched_on_an_ssh_node_measured_through_the_forward_and_stopped(
     pytester: pytest.Pytester, sshd: SshServer, vllm_install: Path
 ) -> None:

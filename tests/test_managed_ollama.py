@@ -22,6 +22,8 @@ from support.gpu_standins import write_nvidia_smi
 from support.ollama_standin import OLLAMA_VERSION, write_ollama
 from support.remote_cells import flow_mapping, ledger_of, run_matrix, ssh_node
 
+pytestmark = pytest.mark.sshd
+
 if TYPE_CHECKING:
     from support.ssh_fixtures import SshServer
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpubench.config.matrix import PluginNode, load_matrix, load_prompts
+from pytest_gpubench.config.matrix import PluginNode, read_matrix, read_prompts
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.results.baseline import baseline_file_name
 
@@ -39,7 +39,7 @@ cells:
 
 
 def test_valid_matrix_applies_defaults_and_per_cell_overrides(tmp_path: Path) -> None:
-    matrix = load_matrix(*write(tmp_path, GOOD))
+    matrix = read_matrix(*write(tmp_path, GOOD))
     tiny, ollama = matrix.cells
     assert tiny.cell_id == "local:llamacpp:tiny" and tiny.managed and tiny.runs == 3
     assert tiny.prompt_ids == ("P-EASY", "P-MEDIUM")
@@ -117,14 +117,14 @@ def test_valid_matrix_applies_defaults_and_per_cell_overrides(tmp_path: Path) ->
 )
 def test_bad_cells_file_names_file_cell_and_key(tmp_path: Path, cells: str, expected: str) -> None:
     with pytest.raises(GpubenchError) as excinfo:
-        load_matrix(*write(tmp_path, cells))
+        read_matrix(*write(tmp_path, cells))
     assert expected in str(excinfo.value)
 
 
 def test_non_positive_max_tokens_names_prompt_and_key(tmp_path: Path) -> None:
     prompts = "prompts:\n  P-EASY: {intent: x, prompt: hi, max_tokens: 0}\n"
     with pytest.raises(GpubenchError, match=r"prompts\.yaml: prompts\.P-EASY\.max_tokens: "):
-        load_matrix(*write(tmp_path, GOOD, prompts))
+        read_matrix(*write(tmp_path, GOOD, prompts))
 
 
 def test_bad_input_is_a_usage_error_with_one_line_and_no_traceback(
@@ -163,7 +163,7 @@ def test_kinds_that_plugins_add_are_accepted(tmp_path: Path) -> None:
         "nodes: {rack: {kind: k8s, namespace: gpu, replicas: 2}}\n"
         "cells:\n  - {node: rack, engine: tgi, model: m, endpoint: 'http://10.0.0.1:80'}\n"
     )
-    matrix = load_matrix(*write(tmp_path, cells), engine_kinds=["tgi"], node_kinds=["k8s"])
+    matrix = read_matrix(*write(tmp_path, cells), engine_kinds=["tgi"], node_kinds=["k8s"])
     (cell,) = matrix.cells
     assert cell.spec.engine == "tgi"
     assert isinstance(cell.node, PluginNode) and cell.node.kind == "k8s"
@@ -173,7 +173,7 @@ def test_kinds_that_plugins_add_are_accepted(tmp_path: Path) -> None:
 def test_a_plugin_engine_kind_still_needs_an_endpoint(tmp_path: Path) -> None:
     cells = "nodes: {local: {kind: local}}\ncells:\n  - {node: local, engine: tgi, model: m}\n"
     with pytest.raises(GpubenchError, match=r"\(local:tgi:m\): endpoint: required for engine"):
-        load_matrix(*write(tmp_path, cells), engine_kinds=["tgi"])
+        read_matrix(*write(tmp_path, cells), engine_kinds=["tgi"])
 
 
 # -- files that are not what they should be: one line naming the file, exit 4 -----------------
@@ -273,7 +273,7 @@ def test_unreadable_or_empty_files_are_one_usage_line(
 def test_a_utf8_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
     cells_path, prompts_path = write(tmp_path, GOOD)
     cells_path.write_bytes(b"\xef\xbb\xbf" + cells_path.read_bytes())
-    assert len(load_matrix(cells_path, prompts_path).cells) == 2
+    assert len(read_matrix(cells_path, prompts_path).cells) == 2
 
 
 # -- named cells: two engine versions side by side ------------------------------------------
@@ -288,7 +288,7 @@ cells:
 
 
 def test_a_name_tells_apart_cells_with_the_same_node_engine_and_model(tmp_path: Path) -> None:
-    matrix = load_matrix(*write(tmp_path, SIDE_BY_SIDE))
+    matrix = read_matrix(*write(tmp_path, SIDE_BY_SIDE))
     assert [cell.cell_id for cell in matrix.cells] == [
         "local:openai:m@b4100",
         "local:openai:m@b4200",
@@ -331,7 +331,7 @@ def test_a_name_tells_apart_cells_with_the_same_node_engine_and_model(tmp_path: 
 )
 def test_bad_or_missing_names_are_usage_errors(tmp_path: Path, cells: str, expected: str) -> None:
     with pytest.raises(GpubenchError) as excinfo:
-        load_matrix(*write(tmp_path, cells))
+        read_matrix(*write(tmp_path, cells))
     assert expected in str(excinfo.value)
 
 
@@ -374,7 +374,7 @@ def test_the_endpoint_is_kept_as_written_and_still_validated(
         f"  - {{node: local, engine: openai, model: m, endpoint: '{written}'}}\n"
         "  - {node: local, engine: llamacpp, model: tiny}\n"
     )
-    remote, managed = load_matrix(*write(tmp_path, cells)).cells
+    remote, managed = read_matrix(*write(tmp_path, cells)).cells
     assert remote.endpoint_as_written == remote.spec.endpoint_as_written == written
     assert str(remote.spec.endpoint) == normalised
     assert managed.endpoint_as_written is None
@@ -400,7 +400,7 @@ CANONICAL = {
 
 def test_shipped_prompts_are_the_canonical_ones_verbatim() -> None:
     """The ids are frozen with these texts: earlier measurements on other machines used them."""
-    prompts = load_prompts(SHIPPED_PROMPTS)
+    prompts = read_prompts(SHIPPED_PROMPTS)
     assert {pid: (p.intent, p.prompt, p.max_tokens) for pid, p in prompts.items()} == CANONICAL
     assert list(prompts) == ["P-EASY", "P-MEDIUM", "P-HARD"]
 
@@ -435,7 +435,7 @@ def test_a_key_written_twice_is_a_usage_error_naming_file_line_and_key(
     """YAML keeps the last of two equal keys silently: a second `cells:` dropped the first list's
     cells from the run and the manifest, and `model:` twice measured the last one."""
     with pytest.raises(GpubenchError) as excinfo:
-        load_matrix(*write(tmp_path, cells, prompts))
+        read_matrix(*write(tmp_path, cells, prompts))
     assert str(excinfo.value).startswith(str(tmp_path))
     assert expected in str(excinfo.value) and "\n" not in str(excinfo.value)
 

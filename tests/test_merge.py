@@ -80,6 +80,25 @@ def test_merged_ledger_has_one_meta_every_record_and_one_end(tmp_path: Path) -> 
     assert end["exit_status"] == 0
 
 
+@pytest.mark.parametrize(
+    ("statuses", "merged_status"),
+    [((5, EXIT_UNMEASURED), EXIT_UNMEASURED), ((EXIT_REGRESSION, 1), 1), ((0, 5), 5)],
+    ids=["nothing-collected-below-unmeasured", "failed-tests-above-regression", "5-above-ok"],
+)
+def test_the_merged_status_is_the_most_severe_shard_s_as_a_session_ranks_them(
+    tmp_path: Path, statuses: tuple[int, int], merged_status: int
+) -> None:
+    """A shard that collected nothing (5) must not hide another's unmeasured cells (7)."""
+    paths = [shard_ledger(tmp_path, cell) for cell in CELLS]
+    for path, status in zip(paths, statuses, strict=True):
+        records = read(path)
+        records[-1]["exit_status"] = status
+        write(path, records)
+    merged = tmp_path / "merged.jsonl"
+    main(["merge", *map(str, paths), "-o", str(merged)])
+    assert read(merged)[-1]["exit_status"] == merged_status
+
+
 def test_merged_ledger_is_read_by_gpubench_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -224,7 +243,7 @@ def test_ledgers_of_different_runs_are_refused_with_one_line(
 
 
 def test_shards_split_by_node_and_cover_the_matrix_once(tmp_path: Path) -> None:
-    from pytest_gpubench.config.matrix import load_matrix
+    from pytest_gpubench.config.matrix import read_matrix
 
     (tmp_path / "prompts.yaml").write_text(
         'prompts:\n  P: {intent: x, prompt: "hi", max_tokens: 4}\n', encoding="utf-8"
@@ -238,7 +257,7 @@ def test_shards_split_by_node_and_cover_the_matrix_once(tmp_path: Path) -> None:
         "  - {node: c, engine: llamacpp, model: m1, endpoint: 'http://127.0.0.1:1'}\n",
         encoding="utf-8",
     )
-    matrix = load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+    matrix = read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
     shards = [[c.cell_id for c in shard_matrix(matrix, Shard(i, 2)).cells] for i in range(2)]
     assert shards == [["a:llamacpp:m1", "a:llamacpp:m2"], ["b:llamacpp:m1", "c:llamacpp:m1"]]
     assert node_groups(matrix.cells)["a"] == ["a:llamacpp:m1", "a:llamacpp:m2"]

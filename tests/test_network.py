@@ -14,7 +14,7 @@ from support.keepalive_server import KeepAliveServer, keepalive_server
 from support.standins import OllamaStandin, serving
 from support.tls_terminator import make_ca, stunnel, stunnel_binary
 
-from pytest_gpubench.config.matrix import Prompt, RequestShape, load_matrix
+from pytest_gpubench.config.matrix import Prompt, RequestShape, read_matrix
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines import api_root
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
@@ -58,6 +58,7 @@ def test_v1_and_gateway_base_urls_are_measured_on_the_right_path(suffix: str) ->
     assert [r.path for r in server.requests] == [f"{prefix}/v1/chat/completions"]
 
 
+@pytest.mark.engine
 def test_v1_base_url_against_the_real_llama_server(server: ManagedLlamaServer) -> None:
     """`http://host:port/v1` as OpenAI clients write it: health, models and a measured call
     (not /v1/v1/models)."""
@@ -129,6 +130,7 @@ def test_a_failed_call_never_leaves_its_connection_for_the_next() -> None:
 
 
 @needs_stunnel
+@pytest.mark.engine
 def test_tls_in_front_of_the_real_llama_server(server: ManagedLlamaServer, tmp_path: Path) -> None:
     """Calls succeed with ca_file; an unknown CA fails in one line; no certificate check works
     only when asked; stunnel completes one handshake per connection the client opened."""
@@ -240,7 +242,7 @@ def test_request_and_tls_keys_an_engine_cannot_take_are_one_line(
         tmp_path, f"nodes: {{l: {{kind: local}}}}\ncells:\n  - {cell}\n", prompts
     )
     with pytest.raises(GpubenchError) as raised:
-        load_matrix(cells_path, prompts_path)
+        read_matrix(cells_path, prompts_path)
     assert error in str(raised.value) and "\n" not in str(raised.value)
 
 
@@ -326,6 +328,7 @@ def test_request_keys_and_env_headers_reach_the_engine_and_the_records_not_the_s
 
 
 @needs_stunnel
+@pytest.mark.engine
 def test_https_cells_with_ca_file_v1_and_a_gateway_prefix_through_the_plugin(
     pytester: pytest.Pytester, server: ManagedLlamaServer, tmp_path: Path
 ) -> None:

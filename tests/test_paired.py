@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.config.matrix import Cell, Thresholds, load_matrix
+from pytest_gpubench.config.matrix import Cell, Thresholds, read_matrix
 from pytest_gpubench.results.gate import ALPHA, Verdict
 from pytest_gpubench.results.paired import (
     PAIRED_METRICS,
@@ -73,7 +73,7 @@ def cell(tmp_path: Path, extra: str = "") -> Cell:
     (tmp_path / "prompts.yaml").write_text(
         "prompts:\n  P: {intent: x, prompt: hi, max_tokens: 4}\n"
     )
-    return load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml").cell(PR)
+    return read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml").cell(PR)
 
 
 def test_a_slower_candidate_is_caught_through_a_drifting_machine() -> None:

@@ -25,6 +25,7 @@ def bench(pytester: pytest.Pytester, url: str) -> None:
     pytester.makepyfile(test_bench=TEST_FILE)
 
 
+@pytest.mark.engine
 def test_one_line_rewritten_per_case(pytester: pytest.Pytester, server: ManagedLlamaServer) -> None:
     bench(pytester, server.base_url)
     result = pytester.runpytest("--color=yes", "--force-load", "-p", "no:cacheprovider")
@@ -45,6 +46,7 @@ def test_one_line_rewritten_per_case(pytester: pytest.Pytester, server: ManagedL
     assert "3 passed" in text  # pytest's own count is kept
 
 
+@pytest.mark.engine
 def test_not_under_quiet_or_without_markup(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:

@@ -129,6 +129,7 @@ def assert_given_back(target: ProviderTarget, api: ProviderStandIn) -> None:
     assert target.key_dir is not None and not target.key_dir.exists()
 
 
+@pytest.mark.sshd
 def test_happy_path(standin: StandInFactory, remote_dir: Path) -> None:
     api = standin()
     target = rented(
@@ -173,6 +174,7 @@ def test_happy_path(standin: StandInFactory, remote_dir: Path) -> None:
     assert {seen.authorization for seen in api.seen} == {f"Bearer {TOKEN}"}
 
 
+@pytest.mark.sshd
 def test_no_offers(standin: StandInFactory) -> None:
     api = standin()
     target = rented(api.url, max_price=0.10)
@@ -186,6 +188,7 @@ def test_no_offers(standin: StandInFactory) -> None:
     assert target.key_path is None
 
 
+@pytest.mark.sshd
 def test_session_failed(standin: StandInFactory) -> None:
     api = standin(statuses=["provisioning", "failed"], error="GPU fell off the bus")
     target = rented(api.url)
@@ -196,6 +199,7 @@ def test_session_failed(standin: StandInFactory) -> None:
     assert_given_back(target, api)
 
 
+@pytest.mark.sshd
 def test_provision_timeout(standin: StandInFactory) -> None:
     api = standin(statuses=["pending"])
     target = rented(api.url, provision_timeout_s=0.3)
@@ -205,6 +209,7 @@ def test_provision_timeout(standin: StandInFactory) -> None:
     assert_given_back(target, api)
 
 
+@pytest.mark.sshd
 def test_ssh_never_ready(standin: StandInFactory, sshd: SshServer) -> None:
     api = standin(ssh_port=sshd.closed_port())
     target = rented(api.url, ssh_wait_timeout_s=0.5)
@@ -217,6 +222,7 @@ def test_ssh_never_ready(standin: StandInFactory, sshd: SshServer) -> None:
     assert_given_back(target, api)
 
 
+@pytest.mark.sshd
 def test_instance_stopped_mid_run_fails_fast(standin: StandInFactory) -> None:
     api = standin()
     target = rented(api.url)
@@ -238,6 +244,7 @@ def test_instance_stopped_mid_run_fails_fast(standin: StandInFactory) -> None:
     assert_given_back(target, api)
 
 
+@pytest.mark.sshd
 def test_instance_stopped_while_provisioning(standin: StandInFactory) -> None:
     api = standin(statuses=["provisioning", "stopped"], error="out of capacity")
     target = rented(api.url)
@@ -247,6 +254,7 @@ def test_instance_stopped_while_provisioning(standin: StandInFactory) -> None:
 
 
 @pytest.mark.parametrize("where", ["on_create", "while_provisioning"])
+@pytest.mark.sshd
 def test_no_public_ip_moves_to_the_next_offer(standin: StandInFactory, where: str) -> None:
     message = "no public IPs available on this host"
     if where == "on_create":
@@ -266,6 +274,7 @@ def test_no_public_ip_moves_to_the_next_offer(standin: StandInFactory, where: st
     assert_given_back(target, api)
 
 
+@pytest.mark.sshd
 def test_ctrl_c_while_provisioning_still_gives_back(standin: StandInFactory) -> None:
     api = standin(statuses=["provisioning"])
     target = rented(api.url, provision_timeout_s=30)
@@ -277,6 +286,7 @@ def test_ctrl_c_while_provisioning_still_gives_back(standin: StandInFactory) -> 
     assert_given_back(target, api)
 
 
+@pytest.mark.sshd
 def test_secrets_stay_out_of_errors_and_logs(
     standin: StandInFactory, session_key: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -299,6 +309,7 @@ def test_missing_token_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
         rented("http://127.0.0.1:9")
 
 
+@pytest.mark.sshd
 def test_wrong_token_fails_provision(standin: StandInFactory) -> None:
     api = standin(token="another")
     target = rented(api.url)
@@ -308,6 +319,7 @@ def test_wrong_token_fails_provision(standin: StandInFactory) -> None:
     assert api.created() == []
 
 
+@pytest.mark.sshd
 def test_the_rental_is_reported_once_when_given_back(standin: StandInFactory) -> None:
     """on_rental_closed hears of each rental once: after close, or after a failed open."""
     api = standin()
@@ -358,6 +370,7 @@ def test_choose_offers() -> None:
     assert Offer.from_api({"id": 7, "price_per_hour": 1}) == Offer(7, "", "", None, 1.0, None)
 
 
+@pytest.mark.sshd
 def test_factory_opens_each_kind(
     standin: StandInFactory, sshd: SshServer, remote_dir: Path
 ) -> None:

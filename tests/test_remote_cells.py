@@ -27,6 +27,8 @@ from support.remote_cells import (
     ssh_node,
 )
 
+pytestmark = [pytest.mark.engine, pytest.mark.sshd]
+
 if TYPE_CHECKING:
     from support.ssh_fixtures import SshServer
 

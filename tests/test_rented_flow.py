@@ -38,6 +38,8 @@ from support.remote_cells import (
 from pytest_gpubench.cli.main import main as gpubench_main
 from pytest_gpubench.ledger.writer import read_ledger
 
+pytestmark = [pytest.mark.engine, pytest.mark.sshd]
+
 if TYPE_CHECKING:
     from support.ssh_fixtures import SshServer
 

@@ -21,6 +21,8 @@ from pytest_gpubench.core.status import EXIT_UNMEASURED
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.baseline import baseline_path
 
+pytestmark = [pytest.mark.engine, pytest.mark.slurm]
+
 if TYPE_CHECKING:
     from support.slurm_fixtures import SlurmCluster
 

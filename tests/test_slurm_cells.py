@@ -20,6 +20,8 @@ from support.remote_cells import flow_mapping, ledger_of, managed_cell, write_pr
 
 from pytest_gpubench.core.status import EXIT_UNMEASURED
 
+pytestmark = [pytest.mark.engine, pytest.mark.slurm]
+
 if TYPE_CHECKING:
     from support.slurm_fixtures import SlurmCluster
     from support.ssh_fixtures import SshServer
@@ -179,6 +181,7 @@ def test_interrupting_the_run_cancels_the_job(
     assert any(r["type"] == "call" and r["error"] is None for r in records)
 
 
+@pytest.mark.sshd
 def test_a_login_node_over_ssh_submits_the_job_and_forwards_its_port(
     pytester: pytest.Pytester,
     slurm_cluster: SlurmCluster,

@@ -52,6 +52,8 @@ def login_without_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert shutil.which("nvidia-smi") is None, "this test needs a machine without nvidia-smi"
 
 
+@pytest.mark.engine
+@pytest.mark.slurm
 def test_gpu_check_vram_check_and_telemetry_judge_the_jobs_own_node(
     pytester: pytest.Pytester,
     slurm_cluster: SlurmCluster,
@@ -87,6 +89,8 @@ def test_gpu_check_vram_check_and_telemetry_judge_the_jobs_own_node(
     assert used and all(value >= 1234 for value in used)  # the stand-in's figures, from the job
 
 
+@pytest.mark.engine
+@pytest.mark.slurm
 def test_gpu_check_fails_on_what_the_jobs_node_reports(
     pytester: pytest.Pytester,
     slurm_cluster: SlurmCluster,
@@ -111,6 +115,8 @@ def test_gpu_check_fails_on_what_the_jobs_node_reports(
     assert slurm_cluster.jobs() == []  # the job was cancelled when its check failed
 
 
+@pytest.mark.engine
+@pytest.mark.slurm
 def test_a_managed_cell_without_paths_runs_from_the_submit_hosts_shared_files(
     pytester: pytest.Pytester,
     slurm_cluster: SlurmCluster,
@@ -157,7 +163,7 @@ def test_a_managed_cell_without_paths_runs_from_the_submit_hosts_shared_files(
 
 def test_a_path_the_node_does_not_share_is_one_clear_line(tmp_path: Path) -> None:
     """A node that does not see this host's file (or holds another one there)."""
-    from pytest_gpubench.config.matrix import load_matrix
+    from pytest_gpubench.config.matrix import read_matrix
     from pytest_gpubench.core.errors import GpubenchError
     from pytest_gpubench.engines.managed_llamacpp import _shared_path
     from pytest_gpubench.targets import CommandResult
@@ -167,7 +173,7 @@ def test_a_path_the_node_does_not_share_is_one_clear_line(tmp_path: Path) -> Non
         "nodes: {box: {kind: ssh, host: 127.0.0.1, user: bench}}\n"
         "cells: [{node: box, engine: llamacpp, model: tiny}]\n"
     )
-    (cell,) = load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml").cells
+    (cell,) = read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml").cells
     local = tmp_path / "llama-server"
     local.write_bytes(b"the submit host's build")
 

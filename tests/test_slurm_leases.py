@@ -79,6 +79,8 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
+@pytest.mark.engine
+@pytest.mark.slurm
 def test_a_job_left_by_kill_9_is_cancelled_by_leases_release(
     pytester: pytest.Pytester,
     slurm_cluster: SlurmCluster,
@@ -108,6 +110,8 @@ def test_a_job_left_by_kill_9_is_cancelled_by_leases_release(
     assert capsys.readouterr().out.startswith("no rentals in ")
 
 
+@pytest.mark.engine
+@pytest.mark.slurm
 def test_a_job_left_by_kill_9_is_cancelled_by_the_next_run_and_recorded(
     pytester: pytest.Pytester,
     slurm_cluster: SlurmCluster,

@@ -94,6 +94,7 @@ def test_job_names_stay_plain() -> None:
     )
 
 
+@pytest.mark.slurm
 def test_sbatch_accepts_the_container_script(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """The real sbatch parses every directive (--test-only: checked, not queued)."""
     node = _node(
@@ -110,6 +111,7 @@ def test_sbatch_accepts_the_container_script(slurm_cluster: SlurmCluster, tmp_pa
     assert slurm_cluster.jobs() == []
 
 
+@pytest.mark.slurm
 def test_a_container_job_runs_its_engine_in_the_image(
     slurm_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,6 +18,8 @@ from pytest_gpubench.config.matrix import SlurmNode
 from pytest_gpubench.targets.slurm import SlurmTarget, open_slurm_target
 from pytest_gpubench.targets.stages import StageError
 
+pytestmark = pytest.mark.slurm
+
 if TYPE_CHECKING:
     from support.slurm_fixtures import SlurmCluster
 

@@ -63,6 +63,8 @@ def kill_during_the_cell(
     return servers_of(sshd.user)
 
 
+@pytest.mark.engine
+@pytest.mark.sshd
 def test_a_server_left_by_kill_9_is_stopped_by_leases_release(
     pytester: pytest.Pytester,
     sshd: SshServer,

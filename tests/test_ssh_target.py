@@ -60,6 +60,7 @@ def remote_dir(sshd: SshServer, request: pytest.FixtureRequest) -> Path:
     return path
 
 
+@pytest.mark.sshd
 def test_run_returns_status_and_output(target: SshTarget) -> None:
     result = target.run(["id", "-un"], timeout_s=5)
     assert result.ok
@@ -69,6 +70,7 @@ def test_run_returns_status_and_output(target: SshTarget) -> None:
     assert failed.stderr.strip() == "oops"
 
 
+@pytest.mark.sshd
 def test_shell_metacharacters_are_passed_literally(target: SshTarget, remote_dir: Path) -> None:
     marker = remote_dir / "pwned"
     hostile = [
@@ -94,6 +96,7 @@ def test_shell_metacharacters_are_passed_literally(target: SshTarget, remote_dir
     assert not marker.exists()
 
 
+@pytest.mark.sshd
 def test_command_timeout_raises_and_kills_the_command(target: SshTarget) -> None:
     started = time.monotonic()
     with pytest.raises(SshCommandTimeout) as raised:
@@ -108,6 +111,7 @@ def test_command_timeout_raises_and_kills_the_command(target: SshTarget) -> None
     assert target.run(["true"], timeout_s=5).ok
 
 
+@pytest.mark.sshd
 def test_unknown_host_refused_unless_trusted(sshd: SshServer, tmp_path: Path) -> None:
     known_hosts = tmp_path / "known_hosts"
     known_hosts.write_text("[127.0.0.1]:1 ssh-ed25519 " + sshd.host_public_key.split()[1] + "\n")
@@ -126,11 +130,13 @@ def test_unknown_host_refused_unless_trusted(sshd: SshServer, tmp_path: Path) ->
     connect(sshd, known_hosts=str(known_hosts)).close()
 
 
+@pytest.mark.sshd
 def test_missing_known_hosts_file_is_an_unknown_host(sshd: SshServer, tmp_path: Path) -> None:
     with pytest.raises(StageError, match="unknown host"):
         connect(sshd, known_hosts=str(tmp_path / "absent"))
 
 
+@pytest.mark.sshd
 def test_changed_host_key_refused_even_when_trusting_new_hosts(
     sshd: SshServer, tmp_path: Path
 ) -> None:
@@ -147,6 +153,7 @@ def test_changed_host_key_refused_even_when_trusting_new_hosts(
     assert known_hosts.read_text() == f"[127.0.0.1]:{sshd.port} {impostor}\n"
 
 
+@pytest.mark.sshd
 def test_host_known_by_another_key_type_is_not_trusted_as_new(
     sshd: SshServer, tmp_path: Path
 ) -> None:
@@ -160,6 +167,7 @@ def test_host_known_by_another_key_type_is_not_trusted_as_new(
         connect(sshd, known_hosts=str(known_hosts), trust_new_host=True)
 
 
+@pytest.mark.sshd
 def test_wrong_key_and_closed_port_are_ssh_connect_errors(sshd: SshServer, tmp_path: Path) -> None:
     sshd.new_key(tmp_path / "stranger", "stranger")
     with pytest.raises(StageError, match="authentication failed") as refused:
@@ -169,6 +177,7 @@ def test_wrong_key_and_closed_port_are_ssh_connect_errors(sshd: SshServer, tmp_p
         connect(sshd, port=sshd.closed_port())
 
 
+@pytest.mark.sshd
 def test_background_process_does_not_hold_the_channel(target: SshTarget, remote_dir: Path) -> None:
     started = time.monotonic()
     process = target.start(["sleep", "300"], log_path=f"{remote_dir}/logs/sleep.log")
@@ -180,6 +189,7 @@ def test_background_process_does_not_hold_the_channel(target: SshTarget, remote_
     assert not SshProcess(target, process.pid, process.log_path).alive()
 
 
+@pytest.mark.sshd
 def test_stop_escalates_to_kill(target: SshTarget, remote_dir: Path) -> None:
     process = target.start(
         ["sh", "-c", "trap '' TERM; while :; do sleep 0.1; done"], log_path=f"{remote_dir}/t.log"
@@ -190,6 +200,7 @@ def test_stop_escalates_to_kill(target: SshTarget, remote_dir: Path) -> None:
     assert not process.alive()
 
 
+@pytest.mark.sshd
 def test_a_server_left_by_an_earlier_run_is_stopped_before_the_next_start(
     sshd: SshServer, remote_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -221,6 +232,7 @@ def test_a_server_left_by_an_earlier_run_is_stopped_before_the_next_start(
         later.close()
 
 
+@pytest.mark.sshd
 def test_a_server_whose_run_is_still_connected_is_left_alone(
     sshd: SshServer, remote_dir: Path
 ) -> None:
@@ -236,6 +248,7 @@ def test_a_server_whose_run_is_still_connected_is_left_alone(
         second.close()
 
 
+@pytest.mark.sshd
 def test_start_of_a_missing_program_shows_in_the_log(target: SshTarget, remote_dir: Path) -> None:
     process = target.start(
         ["/nonexistent/llama-server", "--port", "1"], log_path=f"{remote_dir}/m.log"
@@ -247,6 +260,7 @@ def test_start_of_a_missing_program_shows_in_the_log(target: SshTarget, remote_d
     assert "nonexistent" in process.log_tail()
 
 
+@pytest.mark.sshd
 def test_server_reached_through_port_forward(target: SshTarget, remote_dir: Path) -> None:
     (remote_dir / "hello.txt").write_text("hello through ssh")
     port = target.free_port()
@@ -297,6 +311,7 @@ def _drop(node: SshTarget) -> None:
     assert not transport.is_active()
 
 
+@pytest.mark.sshd
 def test_a_dropped_connection_is_opened_again_and_forwards_go_on(
     sshd: SshServer, remote_dir: Path
 ) -> None:
@@ -322,6 +337,7 @@ def test_a_dropped_connection_is_opened_again_and_forwards_go_on(
         node.close()
 
 
+@pytest.mark.sshd
 def test_a_node_that_stays_unreachable_fails_fast_after_one_attempt(sshd: SshServer) -> None:
     node = connect(sshd, connect_timeout_s=2.0)
     try:
@@ -349,6 +365,7 @@ def _get_when_up(url: str) -> str | None:
     return None
 
 
+@pytest.mark.sshd
 def test_direct_reach_without_forward(sshd: SshServer) -> None:
     node = connect(sshd, forward=False)
     try:
@@ -358,6 +375,7 @@ def test_direct_reach_without_forward(sshd: SshServer) -> None:
         node.close()
 
 
+@pytest.mark.sshd
 def test_read_file_via_cat(target: SshTarget, remote_dir: Path) -> None:
     # Every code point below 256 (NUL, CR, non-ASCII), written as UTF-8: run() decodes UTF-8.
     payload = bytes(range(256)).decode("latin-1") * 4
@@ -368,6 +386,7 @@ def test_read_file_via_cat(target: SshTarget, remote_dir: Path) -> None:
     assert "absent.json" in missing.stderr
 
 
+@pytest.mark.sshd
 def test_gpu_inventory_empty_and_describe(target: SshTarget) -> None:
     assert target.gpu_inventory() == []
     facts = target.describe()
@@ -378,6 +397,7 @@ def test_gpu_inventory_empty_and_describe(target: SshTarget) -> None:
     assert "key" not in " ".join(facts)
 
 
+@pytest.mark.sshd
 def test_run_setup_names_the_failing_stage(target: SshTarget, remote_dir: Path) -> None:
     target.run_setup(
         [
@@ -403,6 +423,7 @@ def test_run_setup_names_the_failing_stage(target: SshTarget, remote_dir: Path) 
     assert "0.3 s" in str(slow.value)
 
 
+@pytest.mark.sshd
 def test_close_stops_processes_and_is_idempotent(sshd: SshServer, remote_dir: Path) -> None:
     node = connect(sshd)
     process = node.start(["sleep", "300"], log_path=f"{remote_dir}/c.log")
@@ -432,6 +453,8 @@ def test_cpu_facts() -> None:
     assert _cpu_facts("") == (None, None)
 
 
+@pytest.mark.engine
+@pytest.mark.sshd
 def test_managed_llama_server_runs_through_ssh(
     target: SshTarget, remote_dir: Path, llama_server: Path, tiny_model: Path
 ) -> None:

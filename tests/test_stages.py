@@ -14,14 +14,8 @@ from pathlib import Path
 import pytest
 from support.gpu_standins import write_nvidia_smi
 
-from pytest_gpubench.targets.bringup import (
-    NodeGpus,
-    check_gpus,
-    check_vram,
-    gpu_matches,
-    gpu_mismatch,
-    read_gpus,
-)
+from pytest_gpubench.targets.bringup import check_gpus, check_vram, gpu_matches, gpu_mismatch
+from pytest_gpubench.targets.gpu import NodeGpus, read_gpus
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.targets.stages import StageClock, StageError, StageOutcome
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpubench.config.load_profile import Synthetic
-from pytest_gpubench.config.matrix import load_prompt_file
+from pytest_gpubench.config.matrix import read_prompt_file
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines.tokenizer import exact_text, feedback_text
 
@@ -106,6 +106,6 @@ def test_bad_synthetic_keys_are_one_line(tmp_path: Path, entry: str, message: st
 
     (tmp_path / "prompts.yaml").write_text(f"prompts:\n  syn: {{synthetic: {entry}}}\n")
     with pytest.raises(GpubenchError) as caught:
-        load_prompt_file(tmp_path / "prompts.yaml")
+        read_prompt_file(tmp_path / "prompts.yaml")
     text = str(caught.value)
     assert fnmatch.fnmatch(text, f"{tmp_path}/prompts.yaml: {message}"), text

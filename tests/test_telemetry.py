@@ -28,7 +28,7 @@ from support.gpu_standins import (
     write_nvidia_smi,
 )
 
-from pytest_gpubench.config.matrix import TelemetrySettings, load_matrix
+from pytest_gpubench.config.matrix import TelemetrySettings, read_matrix
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.reports.terminal import TELEMETRY_HEADERS, telemetry_rows
@@ -203,7 +203,7 @@ def test_telemetry_settings_globally_and_per_cell(tmp_path: Path) -> None:
         "cells:\n  - {node: local, engine: llamacpp, model: tiny}\n"
         "  - {node: local, engine: llamacpp, model: tiny, name: b, telemetry: {cpu: off}}\n",
     )
-    first, second = load_matrix(cells, prompts).cells
+    first, second = read_matrix(cells, prompts).cells
     assert first.telemetry == TelemetrySettings(interval_ms=100, gpu="off", cpu="auto")
     assert second.telemetry == TelemetrySettings(interval_ms=100, gpu="off", cpu="off")
     default = TelemetrySettings()
@@ -218,13 +218,13 @@ def test_unknown_or_bad_telemetry_keys_are_errors_naming_them(tmp_path: Path) ->
     )
     with pytest.raises(GpubenchError, match=r"cells\[0\] \(local:llamacpp:tiny\)\.telemetry\."
                        r"interval: unknown key"):  # fmt: skip
-        load_matrix(cells, prompts)
+        read_matrix(cells, prompts)
     cells.write_text(
         "settings: {telemetry: {gpu: maybe}}\nnodes: {local: {kind: local}}\n"
         "cells:\n  - {node: local, engine: llamacpp, model: tiny}\n"
     )
     with pytest.raises(GpubenchError, match=r"settings\.telemetry\.gpu: .*'auto' or 'off'"):
-        load_matrix(cells, prompts)
+        read_matrix(cells, prompts)
 
 
 def one_case(
@@ -389,6 +389,7 @@ def wait_for_no_process(user: str, words: tuple[str, ...], timeout_s: float = 5.
         time.sleep(0.1)
 
 
+@pytest.mark.sshd
 def test_ssh_node_streams_nvidia_smi_and_proc_of_its_engine(
     gpu_node: tuple[SshTarget, Path],
 ) -> None:
@@ -455,6 +456,7 @@ def test_the_engines_cpu_time_counts_its_child_processes(tmp_path: Path) -> None
     assert fields["engine_cpu_s"] > 0.2 and fields["engine_peak_rss_mib"] > 0
 
 
+@pytest.mark.sshd
 def test_the_engines_cpu_time_counts_its_child_processes_over_ssh(
     gpu_node: tuple[SshTarget, Path],
 ) -> None:
@@ -471,6 +473,7 @@ def canonical_prompts() -> str:
     return (REPO / "prompts.yaml").read_text()
 
 
+@pytest.mark.engine
 def test_real_llama_server_cpu_time_and_rss_and_a_gpu_that_vanishes(
     pytester: pytest.Pytester,
     llama_server: Path,
@@ -548,6 +551,7 @@ def test_cells_that_turn_telemetry_off_get_no_samples(pytester: pytest.Pytester)
         assert call["system_mem_used_peak_mib"] > 0 and call["system_load1_max"] is not None
 
 
+@pytest.mark.engine
 def test_a_telemetry_limit_fails_the_gate_and_the_reports_show_the_figures(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
 ) -> None:
@@ -594,9 +598,9 @@ def test_telemetry_limit_keys_are_checked(tmp_path: Path) -> None:
         " thresholds: {max_peak_vram_mib: -3}}\n",
     )
     with pytest.raises(GpubenchError, match=r"thresholds\.max_peak_vram_mib: .*greater than 0"):
-        load_matrix(cells, prompts)
+        read_matrix(cells, prompts)
     cells.write_text(cells.read_text().replace("-3", "8000"))
-    (cell,) = load_matrix(cells, prompts).cells
+    (cell,) = read_matrix(cells, prompts).cells
     assert (
         cell.thresholds.max_peak_vram_mib == 8000 and cell.thresholds.max_energy_j_per_token == 0.5
     )

@@ -17,6 +17,8 @@ from support.pytest_process import start_pytest
 
 from pytest_gpubench.ledger.writer import read_ledger
 
+pytestmark = pytest.mark.engine
+
 if TYPE_CHECKING:
     from pytest_gpubench.engines.managed import ManagedLlamaServer
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, TokenType
 
-from pytest_gpubench.config.matrix import load_prompts
+from pytest_gpubench.config.matrix import read_prompts
 from pytest_gpubench.engines.tinymodel import (
     CHAT_TEMPLATE,
     CONFIG,
@@ -139,7 +139,7 @@ def _chat_text(prompt: str) -> str:
 def test_context_holds_every_shipped_prompt_and_its_max_tokens() -> None:
     """Without a server: the tokenizer falls back to one token per byte at worst, plus <s>, so
     bytes + 1 bounds the prompt's tokens in its chat template."""
-    prompts = load_prompts(SHIPPED_PROMPTS)
+    prompts = read_prompts(SHIPPED_PROMPTS)
     assert max(p.max_tokens for p in prompts.values()) == 1024
     for prompt_id, prompt in prompts.items():
         bound = len(_chat_text(prompt.prompt).encode()) + 1
@@ -264,7 +264,7 @@ def test_real_server_streams_exactly_max_tokens(
 def test_real_server_serves_each_shipped_prompt_in_full(tiny_server: str, prompt_id: str) -> None:
     """The canonical prompts, in the chat template, plus their max_tokens fit the server's context:
     every one ends by length after exactly max_tokens tokens, one per chunk."""
-    prompt = load_prompts(SHIPPED_PROMPTS)[prompt_id]
+    prompt = read_prompts(SHIPPED_PROMPTS)[prompt_id]
     props = httpx.get(tiny_server + "/props", timeout=10).json()
     n_ctx = props["default_generation_settings"]["n_ctx"]
     messages = [{"role": "user", "content": prompt.prompt}]

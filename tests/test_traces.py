@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpubench.config.load_profile import LoadProfile
-from pytest_gpubench.config.matrix import load_matrix
+from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.traces import Trace, read_trace
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.run.load import make_pattern, pattern_facts
@@ -105,7 +105,7 @@ def test_bad_trace_input_is_one_line_naming_the_cell_and_key(
         f"  - {{node: local, engine: llamacpp, model: tiny, load: {{trace: {trace}}}}}\n"
     )
     with pytest.raises(GpubenchError) as caught:
-        load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+        read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
     text = str(caught.value)
     assert "\n" not in text and fnmatch.fnmatch(text, message), text
     assert text.startswith(str(tmp_path / "cells.yaml"))
@@ -134,5 +134,5 @@ def test_turns_and_prefix_keys_are_checked(tmp_path: Path) -> None:
             f"  - {{node: local, engine: llamacpp, model: tiny, load: {load}}}\n"
         )
         with pytest.raises(GpubenchError) as caught:
-            load_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+            read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
         assert fnmatch.fnmatch(str(caught.value), message), str(caught.value)

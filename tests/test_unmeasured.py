@@ -13,6 +13,8 @@ from pytest_gpubench.core.status import EXIT_UNMEASURED
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.ledger.writer import read_ledger
 
+pytestmark = pytest.mark.engine
+
 PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 4}\n'
 TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
 GOOD = "  - {{node: local, engine: llamacpp, model: tiny, endpoint: '{url}', runs: 2, phases: [warm]}}\n"

@@ -87,6 +87,7 @@ def assert_nowhere(pytester: pytest.Pytester, terminal: str) -> None:
         assert PASSWORD.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.engine
 def test_a_password_in_an_endpoint_is_in_no_output_with_the_endpoint_up(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:

@@ -34,6 +34,7 @@ def vllm_counter(server: VllmServer, name: str) -> float:
     return total
 
 
+@pytest.mark.vllm
 def test_an_openai_cell_on_the_real_vllm(
     pytester: pytest.Pytester, vllm_server: VllmServer
 ) -> None:

@@ -47,6 +47,7 @@ def edit_every_question(path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.engine
 def test_a_sharegpt_sample_is_measured_single_call_and_frozen(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
@@ -81,6 +82,7 @@ def test_a_sharegpt_sample_is_measured_single_call_and_frozen(
     )
 
 
+@pytest.mark.engine
 def test_a_sharegpt_sample_under_load_sends_each_prompt_and_is_frozen(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
@@ -116,6 +118,7 @@ def test_a_sharegpt_sample_under_load_sends_each_prompt_and_is_frozen(
 SIZES = (16, 100, 400)
 
 
+@pytest.mark.engine
 def test_token_exact_synthetic_prompts_of_three_sizes_single_call_and_under_load(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
@@ -175,6 +178,7 @@ def heavy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.engine
 def test_a_shared_prefix_shows_as_prefix_cache_hits_through_cache_n(
     pytester: pytest.Pytester, llama_server: Path, heavy_model: Path
 ) -> None:
@@ -222,6 +226,7 @@ def test_a_shared_prefix_shows_as_prefix_cache_hits_through_cache_n(
     assert shared["ttft_ms_p50"] < unique["ttft_ms_p50"]
 
 
+@pytest.mark.engine
 def test_three_turn_sessions_at_concurrency_four_grow_their_prompt_each_turn(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
@@ -292,6 +297,7 @@ def mooncake_trace(path: Path, requests: int = 200, span_s: float = 10.0) -> Non
 LAG_ATTEMPTS = 3
 
 
+@pytest.mark.engine
 def test_a_mooncake_trace_is_replayed_on_its_schedule_at_1x_and_4x(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:

@@ -31,6 +31,7 @@ def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 
 
 @pytest.mark.parametrize("tokenizer", [None, "model folder"])
+@pytest.mark.vllm
 def test_token_exact_synthetic_prompts_on_vllm(
     pytester: pytest.Pytester, vllm_server: Any, tokenizer: str | None
 ) -> None:
@@ -64,6 +65,7 @@ def test_token_exact_synthetic_prompts_on_vllm(
         assert call["prompt_tokens"] == call["input_tokens_requested"] + call["template_tokens"]
 
 
+@pytest.mark.vllm
 def test_a_shared_prefix_shows_in_vllm_prefix_cache_counters(
     pytester: pytest.Pytester, vllm_server: Any
 ) -> None:
@@ -115,6 +117,7 @@ SAMPLE = (
 DATASET = "{path: chat.jsonl, format: sharegpt, count: 3, seed: 7, max_output_words: 20}"
 
 
+@pytest.mark.vllm
 def test_a_sharegpt_sample_on_vllm_single_call_and_under_load_frozen(
     pytester: pytest.Pytester, vllm_server: Any
 ) -> None:

@@ -88,12 +88,12 @@ def _html_report(data: LedgerData, baselines: str | None) -> str:
     cell_ids = {str(cell_id) for cell_id in data.calls["cell_id"].dropna().unique()}
     baseline = baseline_summaries(found, cell_ids) if found is not None else []
     load_cells = {str(record.get("cell_id")) for record in data.of_type("load")}
-    load_baselines = read_load_baselines(found, load_cells) if found is not None else None
+    read_baselines = read_load_baselines(found, load_cells) if found is not None else None
     return render_html(
         data,
         baseline,
         baseline_source=str(found) if found else None,
-        load_baselines=load_baselines,
+        read_baselines=read_baselines,
     )
 
 
@@ -164,10 +164,10 @@ def compare_command(old: Path, new: Path) -> int:
     """`gpubench compare OLD NEW`: prints the comparison; the regression status on a regression."""
     from pytest_gpubench.core.status import EXIT_REGRESSION
     from pytest_gpubench.reports.terminal import render_comparison
-    from pytest_gpubench.results.baseline import load_summaries
+    from pytest_gpubench.results.baseline import read_summaries
     from pytest_gpubench.results.gate import compare, regressions
 
-    verdicts = compare(load_summaries(old), load_summaries(new))
+    verdicts = compare(read_summaries(old), read_summaries(new))
     print(render_comparison(verdicts))
     return EXIT_REGRESSION if regressions(verdicts) else 0
 

@@ -694,11 +694,11 @@ def _first_error(path: Path, exc: ValidationError, raw: Any) -> GpubenchError:
     return GpubenchError("\n".join(lines))
 
 
-def load_prompts(path: Path) -> dict[str, Prompt]:
-    return load_prompt_file(path)[0]
+def read_prompts(path: Path) -> dict[str, Prompt]:
+    return read_prompt_file(path)[0]
 
 
-def load_prompt_file(path: Path) -> tuple[dict[str, Prompt], dict[str, tuple[str, ...]]]:
+def read_prompt_file(path: Path) -> tuple[dict[str, Prompt], dict[str, tuple[str, ...]]]:
     """The prompts of prompts.yaml, a dataset entry's sampled ones in its place, and
     {dataset entry id: its prompts' ids}."""
     raw = _read_yaml(path, "a mapping with a 'prompts' key")
@@ -766,7 +766,7 @@ def load_prompt_file(path: Path) -> tuple[dict[str, Prompt], dict[str, tuple[str
     return prompts, groups
 
 
-def load_matrix(
+def read_matrix(
     cells_path: Path,
     prompts_path: Path,
     *,
@@ -778,7 +778,7 @@ def load_matrix(
     `engine_kinds` and `node_kinds` are the kinds plugins add (hookspecs.py).
     """
     raw = _read_yaml(cells_path, "a mapping with 'nodes' and 'cells' keys")
-    prompts, groups = load_prompt_file(prompts_path)
+    prompts, groups = read_prompt_file(prompts_path)
     if raw.get("cells") is None and "cells" in raw:
         raw = {**raw, "cells": []}  # `cells:` with nothing under it: said below, after the nodes
     context = {"engine_kinds": tuple(engine_kinds), "node_kinds": tuple(node_kinds)}

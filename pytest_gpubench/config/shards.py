@@ -6,10 +6,12 @@ import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytest_gpubench.config.matrix import Cell, Matrix
 from pytest_gpubench.core.errors import GpubenchError
+
+if TYPE_CHECKING:
+    from pytest_gpubench.config.matrix import Cell, Matrix
 
 SHARD_PATTERN = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 

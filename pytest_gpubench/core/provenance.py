@@ -7,7 +7,7 @@ import subprocess
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from pytest_gpubench.core.secrets import REDACTED, SECRET_NAME
 
@@ -43,7 +43,15 @@ def _git(root: Path, *args: str) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def git_state(root: Path) -> dict[str, Any]:
+class GitState(TypedDict):
+    """The code a run measured: the meta record's git fields."""
+
+    git_sha: str | None
+    git_dirty: bool
+    git_dirty_files: list[str]
+
+
+def git_state(root: Path) -> GitState:
     """sha, dirty flag and the dirty files (ledgers the run itself writes are not 'dirty')."""
     sha = _git(root, "rev-parse", "HEAD")
     status = _git(root, "status", "--porcelain", "--untracked-files=normal")

@@ -1,9 +1,9 @@
 """The session's exit statuses (docs/exit-statuses.md), all in one place, and the rule that
-picks one when several apply."""
+picks one when several apply (a session's findings, the shards of a merged run)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import pytest
 
@@ -31,6 +31,33 @@ MEANINGS = {
 }
 
 
+# Most serious first: records lost; pytest's own trouble (an internal error, a usage error or a
+# gate that could not read its baselines, an interruption, failed tests); then the gate's
+# findings (unmeasured, incomparable, regressed); no tests collected; all well.
+SEVERITY = (
+    EXIT_WRITE_FAILED,
+    int(pytest.ExitCode.INTERNAL_ERROR),
+    int(pytest.ExitCode.USAGE_ERROR),
+    int(pytest.ExitCode.INTERRUPTED),
+    int(pytest.ExitCode.TESTS_FAILED),
+    EXIT_UNMEASURED,
+    EXIT_INCOMPARABLE,
+    EXIT_REGRESSION,
+    int(pytest.ExitCode.NO_TESTS_COLLECTED),
+    int(pytest.ExitCode.OK),
+)
+
+
+def _rank(status: int) -> float:
+    # A status this table does not know is still a failure: after the findings, before 5 and 0.
+    return SEVERITY.index(status) if status in SEVERITY else SEVERITY.index(EXIT_REGRESSION) + 0.5
+
+
+def most_severe(statuses: Iterable[int]) -> int:
+    """The most serious of several exit statuses (OK when there are none)."""
+    return min(statuses, key=_rank, default=int(pytest.ExitCode.OK))
+
+
 def session_status(
     pytest_status: int,
     *,
@@ -44,20 +71,18 @@ def session_status(
     were lost (the run stops itself then, which pytest calls an interruption). Otherwise pytest's
     own status when its tests failed or it was interrupted (a benchmark that failed is a failed
     test), then a gate that could not read its baselines (a usage error: nothing was judged), else
-    the most serious of the gate's findings."""
+    the most serious of the gate's findings: the order of SEVERITY."""
     if write_failed:
         return EXIT_WRITE_FAILED
-    if pytest_status != pytest.ExitCode.OK:
-        return pytest_status
-    for found, status in (
+    if pytest_status not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        return pytest_status  # an interruption stands even where SEVERITY ranks 4 higher
+    findings = (
         (unjudged, int(pytest.ExitCode.USAGE_ERROR)),
         (unmeasured, EXIT_UNMEASURED),
         (incomparable, EXIT_INCOMPARABLE),
         (regressed, EXIT_REGRESSION),
-    ):
-        if found:
-            return status
-    return pytest_status
+    )
+    return most_severe([pytest_status, *(status for found, status in findings if found)])
 
 
 def describe(status: int, *, missing_optional: Sequence[str] = ()) -> str:

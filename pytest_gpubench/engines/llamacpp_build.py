@@ -22,6 +22,7 @@ from typing import TextIO
 
 from pytest_gpubench.core.cache import cache_dir
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.files import atomic_file
 
 # The sdist vendors a llama.cpp tree that its authors release and test together.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -305,7 +306,6 @@ def _run_logged(argv: list[str], step: str, log: BuildLog) -> None:
 def _install_binary(built: Path, binary: Path) -> None:
     if not built.is_file():
         raise GpubenchError(f"the build finished without producing {built}")
-    partial = binary.with_name(f".{binary.name}.{os.getpid()}.partial")
-    shutil.copy2(built, partial)
-    # A rename is atomic: no one runs a half-copied binary.
-    os.replace(partial, binary)
+    # No one runs a half-copied binary; a lost one is built again.
+    with atomic_file(binary, mode=0o755, durable=False) as partial:
+        shutil.copy2(built, partial)

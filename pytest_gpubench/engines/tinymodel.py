@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from gguf import GGUFWriter, LlamaFileType, TokenType
 
 from pytest_gpubench.core.cache import cache_dir as default_cache_dir
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.core.files import file_sha256
+from pytest_gpubench.core.files import atomic_file, file_sha256
 
 # Bump when the bytes written for the same arguments change; the cached file name follows it.
 GENERATOR_VERSION = 1
@@ -251,15 +250,12 @@ def write_tiny_model(path: Path, *, seed: int = 0, config: TinyConfig = CONFIG) 
     `config` gives a model of that size with the same vocabulary and weight generator (a larger
     one where batching pays, for load tests); the default is the tiny model itself."""
     path = Path(path)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write_gguf(partial, seed, config)
-        digest = file_sha256(partial)
-        # A rename is atomic: concurrent workers never see a half-written model.
-        os.replace(partial, path)
+        # Concurrent workers never see a half-written model; a lost one is written again.
+        with atomic_file(path, durable=False) as partial:
+            _write_gguf(partial, seed, config)
+            digest = file_sha256(partial)
     except OSError as exc:
-        partial.unlink(missing_ok=True)
         raise GpubenchError(f"cannot write the tiny model to {path}: {exc}") from exc
     return digest
 

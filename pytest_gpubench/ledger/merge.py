@@ -16,11 +16,10 @@ from typing import Any
 
 from pytest_gpubench.config.shards import assign_nodes
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.status import EXIT_UNMEASURED, most_severe
 from pytest_gpubench.ledger.outcomes import CellOutcome
 from pytest_gpubench.ledger.records import end_record
-
-# The merged end record's exit status: the first of these that a shard ended with.
-STATUS_PRIORITY = (9, 3, 4, 2, 1, 5, 7, 8, 6)
+from pytest_gpubench.ledger.schema import as_json
 
 
 @dataclass(frozen=True)
@@ -123,10 +122,10 @@ def _missing_outcomes(
 
 
 def _exit_status(ends: Sequence[Mapping[str, Any]], missing: bool) -> int:
-    statuses = {end.get("exit_status") for end in ends}
-    if missing:
-        statuses.add(7)
-    return next((status for status in STATUS_PRIORITY if status in statuses), 0)
+    """The merged end record's exit status: the most serious a shard ended with, as a session
+    ranks its own findings (core/status.py); a missing shard's cells are unmeasured."""
+    statuses = [status for end in ends if isinstance(status := end.get("exit_status"), int)]
+    return most_severe([*statuses, *([EXIT_UNMEASURED] if missing else [])])
 
 
 def merge_ledgers(ledgers: Sequence[ShardLedger]) -> list[dict[str, Any]]:
@@ -189,4 +188,4 @@ def merge_ledgers(ledgers: Sequence[ShardLedger]) -> list[dict[str, Any]]:
         # The last shard's end; the shards ran on other machines, so no load of this one.
         ended=(max((str(end.get("finished_at_utc")) for end in ends), default=None), None),
     )
-    return [meta, *body, end]
+    return [meta, *body, as_json(end)]

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pytest_gpubench.config.matrix import Cell
+if TYPE_CHECKING:
+    from pytest_gpubench.config.matrix import Cell
 
 CellStatus = Literal["measured", "failed", "skipped", "missing"]
 

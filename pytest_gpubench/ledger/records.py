@@ -1,5 +1,5 @@
 """The builders of the ledger's records: meta, cell, call, load, sample, skipped and end (one
-place each)."""
+place each), each returning its type from schema.py."""
 
 from __future__ import annotations
 
@@ -10,24 +10,38 @@ import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from pytest_gpubench import HARNESS_VERSION, __version__
 from pytest_gpubench.config.cases import Case
 from pytest_gpubench.config.matrix import Cell, Prompt, RequestShape
-from pytest_gpubench.core.provenance import chosen_environment, load_average, utc_now
+from pytest_gpubench.core.provenance import GitState, chosen_environment, load_average, utc_now
 from pytest_gpubench.ledger.gaps import packed_record
-from pytest_gpubench.measure.stream import STALLED, CallMeasurement
-from pytest_gpubench.targets.stages import Stage
+from pytest_gpubench.ledger.schema import (
+    CallRecord,
+    CaseHead,
+    CellRecord,
+    CheckpointRecord,
+    EndRecord,
+    LoadCallRecord,
+    LoadRecord,
+    MetaRecord,
+    RequestFacts,
+    SampleRecord,
+    SkippedRecord,
+    StageRecord,
+)
+from pytest_gpubench.measure.stream import STALLED, CallMeasurement, MeasurementFields
+from pytest_gpubench.targets.stages import Stage, StageFacts
 
 
 def meta_record(
     *,
     run_id: str,
     root: Path,
-    git: Mapping[str, Any],
+    git: GitState,
     env_names: Sequence[str],
     cells_planned: list[str],
     cases_planned: int,
@@ -35,7 +49,7 @@ def meta_record(
     cells_path: Path,
     prompts_path: Path,
     shard: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> MetaRecord:
     """The first line of a ledger: where, when, from which code and how the run was started;
     a shard of a job array says which (`shard`: index, count, the whole matrix's cells)."""
     return {
@@ -79,32 +93,36 @@ def cell_record(
     node_info: Mapping[str, Any],
     prompts: Mapping[str, Prompt] | None = None,
     engine_url: str | None = None,
-) -> dict[str, Any]:
+) -> CellRecord:
     """A healthy cell: the engine's version, the model's digest and the node's GPUs, and how it
     is asked (TLS, request keys, header names; never a header's value)."""
     spec = cell.spec
-    return {
-        "type": "cell",
-        "cell_id": cell.cell_id,
-        "node": spec.node,
-        "node_kind": cell.node.kind,
-        "engine": spec.engine,
-        "model": spec.model,
-        "managed": cell.managed,
-        "endpoint": cell.endpoint_as_written,
-        **request_facts(cell, prompts or {}),
-        **engine_facts,
-        "gpus": gpus,
-        "gpu_summary": gpu_summary,
-        "node_info": dict(node_info),
-        "at_utc": utc_now(),
-        "benchmark_run_id": run_id,
-        # An engine on the node addressed by its port there; how a managed one was launched;
-        # the address it was reached at from here (through the node's SSH forward).
-        "node_port": spec.port,
-        "launch": list(spec.launch) if spec.launch is not None else None,
-        "engine_url": engine_url,
-    }
+    # A cast: the engine's own facts (describe()) are open, and sit amid the typed fields.
+    return cast(
+        CellRecord,
+        {
+            "type": "cell",
+            "cell_id": cell.cell_id,
+            "node": spec.node,
+            "node_kind": cell.node.kind,
+            "engine": spec.engine,
+            "model": spec.model,
+            "managed": cell.managed,
+            "endpoint": cell.endpoint_as_written,
+            **request_facts(cell, prompts or {}),
+            **engine_facts,
+            "gpus": gpus,
+            "gpu_summary": gpu_summary,
+            "node_info": dict(node_info),
+            "at_utc": utc_now(),
+            "benchmark_run_id": run_id,
+            # An engine on the node addressed by its port there; how a managed one was launched;
+            # the address it was reached at from here (through the node's SSH forward).
+            "node_port": spec.port,
+            "launch": list(spec.launch) if spec.launch is not None else None,
+            "engine_url": engine_url,
+        },
+    )
 
 
 def tls_warning(cell: Cell) -> str | None:
@@ -117,7 +135,7 @@ def tls_warning(cell: Cell) -> str | None:
     )
 
 
-def request_facts(cell: Cell, prompts: Mapping[str, Prompt]) -> dict[str, Any]:
+def request_facts(cell: Cell, prompts: Mapping[str, Prompt]) -> RequestFacts:
     """TLS, the request keys (the cell's, and per prompt where a prompt changes them) and the
     extra headers as `$VARIABLE` names, for the cell record."""
     spec = cell.spec
@@ -128,7 +146,7 @@ def request_facts(cell: Cell, prompts: Mapping[str, Prompt]) -> dict[str, Any]:
         prompt = prompts.get(prompt_id)
         if prompt is not None and prompt.request is not None:
             by_prompt[prompt_id] = _request_keys(cell.request_for(prompt))
-    facts: dict[str, Any] = {
+    facts: RequestFacts = {
         "tls_verify": spec.tls_verify if https else None,
         "ca_file": spec.ca_file,
         "request": _request_keys(cell_request),
@@ -146,14 +164,11 @@ def _request_keys(request: RequestShape) -> dict[str, Any]:
     return {"temperature": request.temperature_or_default, **keys}
 
 
-def _case_head(
-    record_type: str, run_id: str, cell: Cell, case: Case, prompt_sha256: str
-) -> dict[str, Any]:
-    """The first fields of a case's measurement (`call`, `load`): what ran, where, on which
-    prompt, in which phase."""
+def _case_head(run_id: str, cell: Cell, case: Case, prompt_sha256: str) -> CaseHead:
+    """The first fields of a case's measurement (`call`, `load`, after their type): what ran,
+    where, on which prompt, in which phase."""
     spec = cell.spec
     return {
-        "type": record_type,
         "benchmark_run_id": run_id,
         "cell_id": cell.cell_id,
         "node": spec.node,
@@ -175,12 +190,13 @@ def call_record(
     started_at_utc: str,
     measurement: CallMeasurement,
     telemetry: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> CallRecord:
     """One measured call (successful or not) of a case; `telemetry` adds the case's resource
     figures (telemetry/aggregate.py CALL_FIELDS) after the others. Its inter-chunk gaps are
     packed into `inter_chunk_packed` (read them with ledger.gaps.gaps_ms)."""
-    return {
-        **_case_head("call", run_id, cell, case, prompt_sha256),
+    record: CallRecord = {
+        "type": "call",
+        **_case_head(run_id, cell, case, prompt_sha256),
         "run_idx": case.run_idx,
         "case_id": case.case_id,
         # The test that measured its own request (its prompt_id is then the test's name).
@@ -188,11 +204,12 @@ def call_record(
         "cold_kind": cold_kind,
         "started_at_utc": started_at_utc,
         # The gaps packed (ledger/gaps.py): most of a long reply's record otherwise.
-        **packed_record(measurement.to_record()),
+        **cast(MeasurementFields, packed_record(measurement.to_record())),
         "worker": os.environ.get("PYTEST_XDIST_WORKER"),
-        **_ab_pair(case),
-        **(telemetry or {}),
     }
+    # Last, as before: an A/B pair's place, then the telemetry fields (one per sampler column).
+    cast(dict[str, Any], record).update({**_ab_pair(case), **(telemetry or {})})
+    return record
 
 
 def _ab_pair(case: Case) -> dict[str, Any]:
@@ -210,7 +227,7 @@ def _ab_pair(case: Case) -> dict[str, Any]:
 
 
 def load_call_record(
-    call: Mapping[str, Any],
+    call: CallRecord,
     *,
     load_point: str,
     window: str,
@@ -219,7 +236,7 @@ def load_call_record(
     send_ms: float,
     send_lag_ms: float,
     process: int | None = None,
-) -> dict[str, Any]:
+) -> LoadCallRecord:
     """A call record of a load case (`call`'s fields first), with its load point, the window it
     was sent in (warmup, measured, cooldown), and when it was due and went out, in ms from the
     point's start: the send lag is what coordinated omission would hide."""
@@ -247,20 +264,25 @@ def load_record(
     started_at_utc: str,
     summary: Mapping[str, Any],
     error: str | None,
-) -> dict[str, Any]:
+) -> LoadRecord:
     """One load point's summary (load/summary.py): rates, throughput, latency percentiles,
     goodput, errors, send lag, whether it is a result (`valid`, `invalid_reason`) and the
     per-request samples the gate compares. `error` says why the case failed, or None."""
-    return {
-        **_case_head("load", run_id, cell, case, prompt_sha256),
-        "case_id": case.case_id,
-        "load_point": load_point,
-        **pattern,
-        "started_at_utc": started_at_utc,
-        **summary,
-        "error": error,
-        "worker": os.environ.get("PYTEST_XDIST_WORKER"),
-    }
+    # A cast: the pattern's keys and the summary's figures are open, amid the typed fields.
+    return cast(
+        LoadRecord,
+        {
+            "type": "load",
+            **_case_head(run_id, cell, case, prompt_sha256),
+            "case_id": case.case_id,
+            "load_point": load_point,
+            **pattern,
+            "started_at_utc": started_at_utc,
+            **summary,
+            "error": error,
+            "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+        },
+    )
 
 
 def sample_record(
@@ -275,12 +297,12 @@ def sample_record(
     notes: Sequence[str],
     engine: Mapping[str, list[Any]] | None = None,
     load_point: str | None = None,
-) -> dict[str, Any]:
+) -> SampleRecord:
     """The resource samples of one case, as columns (`gpu`, `cpu`: name -> values, `t_ms` from
     the case's start; the first and last samples may lie just outside it) and the notes of
     samplers that ended or were missing. A load case adds the engine's own gauges (`engine`,
     from its /metrics) per load point."""
-    record = {
+    record: SampleRecord = {
         "type": "sample",
         "benchmark_run_id": run_id,
         "cell_id": cell.cell_id,
@@ -305,7 +327,7 @@ def sample_record(
 
 def skipped_record(
     *, run_id: str, cell: Cell, case: Case | None, reason: str, stage: Stage | None
-) -> dict[str, Any]:
+) -> SkippedRecord:
     """A cell or case that could not run, with the reason and the stage it failed in."""
     return {
         "type": "skipped",
@@ -332,7 +354,7 @@ def checkpoint_record(
     window: Sequence[Mapping[str, Any]],
     calls_so_far: int,
     final: bool,
-) -> dict[str, Any]:
+) -> CheckpointRecord:
     """A timed run's figures so far (docs/cells.md): written every checkpoint_s, so that
     a run that dies keeps them. `window`: the call records since the previous checkpoint."""
     ok = [call for call in window if call.get("error") is None]
@@ -364,7 +386,7 @@ def _median(values: Sequence[Any]) -> float | None:
     return round(statistics.median(numbers), 4) if numbers else None
 
 
-def stage_record(*, run_id: str, facts: Mapping[str, Any]) -> dict[str, Any]:
+def stage_record(*, run_id: str, facts: StageFacts) -> StageRecord:
     """How one stage of a remote node (or of a cell on it) ended: node, cell_id (None for a
     node's own stage), stage, outcome (ok, failed, timeout, skipped), elapsed_s, timeout_s,
     error."""
@@ -390,7 +412,7 @@ def end_record(
     cells: list[dict[str, Any]],
     exit_status: int,
     ended: tuple[str | None, Any] | None = None,
-) -> dict[str, Any]:
+) -> EndRecord:
     """The last line of a ledger: when it ended, the machine's load, the gate's verdict, every
     planned cell's outcome and the session's exit status. `ended` gives when and under what
     load, for a ledger not ended here and now (a merged one); else they are read now."""

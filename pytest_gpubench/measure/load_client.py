@@ -18,9 +18,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pytest_gpubench.measure.stream import Endpoint, Line, StreamedResponse, StreamError
-
-_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
+from pytest_gpubench.measure.stream import (
+    Endpoint,
+    Line,
+    StreamedResponse,
+    StreamError,
+    ack_at_once,
+)
 
 
 @dataclass
@@ -249,9 +253,7 @@ class StreamConnection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if _QUICKACK is not None:
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
+            ack_at_once(sock)
 
     def data_received(self, data: bytes) -> None:
         arrived = time.perf_counter_ns()  # first, before anything looks at the bytes

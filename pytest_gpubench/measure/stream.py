@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import urlsplit
 
 import h11
@@ -28,6 +28,16 @@ STALLED = "stalled"
 # docs/metrics.md keeps the figures). Control calls (health, version, tags) use httpx.
 _RECV_BYTES = 65536
 _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
+
+
+def ack_at_once(sock: socket.socket) -> None:
+    """ACK at once what arrives on `sock` (Linux's TCP_QUICKACK; elsewhere nothing): a
+    kept-alive connection has left Linux's quick-ACK start, and a server that does not set
+    TCP_NODELAY (Nagle) would hold its next small write until our delayed ACK, up to 40 ms,
+    which TTFT would then count. Not sticky: the kernel may leave it, so callers set it again."""
+    if _QUICKACK is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
 
 
 class StreamError(Exception):
@@ -57,6 +67,38 @@ class StreamedResponse:
     reconnected: bool = False
     # Ends the exchange: drain=True reads to the end and keeps the connection for the next call.
     release: Callable[[bool], None] = lambda drain: None
+
+
+class MeasurementFields(TypedDict):
+    """A call record's measured fields (CallMeasurement.to_record; ledger/schema.py CallRecord)."""
+
+    first_delta_ms: float | None
+    total_duration_ms: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    client_chunks: int
+    tokens_per_sec: float | None
+    tpot_ms: float | None
+    inter_chunk_ms: list[float]
+    finish_reason: str
+    backend: str
+    error: str | None
+    engine_timings: dict[str, Any]
+    e2e_tokens_per_sec: float | None
+    coalesced: bool
+    content_reads: int
+    engine_tokens_per_sec: float | None
+    engine_prompt_ms: float | None
+    engine_total_ms: float | None
+    system_fingerprint: str | None
+    connect_ms: float | None
+    tls_handshake_ms: float | None
+    connection_reused: bool
+    reconnected: bool
+    first_answer_ms: float | None
+    reasoning_tokens: int | None
+    answer_tokens: int | None
+    cached_prompt_tokens: int | None
 
 
 @dataclass
@@ -112,7 +154,7 @@ class CallMeasurement:
     reasoning_chunks: int = 0
     answer_chunks: int = 0
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> MeasurementFields:
         return {
             "first_delta_ms": self.first_delta_ms,
             "total_duration_ms": self.total_duration_ms,
@@ -303,13 +345,8 @@ def _read_event(conn: h11.Connection, sock: socket.socket, stamps: list[int]) ->
             raise
         if event is not h11.NEED_DATA:
             return event  # type: ignore[return-value]
-        if _QUICKACK is not None:
-            # ACK at once what arrives: a kept-alive connection has left Linux's quick-ACK start,
-            # and a server that does not set TCP_NODELAY (Nagle) would hold its next small write
-            # until our delayed ACK, up to 40 ms, which TTFT would then count. Not sticky: set
-            # before every read, before the wait, so its microsecond is not after the arrival.
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
+        # Before every read, before the wait, so its microsecond is not after the arrival.
+        ack_at_once(sock)
         raw = sock.recv(_RECV_BYTES)
         if raw:
             stamps.append(time.perf_counter_ns())

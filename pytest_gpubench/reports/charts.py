@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from pytest_gpubench.core.errors import GpubenchError
+
 
 def inline_svg(figure: Any) -> str:
     """The figure as inline SVG: text kept as text, no date, ids stable from run to run."""
@@ -19,8 +21,20 @@ def inline_svg(figure: Any) -> str:
     return f'<div class="chart">{text[start:]}</div>'
 
 
+# The one line a user without the extra reads (gpubench exits 2, as for any usage error).
+MISSING_MATPLOTLIB = (
+    "the HTML report draws its charts with matplotlib, which is not installed: "
+    "pip install 'pytest-gpubench[html]'"
+)
+
+
 def pyplot() -> Any:
-    import matplotlib
+    """matplotlib's pyplot, drawing off-screen (Agg) with stable SVG output; a GpubenchError
+    naming the extra where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise GpubenchError(MISSING_MATPLOTLIB) from None
 
     matplotlib.use("Agg")
     matplotlib.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "gpubench", "font.size": 9})

@@ -5,13 +5,13 @@ load points."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.files import atomic_file
 from pytest_gpubench.reports.frame import EXPORT_NUMBERS, EXPORT_TEXT, LedgerData
 from pytest_gpubench.results.gate import Verdict
 from pytest_gpubench.results.stats import PERCENTILE_NAMES, WARM_METRICS, PromptSummary
@@ -289,9 +289,7 @@ def _epoch(text: Any) -> float | None:
 
 def _write(path: Path, write: Any) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        write(temporary)
-        os.replace(temporary, path)
+        with atomic_file(path) as temporary:
+            write(temporary)
     except OSError as exc:
         raise GpubenchError(f"{path}: cannot write: {exc.strerror or exc}") from None

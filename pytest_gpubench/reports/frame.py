@@ -23,6 +23,7 @@ import orjson
 import pandas as pd
 
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.files import atomic_file
 from pytest_gpubench.results.stats import PromptSummary, summarize_frame, text_column
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
 
@@ -125,7 +126,7 @@ def read_ledger_frame(path: str | os.PathLike[str], *, export: bool = False) -> 
     try:
         stamp = _stamp(path)
         if not export:
-            cached = _load_cache(path, stamp)
+            cached = _read_cache(path, stamp)
             if cached is not None:
                 return cached
         data, complete = _read(path, export=export)
@@ -278,18 +279,16 @@ def _save_cache(path: Path, stamp: str, data: LedgerData) -> None:
         else:
             arrays[f"values:{name}"] = column.to_numpy()
     target = cache_path(path)
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with temporary.open("wb") as file:
-            np.savez(file, allow_pickle=False, **arrays)
-        os.replace(temporary, target)
-    except OSError:
-        # A read-only directory or a full disk: the report is still right, only slower next time.
-        with contextlib.suppress(OSError):
-            temporary.unlink()
+    # A read-only directory or a full disk: the report is still right, only slower next time.
+    with (
+        contextlib.suppress(OSError),
+        atomic_file(target, durable=False) as temporary,
+        temporary.open("wb") as file,
+    ):
+        np.savez(file, allow_pickle=False, **arrays)
 
 
-def _load_cache(path: Path, stamp: str) -> LedgerData | None:
+def _read_cache(path: Path, stamp: str) -> LedgerData | None:
     target = cache_path(path)
     try:
         with np.load(target, allow_pickle=False) as archive:

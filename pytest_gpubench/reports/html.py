@@ -58,10 +58,11 @@ def render_html(
     baseline: Sequence[PromptSummary] = (),
     *,
     baseline_source: str | None = None,
-    load_baselines: LoadBaselines | None = None,
+    read_baselines: LoadBaselines | None = None,
 ) -> str:
-    """The report; the same ledger and baseline always give the same bytes. `load_baselines`:
+    """The report; the same ledger and baseline always give the same bytes. `read_baselines`:
     the load baseline points per cell, drawn beside this run's load points."""
+    pyplot()  # without the [html] extra: one line before any work, whatever the ledger holds
     summaries = data.summaries()
     meta, end = data.meta, data.end
     run_id = meta.get("benchmark_run_id") or (data.path.stem if data.path else "run")
@@ -71,7 +72,7 @@ def render_html(
         _distributions(summaries, baseline, baseline_source),
         _verdicts(end),
         _outcomes(end),
-        render_load_section(data.of_type("load"), load_baselines),
+        render_load_section(data.of_type("load"), read_baselines),
         _cold(summaries),
         _telemetry(data.of_type("sample")),
     ]

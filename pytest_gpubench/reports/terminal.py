@@ -652,7 +652,7 @@ def _model_identity(cell: Mapping[str, Any]) -> str:
 def _gpus(gpus: Any) -> str:
     if not isinstance(gpus, list):
         return "none reported"
-    return gpu_summary([gpu if isinstance(gpu, dict) else {"name": gpu} for gpu in gpus])
+    return gpu_summary(gpus)
 
 
 COLD_HEADERS = ("prompt", "cold kind", "calls", "ok", "TTFT ms", "total ms")

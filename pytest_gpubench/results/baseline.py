@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -14,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.stats import (
     PERCENTILE_NAMES,
@@ -63,7 +62,7 @@ class Provenance:
 # The facts that make two runs comparable, each with its label and how it is shown. A fact that
 # is unknown on either side (an older file, an engine that does not say) is not a difference.
 def _gpu_text(provenance: Provenance) -> str:
-    return gpu_summary([gpu if isinstance(gpu, dict) else {"name": gpu} for gpu in provenance.gpus])
+    return gpu_summary(provenance.gpus)
 
 
 def _short(value: object) -> str:
@@ -650,7 +649,7 @@ def _for_cell(value: Any, cell_id: str, default: Any) -> Any:
 # -- disk -------------------------------------------------------------------------------------
 
 
-def load_baseline(path: Path) -> CellBaseline:
+def read_baseline(path: Path) -> CellBaseline:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -667,7 +666,7 @@ def find_baseline(baselines_dir: Path, cell_id: str) -> CellBaseline | None:
     path = baseline_path(baselines_dir, cell_id)
     if not path.exists():
         return None
-    baseline = load_baseline(path)
+    baseline = read_baseline(path)
     if baseline.cell_id != cell_id:
         raise GpubenchError(
             f"{path}: holds the baseline of cell '{baseline.cell_id}', not '{cell_id}': the two "
@@ -676,11 +675,11 @@ def find_baseline(baselines_dir: Path, cell_id: str) -> CellBaseline | None:
     return baseline
 
 
-def load_baselines(baselines_dir: Path) -> list[CellBaseline]:
+def read_baselines(baselines_dir: Path) -> list[CellBaseline]:
     """Every baseline file in the directory, sorted by cell id."""
     if not baselines_dir.is_dir():
         raise GpubenchError(f"{baselines_dir}: not a baselines directory")
-    baselines = [load_baseline(path) for path in sorted(baselines_dir.glob("*.json"))]
+    baselines = [read_baseline(path) for path in sorted(baselines_dir.glob("*.json"))]
     return sorted(baselines, key=lambda baseline: baseline.cell_id)
 
 
@@ -694,10 +693,10 @@ def baseline_summaries(baselines_dir: Path, cell_ids: Iterable[str]) -> list[Pro
     return summaries
 
 
-def load_summaries(path: Path) -> list[PromptSummary]:
+def read_summaries(path: Path) -> list[PromptSummary]:
     """Summaries from a ledger file, or from every baseline in a baselines directory."""
     if path.is_dir():
-        return [summary for baseline in load_baselines(path) for summary in baseline.prompts]
+        return [summary for baseline in read_baselines(path) for summary in baseline.prompts]
     if not path.exists():
         raise GpubenchError(f"{path}: no such ledger or baselines directory")
     return summarize(read_ledger(path))
@@ -715,14 +714,9 @@ def write_baseline(
             if not replace_corrupt:
                 raise
     text = dumps_baseline(baseline)
-    partial = path.with_name(path.name + ".tmp")
     try:
-        baselines_dir.mkdir(parents=True, exist_ok=True)
-        partial.write_text(text, encoding="utf-8")
-        os.replace(partial, path)
+        atomic_write(path, text)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            partial.unlink()
         raise BaselineWriteError(f"{path}: cannot write baseline: {exc.strerror}") from None
     return path
 

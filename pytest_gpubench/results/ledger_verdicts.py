@@ -67,7 +67,7 @@ class _CellThresholds:
 def _thresholds(meta: Mapping[str, Any], cells_path: Path | None) -> _CellThresholds:
     """Each cell's thresholds from the run's cells.yaml (the meta's, or the one named); the
     defaults, with a note, where that file is gone."""
-    from pytest_gpubench.config.matrix import load_matrix
+    from pytest_gpubench.config.matrix import read_matrix
 
     cells = cells_path or (Path(meta["cells_file"]) if meta.get("cells_file") else None)
     prompts = Path(meta["prompts_file"]) if meta.get("prompts_file") else None
@@ -76,7 +76,7 @@ def _thresholds(meta: Mapping[str, Any], cells_path: Path | None) -> _CellThresh
             note="the run's cells.yaml is not here: default thresholds for every cell"
         )
     try:
-        matrix = load_matrix(cells, prompts)
+        matrix = read_matrix(cells, prompts)
     except GpubenchError as exc:
         return _CellThresholds(note=f"default thresholds for every cell: {exc}")
     return _CellThresholds(

@@ -3,14 +3,13 @@ with its figures and per-request samples; read for the gate, merged by --baselin
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.results.baseline import baseline_file_name
 from pytest_gpubench.results.load_gate import baseline_point, gated, is_result, point_key
 
@@ -87,12 +86,7 @@ def write_load_baselines(
 
 def _write(path: Path, data: Mapping[str, Any]) -> None:
     """Atomically: a crash leaves the old file or the new one."""
-    partial = path.with_name(path.name + ".tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n", encoding="utf-8")
-        os.replace(partial, path)
+        atomic_write(path, json.dumps(data, indent=1, sort_keys=False) + "\n")
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            partial.unlink()
         raise GpubenchError(f"{path}: cannot write load baseline: {exc.strerror}") from None

@@ -12,23 +12,25 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpubench.config.cases import LOAD_PHASE, Case
-from pytest_gpubench.config.matrix import Cell, Matrix
-from pytest_gpubench.config.options import Options
-from pytest_gpubench.config.shards import shard_facts, shard_matrix
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.secrets import SecretScrubber
 from pytest_gpubench.core.signals import TerminateAsInterrupt
 from pytest_gpubench.core.status import session_status
-from pytest_gpubench.ledger.outcomes import CellOutcome, cell_outcomes
-from pytest_gpubench.ledger.records import end_record, meta_record
-from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError
-from pytest_gpubench.run import guards
-from pytest_gpubench.run.harness import Harness
+from pytest_gpubench.ledger.writer import LedgerWriteError
 
+# A session without benchmarks makes a controller too (the plugin loads in every session of its
+# environment): what a run needs (the matrix's pydantic, the harness's HTTP clients, the ledger's
+# records) is imported where a run begins, so that such a session does not pay for it.
 if TYPE_CHECKING:
+    from pytest_gpubench.config.cases import Case
+    from pytest_gpubench.config.matrix import Cell, Matrix
+    from pytest_gpubench.config.options import Options
+    from pytest_gpubench.ledger.outcomes import CellOutcome
+    from pytest_gpubench.ledger.schema import EndRecord
+    from pytest_gpubench.ledger.writer import Ledger
     from pytest_gpubench.results.gate import Verdict
     from pytest_gpubench.results.stats import PromptSummary
+    from pytest_gpubench.run.harness import Harness
     from pytest_gpubench.telemetry.aggregate import TelemetrySummary
 
 
@@ -93,6 +95,8 @@ class RunController:
         # A shard of a job array runs only its share of the matrix; its meta names them all.
         self.shard: dict[str, Any] | None = None
         if matrix is not None and options.shard is not None:
+            from pytest_gpubench.config.shards import shard_facts, shard_matrix
+
             self.shard = shard_facts(options.shard, [cell.cell_id for cell in matrix.cells])
             matrix = shard_matrix(matrix, options.shard)
         self.matrix = matrix
@@ -102,6 +106,9 @@ class RunController:
         self.scrub = SecretScrubber()
         self.harness: Harness | None = None
         if matrix is not None:
+            from pytest_gpubench.run.guards import FrozenRequests
+            from pytest_gpubench.run.harness import Harness
+
             self.harness = Harness(
                 matrix,
                 log_dir=options.ledger_dir / "logs",
@@ -109,7 +116,7 @@ class RunController:
                 run_id=run_id,
                 hooks=hooks,
             )
-            self.harness.frozen = guards.FrozenRequests(options.baselines_dir)
+            self.harness.frozen = FrozenRequests(options.baselines_dir)
             self.harness.sequential.runs_override = options.runs
             if writes_ledger:
                 self.harness.sink = self.collect
@@ -134,7 +141,7 @@ class RunController:
         self.write_error: str | None = None
         self.exit_status: int | None = None
         # The end record as written, and where the pull request summary went.
-        self.end: dict[str, Any] | None = None
+        self.end: EndRecord | None = None
         self.summary_path: Path | None = None
         self.summary_error: str | None = None
         # SIGTERM (a cancelled CI job) ends the run as Ctrl-C does, while a ledger is open.
@@ -162,6 +169,11 @@ class RunController:
         """Check the guards and open the ledger with its meta record (writing process only)."""
         if self.started or self.matrix is None or self.options.probe:
             return
+        from pytest_gpubench.ledger.records import meta_record
+        from pytest_gpubench.ledger.schema import as_json
+        from pytest_gpubench.ledger.writer import Ledger
+        from pytest_gpubench.run import guards
+
         planned = {case.cell_id for case in cases}
         self.planned = [cell for cell in self.matrix.cells if cell.cell_id in planned]
         options = self.options
@@ -174,17 +186,19 @@ class RunController:
         )
         self.started = True
         self.ledger = Ledger(options.ledger_dir / f"{self.run_id}.jsonl", self.scrub)
-        self.meta = meta_record(
-            run_id=self.run_id,
-            root=self.root,
-            git=git,
-            env_names=[*options.env_names, *self.matrix.settings.env],
-            cells_planned=[cell.cell_id for cell in self.planned],
-            cases_planned=len(cases),
-            argv=self.argv,
-            cells_path=options.cells_path,
-            prompts_path=options.prompts_path,
-            shard=self.shard,
+        self.meta = as_json(
+            meta_record(
+                run_id=self.run_id,
+                root=self.root,
+                git=git,
+                env_names=[*options.env_names, *self.matrix.settings.env],
+                cells_planned=[cell.cell_id for cell in self.planned],
+                cases_planned=len(cases),
+                argv=self.argv,
+                cells_path=options.cells_path,
+                prompts_path=options.prompts_path,
+                shard=self.shard,
+            )
         )
         pairs = {cell.cell_id: cell.reference for cell in self.planned if cell.reference}
         if pairs:
@@ -204,6 +218,8 @@ class RunController:
         """Keep a case's records and append them to the ledger; returns why the run must stop
         (the ledger can no longer be written), or None. Records stay in memory either way, so
         the summary still shows them."""
+        from pytest_gpubench.config.cases import LOAD_PHASE
+
         for record in records:
             kind = record.get("type")
             if kind == "call" and record.get("phase") == LOAD_PHASE:
@@ -349,12 +365,15 @@ class RunController:
             self.summary_error = f"the pull request summary was not written: {exc}"
 
     def _close_ledger(self, exitstatus: int) -> int:
-        from pytest_gpubench.results.gate import regressions
-
         if self.startup_error is not None:
             return int(pytest.ExitCode.USAGE_ERROR)
         if self.ledger is None:
             return session_status(exitstatus, unmeasured=self.probe_failed)
+        from pytest_gpubench.ledger.outcomes import cell_outcomes
+        from pytest_gpubench.ledger.records import end_record
+        from pytest_gpubench.ledger.schema import as_json
+        from pytest_gpubench.results.gate import regressions
+
         if self.calls:
             self._judge()
             self._judge_pairs()
@@ -389,7 +408,7 @@ class RunController:
             cells=[outcome.to_record() for outcome in self.outcomes],
             exit_status=status,
         )
-        self._append(self.end, after_failure=True)
+        self._append(as_json(self.end), after_failure=True)
         try:
             self.ledger.close()
         except LedgerWriteError as exc:

@@ -4,7 +4,6 @@ machine, and prompts unchanged since their baselines (one check each, all here).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from pytest_gpubench.config.load_profile import dataset_prompt_id
 from pytest_gpubench.config.matrix import (
@@ -15,12 +14,12 @@ from pytest_gpubench.config.matrix import (
     load_dataset_sha256,
 )
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.core.provenance import git_state, load_average
+from pytest_gpubench.core.provenance import GitState, git_state, load_average
 
 SHOWN_DIRTY_FILES = 5
 
 
-def check_git_tree(root: Path, ledger_dir: Path, *, allow_dirty: bool) -> dict[str, Any]:
+def check_git_tree(root: Path, ledger_dir: Path, *, allow_dirty: bool) -> GitState:
     """The git state for the meta record; refuses a dirty tree unless allowed. The ledgers the
     run itself writes (when they lie inside the tree) do not make it dirty."""
     git = git_state(root)

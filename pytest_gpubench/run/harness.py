@@ -25,6 +25,7 @@ from pytest_gpubench.ledger.records import (
     skipped_record,
     stage_record,
 )
+from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
@@ -126,11 +127,13 @@ class Harness:
         records: list[dict[str, Any]] = self.stage_records()
         if fresh and live.facts:
             described = self.scrub.record(
-                cell_record(
-                    run_id=self.run_id,
-                    cell=live.cell,
-                    prompts=self.matrix.prompts,
-                    **live.facts,
+                as_json(
+                    cell_record(
+                        run_id=self.run_id,
+                        cell=live.cell,
+                        prompts=self.matrix.prompts,
+                        **live.facts,
+                    )
                 )
             )
             records.append(described)
@@ -141,12 +144,14 @@ class Harness:
         if live.unavailable is not None:
             reason = self.scrub(live.unavailable)
             records.append(
-                skipped_record(
-                    run_id=self.run_id,
-                    cell=live.cell,
-                    case=case,
-                    reason=reason,
-                    stage=live.unavailable_stage,
+                as_json(
+                    skipped_record(
+                        run_id=self.run_id,
+                        cell=live.cell,
+                        case=case,
+                        reason=reason,
+                        stage=live.unavailable_stage,
+                    )
                 )
             )
             return reason, records
@@ -162,7 +167,7 @@ class Harness:
         skipped = skipped_record(
             run_id=self.run_id, cell=cell, case=case, reason=reason, stage=None
         )
-        return reason, [skipped]
+        return reason, [as_json(skipped)]
 
     def open_node(self, case: Case) -> tuple[str | None, list[dict[str, Any]], Target | None]:
         """The case's node (gpubench_target), opened once and shared by its cells: why it cannot
@@ -180,13 +185,13 @@ class Harness:
             skipped = skipped_record(
                 run_id=self.run_id, cell=cell, case=case, reason=reason, stage=stage
             )
-            return reason, [*self.stage_records(), skipped], None
+            return reason, [*self.stage_records(), as_json(skipped)], None
         return None, self.stage_records(), target
 
     def stage_records(self) -> list[dict[str, Any]]:
         """The `stage` records of the stages that ended since the last call."""
         return [
-            self.scrub.record(stage_record(run_id=self.run_id, facts=outcome.to_facts()))
+            self.scrub.record(as_json(stage_record(run_id=self.run_id, facts=outcome.to_facts())))
             for outcome in self.nodes.take_stage_outcomes()
         ]
 
@@ -319,7 +324,7 @@ class Harness:
             case.cell_id, case.prompt_id, index, elapsed_s, record["calls"],
             record["tokens_per_sec_p50"],
         )  # fmt: skip
-        return record
+        return as_json(record)
 
     def measure(
         self,
@@ -373,7 +378,7 @@ class Harness:
         self.sequential.observe(case, record)
         # An engine may echo a credential in an error message: cut it out before anyone sees it.
         scrubbed_others = [self.scrub.record(other) for other in others]
-        return self.scrub.record(record), scrubbed_others, measurement.text
+        return self.scrub.record(as_json(record)), scrubbed_others, measurement.text
 
     def _begin_sampling(self, live: LiveCell) -> tuple[NodeTelemetry, float] | None:
         """Point the node's samplers at the cell's engine; None when the cell is not sampled."""
@@ -407,18 +412,17 @@ class Harness:
         """The case's `sample` record, or none where the cell was not sampled."""
         if samples is None:
             return []
-        return [
-            sample_record(
-                run_id=self.run_id,
-                cell=live.cell,
-                case=case,
-                interval_ms=samples.interval_ms,
-                gpu_source=samples.gpu_source,
-                cpu_source=samples.cpu_source,
-                columns=sample_columns(samples),
-                notes=samples.notes,
-            )
-        ]
+        record = sample_record(
+            run_id=self.run_id,
+            cell=live.cell,
+            case=case,
+            interval_ms=samples.interval_ms,
+            gpu_source=samples.gpu_source,
+            cpu_source=samples.cpu_source,
+            columns=sample_columns(samples),
+            notes=samples.notes,
+        )
+        return [as_json(record)]
 
     def release_node(self, node_id: str) -> None:
         """After a node's last case: stop its cells' engines and give the node back now, so a

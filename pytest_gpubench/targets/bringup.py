@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from pytest_gpubench.targets import Target
+from pytest_gpubench.targets.gpu import NodeGpus, read_gpus
 from pytest_gpubench.targets.stages import SetupStep, Stage, StageClock, StageError
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.matrix import ProviderNode, SshNode
 
-# nvidia-smi's documented query: one CSV line per GPU (`nvidia-smi --help-query-gpu`).
-GPU_CHECK_FIELDS = ("name", "memory.total", "memory.free")
 DEFAULT_CHECK_TIMEOUT_S = 30.0
 MIB = 1024 * 1024
 
@@ -26,41 +24,6 @@ class RunsSetup(Protocol):
 
 class SetupTarget(Target, RunsSetup, Protocol):
     """A node that runs its setup commands: an ssh node, a rented one."""
-
-
-@dataclass(frozen=True)
-class NodeGpus:
-    """What nvidia-smi says of a node's GPUs: names and free memory in MiB."""
-
-    names: tuple[str, ...]
-    free_mib: tuple[float, ...]
-
-
-def read_gpus(target: Target, timeout_s: float) -> NodeGpus | None:
-    """The node's GPUs from nvidia-smi; None when the node has no nvidia-smi that answers."""
-    argv = [
-        "nvidia-smi",
-        f"--query-gpu={','.join(GPU_CHECK_FIELDS)}",
-        "--format=csv,noheader,nounits",
-    ]
-    try:
-        result = target.run(argv, timeout_s=timeout_s)
-    except FileNotFoundError:
-        return None
-    if not result.ok:
-        return None
-    names: list[str] = []
-    free: list[float] = []
-    for line in result.stdout.splitlines():
-        values = [value.strip() for value in line.split(",")]
-        if len(values) != len(GPU_CHECK_FIELDS):
-            continue
-        names.append(values[0])
-        try:
-            free.append(float(values[2]))
-        except ValueError:
-            free.append(0.0)  # `[N/A]`: nothing known free
-    return NodeGpus(tuple(names), tuple(free))
 
 
 def _plain_name(name: str) -> str:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypedDict, get_args
 
 from pytest_gpubench.config.matrix import StageName
 from pytest_gpubench.core.errors import GpubenchError
@@ -59,6 +59,19 @@ class SetupStep:
 Outcome = Literal["ok", "failed", "timeout", "skipped"]
 
 
+class StageFacts(TypedDict):
+    """How a stage ended, as its `stage` record says (ledger/schema.py StageRecord)."""
+
+    node: str
+    cell_id: str | None
+    stage: Stage
+    outcome: Outcome
+    elapsed_s: float
+    timeout_s: float | None
+    error: str | None
+    details: dict[str, Any] | None
+
+
 @dataclass(frozen=True)
 class StageOutcome:
     """How one stage ended on a node (for one cell, where the stage is a cell's): `ok`,
@@ -75,7 +88,7 @@ class StageOutcome:
     # What the stage found on the way (a model pull's progress).
     details: Mapping[str, Any] | None = None
 
-    def to_facts(self) -> dict[str, Any]:
+    def to_facts(self) -> StageFacts:
         return {
             "node": self.node,
             "cell_id": self.cell_id,

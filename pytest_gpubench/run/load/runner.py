@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pytest_gpubench.config.cases import Case
 from pytest_gpubench.config.datasets import sample_dataset
@@ -28,6 +28,7 @@ from pytest_gpubench.config.synthetic import synthetic_prompt
 from pytest_gpubench.config.traces import Trace, read_trace
 from pytest_gpubench.core.provenance import utc_now
 from pytest_gpubench.ledger.records import call_record, load_call_record, load_record, sample_record
+from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.measure.gauges import GaugeScraper
 from pytest_gpubench.results.load_summary import percentile, summarize_point
 from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts
@@ -266,7 +267,7 @@ def _run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> L
             error=None if valid else "no step of the sweep was a valid result",
         )
         live.last_call_end = time.monotonic()
-        return LoadOutcome(record, recorder.records)
+        return LoadOutcome(as_json(record), recorder.records)
     pattern = make_pattern(profile, case.load_point)
     asyncio.run(recorder.step(target, case.load_point, pattern))
     live.last_call_end = time.monotonic()
@@ -363,21 +364,23 @@ class _Recorder:
         self.records.extend(calls)
         if scraper.samples.columns:
             self.records.append(
-                sample_record(
-                    run_id=self.run_id,
-                    cell=self.cell,
-                    case=self.case,
-                    interval_ms=scraper.samples.interval_ms,
-                    gpu_source=None,
-                    cpu_source=None,
-                    columns={},
-                    notes=scraper.samples.notes,
-                    engine=scraper.samples.columns,
-                    load_point=point,
+                as_json(
+                    sample_record(
+                        run_id=self.run_id,
+                        cell=self.cell,
+                        case=self.case,
+                        interval_ms=scraper.samples.interval_ms,
+                        gpu_source=None,
+                        cpu_source=None,
+                        columns={},
+                        notes=scraper.samples.notes,
+                        engine=scraper.samples.columns,
+                        load_point=point,
+                    )
                 )
             )
-        self.records.append(record)
-        self.loads.append(record)
+        self.records.append(as_json(record))
+        self.loads.append(as_json(record))
         return summary
 
     def _call(self, point: str, started_ns: int, wall_ns: int, sent: Sent) -> dict[str, Any]:
@@ -391,19 +394,23 @@ class _Recorder:
             started_at_utc=at.isoformat(timespec="microseconds").replace("+00:00", "Z"),
             measurement=sent.measurement,
         )
+        # A workload's own facts (the prompt's tokens, its session and turn) are open fields.
+        fields = cast(dict[str, Any], call)
         if self.facts:
-            call.update(self.facts[sent.index % len(self.facts)])
+            fields.update(self.facts[sent.index % len(self.facts)])
         if sent.session is not None:
-            call.update(session_idx=sent.session, turn=sent.turn)
-        return load_call_record(
-            call,
-            load_point=point,
-            window=sent.window,
-            request_idx=sent.index,
-            scheduled_send_ms=round((sent.scheduled_ns - started_ns) / 1e6, 4),
-            send_ms=round((sent.sent_ns - started_ns) / 1e6, 4),
-            send_lag_ms=sent.send_lag_ms,
-            process=sent.process if self.profile.processes > 1 else None,
+            fields.update(session_idx=sent.session, turn=sent.turn)
+        return as_json(
+            load_call_record(
+                call,
+                load_point=point,
+                window=sent.window,
+                request_idx=sent.index,
+                scheduled_send_ms=round((sent.scheduled_ns - started_ns) / 1e6, 4),
+                send_ms=round((sent.sent_ns - started_ns) / 1e6, 4),
+                send_lag_ms=sent.send_lag_ms,
+                process=sent.process if self.profile.processes > 1 else None,
+            )
         )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from pytest_gpubench.config.matrix import ProviderNode
 from pytest_gpubench.core.cache import cache_dir
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.core.provenance import utc_now
 
 log = logging.getLogger(__name__)
@@ -170,13 +171,8 @@ class RentalJournal:
         return [entry for entry in self.entries() if entry.kind == kind and not entry.run_alive()]
 
     def _write(self, path: Path, facts: dict[str, Any]) -> None:
-        partial = path.with_suffix(".partial")
-        descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "w", encoding="utf-8") as out:
-            json.dump(facts, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(partial, path)
+        # Durable: the entry is what finds a paid node again after a crash.
+        atomic_write(path, json.dumps(facts), mode=0o600)
 
     def _read(self, path: Path) -> JournalEntry | None:
         try:

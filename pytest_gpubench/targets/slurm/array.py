@@ -83,12 +83,12 @@ def submit(script_path: Path, *, env: dict[str, str] | None = None) -> str:
 
 def default_shards(cells_path: Path, prompts_path: Path) -> int:
     """One shard per node group of the matrix (the most it can be split into)."""
-    from pytest_gpubench.config.matrix import load_matrix
+    from pytest_gpubench.config.matrix import read_matrix
     from pytest_gpubench.config.shards import node_groups
 
     if not cells_path.exists():
         raise GpubenchError(f"slurm submit: {cells_path} not found (--root, --cells)")
-    return len(node_groups(load_matrix(cells_path, prompts_path).cells))
+    return len(node_groups(read_matrix(cells_path, prompts_path).cells))
 
 
 def next_steps(job_id: str, spec: ArraySpec, baselines: Path | None) -> Sequence[str]:

@@ -1,0 +1,244 @@
+"""The ledger's record types, field by field (README "The ledger"): what the builders in
+records.py return and what the readers may index, so that mypy checks a field's name.
+
+A ledger is JSON written by older versions too: a reader of a file still uses `.get()` for a
+field that a version may lack. The types say what this version writes; the JSON is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NotRequired, TypedDict, cast
+
+from pytest_gpubench.core.provenance import GitState
+from pytest_gpubench.measure.stream import MeasurementFields
+from pytest_gpubench.targets.stages import StageFacts
+
+
+class MetaRecord(GitState):
+    """The first line: where, when, from which code and how the run was started."""
+
+    type: Literal["meta"]
+    benchmark_run_id: str
+    harness_version: int
+    started_at_utc: str
+    host: str
+    platform: str
+    load_avg_start: float
+    env: dict[str, str]
+    cells_planned: list[str]
+    cases_planned: int
+    python_version: str
+    pytest_version: str
+    plugin_version: str
+    command_line: list[str]
+    rootdir: str
+    cells_file: str
+    prompts_file: str
+    shard: dict[str, Any] | None
+    slurm_job: dict[str, str] | None
+
+
+class RequestFacts(TypedDict):
+    """How a cell is asked: TLS, the request keys, the extra headers as `$VARIABLE` names."""
+
+    tls_verify: bool | None
+    ca_file: str | None
+    request: dict[str, Any]
+    request_by_prompt: dict[str, dict[str, Any]]
+    request_headers: dict[str, str]
+    tls_warning: NotRequired[str]
+
+
+class CellRecord(RequestFacts):
+    """A healthy cell: its engine, model and node, and what the engine said of itself (the
+    engine's describe(): its keys vary by engine, these are the ones the gate reads)."""
+
+    type: Literal["cell"]
+    cell_id: str
+    node: str
+    node_kind: str
+    engine: str
+    model: str
+    managed: bool
+    endpoint: str | None
+    engine_version: NotRequired[str | None]
+    model_digest: NotRequired[str | None]
+    model_identity: NotRequired[str | None]
+    model_root: NotRequired[str | None]
+    max_model_len: NotRequired[int | None]
+    gpus: list[dict[str, str]]
+    gpu_summary: str
+    node_info: dict[str, Any]
+    at_utc: str
+    benchmark_run_id: str
+    node_port: int | None
+    launch: list[str] | None
+    engine_url: str | None
+
+
+class CaseHead(TypedDict):
+    """The first fields of a case's measurement (`call`, `load`)."""
+
+    benchmark_run_id: str
+    cell_id: str
+    node: str
+    engine: str
+    model: str
+    prompt_id: str
+    prompt_sha256: str
+    phase: str
+
+
+class CallRecord(CaseHead, MeasurementFields):
+    """One measured call of a case (successful or not); a load case's calls add the load
+    fields, a case with telemetry its resource figures (telemetry/aggregate.py CALL_FIELDS)."""
+
+    type: Literal["call"]
+    run_idx: int
+    case_id: str
+    test_id: str | None
+    cold_kind: str | None
+    started_at_utc: str
+    worker: str | None
+
+
+class LoadCallRecord(CallRecord):
+    """A call of a load case: its load point, the window it was sent in, and when it was due
+    and went out (ms from the point's start)."""
+
+    load_point: str
+    load_window: str
+    request_idx: int
+    scheduled_send_ms: float
+    send_ms: float
+    send_lag_ms: float
+    process: int | None
+
+
+class LoadRecord(CaseHead):
+    """One load point's summary (results/load_summary.py); the pattern's keys (concurrency,
+    rate, arrival, ...) and the summary's figures sit between these."""
+
+    type: Literal["load"]
+    case_id: str
+    load_point: str
+    pattern: NotRequired[str]
+    started_at_utc: str
+    valid: NotRequired[bool]
+    invalid_reason: NotRequired[str | None]
+    requests: NotRequired[int]
+    ok: NotRequired[int]
+    output_tokens_per_sec: NotRequired[float | None]
+    engine_counters: NotRequired[dict[str, float] | None]
+    error: str | None
+    worker: str | None
+
+
+class SampleRecord(TypedDict):
+    """The resource samples of one case, as columns; a load case's engine gauges per point."""
+
+    type: Literal["sample"]
+    benchmark_run_id: str
+    cell_id: str
+    node: str
+    case_id: str
+    prompt_id: str
+    phase: str
+    run_idx: int
+    interval_ms: int
+    gpu_source: str | None
+    cpu_source: str | None
+    gpu: dict[str, list[Any]] | None
+    cpu: dict[str, list[Any]] | None
+    notes: list[str] | None
+    worker: str | None
+    engine: NotRequired[dict[str, list[Any]]]
+    load_point: NotRequired[str | None]
+
+
+class SkippedRecord(TypedDict):
+    """A cell or case that could not run, with the reason and the stage it failed in."""
+
+    type: Literal["skipped"]
+    benchmark_run_id: str
+    cell_id: str
+    case_id: str | None
+    prompt_id: str | None
+    phase: str | None
+    run_idx: int | None
+    reason: str
+    at_utc: str
+    node: str
+    stage: str | None
+
+
+class CheckpointRecord(TypedDict):
+    """A timed run's figures so far (README "Timed runs")."""
+
+    type: Literal["checkpoint"]
+    benchmark_run_id: str
+    cell_id: str
+    node: str
+    prompt_id: str
+    case_id: str
+    checkpoint_idx: int
+    elapsed_s: float
+    final: bool
+    calls: int
+    errors: int
+    stalls: int
+    calls_so_far: int
+    ttft_p50_ms: float | None
+    total_p50_ms: float | None
+    tokens_per_sec_p50: float | None
+    completion_tokens: int
+    at_utc: str
+    worker: str | None
+
+
+class StageRecord(StageFacts):
+    """How one stage of a remote node (or of a cell on it) ended."""
+
+    type: Literal["stage"]
+    benchmark_run_id: str
+    at_utc: str
+    worker: str | None
+
+
+class EndRecord(TypedDict):
+    """The last line: when it ended, the gate's verdicts, every planned cell's outcome and the
+    session's exit status."""
+
+    type: Literal["end"]
+    benchmark_run_id: str
+    finished_at_utc: str | None
+    load_avg_end: Any
+    pytest_exitstatus: int
+    calls: int
+    skipped: int
+    verdicts: list[dict[str, Any]]
+    regressions: int
+    gate_error: str | None
+    nodes: list[dict[str, Any]]
+    cells: list[dict[str, Any]]
+    exit_status: int
+
+
+Record = (
+    MetaRecord
+    | CellRecord
+    | CallRecord
+    | LoadCallRecord
+    | LoadRecord
+    | SampleRecord
+    | SkippedRecord
+    | CheckpointRecord
+    | StageRecord
+    | EndRecord
+)
+
+
+def as_json(record: Record) -> dict[str, Any]:
+    """A record as the JSON object it is written as: what the ledger writer, the secret
+    scrubber and xdist's reports carry (any record, and the older ones read back)."""
+    return cast(dict[str, Any], record)
