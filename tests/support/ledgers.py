@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.gate import compare
 from pytest_gpubench.results.stats import summarize
 
@@ -258,4 +259,5 @@ def write(path: Path, records: Sequence[dict[str, Any]]) -> Path:
 
 
 def read(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    """A ledger's records as the plugin reads them (call records with their cell's keys)."""
+    return read_ledger(path)
