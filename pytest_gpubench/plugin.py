@@ -288,12 +288,30 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         for case, item in ((_case_of(item), item) for item in session.items)
         if case is not None and ENGINE_FIXTURE in getattr(item, "fixturenames", ())
     ]
-    if not planned or not run.writes_ledger or session.config.option.collectonly:
+    if not planned or not run.writes_ledger or _measures_nothing(session.config):
         return
     try:
         run.begin(planned)
     except GpubenchError as exc:
         raise pytest.UsageError(str(exc)) from None
+
+
+# pytest's options for runs that list or plan and run no test: they measure nothing by design,
+# so they write no ledger and claim no status of their own.
+MEASURES_NOTHING = (
+    "collectonly",
+    "showfixtures",
+    "show_fixtures_per_test",
+    "setupplan",
+    "setuponly",
+    "markers",
+    "help",
+    "version",
+)
+
+
+def _measures_nothing(config: pytest.Config) -> bool:
+    return any(getattr(config.option, name, False) for name in MEASURES_NOTHING)
 
 
 def _last_case_of_each_node(items: list[pytest.Item], matrix: Matrix | None) -> dict[str, str]:
@@ -530,7 +548,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         return
     from pytest_gpubench.core.status import describe
 
-    terminal.write_line(f"gpubench: {describe(run.exit_status)}", red=run.exit_status != 0)
+    missing = [o.cell_id for o in run.outcomes if o.optional and o.unmeasured]
+    terminal.write_line(
+        f"gpubench: {describe(run.exit_status, missing_optional=missing)}",
+        red=run.exit_status != 0,
+    )
 
 
 def _write(terminalreporter: pytest.TerminalReporter, run: RunController, lines: list[Any]) -> None:

@@ -102,3 +102,26 @@ def test_json_summary(ledger: Path, tmp_path: Path) -> None:
 def test_export_needs_a_format(ledger: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["export", str(ledger)]) == 2
     assert "name at least one of --prometheus, --csv, --json" in capsys.readouterr().err
+
+
+def test_a_cold_figure_that_ran_warm_carries_its_cold_kind(tmp_path: Path) -> None:
+    """A cold case that ran warm (`process_warm`) is told apart from a cold start in Prometheus."""
+    records = ledgers.run_records("run-current", seed=2)
+    for record in records:
+        if record.get("type") == "call" and record.get("phase") == "cold":
+            record["cold_kind"] = "process_warm"
+    textfile = tmp_path / "gpubench.prom"
+    assert (
+        main(
+            [
+                "export",
+                str(ledgers.write(tmp_path / "r.jsonl", records)),
+                "--prometheus",
+                str(textfile),
+            ]
+        )
+        == 0
+    )
+    families = {f.name: f for f in text_string_to_metric_families(textfile.read_text())}
+    kinds = {s.labels["cold_kind"] for s in families["gpubench_cold"].samples}
+    assert kinds == {"process_warm"}

@@ -92,3 +92,60 @@ class Cell:
 
 def _no_node(cell: Any) -> Any:
     raise AssertionError("fetch_log should not open the node")
+
+
+def test_a_node_whose_cleanup_hangs_is_left_after_its_timeout_and_the_others_closed() -> None:
+    """stage_timeouts.cleanup bounds giving a node back; the stage says it timed out."""
+    import time
+
+    from pytest_gpubench.targets.stages import StageClock, StageOutcome
+
+    closed: list[str] = []
+
+    class Hanging(Node):
+        def close(self) -> None:
+            super().close()
+            time.sleep(5)
+
+    outcomes: list[StageOutcome] = []
+    session = Harness(None, log_dir=Path("runs"), scrub=SecretScrubber([]))  # type: ignore[arg-type]
+    session.nodes.clocks["hung"] = StageClock(
+        "hung", report=outcomes.append, timeouts={"cleanup": 0.3}
+    )
+    session.nodes.targets = {"hung": Hanging("hung", closed), "fine": Node("fine", closed)}
+    begun = time.monotonic()
+    session.close()
+    assert time.monotonic() - begun < 3
+    assert closed == ["hung", "fine"]
+    (cleanup,) = outcomes
+    assert (cleanup.stage, cleanup.outcome, cleanup.timeout_s) == ("cleanup", "timeout", 0.3)
+    assert cleanup.error is not None and "ran past its timeout of 0.3 s" in cleanup.error
+
+
+def test_a_benchmark_stage_past_its_timeout_stops_the_cells_cases(tmp_path: Path) -> None:
+    """stage_timeouts.benchmark: once a ready cell has run that long, its next case is not run
+    (skipped with the reason, stage `benchmark`) and its benchmark stage ends as `timeout`."""
+    import time
+    from types import SimpleNamespace
+
+    from pytest_gpubench.targets.stages import StageClock, StageOutcome
+
+    outcomes: list[StageOutcome] = []
+    clock = StageClock("gpubox", report=outcomes.append, timeouts={"benchmark": 60.0})
+    cell = SimpleNamespace(cell_id="gpubox:llamacpp:tiny", spec=SimpleNamespace(node="gpubox"))
+    live = LiveCell(
+        cell=cell,  # type: ignore[arg-type]
+        log_dir=tmp_path,
+        node_target=_no_node,
+        node_clock=lambda _: clock,
+        ready_at=time.monotonic() - 30,
+    )
+    live.check_benchmark_time()
+    assert live.unavailable is None and live.benchmark_left() == pytest.approx(30, abs=1)
+    live.ready_at = time.monotonic() - 61
+    live.check_benchmark_time()
+    assert live.unavailable == "node gpubox: benchmark ran past its timeout of 60 s"
+    assert live.unavailable_stage == "benchmark"
+    live.close()
+    (benchmark,) = outcomes
+    assert (benchmark.stage, benchmark.outcome, benchmark.timeout_s) == ("benchmark", "timeout", 60)

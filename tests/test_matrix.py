@@ -403,3 +403,65 @@ def test_shipped_prompts_are_the_canonical_ones_verbatim() -> None:
     prompts = load_prompts(SHIPPED_PROMPTS)
     assert {pid: (p.intent, p.prompt, p.max_tokens) for pid, p in prompts.items()} == CANONICAL
     assert list(prompts) == ["P-EASY", "P-MEDIUM", "P-HARD"]
+
+
+@pytest.mark.parametrize(
+    ("cells", "prompts", "expected"),
+    [
+        (
+            "nodes: {local: {kind: local}}\ncells:\n  - {node: local, engine: llamacpp, model: tiny}\n"
+            "cells:\n  - {node: local, engine: llamacpp, model: tiny, name: b}\n",
+            PROMPTS,
+            "cells.yaml: line 4: duplicate key 'cells' (first written on line 2)",
+        ),
+        (
+            "nodes: {local: {kind: local}}\ncells:\n  - node: local\n    engine: llamacpp\n"
+            "    model: tiny\n    model: other\n",
+            PROMPTS,
+            "cells.yaml: line 6: duplicate key 'model' (first written on line 5)",
+        ),
+        (
+            GOOD,
+            "prompts:\n  P-EASY: {intent: a, prompt: hi, max_tokens: 4}\n"
+            "  P-EASY: {intent: b, prompt: ho, max_tokens: 4}\n",
+            "prompts.yaml: line 3: duplicate key 'P-EASY' (first written on line 2)",
+        ),
+    ],
+    ids=["second-cells-list", "model-twice", "prompt-twice"],
+)
+def test_a_key_written_twice_is_a_usage_error_naming_file_line_and_key(
+    tmp_path: Path, cells: str, prompts: str, expected: str
+) -> None:
+    """YAML keeps the last of two equal keys silently: a second `cells:` dropped the first list's
+    cells from the run and the manifest, and `model:` twice measured the last one."""
+    with pytest.raises(GpubenchError) as excinfo:
+        load_matrix(*write(tmp_path, cells, prompts))
+    assert str(excinfo.value).startswith(str(tmp_path))
+    assert expected in str(excinfo.value) and "\n" not in str(excinfo.value)
+
+
+def test_a_duplicate_key_ends_the_run_with_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makefile(".yaml", prompts=PROMPTS)
+    pytester.makefile(
+        ".yaml",
+        cells="nodes: {local: {kind: local}}\ncells:\n  - {node: local, engine: llamacpp, model: tiny}\n"
+        "cells:\n  - {node: local, engine: llamacpp, model: tiny, name: b}\n",
+    )
+    pytester.makepyfile("def test_generate(gpubench_case): pass")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: *cells.yaml: line 4: duplicate key 'cells'*"])
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()
+
+
+def test_a_deeply_nested_file_is_one_usage_line(pytester: pytest.Pytester) -> None:
+    """A cells.yaml that is one list nested 2,000 levels deep ended in INTERNALERROR and a
+    RecursionError traceback."""
+    pytester.makefile(".yaml", prompts=PROMPTS)
+    pytester.makefile(".yaml", cells="[" * 2000 + "]" * 2000)
+    pytester.makepyfile("def test_generate(gpubench_case): pass")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: *cells.yaml: line 1: nested deeper than 100 levels"])
+    output = result.stdout.str() + result.stderr.str()
+    assert "Traceback" not in output and "INTERNALERROR" not in output

@@ -148,4 +148,8 @@ def test_record_keeps_the_old_fields_in_their_order_and_adds_the_new_ones_after(
         "engine_prompt_ms", "engine_total_ms", "system_fingerprint",
     ]  # fmt: skip
     # issue 12: the call's connection.
-    assert fields[19:] == ["connect_ms", "tls_handshake_ms", "connection_reused", "reconnected"]
+    assert fields[19:23] == ["connect_ms", "tls_handshake_ms", "connection_reused", "reconnected"]
+    # issue 23: reasoning models alike on every engine, and the prefix cache.
+    assert fields[23:] == [
+        "first_answer_ms", "reasoning_tokens", "answer_tokens", "cached_prompt_tokens",
+    ]  # fmt: skip

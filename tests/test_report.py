@@ -323,3 +323,19 @@ def test_markdown_says_what_identifies_a_model_without_a_digest() -> None:
         "- model: qwen (digest -, identity: name and root, root `Qwen/Qwen3-0.6B`, "
         "max model length 4096)"
     ) in text
+
+
+def test_a_cold_case_that_ran_warm_is_labelled_in_the_cold_columns() -> None:
+    """An `openai` endpoint cannot unload its model: its cold cases run warm (`cold_kind:
+    process_warm`), and their TTFT must not read as a cold start."""
+    records = [
+        {**call(OLLAMA, "P-EASY", "cold", 0, 40.0), "cold_kind": "process_warm"},
+        call(OLLAMA, "P-EASY", "warm", 0, 40.0),
+        call(TINY, "P-EASY", "cold", 0, 900.0),
+        call(TINY, "P-EASY", "warm", 0, 40.0),
+    ]
+    summaries = summarize(records)
+    rows = {row[0]: row for row in summary_rows(summaries, [])}
+    assert rows[OLLAMA][5:7] == ["40.00 (ran warm)", "200.00 (ran warm)"]
+    assert rows[TINY][5:7] == ["900.00", "4500.00"]
+    assert "ran warm" in render_summary(summaries, [])

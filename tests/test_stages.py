@@ -139,3 +139,48 @@ def test_vram_check_fails_fast_when_the_model_does_not_fit(standin_path: Path) -
         ("vram_check", "ok", "c"),
         ("vram_check", "failed", "c"),
     ]
+
+
+def test_a_stage_timed_elsewhere_is_stopped_by_its_own_timeout_or_the_budget() -> None:
+    """The benchmark stage runs from a cell's readiness to its close, outside `stage()`: it is
+    told what is left of its own timeout, and when to stop."""
+    clock, _ = recording_clock(timeouts={"benchmark": 5.0})
+    begun = time.monotonic()
+    assert clock.left("benchmark", begun) == pytest.approx(5.0, abs=0.5)
+    assert clock.overrun("benchmark", begun) is None
+    assert clock.overrun("benchmark", begun - 6) == (
+        "node gpubox: benchmark ran past its timeout of 5 s"
+    )
+    budgeted, _ = recording_clock(budget_s=0.05)
+    time.sleep(0.1)
+    assert budgeted.overrun("benchmark", time.monotonic()) == (
+        "node gpubox: budget of 0.05 s spent during benchmark"
+    )
+    unlimited, _ = recording_clock()
+    assert unlimited.left("benchmark", begun - 10**6) is None
+
+
+class HangingTarget(LocalTarget):
+    """A node whose closing never returns (a dead SSH connection, a hung scancel)."""
+
+    def __init__(self, node_id: str, hang_s: float) -> None:
+        super().__init__(node_id)
+        self.hang_s = hang_s
+
+    def close(self) -> None:
+        time.sleep(self.hang_s)
+
+
+def test_cleanup_has_a_timeout_of_its_own_and_a_grace_past_the_budget() -> None:
+    from pytest_gpubench.run.harness import CLEANUP_GRACE_S, cleanup_limit, close_within
+
+    clock, _ = recording_clock(timeouts={"cleanup": 45.0}, budget_s=10**6)
+    assert cleanup_limit(clock) == pytest.approx(45.0)
+    spent, _ = recording_clock(budget_s=0.01)
+    time.sleep(0.05)
+    assert cleanup_limit(spent) == CLEANUP_GRACE_S  # the node is still given back
+    begun = time.monotonic()
+    problem = close_within(HangingTarget("gpubox", 5.0), 0.2)
+    assert time.monotonic() - begun < 2
+    assert problem is not None and "cleanup ran past its timeout of 0.2 s" in problem
+    assert close_within(HangingTarget("gpubox", 0.0), 5.0) is None

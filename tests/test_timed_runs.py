@@ -93,6 +93,10 @@ def test_a_timed_run_killed_after_12_s_keeps_its_first_two_checkpoints(
     calls = [r for r in records if r["type"] == "call"]
     assert len(calls) == checkpoints[-1]["calls_so_far"] > 0  # the calls before it, kept
     assert all(r["type"] != "end" for r in records)  # killed: no end record, nothing lost
+    # Killed before its first case ended: the cell record, written ahead of the checkpoints,
+    # still says what was measured.
+    (described,) = [r for r in records if r["type"] == "cell"]
+    assert described["cell_id"] == "local:llamacpp:tiny" and described["engine_url"]
 
 
 def test_a_stream_with_no_token_for_stall_s_is_aborted_and_recorded(

@@ -95,6 +95,10 @@ def test_the_same_cell_marked_optional_is_listed_as_missing_and_passes(
     result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
     assert result.ret == 0
     result.stdout.fnmatch_lines([f"{cell_id} *missing (optional)*0/0*{BAD[bad][2]}*"])
+    # The last line does not claim that every benchmark was measured: it names the missing one.
+    assert result.outlines[-1] == (
+        f"gpubench: exit status 0: no regression; optional cells not measured: {cell_id}"
+    )
     outcomes = {cell["cell_id"]: cell for cell in end_record(pytester)["cells"]}
     assert outcomes[cell_id]["status"] == "missing" and outcomes[cell_id]["optional"] is True
 
@@ -129,3 +133,18 @@ def test_probe_fails_when_a_required_cell_is_unhealthy(
     assert not (pytester.path / "runs").exists() or not list(
         Path(pytester.path / "runs").glob("*.jsonl")
     )
+
+
+@pytest.mark.parametrize(
+    "option",
+    ["--fixtures", "--fixtures-per-test", "--collect-only", "--setup-plan", "--markers", "--help"],
+)
+def test_a_run_that_measures_nothing_by_design_writes_no_ledger_and_claims_no_status(
+    pytester: pytest.Pytester, option: str
+) -> None:
+    """`pytest --fixtures` wrote a ledger and printed "exit status 7" while pytest exited 0."""
+    bench(pytester, "http://127.0.0.1:9", "unreachable")
+    result = pytester.runpytest(option, "--force-load", "-p", "no:cacheprovider")
+    assert result.ret == 0
+    assert not list(pytester.path.glob("runs/*.jsonl"))
+    assert "gpubench: exit status" not in result.stdout.str()

@@ -262,27 +262,44 @@ def _slurm_submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rentals(args: argparse.Namespace) -> int:
-    """The rental journal: each session not yet given back; --release gives back those whose
-    run is gone. Status 1 when one could not be given back."""
+def _leases(args: argparse.Namespace) -> int:
+    """The lease journal: each rented session and Slurm job not yet given back; --release
+    gives back those whose run is gone (a rental marked done, a job cancelled). Status 1 when
+    one could not be given back."""
     from pytest_gpubench.reports.terminal import rental_lines
     from pytest_gpubench.targets.provider.journal import RentalJournal, release
+    from pytest_gpubench.targets.slurm.leases import release_job
+    from pytest_gpubench.targets.ssh.leases import release_server
 
     journal = RentalJournal()
     entries = journal.entries()
     if not entries:
-        print(f"no rentals in {journal.directory}")
+        print(f"no rentals in {journal.directory} (and no Slurm job)")
         return 0
     failed = False
     for entry in entries:
         facts = entry.facts
         in_use = entry.run_alive()
         if args.release and not in_use:
-            released = release(entry, journal)
+            giver = {"slurm": release_job, "ssh_server": release_server}.get(entry.kind, release)
+            released = giver(entry, journal)
             failed = failed or not released["session_done"]
             print(rental_lines([released])[0].text)
             continue
         state = f"in use by pid {facts.get('pid')}" if in_use else "left by a killed run"
+        if entry.kind == "ssh_server":
+            print(
+                f"ssh node {facts.get('node')}: {facts.get('program')} (pid "
+                f"{entry.session_id or 'not read back'}, since {facts.get('created_at_utc')}): "
+                f"{state}"
+            )
+            continue
+        if entry.kind == "slurm":
+            print(
+                f"slurm node {facts.get('node')}: job {entry.session_id or '(id not read back)'} "
+                f"({facts.get('job_name')}, since {facts.get('created_at_utc')}): {state}"
+            )
+            continue
         print(
             f"node {facts.get('node')}: session {entry.session_id} at {facts.get('api')} "
             f"({facts.get('gpu_name')}, {facts.get('price_per_hour')}/h, since "
@@ -392,16 +409,19 @@ def parser() -> argparse.ArgumentParser:
     compare.set_defaults(handler=_compare)
     _add_sharded_run_commands(commands)
 
-    rentals = commands.add_parser(
-        "rentals",
-        help="the rented sessions not yet given back (the rental journal in the cache directory)",
+    leases = commands.add_parser(
+        "leases",
+        aliases=["rentals"],
+        help="what the plugin started that outlives a crash and is not yet given back: rented "
+        "sessions and Slurm jobs (the lease journal in the cache directory)",
     )
-    rentals.add_argument(
+    leases.add_argument(
         "--release",
         action="store_true",
-        help="give back every session whose run is gone (killed) and print what it cost",
+        help="give back everything whose run is gone (killed): mark rentals done and print "
+        "what they cost, cancel Slurm jobs (scancel) and print how they ended",
     )
-    rentals.set_defaults(handler=_rentals)
+    leases.set_defaults(handler=_leases)
     return root
 
 

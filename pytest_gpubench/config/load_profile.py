@@ -4,9 +4,22 @@ measured at, how each is bounded, what it sends and the SLO its goodput is count
 from __future__ import annotations
 
 import math
+import random
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
+
+from pytest_gpubench.config.datasets import Dataset
+from pytest_gpubench.config.traces import Trace
 
 ARRIVALS = ("constant", "poisson", "gamma")
 
@@ -43,17 +56,82 @@ class LoadThresholds(_Strict):
     goodput: PositiveFloat = 0.30
 
 
-class Synthetic(_Strict):
-    """Prompts given by token counts, made by a seeded generator (load/synthetic.py)."""
+class Prefix(_Strict):
+    """Shared-prefix prompts (vLLM `bench serve`'s prefix repetition, SGLang's generated shared
+    prefix): `groups` prefixes of `tokens` tokens each; every prompt starts with its group's
+    prefix, then its own `input_tokens`. A prefix cache serves the shared part."""
 
-    input_tokens: PositiveInt
+    tokens: PositiveInt
+    groups: Annotated[int, Field(ge=1, le=1024)] = 1
+
+
+class Synthetic(_Strict):
+    """Prompts given by token counts of the model's own tokenizer (vLLM `bench serve`'s
+    `random`, guidellm's `prompt_tokens`): a seeded text of exactly `input_tokens` tokens,
+    counted through the engine (engines/tokenizer.py), asking for `output_tokens` (ignore_eos).
+    `input_tokens` may be a list of sizes, or a mean with `spread` (a standard deviation in
+    tokens, `count` sizes drawn with `seed`): each size is one prompt, sent in turn under load."""
+
+    input_tokens: int | list[int]
     output_tokens: PositiveInt
     seed: int = 0
+    spread: Annotated[float, Field(ge=0.0)] | None = None
+    # Distinct prompts: the sizes drawn with `spread`, or (when set) this many different texts
+    # of each size; with `prefix`, spread over its groups.
+    count: Annotated[int, Field(ge=1, le=1024)] = 8
+    prefix: Prefix | None = None
+
+    @field_validator("input_tokens", mode="before")
+    @classmethod
+    def _counts(cls, value: Any) -> Any:
+        # One message for both spellings (a union would report each branch on a line of its own).
+        def positive(item: Any) -> bool:
+            return isinstance(item, int) and not isinstance(item, bool) and item > 0
+
+        if positive(value) or (isinstance(value, list) and value and all(map(positive, value))):
+            return value
+        raise ValueError("a positive token count, or a non-empty list of them")
+
+    @model_validator(mode="after")
+    def _spread_of_one_mean(self) -> Synthetic:
+        if isinstance(self.input_tokens, list) and self.spread is not None:
+            raise ValueError("spread: only with one input_tokens mean, not a list of sizes")
+        return self
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The input sizes in tokens, in the order they are sent."""
+        if isinstance(self.input_tokens, list):
+            return tuple(self.input_tokens)
+        if self.spread is None or self.spread == 0:
+            return (self.input_tokens,)
+        chooser = random.Random(f"{self.seed}:{self.input_tokens}:{self.spread}")
+        mean = self.input_tokens
+        return tuple(max(1, round(chooser.gauss(mean, self.spread))) for _ in range(self.count))
+
+    @property
+    def variants(self) -> tuple[tuple[int, int], ...]:
+        """(size, seed) of each distinct prompt, in the order they are sent: one per size, or
+        `count` texts of each size where `count` is set or a prefix is shared."""
+        sizes = self.sizes
+        repeat = "count" in self.model_fields_set or self.prefix is not None
+        if self.spread or not repeat:
+            return tuple((size, self.seed + i) for i, size in enumerate(sizes))
+        return tuple(
+            (size, self.seed + i * len(sizes) + j)
+            for i in range(self.count)
+            for j, size in enumerate(sizes)
+        )
 
     @property
     def prompt_id(self) -> str:
         """The id its cases and records carry in place of a prompts.yaml id."""
-        return f"synthetic-in{self.input_tokens}-out{self.output_tokens}"
+        prefix = f"-prefix{self.prefix.tokens}x{self.prefix.groups}" if self.prefix else ""
+        if isinstance(self.input_tokens, list):
+            sizes = "_".join(str(size) for size in self.input_tokens)
+            return f"synthetic-in{sizes}-out{self.output_tokens}{prefix}"
+        spread = f"sd{self.spread:g}" if self.spread else ""
+        return f"synthetic-in{self.input_tokens}{spread}-out{self.output_tokens}{prefix}"
 
 
 class Sweep(_Strict):
@@ -82,6 +160,16 @@ class LoadProfile(_Strict):
     # The frozen prompts sent (ids of prompts.yaml; default: the cell's), or synthetic ones.
     prompts: list[str] | None = None
     synthetic: Synthetic | None = None
+    # Prompts sampled from a dataset file (config/datasets.py), sent in turn.
+    dataset: Dataset | None = None
+    # Multi-turn sessions: each send is a session of `turns` requests, each with the history
+    # and the previous answer, `think_time_s` between an answer and the next turn; `requests`
+    # then counts sessions.
+    turns: Annotated[int, Field(ge=1, le=64)] | None = None
+    think_time_s: Annotated[float, Field(ge=0.0)] = 0.0
+    # A trace replayed on its own schedule (config/traces.py): a point `trace-x<speedup>` per
+    # speed-up, each request its own prompt and output length.
+    trace: Trace | None = None
     # The arrival times' seed (poisson, gamma): the same schedule on every run.
     seed: int = 0
     # A case whose requests went out later than this after their scheduled time (p99) is
@@ -98,7 +186,14 @@ class LoadProfile(_Strict):
     def _sweep_shorthand(cls, data: Any) -> Any:
         # `sweep: true` is a sweep with the default steps.
         if isinstance(data, dict) and data.get("sweep") is True:
-            return {**data, "sweep": {}}
+            data = {**data, "sweep": {}}
+        # `prefix:` beside `synthetic:` (the peers' spelling) is the synthetic prompts' prefix.
+        if isinstance(data, dict) and "prefix" in data:
+            synthetic = data.get("synthetic")
+            if not isinstance(synthetic, dict):
+                raise ValueError("prefix: shares a prefix among synthetic prompts: add synthetic:")
+            rest = {key: value for key, value in data.items() if key != "prefix"}
+            return {**rest, "synthetic": {**synthetic, "prefix": data["prefix"]}}
         return data
 
     @property
@@ -106,6 +201,8 @@ class LoadProfile(_Strict):
         """The load points in run order: `c<N>` closed loops, `r<rate>` open loops, `sweep`."""
         points = [f"c{n}" for n in dict.fromkeys(self.concurrency or [])]
         points += [f"r{rate_text(rate)}" for rate in dict.fromkeys(self.rate or [])]
+        if self.trace is not None:
+            points += [f"trace-x{rate_text(x)}" for x in dict.fromkeys(self.trace.speedup)]
         return points + (["sweep"] if self.sweep is not None else [])
 
     def prompt_ids(self, cell_prompts: tuple[str, ...]) -> tuple[str, ...]:
@@ -113,11 +210,16 @@ class LoadProfile(_Strict):
         frozen prompts, or the cell's."""
         if self.synthetic is not None:
             return (self.synthetic.prompt_id,)
+        if self.dataset is not None:
+            return (dataset_prompt_id(self.dataset),)
+        if self.trace is not None:
+            return (f"trace-{Path(self.trace.path).stem}",)
         return tuple(self.prompts) if self.prompts else cell_prompts
 
     @property
     def bounded(self) -> bool:
-        return self.duration_s is not None or self.requests is not None
+        # A trace ends with its last request.
+        return self.duration_s is not None or self.requests is not None or self.trace is not None
 
     @property
     def longest_s(self) -> float:
@@ -127,7 +229,14 @@ class LoadProfile(_Strict):
         if self.duration_s is None and self.requests is not None:
             span += float(self.requests)  # one request a second at the slowest, then the cap
         steps = (self.sweep.rates + 2) if self.sweep is not None else 1
+        if self.trace is not None and self.duration_s is None:
+            span += 600.0  # the trace's own length, not known before it is read
         return span * steps
+
+
+def dataset_prompt_id(dataset: Dataset) -> str:
+    """The id a dataset load case carries: `dataset-<file stem>`."""
+    return f"dataset-{Path(dataset.path).stem}"
 
 
 def rate_text(rate: float) -> str:

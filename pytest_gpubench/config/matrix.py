@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     AnyHttpUrl,
     BaseModel,
@@ -29,7 +28,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting, merged_profile
+from pytest_gpubench.config.datasets import Dataset, DatasetPrompt, dataset_sha256, sample_dataset
+from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting, Synthetic, merged_profile
+from pytest_gpubench.config.traces import read_trace
+from pytest_gpubench.config.words import seeded_words
+from pytest_gpubench.config.yaml_file import parse_yaml
 from pytest_gpubench.core.errors import GpubenchError
 
 PHASES = ("cold", "warm")
@@ -174,6 +177,10 @@ class SlurmNode(_Strict):
     # How long a job may wait in the queue before its cell fails (stage `queue`).
     queue_timeout_s: PositiveFloat = 600.0
     command_timeout_s: PositiveFloat = 60.0
+    # What nvidia-smi must report inside each job (stage gpu_check, on the job's own node).
+    gpu_type: str | None = None
+    gpu_count: PositiveInt | None = None
+    gpu_check: Literal["auto", "required", "off"] = "auto"
 
 
 class PluginNode(BaseModel):
@@ -337,6 +344,9 @@ class CellSpec(_Strict):
     thresholds: Thresholds | None = None
     telemetry: TelemetrySettings | None = None
     skip: str | None = None
+    # A tokenizer (a tokenizer.json or a model folder) counting synthetic prompts' tokens where
+    # the engine has no /tokenize (engines/tokenizer.py).
+    tokenizer: str | None = None
     # A cell that may go unmeasured (an engine that is not always up) without failing the run.
     optional: bool = False
     # Managed llama.cpp: the GGUF file to serve (default: the generated tiny model), the server
@@ -444,17 +454,37 @@ class CellSpec(_Strict):
         return self._endpoint_text if self._endpoint_text is not None else str(self.endpoint)
 
 
+class ChatTurn(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
 class Prompt(_Strict):
     intent: str
     prompt: Annotated[str, Field(min_length=1)]
     max_tokens: PositiveInt
     request: RequestShape | None = None
+    # A whole conversation sent in place of `prompt` alone (a dataset's entry with a system
+    # turn); `prompt` is then its last user turn.
+    messages: tuple[ChatTurn, ...] | None = None
+    # A token-exact synthetic prompt of one size: `prompt` holds word text until the live cell
+    # counts the exact text through the engine (run/workloads.py); frozen at that point.
+    synthetic: Synthetic | None = None
+
+    def chat_messages(self) -> list[dict[str, Any]] | None:
+        """The conversation to send, or None where `prompt` is sent as one user turn."""
+        if self.messages is None:
+            return None
+        return [turn.model_dump() for turn in self.messages]
 
     def sha256(self, request: RequestShape | None = None) -> str:
         """The frozen hash: the text and max_tokens, plus the request keys that change what is
         measured (`request`, the effective one) only where some are set: a prompt measured
-        with the default request keeps the hash it had before request keys existed."""
+        with the default request keeps the hash it had before request keys existed. A
+        conversation's turns join the hash only where there are some, for the same reason."""
         frozen: dict[str, Any] = {"prompt": self.prompt, "max_tokens": self.max_tokens}
+        if self.messages is not None:
+            frozen["messages"] = self.chat_messages()
         changed = request.changed_keys() if request is not None else {}
         if changed:
             frozen["request"] = changed
@@ -470,6 +500,58 @@ class _CellsFile(_Strict):
 
 class _PromptsFile(_Strict):
     prompts: dict[str, Prompt]
+
+
+class DatasetEntry(_Strict):
+    """A prompts.yaml entry that names a dataset: it stands for `count` prompts, one case each,
+    with ids `<id>#<entry>` (the entry's line or position in the file)."""
+
+    intent: str = ""
+    dataset: Dataset
+    request: RequestShape | None = None
+
+
+class _DatasetPromptsFile(_Strict):
+    prompts: dict[str, DatasetEntry]
+
+
+class SyntheticEntry(_Strict):
+    """A prompts.yaml entry of token-exact synthetic prompts: one prompt per input size, with
+    ids `<id>#in<N>`."""
+
+    intent: str = ""
+    synthetic: Synthetic
+
+
+class _SyntheticPromptsFile(_Strict):
+    prompts: dict[str, SyntheticEntry]
+
+
+def synthetic_entry_prompt(key: str, intent: str, synthetic: Synthetic, size: int) -> Prompt:
+    """One size of a synthetic entry, its text still words (made exact on the live cell)."""
+    one = synthetic.model_copy(update={"input_tokens": size, "spread": None})
+    return Prompt(
+        intent=f"{intent or key}: {size} input tokens, {synthetic.output_tokens} output",
+        prompt=seeded_words(synthetic.seed, size, size),
+        max_tokens=synthetic.output_tokens,
+        request=RequestShape(ignore_eos=True),
+        synthetic=one,
+    )
+
+
+def dataset_prompt(
+    group: str, entry: DatasetEntry | None, item: DatasetPrompt, dataset: Dataset
+) -> Prompt:
+    """One sampled entry of a dataset as a frozen prompt."""
+    intent = entry.intent if entry is not None and entry.intent else f"dataset {group}"
+    turns = tuple(ChatTurn(role=role, content=content) for role, content in item.messages)  # type: ignore[arg-type]
+    return Prompt(
+        intent=f"{intent} ({Path(dataset.path).name} entry {item.index})",
+        prompt=item.prompt,
+        max_tokens=item.max_tokens,
+        request=entry.request if entry is not None else None,
+        messages=turns if len(turns) > 1 else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -520,6 +602,8 @@ class Matrix:
     nodes: dict[str, AnyNode]
     cells: tuple[Cell, ...]
     prompts: dict[str, Prompt]
+    # {dataset entry id: the ids of the prompts sampled from it}
+    prompt_groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def cell(self, cell_id: str) -> Cell:
         for cell in self.cells:
@@ -546,13 +630,7 @@ def _read_yaml(path: Path, expected: str) -> Any:
             f"{path}: line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
             f"{exc.start}); save the file as UTF-8"
         ) from None
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise GpubenchError(f"{path}:{where}: malformed YAML: {problem}") from None
+    loaded = parse_yaml(text, path)
     if loaded is None:
         raise GpubenchError(f"{path}: the file is empty (expected {expected})")
     if not isinstance(loaded, dict):
@@ -565,7 +643,10 @@ def _describe_location(loc: tuple[int | str, ...], raw: Any) -> str:
     parts: list[str] = []
     for i, item in enumerate(loc):
         if isinstance(item, int):
-            parts[-1] = f"{parts[-1]}[{item}]" if parts else f"[{item}]"
+            if not parts:
+                parts.append(f"[{item}]")  # a key that is a number, at the top level
+                continue
+            parts[-1] = f"{parts[-1]}[{item}]"
             if loc[:i] == ("cells",) and isinstance(raw, dict):
                 cells = raw.get("cells")
                 if isinstance(cells, list) and item < len(cells) and isinstance(cells[item], dict):
@@ -575,8 +656,15 @@ def _describe_location(loc: tuple[int | str, ...], raw: Any) -> str:
         elif i == 2 and loc[0] == "nodes" and item in (*NODE_KINDS, "plugin"):
             continue  # pydantic's union tag after nodes.<name>, not a key the user wrote
         else:
-            parts.append(str(item))
+            parts.append(_shown_key(str(item)))
     return ".".join(parts)
+
+
+def _shown_key(key: str) -> str:
+    """A key as written, or quoted where it is empty, holds a dot or a character that would
+    break the line (a carriage return would hide the file's name)."""
+    plain = key and key.isprintable() and "." not in key and key.strip() == key
+    return key if plain else repr(key)
 
 
 def _first_error(path: Path, exc: ValidationError, raw: Any) -> GpubenchError:
@@ -596,16 +684,75 @@ def _first_error(path: Path, exc: ValidationError, raw: Any) -> GpubenchError:
 
 
 def load_prompts(path: Path) -> dict[str, Prompt]:
+    return load_prompt_file(path)[0]
+
+
+def load_prompt_file(path: Path) -> tuple[dict[str, Prompt], dict[str, tuple[str, ...]]]:
+    """The prompts of prompts.yaml, a dataset entry's sampled ones in its place, and
+    {dataset entry id: its prompts' ids}."""
     raw = _read_yaml(path, "a mapping with a 'prompts' key")
     if raw.get("prompts") is None and "prompts" in raw:
         raise GpubenchError(f"{path}: prompts: no prompts defined")
+    entries = raw.get("prompts")
+    named = entries if isinstance(entries, dict) else {}
+    from_datasets = {
+        key: value for key, value in named.items() if isinstance(value, dict) and "dataset" in value
+    }
+    generated = {
+        key: value
+        for key, value in named.items()
+        if isinstance(value, dict) and "synthetic" in value and key not in from_datasets
+    }
+    plain = {
+        **raw,
+        "prompts": {
+            k: v for k, v in named.items() if k not in from_datasets and k not in generated
+        },
+    }
+    if not isinstance(entries, dict):
+        plain = raw
     try:
-        parsed = _PromptsFile.model_validate(raw)
+        parsed = _PromptsFile.model_validate(plain)
+        sampled = _DatasetPromptsFile.model_validate({"prompts": from_datasets})
+        synthetic = _SyntheticPromptsFile.model_validate({"prompts": generated})
     except ValidationError as exc:
         raise _first_error(path, exc, raw) from None
-    if not parsed.prompts:
+    if not parsed.prompts and not sampled.prompts and not synthetic.prompts:
         raise GpubenchError(f"{path}: prompts: no prompts defined")
-    return dict(parsed.prompts)
+    prompts: dict[str, Prompt] = {}
+    groups: dict[str, tuple[str, ...]] = {}
+    for key in named:
+        if key in parsed.prompts:
+            prompts[key] = parsed.prompts[key]
+            continue
+        if key in synthetic.prompts:
+            made = synthetic.prompts[key]
+            if made.synthetic.prefix is not None:
+                raise GpubenchError(
+                    f"{path}: prompts.{key}.synthetic.prefix: a shared prefix is measured under "
+                    "load (a cell's load: synthetic: with prefix:), where requests share it"
+                )
+            sizes = tuple(dict.fromkeys(made.synthetic.sizes))
+            for size in sizes:
+                prompts[f"{key}#in{size}"] = synthetic_entry_prompt(
+                    key, made.intent, made.synthetic, size
+                )
+            groups[key] = tuple(f"{key}#in{size}" for size in sizes)
+            continue
+        entry = sampled.prompts[key]
+        dataset = entry.dataset.resolved(path.parent)
+        ids = []
+        for item in sample_dataset(dataset, f"{path}: prompts.{key}.dataset"):
+            prompt_id = f"{key}#{item.index}"
+            if prompt_id in named:
+                raise GpubenchError(
+                    f"{path}: prompts.{prompt_id}: the id is taken by dataset entry {key}'s "
+                    "sampled prompts; rename it"
+                )
+            prompts[prompt_id] = dataset_prompt(key, entry, item, dataset)
+            ids.append(prompt_id)
+        groups[key] = tuple(ids)
+    return prompts, groups
 
 
 def load_matrix(
@@ -620,7 +767,7 @@ def load_matrix(
     `engine_kinds` and `node_kinds` are the kinds plugins add (hookspecs.py).
     """
     raw = _read_yaml(cells_path, "a mapping with 'nodes' and 'cells' keys")
-    prompts = load_prompts(prompts_path)
+    prompts, groups = load_prompt_file(prompts_path)
     if raw.get("cells") is None and "cells" in raw:
         raw = {**raw, "cells": []}  # `cells:` with nothing under it: said below, after the nodes
     context = {"engine_kinds": tuple(engine_kinds), "node_kinds": tuple(node_kinds)}
@@ -656,6 +803,8 @@ def load_matrix(
             )
         _check_endpoint_keys(where, spec)
         prompt_ids = tuple(spec.prompts) if spec.prompts is not None else tuple(prompts)
+        # A dataset entry's id stands for the prompts sampled from it.
+        prompt_ids = tuple(p for pid in prompt_ids for p in groups.get(pid, (pid,)))
         for prompt_id in prompt_ids:
             if prompt_id not in prompts:
                 raise GpubenchError(
@@ -663,6 +812,7 @@ def load_matrix(
                 )
         _check_request_keys(where, spec, prompts, prompt_ids, prompts_path)
         load = merged_profile(parsed.settings.load, spec.load_setting)
+        load = _resolved_load(where, load, cells_path.parent)
         _check_load(where, spec, load, prompts, prompts_path)
         merged = parsed.settings.thresholds.model_dump(exclude_none=True)
         if spec.thresholds is not None:
@@ -689,7 +839,37 @@ def load_matrix(
         nodes=dict(parsed.nodes),
         cells=tuple(cells),
         prompts=prompts,
+        prompt_groups=groups,
     )
+
+
+def _resolved_load(where: str, load: LoadProfile | None, base: Path) -> LoadProfile | None:
+    """The profile with its files' paths made absolute against cells.yaml's folder, each read
+    once here so that a bad file stops the run before it starts."""
+    if load is None:
+        return None
+    if load.dataset is not None:
+        dataset = load.dataset.resolved(base)
+        sample_dataset(dataset, f"{where}: load.dataset")
+        load = load.model_copy(update={"dataset": dataset})
+    if load.trace is not None:
+        trace = load.trace.resolved(base)
+        read_trace(trace, f"{where}: load.trace")
+        load = load.model_copy(update={"trace": trace})
+    return load
+
+
+def load_dataset_sha256(profile: LoadProfile, request: RequestShape) -> str:
+    """What a dataset load case is frozen by: its sampled prompts in order, and the request
+    keys that change what is measured."""
+    assert profile.dataset is not None
+    items = sample_dataset(profile.dataset, "load.dataset")
+    changed = request.changed_keys()
+    digest = dataset_sha256(items)
+    if not changed:
+        return digest
+    canonical = json.dumps({"dataset": digest, "request": changed}, sort_keys=True).encode()
+    return hashlib.sha256(canonical).hexdigest()
 
 
 def _check_endpoint_keys(where: str, spec: CellSpec) -> None:
@@ -781,8 +961,11 @@ def _check_load(
             raise GpubenchError(
                 f"{where}: load.prompts: '{prompt_id}' is not defined in {prompts_path}"
             )
-    if load.prompts and load.synthetic is not None:
-        raise GpubenchError(f"{where}: load: give prompts or synthetic, not both")
+    sources = [key for key in ("prompts", "synthetic", "dataset", "trace") if getattr(load, key)]
+    if len(sources) > 1:
+        raise GpubenchError(
+            f"{where}: load: give one of prompts, synthetic, dataset (got {', '.join(sources)})"
+        )
 
 
 def frozen_prompt_error(

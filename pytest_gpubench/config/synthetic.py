@@ -1,41 +1,26 @@
-"""Synthetic prompts given by token counts: a seeded, deterministic text of about
-`input_tokens` tokens, asking for exactly `output_tokens` (ignore_eos), frozen by its hash like
-the prompts of prompts.yaml."""
+"""Synthetic prompts given by token counts, before the engine counts them: a seeded text of
+`input_tokens` words (engines/tokenizer.py makes it exactly that many tokens on the live cell),
+asking for exactly `output_tokens` (ignore_eos)."""
 
 from __future__ import annotations
 
-import random
-
 from pytest_gpubench.config.load_profile import Synthetic
 from pytest_gpubench.config.matrix import Prompt, RequestShape
+from pytest_gpubench.config.words import WORDS, seeded_words
 
-# Short, common English words: one token each in the tokenizers of the common model families
-# (the engine's usage counts in every call record say what it really was).
-_WORD_TEXT = (
-    "the of and to in is it that was for on are with as his they be at one have this from "
-    "or had by word but what some we can out other were all there when up use your how "
-    "said an each she which do their time if will way about many then them write would "
-    "like so these her long make thing see him two has look more day could go come did "
-    "number sound no most people my over know water than call first who may down side been "
-    "now find any new work part take get place made live where after back little only "
-    "round man year came show every good me give our under name very through just form "
-    "sentence great think say help low line differ turn cause much mean before move right "
-    "boy old too same tell does set three want air well also play small end put home read "
-    "hand port large spell add even"
-)
-WORDS = tuple(_WORD_TEXT.split())
+__all__ = ["WORDS", "synthetic_prompt"]
 
 
 def synthetic_prompt(synthetic: Synthetic) -> Prompt:
     """The same prompt for the same (input_tokens, output_tokens, seed), on every machine."""
-    chooser = random.Random(f"{synthetic.seed}:{synthetic.input_tokens}")
-    words = [chooser.choice(WORDS) for _ in range(synthetic.input_tokens)]
+    size = synthetic.sizes[0]
+    text = seeded_words(synthetic.seed, size, size)
     return Prompt(
         intent=(
-            f"synthetic: about {synthetic.input_tokens} input tokens, "
+            f"synthetic: {size} input tokens, "
             f"{synthetic.output_tokens} output tokens (seed {synthetic.seed})"
         ),
-        prompt=" ".join(words),
+        prompt=text,
         max_tokens=synthetic.output_tokens,
         request=RequestShape(ignore_eos=True),
     )

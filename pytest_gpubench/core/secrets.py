@@ -19,6 +19,34 @@ PRIVATE_KEY_BLOCK = re.compile(
 )
 # Shorter values would cut ordinary words out of the text.
 MIN_SECRET_LENGTH = 4
+# The userinfo of a URL: the password of `http://user:password@host`, and the whole of an HTTP
+# URL's `https://token@host` (a token is often written as the user); `ssh://user@host` keeps its
+# user name, which is no secret.
+URL_USERINFO = re.compile(
+    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^\s/?#@:\"'<>\\]*)"
+    r"(?P<password>:[^\s/?#@\"'<>\\]*)?@"
+)
+# A query parameter named like a secret (`?api_key=…`, `&access_token=…`, `X-Amz-Signature=…`).
+SECRET_QUERY_PARAMETER = re.compile(
+    r"(?P<name>[?&;][A-Za-z0-9_.\-]*(?:TOKEN|KEY|SECRET|PASSWORD|PASSWD|PWD|CREDENTIAL|AUTH|"
+    r"SIGNATURE)[A-Za-z0-9_.\-]*=)[^&;\s#\"'<>\\]+",
+    re.IGNORECASE,
+)
+
+
+def _without_userinfo_secret(match: re.Match[str]) -> str:
+    scheme, user = match["scheme"], match["user"]
+    if match["password"] is not None:
+        return f"{scheme}{user}:{REDACTED}@"
+    if scheme.lower() in ("http://", "https://", "ws://", "wss://"):
+        return f"{scheme}{REDACTED}@"
+    return match[0]
+
+
+def scrub_url_credentials(text: str) -> str:
+    """`http://user:secret@host/?api_key=k` -> `http://[REDACTED]@host/?api_key=[REDACTED]`."""
+    text = URL_USERINFO.sub(_without_userinfo_secret, text)
+    return SECRET_QUERY_PARAMETER.sub(lambda m: f"{m['name']}{REDACTED}", text)
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -36,7 +64,8 @@ def secret_from_env(name: str, *, owner: str, key: str) -> str:
 
 
 class SecretScrubber:
-    """Replaces every known secret, and any private key block, wherever it appears in text."""
+    """Replaces every known secret, any private key block and the credentials written into URLs
+    (userinfo, key- or token-named query parameters), wherever they appear in text."""
 
     def __init__(self, secrets: list[str] | None = None) -> None:
         values = secret_values() if secrets is None else secrets
@@ -52,6 +81,7 @@ class SecretScrubber:
 
     def __call__(self, text: str) -> str:
         text = PRIVATE_KEY_BLOCK.sub(REDACTED, text)
+        text = scrub_url_credentials(text)
         for secret in self._secrets:
             text = text.replace(secret, REDACTED)
         return text

@@ -3,6 +3,8 @@ picks one when several apply."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 # Benchmarks ran and at least one regressed against its baseline.
@@ -58,7 +60,11 @@ def session_status(
     return pytest_status
 
 
-def describe(status: int) -> str:
-    """`exit status 6: benchmarks ran and at least one regressed`."""
+def describe(status: int, *, missing_optional: Sequence[str] = ()) -> str:
+    """`exit status 6: benchmarks ran and at least one regressed`; optional cells that were not
+    measured are named, so a green run never claims that everything was measured."""
     meaning = MEANINGS.get(status)
+    if missing_optional:
+        missing = f"optional cells not measured: {', '.join(missing_optional)}"
+        meaning = f"no regression; {missing}" if status == 0 else f"{meaning or ''}; {missing}"
     return f"exit status {status}: {meaning}" if meaning else f"exit status {status}"

@@ -20,6 +20,7 @@ from pytest_gpubench.measure.stream import (
     StreamError,
     TlsSettings,
     finish_timing,
+    note_delta,
     read_error_body,
     stream_post,
 )
@@ -254,6 +255,15 @@ def parse_openai_sse(
             text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
             if text:
                 arrivals.append(arrived_ns)
+                # vLLM streams `reasoning` (`reasoning_content` before 0.10), llama.cpp
+                # `reasoning_content` (--reasoning-format deepseek).
+                thought = delta.get("reasoning_content") or delta.get("reasoning")
+                note_delta(
+                    measurement,
+                    arrived_ns,
+                    reasoning=bool(thought),
+                    answer=bool(delta.get("content")),
+                )
             if isinstance(delta.get("content"), str):
                 measurement.text += delta["content"]
             if choice.get("finish_reason"):
@@ -265,10 +275,19 @@ def parse_openai_sse(
         if isinstance(usage, dict):
             measurement.prompt_tokens = usage.get("prompt_tokens")
             measurement.completion_tokens = usage.get("completion_tokens")
+            details = usage.get("completion_tokens_details")
+            # OpenAI's and vLLM's (with a reasoning parser) count of the reasoning tokens.
+            if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
+                measurement.reasoning_tokens = details["reasoning_tokens"]
+            cached = usage.get("prompt_tokens_details")
+            if isinstance(cached, dict) and isinstance(cached.get("cached_tokens"), int):
+                measurement.cached_prompt_tokens = cached["cached_tokens"]
         timings = chunk.get("timings")
         if isinstance(timings, dict):
             measurement.engine_timings = timings
             llamacpp_engine_figures(timings, measurement)
+            if isinstance(timings.get("cache_n"), int):
+                measurement.cached_prompt_tokens = timings["cache_n"]
 
 
 # pytest_gpubench_make_engine (hookspecs.py), as pytest's hook relay calls it.

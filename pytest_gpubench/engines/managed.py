@@ -53,6 +53,8 @@ class LaunchPlan:
     model_digest: str | None = None
     # The engine fetches its model itself once it runs (Ollama: stage model_pull).
     pulls_model: bool = False
+    # Keys the cell left out that were filled with this host's paths, which the node shares.
+    shared_paths: Mapping[str, str] = field(default_factory=dict)
 
 
 class ManagedServer:
@@ -75,6 +77,8 @@ class ManagedServer:
     ) -> None:
         self.target = target
         self.pulls_model = pulls_model
+        # Keys the cell left out, filled with this host's paths that the node shares.
+        self.shared_paths: dict[str, str] = {}
         self.cell_id = cell_id
         self.launch = tuple(launch)
         self.health_path = health_path if health_path.startswith("/") else f"/{health_path}"
@@ -239,6 +243,7 @@ def managed_server(cell: Cell, target: Target, log_dir: Path) -> tuple[ManagedSe
         port=spec.port,
         pulls_model=plan.pulls_model,
     )
+    server.shared_paths = dict(plan.shared_paths)
     return server, plan.model_digest
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -9,6 +10,8 @@ from pytest_gpubench.config.matrix import TINY_MODEL, Cell
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines.managed import LaunchPlan, node_file_digest
 from pytest_gpubench.targets import Target
+
+log = logging.getLogger(__name__)
 
 
 def llama_server_launch(
@@ -37,6 +40,8 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
 
     spec = cell.spec
     binary = spec.server_binary or ""
+    # Paths of this (the submit) host that a remote node sees too (a shared filesystem).
+    shared: dict[str, str] = {}
     if isinstance(target, LocalTarget):
         model_path = str(_local_model(cell))
         if spec.launch is None:
@@ -44,12 +49,13 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
 
             binary = str(ensure_llama_server(spec.server_binary))
     else:
-        if not spec.model_path or (spec.launch is None and not spec.server_binary):
-            raise GpubenchError(
-                f"cell {cell.cell_id}: a managed llamacpp cell on a remote node needs "
-                "server_binary and model_path (paths on the node; install them with setup)"
-            )
-        model_path = spec.model_path
+        model_path = spec.model_path or ""
+        if not model_path:
+            model_path = _shared_path(cell, target, "model_path", _submit_host_model(cell))
+            shared["model_path"] = model_path
+        if spec.launch is None and not binary:
+            binary = _shared_path(cell, target, "server_binary", _submit_host_binary())
+            shared["server_binary"] = binary
     digest = node_file_digest(cell, target, model_path)
     if digest is None:
         raise GpubenchError(
@@ -64,7 +70,53 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
         program="llama-server",
         values={"model": spec.model, "model_path": model_path},
         model_digest=digest,
+        shared_paths=shared,
     )
+
+
+def _submit_host_binary() -> Path | None:
+    """The llama-server this host would run (found, never built here for another node)."""
+    from pytest_gpubench.engines.llamacpp_build import find_llama_server
+
+    try:
+        return find_llama_server(None)
+    except GpubenchError:
+        return None
+
+
+def _submit_host_model(cell: Cell) -> Path | None:
+    """The GGUF this host would serve: the generated tiny model for `model: tiny`."""
+    if cell.spec.model != TINY_MODEL:
+        return None
+    from pytest_gpubench.engines.tinymodel import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+def _shared_path(cell: Cell, target: Target, key: str, local: Path | None) -> str:
+    """A key the cell left out on a remote node: the submit host's file, where the node sees
+    the same file at the same path (a shared filesystem, the common case on a cluster: checked
+    by sha256); otherwise one line saying why it is needed."""
+    from pytest_gpubench.core.files import file_sha256
+
+    need = (
+        f"cell {cell.cell_id}: {key}: not set, and a managed llamacpp cell on a remote node "
+        f"needs it (a path on the node; install it with setup)"
+    )
+    if local is None or not local.is_file():
+        raise GpubenchError(f"{need}; this host has none to share")
+    path = str(local.resolve())
+    seen = node_file_digest(cell, target, path)
+    if seen != f"sha256:{file_sha256(local)}":
+        how = "does not see it" if seen is None else "holds another file there"
+        raise GpubenchError(f"{need}; this host's {path} is not shared: the node {how}")
+    log.warning(
+        "cell %s: %s not set: using this host's %s, which the node sees too (same sha256)",
+        cell.cell_id,
+        key,
+        path,
+    )
+    return path
 
 
 def _local_model(cell: Cell) -> Path:

@@ -24,6 +24,7 @@ from pytest_gpubench.measure.stream import (
     StreamedResponse,
     StreamError,
     TlsSettings,
+    note_delta,
 )
 
 if TYPE_CHECKING:
@@ -84,6 +85,13 @@ def parse_ollama_ndjson(
         message = chunk.get("message") or {}
         if message.get("content") or message.get("thinking"):
             arrivals.append(line.arrived_ns)
+            # A thinking model's `thinking` (think: true) read as vLLM's `reasoning`.
+            note_delta(
+                measurement,
+                line.arrived_ns,
+                reasoning=bool(message.get("thinking")),
+                answer=bool(message.get("content")),
+            )
         if isinstance(message.get("content"), str):
             measurement.text += message["content"]
         if chunk.get("done"):

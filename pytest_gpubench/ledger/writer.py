@@ -159,6 +159,13 @@ def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
             if number == last + 1:
                 return  # the truncated tail of a run that died while writing
             raise GpubenchError(f"{path}: line {number} is not valid JSON") from None
+        except (ValueError, RecursionError):
+            # A number longer than Python reads (4,300 digits), or nesting deeper than it recurses:
+            # no record the plugin writes.
+            raise GpubenchError(
+                f"{path}: line {number} is not a ledger record (too deeply nested or a number "
+                "too long to read)"
+            ) from None
         if isinstance(record, dict):
             cell_keys.note(record)
             yield cell_keys.restore(record)

@@ -20,6 +20,9 @@ TOKEN_COUNTERS = (
     "vllm:generation_tokens_total",
     "vllm:prompt_tokens_total",
     "vllm:request_success_total",
+    # vLLM's prefix cache: prompt tokens looked up, and those found cached.
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
     "llamacpp:tokens_predicted_total",
     "llamacpp:prompt_tokens_total",
     "llamacpp:n_decode_total",

@@ -97,6 +97,20 @@ class CallMeasurement:
     tls_handshake_ms: float | None = None
     connection_reused: bool = False
     reconnected: bool = False
+    # Reasoning models (issue 23), alike on every engine: first_delta_ms is the first token of
+    # any kind; first_answer_ms the first answer (content) token after any reasoning; the
+    # completion split into reasoning and answer tokens (reasoning from the engine's usage
+    # where it gives it, else its reasoning chunks counted).
+    first_answer_ms: float | None = None
+    reasoning_tokens: int | None = None
+    answer_tokens: int | None = None
+    # Prompt tokens the engine served from its prefix cache (llama.cpp's timings.cache_n, else
+    # usage.prompt_tokens_details.cached_tokens); None where it says nothing.
+    cached_prompt_tokens: int | None = None
+    # Filled by the stream parsers, turned into the figures above by finish_timing.
+    first_answer_ns: int = 0
+    reasoning_chunks: int = 0
+    answer_chunks: int = 0
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -123,6 +137,10 @@ class CallMeasurement:
             "tls_handshake_ms": self.tls_handshake_ms,
             "connection_reused": self.connection_reused,
             "reconnected": self.reconnected,
+            "first_answer_ms": self.first_answer_ms,
+            "reasoning_tokens": self.reasoning_tokens,
+            "answer_tokens": self.answer_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
         }
 
 
@@ -188,12 +206,39 @@ def finish_timing(
     measurement.inter_chunk_ms = [
         _ms(earlier, later) for earlier, later in itertools.pairwise(arrivals)
     ]
+    reasoning_split(measurement, response.sent_ns)
     rates = call_rates(arrivals, measurement.completion_tokens, measurement.total_duration_ms)
     measurement.coalesced, measurement.content_reads = rates.coalesced, rates.content_reads
     if measurement.error is None:
         measurement.tokens_per_sec = rates.tokens_per_sec
         measurement.tpot_ms = rates.tpot_ms
         measurement.e2e_tokens_per_sec = rates.e2e_tokens_per_sec
+
+
+def reasoning_split(measurement: CallMeasurement, sent_ns: int) -> None:
+    """Time to the first answer token and the reasoning/answer token counts, from what the
+    stream parser saw: the same figures whichever engine's format the reasoning came in."""
+    if measurement.first_answer_ns:
+        measurement.first_answer_ms = _ms(sent_ns, measurement.first_answer_ns)
+    if measurement.reasoning_tokens is None:
+        measurement.reasoning_tokens = measurement.reasoning_chunks
+    completion = measurement.completion_tokens
+    if isinstance(completion, int) and completion >= measurement.reasoning_tokens:
+        measurement.answer_tokens = completion - measurement.reasoning_tokens
+    else:
+        measurement.answer_tokens = measurement.answer_chunks
+
+
+def note_delta(
+    measurement: CallMeasurement, arrived_ns: int, *, reasoning: bool, answer: bool
+) -> None:
+    """One streamed delta that carried reasoning text, answer text, or both."""
+    if reasoning:
+        measurement.reasoning_chunks += 1
+    if answer:
+        measurement.answer_chunks += 1
+        if not measurement.first_answer_ns:
+            measurement.first_answer_ns = arrived_ns
 
 
 @dataclass(frozen=True)

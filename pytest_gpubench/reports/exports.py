@@ -169,8 +169,9 @@ def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], re
     )
     cold = Gauge(
         "gpubench_cold",
-        "The first successful cold call per cell and prompt (ms)",
-        labels,
+        "The first successful cold call per cell and prompt (ms); cold_kind process_warm: the "
+        "engine could not unload its model, so the call ran warm",
+        [*labels, "cold_kind"],
         registry=registry,
     )
     calls = Gauge(
@@ -203,7 +204,7 @@ def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], re
             ("total_duration_ms", summary.cold_total_duration_ms),
         ):
             if value is not None:
-                cold.labels(*key, metric).set(value)
+                cold.labels(*key, metric, summary.cold_kind or "").set(value)
         calls.labels(*key, "ok").set(summary.n_warm_ok)
         calls.labels(*key, "failed").set(summary.n_warm - summary.n_warm_ok)
     _load_gauges(data.of_type("load"), registry)

@@ -24,7 +24,7 @@ import pandas as pd
 
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.writer import CELL_KEYS
-from pytest_gpubench.results.stats import PromptSummary, summarize_frame
+from pytest_gpubench.results.stats import PromptSummary, summarize_frame, text_column
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
 
 # The columns stats.summarize needs (stats.call_frame builds the same frame from dicts).
@@ -375,7 +375,7 @@ class _FrameBuilder:
         chunk: dict[str, Any] = {}
         width = len(self.text)
         for index, name in enumerate(self.text):
-            chunk[name] = pd.factorize(_objects(columns[index]), use_na_sentinel=True)
+            chunk[name] = pd.factorize(text_column(columns[index]), use_na_sentinel=True)
         for index, name in enumerate(self.numbers, start=width):
             chunk[name] = _floats(columns[index])
         errors = columns[self.fields.index("error")]

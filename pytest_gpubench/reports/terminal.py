@@ -122,8 +122,8 @@ def summary_rows(
             fixed(summary.warm_first_delta_ms_p50),
             fixed(summary.warm_total_duration_ms_p50),
             fixed(summary.warm_decode_tokens_per_sec_p50, 1),
-            fixed(summary.cold_first_delta_ms),
-            fixed(summary.cold_total_duration_ms),
+            _cold_figure(summary, summary.cold_first_delta_ms),
+            _cold_figure(summary, summary.cold_total_duration_ms),
             str(summary.warm_coalesced),
             success(summary),
             _changes(by_key.get(summary.key, {})),
@@ -131,6 +131,16 @@ def summary_rows(
         ]
         for summary in sorted(summaries, key=lambda item: item.key)
     ]
+
+
+# A cold case on an engine that cannot unload its model (an `openai` endpoint) runs warm: its
+# figure is shown, but never as if it were a cold start.
+RAN_WARM = "process_warm"
+
+
+def _cold_figure(summary: PromptSummary, value: float | None) -> str:
+    shown = fixed(value)
+    return f"{shown} (ran warm)" if summary.cold_kind == RAN_WARM and value is not None else shown
 
 
 def _verdicts_by_key(verdicts: Iterable[Verdict]) -> dict[tuple[str, str], dict[str, Verdict]]:
@@ -211,6 +221,15 @@ def rental_lines(rentals: Iterable[Mapping[str, Any]]) -> list[TerminalLine]:
         if rental.get("kind") == "slurm":
             lines.append(_slurm_job_line(rental))
             continue
+        if rental.get("kind") == "ssh_server":
+            stopped = bool(rental.get("session_done"))
+            how = rental.get("state") if stopped else "NOT stopped: stop it by hand"
+            text = (
+                f"ssh node {rental.get('node')}: left by a killed run: {rental.get('program')} "
+                f"(pid {rental.get('pid')}): {how}"
+            )
+            lines.append(TerminalLine(text, red=not stopped))
+            continue
         done = rental.get("session_done")
         state = "marked done" if done else "NOT marked done: end it by hand"
         leaked = "left rented by a killed run, given back now: " if rental.get("leaked") else ""
@@ -227,9 +246,11 @@ def _slurm_job_line(job: Mapping[str, Any]) -> TerminalLine:
     """A Slurm job of a cell's engine: how it ended; red when it may still be running."""
     state = job.get("state")
     ended = isinstance(state, str) and state not in ("RUNNING", "PENDING")
+    leaked = "left by a killed run, cancelled now: " if job.get("leaked") else ""
     text = (
-        f"slurm node {job.get('node')}: job {job.get('slurm_job_id')} ({job.get('job_name')}) "
-        f"on {job.get('compute_node')}: {state} after {job.get('elapsed_s')} s"
+        f"slurm node {job.get('node')}: {leaked}job {job.get('slurm_job_id')} "
+        f"({job.get('job_name')}) on {job.get('compute_node')}: {state} after "
+        f"{job.get('elapsed_s')} s"
     )
     if not ended:
         text += f"; cancel it by hand: scancel {job.get('slurm_job_id')}"

@@ -282,7 +282,13 @@ def _join(where: str, key: str) -> str:
 
 
 def _kind(value: Any) -> str:
-    return "null" if value is None else f"{type(value).__name__} {json.dumps(value)[:40]}"
+    if value is None:
+        return "null"
+    try:
+        shown = json.dumps(value)[:40]
+    except RecursionError:  # json's writer recurses less deep than its reader
+        shown = "(nested too deeply to show)"
+    return f"{type(value).__name__} {shown}"
 
 
 # What a format 1 file must have; format 2 must have every figure. A format 1 file's
@@ -399,6 +405,10 @@ def loads_baseline(text: str, source: str) -> CellBaseline:
             f"{source}: corrupt baseline: not valid JSON (line {exc.lineno}, column {exc.colno}: "
             f"{exc.msg}); {_REPAIR}"
         ) from None
+    except (ValueError, RecursionError) as exc:
+        # An integer longer than Python reads (4,300 digits), or nesting deeper than it recurses.
+        what = "nested too deeply" if isinstance(exc, RecursionError) else "a number too long"
+        raise CorruptBaseline(f"{source}: corrupt baseline: {what} to read; {_REPAIR}") from None
     return baseline_from_dict(data, source)
 
 

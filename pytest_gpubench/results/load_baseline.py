@@ -29,7 +29,8 @@ def read_load_baseline(baselines_dir: Path, cell_id: str) -> dict[str, dict[str,
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
+        # ValueError: not UTF-8, not JSON, or a number too long to read.
         raise GpubenchError(
             f"{path}: corrupt load baseline ({exc}); restore it from git or rewrite it with "
             "--baseline-update"

@@ -59,9 +59,14 @@ def point_key(record: Mapping[str, Any]) -> str:
 
 
 def gated(record: Mapping[str, Any]) -> bool:
-    """The load records the gate judges: every point's, a sweep's steps among them, and the
-    sweep's own (its saturation rate)."""
-    return record.get("type") == "load" and record.get("pattern") in ("closed", "open", "sweep")
+    """The load records the gate judges: every point's (a trace replay's too), a sweep's steps
+    among them, and the sweep's own (its saturation rate)."""
+    return record.get("type") == "load" and record.get("pattern") in (
+        "closed",
+        "open",
+        "sweep",
+        "trace",
+    )
 
 
 def is_result(record: Mapping[str, Any]) -> bool:

@@ -20,6 +20,8 @@ LATENCIES = {
     "ttft_ms": "first_delta_ms",
     "tpot_ms": "tpot_ms",
     "e2e_ms": "total_duration_ms",
+    # A reasoning model's first answer token (the same as TTFT where it does not reason).
+    "first_answer_ms": "first_answer_ms",
 }
 # A throughput sample per about this long of the window (the gate's samples of output tokens/s):
 # the window is cut into round(window / THROUGHPUT_BUCKET_S) equal buckets, so that every token

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +135,7 @@ def call_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     # One pass per field is faster than building a tuple per record (and tolerates older ledgers
     # that lack a field).
     frame = pd.DataFrame(
-        {field: _objects([record.get(field) for record in calls]) for field in _TEXT_FIELDS}
+        {field: text_column([record.get(field) for record in calls]) for field in _TEXT_FIELDS}
     )
     frame["run_idx"] = _floats([record.get("run_idx") for record in calls])
     for metric, field in WARM_METRICS.items():
@@ -158,6 +158,18 @@ def call_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
 def _objects(values: list[Any]) -> np.ndarray[Any, np.dtype[np.object_]]:
     array = np.empty(len(values), dtype=object)
     array[:] = values
+    return array
+
+
+def text_column(values: Sequence[Any]) -> np.ndarray[Any, np.dtype[np.object_]]:
+    """A text field's values as an object array that pandas can group: a list or mapping where
+    text belongs (an edited or damaged ledger) becomes its text, not a TypeError in a report."""
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    try:
+        pd.factorize(array)
+    except TypeError:
+        array[:] = [value if isinstance(value, Hashable) else str(value) for value in values]
     return array
 
 

@@ -109,6 +109,7 @@ class RunController:
                 run_id=run_id,
                 hooks=hooks,
             )
+            self.harness.frozen = guards.FrozenRequests(options.baselines_dir)
             if writes_ledger:
                 self.harness.sink = self.collect
         self.ledger: Ledger | None = None

@@ -6,7 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.config.matrix import Matrix, frozen_prompt_error
+from pytest_gpubench.config.load_profile import dataset_prompt_id
+from pytest_gpubench.config.matrix import (
+    Cell,
+    Matrix,
+    RequestShape,
+    frozen_prompt_error,
+    load_dataset_sha256,
+)
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.provenance import git_state, load_average
 
@@ -61,8 +68,8 @@ def check_frozen_prompts(
             continue
         for recorded in baseline.prompts if baseline else []:
             prompt = matrix.prompts.get(recorded.prompt_id)
-            if prompt is None:
-                continue
+            if prompt is None or prompt.synthetic is not None:
+                continue  # a synthetic prompt's text is made on the live cell: checked there
             error = frozen_prompt_error(
                 recorded.prompt_id,
                 cell.cell_id,
@@ -72,6 +79,30 @@ def check_frozen_prompts(
             )
             if error is not None:
                 raise error
+        _check_frozen_dataset(cell, baselines_dir)
+
+
+def _check_frozen_dataset(cell: Cell, baselines_dir: Path) -> None:
+    """A load case's dataset sends what its load baseline was measured with: an edit to the
+    file that changes the sampled prompts stops the run, as a changed prompt does."""
+    if cell.load is None or cell.load.dataset is None:
+        return
+    from pytest_gpubench.results.load_baseline import read_load_baseline
+
+    prompt_id = dataset_prompt_id(cell.load.dataset)
+    current = load_dataset_sha256(cell.load, cell.spec.request or RequestShape())
+    for point in read_load_baseline(baselines_dir, cell.cell_id).values():
+        if point.get("prompt_id") != prompt_id:
+            continue
+        error = frozen_prompt_error(
+            prompt_id,
+            cell.cell_id,
+            baseline_sha256=point.get("prompt_sha256"),
+            current_sha256=current,
+            source=Path(cell.load.dataset.path),
+        )
+        if error is not None:
+            raise error
 
 
 def _relative_prefix(path: Path, root: Path) -> str | None:
@@ -92,8 +123,11 @@ class FrozenRequests:
         self._frozen: dict[tuple[str, str], tuple[str, str]] = {}
         self._read: set[str] = set()
 
-    def check(self, cell_id: str, test_id: str, sha256: str, where: str) -> None:
-        """Raises GpubenchError naming the test (at `where`) when its request changed."""
+    def check(
+        self, cell_id: str, test_id: str, sha256: str, where: str, kind: str = "benchmark test"
+    ) -> None:
+        """Raises GpubenchError naming the test (at `where`) when its request changed; `kind`
+        says what it is (a test, or a prompt whose text is made on the live cell)."""
         self._read_baseline(cell_id)
         known = self._frozen.get((cell_id, test_id))
         if known is None:
@@ -102,7 +136,7 @@ class FrozenRequests:
         frozen, since = known
         if frozen != sha256:
             raise GpubenchError(
-                f"{where}: benchmark test {test_id} changed its request since {since} on "
+                f"{where}: {kind} {test_id} changed its request since {since} on "
                 f"{cell_id} (sha256 {frozen[:12]} -> {sha256[:12]}): a test's request (messages, "
                 "max_tokens, options) is frozen under its name like a prompt in prompts.yaml; "
                 f"restore it, or measure the new request in a test with a new name"

@@ -4,6 +4,7 @@ around them, and giving nodes back."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -24,9 +25,11 @@ from pytest_gpubench.ledger.records import (
     skipped_record,
     stage_record,
 )
+from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
 from pytest_gpubench.targets import Target
+from pytest_gpubench.targets.stages import Outcome, StageClock
 from pytest_gpubench.telemetry import CaseSamples, NodeTelemetry, node_telemetry
 from pytest_gpubench.telemetry.aggregate import case_aggregates, sample_columns
 
@@ -34,6 +37,11 @@ log = logging.getLogger(__name__)
 
 # A timed run's checkpoint interval when its cell sets none.
 DEFAULT_CHECKPOINT_S = 60.0
+# Closing a node (stopping its Slurm job, giving a rental back, closing SSH) may hang on a dead
+# connection: it gets this long unless stage_timeouts.cleanup says otherwise, and at least
+# CLEANUP_GRACE_S even when the node's budget is spent.
+DEFAULT_CLEANUP_TIMEOUT_S = 300.0
+CLEANUP_GRACE_S = 30.0
 
 
 class Harness:
@@ -51,6 +59,8 @@ class Harness:
         hooks: Any = None,
     ) -> None:
         self.matrix = matrix
+        # Prompts known only on a live cell (token-exact synthetic ones) are frozen here.
+        self.frozen: FrozenRequests | None = None
         self.run_id = run_id or str(uuid.uuid4())
         self.log_dir = log_dir
         self.scrub = scrub
@@ -66,6 +76,8 @@ class Harness:
         # Where records go the moment they are made (the ledger, when this process writes it):
         # a timed run's checkpoints.
         self.sink: Callable[[list[dict[str, Any]]], object] | None = None
+        # Cell records handed out with a case's records but not yet sent to the sink.
+        self.unwritten_cells: dict[str, dict[str, Any]] = {}
 
     def live_cell(self, cell_id: str) -> tuple[LiveCell, bool]:
         """The cell, made ready on first use; the flag says it was made ready just now."""
@@ -106,18 +118,22 @@ class Harness:
         """Make the case's cell ready: why it cannot run (or None), and the records to keep
         (the cell record the first time, a skipped record when it cannot run)."""
         live, fresh = self.live_cell(case.cell_id)
+        live.check_benchmark_time()
         records: list[dict[str, Any]] = self.stage_records()
         if fresh and live.facts:
-            records.append(
-                self.scrub.record(
-                    cell_record(
-                        run_id=self.run_id,
-                        cell=live.cell,
-                        prompts=self.matrix.prompts,
-                        **live.facts,
-                    )
+            described = self.scrub.record(
+                cell_record(
+                    run_id=self.run_id,
+                    cell=live.cell,
+                    prompts=self.matrix.prompts,
+                    **live.facts,
                 )
             )
+            records.append(described)
+            # A timed case writes its checkpoints as it goes: its cell record goes first, so
+            # that a run killed during it still says what was measured (the controller keeps
+            # one cell record per cell, so the copy on the case's report is dropped).
+            self.unwritten_cells[case.cell_id] = described
         if live.unavailable is not None:
             reason = self.scrub(live.unavailable)
             records.append(
@@ -167,12 +183,35 @@ class Harness:
         prompt = self.matrix.prompts[case.prompt_id]
         cell = self.matrix.cell(case.cell_id)
         request = cell.request_for(prompt)
+        facts: dict[str, Any] = {}
+        if prompt.synthetic is not None:
+            prompt, facts = self._exact_prompt(case, prompt, request)
         if cell.spec.duration_s is not None and case.phase == "warm":
             return self.run_timed(case, prompt, request)
         record, others, _ = self.measure(
-            case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request), request=request
-        )
+            case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request), request=request,
+            messages=prompt.chat_messages(),
+        )  # fmt: skip
+        record.update(facts)
         return record, others
+
+    def _exact_prompt(
+        self, case: Case, prompt: Prompt, request: RequestShape
+    ) -> tuple[Prompt, dict[str, Any]]:
+        """A synthetic prompt made exact on the case's live cell, frozen from then on like a
+        test's own request (its text is known only once the engine counted it)."""
+        from pytest_gpubench.run.workloads import exact_prompt
+
+        exact, facts = exact_prompt(self.cells[case.cell_id], prompt)
+        if self.frozen is not None:
+            self.frozen.check(
+                case.cell_id,
+                case.prompt_id,
+                exact.sha256(request),
+                str(self.matrix.prompts_path),
+                kind="synthetic prompt",
+            )
+        return exact, facts
 
     def run_load_case(self, case: Case) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Measure one load case (load/runner.py): its `load` record, and the call records of
@@ -196,8 +235,13 @@ class Harness:
         spec = self.matrix.cell(case.cell_id).spec
         assert spec.duration_s is not None
         every = spec.checkpoint_s or DEFAULT_CHECKPOINT_S
+        described = self.unwritten_cells.pop(case.cell_id, None)
+        if self.sink is not None and described is not None:
+            self.sink([described])
         started = time.monotonic()
-        end = started + spec.duration_s
+        # Within the cell's benchmark stage: its timeout (or the node's budget) ends it early.
+        left = self.cells[case.cell_id].benchmark_left()
+        end = started + (spec.duration_s if left is None else max(0.0, min(spec.duration_s, left)))
         pending: list[dict[str, Any]] = []
         window: list[dict[str, Any]] = []
         calls = 0
@@ -206,7 +250,7 @@ class Harness:
         while last is None or time.monotonic() < end:
             record, others, _ = self.measure(
                 case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request),
-                request=request,
+                request=request, messages=prompt.chat_messages(),
             )  # fmt: skip
             record["timed_idx"] = calls
             calls += 1
@@ -395,9 +439,14 @@ class Harness:
         for node_id, target in targets.items():
             begun = time.monotonic()
             rentals_before = len(self.nodes.rentals)
+            clock = self.nodes.clocks.get(node_id)
+            limit = cleanup_limit(clock)
             problem: str | None = None
+            outcome: Outcome = "ok"
             try:
-                target.close()
+                problem = close_within(target, limit)
+                if problem is not None:
+                    outcome = "timeout"
             except Exception as exc:
                 problem = plain_error(exc)
                 log.warning("node %s: closing failed", node_id, exc_info=True)
@@ -407,13 +456,47 @@ class Harness:
             for rental in self.nodes.rentals[rentals_before:]:
                 if not rental.get("session_done"):
                     problem = f"session {rental.get('session_id')} not marked done: end it by hand"
-            clock = self.nodes.clocks.get(node_id)
+            if problem is not None and outcome == "ok":
+                outcome = "failed"
             if clock is not None:
                 clock.note(
-                    "cleanup",
-                    "ok" if problem is None else "failed",
-                    time.monotonic() - begun,
-                    error=problem,
+                    "cleanup", outcome, time.monotonic() - begun, error=problem, timeout_s=limit
                 )
         if interrupted is not None:
             raise interrupted
+
+
+def cleanup_limit(clock: StageClock | None) -> float:
+    """The cleanup stage's own timeout (stage_timeouts.cleanup, else DEFAULT_CLEANUP_TIMEOUT_S),
+    cut to the node's budget but, where that leaves less, CLEANUP_GRACE_S (or its own timeout if
+    shorter): giving a node back is worth trying even when the budget is spent."""
+    if clock is None:
+        return DEFAULT_CLEANUP_TIMEOUT_S
+    own = clock.timeouts.get("cleanup", DEFAULT_CLEANUP_TIMEOUT_S)
+    limit = clock.limit("cleanup", DEFAULT_CLEANUP_TIMEOUT_S)
+    return max(own if limit is None else limit, min(own, CLEANUP_GRACE_S))
+
+
+def close_within(target: Target, limit_s: float) -> str | None:
+    """Close a target, waiting at most `limit_s`: None when it closed, else why it was left
+    (what it started stays in the lease journal for the next run to give back). Its error, or
+    an interruption while waiting, is raised here."""
+    failure: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            target.close()
+        except BaseException as exc:  # handed to the waiting thread
+            failure.append(exc)
+
+    closer = threading.Thread(target=close, name=f"gpubench-cleanup-{target.node_id}", daemon=True)
+    closer.start()
+    closer.join(limit_s)
+    if closer.is_alive():
+        return (
+            f"node {target.node_id}: cleanup ran past its timeout of {limit_s:g} s; what it "
+            "started stays in the lease journal (gpubench leases --release gives it back)"
+        )
+    if failure:
+        raise failure[0]
+    return None

@@ -22,7 +22,7 @@ from pytest_gpubench.ledger.records import tls_warning
 from pytest_gpubench.measure.stream import STALL_LIMIT_S, CallMeasurement, StreamError, TlsSettings
 from pytest_gpubench.run.nodes import plain_error
 from pytest_gpubench.targets import Target
-from pytest_gpubench.targets.bringup import check_vram
+from pytest_gpubench.targets.bringup import check_gpus, check_vram
 from pytest_gpubench.targets.gpu import gpu_summary
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.targets.stages import Stage, StageClock, StageError
@@ -66,6 +66,12 @@ class LiveCell:
     facts: dict[str, Any] = field(default_factory=dict)
     # When the cell became ready (its benchmark stage runs from there until it is closed).
     ready_at: float | None = None
+    # A Slurm cell's gpu_check ran in its first job (not again in each restarted one).
+    job_node_checked: bool = False
+    # Why its benchmark stage was stopped (its timeout or the node's budget spent), if it was.
+    benchmark_stopped: str | None = None
+    # Token-exact synthetic texts counted on this cell, by (size, seed) (run/workloads.py).
+    exact_texts: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     def prepare(self) -> None:
         """Open the node, launch a managed engine, health-check; on failure mark it unavailable."""
@@ -97,6 +103,9 @@ class LiveCell:
             if engine_facts.get("model_digest") is None and self.model_digest is not None:
                 # A managed engine's model file, hashed on its node (the engine may not say).
                 engine_facts = {**engine_facts, "model_digest": self.model_digest}
+            if self.server is not None and self.server.shared_paths:
+                # Which of this host's paths the node ran from (a shared filesystem).
+                engine_facts = {**engine_facts, "shared_paths": self.server.shared_paths}
             self.facts = {
                 "engine_facts": engine_facts,
                 "gpus": gpus,
@@ -119,7 +128,12 @@ class LiveCell:
         cell's ready_timeout_s, cut to what is left of the node's budget)."""
         clock = self.node_clock(self.cell)
         cell_id = self.cell.cell_id
-        if not server.pulls_model:
+        from pytest_gpubench.targets.slurm import SlurmTarget
+
+        if isinstance(target, SlurmTarget):
+            # A Slurm job: its node (and GPUs) are known once it runs; checked inside it.
+            target.on_running = lambda shell: self._check_job_node(shell, server, clock)
+        elif not server.pulls_model:
             size, where = model_size(self.cell, server, target)
             check_vram(target, clock, cell_id=cell_id, model_bytes=size, where=where)
         with clock.stage("engine_start", server.ready_timeout_s, cell_id=cell_id) as limit:
@@ -135,6 +149,23 @@ class LiveCell:
                 size, where = pulled_model_bytes(base_url, self.cell.spec.model), "/api/tags"
             check_vram(target, clock, cell_id=cell_id, model_bytes=size, where=where)
         return base_url
+
+    def _check_job_node(self, shell: Target, server: ManagedServer, clock: StageClock) -> None:
+        """Stages gpu_check (once per cell) and vram_check on the job's own node, through a
+        step of the job (the login node's GPUs, if any, are not the job's)."""
+        node = self.cell.node
+        if not self.job_node_checked:
+            self.job_node_checked = True
+            check_gpus(
+                shell,
+                clock,
+                gpu_type=getattr(node, "gpu_type", None),
+                gpu_count=getattr(node, "gpu_count", None),
+                mode=getattr(node, "gpu_check", "auto"),
+            )
+        if not server.pulls_model:
+            size, where = model_size(self.cell, server, shell)
+            check_vram(shell, clock, cell_id=self.cell.cell_id, model_bytes=size, where=where)
 
     def _pull(self, base_url: str, clock: StageClock) -> None:
         """Stage model_pull of an engine that fetches its own model (Ollama), within the node's
@@ -223,6 +254,24 @@ class LiveCell:
         finally:
             STALL_LIMIT_S.reset(stall)
 
+    def benchmark_left(self) -> float | None:
+        """Seconds the cell's benchmark stage may still run (stage_timeouts.benchmark, cut to
+        the node's budget); None: no limit."""
+        if self.ready_at is None:
+            return None
+        return self.node_clock(self.cell).left("benchmark", self.ready_at)
+
+    def check_benchmark_time(self) -> None:
+        """Before a case: a benchmark stage past its timeout (or the node's budget) ends, and
+        the cell's remaining cases are skipped with the reason, stage `benchmark`."""
+        if self.ready_at is None or self.unavailable is not None:
+            return
+        overrun = self.node_clock(self.cell).overrun("benchmark", self.ready_at)
+        if overrun is not None:
+            self.benchmark_stopped = overrun
+            self.unavailable = overrun
+            self.unavailable_stage = "benchmark"
+
     def warm_up(self, prompt: str, max_tokens: int, request: RequestShape, **own: Any) -> None:
         """An unrecorded call, so that the measured call follows one within the warm window (and
         on a connection already open). It sends the measured request itself, so that it primes
@@ -245,7 +294,14 @@ class LiveCell:
         clock = self.node_clock(self.cell)
         if self.ready_at is not None:
             elapsed = time.monotonic() - self.ready_at
-            clock.note("benchmark", "ok", elapsed, cell_id=self.cell.cell_id)
+            timeout = clock.timeouts.get("benchmark")
+            if self.benchmark_stopped is not None:
+                clock.note(
+                    "benchmark", "timeout", elapsed, error=self.benchmark_stopped,
+                    cell_id=self.cell.cell_id, timeout_s=timeout,
+                )  # fmt: skip
+            else:
+                clock.note("benchmark", "ok", elapsed, cell_id=self.cell.cell_id, timeout_s=timeout)
             self.ready_at = None
         if self.server is None:
             return

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from pytest_gpubench.config.matrix import Cell, LocalNode, ProviderNode, SshNode
+from pytest_gpubench.config.matrix import Cell, LocalNode, ProviderNode, SlurmNode, SshNode
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.secrets import SecretScrubber
 from pytest_gpubench.targets import Target, TargetHook, open_target
@@ -29,7 +29,8 @@ class NodePool:
         # Each remote node's stage clock (its stage timeouts and budget), and the stage outcomes
         # not yet turned into records.
         self.clocks: dict[str, StageClock] = {}
-        # The provider APIs whose leaked sessions (rental journal) this run has given back.
+        # The provider APIs and Slurm clusters whose leaked leases (the journal) this run has
+        # given back.
         self.released_apis: set[str] = set()
         self.stage_outcomes: list[StageOutcome] = []
         # What each rented node cost, reported by the rental itself when it is given back.
@@ -44,6 +45,10 @@ class NodePool:
         if node_id not in self.targets:
             if isinstance(cell.node, ProviderNode):
                 self._release_leaked(cell.node)
+            elif isinstance(cell.node, SlurmNode):
+                self._cancel_leaked_jobs(cell.node)
+            elif isinstance(cell.node, SshNode):
+                self._stop_leaked_servers(cell.node)
             try:
                 self.targets[node_id] = open_target(
                     node_id,
@@ -75,6 +80,34 @@ class NodePool:
                 entry.session_id,
             )
             self._rental_closed(release(entry, journal))
+
+    def _cancel_leaked_jobs(self, node: SlurmNode) -> None:
+        """Cancel the Slurm jobs on this node's cluster that a killed run left (the lease
+        journal), once per cluster; each is reported as a job given back now."""
+        from pytest_gpubench.targets.provider.journal import RentalJournal
+        from pytest_gpubench.targets.slurm.leases import cluster_key, leaked_jobs, release_job
+
+        cluster = cluster_key(node)
+        if cluster in self.released_apis:
+            return
+        self.released_apis.add(cluster)
+        journal = RentalJournal()
+        for entry in leaked_jobs(journal, node):
+            self._rental_closed(release_job(entry, journal))
+
+    def _stop_leaked_servers(self, node: SshNode) -> None:
+        """Stop the managed servers on this ssh node that a killed run left (the lease
+        journal), once per node; each is reported as a lease given back now."""
+        from pytest_gpubench.targets.provider.journal import RentalJournal
+        from pytest_gpubench.targets.ssh.leases import leaked_servers, node_key, release_server
+
+        key = node_key(node.host, node.port, node.user or "")
+        if key in self.released_apis:
+            return
+        self.released_apis.add(key)
+        journal = RentalJournal()
+        for entry in leaked_servers(journal, node):
+            self._rental_closed(release_server(entry, journal))
 
     def clock(self, cell: Cell) -> StageClock:
         """The stage clock of the cell's node, made when the node is first opened; a local

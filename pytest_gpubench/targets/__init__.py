@@ -138,6 +138,7 @@ def open_target(
                 command_timeout_s=node.command_timeout_s,
                 forward=node.forward,
             )
+        ssh.lease_node = node  # its managed servers go into the lease journal
         try:
             bring_up(ssh, clock, node)
         except BaseException:

@@ -128,9 +128,31 @@ class StageClock:
         *,
         error: str | None = None,
         cell_id: str | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         """Report a stage timed elsewhere (a cell's benchmark, from ready to closed)."""
-        self.report(StageOutcome(self.node_id, stage, outcome, elapsed_s, None, error, cell_id))
+        shown = None if timeout_s is None else round(timeout_s, 3)
+        self.report(StageOutcome(self.node_id, stage, outcome, elapsed_s, shown, error, cell_id))
+
+    def left(self, stage: Stage, begun: float, default_s: float | None = None) -> float | None:
+        """Seconds a stage timed elsewhere (begun at `begun`, time.monotonic) may still run: its
+        own timeout less what it has run, cut to what is left of the budget; None: no limit."""
+        own = self.timeouts.get(stage, default_s)
+        limits = [] if own is None else [own - (time.monotonic() - begun)]
+        if self.budget_s is not None:
+            limits.append(self.budget_s - (time.monotonic() - self.started))
+        return min(limits) if limits else None
+
+    def overrun(self, stage: Stage, begun: float) -> str | None:
+        """Why a stage timed elsewhere must stop now (its timeout or the node's budget is
+        spent), or None."""
+        left = self.left(stage, begun)
+        if left is None or left > 0:
+            return None
+        own = self.timeouts.get(stage)
+        if own is not None and own - (time.monotonic() - begun) <= 0:
+            return f"node {self.node_id}: {stage} ran past its timeout of {own:g} s"
+        return f"node {self.node_id}: budget of {self.budget_s:g} s spent during {stage}"
 
     def detail(self, stage: Stage, details: Mapping[str, Any], cell_id: str | None = None) -> None:
         """Inside `stage()`: what the stage found, kept with its outcome."""

@@ -30,14 +30,20 @@ class LoadPattern(Protocol):
 
 def make_pattern(profile: LoadProfile, point: str) -> LoadPattern:
     """The pattern of a point id of `profile.points` (not `sweep`: load/sweep.py)."""
-    if point.startswith("c"):
+    if point.startswith("c") and point[1:].isdigit():
         from pytest_gpubench.run.load.closed_loop import ClosedLoop
 
         return ClosedLoop(int(point[1:]))
-    if point.startswith("r"):
+    if point.startswith("r") and not point.startswith("trace"):
         from pytest_gpubench.run.load.open_loop import OpenLoop
 
         return OpenLoop(float(point[1:]), profile.arrival, profile.burstiness, profile.seed)
+    if point.startswith("trace-x") and profile.trace is not None:
+        from pytest_gpubench.config.traces import read_trace
+        from pytest_gpubench.run.load.trace_replay import TraceReplay
+
+        entries = read_trace(profile.trace, "load.trace")
+        return TraceReplay(tuple(entry.at_s for entry in entries), float(point[len("trace-x") :]))
     raise ValueError(f"not a load point of a single pattern: {point!r}")
 
 
@@ -45,7 +51,17 @@ def pattern_facts(pattern: LoadPattern) -> dict[str, object]:
     """What the load record says of the pattern: its kind and its setting."""
     from pytest_gpubench.run.load.closed_loop import ClosedLoop
     from pytest_gpubench.run.load.open_loop import OpenLoop
+    from pytest_gpubench.run.load.trace_replay import TraceReplay
 
+    if isinstance(pattern, TraceReplay):
+        return {
+            "pattern": "trace",
+            "concurrency": None,
+            "rate": pattern.offered_rate,
+            "speedup": pattern.speedup,
+            "trace_requests": len(pattern.arrivals_s),
+            "trace_span_s": round(pattern.span_s, 4),
+        }
     if isinstance(pattern, ClosedLoop):
         return {"pattern": "closed", "concurrency": pattern.concurrency, "rate": None}
     if isinstance(pattern, OpenLoop):

@@ -6,6 +6,7 @@ in the event loop held the next scheduled send behind it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 import time
 from collections.abc import Callable
@@ -45,6 +46,9 @@ class Sent:
     measurement: CallMeasurement
     # Which of the point's client processes sent it (`processes: N`; 0 with one).
     process: int = 0
+    # A multi-turn session's request (`turns:`): the session's index and this turn (0-based).
+    session: int | None = None
+    turn: int | None = None
 
     @property
     def send_lag_ms(self) -> float:
@@ -62,14 +66,48 @@ class Received:
     reconnected: bool
     connection_reused: bool
     process: int
+    session: int | None = None
+    turn: int | None = None
 
     def parsed(self, backend: str) -> Sent:
         measurement = measure_response(backend, self.raw.streamed(), parse_openai_sse)
         measurement.reconnected = self.reconnected
         measurement.connection_reused = self.connection_reused
         return Sent(
-            self.index, self.window, self.scheduled_ns, self.raw.sent_ns, measurement, self.process
+            self.index,
+            self.window,
+            self.scheduled_ns,
+            self.raw.sent_ns,
+            measurement,
+            self.process,
+            self.session,
+            self.turn,
         )
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """How the turns of a session are sent: `turns` requests one after the other on one
+    stream, `think_time_s` apart (from an answer's end to the next send); turn t of session s
+    asks user turn (s * turns + t) mod n of `user_turns`, after the whole history so far."""
+
+    turns: int
+    think_time_s: float
+    # The request's JSON body without its messages (model, max_tokens, stream, ...).
+    body: bytes
+    # Each a conversation of its own (system turn and user turn), its last one the question.
+    user_turns: tuple[tuple[tuple[str, str], ...], ...]
+    path: str = "/v1/chat/completions"
+
+    def request(
+        self,
+        endpoint: Endpoint,
+        headers: tuple[tuple[str, str], ...],
+        history: list[dict[str, str]],
+    ) -> bytes:
+        body = json.loads(self.body)
+        body["messages"] = history
+        return request_bytes(endpoint, self.path, json.dumps(body).encode(), headers)
 
 
 @dataclass(frozen=True)
@@ -84,6 +122,16 @@ class Target:
     headers: tuple[tuple[str, str], ...] = ()
     # An https:// endpoint's client context (the cell's ca_file, tls_verify).
     tls: ssl.SSLContext | None = None
+    # Where the point sends several requests (a dataset's prompts): request i is the
+    # (i mod n)-th of these, and `request` is the first.
+    variants: tuple[bytes, ...] = ()
+    # Multi-turn sessions (`turns:`): each send is a whole session, its requests built as it
+    # goes (the history, the previous answer, the next user turn).
+    session: SessionPlan | None = None
+
+    def request_for(self, index: int) -> bytes:
+        """The bytes of the point's `index`-th request."""
+        return self.variants[index % len(self.variants)] if self.variants else self.request
 
 
 class Bounds:
@@ -130,6 +178,7 @@ class LoadRun:
         self.bounds = Bounds(profile, time.perf_counter_ns())
         self.started_ns = 0
         self.next_index = 0
+        self.next_session = 0
 
     async def open(self, connections: int) -> None:
         """Open the connections the point needs before its clock starts."""
@@ -154,15 +203,58 @@ class LoadRun:
         return [item for item in self._sent if isinstance(item, Sent)]
 
     async def send(self, scheduled_ns: int, window: Window) -> None:
-        """One request, due at `scheduled_ns`: sent as soon as a connection is at hand."""
+        """One request, due at `scheduled_ns`: sent as soon as a connection is at hand (a
+        multi-turn point's whole session)."""
+        if self.target.session is not None:
+            await self._session(self.target.session, scheduled_ns, window)
+            return
+        await self._send_one(scheduled_ns, window, None)
+
+    async def _session(self, plan: SessionPlan, scheduled_ns: int, window: Window) -> None:
+        """The turns of one session in order; each sends the history and the previous answer,
+        so a turn's reply is parsed as it ends (the next turn needs its text). A turn that
+        failed ends its session (there is no answer to go on from)."""
+        session, self.next_session = self.next_session, self.next_session + 1
+        history: list[dict[str, str]] = []
+        due_ns = scheduled_ns
+        for turn in range(plan.turns):
+            asked = plan.user_turns[(session * plan.turns + turn) % len(plan.user_turns)]
+            for role, content in asked:
+                if role != "system" or not history:
+                    history.append({"role": role, "content": content})
+            request = plan.request(self.target.endpoint, self.target.headers, history)
+            await self._send_one(due_ns, window, request, session=session, turn=turn)
+            # _send_one appended this turn's reply last and returned without yielding to the
+            # loop after that: no other send came in between.
+            last = self._sent[-1]
+            sent = last.parsed(self.target.backend) if isinstance(last, Received) else last
+            self._sent[-1] = sent
+            if sent.measurement.error is not None:
+                return
+            history.append({"role": "assistant", "content": sent.measurement.text})
+            if turn + 1 < plan.turns:
+                await asyncio.sleep(plan.think_time_s)
+                due_ns = time.perf_counter_ns()
+
+    async def _send_one(
+        self,
+        scheduled_ns: int,
+        window: Window,
+        request: bytes | None,
+        *,
+        session: int | None = None,
+        turn: int | None = None,
+    ) -> None:
         target = self.target
         index, self.next_index = self.next_index, self.next_index + 1
+        if request is None:
+            request = target.request_for(index)
         sent_ns = time.perf_counter_ns()
         reconnected = False
         try:
             connection = await self.pool.take()
             try:
-                raw = await connection.exchange(target.request, target.timeout_s)
+                raw = await connection.exchange(request, target.timeout_s)
             except DroppedConnection:
                 if connection.exchanges <= 1 and not connection.lost:
                     raise
@@ -171,10 +263,12 @@ class LoadRun:
                 self.pool.dropped()
                 reconnected = True
                 connection = await self.pool.take()
-                raw = await connection.exchange(target.request, target.timeout_s)
+                raw = await connection.exchange(request, target.timeout_s)
         except StreamError as exc:
             measurement = CallMeasurement(backend=target.backend, error=str(exc))
-            self._sent.append(Sent(index, window, scheduled_ns, sent_ns, measurement, self.process))
+            self._sent.append(
+                Sent(index, window, scheduled_ns, sent_ns, measurement, self.process, session, turn)
+            )
             return
         if not raw.keep_alive:
             self.pool.server_closes = True
@@ -190,6 +284,8 @@ class LoadRun:
                 reconnected,
                 connection.exchanges > 1,
                 self.process,
+                session,
+                turn,
             )
         )
 
@@ -220,9 +316,18 @@ def build_target(
     headers: dict[str, str],
     timeout_s: float,
     tls: TlsSettings | None = None,
+    more_payloads: tuple[bytes, ...] = (),
+    session: SessionPlan | None = None,
 ) -> Target:
+    """The point's target; `more_payloads` are sent in turn after `payload` (a dataset)."""
     endpoint = Endpoint.parse(base_url)
     pairs = tuple(headers.items())
-    request = request_bytes(endpoint, "/v1/chat/completions", payload, pairs)
+    path = "/v1/chat/completions"
+    request = request_bytes(endpoint, path, payload, pairs)
     context = (tls or TlsSettings()).context() if endpoint.scheme == "https" else None
-    return Target(backend, endpoint, request, timeout_s, pairs, context)
+    variants = (
+        (request, *(request_bytes(endpoint, path, more, pairs) for more in more_payloads))
+        if more_payloads
+        else ()
+    )
+    return Target(backend, endpoint, request, timeout_s, pairs, context, variants, session)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import json
 import time
 from collections.abc import Mapping
@@ -13,15 +14,24 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.config.cases import Case
-from pytest_gpubench.config.load_profile import LoadProfile
-from pytest_gpubench.config.matrix import Cell, Matrix, Prompt, RequestShape
+from pytest_gpubench.config.datasets import sample_dataset
+from pytest_gpubench.config.load_profile import LoadProfile, dataset_prompt_id
+from pytest_gpubench.config.matrix import (
+    Cell,
+    Matrix,
+    Prompt,
+    RequestShape,
+    dataset_prompt,
+    load_dataset_sha256,
+)
 from pytest_gpubench.config.synthetic import synthetic_prompt
+from pytest_gpubench.config.traces import Trace, read_trace
 from pytest_gpubench.core.provenance import utc_now
 from pytest_gpubench.ledger.records import call_record, load_call_record, load_record, sample_record
 from pytest_gpubench.measure.gauges import GaugeScraper
 from pytest_gpubench.results.load_summary import percentile, summarize_point
 from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts
-from pytest_gpubench.run.load.driver import LoadRun, Sent, Target, build_target
+from pytest_gpubench.run.load.driver import LoadRun, Sent, SessionPlan, Target, build_target
 from pytest_gpubench.run.load.processes import run_in_processes
 
 if TYPE_CHECKING:
@@ -52,6 +62,140 @@ def load_prompt(matrix: Matrix, cell: Cell, prompt_id: str) -> tuple[Prompt, Req
     return prompt, request
 
 
+@dataclass(frozen=True)
+class LoadPrompts:
+    """What a load case sends: its prompts in turn (one, or a dataset's), the request keys and
+    the hash it is frozen by."""
+
+    prompts: tuple[Prompt, ...]
+    request: RequestShape
+    sha256: str
+    # What each prompt's call records carry beside the measurement (a synthetic size's counts).
+    facts: tuple[dict[str, Any], ...] = ()
+
+
+def load_prompts(live: LiveCell, matrix: Matrix, prompt_id: str) -> LoadPrompts:
+    """The prompts of a load case: a dataset's sampled ones (their own max_tokens, ended where
+    the model ends them unless the cell says ignore_eos), the synthetic sizes made exact on the
+    live cell, else load_prompt's one."""
+    cell = live.cell
+    profile = cell.load
+    assert profile is not None
+    synthetic = profile.synthetic
+    if synthetic is not None and prompt_id == synthetic.prompt_id:
+        from pytest_gpubench.run.workloads import exact, exact_facts
+
+        base, request = load_prompt(matrix, cell, prompt_id)
+        texts: list[str] = []
+        facts: list[dict[str, Any]] = []
+        for index, (size, seed) in enumerate(synthetic.variants):
+            made = exact(live, size, seed)
+            texts.append(made.text)
+            facts.append(exact_facts(made))
+            if synthetic.prefix is not None:
+                # Group g's prefix: its own seeded text (seeds below 0 are never a prompt's).
+                group = index % synthetic.prefix.groups
+                head = exact(live, synthetic.prefix.tokens, -1 - group)
+                texts[-1] = f"{head.text}\n{made.text}"
+                facts[-1] = {
+                    **facts[-1],
+                    "prefix_tokens": synthetic.prefix.tokens,
+                    "prefix_group": group,
+                    # The prefix and the prompt meet at a newline the tokenizer may merge: the
+                    # template's share of usage is not known to the token here.
+                    "template_tokens": None,
+                }
+        prompts = tuple(base.model_copy(update={"prompt": text}) for text in texts)
+        digest = hashlib.sha256(
+            "\n".join(prompt.sha256(request) for prompt in prompts).encode()
+        ).hexdigest()
+        sha = prompts[0].sha256(request) if len(prompts) == 1 else digest
+        return LoadPrompts(prompts, request, sha, tuple(facts))
+    if profile.trace is not None and prompt_id == profile.prompt_ids(())[0]:
+        return _trace_prompts(live, profile.trace)
+    if profile.dataset is not None and prompt_id == dataset_prompt_id(profile.dataset):
+        items = sample_dataset(profile.dataset, f"{cell.cell_id}: load.dataset")
+        prompts = tuple(dataset_prompt(prompt_id, None, item, profile.dataset) for item in items)
+        request = cell.spec.request or RequestShape()
+        return LoadPrompts(prompts, request, load_dataset_sha256(profile, request))
+    prompt, request = load_prompt(matrix, cell, prompt_id)
+    return LoadPrompts((prompt,), request, prompt.sha256(request))
+
+
+def _trace_prompts(live: LiveCell, trace: Trace) -> LoadPrompts:
+    """A trace's requests in arrival order, each its own prompt and output length (fixed:
+    ignore_eos, as the trace's answer was that long)."""
+    from pytest_gpubench.run.workloads import trace_texts
+
+    entries = read_trace(trace, f"{live.cell.cell_id}: load.trace")
+    request = live.cell.spec.request or RequestShape()
+    if request.ignore_eos is None:
+        request = request.merged(RequestShape(ignore_eos=True))
+    prompts = tuple(
+        Prompt(intent=f"trace request {i}", prompt=text, max_tokens=entry.output_tokens)
+        for i, (entry, text) in enumerate(
+            zip(entries, trace_texts(live, trace, entries), strict=True)
+        )
+    )
+    facts = tuple(
+        {
+            "input_tokens_requested": entry.input_tokens,
+            "trace_at_s": round(entry.at_s, 6),
+            "trace_hash_ids": len(entry.hash_ids),
+        }
+        for entry in entries
+    )
+    digest = hashlib.sha256("\n".join(p.sha256(request) for p in prompts).encode()).hexdigest()
+    return LoadPrompts(prompts, request, digest, facts)
+
+
+def session_plan(profile: LoadProfile, sends: LoadPrompts, engine: Any) -> SessionPlan | None:
+    """`turns:`: the sessions' plan, its user turns the load case's prompts in turn."""
+    if profile.turns is None:
+        return None
+    first = sends.prompts[0]
+    body = engine.payload(first.prompt, first.max_tokens, sends.request)
+    body.pop("messages", None)
+    user_turns = tuple(
+        tuple((turn["role"], turn["content"]) for turn in prompt.chat_messages() or [])
+        if prompt.messages is not None
+        else (("user", prompt.prompt),)
+        for prompt in sends.prompts
+    )
+    return SessionPlan(profile.turns, profile.think_time_s, json.dumps(body).encode(), user_turns)
+
+
+def session_figures(calls: list[dict[str, Any]], turns: int | None) -> dict[str, Any]:
+    """A multi-turn point's sessions as units: how many ran whole, per-turn TTFT and prompt
+    tokens (p50 of each turn), and the session's span from its first send to its last byte."""
+    if turns is None:
+        return {}
+    sessions: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for call in calls:
+        if call.get("load_window") == "measured" and call.get("session_idx") is not None:
+            sessions.setdefault((call["process"] or 0, call["session_idx"]), []).append(call)
+    whole = [s for s in sessions.values() if len(s) == turns and all(c["error"] is None for c in s)]
+    spans = [
+        max(c["send_ms"] + (c["total_duration_ms"] or 0.0) for c in s)
+        - min(c["send_ms"] for c in s)
+        for s in whole
+    ]
+    by_turn = [[c for s in whole for c in s if c["turn"] == t] for t in range(turns)]
+    return {
+        "turns": turns,
+        "sessions": len(sessions),
+        "sessions_ok": len(whole),
+        "ttft_ms_p50_by_turn": [
+            percentile([c["first_delta_ms"] for c in group], 50) for group in by_turn
+        ],
+        "prompt_tokens_p50_by_turn": [
+            percentile([float(c["prompt_tokens"] or 0) for c in group], 50) for group in by_turn
+        ],
+        "session_ms_p50": percentile(spans, 50),
+        "session_ms_p99": percentile(spans, 99),
+    }
+
+
 def run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> LoadOutcome:
     """Warm the engine up with the case's request, then run its load point, with Python's
     cyclic garbage collector held off: a full collection in a pytest process takes milliseconds,
@@ -71,19 +215,33 @@ def _run_load_case(live: LiveCell, matrix: Matrix, case: Case, run_id: str) -> L
     cell = live.cell
     profile = cell.load
     assert profile is not None and case.load_point is not None and live.engine is not None
-    prompt, request = load_prompt(matrix, cell, case.prompt_id)
-    live.warm_up(prompt.prompt, prompt.max_tokens, request)
+    sends = load_prompts(live, matrix, case.prompt_id)
+    # The warm-up sends the last of the prompts taken in turn: a point that sends each once
+    # (unique prompts) then finds none of them cached by the warm-up.
+    prompt, request = sends.prompts[-1], sends.request
+    own = {"messages": prompt.chat_messages()} if prompt.messages is not None else {}
+    live.warm_up(prompt.prompt, prompt.max_tokens, request, **own)
     engine: Any = live.engine
-    payload = engine.payload(prompt.prompt, prompt.max_tokens, request)
+    payloads = [
+        json.dumps(
+            engine.payload(p.prompt, p.max_tokens, request, p.chat_messages())
+            if p.messages is not None
+            else engine.payload(p.prompt, p.max_tokens, request)
+        ).encode()
+        for p in sends.prompts
+    ]
     target = build_target(
         engine.kind,
         engine.base_url,
-        json.dumps(payload).encode(),
+        payloads[0],
         engine.request_headers(),
         cell.timeout_s,
         getattr(engine, "tls", None),
+        tuple(payloads[1:]),
+        session_plan(profile, sends, engine),
     )
-    recorder = _Recorder(run_id, cell, case, prompt.sha256(request), profile)
+    recorder = _Recorder(run_id, cell, case, sends.sha256, profile)
+    recorder.facts = sends.facts
     if case.load_point == "sweep":
         from pytest_gpubench.run.load.sweep import run_sweep
 
@@ -126,6 +284,8 @@ class _Recorder:
         self.profile = profile
         self.records: list[dict[str, Any]] = []
         self.loads: list[dict[str, Any]] = []
+        # Per prompt sent in turn: what its call records carry (request i: i mod n).
+        self.facts: tuple[dict[str, Any], ...] = ()
 
     async def step(
         self, target: Target, point: str, pattern: LoadPattern, sweep_step: str | None = None
@@ -195,6 +355,8 @@ class _Recorder:
                 ),
                 "engine_counters": scraper.samples.counter_changes() or None,
                 "engine_metrics_notes": scraper.samples.notes or None,
+                **prefix_cache_figures(calls, scraper.samples.counter_changes()),
+                **session_figures(calls, self.profile.turns),
             },
             error=summary["invalid_reason"],
         )
@@ -229,6 +391,10 @@ class _Recorder:
             started_at_utc=at.isoformat(timespec="microseconds").replace("+00:00", "Z"),
             measurement=sent.measurement,
         )
+        if self.facts:
+            call.update(self.facts[sent.index % len(self.facts)])
+        if sent.session is not None:
+            call.update(session_idx=sent.session, turn=sent.turn)
         return load_call_record(
             call,
             load_point=point,
@@ -239,6 +405,27 @@ class _Recorder:
             send_lag_ms=sent.send_lag_ms,
             process=sent.process if self.profile.processes > 1 else None,
         )
+
+
+def prefix_cache_figures(
+    calls: list[dict[str, Any]], counters: Mapping[str, float]
+) -> dict[str, Any]:
+    """The engine's prefix cache over the point, beside its latency: the share of prompt tokens
+    it found cached, from vLLM's own counters (prefix_cache_hits / queries over the point), else
+    from llama.cpp's per-request `cache_n` against the prompt tokens (every request of the
+    point, warm-up and cool-down too, as the counters count them)."""
+    queries = counters.get("vllm:prefix_cache_queries_total")
+    hits = counters.get("vllm:prefix_cache_hits_total")
+    if queries and hits is not None:
+        return {"prefix_cache_hit_rate": round(hits / queries, 4), "prefix_cache_source": "vllm"}
+    cached = [
+        c for c in calls if c.get("cached_prompt_tokens") is not None and c.get("prompt_tokens")
+    ]
+    if cached:
+        found = sum(int(c["cached_prompt_tokens"]) for c in cached)
+        prompt = sum(int(c["prompt_tokens"]) for c in cached)
+        return {"prefix_cache_hit_rate": round(found / prompt, 4), "prefix_cache_source": "cache_n"}
+    return {"prefix_cache_hit_rate": None, "prefix_cache_source": None}
 
 
 def _lag_by_process(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

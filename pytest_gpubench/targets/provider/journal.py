@@ -1,7 +1,8 @@
-"""The rental journal: every rented session written down before it is created, outside the
-clone (under the cache directory), and struck off once it is given back. A run killed with -9
-leaves its entry behind; the next run (for the same API) and `gpubench rentals --release` give
-that session back and say what it cost."""
+"""The lease journal: everything the plugin starts that outlives a crash (a rented session, a
+Slurm job) written down before it is started, outside the clone (under the cache directory), and
+struck off once it is given back. A run killed with -9 leaves its entry behind; the next run (for
+the same API or cluster) and `gpubench leases --release` (alias `gpubench rentals`) give it back
+and say what became of it. An entry's `kind` says what it holds (none: a rental)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ class JournalEntry:
 
     path: Path
     facts: dict[str, Any]
+
+    @property
+    def kind(self) -> str:
+        """What the lease holds: `provider` (a rental: older entries say nothing) or `slurm`."""
+        return str(self.facts.get("kind") or "provider")
 
     @property
     def session_id(self) -> str | None:
@@ -104,6 +110,28 @@ class RentalJournal:
         self._write(path, facts)
         return path
 
+    def begin_lease(self, kind: str, node_id: str, facts: dict[str, Any]) -> Path:
+        """A lease of another kind (a Slurm job), written before it is started; `facts` say how
+        to give it back from another process (never a secret)."""
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self.directory / f"{uuid.uuid4()}.json"
+        self._write(
+            path,
+            {
+                "kind": kind,
+                "node": node_id,
+                "session_id": None,
+                "created_at": time.time(),
+                "created_at_utc": utc_now(),
+                **facts,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "pid_start": _process_start(os.getpid()),
+                "written_at_utc": utc_now(),
+            },
+        )
+        return path
+
     def created(self, path: Path, session_id: str) -> None:
         entry = self._read(path)
         facts = entry.facts if entry is not None else {}
@@ -130,12 +158,16 @@ class RentalJournal:
         return found
 
     def leaked(self, api: str | None = None) -> list[JournalEntry]:
-        """Entries whose run is gone (for one API, when given)."""
+        """Entries whose run is gone (rentals of one API, when given)."""
         return [
             entry
             for entry in self.entries()
             if not entry.run_alive() and (api is None or entry.facts.get("api") == api.rstrip("/"))
         ]
+
+    def leaked_of_kind(self, kind: str) -> list[JournalEntry]:
+        """Leases of one kind (`slurm`) whose run is gone."""
+        return [entry for entry in self.entries() if entry.kind == kind and not entry.run_alive()]
 
     def _write(self, path: Path, facts: dict[str, Any]) -> None:
         partial = path.with_suffix(".partial")

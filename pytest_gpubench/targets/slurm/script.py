@@ -54,8 +54,29 @@ def job_script(
         f"#SBATCH {shlex.quote(option)}"
         for option in sbatch_options(node, name=name, log_path=log_path)
     )
+    # The job's own environment (its PATH, modules loaded by sbatch_args or the site), for the
+    # steps that run inside the allocation later (srun --overlap: GPU checks, telemetry); only
+    # its owner may read it.
+    lines.append(f"(umask 077; export -p > {shlex.quote(job_env_path(log_path))})")
     lines.append(f"exec {shlex.join(engine_command(node, argv))}")
     return "\n".join(lines) + "\n"
+
+
+def job_env_path(log_path: str) -> str:
+    """Where a job writes its environment: beside its log, in the shared work_dir."""
+    return log_path.rsplit(".", 1)[0] + ".env"
+
+
+# Runs argv in a step of the job with the job's environment (written at its start).
+IN_JOB_SCRIPT = '[ -r "$0" ] && . "$0"; exec "$@"'
+
+
+def in_job_argv(job_id: str, env_path: str, argv: Sequence[str]) -> list[str]:
+    """argv inside the running job's allocation (its node, its GPUs, its environment)."""
+    return [
+        "srun", f"--jobid={job_id}", "--overlap", "--ntasks=1", "--quiet",
+        "sh", "-c", IN_JOB_SCRIPT, env_path, *argv,
+    ]  # fmt: skip
 
 
 def _one_line(text: str) -> str:

@@ -9,17 +9,22 @@ final state and elapsed time go to the `on_job_ended` callback (the end record's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import posixpath
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, cast
 
 from pytest_gpubench.config.matrix import SlurmNode
+from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.targets import LOOPBACK_HOSTS, CommandResult, RentalClosed, Target
 from pytest_gpubench.targets.gpu import nvidia_smi_argv, parse_nvidia_smi
-from pytest_gpubench.targets.slurm.commands import QueueState, SlurmClient
-from pytest_gpubench.targets.slurm.script import job_name, job_script
+from pytest_gpubench.targets.provider.journal import RentalJournal
+from pytest_gpubench.targets.slurm.commands import ACTIVE_STATES, QueueState, SlurmClient
+from pytest_gpubench.targets.slurm.leases import begin_job, job_submitted
+from pytest_gpubench.targets.slurm.script import in_job_argv, job_env_path, job_name, job_script
 from pytest_gpubench.targets.stages import StageError
 
 log = logging.getLogger(__name__)
@@ -29,6 +34,8 @@ QUEUE_POLL_S = 0.5
 ALIVE_CACHE_S = 1.0
 # How long a cancelled job may take to leave the queue (Slurm's KillWait is 30 s by default).
 CANCEL_WAIT_S = 40.0
+# How long a running job may take to write its environment file (its script's first line).
+JOB_ENV_WAIT_S = 10.0
 # Writes a job script on the login node; values arrive as positional parameters only.
 WRITE_SCRIPT = 'mkdir -p "$1" && printf %s "$2" > "$3"'
 
@@ -44,6 +51,9 @@ class SlurmJob:
         self.node_name: str | None = None
         self.address: str | None = None
         self.ended = False
+        self.env_path = job_env_path(log_path)
+        # Its entry in the lease journal, struck off once it has ended.
+        self.lease: Path | None = None
         self._checked_at = 0.0
         self._alive = True
 
@@ -70,12 +80,31 @@ class SlurmJob:
             time.sleep(QUEUE_POLL_S)
         self.ended = True
         self.target.job_ended(self)
+        with contextlib.suppress(Exception):  # the job's environment: no longer needed
+            self.target.login.run(["rm", "-f", self.env_path], timeout_s=10)
 
     def log_tail(self, max_bytes: int = 4000) -> str:
         result = self.target.login.run(
             ["tail", "-c", str(max_bytes), self.log_path], timeout_s=self.target.client.timeout_s
         )
         return result.stdout if result.ok else ""
+
+
+class JobShell:
+    """The running job's node as a target for commands: each runs as a step of the job (srun
+    --overlap) with the job's environment, so nvidia-smi reports the job's GPUs, not the login
+    node's. Everything else is the Slurm target's."""
+
+    def __init__(self, target: SlurmTarget, job: SlurmJob) -> None:
+        self.target = target
+        self.job = job
+        self.node_id = target.node_id
+
+    def run(self, argv: Sequence[str], *, timeout_s: float) -> CommandResult:
+        return self.target.client.run(self.target.in_job(argv))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.target, name)
 
 
 class SlurmTarget:
@@ -98,6 +127,11 @@ class SlurmTarget:
         )
         self.jobs: list[SlurmJob] = []
         self.current: SlurmJob | None = None
+        # Called once a job runs, with a shell inside it (the GPU checks of its node).
+        self.on_running: Callable[[Target], None] | None = None
+        # Every job is written down before sbatch and struck off once it has ended: a run
+        # killed with -9 leaves it for the next run or `gpubench leases --release` to cancel.
+        self.journal = RentalJournal()
 
     @property
     def work_dir(self) -> str:
@@ -127,18 +161,55 @@ class SlurmTarget:
                 f"node {self.node_id}: cannot write the job script {script_path}: "
                 f"{written.stderr.strip()[-300:]}",
             )
-        job = SlurmJob(self, self.client.submit(script_path), name, log_path)
+        lease = begin_job(self.journal, self.node_id, self.node, name)
+        try:
+            job_id = self.client.submit(script_path)
+        except BaseException:
+            self.journal.close(lease)  # a refused job holds nothing; a kill keeps the entry
+            raise
+        job_submitted(self.journal, lease, job_id)
+        job = SlurmJob(self, job_id, name, log_path)
+        job.lease = lease
         self.jobs.append(job)
         log.info("node %s: submitted Slurm job %s (%s)", self.node_id, job.job_id, name)
         try:
             state = self._wait_running(job)
             job.node_name = state.node_list
             job.address = self.client.node_address(state.node_list)
+            self.current = job
+            self._wait_job_env(job)
+            if self.on_running is not None:
+                self.on_running(cast(Target, JobShell(self, job)))
         except BaseException:
             job.stop()
             raise
-        self.current = job
         return job
+
+    def _wait_job_env(self, job: SlurmJob) -> None:
+        """The job writes its environment first thing; steps inside it use it (its PATH)."""
+        deadline = time.monotonic() + JOB_ENV_WAIT_S
+        while time.monotonic() < deadline:
+            probe = self.login.run(["test", "-e", job.env_path], timeout_s=self.client.timeout_s)
+            if probe.ok:
+                return
+            time.sleep(QUEUE_POLL_S / 5)
+        log.warning("node %s: job %s wrote no environment file", self.node_id, job.job_id)
+
+    def in_job(self, argv: Sequence[str]) -> list[str]:
+        """argv as a step of the running job (srun --overlap), with the job's environment."""
+        job = self.current
+        if job is None:
+            raise GpubenchError(f"node {self.node_id}: no Slurm job is running")
+        return in_job_argv(job.job_id, job.env_path, argv)
+
+    def stream(self, argv: Sequence[str]) -> Any:
+        """A long-lived command (a telemetry stream) inside the running job, its output
+        streamed back through the login node, as an SSH node's is."""
+        prefix = ["env", f"SLURM_CONF={self.node.slurm_conf}"] if self.node.slurm_conf else []
+        stream = getattr(self.login, "stream", None)
+        if stream is None:
+            raise GpubenchError(f"node {self.node_id}: its login node cannot stream a command")
+        return stream([*prefix, *self.in_job(argv)])
 
     def _wait_running(self, job: SlurmJob) -> QueueState:
         """Poll squeue until the job runs; a job still queued at the timeout fails the stage
@@ -172,6 +243,8 @@ class SlurmTarget:
         if self.current is job:
             self.current = None
         final = self.client.final_state(job.job_id)
+        if job.lease is not None and not (final is not None and final.state in ACTIVE_STATES):
+            self.journal.close(job.lease)
         self.on_job_ended(
             {
                 "node": self.node_id,
@@ -202,9 +275,7 @@ class SlurmTarget:
         job = self.current
         if job is None:
             return []
-        result = self.client.run(
-            ["srun", f"--jobid={job.job_id}", "--overlap", "--ntasks=1", *nvidia_smi_argv()]
-        )
+        result = self.client.run(self.in_job(nvidia_smi_argv()))
         return parse_nvidia_smi(result.stdout) if result.ok else []
 
     def describe(self) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import paramiko
 
@@ -34,6 +34,10 @@ from pytest_gpubench.targets.ssh.scripts import (
     STOP_SCRIPT,
 )
 from pytest_gpubench.targets.stages import SetupStep, Stage, StageError
+
+if TYPE_CHECKING:
+    from pytest_gpubench.config.matrix import SshNode
+    from pytest_gpubench.targets.provider.journal import RentalJournal
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,8 @@ class SshProcess:
         self.pid = pid
         self.log_path = log_path
         self._stopped = False
+        # Its entry in the lease journal (an ssh node's server), struck off once stopped.
+        self.lease: Path | None = None
 
     def alive(self) -> bool:
         if self._stopped:
@@ -95,6 +101,8 @@ class SshProcess:
             STOP_SCRIPT, [str(self.pid), str(tries)], timeout_s + self._target.command_timeout_s
         )
         self._stopped = True
+        if self.lease is not None and self._target.journal is not None:
+            self._target.journal.close(self.lease)
 
     def log_tail(self, max_bytes: int = 4000) -> str:
         result = self._target.run(
@@ -153,6 +161,10 @@ class SshTarget:
         self.connect_timeout_s = connect_timeout_s
         self.command_timeout_s = command_timeout_s
         self.forward = forward
+        # An ssh node of cells.yaml: its servers go into the lease journal (a rented node's
+        # are given back with the rental).
+        self.lease_node: SshNode | None = None
+        self.journal: RentalJournal | None = None
         self._processes: list[SshProcess] = []
         self._forwards: dict[tuple[str, int], PortForward] = {}
         self._description: dict[str, Any] | None = None
@@ -344,9 +356,25 @@ class SshTarget:
     def start(self, argv: Sequence[str], *, log_path: str) -> SshProcess:
         pid_path = f"{log_path}.pid"
         log_dir = posixpath.dirname(log_path) or "."
-        result = self.run_script(
-            START_SCRIPT, [log_dir, log_path, pid_path, *argv], self.command_timeout_s
-        )
+        lease = None
+        if self.lease_node is not None:
+            # Written down before it starts: a run killed with -9 leaves the server running
+            # (it is detached), for the next run or `gpubench leases --release` to stop.
+            from pytest_gpubench.targets.provider.journal import RentalJournal
+            from pytest_gpubench.targets.ssh.leases import begin_server
+
+            self.journal = self.journal or RentalJournal()
+            lease = begin_server(
+                self.journal, self.node_id, self.lease_node, str(argv[0]) if argv else "", pid_path
+            )
+        try:
+            result = self.run_script(
+                START_SCRIPT, [log_dir, log_path, pid_path, *argv], self.command_timeout_s
+            )
+        except BaseException:
+            if lease is not None and self.journal is not None:
+                self.journal.close(lease)
+            raise
         lines = result.stdout.strip().splitlines()
         pid_text = lines[-1].strip() if lines else ""
         for line in lines[:-1]:
@@ -359,6 +387,8 @@ class SshTarget:
                     pid_path,
                 )
         if not result.ok or not pid_text.isdigit():
+            if lease is not None and self.journal is not None:
+                self.journal.close(lease)
             program = argv[0] if argv else ""
             raise StageError(
                 "benchmark",
@@ -366,6 +396,9 @@ class SshTarget:
                 f"{result.stderr.strip()[-500:] or 'no pid written'}",
             )
         process = SshProcess(self, int(pid_text), log_path)
+        if lease is not None and self.journal is not None:
+            self.journal.update(lease, session_id=pid_text)
+            process.lease = lease
         self._processes.append(process)
         return process
 

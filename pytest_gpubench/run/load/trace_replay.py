@@ -1,0 +1,56 @@
+"""Trace replay: each request of a trace sent at its own time from the point's start (its
+arrival in the trace over the speed-up), whether or not earlier ones have ended; a send that is
+late says so (send lag), as in the open loop."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from pytest_gpubench.run.load.driver import LoadRun, spin_ns, wait_until
+from pytest_gpubench.run.load.open_loop import PREOPEN_MAX
+
+
+@dataclass(frozen=True)
+class TraceReplay:
+    # Each request's arrival, seconds after the first, at 1x.
+    arrivals_s: tuple[float, ...]
+    speedup: float = 1.0
+
+    @property
+    def span_s(self) -> float:
+        return (self.arrivals_s[-1] - self.arrivals_s[0]) / self.speedup if self.arrivals_s else 0.0
+
+    @property
+    def connections(self) -> int:
+        """Enough for the busiest second of the replay (more open on demand)."""
+        busiest, first = 0, 0
+        for last, at in enumerate(self.arrivals_s):
+            while (at - self.arrivals_s[first]) / self.speedup > 1.0:
+                first += 1
+            busiest = max(busiest, last - first + 1)
+        return max(1, min(PREOPEN_MAX, busiest))
+
+    @property
+    def offered_rate(self) -> float | None:
+        """The replay's mean rate (requests/s); its send lag is judged as an open loop's."""
+        if len(self.arrivals_s) < 2 or self.span_s <= 0:
+            return None
+        return (len(self.arrivals_s) - 1) / self.span_s
+
+    async def drive(self, run: LoadRun) -> None:
+        in_flight: set[asyncio.Task[None]] = set()
+        rate = self.offered_rate or 1.0
+        spin = spin_ns(rate)
+        first = self.arrivals_s[0] if self.arrivals_s else 0.0
+        for at in self.arrivals_s:
+            due_ns = run.started_ns + int((at - first) / self.speedup * 1e9)
+            await wait_until(due_ns, spin)
+            window = run.bounds.window(due_ns)
+            if window is None:
+                break
+            task = asyncio.create_task(run.send(due_ns, window))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+        if in_flight:
+            await asyncio.gather(*in_flight)
