@@ -3,7 +3,8 @@ from a measurement shaped like a real one: the shipped prompts of mixed length (
 P-MEDIUM 512, P-HARD 1024, as the tiny model answers them: it ignores EOS), one gap per token
 measured to the ns and rounded as measure.stream rounds it, llama-server's `timings`, and the
 telemetry fields filled. `packed=False` gives the record as it was written before issue 24 (the
-gaps a list of ms); and the bytes per record of each, for P-EASY and P-HARD:
+gaps a list of ms), `compact=False` with its cell's keys (run id, node, engine, model) in it, as
+written before issue 24 too; and the bytes per record of each, for P-EASY and P-HARD:
 
     python benchmarks_dev/realistic_ledger.py
 """
@@ -22,9 +23,9 @@ import numpy as np
 from pytest_gpubench.config.cases import Case, build_cases
 from pytest_gpubench.config.matrix import Cell, read_matrix
 from pytest_gpubench.ledger.gaps import PACKED_FIELD, unpack_gaps
-from pytest_gpubench.ledger.records import call_record
+from pytest_gpubench.ledger.records import call_record, cell_record
 from pytest_gpubench.ledger.schema import as_json
-from pytest_gpubench.ledger.writer import record_line
+from pytest_gpubench.ledger.writer import CellKeys, record_line
 from pytest_gpubench.measure.stream import CallMeasurement
 
 PROMPT_TOKENS = {"P-EASY": 64, "P-MEDIUM": 512, "P-HARD": 1024}
@@ -109,16 +110,51 @@ def telemetry(rng: random.Random, tokens: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def records(count: int, cells: int = 40, seed: int = 0, packed: bool = True) -> Iterator[str]:
-    """`count` call record lines, the cells' prompts in turn."""
+RUN_ID = "00000000-0000-4000-8000-000000000000"
+
+
+def cell_lines(cells: int = 40) -> list[str]:
+    """The cells' records (engine facts, one GPU), as a session writes them before the calls."""
+    seen: dict[str, Cell] = {}
+    for cell, _ in cells_and_cases(cells):
+        seen.setdefault(cell.cell_id, cell)
+    return [record_line(cell_of(cell)) for cell in seen.values()]
+
+
+def cell_of(cell: Cell) -> dict[str, Any]:
+    return as_json(
+        cell_record(
+            run_id=RUN_ID,
+            cell=cell,
+            engine_facts={
+                "engine_version": "b6000 (abc123)",
+                "model_digest": "sha256:" + "7e" * 32,
+            },
+            gpus=[{"name": "NVIDIA H100 80GB HBM3", "memory_total_mib": "81559"}],
+            gpu_summary="1x NVIDIA H100 80GB HBM3",
+            node_info={"cpu": "x86_64", "memory_gib": 2015.6},
+            engine_url=cell.endpoint_as_written,
+        )
+    )
+
+
+def records(
+    count: int, cells: int = 40, seed: int = 0, packed: bool = True, compact: bool = True
+) -> Iterator[str]:
+    """`count` call record lines, the cells' prompts in turn; `compact`: as the ledger writes
+    them after its cell records (cell_lines), without their cell's keys."""
     rng = random.Random(seed)
     cases = cells_and_cases(cells)
+    cell_keys = CellKeys()
+    if compact:
+        for cell, _ in cases:
+            cell_keys.note(cell_of(cell))
     for number in range(count):
         cell, case = cases[number % len(cases)]
         tokens = PROMPT_TOKENS[case.prompt_id]
         record = as_json(
             call_record(
-                run_id="00000000-0000-4000-8000-000000000000",
+                run_id=RUN_ID,
                 cell=cell,
                 case=case,
                 prompt_sha256="ab" * 32,
@@ -131,7 +167,7 @@ def records(count: int, cells: int = 40, seed: int = 0, packed: bool = True) -> 
         record["run_idx"] = number // len(cases)
         if not packed:
             record = unpacked(record)
-        yield record_line(record)
+        yield record_line(cell_keys.compact(record))
 
 
 def unpacked(record: dict[str, Any]) -> dict[str, Any]:
@@ -147,21 +183,29 @@ def unpacked(record: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     cases = cells_and_cases(1)
     rng = random.Random(1)
-    print(f"{'prompt':10} {'tokens':>6} {'before B':>9} {'after B':>8} {'after/before':>13}")
+    cell_keys = CellKeys()
+    cell_keys.note(cell_of(cases[0][0]))
+    print(
+        f"{'prompt':10} {'tokens':>6} {'before B':>9} {'gaps packed B':>14} "
+        f"{'+ cell keys once B':>19} {'after/before':>13}"
+    )
     for prompt_id in ("P-EASY", "P-HARD"):
         cell, case = next((c, k) for c, k in cases if k.prompt_id == prompt_id)
         tokens = PROMPT_TOKENS[prompt_id]
         record = as_json(call_record(
-            run_id="00000000-0000-4000-8000-000000000000", cell=cell, case=case,
+            run_id=RUN_ID, cell=cell, case=case,
             prompt_sha256="ab" * 32, cold_kind=None,
             started_at_utc="2026-11-25T10:00:00.000000Z",
             measurement=measurement(rng, tokens), telemetry=telemetry(rng, tokens),
         ))  # fmt: skip
-        after = len(record_line(record).encode()) + 1
         before = len(record_line(unpacked(record)).encode()) + 1
-        print(f"{prompt_id:10} {tokens:6} {before:9,} {after:8,} {after / before:13.2f}")
-    example = json.loads(next(records(1)))
-    print("\nfields of a record:", len(example))
+        packed = len(record_line(record).encode()) + 1
+        after = len(record_line(cell_keys.compact(record)).encode()) + 1
+        print(
+            f"{prompt_id:10} {tokens:6} {before:9,} {packed:14,} {after:19,} {after / before:13.2f}"
+        )
+    example = json.loads(next(records(1, compact=False)))
+    print("\nfields of a record:", len(example), "written:", len(json.loads(next(records(1)))))
 
 
 if __name__ == "__main__":

@@ -4,12 +4,14 @@ reader: ledger_frame.read_ledger_frame + report.render_document), each in a fres
 on the ledger alone (it writes <ledger>.columns.npz), then again with that cache.
 
     python benchmarks_dev/report_1m.py [--records 1000000] [--cells 40] [--skip-before] [--html]
-        [--realistic [--unpacked]]
+        [--realistic [--unpacked] [--whole-keys]]
 
 --realistic writes the ledger from realistic_ledger.py (the plugin's own record builder, the
 shipped prompts of mixed length, telemetry fields filled; a pool of 3,000 distinct records
 repeated with their run_idx renumbered), its gaps packed as the plugin writes them now, or with
---unpacked as a list of ms, as it wrote them before issue 24.
+--unpacked as a list of ms, as it wrote them before issue 24; after the cells' records, its
+call records without their cell's keys, as the plugin writes them now, or with --whole-keys with
+them, as it wrote them before issue 24.
 
 The ledger is written once (about 1.3 GB) to --ledger (default: a temporary file). Each variant
 runs in its own Python process so that its peak resident memory (ru_maxrss) is its own.
@@ -29,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from aggregate_1m import PROMPT_IDS, call_record
-from realistic_ledger import cells_and_cases, records
+from realistic_ledger import cell_lines, cells_and_cases, records
 
 from pytest_gpubench.reports.frame import cache_path
 
@@ -91,12 +93,15 @@ def write_ledger(path: Path, count: int, cells: int, seed: int = 0) -> None:
         ledger.write(json.dumps({"type": "end", "verdicts": [], "cells": []}) + "\n")
 
 
-def write_realistic_ledger(path: Path, count: int, cells: int, *, packed: bool) -> None:
+def write_realistic_ledger(
+    path: Path, count: int, cells: int, *, packed: bool, compact: bool
+) -> None:
     cases = len(cells_and_cases(cells))
-    pool = list(records(min(count, 25 * cases), cells, packed=packed))
+    pool = list(records(min(count, 25 * cases), cells, packed=packed, compact=compact))
     run_idx = re.compile(r'"run_idx":\d+')
     with path.open("w", encoding="utf-8") as ledger:
         ledger.write(json.dumps({"type": "meta", "benchmark_run_id": "generated"}) + "\n")
+        ledger.writelines(line + "\n" for line in cell_lines(cells))
         for number in range(count):
             line = pool[number % len(pool)]
             ledger.write(run_idx.sub(f'"run_idx":{number // cases}', line, count=1) + "\n")
@@ -123,6 +128,9 @@ def main() -> None:
     parser.add_argument("--html", action="store_true", help="also time `gpubench report --html`")
     parser.add_argument("--realistic", action="store_true", help="realistic_ledger.py's records")
     parser.add_argument("--unpacked", action="store_true", help="their gaps as a list of ms")
+    parser.add_argument(
+        "--whole-keys", action="store_true", help="their cell's keys in every call record"
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as directory:
@@ -130,7 +138,13 @@ def main() -> None:
         if not path.exists():
             started = time.perf_counter()
             if args.realistic:
-                write_realistic_ledger(path, args.records, args.cells, packed=not args.unpacked)
+                write_realistic_ledger(
+                    path,
+                    args.records,
+                    args.cells,
+                    packed=not args.unpacked,
+                    compact=not args.whole_keys,
+                )
             else:
                 write_ledger(path, args.records, args.cells)
             print(

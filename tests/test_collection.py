@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from pytest_gpubench.ledger.writer import read_ledger
+
 PROMPTS = """\
 prompts:
   P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 4}
@@ -89,7 +91,7 @@ def test_unavailable_cells_are_skipped_with_reason_and_recorded(bench_dir: pytes
     result.assert_outcomes(passed=1, skipped=12)
     result.stdout.fnmatch_lines(["*SKIPPED*skip: box is off*", "*SKIPPED*skip: not today*"])
     (ledger,) = (bench_dir.path / "runs").glob("*.jsonl")
-    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    records = read_ledger(ledger)
     assert records[0]["type"] == "meta" and records[-1]["type"] == "end"
     skipped = [r for r in records if r["type"] == "skipped"]
     assert len(skipped) == 12
@@ -144,7 +146,7 @@ def test_non_ascii_names_under_xdist(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("-n", "2", "-p", "xdist", "--force-load")
     result.assert_outcomes(skipped=4)
     (ledger,) = (pytester.path / "runs").glob("*.jsonl")
-    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    records = read_ledger(ledger)
     assert records[0]["cases_planned"] == 4
     assert {r["cell_id"] for r in records if r["type"] == "skipped"} == {"local:openai:modèle"}
 

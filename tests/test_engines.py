@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from support.standins import OLLAMA_DIGEST, FaultyOpenAIServer, OllamaStandin, s
 
 from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
+from pytest_gpubench.ledger.writer import read_ledger
 
 
 def test_ollama_adapter_streams_ndjson_and_keeps_engine_timings() -> None:
@@ -146,7 +146,7 @@ def test_faults_are_recorded_and_the_run_goes_on(pytester: pytest.Pytester) -> N
         result = pytester.runpytest("--force-load")
     result.assert_outcomes(passed=2, failed=3)
     (ledger,) = Path(pytester.path / "runs").glob("*.jsonl")
-    calls = [json.loads(line) for line in ledger.read_text().splitlines()]
+    calls = read_ledger(ledger)
     calls = [c for c in calls if c["type"] == "call"]
     by_prompt = {c["prompt_id"]: c for c in calls}
     assert [c["prompt_id"] for c in calls] == [
@@ -240,7 +240,7 @@ def test_two_versions_side_by_side_are_named_cells_recorded_as_written(
     assert result.ret == pytest.ExitCode.OK
     result.assert_outcomes(passed=4)
     (ledger,) = Path(pytester.path / "runs").glob("*.jsonl")
-    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    records = read_ledger(ledger)
     cells = {r["cell_id"]: r for r in records if r["type"] == "cell"}
     assert {cell_id: r["endpoint"] for cell_id, r in cells.items()} == {
         "local:openai:llama3.2@ollama-0.12": old_url,

@@ -19,6 +19,7 @@ from pytest_gpubench.config.cases import build_cases
 from pytest_gpubench.config.load_profile import LoadProfile, LoadThresholds, Slo, merged_profile
 from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.measure.gauges import parse_metrics
 from pytest_gpubench.measure.load_client import RawResponse, _ResponseReader, stamped_lines
 from pytest_gpubench.results.load_gate import judge_point
@@ -43,7 +44,7 @@ def write_load_project(
 def ledger_records(pytester: pytest.Pytester) -> list[dict[str, Any]]:
     """The records of the run's only ledger."""
     (ledger,) = (pytester.path / "runs").glob("*.jsonl")
-    return [json.loads(line) for line in ledger.read_text().splitlines()]
+    return read_ledger(ledger)
 
 
 def matrix_of(tmp_path: Path, cells: str) -> object:

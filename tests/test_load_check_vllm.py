@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from support.reply_proxy import reply_proxy
 
+from pytest_gpubench.ledger.writer import read_ledger
+
 MAX_TOKENS = 32
 PROMPTS = (
     f"prompts:\n  P-LOAD: {{intent: load, prompt: 'Count to ten.', max_tokens: {MAX_TOKENS}}}\n"
@@ -38,7 +40,7 @@ def run_point(pytester: pytest.Pytester, endpoint: str) -> tuple[dict[str, Any],
     )
     result.assert_outcomes(passed=1)
     (ledger,) = (pytester.path / "runs").glob("*.jsonl")
-    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    records = read_ledger(ledger)
     (load,) = [r for r in records if r["type"] == "load"]
     return load, result.stdout.str()
 

@@ -5,7 +5,6 @@ llama-server's own prompt and generation times beside the client's."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -15,6 +14,7 @@ import pytest
 from test_html_report import chromium, console_problems, needs_chromium
 
 from pytest_gpubench.cli.main import main
+from pytest_gpubench.ledger.writer import read_ledger
 
 PROMPTS = "prompts:\n  P-LOAD: {intent: load, prompt: 'Count to ten.', max_tokens: 32}\n"
 TEST_FILE = (Path(__file__).parent.parent / "benchmarks" / "test_inference.py").read_text()
@@ -46,7 +46,7 @@ def test_a_real_sweep_draws_its_load_section_in_chromium(
     second = pytester.runpytest_subprocess(*args)
     assert second.ret in (0, 6), second.stdout.str()[-3000:]
     ledger = newest_ledger(pytester.path)
-    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    records = read_ledger(ledger)
     steps = [r for r in records if r["type"] == "load" and r["pattern"] != "sweep"]
     assert {r["sweep_step"] for r in steps} == {"c1", "c4", "s1", "s2"}
     for step in steps:

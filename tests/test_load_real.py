@@ -7,7 +7,6 @@ throughput a pacing proxy halved (tests/support/pacing_proxy.py) while passing a
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from support.pacing_proxy import PacingProxy, pacing_proxy
 from pytest_gpubench.engines import tinymodel
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.engines.tinymodel import TinyConfig
+from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.targets.local import LocalTarget
 
 pytestmark = pytest.mark.engine
@@ -33,7 +33,7 @@ TEST_FILE = (Path(__file__).parent.parent / "benchmarks" / "test_inference.py").
 def ledger_records(root: Path) -> list[dict[str, Any]]:
     """The newest ledger's records."""
     (ledger,) = sorted((root / "runs").glob("*.jsonl"), key=lambda path: path.stat().st_mtime)[-1:]
-    return [json.loads(line) for line in ledger.read_text().splitlines()]
+    return read_ledger(ledger)
 
 
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:

@@ -19,13 +19,15 @@ import pytest
 from support.keepalive_server import keepalive_server
 from support.reply_proxy import reply_proxy
 
+from pytest_gpubench.ledger.writer import read_ledger
+
 PROMPTS = "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 8}\n"
 TEST_GENERATE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
 
 
 def end_verdicts(root: Path) -> list[dict[str, Any]]:
     newest = max((root / "runs").glob("*.jsonl"), key=lambda path: path.stat().st_mtime)
-    records = [json.loads(line) for line in newest.read_text().splitlines()]
+    records = read_ledger(newest)
     (end,) = [r for r in records if r["type"] == "end"]
     return list(end.get("load_verdicts") or end.get("verdicts") or [])
 

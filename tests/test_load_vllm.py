@@ -5,11 +5,12 @@ completes, the tokens the client counted equal vLLM's own generation counter, an
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from pytest_gpubench.ledger.writer import read_ledger
 
 pytestmark = pytest.mark.vllm
 
@@ -30,7 +31,7 @@ TEST_FILE = (Path(__file__).parent.parent / "benchmarks" / "test_inference.py").
 
 def ledger_records(root: Path) -> list[dict[str, Any]]:
     (ledger,) = (root / "runs").glob("*.jsonl")
-    return [json.loads(line) for line in ledger.read_text().splitlines()]
+    return read_ledger(ledger)
 
 
 def test_a_concurrency_sweep_on_vllm_counts_what_vllm_counts(

@@ -4,12 +4,13 @@ test that forgets to measure."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
 import pytest
 from support.standins import OllamaStandin, serving
+
+from pytest_gpubench.ledger.writer import read_ledger
 
 PROMPTS = """\
 prompts:
@@ -39,7 +40,7 @@ def cells(url: str, runs: int = 2) -> str:
 
 def calls_in(runs_dir: Path) -> list[dict[str, object]]:
     (ledger,) = runs_dir.glob("*.jsonl")
-    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    records = read_ledger(ledger)
     return [record for record in records if record["type"] == "call"]
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from pytest_gpubench.engines import tinymodel
 from pytest_gpubench.engines.tinymodel import TinyConfig
+from pytest_gpubench.ledger.writer import read_ledger
 
 SAMPLE = (
     Path(__file__).parent.parent / "pytest_gpubench" / "config" / "samples" / "chat_sample.jsonl"
@@ -26,7 +27,7 @@ DATASET = "{path: chat.jsonl, format: sharegpt, count: 3, seed: 7, max_output_wo
 
 def ledger_records(root: Path) -> list[dict[str, Any]]:
     newest = max((root / "runs").glob("*.jsonl"), key=lambda path: path.stat().st_mtime_ns)
-    return [json.loads(line) for line in newest.read_text().splitlines()]
+    return read_ledger(newest)
 
 
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:

@@ -5,11 +5,12 @@ vLLM's usage is the size asked plus the chat template's overhead reported beside
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from pytest_gpubench.ledger.writer import read_ledger
 
 pytest.importorskip(
     "support.vllm_server", reason="the shared vLLM set-up (tests/support/vllm_server.py) is missing"
@@ -21,7 +22,7 @@ SIZES = (16, 100, 400)
 
 def ledger_records(root: Path) -> list[dict[str, Any]]:
     newest = max((root / "runs").glob("*.jsonl"), key=lambda path: path.stat().st_mtime_ns)
-    return [json.loads(line) for line in newest.read_text().splitlines()]
+    return read_ledger(newest)
 
 
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:

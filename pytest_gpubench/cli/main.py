@@ -178,11 +178,12 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _merge(args: argparse.Namespace) -> int:
     from pytest_gpubench.ledger.merge import ShardLedger, merge_ledgers
-    from pytest_gpubench.ledger.writer import read_ledger, record_line
+    from pytest_gpubench.ledger.writer import compact_records, read_ledger, record_line
 
     ledgers = [ShardLedger(str(path), read_ledger(path)) for path in args.ledgers]
     merged = merge_ledgers(ledgers)
-    text = "".join(record_line(record) + "\n" for record in merged)
+    # Written as a session writes its ledger: call records without their cell's keys.
+    text = "".join(record_line(record) + "\n" for record in compact_records(merged))
     _write_text(Path(args.output), text)
     shard = merged[0]["shard"]
     missing = f"; shards missing: {shard['missing']}" if shard["missing"] else ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,65 @@ class LedgerWriteError(GpubenchError):
     """The ledger could not be created or written (a read-only directory, a full disk)."""
 
 
+# The keys of a call record that are its cell record's (ledger/records.py `_case_head`): the
+# writer leaves them out of a call record where they equal the cell record's for its cell_id, and
+# the readers (iter_records here, reports/frame.py) put them back, so a consumer sees the record
+# whole (issue 24: keys repeated in every record cost ~110 B a call). Records written before
+# carry them, and are read as they are.
+CELL_KEYS = ("benchmark_run_id", "node", "engine", "model")
+# Where they stood in a call record, to restore its order too.
+_CALL_HEAD = ("type", "benchmark_run_id", "cell_id", "node", "engine", "model")
+
+
+class CellKeys:
+    """The cell records of a ledger so far (the first per cell_id, as the controller writes
+    only the first): what a call record may leave out, and how to put it back."""
+
+    def __init__(self) -> None:
+        self.cells: dict[str, dict[str, Any]] = {}
+
+    def note(self, record: dict[str, Any]) -> None:
+        """Remember a cell record (a record of another type, or a second one, is ignored)."""
+        cell_id = record.get("cell_id")
+        if record.get("type") == "cell" and isinstance(cell_id, str) and cell_id not in self.cells:
+            self.cells[cell_id] = {key: record[key] for key in CELL_KEYS if key in record}
+
+    def compact(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A call record without the keys its cell record (already written) holds alike."""
+        if record.get("type") != "call":
+            return record
+        cell = self.cells.get(str(record.get("cell_id")))
+        if not cell:
+            return record
+        same = {key for key, value in cell.items() if key in record and record[key] == value}
+        if not same:
+            return record
+        return {key: value for key, value in record.items() if key not in same}
+
+    def restore(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A call record with the keys it left out taken from its cell record, in their place."""
+        if record.get("type") != "call":
+            return record
+        cell = self.cells.get(str(record.get("cell_id")))
+        if not cell or all(key in record for key in cell):
+            return record  # written whole (before issue 24), or no cell record to restore from
+        whole = {
+            key: record[key] if key in record else cell[key]
+            for key in _CALL_HEAD
+            if key in record or key in cell
+        }
+        whole.update(record)
+        return whole
+
+
+def compact_records(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Records as a ledger writes them (call records without their cell's keys)."""
+    keys = CellKeys()
+    for record in records:
+        keys.note(record)
+        yield keys.compact(record)
+
+
 def record_line(record: dict[str, Any]) -> str:
     """One ledger line (without its newline): compact JSON, non-ASCII kept as is."""
     return json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=str)
@@ -24,14 +83,17 @@ def record_line(record: dict[str, Any]) -> str:
 class Ledger:
     """Appends records to runs/<benchmark_run_id>.jsonl; only the controller process writes.
 
-    Each record is one write of a whole line, flushed to the OS at once, so a crash (even kill -9)
-    loses only what had not ended. A write that fails (a full disk) is cut back off the file, so
-    the ledger never holds half a line; the last record is fsync'd on close.
+    A call record is written without the keys its cell record holds alike (CELL_KEYS); the
+    readers restore them. Each record is one write of a whole line, flushed to the OS at once,
+    so a crash (even kill -9) loses only what had not ended. A write that fails (a full disk) is
+    cut back off the file, so the ledger never holds half a line; the last record is fsync'd on
+    close.
     """
 
     def __init__(self, path: Path, scrub: Callable[[str], str] | None = None) -> None:
         self.path = path
         self._scrub = scrub
+        self._cell_keys = CellKeys()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -41,7 +103,7 @@ class Ledger:
     def append(self, record: dict[str, Any]) -> None:
         if self._fd is None:
             raise LedgerWriteError(f"{self.path}: the ledger is closed")
-        line = record_line(record)
+        line = record_line(self._cell_keys.compact(record))
         if self._scrub is not None:
             line = self._scrub(line)
         data = (line + "\n").encode("utf-8")
@@ -56,6 +118,8 @@ class Ledger:
             raise LedgerWriteError(
                 f"{self.path}: cannot write the ledger: {_reason(exc)}"
             ) from None
+        # Only a cell record on disk may stand for its calls' keys.
+        self._cell_keys.note(record)
 
     def close(self) -> None:
         """fsync and close; a failure to sync is reported (the records may not be on disk)."""
@@ -75,7 +139,8 @@ def _reason(exc: OSError) -> str:
 
 
 def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Read a ledger, tolerating a truncated last line (a run that was killed mid-write)."""
+    """Read a ledger, tolerating a truncated last line (a run that was killed mid-write); call
+    records come back whole (their cell's keys restored), as they were before issue 24."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
@@ -84,6 +149,7 @@ def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     last = len(lines) - 1
     while last >= 0 and not lines[last].strip():
         last -= 1
+    cell_keys = CellKeys()
     for number, line in enumerate(lines[: last + 1], start=1):
         if not line.strip():
             continue
@@ -101,7 +167,8 @@ def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 "too long to read)"
             ) from None
         if isinstance(record, dict):
-            yield record
+            cell_keys.note(record)
+            yield cell_keys.restore(record)
 
 
 def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

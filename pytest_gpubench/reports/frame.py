@@ -24,6 +24,7 @@ import pandas as pd
 
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_file
+from pytest_gpubench.ledger.writer import CELL_KEYS
 from pytest_gpubench.results.stats import PromptSummary, summarize_frame, text_column
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
 
@@ -170,7 +171,8 @@ def _read(path: Path, *, export: bool) -> tuple[LedgerData, bool]:
         others.extend(part.others)
         lines_before += part.lines
     whole = parts[-1].whole if parts else True
-    return LedgerData(path, builder.frame(), others), whole and not truncated
+    frame = _restore_cell_keys(builder.frame(), others)
+    return LedgerData(path, frame, others), whole and not truncated
 
 
 PARALLEL_MIN_BYTES = 64 << 20
@@ -317,7 +319,34 @@ def frame_of_records(records: Iterable[Mapping[str, Any]], *, export: bool = Fal
             builder.add(record)
         else:
             others.append(dict(record))
-    return LedgerData(None, builder.frame(), others)
+    return LedgerData(None, _restore_cell_keys(builder.frame(), others), others)
+
+
+def _restore_cell_keys(frame: pd.DataFrame, others: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """The columns of the keys a call record leaves to its cell record (ledger.writer.CELL_KEYS),
+    filled from the first cell record of each cell_id where the call record left them out;
+    a call record written whole (before issue 24) keeps its own."""
+    names = [name for name in CELL_KEYS if name in frame.columns]
+    if not names or frame.empty:
+        return frame
+    cells: dict[str, Mapping[str, Any]] = {}
+    for record in others:
+        if record.get("type") == "cell":
+            cells.setdefault(str(record.get("cell_id")), record)
+    for name in names:
+        column = frame[name]
+        missing = column.isna().to_numpy()
+        if not missing.any():
+            continue
+        by_cell = {
+            cell_id: _as_text(cell[name])
+            for cell_id, cell in cells.items()
+            if cell.get(name) is not None
+        }
+        restored = frame["cell_id"].astype(object).map(by_cell)
+        filled = column.astype(object).where(~missing, restored)
+        frame[name] = pd.Categorical(filled)
+    return frame
 
 
 class _FrameBuilder:

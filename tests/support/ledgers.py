@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pytest_gpubench.ledger.writer import compact_records, read_ledger
 from pytest_gpubench.results.gate import compare
 from pytest_gpubench.results.stats import summarize
 
@@ -249,13 +250,16 @@ def _end(
     }
 
 
-def write(path: Path, records: Sequence[dict[str, Any]]) -> Path:
+def write(path: Path, records: Sequence[dict[str, Any]], *, compact: bool = False) -> Path:
+    """The records as JSON lines: whole (as ledgers were written before issue 24), or `compact`
+    as a session writes them (call records without their cell's keys)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as ledger:
-        for record in records:
+        for record in compact_records(records) if compact else records:
             ledger.write(json.dumps(record, separators=(",", ":")) + "\n")
     return path
 
 
 def read(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    """A ledger's records as the plugin reads them (call records with their cell's keys)."""
+    return read_ledger(path)
