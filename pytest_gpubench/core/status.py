@@ -14,6 +14,9 @@ EXIT_UNMEASURED = 7
 EXIT_INCOMPARABLE = 8
 # The ledger or a baseline could not be written (a full disk, a read-only directory).
 EXIT_WRITE_FAILED = 9
+# No regression, but the machine drifted while a (cell, prompt) ran (its control call moved
+# beyond the noise floor): its verdict is `unsteady`, neither a pass nor a regression; re-run.
+EXIT_UNSTEADY = 10
 
 MEANINGS = {
     int(pytest.ExitCode.OK): "all benchmarks measured, no regression",
@@ -26,6 +29,7 @@ MEANINGS = {
     EXIT_UNMEASURED: "a required cell was not measured",
     EXIT_INCOMPARABLE: "a baseline is not comparable with this run",
     EXIT_WRITE_FAILED: "the ledger or a baseline could not be written",
+    EXIT_UNSTEADY: "the machine was unsteady: some figures could not be judged",
 }
 
 
@@ -37,6 +41,7 @@ def session_status(
     unmeasured: bool = False,
     incomparable: bool = False,
     regressed: bool = False,
+    unsteady: bool = False,
 ) -> int:
     """The run's status. A ledger or baseline that could not be written comes first: records
     were lost (the run stops itself then, which pytest calls an interruption). Otherwise pytest's
@@ -52,6 +57,7 @@ def session_status(
         (unmeasured, EXIT_UNMEASURED),
         (incomparable, EXIT_INCOMPARABLE),
         (regressed, EXIT_REGRESSION),
+        (unsteady, EXIT_UNSTEADY),
     ):
         if found:
             return status

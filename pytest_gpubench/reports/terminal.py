@@ -36,7 +36,7 @@ METRIC_LABELS = {
     PROVENANCE: "baseline setup",
 }
 # Shown under a table: the verdicts a reader has to act on.
-NOTEWORTHY = ("regression", "incomparable", "inconclusive", "win")
+NOTEWORTHY = ("regression", "incomparable", "unsteady", "inconclusive", "blind", "win")
 
 
 class ProbeRowLike(Protocol):
@@ -103,6 +103,7 @@ SUMMARY_HEADERS = (
     "coalesced",
     "success",
     "Δ TTFT / total / decode tok/s",
+    "could detect Δ TTFT",
     "verdict",
 )
 
@@ -127,10 +128,25 @@ def summary_rows(
             str(summary.warm_coalesced),
             success(summary),
             _changes(by_key.get(summary.key, {})),
+            detectable(by_key.get(summary.key, {}).get(TTFT_NAME)),
             worst.get(summary.key, NONE),
         ]
         for summary in sorted(summaries, key=lambda item: item.key)
     ]
+
+
+TTFT_NAME = METRIC_NAMES[0]
+
+
+def detectable(verdict: Verdict | None) -> str:
+    """The smallest change the run could have caught: `≥ +18.0%`, `none` where it could catch
+    no change (too few runs, an unsteady machine), `-` where nothing was judged."""
+    if verdict is None or verdict.verdict in ("new", "incomparable"):
+        return NONE
+    if verdict.detectable_ratio is None:
+        return "none" if verdict.noise is not None else NONE
+    lower = verdict.detectable_ratio < 1.0
+    return f"{'≤' if lower else '≥'} {change(verdict.detectable_ratio)}"
 
 
 def _verdicts_by_key(verdicts: Iterable[Verdict]) -> dict[tuple[str, str], dict[str, Verdict]]:
@@ -295,6 +311,16 @@ def gate_lines(
                 red=True,
             )
         )
+    unsteady = [verdict for verdict in verdicts if verdict.verdict == "unsteady"]
+    if unsteady and not baseline_update:
+        keys = sorted({f"{v.cell_id} {v.prompt_id}" for v in unsteady})
+        lines.append(
+            TerminalLine(
+                f"gpubench: the machine was unsteady while {', '.join(keys)} ran: not judged "
+                "(neither a pass nor a regression); re-run on a steady machine",
+                red=True,
+            )
+        )
     unlike = incomparables(verdicts)
     if unlike and not baseline_update:
         cells = sorted({verdict.cell_id for verdict in unlike})
@@ -380,7 +406,17 @@ def _telemetry_section(telemetry: Sequence[TelemetrySummary]) -> str:
 
 # -- comparison of two runs -------------------------------------------------------------------
 
-COMPARISON_HEADERS = ("cell", "prompt", "metric", "old", "new", "change", "p", "verdict")
+COMPARISON_HEADERS = (
+    "cell",
+    "prompt",
+    "metric",
+    "old",
+    "new",
+    "change",
+    "p",
+    "verdict",
+    "could detect",
+)
 
 
 def comparison_rows(verdicts: Iterable[Verdict]) -> list[list[str]]:
@@ -394,6 +430,7 @@ def comparison_rows(verdicts: Iterable[Verdict]) -> list[list[str]]:
             change(verdict.change_ratio),
             NONE if verdict.p_value is None else f"{verdict.p_value:.3g}",
             verdict.verdict,
+            detectable(verdict),
         ]
         for verdict in verdicts
     ]

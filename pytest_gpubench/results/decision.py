@@ -92,26 +92,39 @@ def steadiness(
     baseline_control: Sequence[float],
     control_history: Sequence[float] = (),
 ) -> Steadiness | None:
-    """The control's movement: this run's control samples (in call order) against the baseline
-    run's samples, or against the geometric mean of the p50s of its history when it has one.
-    None when this run has no control samples."""
+    """The control's movement: this run's control samples (in call order) against the baseline's
+    (the geometric mean of its history's p50s when it has MIN_HISTORY runs, else the baseline
+    run's samples), and its later half against its earlier half. A movement counts only when it
+    is beyond the floor and also significant on the control's own samples (two-sided
+    Mann-Whitney U): one slow control call is the scheduler's noise, not a drift. None when this
+    run has no control samples."""
     if not control:
         return None
     now = statistics.median(control)
     history = [value for value in control_history if value > 0]
+    against: float | None = None
     if len(history) >= MIN_HISTORY:
-        reference: float | None = math.exp(statistics.fmean(math.log(v) for v in history))
         spread = statistics.stdev(math.log(v) for v in history)
         floor = max(STEADY_FLOOR_MIN, 3.0 * spread)
+        against = now / math.exp(statistics.fmean(math.log(v) for v in history))
     else:
-        reference = statistics.median(baseline_control) if baseline_control else None
         floor = DEFAULT_STEADY_FLOOR
+        if baseline_control and _differ(control, baseline_control):
+            against = now / statistics.median(baseline_control)
     half = len(control) // 2
-    within = (
-        statistics.median(control[half:]) / statistics.median(control[:half]) if half >= 2 else None
-    )
-    against = now / reference if reference and now > 0 else None
-    return Steadiness(against, within if within and within > 0 else None, floor)
+    within: float | None = None
+    if half >= 3 and _differ(control[half:], control[:half]):
+        within = statistics.median(control[half:]) / statistics.median(control[:half])
+    return Steadiness(against, within, floor)
+
+
+def _differ(first: Sequence[float], second: Sequence[float]) -> bool:
+    """Whether two sets of control samples differ significantly (two-sided)."""
+    if min(len(first), len(second)) < 3:
+        return False
+    method = mwu_method(len(first), len(second))
+    result = scipy_stats.mannwhitneyu(first, second, alternative="two-sided", method=method)
+    return bool(result.pvalue < ALPHA)
 
 
 @dataclass(frozen=True)
@@ -324,6 +337,12 @@ def decide(evidence: Evidence) -> Decision:
         return replace(base, kind="unsteady", text=f"{seen}; re-run on a steady machine")
     if direction is None:
         within = f"{label} {_percent(ratio)} (within the {evidence.threshold:.0%} threshold)"
+        # Blind for certain: too few samples ever to be significant, or a between-run spread
+        # learned over many runs. A spread estimated from this run's few samples alone is
+        # itself noisy: the pass stands, and says how little it could have seen.
+        certain = undetectable is not None or between_run_spread(evidence.history) is not None
+        if blind and not certain:
+            return replace(base, text=f"{within}; only {could} ({why_blind})")
         if blind:
             return replace(
                 base, kind="blind", text=f"{within}, but the gate is blind here: {could} "

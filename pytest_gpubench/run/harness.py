@@ -24,6 +24,7 @@ from pytest_gpubench.ledger.records import (
     skipped_record,
     stage_record,
 )
+from pytest_gpubench.measure.control import ControlCall
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
 from pytest_gpubench.targets import Target
@@ -66,6 +67,10 @@ class Harness:
         # Where records go the moment they are made (the ledger, when this process writes it):
         # a timed run's checkpoints.
         self.sink: Callable[[list[dict[str, Any]]], object] | None = None
+        # Timed before each warm call (its `control_ms`): how steady the machine was.
+        self.control = ControlCall()
+        # Which pass of the session's measurements this is: 2 while suspects are re-measured.
+        self.measure_pass = 1
 
     def live_cell(self, cell_id: str) -> tuple[LiveCell, bool]:
         """The cell, made ready on first use; the flag says it was made ready just now."""
@@ -291,6 +296,7 @@ class Harness:
             cold_kind = live.make_cold()
         else:
             live.warm_up(prompt, max_tokens, shape, **own)
+        control_ms = self.control.measure_ms() if case.phase == "warm" else None
         assert live.engine is not None
         window = self._begin_sampling(live)
         started = utc_now()
@@ -309,6 +315,10 @@ class Harness:
                 case_aggregates(samples, measurement.completion_tokens) if samples else None
             ),
         )
+        if control_ms is not None:
+            record["control_ms"] = round(control_ms, 3)
+        if self.measure_pass > 1:
+            record["pass"] = self.measure_pass
         others = self._sample_records(live, case, samples)
         # An engine may echo a credential in an error message: cut it out before anyone sees it.
         scrubbed_others = [self.scrub.record(other) for other in others]
@@ -370,6 +380,7 @@ class Harness:
     def close(self) -> None:
         """Stop every managed engine, then give back every node (a rented one is marked done)."""
         cells, self.cells = list(self.cells.values()), {}
+        self.control.close()
         self._stop_telemetry(list(self.telemetry))
         self._close(cells, self.nodes.take())
 
