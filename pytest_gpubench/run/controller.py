@@ -548,6 +548,7 @@ class RunController:
             notes.append(f"{reason}: replaced with this run's numbers")
         for cell_id, path in sorted(update.written.items()):
             notes.append(f"baseline written: {cell_id} -> {path}")
+            notes.extend(_history_notes(self.options.baselines_dir, cell_id))
             changes = judgement.changed_setups.get(cell_id)
             if changes is not None:
                 judgement.ratified.add(cell_id)
@@ -559,3 +560,27 @@ class RunController:
                 "; ".join(update.failed[c] for c in sorted(update.failed))
             )
             judgement.write_failed = True
+
+
+def _history_notes(baselines_dir: Path, cell_id: str) -> list[str]:
+    """What a written baseline's history lets the gate know: a note while it is too short."""
+    from pytest_gpubench.results.baseline import find_baseline
+    from pytest_gpubench.results.decision import MIN_HISTORY
+
+    try:
+        baseline = find_baseline(baselines_dir, cell_id)
+    except GpubenchError:
+        return []
+    if baseline is None:
+        return []
+    short = sorted(
+        f"{summary.prompt_id} ({len(baseline.runs(summary.prompt_id))})"
+        for summary in baseline.prompts
+        if summary.n_warm and len(baseline.runs(summary.prompt_id)) < MIN_HISTORY
+    )
+    if not short:
+        return []
+    return [
+        f"baseline of {cell_id}: runs of history {', '.join(short)}: the between-run noise floor "
+        f"is still unknown until {MIN_HISTORY} (seed it with `gpubench calibrate`)"
+    ]
