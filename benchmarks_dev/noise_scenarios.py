@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
@@ -40,7 +41,7 @@ from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.targets.local import LocalTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.delay_proxy import delay_proxy
+from support.delay_proxy import DelayProxy, delay_proxy
 
 CELL = "local:llamacpp:tiny"
 PROMPT_ID = "P-LONG"
@@ -95,7 +96,7 @@ def pytest_run(root: Path, gate: str, state: str, *extra: str) -> Run:
     )  # fmt: skip
     new = set((root / "runs").glob("*.jsonl")) - before
     end = read_ledger(new.pop())[-1] if new else {}
-    verdict = next(
+    verdict: dict[str, Any] = next(
         (v for v in end.get("verdicts") or [] if v.get("metric") == TTFT),
         {"verdict": "none", "change_ratio": None},
     )
@@ -174,7 +175,6 @@ def main() -> None:
         raise SystemExit("llama-server is not installed: run `make engine`")
     target, hogs = LocalTarget(), Hogs()
     deadline = time.monotonic() + args.minutes * 60
-    order = random.Random(22)
     results: dict[tuple[str, str, str], list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="gpubench-noise-") as temp:
         root = Path(temp)
@@ -190,50 +190,64 @@ def main() -> None:
             with delay_proxy(upstream) as proxy:
                 client = LlamaCppEngine(proxy.url, "tiny")
                 ttft = statistics.median(
-                    client.chat(PROMPT, MAX_TOKENS, 60, extra_body=NO_CACHE).first_delta_ms
+                    client.chat(PROMPT, MAX_TOKENS, 60, extra_body=NO_CACHE).first_delta_ms or 0.0
                     for _ in range(10)
                 )
                 delay = FRACTION * ttft
                 print(f"engine TTFT p50 {ttft:.1f} ms (quiet); +30 % = {delay:.1f} ms held")
-                print(
-                    f"machine: {os.cpu_count()} cores, shared with other jobs; load {os.getloadavg()}"
-                )
-                for scenario in scenarios:
-                    for gate in GATES:
-                        project = root / f"{scenario}-{gate}"
-                        write_project(project, proxy.url, args.runs)
-                        with machine_state(hogs, scenario, busy=scenario == "drift-busy") as st:
-                            proxy.delay_ms = 0.0
-                            # main: one ratified run; this branch: gpubench calibrate -R 3
-                            # (three --baseline-update runs, here one by one to keep the
-                            # state of each).
-                            for _ in range(1 if gate == "main" else 3):
-                                base = pytest_run(project, gate, st, "--baseline-update")
-                        print(f"baseline {scenario} {gate}: {base.line()}", flush=True)
-                for round_idx in range(args.rounds):
-                    if time.monotonic() > deadline:
-                        print(f"stopped after {round_idx} rounds (time bound)")
-                        break
-                    for scenario in scenarios:
-                        gates = list(GATES) if round_idx % 2 == 0 else list(GATES)[::-1]
-                        busy = order.random() < 0.5
-                        for gate in gates:
-                            project = root / f"{scenario}-{gate}"
-                            for kind, held in (("unchanged", 0.0), ("+30%", delay)):
-                                proxy.delay_ms = held
-                                with machine_state(hogs, scenario, busy) as st:
-                                    run = pytest_run(project, gate, st)
-                                results.setdefault((scenario, gate, kind), []).append(run)
-                                print(
-                                    f"round {round_idx + 1} {scenario} {gate} {kind}: {run.line()}",
-                                    flush=True,
-                                )
+                print(f"machine: {os.cpu_count()} cores, shared; load {os.getloadavg()}")
+                take_baselines(root, proxy, hogs, scenarios, args.runs)
+                results = play_rounds(root, proxy, hogs, scenarios, args.rounds, deadline, delay)
         finally:
             hogs.stop()
             server.stop()
             target.close()
     print()
     print(tally(results))
+
+
+def take_baselines(
+    root: Path, proxy: DelayProxy, hogs: Hogs, scenarios: list[str], runs: int
+) -> None:
+    """Each scenario's baseline per gate, in the scenario's state: main's one ratified run, this
+    branch's three (gpubench calibrate -R 3, here run by run to keep the state of each)."""
+    for scenario in scenarios:
+        for gate in GATES:
+            project = root / f"{scenario}-{gate}"
+            write_project(project, proxy.url, runs)
+            proxy.delay_ms = 0.0
+            with machine_state(hogs, scenario, busy=scenario == "drift-busy") as state:
+                for _ in range(1 if gate == "main" else 3):
+                    base = pytest_run(project, gate, state, "--baseline-update")
+            print(f"baseline {scenario} {gate}: {base.line()}", flush=True)
+
+
+def play_rounds(
+    root: Path, proxy: DelayProxy, hogs: Hogs, scenarios: list[str], rounds: int,
+    deadline: float, delay: float,
+) -> dict[tuple[str, str, str], list[Run]]:  # fmt: skip
+    """Rounds until `rounds` or the deadline: per scenario and gate (the order alternating), an
+    unchanged run and a +30 % run, in the same machine state (drift: busy or quiet at random)."""
+    order = random.Random(22)
+    results: dict[tuple[str, str, str], list[Run]] = {}
+    for round_idx in range(rounds):
+        if time.monotonic() > deadline:
+            print(f"stopped after {round_idx} rounds (time bound)")
+            break
+        for scenario in scenarios:
+            gates = list(GATES) if round_idx % 2 == 0 else list(GATES)[::-1]
+            busy = order.random() < 0.5
+            for gate in gates:
+                project = root / f"{scenario}-{gate}"
+                for kind, held in (("unchanged", 0.0), ("+30%", delay)):
+                    proxy.delay_ms = held
+                    with machine_state(hogs, scenario, busy) as state:
+                        run = pytest_run(project, gate, state)
+                    results.setdefault((scenario, gate, kind), []).append(run)
+                    print(
+                        f"round {round_idx + 1} {scenario} {gate} {kind}: {run.line()}", flush=True
+                    )
+    return results
 
 
 def tally(results: dict[tuple[str, str, str], list[Run]]) -> str:
