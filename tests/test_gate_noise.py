@@ -8,6 +8,7 @@ Ollama cannot run here: the pytest runs use the stand-in that follows Ollama's d
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from collections.abc import Iterator
@@ -290,8 +291,9 @@ def test_a_regression_gone_on_re_measure_is_not_confirmed_and_does_not_fail(
 ) -> None:
     """Slow during the run, back to its speed when the suspect is measured again (a passing
     disturbance): the session does not fail, and says why."""
-    from pytest_gpubench.run import remeasure as module
-
+    # Through sys.modules: pytester's in-process runs may have left the package attribute
+    # pointing at an earlier copy of the module.
+    module = importlib.import_module("pytest_gpubench.run.remeasure")
     server = OllamaStandin(token_s=0.02)
     original = module.remeasure
 

@@ -414,8 +414,8 @@ COMPARISON_HEADERS = (
     "new",
     "change",
     "p",
-    "verdict",
     "could detect",
+    "verdict",
 )
 
 
@@ -429,8 +429,8 @@ def comparison_rows(verdicts: Iterable[Verdict]) -> list[list[str]]:
             fixed(verdict.current),
             change(verdict.change_ratio),
             NONE if verdict.p_value is None else f"{verdict.p_value:.3g}",
-            verdict.verdict,
             detectable(verdict),
+            verdict.verdict,
         ]
         for verdict in verdicts
     ]

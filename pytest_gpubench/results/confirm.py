@@ -40,12 +40,14 @@ def confirm(
             continue
         if verdict.key in skipped:
             note = f"; not re-measured: {skipped[verdict.key]}"
-            result.append(replace(verdict, message=verdict.message + note))
+            result.append(replace(verdict, message=_noted(verdict.message, note)))
             continue
         later = again.get((verdict.key, verdict.metric))
         if later is not None and later.verdict == "regression":
             note = f"; confirmed on re-measure ({_figure(later)})"
-            result.append(replace(verdict, remeasure=CONFIRMED, message=verdict.message + note))
+            result.append(
+                replace(verdict, remeasure=CONFIRMED, message=_noted(verdict.message, note))
+            )
             continue
         seen = _figure(later) if later is not None else "no successful call"
         kind: VerdictKind = (
@@ -53,9 +55,23 @@ def confirm(
         )
         note = f"; not confirmed on re-measure ({seen}: {later.verdict if later else 'unmeasured'})"
         result.append(
-            replace(verdict, verdict=kind, remeasure=NOT_CONFIRMED, message=verdict.message + note)
+            replace(
+                verdict,
+                verdict=kind,
+                remeasure=NOT_CONFIRMED,
+                message=_noted(verdict.message, note),
+            )
         )
     return result
+
+
+def _noted(message: str, note: str) -> str:
+    """The message with the note added before a closing bracketed remark (the baseline accepted
+    from another setup), which stays last."""
+    cut = message.rfind(" [") if message.endswith("]") else -1
+    if cut < 0:
+        return message + note
+    return message[:cut] + note + message[cut:]
 
 
 def _figure(verdict: Verdict) -> str:
