@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
@@ -297,9 +296,10 @@ def test_a_regression_gone_on_re_measure_is_not_confirmed_and_does_not_fail(
     server = OllamaStandin(token_s=0.02)
     original = module.remeasure
 
-    def back_to_speed(*args: Any, **kwargs: Any) -> Iterator[dict[str, Any]]:
+    def back_to_speed(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         server.token_s = 0.02
-        return original(*args, **kwargs)  # type: ignore[return-value]
+        records: list[dict[str, Any]] = original(*args, **kwargs)
+        return records
 
     monkeypatch.setattr(module, "remeasure", back_to_speed)
     with serving(server) as url:
