@@ -20,7 +20,7 @@ from pytest_gpubench.ledger.outcomes import CellOutcome
 from pytest_gpubench.ledger.records import end_record
 
 # The merged end record's exit status: the first of these that a shard ended with.
-STATUS_PRIORITY = (9, 3, 4, 2, 1, 5, 7, 8, 6)
+STATUS_PRIORITY = (9, 3, 4, 2, 1, 5, 7, 8, 6, 10)
 
 
 @dataclass(frozen=True)
