@@ -9,6 +9,10 @@ own speed during it, as the proxy timed it (time to first content / last byte, p
 baseline run's, and the tally repeats the counts for the runs where that speed stayed within 10 %.
 
     python benchmarks_dev/false_alarms.py [--repeat 20] [--runs N] [--detect] [--hog N]
+
+The noise scenarios of issue 22 (quiet, a busy process flickering, always on, a slow drift with
+the baseline in either state), main's gate against this one's interleaved, are in
+benchmarks_dev/noise_scenarios.py.
 """
 
 from __future__ import annotations

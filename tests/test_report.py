@@ -195,6 +195,7 @@ def test_terminal_summary_has_one_row_per_cell_and_prompt() -> None:
         "0",
         "10/11",
         "+100.0% / +100.0% / -50.0%",
+        "≥ +4.1%",  # the smallest TTFT change these samples could show
         "regression",
     ]
     text = render_summary(new, verdicts)
@@ -207,7 +208,7 @@ def test_terminal_summary_without_baselines_or_warm_calls() -> None:
     cold_only = [r for r in ledger() if r.get("phase") != "warm"]
     summaries = summarize(cold_only)
     rows = summary_rows(summaries, [v for s in summaries for v in judge(s, None)])
-    assert rows[0][2:] == ["-", "-", "-", "300.00", "1500.00", "0", "-", "-", "-"]
+    assert rows[0][2:] == ["-", "-", "-", "300.00", "1500.00", "0", "-", "-", "-", "-"]
     fresh = summarize(ledger())
     rows = summary_rows(fresh, [v for s in fresh for v in judge(s, None)])
     assert {row[-1] for row in rows} == {"new"}

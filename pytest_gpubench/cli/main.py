@@ -1,5 +1,5 @@
 """The `gpubench` command, every subcommand: init, install-server, make-model, report, history,
-export, compare, merge, gate, slurm submit, rentals."""
+export, compare, merge, gate, calibrate, slurm submit, rentals."""
 
 from __future__ import annotations
 
@@ -213,6 +213,13 @@ def _gate(args: argparse.Namespace) -> int:
         print(f"unmeasured: {cell.get('cell_id')}: {cell.get('status')}: {cell.get('reason')}")
     print(f"gpubench gate: {describe(judgement.exit_status)}")
     return judgement.exit_status
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from pytest_gpubench.cli.calibrate import calibrate
+
+    extra = [arg for arg in args.pytest_args if arg != "--"]
+    return calibrate(args.repeat, extra, Path(args.baselines))
 
 
 def _slurm_submit(args: argparse.Namespace) -> int:
@@ -446,6 +453,18 @@ def _add_sharded_run_commands(commands: argparse._SubParsersAction[Any]) -> None
         "--cells", metavar="PATH", help="the cells.yaml with the thresholds (default: the run's)"
     )
     gate.set_defaults(handler=_gate)
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="measure the unchanged matrix R times (A/A) to seed the baselines' between-run "
+        "history; pytest's arguments after --",
+    )
+    calibrate.add_argument("--repeat", "-R", type=int, default=5, help="runs (default 5)")
+    calibrate.add_argument(
+        "--baselines", default="baselines", help="the baselines directory (default baselines/)"
+    )
+    calibrate.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    calibrate.set_defaults(handler=_calibrate)
 
     slurm = commands.add_parser("slurm", help="run a matrix on a Slurm cluster")
     slurm_commands = slurm.add_subparsers(dest="slurm_command", required=True)

@@ -16,6 +16,9 @@ EXIT_UNMEASURED = 7
 EXIT_INCOMPARABLE = 8
 # The ledger or a baseline could not be written (a full disk, a read-only directory).
 EXIT_WRITE_FAILED = 9
+# No regression, but the machine drifted while a (cell, prompt) ran (its control call moved
+# beyond the noise floor): its verdict is `unsteady`, neither a pass nor a regression; re-run.
+EXIT_UNSTEADY = 10
 
 MEANINGS = {
     int(pytest.ExitCode.OK): "all benchmarks measured, no regression",
@@ -28,12 +31,13 @@ MEANINGS = {
     EXIT_UNMEASURED: "a required cell was not measured",
     EXIT_INCOMPARABLE: "a baseline is not comparable with this run",
     EXIT_WRITE_FAILED: "the ledger or a baseline could not be written",
+    EXIT_UNSTEADY: "the machine was unsteady: some figures could not be judged",
 }
 
 
 # Most serious first: records lost; pytest's own trouble (an internal error, a usage error or a
 # gate that could not read its baselines, an interruption, failed tests); then the gate's
-# findings (unmeasured, incomparable, regressed); no tests collected; all well.
+# findings (unmeasured, incomparable, regressed, unsteady); no tests collected; all well.
 SEVERITY = (
     EXIT_WRITE_FAILED,
     int(pytest.ExitCode.INTERNAL_ERROR),
@@ -43,6 +47,7 @@ SEVERITY = (
     EXIT_UNMEASURED,
     EXIT_INCOMPARABLE,
     EXIT_REGRESSION,
+    EXIT_UNSTEADY,
     int(pytest.ExitCode.NO_TESTS_COLLECTED),
     int(pytest.ExitCode.OK),
 )
@@ -50,7 +55,7 @@ SEVERITY = (
 
 def _rank(status: int) -> float:
     # A status this table does not know is still a failure: after the findings, before 5 and 0.
-    return SEVERITY.index(status) if status in SEVERITY else SEVERITY.index(EXIT_REGRESSION) + 0.5
+    return SEVERITY.index(status) if status in SEVERITY else SEVERITY.index(EXIT_UNSTEADY) + 0.5
 
 
 def most_severe(statuses: Iterable[int]) -> int:
@@ -66,6 +71,7 @@ def session_status(
     unmeasured: bool = False,
     incomparable: bool = False,
     regressed: bool = False,
+    unsteady: bool = False,
 ) -> int:
     """The run's status. A ledger or baseline that could not be written comes first: records
     were lost (the run stops itself then, which pytest calls an interruption). Otherwise pytest's
@@ -81,6 +87,7 @@ def session_status(
         (unmeasured, EXIT_UNMEASURED),
         (incomparable, EXIT_INCOMPARABLE),
         (regressed, EXIT_REGRESSION),
+        (unsteady, EXIT_UNSTEADY),
     )
     return most_severe([pytest_status, *(status for found, status in findings if found)])
 

@@ -40,6 +40,7 @@ SUMMARY_NUMBERS = (
     "engine_tokens_per_sec",
     "engine_prompt_ms",
     "engine_total_ms",
+    "control_ms",
 )
 # The per-case resource figures (telemetry/aggregate.py) the report's telemetry table needs.
 TELEMETRY_TEXT = ("gpu_energy_source",)

@@ -11,7 +11,7 @@ from typing import Any
 from pytest_gpubench.reports.charts import inline_svg, pyplot
 from pytest_gpubench.reports.frame import LedgerData
 from pytest_gpubench.reports.load_html import LoadBaselines, render_load_section
-from pytest_gpubench.reports.terminal import METRIC_LABELS, NONE, change, fixed
+from pytest_gpubench.reports.terminal import METRIC_LABELS, NONE, change, detectable, fixed
 from pytest_gpubench.results.gate import Verdict
 from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
 
@@ -25,7 +25,9 @@ CURRENT_COLOR = "#1f6fb4"
 BASELINE_COLOR = "#9a9a9a"
 VERDICT_COLORS = {
     "regression": "#c0392b",
+    "unsteady": "#8e44ad",
     "inconclusive": "#d68910",
+    "blind": "#7f8c8d",
     "win": "#1e8449",
     "ok": "#444444",
 }
@@ -48,6 +50,7 @@ table{border-collapse:collapse;font-size:.9em;margin:8px 0}
 th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f4f4f4}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .regression{color:#c0392b;font-weight:bold}.inconclusive{color:#d68910}.win{color:#1e8449}
+.unsteady{color:#8e44ad;font-weight:bold}.blind{color:#7f8c8d;font-style:italic}
 .failed,.missing{color:#c0392b;font-weight:bold}.chart svg{max-width:100%;height:auto}
 .note{color:#666;font-size:.9em}code{background:#f4f4f4;padding:0 3px}
 """
@@ -174,6 +177,8 @@ def _verdicts(end: Mapping[str, Any]) -> str:
             change(v.change_ratio),
             NONE if v.p_value is None else f"{v.p_value:.3g}",
             f'<span class="{_e(v.verdict)}">{_e(v.verdict)}</span>',
+            _e(detectable(v)),
+            _e(v.remeasure),
             _e(v.attribution),
             _e(v.message),
         )
@@ -188,6 +193,8 @@ def _verdicts(end: Mapping[str, Any]) -> str:
         "change",
         "p",
         "verdict",
+        "could detect",
+        "re-measure",
         "attribution",
         "message",
     )

@@ -114,9 +114,23 @@ def ab_passes(run: RunController) -> list[tuple[str, list[tuple[str, object]]]]:
     ]
 
 
+def gate_skips(run: RunController) -> list[tuple[str, str]]:
+    """(test name, message) of what the gate could not judge: an `unsteady` verdict (the machine
+    drifted: the run exits 10) and a `blind` one (nothing seen, but nothing could have been)."""
+    if run.options.baseline_update:
+        return []
+    judged = [*run.judgement.verdicts, *run.judgement.load_verdicts]
+    return [
+        (f"{v.cell_id} {v.prompt_id} {v.metric}", f"{v.verdict.upper()}: {v.message}")
+        for v in judged
+        if v.verdict in ("unsteady", "blind") and v.reference is None
+    ]
+
+
 def add_gate_failures(config: pytest.Config, run: RunController) -> None:
-    """Write the gate's failures into the JUnit XML, when pytest writes one, and each A/B
-    verdict that passed (with its figures as properties)."""
+    """Write the gate's failures into the JUnit XML, when pytest writes one: each a failed
+    `gpubench.gate` case; an unsteady or blind verdict a skipped one; each A/B verdict that
+    passed a passed one (with its figures as properties)."""
     from _pytest.junitxml import xml_key
 
     xml = config.stash.get(xml_key, None)
@@ -134,6 +148,19 @@ def add_gate_failures(config: pytest.Config, run: RunController) -> None:
                     None,
                     "call" if when == "call" else "teardown",
                     user_properties=properties if when == "teardown" else (),
+                )
+            )
+    for name, message in gate_skips(run):
+        nodeid = f"{GATE_PATH}::{name}"
+        for when, outcome in (("call", "skipped"), ("teardown", "passed")):
+            xml.pytest_runtest_logreport(
+                pytest.TestReport(
+                    nodeid,
+                    (GATE_PATH, None, name),
+                    {},
+                    outcome,  # type: ignore[arg-type]
+                    (GATE_PATH, 0, message) if outcome == "skipped" else None,
+                    when,  # type: ignore[arg-type]
                 )
             )
     for name, message in gate_failures(run):

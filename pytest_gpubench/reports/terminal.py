@@ -36,7 +36,7 @@ METRIC_LABELS = {
     PROVENANCE: "baseline setup",
 }
 # Shown under a table: the verdicts a reader has to act on.
-NOTEWORTHY = ("regression", "incomparable", "inconclusive", "win")
+NOTEWORTHY = ("regression", "incomparable", "unsteady", "inconclusive", "blind", "win")
 
 
 class ProbeRowLike(Protocol):
@@ -103,6 +103,7 @@ SUMMARY_HEADERS = (
     "coalesced",
     "success",
     "Δ TTFT / total / decode tok/s",
+    "could detect Δ TTFT",
     "verdict",
 )
 
@@ -127,6 +128,7 @@ def summary_rows(
             str(summary.warm_coalesced),
             success(summary),
             _changes(by_key.get(summary.key, {})),
+            detectable(by_key.get(summary.key, {}).get(TTFT_NAME)),
             worst.get(summary.key, NONE),
         ]
         for summary in sorted(summaries, key=lambda item: item.key)
@@ -141,6 +143,20 @@ RAN_WARM = "process_warm"
 def _cold_figure(summary: PromptSummary, value: float | None) -> str:
     shown = fixed(value)
     return f"{shown} (ran warm)" if summary.cold_kind == RAN_WARM and value is not None else shown
+
+
+TTFT_NAME = METRIC_NAMES[0]
+
+
+def detectable(verdict: Verdict | None) -> str:
+    """The smallest change the run could have caught: `≥ +18.0%`, `none` where it could catch
+    no change (too few runs, an unsteady machine), `-` where nothing was judged."""
+    if verdict is None or verdict.verdict in ("new", "incomparable"):
+        return NONE
+    if verdict.detectable_ratio is None:
+        return "none" if verdict.noise is not None else NONE
+    lower = verdict.detectable_ratio < 1.0
+    return f"{'≤' if lower else '≥'} {change(verdict.detectable_ratio)}"
 
 
 def _verdicts_by_key(verdicts: Iterable[Verdict]) -> dict[tuple[str, str], dict[str, Verdict]]:
@@ -377,6 +393,16 @@ def gate_lines(
                 red=True,
             )
         )
+    unsteady = [verdict for verdict in verdicts if verdict.verdict == "unsteady"]
+    if unsteady and not baseline_update:
+        keys = sorted({f"{v.cell_id} {v.prompt_id}" for v in unsteady})
+        lines.append(
+            TerminalLine(
+                f"gpubench: the machine was unsteady while {', '.join(keys)} ran: not judged "
+                "(neither a pass nor a regression); re-run on a steady machine",
+                red=True,
+            )
+        )
     unlike = incomparables(verdicts)
     if unlike and not baseline_update:
         cells = sorted({verdict.cell_id for verdict in unlike})
@@ -462,7 +488,17 @@ def _telemetry_section(telemetry: Sequence[TelemetrySummary]) -> str:
 
 # -- comparison of two runs -------------------------------------------------------------------
 
-COMPARISON_HEADERS = ("cell", "prompt", "metric", "old", "new", "change", "p", "verdict")
+COMPARISON_HEADERS = (
+    "cell",
+    "prompt",
+    "metric",
+    "old",
+    "new",
+    "change",
+    "p",
+    "could detect",
+    "verdict",
+)
 
 
 def comparison_rows(verdicts: Iterable[Verdict]) -> list[list[str]]:
@@ -475,6 +511,7 @@ def comparison_rows(verdicts: Iterable[Verdict]) -> list[list[str]]:
             fixed(verdict.current),
             change(verdict.change_ratio),
             NONE if verdict.p_value is None else f"{verdict.p_value:.3g}",
+            detectable(verdict),
             verdict.verdict,
         ]
         for verdict in verdicts

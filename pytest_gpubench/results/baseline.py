@@ -11,9 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.results.gate import run_figures
+from pytest_gpubench.results.run_history import History, RunFigures, appended
 from pytest_gpubench.results.stats import (
     PERCENTILE_NAMES,
     SAMPLE_FIELDS,
@@ -29,7 +33,10 @@ from pytest_gpubench.targets.gpu import gpu_summary
 # 3: the model's identity beside its digest (model_identity, model_root, max_model_len) and the
 # stream's system_fingerprint in the provenance; older files read them as unknown. A file may hold
 # prompts and phases measured by different runs of the same setup (--baseline-update merges).
-FORMAT_VERSION = 3
+# 4: per prompt, `history`: the figures of its last ratified runs (run_history.py), and the
+# control call's figures and samples (`control_ms`); an older file reads with no history and no
+# control (the gate then says the noise floor is unknown).
+FORMAT_VERSION = 4
 DEFAULT_MIN_SUCCESS_RATE = 0.95
 # Anything but these becomes "_" in a file name; the exact cell id is kept inside the file.
 _UNSAFE_IN_FILE_NAME = re.compile(r"[^A-Za-z0-9._-]")
@@ -113,14 +120,61 @@ def merged_provenance(old: Provenance, new: Provenance) -> Provenance:
 
 @dataclass(frozen=True)
 class CellBaseline:
-    """The committed numbers of one cell: a summary per prompt and their provenance."""
+    """The committed numbers of one cell: a summary per prompt, their provenance, and per prompt
+    the figures of its last ratified runs (its between-run history, oldest first)."""
 
     cell_id: str
     provenance: Provenance
     prompts: tuple[PromptSummary, ...]
+    history: Mapping[str, History] = field(default_factory=dict)
 
     def prompt(self, prompt_id: str) -> PromptSummary | None:
         return next((p for p in self.prompts if p.prompt_id == prompt_id), None)
+
+    def runs(self, prompt_id: str) -> History:
+        return tuple(self.history.get(prompt_id, ()))
+
+
+class _RunEntry(BaseModel):
+    """One run of a prompt's history, as the file holds it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    benchmark_run_id: str | None = None
+    date: str | None = None
+    n: int = Field(default=0, ge=0)
+    figures: dict[str, float | None] = Field(default_factory=dict)
+    control_ms: float | None = None
+
+
+def _history_from_list(value: Any, where: str, fields: _Fields) -> History:
+    """A prompt's history, validated by its model; a problem names the entry and its key."""
+    if not isinstance(value, list):
+        raise fields.fail(where, f"expected a list, got {_kind(value)}")
+    runs = []
+    for index, item in enumerate(value):
+        try:
+            entry = _RunEntry.model_validate(item)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            key = ".".join(str(part) for part in error["loc"])
+            at = f"{where}[{index}]" + (f".{key}" if key else "")
+            raise fields.fail(at, str(error["msg"]).lower()) from None
+        runs.append(RunFigures(**entry.model_dump()))
+    return tuple(runs)
+
+
+def _history_to_list(history: History) -> list[dict[str, Any]]:
+    return [
+        _RunEntry(
+            benchmark_run_id=run.benchmark_run_id,
+            date=run.date,
+            n=run.n,
+            figures=dict(run.figures),
+            control_ms=run.control_ms,
+        ).model_dump()
+        for run in history
+    ]
 
 
 @dataclass(frozen=True)
@@ -195,7 +249,13 @@ def baseline_to_dict(baseline: CellBaseline) -> dict[str, Any]:
             "max_model_len": provenance.max_model_len,
             "system_fingerprint": provenance.system_fingerprint,
         },
-        "prompts": {summary.prompt_id: summary_to_dict(summary) for summary in baseline.prompts},
+        "prompts": {
+            summary.prompt_id: {
+                **summary_to_dict(summary),
+                "history": _history_to_list(baseline.runs(summary.prompt_id)),
+            }
+            for summary in baseline.prompts
+        },
     }
 
 
@@ -298,6 +358,8 @@ _FORMAT_1_PERCENTILES = {
     "total_duration_ms": ("p50", "p95", "p99"),
 }
 _FORMAT_1_SAMPLES = ("first_delta_ms", "total_duration_ms")
+# What format 4 added: an older file has no control call (its runs did not measure one).
+_FORMAT_4_FIGURES = ("control_ms",)
 
 
 def summary_from_dict(
@@ -317,6 +379,8 @@ def summary_from_dict(
     percentiles: dict[str, float | None] = {}
     for metric in WARM_METRICS:
         required = PERCENTILE_NAMES if complete else _FORMAT_1_PERCENTILES.get(metric, ())
+        if metric in _FORMAT_4_FIGURES and version < 4:
+            required = ()
         found = (
             fields.mapping(warm, metric, at["warm"])
             if required
@@ -327,7 +391,8 @@ def summary_from_dict(
             percentiles[f"warm_{metric}_{name}"] = read(found, name, f"{at['warm']}.{metric}")
     raw = {
         field: fields.numbers(samples, field, at["samples"])
-        if complete or field in _FORMAT_1_SAMPLES
+        if (complete or field in _FORMAT_1_SAMPLES)
+        and (version >= 4 or field not in _FORMAT_4_FIGURES)
         else ()
         for field in SAMPLE_FIELDS
     }
@@ -369,11 +434,15 @@ def baseline_from_dict(data: Any, source: str) -> CellBaseline:
         raise fields.fail("provenance.gpus", f"expected a list, got {_kind(gpus)}")
     prompts = fields.mapping(data, "prompts", "")
     summaries = []
+    history: dict[str, History] = {}
     for prompt_id in sorted(prompts):
         entry = prompts[prompt_id]
         if not isinstance(entry, dict):
             raise fields.fail(f"prompts.{prompt_id}", f"expected an object, got {_kind(entry)}")
         summaries.append(summary_from_dict(entry, cell_id, prompt_id, fields, version))
+        if version >= 4:
+            runs = fields.get(entry, "history", f"prompts.{prompt_id}")
+            history[prompt_id] = _history_from_list(runs, f"prompts.{prompt_id}.history", fields)
     # Format 3's identity facts: unknown (None) in an older file.
     text = fields.text if version >= 3 else fields.optional_text
     if version >= 3:
@@ -393,6 +462,7 @@ def baseline_from_dict(data: Any, source: str) -> CellBaseline:
             system_fingerprint=text(provenance, "system_fingerprint", "provenance"),
         ),
         prompts=tuple(summaries),
+        history={prompt_id: runs for prompt_id, runs in history.items() if runs},
     )
 
 
@@ -618,10 +688,20 @@ def plan_cell(
         if not changes:
             provenance = merged_provenance(old.provenance, new.provenance)
     merged = dict(kept)
+    # A new setup starts a new history: runs of another engine or GPU say nothing of this one's
+    # noise. An old file's history otherwise goes on, this run appended to each warm prompt.
+    same_setup = old is not None and not provenance_changes(old.provenance, new.provenance)
+    history = {p: old.runs(p) for p in kept} if old is not None and same_setup else {}
     for prompt_id, summary in written.items():
         merged[prompt_id] = merge_prompt(kept.get(prompt_id), summary)
+        if summary.n_warm:
+            run = run_figures(
+                summary, run_id=new.provenance.benchmark_run_id, date=new.provenance.date
+            )
+            history[prompt_id] = appended(history.get(prompt_id, ()), run)
     prompts = tuple(merged[prompt_id] for prompt_id in sorted(merged))
-    return CellPlan(CellBaseline(new.cell_id, provenance, prompts), refused)
+    history = {p: runs for p, runs in sorted(history.items()) if runs and p in merged}
+    return CellPlan(CellBaseline(new.cell_id, provenance, prompts, history), refused)
 
 
 def _measured(summary: PromptSummary | None, phase: str) -> bool:

@@ -3,42 +3,57 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import partial
 from typing import Any, Literal
 
-from scipy import stats as scipy_stats
-
 from pytest_gpubench.config.matrix import Thresholds
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.results.decision import (
+    ALPHA,
+    EXACT_TEST_MAX_N,
+    VERDICT_ORDER,
+    Decision,
+    Evidence,
+    Steadiness,
+    VerdictKind,
+    change_direction,
+    decide,
+    min_achievable_p,
+    mwu_method,
+    one_sided_p,
+    steadiness,
+)
+from pytest_gpubench.results.run_history import (
+    History,
+    RunFigures,
+    control_figures,
+    figures,
+)
 from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
 
-VerdictKind = Literal["regression", "incomparable", "inconclusive", "win", "ok", "new"]
-# The worst first: a (cell, prompt) takes the verdict of its worst metric.
-VERDICT_ORDER: tuple[VerdictKind, ...] = (
-    "regression",
-    "incomparable",
-    "inconclusive",
-    "win",
-    "ok",
-    "new",
-)
+__all__ = [
+    "ALPHA",
+    "EXACT_TEST_MAX_N",
+    "VERDICT_ORDER",
+    "Verdict",
+    "VerdictKind",
+    "change_direction",
+    "min_achievable_p",
+    "mwu_method",
+    "one_sided_p",
+]
 # The metric of an `incomparable` verdict: the baseline's provenance, not a number.
 PROVENANCE = "provenance"
 ACCEPT_OPTION = "--gpubench-accept-incomparable"
 
-ALPHA = 0.05
 RERUN_RUNS = 20
 RERUN_HINT = f"re-run with --gpubench-runs {RERUN_RUNS}"
 # The defaults (docs/gate.md): relative changes for the ratio metrics, an
 # absolute floor for success.
 DEFAULT_RATIO_THRESHOLD = 0.30
 DEFAULT_SUCCESS_RATE = 0.95
-# Up to this many samples on the smaller side the exact U distribution is used (scipy's own
-# cut-off); its p-value can never fall below 1 / C(n1 + n2, n1), which makes "too few samples
-# to ever be significant" a computable fact rather than a guess.
-EXACT_TEST_MAX_N = 8
 # A change is engine-side when the engine's own figure moved the same way by at least this share
 # of the client's change (on a log scale: 0.5 means half as far); otherwise the engine held and
 # the change lies between the engine and the client (transport, proxy, client machine).
@@ -141,6 +156,16 @@ class Verdict:
     attribution: AttributionKind | None = None
     # The engine's own figure, current / baseline (its counterpart of change_ratio).
     engine_change_ratio: float | None = None
+    # The smallest change this run could have caught (current / baseline in the worse
+    # direction: 1.18 is "could detect ≥ +18 %"); None where none could be, or not judged.
+    detectable_ratio: float | None = None
+    # Why the gate could not see a change of the threshold's size here, or None.
+    blind_reason: str | None = None
+    # The noise model the verdict was decided on ("between runs (5 runs of history)", ...).
+    noise: str | None = None
+    # A suspected regression measured again at the session's end: "confirmed" or
+    # "not confirmed" (decided on both passes together); None when not re-measured.
+    remeasure: str | None = None
     # A head-to-head A/B verdict (results/paired.py): the reference cell it was judged against
     # (baseline is then the reference's median, change_ratio the ratio of medians), the
     # bootstrap interval of that ratio, the pairs judged (of the most that could be), and what
@@ -198,8 +223,10 @@ def judge(
     current: PromptSummary,
     baseline: PromptSummary | None,
     thresholds: Thresholds | None = None,
+    history: History = (),
 ) -> list[Verdict]:
-    """One verdict per metric; none when nothing warm was measured (a cold-only run)."""
+    """One verdict per metric; none when nothing warm was measured (a cold-only run).
+    `history`: the baseline's last ratified runs of this (cell, prompt), oldest first."""
     thresholds = thresholds or Thresholds()
     if current.n_warm == 0:
         return []
@@ -211,12 +238,42 @@ def judge(
             for name, value in zip(METRIC_NAMES, values, strict=True)
         ]
     check_prompt_unchanged(current, baseline)
+    steady = machine_steadiness(current, baseline, history)
     verdicts = [
-        judge_ratio(metric, current, baseline, ratio_threshold(thresholds, metric.threshold_field))
+        judge_ratio(
+            metric,
+            current,
+            baseline,
+            ratio_threshold(thresholds, metric.threshold_field),
+            history=figures(history, metric.name),
+            steady=steady,
+        )
         for metric in RATIO_METRICS
     ]
     verdicts.append(judge_success_rate(current, baseline, success_threshold(thresholds)))
     return verdicts
+
+
+def machine_steadiness(
+    current: PromptSummary, baseline: PromptSummary, history: History = ()
+) -> Steadiness | None:
+    """The control call's movement while this (cell, prompt) ran: against the baseline's runs,
+    and within this run; None when this run measured no control call."""
+    return steadiness(
+        current.samples.control_ms, baseline.samples.control_ms, control_figures(history)
+    )
+
+
+def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None) -> RunFigures:
+    """What a baseline's history keeps of one run of a (cell, prompt)."""
+    control = summary.samples.control_ms
+    return RunFigures(
+        benchmark_run_id=run_id,
+        date=date,
+        n=len(summary.samples.first_delta_ms),
+        figures={metric.name: metric.value(summary) for metric in RATIO_METRICS},
+        control_ms=sorted(control)[len(control) // 2] if control else None,
+    )
 
 
 def check_prompt_unchanged(current: PromptSummary, baseline: PromptSummary) -> None:
@@ -233,46 +290,65 @@ def check_prompt_unchanged(current: PromptSummary, baseline: PromptSummary) -> N
 
 
 def judge_ratio(
-    metric: Metric, current: PromptSummary, baseline: PromptSummary, threshold: float
+    metric: Metric,
+    current: PromptSummary,
+    baseline: PromptSummary,
+    threshold: float,
+    *,
+    history: tuple[float, ...] = (),
+    steady: Steadiness | None = None,
 ) -> Verdict:
-    """Large (the ratio passes the threshold) and significant (one-sided Mann-Whitney U)."""
-    old, new = metric.value(baseline), metric.value(current)
-    if old is None or old <= 0:
-        return _verdict(
-            current, metric.name, "new", f"the baseline has no {metric.label}", value=new
+    """The decision core's verdict on one metric (decision.decide), with its attribution."""
+    decision = decide(
+        Evidence(
+            label=metric.label,
+            higher_is_better=metric.higher_is_better,
+            threshold=threshold,
+            baseline=metric.value(baseline),
+            current=metric.value(current),
+            current_samples=metric.samples(current),
+            baseline_samples=metric.samples(baseline),
+            history=history,
+            steadiness=steady,
+            more_samples_hint=RERUN_HINT,
+            missing=_why_missing(metric, current),
         )
-    found = partial(_verdict, current, metric.name, baseline=old, value=new)
-    if new is None:
-        return found("inconclusive", f"{metric.label}: {_why_missing(metric, current)}")
-    ratio = new / old
-    direction = change_direction(old, new, threshold, higher_is_better=metric.higher_is_better)
-    if direction is None:
-        within = f"{metric.label} {_percent(ratio)} (within the {threshold:.0%} threshold)"
-        return found("ok", within, ratio=ratio)
-    word = metric.worse if direction == "worse" else metric.better
-    change = f"{metric.label} {_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
-    cause = attribute(metric, current, baseline, ratio)
-    found = partial(
-        found, attribution=cause.kind, engine_ratio=cause.engine_change_ratio, ratio=ratio
     )
-    current_samples, baseline_samples = metric.samples(current), metric.samples(baseline)
-    floor = min_achievable_p(len(current_samples), len(baseline_samples))
-    if floor >= ALPHA:
-        too_few = (
-            f"{change}, but {len(current_samples)} samples against the baseline's "
-            f"{len(baseline_samples)} cannot be significant (smallest possible p = {floor:.3g} "
-            f"≥ {ALPHA}); {RERUN_HINT}; {cause.message}"
-        )
-        return found("inconclusive", too_few)
-    p_value = one_sided_p(current_samples, baseline_samples, _alternative(metric, direction))
-    if not p_value < ALPHA:
-        unsure = (
-            f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA}); {RERUN_HINT}; "
-            f"{cause.message}"
-        )
-        return found("inconclusive", unsure, p_value=p_value)
-    kind: VerdictKind = "regression" if direction == "worse" else "win"
-    return found(kind, f"{change}, p = {p_value:.3g}; {cause.message}", p_value=p_value)
+    cause: Attribution | None = None
+    if decision.direction is not None and decision.ratio is not None:
+        cause = attribute(metric, current, baseline, decision.ratio)
+    return from_decision(current.cell_id, current.prompt_id, metric.name, decision, cause)
+
+
+def from_decision(
+    cell_id: str,
+    prompt_id: str,
+    metric: str,
+    decision: Decision,
+    cause: Attribution | None = None,
+    current: float | None = None,
+) -> Verdict:
+    """A Verdict of the decision core's finding (for every gate: warm, load, a test's own)."""
+    text = decision.text if cause is None else f"{decision.text}; {cause.message}"
+    value = current
+    if value is None and decision.ratio is not None and decision.baseline is not None:
+        value = decision.ratio * decision.baseline
+    return Verdict(
+        cell_id=cell_id,
+        prompt_id=prompt_id,
+        metric=metric,
+        baseline=decision.baseline,
+        current=value,
+        change_ratio=decision.ratio,
+        p_value=decision.p_value,
+        verdict=decision.kind,
+        message=f"{cell_id} {prompt_id}: {text}",
+        attribution=cause.kind if cause is not None else None,
+        engine_change_ratio=cause.engine_change_ratio if cause is not None else None,
+        detectable_ratio=decision.detectable_ratio,
+        blind_reason=decision.blind_reason,
+        noise=decision.noise,
+    )
 
 
 def _why_missing(metric: Metric, current: PromptSummary) -> str:
@@ -344,65 +420,6 @@ def _share(engine_ratio: float, client_ratio: float) -> float:
     return math.log(engine_ratio) / math.log(client_ratio)
 
 
-def _alternative(
-    metric: Metric, direction: Literal["worse", "better"]
-) -> Literal["greater", "less"]:
-    """The one-sided hypothesis about the current samples relative to the baseline's."""
-    current_larger = (direction == "worse") != metric.higher_is_better
-    return "greater" if current_larger else "less"
-
-
-def change_direction(
-    old: float, new: float, threshold: float, *, higher_is_better: bool
-) -> Literal["worse", "better"] | None:
-    """Whether new is at least `threshold` worse than old, or as large an improvement.
-
-    Slower by 30 % means new ≥ 1.3 × old, so a win is old ≥ 1.3 × new; lower by 30 % means
-    new ≤ 0.7 × old, so a win is old ≤ 0.7 × new. Written this way (no division), swapping
-    old and new turns a regression into a win exactly, in floating point too.
-    """
-    if higher_is_better:
-        if new <= old * (1.0 - threshold):
-            return "worse"
-        if old <= new * (1.0 - threshold):
-            return "better"
-        return None
-    if new >= old * (1.0 + threshold):
-        return "worse"
-    if old >= new * (1.0 + threshold):
-        return "better"
-    return None
-
-
-def mwu_method(n_current: int, n_baseline: int) -> Literal["exact", "asymptotic"]:
-    return "exact" if min(n_current, n_baseline) <= EXACT_TEST_MAX_N else "asymptotic"
-
-
-def min_achievable_p(n_current: int, n_baseline: int) -> float:
-    """The smallest one-sided p-value the test can give for these sample sizes."""
-    if n_current == 0 or n_baseline == 0:
-        return 1.0
-    if mwu_method(n_current, n_baseline) == "exact":
-        return 1.0 / math.comb(n_current + n_baseline, n_current)
-    # The normal approximation's extreme: every current sample above every baseline sample.
-    separated = tuple(float(n_baseline + i) for i in range(n_current))
-    return one_sided_p(separated, tuple(float(i) for i in range(n_baseline)), "greater")
-
-
-def one_sided_p(
-    current: Sequence[float], baseline: Sequence[float], alternative: Literal["greater", "less"]
-) -> float:
-    """Mann-Whitney U: p of current being stochastically `alternative` than baseline."""
-    if not current or not baseline:
-        return 1.0
-    result = scipy_stats.mannwhitneyu(
-        current, baseline, alternative=alternative, method=mwu_method(len(current), len(baseline))
-    )
-    p_value = float(result.pvalue)
-    # All values tied: the asymptotic variance is zero and scipy gives NaN; nothing to see there.
-    return 1.0 if math.isnan(p_value) else p_value
-
-
 def judge_success_rate(current: PromptSummary, baseline: PromptSummary, minimum: float) -> Verdict:
     """Absolute: below the minimum is a regression whatever the baseline was."""
     rate, old = current.warm_success_rate, baseline.warm_success_rate
@@ -445,15 +462,18 @@ def compare(
     *,
     changed_setups: Mapping[str, str] | None = None,
     accept_incomparable: bool = False,
+    histories: Mapping[tuple[str, str], History] | None = None,
 ) -> list[Verdict]:
     """Verdicts for every new (cell, prompt), sorted; thresholds may be given per cell id.
 
     `changed_setups`: per cell id, what differs between its baseline's setup and this run's
     (`engine version b4100 → b4200`). Those cells' prompts with a baseline are `incomparable`,
     or, accepted, judged with a note on every verdict that the baseline came from another setup.
+    `histories`: per (cell, prompt), the baseline's last ratified runs (run_history.py).
     """
     old = summaries_by_key(old_summaries)
     changed = changed_setups or {}
+    runs = histories or {}
     verdicts: list[Verdict] = []
     for summary in sorted(new_summaries, key=lambda item: item.key):
         baseline = old.get(summary.key)
@@ -468,7 +488,8 @@ def compare(
                 for verdict in judge(summary, baseline, _for_cell(thresholds, summary))
             )
             continue
-        verdicts.extend(judge(summary, baseline, _for_cell(thresholds, summary)))
+        history = runs.get(summary.key, ())
+        verdicts.extend(judge(summary, baseline, _for_cell(thresholds, summary), history))
     return verdicts
 
 

@@ -132,24 +132,40 @@ def judge_ledger(
     if not records or records[0].get("type") != "meta":
         raise GpubenchError("gate: the ledger has no meta record")
     meta = records[0]
-    calls = [dict(record) for record in records if record.get("type") == "call"]
+    every_call = [dict(record) for record in records if record.get("type") == "call"]
+    # The re-measure's calls (`pass: 2`) decide the suspects with the first pass's, as in the
+    # session (results/confirm.py); they are never pooled with them.
+    calls = [call for call in every_call if call.get("pass", 1) == 1]
+    again = [call for call in every_call if call.get("pass", 1) != 1]
     cells = {
         str(record.get("cell_id")): record for record in records if record.get("type") == "cell"
     }
     thresholds = _thresholds(meta, cells_path)
     baselines: list[PromptSummary] = []
+    histories: dict[tuple[str, str], Any] = {}
     changed: dict[str, str] = {}
     for cell_id in sorted({str(call.get("cell_id")) for call in calls}):
         baseline = find_baseline(baselines_dir, cell_id)
         if baseline is None:
             continue
         baselines.extend(baseline.prompts)
+        histories.update({(cell_id, p): runs for p, runs in baseline.history.items()})
         cell = cells.get(cell_id)
         if cell is not None:
             changes = provenance_changes(baseline.provenance, cell_provenance(meta, cell, calls))
             if changes:
                 changed[cell_id] = ", ".join(changes)
-    verdicts = compare(baselines, summarize(calls), thresholds.warm, changed_setups=changed)
+    verdicts = compare(
+        baselines, summarize(calls), thresholds.warm, changed_setups=changed, histories=histories
+    )
+    if again:
+        from pytest_gpubench.results.confirm import confirm
+
+        second = compare(
+            baselines, summarize(again), thresholds.warm, changed_setups=changed,
+            histories=histories,
+        )  # fmt: skip
+        verdicts = confirm(verdicts, second)
     verdicts.extend(telemetry_verdicts(calls, thresholds.warm))
     if any(cell.reference is not None for cell in thresholds.cells):
         from pytest_gpubench.results.paired import ab_verdicts
@@ -170,5 +186,6 @@ def judge_ledger(
         unmeasured=bool(unmeasured),
         incomparable=bool(incomparables(verdicts)),
         regressed=bool(regressions([*verdicts, *load_verdicts])),
+        unsteady=any(v.verdict == "unsteady" for v in [*verdicts, *load_verdicts]),
     )
     return judgement

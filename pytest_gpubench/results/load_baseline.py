@@ -77,7 +77,12 @@ def write_load_baselines(
             if not replacing:
                 raise
             points = {}
-        points.update({point_key(record): baseline_point(record) for record in valid})
+        points.update(
+            {
+                point_key(record): baseline_point(record, points.get(point_key(record)))
+                for record in valid
+            }
+        )
         path = load_baseline_path(baselines_dir, cell_id)
         _write(path, {"format": FORMAT, "cell_id": cell_id, "points": dict(sorted(points.items()))})
         notes.append(f"load baseline written: {cell_id} -> {path}")

@@ -1,8 +1,9 @@
 """The gate on load points (pure): each point's output tokens/s, TTFT p99, TPOT p99 and goodput
-against its baseline, under gate.py's rule: a change counts when it passes the ratio threshold
-and is significant on the samples (one-sided Mann-Whitney U). A sweep's steps are points too,
-named by their place in the sweep; its saturation rate, one figure per run, is judged on the
-threshold alone."""
+against its baseline, decided by the one decision core (decision.py): past the ratio threshold
+and significant (between runs when the point's history has enough runs, else on the samples),
+with the smallest change the point could have shown. A sweep's steps are points too, named by
+their place in the sweep; its saturation rate, one figure per run, is judged on the threshold
+alone."""
 
 from __future__ import annotations
 
@@ -11,14 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_gpubench.config.load_profile import LoadThresholds
-from pytest_gpubench.results.gate import (
-    ALPHA,
-    Verdict,
-    VerdictKind,
-    change_direction,
-    min_achievable_p,
-    one_sided_p,
-)
+from pytest_gpubench.results.decision import Evidence, VerdictKind, change_direction, decide
+from pytest_gpubench.results.gate import Verdict, from_decision
+
+# How many runs of each point a load baseline keeps (its between-run history).
+LOAD_HISTORY_RUNS = 10
 
 
 @dataclass(frozen=True)
@@ -142,45 +140,41 @@ def judge_metric(
     baseline: Mapping[str, Any],
     threshold: float,
 ) -> Verdict:
+    """The decision core's verdict on one figure of a load point."""
     cell_id, key = str(current.get("cell_id")), point_key(current)
-    old, new = _number(baseline.get(metric.field)), _number(current.get(metric.field))
-    if old is None or old <= 0:
-        return _verdict(
-            cell_id, key, metric, "new", f"the baseline has no {metric.label}", value=new
+    decision = decide(
+        Evidence(
+            label=metric.label,
+            higher_is_better=metric.higher_is_better,
+            threshold=threshold,
+            baseline=_number(baseline.get(metric.field)),
+            current=_number(current.get(metric.field)),
+            current_samples=_samples(current, metric),
+            baseline_samples=_samples(baseline, metric),
+            history=history_figures(baseline, metric.field),
+            more_samples_hint="run the point longer (duration_s)",
         )
-    if new is None:
-        return _verdict(
-            cell_id, key, metric, "inconclusive", f"{metric.label}: not measured", baseline=old
-        )
-    ratio = new / old
-    direction = change_direction(old, new, threshold, higher_is_better=metric.higher_is_better)
-    found = {"baseline": old, "value": new, "ratio": ratio}
-    if direction is None:
-        text = f"{metric.label} {ratio - 1:+.1%} (within the {threshold:.0%} threshold)"
-        return _verdict(cell_id, key, metric, "ok", text, **found)
-    word = (
-        ("lower" if metric.higher_is_better else "higher")
-        if direction == "worse"
-        else ("higher" if metric.higher_is_better else "lower")
     )
-    change = f"{metric.label} {ratio - 1:+.1%} ({word}: {old:.4g} → {new:.4g})"
-    now, then = _samples(current, metric), _samples(baseline, metric)
-    floor = min_achievable_p(len(now), len(then))
-    if floor >= ALPHA:
-        text = (
-            f"{change}, but {len(now)} samples against the baseline's {len(then)} cannot be "
-            f"significant (smallest possible p = {floor:.3g}); run the point longer (duration_s)"
-        )
-        return _verdict(cell_id, key, metric, "inconclusive", text, **found)
-    current_larger = (direction == "worse") != metric.higher_is_better
-    p_value = one_sided_p(now, then, "greater" if current_larger else "less")
-    if not p_value < ALPHA:
-        text = f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA})"
-        return _verdict(cell_id, key, metric, "inconclusive", text, p_value=p_value, **found)
-    kind: VerdictKind = "regression" if direction == "worse" else "win"
-    return _verdict(
-        cell_id, key, metric, kind, f"{change}, p = {p_value:.3g}", p_value=p_value, **found
+    return from_decision(
+        cell_id, key, metric.name, decision, current=_number(current.get(metric.field))
     )
+
+
+def history_figures(baseline: Mapping[str, Any], field: str) -> tuple[float, ...]:
+    """A figure of the point in each run its baseline kept (oldest first); none in an older
+    load baseline."""
+    runs = baseline.get("history")
+    if not isinstance(runs, list):
+        return ()
+    values = (_number(run.get(field)) for run in runs if isinstance(run, Mapping))
+    return tuple(value for value in values if value is not None and value > 0)
+
+
+def history_entry(record: Mapping[str, Any]) -> dict[str, Any]:
+    """What a load baseline's history keeps of one run of a point: its gated figures."""
+    entry: dict[str, Any] = {"benchmark_run_id": record.get("benchmark_run_id")}
+    entry.update({metric.field: _number(record.get(metric.field)) for metric in LOAD_METRICS})
+    return entry
 
 
 def judge_loads(
@@ -199,15 +193,27 @@ def judge_loads(
     return verdicts
 
 
-def baseline_point(record: Mapping[str, Any]) -> dict[str, Any]:
-    """What a baseline keeps of a valid load record: its figures and per-request samples."""
+def baseline_point(
+    record: Mapping[str, Any], previous: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """What a baseline keeps of a valid load record: its figures, per-request samples, and the
+    history of the point's last runs (`previous`'s, this run appended; a run counts once)."""
     keep = (
         "prompt_id", "prompt_sha256", "load_point", "pattern", "concurrency", "rate", "arrival",
         "requests", "ok", "achieved_rate", "output_tokens_per_sec", "ttft_ms_p50", "ttft_ms_p99",
         "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_p99", "goodput_rate", "send_lag_ms_p99",
         "benchmark_run_id", "started_at_utc", "samples", "sweep_step", "saturation_rate",
     )  # fmt: skip
-    return {name: record.get(name) for name in keep}
+    point = {name: record.get(name) for name in keep}
+    runs = previous.get("history") if previous is not None else None
+    kept = [
+        run
+        for run in (runs if isinstance(runs, list) else [])
+        if isinstance(run, Mapping)
+        and run.get("benchmark_run_id") != record.get("benchmark_run_id")
+    ]
+    point["history"] = [*kept, history_entry(record)][-LOAD_HISTORY_RUNS:]
+    return point
 
 
 def _samples(record: Mapping[str, Any], metric: LoadMetric) -> list[float]:

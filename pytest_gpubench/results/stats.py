@@ -24,6 +24,8 @@ WARM_METRICS: dict[str, str] = {
     "engine_tokens_per_sec": "engine_tokens_per_sec",
     "engine_prompt_ms": "engine_prompt_ms",
     "engine_total_ms": "engine_total_ms",
+    # The control call measured before each call (measure/control.py): the machine's speed then.
+    "control_ms": "control_ms",
 }
 _DECODE_METRICS = ("decode_tokens_per_sec", "tpot_ms")
 # Fields read from each call record; everything else (inter-chunk gaps, engine timings) is left
@@ -37,6 +39,7 @@ SAMPLE_FIELDS = (
     "engine_prompt_ms",
     "engine_tokens_per_sec",
     "engine_total_ms",
+    "control_ms",
 )
 
 
@@ -54,6 +57,7 @@ class WarmSamples:
     engine_prompt_ms: tuple[float, ...] = ()
     engine_tokens_per_sec: tuple[float, ...] = ()
     engine_total_ms: tuple[float, ...] = ()
+    control_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,10 @@ class PromptSummary:
     warm_engine_total_ms_p90: float | None = None
     warm_engine_total_ms_p95: float | None = None
     warm_engine_total_ms_p99: float | None = None
+    warm_control_ms_p50: float | None = None
+    warm_control_ms_p90: float | None = None
+    warm_control_ms_p95: float | None = None
+    warm_control_ms_p99: float | None = None
     warm_coalesced: int = 0
     samples: WarmSamples = WarmSamples()
 
@@ -192,6 +200,10 @@ def summarize_frame(frame: pd.DataFrame, *, with_samples: bool = True) -> list[P
     Without samples (a report that draws no distribution) a million calls cost a second less."""
     # A load case's calls are summarised per load point (load/summary.py), not here.
     frame, keys = _with_group_codes(frame[frame["phase"] != "load"])
+    # A frame cached before a metric existed (the control call) lacks its column: all unknown.
+    missing = {metric: np.nan for metric in WARM_METRICS if metric not in frame.columns}
+    if missing:
+        frame = frame.assign(**missing)
     if frame.empty:
         return []
     warm = frame[frame["phase"] == "warm"]

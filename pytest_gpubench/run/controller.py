@@ -125,6 +125,12 @@ class RunController:
         self.startup_error: str | None = None
         self.meta: dict[str, Any] = {}
         self.calls: list[dict[str, Any]] = []
+        # The warm calls of suspects measured again at the end (`pass: 2`), judged on their own
+        # and then with the first pass's (results/confirm.py); and the suspects that could not be.
+        self.remeasured_calls: list[dict[str, Any]] = []
+        self.not_remeasured: dict[tuple[str, str], str] = {}
+        # Per (cell, prompt): the baseline's last ratified runs (its between-run history).
+        self.histories: dict[tuple[str, str], Any] = {}
         # A load case's call records (phase `load`: judged per load point, never with the warm
         # calls) and its `load` records.
         self.load_calls: list[dict[str, Any]] = []
@@ -224,6 +230,8 @@ class RunController:
             kind = record.get("type")
             if kind == "call" and record.get("phase") == LOAD_PHASE:
                 self.load_calls.append(record)
+            elif kind == "call" and record.get("pass", 1) != 1:
+                self.remeasured_calls.append(record)
             elif kind == "call":
                 self.calls.append(record)
             elif kind == "load":
@@ -308,7 +316,11 @@ class RunController:
     def finish(self, exitstatus: int, workeroutput: dict[str, Any] | None) -> int:
         """Give everything back, then judge and close the ledger, even if giving back failed.
         Returns the session's exit status."""
-        self.catch_signals.restore()
+        try:
+            if self.harness is not None and self.ledger is not None:
+                self._remeasure_suspects()
+        finally:
+            self.catch_signals.restore()
         try:
             if self.harness is not None:
                 self.harness.close()
@@ -395,6 +407,8 @@ class RunController:
             # does not accept it.
             regressed=any(v.reference is not None for v in regressed)
             or (bool(regressed) and not self.options.baseline_update),
+            unsteady=any(v.verdict == "unsteady" for v in verdicts)
+            and not self.options.baseline_update,
         )
         self.end = end_record(
             run_id=self.run_id,
@@ -438,7 +452,10 @@ class RunController:
                 thresholds,
                 changed_setups=judgement.changed_setups,
                 accept_incomparable=self.options.accept_incomparable,
+                histories=self.histories,
             )
+            if self.remeasured_calls or self.not_remeasured:
+                judgement.verdicts = self._confirmed(judgement.verdicts, baselines, thresholds)
             judgement.verdicts.extend(telemetry_verdicts(self.calls, thresholds))
         except GpubenchError as exc:
             judgement.gate_error = self.scrub(str(exc))
@@ -517,6 +534,8 @@ class RunController:
             if baseline is None:
                 continue
             summaries.extend(baseline.prompts)
+            for prompt_id, runs in baseline.history.items():
+                self.histories[(cell_id, prompt_id)] = runs
             cell = self.cells.get(cell_id)
             if cell is None:
                 continue  # nothing known of this run's setup: nothing to compare
@@ -525,6 +544,75 @@ class RunController:
             if changes:
                 self.judgement.changed_setups[cell_id] = ", ".join(changes)
         return summaries
+
+    def _confirmed(
+        self, verdicts: list[Verdict], baselines: list[PromptSummary], thresholds: Any
+    ) -> list[Verdict]:
+        """The suspects' verdicts decided on both passes (results/confirm.py)."""
+        from pytest_gpubench.results.confirm import confirm
+        from pytest_gpubench.results.gate import compare
+        from pytest_gpubench.results.stats import summarize
+
+        second = compare(
+            baselines,
+            summarize(self.remeasured_calls),
+            thresholds,
+            changed_setups=self.judgement.changed_setups,
+            accept_incomparable=self.options.accept_incomparable,
+            histories=self.histories,
+        )
+        return confirm(verdicts, second, self.not_remeasured)
+
+    def _remeasure_suspects(self) -> None:
+        """Before anything is given back: judge the first pass, and measure the suspected
+        regressions again (run/remeasure.py). Never with --baseline-update or --smoke (nothing is
+        failed then), nor where the judging itself fails (the end says why)."""
+        from pytest_gpubench.results.confirm import suspects
+        from pytest_gpubench.results.gate import compare
+        from pytest_gpubench.results.stats import summarize
+        from pytest_gpubench.run.remeasure import remeasure, why_not_remeasured
+
+        options = self.options
+        if options.baseline_update or options.smoke or not self.calls or self.matrix is None:
+            return
+        if not self.writes_ledger or self.harness is None:
+            return
+        thresholds = {cell.cell_id: cell.thresholds for cell in self.matrix.cells}
+        try:
+            baselines = self._baselines(replacing=False)
+            first = compare(
+                baselines,
+                summarize(self.calls),
+                thresholds,
+                changed_setups=self.judgement.changed_setups,
+                accept_incomparable=options.accept_incomparable,
+                histories=self.histories,
+            )
+        except GpubenchError:
+            return  # _judge says it at the end
+        finally:
+            self.judgement.changed_setups.clear()
+        runs: list[tuple[str, str, int]] = []
+        for cell_id, prompt_id in suspects(first):
+            why = why_not_remeasured(self.matrix, cell_id, prompt_id)
+            if why is not None:
+                self.not_remeasured[(cell_id, prompt_id)] = why
+                continue
+            done = sum(
+                1
+                for call in self.calls
+                if (call.get("cell_id"), call.get("prompt_id"), call.get("phase"))
+                == (cell_id, prompt_id, "warm")
+            )
+            runs.append((cell_id, prompt_id, done))
+        if runs:
+            self.collect(remeasure(self.harness, runs))
+            for cell_id, prompt_id, _ in runs:
+                if not any(
+                    (c.get("cell_id"), c.get("prompt_id")) == (cell_id, prompt_id)
+                    for c in self.remeasured_calls
+                ):
+                    self.not_remeasured[(cell_id, prompt_id)] = "its cell could not be made live"
 
     def _update_baselines(self) -> None:
         from pytest_gpubench.results.baseline import update_baselines
@@ -553,6 +641,7 @@ class RunController:
             notes.append(f"{reason}: replaced with this run's numbers")
         for cell_id, path in sorted(update.written.items()):
             notes.append(f"baseline written: {cell_id} -> {path}")
+            notes.extend(_history_notes(self.options.baselines_dir, cell_id))
             changes = judgement.changed_setups.get(cell_id)
             if changes is not None:
                 judgement.ratified.add(cell_id)
@@ -564,3 +653,27 @@ class RunController:
                 "; ".join(update.failed[c] for c in sorted(update.failed))
             )
             judgement.write_failed = True
+
+
+def _history_notes(baselines_dir: Path, cell_id: str) -> list[str]:
+    """What a written baseline's history lets the gate know: a note while it is too short."""
+    from pytest_gpubench.results.baseline import find_baseline
+    from pytest_gpubench.results.decision import MIN_HISTORY
+
+    try:
+        baseline = find_baseline(baselines_dir, cell_id)
+    except GpubenchError:
+        return []
+    if baseline is None:
+        return []
+    short = sorted(
+        f"{summary.prompt_id} ({len(baseline.runs(summary.prompt_id))})"
+        for summary in baseline.prompts
+        if summary.n_warm and len(baseline.runs(summary.prompt_id)) < MIN_HISTORY
+    )
+    if not short:
+        return []
+    return [
+        f"baseline of {cell_id}: runs of history {', '.join(short)}: the between-run noise floor "
+        f"is still unknown until {MIN_HISTORY} (seed it with `gpubench calibrate`)"
+    ]

@@ -26,6 +26,7 @@ from pytest_gpubench.ledger.records import (
     stage_record,
 )
 from pytest_gpubench.ledger.schema import as_json
+from pytest_gpubench.measure.control import ControlCall
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
@@ -83,6 +84,10 @@ class Harness:
         # Sequential sampling of A/B pairs: what each candidate's pairs hold so far, and why a
         # case is not run (its pair's verdict decided). --gpubench-runs, when given.
         self.sequential = SequentialPairs(matrix)
+        # Timed before each warm call (its `control_ms`): how steady the machine was.
+        self.control = ControlCall()
+        # Which pass of the session's measurements this is: 2 while suspects are re-measured.
+        self.measure_pass = 1
 
     def live_cell(self, cell_id: str) -> tuple[LiveCell, bool]:
         """The cell, made ready on first use; the flag says it was made ready just now."""
@@ -356,6 +361,7 @@ class Harness:
             cold_kind = live.make_cold()
         else:
             live.warm_up(prompt, max_tokens, shape, **own)
+        control_ms = self.control.measure_ms() if case.phase == "warm" else None
         assert live.engine is not None
         window = self._begin_sampling(live)
         started = utc_now()
@@ -374,6 +380,12 @@ class Harness:
                 case_aggregates(samples, measurement.completion_tokens) if samples else None
             ),
         )
+        # The control call's time and a re-measure's pass: open fields, after the others.
+        fields = as_json(record)
+        if control_ms is not None:
+            fields["control_ms"] = round(control_ms, 3)
+        if self.measure_pass > 1:
+            fields["pass"] = self.measure_pass
         others = self._sample_records(live, case, samples)
         self.sequential.observe(case, record)
         # An engine may echo a credential in an error message: cut it out before anyone sees it.
@@ -435,6 +447,7 @@ class Harness:
     def close(self) -> None:
         """Stop every managed engine, then give back every node (a rented one is marked done)."""
         cells, self.cells = list(self.cells.values()), {}
+        self.control.close()
         self._stop_telemetry(list(self.telemetry))
         self._close(cells, self.nodes.take())
 

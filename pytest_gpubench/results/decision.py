@@ -1,0 +1,403 @@
+"""The gate's one decision core (pure): a number of this run against its baseline, its between-run
+history and the machine's steadiness, decided as ok, blind, inconclusive, unsteady, regression or
+win, with the smallest change the run could have caught. The warm gate, the load gate and users'
+own benchmark tests all decide here."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from scipy import stats as scipy_stats
+
+VerdictKind = Literal[
+    "regression", "incomparable", "unsteady", "inconclusive", "blind", "win", "ok", "new"
+]
+# The worst first: a (cell, prompt) takes the verdict of its worst metric. `unsteady` (the machine
+# drifted: nothing could be told) sits under the findings that fail a run for what was measured,
+# `blind` (nothing past the threshold seen, but the run could not have seen one) over a plain pass.
+VERDICT_ORDER: tuple[VerdictKind, ...] = (
+    "regression",
+    "incomparable",
+    "unsteady",
+    "inconclusive",
+    "blind",
+    "win",
+    "ok",
+    "new",
+)
+
+ALPHA = 0.05
+# The power the smallest detectable change is stated at: a change that large is caught in 80 %
+# of runs (one-sided test at ALPHA).
+POWER = 0.80
+_Z_POWER = float(scipy_stats.norm.ppf(POWER))
+_Z_ALPHA = float(scipy_stats.norm.ppf(1.0 - ALPHA))
+# Mann-Whitney U's efficiency against a t-test on normal data is 3/π: it needs 1/0.955 × the
+# samples, so its detectable shift is sqrt(π/3) × the t-test's.
+_MWU_EFFICIENCY = math.sqrt(math.pi / 3.0)
+# Up to this many samples on the smaller side the exact U distribution is used (scipy's own
+# cut-off); its p-value can never fall below 1 / C(n1 + n2, n1).
+EXACT_TEST_MAX_N = 8
+# Runs of history needed before the between-run spread is trusted (two points give one degree of
+# freedom: a t quantile of 6.3, which would make every change undetectable).
+MIN_HISTORY = 3
+# How far the control may move (on a log scale) before the machine counts as unsteady when its
+# history is too short to say: 25 %. With history, three standard deviations of the control's own
+# between-run spread, but never less than STEADY_FLOOR_MIN (a quiet machine still jitters).
+DEFAULT_STEADY_FLOOR = math.log(1.25)
+STEADY_FLOOR_MIN = math.log(1.15)
+# The share of a robust standard deviation in a median absolute deviation (normal data).
+_MAD_SCALE = 1.4826
+Direction = Literal["worse", "better"]
+
+
+@dataclass(frozen=True)
+class Steadiness:
+    """What the control call showed about the machine while this (cell, prompt) ran.
+
+    `against_baseline`: the control's p50 in this run / in the baseline's runs (the machine as a
+    whole faster or slower than when the baseline was measured); `within_run`: the control's p50
+    over the later half of the calls / over the earlier half (the machine drifted during the run).
+    `floor`: how far either may move (log scale) before the machine counts as unsteady.
+    """
+
+    against_baseline: float | None
+    within_run: float | None
+    floor: float = DEFAULT_STEADY_FLOOR
+
+    @property
+    def drift(self) -> str | None:
+        """Why the machine counts as unsteady, or None when it held."""
+        reasons = []
+        limit = f"±{math.exp(self.floor) - 1.0:.0%}"
+        if self.against_baseline and abs(math.log(self.against_baseline)) > self.floor:
+            reasons.append(
+                f"the control call ran {_percent(self.against_baseline)} against the baseline's "
+                f"(beyond {limit})"
+            )
+        if self.within_run and abs(math.log(self.within_run)) > self.floor:
+            reasons.append(
+                f"the control call drifted {_percent(self.within_run)} during the run "
+                f"(beyond {limit})"
+            )
+        return "; ".join(reasons) if reasons else None
+
+
+def steadiness(
+    control: Sequence[float],
+    baseline_control: Sequence[float],
+    control_history: Sequence[float] = (),
+) -> Steadiness | None:
+    """The control's movement: this run's control samples (in call order) against the baseline's
+    (the geometric mean of its history's p50s when it has MIN_HISTORY runs, else the baseline
+    run's samples), and its later half against its earlier half. A movement counts only when it
+    is beyond the floor and also significant on the control's own samples (two-sided
+    Mann-Whitney U): one slow control call is the scheduler's noise, not a drift. None when this
+    run has no control samples."""
+    if not control:
+        return None
+    now = statistics.median(control)
+    history = [value for value in control_history if value > 0]
+    against: float | None = None
+    if len(history) >= MIN_HISTORY:
+        spread = statistics.stdev(math.log(v) for v in history)
+        floor = max(STEADY_FLOOR_MIN, 3.0 * spread)
+        against = now / math.exp(statistics.fmean(math.log(v) for v in history))
+    else:
+        floor = DEFAULT_STEADY_FLOOR
+        if baseline_control and _differ(control, baseline_control):
+            against = now / statistics.median(baseline_control)
+    half = len(control) // 2
+    within: float | None = None
+    if half >= 3 and _differ(control[half:], control[:half]):
+        within = statistics.median(control[half:]) / statistics.median(control[:half])
+    return Steadiness(against, within, floor)
+
+
+def _differ(first: Sequence[float], second: Sequence[float]) -> bool:
+    """Whether two sets of control samples differ significantly (two-sided)."""
+    if min(len(first), len(second)) < 3:
+        return False
+    method = mwu_method(len(first), len(second))
+    result = scipy_stats.mannwhitneyu(first, second, alternative="two-sided", method=method)
+    return bool(result.pvalue < ALPHA)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One gated number of one run, and what it is judged against.
+
+    `history`: the figure in each of the baseline's last ratified runs (oldest first, the
+    baseline's own run among them); with MIN_HISTORY or more, the change is judged against the
+    spread between those runs, otherwise against the samples of the baseline's run alone.
+    """
+
+    label: str
+    higher_is_better: bool
+    threshold: float
+    baseline: float | None
+    current: float | None
+    current_samples: Sequence[float] = ()
+    baseline_samples: Sequence[float] = ()
+    history: Sequence[float] = ()
+    steadiness: Steadiness | None = None
+    # What to tell a user whose samples are too few ("re-run with --gpubench-runs 20").
+    more_samples_hint: str = ""
+    # Why there is no current figure, when there is none.
+    missing: str = "not measured"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the core found: the verdict and the figures behind it, and the text of its finding
+    (without the cell and prompt: the caller names them and adds what it knows, the attribution).
+    """
+
+    kind: VerdictKind
+    text: str
+    baseline: float | None = None
+    ratio: float | None = None
+    p_value: float | None = None
+    # The smallest change (current / baseline, in the worse direction) this run would catch in
+    # POWER of runs like it: 1.18 is "could detect ≥ +18 %"; inf when no change could be caught.
+    detectable_ratio: float | None = None
+    # Why the gate is blind here (the detectable change exceeds the threshold), or None.
+    blind_reason: str | None = None
+    # The noise model used: "between runs (k runs of history)" or "within this run".
+    noise: str | None = None
+    direction: Direction | None = None
+
+
+def change_direction(
+    old: float, new: float, threshold: float, *, higher_is_better: bool
+) -> Direction | None:
+    """Whether new is at least `threshold` worse than old, or as large an improvement.
+
+    Slower by 30 % means new ≥ 1.3 × old, so a win is old ≥ 1.3 × new; lower by 30 % means
+    new ≤ 0.7 × old, so a win is old ≤ 0.7 × new. Written this way (no division), swapping
+    old and new turns a regression into a win exactly, in floating point too.
+    """
+    if higher_is_better:
+        if new <= old * (1.0 - threshold):
+            return "worse"
+        if old <= new * (1.0 - threshold):
+            return "better"
+        return None
+    if new >= old * (1.0 + threshold):
+        return "worse"
+    if old >= new * (1.0 + threshold):
+        return "better"
+    return None
+
+
+def alternative(higher_is_better: bool, direction: Direction) -> Literal["greater", "less"]:
+    """The one-sided hypothesis about the current samples relative to the baseline's."""
+    current_larger = (direction == "worse") != higher_is_better
+    return "greater" if current_larger else "less"
+
+
+def mwu_method(n_current: int, n_baseline: int) -> Literal["exact", "asymptotic"]:
+    return "exact" if min(n_current, n_baseline) <= EXACT_TEST_MAX_N else "asymptotic"
+
+
+def min_achievable_p(n_current: int, n_baseline: int) -> float:
+    """The smallest one-sided p-value the test can give for these sample sizes."""
+    if n_current == 0 or n_baseline == 0:
+        return 1.0
+    if mwu_method(n_current, n_baseline) == "exact":
+        return 1.0 / math.comb(n_current + n_baseline, n_current)
+    # The normal approximation's extreme: every current sample above every baseline sample.
+    separated = tuple(float(n_baseline + i) for i in range(n_current))
+    return one_sided_p(separated, tuple(float(i) for i in range(n_baseline)), "greater")
+
+
+def one_sided_p(
+    current: Sequence[float], baseline: Sequence[float], alternative: Literal["greater", "less"]
+) -> float:
+    """Mann-Whitney U: p of current being stochastically `alternative` than baseline."""
+    if not current or not baseline:
+        return 1.0
+    result = scipy_stats.mannwhitneyu(
+        current, baseline, alternative=alternative, method=mwu_method(len(current), len(baseline))
+    )
+    p_value = float(result.pvalue)
+    # All values tied: the asymptotic variance is zero and scipy gives NaN; nothing to see there.
+    return 1.0 if math.isnan(p_value) else p_value
+
+
+def _logs(values: Sequence[float]) -> list[float]:
+    return [math.log(value) for value in values if value > 0]
+
+
+def _robust_sd(logs: Sequence[float]) -> float:
+    """A spread that one wild sample does not blow up: the scaled median absolute deviation."""
+    if len(logs) < 2:
+        return 0.0
+    middle = statistics.median(logs)
+    return _MAD_SCALE * statistics.median(abs(value - middle) for value in logs)
+
+
+def between_run_spread(history: Sequence[float]) -> float | None:
+    """The standard deviation of log(figure) between the history's runs; None when too short."""
+    logs = _logs(history)
+    if len(logs) < MIN_HISTORY:
+        return None
+    return statistics.stdev(logs)
+
+
+def detectable_log_change(evidence: Evidence) -> tuple[float, str, str | None]:
+    """The smallest log-change this run could detect, the noise model it came from, and why it
+    is infinite (no change could be caught) or None."""
+    spread = between_run_spread(evidence.history)
+    if spread is not None:
+        k = len(_logs(evidence.history))
+        t_quantile = float(scipy_stats.t.ppf(1.0 - ALPHA, k - 1))
+        noise = f"between runs ({k} runs of history)"
+        return (t_quantile + _Z_POWER) * spread * math.sqrt(1.0 + 1.0 / k), noise, None
+    n, m = len(evidence.current_samples), len(evidence.baseline_samples)
+    noise = "within this run (between-run noise floor unknown: history too short)"
+    floor = min_achievable_p(n, m)
+    if floor >= ALPHA:
+        return math.inf, noise, f"too few runs: {n} samples against the baseline's {m}"
+    pooled = [
+        *(
+            v - statistics.median(_logs(evidence.current_samples))
+            for v in _logs(evidence.current_samples)
+        ),
+        *(
+            v - statistics.median(_logs(evidence.baseline_samples))
+            for v in _logs(evidence.baseline_samples)
+        ),
+    ]
+    sd = _robust_sd(pooled)
+    change = (_Z_ALPHA + _Z_POWER) * _MWU_EFFICIENCY * sd * math.sqrt(1.0 / n + 1.0 / m)
+    return change, noise, None
+
+
+def _between_run_p(evidence: Evidence, ratio: float, direction: Direction) -> float:
+    """One-sided p of this run's figure against the history's runs (a prediction interval: the
+    new run is one more draw from the same spread)."""
+    logs = _logs(evidence.history)
+    k = len(logs)
+    spread = statistics.stdev(logs)
+    if spread == 0.0:
+        return 0.0 if ratio != 1.0 else 1.0
+    statistic = math.log(ratio) / (spread * math.sqrt(1.0 + 1.0 / k))
+    worse_is_up = not evidence.higher_is_better
+    upward = (direction == "worse") == worse_is_up
+    return float(scipy_stats.t.sf(statistic if upward else -statistic, k - 1))
+
+
+def reference_value(evidence: Evidence) -> float | None:
+    """What the run is compared with: the geometric mean of the history's runs when the history
+    is long enough to judge by, else the baseline's figure."""
+    logs = _logs(evidence.history)
+    if len(logs) >= MIN_HISTORY:
+        return math.exp(statistics.fmean(logs))
+    return evidence.baseline
+
+
+def decide(evidence: Evidence) -> Decision:
+    """Large (past the threshold), significant (between runs when the history allows, else
+    within: one-sided Mann-Whitney U), on a steady machine; and what the run could have seen."""
+    label = evidence.label
+    old = reference_value(evidence)
+    new = evidence.current
+    if old is None or old <= 0:
+        return Decision("new", f"the baseline has no {label}")
+    if new is None:
+        return Decision("inconclusive", f"{label}: {evidence.missing}", baseline=old)
+    ratio = new / old
+    change_log, noise, undetectable = detectable_log_change(evidence)
+    drift = evidence.steadiness.drift if evidence.steadiness is not None else None
+    if drift is not None:
+        change_log, undetectable = math.inf, f"machine unsteady: {drift}"
+    blind = change_log > math.log(1.0 + evidence.threshold)
+    why_blind = undetectable or f"the spread {noise.split(' (')[0]} is too wide"
+    direction = change_direction(
+        old, new, evidence.threshold, higher_is_better=evidence.higher_is_better
+    )
+    base = Decision(
+        "ok",
+        "",
+        baseline=old,
+        ratio=ratio,
+        detectable_ratio=_as_ratio(change_log, evidence.higher_is_better),
+        blind_reason=why_blind if blind else None,
+        noise=noise,
+        direction=direction,
+    )
+    could = could_detect(label, base.detectable_ratio, evidence.higher_is_better)
+    if drift is not None:
+        seen = f"{label} {_percent(ratio)}, not judged: machine unsteady ({drift})"
+        return replace(base, kind="unsteady", text=f"{seen}; re-run on a steady machine")
+    if direction is None:
+        within = f"{label} {_percent(ratio)} (within the {evidence.threshold:.0%} threshold)"
+        # Blind for certain: too few samples ever to be significant, or a between-run spread
+        # learned over many runs. A spread estimated from this run's few samples alone is
+        # itself noisy: the pass stands, and says how little it could have seen.
+        certain = undetectable is not None or between_run_spread(evidence.history) is not None
+        if blind and not certain:
+            return replace(base, text=f"{within}; only {could} ({why_blind})")
+        if blind:
+            return replace(
+                base, kind="blind", text=f"{within}, but the gate is blind here: {could} "
+                f"({why_blind})",
+            )  # fmt: skip
+        return replace(base, text=f"{within}; {could}")
+    word = _word(direction, evidence.higher_is_better)
+    change = f"{label} {_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
+    hint = f"; {evidence.more_samples_hint}" if evidence.more_samples_hint else ""
+    if between_run_spread(evidence.history) is not None:
+        p_value = _between_run_p(evidence, ratio, direction)
+        test = f"between runs, {len(_logs(evidence.history))} runs of history"
+    else:
+        now, then = evidence.current_samples, evidence.baseline_samples
+        floor = min_achievable_p(len(now), len(then))
+        if floor >= ALPHA:
+            too_few = (
+                f"{change}, but {len(now)} samples against the baseline's {len(then)} cannot be "
+                f"significant (smallest possible p = {floor:.3g} ≥ {ALPHA}){hint}"
+            )
+            return replace(base, kind="inconclusive", text=too_few)
+        p_value = one_sided_p(now, then, alternative(evidence.higher_is_better, direction))
+        test = "within the run; between-run noise floor unknown"
+    if not p_value < ALPHA:
+        unsure = f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA}; {test}){hint}"
+        return replace(base, kind="inconclusive", text=unsure, p_value=p_value)
+    kind: VerdictKind = "regression" if direction == "worse" else "win"
+    return replace(base, kind=kind, text=f"{change}, p = {p_value:.3g} ({test})", p_value=p_value)
+
+
+def _as_ratio(change_log: float, higher_is_better: bool) -> float | None:
+    """A detectable log-change as current / baseline in the worse direction; None: none."""
+    if math.isinf(change_log):
+        return None
+    return math.exp(-change_log if higher_is_better else change_log)
+
+
+def could_detect(label: str, detectable_ratio: float | None, higher_is_better: bool) -> str:
+    """`could detect ≥ +18.0% warm TTFT p50` (`≥ -15.0%` for a figure where higher is better);
+    `could detect no change of …` when none could be caught."""
+    if detectable_ratio is None:
+        return f"could detect no change of {label}"
+    sign = "≤" if higher_is_better else "≥"
+    return f"could detect {sign} {_percent(detectable_ratio)} {label}"
+
+
+def _word(direction: Direction, higher_is_better: bool) -> str:
+    if direction == "worse":
+        return "lower" if higher_is_better else "slower"
+    return "higher" if higher_is_better else "faster"
+
+
+def _percent(ratio: float) -> str:
+    return f"{ratio - 1.0:+.1%}"
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}"

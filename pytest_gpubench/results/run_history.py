@@ -1,0 +1,50 @@
+"""A baseline's between-run history (pure): the figures of the last ratified runs of one (cell,
+prompt), oldest first, from which the gate learns how far an unchanged engine moves between runs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+# Runs kept per (cell, prompt): enough for a t quantile near the normal's, few enough that a
+# machine's slow change of speed over months leaves the history.
+HISTORY_RUNS = 10
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """One ratified run of a (cell, prompt): its gated figures by metric name, its warm sample
+    count, and the control call's p50 during it (the machine's speed then)."""
+
+    benchmark_run_id: str | None = None
+    date: str | None = None
+    n: int = 0
+    figures: Mapping[str, float | None] = field(default_factory=dict)
+    control_ms: float | None = None
+
+    def figure(self, metric: str) -> float | None:
+        return self.figures.get(metric)
+
+
+History = tuple[RunFigures, ...]
+
+
+def appended(history: Sequence[RunFigures], run: RunFigures, keep: int = HISTORY_RUNS) -> History:
+    """The history with this run last, the oldest dropped past `keep`. A run already in it (the
+    same run id: a shard's update written twice, a merge) replaces its entry: a run counts once."""
+    kept = [
+        entry
+        for entry in history
+        if run.benchmark_run_id is None or entry.benchmark_run_id != run.benchmark_run_id
+    ]
+    return (*kept, run)[-keep:]
+
+
+def figures(history: Iterable[RunFigures], metric: str) -> tuple[float, ...]:
+    """One metric's figure in each run of the history that has it, oldest first."""
+    values = (entry.figure(metric) for entry in history)
+    return tuple(value for value in values if value is not None and value > 0)
+
+
+def control_figures(history: Iterable[RunFigures]) -> tuple[float, ...]:
+    return tuple(e.control_ms for e in history if e.control_ms is not None and e.control_ms > 0)

@@ -1,0 +1,356 @@
+"""The gate on a noisy machine (issue 22): the decision core's between-run noise and detectable
+change, baselines' history across --baseline-update runs, `gpubench calibrate`, the control call
+turning a verdict `unsteady`, and the re-measure that confirms a regression or does not.
+
+Ollama cannot run here: the pytest runs use the stand-in that follows Ollama's docs/api.md
+(tests/support/standins.py), whose speed the tests set; the control call is a stand-in too
+(tests/conftest.py pins it at 5 ms; a test of steadiness sets the values it returns)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+from xml.etree import ElementTree
+
+import pytest
+from support.standins import OllamaStandin, serving
+
+from pytest_gpubench.cli.main import main as gpubench
+from pytest_gpubench.core.status import EXIT_UNSTEADY
+from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.measure.control import ControlCall
+from pytest_gpubench.results.baseline import (
+    CellBaseline,
+    Provenance,
+    dumps_baseline,
+    loads_baseline,
+    plan_cell,
+)
+from pytest_gpubench.results.decision import Evidence, Steadiness, decide, steadiness
+from pytest_gpubench.results.run_history import HISTORY_RUNS, RunFigures, appended
+from pytest_gpubench.results.stats import PromptSummary, WarmSamples
+
+CELL = "local:ollama:qwen3.5:0.8b"
+PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 6}\n'
+TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
+
+
+def evidence(current: float, history: list[float], **more: Any) -> Evidence:
+    return Evidence(
+        label="warm TTFT p50",
+        higher_is_better=False,
+        threshold=0.10,
+        baseline=history[-1] if history else 100.0,
+        current=current,
+        current_samples=more.pop("now", [current] * 10),
+        baseline_samples=more.pop("then", [100.0] * 10),
+        history=history,
+        **more,
+    )
+
+
+# -- the decision core ------------------------------------------------------------------------
+
+
+def test_a_change_inside_what_unchanged_runs_have_shown_passes() -> None:
+    """Within one run the samples are tight (+15 % would be 'significant'), but the runs of the
+    history moved ±10 % between them: +15 % is noise, and the verdict says what it could see."""
+    history = [100.0, 112.0, 95.0, 104.0, 90.0, 108.0]
+    decision = decide(evidence(108.0, history))
+    assert decision.kind == "blind"  # the between-run spread is wider than the 10 % threshold
+    assert decision.noise == "between runs (6 runs of history)"
+    assert decision.detectable_ratio is not None and decision.detectable_ratio > 1.10
+    assert decision.blind_reason == "the spread between runs is too wide"
+    assert "could detect ≥ +" in decision.text
+
+
+def test_a_change_beyond_the_between_run_spread_regresses() -> None:
+    history = [100.0, 101.0, 99.0, 100.5, 99.5]
+    decision = decide(evidence(140.0, history))
+    assert decision.kind == "regression"
+    assert decision.p_value is not None and decision.p_value < 0.05
+    assert "between runs, 5 runs of history" in decision.text
+    assert decision.detectable_ratio is not None and decision.detectable_ratio < 1.05
+    unchanged = decide(evidence(100.8, history))
+    assert unchanged.kind == "ok" and "could detect ≥ +" in unchanged.text
+
+
+def test_without_history_the_run_alone_decides_and_says_the_floor_is_unknown() -> None:
+    decision = decide(evidence(150.0, [], now=[150.0, 151, 149, 152, 148] * 2))
+    assert decision.kind == "regression"
+    assert "between-run noise floor unknown" in decision.text
+    too_few = decide(evidence(101.0, [], now=[101.0, 100.0], then=[100.0, 99.0]))
+    assert too_few.kind == "blind" and too_few.detectable_ratio is None
+    assert too_few.blind_reason == "too few runs: 2 samples against the baseline's 2"
+    assert "could detect no change of warm TTFT p50" in too_few.text
+
+
+def test_a_drifted_control_makes_any_verdict_unsteady_never_a_regression_or_a_pass() -> None:
+    drifted = Steadiness(against_baseline=1.8, within_run=None)
+    slower = decide(evidence(150.0, [], now=[150.0] * 10, steadiness=drifted))
+    same = decide(evidence(100.0, [], steadiness=drifted))
+    assert slower.kind == same.kind == "unsteady"
+    assert "the control call ran +80.0% against the baseline's" in slower.text
+    assert slower.detectable_ratio is None and slower.blind_reason is not None
+    steady = decide(evidence(150.0, [], now=[150.0] * 10, steadiness=Steadiness(1.02, 0.98)))
+    assert steady.kind == "regression"
+
+
+def test_steadiness_counts_only_a_significant_move_beyond_the_floor() -> None:
+    jitter = [5.0, 5.3, 4.8, 5.1, 9.0, 5.2, 4.9, 5.0, 5.1, 5.2]  # one slow control call
+    assert steadiness(jitter, [5.0] * 10).drift is None  # type: ignore[union-attr]
+    doubled = [5.0] * 5 + [10.0, 10.2, 9.8, 10.1, 10.0]
+    found = steadiness(doubled, [5.0, 5.1, 4.9, 5.0, 5.0, 5.1])
+    assert found is not None and found.within_run == pytest.approx(10.0 / 5.0)
+    assert "drifted +100.0% during the run" in (found.drift or "")
+    slower_machine = steadiness([8.0, 8.1, 7.9, 8.0, 8.2, 8.0], [5.0, 5.1, 4.9, 5.0, 5.0, 5.1])
+    assert slower_machine is not None and "against the baseline's" in (slower_machine.drift or "")
+    assert steadiness([], [5.0]) is None
+
+
+# -- history in the baseline file ---------------------------------------------------------------
+
+
+def summary(ttft: float) -> PromptSummary:
+    return PromptSummary(
+        cell_id=CELL, prompt_id="P-EASY", n_warm=5, n_warm_ok=5,
+        warm_first_delta_ms_p50=ttft,
+        samples=WarmSamples(first_delta_ms=(ttft,) * 5, control_ms=(5.0,) * 5),
+    )  # fmt: skip
+
+
+def ratified(run_id: str, ttft: float, engine: str = "b1") -> CellBaseline:
+    provenance = Provenance(benchmark_run_id=run_id, engine_version=engine, date="2026-11-25")
+    return CellBaseline(CELL, provenance, (summary(ttft),))
+
+
+def test_history_grows_per_update_counts_a_run_once_and_keeps_the_last_runs() -> None:
+    baseline: CellBaseline | None = None
+    for index in range(HISTORY_RUNS + 2):
+        baseline = plan_cell(ratified(f"run-{index}", 100.0 + index), baseline).baseline
+        assert baseline is not None
+    assert baseline is not None
+    runs = baseline.runs("P-EASY")
+    assert [run.benchmark_run_id for run in runs] == [f"run-{i}" for i in range(2, 12)]
+    assert runs[-1].figure("warm_ttft_p50_ms") == 111.0 and runs[-1].control_ms == 5.0
+    # The same run written again (a shard's update twice, a merged ledger): one entry, replaced.
+    again = plan_cell(ratified("run-11", 111.0), baseline).baseline
+    assert again is not None and len(again.runs("P-EASY")) == HISTORY_RUNS
+    # Round trip through the file, byte-stable.
+    text = dumps_baseline(again)
+    assert loads_baseline(text, "mem.json") == again
+    assert json.loads(text)["prompts"]["P-EASY"]["history"][-1]["benchmark_run_id"] == "run-11"
+
+
+def test_a_new_setup_starts_a_new_history() -> None:
+    old = plan_cell(ratified("a", 100.0), plan_cell(ratified("b", 101.0), None).baseline).baseline
+    assert old is not None and len(old.runs("P-EASY")) == 2
+    new = plan_cell(ratified("c", 50.0, engine="b2"), old).baseline
+    assert new is not None
+    assert [run.benchmark_run_id for run in new.runs("P-EASY")] == ["c"]
+
+
+def test_appended_runs_without_an_id_are_all_kept() -> None:
+    runs = appended(appended((), RunFigures(n=5)), RunFigures(n=6))
+    assert [run.n for run in runs] == [5, 6]
+
+
+def test_a_bad_history_entry_names_the_file_and_key() -> None:
+    text = dumps_baseline(ratified("a", 100.0))
+    data = json.loads(text)
+    data["prompts"]["P-EASY"]["history"] = [{"n": -1}]
+    with pytest.raises(Exception, match=r"prompts\.P-EASY\.history\[0\]\.n: .*greater than"):
+        loads_baseline(json.dumps(data), "cell.json")
+
+
+# -- in a pytest run ------------------------------------------------------------------------------
+
+
+def bench(pytester: pytest.Pytester, url: str, runs: int = 10, more: str = "") -> None:
+    pytester.makefile(
+        ".yaml",
+        prompts=PROMPTS,
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: ollama, model: 'qwen3.5:0.8b', endpoint: '{url}', "
+        f"runs: {runs}, phases: [warm]{more}}}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+
+
+def newest_ledger(pytester: pytest.Pytester) -> Path:
+    return max((pytester.path / "runs").glob("*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
+
+
+def last_ledger(pytester: pytest.Pytester) -> list[dict[str, Any]]:
+    return read_ledger(newest_ledger(pytester))
+
+
+def stored(pytester: pytest.Pytester) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(
+        (pytester.path / "baselines" / "local_ollama_qwen3.5_0.8b.json").read_text()
+    )
+    return data
+
+
+def test_each_baseline_update_adds_a_run_to_the_history(pytester: pytest.Pytester) -> None:
+    with serving(OllamaStandin(token_s=0.003)) as url:
+        bench(pytester, url)
+        first = pytester.runpytest("--force-load", "--baseline-update")
+        second = pytester.runpytest("--force-load", "--baseline-update")
+    first.stdout.fnmatch_lines(
+        [f"baseline of {CELL}: runs of history P-EASY (1): the between-run noise floor is "
+         "still unknown until 3 (seed it with `gpubench calibrate`)"]
+    )  # fmt: skip
+    second.stdout.fnmatch_lines([f"baseline of {CELL}: runs of history P-EASY (2):*"])
+    history = stored(pytester)["prompts"]["P-EASY"]["history"]
+    assert len(history) == 2 and history[0]["benchmark_run_id"] != history[1]["benchmark_run_id"]
+    assert all(run["control_ms"] == 5.0 and run["n"] == 10 for run in history)
+    assert all(run["figures"]["warm_ttft_p50_ms"] > 0 for run in history)
+
+
+def test_calibrate_seeds_the_history_and_states_the_noise_floor(
+    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with serving(OllamaStandin(token_s=0.003)) as url:
+        bench(pytester, url, runs=6)
+        status = gpubench(
+            ["calibrate", "-R", "3", "--", "--force-load", "-p", "no:cacheprovider", "-q"]
+        )
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "gpubench calibrate: run 3 of 3" in out
+    assert len(stored(pytester)["prompts"]["P-EASY"]["history"]) == 3
+    assert f"{CELL} P-EASY warm TTFT p50: 3 runs, between-run spread ±" in out
+    assert "could detect ≥ +" in out
+
+
+def control_values(monkeypatch: pytest.MonkeyPatch, values: list[float]) -> None:
+    """The control call returns these, in turn (the last one after that)."""
+    feed = iter(values)
+    monkeypatch.setattr(ControlCall, "measure_ms", lambda self: next(feed, values[-1]))
+
+
+def test_a_control_that_drifts_turns_a_slowdown_unsteady(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three times slower, but the control call doubled halfway through the run: neither a
+    regression nor a pass. Exit 10, a skipped gpubench.gate case, the word everywhere."""
+    server = OllamaStandin(token_s=0.003)
+    with serving(server) as url:
+        bench(pytester, url)
+        pytester.runpytest("--force-load", "--baseline-update")
+        server.token_s = 0.009
+        control_values(monkeypatch, [5.0] * 5 + [10.0] * 5)
+        result = pytester.runpytest("--force-load", "--junitxml=junit.xml")
+    assert result.ret == EXIT_UNSTEADY
+    result.stdout.fnmatch_lines(
+        [
+            f"{CELL}*P-EASY*none*unsteady",
+            f"UNSTEADY: {CELL} P-EASY: warm TTFT p50 +*, not judged: machine unsteady (*the "
+            "control call drifted +100.0% during the run (beyond ±25%)); re-run*",
+            f"gpubench: the machine was unsteady while {CELL} P-EASY ran: not judged*",
+            "gpubench: exit status 10: the machine was unsteady: some figures could not be judged",
+        ]
+    )
+    assert "REGRESSION:" not in result.stdout.str()
+    end = last_ledger(pytester)[-1]
+    kinds = {v["metric"]: v["verdict"] for v in end["verdicts"]}
+    assert kinds["warm_ttft_p50_ms"] == "unsteady" and end["exit_status"] == EXIT_UNSTEADY
+    assert end["regressions"] == 0
+    cases = ElementTree.parse(pytester.path / "junit.xml").getroot().findall(".//testcase")
+    gate = {c.get("name"): c for c in cases if c.get("classname") == "gpubench.gate"}
+    skipped = gate[f"{CELL} P-EASY warm_ttft_p50_ms"].find("skipped")
+    assert skipped is not None and skipped.get("message", "").startswith("UNSTEADY: ")
+    assert all(case.find("failure") is None for case in gate.values())
+
+
+def test_a_regression_seen_again_on_re_measure_is_confirmed(pytester: pytest.Pytester) -> None:
+    server = OllamaStandin(token_s=0.02)
+    with serving(server) as url:
+        bench(pytester, url)
+        pytester.runpytest("--force-load", "--baseline-update")
+        server.token_s = 0.08
+        result = pytester.runpytest("--force-load")
+    assert result.ret == 6
+    result.stdout.fnmatch_lines(
+        [f"REGRESSION: {CELL} P-EASY: warm total p50 +*; confirmed on re-measure (pass 2: +*"]
+    )
+    records = last_ledger(pytester)
+    passes = [r.get("pass", 1) for r in records if r.get("type") == "call"]
+    assert passes.count(1) == 10 and passes.count(2) == 10  # the ledger keeps both passes
+    total = next(v for v in records[-1]["verdicts"] if v["metric"] == "warm_total_p50_ms")
+    assert total["verdict"] == "regression" and total["remeasure"] == "confirmed"
+
+
+def test_a_regression_gone_on_re_measure_is_not_confirmed_and_does_not_fail(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slow during the run, back to its speed when the suspect is measured again (a passing
+    disturbance): the session does not fail, and says why."""
+    # Through sys.modules: pytester's in-process runs may have left the package attribute
+    # pointing at an earlier copy of the module.
+    module = importlib.import_module("pytest_gpubench.run.remeasure")
+    server = OllamaStandin(token_s=0.02)
+    original = module.remeasure
+
+    def back_to_speed(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        server.token_s = 0.02
+        records: list[dict[str, Any]] = original(*args, **kwargs)
+        return records
+
+    monkeypatch.setattr(module, "remeasure", back_to_speed)
+    with serving(server) as url:
+        bench(pytester, url)
+        pytester.runpytest("--force-load", "--baseline-update")
+        server.token_s = 0.08
+        result = pytester.runpytest("--force-load", "--junitxml=junit.xml")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(
+        [f"INCONCLUSIVE: {CELL} P-EASY: warm total p50 +*; not confirmed on re-measure (pass 2: *"]
+    )
+    end = last_ledger(pytester)[-1]
+    total = next(v for v in end["verdicts"] if v["metric"] == "warm_total_p50_ms")
+    assert total["verdict"] == "inconclusive" and total["remeasure"] == "not confirmed"
+    assert end["regressions"] == 0
+    report = pytester.path / "report.md"
+    assert gpubench(["report", str(newest_ledger(pytester)), "-o", str(report)]) == 0
+    assert "not confirmed on re-measure" in report.read_text()
+
+
+def test_too_few_runs_is_blind_in_every_output(pytester: pytest.Pytester) -> None:
+    """One warm run against the baseline's ten can never be significant: the pass says the gate
+    is blind there, and why. (Thresholds wide enough that this shared machine's noise stays
+    inside them: the verdict is about what one sample can show, not about the speed.)"""
+    wide = ", thresholds: {ttft_p50: 50.0, total_p50: 50.0, tokens_per_sec: 0.99}"
+    with serving(OllamaStandin(token_s=0.003)) as url:
+        bench(pytester, url, more=wide)
+        pytester.runpytest("--force-load", "--baseline-update")
+        result = pytester.runpytest("--force-load", "--gpubench-runs", "1", "--junitxml=junit.xml")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(
+        [f"{CELL}*P-EASY*none*blind", f"BLIND: {CELL} P-EASY: warm TTFT p50 *, but the gate is "
+         "blind here: could detect no change of warm TTFT p50 (too few runs: 1 samples against "
+         "the baseline's 10)"]
+    )  # fmt: skip
+    end = last_ledger(pytester)[-1]
+    ttft = next(v for v in end["verdicts"] if v["metric"] == "warm_ttft_p50_ms")
+    assert ttft["verdict"] == "blind" and ttft["detectable_ratio"] is None
+    assert ttft["blind_reason"].startswith("too few runs")
+    cases = ElementTree.parse(pytester.path / "junit.xml").getroot().findall(".//testcase")
+    blind = [c for c in cases if c.get("classname") == "gpubench.gate"]
+    assert blind and all(c.find("skipped") is not None for c in blind)
+    html = pytester.path / "report.html"
+    ledger = str(newest_ledger(pytester))
+    assert gpubench(["report", ledger, "--html", "-o", str(html)]) == 0
+    assert '<span class="blind">blind</span>' in html.read_text()
+
+
+def test_detectable_ratio_is_stated_for_a_figure_where_higher_is_better() -> None:
+    history = [100.0, 101.0, 99.0, 100.5, 99.5]
+    decision = decide(Evidence("decode tokens/s", True, 0.1, 100.0, 100.0, history=history))
+    assert decision.detectable_ratio is not None and decision.detectable_ratio < 1.0
+    assert "could detect ≤ -" in decision.text
+    assert math.isclose(decision.ratio or 0.0, 100.0 / math.exp(sum(map(math.log, history)) / 5))
