@@ -126,16 +126,10 @@ def open_target(
         from pytest_gpubench.targets.ssh import SshTarget
 
         with clock.stage("ssh_connect", node.connect_timeout_s) as limit:
-            ssh = SshTarget(
+            ssh = SshTarget.of_node(
                 node_id,
-                node.host,
-                node.port,
-                node.user,
-                key_file=node.key_file,
-                known_hosts=node.known_hosts,
-                trust_new_host=node.trust_new_host,
+                node,
                 connect_timeout_s=limit or node.connect_timeout_s,
-                command_timeout_s=node.command_timeout_s,
                 forward=node.forward,
             )
         ssh.lease_node = node  # its managed servers go into the lease journal

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from pytest_gpubench.run.load.driver import LoadRun, spin_ns, wait_until
@@ -48,19 +48,29 @@ class OpenLoop:
         return self.rate
 
     async def drive(self, run: LoadRun) -> None:
-        in_flight: set[asyncio.Task[None]] = set()
-        due_ns = run.started_ns + int(self.offset_s * 1e9)
+        await send_on_schedule(run, self._due_ns(run.started_ns), spin_ns(self.rate))
+
+    def _due_ns(self, started_ns: int) -> Iterator[int]:
         # The first request goes out at the start; each later one a gap after the one before.
         gaps = arrival_gaps(self.rate, self.arrival, self.burstiness, self.seed)
-        spin = spin_ns(self.rate)
+        due_ns = started_ns + int(self.offset_s * 1e9)
         while True:
-            await wait_until(due_ns, spin)
-            window = run.bounds.window(due_ns)
-            if window is None:
-                break
-            task = asyncio.create_task(run.send(due_ns, window))
-            in_flight.add(task)
-            task.add_done_callback(in_flight.discard)
+            yield due_ns
             due_ns += int(next(gaps) * 1e9)
-        if in_flight:
-            await asyncio.gather(*in_flight)
+
+
+async def send_on_schedule(run: LoadRun, due_ns: Iterable[int], spin: int) -> None:
+    """Each request sent at its due time, whether or not the ones before have answered (the
+    open loop's arrivals, a trace's timestamps), until the point's bounds end; then the ones
+    still in flight are awaited."""
+    in_flight: set[asyncio.Task[None]] = set()
+    for due in due_ns:
+        await wait_until(due, spin)
+        window = run.bounds.window(due)
+        if window is None:
+            break
+        task = asyncio.create_task(run.send(due, window))
+        in_flight.add(task)
+        task.add_done_callback(in_flight.discard)
+    if in_flight:
+        await asyncio.gather(*in_flight)

@@ -4,11 +4,10 @@ late says so (send lag), as in the open loop."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
-from pytest_gpubench.run.load.driver import LoadRun, spin_ns, wait_until
-from pytest_gpubench.run.load.open_loop import PREOPEN_MAX
+from pytest_gpubench.run.load.driver import LoadRun, spin_ns
+from pytest_gpubench.run.load.open_loop import PREOPEN_MAX, send_on_schedule
 
 
 @dataclass(frozen=True)
@@ -39,18 +38,6 @@ class TraceReplay:
         return (len(self.arrivals_s) - 1) / self.span_s
 
     async def drive(self, run: LoadRun) -> None:
-        in_flight: set[asyncio.Task[None]] = set()
-        rate = self.offered_rate or 1.0
-        spin = spin_ns(rate)
         first = self.arrivals_s[0] if self.arrivals_s else 0.0
-        for at in self.arrivals_s:
-            due_ns = run.started_ns + int((at - first) / self.speedup * 1e9)
-            await wait_until(due_ns, spin)
-            window = run.bounds.window(due_ns)
-            if window is None:
-                break
-            task = asyncio.create_task(run.send(due_ns, window))
-            in_flight.add(task)
-            task.add_done_callback(in_flight.discard)
-        if in_flight:
-            await asyncio.gather(*in_flight)
+        due_ns = (run.started_ns + int((at - first) / self.speedup * 1e9) for at in self.arrivals_s)
+        await send_on_schedule(run, due_ns, spin_ns(self.offered_rate or 1.0))

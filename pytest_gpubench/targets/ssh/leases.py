@@ -84,17 +84,8 @@ def release_server(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any
     }
     try:
         node = SshNode.model_validate(facts.get("ssh_node"))
-        target = SshTarget(
-            node_id,
-            node.host,
-            node.port,
-            node.user,
-            key_file=node.key_file,
-            known_hosts=node.known_hosts,
-            trust_new_host=node.trust_new_host,
-            connect_timeout_s=node.connect_timeout_s,
-            command_timeout_s=node.command_timeout_s,
-            forward=False,
+        target = SshTarget.of_node(
+            node_id, node, connect_timeout_s=node.connect_timeout_s, forward=False
         )
     except (ValidationError, GpubenchError, OSError) as exc:
         log.error("ssh node %s: cannot stop leaked server: %s", node_id, exc)

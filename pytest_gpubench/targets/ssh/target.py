@@ -174,6 +174,24 @@ class SshTarget:
         self.reconnects = 0
         self._client = self._connect()
 
+    @classmethod
+    def of_node(
+        cls, node_id: str, node: SshNode, *, connect_timeout_s: float, forward: bool
+    ) -> SshTarget:
+        """The target of an ssh node of cells.yaml, connected."""
+        return cls(
+            node_id,
+            node.host,
+            node.port,
+            node.user,
+            key_file=node.key_file,
+            known_hosts=node.known_hosts,
+            trust_new_host=node.trust_new_host,
+            connect_timeout_s=connect_timeout_s,
+            command_timeout_s=node.command_timeout_s,
+            forward=forward,
+        )
+
     @property
     def where(self) -> str:
         return f"{self.user}@{self.host}:{self.port}"
