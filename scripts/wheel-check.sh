@@ -16,8 +16,13 @@ trap 'rm -rf "$work"' EXIT
   tail -30 "$work/build.log"; exit 1; }
 "$python" -m twine check --strict "$work"/dist/*
 wheel=$(ls "$work"/dist/*.whl)
-unzip -l "$wheel" | grep -q 'pytest_gpubench/cli/templates/cells.yaml' || {
+# The listing read whole first: `unzip -l | grep -q` under pipefail fails when grep quits early
+# and unzip gets SIGPIPE (it did once the wheel grew).
+listing=$(unzip -l "$wheel")
+grep -q 'pytest_gpubench/cli/templates/cells.yaml' <<<"$listing" || {
   echo "wheel-check: $wheel has no templates (package-data)"; exit 1; }
+grep -q 'pytest_gpubench/config/samples/' <<<"$listing" || {
+  echo "wheel-check: $wheel has no sample dataset (package-data)"; exit 1; }
 
 python3 -m venv "$work/venv"
 "$work/venv/bin/python" -m pip install --quiet "$wheel"
