@@ -21,7 +21,7 @@ from support.standins import OllamaStandin, serving
 from pytest_gpubench.cli.main import main as gpubench
 from pytest_gpubench.core.status import EXIT_UNSTEADY
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.measure.control import ControlCall
+from pytest_gpubench.measure.control import ControlCall, CpuPressure
 from pytest_gpubench.results.baseline import (
     CellBaseline,
     Provenance,
@@ -109,6 +109,47 @@ def test_steadiness_counts_only_a_significant_move_beyond_the_floor() -> None:
     slower_machine = steadiness([8.0, 8.1, 7.9, 8.0, 8.2, 8.0], [5.0, 5.1, 4.9, 5.0, 5.0, 5.1])
     assert slower_machine is not None and "against the baseline's" in (slower_machine.drift or "")
     assert steadiness([], [5.0]) is None
+
+
+def test_cpu_pressure_beyond_its_limit_against_the_baseline_or_within_the_run_is_unsteady() -> None:
+    """The pressure is a share of the calls' time, compared in points: a quiet machine's few
+    points of jitter hold; a busy process beside the engine, or one that started mid-run, not."""
+    quiet = [0.0, 0.02, 0.01, 0.0, 0.05, 0.0, 0.01, 0.03, 0.0, 0.02]
+    held = steadiness([], [], pressure=quiet, baseline_pressure=[0.01, 0.03, 0.0])
+    assert held is not None and held.drift is None and held.pressure == pytest.approx(0.01)
+    busy = steadiness([], [], pressure=[0.6] * 10, baseline_pressure=[0.02, 0.0, 0.01])
+    assert busy is not None
+    assert busy.drift == (
+        "tasks waited for a CPU 60% of the calls' time against 1% in the baseline's runs "
+        "(beyond ±10 points)"
+    )
+    started = steadiness([], [], pressure=[0.0] * 5 + [0.7, 0.8, 0.7, 0.75, 0.7])
+    assert started is not None and started.baseline_pressure is None
+    assert started.drift == "the CPU pressure went from 0% to 70% of the calls' time during the run"
+    slower = decide(evidence(150.0, [], now=[150.0] * 10, steadiness=busy))
+    assert slower.kind == "unsteady" and "tasks waited for a CPU 60%" in slower.text
+
+
+def test_cpu_pressure_is_read_from_the_kernels_stall_total(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc/pressure/cpu's `some ... total=` is microseconds of stall: 30 ms of it over a window
+    is that window's share; a machine without the file measures none."""
+    monkeypatch.undo()  # the real gauge, not the steady one tests/conftest.py pins
+    psi = tmp_path / "cpu"
+    psi.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=1000000\n")
+    gauge = CpuPressure(psi)
+    mark = gauge.start()
+    assert mark is not None and mark[0] == 1_000_000
+    psi.write_text("some avg10=1.00 avg60=0.00 avg300=0.00 total=1030000\n")
+    shifted = (mark[0], mark[1] - 0.1)  # the window opened 0.1 s ago
+    assert gauge.share(shifted) == pytest.approx(0.3, abs=0.01)
+    assert CpuPressure(tmp_path / "absent").start() is None
+    assert gauge.share(None) is None
+    if Path("/proc/pressure/cpu").exists():
+        real = CpuPressure()
+        share = real.share(real.start())
+        assert share is not None and 0.0 <= share <= 1.0
 
 
 # -- history in the baseline file ---------------------------------------------------------------
@@ -265,6 +306,36 @@ def test_a_control_that_drifts_turns_a_slowdown_unsteady(
     skipped = gate[f"{CELL} P-EASY warm_ttft_p50_ms"].find("skipped")
     assert skipped is not None and skipped.get("message", "").startswith("UNSTEADY: ")
     assert all(case.find("failure") is None for case in gate.values())
+
+
+def test_cpu_pressure_rising_mid_run_turns_a_slowdown_unsteady_unless_steadiness_is_off(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three times slower while, from the sixth call on, tasks waited for a CPU 80 % of the time:
+    unsteady, with the pressure in each call record. With --gpubench-steadiness off neither the
+    control nor the pressure is read, and the same slowdown is a regression."""
+    server = OllamaStandin(token_s=0.003)
+    with serving(server) as url:
+        bench(pytester, url)
+        pytester.runpytest("--force-load", "--baseline-update")
+        server.token_s = 0.009
+        feed = iter([0.0] * 5 + [0.8] * 5)
+        monkeypatch.setattr(CpuPressure, "share", lambda self, mark: next(feed, 0.8))
+        unsteady = pytester.runpytest("--force-load")
+        calls = [r for r in last_ledger(pytester) if r["type"] == "call" and r["phase"] == "warm"]
+        off = pytester.runpytest("--force-load", "--gpubench-steadiness", "off")
+        unread = [r for r in last_ledger(pytester) if r["type"] == "call"]
+    assert unsteady.ret == EXIT_UNSTEADY
+    unsteady.stdout.fnmatch_lines(
+        [
+            f"UNSTEADY: {CELL} P-EASY: warm TTFT p50 +*the CPU pressure went from 0% to 80% of the "
+            "calls' time during the run*"
+        ]  # fmt: skip
+    )
+    assert [r["cpu_pressure"] for r in calls[:10]] == [0.0] * 5 + [0.8] * 5
+    assert off.ret == 6
+    assert "UNSTEADY" not in off.stdout.str()
+    assert all("cpu_pressure" not in r and "control_ms" not in r for r in unread)
 
 
 def test_a_regression_seen_again_on_re_measure_is_confirmed(pytester: pytest.Pytester) -> None:

@@ -41,6 +41,7 @@ SUMMARY_NUMBERS = (
     "engine_prompt_ms",
     "engine_total_ms",
     "control_ms",
+    "cpu_pressure",
 )
 # The per-case resource figures (telemetry/aggregate.py) the report's telemetry table needs.
 TELEMETRY_TEXT = ("gpu_energy_source",)

@@ -55,19 +55,32 @@ _MAD_SCALE = 1.4826
 Direction = Literal["worse", "better"]
 
 
+# How far the CPU pressure (the share of a call's time in which some task waited for a CPU) may
+# move, against the baseline's runs or between the halves of this run, before the machine counts as
+# unsteady: 10 points (a quiet machine stays within a few).
+PRESSURE_LIMIT = 0.10
+
+
 @dataclass(frozen=True)
 class Steadiness:
-    """What the control call showed about the machine while this (cell, prompt) ran.
+    """What the control call and the CPU pressure showed about the machine while this (cell,
+    prompt) ran.
 
     `against_baseline`: the control's p50 in this run / in the baseline's runs (the machine as a
     whole faster or slower than when the baseline was measured); `within_run`: the control's p50
     over the later half of the calls / over the earlier half (the machine drifted during the run).
     `floor`: how far either may move (log scale) before the machine counts as unsteady.
+    `pressure`, `baseline_pressure`: the CPU pressure's p50 in this run and in the baseline's runs;
+    `pressure_halves`: its p50 over the earlier and the later half of this run, when they differ
+    significantly.
     """
 
     against_baseline: float | None
     within_run: float | None
     floor: float = DEFAULT_STEADY_FLOOR
+    pressure: float | None = None
+    baseline_pressure: float | None = None
+    pressure_halves: tuple[float, float] | None = None
 
     @property
     def drift(self) -> str | None:
@@ -84,6 +97,19 @@ class Steadiness:
                 f"the control call drifted {_percent(self.within_run)} during the run "
                 f"(beyond {limit})"
             )
+        now, then = self.pressure, self.baseline_pressure
+        if now is not None and then is not None and abs(now - then) > PRESSURE_LIMIT:
+            reasons.append(
+                f"tasks waited for a CPU {now:.0%} of the calls' time against {then:.0%} in the "
+                f"baseline's runs (beyond ±{PRESSURE_LIMIT * 100:.0f} points)"
+            )
+        if self.pressure_halves is not None:
+            early, late = self.pressure_halves
+            if abs(late - early) > PRESSURE_LIMIT:
+                reasons.append(
+                    f"the CPU pressure went from {early:.0%} to {late:.0%} of the calls' time "
+                    "during the run"
+                )
         return "; ".join(reasons) if reasons else None
 
 
@@ -91,31 +117,46 @@ def steadiness(
     control: Sequence[float],
     baseline_control: Sequence[float],
     control_history: Sequence[float] = (),
+    *,
+    pressure: Sequence[float] = (),
+    baseline_pressure: Sequence[float] = (),
 ) -> Steadiness | None:
     """The control's movement: this run's control samples (in call order) against the baseline's
     (the geometric mean of its history's p50s when it has MIN_HISTORY runs, else the baseline
     run's samples), and its later half against its earlier half. A movement counts only when it
     is beyond the floor and also significant on the control's own samples (two-sided
-    Mann-Whitney U): one slow control call is the scheduler's noise, not a drift. None when this
-    run has no control samples."""
-    if not control:
+    Mann-Whitney U): one slow control call is the scheduler's noise, not a drift. The CPU
+    pressure's p50 against the baseline's (`baseline_pressure`: its runs' p50s, or its run's
+    samples), and its halves when they differ significantly. None when this run has neither."""
+    if not control and not pressure:
         return None
-    now = statistics.median(control)
-    history = [value for value in control_history if value > 0]
     against: float | None = None
-    if len(history) >= MIN_HISTORY:
-        spread = statistics.stdev(math.log(v) for v in history)
-        floor = max(STEADY_FLOOR_MIN, 3.0 * spread)
-        against = now / math.exp(statistics.fmean(math.log(v) for v in history))
-    else:
-        floor = DEFAULT_STEADY_FLOOR
-        if baseline_control and _differ(control, baseline_control):
-            against = now / statistics.median(baseline_control)
-    half = len(control) // 2
     within: float | None = None
-    if half >= 3 and _differ(control[half:], control[:half]):
-        within = statistics.median(control[half:]) / statistics.median(control[:half])
-    return Steadiness(against, within, floor)
+    floor = DEFAULT_STEADY_FLOOR
+    if control:
+        now = statistics.median(control)
+        history = [value for value in control_history if value > 0]
+        if len(history) >= MIN_HISTORY:
+            spread = statistics.stdev(math.log(v) for v in history)
+            floor = max(STEADY_FLOOR_MIN, 3.0 * spread)
+            against = now / math.exp(statistics.fmean(math.log(v) for v in history))
+        elif baseline_control and _differ(control, baseline_control):
+            against = now / statistics.median(baseline_control)
+        half = len(control) // 2
+        if half >= 3 and _differ(control[half:], control[:half]):
+            within = statistics.median(control[half:]) / statistics.median(control[:half])
+    halves: tuple[float, float] | None = None
+    half = len(pressure) // 2
+    if half >= 3 and _differ(pressure[half:], pressure[:half]):
+        halves = (statistics.median(pressure[:half]), statistics.median(pressure[half:]))
+    return Steadiness(
+        against,
+        within,
+        floor,
+        pressure=statistics.median(pressure) if pressure else None,
+        baseline_pressure=statistics.median(baseline_pressure) if baseline_pressure else None,
+        pressure_halves=halves,
+    )
 
 
 def _differ(first: Sequence[float], second: Sequence[float]) -> bool:

@@ -26,6 +26,8 @@ WARM_METRICS: dict[str, str] = {
     "engine_total_ms": "engine_total_ms",
     # The control call measured before each call (measure/control.py): the machine's speed then.
     "control_ms": "control_ms",
+    # The share of each call's wall time in which some task waited for a CPU (measure/control.py).
+    "cpu_pressure": "cpu_pressure",
 }
 _DECODE_METRICS = ("decode_tokens_per_sec", "tpot_ms")
 # Fields read from each call record; everything else (inter-chunk gaps, engine timings) is left
@@ -40,6 +42,7 @@ SAMPLE_FIELDS = (
     "engine_tokens_per_sec",
     "engine_total_ms",
     "control_ms",
+    "cpu_pressure",
 )
 
 
@@ -58,6 +61,7 @@ class WarmSamples:
     engine_tokens_per_sec: tuple[float, ...] = ()
     engine_total_ms: tuple[float, ...] = ()
     control_ms: tuple[float, ...] = ()
+    cpu_pressure: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,10 @@ class PromptSummary:
     warm_control_ms_p90: float | None = None
     warm_control_ms_p95: float | None = None
     warm_control_ms_p99: float | None = None
+    warm_cpu_pressure_p50: float | None = None
+    warm_cpu_pressure_p90: float | None = None
+    warm_cpu_pressure_p95: float | None = None
+    warm_cpu_pressure_p99: float | None = None
     warm_coalesced: int = 0
     samples: WarmSamples = WarmSamples()
 

@@ -115,6 +115,7 @@ class RunController:
                 scrub=self.scrub,
                 run_id=run_id,
                 hooks=hooks,
+                steadiness=options.steadiness,
             )
             self.harness.frozen = FrozenRequests(options.baselines_dir)
             self.harness.sequential.runs_override = options.runs

@@ -26,7 +26,7 @@ from pytest_gpubench.ledger.records import (
     stage_record,
 )
 from pytest_gpubench.ledger.schema import as_json
-from pytest_gpubench.measure.control import ControlCall
+from pytest_gpubench.measure.control import ControlCall, CpuPressure
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
@@ -60,6 +60,7 @@ class Harness:
         scrub: SecretScrubber,
         run_id: str | None = None,
         hooks: Any = None,
+        steadiness: bool = True,
     ) -> None:
         self.matrix = matrix
         # Prompts known only on a live cell (token-exact synthetic ones) are frozen here.
@@ -84,8 +85,11 @@ class Harness:
         # Sequential sampling of A/B pairs: what each candidate's pairs hold so far, and why a
         # case is not run (its pair's verdict decided). --gpubench-runs, when given.
         self.sequential = SequentialPairs(matrix)
-        # Timed before each warm call (its `control_ms`): how steady the machine was.
+        # Timed before each warm call (its `control_ms`), and the CPU pressure during it (its
+        # `cpu_pressure`): how steady the machine was. Neither with --gpubench-steadiness off.
+        self.steadiness = steadiness
         self.control = ControlCall()
+        self.pressure = CpuPressure()
         # Which pass of the session's measurements this is: 2 while suspects are re-measured.
         self.measure_pass = 1
 
@@ -361,11 +365,14 @@ class Harness:
             cold_kind = live.make_cold()
         else:
             live.warm_up(prompt, max_tokens, shape, **own)
-        control_ms = self.control.measure_ms() if case.phase == "warm" else None
+        steadiness = self.steadiness and case.phase == "warm"
+        control_ms = self.control.measure_ms() if steadiness else None
         assert live.engine is not None
         window = self._begin_sampling(live)
         started = utc_now()
+        pressure_mark = self.pressure.start() if steadiness else None
         measurement = live.chat(prompt, max_tokens, shape, **own)
+        cpu_pressure = self.pressure.share(pressure_mark) if steadiness else None
         live.last_call_end = time.monotonic()
         samples = self._end_sampling(live, window)
         record = call_record(
@@ -384,6 +391,8 @@ class Harness:
         fields = as_json(record)
         if control_ms is not None:
             fields["control_ms"] = round(control_ms, 3)
+        if cpu_pressure is not None:
+            fields["cpu_pressure"] = round(cpu_pressure, 4)
         if self.measure_pass > 1:
             fields["pass"] = self.measure_pass
         others = self._sample_records(live, case, samples)
