@@ -330,7 +330,7 @@ def test_cpu_pressure_rising_mid_run_turns_a_slowdown_unsteady_unless_steadiness
         [
             f"UNSTEADY: {CELL} P-EASY: warm TTFT p50 +*the CPU pressure went from 0% to 80% of the "
             "calls' time during the run*"
-        ]  # fmt: skip
+        ]
     )
     assert [r["cpu_pressure"] for r in calls[:10]] == [0.0] * 5 + [0.8] * 5
     assert off.ret == 6

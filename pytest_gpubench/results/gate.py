@@ -30,8 +30,8 @@ from pytest_gpubench.results.run_history import (
     History,
     RunFigures,
     control_figures,
-    pressure_figures,
     figures,
+    pressure_figures,
 )
 from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
 
