@@ -130,6 +130,28 @@ def test_cpu_pressure_beyond_its_limit_against_the_baseline_or_within_the_run_is
     assert slower.kind == "unsteady" and "tasks waited for a CPU 60%" in slower.text
 
 
+def test_on_a_steadily_busy_machine_what_the_gate_cannot_tell_is_unsteady_not_a_pass() -> None:
+    """Tasks waited for a CPU 40 % of the time, in this run and in the baseline's alike (no drift):
+    a change the gate could see is judged as anywhere; one it could not (the spread between runs
+    wider than the threshold, or a change beyond it but not significant) is unsteady, where a quiet
+    machine would say blind or inconclusive and pass."""
+    busy = Steadiness(None, None, pressure=0.4, baseline_pressure=0.38)
+    assert busy.drift is None and busy.contended is not None
+    wide = [100.0, 112.0, 95.0, 104.0, 90.0, 108.0]
+    quiet_blind = decide(evidence(108.0, wide))
+    busy_blind = decide(evidence(108.0, wide, steadiness=busy))
+    assert quiet_blind.kind == "blind" and busy_blind.kind == "unsteady"
+    assert busy_blind.text.startswith(
+        "warm TTFT p50 +6.7%, not judged: the machine was busy: tasks waited for a CPU 40% of the "
+        "calls' time, and the gate could not see the 10% threshold there (could detect ≥ +"
+    )
+    assert decide(evidence(125.0, wide)).kind == "inconclusive"
+    assert decide(evidence(125.0, wide, steadiness=busy)).kind == "unsteady"
+    tight = [100.0, 101.0, 99.0, 100.5, 99.5]
+    assert decide(evidence(100.8, tight, steadiness=busy)).kind == "ok"
+    assert decide(evidence(140.0, tight, steadiness=busy)).kind == "regression"
+
+
 def test_cpu_pressure_is_read_from_the_kernels_stall_total(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

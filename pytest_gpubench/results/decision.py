@@ -112,6 +112,19 @@ class Steadiness:
                 )
         return "; ".join(reasons) if reasons else None
 
+    @property
+    def contended(self) -> str | None:
+        """How busy the machine was when it was busy beyond PRESSURE_LIMIT in this run or the
+        baseline's (steadily: a drift is `drift`), or None. On such a machine the engine's speed
+        is partly its neighbours' to decide: a verdict that cannot tell (blind, inconclusive) is
+        `unsteady` there, never a silent pass."""
+        busiest = max(
+            (p for p in (self.pressure, self.baseline_pressure) if p is not None), default=None
+        )
+        if busiest is None or busiest <= PRESSURE_LIMIT:
+            return None
+        return f"the machine was busy: tasks waited for a CPU {busiest:.0%} of the calls' time"
+
 
 def steadiness(
     control: Sequence[float],
@@ -376,6 +389,11 @@ def decide(evidence: Evidence) -> Decision:
     if drift is not None:
         seen = f"{label} {_percent(ratio)}, not judged: machine unsteady ({drift})"
         return replace(base, kind="unsteady", text=f"{seen}; re-run on a steady machine")
+    busy = evidence.steadiness.contended if evidence.steadiness is not None else None
+    if busy is not None and blind and direction is None:
+        seen = f"{label} {_percent(ratio)}, not judged: {busy}, and the gate could not see the "
+        threshold = f"{evidence.threshold:.0%} threshold there ({could}: {why_blind})"
+        return replace(base, kind="unsteady", text=f"{seen}{threshold}; re-run on a quiet machine")
     if direction is None:
         within = f"{label} {_percent(ratio)} (within the {evidence.threshold:.0%} threshold)"
         # Blind for certain: too few samples ever to be significant, or a between-run spread
@@ -409,6 +427,9 @@ def decide(evidence: Evidence) -> Decision:
         test = "within the run; between-run noise floor unknown"
     if not p_value < ALPHA:
         unsure = f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA}; {test}){hint}"
+        if busy is not None:
+            why = f"{unsure}; not judged: {busy}; re-run on a quiet machine"
+            return replace(base, kind="unsteady", text=why, p_value=p_value)
         return replace(base, kind="inconclusive", text=unsure, p_value=p_value)
     kind: VerdictKind = "regression" if direction == "worse" else "win"
     return replace(base, kind=kind, text=f"{change}, p = {p_value:.3g} ({test})", p_value=p_value)
