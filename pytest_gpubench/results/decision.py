@@ -81,6 +81,9 @@ class Steadiness:
     pressure: float | None = None
     baseline_pressure: float | None = None
     pressure_halves: tuple[float, float] | None = None
+    # False where the pressure includes the run's own load (a load point's concurrent requests
+    # keep tasks waiting by design): then only its change against the baseline counts.
+    contention_counts: bool = True
 
     @property
     def drift(self) -> str | None:
@@ -121,7 +124,7 @@ class Steadiness:
         busiest = max(
             (p for p in (self.pressure, self.baseline_pressure) if p is not None), default=None
         )
-        if busiest is None or busiest <= PRESSURE_LIMIT:
+        if not self.contention_counts or busiest is None or busiest <= PRESSURE_LIMIT:
             return None
         return f"the machine was busy: tasks waited for a CPU {busiest:.0%} of the calls' time"
 

@@ -250,7 +250,8 @@ class Harness:
 
         live = self.cells[case.cell_id]
         window = self._begin_sampling(live)
-        outcome = run_load_case(live, self.matrix, case, self.run_id)
+        pressure = self.pressure if self.steadiness else None
+        outcome = run_load_case(live, self.matrix, case, self.run_id, pressure)
         samples = self._end_sampling(live, window)
         others = [*outcome.others, *self._sample_records(live, case, samples)]
         return self.scrub.record(outcome.record), [self.scrub.record(r) for r in others]
