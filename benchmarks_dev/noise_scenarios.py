@@ -99,7 +99,17 @@ def write_project(root: Path, endpoint: str, runs: int) -> None:
 
 def pytest_run(root: Path, gate: str, state: str, *extra: str) -> Run:
     env = {**os.environ, "PYTHONPATH": GATES[gate]}
-    argv = [sys.executable, "-m", "pytest", "-q", "--force-load", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "--force-load",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:hypothesispytest",
+    ]
     before = set((root / "runs").glob("*.jsonl"))
     finished = subprocess.run(
         [*argv, *extra], cwd=root, env=env, capture_output=True, text=True, timeout=900,

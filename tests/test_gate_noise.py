@@ -447,3 +447,17 @@ def test_detectable_ratio_is_stated_for_a_figure_where_higher_is_better() -> Non
     assert decision.detectable_ratio is not None and decision.detectable_ratio < 1.0
     assert "could detect ≤ -" in decision.text
     assert math.isclose(decision.ratio or 0.0, 100.0 / math.exp(sum(map(math.log, history)) / 5))
+
+
+def test_a_bad_steadiness_setting_is_one_line(pytester: pytest.Pytester) -> None:
+    bench(pytester, "http://127.0.0.1:9")
+    pytester.makeini("[pytest]\ngpubench_steadiness = maybe\n")
+    result = pytester.runpytest("--force-load")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*ini gpubench_steadiness: must be one of check, off (got 'maybe')*"]
+    )
+    assert "Traceback" not in result.stderr.str() + result.stdout.str()
+    flag = pytester.runpytest("--force-load", "--gpubench-steadiness", "never")
+    assert flag.ret == pytest.ExitCode.USAGE_ERROR
+    flag.stderr.fnmatch_lines(["*--gpubench-steadiness: invalid choice: 'never'*"])
