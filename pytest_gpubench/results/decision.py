@@ -257,6 +257,28 @@ def alternative(higher_is_better: bool, direction: Direction) -> Literal["greate
     return "greater" if current_larger else "less"
 
 
+def verdict_of(
+    direction: Direction | None, p_value: float | None, smallest_p: float, alpha: float
+) -> VerdictKind:
+    """The rule every gate applies once it has a change's direction and its test's p (warm
+    calls against a baseline, load points, A/B pairs): within the threshold is `ok`; past it,
+    `inconclusive` when the test cannot be significant with these samples (`smallest_p` ≥
+    alpha) or is not; else a `regression` or a `win`. (Whether a pass could have seen a change
+    at all, `blind`, and the machine's steadiness come before it in decide().)"""
+    if direction is None:
+        return "ok"
+    if smallest_p >= alpha or p_value is None or not p_value < alpha:
+        return "inconclusive"
+    return "regression" if direction == "worse" else "win"
+
+
+def change_word(direction: Direction, higher_is_better: bool) -> str:
+    """slower / faster, or lower / higher for a figure where higher is better."""
+    if direction == "worse":
+        return "lower" if higher_is_better else "slower"
+    return "higher" if higher_is_better else "faster"
+
+
 def mwu_method(n_current: int, n_baseline: int) -> Literal["exact", "asymptotic"]:
     return "exact" if min(n_current, n_baseline) <= EXACT_TEST_MAX_N else "asymptotic"
 
@@ -411,7 +433,7 @@ def decide(evidence: Evidence) -> Decision:
                 f"({why_blind})",
             )  # fmt: skip
         return replace(base, text=f"{within}; {could}")
-    word = _word(direction, evidence.higher_is_better)
+    word = change_word(direction, evidence.higher_is_better)
     change = f"{label} {_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
     hint = f"; {evidence.more_samples_hint}" if evidence.more_samples_hint else ""
     if between_run_spread(evidence.history) is not None:
@@ -428,13 +450,13 @@ def decide(evidence: Evidence) -> Decision:
             return replace(base, kind="inconclusive", text=too_few)
         p_value = one_sided_p(now, then, alternative(evidence.higher_is_better, direction))
         test = "within the run; between-run noise floor unknown"
-    if not p_value < ALPHA:
+    kind = verdict_of(direction, p_value, 0.0, ALPHA)
+    if kind == "inconclusive":
         unsure = f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA}; {test}){hint}"
         if busy is not None:
             why = f"{unsure}; not judged: {busy}; re-run on a quiet machine"
             return replace(base, kind="unsteady", text=why, p_value=p_value)
         return replace(base, kind="inconclusive", text=unsure, p_value=p_value)
-    kind: VerdictKind = "regression" if direction == "worse" else "win"
     return replace(base, kind=kind, text=f"{change}, p = {p_value:.3g} ({test})", p_value=p_value)
 
 
@@ -452,12 +474,6 @@ def could_detect(label: str, detectable_ratio: float | None, higher_is_better: b
         return f"could detect no change of {label}"
     sign = "≤" if higher_is_better else "≥"
     return f"could detect {sign} {_percent(detectable_ratio)} {label}"
-
-
-def _word(direction: Direction, higher_is_better: bool) -> str:
-    if direction == "worse":
-        return "lower" if higher_is_better else "slower"
-    return "higher" if higher_is_better else "faster"
 
 
 def _percent(ratio: float) -> str:
