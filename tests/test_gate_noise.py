@@ -112,7 +112,7 @@ def test_steadiness_counts_only_a_significant_move_beyond_the_floor() -> None:
 
 
 def test_cpu_pressure_beyond_its_limit_against_the_baseline_or_within_the_run_is_unsteady() -> None:
-    """The pressure is a share of the calls' time, compared in points: a quiet machine's few
+    """The pressure is a share of the control calls' time, compared in points: a quiet machine's few
     points of jitter hold; a busy process beside the engine, or one that started mid-run, not."""
     quiet = [0.0, 0.02, 0.01, 0.0, 0.05, 0.0, 0.01, 0.03, 0.0, 0.02]
     held = steadiness([], [], pressure=quiet, baseline_pressure=[0.01, 0.03, 0.0])
@@ -120,12 +120,16 @@ def test_cpu_pressure_beyond_its_limit_against_the_baseline_or_within_the_run_is
     busy = steadiness([], [], pressure=[0.6] * 10, baseline_pressure=[0.02, 0.0, 0.01])
     assert busy is not None
     assert busy.drift == (
-        "tasks waited for a CPU 60% of the calls' time against 1% in the baseline's runs "
+        "tasks waited for a CPU 60% of the control calls' time against 1% in the "
+        "baseline's runs "
         "(beyond ±10 points)"
     )
     started = steadiness([], [], pressure=[0.0] * 5 + [0.7, 0.8, 0.7, 0.75, 0.7])
     assert started is not None and started.baseline_pressure is None
-    assert started.drift == "the CPU pressure went from 0% to 70% of the calls' time during the run"
+    assert (
+        started.drift
+        == "the CPU pressure went from 0% to 70% of the control calls' time during the run"
+    )
     slower = decide(evidence(150.0, [], now=[150.0] * 10, steadiness=busy))
     assert slower.kind == "unsteady" and "tasks waited for a CPU 60%" in slower.text
 
@@ -143,7 +147,7 @@ def test_on_a_steadily_busy_machine_what_the_gate_cannot_tell_is_unsteady_not_a_
     assert quiet_blind.kind == "blind" and busy_blind.kind == "unsteady"
     assert busy_blind.text.startswith(
         "warm TTFT p50 +6.7%, not judged: the machine was busy: tasks waited for a CPU 40% of the "
-        "calls' time, and the gate could not see the 10% threshold there (could detect ≥ +"
+        "control calls' time, and the gate could not see the 10% threshold there (could detect ≥ +"
     )
     assert decide(evidence(115.0, wide)).kind == "inconclusive"
     assert decide(evidence(115.0, wide, steadiness=busy)).kind == "unsteady"
@@ -351,7 +355,7 @@ def test_cpu_pressure_rising_mid_run_turns_a_slowdown_unsteady_unless_steadiness
     unsteady.stdout.fnmatch_lines(
         [
             f"UNSTEADY: {CELL} P-EASY: warm TTFT p50 +*the CPU pressure went from 0% to 80% of the "
-            "calls' time during the run*"
+            "control calls' time during the run*"
         ]
     )
     assert [r["cpu_pressure"] for r in calls[:10]] == [0.0] * 5 + [0.8] * 5

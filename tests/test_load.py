@@ -297,7 +297,7 @@ def test_a_point_whose_cpu_pressure_moved_from_the_baselines_is_unsteady_not_a_r
     verdicts = {v.metric: v for v in judge_point(busy, baseline, LoadThresholds())}
     found = verdicts["load_output_tokens_per_sec"]
     assert found.verdict == "unsteady"
-    assert "tasks waited for a CPU 95% of the calls' time against 56%" in found.message
+    assert "tasks waited for a CPU 95% of the point's time against 56%" in found.message
     as_busy = load([500.0 + i for i in range(10)], [10.0] * 20, cpu_pressure=0.6)
     same_level = {v.metric: v for v in judge_point(as_busy, baseline, LoadThresholds())}
     assert same_level["load_output_tokens_per_sec"].verdict == "regression"

@@ -1,8 +1,8 @@
 """The machine's steadiness beside each measured call: the control call, a fixed piece of work
 timed before the call (its time says how much of the machine the engine's neighbours left), and
-the CPU pressure during the call itself (the share of its wall time in which some task on the
-machine waited for a CPU, from Linux's pressure-stall information). An unchanged engine's calls
-slow down when the control does and the pressure rises; a slower engine's do not."""
+the CPU pressure while it ran (the share of its wall time in which some task on the machine waited
+for a CPU, from Linux's pressure-stall information; over a load point, the point's). An unchanged
+engine's calls slow down when the control does and the pressure rises; a slower engine's do not."""
 
 from __future__ import annotations
 

@@ -70,7 +70,9 @@ class Steadiness:
     whole faster or slower than when the baseline was measured); `within_run`: the control's p50
     over the later half of the calls / over the earlier half (the machine drifted during the run).
     `floor`: how far either may move (log scale) before the machine counts as unsteady.
-    `pressure`, `baseline_pressure`: the CPU pressure's p50 in this run and in the baseline's runs;
+    `pressure`, `baseline_pressure`: the CPU pressure's p50 in this run and in the baseline's runs
+    (read while each control call ran: the engine idle, every core busy, so a task that waited
+    was a neighbour's);
     `pressure_halves`: its p50 over the earlier and the later half of this run, when they differ
     significantly.
     """
@@ -84,6 +86,8 @@ class Steadiness:
     # False where the pressure includes the run's own load (a load point's concurrent requests
     # keep tasks waiting by design): then only its change against the baseline counts.
     contention_counts: bool = True
+    # The time the pressure was read over, for the messages.
+    pressure_window: str = "the control calls' time"
 
     @property
     def drift(self) -> str | None:
@@ -103,15 +107,15 @@ class Steadiness:
         now, then = self.pressure, self.baseline_pressure
         if now is not None and then is not None and abs(now - then) > PRESSURE_LIMIT:
             reasons.append(
-                f"tasks waited for a CPU {now:.0%} of the calls' time against {then:.0%} in the "
-                f"baseline's runs (beyond ±{PRESSURE_LIMIT * 100:.0f} points)"
+                f"tasks waited for a CPU {now:.0%} of {self.pressure_window} against {then:.0%} "
+                f"in the baseline's runs (beyond ±{PRESSURE_LIMIT * 100:.0f} points)"
             )
         if self.pressure_halves is not None:
             early, late = self.pressure_halves
             if abs(late - early) > PRESSURE_LIMIT:
                 reasons.append(
-                    f"the CPU pressure went from {early:.0%} to {late:.0%} of the calls' time "
-                    "during the run"
+                    f"the CPU pressure went from {early:.0%} to {late:.0%} of "
+                    f"{self.pressure_window} during the run"
                 )
         return "; ".join(reasons) if reasons else None
 
@@ -126,7 +130,9 @@ class Steadiness:
         )
         if not self.contention_counts or busiest is None or busiest <= PRESSURE_LIMIT:
             return None
-        return f"the machine was busy: tasks waited for a CPU {busiest:.0%} of the calls' time"
+        return (
+            f"the machine was busy: tasks waited for a CPU {busiest:.0%} of {self.pressure_window}"
+        )
 
 
 def steadiness(

@@ -179,7 +179,14 @@ def point_steadiness(current: Mapping[str, Any], baseline: Mapping[str, Any]) ->
     entries = [run for run in runs if isinstance(run, Mapping)] if isinstance(runs, list) else []
     kept = [v for v in (_number(run.get("cpu_pressure")) for run in entries) if v is not None]
     then = statistics.median(kept) if kept else _number(baseline.get("cpu_pressure"))
-    return Steadiness(None, None, pressure=now, baseline_pressure=then, contention_counts=False)
+    return Steadiness(
+        None,
+        None,
+        pressure=now,
+        baseline_pressure=then,
+        contention_counts=False,
+        pressure_window="the point's time",
+    )
 
 
 def history_figures(baseline: Mapping[str, Any], field: str) -> tuple[float, ...]:

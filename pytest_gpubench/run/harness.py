@@ -85,7 +85,7 @@ class Harness:
         # Sequential sampling of A/B pairs: what each candidate's pairs hold so far, and why a
         # case is not run (its pair's verdict decided). --gpubench-runs, when given.
         self.sequential = SequentialPairs(matrix)
-        # Timed before each warm call (its `control_ms`), and the CPU pressure during it (its
+        # Timed before each warm call (its `control_ms`), with the CPU pressure while it ran (its
         # `cpu_pressure`): how steady the machine was. Neither with --gpubench-steadiness off.
         self.steadiness = steadiness
         self.control = ControlCall()
@@ -366,14 +366,13 @@ class Harness:
             cold_kind = live.make_cold()
         else:
             live.warm_up(prompt, max_tokens, shape, **own)
-        steadiness = self.steadiness and case.phase == "warm"
-        control_ms = self.control.measure_ms() if steadiness else None
+        control_ms, cpu_pressure = (
+            self._read_machine() if self.steadiness and case.phase == "warm" else (None, None)
+        )
         assert live.engine is not None
         window = self._begin_sampling(live)
         started = utc_now()
-        pressure_mark = self.pressure.start() if steadiness else None
         measurement = live.chat(prompt, max_tokens, shape, **own)
-        cpu_pressure = self.pressure.share(pressure_mark) if steadiness else None
         live.last_call_end = time.monotonic()
         samples = self._end_sampling(live, window)
         record = call_record(
@@ -401,6 +400,15 @@ class Harness:
         # An engine may echo a credential in an error message: cut it out before anyone sees it.
         scrubbed_others = [self.scrub.record(other) for other in others]
         return self.scrub.record(as_json(record)), scrubbed_others, measurement.text
+
+    def _read_machine(self) -> tuple[float, float | None]:
+        """The control call's time, and the CPU pressure while it ran: the control keeps every
+        core busy and the engine is idle between calls, so a task that waited then was a
+        neighbour's (during the call itself the engine's own threads and the client's would
+        count too, and a changed engine would read as a changed machine)."""
+        mark = self.pressure.start()
+        control_ms = self.control.measure_ms()
+        return control_ms, self.pressure.share(mark)
 
     def _begin_sampling(self, live: LiveCell) -> tuple[NodeTelemetry, float] | None:
         """Point the node's samplers at the cell's engine; None when the cell is not sampled."""
