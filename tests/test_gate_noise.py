@@ -465,3 +465,58 @@ def test_a_bad_steadiness_setting_is_one_line(pytester: pytest.Pytester) -> None
     flag = pytester.runpytest("--force-load", "--gpubench-steadiness", "never")
     assert flag.ret == pytest.ExitCode.USAGE_ERROR
     flag.stderr.fnmatch_lines(["*--gpubench-steadiness: invalid choice: 'never'*"])
+
+
+# -- sequential sampling against a baseline ----------------------------------------------------
+
+
+def test_sequential_sampling_stops_an_unchanged_engine_early_and_a_slower_one_as_a_regression(
+    pytester: pytest.Pytester,
+) -> None:
+    """`min_runs: 5` of `runs: 20`: the stand-in's speed is set, so an unchanged engine's calls
+    match the baseline's and are decided unchanged at the first look (5 calls, the other 15
+    skipped with the reason), and three times slower is decided a regression as early and exits
+    6. The baseline itself measures all 20 runs."""
+    server = OllamaStandin(token_s=0.003)
+    with serving(server) as url:
+        # Thresholds of 50 %: the stand-in's own jitter is then certain to lie inside them.
+        bench(
+            pytester,
+            url,
+            runs=20,
+            more=", min_runs: 5, thresholds: {ttft_p50: 0.5, total_p50: 0.5}",
+        )
+        ratified = pytester.runpytest("--force-load", "--baseline-update")
+        full = [r for r in last_ledger(pytester) if r["type"] == "call"]
+        same = pytester.runpytest("--force-load", "-rs")
+        same_calls = [r for r in last_ledger(pytester) if r["type"] == "call"]
+        server.token_s = 0.009
+        slower = pytester.runpytest("--force-load", "-rs")
+        slower_calls = [r for r in last_ledger(pytester) if r["type"] == "call" and "pass" not in r]
+    ratified.assert_outcomes(passed=20)
+    assert len(full) == 20
+    assert same.ret == 0
+    same.assert_outcomes(passed=5, skipped=15)
+    assert len(same_calls) == 5
+    same.stdout.fnmatch_lines(
+        [
+            f"*sequential sampling: {CELL} P-EASY decided (unchanged) after 5 of 20 runs against "
+            "its baseline*"
+        ]  # fmt: skip
+    )
+    assert slower.ret == 6
+    assert len(slower_calls) == 5
+    slower.stdout.fnmatch_lines(
+        [
+            f"REGRESSION: {CELL} P-EASY: warm TTFT p50 +*",
+            f"*sequential sampling: {CELL} P-EASY decided (regression) after 5 of 20 runs*",
+        ]  # fmt: skip
+    )
+
+
+def test_sequential_looks_spend_alpha_evenly_and_never_stop_at_the_last() -> None:
+    from pytest_gpubench.results.sequential_runs import looks
+
+    assert looks(5, 20) == (5, 10, 15, 20)
+    assert looks(6, 8) == (6, 7, 8)
+    assert looks(10, 10) == (10,)

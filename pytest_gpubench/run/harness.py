@@ -30,7 +30,7 @@ from pytest_gpubench.measure.control import ControlCall, CpuPressure
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
-from pytest_gpubench.run.sequential import SequentialPairs
+from pytest_gpubench.run.sequential import SequentialPairs, SequentialRuns
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.stages import Outcome, StageClock
 from pytest_gpubench.telemetry import CaseSamples, NodeTelemetry, node_telemetry
@@ -85,6 +85,8 @@ class Harness:
         # Sequential sampling of A/B pairs: what each candidate's pairs hold so far, and why a
         # case is not run (its pair's verdict decided). --gpubench-runs, when given.
         self.sequential = SequentialPairs(matrix)
+        # Sequential sampling of cells judged against their baselines (min_runs, no reference).
+        self.sequential_runs = SequentialRuns(matrix)
         # Timed before each warm call (its `control_ms`), with the CPU pressure while it ran (its
         # `cpu_pressure`): how steady the machine was. Neither with --gpubench-steadiness off.
         self.steadiness = steadiness
@@ -169,7 +171,7 @@ class Harness:
     def stopped_early(self, case: Case) -> tuple[str | None, list[dict[str, Any]]]:
         """Why the case is not run, its pair's verdict decided (sequential sampling), with its
         `skipped` record; (None, []) when it runs."""
-        reason = self.sequential.stopped(case)
+        reason = self.sequential.stopped(case) or self.sequential_runs.stopped(case)
         if reason is None:
             return None, []
         cell = self.matrix.cell(case.cell_id)
@@ -397,6 +399,8 @@ class Harness:
             fields["pass"] = self.measure_pass
         others = self._sample_records(live, case, samples)
         self.sequential.observe(case, record)
+        if self.measure_pass == 1:
+            self.sequential_runs.observe(case, as_json(record))
         # An engine may echo a credential in an error message: cut it out before anyone sees it.
         scrubbed_others = [self.scrub.record(other) for other in others]
         return self.scrub.record(as_json(record)), scrubbed_others, measurement.text
