@@ -502,7 +502,7 @@ def test_sequential_sampling_stops_an_unchanged_engine_early_and_a_slower_one_as
         [
             f"*sequential sampling: {CELL} P-EASY decided (unchanged) after 5 of 20 runs against "
             "its baseline*"
-        ]  # fmt: skip
+        ]
     )
     assert slower.ret == 6
     assert len(slower_calls) == 5
@@ -510,7 +510,7 @@ def test_sequential_sampling_stops_an_unchanged_engine_early_and_a_slower_one_as
         [
             f"REGRESSION: {CELL} P-EASY: warm TTFT p50 +*",
             f"*sequential sampling: {CELL} P-EASY decided (regression) after 5 of 20 runs*",
-        ]  # fmt: skip
+        ]
     )
 
 
