@@ -125,9 +125,9 @@ class Steadiness:
     @property
     def contended(self) -> str | None:
         """How busy the machine was when it was busy beyond PRESSURE_LIMIT in this run or in any
-        of the baseline's runs (steadily: a drift is `drift`), or None. On such a machine the engine's speed
-        is partly its neighbours' to decide: a verdict that cannot tell (blind, inconclusive) is
-        `unsteady` there, never a silent pass."""
+        of the baseline's runs (steadily: a drift is `drift`), or None. On such a machine the
+        engine's speed is partly its neighbours' to decide: a verdict that cannot tell (blind,
+        inconclusive) is `unsteady` there, never a silent pass."""
         readings = (self.pressure, self.baseline_pressure, self.baseline_pressure_max)
         busiest = max((p for p in readings if p is not None), default=None)
         if not self.contention_counts or busiest is None or busiest <= PRESSURE_LIMIT:
