@@ -73,6 +73,8 @@ class Run:
     # verdict was unsteady.
     pressure: float | None = None
     why: str = ""
+    # Warm calls of the first pass (a sequential run stops early).
+    calls: int = 0
 
     def line(self) -> str:
         change = "-" if self.change is None else f"{self.change - 1:+.1%}"
@@ -82,12 +84,14 @@ class Run:
         return f"exit {self.exit_status} TTFT {change} {self.ttft}{again} [{self.state}{busy}]{why}"
 
 
-def write_project(root: Path, endpoint: str, runs: int) -> None:
-    root.mkdir(parents=True)
+def write_project(root: Path, endpoint: str, runs: int, min_runs: int | None = None) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    sequential = f", min_runs: {min_runs}" if min_runs is not None else ""
     (root / "cells.yaml").write_text(
         "nodes: {local: {kind: local}}\ncells:\n"
         f"  - {{node: local, engine: llamacpp, model: tiny, endpoint: '{endpoint}', "
-        f"runs: {runs}, phases: [warm], request: {{extra_body: {{cache_prompt: false}}}}}}\n"
+        f"runs: {runs}{sequential}, phases: [warm], "
+        "request: {extra_body: {cache_prompt: false}}}\n"
     )
     (root / "prompts.yaml").write_text(
         f'prompts:\n  {PROMPT_ID}: {{intent: long, prompt: "{PROMPT}", max_tokens: {MAX_TOKENS}}}\n'
@@ -133,6 +137,8 @@ def pytest_run(root: Path, gate: str, state: str, *extra: str) -> Run:
         finished.returncode, verdict["verdict"], verdict.get("change_ratio"),
         verdict.get("remeasure"), state,
         statistics.median(pressures) if pressures else None, why,
+        sum(r.get("type") == "call" and r.get("phase") == "warm" and "pass" not in r
+            for r in records),
     )  # fmt: skip
 
 
