@@ -20,6 +20,7 @@ from pytest_gpubench.results.gate import run_figures
 from pytest_gpubench.results.run_history import History, RunFigures, appended
 from pytest_gpubench.results.stats import (
     PERCENTILE_NAMES,
+    REASONING_METRICS,
     SAMPLE_FIELDS,
     WARM_METRICS,
     PromptSummary,
@@ -217,7 +218,15 @@ def summary_to_dict(summary: PromptSummary) -> dict[str, Any]:
         "coalesced": summary.warm_coalesced,
     }
     for metric in WARM_METRICS:
-        warm[metric] = {name: summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES}
+        figures = {name: summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES}
+        # A model that does not reason has no reasoning figures: left out, not written as nulls.
+        if metric not in REASONING_METRICS or any(v is not None for v in figures.values()):
+            warm[metric] = figures
+    samples = {
+        field: list(getattr(summary.samples, field))
+        for field in SAMPLE_FIELDS
+        if field not in REASONING_METRICS or getattr(summary.samples, field)
+    }
     return {
         "prompt_sha256": summary.prompt_sha256,
         "cold": {
@@ -228,7 +237,7 @@ def summary_to_dict(summary: PromptSummary) -> dict[str, Any]:
             "total_duration_ms": summary.cold_total_duration_ms,
         },
         "warm": warm,
-        "samples": {field: list(getattr(summary.samples, field)) for field in SAMPLE_FIELDS},
+        "samples": samples,
     }
 
 
@@ -360,6 +369,8 @@ _FORMAT_1_PERCENTILES = {
 _FORMAT_1_SAMPLES = ("first_delta_ms", "total_duration_ms")
 # What format 4 added: an older file has no control call (its runs did not measure one).
 _FORMAT_4_FIGURES = ("control_ms",)
+# A reasoning model's figures (issue 23) are in a file of any format only where the model
+# reasoned: absent, they are None (the gate judges no reasoning figure).
 
 
 def summary_from_dict(
@@ -379,7 +390,7 @@ def summary_from_dict(
     percentiles: dict[str, float | None] = {}
     for metric in WARM_METRICS:
         required = PERCENTILE_NAMES if complete else _FORMAT_1_PERCENTILES.get(metric, ())
-        if metric in _FORMAT_4_FIGURES and version < 4:
+        if (metric in _FORMAT_4_FIGURES and version < 4) or metric in REASONING_METRICS:
             required = ()
         found = (
             fields.mapping(warm, metric, at["warm"])
@@ -393,6 +404,7 @@ def summary_from_dict(
         field: fields.numbers(samples, field, at["samples"])
         if (complete or field in _FORMAT_1_SAMPLES)
         and (version >= 4 or field not in _FORMAT_4_FIGURES)
+        and (field not in REASONING_METRICS or field in samples)
         else ()
         for field in SAMPLE_FIELDS
     }
