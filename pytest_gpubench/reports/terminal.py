@@ -844,8 +844,53 @@ LOAD_HEADERS = (
 )
 
 
+# Beside the TTFT where a point has them: the engine's prefix-cache hit rate (a `prefix:`
+# workload's cache, vLLM's counters or llama.cpp's cache_n) and a reasoning model's first answer.
+LOAD_PREFIX_HEADERS = ("prefix cache hit",)
+LOAD_REASONING_HEADERS = ("first answer p50 / p99 ms", "reasoning tok p50")
+
+
+def _load_extras(loads: Sequence[Mapping[str, Any]]) -> tuple[bool, bool]:
+    """(some point has a prefix-cache hit rate, some point reasoned)."""
+    return (
+        any(load.get("prefix_cache_hit_rate") is not None for load in loads),
+        any(load.get("reasoning_tokens_p50") is not None for load in loads),
+    )
+
+
+def load_headers(loads: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
+    """LOAD_HEADERS, with the prefix-cache and reasoning columns after the TTFT where some
+    point has them."""
+    prefix, reasoning = _load_extras(list(loads))
+    at = LOAD_HEADERS.index("TTFT p50 / p99 ms") + 1
+    extra = (
+        *(LOAD_PREFIX_HEADERS if prefix else ()),
+        *(LOAD_REASONING_HEADERS if reasoning else ()),
+    )
+    return (*LOAD_HEADERS[:at], *extra, *LOAD_HEADERS[at:])
+
+
+def _load_extra_cells(load: Mapping[str, Any], prefix: bool, reasoning: bool) -> list[str]:
+    cells = []
+    if prefix:
+        rate = load.get("prefix_cache_hit_rate")
+        cells.append(f"{rate:.1%}" if isinstance(rate, int | float) else NONE)
+    if reasoning:
+        cells.append(
+            f"{fixed(load.get('first_answer_ms_p50'))} / {fixed(load.get('first_answer_ms_p99'))}"
+            if load.get("reasoning_tokens_p50") is not None
+            else NONE
+        )
+        cells.append(fixed(load.get("reasoning_tokens_p50"), 0))
+    return cells
+
+
 def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
-    """One row per load point (a sweep: per step, then the sweep's saturation point)."""
+    """One row per load point (a sweep: per step, then the sweep's saturation point), in the
+    columns of load_headers."""
+    loads = list(loads)
+    prefix, reasoning = _load_extras(loads)
+    extras = int(prefix) + 2 * int(reasoning)
     rows = []
     for load in loads:
         if load.get("pattern") == "sweep":
@@ -854,7 +899,7 @@ def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
                 [
                     _text(load.get("prompt_id")),
                     "sweep",
-                    *([NONE] * 10),
+                    *([NONE] * (10 + extras)),
                     f"saturation {fixed(saturation)} req/s"
                     if saturation is not None
                     else (load.get("error") or "no step met the SLO"),
@@ -874,6 +919,7 @@ def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
                 fixed(load.get("achieved_rate")),
                 fixed(load.get("output_tokens_per_sec"), 1),
                 f"{fixed(load.get('ttft_ms_p50'))} / {fixed(load.get('ttft_ms_p99'))}",
+                *_load_extra_cells(load, prefix, reasoning),
                 f"{fixed(load.get('tpot_ms_p50'))} / {fixed(load.get('tpot_ms_p99'))}",
                 fixed(load.get("itl_ms_p99")),
                 fixed(load.get("e2e_ms_p99")),
@@ -888,7 +934,8 @@ def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
 
 
 def render_load_table(loads: Iterable[Mapping[str, Any]], *, markdown: bool = False) -> str:
-    return table(load_rows(loads), LOAD_HEADERS, markdown=markdown)
+    loads = list(loads)
+    return table(load_rows(loads), load_headers(loads), markdown=markdown)
 
 
 SERVER_CHECK_HEADERS = (
