@@ -3,9 +3,10 @@ then a run whose answer starts later exits 6 naming that figure; a model that do
 shows no reasoning columns and is judged on no reasoning figure.
 
 The reasoning model is the stand-in of tests/support/reasoning_standin.py (no reasoning model
-runs here): it streams its thinking as vLLM (`reasoning`, with usage's reasoning_tokens) or
-llama.cpp (`reasoning_content`) document it, with its timing fixed by the test, and holds the
-first answer token back by `answer_delay_s` when the test asks it to.
+runs here): it streams its thinking as vLLM (`reasoning`, with usage's reasoning_tokens),
+llama.cpp (`reasoning_content`) and Ollama (`message.thinking`) document it, with its timing
+fixed by the test, and holds the first answer token back by `answer_delay_s` when the test asks
+it to.
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ prompts:
   P-THINK: {intent: reason first, prompt: "Think, then answer.", max_tokens: 32}
 """
 TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
-# Both stand-in formats through the OpenAI-compatible client: `vllm-*` models stream vLLM's
-# `reasoning`, others llama.cpp's `reasoning_content`.
-CELLS = {"vllm-r": "local:openai:vllm-r", "r": "local:openai:r"}
+# The three formats: through the OpenAI-compatible client `vllm-*` models stream vLLM's
+# `reasoning`, others llama.cpp's `reasoning_content`; through Ollama's client, `thinking`.
+CELLS = {
+    ("openai", "vllm-r"): "local:openai:vllm-r",
+    ("openai", "r"): "local:openai:r",
+    ("ollama", "r"): "local:ollama:r",
+}
 # First answer at 20 + 6 x 5 = 50 ms; held back 400 ms more it comes 9 times later: no
 # machine's noise makes that a pass, and the TTFT (the first reasoning token) is unchanged.
 SCRIPT = Script(delay_s=0.02, gap_s=0.005, reasoning=6, answer=4)
@@ -37,9 +42,9 @@ LATER_ANSWER = replace(SCRIPT, answer_delay_s=0.4)
 
 def bench(pytester: pytest.Pytester, url: str) -> None:
     cells = "".join(
-        f"  - {{node: local, engine: openai, model: {model}, endpoint: '{url}', runs: 8,"
+        f"  - {{node: local, engine: {engine}, model: {model}, endpoint: '{url}', runs: 8,"
         " phases: [warm]}\n"
-        for model in CELLS
+        for engine, model in CELLS
     )
     pytester.makefile(
         ".yaml", prompts=PROMPTS, cells="nodes: {local: {kind: local}}\ncells:\n" + cells

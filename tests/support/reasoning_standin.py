@@ -34,6 +34,8 @@ from typing import Any
 PROMPT_TOKENS = 9
 # What GET /v1/models lists: a vLLM-format model and a llama.cpp-format one.
 MODELS = [{"id": "vllm-r", "object": "model"}, {"id": "r", "object": "model"}]
+# What GET /api/tags lists (docs/api.md, "List Local Models"): the Ollama-format model `r`.
+OLLAMA_MODEL = {"name": "r:latest", "model": "r:latest", "size": 1000, "digest": "0" * 64}
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,10 @@ def _handler(live: LiveScript) -> type[BaseHTTPRequestHandler]:
             body = b'{"status": "ok"}'
             if self.path == "/v1/models":  # the OpenAI models list both servers answer
                 body = json.dumps({"object": "list", "data": MODELS}).encode()
+            elif self.path == "/api/version":  # Ollama's health check and version
+                body = b'{"version": "0.12.0"}'
+            elif self.path == "/api/tags":  # Ollama's pulled models
+                body = json.dumps({"models": [OLLAMA_MODEL]}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
