@@ -369,8 +369,6 @@ _FORMAT_1_PERCENTILES = {
 _FORMAT_1_SAMPLES = ("first_delta_ms", "total_duration_ms")
 # What format 4 added: an older file has no control call (its runs did not measure one).
 _FORMAT_4_FIGURES = ("control_ms",)
-# A reasoning model's figures (issue 23) are in a file of any format only where the model
-# reasoned: absent, they are None (the gate judges no reasoning figure).
 
 
 def summary_from_dict(
@@ -390,6 +388,8 @@ def summary_from_dict(
     percentiles: dict[str, float | None] = {}
     for metric in WARM_METRICS:
         required = PERCENTILE_NAMES if complete else _FORMAT_1_PERCENTILES.get(metric, ())
+        # A reasoning model's figures (issue 23) are in a file of any format only where the
+        # model reasoned: absent, they are None (and the gate judges no first answer).
         if (metric in _FORMAT_4_FIGURES and version < 4) or metric in REASONING_METRICS:
             required = ()
         found = (
