@@ -1,19 +1,20 @@
-"""False alarms and detections of the gate on a noisy machine, main's gate against this one's,
-interleaved (issue 22's "Must show").
+"""False alarms and detections of the gate on a noisy machine, before issue 22 (main at bd2dd57)
+and after (this branch), interleaved (issue 22's "Must show").
 
 One llama-server (the tiny model, one thread) behind the delaying proxy of
 tests/support/delay_proxy.py answers a ~1,800-token prompt (prompt cache off, so every warm call
 prefills it: TTFT well over 50 ms). Scenarios: `quiet`; `flicker` (a busy process switching on and
 off every 3 s); `busy` (one busy process, always on); `drift-busy` and `drift-quiet` (two busy
 processes on or off for whole runs, as a 20 s on / 20 s off cycle lands them, with the baseline
-taken while they were on, or off). Each gate has a project directory per scenario: main's takes
-one --baseline-update; this branch's `gpubench calibrate -R 3` (three, the fewest runs from which
-it learns the between-run noise). Then rounds: in each, per scenario and per gate (the order of
-the gates alternating), one unchanged run (exit 6 is a false alarm) and one with the first
-content held back by 30 % of the engine's TTFT (caught, unsteady, or missed). Each pytest run is
-a subprocess; main's with PYTHONPATH=/work/main.
+taken while they were on, or off). Each gate has a project directory per scenario: before's takes
+one --baseline-update (all it had); after's runs the shipped `gpubench calibrate` (5 runs, here run
+by run to keep each in the scenario's state). Then rounds: in each, per scenario and per gate (the
+order of the gates alternating), one unchanged run (exit 6 is a false alarm) and one with the
+first content held back by 30 % of the engine's TTFT (caught, unsteady, or missed). Each pytest
+run is a subprocess with PYTHONPATH at its gate's code, the shipped settings (10 warm runs).
 
-    python benchmarks_dev/noise_scenarios.py [--rounds N] [--minutes M] [--runs 10] > out.txt
+    git worktree add /tmp/gate-before bd2dd57
+    python benchmarks_dev/noise_scenarios.py [--rounds N] [--minutes M] [--branch COPY] > out.txt
 """
 
 from __future__ import annotations
@@ -45,12 +46,16 @@ from support.delay_proxy import DelayProxy, delay_proxy
 
 CELL = "local:llamacpp:tiny"
 PROMPT_ID = "P-LONG"
-# About 950 tokens of the tiny model's vocabulary: its prefill makes TTFT tens of ms.
-PROMPT = " ".join(f"word{index % 97} and more" for index in range(190))
+# About 1,800 tokens of the tiny model's vocabulary (its context is 2,048): its prefill on one
+# thread makes TTFT well over 50 ms.
+PROMPT = " ".join(f"word{index % 97} and more" for index in range(350))
 MAX_TOKENS = 4
 FRACTION = 0.30
 SCENARIOS = ("quiet", "flicker", "busy", "drift-busy", "drift-quiet")
-GATES = {"main": "/work/main", "branch": str(Path(__file__).resolve().parent.parent)}
+# "before": main before issue 22's gate (a checkout of bd2dd57); "after": this branch's.
+GATES = {"before": "/tmp/gate-before", "after": str(Path(__file__).resolve().parent.parent)}
+# The shipped `gpubench calibrate` runs the unchanged matrix this many times.
+CALIBRATE_RUNS = 5
 TTFT = "warm_ttft_p50_ms"
 NO_CACHE = {"cache_prompt": False}
 
@@ -64,11 +69,17 @@ class Run:
     change: float | None
     remeasure: str | None
     state: str
+    # The CPU pressure's p50 over the run's warm calls (after's gate records it), and why a
+    # verdict was unsteady.
+    pressure: float | None = None
+    why: str = ""
 
     def line(self) -> str:
         change = "-" if self.change is None else f"{self.change - 1:+.1%}"
         again = f" ({self.remeasure})" if self.remeasure else ""
-        return f"exit {self.exit_status} TTFT {change} {self.ttft}{again} [{self.state}]"
+        busy = "" if self.pressure is None else f" pressure {self.pressure:.0%}"
+        why = f" - {self.why}" if self.why else ""
+        return f"exit {self.exit_status} TTFT {change} {self.ttft}{again} [{self.state}{busy}]{why}"
 
 
 def write_project(root: Path, endpoint: str, runs: int) -> None:
@@ -88,23 +99,40 @@ def write_project(root: Path, endpoint: str, runs: int) -> None:
 
 def pytest_run(root: Path, gate: str, state: str, *extra: str) -> Run:
     env = {**os.environ, "PYTHONPATH": GATES[gate]}
-    argv = [sys.executable, "-m", "pytest", "-q", "--force-load", "-p", "no:cacheprovider"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "--force-load",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:hypothesispytest",
+    ]
     before = set((root / "runs").glob("*.jsonl"))
     finished = subprocess.run(
         [*argv, *extra], cwd=root, env=env, capture_output=True, text=True, timeout=900,
         check=False,
     )  # fmt: skip
     new = set((root / "runs").glob("*.jsonl")) - before
-    end = read_ledger(new.pop())[-1] if new else {}
+    records = read_ledger(new.pop()) if new else []
+    end = records[-1] if records else {}
+    pressures = [r["cpu_pressure"] for r in records if r.get("cpu_pressure") is not None]
     verdict: dict[str, Any] = next(
         (v for v in end.get("verdicts") or [] if v.get("metric") == TTFT),
         {"verdict": "none", "change_ratio": None},
     )
     if end.get("type") != "end":
         print(finished.stdout[-2000:], finished.stderr[-2000:], flush=True)
+    why = ""
+    if verdict["verdict"] == "unsteady":
+        message = str(verdict.get("message", ""))
+        why = message.split("not judged: ", 1)[-1][:110]
     return Run(
         finished.returncode, verdict["verdict"], verdict.get("change_ratio"),
         verdict.get("remeasure"), state,
+        statistics.median(pressures) if pressures else None, why,
     )  # fmt: skip
 
 
@@ -164,11 +192,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10, help="warm runs per pytest run")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument(
-        "--branch", default=GATES["branch"], help="a copy of this branch's code to run (so that "
+        "--branch", default=GATES["after"], help="a copy of this branch's code to run (so that "
         "editing the worktree during a long run changes nothing)",
     )  # fmt: skip
     args = parser.parse_args()
-    GATES["branch"] = args.branch
+    GATES["after"] = args.branch
     scenarios = args.scenarios.split(",")
     binary = find_llama_server(None)
     if binary is None:
@@ -209,15 +237,15 @@ def main() -> None:
 def take_baselines(
     root: Path, proxy: DelayProxy, hogs: Hogs, scenarios: list[str], runs: int
 ) -> None:
-    """Each scenario's baseline per gate, in the scenario's state: main's one ratified run, this
-    branch's three (gpubench calibrate -R 3, here run by run to keep the state of each)."""
+    """Each scenario's baseline per gate, in the scenario's state: before's one ratified run,
+    after's CALIBRATE_RUNS (gpubench calibrate's default, here run by run in the state)."""
     for scenario in scenarios:
         for gate in GATES:
             project = root / f"{scenario}-{gate}"
             write_project(project, proxy.url, runs)
             proxy.delay_ms = 0.0
             with machine_state(hogs, scenario, busy=scenario == "drift-busy") as state:
-                for _ in range(1 if gate == "main" else 3):
+                for _ in range(1 if gate == "before" else CALIBRATE_RUNS):
                     base = pytest_run(project, gate, state, "--baseline-update")
             print(f"baseline {scenario} {gate}: {base.line()}", flush=True)
 

@@ -83,9 +83,10 @@ def test_a_candidate_names_its_reference_and_its_minimum(tmp_path: Path) -> None
             "cells[1] (local:llamacpp:tiny@pr): min_runs: 6 is more than runs (5)",
         ),
         (
-            "  - {node: local, engine: llamacpp, model: tiny, name: pr, min_runs: 2}\n",
-            "cells[1] (local:llamacpp:tiny@pr): min_runs: sequential sampling applies to an "
-            "A/B candidate only",
+            # Sequential sampling applies to a cell judged against its baseline too (issue 22):
+            # its minimum is still at most its runs.
+            "  - {node: local, engine: llamacpp, model: tiny, name: pr, min_runs: 9}\n",
+            "cells[1] (local:llamacpp:tiny@pr): min_runs: 9 is more than runs (5)",
         ),
     ],
     ids=[

@@ -315,10 +315,10 @@ def test_a_format_1_baseline_loads_and_its_missing_figures_are_new(tmp_path: Pat
     decode = verdicts["warm_decode_tokens_per_sec_p50"]
     assert decode.verdict == "new" and decode.baseline is None
     assert "the baseline has no warm decode tokens/s p50" in decode.message
-    # Written again, it becomes a file of the current format (4) without the mean of ratios,
+    # Written again, it becomes a file of the current format (5) without the mean of ratios,
     # its unknown identity facts null.
     rewritten = json.loads(dumps_baseline(read_baseline(path)))
-    assert rewritten["format"] == 4
+    assert rewritten["format"] == 5
     assert rewritten["provenance"]["model_identity"] is None
     assert "tokens_per_sec_mean" not in rewritten["prompts"]["P-EASY"]["warm"]
     assert rewritten["prompts"]["P-EASY"]["warm"]["decode_tokens_per_sec"]["p50"] is None
@@ -330,7 +330,7 @@ def test_the_engine_side_samples_are_kept_beside_the_clients(tmp_path: Path) -> 
     stored = json.loads(path.read_text())["prompts"]["P-EASY"]
     assert set(stored["samples"]) == {
         "first_delta_ms", "total_duration_ms", "decode_tokens_per_sec",
-        "engine_prompt_ms", "engine_tokens_per_sec", "engine_total_ms", "control_ms",
+        "engine_prompt_ms", "engine_tokens_per_sec", "engine_total_ms", "control_ms", "cpu_pressure",
     }  # fmt: skip
     assert len(stored["samples"]["engine_prompt_ms"]) == 20
     assert set(stored["warm"]["engine_tokens_per_sec"]) == {"p50", "p90", "p95", "p99"}

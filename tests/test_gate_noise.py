@@ -21,7 +21,7 @@ from support.standins import OllamaStandin, serving
 from pytest_gpubench.cli.main import main as gpubench
 from pytest_gpubench.core.status import EXIT_UNSTEADY
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.measure.control import ControlCall
+from pytest_gpubench.measure.control import ControlCall, CpuPressure
 from pytest_gpubench.results.baseline import (
     CellBaseline,
     Provenance,
@@ -109,6 +109,73 @@ def test_steadiness_counts_only_a_significant_move_beyond_the_floor() -> None:
     slower_machine = steadiness([8.0, 8.1, 7.9, 8.0, 8.2, 8.0], [5.0, 5.1, 4.9, 5.0, 5.0, 5.1])
     assert slower_machine is not None and "against the baseline's" in (slower_machine.drift or "")
     assert steadiness([], [5.0]) is None
+
+
+def test_cpu_pressure_beyond_its_limit_against_the_baseline_or_within_the_run_is_unsteady() -> None:
+    """The pressure is a share of the control calls' time, compared in points: a quiet machine's few
+    points of jitter hold; a busy process beside the engine, or one that started mid-run, not."""
+    quiet = [0.0, 0.02, 0.01, 0.0, 0.05, 0.0, 0.01, 0.03, 0.0, 0.02]
+    held = steadiness([], [], pressure=quiet, baseline_pressure=[0.01, 0.03, 0.0])
+    assert held is not None and held.drift is None and held.pressure == pytest.approx(0.01)
+    busy = steadiness([], [], pressure=[0.6] * 10, baseline_pressure=[0.02, 0.0, 0.01])
+    assert busy is not None
+    assert busy.drift == (
+        "tasks waited for a CPU 60% of the control calls' time against 1% in the "
+        "baseline's runs "
+        "(beyond ±10 points)"
+    )
+    started = steadiness([], [], pressure=[0.0] * 5 + [0.7, 0.8, 0.7, 0.75, 0.7])
+    assert started is not None and started.baseline_pressure is None
+    assert (
+        started.drift
+        == "the CPU pressure went from 0% to 70% of the control calls' time during the run"
+    )
+    slower = decide(evidence(150.0, [], now=[150.0] * 10, steadiness=busy))
+    assert slower.kind == "unsteady" and "tasks waited for a CPU 60%" in slower.text
+
+
+def test_on_a_steadily_busy_machine_what_the_gate_cannot_tell_is_unsteady_not_a_pass() -> None:
+    """Tasks waited for a CPU 40 % of the time, in this run and in the baseline's alike (no drift):
+    a change the gate could see is judged as anywhere; one it could not (the spread between runs
+    wider than the threshold, or a change beyond it but not significant) is unsteady, where a quiet
+    machine would say blind or inconclusive and pass."""
+    busy = Steadiness(None, None, pressure=0.4, baseline_pressure=0.38)
+    assert busy.drift is None and busy.contended is not None
+    wide = [100.0, 112.0, 95.0, 104.0, 90.0, 108.0]
+    quiet_blind = decide(evidence(108.0, wide))
+    busy_blind = decide(evidence(108.0, wide, steadiness=busy))
+    assert quiet_blind.kind == "blind" and busy_blind.kind == "unsteady"
+    assert busy_blind.text.startswith(
+        "warm TTFT p50 +6.7%, not judged: the machine was busy: tasks waited for a CPU 40% of the "
+        "control calls' time, and the gate could not see the 10% threshold there (could detect ≥ +"
+    )
+    assert decide(evidence(115.0, wide)).kind == "inconclusive"
+    assert decide(evidence(115.0, wide, steadiness=busy)).kind == "unsteady"
+    tight = [100.0, 101.0, 99.0, 100.5, 99.5]
+    assert decide(evidence(100.8, tight, steadiness=busy)).kind == "ok"
+    assert decide(evidence(140.0, tight, steadiness=busy)).kind == "regression"
+
+
+def test_cpu_pressure_is_read_from_the_kernels_stall_total(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc/pressure/cpu's `some ... total=` is microseconds of stall: 30 ms of it over a window
+    is that window's share; a machine without the file measures none."""
+    monkeypatch.undo()  # the real gauge, not the steady one tests/conftest.py pins
+    psi = tmp_path / "cpu"
+    psi.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=1000000\n")
+    gauge = CpuPressure(psi)
+    mark = gauge.start()
+    assert mark is not None and mark[0] == 1_000_000
+    psi.write_text("some avg10=1.00 avg60=0.00 avg300=0.00 total=1030000\n")
+    shifted = (mark[0], mark[1] - 0.1)  # the window opened 0.1 s ago
+    assert gauge.share(shifted) == pytest.approx(0.3, abs=0.01)
+    assert CpuPressure(tmp_path / "absent").start() is None
+    assert gauge.share(None) is None
+    if Path("/proc/pressure/cpu").exists():
+        real = CpuPressure()
+        share = real.share(real.start())
+        assert share is not None and 0.0 <= share <= 1.0
 
 
 # -- history in the baseline file ---------------------------------------------------------------
@@ -267,6 +334,36 @@ def test_a_control_that_drifts_turns_a_slowdown_unsteady(
     assert all(case.find("failure") is None for case in gate.values())
 
 
+def test_cpu_pressure_rising_mid_run_turns_a_slowdown_unsteady_unless_steadiness_is_off(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three times slower while, from the sixth call on, tasks waited for a CPU 80 % of the time:
+    unsteady, with the pressure in each call record. With --gpubench-steadiness off neither the
+    control nor the pressure is read, and the same slowdown is a regression."""
+    server = OllamaStandin(token_s=0.003)
+    with serving(server) as url:
+        bench(pytester, url)
+        pytester.runpytest("--force-load", "--baseline-update")
+        server.token_s = 0.009
+        feed = iter([0.0] * 5 + [0.8] * 5)
+        monkeypatch.setattr(CpuPressure, "share", lambda self, mark: next(feed, 0.8))
+        unsteady = pytester.runpytest("--force-load")
+        calls = [r for r in last_ledger(pytester) if r["type"] == "call" and r["phase"] == "warm"]
+        off = pytester.runpytest("--force-load", "--gpubench-steadiness", "off")
+        unread = [r for r in last_ledger(pytester) if r["type"] == "call"]
+    assert unsteady.ret == EXIT_UNSTEADY
+    unsteady.stdout.fnmatch_lines(
+        [
+            f"UNSTEADY: {CELL} P-EASY: warm TTFT p50 +*the CPU pressure went from 0% to 80% of the "
+            "control calls' time during the run*"
+        ]
+    )
+    assert [r["cpu_pressure"] for r in calls[:10]] == [0.0] * 5 + [0.8] * 5
+    assert off.ret == 6
+    assert "UNSTEADY" not in off.stdout.str()
+    assert all("cpu_pressure" not in r and "control_ms" not in r for r in unread)
+
+
 def test_a_regression_seen_again_on_re_measure_is_confirmed(pytester: pytest.Pytester) -> None:
     server = OllamaStandin(token_s=0.02)
     with serving(server) as url:
@@ -354,3 +451,72 @@ def test_detectable_ratio_is_stated_for_a_figure_where_higher_is_better() -> Non
     assert decision.detectable_ratio is not None and decision.detectable_ratio < 1.0
     assert "could detect ≤ -" in decision.text
     assert math.isclose(decision.ratio or 0.0, 100.0 / math.exp(sum(map(math.log, history)) / 5))
+
+
+def test_a_bad_steadiness_setting_is_one_line(pytester: pytest.Pytester) -> None:
+    bench(pytester, "http://127.0.0.1:9")
+    pytester.makeini("[pytest]\ngpubench_steadiness = maybe\n")
+    result = pytester.runpytest("--force-load")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*ini gpubench_steadiness: must be one of check, off (got 'maybe')*"]
+    )
+    assert "Traceback" not in result.stderr.str() + result.stdout.str()
+    flag = pytester.runpytest("--force-load", "--gpubench-steadiness", "never")
+    assert flag.ret == pytest.ExitCode.USAGE_ERROR
+    flag.stderr.fnmatch_lines(["*--gpubench-steadiness: invalid choice: 'never'*"])
+
+
+# -- sequential sampling against a baseline ----------------------------------------------------
+
+
+def test_sequential_sampling_stops_an_unchanged_engine_early_and_a_slower_one_as_a_regression(
+    pytester: pytest.Pytester,
+) -> None:
+    """`min_runs: 5` of `runs: 20`: the stand-in's speed is set, so an unchanged engine's calls
+    match the baseline's and are decided unchanged at the first look (5 calls, the other 15
+    skipped with the reason), and three times slower is decided a regression as early and exits
+    6. The baseline itself measures all 20 runs."""
+    server = OllamaStandin(token_s=0.003)
+    with serving(server) as url:
+        # Thresholds of 50 %: the stand-in's own jitter is then certain to lie inside them.
+        bench(
+            pytester,
+            url,
+            runs=20,
+            more=", min_runs: 5, thresholds: {ttft_p50: 0.5, total_p50: 0.5}",
+        )
+        ratified = pytester.runpytest("--force-load", "--baseline-update")
+        full = [r for r in last_ledger(pytester) if r["type"] == "call"]
+        same = pytester.runpytest("--force-load", "-rs")
+        same_calls = [r for r in last_ledger(pytester) if r["type"] == "call"]
+        server.token_s = 0.009
+        slower = pytester.runpytest("--force-load", "-rs")
+        slower_calls = [r for r in last_ledger(pytester) if r["type"] == "call" and "pass" not in r]
+    ratified.assert_outcomes(passed=20)
+    assert len(full) == 20
+    assert same.ret == 0
+    same.assert_outcomes(passed=5, skipped=15)
+    assert len(same_calls) == 5
+    same.stdout.fnmatch_lines(
+        [
+            f"*sequential sampling: {CELL} P-EASY decided (unchanged) after 5 of 20 runs against "
+            "its baseline*"
+        ]
+    )
+    assert slower.ret == 6
+    assert len(slower_calls) == 5
+    slower.stdout.fnmatch_lines(
+        [
+            f"REGRESSION: {CELL} P-EASY: warm TTFT p50 +*",
+            f"*sequential sampling: {CELL} P-EASY decided (regression) after 5 of 20 runs*",
+        ]
+    )
+
+
+def test_sequential_looks_spend_alpha_evenly_and_never_stop_at_the_last() -> None:
+    from pytest_gpubench.results.sequential_runs import looks
+
+    assert looks(5, 20) == (5, 10, 15, 20)
+    assert looks(6, 8) == (6, 7, 8)
+    assert looks(10, 10) == (10,)

@@ -286,6 +286,23 @@ def test_halved_throughput_at_a_load_point_is_a_regression_naming_point_and_metr
     assert same == {"ok"}
 
 
+def test_a_point_whose_cpu_pressure_moved_from_the_baselines_is_unsteady_not_a_regression() -> None:
+    """A load point keeps tasks waiting by its own requests (so a high pressure alone is not a
+    verdict), but one whose pressure moved past 10 points from its baseline's runs ran on another
+    machine, in effect: halved throughput then is unsteady (exit 10), not a regression."""
+    history = [{"benchmark_run_id": f"r{i}", "cpu_pressure": 0.55 + i / 100} for i in range(3)]
+    baseline = load([1000.0 + i for i in range(10)], [10.0] * 20, cpu_pressure=0.56)
+    baseline["history"] = history
+    busy = load([500.0 + i for i in range(10)], [10.0] * 20, cpu_pressure=0.95)
+    verdicts = {v.metric: v for v in judge_point(busy, baseline, LoadThresholds())}
+    found = verdicts["load_output_tokens_per_sec"]
+    assert found.verdict == "unsteady"
+    assert "tasks waited for a CPU 95% of the point's time against 56%" in found.message
+    as_busy = load([500.0 + i for i in range(10)], [10.0] * 20, cpu_pressure=0.6)
+    same_level = {v.metric: v for v in judge_point(as_busy, baseline, LoadThresholds())}
+    assert same_level["load_output_tokens_per_sec"].verdict == "regression"
+
+
 def test_an_invalid_point_is_never_judged_ok() -> None:
     baseline = load([1000.0] * 10, [10.0] * 20)
     late = load([1000.0] * 10, [10.0] * 20, valid=False, invalid_reason="send lag p99 ...")
@@ -351,6 +368,8 @@ def test_load_cases_run_end_to_end_and_write_their_records(pytester: pytest.Pyte
         assert summary["ok"] == 24 and summary["valid"], summary["invalid_reason"]
         assert summary["output_tokens"] == 24 * 8
         assert summary["goodput_rate"] == summary["achieved_rate"]
+        # The point's CPU pressure (tests/conftest.py pins the gauge at none).
+        assert summary["cpu_pressure"] == 0.0
     for record in calls:
         assert record["phase"] == "load" and record["completion_tokens"] == 8
         assert record["send_ms"] >= record["scheduled_send_ms"]

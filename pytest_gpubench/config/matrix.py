@@ -894,10 +894,9 @@ def _check_references(cells_path: Path, cells: Sequence[Cell]) -> None:
         spec = cell.spec
         where = f"{cells_path}: cells[{cell.index}] ({cell.cell_id})"
         if spec.reference is None:
-            if spec.min_runs is not None:
+            if spec.min_runs is not None and spec.min_runs > cell.runs:
                 raise GpubenchError(
-                    f"{where}: min_runs: sequential sampling applies to an A/B candidate only "
-                    "(a cell with reference:)"
+                    f"{where}: min_runs: {spec.min_runs} is more than runs ({cell.runs})"
                 )
             continue
         reference = by_id.get(spec.reference)

@@ -38,6 +38,12 @@ SHARD_DESC = (
     "cells, for a Slurm job array (gpubench slurm submit)"
 )
 SKIP_DESC = "deselect every benchmark case: run a repository's other tests only (no guards)"
+STEADINESS_DESC = (
+    "`check` (default): time a control call before each warm call and read the CPU pressure during "
+    "it, and call a verdict `unsteady` when the machine moved; `off`: neither (verdicts are never "
+    "unsteady, and the summary says steadiness was not checked)"
+)
+STEADINESS_CHOICES = ("check", "off")
 
 DEFAULT_LOAD_THRESHOLD = 4.0
 
@@ -103,6 +109,13 @@ def addoption(parser: pytest.Parser) -> None:
         help="seed of the A/B pairs' call order (default: drawn from the run id; the ledger's "
         "meta record keeps it, so a session's order can be repeated)",
     )
+    group.addoption(
+        "--gpubench-steadiness",
+        choices=STEADINESS_CHOICES,
+        dest="gpubench_steadiness",
+        help=STEADINESS_DESC,
+    )
+    parser.addini("gpubench_steadiness", STEADINESS_DESC, default="check")
     parser.addini("gpubench_cells", CELLS_DESC)
     parser.addini("gpubench_prompts", PROMPTS_DESC)
     parser.addini("gpubench_baselines", BASELINES_DESC)
@@ -240,6 +253,8 @@ class Options:
     shard: Shard | None = None
     # The seed of the A/B pairs' call order (--gpubench-ab-seed); None: drawn from the run id.
     ab_seed: int | None = None
+    # Whether the machine's steadiness is checked beside each warm call (--gpubench-steadiness).
+    steadiness: bool = True
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Options:
@@ -267,6 +282,12 @@ class Options:
             ) from None
         if runs is not None and runs < 1:
             raise pytest.UsageError(f"{runs_source}: must be at least 1 (got {runs})")
+        steadiness = config.getoption("gpubench_steadiness") or config.getini("gpubench_steadiness")
+        if steadiness not in STEADINESS_CHOICES:
+            raise pytest.UsageError(
+                f"ini gpubench_steadiness: must be one of {', '.join(STEADINESS_CHOICES)} "
+                f"(got {steadiness!r})"
+            )
         shard_text = config.getoption("gpubench_shard")
         try:
             shard = Shard.parse(shard_text) if shard_text else None
@@ -293,4 +314,5 @@ class Options:
             accept_incomparable=bool(config.getoption("gpubench_accept_incomparable")),
             shard=shard,
             ab_seed=config.getoption("gpubench_ab_seed"),
+            steadiness=steadiness == "check",
         )

@@ -43,6 +43,7 @@ SUMMARY_NUMBERS = (
     "control_ms",
     "first_answer_ms",
     "reasoning_tokens",
+    "cpu_pressure",
 )
 # The per-case resource figures (telemetry/aggregate.py) the report's telemetry table needs.
 TELEMETRY_TEXT = ("gpu_energy_source",)

@@ -37,7 +37,9 @@ from pytest_gpubench.targets.gpu import gpu_summary
 # 4: per prompt, `history`: the figures of its last ratified runs (run_history.py), and the
 # control call's figures and samples (`control_ms`); an older file reads with no history and no
 # control (the gate then says the noise floor is unknown).
-FORMAT_VERSION = 4
+# 5: the CPU pressure's figures and samples (`cpu_pressure`) beside the control call's, and its p50
+# in each history entry; an older file reads without them (the gate then compares the control).
+FORMAT_VERSION = 5
 DEFAULT_MIN_SUCCESS_RATE = 0.95
 # Anything but these becomes "_" in a file name; the exact cell id is kept inside the file.
 _UNSAFE_IN_FILE_NAME = re.compile(r"[^A-Za-z0-9._-]")
@@ -146,6 +148,7 @@ class _RunEntry(BaseModel):
     n: int = Field(default=0, ge=0)
     figures: dict[str, float | None] = Field(default_factory=dict)
     control_ms: float | None = None
+    cpu_pressure: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
 def _history_from_list(value: Any, where: str, fields: _Fields) -> History:
@@ -173,6 +176,7 @@ def _history_to_list(history: History) -> list[dict[str, Any]]:
             n=run.n,
             figures=dict(run.figures),
             control_ms=run.control_ms,
+            cpu_pressure=run.cpu_pressure,
         ).model_dump()
         for run in history
     ]
@@ -367,8 +371,8 @@ _FORMAT_1_PERCENTILES = {
     "total_duration_ms": ("p50", "p95", "p99"),
 }
 _FORMAT_1_SAMPLES = ("first_delta_ms", "total_duration_ms")
-# What format 4 added: an older file has no control call (its runs did not measure one).
-_FORMAT_4_FIGURES = ("control_ms",)
+# The format that added a figure: an older file lacks it (its runs did not measure it).
+_ADDED_IN = {"control_ms": 4, "cpu_pressure": 5}
 
 
 def summary_from_dict(
@@ -388,9 +392,7 @@ def summary_from_dict(
     percentiles: dict[str, float | None] = {}
     for metric in WARM_METRICS:
         required = PERCENTILE_NAMES if complete else _FORMAT_1_PERCENTILES.get(metric, ())
-        # A reasoning model's figures (issue 23) are in a file of any format only where the
-        # model reasoned: absent, they are None (and the gate judges no first answer).
-        if (metric in _FORMAT_4_FIGURES and version < 4) or metric in REASONING_METRICS:
+        if version < _ADDED_IN.get(metric, 0) or metric in REASONING_METRICS:
             required = ()
         found = (
             fields.mapping(warm, metric, at["warm"])
@@ -403,7 +405,7 @@ def summary_from_dict(
     raw = {
         field: fields.numbers(samples, field, at["samples"])
         if (complete or field in _FORMAT_1_SAMPLES)
-        and (version >= 4 or field not in _FORMAT_4_FIGURES)
+        and version >= _ADDED_IN.get(field, 0)
         and (field not in REASONING_METRICS or field in samples)
         else ()
         for field in SAMPLE_FIELDS

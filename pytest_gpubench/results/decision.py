@@ -55,19 +55,39 @@ _MAD_SCALE = 1.4826
 Direction = Literal["worse", "better"]
 
 
+# How far the CPU pressure (the share of a call's time in which some task waited for a CPU) may
+# move, against the baseline's runs or between the halves of this run, before the machine counts as
+# unsteady: 10 points (a quiet machine stays within a few).
+PRESSURE_LIMIT = 0.10
+
+
 @dataclass(frozen=True)
 class Steadiness:
-    """What the control call showed about the machine while this (cell, prompt) ran.
+    """What the control call and the CPU pressure showed about the machine while this (cell,
+    prompt) ran.
 
     `against_baseline`: the control's p50 in this run / in the baseline's runs (the machine as a
     whole faster or slower than when the baseline was measured); `within_run`: the control's p50
     over the later half of the calls / over the earlier half (the machine drifted during the run).
     `floor`: how far either may move (log scale) before the machine counts as unsteady.
+    `pressure`, `baseline_pressure`: the CPU pressure's p50 in this run and in the baseline's runs
+    (read while each control call ran: the engine idle, every core busy, so a task that waited
+    was a neighbour's);
+    `pressure_halves`: its p50 over the earlier and the later half of this run, when they differ
+    significantly.
     """
 
     against_baseline: float | None
     within_run: float | None
     floor: float = DEFAULT_STEADY_FLOOR
+    pressure: float | None = None
+    baseline_pressure: float | None = None
+    pressure_halves: tuple[float, float] | None = None
+    # False where the pressure includes the run's own load (a load point's concurrent requests
+    # keep tasks waiting by design): then only its change against the baseline counts.
+    contention_counts: bool = True
+    # The time the pressure was read over, for the messages.
+    pressure_window: str = "the control calls' time"
 
     @property
     def drift(self) -> str | None:
@@ -84,38 +104,81 @@ class Steadiness:
                 f"the control call drifted {_percent(self.within_run)} during the run "
                 f"(beyond {limit})"
             )
+        now, then = self.pressure, self.baseline_pressure
+        if now is not None and then is not None and abs(now - then) > PRESSURE_LIMIT:
+            reasons.append(
+                f"tasks waited for a CPU {now:.0%} of {self.pressure_window} against {then:.0%} "
+                f"in the baseline's runs (beyond ±{PRESSURE_LIMIT * 100:.0f} points)"
+            )
+        if self.pressure_halves is not None:
+            early, late = self.pressure_halves
+            if abs(late - early) > PRESSURE_LIMIT:
+                reasons.append(
+                    f"the CPU pressure went from {early:.0%} to {late:.0%} of "
+                    f"{self.pressure_window} during the run"
+                )
         return "; ".join(reasons) if reasons else None
+
+    @property
+    def contended(self) -> str | None:
+        """How busy the machine was when it was busy beyond PRESSURE_LIMIT in this run or the
+        baseline's (steadily: a drift is `drift`), or None. On such a machine the engine's speed
+        is partly its neighbours' to decide: a verdict that cannot tell (blind, inconclusive) is
+        `unsteady` there, never a silent pass."""
+        busiest = max(
+            (p for p in (self.pressure, self.baseline_pressure) if p is not None), default=None
+        )
+        if not self.contention_counts or busiest is None or busiest <= PRESSURE_LIMIT:
+            return None
+        return (
+            f"the machine was busy: tasks waited for a CPU {busiest:.0%} of {self.pressure_window}"
+        )
 
 
 def steadiness(
     control: Sequence[float],
     baseline_control: Sequence[float],
     control_history: Sequence[float] = (),
+    *,
+    pressure: Sequence[float] = (),
+    baseline_pressure: Sequence[float] = (),
 ) -> Steadiness | None:
     """The control's movement: this run's control samples (in call order) against the baseline's
     (the geometric mean of its history's p50s when it has MIN_HISTORY runs, else the baseline
     run's samples), and its later half against its earlier half. A movement counts only when it
     is beyond the floor and also significant on the control's own samples (two-sided
-    Mann-Whitney U): one slow control call is the scheduler's noise, not a drift. None when this
-    run has no control samples."""
-    if not control:
+    Mann-Whitney U): one slow control call is the scheduler's noise, not a drift. The CPU
+    pressure's p50 against the baseline's (`baseline_pressure`: its runs' p50s, or its run's
+    samples), and its halves when they differ significantly. None when this run has neither."""
+    if not control and not pressure:
         return None
-    now = statistics.median(control)
-    history = [value for value in control_history if value > 0]
     against: float | None = None
-    if len(history) >= MIN_HISTORY:
-        spread = statistics.stdev(math.log(v) for v in history)
-        floor = max(STEADY_FLOOR_MIN, 3.0 * spread)
-        against = now / math.exp(statistics.fmean(math.log(v) for v in history))
-    else:
-        floor = DEFAULT_STEADY_FLOOR
-        if baseline_control and _differ(control, baseline_control):
-            against = now / statistics.median(baseline_control)
-    half = len(control) // 2
     within: float | None = None
-    if half >= 3 and _differ(control[half:], control[:half]):
-        within = statistics.median(control[half:]) / statistics.median(control[:half])
-    return Steadiness(against, within, floor)
+    floor = DEFAULT_STEADY_FLOOR
+    if control:
+        now = statistics.median(control)
+        history = [value for value in control_history if value > 0]
+        if len(history) >= MIN_HISTORY:
+            spread = statistics.stdev(math.log(v) for v in history)
+            floor = max(STEADY_FLOOR_MIN, 3.0 * spread)
+            against = now / math.exp(statistics.fmean(math.log(v) for v in history))
+        elif baseline_control and _differ(control, baseline_control):
+            against = now / statistics.median(baseline_control)
+        half = len(control) // 2
+        if half >= 3 and _differ(control[half:], control[:half]):
+            within = statistics.median(control[half:]) / statistics.median(control[:half])
+    halves: tuple[float, float] | None = None
+    half = len(pressure) // 2
+    if half >= 3 and _differ(pressure[half:], pressure[:half]):
+        halves = (statistics.median(pressure[:half]), statistics.median(pressure[half:]))
+    return Steadiness(
+        against,
+        within,
+        floor,
+        pressure=statistics.median(pressure) if pressure else None,
+        baseline_pressure=statistics.median(baseline_pressure) if baseline_pressure else None,
+        pressure_halves=halves,
+    )
 
 
 def _differ(first: Sequence[float], second: Sequence[float]) -> bool:
@@ -198,6 +261,28 @@ def alternative(higher_is_better: bool, direction: Direction) -> Literal["greate
     """The one-sided hypothesis about the current samples relative to the baseline's."""
     current_larger = (direction == "worse") != higher_is_better
     return "greater" if current_larger else "less"
+
+
+def verdict_of(
+    direction: Direction | None, p_value: float | None, smallest_p: float, alpha: float
+) -> VerdictKind:
+    """The rule every gate applies once it has a change's direction and its test's p (warm
+    calls against a baseline, load points, A/B pairs): within the threshold is `ok`; past it,
+    `inconclusive` when the test cannot be significant with these samples (`smallest_p` ≥
+    alpha) or is not; else a `regression` or a `win`. (Whether a pass could have seen a change
+    at all, `blind`, and the machine's steadiness come before it in decide().)"""
+    if direction is None:
+        return "ok"
+    if smallest_p >= alpha or p_value is None or not p_value < alpha:
+        return "inconclusive"
+    return "regression" if direction == "worse" else "win"
+
+
+def change_word(direction: Direction, higher_is_better: bool) -> str:
+    """slower / faster, or lower / higher for a figure where higher is better."""
+    if direction == "worse":
+        return "lower" if higher_is_better else "slower"
+    return "higher" if higher_is_better else "faster"
 
 
 def mwu_method(n_current: int, n_baseline: int) -> Literal["exact", "asymptotic"]:
@@ -335,6 +420,11 @@ def decide(evidence: Evidence) -> Decision:
     if drift is not None:
         seen = f"{label} {_percent(ratio)}, not judged: machine unsteady ({drift})"
         return replace(base, kind="unsteady", text=f"{seen}; re-run on a steady machine")
+    busy = evidence.steadiness.contended if evidence.steadiness is not None else None
+    if busy is not None and blind and direction is None:
+        seen = f"{label} {_percent(ratio)}, not judged: {busy}, and the gate could not see the "
+        threshold = f"{evidence.threshold:.0%} threshold there ({could}: {why_blind})"
+        return replace(base, kind="unsteady", text=f"{seen}{threshold}; re-run on a quiet machine")
     if direction is None:
         within = f"{label} {_percent(ratio)} (within the {evidence.threshold:.0%} threshold)"
         # Blind for certain: too few samples ever to be significant, or a between-run spread
@@ -349,7 +439,7 @@ def decide(evidence: Evidence) -> Decision:
                 f"({why_blind})",
             )  # fmt: skip
         return replace(base, text=f"{within}; {could}")
-    word = _word(direction, evidence.higher_is_better)
+    word = change_word(direction, evidence.higher_is_better)
     change = f"{label} {_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
     hint = f"; {evidence.more_samples_hint}" if evidence.more_samples_hint else ""
     if between_run_spread(evidence.history) is not None:
@@ -366,10 +456,13 @@ def decide(evidence: Evidence) -> Decision:
             return replace(base, kind="inconclusive", text=too_few)
         p_value = one_sided_p(now, then, alternative(evidence.higher_is_better, direction))
         test = "within the run; between-run noise floor unknown"
-    if not p_value < ALPHA:
+    kind = verdict_of(direction, p_value, 0.0, ALPHA)
+    if kind == "inconclusive":
         unsure = f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA}; {test}){hint}"
+        if busy is not None:
+            why = f"{unsure}; not judged: {busy}; re-run on a quiet machine"
+            return replace(base, kind="unsteady", text=why, p_value=p_value)
         return replace(base, kind="inconclusive", text=unsure, p_value=p_value)
-    kind: VerdictKind = "regression" if direction == "worse" else "win"
     return replace(base, kind=kind, text=f"{change}, p = {p_value:.3g} ({test})", p_value=p_value)
 
 
@@ -387,12 +480,6 @@ def could_detect(label: str, detectable_ratio: float | None, higher_is_better: b
         return f"could detect no change of {label}"
     sign = "≤" if higher_is_better else "≥"
     return f"could detect {sign} {_percent(detectable_ratio)} {label}"
-
-
-def _word(direction: Direction, higher_is_better: bool) -> str:
-    if direction == "worse":
-        return "lower" if higher_is_better else "slower"
-    return "higher" if higher_is_better else "faster"
 
 
 def _percent(ratio: float) -> str:

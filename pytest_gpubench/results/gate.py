@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import partial
@@ -30,6 +31,7 @@ from pytest_gpubench.results.run_history import (
     RunFigures,
     control_figures,
     figures,
+    pressure_figures,
 )
 from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
 
@@ -289,22 +291,28 @@ def judge(
 def machine_steadiness(
     current: PromptSummary, baseline: PromptSummary, history: History = ()
 ) -> Steadiness | None:
-    """The control call's movement while this (cell, prompt) ran: against the baseline's runs,
-    and within this run; None when this run measured no control call."""
+    """The control call's movement and the CPU pressure while this (cell, prompt) ran: against
+    the baseline's runs, and within this run; None when this run checked neither."""
     return steadiness(
-        current.samples.control_ms, baseline.samples.control_ms, control_figures(history)
+        current.samples.control_ms,
+        baseline.samples.control_ms,
+        control_figures(history),
+        pressure=current.samples.cpu_pressure,
+        baseline_pressure=pressure_figures(history) or baseline.samples.cpu_pressure,
     )
 
 
 def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None) -> RunFigures:
     """What a baseline's history keeps of one run of a (cell, prompt)."""
     control = summary.samples.control_ms
+    pressure = summary.samples.cpu_pressure
     return RunFigures(
         benchmark_run_id=run_id,
         date=date,
         n=len(summary.samples.first_delta_ms),
         figures={metric.name: metric.value(summary) for metric in gated_metrics(summary, None)},
         control_ms=sorted(control)[len(control) // 2] if control else None,
+        cpu_pressure=statistics.median(pressure) if pressure else None,
     )
 
 

@@ -7,12 +7,19 @@ alone."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pytest_gpubench.config.load_profile import LoadThresholds
-from pytest_gpubench.results.decision import Evidence, VerdictKind, change_direction, decide
+from pytest_gpubench.results.decision import (
+    Evidence,
+    Steadiness,
+    VerdictKind,
+    change_direction,
+    decide,
+)
 from pytest_gpubench.results.gate import Verdict, from_decision
 
 # How many runs of each point a load baseline keeps (its between-run history).
@@ -152,11 +159,33 @@ def judge_metric(
             current_samples=_samples(current, metric),
             baseline_samples=_samples(baseline, metric),
             history=history_figures(baseline, metric.field),
+            steadiness=point_steadiness(current, baseline),
             more_samples_hint="run the point longer (duration_s)",
         )
     )
     return from_decision(
         cell_id, key, metric.name, decision, current=_number(current.get(metric.field))
+    )
+
+
+def point_steadiness(current: Mapping[str, Any], baseline: Mapping[str, Any]) -> Steadiness | None:
+    """The CPU pressure over the point against the baseline's (the median over its history's
+    runs, else its run's); None when this run did not read it. The point's own requests keep
+    tasks waiting: only a change counts, not the level."""
+    now = _number(current.get("cpu_pressure"))
+    if now is None:
+        return None
+    runs = baseline.get("history")
+    entries = [run for run in runs if isinstance(run, Mapping)] if isinstance(runs, list) else []
+    kept = [v for v in (_number(run.get("cpu_pressure")) for run in entries) if v is not None]
+    then = statistics.median(kept) if kept else _number(baseline.get("cpu_pressure"))
+    return Steadiness(
+        None,
+        None,
+        pressure=now,
+        baseline_pressure=then,
+        contention_counts=False,
+        pressure_window="the point's time",
     )
 
 
@@ -174,6 +203,7 @@ def history_entry(record: Mapping[str, Any]) -> dict[str, Any]:
     """What a load baseline's history keeps of one run of a point: its gated figures."""
     entry: dict[str, Any] = {"benchmark_run_id": record.get("benchmark_run_id")}
     entry.update({metric.field: _number(record.get(metric.field)) for metric in LOAD_METRICS})
+    entry["cpu_pressure"] = _number(record.get("cpu_pressure"))
     return entry
 
 
@@ -203,6 +233,7 @@ def baseline_point(
         "requests", "ok", "achieved_rate", "output_tokens_per_sec", "ttft_ms_p50", "ttft_ms_p99",
         "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_p99", "goodput_rate", "send_lag_ms_p99",
         "benchmark_run_id", "started_at_utc", "samples", "sweep_step", "saturation_rate",
+        "cpu_pressure",
     )  # fmt: skip
     point = {name: record.get(name) for name in keep}
     runs = previous.get("history") if previous is not None else None

@@ -14,6 +14,7 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 from pytest_gpubench.config.matrix import Cell, Thresholds
+from pytest_gpubench.results.decision import change_word, verdict_of
 from pytest_gpubench.results.gate import (
     ALPHA,
     Verdict,
@@ -246,12 +247,12 @@ def decide(
             results.append(judge_pairs(metric, candidate, reference, threshold, alpha=alpha))
     decisions: list[Decision | None] = []
     for result in results:
-        significant = result.p_value is not None and result.p_value < alpha
-        if result.direction == "worse" and significant:
+        kind = verdict_of(result.direction, result.p_value, 0.0, alpha)
+        if kind == "regression":
             return "regression", results
-        if result.direction == "better" and significant:
+        if kind == "win":
             decisions.append("win")
-        elif result.direction is None and result.within:
+        elif kind == "ok" and result.within:
             decisions.append("unchanged")
         else:
             decisions.append(None)
@@ -384,25 +385,21 @@ def _word(
         else f"over {result.pairs} pairs"
     )
     change = f"{metric.label} {_percent(result.ratio)}{interval}, A/B {over}"
+    smallest_p = min_signed_rank_p(result.pairs)
+    kind = verdict_of(result.direction, result.p_value, smallest_p, alpha)
     if result.direction is None:
-        return "ok", f"{change} (within the {threshold:.0%} threshold)"
-    word = (
-        ("lower" if metric.higher_is_better else "slower")
-        if result.direction == "worse"
-        else ("higher" if metric.higher_is_better else "faster")
-    )
-    floor = min_signed_rank_p(result.pairs)
-    if floor >= alpha:
-        return "inconclusive", (
+        return kind, f"{change} (within the {threshold:.0%} threshold)"
+    word = change_word(result.direction, metric.higher_is_better)
+    if smallest_p >= alpha:
+        return kind, (
             f"{change} ({word}), but {result.pairs} pairs cannot be significant (smallest "
-            f"possible p = {floor:.3g} ≥ {alpha:.3g}); raise runs"
+            f"possible p = {smallest_p:.3g} ≥ {alpha:.3g}); raise runs"
         )
     p_value = 1.0 if result.p_value is None else result.p_value
-    if not p_value < alpha:
-        return "inconclusive", (
+    if kind == "inconclusive":
+        return kind, (
             f"{change} ({word}), but not significant (Wilcoxon p = {p_value:.3g} ≥ {alpha:.3g})"
         )
-    kind: VerdictKind = "regression" if result.direction == "worse" else "win"
     return kind, f"{change} ({word}), Wilcoxon p = {p_value:.3g}"
 
 

@@ -14,13 +14,15 @@ HISTORY_RUNS = 10
 @dataclass(frozen=True)
 class RunFigures:
     """One ratified run of a (cell, prompt): its gated figures by metric name, its warm sample
-    count, and the control call's p50 during it (the machine's speed then)."""
+    count, the control call's p50 during it (the machine's speed then) and the CPU pressure's p50
+    (the share of a call's time in which some task waited for a CPU: how busy the machine was)."""
 
     benchmark_run_id: str | None = None
     date: str | None = None
     n: int = 0
     figures: Mapping[str, float | None] = field(default_factory=dict)
     control_ms: float | None = None
+    cpu_pressure: float | None = None
 
     def figure(self, metric: str) -> float | None:
         return self.figures.get(metric)
@@ -48,3 +50,7 @@ def figures(history: Iterable[RunFigures], metric: str) -> tuple[float, ...]:
 
 def control_figures(history: Iterable[RunFigures]) -> tuple[float, ...]:
     return tuple(e.control_ms for e in history if e.control_ms is not None and e.control_ms > 0)
+
+
+def pressure_figures(history: Iterable[RunFigures]) -> tuple[float, ...]:
+    return tuple(e.cpu_pressure for e in history if e.cpu_pressure is not None)

@@ -30,6 +30,8 @@ WARM_METRICS: dict[str, str] = {
     # it reasoned with. Only a (cell, prompt) whose warm calls reasoned has them (_reasoning_only).
     "first_answer_ms": "first_answer_ms",
     "reasoning_tokens": "reasoning_tokens",
+    # The share of each call's wall time in which some task waited for a CPU (measure/control.py).
+    "cpu_pressure": "cpu_pressure",
 }
 REASONING_METRICS = ("first_answer_ms", "reasoning_tokens")
 _DECODE_METRICS = ("decode_tokens_per_sec", "tpot_ms")
@@ -46,6 +48,7 @@ SAMPLE_FIELDS = (
     "engine_total_ms",
     "control_ms",
     "first_answer_ms",
+    "cpu_pressure",
 )
 
 
@@ -65,6 +68,7 @@ class WarmSamples:
     engine_total_ms: tuple[float, ...] = ()
     control_ms: tuple[float, ...] = ()
     first_answer_ms: tuple[float, ...] = ()
+    cpu_pressure: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,10 @@ class PromptSummary:
     warm_reasoning_tokens_p90: float | None = None
     warm_reasoning_tokens_p95: float | None = None
     warm_reasoning_tokens_p99: float | None = None
+    warm_cpu_pressure_p50: float | None = None
+    warm_cpu_pressure_p90: float | None = None
+    warm_cpu_pressure_p95: float | None = None
+    warm_cpu_pressure_p99: float | None = None
     warm_coalesced: int = 0
     samples: WarmSamples = WarmSamples()
 

@@ -115,9 +115,14 @@ class RunController:
                 scrub=self.scrub,
                 run_id=run_id,
                 hooks=hooks,
+                steadiness=options.steadiness,
             )
             self.harness.frozen = FrozenRequests(options.baselines_dir)
             self.harness.sequential.runs_override = options.runs
+            self.harness.sequential_runs.runs_override = options.runs
+            # Never while ratifying (a baseline measures every run) or in a smoke run.
+            if not options.baseline_update and not options.smoke:
+                self.harness.sequential_runs.baselines_dir = options.baselines_dir
             if writes_ledger:
                 self.harness.sink = self.collect
         self.ledger: Ledger | None = None

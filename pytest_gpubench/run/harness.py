@@ -26,11 +26,11 @@ from pytest_gpubench.ledger.records import (
     stage_record,
 )
 from pytest_gpubench.ledger.schema import as_json
-from pytest_gpubench.measure.control import ControlCall
+from pytest_gpubench.measure.control import ControlCall, CpuPressure
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
-from pytest_gpubench.run.sequential import SequentialPairs
+from pytest_gpubench.run.sequential import SequentialPairs, SequentialRuns
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.stages import Outcome, StageClock
 from pytest_gpubench.telemetry import CaseSamples, NodeTelemetry, node_telemetry
@@ -60,6 +60,7 @@ class Harness:
         scrub: SecretScrubber,
         run_id: str | None = None,
         hooks: Any = None,
+        steadiness: bool = True,
     ) -> None:
         self.matrix = matrix
         # Prompts known only on a live cell (token-exact synthetic ones) are frozen here.
@@ -84,8 +85,13 @@ class Harness:
         # Sequential sampling of A/B pairs: what each candidate's pairs hold so far, and why a
         # case is not run (its pair's verdict decided). --gpubench-runs, when given.
         self.sequential = SequentialPairs(matrix)
-        # Timed before each warm call (its `control_ms`): how steady the machine was.
+        # Sequential sampling of cells judged against their baselines (min_runs, no reference).
+        self.sequential_runs = SequentialRuns(matrix)
+        # Timed before each warm call (its `control_ms`), with the CPU pressure while it ran (its
+        # `cpu_pressure`): how steady the machine was. Neither with --gpubench-steadiness off.
+        self.steadiness = steadiness
         self.control = ControlCall()
+        self.pressure = CpuPressure()
         # Which pass of the session's measurements this is: 2 while suspects are re-measured.
         self.measure_pass = 1
 
@@ -165,7 +171,7 @@ class Harness:
     def stopped_early(self, case: Case) -> tuple[str | None, list[dict[str, Any]]]:
         """Why the case is not run, its pair's verdict decided (sequential sampling), with its
         `skipped` record; (None, []) when it runs."""
-        reason = self.sequential.stopped(case)
+        reason = self.sequential.stopped(case) or self.sequential_runs.stopped(case)
         if reason is None:
             return None, []
         cell = self.matrix.cell(case.cell_id)
@@ -246,7 +252,8 @@ class Harness:
 
         live = self.cells[case.cell_id]
         window = self._begin_sampling(live)
-        outcome = run_load_case(live, self.matrix, case, self.run_id)
+        pressure = self.pressure if self.steadiness else None
+        outcome = run_load_case(live, self.matrix, case, self.run_id, pressure)
         samples = self._end_sampling(live, window)
         others = [*outcome.others, *self._sample_records(live, case, samples)]
         return self.scrub.record(outcome.record), [self.scrub.record(r) for r in others]
@@ -361,7 +368,9 @@ class Harness:
             cold_kind = live.make_cold()
         else:
             live.warm_up(prompt, max_tokens, shape, **own)
-        control_ms = self.control.measure_ms() if case.phase == "warm" else None
+        control_ms, cpu_pressure = (
+            self._read_machine() if self.steadiness and case.phase == "warm" else (None, None)
+        )
         assert live.engine is not None
         window = self._begin_sampling(live)
         started = utc_now()
@@ -384,13 +393,26 @@ class Harness:
         fields = as_json(record)
         if control_ms is not None:
             fields["control_ms"] = round(control_ms, 3)
+        if cpu_pressure is not None:
+            fields["cpu_pressure"] = round(cpu_pressure, 4)
         if self.measure_pass > 1:
             fields["pass"] = self.measure_pass
         others = self._sample_records(live, case, samples)
         self.sequential.observe(case, record)
+        if self.measure_pass == 1:
+            self.sequential_runs.observe(case, as_json(record))
         # An engine may echo a credential in an error message: cut it out before anyone sees it.
         scrubbed_others = [self.scrub.record(other) for other in others]
         return self.scrub.record(as_json(record)), scrubbed_others, measurement.text
+
+    def _read_machine(self) -> tuple[float, float | None]:
+        """The control call's time, and the CPU pressure while it ran: the control keeps every
+        core busy and the engine is idle between calls, so a task that waited then was a
+        neighbour's (during the call itself the engine's own threads and the client's would
+        count too, and a changed engine would read as a changed machine)."""
+        mark = self.pressure.start()
+        control_ms = self.control.measure_ms()
+        return control_ms, self.pressure.share(mark)
 
     def _begin_sampling(self, live: LiveCell) -> tuple[NodeTelemetry, float] | None:
         """Point the node's samplers at the cell's engine; None when the cell is not sampled."""

@@ -1,0 +1,124 @@
+"""Sequential sampling of a (cell, prompt) judged against its baseline (pure): at each planned
+look, its warm calls so far against the baseline run's samples, decided as a regression (past
+the threshold the worse way and significant at the look's share of ALPHA: one-sided Mann-Whitney
+U) or as unchanged (the bootstrap interval of the ratio of medians, at the look's share of ALPHA
+each way, inside the threshold both ways), or not yet. An unchanged engine then costs fewer calls;
+the gate judges the calls measured as it judges any run."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from scipy import stats as scipy_stats
+
+from pytest_gpubench.config.matrix import Thresholds
+from pytest_gpubench.results.decision import (
+    ALPHA,
+    alternative,
+    change_direction,
+    one_sided_p,
+    verdict_of,
+)
+from pytest_gpubench.results.gate import ratio_threshold
+from pytest_gpubench.results.stats import PromptSummary, is_success
+
+# At most this many looks: the minimum, then evenly up to the maximum, each at ALPHA / looks
+# (Bonferroni), so that deciding at some look is no likelier by chance than a fixed-N verdict.
+MAX_LOOKS = 4
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 20261125
+Stop = Literal["regression", "unchanged"]
+
+
+@dataclass(frozen=True)
+class _Metric:
+    label: str
+    field: str
+    threshold_field: str
+
+
+# The figures a look decides on (both latencies: lower is better).
+_METRICS = (
+    _Metric("warm TTFT p50", "first_delta_ms", "ttft_p50"),
+    _Metric("warm total p50", "total_duration_ms", "total_p50"),
+)
+
+
+def looks(min_runs: int, max_runs: int) -> tuple[int, ...]:
+    """The call counts at which a (cell, prompt) is judged: from min_runs evenly to max_runs."""
+    first = min(min_runs, max_runs)
+    count = max(1, min(MAX_LOOKS, max_runs - first + 1))
+    if count == 1:
+        return (max_runs,)
+    step = math.ceil((max_runs - first) / (count - 1))
+    return (*range(first, max_runs, step), max_runs)
+
+
+def sequential_stop(
+    calls: Sequence[Mapping[str, Any]],
+    baseline: PromptSummary,
+    thresholds: Thresholds,
+    min_runs: int,
+    max_runs: int,
+) -> tuple[Stop, int] | None:
+    """(what was decided, after how many successful calls) at the first look that decided; None
+    while undecided. The last look is never an early stop: it is the run's own verdict."""
+    succeeded = [call for call in calls if is_success(call)]
+    planned = looks(min_runs, max_runs)
+    alpha = ALPHA / len(planned)
+    for count in planned:
+        if count > len(succeeded) or count == max_runs:
+            return None
+        decided = _look(succeeded[:count], baseline, thresholds, alpha)
+        if decided is not None:
+            return decided, count
+    return None
+
+
+def _look(
+    calls: Sequence[Mapping[str, Any]],
+    baseline: PromptSummary,
+    thresholds: Thresholds,
+    alpha: float,
+) -> Stop | None:
+    """A regression as soon as one figure is one; unchanged once every figure is."""
+    unchanged = []
+    for metric in _METRICS:
+        now = [float(call[metric.field]) for call in calls if call.get(metric.field) is not None]
+        then = list(getattr(baseline.samples, metric.field))
+        if len(now) < 3 or len(then) < 3:
+            return None
+        threshold = ratio_threshold(thresholds, metric.threshold_field)
+        old, new = statistics.median(then), statistics.median(now)
+        direction = change_direction(old, new, threshold, higher_is_better=False)
+        p_value = (
+            one_sided_p(now, then, alternative(False, direction)) if direction is not None else None
+        )
+        kind = verdict_of(direction, p_value, 0.0, alpha)
+        if kind == "regression":
+            return "regression"
+        unchanged.append(kind == "ok" and _within(now, then, threshold, alpha))
+    return "unchanged" if all(unchanged) else None
+
+
+def _within(now: Sequence[float], then: Sequence[float], threshold: float, alpha: float) -> bool:
+    """Whether the bootstrap interval of median(now) / median(then), at 1 - 2·alpha (each bound
+    a one-sided test at alpha), lies inside the threshold both ways."""
+    result = scipy_stats.bootstrap(
+        (np.asarray(now), np.asarray(then)),
+        lambda new, old, axis: np.median(new, axis=axis) / np.median(old, axis=axis),
+        vectorized=True,
+        n_resamples=BOOTSTRAP_RESAMPLES,
+        confidence_level=1.0 - 2.0 * alpha,
+        method="percentile",
+        rng=np.random.default_rng(BOOTSTRAP_SEED),
+    )
+    low, high = float(result.confidence_interval.low), float(result.confidence_interval.high)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return False
+    return low * (1.0 + threshold) > 1.0 and high < 1.0 + threshold
