@@ -153,6 +153,15 @@ def test_on_a_steadily_busy_machine_what_the_gate_cannot_tell_is_unsteady_not_a_
     assert decide(evidence(115.0, wide, steadiness=busy)).kind == "unsteady"
     tight = [100.0, 101.0, 99.0, 100.5, 99.5]
     assert decide(evidence(100.8, tight, steadiness=busy)).kind == "ok"
+    # Quiet now and by the history's median, but busy in two of its runs: the wide spread it
+    # learned is the machine's.
+    flickered = steadiness([], [], pressure=[0.0] * 10, baseline_pressure=[0.0, 0.6, 0.0, 0.7, 0.0],
+                           runs_pressure=[0.0, 0.6, 0.0, 0.7, 0.0])  # fmt: skip
+    assert flickered is not None and flickered.drift is None
+    assert flickered.contended == (
+        "the machine was busy: tasks waited for a CPU 70% of the control calls' time"
+    )
+    assert decide(evidence(108.0, wide, steadiness=flickered)).kind == "unsteady"
     assert decide(evidence(140.0, tight, steadiness=busy)).kind == "regression"
 
 

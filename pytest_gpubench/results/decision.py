@@ -83,6 +83,9 @@ class Steadiness:
     pressure: float | None = None
     baseline_pressure: float | None = None
     pressure_halves: tuple[float, float] | None = None
+    # The busiest of the baseline's runs (its history's highest pressure p50): a between-run
+    # spread learned while the machine was busy in some runs is the machine's, not the engine's.
+    baseline_pressure_max: float | None = None
     # False where the pressure includes the run's own load (a load point's concurrent requests
     # keep tasks waiting by design): then only its change against the baseline counts.
     contention_counts: bool = True
@@ -121,13 +124,12 @@ class Steadiness:
 
     @property
     def contended(self) -> str | None:
-        """How busy the machine was when it was busy beyond PRESSURE_LIMIT in this run or the
-        baseline's (steadily: a drift is `drift`), or None. On such a machine the engine's speed
-        is partly its neighbours' to decide: a verdict that cannot tell (blind, inconclusive) is
-        `unsteady` there, never a silent pass."""
-        busiest = max(
-            (p for p in (self.pressure, self.baseline_pressure) if p is not None), default=None
-        )
+        """How busy the machine was when it was busy beyond PRESSURE_LIMIT in this run or in any
+        of the baseline's runs (steadily: a drift is `drift`), or None. On such a machine the
+        engine's speed is partly its neighbours' to decide: a verdict that cannot tell (blind,
+        inconclusive) is `unsteady` there, never a silent pass."""
+        readings = (self.pressure, self.baseline_pressure, self.baseline_pressure_max)
+        busiest = max((p for p in readings if p is not None), default=None)
         if not self.contention_counts or busiest is None or busiest <= PRESSURE_LIMIT:
             return None
         return (
@@ -142,6 +144,7 @@ def steadiness(
     *,
     pressure: Sequence[float] = (),
     baseline_pressure: Sequence[float] = (),
+    runs_pressure: Sequence[float] = (),
 ) -> Steadiness | None:
     """The control's movement: this run's control samples (in call order) against the baseline's
     (the geometric mean of its history's p50s when it has MIN_HISTORY runs, else the baseline
@@ -149,7 +152,8 @@ def steadiness(
     is beyond the floor and also significant on the control's own samples (two-sided
     Mann-Whitney U): one slow control call is the scheduler's noise, not a drift. The CPU
     pressure's p50 against the baseline's (`baseline_pressure`: its runs' p50s, or its run's
-    samples), and its halves when they differ significantly. None when this run has neither."""
+    samples), and its halves when they differ significantly; `runs_pressure`: the p50 of each
+    run in the baseline's history (its busiest run counts). None when this run has neither."""
     if not control and not pressure:
         return None
     against: float | None = None
@@ -178,6 +182,7 @@ def steadiness(
         pressure=statistics.median(pressure) if pressure else None,
         baseline_pressure=statistics.median(baseline_pressure) if baseline_pressure else None,
         pressure_halves=halves,
+        baseline_pressure_max=max(runs_pressure) if runs_pressure else None,
     )
 
 

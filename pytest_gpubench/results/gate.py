@@ -299,6 +299,7 @@ def machine_steadiness(
         control_figures(history),
         pressure=current.samples.cpu_pressure,
         baseline_pressure=pressure_figures(history) or baseline.samples.cpu_pressure,
+        runs_pressure=pressure_figures(history),
     )
 
 
