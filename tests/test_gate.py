@@ -456,3 +456,47 @@ def test_a_baseline_of_another_setup_is_incomparable_not_judged() -> None:
         )
         for v in accepted
     )
+
+
+def reasoning_summary(answers: list[float], reasoning: list[int]) -> PromptSummary:
+    """A summary through the real aggregation of calls with a TTFT of 10 ms, their first answer
+    at `answers` and `reasoning` tokens of thought each (0: the call did not reason)."""
+    records = [
+        {
+            "type": "call",
+            "cell_id": CELL,
+            "prompt_id": "P-THINK",
+            "prompt_sha256": SHA,
+            "phase": "warm",
+            "run_idx": index,
+            "first_delta_ms": 10.0,
+            "total_duration_ms": answer + 20.0,
+            "tokens_per_sec": 100.0,
+            "finish_reason": "stop",
+            "error": None,
+            "coalesced": False,
+            "first_answer_ms": answer,
+            "reasoning_tokens": tokens,
+        }
+        for index, (answer, tokens) in enumerate(zip(answers, reasoning, strict=True))
+    ]
+    (summary,) = summarize(records)
+    return summary
+
+
+def test_the_first_answer_is_judged_only_where_the_model_reasoned() -> None:
+    plain = reasoning_summary([10.0] * 10, [0] * 10)
+    assert plain.warm_first_answer_ms_p50 is None and plain.warm_reasoning_tokens_p50 is None
+    assert "warm_first_answer_p50_ms" not in {v.metric for v in judge(plain, plain)}
+
+    thinking = reasoning_summary([100.0 + i for i in range(10)], [20] * 10)
+    later = reasoning_summary([300.0 + i for i in range(10)], [60] * 10)
+    assert thinking.warm_first_answer_ms_p50 == 104.5
+    assert thinking.warm_reasoning_tokens_p50 == 20
+    (verdict,) = [v for v in judge(later, thinking) if v.metric == "warm_first_answer_p50_ms"]
+    assert verdict.verdict == "regression" and verdict.change_ratio == pytest.approx(304.5 / 104.5)
+    assert "reasoning tokens p50 20 → 60" in verdict.message
+
+    # A model that stopped reasoning is not passed unmeasured.
+    (gone,) = [v for v in judge(plain, thinking) if v.metric == "warm_first_answer_p50_ms"]
+    assert gone.verdict == "inconclusive" and "produced no reasoning tokens" in gone.message

@@ -12,6 +12,7 @@ import pytest
 from pytest_gpubench.cli.main import compare_command, main
 from pytest_gpubench.reports.terminal import (
     render_comparison,
+    render_load_table,
     render_markdown,
     render_summary,
     summary_rows,
@@ -340,3 +341,31 @@ def test_a_cold_case_that_ran_warm_is_labelled_in_the_cold_columns() -> None:
     assert rows[OLLAMA][5:7] == ["40.00 (ran warm)", "200.00 (ran warm)"]
     assert rows[TINY][5:7] == ["900.00", "4500.00"]
     assert "ran warm" in render_summary(summaries, [])
+
+
+def test_the_load_table_shows_prefix_cache_and_first_answer_only_where_measured() -> None:
+    """A `prefix:` point's cache hit rate and a reasoning point's first answer sit beside the
+    TTFT; a plain point's table has neither column."""
+    plain = {"prompt_id": "P", "load_point": "c1", "valid": True, "ttft_ms_p50": 10.0}
+    assert "prefix cache" not in render_load_table([plain])
+    assert "first answer" not in render_load_table([plain])
+    shared = {**plain, "load_point": "c4", "prefix_cache_hit_rate": 0.8125}
+    unique = {**plain, "load_point": "c4-unique", "prefix_cache_hit_rate": 0.0}
+    thinking = {
+        **plain,
+        "load_point": "c2",
+        "first_answer_ms_p50": 250.0,
+        "first_answer_ms_p99": 300.0,
+        "reasoning_tokens_p50": 40.0,
+    }
+    lines = render_load_table([shared, unique, thinking]).splitlines()
+    header = [name.strip() for name in lines[0].split("  ") if name.strip()]
+    assert header[5:9] == [
+        "TTFT p50 / p99 ms",
+        "prefix cache hit",
+        "first answer p50 / p99 ms",
+        "reasoning tok p50",
+    ]
+    rows = {line.split()[1]: line for line in lines[2:]}
+    assert "81.2%" in rows["c4"] and "0.0%" in rows["c4-unique"]
+    assert "250.00 / 300.00" in rows["c2"] and rows["c2"].split()[-1] == "ok"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +228,12 @@ def test_a_shared_prefix_shows_as_prefix_cache_hits_through_cache_n(
     assert unique["prefix_cache_hit_rate"] < 0.05
     # The engine reads 32 new tokens a request instead of 288: TTFT shows it.
     assert shared["ttft_ms_p50"] < unique["ttft_ms_p50"]
+    # The terminal's load tables give each cell's hit rate right after its TTFT.
+    result.stdout.re_match_lines([r"\s*prompt\s.*TTFT p50 / p99 ms\s+prefix cache hit\s+TPOT"])
+    for load in (shared, unique):
+        ttft = f"{load['ttft_ms_p50']:.2f} / {load['ttft_ms_p99']:.2f}"
+        rate = f"{load['prefix_cache_hit_rate']:.1%}"
+        result.stdout.re_match_lines([rf".*\s{re.escape(ttft)}\s+{re.escape(rate)}\s.*"])
 
 
 @pytest.mark.engine

@@ -76,6 +76,8 @@ class Thresholds(_Strict):
     ttft_p50: PositiveFloat | None = None
     total_p50: PositiveFloat | None = None
     tokens_per_sec: PositiveFloat | None = None
+    # A reasoning model's warm time to its first answer token (judged only where it reasoned).
+    first_answer_p50: PositiveFloat | None = None
     success_rate: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     max_peak_vram_mib: PositiveFloat | None = None
     # The engine's own processes' VRAM (NVML on this machine); the whole GPU's is the one above.

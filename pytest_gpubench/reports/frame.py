@@ -41,6 +41,8 @@ SUMMARY_NUMBERS = (
     "engine_prompt_ms",
     "engine_total_ms",
     "control_ms",
+    "first_answer_ms",
+    "reasoning_tokens",
     "cpu_pressure",
 )
 # The per-case resource figures (telemetry/aggregate.py) the report's telemetry table needs.
@@ -252,8 +254,8 @@ def _read_range(path: Path, start: int, end: int, export: bool) -> _Part:
 # with a whole line, stamped with the ledger's size and modification time: the ledger stays the
 # truth, the cache is used only while both match, and is rewritten otherwise.
 CACHE_SUFFIX = ".columns.npz"
-# 2: the engine's own VRAM column.
-CACHE_VERSION = 2
+# 2: the engine's own VRAM column. 3: a reasoning model's first answer and reasoning tokens.
+CACHE_VERSION = 3
 
 
 def cache_path(path: Path) -> Path:

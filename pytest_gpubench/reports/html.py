@@ -21,6 +21,8 @@ DISTRIBUTIONS = (
     ("total_duration_ms", "Warm total duration", "ms"),
     ("decode_tokens_per_sec", "Warm decode rate", "tokens/s"),
 )
+# Drawn beside them where some (cell, prompt) reasoned (issue 23): its first answer token.
+REASONING_DISTRIBUTION = ("first_answer_ms", "Warm time to first answer", "ms")
 CURRENT_COLOR = "#1f6fb4"
 BASELINE_COLOR = "#9a9a9a"
 VERDICT_COLORS = {
@@ -272,10 +274,13 @@ def _distribution_chart(
     """One row per (cell, prompt), one panel per metric: the run's box above the baseline's."""
     plt = pyplot()
     rows = list(reversed(warm))
+    panels: tuple[tuple[str, str, str], ...] = DISTRIBUTIONS
+    if any(summary.samples.first_answer_ms for summary in warm):
+        panels = (*DISTRIBUTIONS, REASONING_DISTRIBUTION)
     figure, axes_row = plt.subplots(
-        1, len(DISTRIBUTIONS), figsize=(12, 1.0 + 0.6 * len(rows)), sharey=True, squeeze=False
+        1, len(panels), figsize=(4 * len(panels), 1.0 + 0.6 * len(rows)), sharey=True, squeeze=False
     )
-    for axes, (field, title, unit) in zip(axes_row[0], DISTRIBUTIONS, strict=True):
+    for axes, (field, title, unit) in zip(axes_row[0], panels, strict=True):
         for index, summary in enumerate(rows):
             current = getattr(summary.samples, field)
             previous = getattr(old[summary.key].samples, field) if summary.key in old else ()

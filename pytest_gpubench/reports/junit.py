@@ -30,6 +30,7 @@ CALL_PROPERTIES = (
     "cold_kind",
     "error",
 )
+REASONING_PROPERTIES = ("first_answer_ms", "reasoning_tokens", "answer_tokens")
 
 
 # A load case's figures (its `load` record).
@@ -57,6 +58,12 @@ def call_properties(record: Mapping[str, Any]) -> list[tuple[str, object]]:
     properties: list[tuple[str, object]] = [
         (name, record[name]) for name in CALL_PROPERTIES if record.get(name) is not None
     ]
+    # A call that reasoned (issue 23): when its answer began and how its tokens split; other
+    # calls' first answer is their TTFT, not repeated.
+    if record.get("reasoning_tokens"):
+        properties.extend(
+            (name, record[name]) for name in REASONING_PROPERTIES if record.get(name) is not None
+        )
     timings = record.get("engine_timings")
     if isinstance(timings, Mapping):
         properties.extend(

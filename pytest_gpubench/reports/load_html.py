@@ -12,9 +12,9 @@ from typing import Any
 
 from pytest_gpubench.reports.charts import inline_svg, pyplot
 from pytest_gpubench.reports.terminal import (
-    LOAD_HEADERS,
     NONE,
     SERVER_CHECK_HEADERS,
+    load_headers,
     load_rows,
     server_check_rows,
 )
@@ -98,7 +98,7 @@ def render_load_section(
 
 def _points_table(loads: Sequence[Mapping[str, Any]]) -> str:
     rows = load_rows(loads)
-    head = "".join(f"<th>{_e(h)}</th>" for h in LOAD_HEADERS)
+    head = "".join(f"<th>{_e(h)}</th>" for h in load_headers(loads))
     body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
     text = f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
     checks = server_check_rows(loads)

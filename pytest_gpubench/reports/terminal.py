@@ -13,6 +13,8 @@ from tabulate import tabulate
 
 from pytest_gpubench.ledger.outcomes import CellOutcome
 from pytest_gpubench.results.gate import (
+    ALL_METRIC_NAMES,
+    FIRST_ANSWER_P50,
     METRIC_NAMES,
     PROVENANCE,
     SUCCESS_RATE,
@@ -30,6 +32,7 @@ METRIC_LABELS = {
     "warm_ttft_p50_ms": "TTFT p50 ms",
     "warm_total_p50_ms": "total p50 ms",
     "warm_decode_tokens_per_sec_p50": "decode tok/s p50",
+    FIRST_ANSWER_P50.name: "first answer p50 ms",
     # Gated before issue 11; still named when an older ledger's end record is rendered.
     "warm_tokens_per_sec_mean": "tok/s mean",
     SUCCESS_RATE: "success rate",
@@ -108,14 +111,33 @@ SUMMARY_HEADERS = (
 )
 
 
+# A reasoning model's columns (issue 23), after the decode rate; only in a table where some
+# (cell, prompt) reasoned: a model that does not reason gets no empty columns.
+REASONING_HEADERS = ("first answer p50 ms", "Δ first answer", "reasoning tok p50")
+
+
+def reasoning_shown(summaries: Iterable[PromptSummary]) -> bool:
+    return any(summary.warm_first_answer_ms_p50 is not None for summary in summaries)
+
+
+def summary_headers(summaries: Iterable[PromptSummary]) -> tuple[str, ...]:
+    """SUMMARY_HEADERS, with the reasoning columns where some (cell, prompt) reasoned."""
+    if not reasoning_shown(summaries):
+        return SUMMARY_HEADERS
+    at = SUMMARY_HEADERS.index("decode tok/s p50") + 1
+    return (*SUMMARY_HEADERS[:at], *REASONING_HEADERS, *SUMMARY_HEADERS[at:])
+
+
 def summary_rows(
     summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict]
 ) -> list[list[str]]:
     """One row per (cell, prompt): warm numbers, the first cold call, the change against the
-    baseline, the verdict."""
+    baseline, the verdict (the columns of summary_headers)."""
+    summaries = list(summaries)
     verdicts = list(verdicts)
     by_key = _verdicts_by_key(verdicts)
     worst = overall_by_key(verdicts)
+    shown = reasoning_shown(summaries)
     return [
         [
             summary.cell_id,
@@ -123,6 +145,7 @@ def summary_rows(
             fixed(summary.warm_first_delta_ms_p50),
             fixed(summary.warm_total_duration_ms_p50),
             fixed(summary.warm_decode_tokens_per_sec_p50, 1),
+            *(_reasoning_cells(summary, by_key.get(summary.key, {})) if shown else ()),
             _cold_figure(summary, summary.cold_first_delta_ms),
             _cold_figure(summary, summary.cold_total_duration_ms),
             str(summary.warm_coalesced),
@@ -132,6 +155,15 @@ def summary_rows(
             worst.get(summary.key, NONE),
         ]
         for summary in sorted(summaries, key=lambda item: item.key)
+    ]
+
+
+def _reasoning_cells(summary: PromptSummary, verdicts: Mapping[str, Verdict]) -> list[str]:
+    judged = verdicts.get(FIRST_ANSWER_P50.name)
+    return [
+        fixed(summary.warm_first_answer_ms_p50),
+        change(judged.change_ratio if judged else None),
+        fixed(summary.warm_reasoning_tokens_p50, 0),
     ]
 
 
@@ -178,7 +210,7 @@ def verdict_notes(verdicts: Iterable[Verdict], *, accepted: bool = False) -> lis
     --baseline-update a change is not a finding but what is being ratified: `ACCEPTED`."""
     order = {kind: index for index, kind in enumerate(NOTEWORTHY)}
     chosen = [verdict for verdict in verdicts if verdict.verdict in order]
-    metrics = {name: index for index, name in enumerate(METRIC_NAMES)}
+    metrics = {name: index for index, name in enumerate(ALL_METRIC_NAMES)}
     chosen.sort(key=lambda v: (order[v.verdict], v.key, metrics.get(v.metric, len(metrics))))
     return [
         f"ACCEPTED ({verdict.verdict}): {verdict.message}"
@@ -198,12 +230,13 @@ def render_summary(
     """The terminal summary: the table, the resource telemetry table (when anything was
     sampled), then one line per verdict that needs attention."""
     verdicts = list(verdicts)
+    summaries = list(summaries)
     rows = summary_rows(summaries, verdicts)
     if not rows:
         return "no calls measured"
     notes = verdict_notes(verdicts, accepted=accepted)
     resources = telemetry_rows(telemetry)
-    tables = [table(rows, SUMMARY_HEADERS)]
+    tables = [table(rows, summary_headers(summaries))]
     if resources:
         tables.append(table(resources, TELEMETRY_HEADERS))
     head_to_head = render_ab(verdicts)
@@ -639,7 +672,11 @@ def _cell_section(
     if cold:
         parts.append("### Cold\n\n" + table(_cold_rows(cold), COLD_HEADERS, markdown=True))
     if warm:
-        parts.append("### Warm\n\n" + table(_warm_rows(warm), WARM_HEADERS, markdown=True))
+        headers = (
+            (*WARM_HEADERS, *WARM_REASONING_HEADERS) if reasoning_shown(warm) else WARM_HEADERS
+        )
+        rows = _warm_rows(warm, reasoning=reasoning_shown(warm))
+        parts.append("### Warm\n\n" + table(rows, headers, markdown=True))
     own_loads = [record for record in loads if record.get("cell_id") == cell_id]
     if own_loads:
         parts.append("### Load\n\n" + render_load_table(own_loads, markdown=True))
@@ -708,6 +745,13 @@ WARM_HEADERS = (
     "engine tok/s p50",
     "coalesced",
 )
+# Where some prompt of the cell reasoned (issue 23): its first answer token and reasoning tokens.
+WARM_REASONING_HEADERS = (
+    "first answer p50",
+    "first answer p95",
+    "first answer p99",
+    "reasoning tok p50",
+)
 
 
 def _cold_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
@@ -724,7 +768,7 @@ def _cold_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
     ]
 
 
-def _warm_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
+def _warm_rows(summaries: Iterable[PromptSummary], *, reasoning: bool = False) -> list[list[str]]:
     return [
         [
             s.prompt_id,
@@ -740,6 +784,16 @@ def _warm_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
             fixed(s.warm_tpot_ms_p90, 3),
             fixed(s.warm_engine_tokens_per_sec_p50, 1),
             str(s.warm_coalesced),
+            *(
+                (
+                    fixed(s.warm_first_answer_ms_p50),
+                    fixed(s.warm_first_answer_ms_p95),
+                    fixed(s.warm_first_answer_ms_p99),
+                    fixed(s.warm_reasoning_tokens_p50, 0),
+                )
+                if reasoning
+                else ()
+            ),
         ]
         for s in summaries
     ]
@@ -790,8 +844,53 @@ LOAD_HEADERS = (
 )
 
 
+# Beside the TTFT where a point has them: the engine's prefix-cache hit rate (a `prefix:`
+# workload's cache, vLLM's counters or llama.cpp's cache_n) and a reasoning model's first answer.
+LOAD_PREFIX_HEADERS = ("prefix cache hit",)
+LOAD_REASONING_HEADERS = ("first answer p50 / p99 ms", "reasoning tok p50")
+
+
+def _load_extras(loads: Sequence[Mapping[str, Any]]) -> tuple[bool, bool]:
+    """(some point has a prefix-cache hit rate, some point reasoned)."""
+    return (
+        any(load.get("prefix_cache_hit_rate") is not None for load in loads),
+        any(load.get("reasoning_tokens_p50") is not None for load in loads),
+    )
+
+
+def load_headers(loads: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
+    """LOAD_HEADERS, with the prefix-cache and reasoning columns after the TTFT where some
+    point has them."""
+    prefix, reasoning = _load_extras(list(loads))
+    at = LOAD_HEADERS.index("TTFT p50 / p99 ms") + 1
+    extra = (
+        *(LOAD_PREFIX_HEADERS if prefix else ()),
+        *(LOAD_REASONING_HEADERS if reasoning else ()),
+    )
+    return (*LOAD_HEADERS[:at], *extra, *LOAD_HEADERS[at:])
+
+
+def _load_extra_cells(load: Mapping[str, Any], prefix: bool, reasoning: bool) -> list[str]:
+    cells = []
+    if prefix:
+        rate = load.get("prefix_cache_hit_rate")
+        cells.append(f"{rate:.1%}" if isinstance(rate, int | float) else NONE)
+    if reasoning:
+        cells.append(
+            f"{fixed(load.get('first_answer_ms_p50'))} / {fixed(load.get('first_answer_ms_p99'))}"
+            if load.get("reasoning_tokens_p50") is not None
+            else NONE
+        )
+        cells.append(fixed(load.get("reasoning_tokens_p50"), 0))
+    return cells
+
+
 def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
-    """One row per load point (a sweep: per step, then the sweep's saturation point)."""
+    """One row per load point (a sweep: per step, then the sweep's saturation point), in the
+    columns of load_headers."""
+    loads = list(loads)
+    prefix, reasoning = _load_extras(loads)
+    extras = int(prefix) + 2 * int(reasoning)
     rows = []
     for load in loads:
         if load.get("pattern") == "sweep":
@@ -800,7 +899,7 @@ def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
                 [
                     _text(load.get("prompt_id")),
                     "sweep",
-                    *([NONE] * 10),
+                    *([NONE] * (10 + extras)),
                     f"saturation {fixed(saturation)} req/s"
                     if saturation is not None
                     else (load.get("error") or "no step met the SLO"),
@@ -820,6 +919,7 @@ def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
                 fixed(load.get("achieved_rate")),
                 fixed(load.get("output_tokens_per_sec"), 1),
                 f"{fixed(load.get('ttft_ms_p50'))} / {fixed(load.get('ttft_ms_p99'))}",
+                *_load_extra_cells(load, prefix, reasoning),
                 f"{fixed(load.get('tpot_ms_p50'))} / {fixed(load.get('tpot_ms_p99'))}",
                 fixed(load.get("itl_ms_p99")),
                 fixed(load.get("e2e_ms_p99")),
@@ -834,7 +934,8 @@ def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
 
 
 def render_load_table(loads: Iterable[Mapping[str, Any]], *, markdown: bool = False) -> str:
-    return table(load_rows(loads), LOAD_HEADERS, markdown=markdown)
+    loads = list(loads)
+    return table(load_rows(loads), load_headers(loads), markdown=markdown)
 
 
 SERVER_CHECK_HEADERS = (

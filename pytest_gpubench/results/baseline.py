@@ -20,6 +20,7 @@ from pytest_gpubench.results.gate import run_figures
 from pytest_gpubench.results.run_history import History, RunFigures, appended
 from pytest_gpubench.results.stats import (
     PERCENTILE_NAMES,
+    REASONING_METRICS,
     SAMPLE_FIELDS,
     WARM_METRICS,
     PromptSummary,
@@ -221,7 +222,15 @@ def summary_to_dict(summary: PromptSummary) -> dict[str, Any]:
         "coalesced": summary.warm_coalesced,
     }
     for metric in WARM_METRICS:
-        warm[metric] = {name: summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES}
+        figures = {name: summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES}
+        # A model that does not reason has no reasoning figures: left out, not written as nulls.
+        if metric not in REASONING_METRICS or any(v is not None for v in figures.values()):
+            warm[metric] = figures
+    samples = {
+        field: list(getattr(summary.samples, field))
+        for field in SAMPLE_FIELDS
+        if field not in REASONING_METRICS or getattr(summary.samples, field)
+    }
     return {
         "prompt_sha256": summary.prompt_sha256,
         "cold": {
@@ -232,7 +241,7 @@ def summary_to_dict(summary: PromptSummary) -> dict[str, Any]:
             "total_duration_ms": summary.cold_total_duration_ms,
         },
         "warm": warm,
-        "samples": {field: list(getattr(summary.samples, field)) for field in SAMPLE_FIELDS},
+        "samples": samples,
     }
 
 
@@ -383,7 +392,7 @@ def summary_from_dict(
     percentiles: dict[str, float | None] = {}
     for metric in WARM_METRICS:
         required = PERCENTILE_NAMES if complete else _FORMAT_1_PERCENTILES.get(metric, ())
-        if version < _ADDED_IN.get(metric, 0):
+        if version < _ADDED_IN.get(metric, 0) or metric in REASONING_METRICS:
             required = ()
         found = (
             fields.mapping(warm, metric, at["warm"])
@@ -395,7 +404,9 @@ def summary_from_dict(
             percentiles[f"warm_{metric}_{name}"] = read(found, name, f"{at['warm']}.{metric}")
     raw = {
         field: fields.numbers(samples, field, at["samples"])
-        if (complete or field in _FORMAT_1_SAMPLES) and version >= _ADDED_IN.get(field, 0)
+        if (complete or field in _FORMAT_1_SAMPLES)
+        and version >= _ADDED_IN.get(field, 0)
+        and (field not in REASONING_METRICS or field in samples)
         else ()
         for field in SAMPLE_FIELDS
     }

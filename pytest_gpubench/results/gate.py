@@ -121,9 +121,38 @@ DECODE_TOKENS_PER_SEC = Metric(
     engine_label="decode rate",
     engine_value=lambda summary: summary.warm_engine_tokens_per_sec_p50,
 )
+# A reasoning model's time to its first answer token (issue 23): what its user waits for, which
+# TTFT (the first reasoning token) does not show. Judged only where the engine reasoned, in this
+# run or the baseline's. No engine reports a time of its own for it: a change is set beside the
+# reasoning token count instead (more reasoning is a later answer).
+FIRST_ANSWER_P50 = Metric(
+    name="warm_first_answer_p50_ms",
+    label="warm time to first answer p50",
+    threshold_field="first_answer_p50",
+    higher_is_better=False,
+    value=lambda summary: summary.warm_first_answer_ms_p50,
+    samples=lambda summary: summary.samples.first_answer_ms,
+    engine_label="reasoning tokens",
+    engine_value=lambda summary: None,
+)
 RATIO_METRICS = (TTFT_P50, TOTAL_P50, DECODE_TOKENS_PER_SEC)
 SUCCESS_RATE = "warm_success_rate"
 METRIC_NAMES = (*tuple(metric.name for metric in RATIO_METRICS), SUCCESS_RATE)
+# Every metric a verdict may name, in the order the reports list them.
+ALL_METRIC_NAMES = (*METRIC_NAMES, FIRST_ANSWER_P50.name)
+
+
+def reasoned(summary: PromptSummary | None) -> bool:
+    """Did the engine reason on this (cell, prompt)? Its first-answer figure exists only then."""
+    return summary is not None and summary.warm_first_answer_ms_p50 is not None
+
+
+def gated_metrics(current: PromptSummary, baseline: PromptSummary | None) -> tuple[Metric, ...]:
+    """The ratio metrics judged for a (cell, prompt): the first answer where either run reasoned
+    (a baseline that reasoned and a run that did not is inconclusive, never passed unmeasured)."""
+    if reasoned(current) or reasoned(baseline):
+        return (*RATIO_METRICS, FIRST_ANSWER_P50)
+    return RATIO_METRICS
 
 
 @dataclass(frozen=True)
@@ -232,12 +261,15 @@ def judge(
     thresholds = thresholds or Thresholds()
     if current.n_warm == 0:
         return []
+    metrics = gated_metrics(current, baseline)
     if baseline is None:
-        values = [metric.value(current) for metric in RATIO_METRICS]
-        values.append(current.warm_success_rate)
         return [
-            _verdict(current, name, "new", "no baseline yet", value=value)
-            for name, value in zip(METRIC_NAMES, values, strict=True)
+            _verdict(current, metric.name, "new", "no baseline yet", value=metric.value(current))
+            for metric in metrics
+        ] + [
+            _verdict(
+                current, SUCCESS_RATE, "new", "no baseline yet", value=current.warm_success_rate
+            )
         ]
     check_prompt_unchanged(current, baseline)
     steady = machine_steadiness(current, baseline, history)
@@ -250,7 +282,7 @@ def judge(
             history=figures(history, metric.name),
             steady=steady,
         )
-        for metric in RATIO_METRICS
+        for metric in metrics
     ]
     verdicts.append(judge_success_rate(current, baseline, success_threshold(thresholds)))
     return verdicts
@@ -279,7 +311,7 @@ def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None)
         benchmark_run_id=run_id,
         date=date,
         n=len(summary.samples.first_delta_ms),
-        figures={metric.name: metric.value(summary) for metric in RATIO_METRICS},
+        figures={metric.name: metric.value(summary) for metric in gated_metrics(summary, None)},
         control_ms=sorted(control)[len(control) // 2] if control else None,
         cpu_pressure=statistics.median(pressure) if pressure else None,
     )
@@ -361,6 +393,8 @@ def from_decision(
 
 
 def _why_missing(metric: Metric, current: PromptSummary) -> str:
+    if metric is FIRST_ANSWER_P50 and current.n_warm_ok:
+        return "the baseline's model reasoned, this run's produced no reasoning tokens"
     if metric is DECODE_TOKENS_PER_SEC and current.warm_coalesced:
         return (
             f"no decode rate in this run: {current.warm_coalesced} of {current.n_warm_ok} "
@@ -379,6 +413,8 @@ def attribute(
     metric: Metric, current: PromptSummary, baseline: PromptSummary, ratio: float
 ) -> Attribution:
     """Did the engine's own figure move with the client's (current / baseline = `ratio`)?"""
+    if metric is FIRST_ANSWER_P50:
+        return _reasoning_cause(current, baseline)
     old, new = metric.engine_value(baseline), metric.engine_value(current)
     engine = engine_name(current.cell_id)
     if old is None and new is None:
@@ -420,6 +456,16 @@ def attribute(
         engine_ratio,
         f"client or transport side: the engine's own timings held ({own}{unseen})",
     )
+
+
+def _reasoning_cause(current: PromptSummary, baseline: PromptSummary) -> Attribution:
+    """A later first answer comes from more reasoning or from slower tokens: the reasoning token
+    count (p50) of both runs says which; the engine's own timings do not split the two."""
+    old, new = baseline.warm_reasoning_tokens_p50, current.warm_reasoning_tokens_p50
+    if old is None or new is None:
+        return Attribution("unknown", None, "not attributed: no reasoning token count to compare")
+    moved = f"reasoning tokens p50 {old:g} → {new:g}"
+    return Attribution("unknown", None, f"not attributed: {moved}")
 
 
 def _share(engine_ratio: float, client_ratio: float) -> float:

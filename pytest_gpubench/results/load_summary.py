@@ -190,6 +190,12 @@ def summarize_point(
         summary[f"{name}_n"] = len(values)
         for q in PERCENTILES:
             summary[f"{name}_p{q}"] = percentile(values, q)
+    # A reasoning model's tokens of thought per request (None where no request reasoned: its
+    # first answer is then its TTFT, and the reports show no reasoning columns).
+    reasoning = _numbers(ok, "reasoning_tokens")
+    summary["reasoning_tokens_p50"] = (
+        percentile(reasoning, 50) if any(value > 0 for value in reasoning) else None
+    )
     gaps = [gap for call in ok for gap in gaps_ms(call)]
     summary["itl_ms_n"] = len(gaps)
     for q in PERCENTILES:

@@ -26,9 +26,14 @@ WARM_METRICS: dict[str, str] = {
     "engine_total_ms": "engine_total_ms",
     # The control call measured before each call (measure/control.py): the machine's speed then.
     "control_ms": "control_ms",
+    # A reasoning model's (issue 23): the first answer token after its reasoning, and the tokens
+    # it reasoned with. Only a (cell, prompt) whose warm calls reasoned has them (_reasoning_only).
+    "first_answer_ms": "first_answer_ms",
+    "reasoning_tokens": "reasoning_tokens",
     # The share of each call's wall time in which some task waited for a CPU (measure/control.py).
     "cpu_pressure": "cpu_pressure",
 }
+REASONING_METRICS = ("first_answer_ms", "reasoning_tokens")
 _DECODE_METRICS = ("decode_tokens_per_sec", "tpot_ms")
 # Fields read from each call record; everything else (inter-chunk gaps, engine timings) is left
 # out of the frame so that a million records stay cheap.
@@ -42,6 +47,7 @@ SAMPLE_FIELDS = (
     "engine_tokens_per_sec",
     "engine_total_ms",
     "control_ms",
+    "first_answer_ms",
     "cpu_pressure",
 )
 
@@ -61,6 +67,7 @@ class WarmSamples:
     engine_tokens_per_sec: tuple[float, ...] = ()
     engine_total_ms: tuple[float, ...] = ()
     control_ms: tuple[float, ...] = ()
+    first_answer_ms: tuple[float, ...] = ()
     cpu_pressure: tuple[float, ...] = ()
 
 
@@ -118,6 +125,15 @@ class PromptSummary:
     warm_control_ms_p90: float | None = None
     warm_control_ms_p95: float | None = None
     warm_control_ms_p99: float | None = None
+    # None unless the engine reasoned on this (cell, prompt): no empty figures for other models.
+    warm_first_answer_ms_p50: float | None = None
+    warm_first_answer_ms_p90: float | None = None
+    warm_first_answer_ms_p95: float | None = None
+    warm_first_answer_ms_p99: float | None = None
+    warm_reasoning_tokens_p50: float | None = None
+    warm_reasoning_tokens_p90: float | None = None
+    warm_reasoning_tokens_p95: float | None = None
+    warm_reasoning_tokens_p99: float | None = None
     warm_cpu_pressure_p50: float | None = None
     warm_cpu_pressure_p90: float | None = None
     warm_cpu_pressure_p95: float | None = None
@@ -214,6 +230,7 @@ def summarize_frame(frame: pd.DataFrame, *, with_samples: bool = True) -> list[P
         frame = frame.assign(**missing)
     if frame.empty:
         return []
+    frame = _reasoning_only(frame)
     warm = frame[frame["phase"] == "warm"]
     warm_ok = warm[warm["ok"]]
     cold = frame[frame["phase"] == "cold"]
@@ -239,6 +256,19 @@ def summarize_frame(frame: pd.DataFrame, *, with_samples: bool = True) -> list[P
         )
         for group in sorted(range(len(keys)), key=keys.__getitem__)
     ]
+
+
+def _reasoning_only(frame: pd.DataFrame) -> pd.DataFrame:
+    """The reasoning figures kept only for the (cell, prompt)s where a successful warm call
+    reasoned: elsewhere the first answer is the first token, and a reasoning count of 0 or none
+    says nothing, so a model that does not reason shows no reasoning columns at all."""
+    reasoned = (frame["phase"] == "warm") & frame["ok"] & (frame["reasoning_tokens"] > 0)
+    others = ~frame["group"].isin(frame.loc[reasoned, "group"].unique())
+    if not others.any():
+        return frame
+    frame = frame.copy()
+    frame.loc[others, list(REASONING_METRICS)] = np.nan
+    return frame
 
 
 def _with_group_codes(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[str, str]]]:

@@ -14,8 +14,10 @@ answer in the three formats the engines document, one server for all three:
   with done_reason, prompt_eval_count and eval_count (thinking tokens included).
 
 Every stream: `delay_s` before the first reasoning token, then `reasoning` tokens and `answer`
-tokens, one per chunk, `gap_s` apart; so time to first token is `delay_s`, time to first
-answer token `delay_s + reasoning * gap_s`, on every format alike.
+tokens, one per chunk, `gap_s` apart, the answer held back a further `answer_delay_s`; so time
+to first token is `delay_s`, time to first answer token `delay_s + reasoning * gap_s +
+answer_delay_s`, on every format alike. `adjustable_reasoning_standin` lets a test change the
+script between runs against the same URL (a baseline, then a later answer).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 PROMPT_TOKENS = 9
+# What GET /v1/models lists: a vLLM-format model and a llama.cpp-format one.
+MODELS = [{"id": "vllm-r", "object": "model"}, {"id": "r", "object": "model"}]
+# What GET /api/tags lists (docs/api.md, "List Local Models"): the Ollama-format model `r`.
+OLLAMA_MODEL = {"name": "r:latest", "model": "r:latest", "size": 1000, "digest": "0" * 64}
 
 
 @dataclass(frozen=True)
@@ -38,9 +44,17 @@ class Script:
     gap_s: float = 0.01
     reasoning: int = 6
     answer: int = 4
+    answer_delay_s: float = 0.0
 
 
-def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
+@dataclass
+class LiveScript:
+    """The script a running stand-in follows, read afresh for every request."""
+
+    script: Script
+
+
+def _handler(live: LiveScript) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -49,6 +63,12 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             body = b'{"status": "ok"}'
+            if self.path == "/v1/models":  # the OpenAI models list both servers answer
+                body = json.dumps({"object": "list", "data": MODELS}).encode()
+            elif self.path == "/api/version":  # Ollama's health check and version
+                body = b'{"version": "0.12.0"}'
+            elif self.path == "/api/tags":  # Ollama's pulled models
+                body = json.dumps({"models": [OLLAMA_MODEL]}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -56,6 +76,7 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
         def do_POST(self) -> None:
+            script = live.script
             length = int(self.headers.get("Content-Length") or 0)
             request = json.loads(self.rfile.read(length) or b"{}")
             self.send_response(200)
@@ -66,9 +87,9 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
             self.send_header("Connection", "close")
             self.end_headers()
             if ollama:
-                lines = self._ollama()
+                lines = self._ollama(script)
             else:
-                lines = self._openai(str(request.get("model", "")).startswith("vllm"))
+                lines = self._openai(script, str(request.get("model", "")).startswith("vllm"))
             # Each chunk at its own time from the start (sleeps that overran do not add up).
             start = time.monotonic()
             for i, line in enumerate(lines):
@@ -76,6 +97,7 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
                     start
                     + script.delay_s
                     + min(i, script.reasoning + script.answer - 1) * script.gap_s
+                    + (script.answer_delay_s if i >= script.reasoning else 0.0)
                 )
                 time.sleep(max(0.0, due - time.monotonic()))
                 self._chunk(line)
@@ -85,7 +107,7 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             self.wfile.flush()
 
-        def _openai(self, vllm: bool) -> Iterator[bytes]:
+        def _openai(self, script: Script, vllm: bool) -> Iterator[bytes]:
             thought = "reasoning" if vllm else "reasoning_content"
             deltas = [{thought: f" step{i}"} for i in range(script.reasoning)]
             deltas += [{"content": f" word{i}"} for i in range(script.answer)]
@@ -104,7 +126,7 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
                 last["timings"] = {"prompt_n": PROMPT_TOKENS, "predicted_n": len(deltas)}
             yield b"data: " + json.dumps(last).encode() + b"\n\ndata: [DONE]\n\n"
 
-        def _ollama(self) -> Iterator[bytes]:
+        def _ollama(self, script: Script) -> Iterator[bytes]:
             messages = [
                 {"role": "assistant", "content": "", "thinking": f" step{i}"}
                 for i in range(script.reasoning)
@@ -130,11 +152,19 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
 @contextmanager
 def reasoning_standin(script: Script = Script()) -> Iterator[str]:
     """The stand-in's base URL while it runs."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(script))
+    with adjustable_reasoning_standin(script) as (base_url, _):
+        yield base_url
+
+
+@contextmanager
+def adjustable_reasoning_standin(script: Script = Script()) -> Iterator[tuple[str, LiveScript]]:
+    """The stand-in's base URL and the script it follows, which the test may replace."""
+    live = LiveScript(script)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(live))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"http://127.0.0.1:{server.server_address[1]}", live
     finally:
         server.shutdown()
         server.server_close()
