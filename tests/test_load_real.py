@@ -38,8 +38,10 @@ def ledger_records(root: Path) -> list[dict[str, Any]]:
 
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     return pytester.runpytest_subprocess(
-        "--force-load", "--allow-dirty", "-p", "no:cacheprovider", "-m", "load", *args
-    )
+        "--force-load", "--allow-dirty", "-p", "no:cacheprovider", "-m", "load",
+        # The subject is the load client, not the shared machine's steadiness.
+        "--gpubench-steadiness", "off", *args,
+    )  # fmt: skip
 
 
 def write_project(pytester: pytest.Pytester, cells: str, max_tokens: int = MAX_TOKENS) -> None:

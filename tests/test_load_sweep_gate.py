@@ -48,7 +48,16 @@ def test_a_sweep_whose_middle_step_slows_exits_6_naming_that_step(
             " duration_s: 2, warmup_s: 0.2, max_send_lag_ms: 50}}\n",
         )
         pytester.makepyfile(test_bench=TEST_GENERATE)
-        args = ("--force-load", "-p", "no:cacheprovider", "-m", "load")
+        # The subject is the sweep's gate, not the shared machine's steadiness.
+        args = (
+            "--force-load",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "load",
+            "--gpubench-steadiness",
+            "off",
+        )
         update = pytester.runpytest_subprocess(*args, "--baseline-update")
         assert update.ret == 0, update.stdout.str()[-3000:]
         stored = json.loads(

@@ -26,9 +26,11 @@ def ledger_records(root: Path) -> list[dict[str, Any]]:
 
 
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    # The subject is the workload, not the shared machine's steadiness.
     return pytester.runpytest_subprocess(
-        "--force-load", "--allow-dirty", "-p", "no:cacheprovider", *args
-    )
+        "--force-load", "--allow-dirty", "-p", "no:cacheprovider", "--gpubench-steadiness", "off",
+        *args,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("tokenizer", [None, "model folder"])
