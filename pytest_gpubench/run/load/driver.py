@@ -301,16 +301,12 @@ def spin_ns(rate: float) -> int:
 async def wait_until(
     target_ns: int, spin: int = SPIN_NS, clock: Callable[[], int] = time.perf_counter_ns
 ) -> None:
-    """Sleep until `spin` ns before `target_ns`, then yield to the loop's other tasks until it
-    (sub-millisecond send lag): replies keep being read and a send just scheduled goes out while
-    the next one waits, where a busy spin held the loop. Yields at least once; a target already
-    past is not waited for (a late schedule never spins)."""
+    """Sleep until `spin` ns before `target_ns`, then spin to it (sub-millisecond send lag).
+    Yields to the loop at least once, so that a send just scheduled goes out before the spin."""
     delay_ns = target_ns - clock() - spin
     await asyncio.sleep(max(0.0, delay_ns / 1e9))
-    # Each pass is one round of the event loop (a zero-timeout poll and the ready callbacks),
-    # some microseconds; it ends at the target, never later than `spin` after the wake-up.
     while clock() < target_ns:
-        await asyncio.sleep(0)
+        pass
 
 
 def build_target(
