@@ -12,51 +12,31 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.workload_runs import (
+    DATASET,
+    SHAREGPT_PROMPTS,
+    copy_sharegpt_sample,
+    edit_every_question,
+    ledger_records,
+)
+from support.workload_runs import run_workload as run
 
 from pytest_gpubench.core.status import EXIT_UNSTEADY
 from pytest_gpubench.engines import tinymodel
 from pytest_gpubench.engines.tinymodel import TinyConfig
-from pytest_gpubench.ledger.writer import read_ledger
 
-SAMPLE = (
-    Path(__file__).parent.parent / "pytest_gpubench" / "config" / "samples" / "chat_sample.jsonl"
-)
 TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
 LOAD_TEST_FILE = (Path(__file__).parent.parent / "benchmarks" / "test_inference.py").read_text()
-DATASET = "{path: chat.jsonl, format: sharegpt, count: 3, seed: 7, max_output_words: 20}"
-
-
-def ledger_records(root: Path) -> list[dict[str, Any]]:
-    newest = max((root / "runs").glob("*.jsonl"), key=lambda path: path.stat().st_mtime_ns)
-    return read_ledger(newest)
-
-
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_subprocess(
-        "--force-load", "--allow-dirty", "-p", "no:cacheprovider", *args
-    )
-
-
-def edit_every_question(path: Path) -> None:
-    """Reword every user turn of the file (what a careless edit of a shipped dataset does)."""
-    lines = []
-    for line in path.read_text().splitlines():
-        entry = json.loads(line)
-        for turn in entry["conversations"]:
-            if turn["from"] == "human":
-                turn["value"] = "Please answer: " + turn["value"]
-        lines.append(json.dumps(entry))
-    path.write_text("\n".join(lines) + "\n")
 
 
 @pytest.mark.engine
 def test_a_sharegpt_sample_is_measured_single_call_and_frozen(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
-    (pytester.path / "chat.jsonl").write_text(SAMPLE.read_text())
+    copy_sharegpt_sample(pytester.path)
     pytester.makefile(
         ".yaml",
-        prompts=f"prompts:\n  chat: {{intent: support chat, dataset: {DATASET}}}\n",
+        prompts=SHAREGPT_PROMPTS,
         cells="nodes: {local: {kind: local}}\ncells:\n"
         f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', "
         "server_args: [--threads, '1'], runs: 5, phases: [warm], prompts: [chat]}\n",
@@ -89,7 +69,7 @@ def test_a_sharegpt_sample_is_measured_single_call_and_frozen(
 def test_a_sharegpt_sample_under_load_sends_each_prompt_and_is_frozen(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
-    (pytester.path / "chat.jsonl").write_text(SAMPLE.read_text())
+    copy_sharegpt_sample(pytester.path)
     pytester.makefile(
         ".yaml",
         prompts="prompts:\n  P: {intent: p, prompt: hi, max_tokens: 4}\n",
