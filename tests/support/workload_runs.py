@@ -45,11 +45,16 @@ def edit_every_question(path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def run_workload(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    """The benchmark run in a subprocess, as a user runs it (load tests forced, tree dirty)."""
-    return pytester.runpytest_subprocess(
-        "--force-load", "--allow-dirty", "-p", "no:cacheprovider", *args
-    )
+def run_workload(
+    pytester: pytest.Pytester, *args: str, in_process: bool = False
+) -> pytest.RunResult:
+    """The benchmark run (load tests forced, tree dirty): in a subprocess, as a user runs it, or
+    in this process, which saves the 1-2 s a subprocess takes to import pytest, pandas and scipy
+    (the plugin's lazy imports are kept alive by tests/conftest.py)."""
+    options = ("--force-load", "--allow-dirty", "-p", "no:cacheprovider", *args)
+    if in_process:
+        return pytester.runpytest(*options)
+    return pytester.runpytest_subprocess(*options)
 
 
 def ledger_records(root: Path) -> list[dict[str, Any]]:
