@@ -149,9 +149,15 @@ def test_a_poisson_run_records_its_schedule_and_keeps_it(
     seen = []
     for _ in range(LAG_ATTEMPTS):
         result = run(pytester)
-        result.assert_outcomes(passed=1)
         records = ledger_records(pytester.path)
         (load,) = [r for r in records if r["type"] == "load"]
+        if not load["valid"] and "send lag" in (load["invalid_reason"] or ""):
+            # Neighbours held both cores past the point's own limit (max_send_lag_ms): the
+            # point fails as it should, and the run is one to measure again.
+            result.assert_outcomes(failed=1)
+            seen.append((load["send_lag_ms_p50"], load["send_lag_ms_p99"], load["send_lag_ms_max"]))
+            continue
+        result.assert_outcomes(passed=1)
         calls = [r for r in records if r["type"] == "call"]
         assert load["pattern"] == "open" and load["arrival"] == "poisson" and load["rate"] == 4
         assert len(calls) == load["requests"] >= 16
