@@ -100,7 +100,8 @@ def test_throughput_rises_with_concurrency_and_every_request_gets_max_tokens(
         managed_cell("concurrency: [1, 2, 4], duration_s: 4", "heavy", heavy_model),
         max_tokens=16,
     )
-    result = run(pytester)
+    # In this process: the pacing proxy's threads are idle until the paced run below.
+    result = run(pytester, in_process=True)
     result.assert_outcomes(passed=3)
     records = ledger_records(pytester.path)
     loads = {r["load_point"]: r for r in records if r["type"] == "load"}
