@@ -300,6 +300,15 @@ def test_any_baseline_file_gives_a_baseline_or_one_clear_error(document: Any) ->
     baseline_or_one_line(json_text(document))
 
 
+@pytest.mark.parametrize("prompt_id", ["\n", "P\rX", "\x1b[2J"])
+def test_a_prompt_id_with_a_control_character_is_named_on_one_line(prompt_id: str) -> None:
+    """What the property above found once: the id shown escaped, the error still one line."""
+    document = json.loads(json.dumps(BASELINE))
+    entry = next(iter(document["prompts"].values()))
+    document["prompts"][prompt_id] = {"warm": entry["warm"]}  # its cold summary missing
+    baseline_or_one_line(json.dumps(document))
+
+
 @SOME
 @given(damaged_text(json.dumps(BASELINE, indent=2)))
 def test_a_cut_or_spliced_baseline_file_gives_one_clear_error(text: str) -> None:
