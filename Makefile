@@ -8,6 +8,10 @@ PYTEST_ARGS ?=
 
 # The markers of what a test needs beyond Python (pyproject.toml; tests/conftest.py checks them).
 FAST_MARKERS := not sshd and not vllm and not slurm
+# Two workers that steal each other's queued tests (the tests on the real engine take seconds,
+# the rest milliseconds: a fixed split leaves one worker idle at the end), and a quarter of the
+# property tests' examples (tests/support/hypothesis_examples.py; `make test` keeps them all).
+FAST_ARGS := -n 2 --dist worksteal --hypothesis-profile=fast
 
 .PHONY: setup setup-fast system sshd vllm slurm python engine bench docs test test-fast wheel-check lint clean
 
@@ -63,7 +67,7 @@ wheel-check: setup
 	bash scripts/wheel-check.sh $(BIN)/python
 
 test-fast: setup-fast
-	$(BIN)/pytest tests/ -m "$(FAST_MARKERS)" -n 2 $(PYTEST_ARGS)
+	$(BIN)/pytest tests/ -m "$(FAST_MARKERS)" $(FAST_ARGS) $(PYTEST_ARGS)
 
 lint: python
 	$(BIN)/ruff check pytest_gpubench tests benchmarks benchmarks_dev

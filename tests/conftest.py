@@ -16,6 +16,7 @@ import pandas  # noqa: F401
 import paramiko  # noqa: F401
 import pytest
 import scipy.stats  # noqa: F401
+from support.hypothesis_examples import register_profiles
 
 from pytest_gpubench.core.cache import cache_dir
 
@@ -50,6 +51,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # pytester points HOME at each test's directory; keep one cache (the llama-server build, the tiny
 # model) shared by the in-process and subprocess runs, so they find what `make engine` made.
 os.environ.setdefault("GPUBENCH_CACHE_DIR", str(cache_dir()))
+# `make test-fast` loads the lighter one (--hypothesis-profile=fast).
+register_profiles()
 
 
 @pytest.fixture(scope="session")

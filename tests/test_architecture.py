@@ -192,7 +192,11 @@ def test_no_module_imports_from_a_layer_above_it() -> None:
 HEAVY = ("pandas", "scipy", "numpy", "paramiko", "pydantic", "httpx", "h11", "yaml")
 
 
-@pytest.mark.parametrize("module", ["pytest_gpubench.plugin", "pytest_gpubench.xdist"])
+# The modules every session imports: the pytest11 entry point, the xdist hooks it registers and
+# the hook specifications it adds (pytest_addhooks).
+@pytest.mark.parametrize(
+    "module", ["pytest_gpubench.plugin", "pytest_gpubench.xdist", "pytest_gpubench.hookspecs"]
+)
 def test_importing_the_plugin_loads_neither_pandas_nor_scipy(module: str) -> None:
     """Installing the plugin costs nothing to a session that runs no benchmark."""
     code = f"import sys, {module}\nprint(sorted(m for m in {HEAVY!r} if m in sys.modules))"

@@ -34,6 +34,11 @@ CALLS = 40
 # A fresh llama-server answers its first calls slower (first touch of its buffers).
 WARM_UP_CALLS = 30
 TOLERANCE = 0.10
+# The transport's delay, in times the baseline's TTFT p50: TTFT 21 times as long. The engine's
+# own prompt time drifts between two runs on a shared machine (+151 % seen here, a 2.3 ms TTFT
+# held back 4.6 ms); only a change far larger than that drift is attributed for certain: engine-
+# side needs the engine's own figure to move half as far on a log scale (a factor 4.6 here).
+TRANSPORT_DELAY = 20.0
 # Warm calls per pytest run of the gate tests.
 RUNS = 30
 # Each in a session of its own: with the kernel's autogroups a session shares one CPU share,
@@ -162,7 +167,7 @@ def test_a_delay_in_the_transport_is_attributed_to_the_transport(
         bench_against(pytester, proxy.url)
         update = run_bench(pytester, "--baseline-update")
         assert update.ret == 0, gpubench_section(update)
-        proxy.delay_ms = 2.0 * baseline_ttft_p50(pytester.path)  # TTFT three times as long
+        proxy.delay_ms = TRANSPORT_DELAY * baseline_ttft_p50(pytester.path)
         result = run_bench(pytester)
     print(gpubench_section(result))
     assert result.ret == 6, gpubench_section(result)

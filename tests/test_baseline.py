@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.hypothesis_examples import examples
 
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.results.baseline import (
@@ -159,7 +160,7 @@ summaries = st.builds(
 )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(summaries, max_size=2, unique_by=lambda s: s.prompt_id), st.text(max_size=10))
 def test_any_summary_round_trips_exactly(prompts: list[PromptSummary], engine: str) -> None:
     baseline = CellBaseline(

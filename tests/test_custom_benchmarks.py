@@ -353,12 +353,12 @@ def {GATE_TEST}(gpubench_engine):
     call = gpubench_engine.chat("What is the capital of France?", max_tokens=64)
     assert call.error is None, call.error
 """
-# As in test_gate_real.py: 100 warm calls a run; a run is judged only when llama-server answered
-# as fast as during the baseline run just before it (the proxy's timing, within STEADY), else the
-# pair is measured again, up to ATTEMPTS times.
-RUNS = 100
-STEADY = 0.10
-ATTEMPTS = 8
+# The proxy holds back the first content of every call by BASE_DELAY_MS, the baseline's calls
+# too: the tiny model's own TTFT (a few ms, which a shared machine can double from one run to the
+# next) is then a small part of what the gate compares, and the 60 % added on top of the
+# baseline's p50 (18 ms or more) stands far above anything the machine does to the engine.
+BASE_DELAY_MS = 30.0
+RUNS = 30
 
 
 def measured_run(
@@ -384,20 +384,13 @@ def test_a_custom_test_60_percent_slower_to_first_token_exits_6_naming_test_and_
         )
         pytester.makepyfile(test_custom=GATE_FILE)
         baseline = pytester.path / "baselines" / "local_llamacpp_tiny.json"
-        unsteady: list[str] = []
-        for _ in range(ATTEMPTS):
-            proxy.delay_ms = 0.0
-            update, at_baseline = measured_run(pytester, proxy, "--baseline-update")
-            assert update.ret == 0, update.stdout.str()[-3000:]
-            stored = json.loads(baseline.read_text())["prompts"][GATE_TEST]
-            proxy.delay_ms = 0.60 * float(stored["warm"]["first_delta_ms"]["p50"])
-            result, speed = measured_run(pytester, proxy)
-            print(f"engine {speed} against {at_baseline}")
-            if speed.within(at_baseline, STEADY):
-                break
-            unsteady.append(f"{speed} against {at_baseline}")
-        else:
-            pytest.skip(f"not judged: the machine did not hold still ({'; '.join(unsteady)})")
+        proxy.delay_ms = BASE_DELAY_MS
+        update, at_baseline = measured_run(pytester, proxy, "--baseline-update")
+        assert update.ret == 0, update.stdout.str()[-3000:]
+        stored = json.loads(baseline.read_text())["prompts"][GATE_TEST]
+        proxy.delay_ms = BASE_DELAY_MS + 0.60 * float(stored["warm"]["first_delta_ms"]["p50"])
+        result, speed = measured_run(pytester, proxy)
+        print(f"engine {speed} against {at_baseline}")
     assert result.ret == 6, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(
         [

@@ -19,6 +19,7 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from support import ledgers
+from support.hypothesis_examples import examples
 
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.config.matrix import read_matrix, read_prompts
@@ -29,10 +30,14 @@ from pytest_gpubench.results.baseline import read_baseline
 from pytest_gpubench.results.load_baseline import load_baseline_path, read_load_baseline
 
 # Example counts: listed in docs/clusters-and-leases.md; a run of this file takes about 40 s.
-MANY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SOME = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MANY = settings(
+    max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+SOME = settings(
+    max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 FEW = settings(
-    max_examples=60,
+    max_examples=examples(60),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
@@ -295,6 +300,15 @@ def test_any_baseline_file_gives_a_baseline_or_one_clear_error(document: Any) ->
     baseline_or_one_line(json_text(document))
 
 
+@pytest.mark.parametrize("prompt_id", ["\n", "P\rX", "\x1b[2J"])
+def test_a_prompt_id_with_a_control_character_is_named_on_one_line(prompt_id: str) -> None:
+    """What the property above found once: the id shown escaped, the error still one line."""
+    document = json.loads(json.dumps(BASELINE))
+    entry = next(iter(document["prompts"].values()))
+    document["prompts"][prompt_id] = {"warm": entry["warm"]}  # its cold summary missing
+    baseline_or_one_line(json.dumps(document))
+
+
 @SOME
 @given(damaged_text(json.dumps(BASELINE, indent=2)))
 def test_a_cut_or_spliced_baseline_file_gives_one_clear_error(text: str) -> None:
@@ -416,7 +430,7 @@ def damaged_ledgers(draw: st.DrawFn) -> list[dict[str, Any]]:
     return written
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(damaged_ledgers())
 def test_reports_of_any_ledger_give_a_status_never_a_traceback(written: list[Any]) -> None:
     """`gpubench report`, `export`, `compare` and `history` on a damaged ledger: a report or

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.hypothesis_examples import examples
 
 from pytest_gpubench.config.matrix import Thresholds
 from pytest_gpubench.core.errors import GpubenchError
@@ -104,7 +105,7 @@ centres = st.floats(0.5, 5e4, allow_nan=False, allow_infinity=False)
 spreads = st.lists(st.floats(1.0, 1.9), min_size=10, max_size=40)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(st.lists(st.floats(0.01, 1e6), min_size=1, max_size=30), st.randoms())
 def test_identical_samples_never_regress(values: list[float], random: Any) -> None:
     shuffled = list(values)
@@ -116,7 +117,7 @@ def test_identical_samples_never_regress(values: list[float], random: Any) -> No
     assert all(v.blind_reason for v in verdicts if v.verdict == "blind")
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(centres, st.lists(st.floats(1.0, 1.1), min_size=5, max_size=30), st.randoms())
 def test_identical_steady_samples_are_ok(centre: float, spread: list[float], random: Any) -> None:
     """Where the run can see a change of the threshold's size, identical samples pass plainly."""
@@ -127,7 +128,7 @@ def test_identical_steady_samples_are_ok(centre: float, spread: list[float], ran
     assert set(kinds(verdicts).values()) == {"ok"}
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
     st.lists(st.floats(0.01, 1e6), min_size=1, max_size=30),
     st.lists(st.floats(-0.15, 0.15), min_size=30, max_size=30),
@@ -138,7 +139,7 @@ def test_near_identical_samples_never_regress(values: list[float], noise: list[f
     assert set(kinds(verdicts).values()) <= {"ok", "blind"}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(centres, spreads, st.randoms())
 def test_twice_as_slow_with_ten_or_more_runs_regresses(
     centre: float, spread: list[float], random: Any
@@ -158,7 +159,7 @@ def test_twice_as_slow_with_ten_or_more_runs_regresses(
     assert ttft.p_value is not None and ttft.p_value < 0.05
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(centres, spreads)
 def test_twice_as_fast_is_a_win(centre: float, spread: list[float]) -> None:
     baseline = [centre * factor for factor in spread]
@@ -167,7 +168,7 @@ def test_twice_as_fast_is_a_win(centre: float, spread: list[float]) -> None:
     assert [kinds(verdicts)[metric] for metric in RATIO_METRICS] == ["win"] * 3
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     st.lists(st.floats(1.0, 1e4), min_size=1, max_size=25),
     st.lists(st.floats(1.0, 1e4), min_size=1, max_size=25),
@@ -181,7 +182,7 @@ def test_swapping_baseline_and_current_mirrors_the_verdict(
         assert backward[metric] == MIRROR[forward[metric]]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(centres, st.lists(st.floats(1.0, 1.9), min_size=1, max_size=3))
 def test_small_samples_are_inconclusive_not_regressions(centre: float, spread: list[float]) -> None:
     baseline = [centre * factor for factor in spread]

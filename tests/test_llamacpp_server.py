@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from support.bench_files import CHECKED_TEST_FILE
+from support.pacing_proxy import pacing_proxy
 
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.managed import ManagedLlamaServer
@@ -128,12 +129,8 @@ def test_warm_and_cold_run_through_the_plugin(
         # The tiny model makes a token in ~0.1 ms: if the client was descheduled that long, a
         # short reply can arrive in one read, and then TTFT honestly equals the total.
         assert 0 < call["first_delta_ms"] <= call["total_duration_ms"]
-    for prompt_id in max_tokens:
-        assert any(
-            c["first_delta_ms"] < c["total_duration_ms"]
-            for c in calls
-            if c["prompt_id"] == prompt_id
-        )
+    # That the first delta comes before the end of the reply: through a pacing proxy, below, where
+    # the reply cannot arrive in one read.
     cold = [c for c in calls if c["phase"] == "cold"]
     assert [c["cold_kind"] for c in cold] == ["restart", "restart"]
     assert all(c["engine_timings"]["cache_n"] == 0 for c in cold)
@@ -141,6 +138,45 @@ def test_warm_and_cold_run_through_the_plugin(
     # One start for the cell, then one restart per cold case.
     assert log.read_text().count("llama_server: listening on") == 3
     assert server_pids(tiny_model) == []  # nothing left behind after the session
+
+
+# Each content event of a reply passed on no sooner than this after the one before it.
+PACING_GAP_S = 0.005
+
+
+def test_the_first_delta_is_stamped_at_the_first_token_not_at_the_end(
+    pytester: pytest.Pytester, server: ManagedLlamaServer
+) -> None:
+    """Through the pacing proxy (tests/support/pacing_proxy.py), a reply of 8 or 24 tokens takes at
+    least 7 or 23 gaps of 5 ms after its first token: it cannot arrive in one read, however late
+    the client is scheduled, so its first delta must come before its end."""
+    with pacing_proxy(server.base_url) as paced:
+        paced.gap_s = PACING_GAP_S
+        pytester.makefile(
+            ".yaml",
+            prompts=PROMPTS,
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: llamacpp, model: tiny, endpoint: '{paced.url}', runs: 2,"
+            " phases: [warm]}\n",
+        )
+        pytester.makepyfile(test_bench=TEST_FILE)
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=4)
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    calls = [r for r in read_ledger(ledger) if r["type"] == "call"]
+    max_tokens = {"P-EASY": 8, "P-MEDIUM": 24}
+    assert sorted(c["prompt_id"] for c in calls) == ["P-EASY", "P-EASY", "P-MEDIUM", "P-MEDIUM"]
+    for call in calls:
+        assert call["completion_tokens"] == max_tokens[call["prompt_id"]]
+        assert 0 < call["first_delta_ms"] < call["total_duration_ms"]
+    # Moved here from test_warm_and_cold_run_through_the_plugin, where an unpaced reply of the
+    # tiny model (0.1 ms a token) could come in one read when the client was descheduled.
+    for prompt_id in max_tokens:
+        assert any(
+            c["first_delta_ms"] < c["total_duration_ms"]
+            for c in calls
+            if c["prompt_id"] == prompt_id
+        )
 
 
 def test_xdist_writes_one_ledger_with_one_call_per_case(

@@ -36,12 +36,15 @@ def ledger_records(root: Path) -> list[dict[str, Any]]:
     return read_ledger(ledger)
 
 
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_subprocess(
-        "--force-load", "--allow-dirty", "-p", "no:cacheprovider", "-m", "load",
-        # The subject is the load client, not the shared machine's steadiness.
-        "--gpubench-steadiness", "off", *args,
-    )  # fmt: skip
+def run(pytester: pytest.Pytester, *args: str, in_process: bool = False) -> pytest.RunResult:
+    """The load benchmark in a subprocess; or in this process where no proxy thread of the test
+    shares it (a subprocess adds 1-2 s of imports to each run)."""
+    # The subject is the load client, not the shared machine's steadiness.
+    options = ("--force-load", "--allow-dirty", "-p", "no:cacheprovider", "-m", "load",
+               "--gpubench-steadiness", "off", *args)  # fmt: skip
+    if in_process:
+        return pytester.runpytest(*options)
+    return pytester.runpytest_subprocess(*options)
 
 
 def write_project(pytester: pytest.Pytester, cells: str, max_tokens: int = MAX_TOKENS) -> None:
@@ -99,7 +102,8 @@ def test_throughput_rises_with_concurrency_and_every_request_gets_max_tokens(
         managed_cell("concurrency: [1, 2, 4], duration_s: 4", "heavy", heavy_model),
         max_tokens=16,
     )
-    result = run(pytester)
+    # In this process: the pacing proxy's threads are idle until the paced run below.
+    result = run(pytester, in_process=True)
     result.assert_outcomes(passed=3)
     records = ledger_records(pytester.path)
     loads = {r["load_point"]: r for r in records if r["type"] == "load"}
@@ -146,16 +150,22 @@ def test_a_poisson_run_records_its_schedule_and_keeps_it(
     """The client keeps a Poisson schedule to within a millisecond (p99). This machine is
     shared: a run during which neighbours held both cores is measured again (LAG_ATTEMPTS)."""
     write_project(
-        pytester, managed_cell("rate: [4], arrival: poisson, duration_s: 8"), max_tokens=16
+        pytester, managed_cell("rate: [8], arrival: poisson, duration_s: 4"), max_tokens=16
     )
     seen = []
     for _ in range(LAG_ATTEMPTS):
-        result = run(pytester)
-        result.assert_outcomes(passed=1)
+        result = run(pytester, in_process=True)
         records = ledger_records(pytester.path)
         (load,) = [r for r in records if r["type"] == "load"]
+        if not load["valid"] and "send lag" in (load["invalid_reason"] or ""):
+            # Neighbours held both cores past the point's own limit (max_send_lag_ms): the
+            # point fails as it should, and the run is one to measure again.
+            result.assert_outcomes(failed=1)
+            seen.append((load["send_lag_ms_p50"], load["send_lag_ms_p99"], load["send_lag_ms_max"]))
+            continue
+        result.assert_outcomes(passed=1)
         calls = [r for r in records if r["type"] == "call"]
-        assert load["pattern"] == "open" and load["arrival"] == "poisson" and load["rate"] == 4
+        assert load["pattern"] == "open" and load["arrival"] == "poisson" and load["rate"] == 8
         assert len(calls) == load["requests"] >= 16
         for call in calls:
             assert call["scheduled_send_ms"] <= call["send_ms"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from support.hypothesis_examples import examples
 
 from pytest_gpubench.measure.stream import (
     CallMeasurement,
@@ -30,7 +31,7 @@ def test_n_tokens_span_n_minus_one_intervals() -> None:
     assert not rates.coalesced and rates.content_reads == 16
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(2, 4000), st.integers(1_000, 50 * MS), st.floats(0.0, 500.0))
 def test_evenly_spaced_tokens_decode_at_one_over_the_gap(
     tokens: int, gap_ns: int, extra_ms: float
@@ -45,7 +46,7 @@ def test_evenly_spaced_tokens_decode_at_one_over_the_gap(
     assert rates.e2e_tokens_per_sec <= rates.tokens_per_sec * (1 + 1e-3) * tokens / (tokens - 1)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.integers(1, 500), st.integers(0, 10**12), st.floats(0.1, 1e4))
 def test_content_in_one_read_is_coalesced_and_has_no_decode_rate(
     tokens: int, arrived_ns: int, total_ms: float
@@ -74,7 +75,7 @@ def test_chunks_sent_together_do_not_make_the_rate_read_high() -> None:
     assert rates.tokens_per_sec == 4000.0 and rates.tpot_ms == 0.25
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.integers(2, 200), st.integers(1, 64), st.integers(10_000, 10 * MS))
 def test_a_first_read_holding_what_piled_up_leaves_the_pace_alone(
     tokens: int, held: int, gap_ns: int
@@ -98,7 +99,7 @@ def test_nothing_arrived_is_neither_coalesced_nor_a_rate() -> None:
     assert rates.e2e_tokens_per_sec is None
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.integers(0, 10**9), min_size=2, max_size=200).map(sorted))
 def test_tpot_is_the_inverse_of_the_decode_rate(arrivals: list[int]) -> None:
     # A token every microsecond at most (a million tokens/s): below that the rounding shows.

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.hypothesis_examples import examples
 
 from pytest_gpubench.results.stats import (
     PERCENTILE_NAMES,
@@ -198,7 +199,7 @@ def test_no_calls() -> None:
     assert summarize([{"type": "meta"}]) == []
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     st.lists(
         st.tuples(

@@ -22,8 +22,12 @@ pytestmark = pytest.mark.engine
 if TYPE_CHECKING:
     from pytest_gpubench.engines.managed import ManagedLlamaServer
 
-DURATION_S = 20
-CHECKPOINT_S = 5
+# Four checkpoints (the last one final); each call of the tiny model takes milliseconds, so a
+# checkpoint lands well within CHECKPOINT_S of its boundary even on a loaded machine.
+DURATION_S = 10
+CHECKPOINT_S = 2.5
+# Half-way between the second checkpoint and the third: a second and a quarter either side.
+KILL_AFTER_S = 2.5 * CHECKPOINT_S
 
 
 def timed_bench(pytester: pytest.Pytester, llama_server: Path) -> None:
@@ -62,7 +66,7 @@ def test_a_timed_run_writes_a_checkpoint_every_checkpoint_s(
     assert records[-1]["type"] == "end" and records[-1]["calls"] == len(calls)
 
 
-def test_a_timed_run_killed_after_12_s_keeps_its_first_two_checkpoints(
+def test_a_timed_run_killed_between_checkpoints_keeps_the_two_before_it(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
     timed_bench(pytester, llama_server)
@@ -83,7 +87,7 @@ def test_a_timed_run_killed_after_12_s_keeps_its_first_two_checkpoints(
             time.sleep(0.05)
         assert first_seen is not None, process.stdout.read() if process.stdout else ""
         # The timed run began first_elapsed seconds before its first checkpoint was seen.
-        time.sleep(max(0.0, first_seen - first_elapsed + 12 - time.monotonic()))
+        time.sleep(max(0.0, first_seen - first_elapsed + KILL_AFTER_S - time.monotonic()))
     finally:
         process.send_signal(signal.SIGKILL)
         process.communicate(timeout=30)

@@ -13,52 +13,36 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.workload_runs import (
+    DATASET,
+    SHAREGPT_PROMPTS,
+    copy_sharegpt_sample,
+    edit_every_question,
+    ledger_records,
+    run_workload,
+)
 
 from pytest_gpubench.engines import tinymodel
 from pytest_gpubench.engines.tinymodel import TinyConfig
-from pytest_gpubench.ledger.writer import read_ledger
 
-SAMPLE = (
-    Path(__file__).parent.parent / "pytest_gpubench" / "config" / "samples" / "chat_sample.jsonl"
-)
 TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
 LOAD_TEST_FILE = (Path(__file__).parent.parent / "benchmarks" / "test_inference.py").read_text()
-DATASET = "{path: chat.jsonl, format: sharegpt, count: 3, seed: 7, max_output_words: 20}"
-
-
-def ledger_records(root: Path) -> list[dict[str, Any]]:
-    newest = max((root / "runs").glob("*.jsonl"), key=lambda path: path.stat().st_mtime_ns)
-    return read_ledger(newest)
 
 
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    # The subject is the workload, not the shared machine's steadiness.
-    return pytester.runpytest_subprocess(
-        "--force-load", "--allow-dirty", "-p", "no:cacheprovider", "--gpubench-steadiness", "off",
-        *args,
-    )  # fmt: skip
-
-
-def edit_every_question(path: Path) -> None:
-    """Reword every user turn of the file (what a careless edit of a shipped dataset does)."""
-    lines = []
-    for line in path.read_text().splitlines():
-        entry = json.loads(line)
-        for turn in entry["conversations"]:
-            if turn["from"] == "human":
-                turn["value"] = "Please answer: " + turn["value"]
-        lines.append(json.dumps(entry))
-    path.write_text("\n".join(lines) + "\n")
+    """In this process: llama-server is a process of its own, and a subprocess would add 1-2 s
+    of imports to each of the file's ten runs."""
+    return run_workload(pytester, *args, in_process=True)
 
 
 @pytest.mark.engine
 def test_a_sharegpt_sample_is_measured_single_call_and_frozen(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
-    (pytester.path / "chat.jsonl").write_text(SAMPLE.read_text())
+    copy_sharegpt_sample(pytester.path)
     pytester.makefile(
         ".yaml",
-        prompts=f"prompts:\n  chat: {{intent: support chat, dataset: {DATASET}}}\n",
+        prompts=SHAREGPT_PROMPTS,
         cells="nodes: {local: {kind: local}}\ncells:\n"
         f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', "
         "server_args: [--threads, '1'], runs: 5, phases: [warm], prompts: [chat]}\n",
@@ -91,7 +75,7 @@ def test_a_sharegpt_sample_is_measured_single_call_and_frozen(
 def test_a_sharegpt_sample_under_load_sends_each_prompt_and_is_frozen(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
-    (pytester.path / "chat.jsonl").write_text(SAMPLE.read_text())
+    copy_sharegpt_sample(pytester.path)
     pytester.makefile(
         ".yaml",
         prompts="prompts:\n  P: {intent: p, prompt: hi, max_tokens: 4}\n",
@@ -279,7 +263,15 @@ def test_three_turn_sessions_at_concurrency_four_grow_their_prompt_each_turn(
     assert load["session_ms_p50"] > 0
 
 
-def mooncake_trace(path: Path, requests: int = 200, span_s: float = 10.0) -> None:
+# The trace's arrivals: 20 a second at 1x, 80 at 4x (what the replay is checked on is the schedule
+# request by request, not its length).
+TRACE_REQUESTS = 100
+TRACE_SPAN_S = 5.0
+
+
+def mooncake_trace(
+    path: Path, requests: int = TRACE_REQUESTS, span_s: float = TRACE_SPAN_S
+) -> None:
     """A Mooncake-format trace made for the test: `requests` arrivals over `span_s` seconds
     (Poisson-like gaps, seeded), prompts of 1-4 blocks of 16 tokens, half of them sharing a
     first block with the request before."""
@@ -336,7 +328,7 @@ def test_a_mooncake_trace_is_replayed_on_its_schedule_at_1x_and_4x(
             key=lambda r: r["request_idx"],
         )
         assert load["pattern"] == "trace" and load["speedup"] == speedup
-        assert len(calls) == 200 and all(c["error"] is None for c in calls)
+        assert len(calls) == TRACE_REQUESTS and all(c["error"] is None for c in calls)
         for call, entry in zip(calls, trace, strict=True):
             # Scheduled at the trace's own time over the speed-up, from the first request.
             due = (entry["timestamp"] - trace[0]["timestamp"]) / speedup

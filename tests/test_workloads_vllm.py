@@ -9,8 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from pytest_gpubench.ledger.writer import read_ledger
+from support.workload_runs import (
+    DATASET,
+    SHAREGPT_PROMPTS,
+    copy_sharegpt_sample,
+    edit_every_question,
+    ledger_records,
+)
+from support.workload_runs import run_workload as run
 
 pytest.importorskip(
     "support.vllm_server", reason="the shared vLLM set-up (tests/support/vllm_server.py) is missing"
@@ -18,19 +24,6 @@ pytest.importorskip(
 
 TEST_FILE = (Path(__file__).parent.parent / "benchmarks" / "test_inference.py").read_text()
 SIZES = (16, 100, 400)
-
-
-def ledger_records(root: Path) -> list[dict[str, Any]]:
-    newest = max((root / "runs").glob("*.jsonl"), key=lambda path: path.stat().st_mtime_ns)
-    return read_ledger(newest)
-
-
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    # The subject is the workload, not the shared machine's steadiness.
-    return pytester.runpytest_subprocess(
-        "--force-load", "--allow-dirty", "-p", "no:cacheprovider", "--gpubench-steadiness", "off",
-        *args,
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("tokenizer", [None, "model folder"])
@@ -114,20 +107,14 @@ def test_a_shared_prefix_shows_in_vllm_prefix_cache_counters(
     assert unique_load["prefix_cache_hit_rate"] < 0.1
 
 
-SAMPLE = (
-    Path(__file__).parent.parent / "pytest_gpubench" / "config" / "samples" / "chat_sample.jsonl"
-)
-DATASET = "{path: chat.jsonl, format: sharegpt, count: 3, seed: 7, max_output_words: 20}"
-
-
 @pytest.mark.vllm
 def test_a_sharegpt_sample_on_vllm_single_call_and_under_load_frozen(
     pytester: pytest.Pytester, vllm_server: Any
 ) -> None:
-    (pytester.path / "chat.jsonl").write_text(SAMPLE.read_text())
+    sample = copy_sharegpt_sample(pytester.path)
     pytester.makefile(
         ".yaml",
-        prompts=f"prompts:\n  chat: {{intent: support chat, dataset: {DATASET}}}\n",
+        prompts=SHAREGPT_PROMPTS,
         cells="nodes: {local: {kind: local}}\ncells:\n"
         f"  - {{node: local, engine: openai, model: tiny-vllm, endpoint: '{vllm_server.base_url}',"
         " timeout_s: 120, runs: 5, phases: [warm], prompts: [chat],"
@@ -144,10 +131,7 @@ def test_a_sharegpt_sample_on_vllm_single_call_and_under_load_frozen(
     assert load["prompt_id"] == "dataset-chat" and load["valid"] and load["ok"] == 6
     assert all(r["error"] is None for r in calls)
 
-    text = (pytester.path / "chat.jsonl").read_text()
-    (pytester.path / "chat.jsonl").write_text(
-        text.replace('"human", "value": "', '"human", "value": "Now: ')
-    )
+    edit_every_question(sample)
     stopped = run(pytester)
     assert stopped.ret == pytest.ExitCode.USAGE_ERROR
     stopped.stderr.fnmatch_lines(["*changed since the baseline of local:openai:tiny-vllm*"])

@@ -293,7 +293,9 @@ class _Fields:
         self.source = source
 
     def fail(self, where: str, problem: str) -> CorruptBaseline:
-        return CorruptBaseline(f"{self.source}: corrupt baseline: {where}: {problem}; {_REPAIR}")
+        # A key is any JSON string: a newline in a prompt id must not break the one-line error.
+        shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in where)
+        return CorruptBaseline(f"{self.source}: corrupt baseline: {shown}: {problem}; {_REPAIR}")
 
     def get(self, data: Mapping[str, Any], key: str, where: str) -> Any:
         if key not in data:
