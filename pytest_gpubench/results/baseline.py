@@ -9,11 +9,23 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from annotated_types import Ge
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SkipValidation,
+    Strict,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
+from pydantic_core import PydanticCustomError
 
-from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.errors import GpubenchError, key_path
 from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.gate import run_figures
@@ -135,48 +147,6 @@ class CellBaseline:
         return tuple(self.history.get(prompt_id, ()))
 
 
-class _RunEntry(BaseModel):
-    """One run of a prompt's history, as the file holds it."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    benchmark_run_id: str | None = None
-    date: str | None = None
-    n: int = Field(default=0, ge=0)
-    figures: dict[str, float | None] = Field(default_factory=dict)
-    control_ms: float | None = None
-
-
-def _history_from_list(value: Any, where: str, fields: _Fields) -> History:
-    """A prompt's history, validated by its model; a problem names the entry and its key."""
-    if not isinstance(value, list):
-        raise fields.fail(where, f"expected a list, got {_kind(value)}")
-    runs = []
-    for index, item in enumerate(value):
-        try:
-            entry = _RunEntry.model_validate(item)
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            key = ".".join(str(part) for part in error["loc"])
-            at = f"{where}[{index}]" + (f".{key}" if key else "")
-            raise fields.fail(at, str(error["msg"]).lower()) from None
-        runs.append(RunFigures(**entry.model_dump()))
-    return tuple(runs)
-
-
-def _history_to_list(history: History) -> list[dict[str, Any]]:
-    return [
-        _RunEntry(
-            benchmark_run_id=run.benchmark_run_id,
-            date=run.date,
-            n=run.n,
-            figures=dict(run.figures),
-            control_ms=run.control_ms,
-        ).model_dump()
-        for run in history
-    ]
-
-
 @dataclass(frozen=True)
 class BaselineUpdate:
     """What --baseline-update did: files written per cell, why the other cells (or some of a
@@ -206,57 +176,371 @@ def baseline_path(baselines_dir: Path, cell_id: str) -> Path:
     return baselines_dir / baseline_file_name(cell_id)
 
 
+# -- the file's format, by version (pydantic models) ------------------------------------------
+# Each model says which keys a file of its format must have and of which type; a key a reader
+# does not know is ignored (a newer minor field, a reader's note). The types are strict: "12" is
+# not a number, true is not a count.
+
+
+def _not_nan(value: float) -> float:
+    if math.isnan(value):
+        raise PydanticCustomError("not_a_number", "NaN is not a number")
+    return value
+
+
+def _non_empty(value: str | None) -> str | None:
+    if not value:
+        raise PydanticCustomError("empty_cell_id", "must be a non-empty string")
+    return value
+
+
+def _numbers(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """One message for the whole list, as a user reads it: which sample is bad matters less."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError("numbers", "expected a list of numbers") from None
+
+
+Number = Annotated[float, Strict(), AfterValidator(_not_nan)] | None
+Count = Annotated[int, Strict(), Ge(0)]
+Text = Annotated[str, Strict()] | None
+# A sample list keeps NaN and infinities as earlier readers did; the gate's tests drop them.
+Numbers = Annotated[list[Annotated[float, Strict()]], WrapValidator(_numbers)]
+_Record = ConfigDict(extra="ignore", frozen=True)
+
+
+class _OptionalPercentiles(BaseModel):
+    """A metric's warm percentiles in a format older than the metric: each may be absent."""
+
+    model_config = _Record
+
+    p50: Number = None
+    p90: Number = None
+    p95: Number = None
+    p99: Number = None
+
+
+class _Percentiles(_OptionalPercentiles):
+    """A metric's warm percentiles: every one present (null where the run had no value)."""
+
+    p50: Number
+    p90: Number
+    p95: Number
+    p99: Number
+
+
+class _Format1Percentiles(_OptionalPercentiles):
+    """Format 1 had no p90."""
+
+    p50: Number
+    p95: Number
+    p99: Number
+
+
+class _Cold(BaseModel):
+    """The first cold call of a prompt."""
+
+    model_config = _Record
+
+    n: Count
+    n_ok: Count
+    kind: Text
+    first_delta_ms: Number
+    total_duration_ms: Number
+
+
+class _Warm1(BaseModel):
+    """Format 1's warm figures: TTFT and total duration; the later metrics read as new."""
+
+    model_config = _Record
+
+    n: Count
+    n_ok: Count
+    first_delta_ms: _Format1Percentiles
+    total_duration_ms: _Format1Percentiles
+    decode_tokens_per_sec: _OptionalPercentiles = _OptionalPercentiles()
+    tpot_ms: _OptionalPercentiles = _OptionalPercentiles()
+    e2e_tokens_per_sec: _OptionalPercentiles = _OptionalPercentiles()
+    engine_tokens_per_sec: _OptionalPercentiles = _OptionalPercentiles()
+    engine_prompt_ms: _OptionalPercentiles = _OptionalPercentiles()
+    engine_total_ms: _OptionalPercentiles = _OptionalPercentiles()
+    control_ms: _OptionalPercentiles = _OptionalPercentiles()
+
+    @property
+    def coalesced(self) -> int:
+        return 0  # format 1 did not count them
+
+
+class _Warm2(BaseModel):
+    """Formats 2 and 3: every metric's percentiles, the coalesced count; no control call."""
+
+    model_config = _Record
+
+    n: Count
+    n_ok: Count
+    coalesced: Count
+    # Derived from n and n_ok, written for a reader's eye and never read back.
+    success_rate: SkipValidation[float | None] = None
+    first_delta_ms: _Percentiles
+    total_duration_ms: _Percentiles
+    decode_tokens_per_sec: _Percentiles
+    tpot_ms: _Percentiles
+    e2e_tokens_per_sec: _Percentiles
+    engine_tokens_per_sec: _Percentiles
+    engine_prompt_ms: _Percentiles
+    engine_total_ms: _Percentiles
+    control_ms: _OptionalPercentiles = _OptionalPercentiles()
+
+
+class _Warm4(_Warm2):
+    """Format 4 adds the control call's figures."""
+
+    control_ms: _Percentiles
+
+
+class _Samples1(BaseModel):
+    """Format 1's raw warm values; its `tokens_per_sec` (another definition) is ignored."""
+
+    model_config = _Record
+
+    first_delta_ms: Numbers
+    total_duration_ms: Numbers
+
+
+class _Samples2(_Samples1):
+    """Formats 2 and 3: the decode rate and the engine's own figures beside the client's."""
+
+    decode_tokens_per_sec: Numbers
+    engine_prompt_ms: Numbers
+    engine_tokens_per_sec: Numbers
+    engine_total_ms: Numbers
+
+
+class _Samples4(_Samples2):
+    """Format 4 adds the control call's."""
+
+    control_ms: Numbers
+
+
+class _RunEntry(BaseModel):
+    """One run of a prompt's history, as the file holds it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    benchmark_run_id: str | None = None
+    date: str | None = None
+    n: int = Field(default=0, ge=0)
+    figures: dict[str, float | None] = Field(default_factory=dict)
+    control_ms: float | None = None
+
+
+class _Prompt1(BaseModel):
+    model_config = _Record
+
+    prompt_sha256: Text
+    cold: _Cold
+    warm: _Warm1
+    samples: _Samples1
+
+
+class _Prompt2(BaseModel):
+    model_config = _Record
+
+    prompt_sha256: Text
+    cold: _Cold
+    warm: _Warm2
+    samples: _Samples2
+
+
+class _Prompt4(BaseModel):
+    """A prompt of the current format: its figures, samples and between-run history."""
+
+    model_config = _Record
+
+    prompt_sha256: Text
+    cold: _Cold
+    warm: _Warm4
+    samples: _Samples4
+    history: Annotated[list[_RunEntry], Strict()]
+
+
+class _Provenance1(BaseModel):
+    """Formats 1 and 2: the model's identity facts may be absent (read as unknown)."""
+
+    model_config = _Record
+
+    benchmark_run_id: Text
+    git_sha: Text
+    engine_version: Text
+    model_digest: Text
+    gpus: Annotated[list[Any], Strict()]
+    date: Text
+    model_identity: Text = None
+    model_root: Text = None
+    max_model_len: Count | None = None
+    system_fingerprint: Text = None
+
+
+class _Provenance3(_Provenance1):
+    """Format 3 on: every identity fact present (null where unknown)."""
+
+    model_identity: Text
+    model_root: Text
+    max_model_len: Count | None
+    system_fingerprint: Text
+
+
+class _Head(BaseModel):
+    """What is read first: the format, which picks the model of the rest."""
+
+    model_config = _Record
+
+    format: Count
+
+
+CellId = Annotated[Text, AfterValidator(_non_empty)]
+
+
+class _File1(_Head):
+    cell_id: CellId
+    provenance: _Provenance1
+    prompts: Annotated[dict[str, _Prompt1], Strict()]
+
+
+class _File2(_Head):
+    cell_id: CellId
+    provenance: _Provenance1
+    prompts: Annotated[dict[str, _Prompt2], Strict()]
+
+
+class _File3(_Head):
+    cell_id: CellId
+    provenance: _Provenance3
+    prompts: Annotated[dict[str, _Prompt2], Strict()]
+
+
+class _File4(_Head):
+    """The current format: what dumps_baseline writes."""
+
+    cell_id: CellId
+    provenance: _Provenance3
+    prompts: Annotated[dict[str, _Prompt4], Strict()]
+
+
+_FILE_MODELS: dict[int, type[_File1 | _File2 | _File3 | _File4]] = {
+    1: _File1,
+    2: _File2,
+    3: _File3,
+    4: _File4,
+}
+
+# A problem by pydantic's error type, in the words of a file's reader.
+_PROBLEMS = {
+    "missing": "required key is missing",
+    "float_type": "expected a number",
+    "not_a_number": "expected a number",
+    "int_type": "expected a count",
+    "greater_than_equal": "expected a count",
+    "string_type": "expected a string",
+    "model_type": "expected an object",
+    "model_attributes_type": "expected an object",
+    "dict_type": "expected an object",
+    "list_type": "expected a list",
+}
+
+
+def _corrupt(source: str, exc: ValidationError) -> CorruptBaseline:
+    """The first problem pydantic found, as one line naming the file and the key."""
+    error = exc.errors()[0]
+    where = key_path(tuple(error["loc"])) or "top level"
+    problem = _PROBLEMS.get(error["type"])
+    if problem is None:
+        problem = str(error["msg"]).lower()
+    elif error["type"] != "missing":
+        problem = f"{problem}, got {_kind(error.get('input'))}"
+    return _corrupt_line(source, where, problem)
+
+
+def _corrupt_line(source: str, where: str, problem: str) -> CorruptBaseline:
+    return CorruptBaseline(f"{source}: corrupt baseline: {where}: {problem}; {_REPAIR}")
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    try:
+        shown = json.dumps(value)[:40]
+    except (RecursionError, ValueError):  # json's writer recurses less deep than its reader
+        shown = "(nested too deeply to show)"
+    return f"{type(value).__name__} {shown}"
+
+
 # -- to and from JSON (pure) ------------------------------------------------------------------
 
 
+def _percentiles(summary: PromptSummary, metric: str) -> _Percentiles:
+    figures: dict[str, Any] = {
+        name: summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES
+    }
+    return _Percentiles.model_construct(**figures)
+
+
+def _prompt_model(summary: PromptSummary, history: History) -> _Prompt4:
+    """A summary as the current format holds it. Built without validation (model_construct):
+    the file holds the summary's values exactly as they are, so the same numbers give the same
+    bytes."""
+    metrics: dict[str, Any] = {metric: _percentiles(summary, metric) for metric in WARM_METRICS}
+    warm = _Warm4.model_construct(
+        n=summary.n_warm,
+        n_ok=summary.n_warm_ok,
+        success_rate=summary.warm_success_rate,
+        coalesced=summary.warm_coalesced,
+        **metrics,
+    )
+    cold = _Cold.model_construct(
+        n=summary.n_cold,
+        n_ok=summary.n_cold_ok,
+        kind=summary.cold_kind,
+        first_delta_ms=summary.cold_first_delta_ms,
+        total_duration_ms=summary.cold_total_duration_ms,
+    )
+    values: dict[str, Any] = {name: list(getattr(summary.samples, name)) for name in SAMPLE_FIELDS}
+    samples = _Samples4.model_construct(**values)
+    runs = [
+        _RunEntry.model_construct(
+            benchmark_run_id=run.benchmark_run_id,
+            date=run.date,
+            n=run.n,
+            figures=dict(run.figures),
+            control_ms=run.control_ms,
+        )
+        for run in history
+    ]
+    return _Prompt4.model_construct(
+        prompt_sha256=summary.prompt_sha256, cold=cold, warm=warm, samples=samples, history=runs
+    )
+
+
 def summary_to_dict(summary: PromptSummary) -> dict[str, Any]:
-    warm: dict[str, Any] = {
-        "n": summary.n_warm,
-        "n_ok": summary.n_warm_ok,
-        "success_rate": summary.warm_success_rate,
-        "coalesced": summary.warm_coalesced,
-    }
-    for metric in WARM_METRICS:
-        warm[metric] = {name: summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES}
-    return {
-        "prompt_sha256": summary.prompt_sha256,
-        "cold": {
-            "n": summary.n_cold,
-            "n_ok": summary.n_cold_ok,
-            "kind": summary.cold_kind,
-            "first_delta_ms": summary.cold_first_delta_ms,
-            "total_duration_ms": summary.cold_total_duration_ms,
-        },
-        "warm": warm,
-        "samples": {field: list(getattr(summary.samples, field)) for field in SAMPLE_FIELDS},
-    }
+    """A prompt's figures and samples as the file holds them (its history aside)."""
+    return _prompt_model(summary, ()).model_dump(exclude={"history"})
 
 
 def baseline_to_dict(baseline: CellBaseline) -> dict[str, Any]:
     provenance = baseline.provenance
-    return {
-        "format": FORMAT_VERSION,
-        "cell_id": baseline.cell_id,
-        "provenance": {
-            "benchmark_run_id": provenance.benchmark_run_id,
-            "git_sha": provenance.git_sha,
-            "engine_version": provenance.engine_version,
-            "model_digest": provenance.model_digest,
-            "gpus": list(provenance.gpus),
-            "date": provenance.date,
-            "model_identity": provenance.model_identity,
-            "model_root": provenance.model_root,
-            "max_model_len": provenance.max_model_len,
-            "system_fingerprint": provenance.system_fingerprint,
-        },
-        "prompts": {
-            summary.prompt_id: {
-                **summary_to_dict(summary),
-                "history": _history_to_list(baseline.runs(summary.prompt_id)),
-            }
+    model = _File4.model_construct(
+        format=FORMAT_VERSION,
+        cell_id=baseline.cell_id,
+        provenance=_Provenance3.model_construct(
+            **{**dataclasses.asdict(provenance), "gpus": list(provenance.gpus)}
+        ),
+        prompts={
+            summary.prompt_id: _prompt_model(summary, baseline.runs(summary.prompt_id))
             for summary in baseline.prompts
         },
-    }
+    )
+    return model.model_dump()
 
 
 def dumps_baseline(baseline: CellBaseline) -> str:
@@ -273,196 +557,59 @@ def dumps_baseline(baseline: CellBaseline) -> str:
     )
 
 
-class _Fields:
-    """Typed access to a parsed baseline; every problem names the file and the key path."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, where: str, problem: str) -> CorruptBaseline:
-        return CorruptBaseline(f"{self.source}: corrupt baseline: {where}: {problem}; {_REPAIR}")
-
-    def get(self, data: Mapping[str, Any], key: str, where: str) -> Any:
-        if key not in data:
-            raise self.fail(_join(where, key), "required key is missing")
-        return data[key]
-
-    def mapping(self, data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
-        value = self.get(data, key, where)
-        if not isinstance(value, dict):
-            raise self.fail(_join(where, key), f"expected an object, got {_kind(value)}")
-        return value
-
-    def number(self, data: Mapping[str, Any], key: str, where: str) -> float | None:
-        value = self.get(data, key, where)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-            raise self.fail(_join(where, key), f"expected a number, got {_kind(value)}")
-        return float(value)
-
-    def count(self, data: Mapping[str, Any], key: str, where: str) -> int:
-        value = self.get(data, key, where)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise self.fail(_join(where, key), f"expected a count, got {_kind(value)}")
-        return value
-
-    def text(self, data: Mapping[str, Any], key: str, where: str) -> str | None:
-        value = self.get(data, key, where)
-        if value is not None and not isinstance(value, str):
-            raise self.fail(_join(where, key), f"expected a string, got {_kind(value)}")
-        return value
-
-    def optional_number(self, data: Mapping[str, Any], key: str, where: str) -> float | None:
-        """A number added after format 1: None where an older file lacks it."""
-        return self.number(data, key, where) if key in data else None
-
-    def optional_text(self, data: Mapping[str, Any], key: str, where: str) -> str | None:
-        return self.text(data, key, where) if key in data else None
-
-    def optional_count(self, data: Mapping[str, Any], key: str, where: str) -> int | None:
-        return self.count(data, key, where) if data.get(key) is not None else None
-
-    def optional_mapping(self, data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
-        return self.mapping(data, key, where) if key in data else {}
-
-    def numbers(self, data: Mapping[str, Any], key: str, where: str) -> tuple[float, ...]:
-        value = self.get(data, key, where)
-        valid = isinstance(value, list) and all(
-            isinstance(item, int | float) and not isinstance(item, bool) for item in value
-        )
-        if not valid:
-            raise self.fail(_join(where, key), "expected a list of numbers")
-        return tuple(float(item) for item in value)
-
-
-def _join(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    try:
-        shown = json.dumps(value)[:40]
-    except RecursionError:  # json's writer recurses less deep than its reader
-        shown = "(nested too deeply to show)"
-    return f"{type(value).__name__} {shown}"
-
-
-# What a format 1 file must have; format 2 must have every figure. A format 1 file's
-# `tokens_per_sec_mean` and `tokens_per_sec` samples (another definition of tokens/s) are ignored:
-# its decode rate and the figures it predates are None, and the gate calls them new.
-_FORMAT_1_PERCENTILES = {
-    "first_delta_ms": ("p50", "p95", "p99"),
-    "total_duration_ms": ("p50", "p95", "p99"),
-}
-_FORMAT_1_SAMPLES = ("first_delta_ms", "total_duration_ms")
-# What format 4 added: an older file has no control call (its runs did not measure one).
-_FORMAT_4_FIGURES = ("control_ms",)
-
-
-def summary_from_dict(
-    data: Mapping[str, Any],
-    cell_id: str,
-    prompt_id: str,
-    fields: _Fields,
-    version: int = FORMAT_VERSION,
-) -> PromptSummary:
+def _summary(cell_id: str, prompt_id: str, prompt: _Prompt1 | _Prompt2 | _Prompt4) -> PromptSummary:
     """One prompt's summary; figures newer than the file's format are None (compared as new)."""
-    complete = version >= 2
-    where = f"prompts.{prompt_id}"
-    cold = fields.mapping(data, "cold", where)
-    warm = fields.mapping(data, "warm", where)
-    samples = fields.mapping(data, "samples", where)
-    at = {name: f"{where}.{name}" for name in ("cold", "warm", "samples")}
-    percentiles: dict[str, float | None] = {}
-    for metric in WARM_METRICS:
-        required = PERCENTILE_NAMES if complete else _FORMAT_1_PERCENTILES.get(metric, ())
-        if metric in _FORMAT_4_FIGURES and version < 4:
-            required = ()
-        found = (
-            fields.mapping(warm, metric, at["warm"])
-            if required
-            else fields.optional_mapping(warm, metric, at["warm"])
-        )
-        for name in PERCENTILE_NAMES:
-            read = fields.number if name in required else fields.optional_number
-            percentiles[f"warm_{metric}_{name}"] = read(found, name, f"{at['warm']}.{metric}")
-    raw = {
-        field: fields.numbers(samples, field, at["samples"])
-        if (complete or field in _FORMAT_1_SAMPLES)
-        and (version >= 4 or field not in _FORMAT_4_FIGURES)
-        else ()
-        for field in SAMPLE_FIELDS
+    warm, cold = prompt.warm, prompt.cold
+    percentiles = {
+        f"warm_{metric}_{name}": getattr(getattr(warm, metric), name)
+        for metric in WARM_METRICS
+        for name in PERCENTILE_NAMES
     }
-    coalesced = fields.count(warm, "coalesced", at["warm"]) if complete else 0
+    samples = {name: tuple(values) for name, values in prompt.samples}
     return PromptSummary(
         cell_id=cell_id,
         prompt_id=prompt_id,
-        prompt_sha256=fields.text(data, "prompt_sha256", where),
-        n_cold=fields.count(cold, "n", at["cold"]),
-        n_cold_ok=fields.count(cold, "n_ok", at["cold"]),
-        cold_kind=fields.text(cold, "kind", at["cold"]),
-        cold_first_delta_ms=fields.number(cold, "first_delta_ms", at["cold"]),
-        cold_total_duration_ms=fields.number(cold, "total_duration_ms", at["cold"]),
-        n_warm=fields.count(warm, "n", at["warm"]),
-        n_warm_ok=fields.count(warm, "n_ok", at["warm"]),
-        warm_coalesced=coalesced,
-        samples=WarmSamples(**raw),
+        prompt_sha256=prompt.prompt_sha256,
+        n_cold=cold.n,
+        n_cold_ok=cold.n_ok,
+        cold_kind=cold.kind,
+        cold_first_delta_ms=cold.first_delta_ms,
+        cold_total_duration_ms=cold.total_duration_ms,
+        n_warm=warm.n,
+        n_warm_ok=warm.n_ok,
+        warm_coalesced=warm.coalesced,
+        samples=WarmSamples(**samples),
         **percentiles,
     )
 
 
 def baseline_from_dict(data: Any, source: str) -> CellBaseline:
-    """Validate a parsed baseline file; `source` (the file) is named in every error."""
-    fields = _Fields(source)
-    if not isinstance(data, dict):
-        raise fields.fail("top level", f"expected an object, got {_kind(data)}")
-    version = fields.count(data, "format", "")
-    if version > FORMAT_VERSION:
-        raise GpubenchError(
-            f"{source}: baseline format {version} is newer than this pytest-gpubench understands "
-            f"({FORMAT_VERSION}); upgrade pytest-gpubench"
-        )
-    cell_id = fields.text(data, "cell_id", "")
-    if not cell_id:
-        raise fields.fail("cell_id", "must be a non-empty string")
-    provenance = fields.mapping(data, "provenance", "")
-    gpus = fields.get(provenance, "gpus", "provenance")
-    if not isinstance(gpus, list):
-        raise fields.fail("provenance.gpus", f"expected a list, got {_kind(gpus)}")
-    prompts = fields.mapping(data, "prompts", "")
-    summaries = []
+    """Validate a parsed baseline file by the model of its format; `source` (the file) is named
+    in the one line of any error."""
+    try:
+        version = _Head.model_validate(data).format
+        if version > FORMAT_VERSION:
+            raise GpubenchError(
+                f"{source}: baseline format {version} is newer than this pytest-gpubench "
+                f"understands ({FORMAT_VERSION}); upgrade pytest-gpubench"
+            )
+        model = _FILE_MODELS[max(version, 1)].model_validate(data)
+    except ValidationError as exc:
+        raise _corrupt(source, exc) from None
+    cell_id = str(model.cell_id)
     history: dict[str, History] = {}
-    for prompt_id in sorted(prompts):
-        entry = prompts[prompt_id]
-        if not isinstance(entry, dict):
-            raise fields.fail(f"prompts.{prompt_id}", f"expected an object, got {_kind(entry)}")
-        summaries.append(summary_from_dict(entry, cell_id, prompt_id, fields, version))
-        if version >= 4:
-            runs = fields.get(entry, "history", f"prompts.{prompt_id}")
-            history[prompt_id] = _history_from_list(runs, f"prompts.{prompt_id}.history", fields)
-    # Format 3's identity facts: unknown (None) in an older file.
-    text = fields.text if version >= 3 else fields.optional_text
-    if version >= 3:
-        fields.get(provenance, "max_model_len", "provenance")
+    for prompt_id, prompt in model.prompts.items():
+        if isinstance(prompt, _Prompt4) and prompt.history:
+            history[prompt_id] = tuple(RunFigures(**run.model_dump()) for run in prompt.history)
+    facts = model.provenance
     return CellBaseline(
         cell_id=cell_id,
-        provenance=Provenance(
-            benchmark_run_id=fields.text(provenance, "benchmark_run_id", "provenance"),
-            git_sha=fields.text(provenance, "git_sha", "provenance"),
-            engine_version=fields.text(provenance, "engine_version", "provenance"),
-            model_digest=fields.text(provenance, "model_digest", "provenance"),
-            gpus=tuple(gpus),
-            date=fields.text(provenance, "date", "provenance"),
-            model_identity=text(provenance, "model_identity", "provenance"),
-            model_root=text(provenance, "model_root", "provenance"),
-            max_model_len=fields.optional_count(provenance, "max_model_len", "provenance"),
-            system_fingerprint=text(provenance, "system_fingerprint", "provenance"),
+        provenance=Provenance(**{**facts.model_dump(exclude={"gpus"}), "gpus": tuple(facts.gpus)}),
+        prompts=tuple(
+            _summary(cell_id, prompt_id, model.prompts[prompt_id])
+            for prompt_id in sorted(model.prompts)
         ),
-        prompts=tuple(summaries),
-        history={prompt_id: runs for prompt_id, runs in history.items() if runs},
+        history=dict(sorted(history.items())),
     )
 
 
