@@ -441,7 +441,7 @@ _PROBLEMS = {
     "float_type": "expected a number",
     "not_a_number": "expected a number",
     "int_type": "expected a count",
-    "greater_than_equal": "expected a count",
+    "greater_than_equal": "expected a count (greater than or equal to 0)",
     "string_type": "expected a string",
     "model_type": "expected an object",
     "model_attributes_type": "expected an object",
