@@ -58,8 +58,8 @@ def read_load_baseline(baselines_dir: Path, cell_id: str) -> dict[str, dict[str,
         ) from None
     if parsed.cell_id != cell_id:
         raise GpubenchError(
-            f"{path}: not the load baseline of {cell_id} (cell_id: it holds {parsed.cell_id[:60]!r}'s "
-            f"points); {_REPAIR}"
+            f"{path}: not the load baseline of {cell_id} (cell_id: it holds "
+            f"{parsed.cell_id[:60]!r}'s points); {_REPAIR}"
         )
     return {key: value for key, value in parsed.points.items() if isinstance(value, dict)}
 

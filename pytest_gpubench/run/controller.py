@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from pytest_gpubench.config.cases import Case
     from pytest_gpubench.config.matrix import Cell, Matrix
     from pytest_gpubench.config.options import Options
+    from pytest_gpubench.config.shards import ShardFacts
     from pytest_gpubench.ledger.outcomes import CellOutcome
     from pytest_gpubench.ledger.schema import EndRecord
     from pytest_gpubench.ledger.writer import Ledger
@@ -93,7 +94,7 @@ class RunController:
     ) -> None:
         self.options = options
         # A shard of a job array runs only its share of the matrix; its meta names them all.
-        self.shard: dict[str, Any] | None = None
+        self.shard: ShardFacts | None = None
         if matrix is not None and options.shard is not None:
             from pytest_gpubench.config.shards import shard_facts, shard_matrix
 
