@@ -132,6 +132,7 @@ class LoadRecord(CaseHead):
     ok: NotRequired[int]
     output_tokens_per_sec: NotRequired[float | None]
     engine_counters: NotRequired[dict[str, float] | None]
+    delivery_warnings: NotRequired[list[str] | None]
     error: str | None
     worker: str | None
 
