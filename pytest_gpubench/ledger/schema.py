@@ -117,22 +117,60 @@ class LoadCallRecord(CallRecord):
     process: int | None
 
 
-class LoadRecord(CaseHead):
-    """One load point's summary (results/load_summary.py); the pattern's keys (concurrency,
-    rate, arrival, ...) and the summary's figures sit between these."""
+class LoadFigures(TypedDict, total=False):
+    """A load point's pattern and summary (run/load/__init__.pattern_facts,
+    results/load_summary.summarize_load, a sweep's run/load/sweep.py): the figures the load gate
+    and the reports read. Each may be absent from a ledger of an older version."""
+
+    pattern: str
+    concurrency: int | None
+    rate: float | None
+    arrival: str | None
+    sweep_step: str
+    saturation_rate: float | None
+    requests: int
+    ok: int
+    errors: int
+    timeouts: int
+    window_s: float
+    offered_rate: float | None
+    send_rate: float | None
+    achieved_rate: float | None
+    requests_per_sec: float | None
+    output_tokens: int
+    output_tokens_per_sec: float | None
+    ttft_ms_p50: float | None
+    ttft_ms_p90: float | None
+    ttft_ms_p99: float | None
+    tpot_ms_p50: float | None
+    tpot_ms_p90: float | None
+    tpot_ms_p99: float | None
+    e2e_ms_p50: float | None
+    e2e_ms_p90: float | None
+    e2e_ms_p99: float | None
+    itl_ms_p99: float | None
+    goodput_rate: float | None
+    slo_attainment: float | None
+    meets_slo: bool | None
+    send_lag_ms_p50: float | None
+    send_lag_ms_p99: float | None
+    send_lag_ms_max: float | None
+    valid: bool
+    invalid_reason: str | None
+    server_check: dict[str, Any] | None
+    delivery_warnings: list[str] | None
+    engine_counters: dict[str, float] | None
+    samples: dict[str, list[float]]
+
+
+class LoadRecord(CaseHead, LoadFigures):
+    """One load point's summary; the pattern's keys and the summary's figures (LoadFigures) sit
+    between the case's head and these."""
 
     type: Literal["load"]
     case_id: str
     load_point: str
-    pattern: NotRequired[str]
     started_at_utc: str
-    valid: NotRequired[bool]
-    invalid_reason: NotRequired[str | None]
-    requests: NotRequired[int]
-    ok: NotRequired[int]
-    output_tokens_per_sec: NotRequired[float | None]
-    engine_counters: NotRequired[dict[str, float] | None]
-    delivery_warnings: NotRequired[list[str] | None]
     error: str | None
     worker: str | None
 

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from pytest_gpubench.config.options import Options
     from pytest_gpubench.config.shards import ShardFacts
     from pytest_gpubench.ledger.outcomes import CellOutcome
-    from pytest_gpubench.ledger.schema import EndRecord
+    from pytest_gpubench.ledger.schema import EndRecord, LoadRecord
     from pytest_gpubench.ledger.writer import Ledger
     from pytest_gpubench.results.gate import Verdict
     from pytest_gpubench.results.stats import PromptSummary
@@ -135,7 +135,7 @@ class RunController:
         # A load case's call records (phase `load`: judged per load point, never with the warm
         # calls) and its `load` records.
         self.load_calls: list[dict[str, Any]] = []
-        self.loads: list[dict[str, Any]] = []
+        self.loads: list[LoadRecord] = []
         self.skips: list[dict[str, Any]] = []
         self.cells: dict[str, dict[str, Any]] = {}
         self.probe_rows: list[ProbeRow] = []
@@ -236,7 +236,7 @@ class RunController:
             elif kind == "call":
                 self.calls.append(record)
             elif kind == "load":
-                self.loads.append(record)
+                self.loads.append(cast("LoadRecord", record))
             elif kind == "skipped":
                 self.skips.append(record)
             elif kind == "cell":
