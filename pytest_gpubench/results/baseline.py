@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from annotated_types import Ge
 from pydantic import (
@@ -27,6 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from pytest_gpubench.core.errors import GpubenchError, key_path
 from pytest_gpubench.core.files import atomic_write
+from pytest_gpubench.ledger.schema import CallRecord, CellRecord, MetaRecord, meta_of, records_of
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.gate import run_figures
 from pytest_gpubench.results.run_history import History, RunFigures, appended
@@ -480,23 +481,23 @@ def _kind(value: Any) -> str:
 
 
 def _percentiles(summary: PromptSummary, metric: str) -> _Percentiles:
-    figures: dict[str, Any] = {
-        name: summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES
-    }
-    return _Percentiles.model_construct(**figures)
+    # `None`: the fields set are those given (the first argument of model_construct).
+    return _Percentiles.model_construct(
+        None, **{name: summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES}
+    )
 
 
 def _prompt_model(summary: PromptSummary, history: History) -> _Prompt4:
     """A summary as the current format holds it. Built without validation (model_construct):
     the file holds the summary's values exactly as they are, so the same numbers give the same
     bytes."""
-    metrics: dict[str, Any] = {metric: _percentiles(summary, metric) for metric in WARM_METRICS}
     warm = _Warm4.model_construct(
+        None,
         n=summary.n_warm,
         n_ok=summary.n_warm_ok,
         success_rate=summary.warm_success_rate,
         coalesced=summary.warm_coalesced,
-        **metrics,
+        **{metric: _percentiles(summary, metric) for metric in WARM_METRICS},
     )
     cold = _Cold.model_construct(
         n=summary.n_cold,
@@ -505,8 +506,9 @@ def _prompt_model(summary: PromptSummary, history: History) -> _Prompt4:
         first_delta_ms=summary.cold_first_delta_ms,
         total_duration_ms=summary.cold_total_duration_ms,
     )
-    values: dict[str, Any] = {name: list(getattr(summary.samples, name)) for name in SAMPLE_FIELDS}
-    samples = _Samples4.model_construct(**values)
+    samples = _Samples4.model_construct(
+        None, **{name: list(getattr(summary.samples, name)) for name in SAMPLE_FIELDS}
+    )
     runs = [
         _RunEntry.model_construct(
             benchmark_run_id=run.benchmark_run_id,
@@ -633,23 +635,21 @@ def loads_baseline(text: str, source: str) -> CellBaseline:
 
 def run_descriptions(
     records: Iterable[Mapping[str, Any]],
-) -> tuple[Mapping[str, Any], dict[str, Mapping[str, Any]]]:
-    """The ledger's meta record and the first cell record of each cell id."""
-    meta: Mapping[str, Any] = {}
-    cells: dict[str, Mapping[str, Any]] = {}
-    for record in records:
-        kind = record.get("type")
-        if kind == "meta" and not meta:
-            meta = record
-        elif kind == "cell" and isinstance(record.get("cell_id"), str):
-            cells.setdefault(record["cell_id"], record)
-    return meta, cells
+) -> tuple[MetaRecord, dict[str, CellRecord]]:
+    """The ledger's meta record (an empty one where it has none: every fact unknown) and the
+    first cell record of each cell id."""
+    records = list(records)
+    cells: dict[str, CellRecord] = {}
+    for cell in records_of(records, "cell"):
+        if isinstance(cell.get("cell_id"), str):
+            cells.setdefault(cell["cell_id"], cell)
+    return meta_of(records) or cast(MetaRecord, {}), cells
 
 
 def cell_provenance(
-    meta: Mapping[str, Any],
-    cell: Mapping[str, Any],
-    calls: Iterable[Mapping[str, Any]] = (),
+    meta: MetaRecord,
+    cell: CellRecord,
+    calls: Iterable[CallRecord] = (),
 ) -> Provenance:
     """The provenance of a cell's numbers in a run: the ledger's meta record, the cell record's
     facts, and the system_fingerprint that every successful call of the cell carried (None when
@@ -677,6 +677,11 @@ def cell_provenance(
     )
 
 
+def _unknown_cell(cell_id: str) -> CellRecord:
+    """A cell the ledger has no cell record of: its facts unknown."""
+    return cast(CellRecord, {"cell_id": cell_id})
+
+
 def _optional_text(value: Any) -> str | None:
     return None if value is None else str(value)
 
@@ -685,14 +690,14 @@ def baselines_from_records(records: Iterable[Mapping[str, Any]]) -> list[CellBas
     """A baseline per cell that has call records, sorted by cell id."""
     records = list(records)
     meta, cells = run_descriptions(records)
-    calls = [record for record in records if record.get("type") == "call"]
+    calls = records_of(records, "call")
     by_cell: dict[str, list[PromptSummary]] = {}
     for summary in summarize(records):
         by_cell.setdefault(summary.cell_id, []).append(summary)
     return [
         CellBaseline(
             cell_id,
-            cell_provenance(meta, cells.get(cell_id, {"cell_id": cell_id}), calls),
+            cell_provenance(meta, cells.get(cell_id) or _unknown_cell(cell_id), calls),
             tuple(summaries),
         )
         for cell_id, summaries in sorted(by_cell.items())
