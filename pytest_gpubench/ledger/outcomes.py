@@ -8,10 +8,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from pytest_gpubench.ledger.schema import CellOutcomeRecord
-
 if TYPE_CHECKING:
+    # The record types import the measurement's (h11, pydantic): not in a session without one.
     from pytest_gpubench.config.matrix import Cell
+    from pytest_gpubench.ledger.schema import CellOutcomeRecord
 
 CellStatus = Literal["measured", "failed", "skipped", "missing"]
 
@@ -40,7 +40,7 @@ class CellOutcome:
 
     def to_record(self) -> CellOutcomeRecord:
         """Built-in types only: the end record's manifest."""
-        return cast(CellOutcomeRecord, asdict(self))
+        return cast("CellOutcomeRecord", asdict(self))
 
 
 def cell_outcomes(

@@ -8,10 +8,19 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.core.status import describe
-from pytest_gpubench.ledger.schema import CellOutcomeRecord, EndRecord, LoadRecord, VerdictRecord
+
+if TYPE_CHECKING:
+    # The record types import the measurement's (h11, pydantic): not at the end of a session
+    # that measured nothing.
+    from pytest_gpubench.ledger.schema import (
+        CellOutcomeRecord,
+        EndRecord,
+        LoadRecord,
+        VerdictRecord,
+    )
 
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"
 # Verdict words in the order a reviewer needs them; a word not listed here (a newer gate's)

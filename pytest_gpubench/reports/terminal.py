@@ -7,21 +7,11 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from tabulate import tabulate
 
 from pytest_gpubench.ledger.outcomes import CellOutcome
-from pytest_gpubench.ledger.schema import (
-    CellRecord,
-    EndRecord,
-    LoadRecord,
-    MetaRecord,
-    SkippedRecord,
-    end_of,
-    meta_of,
-    records_of,
-)
 from pytest_gpubench.results.gate import (
     METRIC_NAMES,
     PROVENANCE,
@@ -34,6 +24,17 @@ from pytest_gpubench.results.gate import (
 from pytest_gpubench.results.stats import PromptSummary, summarize
 from pytest_gpubench.targets.gpu import gpu_summary
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
+
+if TYPE_CHECKING:
+    # The record types import the measurement's (h11, pydantic): not at the end of a session
+    # that measured nothing (the terminal summary).
+    from pytest_gpubench.ledger.schema import (
+        CellRecord,
+        EndRecord,
+        LoadRecord,
+        MetaRecord,
+        SkippedRecord,
+    )
 
 NONE = "-"
 METRIC_LABELS = {
@@ -557,8 +558,10 @@ def render_document(
 ) -> str:
     """render_markdown from a ledger read as columns (ledger_frame): the records other than
     calls, the summaries of the calls and their resource figures."""
-    meta = meta_of(others) or cast(MetaRecord, {})  # none: every fact unknown
-    end = end_of(others) or cast(EndRecord, {})
+    from pytest_gpubench.ledger.schema import end_of, meta_of, records_of
+
+    meta = meta_of(others) or cast("MetaRecord", {})  # none: every fact unknown
+    end = end_of(others) or cast("EndRecord", {})
     cells = _first_by_cell(records_of(others, "cell"))
     skipped = records_of(others, "skipped")
     loads = records_of(others, "load")

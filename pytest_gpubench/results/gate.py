@@ -6,11 +6,10 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import partial
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pytest_gpubench.config.matrix import Thresholds
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.ledger.schema import VerdictRecord
 from pytest_gpubench.results.decision import (
     ALPHA,
     EXACT_TEST_MAX_N,
@@ -33,6 +32,9 @@ from pytest_gpubench.results.run_history import (
     figures,
 )
 from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
+
+if TYPE_CHECKING:
+    from pytest_gpubench.ledger.schema import VerdictRecord
 
 __all__ = [
     "ALPHA",
@@ -190,7 +192,7 @@ class Verdict:
         if self.reference is None:
             for name in AB_FIELDS:
                 del record[name]
-        return cast(VerdictRecord, record)
+        return cast("VerdictRecord", record)
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Verdict | None:
