@@ -139,22 +139,37 @@ class LoadFigures(TypedDict, total=False):
     requests_per_sec: float | None
     output_tokens: int
     output_tokens_per_sec: float | None
+    # Each latency's percentiles and the count behind them (results/load_summary.LATENCIES).
+    ttft_ms_n: int
     ttft_ms_p50: float | None
     ttft_ms_p90: float | None
     ttft_ms_p99: float | None
+    tpot_ms_n: int
     tpot_ms_p50: float | None
     tpot_ms_p90: float | None
     tpot_ms_p99: float | None
+    e2e_ms_n: int
     e2e_ms_p50: float | None
     e2e_ms_p90: float | None
     e2e_ms_p99: float | None
+    first_answer_ms_n: int
+    first_answer_ms_p50: float | None
+    first_answer_ms_p90: float | None
+    first_answer_ms_p99: float | None
+    itl_ms_n: int
+    itl_ms_p50: float | None
+    itl_ms_p90: float | None
     itl_ms_p99: float | None
+    coalesced_calls: int
+    coalesced_share: float | None
+    slo: dict[str, Any] | None
     goodput_rate: float | None
     slo_attainment: float | None
     meets_slo: bool | None
     send_lag_ms_p50: float | None
     send_lag_ms_p99: float | None
     send_lag_ms_max: float | None
+    max_send_lag_ms: float | None
     valid: bool
     invalid_reason: str | None
     server_check: dict[str, Any] | None

@@ -802,7 +802,7 @@ LOAD_HEADERS = (
 )
 
 
-def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
+def load_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
     """One row per load point (a sweep: per step, then the sweep's saturation point)."""
     rows = []
     for load in loads:
@@ -845,7 +845,7 @@ def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def render_load_table(loads: Iterable[Mapping[str, Any]], *, markdown: bool = False) -> str:
+def render_load_table(loads: Iterable[LoadRecord], *, markdown: bool = False) -> str:
     return table(load_rows(loads), LOAD_HEADERS, markdown=markdown)
 
 
@@ -869,7 +869,7 @@ def _against(figure: Any) -> str:
     )
 
 
-def server_check_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
+def server_check_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
     """One row per load point: the client's means beside the engine's own over the same point,
     the replies that came whole in one read, and the `n` behind the percentiles."""
     rows = []
@@ -891,7 +891,7 @@ def server_check_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def render_server_check(loads: Sequence[Mapping[str, Any]], *, markdown: bool = False) -> str:
+def render_server_check(loads: Sequence[LoadRecord], *, markdown: bool = False) -> str:
     """The client against the engine per point; empty when no point has either figure (a ledger
     written before they were recorded)."""
     if not any("coalesced_calls" in load or load.get("server_check") for load in loads):
@@ -900,7 +900,7 @@ def render_server_check(loads: Sequence[Mapping[str, Any]], *, markdown: bool = 
 
 
 def load_lines(
-    loads: Sequence[Mapping[str, Any]],
+    loads: Sequence[LoadRecord],
     verdicts: Sequence[Verdict] = (),
     *,
     baseline_update: bool = False,
