@@ -31,8 +31,10 @@ if TYPE_CHECKING:
         CallRecord,
         CellRecord,
         EndRecord,
+        LoadCallRecord,
         LoadRecord,
         MetaRecord,
+        SkippedRecord,
     )
     from pytest_gpubench.ledger.writer import Ledger
     from pytest_gpubench.results.gate import Verdict
@@ -134,15 +136,15 @@ class RunController:
         self.calls: list[CallRecord] = []
         # The warm calls of suspects measured again at the end (`pass: 2`), judged on their own
         # and then with the first pass's (results/confirm.py); and the suspects that could not be.
-        self.remeasured_calls: list[dict[str, Any]] = []
+        self.remeasured_calls: list[CallRecord] = []
         self.not_remeasured: dict[tuple[str, str], str] = {}
         # Per (cell, prompt): the baseline's last ratified runs (its between-run history).
         self.histories: dict[tuple[str, str], Any] = {}
         # A load case's call records (phase `load`: judged per load point, never with the warm
         # calls) and its `load` records.
-        self.load_calls: list[dict[str, Any]] = []
+        self.load_calls: list[LoadCallRecord] = []
         self.loads: list[LoadRecord] = []
-        self.skips: list[dict[str, Any]] = []
+        self.skips: list[SkippedRecord] = []
         self.cells: dict[str, CellRecord] = {}
         self.probe_rows: list[ProbeRow] = []
         self.probe_failed = False
@@ -234,15 +236,15 @@ class RunController:
         for record in records:
             kind = record.get("type")
             if kind == "call" and record.get("phase") == LOAD_PHASE:
-                self.load_calls.append(record)
+                self.load_calls.append(cast("LoadCallRecord", record))
             elif kind == "call" and record.get("pass", 1) != 1:
-                self.remeasured_calls.append(record)
+                self.remeasured_calls.append(cast("CallRecord", record))
             elif kind == "call":
                 self.calls.append(cast("CallRecord", record))
             elif kind == "load":
                 self.loads.append(cast("LoadRecord", record))
             elif kind == "skipped":
-                self.skips.append(record)
+                self.skips.append(cast("SkippedRecord", record))
             elif kind == "cell":
                 if record["cell_id"] in self.cells:
                     continue  # each xdist worker that ran the cell describes it; keep the first
