@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, cast
 
-from annotated_types import Ge
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -204,7 +203,7 @@ def _numbers(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 
 
 Number = Annotated[float, Strict(), AfterValidator(_not_nan)] | None
-Count = Annotated[int, Strict(), Ge(0)]
+Count = Annotated[int, Strict(), Field(ge=0)]
 Text = Annotated[str, Strict()] | None
 # A sample list keeps NaN and infinities as earlier readers did; the gate's tests drop them.
 Numbers = Annotated[list[Annotated[float, Strict()]], WrapValidator(_numbers)]
