@@ -4,30 +4,33 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Any, cast
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    SkipValidation,
-    Strict,
-    ValidationError,
-    ValidatorFunctionWrapHandler,
-    WrapValidator,
-)
-from pydantic_core import PydanticCustomError
-
-from pytest_gpubench.core.errors import GpubenchError, key_path
+from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.ledger.schema import CallRecord, CellRecord, MetaRecord, meta_of, records_of
 from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.results.baseline_format import (
+    FORMAT_VERSION,
+    REPAIR,
+    BaselineFileV4,
+    Cold,
+    CorruptBaseline,
+    Percentiles,
+    PromptV1,
+    PromptV2,
+    PromptV4,
+    ProvenanceV3,
+    RunEntry,
+    SamplesV4,
+    WarmV4,
+    read_json,
+    validated,
+)
 from pytest_gpubench.results.gate import run_figures
 from pytest_gpubench.results.run_history import History, RunFigures, appended
 from pytest_gpubench.results.stats import (
@@ -40,19 +43,9 @@ from pytest_gpubench.results.stats import (
 )
 from pytest_gpubench.targets.gpu import gpu_summary
 
-# 2: p90s, the decode, TPOT, end-to-end and engine-side metrics and samples, the coalesced count;
-# the mean of per-call tokens/s of format 1 is no longer written (and ignored when read).
-# 3: the model's identity beside its digest (model_identity, model_root, max_model_len) and the
-# stream's system_fingerprint in the provenance; older files read them as unknown. A file may hold
-# prompts and phases measured by different runs of the same setup (--baseline-update merges).
-# 4: per prompt, `history`: the figures of its last ratified runs (run_history.py), and the
-# control call's figures and samples (`control_ms`); an older file reads with no history and no
-# control (the gate then says the noise floor is unknown).
-FORMAT_VERSION = 4
 DEFAULT_MIN_SUCCESS_RATE = 0.95
 # Anything but these becomes "_" in a file name; the exact cell id is kept inside the file.
 _UNSAFE_IN_FILE_NAME = re.compile(r"[^A-Za-z0-9._-]")
-_REPAIR = "restore it with `git checkout -- <file>` or write it again with --baseline-update"
 
 
 @dataclass(frozen=True)
@@ -159,11 +152,6 @@ class BaselineUpdate:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-class CorruptBaseline(GpubenchError):
-    """A baseline file that cannot be read as one (not JSON, a key missing or of the wrong type):
-    --baseline-update replaces it. A newer format or an unreadable file is not corrupt."""
-
-
 # -- names ------------------------------------------------------------------------------------
 
 
@@ -176,321 +164,21 @@ def baseline_path(baselines_dir: Path, cell_id: str) -> Path:
     return baselines_dir / baseline_file_name(cell_id)
 
 
-# -- the file's format, by version (pydantic models) ------------------------------------------
-# Each model says which keys a file of its format must have and of which type; a key a reader
-# does not know is ignored (a newer minor field, a reader's note). The types are strict: "12" is
-# not a number, true is not a count.
-
-
-def _not_nan(value: float) -> float:
-    if math.isnan(value):
-        raise PydanticCustomError("not_a_number", "NaN is not a number")
-    return value
-
-
-def _non_empty(value: str | None) -> str | None:
-    if not value:
-        raise PydanticCustomError("empty_cell_id", "must be a non-empty string")
-    return value
-
-
-def _numbers(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-    """One message for the whole list, as a user reads it: which sample is bad matters less."""
-    try:
-        return handler(value)
-    except ValidationError:
-        raise PydanticCustomError("numbers", "expected a list of numbers") from None
-
-
-Number = Annotated[float, Strict(), AfterValidator(_not_nan)] | None
-Count = Annotated[int, Strict(), Field(ge=0)]
-Text = Annotated[str, Strict()] | None
-# A sample list keeps NaN and infinities as earlier readers did; the gate's tests drop them.
-Numbers = Annotated[list[Annotated[float, Strict()]], WrapValidator(_numbers)]
-_Record = ConfigDict(extra="ignore", frozen=True)
-
-
-class _OptionalPercentiles(BaseModel):
-    """A metric's warm percentiles in a format older than the metric: each may be absent."""
-
-    model_config = _Record
-
-    p50: Number = None
-    p90: Number = None
-    p95: Number = None
-    p99: Number = None
-
-
-class _Percentiles(_OptionalPercentiles):
-    """A metric's warm percentiles: every one present (null where the run had no value)."""
-
-    p50: Number
-    p90: Number
-    p95: Number
-    p99: Number
-
-
-class _Format1Percentiles(_OptionalPercentiles):
-    """Format 1 had no p90."""
-
-    p50: Number
-    p95: Number
-    p99: Number
-
-
-class _Cold(BaseModel):
-    """The first cold call of a prompt."""
-
-    model_config = _Record
-
-    n: Count
-    n_ok: Count
-    kind: Text
-    first_delta_ms: Number
-    total_duration_ms: Number
-
-
-class _Warm1(BaseModel):
-    """Format 1's warm figures: TTFT and total duration; the later metrics read as new."""
-
-    model_config = _Record
-
-    n: Count
-    n_ok: Count
-    first_delta_ms: _Format1Percentiles
-    total_duration_ms: _Format1Percentiles
-    decode_tokens_per_sec: _OptionalPercentiles = _OptionalPercentiles()
-    tpot_ms: _OptionalPercentiles = _OptionalPercentiles()
-    e2e_tokens_per_sec: _OptionalPercentiles = _OptionalPercentiles()
-    engine_tokens_per_sec: _OptionalPercentiles = _OptionalPercentiles()
-    engine_prompt_ms: _OptionalPercentiles = _OptionalPercentiles()
-    engine_total_ms: _OptionalPercentiles = _OptionalPercentiles()
-    control_ms: _OptionalPercentiles = _OptionalPercentiles()
-
-    @property
-    def coalesced(self) -> int:
-        return 0  # format 1 did not count them
-
-
-class _Warm2(BaseModel):
-    """Formats 2 and 3: every metric's percentiles, the coalesced count; no control call."""
-
-    model_config = _Record
-
-    n: Count
-    n_ok: Count
-    coalesced: Count
-    # Derived from n and n_ok, written for a reader's eye and never read back.
-    success_rate: SkipValidation[float | None] = None
-    first_delta_ms: _Percentiles
-    total_duration_ms: _Percentiles
-    decode_tokens_per_sec: _Percentiles
-    tpot_ms: _Percentiles
-    e2e_tokens_per_sec: _Percentiles
-    engine_tokens_per_sec: _Percentiles
-    engine_prompt_ms: _Percentiles
-    engine_total_ms: _Percentiles
-    control_ms: _OptionalPercentiles = _OptionalPercentiles()
-
-
-class _Warm4(_Warm2):
-    """Format 4 adds the control call's figures."""
-
-    control_ms: _Percentiles
-
-
-class _Samples1(BaseModel):
-    """Format 1's raw warm values; its `tokens_per_sec` (another definition) is ignored."""
-
-    model_config = _Record
-
-    first_delta_ms: Numbers
-    total_duration_ms: Numbers
-
-
-class _Samples2(_Samples1):
-    """Formats 2 and 3: the decode rate and the engine's own figures beside the client's."""
-
-    decode_tokens_per_sec: Numbers
-    engine_prompt_ms: Numbers
-    engine_tokens_per_sec: Numbers
-    engine_total_ms: Numbers
-
-
-class _Samples4(_Samples2):
-    """Format 4 adds the control call's."""
-
-    control_ms: Numbers
-
-
-class _RunEntry(BaseModel):
-    """One run of a prompt's history, as the file holds it."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    benchmark_run_id: str | None = None
-    date: str | None = None
-    n: int = Field(default=0, ge=0)
-    figures: dict[str, float | None] = Field(default_factory=dict)
-    control_ms: float | None = None
-
-
-class _Prompt1(BaseModel):
-    model_config = _Record
-
-    prompt_sha256: Text
-    cold: _Cold
-    warm: _Warm1
-    samples: _Samples1
-
-
-class _Prompt2(BaseModel):
-    model_config = _Record
-
-    prompt_sha256: Text
-    cold: _Cold
-    warm: _Warm2
-    samples: _Samples2
-
-
-class _Prompt4(BaseModel):
-    """A prompt of the current format: its figures, samples and between-run history."""
-
-    model_config = _Record
-
-    prompt_sha256: Text
-    cold: _Cold
-    warm: _Warm4
-    samples: _Samples4
-    history: Annotated[list[_RunEntry], Strict()]
-
-
-class _Provenance1(BaseModel):
-    """Formats 1 and 2: the model's identity facts may be absent (read as unknown)."""
-
-    model_config = _Record
-
-    benchmark_run_id: Text
-    git_sha: Text
-    engine_version: Text
-    model_digest: Text
-    gpus: Annotated[list[Any], Strict()]
-    date: Text
-    model_identity: Text = None
-    model_root: Text = None
-    max_model_len: Count | None = None
-    system_fingerprint: Text = None
-
-
-class _Provenance3(_Provenance1):
-    """Format 3 on: every identity fact present (null where unknown)."""
-
-    model_identity: Text
-    model_root: Text
-    max_model_len: Count | None
-    system_fingerprint: Text
-
-
-class _Head(BaseModel):
-    """What is read first: the format, which picks the model of the rest."""
-
-    model_config = _Record
-
-    format: Count
-
-
-CellId = Annotated[Text, AfterValidator(_non_empty)]
-
-
-class _File1(_Head):
-    cell_id: CellId
-    provenance: _Provenance1
-    prompts: Annotated[dict[str, _Prompt1], Strict()]
-
-
-class _File2(_Head):
-    cell_id: CellId
-    provenance: _Provenance1
-    prompts: Annotated[dict[str, _Prompt2], Strict()]
-
-
-class _File3(_Head):
-    cell_id: CellId
-    provenance: _Provenance3
-    prompts: Annotated[dict[str, _Prompt2], Strict()]
-
-
-class _File4(_Head):
-    """The current format: what dumps_baseline writes."""
-
-    cell_id: CellId
-    provenance: _Provenance3
-    prompts: Annotated[dict[str, _Prompt4], Strict()]
-
-
-_FILE_MODELS: dict[int, type[_File1 | _File2 | _File3 | _File4]] = {
-    1: _File1,
-    2: _File2,
-    3: _File3,
-    4: _File4,
-}
-
-# A problem by pydantic's error type, in the words of a file's reader.
-_PROBLEMS = {
-    "missing": "required key is missing",
-    "float_type": "expected a number",
-    "not_a_number": "expected a number",
-    "int_type": "expected a count",
-    "greater_than_equal": "expected a count (greater than or equal to 0)",
-    "string_type": "expected a string",
-    "model_type": "expected an object",
-    "model_attributes_type": "expected an object",
-    "dict_type": "expected an object",
-    "list_type": "expected a list",
-}
-
-
-def _corrupt(source: str, exc: ValidationError) -> CorruptBaseline:
-    """The first problem pydantic found, as one line naming the file and the key."""
-    error = exc.errors()[0]
-    where = key_path(tuple(error["loc"])) or "top level"
-    problem = _PROBLEMS.get(error["type"])
-    if problem is None:
-        problem = str(error["msg"]).lower()
-    elif error["type"] != "missing":
-        problem = f"{problem}, got {_kind(error.get('input'))}"
-    return _corrupt_line(source, where, problem)
-
-
-def _corrupt_line(source: str, where: str, problem: str) -> CorruptBaseline:
-    return CorruptBaseline(f"{source}: corrupt baseline: {where}: {problem}; {_REPAIR}")
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    try:
-        shown = json.dumps(value)[:40]
-    except (RecursionError, ValueError):  # json's writer recurses less deep than its reader
-        shown = "(nested too deeply to show)"
-    return f"{type(value).__name__} {shown}"
-
-
 # -- to and from JSON (pure) ------------------------------------------------------------------
 
 
-def _percentiles(summary: PromptSummary, metric: str) -> _Percentiles:
+def _percentiles(summary: PromptSummary, metric: str) -> Percentiles:
     # `None`: the fields set are those given (the first argument of model_construct).
-    return _Percentiles.model_construct(
+    return Percentiles.model_construct(
         None, **{name: summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES}
     )
 
 
-def _prompt_model(summary: PromptSummary, history: History) -> _Prompt4:
+def _prompt_model(summary: PromptSummary, history: History) -> PromptV4:
     """A summary as the current format holds it. Built without validation (model_construct):
     the file holds the summary's values exactly as they are, so the same numbers give the same
     bytes."""
-    warm = _Warm4.model_construct(
+    warm = WarmV4.model_construct(
         None,
         n=summary.n_warm,
         n_ok=summary.n_warm_ok,
@@ -498,18 +186,18 @@ def _prompt_model(summary: PromptSummary, history: History) -> _Prompt4:
         coalesced=summary.warm_coalesced,
         **{metric: _percentiles(summary, metric) for metric in WARM_METRICS},
     )
-    cold = _Cold.model_construct(
+    cold = Cold.model_construct(
         n=summary.n_cold,
         n_ok=summary.n_cold_ok,
         kind=summary.cold_kind,
         first_delta_ms=summary.cold_first_delta_ms,
         total_duration_ms=summary.cold_total_duration_ms,
     )
-    samples = _Samples4.model_construct(
+    samples = SamplesV4.model_construct(
         None, **{name: list(getattr(summary.samples, name)) for name in SAMPLE_FIELDS}
     )
     runs = [
-        _RunEntry.model_construct(
+        RunEntry.model_construct(
             benchmark_run_id=run.benchmark_run_id,
             date=run.date,
             n=run.n,
@@ -518,7 +206,7 @@ def _prompt_model(summary: PromptSummary, history: History) -> _Prompt4:
         )
         for run in history
     ]
-    return _Prompt4.model_construct(
+    return PromptV4.model_construct(
         prompt_sha256=summary.prompt_sha256, cold=cold, warm=warm, samples=samples, history=runs
     )
 
@@ -530,10 +218,10 @@ def summary_to_dict(summary: PromptSummary) -> dict[str, Any]:
 
 def baseline_to_dict(baseline: CellBaseline) -> dict[str, Any]:
     provenance = baseline.provenance
-    model = _File4.model_construct(
+    model = BaselineFileV4.model_construct(
         format=FORMAT_VERSION,
         cell_id=baseline.cell_id,
-        provenance=_Provenance3.model_construct(
+        provenance=ProvenanceV3.model_construct(
             **{**dataclasses.asdict(provenance), "gpus": list(provenance.gpus)}
         ),
         prompts={
@@ -558,7 +246,7 @@ def dumps_baseline(baseline: CellBaseline) -> str:
     )
 
 
-def _summary(cell_id: str, prompt_id: str, prompt: _Prompt1 | _Prompt2 | _Prompt4) -> PromptSummary:
+def _summary(cell_id: str, prompt_id: str, prompt: PromptV1 | PromptV2 | PromptV4) -> PromptSummary:
     """One prompt's summary; figures newer than the file's format are None (compared as new)."""
     warm, cold = prompt.warm, prompt.cold
     percentiles = {
@@ -587,20 +275,11 @@ def _summary(cell_id: str, prompt_id: str, prompt: _Prompt1 | _Prompt2 | _Prompt
 def baseline_from_dict(data: Any, source: str) -> CellBaseline:
     """Validate a parsed baseline file by the model of its format; `source` (the file) is named
     in the one line of any error."""
-    try:
-        version = _Head.model_validate(data).format
-        if version > FORMAT_VERSION:
-            raise GpubenchError(
-                f"{source}: baseline format {version} is newer than this pytest-gpubench "
-                f"understands ({FORMAT_VERSION}); upgrade pytest-gpubench"
-            )
-        model = _FILE_MODELS[max(version, 1)].model_validate(data)
-    except ValidationError as exc:
-        raise _corrupt(source, exc) from None
+    model = validated(data, source)
     cell_id = str(model.cell_id)
     history: dict[str, History] = {}
     for prompt_id, prompt in model.prompts.items():
-        if isinstance(prompt, _Prompt4) and prompt.history:
+        if isinstance(prompt, PromptV4) and prompt.history:
             history[prompt_id] = tuple(RunFigures(**run.model_dump()) for run in prompt.history)
     facts = model.provenance
     return CellBaseline(
@@ -615,18 +294,7 @@ def baseline_from_dict(data: Any, source: str) -> CellBaseline:
 
 
 def loads_baseline(text: str, source: str) -> CellBaseline:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CorruptBaseline(
-            f"{source}: corrupt baseline: not valid JSON (line {exc.lineno}, column {exc.colno}: "
-            f"{exc.msg}); {_REPAIR}"
-        ) from None
-    except (ValueError, RecursionError) as exc:
-        # An integer longer than Python reads (4,300 digits), or nesting deeper than it recurses.
-        what = "nested too deeply" if isinstance(exc, RecursionError) else "a number too long"
-        raise CorruptBaseline(f"{source}: corrupt baseline: {what} to read; {_REPAIR}") from None
-    return baseline_from_dict(data, source)
+    return baseline_from_dict(read_json(text, source), source)
 
 
 # -- from a run (pure) ------------------------------------------------------------------------
@@ -886,7 +554,7 @@ def read_baseline(path: Path) -> CellBaseline:
     except FileNotFoundError:
         raise GpubenchError(f"{path}: baseline file not found") from None
     except UnicodeDecodeError as exc:
-        raise CorruptBaseline(f"{path}: corrupt baseline: not UTF-8 ({exc}); {_REPAIR}") from None
+        raise CorruptBaseline(f"{path}: corrupt baseline: not UTF-8 ({exc}); {REPAIR}") from None
     except OSError as exc:
         raise GpubenchError(f"{path}: cannot read baseline: {exc}") from None
     return loads_baseline(text, str(path))

@@ -524,11 +524,11 @@ class RunController:
         """The measured cells' baseline summaries; notes in the judgement which cells' baselines
         came from another setup. A corrupt file counts as none when this run replaces it."""
         from pytest_gpubench.results.baseline import (
-            CorruptBaseline,
             cell_provenance,
             find_baseline,
             provenance_changes,
         )
+        from pytest_gpubench.results.baseline_format import CorruptBaseline
 
         summaries: list[PromptSummary] = []
         for cell_id in sorted({call["cell_id"] for call in self.calls}):
