@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,7 +139,7 @@ def write_project(
     )
 
 
-def worst(verdicts: list[dict[str, Any]]) -> str:
+def worst(verdicts: Sequence[Mapping[str, Any]]) -> str:
     kinds = {verdict["verdict"] for verdict in verdicts}
     return next((k for k in ("regression", "inconclusive", "win", "ok") if k in kinds), "none")
 

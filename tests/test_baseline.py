@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -535,3 +536,25 @@ def test_a_file_that_cannot_be_written_is_reported_and_the_others_are_written(
     assert set(update.written) == {OTHER}
     assert update.failed[CELL].startswith(f"{blocked}: cannot write baseline: ")
     assert not blocked.exists() and not list(tmp_path.glob(".*.tmp"))  # nothing half-written
+
+
+def test_every_figure_and_sample_of_a_summary_round_trips(tmp_path: Path) -> None:
+    """Each warm percentile and sample list has its place in the file's model: a summary with
+    every field set reads back equal (a metric missing from the model would read back None)."""
+    numbered = {
+        f.name: float(index) + 0.5
+        for index, f in enumerate(dataclasses.fields(PromptSummary))
+        if f.name.startswith("warm_") and f.name != "warm_coalesced"
+    }
+    samples = WarmSamples(
+        **{f.name: (float(i), float(i) + 1) for i, f in enumerate(dataclasses.fields(WarmSamples))}
+    )
+    summary = PromptSummary(
+        CELL, "P-EASY", "sha", 1, 1, "unload", 400.0, 900.0, 20, 19,
+        warm_coalesced=3, samples=samples, **numbered,
+    )  # fmt: skip
+    baseline = CellBaseline(CELL, Provenance(max_model_len=4096, gpus=({"name": "A"},)), (summary,))
+    path = write_baseline(tmp_path, baseline)
+    assert read_baseline(path) == baseline
+    stored = json.loads(path.read_text())["prompts"]["P-EASY"]
+    assert stored["warm"]["success_rate"] == 0.95 and stored["history"] == []

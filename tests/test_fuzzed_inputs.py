@@ -10,13 +10,14 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from support import ledgers
 from support.hypothesis_examples import examples
@@ -26,8 +27,15 @@ from pytest_gpubench.config.matrix import read_matrix, read_prompts
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.ledger.writer import Ledger, iter_records
-from pytest_gpubench.results.baseline import read_baseline
+from pytest_gpubench.results.baseline import (
+    CellBaseline,
+    Provenance,
+    dumps_baseline,
+    read_baseline,
+)
 from pytest_gpubench.results.load_baseline import load_baseline_path, read_load_baseline
+from pytest_gpubench.results.run_history import RunFigures
+from pytest_gpubench.results.stats import PromptSummary, WarmSamples
 
 # Example counts: listed in docs/clusters-and-leases.md; a run of this file takes about 40 s.
 MANY = settings(
@@ -320,6 +328,87 @@ def test_a_deeply_nested_baseline_file_is_one_clear_error(depth: int) -> None:
     baseline_or_one_line("[" * depth + "]" * depth)
 
 
+# A file of the current format as --baseline-update writes it, and the first format's shape.
+CURRENT = json.loads(
+    dumps_baseline(
+        CellBaseline(
+            "local:llamacpp:tiny",
+            Provenance(benchmark_run_id="r1", engine_version="b1", gpus=({"name": "A"},)),
+            (
+                PromptSummary(
+                    "local:llamacpp:tiny", "P-EASY", "ab", 1, 1, "restart", 9.0, 12.0, 3, 3,
+                    warm_first_delta_ms_p50=2.0, warm_tpot_ms_p99=0.5, warm_coalesced=1,
+                    samples=WarmSamples(first_delta_ms=(1.0, 2.0, 3.0), control_ms=(0.1,)),
+                ),
+            ),
+            {"P-EASY": (RunFigures("r0", "2026-11-24", 3, {"warm_ttft_p50_ms": 2.1}, 0.1),)},
+        )
+    )
+)  # fmt: skip
+FORMAT_1 = {
+    "format": 1,
+    "cell_id": "local:llamacpp:tiny",
+    "provenance": {k: CURRENT["provenance"][k] for k in ("benchmark_run_id", "git_sha",
+                   "engine_version", "model_digest", "gpus", "date")},
+    "prompts": {"P-EASY": {
+        "prompt_sha256": "ab",
+        "cold": CURRENT["prompts"]["P-EASY"]["cold"],
+        "warm": {"n": 3, "n_ok": 3, "first_delta_ms": {"p50": 2.0, "p95": 3.0, "p99": 3.0},
+                 "total_duration_ms": {"p50": 4.0, "p95": 5.0, "p99": 5.0}},
+        "samples": {"first_delta_ms": [1.0, 2.0, 3.0], "total_duration_ms": [4.0, 5.0, 6.0]},
+    }},
+}  # fmt: skip
+# What the one line of a baseline that cannot be read says after the file's name.
+ONE_BASELINE_ERROR = re.compile(
+    r"(corrupt baseline: (not UTF-8|not valid JSON|nested too deeply|a number too long|"
+    r"top level: |[^ ]+: )|baseline format \d+ is newer)"
+)
+
+
+def baseline_or_exactly_one_line(data: bytes) -> None:
+    """A baseline, or one line naming the file and what is wrong where (the key), never two."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory, "local_llamacpp_tiny.json")
+        path.write_bytes(data)
+        try:
+            read_baseline(path)
+        except GpubenchError as error:
+            message = str(error)
+            assert "\n" not in message and "\r" not in message, message
+            assert message.startswith(f"{path}: "), message
+            assert ONE_BASELINE_ERROR.match(message, len(str(path)) + 2), message
+
+
+def encoded(document: Any) -> bytes:
+    return json_text(document).encode("utf-8", errors="surrogatepass")
+
+
+def test_the_fixed_baselines_are_valid(tmp_path: Path) -> None:
+    for document in (CURRENT, FORMAT_1):
+        path = tmp_path / "local_llamacpp_tiny.json"
+        path.write_bytes(encoded(document))
+        assert read_baseline(path).prompts[0].prompt_sha256 == "ab"
+
+
+@MANY
+@given(mutated(CURRENT) | mutated(FORMAT_1) | st.sampled_from([CURRENT, FORMAT_1]))
+def test_any_json_in_a_baseline_file_gives_a_baseline_or_one_line_naming_the_key(
+    document: Any,
+) -> None:
+    """Documents of the current format and of format 1 with one to three values replaced by
+    anything (wrong types, huge numbers, NaN, deep nesting, extra keys)."""
+    baseline_or_exactly_one_line(encoded(document))
+
+
+@SOME
+@given(
+    st.binary(max_size=200)
+    | damaged_text(json.dumps(CURRENT, indent=2)).map(lambda t: t.encode("utf-8", "surrogatepass"))
+)
+def test_any_bytes_in_a_baseline_file_give_a_baseline_or_one_line(data: bytes) -> None:
+    baseline_or_exactly_one_line(data)
+
+
 LOAD_BASELINE: dict[str, Any] = {
     "format": 1,
     "cell_id": "local:llamacpp:tiny",
@@ -486,6 +575,40 @@ def test_a_number_too_long_to_read_is_one_clear_error(tmp_path: Path) -> None:
     path.write_text('{"type": "meta"}\n{"type": "call", "n": ' + "9" * 5000 + "}\n")
     with pytest.raises(GpubenchError, match="line 2 is not a ledger record"):
         list(iter_records(path))
+
+
+@FEW
+@given(
+    mutated(CURRENT).map(encoded)
+    | st.binary(max_size=120)
+    | damaged_text(json.dumps(CURRENT)).map(lambda t: t.encode("utf-8", "surrogatepass"))
+)
+def test_a_pytest_run_on_any_baseline_file_ends_with_its_documented_status(
+    pytester: pytest.Pytester, data: bytes
+) -> None:
+    """The frozen-prompts guard reads the cell's baseline at the session's start, before any
+    engine is asked (the cell's endpoint is a closed port): a file it cannot read is one
+    `ERROR:` line naming it and exit status 4 (docs/exit-statuses.md); a readable one lets the
+    run go on to the guard's next check or to the unreachable cell (7)."""
+    pytester.path.joinpath("prompts.yaml").write_text(dumped(PROMPTS))
+    pytester.path.joinpath("cells.yaml").write_text(
+        "nodes: {local: {kind: local}}\ncells:\n  - {node: local, engine: llamacpp, model: tiny, "
+        "endpoint: 'http://127.0.0.1:9', runs: 2, phases: [warm]}\n"
+    )
+    (pytester.path / "baselines").mkdir(exist_ok=True)
+    (pytester.path / "baselines" / "local_llamacpp_tiny.json").write_bytes(data)
+    pytester.makepyfile(test_bench="def test_generate(gpubench_case):\n    gpubench_case.run()\n")
+    result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
+    output = result.stdout.str() + result.stderr.str()
+    assert "Traceback" not in output and "INTERNALERROR" not in output, output
+    errors = [line for line in result.stderr.lines if line.strip()]
+    event(f"exit status {int(result.ret)}")
+    if "local_llamacpp_tiny.json" in result.stderr.str():
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, output
+        assert len(errors) == 1 and errors[0].startswith("ERROR: "), output
+        assert ONE_BASELINE_ERROR.search(errors[0]), output
+    else:
+        assert result.ret in (pytest.ExitCode.USAGE_ERROR, 7), output
 
 
 @pytest.mark.parametrize(

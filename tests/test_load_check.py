@@ -5,9 +5,11 @@ replies and the `n` behind each percentile, the warnings, and throughput samples
 from __future__ import annotations
 
 import statistics
+from typing import cast
 
 import pytest
 
+from pytest_gpubench.ledger.schema import LoadRecord
 from pytest_gpubench.measure.gauges import GaugeSamples, parse_metrics
 from pytest_gpubench.reports.terminal import load_lines
 from pytest_gpubench.results.load_summary import server_check, summarize_point
@@ -136,7 +138,8 @@ def test_coalesced_replies_are_counted_with_the_n_of_each_percentile_and_warned_
     assert summary["itl_ms_n"] == 30
     (warning,) = summary["delivery_warnings"]
     assert warning.startswith("2 of 10 replies (20%) came whole in one read")
-    lines = [line.text for line in load_lines([{**summary, "cell_id": "c", "load_point": "c4"}])]
+    point = cast(LoadRecord, {**summary, "cell_id": "c", "load_point": "c4"})
+    lines = [line.text for line in load_lines([point])]
     assert any(text.startswith("WARNING") and "came whole" in text for text in lines)
     assert any("2 of 10" in text and "10 / 8" in text for text in lines)
     # One whole reply in twenty is no warning.

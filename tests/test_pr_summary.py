@@ -9,11 +9,13 @@ server (tests/support/keepalive_server.py)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import pytest
 from support.keepalive_server import keepalive_server
 from support.standins import OllamaStandin, serving
 
+from pytest_gpubench.ledger.schema import EndRecord
 from pytest_gpubench.reports.pr_summary import render_pr_summary
 
 PROMPTS = """\
@@ -88,7 +90,7 @@ def test_verdicts_are_ordered_regressions_first_and_ok_ones_only_counted() -> No
          "change_ratio": 1.35, "p_value": 0.001},
     ]  # fmt: skip
     text = render_pr_summary(
-        {"exit_status": 6, "regressions": 1, "verdicts": verdicts, "cells": []},
+        cast(EndRecord, {"exit_status": 6, "regressions": 1, "verdicts": verdicts, "cells": []}),
         [],
         ledger="runs/x.jsonl",
         report="`gpubench report --html runs/x.jsonl -o report.html`",

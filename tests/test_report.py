@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from pytest_gpubench.cli.main import compare_command, main
+from pytest_gpubench.ledger.schema import LoadRecord
 from pytest_gpubench.reports.terminal import (
     render_comparison,
     render_load_table,
@@ -346,18 +347,23 @@ def test_a_cold_case_that_ran_warm_is_labelled_in_the_cold_columns() -> None:
 def test_the_load_table_shows_prefix_cache_and_first_answer_only_where_measured() -> None:
     """A `prefix:` point's cache hit rate and a reasoning point's first answer sit beside the
     TTFT; a plain point's table has neither column."""
-    plain = {"prompt_id": "P", "load_point": "c1", "valid": True, "ttft_ms_p50": 10.0}
+    plain = cast(
+        LoadRecord, {"prompt_id": "P", "load_point": "c1", "valid": True, "ttft_ms_p50": 10.0}
+    )
     assert "prefix cache" not in render_load_table([plain])
     assert "first answer" not in render_load_table([plain])
-    shared = {**plain, "load_point": "c4", "prefix_cache_hit_rate": 0.8125}
-    unique = {**plain, "load_point": "c4-unique", "prefix_cache_hit_rate": 0.0}
-    thinking = {
-        **plain,
-        "load_point": "c2",
-        "first_answer_ms_p50": 250.0,
-        "first_answer_ms_p99": 300.0,
-        "reasoning_tokens_p50": 40.0,
-    }
+    shared = cast(LoadRecord, {**plain, "load_point": "c4", "prefix_cache_hit_rate": 0.8125})
+    unique = cast(LoadRecord, {**plain, "load_point": "c4-unique", "prefix_cache_hit_rate": 0.0})
+    thinking = cast(
+        LoadRecord,
+        {
+            **plain,
+            "load_point": "c2",
+            "first_answer_ms_p50": 250.0,
+            "first_answer_ms_p99": 300.0,
+            "reasoning_tokens_p50": 40.0,
+        },
+    )
     lines = render_load_table([shared, unique, thinking]).splitlines()
     header = [name.strip() for name in lines[0].split("  ") if name.strip()]
     assert header[5:9] == [

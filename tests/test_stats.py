@@ -166,6 +166,15 @@ def test_older_ledger_without_some_fields() -> None:
     assert summary.warm_first_delta_ms_p50 == 10.0
 
 
+def test_an_integer_past_a_floats_range_is_no_value_not_an_error() -> None:
+    """A damaged ledger's 10**400 where a figure belongs (found by test_fuzzed_inputs: every
+    report of the ledger raised OverflowError); the other calls' figures still count."""
+    damaged = call(ttft=10**400)
+    summary = only([call(ttft=10.0), damaged, call(ttft=12.0)])
+    assert summary.samples.first_delta_ms == (10.0, 12.0)
+    assert summary.warm_first_delta_ms_p50 == 11.0
+
+
 def test_tokens_per_sec_of_a_ledger_before_the_decode_definition_is_not_a_decode_rate() -> None:
     """Records without `coalesced` computed tokens/s as n over (total − TTFT): left out."""
     record = call(tokens_per_sec=31861.0, engine_tokens_per_sec=None) | {"tpot_ms": 0.03}

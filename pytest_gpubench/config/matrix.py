@@ -33,7 +33,7 @@ from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting, Synthe
 from pytest_gpubench.config.traces import read_trace
 from pytest_gpubench.config.words import seeded_words
 from pytest_gpubench.config.yaml_file import parse_yaml
-from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.errors import GpubenchError, shown_key
 
 PHASES = ("cold", "warm")
 ENGINE_KINDS = ("llamacpp", "ollama", "openai")
@@ -669,15 +669,8 @@ def _describe_location(loc: tuple[int | str, ...], raw: Any) -> str:
         elif i == 2 and loc[0] == "nodes" and item in (*NODE_KINDS, "plugin"):
             continue  # pydantic's union tag after nodes.<name>, not a key the user wrote
         else:
-            parts.append(_shown_key(str(item)))
+            parts.append(shown_key(str(item)))
     return ".".join(parts)
-
-
-def _shown_key(key: str) -> str:
-    """A key as written, or quoted where it is empty, holds a dot or a character that would
-    break the line (a carriage return would hide the file's name)."""
-    plain = key and key.isprintable() and "." not in key and key.strip() == key
-    return key if plain else repr(key)
 
 
 def _first_error(path: Path, exc: ValidationError, raw: Any) -> GpubenchError:

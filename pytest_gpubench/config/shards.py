@@ -6,7 +6,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 from pytest_gpubench.core.errors import GpubenchError
 
@@ -65,7 +65,17 @@ def shard_matrix(matrix: Matrix, shard: Shard) -> Matrix:
     return dataclasses.replace(matrix, cells=cells)
 
 
-def shard_facts(shard: Shard, matrix_cells: Sequence[str]) -> dict[str, Any]:
-    """What the meta record says of a sharded run: which shard, and every cell of the matrix
-    (so that merging the shards can tell a missing one)."""
+class ShardFacts(TypedDict):
+    """The meta record's `shard`: which shard, and every cell of the matrix (so that merging the
+    shards can tell a missing one); a merged ledger's adds the shards merged and missing."""
+
+    index: NotRequired[int]
+    count: int
+    matrix_cells: list[str]
+    merged: NotRequired[list[int]]
+    missing: NotRequired[list[int]]
+
+
+def shard_facts(shard: Shard, matrix_cells: Sequence[str]) -> ShardFacts:
+    """What the meta record says of a sharded run."""
     return {"index": shard.index, "count": shard.count, "matrix_cells": list(matrix_cells)}

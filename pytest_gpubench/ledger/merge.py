@@ -10,16 +10,22 @@ record, leaves its cells `missing`, so the gate never passes them. Pure: records
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from pytest_gpubench.config.shards import assign_nodes
+from pytest_gpubench.config.shards import ShardFacts, assign_nodes
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.status import EXIT_UNMEASURED, most_severe
 from pytest_gpubench.ledger.outcomes import CellOutcome
 from pytest_gpubench.ledger.records import end_record
-from pytest_gpubench.ledger.schema import as_json
+from pytest_gpubench.ledger.schema import (
+    CellOutcomeRecord,
+    EndRecord,
+    MetaRecord,
+    as_json,
+    records_of,
+)
 
 
 @dataclass(frozen=True)
@@ -30,14 +36,14 @@ class ShardLedger:
     records: list[dict[str, Any]]
 
     @property
-    def meta(self) -> dict[str, Any]:
+    def meta(self) -> MetaRecord:
         first = self.records[0] if self.records else {}
         if first.get("type") != "meta":
             raise GpubenchError(f"{self.source}: not a ledger (its first line is no meta record)")
-        return first
+        return cast(MetaRecord, first)
 
     @property
-    def shard(self) -> dict[str, Any]:
+    def shard(self) -> ShardFacts:
         shard = self.meta.get("shard")
         if not isinstance(shard, dict):
             raise GpubenchError(
@@ -47,9 +53,9 @@ class ShardLedger:
         return shard
 
     @property
-    def end(self) -> dict[str, Any] | None:
+    def end(self) -> EndRecord | None:
         last = self.records[-1] if self.records else {}
-        return last if last.get("type") == "end" else None
+        return cast(EndRecord, last) if last.get("type") == "end" else None
 
 
 def _node_of(cell_id: str) -> str:
@@ -86,7 +92,7 @@ def _check_one_run(ledgers: Sequence[ShardLedger]) -> tuple[int, list[str]]:
 
 def _missing_outcomes(
     cells: Sequence[str], count: int, ledgers: Sequence[ShardLedger]
-) -> list[dict[str, Any]]:
+) -> list[CellOutcomeRecord]:
     """A `missing` outcome for each cell of a shard that left no ledger or no end record."""
     groups: dict[str, list[str]] = {}
     for cell_id in cells:
@@ -104,8 +110,8 @@ def _missing_outcomes(
         else:
             reason = f"shard {index}/{count}: {ledger.source} has no end record (the task died)"
         calls = [
-            r for r in (ledger.records if ledger else []) if r.get("type") == "call"
-            and r.get("cell_id") == cell_id
+            call for call in records_of(ledger.records if ledger else [], "call")
+            if call.get("cell_id") == cell_id
         ]  # fmt: skip
         outcomes.append(
             CellOutcome(
@@ -121,7 +127,7 @@ def _missing_outcomes(
     return outcomes
 
 
-def _exit_status(ends: Sequence[Mapping[str, Any]], missing: bool) -> int:
+def _exit_status(ends: Sequence[EndRecord], missing: bool) -> int:
     """The merged end record's exit status: the most serious a shard ended with, as a session
     ranks its own findings (core/status.py); a missing shard's cells are unmeasured."""
     statuses = [status for end in ends if isinstance(status := end.get("exit_status"), int)]

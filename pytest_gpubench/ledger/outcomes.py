@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 if TYPE_CHECKING:
+    # The record types import the measurement's (h11, pydantic): not in a session without one.
     from pytest_gpubench.config.matrix import Cell
+    from pytest_gpubench.ledger.schema import CellOutcomeRecord
 
 CellStatus = Literal["measured", "failed", "skipped", "missing"]
 
@@ -36,9 +38,9 @@ class CellOutcome:
         """Not measured, and not allowed to be: the run fails (status.EXIT_UNMEASURED)."""
         return self.unmeasured and not self.optional
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> CellOutcomeRecord:
         """Built-in types only: the end record's manifest."""
-        return asdict(self)
+        return cast("CellOutcomeRecord", asdict(self))
 
 
 def cell_outcomes(

@@ -17,11 +17,13 @@ import pytest
 from pytest_gpubench import HARNESS_VERSION, __version__
 from pytest_gpubench.config.cases import Case
 from pytest_gpubench.config.matrix import Cell, Prompt, RequestShape
+from pytest_gpubench.config.shards import ShardFacts
 from pytest_gpubench.core.provenance import GitState, chosen_environment, load_average, utc_now
 from pytest_gpubench.ledger.gaps import packed_record
 from pytest_gpubench.ledger.schema import (
     CallRecord,
     CaseHead,
+    CellOutcomeRecord,
     CellRecord,
     CheckpointRecord,
     EndRecord,
@@ -32,6 +34,7 @@ from pytest_gpubench.ledger.schema import (
     SampleRecord,
     SkippedRecord,
     StageRecord,
+    VerdictRecord,
 )
 from pytest_gpubench.measure.stream import STALLED, CallMeasurement, MeasurementFields
 from pytest_gpubench.targets.stages import Stage, StageFacts
@@ -48,7 +51,7 @@ def meta_record(
     argv: list[str],
     cells_path: Path,
     prompts_path: Path,
-    shard: Mapping[str, Any] | None = None,
+    shard: ShardFacts | None = None,
 ) -> MetaRecord:
     """The first line of a ledger: where, when, from which code and how the run was started;
     a shard of a job array says which (`shard`: index, count, the whole matrix's cells)."""
@@ -71,7 +74,7 @@ def meta_record(
         "rootdir": str(root),
         "cells_file": str(cells_path),
         "prompts_file": str(prompts_path),
-        "shard": dict(shard) if shard is not None else None,
+        "shard": shard.copy() if shard is not None else None,
         # The Slurm job (an array task) the run ran in, when it ran in one.
         "slurm_job": _slurm_job(),
     }
@@ -405,11 +408,11 @@ def end_record(
     pytest_exitstatus: int,
     calls: int,
     skipped: int,
-    verdicts: list[dict[str, Any]],
+    verdicts: list[VerdictRecord],
     regressions: int,
     gate_error: str | None,
     nodes: list[dict[str, Any]],
-    cells: list[dict[str, Any]],
+    cells: list[CellOutcomeRecord],
     exit_status: int,
     ended: tuple[str | None, Any] | None = None,
 ) -> EndRecord:

@@ -7,8 +7,10 @@ field that a version may lack. The types say what this version writes; the JSON 
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired, TypedDict, cast
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, NotRequired, TypedDict, cast, overload
 
+from pytest_gpubench.config.shards import ShardFacts
 from pytest_gpubench.core.provenance import GitState
 from pytest_gpubench.measure.stream import MeasurementFields
 from pytest_gpubench.targets.stages import StageFacts
@@ -34,7 +36,7 @@ class MetaRecord(GitState):
     rootdir: str
     cells_file: str
     prompts_file: str
-    shard: dict[str, Any] | None
+    shard: ShardFacts | None
     slurm_job: dict[str, str] | None
 
 
@@ -115,21 +117,81 @@ class LoadCallRecord(CallRecord):
     process: int | None
 
 
-class LoadRecord(CaseHead):
-    """One load point's summary (results/load_summary.py); the pattern's keys (concurrency,
-    rate, arrival, ...) and the summary's figures sit between these."""
+class LoadFigures(TypedDict, total=False):
+    """A load point's pattern and summary (run/load/__init__.pattern_facts,
+    results/load_summary.summarize_load, a sweep's run/load/sweep.py): the figures the load gate
+    and the reports read. Each may be absent from a ledger of an older version."""
+
+    pattern: str
+    concurrency: int | None
+    rate: float | None
+    arrival: str | None
+    sweep_step: str
+    saturation_rate: float | None
+    requests: int
+    ok: int
+    errors: int
+    timeouts: int
+    window_s: float
+    offered_rate: float | None
+    send_rate: float | None
+    achieved_rate: float | None
+    requests_per_sec: float | None
+    output_tokens: int
+    output_tokens_per_sec: float | None
+    # Each latency's percentiles and the count behind them (results/load_summary.LATENCIES).
+    ttft_ms_n: int
+    ttft_ms_p50: float | None
+    ttft_ms_p90: float | None
+    ttft_ms_p99: float | None
+    tpot_ms_n: int
+    tpot_ms_p50: float | None
+    tpot_ms_p90: float | None
+    tpot_ms_p99: float | None
+    e2e_ms_n: int
+    e2e_ms_p50: float | None
+    e2e_ms_p90: float | None
+    e2e_ms_p99: float | None
+    first_answer_ms_n: int
+    first_answer_ms_p50: float | None
+    first_answer_ms_p90: float | None
+    first_answer_ms_p99: float | None
+    itl_ms_n: int
+    itl_ms_p50: float | None
+    itl_ms_p90: float | None
+    itl_ms_p99: float | None
+    coalesced_calls: int
+    coalesced_share: float | None
+    slo: dict[str, Any] | None
+    goodput_rate: float | None
+    slo_attainment: float | None
+    meets_slo: bool | None
+    send_lag_ms_p50: float | None
+    send_lag_ms_p99: float | None
+    send_lag_ms_max: float | None
+    max_send_lag_ms: float | None
+    valid: bool
+    invalid_reason: str | None
+    server_check: dict[str, Any] | None
+    delivery_warnings: list[str] | None
+    engine_counters: dict[str, float] | None
+    samples: dict[str, list[float]]
+    # A `prefix:` workload's cache, a reasoning model's tokens, the machine's CPU pressure over
+    # the point (measure/control.py): present where measured.
+    prefix_cache_hit_rate: float | None
+    prefix_cache_source: str | None
+    reasoning_tokens_p50: float | None
+    cpu_pressure: float
+
+
+class LoadRecord(CaseHead, LoadFigures):
+    """One load point's summary; the pattern's keys and the summary's figures (LoadFigures) sit
+    between the case's head and these."""
 
     type: Literal["load"]
     case_id: str
     load_point: str
-    pattern: NotRequired[str]
     started_at_utc: str
-    valid: NotRequired[bool]
-    invalid_reason: NotRequired[str | None]
-    requests: NotRequired[int]
-    ok: NotRequired[int]
-    output_tokens_per_sec: NotRequired[float | None]
-    engine_counters: NotRequired[dict[str, float] | None]
     error: str | None
     worker: str | None
 
@@ -205,6 +267,49 @@ class StageRecord(StageFacts):
     worker: str | None
 
 
+class VerdictRecord(TypedDict):
+    """One of the gate's verdicts as the end record holds it (results/gate.Verdict.to_record);
+    the fields after `message` were added later, and the A/B ones are on an A/B verdict only."""
+
+    cell_id: str
+    prompt_id: str
+    metric: str
+    baseline: float | None
+    current: float | None
+    change_ratio: float | None
+    p_value: float | None
+    verdict: str
+    message: str
+    attribution: NotRequired[str | None]
+    engine_change_ratio: NotRequired[float | None]
+    detectable_ratio: NotRequired[float | None]
+    blind_reason: NotRequired[str | None]
+    noise: NotRequired[str | None]
+    remeasure: NotRequired[str | None]
+    reference: NotRequired[str | None]
+    interval_low: NotRequired[float | None]
+    interval_high: NotRequired[float | None]
+    pairs: NotRequired[int | None]
+    max_pairs: NotRequired[int | None]
+    calls: NotRequired[int | None]
+    busy_s: NotRequired[float | None]
+
+
+class CellOutcomeRecord(TypedDict):
+    """What became of one planned cell, in the end record's manifest (ledger/outcomes.py)."""
+
+    cell_id: str
+    node: str
+    status: Literal["measured", "failed", "skipped", "missing"]
+    optional: bool
+    stage: str | None
+    reason: str | None
+    calls: int
+    ok_calls: int
+    gpu_summary: str | None
+    engine_version: str | None
+
+
 class EndRecord(TypedDict):
     """The last line: when it ended, the gate's verdicts, every planned cell's outcome and the
     session's exit status."""
@@ -216,11 +321,11 @@ class EndRecord(TypedDict):
     pytest_exitstatus: int
     calls: int
     skipped: int
-    verdicts: list[dict[str, Any]]
+    verdicts: list[VerdictRecord]
     regressions: int
     gate_error: str | None
     nodes: list[dict[str, Any]]
-    cells: list[dict[str, Any]]
+    cells: list[CellOutcomeRecord]
     exit_status: int
 
 
@@ -242,3 +347,58 @@ def as_json(record: Record) -> dict[str, Any]:
     """A record as the JSON object it is written as: what the ledger writer, the secret
     scrubber and xdist's reports carry (any record, and the older ones read back)."""
     return cast(dict[str, Any], record)
+
+
+# -- reading a ledger back ----------------------------------------------------------------------
+# A ledger read from a file is JSON (ledger/writer.read_ledger): these give its records by type,
+# typed, so that a reader's field names are checked. A file of an older version may lack a field
+# that this one writes: a reader still uses `.get()` for such a field.
+
+
+@overload
+def records_of(records: Iterable[Mapping[str, Any]], kind: Literal["meta"]) -> list[MetaRecord]: ...
+@overload
+def records_of(records: Iterable[Mapping[str, Any]], kind: Literal["cell"]) -> list[CellRecord]: ...
+@overload
+def records_of(records: Iterable[Mapping[str, Any]], kind: Literal["call"]) -> list[CallRecord]: ...
+@overload
+def records_of(records: Iterable[Mapping[str, Any]], kind: Literal["load"]) -> list[LoadRecord]: ...
+@overload
+def records_of(
+    records: Iterable[Mapping[str, Any]], kind: Literal["sample"]
+) -> list[SampleRecord]: ...
+@overload
+def records_of(
+    records: Iterable[Mapping[str, Any]], kind: Literal["skipped"]
+) -> list[SkippedRecord]: ...
+@overload
+def records_of(
+    records: Iterable[Mapping[str, Any]], kind: Literal["checkpoint"]
+) -> list[CheckpointRecord]: ...
+@overload
+def records_of(
+    records: Iterable[Mapping[str, Any]], kind: Literal["stage"]
+) -> list[StageRecord]: ...
+@overload
+def records_of(records: Iterable[Mapping[str, Any]], kind: Literal["end"]) -> list[EndRecord]: ...
+@overload
+def records_of(records: Iterable[Mapping[str, Any]], kind: str) -> list[Mapping[str, Any]]: ...
+def records_of(records: Iterable[Mapping[str, Any]], kind: str) -> list[Any]:
+    """The records of one type, in ledger order, as that type."""
+    return [record for record in records if record.get("type") == kind]
+
+
+def meta_of(records: Iterable[Mapping[str, Any]]) -> MetaRecord | None:
+    """The ledger's meta record (its first line), or None."""
+    return next(iter(records_of(records, "meta")), None)
+
+
+def end_of(records: Iterable[Mapping[str, Any]]) -> EndRecord | None:
+    """The ledger's last end record (a run ends once; a merged ledger once too), or None."""
+    ends = records_of(records, "end")
+    return ends[-1] if ends else None
+
+
+def as_record(record: Mapping[str, Any]) -> Record:
+    """A record read back, as the union of every type: narrowed by `record["type"] == ...`."""
+    return cast(Record, record)

@@ -12,6 +12,7 @@ from typing import Any
 
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_file
+from pytest_gpubench.ledger.schema import EndRecord
 from pytest_gpubench.reports.frame import EXPORT_NUMBERS, EXPORT_TEXT, LedgerData
 from pytest_gpubench.results.gate import Verdict
 from pytest_gpubench.results.stats import PERCENTILE_NAMES, WARM_METRICS, PromptSummary
@@ -270,7 +271,7 @@ def _run_gauges(data: LedgerData, registry: Any) -> None:
         )
 
 
-def end_verdicts(end: dict[str, Any]) -> list[Verdict]:
+def end_verdicts(end: EndRecord) -> list[Verdict]:
     raw = end.get("verdicts") or []
     verdicts = [Verdict.from_record(r) for r in raw if isinstance(r, dict)]
     return [verdict for verdict in verdicts if verdict is not None]

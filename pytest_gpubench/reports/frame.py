@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 import numpy as np
 import orjson
@@ -24,6 +24,17 @@ import pandas as pd
 
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_file
+from pytest_gpubench.ledger.schema import (
+    CellRecord,
+    EndRecord,
+    LoadRecord,
+    MetaRecord,
+    SampleRecord,
+    SkippedRecord,
+    end_of,
+    meta_of,
+    records_of,
+)
 from pytest_gpubench.ledger.writer import CELL_KEYS
 from pytest_gpubench.results.stats import PromptSummary, summarize_frame, text_column
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
@@ -86,16 +97,27 @@ class LedgerData:
     calls: pd.DataFrame
     others: list[dict[str, Any]] = field(default_factory=list)
 
-    def of_type(self, kind: str) -> list[dict[str, Any]]:
-        return [record for record in self.others if record.get("type") == kind]
+    @overload
+    def of_type(self, kind: Literal["cell"]) -> list[CellRecord]: ...
+    @overload
+    def of_type(self, kind: Literal["load"]) -> list[LoadRecord]: ...
+    @overload
+    def of_type(self, kind: Literal["sample"]) -> list[SampleRecord]: ...
+    @overload
+    def of_type(self, kind: Literal["skipped"]) -> list[SkippedRecord]: ...
+    def of_type(self, kind: str) -> Sequence[Mapping[str, Any]]:
+        """The records of one type, typed (ledger/schema.py)."""
+        return records_of(self.others, kind)
 
     @property
-    def meta(self) -> dict[str, Any]:
-        return next((r for r in self.others if r.get("type") == "meta"), {})
+    def meta(self) -> MetaRecord:
+        """The meta record; an empty one (every fact unknown) where the ledger has none."""
+        return meta_of(self.others) or cast(MetaRecord, {})
 
     @property
-    def end(self) -> dict[str, Any]:
-        return next((r for r in reversed(self.others) if r.get("type") == "end"), {})
+    def end(self) -> EndRecord:
+        """The end record; an empty one where the run did not end (it was killed)."""
+        return end_of(self.others) or cast(EndRecord, {})
 
     def summaries(self, *, with_samples: bool = True) -> list[PromptSummary]:
         return summarize_frame(self.calls, with_samples=with_samples)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.ledger.schema import LoadRecord
 from pytest_gpubench.reports.frame import LedgerData, read_ledger_frame
 from pytest_gpubench.reports.terminal import METRIC_LABELS, NONE, fixed, table
 from pytest_gpubench.results.gate import RATIO_METRICS, SUCCESS_RATE, Verdict
@@ -73,7 +74,7 @@ def ledgers_in(directory: Path) -> list[Path]:
 
 def read_history(directory: Path) -> History:
     """Every ledger under the directory, ordered by the start time of its run."""
-    runs: list[tuple[RunPoint, list[PromptSummary], list[dict[str, object]]]] = []
+    runs: list[tuple[RunPoint, list[PromptSummary], list[LoadRecord]]] = []
     for path in ledgers_in(directory):
         data = read_ledger_frame(path)
         loads = [record for record in data.of_type("load") if gated(record)]

@@ -8,6 +8,7 @@ import html
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from pytest_gpubench.ledger.schema import CellRecord, EndRecord, MetaRecord, SampleRecord
 from pytest_gpubench.reports.charts import inline_svg, pyplot
 from pytest_gpubench.reports.frame import LedgerData
 from pytest_gpubench.reports.load_html import LoadBaselines, render_load_section
@@ -113,9 +114,7 @@ def _table(
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _provenance(
-    meta: Mapping[str, Any], end: Mapping[str, Any], cells: Sequence[Mapping[str, Any]]
-) -> str:
+def _provenance(meta: MetaRecord, end: EndRecord, cells: Sequence[CellRecord]) -> str:
     git = _e(meta.get("git_sha"))
     if meta.get("git_dirty"):
         git += " (dirty)"
@@ -137,7 +136,7 @@ def _provenance(
     ]
     run = "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{v}</td></tr>" for k, v in items)
     run += "</table>"
-    seen: dict[str, Mapping[str, Any]] = {}
+    seen: dict[str, CellRecord] = {}
     for cell in cells:
         seen.setdefault(str(cell.get("cell_id")), cell)
     rows = [
@@ -156,7 +155,7 @@ def _provenance(
     return f"<h2>Provenance</h2>\n{run}\n{cells_table}"
 
 
-def _verdicts(end: Mapping[str, Any]) -> str:
+def _verdicts(end: EndRecord) -> str:
     raw = end.get("verdicts")
     verdicts = [Verdict.from_record(r) for r in raw if isinstance(r, dict)] if raw else []
     order = {kind: index for index, kind in enumerate(VERDICT_COLORS)}
@@ -205,7 +204,7 @@ def _verdicts(end: Mapping[str, Any]) -> str:
     return f"<h2>Regression gate</h2>\n{lead}\n{_table(headers, rows, (3, 4, 5, 6))}"
 
 
-def _outcomes(end: Mapping[str, Any]) -> str:
+def _outcomes(end: EndRecord) -> str:
     cells = [cell for cell in end.get("cells") or [] if isinstance(cell, dict)]
     if not cells:
         return ""
@@ -317,11 +316,11 @@ def _box(axes: Any, values: Sequence[float], position: float, color: str) -> Non
     )
 
 
-def _telemetry(samples: Sequence[Mapping[str, Any]]) -> str:
+def _telemetry(samples: Sequence[SampleRecord]) -> str:
     """One chart per cell from its `sample` records (telemetry); none without them."""
     if not samples:
         return ""
-    by_cell: dict[str, list[Mapping[str, Any]]] = {}
+    by_cell: dict[str, list[SampleRecord]] = {}
     for record in samples:
         by_cell.setdefault(str(record.get("cell_id")), []).append(record)
     charts = [_telemetry_chart(cell_id, records) for cell_id, records in sorted(by_cell.items())]
@@ -332,7 +331,7 @@ def _telemetry(samples: Sequence[Mapping[str, Any]]) -> str:
     return "<h2>Telemetry</h2>\n" + note + "\n" + "\n".join(shown)
 
 
-def _telemetry_chart(cell_id: str, records: Sequence[Mapping[str, Any]]) -> str:
+def _telemetry_chart(cell_id: str, records: Sequence[SampleRecord]) -> str:
     series = _timelines(records)
     if not series:
         return ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.reports.charts import inline_svg, pyplot
 from pytest_gpubench.reports.terminal import (
@@ -19,6 +19,9 @@ from pytest_gpubench.reports.terminal import (
     server_check_rows,
 )
 from pytest_gpubench.results.load_gate import point_key
+
+if TYPE_CHECKING:
+    from pytest_gpubench.ledger.schema import LoadRecord
 
 CURRENT_COLOR = "#1f6fb4"
 P99_COLOR = "#c0392b"
@@ -52,9 +55,7 @@ def axis_of(point: Mapping[str, Any]) -> tuple[str, float | None]:
     )
 
 
-def render_load_section(
-    loads: Sequence[Mapping[str, Any]], baselines: LoadBaselines | None = None
-) -> str:
+def render_load_section(loads: Sequence[LoadRecord], baselines: LoadBaselines | None = None) -> str:
     """The section; empty for a ledger without load records."""
     if not loads:
         return ""
@@ -96,7 +97,7 @@ def render_load_section(
     return "\n".join(parts)
 
 
-def _points_table(loads: Sequence[Mapping[str, Any]]) -> str:
+def _points_table(loads: Sequence[LoadRecord]) -> str:
     rows = load_rows(loads)
     head = "".join(f"<th>{_e(h)}</th>" for h in load_headers(loads))
     body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)

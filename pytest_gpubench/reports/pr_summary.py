@@ -8,9 +8,19 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.core.status import describe
+
+if TYPE_CHECKING:
+    # The record types import the measurement's (h11, pydantic): not at the end of a session
+    # that measured nothing.
+    from pytest_gpubench.ledger.schema import (
+        CellOutcomeRecord,
+        EndRecord,
+        LoadRecord,
+        VerdictRecord,
+    )
 
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"
 # Verdict words in the order a reviewer needs them; a word not listed here (a newer gate's)
@@ -42,12 +52,12 @@ def _p_value(value: Any) -> str:
     return f"{value:.2g}"
 
 
-def _rank(verdict: Mapping[str, Any]) -> int:
+def _rank(verdict: VerdictRecord) -> int:
     word = str(verdict.get("verdict"))
     return VERDICT_RANK.index(word) if word in VERDICT_RANK else len(VERDICT_RANK)
 
 
-def verdict_section(verdicts: Sequence[Mapping[str, Any]]) -> list[str]:
+def verdict_section(verdicts: Sequence[VerdictRecord]) -> list[str]:
     """The verdicts other than `ok`, regressions first, at most MAX_VERDICT_ROWS of them."""
     shown = sorted((v for v in verdicts if v.get("verdict") != "ok"), key=_rank)
     ok = len(verdicts) - len(shown)
@@ -73,7 +83,7 @@ def verdict_section(verdicts: Sequence[Mapping[str, Any]]) -> list[str]:
     return [*(lines if shown else []), "", f"_{'; '.join(notes)}._"]
 
 
-def cells_section(cells: Sequence[Mapping[str, Any]]) -> list[str]:
+def cells_section(cells: Sequence[CellOutcomeRecord]) -> list[str]:
     if not cells:
         return []
     lines = ["| cell | status | calls ok | reason |", "|---|---|---:|---|"]
@@ -86,7 +96,7 @@ def cells_section(cells: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def load_section(loads: Sequence[Mapping[str, Any]]) -> list[str]:
+def load_section(loads: Sequence[LoadRecord]) -> list[str]:
     """One row per load point (a sweep's saturation rate as its own row), then each point's
     delivery warnings."""
     if not loads:
@@ -106,7 +116,9 @@ def load_section(loads: Sequence[Mapping[str, Any]]) -> list[str]:
         result = "ok" if load.get("valid") else f"INVALID: {_md(load.get('invalid_reason'))[:80]}"
         if load.get("delivery_warnings"):
             result += " ⚠"
-            warnings += [f"- ⚠ {cell} {point}: {_md(w)}" for w in load["delivery_warnings"]]
+            warnings += [
+                f"- ⚠ {cell} {point}: {_md(w)}" for w in load.get("delivery_warnings") or []
+            ]
         lines.append(
             f"| {cell} | {point} | {_number(load.get('achieved_rate'))} "
             f"| {_number(load.get('output_tokens_per_sec'), 1)} "
@@ -117,8 +129,8 @@ def load_section(loads: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def render_pr_summary(
-    end: Mapping[str, Any],
-    loads: Sequence[Mapping[str, Any]],
+    end: EndRecord,
+    loads: Sequence[LoadRecord],
     *,
     ledger: str,
     report: str,

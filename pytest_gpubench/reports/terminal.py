@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from tabulate import tabulate
 
@@ -26,6 +26,17 @@ from pytest_gpubench.results.gate import (
 from pytest_gpubench.results.stats import PromptSummary, summarize
 from pytest_gpubench.targets.gpu import gpu_summary
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
+
+if TYPE_CHECKING:
+    # The record types import the measurement's (h11, pydantic): not at the end of a session
+    # that measured nothing (the terminal summary).
+    from pytest_gpubench.ledger.schema import (
+        CellRecord,
+        EndRecord,
+        LoadRecord,
+        MetaRecord,
+        SkippedRecord,
+    )
 
 NONE = "-"
 METRIC_LABELS = {
@@ -580,12 +591,13 @@ def render_document(
 ) -> str:
     """render_markdown from a ledger read as columns (ledger_frame): the records other than
     calls, the summaries of the calls and their resource figures."""
-    empty: Mapping[str, Any] = {}
-    meta = next((r for r in others if r.get("type") == "meta"), empty)
-    end = next((r for r in reversed(others) if r.get("type") == "end"), empty)
-    cells = _first_by_cell(r for r in others if r.get("type") == "cell")
-    skipped = [r for r in others if r.get("type") == "skipped"]
-    loads = [r for r in others if r.get("type") == "load"]
+    from pytest_gpubench.ledger.schema import end_of, meta_of, records_of
+
+    meta = meta_of(others) or cast("MetaRecord", {})  # none: every fact unknown
+    end = end_of(others) or cast("EndRecord", {})
+    cells = _first_by_cell(records_of(others, "cell"))
+    skipped = records_of(others, "skipped")
+    loads = records_of(others, "load")
     cell_ids = sorted(
         {s.cell_id for s in summaries}
         | set(cells)
@@ -596,7 +608,7 @@ def render_document(
         _run_section(meta, end),
         _top_summary(summaries),
         *(
-            _cell_section(cell_id, cells.get(cell_id, {}), summaries, skipped, loads)
+            _cell_section(cell_id, cells.get(cell_id), summaries, skipped, loads)
             for cell_id in cell_ids
         ),
         _telemetry_section(telemetry),
@@ -605,19 +617,19 @@ def render_document(
     return "\n\n".join(section for section in sections if section) + "\n"
 
 
-def _first_by_cell(records: Iterable[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
-    first: dict[str, Mapping[str, Any]] = {}
+def _first_by_cell(records: Iterable[CellRecord]) -> dict[str, CellRecord]:
+    first: dict[str, CellRecord] = {}
     for record in records:
         first.setdefault(str(record.get("cell_id")), record)
     return first
 
 
-def _title(meta: Mapping[str, Any]) -> str:
+def _title(meta: MetaRecord) -> str:
     run_id = meta.get("benchmark_run_id")
     return f"# Benchmark run {run_id}" if run_id else "# Benchmark run"
 
 
-def _run_section(meta: Mapping[str, Any], end: Mapping[str, Any]) -> str:
+def _run_section(meta: MetaRecord, end: EndRecord) -> str:
     dirty = meta.get("git_dirty_files") or []
     git = _code(meta.get("git_sha"))
     if meta.get("git_dirty"):
@@ -658,10 +670,10 @@ def _top_summary(summaries: Sequence[PromptSummary]) -> str:
 
 def _cell_section(
     cell_id: str,
-    cell: Mapping[str, Any],
+    cell: CellRecord | None,
     summaries: Sequence[PromptSummary],
-    skipped: Sequence[Mapping[str, Any]],
-    loads: Sequence[Mapping[str, Any]] = (),
+    skipped: Sequence[SkippedRecord],
+    loads: Sequence[LoadRecord] = (),
 ) -> str:
     mine = [s for s in summaries if s.cell_id == cell_id]
     parts = [f"## {_md(cell_id)}"]
@@ -699,7 +711,7 @@ def _cell_section(
     return "\n\n".join(parts)
 
 
-def _cell_description(cell: Mapping[str, Any]) -> str:
+def _cell_description(cell: CellRecord) -> str:
     items = [
         ("engine", f"{_text(cell.get('engine'))} {_code(cell.get('engine_version'))}"),
         ("model", f"{_text(cell.get('model'))} ({_model_identity(cell)})"),
@@ -710,7 +722,7 @@ def _cell_description(cell: Mapping[str, Any]) -> str:
     return "\n".join(f"- {name}: {value}" for name, value in items)
 
 
-def _model_identity(cell: Mapping[str, Any]) -> str:
+def _model_identity(cell: CellRecord) -> str:
     """`digest sha256:…`, or what identifies the model where no digest is known."""
     parts = [f"digest {_code(cell.get('model_digest'))}"]
     identity = cell.get("model_identity")
@@ -799,7 +811,7 @@ def _warm_rows(summaries: Iterable[PromptSummary], *, reasoning: bool = False) -
     ]
 
 
-def _gate_section(end: Mapping[str, Any]) -> str:
+def _gate_section(end: EndRecord) -> str:
     raw = end.get("verdicts")
     verdicts = [Verdict.from_record(r) for r in raw if isinstance(r, dict)] if raw else []
     known = [verdict for verdict in verdicts if verdict is not None]
@@ -885,7 +897,7 @@ def _load_extra_cells(load: Mapping[str, Any], prefix: bool, reasoning: bool) ->
     return cells
 
 
-def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
+def load_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
     """One row per load point (a sweep: per step, then the sweep's saturation point), in the
     columns of load_headers."""
     loads = list(loads)
@@ -933,7 +945,7 @@ def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def render_load_table(loads: Iterable[Mapping[str, Any]], *, markdown: bool = False) -> str:
+def render_load_table(loads: Iterable[LoadRecord], *, markdown: bool = False) -> str:
     loads = list(loads)
     return table(load_rows(loads), load_headers(loads), markdown=markdown)
 
@@ -958,7 +970,7 @@ def _against(figure: Any) -> str:
     )
 
 
-def server_check_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
+def server_check_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
     """One row per load point: the client's means beside the engine's own over the same point,
     the replies that came whole in one read, and the `n` behind the percentiles."""
     rows = []
@@ -980,7 +992,7 @@ def server_check_rows(loads: Iterable[Mapping[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def render_server_check(loads: Sequence[Mapping[str, Any]], *, markdown: bool = False) -> str:
+def render_server_check(loads: Sequence[LoadRecord], *, markdown: bool = False) -> str:
     """The client against the engine per point; empty when no point has either figure (a ledger
     written before they were recorded)."""
     if not any("coalesced_calls" in load or load.get("server_check") for load in loads):
@@ -989,7 +1001,7 @@ def render_server_check(loads: Sequence[Mapping[str, Any]], *, markdown: bool = 
 
 
 def load_lines(
-    loads: Sequence[Mapping[str, Any]],
+    loads: Sequence[LoadRecord],
     verdicts: Sequence[Verdict] = (),
     *,
     baseline_update: bool = False,

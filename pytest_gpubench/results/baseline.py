@@ -4,18 +4,34 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing import Any, cast
 
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_write
+from pytest_gpubench.ledger.schema import CallRecord, CellRecord, MetaRecord, meta_of, records_of
 from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.results.baseline_format import (
+    FORMAT_VERSION,
+    REPAIR,
+    BaselineFileV5,
+    Cold,
+    CorruptBaseline,
+    Percentiles,
+    PromptV1,
+    PromptV2,
+    PromptV4,
+    PromptV5,
+    ProvenanceV3,
+    RunEntry,
+    SamplesV5,
+    WarmV5,
+    read_json,
+    validated,
+)
 from pytest_gpubench.results.gate import run_figures
 from pytest_gpubench.results.run_history import History, RunFigures, appended
 from pytest_gpubench.results.stats import (
@@ -29,21 +45,9 @@ from pytest_gpubench.results.stats import (
 )
 from pytest_gpubench.targets.gpu import gpu_summary
 
-# 2: p90s, the decode, TPOT, end-to-end and engine-side metrics and samples, the coalesced count;
-# the mean of per-call tokens/s of format 1 is no longer written (and ignored when read).
-# 3: the model's identity beside its digest (model_identity, model_root, max_model_len) and the
-# stream's system_fingerprint in the provenance; older files read them as unknown. A file may hold
-# prompts and phases measured by different runs of the same setup (--baseline-update merges).
-# 4: per prompt, `history`: the figures of its last ratified runs (run_history.py), and the
-# control call's figures and samples (`control_ms`); an older file reads with no history and no
-# control (the gate then says the noise floor is unknown).
-# 5: the CPU pressure's figures and samples (`cpu_pressure`) beside the control call's, and its p50
-# in each history entry; an older file reads without them (the gate then compares the control).
-FORMAT_VERSION = 5
 DEFAULT_MIN_SUCCESS_RATE = 0.95
 # Anything but these becomes "_" in a file name; the exact cell id is kept inside the file.
 _UNSAFE_IN_FILE_NAME = re.compile(r"[^A-Za-z0-9._-]")
-_REPAIR = "restore it with `git checkout -- <file>` or write it again with --baseline-update"
 
 
 @dataclass(frozen=True)
@@ -138,50 +142,6 @@ class CellBaseline:
         return tuple(self.history.get(prompt_id, ()))
 
 
-class _RunEntry(BaseModel):
-    """One run of a prompt's history, as the file holds it."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    benchmark_run_id: str | None = None
-    date: str | None = None
-    n: int = Field(default=0, ge=0)
-    figures: dict[str, float | None] = Field(default_factory=dict)
-    control_ms: float | None = None
-    cpu_pressure: float | None = Field(default=None, ge=0.0, le=1.0)
-
-
-def _history_from_list(value: Any, where: str, fields: _Fields) -> History:
-    """A prompt's history, validated by its model; a problem names the entry and its key."""
-    if not isinstance(value, list):
-        raise fields.fail(where, f"expected a list, got {_kind(value)}")
-    runs = []
-    for index, item in enumerate(value):
-        try:
-            entry = _RunEntry.model_validate(item)
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            key = ".".join(str(part) for part in error["loc"])
-            at = f"{where}[{index}]" + (f".{key}" if key else "")
-            raise fields.fail(at, str(error["msg"]).lower()) from None
-        runs.append(RunFigures(**entry.model_dump()))
-    return tuple(runs)
-
-
-def _history_to_list(history: History) -> list[dict[str, Any]]:
-    return [
-        _RunEntry(
-            benchmark_run_id=run.benchmark_run_id,
-            date=run.date,
-            n=run.n,
-            figures=dict(run.figures),
-            control_ms=run.control_ms,
-            cpu_pressure=run.cpu_pressure,
-        ).model_dump()
-        for run in history
-    ]
-
-
 @dataclass(frozen=True)
 class BaselineUpdate:
     """What --baseline-update did: files written per cell, why the other cells (or some of a
@@ -192,11 +152,6 @@ class BaselineUpdate:
     refused: dict[str, str] = field(default_factory=dict)
     replaced: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
-
-
-class CorruptBaseline(GpubenchError):
-    """A baseline file that cannot be read as one (not JSON, a key missing or of the wrong type):
-    --baseline-update replaces it. A newer format or an unreadable file is not corrupt."""
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -214,62 +169,90 @@ def baseline_path(baselines_dir: Path, cell_id: str) -> Path:
 # -- to and from JSON (pure) ------------------------------------------------------------------
 
 
-def summary_to_dict(summary: PromptSummary) -> dict[str, Any]:
-    warm: dict[str, Any] = {
-        "n": summary.n_warm,
-        "n_ok": summary.n_warm_ok,
-        "success_rate": summary.warm_success_rate,
-        "coalesced": summary.warm_coalesced,
-    }
-    for metric in WARM_METRICS:
-        figures = {name: summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES}
-        # A model that does not reason has no reasoning figures: left out, not written as nulls.
-        if metric not in REASONING_METRICS or any(v is not None for v in figures.values()):
-            warm[metric] = figures
-    samples = {
-        field: list(getattr(summary.samples, field))
-        for field in SAMPLE_FIELDS
-        if field not in REASONING_METRICS or getattr(summary.samples, field)
-    }
-    return {
-        "prompt_sha256": summary.prompt_sha256,
-        "cold": {
-            "n": summary.n_cold,
-            "n_ok": summary.n_cold_ok,
-            "kind": summary.cold_kind,
-            "first_delta_ms": summary.cold_first_delta_ms,
-            "total_duration_ms": summary.cold_total_duration_ms,
+def _percentiles(summary: PromptSummary, metric: str) -> Percentiles:
+    # `None`: the fields set are those given (the first argument of model_construct).
+    return Percentiles.model_construct(
+        None, **{name: summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES}
+    )
+
+
+def _reasoned(summary: PromptSummary, name: str) -> bool:
+    """Whether a figure is written: always, but a reasoning model's only where it reasoned (a
+    model that does not reason has no reasoning figures: left out, not written as nulls)."""
+    if name not in REASONING_METRICS:
+        return True
+    samples = getattr(summary.samples, name, ())
+    return bool(samples) or any(
+        summary.warm_percentile(name, p) is not None for p in PERCENTILE_NAMES
+    )
+
+
+def _prompt_model(summary: PromptSummary, history: History) -> PromptV5:
+    """A summary as the current format holds it. Built without validation (model_construct):
+    the file holds the summary's values exactly as they are, so the same numbers give the same
+    bytes; only the fields given are written (model_dump(exclude_unset=True))."""
+    warm = WarmV5.model_construct(
+        None,
+        n=summary.n_warm,
+        n_ok=summary.n_warm_ok,
+        success_rate=summary.warm_success_rate,
+        coalesced=summary.warm_coalesced,
+        **{
+            metric: _percentiles(summary, metric)
+            for metric in WARM_METRICS
+            if _reasoned(summary, metric)
         },
-        "warm": warm,
-        "samples": samples,
-    }
+    )
+    cold = Cold.model_construct(
+        n=summary.n_cold,
+        n_ok=summary.n_cold_ok,
+        kind=summary.cold_kind,
+        first_delta_ms=summary.cold_first_delta_ms,
+        total_duration_ms=summary.cold_total_duration_ms,
+    )
+    samples = SamplesV5.model_construct(
+        None,
+        **{
+            name: list(getattr(summary.samples, name))
+            for name in SAMPLE_FIELDS
+            if _reasoned(summary, name)
+        },
+    )
+    runs = [
+        RunEntry.model_construct(
+            benchmark_run_id=run.benchmark_run_id,
+            date=run.date,
+            n=run.n,
+            figures=dict(run.figures),
+            control_ms=run.control_ms,
+            cpu_pressure=run.cpu_pressure,
+        )
+        for run in history
+    ]
+    return PromptV5.model_construct(
+        prompt_sha256=summary.prompt_sha256, cold=cold, warm=warm, samples=samples, history=runs
+    )
+
+
+def summary_to_dict(summary: PromptSummary) -> dict[str, Any]:
+    """A prompt's figures and samples as the file holds them (its history aside)."""
+    return _prompt_model(summary, ()).model_dump(exclude={"history"}, exclude_unset=True)
 
 
 def baseline_to_dict(baseline: CellBaseline) -> dict[str, Any]:
     provenance = baseline.provenance
-    return {
-        "format": FORMAT_VERSION,
-        "cell_id": baseline.cell_id,
-        "provenance": {
-            "benchmark_run_id": provenance.benchmark_run_id,
-            "git_sha": provenance.git_sha,
-            "engine_version": provenance.engine_version,
-            "model_digest": provenance.model_digest,
-            "gpus": list(provenance.gpus),
-            "date": provenance.date,
-            "model_identity": provenance.model_identity,
-            "model_root": provenance.model_root,
-            "max_model_len": provenance.max_model_len,
-            "system_fingerprint": provenance.system_fingerprint,
-        },
-        "prompts": {
-            summary.prompt_id: {
-                **summary_to_dict(summary),
-                "history": _history_to_list(baseline.runs(summary.prompt_id)),
-            }
+    model = BaselineFileV5.model_construct(
+        format=FORMAT_VERSION,
+        cell_id=baseline.cell_id,
+        provenance=ProvenanceV3.model_construct(
+            **{**dataclasses.asdict(provenance), "gpus": list(provenance.gpus)}
+        ),
+        prompts={
+            summary.prompt_id: _prompt_model(summary, baseline.runs(summary.prompt_id))
             for summary in baseline.prompts
         },
-    }
+    )
+    return model.model_dump(exclude_unset=True)
 
 
 def dumps_baseline(baseline: CellBaseline) -> str:
@@ -286,215 +269,57 @@ def dumps_baseline(baseline: CellBaseline) -> str:
     )
 
 
-class _Fields:
-    """Typed access to a parsed baseline; every problem names the file and the key path."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, where: str, problem: str) -> CorruptBaseline:
-        # A key is any JSON string: a newline in a prompt id must not break the one-line error.
-        shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in where)
-        return CorruptBaseline(f"{self.source}: corrupt baseline: {shown}: {problem}; {_REPAIR}")
-
-    def get(self, data: Mapping[str, Any], key: str, where: str) -> Any:
-        if key not in data:
-            raise self.fail(_join(where, key), "required key is missing")
-        return data[key]
-
-    def mapping(self, data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
-        value = self.get(data, key, where)
-        if not isinstance(value, dict):
-            raise self.fail(_join(where, key), f"expected an object, got {_kind(value)}")
-        return value
-
-    def number(self, data: Mapping[str, Any], key: str, where: str) -> float | None:
-        value = self.get(data, key, where)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-            raise self.fail(_join(where, key), f"expected a number, got {_kind(value)}")
-        return float(value)
-
-    def count(self, data: Mapping[str, Any], key: str, where: str) -> int:
-        value = self.get(data, key, where)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise self.fail(_join(where, key), f"expected a count, got {_kind(value)}")
-        return value
-
-    def text(self, data: Mapping[str, Any], key: str, where: str) -> str | None:
-        value = self.get(data, key, where)
-        if value is not None and not isinstance(value, str):
-            raise self.fail(_join(where, key), f"expected a string, got {_kind(value)}")
-        return value
-
-    def optional_number(self, data: Mapping[str, Any], key: str, where: str) -> float | None:
-        """A number added after format 1: None where an older file lacks it."""
-        return self.number(data, key, where) if key in data else None
-
-    def optional_text(self, data: Mapping[str, Any], key: str, where: str) -> str | None:
-        return self.text(data, key, where) if key in data else None
-
-    def optional_count(self, data: Mapping[str, Any], key: str, where: str) -> int | None:
-        return self.count(data, key, where) if data.get(key) is not None else None
-
-    def optional_mapping(self, data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
-        return self.mapping(data, key, where) if key in data else {}
-
-    def numbers(self, data: Mapping[str, Any], key: str, where: str) -> tuple[float, ...]:
-        value = self.get(data, key, where)
-        valid = isinstance(value, list) and all(
-            isinstance(item, int | float) and not isinstance(item, bool) for item in value
-        )
-        if not valid:
-            raise self.fail(_join(where, key), "expected a list of numbers")
-        return tuple(float(item) for item in value)
-
-
-def _join(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    try:
-        shown = json.dumps(value)[:40]
-    except RecursionError:  # json's writer recurses less deep than its reader
-        shown = "(nested too deeply to show)"
-    return f"{type(value).__name__} {shown}"
-
-
-# What a format 1 file must have; format 2 must have every figure. A format 1 file's
-# `tokens_per_sec_mean` and `tokens_per_sec` samples (another definition of tokens/s) are ignored:
-# its decode rate and the figures it predates are None, and the gate calls them new.
-_FORMAT_1_PERCENTILES = {
-    "first_delta_ms": ("p50", "p95", "p99"),
-    "total_duration_ms": ("p50", "p95", "p99"),
-}
-_FORMAT_1_SAMPLES = ("first_delta_ms", "total_duration_ms")
-# The format that added a figure: an older file lacks it (its runs did not measure it).
-_ADDED_IN = {"control_ms": 4, "cpu_pressure": 5}
-
-
-def summary_from_dict(
-    data: Mapping[str, Any],
-    cell_id: str,
-    prompt_id: str,
-    fields: _Fields,
-    version: int = FORMAT_VERSION,
+def _summary(
+    cell_id: str, prompt_id: str, prompt: PromptV1 | PromptV2 | PromptV4 | PromptV5
 ) -> PromptSummary:
     """One prompt's summary; figures newer than the file's format are None (compared as new)."""
-    complete = version >= 2
-    where = f"prompts.{prompt_id}"
-    cold = fields.mapping(data, "cold", where)
-    warm = fields.mapping(data, "warm", where)
-    samples = fields.mapping(data, "samples", where)
-    at = {name: f"{where}.{name}" for name in ("cold", "warm", "samples")}
-    percentiles: dict[str, float | None] = {}
-    for metric in WARM_METRICS:
-        required = PERCENTILE_NAMES if complete else _FORMAT_1_PERCENTILES.get(metric, ())
-        if version < _ADDED_IN.get(metric, 0) or metric in REASONING_METRICS:
-            required = ()
-        found = (
-            fields.mapping(warm, metric, at["warm"])
-            if required
-            else fields.optional_mapping(warm, metric, at["warm"])
-        )
-        for name in PERCENTILE_NAMES:
-            read = fields.number if name in required else fields.optional_number
-            percentiles[f"warm_{metric}_{name}"] = read(found, name, f"{at['warm']}.{metric}")
-    raw = {
-        field: fields.numbers(samples, field, at["samples"])
-        if (complete or field in _FORMAT_1_SAMPLES)
-        and version >= _ADDED_IN.get(field, 0)
-        and (field not in REASONING_METRICS or field in samples)
-        else ()
-        for field in SAMPLE_FIELDS
+    warm, cold = prompt.warm, prompt.cold
+    percentiles = {
+        f"warm_{metric}_{name}": getattr(getattr(warm, metric), name)
+        for metric in WARM_METRICS
+        for name in PERCENTILE_NAMES
     }
-    coalesced = fields.count(warm, "coalesced", at["warm"]) if complete else 0
+    samples = {name: tuple(values) for name, values in prompt.samples}
     return PromptSummary(
         cell_id=cell_id,
         prompt_id=prompt_id,
-        prompt_sha256=fields.text(data, "prompt_sha256", where),
-        n_cold=fields.count(cold, "n", at["cold"]),
-        n_cold_ok=fields.count(cold, "n_ok", at["cold"]),
-        cold_kind=fields.text(cold, "kind", at["cold"]),
-        cold_first_delta_ms=fields.number(cold, "first_delta_ms", at["cold"]),
-        cold_total_duration_ms=fields.number(cold, "total_duration_ms", at["cold"]),
-        n_warm=fields.count(warm, "n", at["warm"]),
-        n_warm_ok=fields.count(warm, "n_ok", at["warm"]),
-        warm_coalesced=coalesced,
-        samples=WarmSamples(**raw),
+        prompt_sha256=prompt.prompt_sha256,
+        n_cold=cold.n,
+        n_cold_ok=cold.n_ok,
+        cold_kind=cold.kind,
+        cold_first_delta_ms=cold.first_delta_ms,
+        cold_total_duration_ms=cold.total_duration_ms,
+        n_warm=warm.n,
+        n_warm_ok=warm.n_ok,
+        warm_coalesced=warm.coalesced,
+        samples=WarmSamples(**samples),
         **percentiles,
     )
 
 
 def baseline_from_dict(data: Any, source: str) -> CellBaseline:
-    """Validate a parsed baseline file; `source` (the file) is named in every error."""
-    fields = _Fields(source)
-    if not isinstance(data, dict):
-        raise fields.fail("top level", f"expected an object, got {_kind(data)}")
-    version = fields.count(data, "format", "")
-    if version > FORMAT_VERSION:
-        raise GpubenchError(
-            f"{source}: baseline format {version} is newer than this pytest-gpubench understands "
-            f"({FORMAT_VERSION}); upgrade pytest-gpubench"
-        )
-    cell_id = fields.text(data, "cell_id", "")
-    if not cell_id:
-        raise fields.fail("cell_id", "must be a non-empty string")
-    provenance = fields.mapping(data, "provenance", "")
-    gpus = fields.get(provenance, "gpus", "provenance")
-    if not isinstance(gpus, list):
-        raise fields.fail("provenance.gpus", f"expected a list, got {_kind(gpus)}")
-    prompts = fields.mapping(data, "prompts", "")
-    summaries = []
+    """Validate a parsed baseline file by the model of its format; `source` (the file) is named
+    in the one line of any error."""
+    model = validated(data, source)
+    cell_id = str(model.cell_id)
     history: dict[str, History] = {}
-    for prompt_id in sorted(prompts):
-        entry = prompts[prompt_id]
-        if not isinstance(entry, dict):
-            raise fields.fail(f"prompts.{prompt_id}", f"expected an object, got {_kind(entry)}")
-        summaries.append(summary_from_dict(entry, cell_id, prompt_id, fields, version))
-        if version >= 4:
-            runs = fields.get(entry, "history", f"prompts.{prompt_id}")
-            history[prompt_id] = _history_from_list(runs, f"prompts.{prompt_id}.history", fields)
-    # Format 3's identity facts: unknown (None) in an older file.
-    text = fields.text if version >= 3 else fields.optional_text
-    if version >= 3:
-        fields.get(provenance, "max_model_len", "provenance")
+    for prompt_id, prompt in model.prompts.items():
+        if isinstance(prompt, PromptV4) and prompt.history:
+            history[prompt_id] = tuple(RunFigures(**run.model_dump()) for run in prompt.history)
+    facts = model.provenance
     return CellBaseline(
         cell_id=cell_id,
-        provenance=Provenance(
-            benchmark_run_id=fields.text(provenance, "benchmark_run_id", "provenance"),
-            git_sha=fields.text(provenance, "git_sha", "provenance"),
-            engine_version=fields.text(provenance, "engine_version", "provenance"),
-            model_digest=fields.text(provenance, "model_digest", "provenance"),
-            gpus=tuple(gpus),
-            date=fields.text(provenance, "date", "provenance"),
-            model_identity=text(provenance, "model_identity", "provenance"),
-            model_root=text(provenance, "model_root", "provenance"),
-            max_model_len=fields.optional_count(provenance, "max_model_len", "provenance"),
-            system_fingerprint=text(provenance, "system_fingerprint", "provenance"),
+        provenance=Provenance(**{**facts.model_dump(exclude={"gpus"}), "gpus": tuple(facts.gpus)}),
+        prompts=tuple(
+            _summary(cell_id, prompt_id, model.prompts[prompt_id])
+            for prompt_id in sorted(model.prompts)
         ),
-        prompts=tuple(summaries),
-        history={prompt_id: runs for prompt_id, runs in history.items() if runs},
+        history=dict(sorted(history.items())),
     )
 
 
 def loads_baseline(text: str, source: str) -> CellBaseline:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CorruptBaseline(
-            f"{source}: corrupt baseline: not valid JSON (line {exc.lineno}, column {exc.colno}: "
-            f"{exc.msg}); {_REPAIR}"
-        ) from None
-    except (ValueError, RecursionError) as exc:
-        # An integer longer than Python reads (4,300 digits), or nesting deeper than it recurses.
-        what = "nested too deeply" if isinstance(exc, RecursionError) else "a number too long"
-        raise CorruptBaseline(f"{source}: corrupt baseline: {what} to read; {_REPAIR}") from None
-    return baseline_from_dict(data, source)
+    return baseline_from_dict(read_json(text, source), source)
 
 
 # -- from a run (pure) ------------------------------------------------------------------------
@@ -502,23 +327,21 @@ def loads_baseline(text: str, source: str) -> CellBaseline:
 
 def run_descriptions(
     records: Iterable[Mapping[str, Any]],
-) -> tuple[Mapping[str, Any], dict[str, Mapping[str, Any]]]:
-    """The ledger's meta record and the first cell record of each cell id."""
-    meta: Mapping[str, Any] = {}
-    cells: dict[str, Mapping[str, Any]] = {}
-    for record in records:
-        kind = record.get("type")
-        if kind == "meta" and not meta:
-            meta = record
-        elif kind == "cell" and isinstance(record.get("cell_id"), str):
-            cells.setdefault(record["cell_id"], record)
-    return meta, cells
+) -> tuple[MetaRecord, dict[str, CellRecord]]:
+    """The ledger's meta record (an empty one where it has none: every fact unknown) and the
+    first cell record of each cell id."""
+    records = list(records)
+    cells: dict[str, CellRecord] = {}
+    for cell in records_of(records, "cell"):
+        if isinstance(cell.get("cell_id"), str):
+            cells.setdefault(cell["cell_id"], cell)
+    return meta_of(records) or cast(MetaRecord, {}), cells
 
 
 def cell_provenance(
-    meta: Mapping[str, Any],
-    cell: Mapping[str, Any],
-    calls: Iterable[Mapping[str, Any]] = (),
+    meta: MetaRecord,
+    cell: CellRecord,
+    calls: Iterable[CallRecord] = (),
 ) -> Provenance:
     """The provenance of a cell's numbers in a run: the ledger's meta record, the cell record's
     facts, and the system_fingerprint that every successful call of the cell carried (None when
@@ -546,6 +369,11 @@ def cell_provenance(
     )
 
 
+def _unknown_cell(cell_id: str) -> CellRecord:
+    """A cell the ledger has no cell record of: its facts unknown."""
+    return cast(CellRecord, {"cell_id": cell_id})
+
+
 def _optional_text(value: Any) -> str | None:
     return None if value is None else str(value)
 
@@ -554,14 +382,14 @@ def baselines_from_records(records: Iterable[Mapping[str, Any]]) -> list[CellBas
     """A baseline per cell that has call records, sorted by cell id."""
     records = list(records)
     meta, cells = run_descriptions(records)
-    calls = [record for record in records if record.get("type") == "call"]
+    calls = records_of(records, "call")
     by_cell: dict[str, list[PromptSummary]] = {}
     for summary in summarize(records):
         by_cell.setdefault(summary.cell_id, []).append(summary)
     return [
         CellBaseline(
             cell_id,
-            cell_provenance(meta, cells.get(cell_id, {"cell_id": cell_id}), calls),
+            cell_provenance(meta, cells.get(cell_id) or _unknown_cell(cell_id), calls),
             tuple(summaries),
         )
         for cell_id, summaries in sorted(by_cell.items())
@@ -751,7 +579,7 @@ def read_baseline(path: Path) -> CellBaseline:
     except FileNotFoundError:
         raise GpubenchError(f"{path}: baseline file not found") from None
     except UnicodeDecodeError as exc:
-        raise CorruptBaseline(f"{path}: corrupt baseline: not UTF-8 ({exc}); {_REPAIR}") from None
+        raise CorruptBaseline(f"{path}: corrupt baseline: not UTF-8 ({exc}); {REPAIR}") from None
     except OSError as exc:
         raise GpubenchError(f"{path}: cannot read baseline: {exc}") from None
     return loads_baseline(text, str(path))

@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pytest_gpubench.config.matrix import Thresholds
 from pytest_gpubench.core.errors import GpubenchError
@@ -34,6 +34,9 @@ from pytest_gpubench.results.run_history import (
     pressure_figures,
 )
 from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
+
+if TYPE_CHECKING:
+    from pytest_gpubench.ledger.schema import VerdictRecord
 
 __all__ = [
     "ALPHA",
@@ -213,14 +216,14 @@ class Verdict:
     def key(self) -> tuple[str, str]:
         return (self.cell_id, self.prompt_id)
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> VerdictRecord:
         """Built-in types only: goes into the ledger's end record (the A/B fields only on an
         A/B verdict)."""
         record = asdict(self)
         if self.reference is None:
             for name in AB_FIELDS:
                 del record[name]
-        return record
+        return cast("VerdictRecord", record)
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Verdict | None:

@@ -6,10 +6,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.status import session_status
+from pytest_gpubench.ledger.outcomes import CellOutcome
+from pytest_gpubench.ledger.schema import (
+    CellOutcomeRecord,
+    EndRecord,
+    MetaRecord,
+    meta_of,
+    records_of,
+)
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.load_profile import LoadThresholds
@@ -24,31 +32,35 @@ class LedgerJudgement:
     that fail the run unmeasured."""
 
     verdicts: list[Verdict]
-    unmeasured: list[dict[str, Any]]
+    unmeasured: list[CellOutcomeRecord]
     notes: list[str] = field(default_factory=list)
     exit_status: int = 0
     load_verdicts: list[Verdict] = field(default_factory=list)
 
 
-def unmeasured_cells(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def unmeasured_cells(records: Sequence[Mapping[str, Any]]) -> list[CellOutcomeRecord]:
     """The planned cells that fail the run: from the end record's outcomes; every planned cell
     without a successful call when the ledger has no end record (a run that died)."""
-    end = records[-1] if records and records[-1].get("type") == "end" else None
+    end = cast(EndRecord, records[-1]) if records and records[-1].get("type") == "end" else None
     if end is not None:
         return [
-            dict(cell)
+            cell
             for cell in end.get("cells", [])
             if cell.get("status") in ("failed", "missing") and not cell.get("optional")
         ]
-    meta = records[0] if records and records[0].get("type") == "meta" else {}
+    meta = meta_of(records[:1])
     measured = {
-        record.get("cell_id")
-        for record in records
-        if record.get("type") == "call" and record.get("error") is None
+        call.get("cell_id") for call in records_of(records, "call") if call.get("error") is None
     }
     return [
-        {"cell_id": cell_id, "status": "missing", "reason": "the ledger has no end record"}
-        for cell_id in meta.get("cells_planned", [])
+        CellOutcome(
+            cell_id=cell_id,
+            node=cell_id.split(":", 1)[0],
+            status="missing",
+            optional=False,
+            reason="the ledger has no end record",
+        ).to_record()
+        for cell_id in (meta.get("cells_planned", []) if meta is not None else [])
         if cell_id not in measured
     ]
 
@@ -64,7 +76,7 @@ class _CellThresholds:
     cells: tuple[Cell, ...] = ()
 
 
-def _thresholds(meta: Mapping[str, Any], cells_path: Path | None) -> _CellThresholds:
+def _thresholds(meta: MetaRecord, cells_path: Path | None) -> _CellThresholds:
     """Each cell's thresholds from the run's cells.yaml (the meta's, or the one named); the
     defaults, with a note, where that file is gone."""
     from pytest_gpubench.config.matrix import read_matrix
@@ -86,7 +98,7 @@ def _thresholds(meta: Mapping[str, Any], cells_path: Path | None) -> _CellThresh
     )
 
 
-def runs_given(meta: Mapping[str, Any]) -> int | None:
+def runs_given(meta: MetaRecord) -> int | None:
     """The run's --gpubench-runs, read from its command line (None when not given)."""
     argv = [str(arg) for arg in meta.get("command_line") or []]
     for index, arg in enumerate(argv):
@@ -110,7 +122,7 @@ def judge_load_points(
     from pytest_gpubench.results.load_baseline import read_load_baselines
     from pytest_gpubench.results.load_gate import judge_loads
 
-    loads = [record for record in records if record.get("type") == "load"]
+    loads = records_of(records, "load")
     if not loads:
         return []
     baselines = read_load_baselines(baselines_dir, {str(load.get("cell_id")) for load in loads})
@@ -129,17 +141,15 @@ def judge_ledger(
     from pytest_gpubench.results.gate import compare, incomparables, regressions, telemetry_verdicts
     from pytest_gpubench.results.stats import summarize
 
-    if not records or records[0].get("type") != "meta":
+    meta = meta_of(records[:1])
+    if meta is None:
         raise GpubenchError("gate: the ledger has no meta record")
-    meta = records[0]
-    every_call = [dict(record) for record in records if record.get("type") == "call"]
+    every_call = records_of(records, "call")
     # The re-measure's calls (`pass: 2`) decide the suspects with the first pass's, as in the
     # session (results/confirm.py); they are never pooled with them.
     calls = [call for call in every_call if call.get("pass", 1) == 1]
     again = [call for call in every_call if call.get("pass", 1) != 1]
-    cells = {
-        str(record.get("cell_id")): record for record in records if record.get("type") == "cell"
-    }
+    cells = {str(cell.get("cell_id")): cell for cell in records_of(records, "cell")}
     thresholds = _thresholds(meta, cells_path)
     baselines: list[PromptSummary] = []
     histories: dict[tuple[str, str], Any] = {}

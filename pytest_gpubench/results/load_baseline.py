@@ -6,15 +6,31 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pytest_gpubench.core.errors import GpubenchError
+from pydantic import BaseModel, ConfigDict, Strict, ValidationError
+
+from pytest_gpubench.core.errors import GpubenchError, key_path
 from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.results.baseline import baseline_file_name
 from pytest_gpubench.results.load_gate import baseline_point, gated, is_result, point_key
 
 FORMAT = 1
 LOAD_DIR = "load"
+_REPAIR = "restore it from git or rewrite it with --baseline-update"
+
+
+class LoadBaselineFile(BaseModel):
+    """A load baseline file: the cell it belongs to and its points by key. A point holds a valid
+    load record's figures and samples and its history (load_gate.baseline_point); the load gate
+    reads them as it reads records, a figure of the wrong type being unknown."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    # Never checked: format 1 is the only one (a later format is read as far as it agrees).
+    format: Any = FORMAT
+    cell_id: Annotated[str, Strict()]
+    points: Annotated[dict[str, Any], Strict()]
 
 
 def load_baseline_path(baselines_dir: Path, cell_id: str) -> Path:
@@ -30,17 +46,22 @@ def read_load_baseline(baselines_dir: Path, cell_id: str) -> dict[str, dict[str,
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:
         # ValueError: not UTF-8, not JSON, or a number too long to read.
+        raise GpubenchError(f"{path}: corrupt load baseline ({exc}); {_REPAIR}") from None
+    try:
+        parsed = LoadBaselineFile.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = key_path(tuple(error["loc"])) or "top level"
         raise GpubenchError(
-            f"{path}: corrupt load baseline ({exc}); restore it from git or rewrite it with "
-            "--baseline-update"
+            f"{path}: not the load baseline of {cell_id} ({where}: {str(error['msg']).lower()}); "
+            + _REPAIR
         ) from None
-    points = data.get("points") if isinstance(data, dict) else None
-    if not isinstance(points, dict) or data.get("cell_id") != cell_id:
+    if parsed.cell_id != cell_id:
         raise GpubenchError(
-            f"{path}: not the load baseline of {cell_id} (no 'points', or another cell_id); "
-            "restore it from git or rewrite it with --baseline-update"
+            f"{path}: not the load baseline of {cell_id} (cell_id: it holds "
+            f"{parsed.cell_id[:60]!r}'s points); {_REPAIR}"
         )
-    return {str(key): value for key, value in points.items() if isinstance(value, dict)}
+    return {key: value for key, value in parsed.points.items() if isinstance(value, dict)}
 
 
 def read_load_baselines(
@@ -84,7 +105,8 @@ def write_load_baselines(
             }
         )
         path = load_baseline_path(baselines_dir, cell_id)
-        _write(path, {"format": FORMAT, "cell_id": cell_id, "points": dict(sorted(points.items()))})
+        written = LoadBaselineFile(cell_id=cell_id, points=dict(sorted(points.items())))
+        _write(path, written.model_dump())
         notes.append(f"load baseline written: {cell_id} -> {path}")
     return notes
 

@@ -209,9 +209,21 @@ def _floats(values: list[Any]) -> np.ndarray[Any, np.dtype[np.float64]]:
     """Numbers as float64 with NaN for None; anything unparsable also becomes NaN."""
     try:
         return np.array(values, dtype="float64")
-    except (TypeError, ValueError):
-        coerced = pd.to_numeric(pd.Series(_objects(values)), errors="coerce")
+    except (TypeError, ValueError, OverflowError):
+        plain = [_in_float_range(value) for value in values]
+        coerced = pd.to_numeric(pd.Series(_objects(plain)), errors="coerce")
         return coerced.to_numpy(dtype="float64", na_value=np.nan)
+
+
+def _in_float_range(value: Any) -> Any:
+    """An integer past a float's range (10**400 in a damaged ledger) as no value: converting it
+    raised OverflowError in every report of the ledger."""
+    if isinstance(value, int):
+        try:
+            float(value)
+        except OverflowError:
+            return None
+    return value
 
 
 def summarize(records: Iterable[Mapping[str, Any]]) -> list[PromptSummary]:

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
@@ -25,8 +25,17 @@ if TYPE_CHECKING:
     from pytest_gpubench.config.cases import Case
     from pytest_gpubench.config.matrix import Cell, Matrix
     from pytest_gpubench.config.options import Options
+    from pytest_gpubench.config.shards import ShardFacts
     from pytest_gpubench.ledger.outcomes import CellOutcome
-    from pytest_gpubench.ledger.schema import EndRecord
+    from pytest_gpubench.ledger.schema import (
+        CallRecord,
+        CellRecord,
+        EndRecord,
+        LoadCallRecord,
+        LoadRecord,
+        MetaRecord,
+        SkippedRecord,
+    )
     from pytest_gpubench.ledger.writer import Ledger
     from pytest_gpubench.results.gate import Verdict
     from pytest_gpubench.results.stats import PromptSummary
@@ -93,7 +102,7 @@ class RunController:
     ) -> None:
         self.options = options
         # A shard of a job array runs only its share of the matrix; its meta names them all.
-        self.shard: dict[str, Any] | None = None
+        self.shard: ShardFacts | None = None
         if matrix is not None and options.shard is not None:
             from pytest_gpubench.config.shards import shard_facts, shard_matrix
 
@@ -128,20 +137,20 @@ class RunController:
         self.ledger: Ledger | None = None
         self.started = False
         self.startup_error: str | None = None
-        self.meta: dict[str, Any] = {}
-        self.calls: list[dict[str, Any]] = []
+        self.meta: MetaRecord | None = None
+        self.calls: list[CallRecord] = []
         # The warm calls of suspects measured again at the end (`pass: 2`), judged on their own
         # and then with the first pass's (results/confirm.py); and the suspects that could not be.
-        self.remeasured_calls: list[dict[str, Any]] = []
+        self.remeasured_calls: list[CallRecord] = []
         self.not_remeasured: dict[tuple[str, str], str] = {}
         # Per (cell, prompt): the baseline's last ratified runs (its between-run history).
         self.histories: dict[tuple[str, str], Any] = {}
         # A load case's call records (phase `load`: judged per load point, never with the warm
         # calls) and its `load` records.
-        self.load_calls: list[dict[str, Any]] = []
-        self.loads: list[dict[str, Any]] = []
-        self.skips: list[dict[str, Any]] = []
-        self.cells: dict[str, dict[str, Any]] = {}
+        self.load_calls: list[LoadCallRecord] = []
+        self.loads: list[LoadRecord] = []
+        self.skips: list[SkippedRecord] = []
+        self.cells: dict[str, CellRecord] = {}
         self.probe_rows: list[ProbeRow] = []
         self.probe_failed = False
         self.judgement = Judgement()
@@ -197,25 +206,23 @@ class RunController:
         )
         self.started = True
         self.ledger = Ledger(options.ledger_dir / f"{self.run_id}.jsonl", self.scrub)
-        self.meta = as_json(
-            meta_record(
-                run_id=self.run_id,
-                root=self.root,
-                git=git,
-                env_names=[*options.env_names, *self.matrix.settings.env],
-                cells_planned=[cell.cell_id for cell in self.planned],
-                cases_planned=len(cases),
-                argv=self.argv,
-                cells_path=options.cells_path,
-                prompts_path=options.prompts_path,
-                shard=self.shard,
-            )
+        self.meta = meta_record(
+            run_id=self.run_id,
+            root=self.root,
+            git=git,
+            env_names=[*options.env_names, *self.matrix.settings.env],
+            cells_planned=[cell.cell_id for cell in self.planned],
+            cases_planned=len(cases),
+            argv=self.argv,
+            cells_path=options.cells_path,
+            prompts_path=options.prompts_path,
+            shard=self.shard,
         )
         pairs = {cell.cell_id: cell.reference for cell in self.planned if cell.reference}
         if pairs:
             # What repeats this session's A/B call order: --gpubench-ab-seed with this seed.
-            self.meta["ab"] = {"seed": self.ab_seed, "pairs": pairs}
-        self.ledger.append(self.meta)
+            as_json(self.meta)["ab"] = {"seed": self.ab_seed, "pairs": pairs}
+        self.ledger.append(as_json(self.meta))
         self.catch_signals.install()
 
     def refuse(self, error: GpubenchError) -> None:
@@ -234,19 +241,19 @@ class RunController:
         for record in records:
             kind = record.get("type")
             if kind == "call" and record.get("phase") == LOAD_PHASE:
-                self.load_calls.append(record)
+                self.load_calls.append(cast("LoadCallRecord", record))
             elif kind == "call" and record.get("pass", 1) != 1:
-                self.remeasured_calls.append(record)
+                self.remeasured_calls.append(cast("CallRecord", record))
             elif kind == "call":
-                self.calls.append(record)
+                self.calls.append(cast("CallRecord", record))
             elif kind == "load":
-                self.loads.append(record)
+                self.loads.append(cast("LoadRecord", record))
             elif kind == "skipped":
-                self.skips.append(record)
+                self.skips.append(cast("SkippedRecord", record))
             elif kind == "cell":
                 if record["cell_id"] in self.cells:
                     continue  # each xdist worker that ran the cell describes it; keep the first
-                self.cells[record["cell_id"]] = record
+                self.cells[record["cell_id"]] = cast("CellRecord", record)
             self._append(record)
         return self.write_error
 
@@ -397,7 +404,7 @@ class RunController:
         if self.loads:
             self._judge_loads()
         self.outcomes = cell_outcomes(
-            self.planned, cells=self.cells, skips=self.skips, calls=self.calls + self.load_calls
+            self.planned, cells=self.cells, skips=self.skips, calls=[*self.calls, *self.load_calls]
         )
         judgement = self.judgement
         verdicts = [*judgement.verdicts, *judgement.load_verdicts]
@@ -522,11 +529,11 @@ class RunController:
         """The measured cells' baseline summaries; notes in the judgement which cells' baselines
         came from another setup. A corrupt file counts as none when this run replaces it."""
         from pytest_gpubench.results.baseline import (
-            CorruptBaseline,
             cell_provenance,
             find_baseline,
             provenance_changes,
         )
+        from pytest_gpubench.results.baseline_format import CorruptBaseline
 
         summaries: list[PromptSummary] = []
         for cell_id in sorted({call["cell_id"] for call in self.calls}):
@@ -544,6 +551,8 @@ class RunController:
             cell = self.cells.get(cell_id)
             if cell is None:
                 continue  # nothing known of this run's setup: nothing to compare
+            if self.meta is None:
+                continue  # the session never started: no run to compare
             current = cell_provenance(self.meta, cell, self.calls)
             changes = provenance_changes(baseline.provenance, current)
             if changes:
@@ -628,7 +637,8 @@ class RunController:
         minimum = {cell.cell_id: success_threshold(cell.thresholds) for cell in self.matrix.cells}
         # Later runs measure the cell's configured runs (cells.yaml), not this run's override.
         future_runs = {cell.cell_id: cell.runs for cell in self.matrix.cells}
-        records = [self.meta, *self.cells.values(), *self.calls, *self.skips]
+        meta = [self.meta] if self.meta is not None else []
+        records = [*meta, *self.cells.values(), *self.calls, *self.skips]
         try:
             update = update_baselines(
                 self.options.baselines_dir,

@@ -56,7 +56,8 @@ def check_frozen_prompts(
     """A prompt never changes under an id that a baseline was measured with. A corrupt baseline
     is refused, unless this run replaces it (--baseline-update): it holds no prompt to check."""
     # Reading baselines needs pandas (their summaries): only once a benchmark runs.
-    from pytest_gpubench.results.baseline import CorruptBaseline, find_baseline
+    from pytest_gpubench.results.baseline import find_baseline
+    from pytest_gpubench.results.baseline_format import CorruptBaseline
 
     for cell in matrix.cells:
         try:
