@@ -19,6 +19,7 @@ import pytest
 from support.standins import OllamaStandin, serving
 
 from pytest_gpubench.cli.main import main as gpubench
+from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.status import EXIT_UNSTEADY
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.measure.control import ControlCall, CpuPressure
@@ -219,6 +220,34 @@ def test_history_grows_per_update_counts_a_run_once_and_keeps_the_last_runs() ->
     text = dumps_baseline(again)
     assert loads_baseline(text, "mem.json") == again
     assert json.loads(text)["prompts"]["P-EASY"]["history"][-1]["benchmark_run_id"] == "run-11"
+
+
+def test_a_format_4_baseline_reads_without_pressure_and_format_5_requires_it() -> None:
+    """Format 5 added the CPU pressure: a format-4 file (no pressure anywhere) reads with none,
+    and the gate then compares the control alone; a format-5 file without it is one line naming
+    the key."""
+    baseline = plan_cell(ratified("run-1", 100.0), None).baseline
+    assert baseline is not None
+    current = json.loads(dumps_baseline(baseline))
+    assert current["format"] == 5
+    prompt = current["prompts"]["P-EASY"]
+    assert "cpu_pressure" in prompt["warm"] and "cpu_pressure" in prompt["samples"]
+    assert "cpu_pressure" in prompt["history"][0]
+    older = json.loads(json.dumps(current))
+    older["format"] = 4
+    for part in ("warm", "samples"):
+        del older["prompts"]["P-EASY"][part]["cpu_pressure"]
+    del older["prompts"]["P-EASY"]["history"][0]["cpu_pressure"]
+    read = loads_baseline(json.dumps(older), "old.json")
+    assert read.prompts[0].samples.cpu_pressure == () and read.prompts[0].samples.control_ms
+    assert read.runs("P-EASY")[0].cpu_pressure is None
+    del current["prompts"]["P-EASY"]["samples"]["cpu_pressure"]
+    with pytest.raises(GpubenchError) as bad:
+        loads_baseline(json.dumps(current), "new.json")
+    assert str(bad.value).startswith(
+        "new.json: corrupt baseline: prompts.P-EASY.samples.cpu_pressure"
+    )
+    assert "\n" not in str(bad.value)
 
 
 def test_a_new_setup_starts_a_new_history() -> None:
