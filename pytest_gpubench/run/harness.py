@@ -26,7 +26,7 @@ from pytest_gpubench.ledger.records import (
     stage_record,
 )
 from pytest_gpubench.ledger.schema import as_json
-from pytest_gpubench.measure.control import ControlCall, CpuPressure
+from pytest_gpubench.measure.control import ControlCall
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
@@ -87,11 +87,10 @@ class Harness:
         self.sequential = SequentialPairs(matrix)
         # Sequential sampling of cells judged against their baselines (min_runs, no reference).
         self.sequential_runs = SequentialRuns(matrix)
-        # Timed before each warm call (its `control_ms`), with the CPU pressure while it ran (its
-        # `cpu_pressure`): how steady the machine was. Neither with --gpubench-steadiness off.
+        # Run before each warm call (its `control_ms` and `cpu_pressure`): how steady the
+        # machine was. Not with --gpubench-steadiness off.
         self.steadiness = steadiness
         self.control = ControlCall()
-        self.pressure = CpuPressure()
         # Which pass of the session's measurements this is: 2 while suspects are re-measured.
         self.measure_pass = 1
 
@@ -252,8 +251,8 @@ class Harness:
 
         live = self.cells[case.cell_id]
         window = self._begin_sampling(live)
-        pressure = self.pressure if self.steadiness else None
-        outcome = run_load_case(live, self.matrix, case, self.run_id, pressure)
+        control = self.control if self.steadiness else None
+        outcome = run_load_case(live, self.matrix, case, self.run_id, control)
         samples = self._end_sampling(live, window)
         others = [*outcome.others, *self._sample_records(live, case, samples)]
         return self.scrub.record(outcome.record), [self.scrub.record(r) for r in others]
@@ -405,14 +404,10 @@ class Harness:
         scrubbed_others = [self.scrub.record(other) for other in others]
         return self.scrub.record(as_json(record)), scrubbed_others, measurement.text
 
-    def _read_machine(self) -> tuple[float, float | None]:
-        """The control call's time, and the CPU pressure while it ran: the control keeps every
-        core busy and the engine is idle between calls, so a task that waited then was a
-        neighbour's (during the call itself the engine's own threads and the client's would
-        count too, and a changed engine would read as a changed machine)."""
-        mark = self.pressure.start()
-        control_ms = self.control.measure_ms()
-        return control_ms, self.pressure.share(mark)
+    def _read_machine(self) -> tuple[float, float]:
+        """The control call's time and the CPU pressure it met (measure/control.py)."""
+        reading = self.control.measure()
+        return reading.ms, reading.pressure
 
     def _begin_sampling(self, live: LiveCell) -> tuple[NodeTelemetry, float] | None:
         """Point the node's samplers at the cell's engine; None when the cell is not sampled."""
