@@ -113,11 +113,12 @@ def vllm_server(
 
 @pytest.fixture(autouse=True)
 def steady_control(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The control call (measure/control.py) reads this machine, which other jobs share: a test
-    whose subject is not the machine's steadiness pins it to a steady 5 ms and no CPU pressure,
-    so the shared machine's load cannot turn its verdicts `unsteady`. A test of steadiness sets
-    its own; a test that runs pytest in a subprocess passes `--gpubench-steadiness off` where its
-    subject is not the machine's steadiness."""
-    from pytest_gpubench.measure.control import ControlCall, ControlReading
+    """The control call and the CPU pressure (measure/control.py) read this machine, which other
+    jobs share: a test whose subject is not the machine's steadiness pins them to a steady 5 ms
+    and no pressure, so the shared machine's load cannot turn its verdicts `unsteady`. A test of
+    steadiness sets its own; a test that runs pytest in a subprocess passes
+    `--gpubench-steadiness off` where its subject is not the machine's steadiness."""
+    from pytest_gpubench.measure.control import ControlCall, CpuPressure
 
-    monkeypatch.setattr(ControlCall, "measure", lambda self: ControlReading(5.0, 0.0))
+    monkeypatch.setattr(ControlCall, "measure_ms", lambda self: 5.0)
+    monkeypatch.setattr(CpuPressure, "share", lambda self, mark: 0.0)

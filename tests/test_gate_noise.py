@@ -26,7 +26,7 @@ from pytest_gpubench.cli.main import main as gpubench
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.status import EXIT_UNSTEADY
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.measure.control import ControlCall, ControlReading
+from pytest_gpubench.measure.control import ControlCall, CpuPressure
 from pytest_gpubench.results.baseline import (
     CellBaseline,
     Provenance,
@@ -117,7 +117,7 @@ def test_steadiness_counts_only_a_significant_move_beyond_the_floor() -> None:
 
 
 def test_cpu_pressure_beyond_its_limit_against_the_baseline_or_within_the_run_is_unsteady() -> None:
-    """The pressure is a share of the control call's time, compared in points: a quiet machine's few
+    """The pressure is a share of the calls' time, compared in points: a quiet machine's few
     points of jitter hold; a busy process beside the engine, or one that started mid-run, not."""
     quiet = [0.0, 0.02, 0.01, 0.0, 0.05, 0.0, 0.01, 0.03, 0.0, 0.02]
     held = steadiness([], [], pressure=quiet, baseline_pressure=[0.01, 0.03, 0.0])
@@ -125,18 +125,15 @@ def test_cpu_pressure_beyond_its_limit_against_the_baseline_or_within_the_run_is
     busy = steadiness([], [], pressure=[0.6] * 10, baseline_pressure=[0.02, 0.0, 0.01])
     assert busy is not None
     assert busy.drift == (
-        "the control call waited for a CPU 60% of its time against 1% in the "
+        "tasks waited for a CPU 60% of the calls' time against 1% in the "
         "baseline's runs "
         "(beyond ±10 points)"
     )
     started = steadiness([], [], pressure=[0.0] * 5 + [0.7, 0.8, 0.7, 0.75, 0.7])
     assert started is not None and started.baseline_pressure is None
-    assert (
-        started.drift
-        == "the control call's wait for a CPU went from 0% to 70% of its time during the run"
-    )
+    assert started.drift == "the CPU pressure went from 0% to 70% of the calls' time during the run"
     slower = decide(evidence(150.0, [], now=[150.0] * 10, steadiness=busy))
-    assert slower.kind == "unsteady" and "waited for a CPU 60%" in slower.text
+    assert slower.kind == "unsteady" and "tasks waited for a CPU 60%" in slower.text
 
 
 def test_on_a_steadily_busy_machine_what_the_gate_cannot_tell_is_unsteady_not_a_pass() -> None:
@@ -151,8 +148,8 @@ def test_on_a_steadily_busy_machine_what_the_gate_cannot_tell_is_unsteady_not_a_
     busy_blind = decide(evidence(108.0, wide, steadiness=busy))
     assert quiet_blind.kind == "blind" and busy_blind.kind == "unsteady"
     assert busy_blind.text.startswith(
-        "warm TTFT p50 +6.7%, not judged: the machine was busy: the control call waited for a CPU "
-        "40% of its time, and the gate could not see the 10% threshold there (could detect ≥ +"
+        "warm TTFT p50 +6.7%, not judged: the machine was busy: tasks waited for a CPU 40% of the "
+        "calls' time, and the gate could not see the 10% threshold there (could detect ≥ +"
     )
     assert decide(evidence(115.0, wide)).kind == "inconclusive"
     assert decide(evidence(115.0, wide, steadiness=busy)).kind == "unsteady"
@@ -164,19 +161,41 @@ def test_on_a_steadily_busy_machine_what_the_gate_cannot_tell_is_unsteady_not_a_
                            runs_pressure=[0.0, 0.6, 0.0, 0.7, 0.0])  # fmt: skip
     assert flickered is not None and flickered.drift is None
     assert flickered.contended == (
-        "the machine was busy: the control call waited for a CPU 70% of its time"
+        "the machine was busy: tasks waited for a CPU 70% of the calls' time"
     )
     assert decide(evidence(108.0, wide, steadiness=flickered)).kind == "unsteady"
     assert decide(evidence(140.0, tight, steadiness=busy)).kind == "regression"
 
 
-def test_the_control_call_reads_the_cpu_a_busy_neighbour_takes(
+def test_cpu_pressure_is_read_from_the_kernels_stall_total(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc/pressure/cpu's `some ... total=` is microseconds of stall: 30 ms of it over a window
+    is that window's share; a machine without the file measures none."""
+    monkeypatch.undo()  # the real gauge, not the steady one tests/conftest.py pins
+    psi = tmp_path / "cpu"
+    psi.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=1000000\n")
+    gauge = CpuPressure(psi)
+    mark = gauge.start()
+    assert mark is not None and mark[0] == 1_000_000
+    psi.write_text("some avg10=1.00 avg60=0.00 avg300=0.00 total=1030000\n")
+    shifted = (mark[0], mark[1] - 0.1)  # the window opened 0.1 s ago
+    assert gauge.share(shifted) == pytest.approx(0.3, abs=0.01)
+    assert CpuPressure(tmp_path / "absent").start() is None
+    assert gauge.share(None) is None
+
+
+def test_the_cpu_pressure_sees_a_busy_neighbour_on_the_same_cpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Made certain: this thread and a busy process pinned to the same CPU, which the scheduler
-    shares between them, so the control's thread waits about half its time (CFS), whatever else
-    the machine does. The pressure is its CPU time against its wall time."""
-    monkeypatch.undo()  # the real control call, not the steady one tests/conftest.py pins
+    """Made certain: a busy process and this thread's own busy work pinned to the same CPU, so
+    one of them always waits for it while both run (the kernel's stall total grows by about the
+    window's length). Where the kernel has no pressure information, nothing is measured."""
+    monkeypatch.undo()  # the real gauge, not the steady one tests/conftest.py pins
+    gauge = CpuPressure()
+    if gauge.start() is None:
+        assert gauge.share(gauge.start()) is None
+        return
     cpu = min(os.sched_getaffinity(0))
     busy = subprocess.Popen(
         [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"],
@@ -186,13 +205,14 @@ def test_the_control_call_reads_the_cpu_a_busy_neighbour_takes(
     try:
         time.sleep(0.3)  # the busy process is running
         os.sched_setaffinity(0, {cpu})
-        shared = ControlCall().measure()
+        mark = gauge.start()
+        ControlCall().measure_ms()  # a few ms of work on the shared CPU
+        shared = gauge.share(mark)
     finally:
         os.sched_setaffinity(0, mine)
         busy.kill()
         busy.wait()
-    assert 0.25 <= shared.pressure <= 1.0, shared
-    assert shared.ms > 0
+    assert shared is not None and shared >= 0.5, shared
 
 
 # -- history in the baseline file ---------------------------------------------------------------
@@ -342,9 +362,7 @@ def test_calibrate_seeds_the_history_and_states_the_noise_floor(
 def control_values(monkeypatch: pytest.MonkeyPatch, values: list[float]) -> None:
     """The control call returns these, in turn (the last one after that)."""
     feed = iter(values)
-    monkeypatch.setattr(
-        ControlCall, "measure", lambda self: ControlReading(next(feed, values[-1]), 0.0)
-    )
+    monkeypatch.setattr(ControlCall, "measure_ms", lambda self: next(feed, values[-1]))
 
 
 def test_a_control_that_drifts_turns_a_slowdown_unsteady(
@@ -384,7 +402,7 @@ def test_a_control_that_drifts_turns_a_slowdown_unsteady(
 def test_cpu_pressure_rising_mid_run_turns_a_slowdown_unsteady_unless_steadiness_is_off(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Three times slower while, from the sixth call on, the control waited for a CPU 80 % of its time:
+    """Three times slower while, from the sixth call on, tasks waited for a CPU 80 % of the time:
     unsteady, with the pressure in each call record. With --gpubench-steadiness off neither the
     control nor the pressure is read, and the same slowdown is a regression."""
     server = OllamaStandin(token_s=0.003)
@@ -393,9 +411,7 @@ def test_cpu_pressure_rising_mid_run_turns_a_slowdown_unsteady_unless_steadiness
         pytester.runpytest("--force-load", "--baseline-update")
         server.token_s = 0.009
         feed = iter([0.0] * 5 + [0.8] * 5)
-        monkeypatch.setattr(
-            ControlCall, "measure", lambda self: ControlReading(5.0, next(feed, 0.8))
-        )
+        monkeypatch.setattr(CpuPressure, "share", lambda self, mark: next(feed, 0.8))
         unsteady = pytester.runpytest("--force-load")
         calls = [r for r in last_ledger(pytester) if r["type"] == "call" and r["phase"] == "warm"]
         off = pytester.runpytest("--force-load", "--gpubench-steadiness", "off")
@@ -403,8 +419,8 @@ def test_cpu_pressure_rising_mid_run_turns_a_slowdown_unsteady_unless_steadiness
     assert unsteady.ret == EXIT_UNSTEADY
     unsteady.stdout.fnmatch_lines(
         [
-            f"UNSTEADY: {CELL} P-EASY: warm TTFT p50 +*the control call's wait for a CPU went from "
-            "0% to 80% of its time during the run*"
+            f"UNSTEADY: {CELL} P-EASY: warm TTFT p50 +*the CPU pressure went from 0% to 80% of the "
+            "calls' time during the run*"
         ]
     )
     assert [r["cpu_pressure"] for r in calls[:10]] == [0.0] * 5 + [0.8] * 5

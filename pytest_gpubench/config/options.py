@@ -39,9 +39,9 @@ SHARD_DESC = (
 )
 SKIP_DESC = "deselect every benchmark case: run a repository's other tests only (no guards)"
 STEADINESS_DESC = (
-    "`check` (default): run the control call before each warm call and around each load point "
-    "(its time and the CPU pressure it met) and call a verdict `unsteady` when the machine moved; "
-    "`off`: no control call (verdicts are never unsteady)"
+    "`check` (default): time a control call before each warm call and read the CPU pressure "
+    "during each warm call and load point, and call a verdict `unsteady` when the machine moved; "
+    "`off`: neither (verdicts are never unsteady)"
 )
 STEADINESS_CHOICES = ("check", "off")
 

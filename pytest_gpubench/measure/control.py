@@ -1,57 +1,77 @@
 """The machine's steadiness beside each measured call: the control call, a fixed piece of work
-run on one thread before each warm call (and before and after each load point), and two figures
-from it: its wall time (`control_ms`), and the CPU pressure (`cpu_pressure`), the share of that
-wall time in which the control's thread did not run although it had work to do — its CPU time
-against its wall time. On a machine with a core to spare the control runs whole (pressure 0);
-when busy neighbours leave no core free it waits as the engine's own threads and the client's
-do (two busy processes on two cores: about 0.5). An unchanged engine's calls slow down when the
-pressure rises; a slower engine's do not.
+timed on one thread before each warm call (`control_ms`: how fast this machine runs a task now),
+and the CPU pressure during the call itself (`cpu_pressure`: the share of the call's wall time in
+which some task on the machine waited for a CPU, from Linux's pressure-stall information; over a
+load point, the point's). An unchanged engine's calls slow down when the pressure rises; a slower
+engine's do not.
 
-One thread, not one per core: a single task's share is what a client thread or an engine's host
-thread needs, and it reads 0.000 on a quiet machine, where threads on every core read the
-scheduler's every wake-up (measured: 0.24-0.60 on a quiet 2-core machine, and no different with
-a busy process beside it). An engine that computes on every core (llama.cpp on CPU with `threads`
-= cores) is slowed by one busy neighbour before the control sees it: its own timings show that."""
+Measured on 2026-11-25 beside the real llama-server (one thread, a 55 ms prefill) on a 2-core
+machine, the median over calls: the pressure during the call read 0.005 on a quiet machine, 0.068
+beside one busy process (the engine had the other core: TTFT unchanged) and 0.52 beside two (TTFT
++63 %). Read while a control call kept every core busy it was 0.24-0.60 even on a quiet machine;
+and a control call's own wait, read just before the call, missed the two busy processes (the
+scheduler had left it a core between the engine's calls)."""
 
 from __future__ import annotations
 
 import hashlib
 import statistics
 import time
-from dataclasses import dataclass
+from pathlib import Path
 
-# The work: a sha256 of 8 MiB, a few milliseconds on one core: longer than the scheduler's time
-# slice, so that a busy neighbour shows (a millisecond of work after a sleep runs at once even
-# beside one, the scheduler favouring a task that wakes).
+# The work: a sha256 of 8 MiB on one thread, a few milliseconds: longer than a scheduler's time
+# slice (a millisecond of work after a sleep runs at once even beside a busy process).
 _CHUNK = bytes(8 << 20)
 # Each control call is the median of this many rounds: one preempted round is the scheduler's
 # noise, not the machine's state.
 ROUNDS = 3
-
-
-@dataclass(frozen=True)
-class ControlReading:
-    """One control call: its wall time in ms, and the share of it its thread waited (0 to 1)."""
-
-    ms: float
-    pressure: float
+# Linux's pressure-stall information for CPUs (kernel 4.20+): `some ... total=<µs>` is how long, in
+# all, at least one runnable task waited for a CPU.
+PRESSURE_FILE = Path("/proc/pressure/cpu")
 
 
 class ControlCall:
-    """Runs the control work on the calling thread (hashlib releases the GIL for buffers this
-    large: other threads of the process are not held up)."""
+    """Times the control work on the calling thread (hashlib releases the GIL for buffers this
+    large: the process's other threads are not held up)."""
 
-    def measure(self) -> ControlReading:
-        """The median wall time and the median pressure of ROUNDS rounds."""
-        walls, pressures = [], []
+    def measure_ms(self) -> float:
+        """The control work's wall time in milliseconds (the median of ROUNDS rounds)."""
+        rounds = []
         for _ in range(ROUNDS):
-            cpu_started, started = time.thread_time(), time.perf_counter()
+            started = time.perf_counter()
             hashlib.sha256(_CHUNK).digest()
-            wall = time.perf_counter() - started
-            cpu = time.thread_time() - cpu_started
-            walls.append(wall * 1000.0)
-            pressures.append(min(1.0, max(0.0, 1.0 - cpu / wall)) if wall > 0 else 0.0)
-        return ControlReading(statistics.median(walls), statistics.median(pressures))
+            rounds.append((time.perf_counter() - started) * 1000.0)
+        return statistics.median(rounds)
 
     def close(self) -> None:
         """Nothing to release (kept for the harness's shutdown)."""
+
+
+class CpuPressure:
+    """The share of a window's wall time in which some task on this machine waited for a CPU;
+    None on a machine without pressure-stall information (not Linux, an old kernel, a container
+    that hides /proc/pressure)."""
+
+    def __init__(self, path: Path = PRESSURE_FILE) -> None:
+        self.path = path
+
+    def start(self) -> tuple[int, float] | None:
+        """A window's opening mark: the stall total so far and the clock."""
+        stalled = self._stalled_us()
+        return None if stalled is None else (stalled, time.perf_counter())
+
+    def share(self, mark: tuple[int, float] | None) -> float | None:
+        """The share (0 to 1) of the wall time since `mark` in which some task waited."""
+        if mark is None:
+            return None
+        stalled, wall = self._stalled_us(), time.perf_counter() - mark[1]
+        if stalled is None or wall <= 0:
+            return None
+        return min(1.0, max(0.0, (stalled - mark[0]) / 1e6 / wall))
+
+    def _stalled_us(self) -> int | None:
+        try:
+            some = self.path.read_text().splitlines()[0]
+            return int(some.rsplit("total=", 1)[1].split()[0])
+        except (OSError, IndexError, ValueError):
+            return None

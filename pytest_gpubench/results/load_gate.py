@@ -169,8 +169,9 @@ def judge_metric(
 
 
 def point_steadiness(current: Mapping[str, Any], baseline: Mapping[str, Any]) -> Steadiness | None:
-    """The CPU pressure the control call met around the point against the baseline's (the median
-    over its history's runs, else its run's); None when this run did not read it."""
+    """The CPU pressure over the point against the baseline's (the median over its history's
+    runs, else its run's); None when this run did not read it. The point's own requests keep
+    tasks waiting: only a change counts, not the level."""
     now = _number(current.get("cpu_pressure"))
     if now is None:
         return None
@@ -178,7 +179,14 @@ def point_steadiness(current: Mapping[str, Any], baseline: Mapping[str, Any]) ->
     entries = [run for run in runs if isinstance(run, Mapping)] if isinstance(runs, list) else []
     kept = [v for v in (_number(run.get("cpu_pressure")) for run in entries) if v is not None]
     then = statistics.median(kept) if kept else _number(baseline.get("cpu_pressure"))
-    return Steadiness(None, None, pressure=now, baseline_pressure=then)
+    return Steadiness(
+        None,
+        None,
+        pressure=now,
+        baseline_pressure=then,
+        contention_counts=False,
+        pressure_window="the point's time",
+    )
 
 
 def history_figures(baseline: Mapping[str, Any], field: str) -> tuple[float, ...]:

@@ -26,7 +26,7 @@ from pytest_gpubench.ledger.records import (
     stage_record,
 )
 from pytest_gpubench.ledger.schema import as_json
-from pytest_gpubench.measure.control import ControlCall
+from pytest_gpubench.measure.control import ControlCall, CpuPressure
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
@@ -87,10 +87,11 @@ class Harness:
         self.sequential = SequentialPairs(matrix)
         # Sequential sampling of cells judged against their baselines (min_runs, no reference).
         self.sequential_runs = SequentialRuns(matrix)
-        # Run before each warm call (its `control_ms` and `cpu_pressure`): how steady the
-        # machine was. Not with --gpubench-steadiness off.
+        # Timed before each warm call (its `control_ms`), and the CPU pressure during the call (its
+        # `cpu_pressure`): how steady the machine was. Neither with --gpubench-steadiness off.
         self.steadiness = steadiness
         self.control = ControlCall()
+        self.pressure = CpuPressure()
         # Which pass of the session's measurements this is: 2 while suspects are re-measured.
         self.measure_pass = 1
 
@@ -251,8 +252,8 @@ class Harness:
 
         live = self.cells[case.cell_id]
         window = self._begin_sampling(live)
-        control = self.control if self.steadiness else None
-        outcome = run_load_case(live, self.matrix, case, self.run_id, control)
+        pressure = self.pressure if self.steadiness else None
+        outcome = run_load_case(live, self.matrix, case, self.run_id, pressure)
         samples = self._end_sampling(live, window)
         others = [*outcome.others, *self._sample_records(live, case, samples)]
         return self.scrub.record(outcome.record), [self.scrub.record(r) for r in others]
@@ -367,13 +368,14 @@ class Harness:
             cold_kind = live.make_cold()
         else:
             live.warm_up(prompt, max_tokens, shape, **own)
-        control_ms, cpu_pressure = (
-            self._read_machine() if self.steadiness and case.phase == "warm" else (None, None)
-        )
+        steadiness = self.steadiness and case.phase == "warm"
+        control_ms = self.control.measure_ms() if steadiness else None
         assert live.engine is not None
         window = self._begin_sampling(live)
         started = utc_now()
+        pressure_mark = self.pressure.start() if steadiness else None
         measurement = live.chat(prompt, max_tokens, shape, **own)
+        cpu_pressure = self.pressure.share(pressure_mark) if steadiness else None
         live.last_call_end = time.monotonic()
         samples = self._end_sampling(live, window)
         record = call_record(
@@ -403,11 +405,6 @@ class Harness:
         # An engine may echo a credential in an error message: cut it out before anyone sees it.
         scrubbed_others = [self.scrub.record(other) for other in others]
         return self.scrub.record(as_json(record)), scrubbed_others, measurement.text
-
-    def _read_machine(self) -> tuple[float, float]:
-        """The control call's time and the CPU pressure it met (measure/control.py)."""
-        reading = self.control.measure()
-        return reading.ms, reading.pressure
 
     def _begin_sampling(self, live: LiveCell) -> tuple[NodeTelemetry, float] | None:
         """Point the node's samplers at the cell's engine; None when the cell is not sampled."""

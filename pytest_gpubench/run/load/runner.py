@@ -29,7 +29,7 @@ from pytest_gpubench.config.traces import Trace, read_trace
 from pytest_gpubench.core.provenance import utc_now
 from pytest_gpubench.ledger.records import call_record, load_call_record, load_record, sample_record
 from pytest_gpubench.ledger.schema import as_json
-from pytest_gpubench.measure.control import ControlCall
+from pytest_gpubench.measure.control import CpuPressure
 from pytest_gpubench.measure.gauges import GaugeScraper
 from pytest_gpubench.results.load_summary import percentile, summarize_point
 from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts
@@ -199,7 +199,7 @@ def session_figures(calls: list[dict[str, Any]], turns: int | None) -> dict[str,
 
 
 def run_load_case(
-    live: LiveCell, matrix: Matrix, case: Case, run_id: str, control: ControlCall | None = None
+    live: LiveCell, matrix: Matrix, case: Case, run_id: str, pressure: CpuPressure | None = None
 ) -> LoadOutcome:
     """Warm the engine up with the case's request, then run its load point, with Python's
     cyclic garbage collector held off: a full collection in a pytest process takes milliseconds,
@@ -209,14 +209,14 @@ def run_load_case(
     gc.freeze()
     gc.disable()
     try:
-        return _run_load_case(live, matrix, case, run_id, control)
+        return _run_load_case(live, matrix, case, run_id, pressure)
     finally:
         gc.enable()
         gc.unfreeze()
 
 
 def _run_load_case(
-    live: LiveCell, matrix: Matrix, case: Case, run_id: str, control: ControlCall | None
+    live: LiveCell, matrix: Matrix, case: Case, run_id: str, pressure: CpuPressure | None
 ) -> LoadOutcome:
     cell = live.cell
     profile = cell.load
@@ -246,7 +246,7 @@ def _run_load_case(
         tuple(payloads[1:]),
         session_plan(profile, sends, engine),
     )
-    recorder = _Recorder(run_id, cell, case, sends.sha256, profile, control)
+    recorder = _Recorder(run_id, cell, case, sends.sha256, profile, pressure)
     recorder.facts = sends.facts
     if case.load_point == "sweep":
         from pytest_gpubench.run.load.sweep import run_sweep
@@ -290,12 +290,12 @@ class _Recorder:
         case: Case,
         sha256: str,
         profile: LoadProfile,
-        control: ControlCall | None = None,
+        pressure: CpuPressure | None = None,
     ) -> None:
         self.run_id, self.cell, self.case, self.sha256 = run_id, cell, case, sha256
         self.profile = profile
-        # The control call before and after each point (None: steadiness not checked).
-        self.control = control
+        # The CPU pressure over each point (None: steadiness not checked).
+        self.pressure = pressure
         self.records: list[dict[str, Any]] = []
         self.loads: list[dict[str, Any]] = []
         # Per prompt sent in turn: what its call records carry (request i: i mod n).
@@ -311,7 +311,7 @@ class _Recorder:
             target.endpoint, target.headers, self.cell.telemetry.interval_ms, target.tls
         )
         before = await scraper.scrape()
-        before_point = self.control.measure() if self.control is not None else None
+        pressure_mark = self.pressure.start() if self.pressure is not None else None
         stop = asyncio.Event()
         scraping: asyncio.Task[None] | None = None
         if before is not None:
@@ -335,12 +335,7 @@ class _Recorder:
             if scraping is not None:
                 await scraping
             await run.close()
-        after_point = self.control.measure() if self.control is not None else None
-        cpu_pressure = (
-            max(before_point.pressure, after_point.pressure)
-            if before_point is not None and after_point is not None
-            else None
-        )
+        cpu_pressure = self.pressure.share(pressure_mark) if self.pressure is not None else None
         after = await scraper.settled_counters() if before is not None else None
         if after is not None:
             scraper.samples.counters_after = after
@@ -378,8 +373,8 @@ class _Recorder:
                 "engine_metrics_notes": scraper.samples.notes or None,
                 **prefix_cache_figures(calls, scraper.samples.counter_changes()),
                 **session_figures(calls, self.profile.turns),
-                # The CPU pressure the control call met just before and just after the point
-                # (the higher): how busy the machine was around it (measure/control.py).
+                # The share of the point's time in which some task on this machine waited for
+                # a CPU (our own client's and engine's tasks among them): how steady it was.
                 **({"cpu_pressure": round(cpu_pressure, 4)} if cpu_pressure is not None else {}),
             },
             error=summary["invalid_reason"],
