@@ -15,30 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-from noise_scenarios import (
-    CALIBRATE_RUNS,
-    CELL,
-    FRACTION,
-    MAX_TOKENS,
-    NO_CACHE,
-    PROMPT,
-    Run,
-    pytest_run,
-    write_project,
-)
+from noise_scenarios import CALIBRATE_RUNS, Run, proxied_engine, pytest_run, write_project
 
-from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
-from pytest_gpubench.engines.managed import ManagedLlamaServer
-from pytest_gpubench.engines.tinymodel import ensure_tiny_model
-from pytest_gpubench.targets.local import LocalTarget
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.delay_proxy import delay_proxy
 
 RUNS = 20
 MIN_RUNS = 5
@@ -51,42 +33,22 @@ def main() -> None:
     binary = find_llama_server(None)
     if binary is None:
         raise SystemExit("llama-server is not installed: run `make engine`")
-    target = LocalTarget()
     results: dict[tuple[str, str], list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="gpubench-sequential-") as temp:
         root = Path(temp) / "project"
-        server = ManagedLlamaServer(
-            target, cell_id=CELL, binary=str(binary), model_path=str(ensure_tiny_model()),
-            alias="tiny", log_dir=str(Path(temp) / "server-log"), extra_args=("--threads", "1"),
-        )  # fmt: skip
-        try:
-            upstream = server.start()
-            engine = LlamaCppEngine(upstream, "tiny")
-            for _ in range(20):
-                engine.chat(PROMPT, MAX_TOKENS, 60, extra_body=NO_CACHE)
-            with delay_proxy(upstream) as proxy:
-                client = LlamaCppEngine(proxy.url, "tiny")
-                ttft = statistics.median(
-                    client.chat(PROMPT, MAX_TOKENS, 60, extra_body=NO_CACHE).first_delta_ms or 0.0
-                    for _ in range(10)
-                )
-                delay = FRACTION * ttft
-                print(f"engine TTFT p50 {ttft:.1f} ms; +30 % = {delay:.1f} ms held", flush=True)
-                write_project(root, proxy.url, RUNS)
-                for _ in range(CALIBRATE_RUNS):
-                    pytest_run(root, "after", "quiet", "--baseline-update")
-                for index in range(args.sessions):
-                    for mode, min_runs in (("fixed N", None), ("sequential", MIN_RUNS)):
-                        write_project(root, proxy.url, RUNS, min_runs)
-                        for kind, held in (("unchanged", 0.0), ("+30%", delay)):
-                            proxy.delay_ms = held
-                            run = pytest_run(root, "after", "quiet")
-                            results.setdefault((mode, kind), []).append(run)
-                            print(f"session {index + 1} {mode} {kind}: {run.line()} "
-                                  f"calls {run.calls}", flush=True)  # fmt: skip
-        finally:
-            server.stop()
-            target.close()
+        with proxied_engine(Path(temp), binary) as (proxy, delay):
+            write_project(root, proxy.url, RUNS)
+            for _ in range(CALIBRATE_RUNS):
+                pytest_run(root, "after", "quiet", "--baseline-update")
+            for index in range(args.sessions):
+                for mode, min_runs in (("fixed N", None), ("sequential", MIN_RUNS)):
+                    write_project(root, proxy.url, RUNS, min_runs)
+                    for kind, held in (("unchanged", 0.0), ("+30%", delay)):
+                        proxy.delay_ms = held
+                        run = pytest_run(root, "after", "quiet")
+                        results.setdefault((mode, kind), []).append(run)
+                        print(f"session {index + 1} {mode} {kind}: {run.line()} "
+                              f"calls {run.calls}", flush=True)  # fmt: skip
     print("\nsetting | engine | caught (exit 6) / passed / unsteady | warm calls per session")
     for (mode, kind), runs in sorted(results.items()):
         caught = sum(r.exit_status == 6 for r in runs)
