@@ -165,6 +165,13 @@ def test_on_a_steadily_busy_machine_what_the_gate_cannot_tell_is_unsteady_not_a_
     )
     assert decide(evidence(108.0, wide, steadiness=flickered)).kind == "unsteady"
     assert decide(evidence(140.0, tight, steadiness=busy)).kind == "regression"
+    # Two samples a side: no machine, quiet or busy, could make that significant. The gate is
+    # blind for that reason (a named pass), not unsteady: a quiet re-run would see no more.
+    few = decide(evidence(100.0, [], now=[100.0, 101.0], then=[100.0, 99.0], steadiness=busy))
+    assert (
+        few.kind == "blind"
+        and few.blind_reason == "too few runs: 2 samples against the baseline's 2"
+    )
 
 
 def test_cpu_pressure_is_read_from_the_kernels_stall_total(

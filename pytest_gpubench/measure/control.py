@@ -43,9 +43,6 @@ class ControlCall:
             rounds.append((time.perf_counter() - started) * 1000.0)
         return statistics.median(rounds)
 
-    def close(self) -> None:
-        """Nothing to release (kept for the harness's shutdown)."""
-
 
 class CpuPressure:
     """The share of a window's wall time in which some task on this machine waited for a CPU;

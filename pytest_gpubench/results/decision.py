@@ -426,7 +426,10 @@ def decide(evidence: Evidence) -> Decision:
         seen = f"{label} {_percent(ratio)}, not judged: machine unsteady ({drift})"
         return replace(base, kind="unsteady", text=f"{seen}; re-run on a steady machine")
     busy = evidence.steadiness.contended if evidence.steadiness is not None else None
-    if busy is not None and blind and direction is None:
+    # Blind because of the spread, on a busy machine: the spread may be the neighbours', and a
+    # quiet machine could tell. Blind because of too few samples (`undetectable`) stays blind:
+    # no machine could tell, and "re-run on a quiet machine" would not help.
+    if busy is not None and blind and direction is None and undetectable is None:
         seen = f"{label} {_percent(ratio)}, not judged: {busy}, and the gate could not see the "
         threshold = f"{evidence.threshold:.0%} threshold there ({could}: {why_blind})"
         return replace(base, kind="unsteady", text=f"{seen}{threshold}; re-run on a quiet machine")

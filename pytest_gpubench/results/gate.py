@@ -299,13 +299,14 @@ def machine_steadiness(
 ) -> Steadiness | None:
     """The control call's movement and the CPU pressure while this (cell, prompt) ran: against
     the baseline's runs, and within this run; None when this run checked neither."""
+    runs_pressure = pressure_figures(history)
     return steadiness(
         current.samples.control_ms,
         baseline.samples.control_ms,
         control_figures(history),
         pressure=current.samples.cpu_pressure,
-        baseline_pressure=pressure_figures(history) or baseline.samples.cpu_pressure,
-        runs_pressure=pressure_figures(history),
+        baseline_pressure=runs_pressure or baseline.samples.cpu_pressure,
+        runs_pressure=runs_pressure,
     )
 
 

@@ -461,7 +461,6 @@ class Harness:
     def close(self) -> None:
         """Stop every managed engine, then give back every node (a rented one is marked done)."""
         cells, self.cells = list(self.cells.values()), {}
-        self.control.close()
         self._stop_telemetry(list(self.telemetry))
         self._close(cells, self.nodes.take())
 
