@@ -45,7 +45,7 @@ def test_a_sweep_whose_middle_step_slows_exits_6_naming_that_step(
             cells="nodes: {local: {kind: local}}\ncells:\n"
             f"  - {{node: local, engine: openai, model: m, endpoint: '{proxy.url}',"
             " load: {sweep: {rates: 1, max_concurrency: 12}, arrival: constant,"
-            " duration_s: 2, warmup_s: 0.2, max_send_lag_ms: 50}}\n",
+            " duration_s: 1, warmup_s: 0.2, max_send_lag_ms: 50}}\n",
         )
         pytester.makepyfile(test_bench=TEST_GENERATE)
         # The subject is the sweep's gate, not the shared machine's steadiness.
