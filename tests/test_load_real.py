@@ -93,7 +93,7 @@ def test_throughput_rises_with_concurrency_and_every_request_gets_max_tokens(
     requests in flight gives 1, 2 and 4 times its throughput."""
     write_project(
         pytester,
-        managed_cell("concurrency: [1, 2, 4], duration_s: 1.5", "heavy", heavy_model),
+        managed_cell("concurrency: [1, 2, 4], duration_s: 1", "heavy", heavy_model),
         max_tokens=16,
     )
     result = run(pytester)
@@ -126,7 +126,7 @@ def test_throughput_rises_with_concurrency_and_every_request_gets_max_tokens(
         pytester,
         "nodes: {local: {kind: local}}\ncells:\n"
         f"  - {{node: local, engine: llamacpp, model: tiny, endpoint: '{proxy.url}',"
-        " load: {concurrency: [1, 2, 4], duration_s: 1}}\n",
+        " load: {concurrency: [1, 2, 4], duration_s: 0.5}}\n",
         max_tokens=16,
     )
     paced = run(pytester)
