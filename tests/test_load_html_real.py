@@ -22,7 +22,7 @@ CELLS = (
     "nodes: {local: {kind: local}}\ncells:\n"
     "  - {node: local, engine: llamacpp, model: tiny, parallel: 4,"
     " server_args: [--threads, '1'], load: {sweep: {rates: 2, max_concurrency: 4},"
-    " requests: 16, max_send_lag_ms: 50, slo: {ttft_ms: 400}}}\n"
+    " requests: 8, max_send_lag_ms: 50, slo: {ttft_ms: 400}}}\n"
 )
 # Where a copy of the screenshot goes when set (to look at it, or check it in under docs/).
 SCREENSHOT_COPY = "GPUBENCH_LOAD_SCREENSHOT"
