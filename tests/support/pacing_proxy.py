@@ -120,7 +120,7 @@ class _SharedGapProxy(PacingProxy):
         self._gap = gap
         super().__init__(upstream_host, upstream_port)
 
-    @property  # type: ignore[override]
+    @property
     def gap_s(self) -> float:
         return float(self._gap.value)
 

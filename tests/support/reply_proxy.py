@@ -244,7 +244,7 @@ class _SharedProxy(ReplyProxy):
         self._rate, self._slowed = shared
         super().__init__(host, port, **options)
 
-    @property  # type: ignore[override]
+    @property
     def slow_above_rate(self) -> float | None:
         rate = float(self._rate.value)
         return None if math.isnan(rate) else rate
@@ -253,7 +253,7 @@ class _SharedProxy(ReplyProxy):
     def slow_above_rate(self, value: float | None) -> None:
         self._rate.value = math.nan if value is None else value
 
-    @property  # type: ignore[override]
+    @property
     def slowed(self) -> int:
         return int(self._slowed.value)
 
