@@ -34,14 +34,15 @@ CELLS = {
     ("openai", "r"): "local:openai:r",
     ("ollama", "r"): "local:ollama:r",
 }
-# First answer at 20 + 6 x 5 = 50 ms; held back 200 ms more it comes 5 times later: no
+# First answer at 20 + 6 x 5 = 50 ms; held back 150 ms more it comes 4 times later: no
 # machine's noise makes that a pass, and the TTFT (the first reasoning token) is unchanged.
 SCRIPT = Script(delay_s=0.02, gap_s=0.005, reasoning=6, answer=4)
-LATER_ANSWER = replace(SCRIPT, answer_delay_s=0.2)
+LATER_ANSWER = replace(SCRIPT, answer_delay_s=0.15)
 LATER_MS = LATER_ANSWER.answer_delay_s * 1000
-# Calls a cell and run: 5 against 5 can be significant (smallest possible p = 1/252), and the
-# gate re-measures a regression once more before it confirms it.
-RUNS = 5
+# Calls a cell and run: 6 against 6 stays significant with one baseline call stalled past
+# every later one (p = 0.032), and the gate re-measures a regression once more before it
+# confirms it.
+RUNS = 6
 
 
 def bench(pytester: pytest.Pytester, url: str) -> None:
