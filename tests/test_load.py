@@ -430,9 +430,7 @@ def test_processes_share_a_point_and_each_reports_its_send_lag(pytester: pytest.
             " load: {concurrency: [4], rate: [40], arrival: constant, requests: 20,"
             " processes: 2}}\n",
         )
-        result = pytester.runpytest_subprocess(
-            "--force-load", "-p", "no:cacheprovider", "-m", "load"
-        )
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
     result.assert_outcomes(passed=2)
     records = ledger_records(pytester)
     for point in ("c4", "r40"):

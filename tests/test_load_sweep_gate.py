@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.keepalive_server import keepalive_server
-from support.reply_proxy import reply_proxy
+from support.reply_proxy import proxied_engine_process
 
 from pytest_gpubench.ledger.writer import read_ledger
 
@@ -35,17 +34,15 @@ def end_verdicts(root: Path) -> list[dict[str, Any]]:
 def test_a_sweep_whose_middle_step_slows_exits_6_naming_that_step(
     pytester: pytest.Pytester,
 ) -> None:
-    with (
-        keepalive_server(prefill_s=0.02) as server,
-        reply_proxy(server.url, slots=2, slow_ms=60.0) as proxy,
-    ):
+    # The engine and its proxy in a process of their own, so that both runs go in this one.
+    with proxied_engine_process(prefill_s=0.02, slots=2, slow_ms=60.0) as proxy:
         pytester.makefile(".yaml", prompts=PROMPTS)
         pytester.makefile(
             ".yaml",
             cells="nodes: {local: {kind: local}}\ncells:\n"
             f"  - {{node: local, engine: openai, model: m, endpoint: '{proxy.url}',"
             " load: {sweep: {rates: 1, max_concurrency: 12}, arrival: constant,"
-            " duration_s: 2, warmup_s: 0.2, max_send_lag_ms: 50}}\n",
+            " duration_s: 1, warmup_s: 0.2, max_send_lag_ms: 50}}\n",
         )
         pytester.makepyfile(test_bench=TEST_GENERATE)
         # The subject is the sweep's gate, not the shared machine's steadiness.
@@ -58,7 +55,7 @@ def test_a_sweep_whose_middle_step_slows_exits_6_naming_that_step(
             "--gpubench-steadiness",
             "off",
         )
-        update = pytester.runpytest_subprocess(*args, "--baseline-update")
+        update = pytester.runpytest(*args, "--baseline-update")
         assert update.ret == 0, update.stdout.str()[-3000:]
         stored = json.loads(
             (pytester.path / "baselines" / "load" / "local_openai_m.json").read_text()
@@ -75,7 +72,7 @@ def test_a_sweep_whose_middle_step_slows_exits_6_naming_that_step(
         assert middle > 1.15 * one, (one, middle)
         # Halfway between: the one-at-a-time step stays below it, the middle one above.
         proxy.slow_above_rate = (one + middle) / 2
-        result = pytester.runpytest_subprocess(*args)
+        result = pytester.runpytest(*args)
     text = result.stdout.str()
     print(text[-4000:])
     assert proxy.slowed > 0

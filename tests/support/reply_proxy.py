@@ -8,12 +8,22 @@ per client connection: the tests drive a few streams at a time."""
 from __future__ import annotations
 
 import contextlib
+import math
+import multiprocessing
+
+# Imported here, at collection: pytester drops the modules first imported during a test, and a
+# later test's shared value would then pickle a class that is no longer the module's.
+import multiprocessing.heap
+import multiprocessing.popen_spawn_posix
+import multiprocessing.sharedctypes
 import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
+from typing import Any
 
 _RECV_BYTES = 65536
 # The end of a chunked body (no engine sends trailers).
@@ -224,3 +234,86 @@ def reply_proxy(
         yield proxy
     finally:
         proxy.close()
+
+
+class _SharedProxy(ReplyProxy):
+    """A reply proxy whose `slow_above_rate` (NaN: none) and `slowed` live in values shared with
+    the parent process."""
+
+    def __init__(self, host: str, port: int, shared: tuple[Any, Any], **options: Any) -> None:
+        self._rate, self._slowed = shared
+        super().__init__(host, port, **options)
+
+    @property
+    def slow_above_rate(self) -> float | None:
+        rate = float(self._rate.value)
+        return None if math.isnan(rate) else rate
+
+    @slow_above_rate.setter
+    def slow_above_rate(self, value: float | None) -> None:
+        self._rate.value = math.nan if value is None else value
+
+    @property
+    def slowed(self) -> int:
+        return int(self._slowed.value)
+
+    @slowed.setter
+    def slowed(self, value: int) -> None:
+        self._slowed.value = value
+
+
+def _serve_engine(
+    prefill_s: float, shared: tuple[Any, Any], options: dict[str, Any], ready: Connection
+) -> None:
+    """The engine process: the keep-alive server and the proxy in front of it, until killed."""
+    from support.keepalive_server import keepalive_server
+
+    with keepalive_server(prefill_s=prefill_s) as server:
+        host, port = server.url.split("://", 1)[-1].rstrip("/").rsplit(":", 1)
+        proxy = _SharedProxy(host, int(port), shared, **options).start()
+        ready.send(proxy.url)
+        threading.Event().wait()
+
+
+class ProxiedEngine:
+    """The parent's handle on a proxied keep-alive engine in a process of its own: its URL, the
+    proxy's `slow_above_rate` (set here, read by the proxy at each request) and `slowed`."""
+
+    def __init__(self, url: str, shared: tuple[Any, Any]) -> None:
+        self.url = url
+        self._rate, self._slowed = shared
+
+    @property
+    def slow_above_rate(self) -> float | None:
+        rate = float(self._rate.value)
+        return None if math.isnan(rate) else rate
+
+    @slow_above_rate.setter
+    def slow_above_rate(self, value: float | None) -> None:
+        self._rate.value = math.nan if value is None else value
+
+    @property
+    def slowed(self) -> int:
+        return int(self._slowed.value)
+
+
+@contextmanager
+def proxied_engine_process(*, prefill_s: float, **options: Any) -> Iterator[ProxiedEngine]:
+    """tests/support/keepalive_server.py behind a ReplyProxy (`options`: its keywords but
+    slow_above_rate, which the handle sets), both in a process of their own: a load client run
+    in the test's own process (pytester's in-process runs) then shares no interpreter lock with
+    their threads, and their timing is theirs alone."""
+    context = multiprocessing.get_context("spawn")
+    shared = (context.RawValue("d", math.nan), context.RawValue("q", 0))
+    receiving, sending = context.Pipe(duplex=False)
+    process = context.Process(
+        target=_serve_engine, args=(prefill_s, shared, options, sending), daemon=True
+    )
+    process.start()
+    try:
+        if not receiving.poll(60):
+            raise RuntimeError("the proxied engine process did not start within 60 s")
+        yield ProxiedEngine(receiving.recv(), shared)
+    finally:
+        process.kill()
+        process.join(timeout=10)
