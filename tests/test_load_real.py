@@ -211,13 +211,14 @@ def test_a_halved_throughput_at_concurrency_4_fails_the_gate_and_an_unchanged_on
         pytester,
         "nodes: {local: {kind: local}}\ncells:\n"
         f"  - {{node: local, engine: llamacpp, model: tiny, endpoint: '{proxy.url}',"
-        " load: {concurrency: [4], duration_s: 4, thresholds: {ttft_p99: 5, tpot_p99: 5}}}\n",
+        " load: {concurrency: [4], duration_s: 6, thresholds: {ttft_p99: 5, tpot_p99: 5}}}\n",
         max_tokens=16,
     )
     # The throughput is the proxy's, not the shared machine's: one content event every
     # PACED_GAP_S for the baseline and the unchanged run, every twice that for the halved one.
-    # A reply of 16 tokens takes 0.4 s (0.8 s halved): 4 s give 4 one-second throughput samples
-    # or more a run, enough for the gate's test to be significant (4 against 4: p = 1/70).
+    # A reply of 16 tokens takes 0.4 s (0.8 s halved): 6 s give 6 one-second throughput samples
+    # or more a run, enough for the gate's test to be significant even with one baseline second
+    # stalled by a neighbour (6 against 6: p = 1/924 at best; 4 against 4 would not survive it).
     proxy.gap_s = PACED_GAP_S
     baseline = run(pytester, "--baseline-update")
     assert baseline.ret == 0, baseline.stdout.str()[-3000:]
