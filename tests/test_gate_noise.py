@@ -40,6 +40,10 @@ from pytest_gpubench.results.stats import PromptSummary, WarmSamples
 
 CELL = "local:ollama:qwen3.5:0.8b"
 PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 6}\n'
+# A reply of two tokens: the stand-in sleeps token_s before each, so TTFT is one token_s and the
+# total two; the tests whose subject is the gate's verdict on a set speed need no more, and a
+# call costs a third of six tokens' time.
+SHORT_PROMPTS = PROMPTS.replace("max_tokens: 6", "max_tokens: 2")
 TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
 
 
@@ -308,10 +312,12 @@ def test_a_bad_history_entry_names_the_file_and_key() -> None:
 # -- in a pytest run ------------------------------------------------------------------------------
 
 
-def bench(pytester: pytest.Pytester, url: str, runs: int = 10, more: str = "") -> None:
+def bench(
+    pytester: pytest.Pytester, url: str, runs: int = 10, more: str = "", prompts: str = PROMPTS
+) -> None:
     pytester.makefile(
         ".yaml",
-        prompts=PROMPTS,
+        prompts=prompts,
         cells="nodes: {local: {kind: local}}\ncells:\n"
         f"  - {{node: local, engine: ollama, model: 'qwen3.5:0.8b', endpoint: '{url}', "
         f"runs: {runs}, phases: [warm]{more}}}\n",
@@ -355,9 +361,10 @@ def test_calibrate_seeds_the_history_and_states_the_noise_floor(
 ) -> None:
     with serving(OllamaStandin(token_s=0.003)) as url:
         bench(pytester, url, runs=6)
-        status = gpubench(
-            ["calibrate", "-R", "3", "--", "--force-load", "-p", "no:cacheprovider", "-q"]
-        )
+        # Each of calibrate's runs is a pytest subprocess: without hypothesis's pytest plugin
+        # (this suite's, not the runs') each starts a second sooner.
+        lean = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-q")
+        status = gpubench(["calibrate", "-R", "3", "--", "--force-load", *lean])
     out = capsys.readouterr().out
     assert status == 0
     assert "gpubench calibrate: run 3 of 3" in out
@@ -439,7 +446,7 @@ def test_cpu_pressure_rising_mid_run_turns_a_slowdown_unsteady_unless_steadiness
 def test_a_regression_seen_again_on_re_measure_is_confirmed(pytester: pytest.Pytester) -> None:
     server = OllamaStandin(token_s=0.02)
     with serving(server) as url:
-        bench(pytester, url)
+        bench(pytester, url, runs=6, prompts=SHORT_PROMPTS)
         pytester.runpytest("--force-load", "--baseline-update")
         server.token_s = 0.08
         result = pytester.runpytest("--force-load")
@@ -449,7 +456,7 @@ def test_a_regression_seen_again_on_re_measure_is_confirmed(pytester: pytest.Pyt
     )
     records = last_ledger(pytester)
     passes = [r.get("pass", 1) for r in records if r.get("type") == "call"]
-    assert passes.count(1) == 10 and passes.count(2) == 10  # the ledger keeps both passes
+    assert passes.count(1) == 6 and passes.count(2) == 6  # the ledger keeps both passes
     total = next(v for v in records[-1]["verdicts"] if v["metric"] == "warm_total_p50_ms")
     assert total["verdict"] == "regression" and total["remeasure"] == "confirmed"
 
@@ -472,7 +479,7 @@ def test_a_regression_gone_on_re_measure_is_not_confirmed_and_does_not_fail(
 
     monkeypatch.setattr(module, "remeasure", back_to_speed)
     with serving(server) as url:
-        bench(pytester, url)
+        bench(pytester, url, runs=6, prompts=SHORT_PROMPTS)
         pytester.runpytest("--force-load", "--baseline-update")
         server.token_s = 0.08
         result = pytester.runpytest("--force-load", "--junitxml=junit.xml")
@@ -545,11 +552,11 @@ def test_a_bad_steadiness_setting_is_one_line(pytester: pytest.Pytester) -> None
 def test_sequential_sampling_stops_an_unchanged_engine_early_and_a_slower_one_as_a_regression(
     pytester: pytest.Pytester,
 ) -> None:
-    """`min_runs: 5` of `runs: 20`: the stand-in's speed is set (40 ms a token: a shared
-    machine's few ms of jitter are small beside it, and the thresholds are 50 %), so an unchanged
-    engine's calls match the baseline's and are decided unchanged at the first look (5 calls, the
-    other 15 skipped with the reason), and three times slower is decided a regression as early
-    and exits 6. The baseline itself measures all 20 runs."""
+    """`min_runs: 5` of `runs: 20`: the stand-in's speed is set (40 ms a token, two tokens a
+    reply: a shared machine's few ms of jitter are small beside it, and the thresholds are
+    50 %), so an unchanged engine's calls match the baseline's and are decided unchanged at the
+    first look (5 calls, the other 15 skipped with the reason), and three times slower is decided
+    a regression as early and exits 6. The baseline itself measures all 20 runs."""
     server = OllamaStandin(token_s=0.04)
     with serving(server) as url:
         # Thresholds of 50 %: the stand-in's own jitter is then certain to lie inside them.
@@ -557,7 +564,8 @@ def test_sequential_sampling_stops_an_unchanged_engine_early_and_a_slower_one_as
             pytester,
             url,
             runs=20,
-            more=", min_runs: 5, thresholds: {ttft_p50: 0.5, total_p50: 0.5}",
+            more=", min_runs: 5, thresholds: {ttft_p50: 0.5, total_p50: 0.5, tokens_per_sec: 0.5}",
+            prompts=SHORT_PROMPTS,
         )
         ratified = pytester.runpytest("--force-load", "--baseline-update")
         full = [r for r in last_ledger(pytester) if r["type"] == "call"]

@@ -121,7 +121,10 @@ def test_init_then_commit_then_pytest_benchmarks_passes(
     tiny_model: Path,
 ) -> None:
     """The user's path: an empty repository, `gpubench init`, commit, `pytest benchmarks/`.
-    --gpubench-force-load only because this machine is shared: the load guard would refuse."""
+    --gpubench-force-load only because this machine is shared: the load guard would refuse.
+    The starter matrix's 20 warm runs a prompt are collected as shipped, then measured with
+    --gpubench-runs 2: its P-MEDIUM and P-HARD generate 512 and 1,024 tokens a call, and what
+    the run shows does not depend on how many calls it makes."""
     root = pytester.path
     git(root, "init", "-q")
     assert gpubench("init", cwd=root).returncode == 0
@@ -130,9 +133,15 @@ def test_init_then_commit_then_pytest_benchmarks_passes(
     git(root, "add", "-A")
     git(root, "commit", "-qm", "benchmarks")
 
-    gate = pytester.runpytest("benchmarks/", "-p", "no:cacheprovider", "--gpubench-force-load")
+    planned = pytester.runpytest("benchmarks/", "-p", "no:cacheprovider", "--collect-only", "-q")
+    assert planned.ret == pytest.ExitCode.OK, planned.stdout.str()
+    # 3 prompts, a cold case and 20 warm runs each
+    planned.stdout.fnmatch_lines([f"{3 * (1 + 20)} tests collected*"])
+    gate = pytester.runpytest(
+        "benchmarks/", "-p", "no:cacheprovider", "--gpubench-force-load", "--gpubench-runs", "2"
+    )
     assert gate.ret == pytest.ExitCode.OK, gate.stdout.str()
-    gate.assert_outcomes(passed=3 * (1 + 20))  # 3 prompts, a cold case and 20 warm runs each
+    gate.assert_outcomes(passed=3 * (1 + 2))  # 3 prompts, a cold case and 2 warm runs each
     gate.stdout.fnmatch_lines(["*local:llamacpp:tiny*P-HARD*new*", f"ledger: {root}/runs/*.jsonl"])
 
     monkeypatch.chdir(root / "benchmarks")

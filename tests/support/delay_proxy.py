@@ -1,5 +1,7 @@
 """A TCP proxy on 127.0.0.1 that holds back the first content of a streamed chat reply, or
-batches its chunks (several per write, or the whole reply in one)."""
+batches its chunks (several per write, or the whole reply in one), or sets the reply's pace
+itself: the first content released at a fixed time after the request, each later one a fixed gap
+after the one before (`schedule`)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import statistics
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import pairwise
 
 # Only the streamed chat calls are delayed; /health, /props and the rest pass straight through.
 CHAT_REQUEST = b"POST /v1/chat/completions"
@@ -60,6 +64,29 @@ class FirstContentSplitter:
     def flush(self) -> bytes:
         pending, self.pending = self.pending, b""
         return pending
+
+
+def content_pieces(buffer: bytes) -> tuple[list[tuple[bool, bytes]], bytes]:
+    """The whole lines of `buffer` cut before each line that carries content, each piece with
+    whether it starts with such a line; and the partial last line, held for the next read."""
+    cut = buffer.rfind(b"\n") + 1
+    whole, rest = buffer[:cut], buffer[cut:]
+    starts = {whole.rfind(b"\n", 0, match.start()) + 1 for match in CONTENT.finditer(whole)}
+    bounds = sorted({0, len(whole)} | starts)
+    pieces = [(start in starts, whole[start:end]) for start, end in pairwise(bounds)]
+    return pieces, rest
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A reply paced by the proxy, not the engine: its first content released `first_ms` after
+    the request was passed on, each later content event `gap_ms` after the one before (content
+    the engine had not sent by then goes out as it comes). With an engine well inside it, the
+    client's TTFT, total and decode rate are the proxy's to set, whatever the machine is doing;
+    the engine's own timings are still its own."""
+
+    first_ms: float
+    gap_ms: float
 
 
 @dataclass(frozen=True)
@@ -109,9 +136,14 @@ class _Connection:
         self.first_content_s: float | None = None
         self.last_byte_s = 0.0
         self.splitter = FirstContentSplitter()
-        # The reply from its first content on, while it is held back, and when to let it go.
-        self.held: bytearray | None = None
-        self.release_s = 0.0
+        # The reply from its first content on, while it is held back: pieces, each with when to
+        # let it go (one piece, or with a schedule one per content event), in order.
+        self.holding = False
+        self.first_content_held = False  # the first held piece, the first content, not yet out
+        self.held: deque[tuple[float, bytearray]] = deque()
+        self.gap_s = 0.0
+        self.next_release_s = 0.0
+        self.partial = b""  # a partial line, while a schedule cuts the reply at its lines
         self.upstream_done = False
         # The reply from its first content on, while chunks are being gathered into one write.
         self.batch: bytearray | None = None
@@ -136,6 +168,10 @@ class DelayProxy:
     With `batch_chunks` N > 0 (and no delay), the reply from its first content on is gathered
     and sent N content chunks to a write, the rest at its end; WHOLE_REPLY sends it all in one
     write at the end. The engine is not slowed, only what the client sees of its pace.
+
+    With a `schedule` (may be changed between calls too), the first content is released at the
+    schedule's time after the request plus `delay_ms`, and each later content event the
+    schedule's gap after the one before it.
     """
 
     def __init__(
@@ -153,6 +189,7 @@ class DelayProxy:
         # the machine's state as a slower engine's would.
         self.delay_fraction = delay_fraction
         self.batch_chunks = batch_chunks
+        self.schedule: Schedule | None = None
         # The chat calls answered so far, in the order their streams ended.
         self.engine_calls: list[EngineCall] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -205,23 +242,34 @@ class DelayProxy:
             self._release_due()
 
     def _select_timeout(self) -> float | None:
-        held = [c.release_s for c in self._connections if c.held is not None]
-        if not held:
+        due = [self._wake_s(c) for c in self._connections if c.held]
+        if not due:
             return None
-        return max(0.0, min(held) - time.perf_counter() - HOLD_INLINE_S)
+        return max(0.0, min(due) - time.perf_counter())
+
+    @staticmethod
+    def _wake_s(connection: _Connection) -> float:
+        """When to wake for the connection's next held piece: the first content a little early,
+        to spin the rest (see hold_until); a later piece of a schedule when it is due (spinning
+        every gap would hold the GIL the client's thread needs to read them)."""
+        release_s = connection.held[0][0]
+        return release_s - HOLD_INLINE_S if connection.first_content_held else release_s
 
     def _release_due(self) -> None:
         for connection in list(self._connections):
-            if connection.held is None:
-                continue
-            if connection.release_s - time.perf_counter() > HOLD_INLINE_S:
-                continue
-            # Blocks the other connections for at most HOLD_INLINE_S; the harness makes one call
-            # at a time, and the control calls (health, props) come before or after it.
-            hold_until(connection.release_s)
-            held, connection.held = bytes(connection.held), None
-            self._to_client(connection, held)
-            if connection.upstream_done:
+            while connection.held and self._wake_s(connection) <= time.perf_counter():
+                release_s, piece = connection.held.popleft()
+                if connection.first_content_held:
+                    # Blocks the other connections for at most HOLD_INLINE_S; the harness makes
+                    # one call at a time, and the control calls (health, props) come before or
+                    # after it.
+                    hold_until(release_s)
+                    connection.first_content_held = False
+                self._to_client(connection, bytes(piece))
+            if connection not in self._connections:
+                continue  # broken meanwhile, and dropped
+            if connection.holding and not connection.held and connection.upstream_done:
+                self._to_client(connection, connection.partial)
                 self._finish(connection)
 
     def _accept(self) -> None:
@@ -263,16 +311,20 @@ class DelayProxy:
         if not data:
             connection.upstream_done = True
             self._selector.unregister(connection.upstream)
-            if connection.held is None:
-                batch, connection.batch = connection.batch or b"", None
-                self._to_client(connection, bytes(batch) + connection.splitter.flush())
-                self._finish(connection)
+            if connection.holding:
+                if connection.held:  # the end goes with the last held piece
+                    partial, connection.partial = connection.partial, b""
+                    connection.held[-1][1].extend(partial)
+                return  # finished when the last held piece is released
+            batch, connection.batch = connection.batch or b"", None
+            self._to_client(connection, bytes(batch) + connection.splitter.flush())
+            self._finish(connection)
             return
         connection.last_byte_s = time.perf_counter()
         if not connection.is_chat:
             self._to_client(connection, data)
-        elif connection.held is not None:
-            connection.held += data  # behind the held first content, in order
+        elif connection.holding:
+            self._hold(connection, data)  # behind the held first content, in order
         elif connection.batch is not None:
             self._gather(connection, data)
         else:
@@ -284,13 +336,38 @@ class DelayProxy:
                     connection.batch = bytearray()
                     self._gather(connection, later)
                     return
-                connection.held = bytearray(later)
                 engine_s = connection.first_content_s - connection.request_sent_s
-                connection.release_s = (
-                    connection.first_content_s
-                    + self.delay_ms / 1000.0
-                    + self.delay_fraction * max(0.0, engine_s)
-                )
+                schedule = self.schedule
+                if schedule is None:
+                    connection.next_release_s = (
+                        connection.first_content_s
+                        + self.delay_ms / 1000.0
+                        + self.delay_fraction * max(0.0, engine_s)
+                    )
+                else:
+                    connection.gap_s = schedule.gap_ms / 1000.0
+                    connection.next_release_s = (
+                        connection.request_sent_s + (schedule.first_ms + self.delay_ms) / 1000.0
+                    )
+                connection.holding = connection.first_content_held = True
+                self._hold(connection, later)
+
+    def _hold(self, connection: _Connection, data: bytes) -> None:
+        """Hold back the reply from its first content on: in one piece, or with a schedule cut
+        before each content event, each piece due the gap after the one before it. What comes
+        after the last held piece has gone out goes straight on."""
+        if connection.gap_s > 0:
+            pieces, connection.partial = content_pieces(connection.partial + data)
+        else:
+            pieces = [(not connection.held and connection.first_content_held, data)]
+        for starts_content, piece in pieces:
+            if starts_content:
+                connection.held.append((connection.next_release_s, bytearray(piece)))
+                connection.next_release_s += connection.gap_s
+            elif connection.held:
+                connection.held[-1][1].extend(piece)
+            else:
+                self._to_client(connection, piece)
 
     def _gather(self, connection: _Connection, data: bytes) -> None:
         """Add to the batch; send it in one write once it holds batch_chunks content chunks."""

@@ -8,11 +8,16 @@ import sys
 
 import pytest
 
+# For a run whose subject is not the machine's speed: no control call before each warm call
+# (tens of ms each) and no hypothesis pytest plugin (this suite's; about a second to import).
+LEAN = ("-p", "no:hypothesispytest", "--gpubench-steadiness", "off")
 
-def start_pytest(pytester: pytest.Pytester) -> subprocess.Popen[str]:
-    """A pytest subprocess in the test's directory, its output (stdout and stderr) piped."""
+
+def start_pytest(pytester: pytest.Pytester, *args: str) -> subprocess.Popen[str]:
+    """A pytest subprocess in the test's directory, its output (stdout and stderr) piped; `args`
+    are added to its command line."""
     return subprocess.Popen(
-        [sys.executable, "-m", "pytest", "--force-load", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", "--force-load", "-p", "no:cacheprovider", *args],
         cwd=pytester.path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
