@@ -6,6 +6,12 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
+# Python writes its bytecode caches, as on a user's machine: a machine that sets
+# PYTHONDONTWRITEBYTECODE makes every pytest and gpubench process the suite starts compile the
+# package and rewrite the test modules again (about 1.5 CPU-minutes of `make test-fast`), and hid
+# that the dirty-tree guard counted the caches (core/provenance.NOT_INPUTS).
+unexport PYTHONDONTWRITEBYTECODE
+
 # The markers of what a test needs beyond Python (pyproject.toml; tests/conftest.py checks them).
 FAST_MARKERS := not sshd and not vllm and not slurm
 # Two workers that steal each other's queued tests (the tests on the real engine take seconds,

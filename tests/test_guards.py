@@ -65,6 +65,30 @@ def test_dirty_tree_is_refused_unless_allowed(pytester: pytest.Pytester) -> None
     assert isinstance(meta["git_sha"], str) and len(meta["git_sha"]) == 40
 
 
+def test_python_bytecode_caches_do_not_make_the_tree_dirty(pytester: pytest.Pytester) -> None:
+    """On a machine that writes bytecode (the default), importing the benchmarks and their conftest
+    leaves `__pycache__/` beside them; in a repository that does not ignore it (a fresh `gpubench
+    init` one), that is no change to what is measured. Written here by hand, so the test does not
+    depend on whether this machine writes bytecode. A tracked file changed still counts."""
+    with serving(OllamaStandin()) as url:
+        setup_bench(pytester, url)
+        git(pytester.path, "init", "-q")
+        git(pytester.path, "add", "-A")
+        git(pytester.path, "commit", "-qm", "bench")
+        for cache in (pytester.path / "__pycache__", pytester.path / "sub" / "__pycache__"):
+            cache.mkdir(parents=True)
+            (cache / "conftest.cpython-311.pyc").write_bytes(b"\x00")
+        (pytester.path / "stray.pyc").write_bytes(b"\x00")
+        clean = pytester.runpytest("--force-load", "-m", "warm")
+        (pytester.path / "prompts.yaml").write_text(PROMPTS + "\n")
+        refused = pytester.runpytest("--force-load", "-m", "warm")
+    clean.assert_outcomes(passed=2)
+    meta = ledger_of(pytester)[0]
+    assert meta["git_dirty"] is False and meta["git_dirty_files"] == []
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    refused.stderr.fnmatch_lines(["ERROR: git tree * has uncommitted changes (prompts.yaml): *"])
+
+
 def test_loaded_machine_is_refused_unless_forced(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\ngpubench_load_threshold = -1\n")
     with serving(OllamaStandin()) as url:

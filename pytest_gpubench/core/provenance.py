@@ -22,6 +22,16 @@ DEFAULT_ENV = (
 )
 
 
+# What `git status` looks at: the whole repository (wherever the run starts in it) but Python's
+# bytecode caches, which the run's own imports of the benchmarks and their conftest write beside
+# them in a repository that does not ignore them (a fresh `gpubench init` one): never an input.
+NOT_INPUTS = (
+    ":(top)",
+    ":(top,exclude,glob)**/__pycache__/**",
+    ":(top,exclude,glob)**/*.py[co]",
+)
+
+
 def utc_now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -54,7 +64,7 @@ class GitState(TypedDict):
 def git_state(root: Path) -> GitState:
     """sha, dirty flag and the dirty files (ledgers the run itself writes are not 'dirty')."""
     sha = _git(root, "rev-parse", "HEAD")
-    status = _git(root, "status", "--porcelain", "--untracked-files=normal")
+    status = _git(root, "status", "--porcelain", "--untracked-files=normal", "--", *NOT_INPUTS)
     dirty_files = [line[3:] for line in (status or "").splitlines() if line.strip()]
     return {
         "git_sha": sha.strip() if sha else None,
