@@ -45,10 +45,10 @@ LATER_MS = LATER_ANSWER.answer_delay_s * 1000
 RUNS = 6
 
 
-def bench(pytester: pytest.Pytester, url: str) -> None:
+def bench(pytester: pytest.Pytester, url: str, more: str = "") -> None:
     cells = "".join(
         f"  - {{node: local, engine: {engine}, model: {model}, endpoint: '{url}', runs: {RUNS},"
-        " phases: [warm]}\n"
+        f" phases: [warm]{more}}}\n"
         for engine, model in CELLS
     )
     pytester.makefile(
@@ -107,7 +107,10 @@ def test_a_model_that_does_not_reason_gets_no_reasoning_figures(
 ) -> None:
     plain = Script(delay_s=0.02, gap_s=0.005, reasoning=0, answer=6)
     with adjustable_reasoning_standin(plain) as (url, _):
-        bench(pytester, url)
+        # Its subject is which figures a plain model gets, not its speed: a neighbour that
+        # takes the cores for a moment moves a 20 ms TTFT by 20 % (seen under -n 3), which the
+        # default thresholds would call a regression of an unchanged stand-in.
+        bench(pytester, url, ", thresholds: {ttft_p50: 1.0, total_p50: 1.0, tokens_per_sec: 0.9}")
         update = pytester.runpytest("--force-load", "--baseline-update")
         again = pytester.runpytest("--force-load")
     assert update.ret == 0 and again.ret in (0, 10), again.stdout.str()
