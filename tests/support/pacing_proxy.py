@@ -6,13 +6,6 @@ and a closed loop's throughput halves while the engine itself runs as fast as be
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
-
-# Imported here, at collection: pytester drops the modules first imported during a test, and a
-# second test's Value would then pickle a class that is no longer the module's.
-import multiprocessing.heap
-import multiprocessing.popen_spawn_posix
-import multiprocessing.sharedctypes
 import re
 import socket
 import threading
@@ -21,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import Any
+
+from support.child_process import SPAWN, serve_until_killed, server_process
 
 CONTENT = re.compile(rb'"(?:content|reasoning_content)"\s*:\s*"[^"]')
 EVENT_END = b"\n\n"
@@ -113,12 +108,10 @@ def pacing_proxy(upstream_url: str) -> Iterator[PacingProxy]:
         proxy.close()
 
 
-class _SharedGapProxy(PacingProxy):
-    """A pacing proxy whose gap is read, event by event, from a value its parent process sets."""
+class _SharedGap:
+    """`gap_s` read from, and set in, a value shared between the parent and the proxy's process."""
 
-    def __init__(self, upstream_host: str, upstream_port: int, gap: Any) -> None:
-        self._gap = gap
-        super().__init__(upstream_host, upstream_port)
+    _gap: Any
 
     @property
     def gap_s(self) -> float:
@@ -129,14 +122,20 @@ class _SharedGapProxy(PacingProxy):
         self._gap.value = value
 
 
+class _SharedGapProxy(_SharedGap, PacingProxy):
+    """A pacing proxy whose gap is read, event by event, from a value its parent process sets."""
+
+    def __init__(self, upstream_host: str, upstream_port: int, gap: Any) -> None:
+        self._gap = gap
+        super().__init__(upstream_host, upstream_port)
+
+
 def _serve(upstream_host: str, upstream_port: int, gap: Any, ready: Connection) -> None:
     """The proxy process: serve until killed, after sending the parent the proxy's URL."""
-    proxy = _SharedGapProxy(upstream_host, upstream_port, gap).start()
-    ready.send(proxy.url)
-    threading.Event().wait()
+    serve_until_killed(_SharedGapProxy(upstream_host, upstream_port, gap).start().url, ready)
 
 
-class PacingProxyProcess:
+class PacingProxyProcess(_SharedGap):
     """The parent's handle on a pacing proxy running in a process of its own: its URL, and its
     gap, set here and read by the proxy for each content event."""
 
@@ -144,30 +143,12 @@ class PacingProxyProcess:
         self.url = url
         self._gap = gap
 
-    @property
-    def gap_s(self) -> float:
-        return float(self._gap.value)
-
-    @gap_s.setter
-    def gap_s(self, value: float) -> None:
-        self._gap.value = value
-
 
 @contextmanager
 def pacing_proxy_process(upstream_url: str) -> Iterator[PacingProxyProcess]:
-    """The pacing proxy in a process of its own, so that a load client run in the test's own
-    process (pytester's in-process runs) shares no interpreter lock with its pacing threads: a
-    content event is then held back by the proxy's gap, not by the client's turn on the lock."""
+    """The pacing proxy in a process of its own (support.child_process): a content event is then
+    held back by the proxy's gap, not by the client's turn on the interpreter lock."""
     host, port = upstream_url.removeprefix("http://").rsplit(":", 1)
-    context = multiprocessing.get_context("spawn")
-    gap = context.RawValue("d", 0.0)
-    receiving, sending = context.Pipe(duplex=False)
-    process = context.Process(target=_serve, args=(host, int(port), gap, sending), daemon=True)
-    process.start()
-    try:
-        if not receiving.poll(60):
-            raise RuntimeError("the pacing proxy process did not start within 60 s")
-        yield PacingProxyProcess(receiving.recv(), gap)
-    finally:
-        process.kill()
-        process.join(timeout=10)
+    gap = SPAWN.RawValue("d", 0.0)
+    with server_process(_serve, (host, int(port), gap), "the pacing proxy process") as url:
+        yield PacingProxyProcess(url, gap)

@@ -9,13 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import multiprocessing
-
-# Imported here, at collection: pytester drops the modules first imported during a test, and a
-# later test's shared value would then pickle a class that is no longer the module's.
-import multiprocessing.heap
-import multiprocessing.popen_spawn_posix
-import multiprocessing.sharedctypes
 import socket
 import threading
 import time
@@ -24,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import Any
+
+from support.child_process import SPAWN, serve_until_killed, server_process
 
 _RECV_BYTES = 65536
 # The end of a chunked body (no engine sends trailers).
@@ -236,13 +231,12 @@ def reply_proxy(
         proxy.close()
 
 
-class _SharedProxy(ReplyProxy):
-    """A reply proxy whose `slow_above_rate` (NaN: none) and `slowed` live in values shared with
-    the parent process."""
+class _SharedSlowdown:
+    """`slow_above_rate` (NaN: none) and `slowed`, read from and set in values shared between the
+    parent and the proxy's process."""
 
-    def __init__(self, host: str, port: int, shared: tuple[Any, Any], **options: Any) -> None:
-        self._rate, self._slowed = shared
-        super().__init__(host, port, **options)
+    _rate: Any
+    _slowed: Any
 
     @property
     def slow_above_rate(self) -> float | None:
@@ -262,6 +256,14 @@ class _SharedProxy(ReplyProxy):
         self._slowed.value = value
 
 
+class _SharedProxy(_SharedSlowdown, ReplyProxy):
+    """A reply proxy whose `slow_above_rate` and `slowed` live in values shared with the parent."""
+
+    def __init__(self, host: str, port: int, shared: tuple[Any, Any], **options: Any) -> None:
+        self._rate, self._slowed = shared
+        super().__init__(host, port, **options)
+
+
 def _serve_engine(
     prefill_s: float, shared: tuple[Any, Any], options: dict[str, Any], ready: Connection
 ) -> None:
@@ -270,12 +272,10 @@ def _serve_engine(
 
     with keepalive_server(prefill_s=prefill_s) as server:
         host, port = server.url.split("://", 1)[-1].rstrip("/").rsplit(":", 1)
-        proxy = _SharedProxy(host, int(port), shared, **options).start()
-        ready.send(proxy.url)
-        threading.Event().wait()
+        serve_until_killed(_SharedProxy(host, int(port), shared, **options).start().url, ready)
 
 
-class ProxiedEngine:
+class ProxiedEngine(_SharedSlowdown):
     """The parent's handle on a proxied keep-alive engine in a process of its own: its URL, the
     proxy's `slow_above_rate` (set here, read by the proxy at each request) and `slowed`."""
 
@@ -283,37 +283,13 @@ class ProxiedEngine:
         self.url = url
         self._rate, self._slowed = shared
 
-    @property
-    def slow_above_rate(self) -> float | None:
-        rate = float(self._rate.value)
-        return None if math.isnan(rate) else rate
-
-    @slow_above_rate.setter
-    def slow_above_rate(self, value: float | None) -> None:
-        self._rate.value = math.nan if value is None else value
-
-    @property
-    def slowed(self) -> int:
-        return int(self._slowed.value)
-
 
 @contextmanager
 def proxied_engine_process(*, prefill_s: float, **options: Any) -> Iterator[ProxiedEngine]:
     """tests/support/keepalive_server.py behind a ReplyProxy (`options`: its keywords but
-    slow_above_rate, which the handle sets), both in a process of their own: a load client run
-    in the test's own process (pytester's in-process runs) then shares no interpreter lock with
-    their threads, and their timing is theirs alone."""
-    context = multiprocessing.get_context("spawn")
-    shared = (context.RawValue("d", math.nan), context.RawValue("q", 0))
-    receiving, sending = context.Pipe(duplex=False)
-    process = context.Process(
-        target=_serve_engine, args=(prefill_s, shared, options, sending), daemon=True
-    )
-    process.start()
-    try:
-        if not receiving.poll(60):
-            raise RuntimeError("the proxied engine process did not start within 60 s")
-        yield ProxiedEngine(receiving.recv(), shared)
-    finally:
-        process.kill()
-        process.join(timeout=10)
+    slow_above_rate, which the handle sets), both in a process of their own
+    (support.child_process): their timing is theirs alone."""
+    shared = (SPAWN.RawValue("d", math.nan), SPAWN.RawValue("q", 0))
+    args = (prefill_s, shared, options)
+    with server_process(_serve_engine, args, "the proxied engine process") as url:
+        yield ProxiedEngine(url, shared)
