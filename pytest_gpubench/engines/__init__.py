@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import ssl
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -88,8 +87,9 @@ def control_client(
     timeout_s: float, headers: Mapping[str, str] | None = None, tls: TlsSettings | None = None
 ) -> httpx.Client:
     """An httpx client for control calls (health, version, tags); never used for timed streams.
-    It trusts what the timed streams trust (ca_file, tls_verify)."""
-    verify: ssl.SSLContext | bool = tls.context() if tls is not None else True
+    It trusts what the timed streams trust (ca_file, tls_verify; the system's CA store by
+    default), with the process's one context for those settings (TlsSettings.context)."""
+    verify = (tls or TlsSettings()).context()
     return httpx.Client(
         timeout=timeout_s, headers=dict(headers or {}), trust_env=False, verify=verify
     )

@@ -21,6 +21,7 @@ import httpx
 from pytest_gpubench.config.matrix import Cell
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import distinct_file_name
+from pytest_gpubench.engines import control_client
 from pytest_gpubench.targets import BackgroundProcess, ListensBeyondLoopback, Target
 from pytest_gpubench.targets.stages import StageError
 
@@ -124,7 +125,7 @@ class ManagedServer:
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
         last = "no answer yet"
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
+        with control_client(2.0) as client:
             while time.monotonic() < deadline:
                 if self._process is not None and not self._process.alive():
                     tail = self._process.log_tail(1500)

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from pytest_gpubench.config.matrix import Cell
+from pytest_gpubench.engines import control_client
 from pytest_gpubench.engines.managed import LaunchPlan
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.stages import StageError
@@ -43,7 +44,7 @@ def pull_model(base_url: str, model: str, timeout_s: float) -> dict[str, Any]:
     layers: dict[str, int] = {}
     try:
         with (
-            httpx.Client(timeout=httpx.Timeout(timeout_s), trust_env=False) as client,
+            control_client(timeout_s) as client,
             client.stream(
                 "POST", f"{base_url}/api/pull", json={"model": model, "stream": True}
             ) as response,
@@ -95,7 +96,7 @@ def pull_model(base_url: str, model: str, timeout_s: float) -> dict[str, Any]:
 def pulled_model_bytes(base_url: str, model: str) -> float | None:
     """The pulled model's size in bytes, from GET /api/tags (None when not listed)."""
     wanted = (model, f"{model}:latest")
-    with httpx.Client(timeout=30.0, trust_env=False) as client:
+    with control_client(30.0) as client:
         listed = client.get(f"{base_url}/api/tags").json()
     for entry in listed.get("models") or [] if isinstance(listed, dict) else []:
         if isinstance(entry, dict) and entry.get("name") in wanted:

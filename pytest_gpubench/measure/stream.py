@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import select
 import socket
@@ -291,15 +292,21 @@ class TlsSettings:
     ca_file: str | None = None
 
     def context(self) -> ssl.SSLContext:
-        """The client context for both the timed streams and the control calls (httpx)."""
-        try:
-            context = ssl.create_default_context(cafile=self.ca_file)
-        except (OSError, ssl.SSLError) as exc:
-            raise StreamError(f"ca_file {self.ca_file}: cannot be read as PEM: {exc}") from None
-        if not self.verify:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        return context
+        """The client context for both the timed streams and the control calls (httpx): one per
+        setting in a process, since reading the system's CA store costs about 50 ms of CPU."""
+        return _client_context(self.verify, self.ca_file)
+
+
+@functools.lru_cache(maxsize=16)
+def _client_context(verify: bool, ca_file: str | None) -> ssl.SSLContext:
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise StreamError(f"ca_file {ca_file}: cannot be read as PEM: {exc}") from None
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pytest_gpubench.engines.tokenizer import (
     exact_text,
     feedback_text,
 )
+from pytest_gpubench.measure.stream import TlsSettings
 
 if TYPE_CHECKING:
     from pytest_gpubench.run.live_cell import LiveCell
@@ -35,7 +36,7 @@ def token_counter(live: LiveCell) -> TokenCounter | None:
         return None
     headers = engine.request_headers() if hasattr(engine, "request_headers") else {}
     tls = getattr(engine, "tls", None)
-    verify: Any = tls.context() if tls is not None and base_url.startswith("https") else True
+    verify = (tls or TlsSettings()).context()
     if spec.engine == "llamacpp":
         return LlamaCppCounter(base_url, headers, verify)
     if spec.engine == "openai":
