@@ -204,8 +204,8 @@ def run_load_case(
     """Warm the engine up with the case's request, then run its load point, with Python's
     cyclic garbage collector held off: a full collection in a pytest process takes milliseconds,
     and a send due then would go out that late (the client's allocations are freed by reference
-    counting all the same)."""
-    gc.collect()
+    counting all the same). No collection before it either: in a process that has run many
+    sessions one took half a second, and what is frozen is collected after the point."""
     gc.freeze()
     gc.disable()
     try:
