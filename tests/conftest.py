@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING
 # httpcore it first saw, and cryptography's Rust bindings (under paramiko) cannot be loaded twice
 # ("cipher AES in CTR mode is not supported" on the second SSH connection otherwise), and numpy's
 # extension modules refuse a second load ("cannot load module more than once per process") once
-# the plugin imports pandas and scipy only when a benchmark is judged.
+# the plugin imports pandas and scipy only when a benchmark is judged. pynvml (imported by each
+# run's telemetry to look for a GPU) would otherwise be imported again by every run: 30 ms each.
 import httpcore  # noqa: F401
 import pandas  # noqa: F401
 import paramiko  # noqa: F401
+import pynvml  # noqa: F401
 import pytest
 import scipy.stats  # noqa: F401
 from support.hypothesis_examples import register_profiles
