@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from support.delay_proxy import DelayProxy, EngineSpeed, delay_proxy
+from support.pytest_process import LEAN
 
 from pytest_gpubench.config.cases import request_sha256
 from pytest_gpubench.engines.managed import ManagedLlamaServer
@@ -146,7 +147,8 @@ def test_under_xdist_a_custom_test_is_planned_and_its_node_runs_on_one_worker(
 ) -> None:
     """The controller learns of a test's own cases from the workers' node ids alone."""
     custom_bench(pytester, server.base_url)
-    result = run(pytester, "-n", "2", "-p", "xdist")
+    # The workers are processes of their own: no control call before each warm call there.
+    result = run(pytester, "-n", "2", "-p", "xdist", *LEAN)
     assert result.ret == 0, result.stdout.str()
     result.assert_outcomes(passed=12)
     records = ledger_records(pytester)

@@ -90,7 +90,7 @@ def mount_tmpfs(tmp_path: Path) -> Iterator[object]:
 
 def run_subprocess(pytester: pytest.Pytester, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "--force-load", "-p", "no:cacheprovider", *args],
+        [sys.executable, "-m", "pytest", "--force-load", "-p", "no:cacheprovider", *LEAN, *args],
         cwd=pytester.path,
         capture_output=True,
         text=True,
@@ -121,7 +121,7 @@ def test_a_full_disk_stops_the_run_keeps_whole_lines_and_exits_9(
     # Leave room for the meta and cell records and a few calls, not for 200 calls.
     (runs / "filler").write_bytes(b"\0" * (16384 - 8192))
     bench(pytester, llama_server, runs=200)
-    process = start_pytest(pytester)
+    process = start_pytest(pytester, *LEAN)
     servers: set[int] = set()
     while process.poll() is None:
         servers.update(children_serving(process.pid))

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.pytest_process import LEAN
 from support.standins import OllamaStandin, serving
 
 from pytest_gpubench.core.errors import GpubenchError
@@ -79,7 +80,7 @@ def test_kill_9_mid_run_leaves_complete_lines_that_parse(pytester: pytest.Pytest
         pytester.makefile(".yaml", prompts=PROMPTS, cells=ollama_cells(url, runs=50))
         pytester.makepyfile("def test_generate(gpubench_case):\n    gpubench_case.run()\n")
         process = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "--force-load", "-p", "no:cacheprovider"],
+            [sys.executable, "-m", "pytest", "-q", "--force-load", "-p", "no:cacheprovider", *LEAN],
             cwd=pytester.path,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

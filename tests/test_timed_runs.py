@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 from support.bench_files import CHECKED_TEST_FILE, ONE_PROMPT
 from support.delay_proxy import delay_proxy
-from support.pytest_process import start_pytest
+from support.pytest_process import LEAN, start_pytest
 
 from pytest_gpubench.ledger.writer import read_ledger
 
@@ -68,7 +68,7 @@ def test_a_timed_run_killed_between_checkpoints_keeps_the_two_before_it(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
     timed_bench(pytester, llama_server)
-    process = start_pytest(pytester)
+    process = start_pytest(pytester, *LEAN)
     ledger_path: Path | None = None
     seen: list[dict[str, object]] = []
     deadline = time.monotonic() + 180
