@@ -554,12 +554,12 @@ def test_a_bad_steadiness_setting_is_one_line(pytester: pytest.Pytester) -> None
 def test_sequential_sampling_stops_an_unchanged_engine_early_and_a_slower_one_as_a_regression(
     pytester: pytest.Pytester,
 ) -> None:
-    """`min_runs: 5` of `runs: 20`: the stand-in's speed is set (40 ms a token, two tokens a
+    """`min_runs: 5` of `runs: 20`: the stand-in's speed is set (25 ms a token, two tokens a
     reply: a shared machine's few ms of jitter are small beside it, and the thresholds are
     50 %), so an unchanged engine's calls match the baseline's and are decided unchanged at the
     first look (5 calls, the other 15 skipped with the reason), and three times slower is decided
     a regression as early and exits 6. The baseline itself measures all 20 runs."""
-    server = OllamaStandin(token_s=0.04)
+    server = OllamaStandin(token_s=0.025)
     with serving(server) as url:
         # Thresholds of 50 %: the stand-in's own jitter is then certain to lie inside them.
         bench(
@@ -573,7 +573,7 @@ def test_sequential_sampling_stops_an_unchanged_engine_early_and_a_slower_one_as
         full = [r for r in last_ledger(pytester) if r["type"] == "call"]
         same = pytester.runpytest("--force-load", "-rs")
         same_calls = [r for r in last_ledger(pytester) if r["type"] == "call"]
-        server.token_s = 0.12
+        server.token_s = 0.075
         slower = pytester.runpytest("--force-load", "-rs")
         slower_calls = [r for r in last_ledger(pytester) if r["type"] == "call" and "pass" not in r]
     ratified.assert_outcomes(passed=20)

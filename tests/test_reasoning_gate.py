@@ -34,10 +34,10 @@ CELLS = {
     ("openai", "r"): "local:openai:r",
     ("ollama", "r"): "local:ollama:r",
 }
-# First answer at 20 + 6 x 5 = 50 ms; held back 150 ms more it comes 4 times later: no
+# First answer at 20 + 6 x 5 = 50 ms; held back 100 ms more it comes 3 times later: no
 # machine's noise makes that a pass, and the TTFT (the first reasoning token) is unchanged.
 SCRIPT = Script(delay_s=0.02, gap_s=0.005, reasoning=6, answer=4)
-LATER_ANSWER = replace(SCRIPT, answer_delay_s=0.15)
+LATER_ANSWER = replace(SCRIPT, answer_delay_s=0.1)
 LATER_MS = LATER_ANSWER.answer_delay_s * 1000
 # Calls a cell and run: 6 against 6 stays significant with one baseline call stalled past
 # every later one (p = 0.032), and the gate re-measures a regression once more before it
