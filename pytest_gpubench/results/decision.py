@@ -9,9 +9,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
-
-from scipy import stats as scipy_stats
+from typing import Any, Literal
 
 VerdictKind = Literal[
     "regression", "incomparable", "unsteady", "inconclusive", "blind", "win", "ok", "new"
@@ -34,8 +32,18 @@ ALPHA = 0.05
 # The power the smallest detectable change is stated at: a change that large is caught in 80 %
 # of runs (one-sided test at ALPHA).
 POWER = 0.80
-_Z_POWER = float(scipy_stats.norm.ppf(POWER))
-_Z_ALPHA = float(scipy_stats.norm.ppf(1.0 - ALPHA))
+_Z_POWER = statistics.NormalDist().inv_cdf(POWER)
+_Z_ALPHA = statistics.NormalDist().inv_cdf(1.0 - ALPHA)
+
+
+def scipy_stats() -> Any:
+    """scipy.stats, imported when a figure is first tested: a run that only ratifies
+    (--baseline-update) or is not judged never pays its import (about a second of CPU)."""
+    from scipy import stats
+
+    return stats
+
+
 # Mann-Whitney U's efficiency against a t-test on normal data is 3/π: it needs 1/0.955 × the
 # samples, so its detectable shift is sqrt(π/3) × the t-test's.
 _MWU_EFFICIENCY = math.sqrt(math.pi / 3.0)
@@ -191,7 +199,7 @@ def _differ(first: Sequence[float], second: Sequence[float]) -> bool:
     if min(len(first), len(second)) < 3:
         return False
     method = mwu_method(len(first), len(second))
-    result = scipy_stats.mannwhitneyu(first, second, alternative="two-sided", method=method)
+    result = scipy_stats().mannwhitneyu(first, second, alternative="two-sided", method=method)
     return bool(result.pvalue < ALPHA)
 
 
@@ -311,7 +319,7 @@ def one_sided_p(
     """Mann-Whitney U: p of current being stochastically `alternative` than baseline."""
     if not current or not baseline:
         return 1.0
-    result = scipy_stats.mannwhitneyu(
+    result = scipy_stats().mannwhitneyu(
         current, baseline, alternative=alternative, method=mwu_method(len(current), len(baseline))
     )
     p_value = float(result.pvalue)
@@ -345,7 +353,7 @@ def detectable_log_change(evidence: Evidence) -> tuple[float, str, str | None]:
     spread = between_run_spread(evidence.history)
     if spread is not None:
         k = len(_logs(evidence.history))
-        t_quantile = float(scipy_stats.t.ppf(1.0 - ALPHA, k - 1))
+        t_quantile = float(scipy_stats().t.ppf(1.0 - ALPHA, k - 1))
         noise = f"between runs ({k} runs of history)"
         return (t_quantile + _Z_POWER) * spread * math.sqrt(1.0 + 1.0 / k), noise, None
     n, m = len(evidence.current_samples), len(evidence.baseline_samples)
@@ -379,7 +387,7 @@ def _between_run_p(evidence: Evidence, ratio: float, direction: Direction) -> fl
     statistic = math.log(ratio) / (spread * math.sqrt(1.0 + 1.0 / k))
     worse_is_up = not evidence.higher_is_better
     upward = (direction == "worse") == worse_is_up
-    return float(scipy_stats.t.sf(statistic if upward else -statistic, k - 1))
+    return float(scipy_stats().t.sf(statistic if upward else -statistic, k - 1))
 
 
 def reference_value(evidence: Evidence) -> float | None:

@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-from scipy import stats as scipy_stats
 
 from pytest_gpubench.config.matrix import Cell, Thresholds
-from pytest_gpubench.results.decision import change_word, verdict_of
+from pytest_gpubench.results.decision import change_word, scipy_stats, verdict_of
 from pytest_gpubench.results.gate import (
     ALPHA,
     Verdict,
@@ -160,7 +159,7 @@ def signed_rank_p(log_ratios: np.ndarray, alternative: Literal["greater", "less"
     """Wilcoxon signed-rank: p of the paired log-ratios lying `alternative` than zero."""
     if len(log_ratios) == 0 or not np.any(log_ratios):
         return 1.0
-    result = scipy_stats.wilcoxon(log_ratios, alternative=alternative)
+    result = scipy_stats().wilcoxon(log_ratios, alternative=alternative)
     p_value = float(result.pvalue)
     return 1.0 if math.isnan(p_value) else p_value
 
@@ -177,7 +176,7 @@ def ratio_interval(
     (a pair's two calls share the machine's state: kept together, its drift still cancels)."""
     if len(candidate) < 3:
         return None
-    result = scipy_stats.bootstrap(
+    result = scipy_stats().bootstrap(
         (np.asarray(candidate), np.asarray(reference)),
         lambda new, old, axis: np.median(new, axis=axis) / np.median(old, axis=axis),
         paired=True,

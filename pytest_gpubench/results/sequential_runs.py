@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from scipy import stats as scipy_stats
 
 from pytest_gpubench.config.matrix import Thresholds
 from pytest_gpubench.results.decision import (
@@ -22,6 +21,7 @@ from pytest_gpubench.results.decision import (
     alternative,
     change_direction,
     one_sided_p,
+    scipy_stats,
     verdict_of,
 )
 from pytest_gpubench.results.gate import ratio_threshold
@@ -109,7 +109,7 @@ def _look(
 def _within(now: Sequence[float], then: Sequence[float], threshold: float, alpha: float) -> bool:
     """Whether the bootstrap interval of median(now) / median(then), at 1 - 2·alpha (each bound
     a one-sided test at alpha), lies inside the threshold both ways."""
-    result = scipy_stats.bootstrap(
+    result = scipy_stats().bootstrap(
         (np.asarray(now), np.asarray(then)),
         lambda new, old, axis: np.median(new, axis=axis) / np.median(old, axis=axis),
         vectorized=True,
