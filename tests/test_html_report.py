@@ -53,9 +53,11 @@ def console_problems(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "Uncaught" in line or "CONSOLE" in line]
 
 
-@pytest.fixture
-def report(tmp_path: Path) -> Path:
-    """A run 30 % slower than its baseline, with telemetry samples, rendered by the CLI."""
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run 30 % slower than its baseline, with telemetry samples, rendered by the CLI once for
+    the tests that read it (a render draws four charts: about 1.5 s of CPU)."""
+    tmp_path = tmp_path_factory.mktemp("report")
     base = ledgers.run_records("run-base", seed=1)
     baselines = tmp_path / "baselines"
     for baseline in baselines_from_records(base):
@@ -95,7 +97,7 @@ def test_the_report_is_one_file_that_fetches_nothing(report: Path) -> None:
 
 def test_the_same_ledger_gives_the_same_bytes(report: Path, tmp_path: Path) -> None:
     again = tmp_path / "again.html"
-    ledger = tmp_path / "runs" / "run-current.jsonl"
+    ledger = report.parent / "runs" / "run-current.jsonl"
     main(
         [
             "report",
@@ -104,7 +106,7 @@ def test_the_same_ledger_gives_the_same_bytes(report: Path, tmp_path: Path) -> N
             "-o",
             str(again),
             "--baselines",
-            str(tmp_path / "baselines"),
+            str(report.parent / "baselines"),
         ]
     )
     assert again.read_bytes() == report.read_bytes()
