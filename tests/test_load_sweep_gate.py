@@ -31,6 +31,12 @@ def end_verdicts(root: Path) -> list[dict[str, Any]]:
     return list(end.get("load_verdicts") or end.get("verdicts") or [])
 
 
+# Sweeps measured again (a fresh baseline each time) when the machine itself moved between the
+# two: the regressed run's one-at-a-time step more than MOVED slower than the baseline's.
+ATTEMPTS = 3
+MOVED = 0.10
+
+
 def test_a_sweep_whose_middle_step_slows_exits_6_naming_that_step(
     pytester: pytest.Pytester,
 ) -> None:
@@ -45,37 +51,60 @@ def test_a_sweep_whose_middle_step_slows_exits_6_naming_that_step(
             " duration_s: 1, warmup_s: 0.2, max_send_lag_ms: 50}}\n",
         )
         pytester.makepyfile(test_bench=TEST_GENERATE)
-        # The subject is the sweep's gate, not the shared machine's steadiness.
-        args = (
-            "--force-load",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            "load",
-            "--gpubench-steadiness",
-            "off",
-        )
-        update = pytester.runpytest(*args, "--baseline-update")
-        assert update.ret == 0, update.stdout.str()[-3000:]
-        stored = json.loads(
-            (pytester.path / "baselines" / "load" / "local_openai_m.json").read_text()
-        )
-        assert set(stored["points"]) == {
-            "P-EASY@load-sweep-c1",
-            "P-EASY@load-sweep-c12",
-            "P-EASY@load-sweep-s1",
-            "P-EASY@load-sweep",
-        }
-        assert stored["points"]["P-EASY@load-sweep"]["saturation_rate"] > 0
-        one = stored["points"]["P-EASY@load-sweep-c1"]["achieved_rate"]
-        middle = stored["points"]["P-EASY@load-sweep-s1"]["rate"]
-        assert middle > 1.15 * one, (one, middle)
-        # Halfway between: the one-at-a-time step stays below it, the middle one above.
-        proxy.slow_above_rate = (one + middle) / 2
-        result = pytester.runpytest(*args)
+        moved: list[str] = []
+        for _ in range(ATTEMPTS):
+            proxy.slow_above_rate = None
+            one, result = baseline_then_slowed(pytester, proxy)
+            # The middle step's rate follows the one-at-a-time step's: on a machine that ran the
+            # second sweep slower (a neighbour took the cores) the middle step may stay under
+            # the proxy's threshold, and nothing this test controls slowed it.
+            again = achieved_rate(pytester.path, "c1")
+            if again >= (1 - MOVED) * one:
+                break
+            moved.append(f"one at a time {one:.1f} then {again:.1f} req/s")
+        else:
+            pytest.skip(f"the machine moved between the sweeps in every attempt: {moved}")
     text = result.stdout.str()
     print(text[-4000:])
     assert proxy.slowed > 0
     assert result.ret == 6, text[-3000:]
     result.stdout.fnmatch_lines(["REGRESSION: local:openai:m P-EASY@load-sweep-s1: TTFT p99 +*"])
     assert "load regression(s)" in text
+
+
+# The subject is the sweep's gate, not the shared machine's steadiness.
+ARGS = ("--force-load", "-p", "no:cacheprovider", "-m", "load", "--gpubench-steadiness", "off")
+
+
+def baseline_then_slowed(pytester: pytest.Pytester, proxy: Any) -> tuple[float, pytest.RunResult]:
+    """A baseline sweep, then one with the proxy slowing the requests that come faster than
+    halfway between its one-at-a-time rate and its middle step's; the baseline's rate one at a
+    time and the second run."""
+    (pytester.path / "baselines" / "load" / "local_openai_m.json").unlink(missing_ok=True)
+    update = pytester.runpytest(*ARGS, "--baseline-update")
+    assert update.ret == 0, update.stdout.str()[-3000:]
+    stored = json.loads((pytester.path / "baselines" / "load" / "local_openai_m.json").read_text())
+    assert set(stored["points"]) == {
+        "P-EASY@load-sweep-c1",
+        "P-EASY@load-sweep-c12",
+        "P-EASY@load-sweep-s1",
+        "P-EASY@load-sweep",
+    }
+    assert stored["points"]["P-EASY@load-sweep"]["saturation_rate"] > 0
+    one = float(stored["points"]["P-EASY@load-sweep-c1"]["achieved_rate"])
+    middle = stored["points"]["P-EASY@load-sweep-s1"]["rate"]
+    assert middle > 1.15 * one, (one, middle)
+    # Halfway between: the one-at-a-time step stays below it, the middle one above.
+    proxy.slow_above_rate = (one + middle) / 2
+    return one, pytester.runpytest(*ARGS)
+
+
+def achieved_rate(root: Path, point: str) -> float:
+    """The newest run's achieved rate at a sweep step (its load record's `load_point`)."""
+    newest = max((root / "runs").glob("*.jsonl"), key=lambda path: path.stat().st_mtime)
+    (load,) = [
+        r
+        for r in read_ledger(newest)
+        if r["type"] == "load" and str(r.get("load_point", "")).endswith(point)
+    ]
+    return float(load["achieved_rate"])
