@@ -1,6 +1,6 @@
 # make bench: set everything up, then run the warm benchmarks on the embedded default (cells.yaml).
 # make test:  set everything up, build the docs site, then run the plugin's own test suite (CI's).
-# make test-fast: the tests that need none of sshd, vLLM or Slurm, on two workers (docs/development.md).
+# make test-fast: the tests that need none of sshd, vLLM or Slurm, on three workers (docs/development.md).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -14,10 +14,11 @@ unexport PYTHONDONTWRITEBYTECODE
 
 # The markers of what a test needs beyond Python (pyproject.toml; tests/conftest.py checks them).
 FAST_MARKERS := not sshd and not vllm and not slurm
-# Two workers that steal each other's queued tests (the tests on the real engine take seconds,
-# the rest milliseconds: a fixed split leaves one worker idle at the end), and a quarter of the
-# property tests' examples (tests/support/hypothesis_examples.py; `make test` keeps them all).
-FAST_ARGS := -n 2 --dist worksteal --hypothesis-profile=fast
+# Three workers that steal each other's queued tests (the tests on the real engine take seconds,
+# the rest milliseconds: a fixed split leaves one worker idle at the end; a third is worth it on
+# two cores because the paced proxies' tests mostly wait), and a quarter of the property tests'
+# examples (tests/support/hypothesis_examples.py; `make test` keeps them all).
+FAST_ARGS := -n 3 --dist worksteal --hypothesis-profile=fast
 
 .PHONY: setup setup-fast system sshd vllm slurm python engine bench docs test test-fast wheel-check lint clean
 

@@ -182,16 +182,18 @@ def test_on_a_steadily_busy_machine_what_the_gate_cannot_tell_is_unsteady_not_a_
 def test_cpu_pressure_is_read_from_the_kernels_stall_total(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """/proc/pressure/cpu's `some ... total=` is microseconds of stall: 30 ms of it over a window
-    is that window's share; a machine without the file measures none."""
+    """/proc/pressure/cpu's `some ... total=` is microseconds of stall: 3 s of it over a window
+    is that window's share; a machine without the file measures none. The window is 10 s long,
+    so that the milliseconds a busy machine lets pass between the two reads stay far inside
+    the tolerance (with 0.1 s, 4 ms beside three test workers moved the share by 0.012)."""
     monkeypatch.undo()  # the real gauge, not the steady one tests/conftest.py pins
     psi = tmp_path / "cpu"
     psi.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=1000000\n")
     gauge = CpuPressure(psi)
     mark = gauge.start()
     assert mark is not None and mark[0] == 1_000_000
-    psi.write_text("some avg10=1.00 avg60=0.00 avg300=0.00 total=1030000\n")
-    shifted = (mark[0], mark[1] - 0.1)  # the window opened 0.1 s ago
+    psi.write_text("some avg10=1.00 avg60=0.00 avg300=0.00 total=4000000\n")
+    shifted = (mark[0], mark[1] - 10.0)  # the window opened 10 s ago
     assert gauge.share(shifted) == pytest.approx(0.3, abs=0.01)
     assert CpuPressure(tmp_path / "absent").start() is None
     assert gauge.share(None) is None

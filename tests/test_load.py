@@ -466,8 +466,10 @@ def test_a_sweep_runs_its_steps_and_reports_the_saturation_point(pytester: pytes
     steps = {r["load_point"]: r for r in loads if r["pattern"] != "sweep"}
     low, high = steps["sweep-c1"]["achieved_rate"], steps["sweep-c4"]["achieved_rate"]
     rates = sorted(r["rate"] for r in steps.values() if r["pattern"] == "open")
-    # Two open-loop rates evenly between one-at-a-time and as-fast-as-it-takes.
-    assert rates == pytest.approx([low + (high - low) / 3, low + 2 * (high - low) / 3], rel=1e-3)
+    # Two open-loop rates evenly between one-at-a-time and as-fast-as-it-takes (in either order:
+    # beside three test workers four at a time once went slower than one at a time).
+    between = sorted([low + (high - low) / 3, low + 2 * (high - low) / 3])
+    assert rates == pytest.approx(between, rel=1e-3)
     assert [row["load_point"] for row in sweep["steps"]] == list(steps)
     # Every step met the (generous) SLO: the saturation point is the highest achieved rate.
     assert sweep["saturation_rate"] == max(r["achieved_rate"] for r in steps.values())
