@@ -22,7 +22,7 @@ from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.measure.stream import TlsSettings
+from pytest_gpubench.measure.stream import HttpConnection, TlsSettings
 
 needs_stunnel = pytest.mark.skipif(
     stunnel_binary() is None, reason="stunnel4 is not installed (make setup installs it)"
@@ -124,6 +124,27 @@ def test_a_failed_call_never_leaves_its_connection_for_the_next() -> None:
         after = engine.chat("hi", 8, 5)
     assert failed.error is not None and "closed the connection before responding" in failed.error
     assert after.error is None and not after.reconnected and not after.connection_reused
+
+
+def test_a_reply_left_unread_never_closes_the_connection_that_came_after_it() -> None:
+    """A reply whose lines were left half read and dropped, its reader finalized later (by the
+    garbage collector, at any moment): closing must touch its own socket, not the one the next
+    call is reading. Seen in make test-fast: a call after three failed ones broke with `[Errno 9]
+    Bad file descriptor` three chunks in."""
+    body = json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    ).encode()
+    with keepalive_server() as server:
+        connection = HttpConnection(server.url)
+        left = connection.post_stream("/v1/chat/completions", body, timeout_s=5)
+        next(left.lines)  # half read, then abandoned without release
+        connection.close()  # as after a failed call: the next one opens a fresh connection
+        reading = connection.post_stream("/v1/chat/completions", body, timeout_s=5)
+        first = next(reading.lines)
+        left.lines.close()  # type: ignore[attr-defined]  # what the collector does to it later
+        rest = list(reading.lines)
+        reading.release(True)
+    assert first.text and any(line.text == b"data: [DONE]" for line in rest)
 
 
 # -- TLS through stunnel4 ------------------------------------------------------------------------

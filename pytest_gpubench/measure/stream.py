@@ -542,14 +542,19 @@ class HttpConnection:
         return response
 
     def _release_for(self, response: StreamedResponse) -> Callable[[bool], None]:
+        own = self._conn
+
         def release(drain: bool) -> None:
             """Read the response to its end (its connection then carries the next call) when
-            `drain`; else, or when that fails, close the connection."""
+            `drain`; else, or when that fails, close the connection. A connection opened since
+            is another call's: left alone."""
             if drain:
                 with contextlib.suppress(StreamError):
                     for _ in response.lines:
                         pass
             conn = self._conn
+            if conn is not own:
+                return
             if conn is None or conn.their_state is not h11.DONE or conn.our_state is not h11.DONE:
                 self.close()
                 return
@@ -619,7 +624,9 @@ class HttpConnection:
                         yield Line(pending_ns, pending.rstrip(b"\r"))
                     return
         finally:
-            if not clean or not self.keep_alive:
+            # Only its own connection: a reply left unread is finalized when the collector gets
+            # to it, by which time another call may be reading on a connection opened since.
+            if (not clean or not self.keep_alive) and self._sock is sock:
                 self.close()
 
 
