@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import httpcore  # noqa: F401
 import pandas  # noqa: F401
 import paramiko  # noqa: F401
-import pynvml  # noqa: F401
+import pynvml  # type: ignore[import-untyped]  # noqa: F401
 import pytest
 import scipy.stats  # noqa: F401
 from support.hypothesis_examples import register_profiles
