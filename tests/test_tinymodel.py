@@ -189,7 +189,10 @@ def tiny_server(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         pytest.skip("no llama-server found (run `gpubench install-server` to build one)")
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "llama-server.log"
+    # One thread, as every other llama-server in the tests: two threads meet at a barrier each
+    # token, and beside the other workers one waits for the other (11 s for P-HARD, 0.9 s alone).
     argv = [str(binary), "-m", str(model_file), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--threads", "1"]
     with log.open("wb") as output:
         process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
