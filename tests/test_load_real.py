@@ -65,6 +65,7 @@ def managed_cell(load: str, model: str = "tiny", model_path: Path | None = None)
 # that a batch of 4 costs far less than 4 single steps: the tiny model spends its time in
 # per-request overhead, which no batching shares, so its throughput hardly moves with slots.
 HEAVY = TinyConfig(n_embd=512, n_layer=4, n_head=8, n_head_kv=4, n_ff=1536)
+HEAVY_TOKENS = 64
 # The machine is shared: a run whose neighbours took the cores during one point is measured
 # again, up to this many times.
 ATTEMPTS = 3
@@ -91,10 +92,15 @@ def test_throughput_rises_with_concurrency_and_every_request_gets_max_tokens(
     557/463/669 tokens/s at 1, 2, 4): with each stream paced to one content event every
     PACED_GAP_S, a request's time is the proxy's, and only a closed loop that keeps 1, 2 and 4
     requests in flight gives 1, 2 and 4 times its throughput."""
+    # Replies of HEAVY_TOKENS: a request spends far longer in the engine (about 0.5 s at 4
+    # slots) than the client takes to send the next one, even when the client's own worker
+    # waits for a CPU, so the engine's gauge of requests in progress, sampled every 200 ms,
+    # reads 3 or 4 at c4. With 16 tokens (about 0.1 s) a starved client's turnaround was as
+    # long, and under -n 3 every sample of a 1 s point once read 2 or less.
     write_project(
         pytester,
         managed_cell("concurrency: [1, 2, 4], duration_s: 1", "heavy", heavy_model),
-        max_tokens=16,
+        max_tokens=HEAVY_TOKENS,
     )
     result = run(pytester)
     result.assert_outcomes(passed=3)
@@ -103,8 +109,8 @@ def test_throughput_rises_with_concurrency_and_every_request_gets_max_tokens(
     calls = [r for r in records if r["type"] == "call"]
     assert all(r["error"] is None for r in calls)
     # ignore_eos: every request generates exactly max_tokens, by the engine's count and ours.
-    assert {r["completion_tokens"] for r in calls} == {16}
-    assert {r["client_chunks"] for r in calls} == {16}
+    assert {r["completion_tokens"] for r in calls} == {HEAVY_TOKENS}
+    assert {r["client_chunks"] for r in calls} == {HEAVY_TOKENS}
     for point, load in loads.items():
         assert load["valid"], load["invalid_reason"]
         # The engine's own counter (llama-server --metrics) over the point equals ours.
