@@ -14,11 +14,13 @@ unexport PYTHONDONTWRITEBYTECODE
 
 # The markers of what a test needs beyond Python (pyproject.toml; tests/conftest.py checks them).
 FAST_MARKERS := not sshd and not vllm and not slurm
-# Three workers that steal each other's queued tests (the tests on the real engine take seconds,
-# the rest milliseconds: a fixed split leaves one worker idle at the end; a third is worth it on
-# two cores because the paced proxies' tests mostly wait), and a quarter of the property tests'
-# examples (tests/support/hypothesis_examples.py; `make test` keeps them all).
-FAST_ARGS := -n 3 --dist worksteal --hypothesis-profile=fast
+# Three workers, each taking a whole test module as it runs out (its module-scoped servers and
+# reports made once), the modules that took longest on the last run first (tests/support/
+# schedule.py: under worksteal the longest test was handed over last and ran alone for its last
+# 20 s); a third worker is worth it on two cores because the paced proxies' tests mostly wait.
+# And a quarter of the property tests' examples (tests/support/hypothesis_examples.py; `make test`
+# keeps them all).
+FAST_ARGS := -n 3 --dist loadfile --no-loadscope-reorder --hypothesis-profile=fast
 
 .PHONY: setup setup-fast system sshd vllm slurm python engine bench docs test test-fast wheel-check lint clean
 

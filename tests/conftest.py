@@ -23,6 +23,9 @@ from support.hypothesis_examples import register_profiles
 
 from pytest_gpubench.core.cache import cache_dir
 
+# The order in which `make test-fast`'s workers take the modules: the longest first.
+pytest_plugins = ["support.schedule"]
+
 if TYPE_CHECKING:
     from support.vllm_server import VllmServer
 
