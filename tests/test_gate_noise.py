@@ -45,6 +45,10 @@ PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 6}
 # total two; the tests whose subject is the gate's verdict on a set speed need no more, and a
 # call costs a third of six tokens' time.
 SHORT_PROMPTS = PROMPTS.replace("max_tokens: 6", "max_tokens: 2")
+# A slowdown whose TTFT the gate sees for certain (the tests of what turns it `unsteady` name
+# the TTFT verdict): 10 ms, then 30 ms. At 3 ms against 9 ms the HTTP round trip's few ms on a
+# busy machine were as large as the change (under -n 3 a TTFT once moved +62 % with p = 0.052).
+SLOWDOWN_S = (0.010, 0.030)
 TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
 
 
@@ -388,11 +392,11 @@ def test_a_control_that_drifts_turns_a_slowdown_unsteady(
 ) -> None:
     """Three times slower, but the control call doubled halfway through the run: neither a
     regression nor a pass. Exit 10, a skipped gpubench.gate case, the word everywhere."""
-    server = OllamaStandin(token_s=0.003)
+    server = OllamaStandin(token_s=SLOWDOWN_S[0])
     with serving(server) as url:
-        bench(pytester, url)
+        bench(pytester, url, prompts=SHORT_PROMPTS)
         pytester.runpytest("--force-load", "--baseline-update")
-        server.token_s = 0.009
+        server.token_s = SLOWDOWN_S[1]
         control_values(monkeypatch, [5.0] * 5 + [10.0] * 5)
         result = pytester.runpytest("--force-load", "--junitxml=junit.xml")
     assert result.ret == EXIT_UNSTEADY
@@ -423,11 +427,11 @@ def test_cpu_pressure_rising_mid_run_turns_a_slowdown_unsteady_unless_steadiness
     """Three times slower while, from the sixth call on, tasks waited for a CPU 80 % of the time:
     unsteady, with the pressure in each call record. With --gpubench-steadiness off neither the
     control nor the pressure is read, and the same slowdown is a regression."""
-    server = OllamaStandin(token_s=0.003)
+    server = OllamaStandin(token_s=SLOWDOWN_S[0])
     with serving(server) as url:
-        bench(pytester, url)
+        bench(pytester, url, prompts=SHORT_PROMPTS)
         pytester.runpytest("--force-load", "--baseline-update")
-        server.token_s = 0.009
+        server.token_s = SLOWDOWN_S[1]
         feed = iter([0.0] * 5 + [0.8] * 5)
         monkeypatch.setattr(CpuPressure, "share", lambda self, mark: next(feed, 0.8))
         unsteady = pytester.runpytest("--force-load")
