@@ -1,24 +1,13 @@
 """Shared test set-up for the plugin's own tests."""
 
 import gc
+import importlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# pytester's in-process runs drop the modules first imported during a run. Import here what the
-# plugin imports lazily, so that one copy stays alive: httpx's exception mapping needs the
-# httpcore it first saw, and cryptography's Rust bindings (under paramiko) cannot be loaded twice
-# ("cipher AES in CTR mode is not supported" on the second SSH connection otherwise), and numpy's
-# extension modules refuse a second load ("cannot load module more than once per process") once
-# the plugin imports pandas and scipy only when a benchmark is judged. pynvml (imported by each
-# run's telemetry to look for a GPU) would otherwise be imported again by every run: 30 ms each.
-import httpcore  # noqa: F401
-import pandas  # noqa: F401
-import paramiko  # noqa: F401
-import pynvml  # type: ignore[import-untyped]  # noqa: F401
 import pytest
-import scipy.stats  # noqa: F401
 from support.hypothesis_examples import register_profiles
 
 from pytest_gpubench.core.cache import cache_dir
@@ -128,6 +117,26 @@ def steady_control(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(ControlCall, "measure_ms", lambda self: 5.0)
     monkeypatch.setattr(CpuPressure, "share", lambda self, mark: 0.0)
+
+
+# pytester's in-process runs drop the modules first imported during a run. Import before any
+# test what the plugin imports lazily, so that one copy stays alive: httpx's exception mapping
+# needs the httpcore it first saw, and cryptography's Rust bindings (under paramiko) cannot be
+# loaded twice ("cipher AES in CTR mode is not supported" on the second SSH connection
+# otherwise), and numpy's extension modules refuse a second load ("cannot load module more than
+# once per process") once the plugin imports pandas and scipy only when a benchmark is judged.
+# pynvml (imported by each run's telemetry to look for a GPU) would otherwise be imported again
+# by every run: 30 ms each.
+PRELOADED = ("httpcore", "pandas", "paramiko", "pynvml", "scipy.stats")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """PRELOADED, in every process that runs tests: not in the controller of `-n N`, which runs
+    none (1.5 s of imports before it started its workers)."""
+    controller = getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
+    if not controller:
+        for name in PRELOADED:
+            importlib.import_module(name)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
