@@ -4,6 +4,7 @@ teardown, so the end record, the summary, stopped servers and given-back rentals
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -52,8 +53,30 @@ class TerminateAsInterrupt:
                 signal.raise_signal(signum)  # now handled as it would have been
 
 
+# How long a signal that landed where no line is known waits to be sent again.
+REDELIVER_S = 0.01
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
+    if frame is not None and frame.f_lineno is None and _redeliver(signum):
+        return
     raise KeyboardInterrupt(f"terminated by signal {signum}")
+
+
+def _redeliver(signum: int) -> bool:
+    """Python 3.11 can stop a frame for a signal at an instruction that has no line number
+    (python/cpython#94485). A KeyboardInterrupt raised there cannot be reported by pytest (its
+    report of the interrupt failed with a TypeError on the missing line: exit 1 and a
+    traceback): the signal is sent again in REDELIVER_S, when the frame has moved on, by a
+    timer thread (sent from here it would be handled inside this handler and raised at the same
+    instruction). False where no thread can start (the interpreter is shutting down)."""
+    timer = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    try:
+        timer.start()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _hold(pending: list[int]) -> Any:
