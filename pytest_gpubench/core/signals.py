@@ -1,5 +1,6 @@
 """SIGTERM, which CI sends when it cancels a job, handled as Ctrl-C: pytest then runs its own
-teardown, so the end record, the summary, stopped servers and given-back rentals all happen."""
+teardown, so the end record, the summary, stopped servers and given-back rentals all happen. Both
+wait out the instructions where Python knows no line, which pytest cannot report (_redeliver)."""
 
 from __future__ import annotations
 
@@ -16,22 +17,27 @@ _HELD = (signal.SIGINT, signal.SIGTERM)
 
 
 class TerminateAsInterrupt:
-    """Installs a SIGTERM handler that raises KeyboardInterrupt, and puts the old one back."""
+    """Installs a SIGTERM handler that raises KeyboardInterrupt, and puts the old one back. Ctrl-C
+    (SIGINT) keeps Python's own behaviour, through a handler that also waits out an instruction
+    without a line (_redeliver); a SIGINT handler someone else installed is left alone."""
 
     def __init__(self) -> None:
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
         self._installed = False
 
     def install(self) -> None:
         # Signal handlers can only be set from the main thread of the main interpreter.
         if self._installed or threading.current_thread() is not threading.main_thread():
             return
-        self._previous = signal.signal(signal.SIGTERM, _interrupt)
+        self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _interrupt)}
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, _ctrl_c)
         self._installed = True
 
     def restore(self) -> None:
         if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
+            for number, handler in self._previous.items():
+                signal.signal(number, handler)
             self._installed = False
 
     @contextlib.contextmanager
@@ -61,6 +67,13 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     if frame is not None and frame.f_lineno is None and _redeliver(signum):
         return
     raise KeyboardInterrupt(f"terminated by signal {signum}")
+
+
+def _ctrl_c(signum: int, frame: FrameType | None) -> None:
+    """Python's own Ctrl-C (signal.default_int_handler), where the frame has a line."""
+    if frame is not None and frame.f_lineno is None and _redeliver(signum):
+        return
+    signal.default_int_handler(signum, frame)
 
 
 def _redeliver(signum: int) -> bool:
