@@ -31,6 +31,7 @@ from pytest_gpubench.results.baseline import (
     update_baselines,
     write_baseline,
 )
+from pytest_gpubench.results.baseline_format import CorruptBaseline
 from pytest_gpubench.results.stats import PromptSummary, WarmSamples
 
 RUN_ID = "5b1c1f43-58a3-4d5e-9d0e-2f3c8a0e4b11"
@@ -236,6 +237,25 @@ def test_missing_baseline_is_none_and_colliding_names_are_refused(tmp_path: Path
     write_baseline(tmp_path, baseline)
     with pytest.raises(GpubenchError, match="holds the baseline of cell 'a:b', not 'a_b'"):
         write_baseline(tmp_path, CellBaseline("a_b", Provenance(), ()))
+
+
+def test_a_cell_id_edited_in_its_file_is_a_corrupt_baseline_not_a_name_collision(
+    tmp_path: Path,
+) -> None:
+    """A cell id that would be written to another file cannot have come from a cell sharing this
+    file's name (make test-fast's fuzzing found '0local:llamacpp:tiny' in local_llamacpp_tiny.json
+    named as a collision, telling the user to rename a cell that no other shared a name with):
+    the file was edited. It is corrupt, and --baseline-update may write it again."""
+    path = write_baseline(tmp_path, CellBaseline("a:b", Provenance(), ()))
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace('"a:b"', '"0a:b"'), encoding="utf-8")
+    with pytest.raises(CorruptBaseline, match="corrupt baseline: cell_id: '0a:b' is not the cell"):
+        find_baseline(tmp_path, "a:b")
+    with pytest.raises(CorruptBaseline):
+        write_baseline(tmp_path, CellBaseline("a:b", Provenance(), ()))
+    write_baseline(tmp_path, CellBaseline("a:b", Provenance(), ()), replace_corrupt=True)
+    found = find_baseline(tmp_path, "a:b")
+    assert found is not None and found.cell_id == "a:b"
 
 
 def test_update_writes_only_cells_that_pass_the_success_bar(tmp_path: Path) -> None:

@@ -592,6 +592,12 @@ def find_baseline(baselines_dir: Path, cell_id: str) -> CellBaseline | None:
         return None
     baseline = read_baseline(path)
     if baseline.cell_id != cell_id:
+        if baseline_path(baselines_dir, baseline.cell_id) != path:
+            # Not another cell's file (its id would be written elsewhere): an edited one.
+            raise CorruptBaseline(
+                f"{path}: corrupt baseline: cell_id: '{baseline.cell_id}' is not the cell this "
+                f"file is named for ('{cell_id}'); {REPAIR}"
+            )
         raise GpubenchError(
             f"{path}: holds the baseline of cell '{baseline.cell_id}', not '{cell_id}': the two "
             "cell ids map to the same file name; rename one of the cells"
