@@ -1,6 +1,6 @@
 """SIGTERM, which CI sends when it cancels a job, handled as Ctrl-C: pytest then runs its own
 teardown, so the end record, the summary, stopped servers and given-back rentals all happen. Both
-wait out the instructions where Python knows no line, which pytest cannot report (_redeliver)."""
+wait out the instructions where Python knows no line, which pytest cannot report (_redelivered)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ _HELD = (signal.SIGINT, signal.SIGTERM)
 class TerminateAsInterrupt:
     """Installs a SIGTERM handler that raises KeyboardInterrupt, and puts the old one back. Ctrl-C
     (SIGINT) keeps Python's own behaviour, through a handler that also waits out an instruction
-    without a line (_redeliver); a SIGINT handler someone else installed is left alone."""
+    without a line (_redelivered); a SIGINT handler someone else installed is left alone."""
 
     def __init__(self) -> None:
         self._previous: dict[int, Any] = {}
@@ -64,25 +64,26 @@ REDELIVER_S = 0.01
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
-    if frame is not None and frame.f_lineno is None and _redeliver(signum):
-        return
-    raise KeyboardInterrupt(f"terminated by signal {signum}")
+    if not _redelivered(signum, frame):
+        raise KeyboardInterrupt(f"terminated by signal {signum}")
 
 
 def _ctrl_c(signum: int, frame: FrameType | None) -> None:
     """Python's own Ctrl-C (signal.default_int_handler), where the frame has a line."""
-    if frame is not None and frame.f_lineno is None and _redeliver(signum):
-        return
-    signal.default_int_handler(signum, frame)
+    if not _redelivered(signum, frame):
+        signal.default_int_handler(signum, frame)
 
 
-def _redeliver(signum: int) -> bool:
+def _redelivered(signum: int, frame: FrameType | None) -> bool:
     """Python 3.11 can stop a frame for a signal at an instruction that has no line number
     (python/cpython#94485). A KeyboardInterrupt raised there cannot be reported by pytest (its
     report of the interrupt failed with a TypeError on the missing line: exit 1 and a
     traceback): the signal is sent again in REDELIVER_S, when the frame has moved on, by a
     timer thread (sent from here it would be handled inside this handler and raised at the same
-    instruction). False where no thread can start (the interpreter is shutting down)."""
+    instruction). False where the frame has a line, or where no thread can start (the
+    interpreter is shutting down): then the handler raises now."""
+    if frame is None or frame.f_lineno is not None:
+        return False
     timer = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum))
     timer.daemon = True
     try:
