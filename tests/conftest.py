@@ -133,8 +133,9 @@ PRELOADED = ("httpcore", "pandas", "paramiko", "pynvml", "scipy.stats")
 def pytest_configure(config: pytest.Config) -> None:
     """PRELOADED, in every process that runs tests: not in the controller of `-n N`, which runs
     none (1.5 s of imports before it started its workers)."""
-    controller = getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
-    if not controller:
+    from support.schedule import is_controller  # a plugin (pytest_plugins): imported by then
+
+    if not is_controller(config):
         for name in PRELOADED:
             importlib.import_module(name)
 

@@ -25,9 +25,14 @@ def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def is_controller(config: pytest.Config) -> bool:
+    """The process of `-n N` that starts the workers and runs no test itself."""
+    return getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
+
+
 def _parallel(config: pytest.Config) -> bool:
     """A worker of `-n N`, or the controller that started them."""
-    return hasattr(config, "workerinput") or getattr(config.option, "dist", "no") != "no"
+    return hasattr(config, "workerinput") or is_controller(config)
 
 
 def longest_modules_first(items: list[pytest.Item], seconds: dict[str, float]) -> None:
@@ -85,5 +90,5 @@ class ModuleClock:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if _parallel(config) and not hasattr(config, "workerinput"):
+    if is_controller(config):
         config.pluginmanager.register(ModuleClock(), "gpubench-module-clock")
