@@ -240,26 +240,23 @@ class RunController:
 
         with self.catch_signals.held():
             for record in records:
-                self._keep(record, LOAD_PHASE)
+                kind = record.get("type")
+                if kind == "call" and record.get("phase") == LOAD_PHASE:
+                    self.load_calls.append(cast("LoadCallRecord", record))
+                elif kind == "call" and record.get("pass", 1) != 1:
+                    self.remeasured_calls.append(cast("CallRecord", record))
+                elif kind == "call":
+                    self.calls.append(cast("CallRecord", record))
+                elif kind == "load":
+                    self.loads.append(cast("LoadRecord", record))
+                elif kind == "skipped":
+                    self.skips.append(cast("SkippedRecord", record))
+                elif kind == "cell":
+                    if record["cell_id"] in self.cells:
+                        continue  # each xdist worker that ran the cell describes it; keep the first
+                    self.cells[record["cell_id"]] = cast("CellRecord", record)
+                self._append(record)
         return self.write_error
-
-    def _keep(self, record: dict[str, Any], load_phase: str) -> None:
-        kind = record.get("type")
-        if kind == "call" and record.get("phase") == load_phase:
-            self.load_calls.append(cast("LoadCallRecord", record))
-        elif kind == "call" and record.get("pass", 1) != 1:
-            self.remeasured_calls.append(cast("CallRecord", record))
-        elif kind == "call":
-            self.calls.append(cast("CallRecord", record))
-        elif kind == "load":
-            self.loads.append(cast("LoadRecord", record))
-        elif kind == "skipped":
-            self.skips.append(cast("SkippedRecord", record))
-        elif kind == "cell":
-            if record["cell_id"] in self.cells:
-                return  # each xdist worker that ran the cell describes it; keep the first
-            self.cells[record["cell_id"]] = cast("CellRecord", record)
-        self._append(record)
 
     def _append(self, record: dict[str, Any], *, after_failure: bool = False) -> None:
         """Append to the ledger until a write fails, and after that only what must be tried
