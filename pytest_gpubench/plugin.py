@@ -48,6 +48,8 @@ MARKER_KEYS = ("cells", "phases", "runs")
 # that a slow call is still recorded; this only catches a hang in the harness itself.
 CASE_TIMEOUT_FACTOR = 2.0
 CASE_TIMEOUT_SLACK_S = 180.0
+OPTIONS_KEY = pytest.StashKey[Options]()
+# The run of a session that read a cell matrix; none in a session without benchmarks.
 RUN_KEY: pytest.StashKey[RunController] = pytest.StashKey()
 # {test node id: the cells.yaml node it is the last case of}, in the final run order.
 RELEASE_KEY = pytest.StashKey[dict[str, str]]()
@@ -104,13 +106,18 @@ def pytest_configure(config: pytest.Config) -> None:
         "`phases` cold and/or warm (None: each cell's), `runs` warm runs per cell (None: the "
         "cell's; --gpubench-runs overrides)",
     )
+    options = Options.from_config(config)
+    config.stash[OPTIONS_KEY] = options
+    config.stash[RELEASE_KEY] = {}
+    _warn_about_options(config)
+    matrix = None if options.skip else _matrix(config, options)
+    if matrix is None:
+        return  # no benchmark can run: nothing more is built
     from pytest_gpubench.run.controller import RunController
 
-    options = Options.from_config(config)
-    _warn_about_options(config)
     run = RunController(
         options,
-        None if options.skip else _matrix(config, options),
+        matrix,
         root=options.anchor,
         argv=list(config.invocation_params.args),
         writes_ledger=not xdist.is_worker(config),
@@ -118,7 +125,6 @@ def pytest_configure(config: pytest.Config) -> None:
         hooks=config.hook,
     )
     config.stash[RUN_KEY] = run
-    config.stash[RELEASE_KEY] = {}
     config.pluginmanager.register(ReportReader(config, run), "gpubench-reports")
     if not xdist.is_worker(config):
         from pytest_gpubench.run.progress import ProgressLine
@@ -157,20 +163,30 @@ def _kinds(answers: list[Sequence[str] | str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(named))
 
 
-def _run(config: pytest.Config) -> RunController:
+def _options(config: pytest.Config) -> Options:
+    return config.stash[OPTIONS_KEY]
+
+
+def _run(config: pytest.Config) -> RunController | None:
+    return config.stash.get(RUN_KEY, None)
+
+
+def _benchmark_run(config: pytest.Config) -> RunController:
+    """The run of a benchmark case: cases exist only where the matrix was read."""
     return config.stash[RUN_KEY]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if PARAM_FIXTURE not in metafunc.fixturenames:
         return
-    run = _run(metafunc.config)
-    if run.options.skip:
+    options = _options(metafunc.config)
+    if options.skip:
         return  # deselected in pytest_collection_modifyitems
-    if run.matrix is None:
+    run = _run(metafunc.config)
+    if run is None:
         missing = (
-            f"{run.options.cells_path}: not found; {metafunc.function.__name__} needs the cell "
-            f"matrix (looked in {run.options.anchor_kind}; run `gpubench init` there, or pass "
+            f"{options.cells_path}: not found; {metafunc.function.__name__} needs the cell "
+            f"matrix (looked in {options.anchor_kind}; run `gpubench init` there, or pass "
             "--gpubench-cells PATH)"
         )
         if xdist.is_worker(metafunc.config):
@@ -282,7 +298,7 @@ def _case_marks(matrix: Matrix, case: Case) -> list[pytest.MarkDecorator]:
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
-    if _run(config).options.skip:
+    if _options(config).skip:
         benchmarks = [item for item in items if PARAM_FIXTURE in getattr(item, "fixturenames", ())]
         if benchmarks:
             config.hook.pytest_deselected(items=benchmarks)
@@ -293,8 +309,8 @@ def pytest_collection_modifyitems(
         return
     others = [item for item in items if _case_of(item) is None]
     cases.sort(key=_case_of)  # type: ignore[arg-type]
-    run = _run(config)
-    if run.options.smoke and run.matrix is not None:
+    run = _benchmark_run(config)
+    if run.options.smoke:
         from pytest_gpubench.config.cases import smoke_case
 
         skipped = {cell.cell_id for cell in run.matrix.cells if cell.spec.skip}
@@ -314,6 +330,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if marker_error is not None:
         raise pytest.UsageError(marker_error)
     run = _run(session.config)
+    if run is None:
+        return  # no matrix, so no case: nothing to plan
     session.config.stash[RELEASE_KEY] = _last_case_of_each_node(session.items, run.matrix)
     # A test that asks only for gpubench_target measures nothing: its cells are not planned.
     planned = [
@@ -347,11 +365,9 @@ def _measures_nothing(config: pytest.Config) -> bool:
     return any(getattr(config.option, name, False) for name in MEASURES_NOTHING)
 
 
-def _last_case_of_each_node(items: list[pytest.Item], matrix: Matrix | None) -> dict[str, str]:
+def _last_case_of_each_node(items: list[pytest.Item], matrix: Matrix) -> dict[str, str]:
     """{node id of the item: the node it is the last case of}, in the final run order (after
     every plugin that reorders); a node is given back after that case, and not before."""
-    if matrix is None:
-        return {}
     last: dict[str, str] = {}
     for item in items:
         case = _case_of(item)
@@ -387,8 +403,7 @@ def _unavailable(run: RunController, case: Case, reason: str) -> None:
 def gpubench_target(request: pytest.FixtureRequest, _gpubench_param: Case) -> Target:
     """The case's node (targets.Target: run commands, copy files), opened by the first case that
     needs it, shared by the node's cells, and given back after the node's last case."""
-    run = _run(request.config)
-    assert run.harness is not None  # cases exist only when the matrix loaded
+    run = _benchmark_run(request.config)
     records = request.node.stash.setdefault(RECORDS_KEY, [])
     reason, prepared, target = run.harness.open_node(_gpubench_param)
     records.extend(prepared)
@@ -409,8 +424,7 @@ def gpubench_engine(
     from pytest_gpubench.run.guards import FrozenRequests
 
     case = _gpubench_param
-    run = _run(request.config)
-    assert run.harness is not None
+    run = _benchmark_run(request.config)
     records = request.node.stash.setdefault(RECORDS_KEY, [])
     # Sequential sampling: a pair whose verdict is decided runs no more; its cases say why.
     stopped, skipped = run.harness.stopped_early(case)
@@ -506,7 +520,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     on one worker, so that worker runs its last case too)."""
     run = _run(item.config)
     node = item.config.stash[RELEASE_KEY].get(item.nodeid)
-    if node is None or run.harness is None:
+    if node is None or run is None:
         return
     # Giving a rented node back may take minutes: not within the case's pytest-timeout.
     cancel_timeout = getattr(item, "cancel_timeout", None)
@@ -523,7 +537,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session: pytest.Session) -> bool | None:
     run = _run(session.config)
-    if not run.options.probe or run.matrix is None or xdist.is_worker(session.config):
+    if run is None or not run.options.probe or xdist.is_worker(session.config):
         return None
     run.probe()  # an unhealthy required cell makes the session's status EXIT_UNMEASURED
     return True
@@ -533,17 +547,21 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     run = _run(session.config)
+    if run is None:
+        return
     status = run.finish(int(exitstatus), xdist.workeroutput(session.config))
     if status != exitstatus:
         session.exitstatus = status
     if run.ledger is not None:
         from pytest_gpubench.reports.junit import add_gate_failures
 
-        add_gate_failures(session.config, run)
+        add_gate_failures(session.config, run.judgement)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     run = _run(terminalreporter.config)
+    if run is None:
+        return
     rentals = run.rentals()
     if run.startup_error is None and not run.probe_rows and not rentals and run.ledger is None:
         return  # nothing of ours to say: the report's modules (pandas, scipy) stay unloaded
@@ -590,7 +608,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The last line a person reads is the status the process really exits with."""
-    run = config.stash.get(RUN_KEY, None)
+    run = _run(config)
     terminal = config.pluginmanager.get_plugin("terminalreporter")
     if run is None or run.exit_status is None or terminal is None:
         return

@@ -51,7 +51,7 @@ class XdistHooks:
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
         """With the default `--dist load`, keep a node's cases on one worker, in order."""
         run = self.run()
-        if config.getvalue("dist") != "load" or run.matrix is None:
+        if config.getvalue("dist") != "load":
             return None
         from pytest_gpubench.config.cases import build_cases, escaped_id
 
@@ -72,7 +72,7 @@ class XdistHooks:
     def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
         """Under xdist the controller learns of the cases only from the workers' collections."""
         run = self.run()
-        if run.matrix is None or run.started:
+        if run.started:
             return
         from pytest_gpubench.config.cases import build_cases, escaped_id, own_case_of_id, param_id
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from pytest_gpubench.config.matrix import Cell, Thresholds, read_matrix
 from pytest_gpubench.results.gate import ALPHA, Verdict
+from pytest_gpubench.results.judging import JudgingSettings
 from pytest_gpubench.results.paired import (
     PAIRED_METRICS,
     Pairs,
@@ -99,7 +100,7 @@ def test_ab_verdicts_from_call_records_carry_the_pairing_figures(tmp_path: Path)
     candidate = cell(tmp_path)
     pairs = pairs_of(drifting_machine(20), 1.3)
     calls = [*pairs.reference.values(), *pairs.candidate.values()]
-    verdicts = {v.metric: v for v in ab_verdicts(calls, [candidate])}
+    verdicts = {v.metric: v for v in ab_verdicts(calls, JudgingSettings.of_cells([candidate]))}
     ttft = verdicts["warm_ttft_p50_ms"]
     assert ttft.verdict == "regression" and ttft.reference == MAIN
     assert (ttft.pairs, ttft.max_pairs, ttft.calls) == (20, 20, 40)
@@ -129,7 +130,8 @@ def test_a_huge_slowdown_stops_at_the_first_look(tmp_path: Path) -> None:
     ttft = next(
         v
         for v in ab_verdicts(
-            [*pairs.prefix(7).candidate.values(), *pairs.prefix(7).reference.values()], [candidate]
+            [*pairs.prefix(7).candidate.values(), *pairs.prefix(7).reference.values()],
+            JudgingSettings.of_cells([candidate]),
         )
         if v.metric == "warm_ttft_p50_ms"
     )

@@ -195,14 +195,16 @@ def _gate(args: argparse.Namespace) -> int:
     from pytest_gpubench.core.status import describe
     from pytest_gpubench.ledger.writer import read_ledger
     from pytest_gpubench.reports.terminal import render_comparison
-    from pytest_gpubench.results.ledger_verdicts import judge_ledger
+    from pytest_gpubench.results.judging import judge_ledger
 
     records = read_ledger(Path(args.ledger))
     baselines = Path(args.baselines)
     if not baselines.is_dir():
         raise GpubenchError(f"{baselines}: --baselines is not a directory")
     cells = Path(args.cells) if args.cells else None
-    judgement = judge_ledger(records, baselines, cells_path=cells)
+    judgement = judge_ledger(records, baselines, source=str(args.ledger), cells_path=cells)
+    if judgement.judgement.gate_error is not None:
+        print(f"ERROR: {judgement.judgement.gate_error}")
     print(render_comparison(judgement.verdicts))
     if judgement.load_verdicts:
         print("load points:")
@@ -210,7 +212,7 @@ def _gate(args: argparse.Namespace) -> int:
     for note in judgement.notes:
         print(f"note: {note}")
     for cell in judgement.unmeasured:
-        print(f"unmeasured: {cell.get('cell_id')}: {cell.get('status')}: {cell.get('reason')}")
+        print(f"unmeasured: {cell.cell_id}: {cell.status}: {cell.reason}")
     print(f"gpubench gate: {describe(judgement.exit_status)}")
     return judgement.exit_status
 
@@ -444,13 +446,17 @@ def _add_sharded_run_commands(commands: argparse._SubParsersAction[Any]) -> None
 
     gate = commands.add_parser(
         "gate",
-        help="judge a ledger (a merged one) against the baselines; exits as the run would: "
-        "6 on a regression, 7 with a cell unmeasured, 8 on an incomparable baseline",
+        help="judge a ledger (a merged one) against the baselines, with the settings the run "
+        "recorded; exits as the run did: 6 on a regression, 7 with a cell unmeasured, 8 on an "
+        "incomparable baseline, 10 where the machine was unsteady",
     )
     gate.add_argument("ledger")
     gate.add_argument("--baselines", default="baselines", metavar="DIR")
     gate.add_argument(
-        "--cells", metavar="PATH", help="the cells.yaml with the thresholds (default: the run's)"
+        "--cells",
+        metavar="PATH",
+        help="only for a ledger of an earlier release, which recorded no settings: the "
+        "cells.yaml with its thresholds (default: the run's, as it is now)",
     )
     gate.set_defaults(handler=_gate)
 

@@ -134,6 +134,21 @@ def _exit_status(ends: Sequence[EndRecord], missing: bool) -> int:
     return most_severe([*statuses, *([EXIT_UNMEASURED] if missing else [])])
 
 
+def _merged_judging(ledgers: Sequence[ShardLedger]) -> dict[str, Any] | None:
+    """The shards' judging settings as one: each shard recorded its own cells' (the run-wide
+    settings are the same command line's); None where a shard recorded none (an older one)."""
+    recorded = [ledger.meta.get("judging") for ledger in ledgers]
+    if any(not isinstance(judging, dict) for judging in recorded):
+        return None
+    merged: dict[str, Any] = dict(cast(dict[str, Any], recorded[0]))
+    merged["cells"] = {
+        cell_id: cell
+        for judging in recorded
+        for cell_id, cell in cast(dict[str, Any], judging).get("cells", {}).items()
+    }
+    return merged
+
+
 def merge_ledgers(ledgers: Sequence[ShardLedger]) -> list[dict[str, Any]]:
     """The merged ledger's records: one meta, the shards' records, one end."""
     if not ledgers:
@@ -146,7 +161,7 @@ def merge_ledgers(ledgers: Sequence[ShardLedger]) -> list[dict[str, Any]]:
     metas = [ledger.meta for ledger in ordered]
     planned = {cell_id for meta in metas for cell_id in meta.get("cells_planned", [])}
     missing = _missing_outcomes(cells, count, ordered)
-    meta = {
+    meta: dict[str, Any] = {
         **metas[0],
         "benchmark_run_id": merged_id,
         "started_at_utc": min(str(meta.get("started_at_utc")) for meta in metas),
@@ -171,7 +186,12 @@ def merge_ledgers(ledgers: Sequence[ShardLedger]) -> list[dict[str, Any]]:
             }
             for ledger, meta in zip(ordered, metas, strict=True)
         ],
+        # The cells a lost shard took with it: the gate finds them missing (results/judging.py).
+        "cells_lost": {str(outcome["cell_id"]): str(outcome["reason"]) for outcome in missing},
     }
+    judging = _merged_judging(ordered)
+    if judging is not None:
+        meta["judging"] = judging
     body = [
         {**record, "benchmark_run_id": merged_id, "shard_run_id": record.get("benchmark_run_id")}
         for ledger in ordered

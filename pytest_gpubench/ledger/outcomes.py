@@ -10,10 +10,20 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 if TYPE_CHECKING:
     # The record types import the measurement's (h11, pydantic): not in a session without one.
-    from pytest_gpubench.config.matrix import Cell
     from pytest_gpubench.ledger.schema import CellOutcomeRecord
 
 CellStatus = Literal["measured", "failed", "skipped", "missing"]
+
+
+@dataclass(frozen=True)
+class PlannedCell:
+    """A cell the run planned to measure, as its settings describe it (results/judging.py)."""
+
+    cell_id: str
+    node: str
+    optional: bool = False
+    # cells.yaml's `skip:` reason: the cell is skipped on purpose.
+    skip: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,7 @@ class CellOutcome:
 
 
 def cell_outcomes(
-    planned: Sequence[Cell],
+    planned: Sequence[PlannedCell],
     *,
     cells: Mapping[str, Mapping[str, Any]],
     skips: Iterable[Mapping[str, Any]],
@@ -73,7 +83,7 @@ def cell_outcomes(
 
 
 def _outcome(
-    cell: Cell,
+    cell: PlannedCell,
     described: Mapping[str, Any],
     skip: Mapping[str, Any] | None,
     counts: Mapping[str, list[int]],
@@ -83,20 +93,20 @@ def _outcome(
     gpus, version = described.get("gpu_summary"), described.get("engine_version")
     missing = CellOutcome(
         cell_id=cell.cell_id,
-        node=cell.spec.node,
+        node=cell.node,
         status="missing",
-        optional=cell.spec.optional,
+        optional=cell.optional,
         reason="no case of this cell ran",
         calls=n_calls,
         ok_calls=n_ok,
         gpu_summary=None if gpus is None else str(gpus),
         engine_version=None if version is None else str(version),
     )
-    if cell.spec.skip:
-        return replace(missing, status="skipped", reason=cell.spec.skip)
+    if cell.skip:
+        return replace(missing, status="skipped", reason=cell.skip)
     outcome = _measured_or_failed(missing, skip, first_error.get(cell.cell_id))
     # An optional cell that could not be measured is missing from the results, and allowed to be.
-    if outcome.status == "failed" and cell.spec.optional:
+    if outcome.status == "failed" and cell.optional:
         return replace(outcome, status="missing")
     return outcome
 

@@ -52,10 +52,13 @@ def meta_record(
     cells_path: Path,
     prompts_path: Path,
     shard: ShardFacts | None = None,
+    judging: dict[str, Any] | None = None,
 ) -> MetaRecord:
     """The first line of a ledger: where, when, from which code and how the run was started;
-    a shard of a job array says which (`shard`: index, count, the whole matrix's cells)."""
-    return {
+    a shard of a job array says which (`shard`: index, count, the whole matrix's cells); and
+    the settings its judgement needs (`judging`, results/judging.py), so that the ledger is
+    judged from itself alone."""
+    record: dict[str, Any] = {
         "type": "meta",
         "benchmark_run_id": run_id,
         **git,
@@ -78,6 +81,9 @@ def meta_record(
         # The Slurm job (an array task) the run ran in, when it ran in one.
         "slurm_job": _slurm_job(),
     }
+    if judging is not None:
+        record["judging"] = judging
+    return cast(MetaRecord, record)
 
 
 def _slurm_job() -> dict[str, str] | None:

@@ -38,6 +38,10 @@ class MetaRecord(GitState):
     prompts_file: str
     shard: ShardFacts | None
     slurm_job: dict[str, str] | None
+    # The settings the run is judged with (results/judging.py); older ledgers lack them.
+    judging: NotRequired[dict[str, Any]]
+    # A merged ledger's cells whose shard left no ledger or no end record, and why.
+    cells_lost: NotRequired[dict[str, str]]
 
 
 class RequestFacts(TypedDict):

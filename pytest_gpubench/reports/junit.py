@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_gpubench.run.controller import RunController
+    from pytest_gpubench.results.judging import Judgement
 
 # The JUnit "file" of the gate's own test cases; their class name is gpubench.gate.
 GATE_PATH = "gpubench/gate"
@@ -74,25 +74,17 @@ def call_properties(record: Mapping[str, Any]) -> list[tuple[str, object]]:
     return properties
 
 
-def gate_failures(run: RunController) -> list[tuple[str, str]]:
+def gate_failures(judgement: Judgement) -> list[tuple[str, str]]:
     """(test name, message) of everything the gate failed the run for."""
-    from pytest_gpubench.results.gate import regressions
-
     failures = [
         (
             f"{outcome.cell_id} unmeasured",
             f"{outcome.cell_id}: {outcome.status} "
             f"({outcome.stage or 'no stage'}): {outcome.reason}",
         )
-        for outcome in run.outcomes
-        if outcome.fails_run
+        for outcome in judgement.unmeasured
     ]
-    judged = [*run.judgement.verdicts, *run.judgement.load_verdicts]
-    # An A/B regression is against the candidate's reference: ratifying baselines keeps it.
-    found = [
-        v for v in regressions(judged) if v.reference is not None or not run.options.baseline_update
-    ]
-    found += run.judgement.failing_incomparables()
+    found = [*judgement.failing_regressions(), *judgement.failing_incomparables()]
     failures.extend(
         (f"{v.cell_id} {v.prompt_id} {v.metric}", f"{v.verdict.upper()}: {v.message}")
         for v in found
@@ -100,7 +92,7 @@ def gate_failures(run: RunController) -> list[tuple[str, str]]:
     return failures
 
 
-def ab_passes(run: RunController) -> list[tuple[str, list[tuple[str, object]]]]:
+def ab_passes(judgement: Judgement) -> list[tuple[str, list[tuple[str, object]]]]:
     """(test name, properties) of each A/B verdict that is no regression (those are failures):
     CI sees every candidate's verdict word, its ratio of medians, interval and p."""
     return [
@@ -116,25 +108,24 @@ def ab_passes(run: RunController) -> list[tuple[str, list[tuple[str, object]]]]:
                 ("gpubench.message", v.message),
             ],
         )
-        for v in run.judgement.verdicts
+        for v in judgement.verdicts
         if v.reference is not None and v.verdict != "regression"
     ]
 
 
-def gate_skips(run: RunController) -> list[tuple[str, str]]:
+def gate_skips(judgement: Judgement) -> list[tuple[str, str]]:
     """(test name, message) of what the gate could not judge: an `unsteady` verdict (the machine
     drifted: the run exits 10) and a `blind` one (nothing seen, but nothing could have been)."""
-    if run.options.baseline_update:
+    if judgement.settings.baseline_update:
         return []
-    judged = [*run.judgement.verdicts, *run.judgement.load_verdicts]
     return [
         (f"{v.cell_id} {v.prompt_id} {v.metric}", f"{v.verdict.upper()}: {v.message}")
-        for v in judged
+        for v in judgement.every_verdict
         if v.verdict in ("unsteady", "blind") and v.reference is None
     ]
 
 
-def add_gate_failures(config: pytest.Config, run: RunController) -> None:
+def add_gate_failures(config: pytest.Config, judgement: Judgement) -> None:
     """Write the gate's failures into the JUnit XML, when pytest writes one: each a failed
     `gpubench.gate` case; an unsteady or blind verdict a skipped one; each A/B verdict that
     passed a passed one (with its figures as properties)."""
@@ -143,7 +134,7 @@ def add_gate_failures(config: pytest.Config, run: RunController) -> None:
     xml = config.stash.get(xml_key, None)
     if xml is None:
         return
-    for name, properties in ab_passes(run):
+    for name, properties in ab_passes(judgement):
         nodeid = f"{GATE_PATH}::{name}"
         for when in ("call", "teardown"):
             xml.pytest_runtest_logreport(
@@ -157,7 +148,7 @@ def add_gate_failures(config: pytest.Config, run: RunController) -> None:
                     user_properties=properties if when == "teardown" else (),
                 )
             )
-    for name, message in gate_skips(run):
+    for name, message in gate_skips(judgement):
         nodeid = f"{GATE_PATH}::{name}"
         for when, outcome in (("call", "skipped"), ("teardown", "passed")):
             xml.pytest_runtest_logreport(
@@ -170,7 +161,7 @@ def add_gate_failures(config: pytest.Config, run: RunController) -> None:
                     when,  # type: ignore[arg-type]
                 )
             )
-    for name, message in gate_failures(run):
+    for name, message in gate_failures(judgement):
         nodeid = f"{GATE_PATH}::{name}"
         for when, outcome in (("call", "failed"), ("teardown", "passed")):
             xml.pytest_runtest_logreport(

@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from pytest_gpubench.config.matrix import Cell, Thresholds
+from pytest_gpubench.config.matrix import Thresholds
 from pytest_gpubench.results.decision import change_word, scipy_stats, verdict_of
 from pytest_gpubench.results.gate import (
     ALPHA,
@@ -33,6 +33,32 @@ BOOTSTRAP_SEED = 20261125
 # some look is no likelier by chance than a fixed-N verdict at ALPHA.
 MAX_LOOKS = 4
 Decision = Literal["regression", "win", "unchanged"]
+
+
+class PairedCell(Protocol):
+    """What judging a candidate needs of its cell's settings (results/judging.CellJudging)."""
+
+    @property
+    def thresholds(self) -> Thresholds: ...
+
+    @property
+    def runs(self) -> int: ...
+
+    @property
+    def min_runs(self) -> int | None: ...
+
+    @property
+    def reference(self) -> str | None: ...
+
+
+class PairedSettings(Protocol):
+    """A run's settings as A/B judging reads them: each cell's, and the runs override."""
+
+    @property
+    def cells(self) -> Mapping[str, PairedCell]: ...
+
+    @property
+    def runs_override(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -302,31 +328,39 @@ def collect_pairs(
     return {key: pairs for key, pairs in found.items() if pairs.candidate}
 
 
-def ab_verdicts(
-    calls: Iterable[Mapping[str, Any]], cells: Sequence[Cell], runs_override: int | None = None
-) -> list[Verdict]:
+def ab_verdicts(calls: Iterable[Mapping[str, Any]], settings: PairedSettings) -> list[Verdict]:
     """Every A/B candidate's verdicts, per prompt and metric, against its reference."""
-    by_id = {cell.cell_id: cell for cell in cells}
-    candidates = {cell.cell_id: cell.reference for cell in cells if cell.reference is not None}
+    candidates = {
+        cell_id: cell.reference
+        for cell_id, cell in settings.cells.items()
+        if cell.reference is not None
+    }
     verdicts: list[Verdict] = []
     for (cell_id, prompt_id), pairs in sorted(collect_pairs(calls, candidates).items()):
-        cell = by_id[cell_id]
-        verdicts.extend(judge_candidate(cell, prompt_id, pairs, runs_override=runs_override))
+        verdicts.extend(
+            judge_candidate(
+                cell_id, settings.cells[cell_id], prompt_id, pairs, settings.runs_override
+            )
+        )
     return verdicts
 
 
 def judge_candidate(
-    cell: Cell, prompt_id: str, pairs: Pairs, *, runs_override: int | None = None
+    cell_id: str,
+    cell: PairedCell,
+    prompt_id: str,
+    pairs: Pairs,
+    runs_override: int | None = None,
 ) -> list[Verdict]:
     """One verdict per metric. Fixed N: large (past the threshold) and significant (Wilcoxon at
     ALPHA). Sequential (`min_runs`): the look that decided it, or the last, each at its share
     of ALPHA; an early stop as unchanged is `ok`."""
     reference = str(cell.reference)
     max_pairs = runs_override or cell.runs
-    min_pairs = min(cell.spec.min_runs or max_pairs, max_pairs)
+    min_pairs = min(cell.min_runs or max_pairs, max_pairs)
     alpha, decided_at = ALPHA, None
     judged = pairs
-    if cell.spec.min_runs is not None:
+    if cell.min_runs is not None:
         planned = looks(min_pairs, max_pairs)
         alpha = ALPHA / len(planned)
         stop = sequential_stop(pairs, cell.thresholds, min_pairs, max_pairs)
@@ -345,7 +379,7 @@ def judge_candidate(
         kind, message = _word(result, threshold, alpha, decided_at, max_pairs)
         verdicts.append(
             Verdict(
-                cell_id=cell.cell_id,
+                cell_id=cell_id,
                 prompt_id=prompt_id,
                 metric=metric.name,
                 baseline=result.reference_median,
@@ -353,7 +387,7 @@ def judge_candidate(
                 change_ratio=result.ratio,
                 p_value=result.p_value,
                 verdict=kind,
-                message=f"{cell.cell_id} {prompt_id}: {message} against {reference}",
+                message=f"{cell_id} {prompt_id}: {message} against {reference}",
                 reference=reference,
                 interval_low=result.interval[0] if result.interval else None,
                 interval_high=result.interval[1] if result.interval else None,

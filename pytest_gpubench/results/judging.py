@@ -1,0 +1,553 @@
+"""The one judgement of a run: its records, its baselines and the settings it ran with in; every
+verdict, what became of each planned cell and the exit status out. The session's end, `gpubench
+gate` (a finished or merged ledger) and the re-measure's first look all call `judge_run`; nothing
+else decides. The settings are written into the ledger's meta record as the run starts, so a
+ledger is judged from itself and its baselines alone, on any machine, at any later time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
+
+from pytest_gpubench.config.load_profile import LoadThresholds
+from pytest_gpubench.config.matrix import Thresholds
+from pytest_gpubench.core.errors import GpubenchError, key_path
+from pytest_gpubench.core.status import session_status
+from pytest_gpubench.ledger.outcomes import CellOutcome, PlannedCell, cell_outcomes
+from pytest_gpubench.ledger.schema import (
+    CallRecord,
+    CellRecord,
+    LoadCallRecord,
+    LoadRecord,
+    MetaRecord,
+    SkippedRecord,
+)
+from pytest_gpubench.results.decision import ALPHA, MIN_HISTORY
+
+if TYPE_CHECKING:
+    from pytest_gpubench.config.matrix import Cell
+    from pytest_gpubench.results.gate import Verdict
+    from pytest_gpubench.results.run_history import History
+    from pytest_gpubench.results.stats import PromptSummary
+    from pytest_gpubench.telemetry.aggregate import TelemetrySummary
+
+# The meta record's key for the settings, and the version of their shape.
+SETTINGS_KEY = "judging"
+SETTINGS_VERSION = 1
+# A suspect that the re-measure could not measure again: its reason, in a record of its own.
+NOT_REMEASURED = "not_remeasured"
+# The phase of a load case's call records: judged per load point, never with the warm calls.
+LOAD_PHASE = "load"
+# The thresholds' relative fields with a default (results/gate.py), written resolved: a later
+# release's defaults never change how a ledger written today is judged.
+RATIO_FIELDS = ("ttft_p50", "total_p50", "tokens_per_sec", "first_answer_p50")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CellJudging(_Strict):
+    """What judging one cell needs: its thresholds (defaults resolved), its load points',
+    its runs (the most an A/B pair sequence may take), min_runs (sequential looks), its A/B
+    reference, and whether it may go unmeasured."""
+
+    node: str
+    thresholds: Thresholds
+    load: LoadThresholds | None = None
+    runs: PositiveInt
+    min_runs: PositiveInt | None = None
+    reference: str | None = None
+    optional: bool = False
+    skip: str | None = None
+
+
+class JudgingSettings(_Strict):
+    """A run's effective settings for judging: each cell's, the command line's and the
+    defaults in force, exactly as the session used them."""
+
+    version: Literal[1] = 1
+    cells: dict[str, CellJudging] = {}
+    # --gpubench-runs, or the ini file's gpubench_runs: the runs every cell was asked for.
+    runs_override: PositiveInt | None = None
+    accept_incomparable: bool = False
+    baseline_update: bool = False
+    smoke: bool = False
+    alpha: float = ALPHA
+    min_history: int = MIN_HISTORY
+
+    @classmethod
+    def of_cells(
+        cls,
+        cells: Sequence[Cell],
+        *,
+        runs_override: int | None = None,
+        accept_incomparable: bool = False,
+        baseline_update: bool = False,
+        smoke: bool = False,
+    ) -> JudgingSettings:
+        """The settings of a run of these cells (the matrix's, or a shard's share of it)."""
+        return cls(
+            cells={cell.cell_id: _cell_judging(cell) for cell in cells},
+            runs_override=runs_override,
+            accept_incomparable=accept_incomparable,
+            baseline_update=baseline_update,
+            smoke=smoke,
+        )
+
+    @classmethod
+    def from_record(cls, data: Any, source: str) -> JudgingSettings:
+        """The settings a ledger recorded; a bad record is one line naming the key."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = key_path(tuple(error["loc"]))
+            raise GpubenchError(
+                f"{source}: meta record: {SETTINGS_KEY}.{where}: {error['msg']}"
+            ) from None
+
+    def to_record(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_defaults=False)
+
+    @property
+    def writes_baselines(self) -> bool:
+        """--baseline-update writes baselines from the run (never from --smoke's one call)."""
+        return self.baseline_update and not self.smoke
+
+    def cell(self, cell_id: str) -> CellJudging | None:
+        return self.cells.get(cell_id)
+
+    def thresholds(self) -> dict[str, Thresholds]:
+        return {cell_id: cell.thresholds for cell_id, cell in self.cells.items()}
+
+    def load_thresholds(self) -> dict[str, LoadThresholds]:
+        return {cell_id: cell.load for cell_id, cell in self.cells.items() if cell.load}
+
+
+def resolved_thresholds(thresholds: Thresholds) -> Thresholds:
+    """The thresholds with every relative default and the success rate's written in."""
+    from pytest_gpubench.results.gate import DEFAULT_RATIO_THRESHOLD, DEFAULT_SUCCESS_RATE
+
+    defaults: dict[str, float] = {
+        name: DEFAULT_RATIO_THRESHOLD for name in RATIO_FIELDS if getattr(thresholds, name) is None
+    }
+    if thresholds.success_rate is None:
+        defaults["success_rate"] = DEFAULT_SUCCESS_RATE
+    return thresholds.model_copy(update=defaults)
+
+
+def _cell_judging(cell: Cell) -> CellJudging:
+    return CellJudging(
+        node=cell.spec.node,
+        thresholds=resolved_thresholds(cell.thresholds),
+        load=cell.load.thresholds if cell.load is not None else None,
+        runs=cell.runs,
+        min_runs=cell.spec.min_runs,
+        reference=cell.reference,
+        optional=cell.spec.optional,
+        skip=cell.spec.skip,
+    )
+
+
+@dataclass
+class RunRecords:
+    """A run's records by kind, as the session collects them and as a ledger holds them."""
+
+    meta: MetaRecord | None = None
+    cells: dict[str, CellRecord] = field(default_factory=dict)
+    # Warm and cold calls of the first pass; the re-measure's (`pass: 2`), judged on their own
+    # and then with the first pass's (results/confirm.py); the suspects it could not measure.
+    calls: list[CallRecord] = field(default_factory=list)
+    remeasured: list[CallRecord] = field(default_factory=list)
+    not_remeasured: dict[tuple[str, str], str] = field(default_factory=dict)
+    load_calls: list[LoadCallRecord] = field(default_factory=list)
+    loads: list[LoadRecord] = field(default_factory=list)
+    skips: list[SkippedRecord] = field(default_factory=list)
+    # False for a ledger that has no end record: its run died before it could end.
+    ended: bool = True
+
+    def add(self, record: Mapping[str, Any]) -> bool:
+        """Keep one record by its kind; False for a cell already described (each xdist worker
+        that ran a cell describes it: the first is kept, and only it goes into the ledger)."""
+        kind = record.get("type")
+        if kind == "call" and record.get("phase") == LOAD_PHASE:
+            self.load_calls.append(cast(LoadCallRecord, record))
+        elif kind == "call" and record.get("pass", 1) != 1:
+            self.remeasured.append(cast(CallRecord, record))
+        elif kind == "call":
+            self.calls.append(cast(CallRecord, record))
+        elif kind == "load":
+            self.loads.append(cast(LoadRecord, record))
+        elif kind == "skipped":
+            self.skips.append(cast(SkippedRecord, record))
+        elif kind == NOT_REMEASURED:
+            key = (str(record.get("cell_id")), str(record.get("prompt_id")))
+            self.not_remeasured[key] = str(record.get("reason"))
+        elif kind == "cell":
+            cell_id = str(record.get("cell_id"))
+            if cell_id in self.cells:
+                return False
+            self.cells[cell_id] = cast(CellRecord, record)
+        elif kind == "meta" and self.meta is None:
+            self.meta = cast(MetaRecord, record)
+        return True
+
+    @classmethod
+    def from_records(cls, records: Iterable[Mapping[str, Any]]) -> RunRecords:
+        run = cls(ended=False)
+        for record in records:
+            if record.get("type") == "end":
+                run.ended = True
+            else:
+                run.add(record)
+        return run
+
+    @property
+    def planned(self) -> list[str]:
+        return [] if self.meta is None else [str(c) for c in self.meta.get("cells_planned", [])]
+
+
+def not_remeasured_record(run_id: str, cell_id: str, prompt_id: str, reason: str) -> dict[str, Any]:
+    """A suspect the re-measure left alone, and why: its regression stands, saying so."""
+    return {
+        "type": NOT_REMEASURED,
+        "benchmark_run_id": run_id,
+        "cell_id": cell_id,
+        "prompt_id": prompt_id,
+        "reason": reason,
+    }
+
+
+@dataclass
+class Judgement:
+    """Every verdict of a run (the warm calls', the A/B pairs', the load points'), what became of
+    each planned cell, and why anything went unjudged."""
+
+    settings: JudgingSettings = field(default_factory=JudgingSettings)
+    summaries: list[PromptSummary] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+    # Per load point (results/load_gate.py), kept apart: the warm table never shows them.
+    load_verdicts: list[Verdict] = field(default_factory=list)
+    # Per (cell, prompt): the warm calls' resource telemetry (telemetry/aggregate.py).
+    telemetry: list[TelemetrySummary] = field(default_factory=list)
+    outcomes: list[CellOutcome] = field(default_factory=list)
+    gate_error: str | None = None
+    # The baselines could not be read (nothing was judged) or written; which of the run's parts
+    # went unjudged ("warm", "load").
+    unjudged: bool = False
+    unjudged_parts: set[str] = field(default_factory=set)
+    write_failed: bool = False
+    # What judging had to assume (a ledger that recorded no settings), or was told.
+    notes: list[str] = field(default_factory=list)
+    baseline_notes: list[str] = field(default_factory=list)
+    # Per cell id: what differs between its baseline's setup and this run's; and the cells whose
+    # new setup --baseline-update ratified (wrote).
+    changed_setups: dict[str, str] = field(default_factory=dict)
+    ratified: set[str] = field(default_factory=set)
+
+    @property
+    def every_verdict(self) -> list[Verdict]:
+        return [*self.verdicts, *self.load_verdicts]
+
+    def failing_incomparables(self) -> list[Verdict]:
+        """The `incomparable` verdicts that fail the run: those not ratified."""
+        from pytest_gpubench.results.gate import incomparables
+
+        return [v for v in incomparables(self.verdicts) if v.cell_id not in self.ratified]
+
+    def failing_regressions(self) -> list[Verdict]:
+        """The regressions that fail the run: with --baseline-update, only an A/B candidate's
+        (it is judged against its reference, not a baseline: ratifying does not accept it)."""
+        from pytest_gpubench.results.gate import regressions
+
+        found = regressions(self.every_verdict)
+        if self.settings.baseline_update:
+            return [verdict for verdict in found if verdict.reference is not None]
+        return found
+
+    @property
+    def unmeasured(self) -> list[CellOutcome]:
+        return [outcome for outcome in self.outcomes if outcome.fails_run]
+
+    def exit_status(self, pytest_status: int = 0, *, write_failed: bool = False) -> int:
+        """The run's exit status from these findings (core/status.py ranks them)."""
+        unsteady = any(v.verdict == "unsteady" for v in self.every_verdict)
+        return session_status(
+            pytest_status,
+            write_failed=write_failed or self.write_failed,
+            unjudged=self.unjudged,
+            unmeasured=bool(self.unmeasured),
+            incomparable=bool(self.failing_incomparables()),
+            regressed=bool(self.failing_regressions()),
+            unsteady=unsteady and not self.settings.baseline_update,
+        )
+
+
+@dataclass
+class _Baselines:
+    """The measured cells' baselines: their summaries, histories and changed setups."""
+
+    summaries: list[PromptSummary] = field(default_factory=list)
+    histories: dict[tuple[str, str], History] = field(default_factory=dict)
+    changed: dict[str, str] = field(default_factory=dict)
+
+
+def _read_baselines(run: RunRecords, baselines_dir: Path, *, replacing: bool) -> _Baselines:
+    """Each measured cell's baseline; a cell whose baseline came from another setup is named in
+    `changed`. A corrupt file counts as none when this run replaces it (--baseline-update)."""
+    from pytest_gpubench.results.baseline import cell_provenance, find_baseline, provenance_changes
+    from pytest_gpubench.results.baseline_format import CorruptBaseline
+
+    found = _Baselines()
+    for cell_id in sorted({str(call.get("cell_id")) for call in run.calls}):
+        try:
+            baseline = find_baseline(baselines_dir, cell_id)
+        except CorruptBaseline:
+            if not replacing:
+                raise
+            continue  # --baseline-update replaces it, and says so
+        if baseline is None:
+            continue
+        found.summaries.extend(baseline.prompts)
+        for prompt_id, runs in baseline.history.items():
+            found.histories[(cell_id, prompt_id)] = runs
+        cell = run.cells.get(cell_id)
+        if cell is None or run.meta is None:
+            continue  # nothing known of this run's setup: nothing to compare
+        changes = provenance_changes(
+            baseline.provenance, cell_provenance(run.meta, cell, run.calls)
+        )
+        if changes:
+            found.changed[cell_id] = ", ".join(changes)
+    return found
+
+
+def first_pass_verdicts(
+    run: RunRecords, settings: JudgingSettings, baselines_dir: Path
+) -> list[Verdict]:
+    """The warm verdicts of the first pass alone: the re-measure's suspects are among them.
+    Raises GpubenchError where the baselines cannot be read (the end then says why)."""
+    from pytest_gpubench.results.stats import summarize
+
+    found = _read_baselines(run, baselines_dir, replacing=False)
+    return _warm_verdicts(summarize(run.calls), found, settings)
+
+
+def _warm_verdicts(
+    summaries: Sequence[PromptSummary], found: _Baselines, settings: JudgingSettings
+) -> list[Verdict]:
+    from pytest_gpubench.results.gate import compare
+
+    return compare(
+        found.summaries,
+        summaries,
+        settings.thresholds(),
+        changed_setups=found.changed,
+        accept_incomparable=settings.accept_incomparable,
+        histories=found.histories,
+    )
+
+
+def judge_run(run: RunRecords, settings: JudgingSettings, baselines_dir: Path) -> Judgement:
+    """The run's judgement: the warm calls against their baselines (a suspect decided on both
+    passes), each resource limit, each A/B candidate against its reference, each load point
+    against its load baseline, and each planned cell's outcome."""
+    judgement = Judgement(settings=settings)
+    if run.calls:
+        _judge_warm(judgement, run, baselines_dir)
+        if any(cell.reference is not None for cell in settings.cells.values()):
+            from pytest_gpubench.results.paired import ab_verdicts
+
+            judgement.verdicts.extend(ab_verdicts(run.calls, settings))
+    if run.loads:
+        _judge_loads(judgement, run, baselines_dir)
+    judgement.outcomes = run_outcomes(run, settings)
+    if settings.alpha != ALPHA or settings.min_history != MIN_HISTORY:
+        judgement.notes.append(
+            f"the ledger was written with alpha {settings.alpha:g} and {settings.min_history} "
+            f"runs of history before a between-run verdict; judged with this release's {ALPHA:g} "
+            f"and {MIN_HISTORY}"
+        )
+    return judgement
+
+
+def _judge_warm(judgement: Judgement, run: RunRecords, baselines_dir: Path) -> None:
+    from pytest_gpubench.results.gate import ACCEPT_OPTION, telemetry_verdicts
+    from pytest_gpubench.results.stats import summarize
+    from pytest_gpubench.telemetry.aggregate import telemetry_summaries
+
+    settings = judgement.settings
+    judgement.summaries = summarize(run.calls)
+    judgement.telemetry = telemetry_summaries(run.calls)
+    try:
+        found = _read_baselines(run, baselines_dir, replacing=settings.writes_baselines)
+        judgement.changed_setups = found.changed
+        verdicts = _warm_verdicts(judgement.summaries, found, settings)
+        if run.remeasured or run.not_remeasured:
+            from pytest_gpubench.results.confirm import confirm
+
+            second = _warm_verdicts(summarize(run.remeasured), found, settings)
+            verdicts = confirm(verdicts, second, run.not_remeasured)
+        verdicts.extend(telemetry_verdicts(run.calls, settings.thresholds()))
+    except GpubenchError as exc:
+        judgement.gate_error = str(exc)
+        judgement.unjudged = True
+        judgement.unjudged_parts.add("warm")
+        return
+    judgement.verdicts = verdicts
+    if settings.accept_incomparable and not settings.baseline_update:
+        judgement.baseline_notes.extend(
+            f"baseline of {cell_id} measured on another setup ({changes}): compared all "
+            f"the same ({ACCEPT_OPTION})"
+            for cell_id, changes in sorted(found.changed.items())
+        )
+
+
+def _judge_loads(judgement: Judgement, run: RunRecords, baselines_dir: Path) -> None:
+    """Each load point against its load baseline (baselines/load/); a load baseline that
+    cannot be read is none where this run replaces it."""
+    from pytest_gpubench.results.load_baseline import read_load_baselines
+    from pytest_gpubench.results.load_gate import judge_loads
+
+    settings = judgement.settings
+    cell_ids = {str(record.get("cell_id")) for record in run.loads}
+    try:
+        baselines = read_load_baselines(baselines_dir, cell_ids)
+    except GpubenchError as exc:
+        if not settings.writes_baselines:
+            judgement.gate_error = str(exc)
+            judgement.unjudged = True
+            judgement.unjudged_parts.add("load")
+            return
+        baselines = {}
+    judgement.load_verdicts = judge_loads(run.loads, baselines, settings.load_thresholds())
+
+
+def run_outcomes(run: RunRecords, settings: JudgingSettings) -> list[CellOutcome]:
+    """What became of each planned cell (ledger/outcomes.py). A job array's cell whose shard
+    left no ledger or no end record is missing, as the merge found (the meta's `cells_lost`);
+    in a ledger that has no end record, every cell not measured is missing."""
+    planned = [_planned(cell_id, settings.cell(cell_id)) for cell_id in run.planned]
+    outcomes = cell_outcomes(
+        planned, cells=run.cells, skips=run.skips, calls=[*run.calls, *run.load_calls]
+    )
+    lost: Mapping[str, str] = (run.meta.get("cells_lost") if run.meta else None) or {}
+    return [_as_run_ended(outcome, lost, ended=run.ended) for outcome in outcomes]
+
+
+def _as_run_ended(outcome: CellOutcome, lost: Mapping[str, str], *, ended: bool) -> CellOutcome:
+    """A cell a lost shard took with it is missing; so is every cell not measured in a ledger
+    whose run died before its end record."""
+    if outcome.cell_id in lost:
+        return replace(outcome, status="missing", optional=False, reason=lost[outcome.cell_id])
+    if not ended and outcome.unmeasured:
+        return replace(outcome, status="missing", reason="the ledger has no end record")
+    return outcome
+
+
+def _planned(cell_id: str, cell: CellJudging | None) -> PlannedCell:
+    if cell is None:
+        # A cell the settings do not name (a lost shard's): required, as nothing says otherwise.
+        return PlannedCell(cell_id=cell_id, node=cell_id.split(":", 1)[0])
+    return PlannedCell(cell_id=cell_id, node=cell.node, optional=cell.optional, skip=cell.skip)
+
+
+def settings_of_ledger(
+    meta: MetaRecord, source: str, *, cells_path: Path | None = None
+) -> tuple[JudgingSettings, list[str]]:
+    """The settings a ledger is judged with: those its meta record holds. A ledger written before
+    they were recorded is judged with its cells.yaml as it is now (or the one named) and the runs
+    on its command line, else the defaults, with a note saying what was assumed."""
+    recorded = meta.get(SETTINGS_KEY)
+    if recorded is not None:
+        settings = JudgingSettings.from_record(recorded, source)
+        ignored = [] if cells_path is None else [f"--cells {cells_path} ignored: {RECORDED}"]
+        return settings, ignored
+    from pytest_gpubench.config.matrix import read_matrix
+
+    cells = cells_path or (Path(meta["cells_file"]) if meta.get("cells_file") else None)
+    prompts = Path(meta["prompts_file"]) if meta.get("prompts_file") else None
+    runs = runs_on_command_line(meta)
+    older = "the ledger records no settings (written by an earlier release)"
+    if cells is None or prompts is None or not cells.exists() or not prompts.exists():
+        return JudgingSettings(runs_override=runs), [f"{older}: default thresholds for every cell"]
+    try:
+        matrix = read_matrix(cells, prompts)
+    except GpubenchError as exc:
+        return JudgingSettings(runs_override=runs), [
+            f"{older}: default thresholds for every cell: {exc}"
+        ]
+    assumed = f"{older}: judged with {cells} as it is now"
+    if runs is not None:
+        assumed += f" and --gpubench-runs {runs} from its command line"
+    return JudgingSettings.of_cells(matrix.cells, runs_override=runs), [assumed]
+
+
+RECORDED = "the ledger records the settings its run was judged with"
+
+
+def runs_on_command_line(meta: MetaRecord) -> int | None:
+    """An older ledger's --gpubench-runs, read from its command line (None when not given)."""
+    argv = [str(arg) for arg in meta.get("command_line") or []]
+    for index, arg in enumerate(argv):
+        value = None
+        if arg == "--gpubench-runs" and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif arg.startswith("--gpubench-runs="):
+            value = arg.split("=", 1)[1]
+        if value is not None and value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+@dataclass(frozen=True)
+class LedgerJudgement:
+    """`gpubench gate` on a finished ledger: the run's judgement, and the exit status that a
+    session with those findings has."""
+
+    judgement: Judgement
+    exit_status: int
+
+    @property
+    def verdicts(self) -> list[Verdict]:
+        return self.judgement.verdicts
+
+    @property
+    def load_verdicts(self) -> list[Verdict]:
+        return self.judgement.load_verdicts
+
+    @property
+    def unmeasured(self) -> list[CellOutcome]:
+        return self.judgement.unmeasured
+
+    @property
+    def notes(self) -> list[str]:
+        return self.judgement.notes
+
+
+def judge_ledger(
+    records: Sequence[Mapping[str, Any]],
+    baselines_dir: Path,
+    *,
+    source: str = "the ledger",
+    cells_path: Path | None = None,
+) -> LedgerJudgement:
+    """A finished (or merged) ledger judged as its session judged it: with the settings its meta
+    record holds, against the baselines in `baselines_dir`."""
+    run = RunRecords.from_records(records)
+    if run.meta is None:
+        raise GpubenchError(f"{source}: the ledger has no meta record")
+    settings, notes = settings_of_ledger(run.meta, source, cells_path=cells_path)
+    judgement = judge_run(run, settings, baselines_dir)
+    judgement.notes[:0] = notes
+    if settings.baseline_update:
+        judgement.notes.append(
+            "the run ratified its numbers (--baseline-update): judged against the baselines as "
+            "they are now, which it may have written"
+        )
+    return LedgerJudgement(judgement, judgement.exit_status())

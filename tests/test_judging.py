@@ -1,0 +1,266 @@
+"""One judgement (results/judging.py): the session's end and `gpubench gate` on the same ledger give
+the same verdicts and the same exit status, whatever the run held, and whatever happened to
+cells.yaml or the command line since. The real job array's ledgers are gated from an empty folder
+in test_slurm_array.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from support.judged_runs import CellPlan, GeneratedRun, run_session
+from support.standins import OllamaStandin, serving
+
+from pytest_gpubench.cli.main import main
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.results.judging import (
+    SETTINGS_KEY,
+    JudgingSettings,
+    RunRecords,
+    judge_ledger,
+)
+
+
+def gate_of(ledger: Path, baselines: Path) -> tuple[list[dict[str, Any]], int]:
+    """`gpubench gate`'s verdicts (as the end record holds them) and its exit status."""
+    judged = judge_ledger(read_ledger(ledger), baselines, source=str(ledger))
+    verdicts = [verdict.to_record() for verdict in judged.judgement.every_verdict]
+    return json.loads(json.dumps(verdicts)), judged.exit_status
+
+
+# -- the property ------------------------------------------------------------------------------
+
+SLOWDOWNS = st.sampled_from([1.0, 1.05, 1.3, 2.0, 0.6])
+
+
+@st.composite
+def cell_plans(draw: st.DrawFn) -> list[CellPlan]:
+    """One to three cells against their baselines, and maybe an A/B candidate of the first:
+    thresholds, runs, sequential looks, the engine's change, the machine's drift and pressure,
+    what the re-measure finds, load points, and 0 to 4 runs of baseline history."""
+    count = draw(st.integers(1, 3))
+    plans = []
+    for number in range(count):
+        plans.append(
+            CellPlan(
+                name=f"c{number}",
+                threshold=draw(st.sampled_from([0.1, 0.2, 0.5])),
+                runs=draw(st.integers(3, 8)),
+                slowdown=draw(SLOWDOWNS),
+                drift=draw(st.sampled_from([1.0, 1.0, 1.6])),
+                pressure=draw(st.sampled_from([0.0, 0.0, 0.4])),
+                again=draw(st.sampled_from([1.0, 2.0, None])),
+                load_slowdown=draw(st.sampled_from([None, 1.0, 2.0])),
+                history=draw(st.integers(0, 4)),
+            )
+        )
+    if draw(st.booleans()):
+        plans.append(
+            CellPlan(
+                name="candidate",
+                runs=plans[0].runs,
+                min_runs=draw(st.sampled_from([None, 3])),
+                reference=plans[0].cell_id,
+                slowdown=draw(SLOWDOWNS) * plans[0].slowdown,
+                drift=plans[0].drift,
+                history=0,
+            )
+        )
+    return plans
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    plans=cell_plans(),
+    seed=st.integers(0, 1000),
+    runs_override=st.sampled_from([None, None, 4]),
+    accept=st.booleans(),
+)
+def test_the_gate_on_a_ledger_says_what_its_session_said(
+    tmp_path_factory: pytest.TempPathFactory,
+    plans: list[CellPlan],
+    seed: int,
+    runs_override: int | None,
+    accept: bool,
+) -> None:
+    """Generated runs (warm calls, load points, A/B pairs with and without sequential looks,
+    re-measure passes that confirm, clear or cannot run, steadiness readings, baselines with and
+    without history, --gpubench-runs, --gpubench-accept-incomparable): the verdicts in the
+    session's end record equal those of `gpubench gate` on its ledger, compared as JSON, and so
+    do the exit statuses."""
+    root = tmp_path_factory.mktemp("run")
+    generated = GeneratedRun(
+        root, plans, seed=seed, runs_override=runs_override, accept_incomparable=accept
+    )
+    generated.write_baselines()
+    session = run_session(generated)
+    verdicts, status = gate_of(session.ledger, generated.baselines)
+    for verdict in verdicts:
+        kind = "A/B" if verdict.get("reference") else verdict["metric"].split("_")[0]
+        event(f"{kind} {verdict['verdict']}{' ' + str(verdict['remeasure'] or '')}")
+    event(f"exit status {status}")
+    assert verdicts == session.end["verdicts"]
+    assert status == session.exit_status == session.end["exit_status"]
+
+
+# -- the two contradictions seen from outside ---------------------------------------------------
+
+
+def test_cells_yaml_edited_after_the_run_changes_nothing_the_gate_says(tmp_path: Path) -> None:
+    """The session judged with a 10 % threshold and found a regression (exit 6); cells.yaml then
+    raises it to 900 % and drops a cell. `gpubench gate` on the ledger still says exit 6 with the
+    same verdicts: it reads the thresholds the run recorded, not today's cells.yaml. Before, it
+    re-read cells.yaml and passed the same ledger."""
+    plans = [
+        CellPlan("main", threshold=0.1, slowdown=2.0, again=2.0, history=2),
+        CellPlan("other", threshold=0.1, history=2),
+    ]
+    generated = GeneratedRun(tmp_path, plans, seed=5)
+    generated.write_baselines()
+    session = run_session(generated)
+    assert session.exit_status == 6
+    generated.write_cells([CellPlan("main", threshold=9.0)])
+    verdicts, status = gate_of(session.ledger, generated.baselines)
+    assert status == 6
+    assert verdicts == session.end["verdicts"]
+    assert any(v["verdict"] == "regression" for v in verdicts)
+
+
+def test_a_ledger_copied_to_an_empty_folder_is_judged_the_same(tmp_path: Path) -> None:
+    """No cells.yaml, no prompts.yaml, no command line: the ledger and the baselines alone."""
+    plans = [CellPlan("main", threshold=0.2, slowdown=1.3, again=1.3, history=3)]
+    generated = GeneratedRun(tmp_path / "project", plans, seed=9)
+    generated.write_baselines()
+    session = run_session(generated)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(session.ledger, empty / "run.jsonl")
+    shutil.copytree(generated.baselines, empty / "baselines")
+    shutil.rmtree(generated.root)
+    verdicts, status = gate_of(empty / "run.jsonl", empty / "baselines")
+    assert (verdicts, status) == (session.end["verdicts"], session.exit_status)
+
+
+PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 3}\n'
+TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
+
+
+def ab_cells(main_url: str, pr_url: str) -> str:
+    cell = "node: local, engine: ollama, model: 'qwen3.5:0.8b', phases: [warm], runs: 4"
+    return (
+        "nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{{cell}, name: main, endpoint: '{main_url}'}}\n"
+        f"  - {{{cell}, name: pr, endpoint: '{pr_url}', min_runs: 3,"
+        " reference: 'local:ollama:qwen3.5:0.8b@main'}\n"
+    )
+
+
+def test_runs_set_in_the_ini_file_are_the_runs_the_gate_judges_with(
+    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpubench_runs = 7` in the ini file raises the A/B pairs to 7 (cells.yaml says 4): the
+    session judged the candidate with up to 7 pairs and its looks at 3, 4, 5 and 7. `gpubench
+    gate` on the ledger judges with the same, though the command line names no runs; before, it
+    read --gpubench-runs back from the command line and judged with 4 (another max_pairs and
+    look schedule). Ollama cannot run here: the stand-in follows its documented API."""
+    with (
+        serving(OllamaStandin(token_s=0.004)) as main_url,
+        serving(OllamaStandin(token_s=0.004)) as pr_url,
+    ):
+        pytester.makefile(".yaml", prompts=PROMPTS, cells=ab_cells(main_url, pr_url))
+        pytester.makeini("[pytest]\ngpubench_runs = 7\n")
+        pytester.makepyfile(test_bench=TEST_FILE)
+        result = pytester.runpytest("--force-load")
+    ledger = next((pytester.path / "runs").glob("*.jsonl"))
+    records = read_ledger(ledger)
+    end = records[-1]
+    assert records[0][SETTINGS_KEY]["runs_override"] == 7
+    ab = [v for v in end["verdicts"] if v.get("reference")]
+    assert ab and {v["max_pairs"] for v in ab} == {7}
+    assert "--gpubench-runs" not in " ".join(records[0]["command_line"])
+    (pytester.path / "baselines").mkdir(exist_ok=True)
+    verdicts, status = gate_of(ledger, pytester.path / "baselines")
+    assert verdicts == end["verdicts"]
+    assert status == result.ret == end["exit_status"]
+    assert main(["gate", str(ledger), "--baselines", str(pytester.path / "baselines")]) == status
+    assert "max_pairs" not in capsys.readouterr().err
+
+
+# -- settings recorded, and ledgers that recorded none -------------------------------------------
+
+
+def test_the_meta_record_holds_every_cells_resolved_thresholds(tmp_path: Path) -> None:
+    """The defaults in force are written in (20 % where cells.yaml gave none, success 0.95), so a
+    release with other defaults judges today's ledger as today's session did."""
+    generated = GeneratedRun(tmp_path, [CellPlan("main", threshold=0.3)], seed=1)
+    session = run_session(generated)
+    recorded = session.records[0][SETTINGS_KEY]
+    cell = recorded["cells"]["local:llamacpp:tiny@main"]
+    assert cell["thresholds"]["ttft_p50"] == 0.3
+    assert cell["thresholds"]["first_answer_p50"] == 0.2
+    assert cell["thresholds"]["success_rate"] == 0.95
+    assert cell["runs"] == 6 and cell["node"] == "local"
+    assert recorded["alpha"] == 0.05 and recorded["baseline_update"] is False
+
+
+def test_a_ledger_of_an_earlier_release_is_judged_with_a_note_saying_what_was_assumed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    generated = GeneratedRun(tmp_path, [CellPlan("main", slowdown=2.0, again=2.0)], seed=2)
+    generated.write_baselines()
+    session = run_session(generated)
+    records = read_ledger(session.ledger)
+    del records[0][SETTINGS_KEY]
+    older = tmp_path / "older.jsonl"
+    older.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert main(["gate", str(older), "--baselines", str(generated.baselines)]) == 6
+    out = capsys.readouterr().out
+    assert (
+        f"note: the ledger records no settings (written by an earlier release): judged with "
+        f"{generated.root / 'cells.yaml'} as it is now"
+    ) in out
+
+
+def test_bad_recorded_settings_are_one_line_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    generated = GeneratedRun(tmp_path, [CellPlan("main")], seed=3)
+    generated.write_baselines()
+    session = run_session(generated)
+    records = read_ledger(session.ledger)
+    records[0][SETTINGS_KEY]["cells"]["local:llamacpp:tiny@main"]["runs"] = "many"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert main(["gate", str(bad), "--baselines", str(generated.baselines)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"gpubench: error: {bad}: meta record: judging.cells.")
+    assert "runs" in error and error.count("\n") == 1
+
+
+def test_settings_from_a_record_refuse_unknown_keys() -> None:
+    with pytest.raises(GpubenchError, match=r"ledger: meta record: judging\.surprise: "):
+        JudgingSettings.from_record({"surprise": 1}, "ledger")
+
+
+def test_a_run_s_records_are_kept_by_kind_and_a_cell_described_twice_once() -> None:
+    run = RunRecords()
+    cell = {"type": "cell", "cell_id": "a:b:c"}
+    assert run.add(cell) is True
+    assert run.add(dict(cell, engine_version="other")) is False
+    run.add({"type": "call", "cell_id": "a:b:c", "phase": "warm"})
+    run.add({"type": "call", "cell_id": "a:b:c", "phase": "warm", "pass": 2})
+    run.add({"type": "call", "cell_id": "a:b:c", "phase": "load"})
+    run.add({"type": "not_remeasured", "cell_id": "a:b:c", "prompt_id": "P", "reason": "why"})
+    assert (len(run.calls), len(run.remeasured), len(run.load_calls)) == (1, 1, 1)
+    assert run.not_remeasured == {("a:b:c", "P"): "why"}
+    assert dict(run.cells["a:b:c"]) == cell
