@@ -264,3 +264,19 @@ def test_a_run_s_records_are_kept_by_kind_and_a_cell_described_twice_once() -> N
     assert (len(run.calls), len(run.remeasured), len(run.load_calls)) == (1, 1, 1)
     assert run.not_remeasured == {("a:b:c", "P"): "why"}
     assert dict(run.cells["a:b:c"]) == cell
+
+
+def test_a_baseline_corrupted_after_the_run_is_one_error_line_and_exit_4(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As in a session that cannot read its baselines (a usage error: nothing was judged), not
+    a traceback and not gpubench's own exit 2."""
+    generated = GeneratedRun(tmp_path, [CellPlan("main", history=2)], seed=4)
+    generated.write_baselines()
+    session = run_session(generated)
+    (baseline,) = generated.baselines.glob("*.json")
+    baseline.write_text('{"format_version": 5, "cell_id": ')
+    assert main(["gate", str(session.ledger), "--baselines", str(generated.baselines)]) == 4
+    out = capsys.readouterr().out
+    assert f"ERROR: {baseline}: corrupt baseline: " in out
+    assert "gpubench gate: exit status 4: usage error" in out and "Traceback" not in out

@@ -8,7 +8,9 @@ judges the result against the baselines the tasks wrote.
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,9 +19,10 @@ import pytest
 from support.bench_files import CHECKED_TEST_FILE, ONE_PROMPT
 
 from pytest_gpubench.cli.main import main
-from pytest_gpubench.core.status import EXIT_UNMEASURED
+from pytest_gpubench.core.status import EXIT_UNMEASURED, most_severe
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.baseline import baseline_path
+from pytest_gpubench.results.judging import judge_ledger
 
 pytestmark = [pytest.mark.engine, pytest.mark.slurm]
 
@@ -42,6 +45,30 @@ def _cells(binary: Path, model: Path) -> str:
         "nodes:\n  box-a: {kind: local}\n  box-b: {kind: local}\n"
         f"cells:\n  - {cell('box-a')}\n  - {cell('box-b')}\n"
     )
+
+
+def _submit(project: Path, shared: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
+    """Submit the matrix as a two-task job array; its id. The two tasks share this machine's two
+    cores with each other and the rest of the suite: the gate would rightly call them busy
+    (exit 10, "re-run on a quiet machine"). These tests are about the array, the merge and the
+    gate's reading of both; the machine is not their subject."""
+    status = main(
+        [
+            "slurm", "submit", "--root", str(project), "--ledger-dir", str(shared),
+            "--sbatch-option=--time=10:00", "--sbatch-option=--cpus-per-task=1",
+            "--", "test_bench.py", "--force-load", "-p", "no:cacheprovider", *extra,
+            "--gpubench-steadiness", "off",
+        ]
+    )  # fmt: skip
+    assert status == 0
+    out = capsys.readouterr().out
+    match = re.search(r"submitted job array (\d+): 2 tasks", out)
+    assert match, out
+    return match.group(1)
+
+
+def _as_json(verdicts: list[dict[str, object]]) -> list[str]:
+    return sorted(json.dumps(verdict, sort_keys=True) for verdict in verdicts)
 
 
 def _wait_for_array(cluster: SlurmCluster, job_id: str) -> None:
@@ -67,22 +94,7 @@ def test_a_two_task_job_array_is_merged_and_gated(
     pytester.makepyfile(test_bench=CHECKED_TEST_FILE)
     shared = project / "shared"
     monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
-    # The two tasks share this machine's two cores with each other and the rest of the suite:
-    # the gate would rightly call them busy (exit 10, "re-run on a quiet machine"). This test is
-    # about the array, the merge and the gate's reading of both; the machine is not its subject.
-    status = main(
-        [
-            "slurm", "submit", "--root", str(project), "--ledger-dir", str(shared),
-            "--sbatch-option=--time=10:00", "--sbatch-option=--cpus-per-task=1",
-            "--", "test_bench.py", "--force-load", "-p", "no:cacheprovider", "--baseline-update",
-            "--gpubench-steadiness", "off",
-        ]
-    )  # fmt: skip
-    assert status == 0
-    out = capsys.readouterr().out
-    match = re.search(r"submitted job array (\d+): 2 tasks", out)
-    assert match, out
-    array_id = match.group(1)
+    array_id = _submit(project, shared, capsys, "--baseline-update")
     _wait_for_array(slurm_cluster, array_id)
 
     ledgers = sorted((shared / f"array-{array_id}").glob("*.jsonl"))
@@ -136,3 +148,51 @@ def test_a_two_task_job_array_is_merged_and_gated(
     assert "shard 1/2: no ledger merged" in capsys.readouterr().out
     assert main(["report", str(merged)]) == 0
     assert "box-b:llamacpp:tiny" in capsys.readouterr().out
+
+
+def test_a_merged_job_array_is_gated_from_an_empty_folder_as_its_shards_judged_it(
+    pytester: pytest.Pytester,
+    slurm_cluster: SlurmCluster,
+    llama_server: Path,
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    """A first array ratifies the baselines; a second is judged by its two tasks' own sessions
+    against them. Its merged ledger and the baselines, copied into an empty folder (no
+    cells.yaml, no prompts.yaml, no command line: the project's are moved away), are judged by
+    `gpubench gate` with the same verdicts as the shards' sessions wrote, compared as JSON, and
+    the exit status the most severe shard ended with."""
+    project = pytester.path
+    pytester.makefile(".yaml", prompts=ONE_PROMPT, cells=_cells(llama_server, tiny_model))
+    pytester.makepyfile(test_bench=CHECKED_TEST_FILE)
+    shared = project / "shared"
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
+    _wait_for_array(slurm_cluster, _submit(project, shared, capsys, "--baseline-update"))
+    array_id = _submit(project, shared, capsys)
+    _wait_for_array(slurm_cluster, array_id)
+    ledgers = sorted((shared / f"array-{array_id}").glob("*.jsonl"))
+    logs = "\n".join(path.read_text()[-1500:] for path in (shared / "logs").glob("*.out"))
+    assert len(ledgers) == 2, logs
+    ends = [read_ledger(path)[-1] for path in ledgers]
+    assert all(end["type"] == "end" for end in ends), logs
+    merged = shared / "merged.jsonl"
+    assert main(["merge", *map(str, ledgers), "-o", str(merged)]) == 0
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(merged, elsewhere / "run.jsonl")
+    shutil.copytree(project / "baselines", elsewhere / "baselines")
+    for name in ("cells.yaml", "prompts.yaml"):
+        (project / name).rename(tmp_path / name)
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    status = main(["gate", "run.jsonl", "--baselines", "baselines"])
+    out = capsys.readouterr().out
+    assert status == most_severe(int(end["exit_status"]) for end in ends), out
+    assert "note:" not in out  # nothing assumed: the ledger holds its settings
+    judged = judge_ledger(read_ledger(elsewhere / "run.jsonl"), elsewhere / "baselines")
+    gate = [verdict.to_record() for verdict in judged.judgement.every_verdict]
+    shards = [verdict for end in ends for verdict in end["verdicts"]]
+    assert shards and _as_json(json.loads(json.dumps(gate))) == _as_json(shards)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import httpx
@@ -22,6 +21,7 @@ from pytest_gpubench.config.matrix import Cell
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import distinct_file_name
 from pytest_gpubench.engines import control_client
+from pytest_gpubench.engines.launch_plan import is_local
 from pytest_gpubench.targets import BackgroundProcess, ListensBeyondLoopback, Target
 from pytest_gpubench.targets.stages import StageError
 
@@ -37,25 +37,6 @@ def render_launch(template: Sequence[str], values: Mapping[str, str]) -> list[st
     """The argv of a launch template: each known `{name}` replaced by its value; any other
     brace (a JSON argument) is left as written."""
     return [PLACEHOLDER.sub(lambda match: values[match.group(1)], word) for word in template]
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """How one managed engine is started on its node: the argv template, the environment it is
-    started with (values may hold placeholders too), the path that answers 200 once it is
-    ready, the name its log file starts with, the values of the placeholders other than
-    `{port}` and `{host}`, and the model's digest (None where there is no single file)."""
-
-    launch: tuple[str, ...]
-    health_path: str
-    program: str
-    values: Mapping[str, str] = field(default_factory=dict)
-    env: Mapping[str, str] = field(default_factory=dict)
-    model_digest: str | None = None
-    # The engine fetches its model itself once it runs (Ollama: stage model_pull).
-    pulls_model: bool = False
-    # Keys the cell left out that were filled with this host's paths, which the node shares.
-    shared_paths: Mapping[str, str] = field(default_factory=dict)
 
 
 class ManagedServer:
@@ -230,7 +211,7 @@ def managed_server(cell: Cell, target: Target, log_dir: Path) -> tuple[ManagedSe
             f"cell {cell.cell_id}: endpoint: required for engine '{spec.engine}' (the harness "
             "launches llamacpp, ollama and openai itself)"
         )
-    work_dir = str(log_dir) if _is_local(target) else target.work_dir
+    work_dir = str(log_dir) if is_local(target) else target.work_dir
     server = ManagedServer(
         target,
         cell_id=cell.cell_id,
@@ -248,26 +229,6 @@ def managed_server(cell: Cell, target: Target, log_dir: Path) -> tuple[ManagedSe
     return server, plan.model_digest
 
 
-def _is_local(target: Target) -> bool:
-    from pytest_gpubench.targets.local import LocalTarget
-
-    return isinstance(target, LocalTarget)
-
-
-def node_file_digest(cell: Cell, target: Target, path: str) -> str | None:
-    """`sha256:<hex>` of a model file on the node; None where the path is not one file (a
-    model directory, a name the engine resolves itself)."""
-    if _is_local(target):
-        from pytest_gpubench.core.files import file_sha256
-
-        local = Path(path).expanduser()
-        return f"sha256:{file_sha256(local)}" if local.is_file() else None
-    result = target.run(["sh", "-c", 'test -f "$1" && sha256sum "$1"', "sh", path], timeout_s=600)
-    if not result.ok or not result.stdout.split():
-        return None
-    return f"sha256:{result.stdout.split()[0]}"
-
-
 GIB = 1 << 30
 
 
@@ -279,7 +240,7 @@ def model_size(cell: Cell, server: ManagedServer, target: Target) -> tuple[float
     path = server.values.get("model_path")
     if not path or path == cell.spec.model:
         return None, ""
-    if _is_local(target):
+    if is_local(target):
         local = Path(path).expanduser()
         return (float(local.stat().st_size), f"size of {path}") if local.is_file() else (None, "")
     result = target.run(["sh", "-c", 'test -f "$1" && stat -c %s "$1"', "sh", path], timeout_s=60)

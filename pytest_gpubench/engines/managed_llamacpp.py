@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pytest_gpubench.config.matrix import TINY_MODEL, Cell
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.engines.managed import LaunchPlan, node_file_digest
+from pytest_gpubench.engines.launch_plan import LaunchPlan, node_file_digest
 from pytest_gpubench.targets import Target
 
 log = logging.getLogger(__name__)

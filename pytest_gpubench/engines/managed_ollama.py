@@ -15,7 +15,7 @@ import httpx
 
 from pytest_gpubench.config.matrix import Cell
 from pytest_gpubench.engines import control_client
-from pytest_gpubench.engines.managed import LaunchPlan
+from pytest_gpubench.engines.launch_plan import LaunchPlan
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.stages import StageError
 
