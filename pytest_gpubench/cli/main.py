@@ -276,9 +276,10 @@ def _leases(args: argparse.Namespace) -> int:
     gives back those whose run is gone (a rental marked done, a job cancelled). Status 1 when
     one could not be given back."""
     from pytest_gpubench.reports.terminal import rental_lines
-    from pytest_gpubench.targets.provider.journal import RentalJournal, release
-    from pytest_gpubench.targets.slurm.leases import release_job
-    from pytest_gpubench.targets.ssh.leases import release_server
+    from pytest_gpubench.targets.leases import RentalJournal
+    from pytest_gpubench.targets.provider.leases import release_rental
+    from pytest_gpubench.targets.slurm.release import release_job
+    from pytest_gpubench.targets.ssh.release import release_server
 
     journal = RentalJournal()
     entries = journal.entries()
@@ -290,7 +291,8 @@ def _leases(args: argparse.Namespace) -> int:
         facts = entry.facts
         in_use = entry.run_alive()
         if args.release and not in_use:
-            giver = {"slurm": release_job, "ssh_server": release_server}.get(entry.kind, release)
+            givers = {"slurm": release_job, "ssh_server": release_server}
+            giver = givers.get(entry.kind, release_rental)
             released = giver(entry, journal)
             failed = failed or not released["session_done"]
             print(rental_lines([released])[0].text)

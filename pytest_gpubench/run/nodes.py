@@ -70,7 +70,8 @@ class NodePool:
         if api in self.released_apis:
             return
         self.released_apis.add(api)
-        from pytest_gpubench.targets.provider.journal import RentalJournal, release
+        from pytest_gpubench.targets.leases import RentalJournal
+        from pytest_gpubench.targets.provider.leases import release_rental
 
         journal = RentalJournal()
         for entry in journal.leaked(api):
@@ -79,13 +80,14 @@ class NodePool:
                 entry.facts.get("node"),
                 entry.session_id,
             )
-            self._rental_closed(release(entry, journal))
+            self._rental_closed(release_rental(entry, journal))
 
     def _cancel_leaked_jobs(self, node: SlurmNode) -> None:
         """Cancel the Slurm jobs on this node's cluster that a killed run left (the lease
         journal), once per cluster; each is reported as a job given back now."""
-        from pytest_gpubench.targets.provider.journal import RentalJournal
-        from pytest_gpubench.targets.slurm.leases import cluster_key, leaked_jobs, release_job
+        from pytest_gpubench.targets.leases import RentalJournal
+        from pytest_gpubench.targets.slurm.leases import cluster_key, leaked_jobs
+        from pytest_gpubench.targets.slurm.release import release_job
 
         cluster = cluster_key(node)
         if cluster in self.released_apis:
@@ -98,8 +100,9 @@ class NodePool:
     def _stop_leaked_servers(self, node: SshNode) -> None:
         """Stop the managed servers on this ssh node that a killed run left (the lease
         journal), once per node; each is reported as a lease given back now."""
-        from pytest_gpubench.targets.provider.journal import RentalJournal
-        from pytest_gpubench.targets.ssh.leases import leaked_servers, node_key, release_server
+        from pytest_gpubench.targets.leases import RentalJournal
+        from pytest_gpubench.targets.ssh.leases import leaked_servers, node_key
+        from pytest_gpubench.targets.ssh.release import release_server
 
         key = node_key(node.host, node.port, node.user or "")
         if key in self.released_apis:

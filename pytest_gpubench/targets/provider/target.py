@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from pytest_gpubench.config.matrix import ProviderNode
 from pytest_gpubench.targets import CommandResult, RentalClosed
 from pytest_gpubench.targets.bringup import bring_up
+from pytest_gpubench.targets.leases import RentalJournal
 from pytest_gpubench.targets.provider.api import (
     HTTP_TIMEOUT_S,
     CreatedSession,
@@ -30,7 +31,6 @@ from pytest_gpubench.targets.provider.api import (
     Offer,
     choose_offers,
 )
-from pytest_gpubench.targets.provider.journal import RentalJournal
 from pytest_gpubench.targets.ssh import SshTarget
 from pytest_gpubench.targets.ssh.hostkeys import HostKeyError
 from pytest_gpubench.targets.ssh.target import SshLineStream, SshProcess

@@ -1,4 +1,4 @@
-"""Slurm jobs in the lease journal (targets/provider/journal.py): each job written down before
+"""Slurm jobs in the lease journal (targets/leases.py): each job written down before
 sbatch, struck off once it has ended; a job a killed run left is cancelled by the next run on the
 same cluster or by `gpubench leases --release`, and what became of it is recorded."""
 
@@ -6,22 +6,14 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from pathlib import Path
-from typing import Any
-
-from pydantic import ValidationError
 
 from pytest_gpubench.config.matrix import SlurmNode
-from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.targets.provider.journal import JournalEntry, RentalJournal
+from pytest_gpubench.targets.leases import JournalEntry, RentalJournal
 
 log = logging.getLogger(__name__)
 
 KIND = "slurm"
-# How long a cancelled job may take to leave the queue (Slurm's KillWait is 30 s by default).
-CANCEL_WAIT_S = 40.0
-POLL_S = 0.5
 
 
 def cluster_key(node: SlurmNode) -> str:
@@ -54,87 +46,3 @@ def leaked_jobs(journal: RentalJournal, node: SlurmNode) -> list[JournalEntry]:
     """Jobs on this node's cluster that a run now gone left behind."""
     key = cluster_key(node)
     return [entry for entry in journal.leaked_of_kind(KIND) if entry.facts.get("cluster") == key]
-
-
-def release_job(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
-    """Cancel a leaked job (scancel; by its name when its id was never read back), wait until
-    it has left the queue, and return how it ended, in the shape of a job given back
-    (SlurmTarget.job_ended) plus `leaked: true`. An entry whose jobs could not be cancelled
-    stays, to be tried again."""
-    from pytest_gpubench.targets.slurm import open_slurm_target
-
-    facts = entry.facts
-    node_id = str(facts.get("node"))
-    ended: dict[str, Any] = {
-        "node": node_id,
-        "kind": KIND,
-        "session_id": entry.session_id,
-        "slurm_job_id": entry.session_id,
-        "job_name": facts.get("job_name"),
-        "compute_node": None,
-        "state": None,
-        "elapsed_s": None,
-        "state_source": None,
-        "leaked": True,
-        "leaked_at_utc": facts.get("created_at_utc"),
-        "session_done": False,
-    }
-    try:
-        node = SlurmNode.model_validate(facts.get("slurm_node"))
-        if node.login is None and facts.get("host") != socket.gethostname():
-            raise GpubenchError(f"its jobs were submitted on {facts.get('host')}, not here")
-        target = open_slurm_target(node_id, node, on_job_ended=lambda _: None)
-    except (ValidationError, GpubenchError) as exc:
-        log.error("slurm node %s: cannot cancel leaked job %s: %s", node_id, entry.session_id, exc)
-        return ended
-    try:
-        job_ids = [entry.session_id] if entry.session_id else _jobs_named(target, facts)
-        for job_id in job_ids:
-            ended.update(_cancel(target, job_id))
-        ended["session_done"] = all(
-            not _active(target, job_id) for job_id in job_ids
-        )  # none left in the queue
-    except GpubenchError as exc:
-        log.error("slurm node %s: cancelling leaked job failed: %s", node_id, exc)
-    finally:
-        target.login.close()
-    if ended["session_done"]:
-        journal.close(entry.path)
-    return ended
-
-
-def _jobs_named(target: Any, facts: dict[str, Any]) -> list[str]:
-    name = facts.get("job_name")
-    if not isinstance(name, str) or not name:
-        return []
-    listed = target.client.run(["squeue", "-h", "-n", name, "-o", "%i"])
-    return listed.stdout.split() if listed.ok else []
-
-
-def _active(target: Any, job_id: str) -> bool:
-    state = target.client.queue_state(job_id)
-    return state is not None and state.active
-
-
-def _cancel(target: Any, job_id: str) -> dict[str, Any]:
-    client = target.client
-    queued = client.queue_state(job_id)
-    client.cancel(job_id)
-    deadline = time.monotonic() + CANCEL_WAIT_S
-    while time.monotonic() < deadline and _active(target, job_id):
-        time.sleep(POLL_S)
-    final = client.final_state(job_id)
-    log.warning(
-        "slurm node %s: job %s was left by a run that was killed; cancelled it (%s)",
-        target.node_id,
-        job_id,
-        final.state if final is not None else "gone",
-    )
-    return {
-        "session_id": job_id,
-        "slurm_job_id": job_id,
-        "compute_node": queued.node_list if queued is not None else None,
-        "state": final.state if final is not None else None,
-        "elapsed_s": final.elapsed_s if final is not None else None,
-        "state_source": final.source if final is not None else None,
-    }

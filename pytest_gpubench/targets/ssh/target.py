@@ -37,7 +37,7 @@ from pytest_gpubench.targets.stages import SetupStep, Stage, StageError
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.matrix import SshNode
-    from pytest_gpubench.targets.provider.journal import RentalJournal
+    from pytest_gpubench.targets.leases import RentalJournal
 
 log = logging.getLogger(__name__)
 
@@ -378,7 +378,7 @@ class SshTarget:
         if self.lease_node is not None:
             # Written down before it starts: a run killed with -9 leaves the server running
             # (it is detached), for the next run or `gpubench leases --release` to stop.
-            from pytest_gpubench.targets.provider.journal import RentalJournal
+            from pytest_gpubench.targets.leases import RentalJournal
             from pytest_gpubench.targets.ssh.leases import begin_server
 
             self.journal = self.journal or RentalJournal()

@@ -2,7 +2,8 @@
 Slurm job) written down before it is started, outside the clone (under the cache directory), and
 struck off once it is given back. A run killed with -9 leaves its entry behind; the next run (for
 the same API or cluster) and `gpubench leases --release` (alias `gpubench rentals`) give it back
-and say what became of it. An entry's `kind` says what it holds (none: a rental)."""
+and say what became of it. An entry's `kind` says what it holds (none: a rental); how each kind
+is found and given back is its target's (targets.release_leaked, targets.release_lease)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import socket
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,7 +20,6 @@ from typing import Any
 
 from pytest_gpubench.config.matrix import ProviderNode
 from pytest_gpubench.core.cache import cache_dir
-from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.core.provenance import utc_now
 
@@ -180,62 +178,3 @@ class RentalJournal:
         except (OSError, ValueError):
             return None
         return JournalEntry(path, facts) if isinstance(facts, dict) else None
-
-
-def release(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
-    """Give a leaked session back (POST .../done, with the token from its environment
-    variable) and return what it cost, in the shape of a rental given back (RentalClosed) plus
-    `leaked: true`. An entry whose session was never created is struck off: nothing to give
-    back. One whose session could not be marked done stays, to be tried again."""
-    from pytest_gpubench.targets.provider.api import MarketplaceClient
-
-    facts = entry.facts
-    elapsed, cost = entry.cost(time.time())
-    done = False
-    if entry.session_id is None:
-        journal.close(entry.path)
-    else:
-        node = ProviderNode(
-            kind="provider",
-            api=facts["api"],
-            gpu_type=str(facts.get("gpu_type") or "unknown"),
-            max_price=float(facts.get("max_price") or 1.0),
-            api_token_env=facts.get("api_token_env"),
-        )
-        try:
-            client = MarketplaceClient(str(facts.get("node")), node)
-        except GpubenchError as exc:  # its token's variable is not set here
-            log.error("rental %s: cannot give it back: %s", entry.session_id, exc)
-        else:
-            try:
-                done = client.mark_done(entry.session_id)
-            finally:
-                client.close()
-        if done:
-            _delete_key_dir(facts.get("key_dir"))
-            journal.close(entry.path)
-    return {
-        "node": facts.get("node"),
-        "kind": "provider",
-        "session_id": entry.session_id,
-        "offer_id": facts.get("offer_id"),
-        "gpu_name": facts.get("gpu_name"),
-        "price_per_hour": facts.get("price_per_hour"),
-        "elapsed_s": round(elapsed, 3),
-        "cost": round(cost, 6),
-        "session_done": done,
-        "leaked": True,
-        "leaked_at_utc": facts.get("created_at_utc"),
-    }
-
-
-def _delete_key_dir(key_dir: Any) -> None:
-    """The session's temporary key, left on disk by the killed run (only a folder the provider
-    target made: `gpubench-provider-*` in the temporary directory)."""
-    if not isinstance(key_dir, str):
-        return
-    folder = Path(key_dir)
-    if folder.name.startswith("gpubench-provider-") and folder.parent == Path(
-        tempfile.gettempdir()
-    ):
-        shutil.rmtree(folder, ignore_errors=True)

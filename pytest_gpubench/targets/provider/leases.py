@@ -1,0 +1,76 @@
+"""Rentals in the lease journal (targets/leases.py): a session a killed run left is given back
+by the next run on the same API or by `gpubench leases --release`, with what it cost."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pytest_gpubench.config.matrix import ProviderNode
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.targets.leases import JournalEntry, RentalJournal
+
+log = logging.getLogger(__name__)
+
+
+def release_rental(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
+    """Give a leaked session back (POST .../done, with the token from its environment
+    variable) and return what it cost, in the shape of a rental given back (RentalClosed) plus
+    `leaked: true`. An entry whose session was never created is struck off: nothing to give
+    back. One whose session could not be marked done stays, to be tried again."""
+    from pytest_gpubench.targets.provider.api import MarketplaceClient
+
+    facts = entry.facts
+    elapsed, cost = entry.cost(time.time())
+    done = False
+    if entry.session_id is None:
+        journal.close(entry.path)
+    else:
+        node = ProviderNode(
+            kind="provider",
+            api=facts["api"],
+            gpu_type=str(facts.get("gpu_type") or "unknown"),
+            max_price=float(facts.get("max_price") or 1.0),
+            api_token_env=facts.get("api_token_env"),
+        )
+        try:
+            client = MarketplaceClient(str(facts.get("node")), node)
+        except GpubenchError as exc:  # its token's variable is not set here
+            log.error("rental %s: cannot give it back: %s", entry.session_id, exc)
+        else:
+            try:
+                done = client.mark_done(entry.session_id)
+            finally:
+                client.close()
+        if done:
+            _delete_key_dir(facts.get("key_dir"))
+            journal.close(entry.path)
+    return {
+        "node": facts.get("node"),
+        "kind": "provider",
+        "session_id": entry.session_id,
+        "offer_id": facts.get("offer_id"),
+        "gpu_name": facts.get("gpu_name"),
+        "price_per_hour": facts.get("price_per_hour"),
+        "elapsed_s": round(elapsed, 3),
+        "cost": round(cost, 6),
+        "session_done": done,
+        "leaked": True,
+        "leaked_at_utc": facts.get("created_at_utc"),
+    }
+
+
+def _delete_key_dir(key_dir: Any) -> None:
+    """The session's temporary key, left on disk by the killed run (only a folder the provider
+    target made: `gpubench-provider-*` in the temporary directory)."""
+    if not isinstance(key_dir, str):
+        return
+    folder = Path(key_dir)
+    if folder.name.startswith("gpubench-provider-") and folder.parent == Path(
+        tempfile.gettempdir()
+    ):
+        shutil.rmtree(folder, ignore_errors=True)
