@@ -276,10 +276,8 @@ def _leases(args: argparse.Namespace) -> int:
     gives back those whose run is gone (a rental marked done, a job cancelled). Status 1 when
     one could not be given back."""
     from pytest_gpubench.reports.terminal import rental_lines
+    from pytest_gpubench.targets import describe_lease, release_lease
     from pytest_gpubench.targets.leases import RentalJournal
-    from pytest_gpubench.targets.provider.leases import release_rental
-    from pytest_gpubench.targets.slurm.release import release_job
-    from pytest_gpubench.targets.ssh.release import release_server
 
     journal = RentalJournal()
     entries = journal.entries()
@@ -288,34 +286,14 @@ def _leases(args: argparse.Namespace) -> int:
         return 0
     failed = False
     for entry in entries:
-        facts = entry.facts
         in_use = entry.run_alive()
         if args.release and not in_use:
-            givers = {"slurm": release_job, "ssh_server": release_server}
-            giver = givers.get(entry.kind, release_rental)
-            released = giver(entry, journal)
+            released = release_lease(entry, journal)
             failed = failed or not released["session_done"]
             print(rental_lines([released])[0].text)
             continue
-        state = f"in use by pid {facts.get('pid')}" if in_use else "left by a killed run"
-        if entry.kind == "ssh_server":
-            print(
-                f"ssh node {facts.get('node')}: {facts.get('program')} (pid "
-                f"{entry.session_id or 'not read back'}, since {facts.get('created_at_utc')}): "
-                f"{state}"
-            )
-            continue
-        if entry.kind == "slurm":
-            print(
-                f"slurm node {facts.get('node')}: job {entry.session_id or '(id not read back)'} "
-                f"({facts.get('job_name')}, since {facts.get('created_at_utc')}): {state}"
-            )
-            continue
-        print(
-            f"node {facts.get('node')}: session {entry.session_id} at {facts.get('api')} "
-            f"({facts.get('gpu_name')}, {facts.get('price_per_hour')}/h, since "
-            f"{facts.get('created_at_utc')}): {state}"
-        )
+        state = f"in use by pid {entry.facts.get('pid')}" if in_use else "left by a killed run"
+        print(describe_lease(entry, state))
     return 1 if failed else 0
 
 

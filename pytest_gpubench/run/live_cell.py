@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from pytest_gpubench.config.matrix import Cell, LocalNode, RequestShape
+from pytest_gpubench.config.matrix import Cell, RequestShape
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import distinct_file_name
 from pytest_gpubench.core.secrets import secret_from_env
@@ -21,7 +21,7 @@ from pytest_gpubench.engines.managed import ManagedServer, managed_server, model
 from pytest_gpubench.ledger.records import tls_warning
 from pytest_gpubench.measure.stream import STALL_LIMIT_S, CallMeasurement, StreamError, TlsSettings
 from pytest_gpubench.run.nodes import plain_error
-from pytest_gpubench.targets import Target
+from pytest_gpubench.targets import Target, records_stages
 from pytest_gpubench.targets.bringup import check_gpus, check_vram
 from pytest_gpubench.targets.gpu import gpu_summary
 from pytest_gpubench.targets.local import LocalTarget
@@ -346,4 +346,4 @@ def failed_stage(cell: Cell, exc: Exception) -> Stage | None:
     """The stage a remote cell failed in; local cells have no stages."""
     if isinstance(exc, StageError):
         return exc.stage
-    return None if isinstance(cell.node, LocalNode) else "benchmark"
+    return "benchmark" if records_stages(cell.node) else None

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.matrix import AnyNode
-    from pytest_gpubench.targets.stages import StageClock
+    from pytest_gpubench.targets.leases import JournalEntry, RentalJournal
+    from pytest_gpubench.targets.stages import Stage, StageClock
 
 
 # The names a node's own loopback goes by (what `reach` maps to the node itself).
@@ -147,3 +148,75 @@ def open_target(
     from pytest_gpubench.targets.provider import ProviderTarget
 
     return ProviderTarget(node_id, node, on_rental_closed=on_rental_closed, clock=clock).open()
+
+
+def release_leaked(node: AnyNode, journal: RentalJournal, seen: set[str]) -> list[dict[str, Any]]:
+    """Give back the leases (the journal, targets/leases.py) that runs now gone left where this
+    node lives: its provider's API, its Slurm cluster, its SSH host; once per place and run
+    (`seen` holds the places done). What became of each, in the shape of a rental given back."""
+    from pytest_gpubench.config.matrix import ProviderNode, SlurmNode, SshNode
+
+    if isinstance(node, ProviderNode):
+        from pytest_gpubench.targets.provider.leases import api_key, release_leaked_rentals
+
+        return _once(api_key(node), seen, lambda: release_leaked_rentals(journal, node))
+    if isinstance(node, SlurmNode):
+        from pytest_gpubench.targets.slurm.leases import cluster_key
+        from pytest_gpubench.targets.slurm.release import release_leaked_jobs
+
+        return _once(cluster_key(node), seen, lambda: release_leaked_jobs(journal, node))
+    if isinstance(node, SshNode):
+        from pytest_gpubench.targets.ssh.leases import lease_key
+        from pytest_gpubench.targets.ssh.release import release_leaked_servers
+
+        return _once(lease_key(node), seen, lambda: release_leaked_servers(journal, node))
+    return []  # a local node leases nothing; a plugin's kind keeps its own
+
+
+def _once(
+    key: str, seen: set[str], release: Callable[[], list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    if key in seen:
+        return []
+    seen.add(key)
+    return release()
+
+
+def release_lease(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
+    """Give back one lease of the journal (`gpubench leases --release`), by its kind."""
+    if entry.kind == "slurm":
+        from pytest_gpubench.targets.slurm.release import release_job
+
+        return release_job(entry, journal)
+    if entry.kind == "ssh_server":
+        from pytest_gpubench.targets.ssh.release import release_server
+
+        return release_server(entry, journal)
+    from pytest_gpubench.targets.provider.leases import release_rental
+
+    return release_rental(entry, journal)
+
+
+def describe_lease(entry: JournalEntry, state: str) -> str:
+    """One line on a lease of the journal and its state (`gpubench leases`), by its kind."""
+    if entry.kind == "slurm":
+        from pytest_gpubench.targets.slurm.leases import describe
+    elif entry.kind == "ssh_server":
+        from pytest_gpubench.targets.ssh.leases import describe
+    else:
+        from pytest_gpubench.targets.provider.leases import describe
+    return describe(entry, state)
+
+
+def opening_stage(node: AnyNode) -> Stage:
+    """The stage a node that failed to open for a reason no target named failed in."""
+    from pytest_gpubench.config.matrix import SshNode
+
+    return "ssh_connect" if isinstance(node, SshNode) else "provision"
+
+
+def records_stages(node: AnyNode) -> bool:
+    """Whether the node's stages go into the ledger (a local node's are timed, not recorded)."""
+    from pytest_gpubench.config.matrix import LocalNode
+
+    return not isinstance(node, LocalNode)

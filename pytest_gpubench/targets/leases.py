@@ -178,3 +178,17 @@ class RentalJournal:
         except (OSError, ValueError):
             return None
         return JournalEntry(path, facts) if isinstance(facts, dict) else None
+
+
+def leaked_lease(entry: JournalEntry, kind: str, **facts: Any) -> dict[str, Any]:
+    """What became of a lease a killed run left, in the shape of one given back (RentalClosed)
+    plus `leaked: true`; `session_done` False until the kind's release says it is given back."""
+    return {
+        "node": entry.facts.get("node"),
+        "kind": kind,
+        "session_id": entry.session_id,
+        **facts,
+        "leaked": True,
+        "leaked_at_utc": entry.facts.get("created_at_utc"),
+        "session_done": False,
+    }

@@ -12,9 +12,38 @@ from typing import Any
 
 from pytest_gpubench.config.matrix import ProviderNode
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.targets.leases import JournalEntry, RentalJournal
+from pytest_gpubench.targets.leases import JournalEntry, RentalJournal, leaked_lease
 
 log = logging.getLogger(__name__)
+
+KIND = "provider"
+
+
+def api_key(node: ProviderNode) -> str:
+    """Which API a rental was made through, as the journal tells them apart."""
+    return str(node.api).rstrip("/")
+
+
+def release_leaked_rentals(journal: RentalJournal, node: ProviderNode) -> list[dict[str, Any]]:
+    """Give back the sessions of this node's API that a killed run left; each one's cost."""
+    released = []
+    for entry in journal.leaked(api_key(node)):
+        log.warning(
+            "node %s: session %s was left rented by a run that was killed; giving it back",
+            entry.facts.get("node"),
+            entry.session_id,
+        )
+        released.append(release_rental(entry, journal))
+    return released
+
+
+def describe(entry: JournalEntry, state: str) -> str:
+    facts = entry.facts
+    return (
+        f"node {facts.get('node')}: session {entry.session_id} at {facts.get('api')} "
+        f"({facts.get('gpu_name')}, {facts.get('price_per_hour')}/h, since "
+        f"{facts.get('created_at_utc')}): {state}"
+    )
 
 
 def release_rental(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
@@ -49,19 +78,17 @@ def release_rental(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any
         if done:
             _delete_key_dir(facts.get("key_dir"))
             journal.close(entry.path)
-    return {
-        "node": facts.get("node"),
-        "kind": "provider",
-        "session_id": entry.session_id,
-        "offer_id": facts.get("offer_id"),
-        "gpu_name": facts.get("gpu_name"),
-        "price_per_hour": facts.get("price_per_hour"),
-        "elapsed_s": round(elapsed, 3),
-        "cost": round(cost, 6),
-        "session_done": done,
-        "leaked": True,
-        "leaked_at_utc": facts.get("created_at_utc"),
-    }
+    given_back = leaked_lease(
+        entry,
+        KIND,
+        offer_id=facts.get("offer_id"),
+        gpu_name=facts.get("gpu_name"),
+        price_per_hour=facts.get("price_per_hour"),
+        elapsed_s=round(elapsed, 3),
+        cost=round(cost, 6),
+    )
+    given_back["session_done"] = done
+    return given_back
 
 
 def _delete_key_dir(key_dir: Any) -> None:

@@ -46,3 +46,11 @@ def leaked_jobs(journal: RentalJournal, node: SlurmNode) -> list[JournalEntry]:
     """Jobs on this node's cluster that a run now gone left behind."""
     key = cluster_key(node)
     return [entry for entry in journal.leaked_of_kind(KIND) if entry.facts.get("cluster") == key]
+
+
+def describe(entry: JournalEntry, state: str) -> str:
+    facts = entry.facts
+    return (
+        f"slurm node {facts.get('node')}: job {entry.session_id or '(id not read back)'} "
+        f"({facts.get('job_name')}, since {facts.get('created_at_utc')}): {state}"
+    )

@@ -12,15 +12,20 @@ from pydantic import ValidationError
 
 from pytest_gpubench.config.matrix import SlurmNode
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.targets.leases import JournalEntry, RentalJournal
+from pytest_gpubench.targets.leases import JournalEntry, RentalJournal, leaked_lease
 from pytest_gpubench.targets.slurm import open_slurm_target
-from pytest_gpubench.targets.slurm.leases import KIND
+from pytest_gpubench.targets.slurm.leases import KIND, leaked_jobs
 
 log = logging.getLogger(__name__)
 
 # How long a cancelled job may take to leave the queue (Slurm's KillWait is 30 s by default).
 CANCEL_WAIT_S = 40.0
 POLL_S = 0.5
+
+
+def release_leaked_jobs(journal: RentalJournal, node: SlurmNode) -> list[dict[str, Any]]:
+    """Cancel the jobs on this node's cluster that a killed run left; how each ended."""
+    return [release_job(entry, journal) for entry in leaked_jobs(journal, node)]
 
 
 def release_job(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
@@ -30,20 +35,16 @@ def release_job(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
     stays, to be tried again."""
     facts = entry.facts
     node_id = str(facts.get("node"))
-    ended: dict[str, Any] = {
-        "node": node_id,
-        "kind": KIND,
-        "session_id": entry.session_id,
-        "slurm_job_id": entry.session_id,
-        "job_name": facts.get("job_name"),
-        "compute_node": None,
-        "state": None,
-        "elapsed_s": None,
-        "state_source": None,
-        "leaked": True,
-        "leaked_at_utc": facts.get("created_at_utc"),
-        "session_done": False,
-    }
+    ended = leaked_lease(
+        entry,
+        KIND,
+        slurm_job_id=entry.session_id,
+        job_name=facts.get("job_name"),
+        compute_node=None,
+        state=None,
+        elapsed_s=None,
+        state_source=None,
+    )
     try:
         node = SlurmNode.model_validate(facts.get("slurm_node"))
         if node.login is None and facts.get("host") != socket.gethostname():

@@ -55,5 +55,17 @@ def begin_server(
 
 
 def leaked_servers(journal: RentalJournal, node: SshNode) -> list[JournalEntry]:
-    key = node_key(node.host, node.port, node.user or "")
+    key = lease_key(node)
     return [e for e in journal.leaked_of_kind(KIND) if e.facts.get("ssh") == key]
+
+
+def lease_key(node: SshNode) -> str:
+    return node_key(node.host, node.port, node.user or "")
+
+
+def describe(entry: JournalEntry, state: str) -> str:
+    facts = entry.facts
+    return (
+        f"ssh node {facts.get('node')}: {facts.get('program')} (pid "
+        f"{entry.session_id or 'not read back'}, since {facts.get('created_at_utc')}): {state}"
+    )

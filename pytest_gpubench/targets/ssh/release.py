@@ -10,11 +10,16 @@ from pydantic import ValidationError
 
 from pytest_gpubench.config.matrix import SshNode
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.targets.leases import JournalEntry, RentalJournal
+from pytest_gpubench.targets.leases import JournalEntry, RentalJournal, leaked_lease
 from pytest_gpubench.targets.ssh import SshTarget
-from pytest_gpubench.targets.ssh.leases import KIND, RELEASE_SCRIPT
+from pytest_gpubench.targets.ssh.leases import KIND, RELEASE_SCRIPT, leaked_servers
 
 log = logging.getLogger(__name__)
+
+
+def release_leaked_servers(journal: RentalJournal, node: SshNode) -> list[dict[str, Any]]:
+    """Stop the managed servers on this ssh node that a killed run left; what became of each."""
+    return [release_server(entry, journal) for entry in leaked_servers(journal, node)]
 
 
 def release_server(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
@@ -23,17 +28,9 @@ def release_server(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any
     node cannot be reached stays, to be tried again."""
     facts = entry.facts
     node_id = str(facts.get("node"))
-    released: dict[str, Any] = {
-        "node": node_id,
-        "kind": KIND,
-        "session_id": entry.session_id,
-        "program": facts.get("program"),
-        "pid": facts.get("session_id"),
-        "state": None,
-        "leaked": True,
-        "leaked_at_utc": facts.get("created_at_utc"),
-        "session_done": False,
-    }
+    released = leaked_lease(
+        entry, KIND, program=facts.get("program"), pid=facts.get("session_id"), state=None
+    )
     try:
         node = SshNode.model_validate(facts.get("ssh_node"))
         target = SshTarget.of_node(
