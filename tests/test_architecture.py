@@ -60,15 +60,17 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(tree: ast.AST, *, in_functions: bool = True) -> set[str]:
+def _imports(
+    tree: ast.AST, *, in_functions: bool = True, for_type_checking: bool = False
+) -> set[str]:
     """The package's modules a file imports at run time, at module level and, unless told not
-    to, inside functions (imports for type checking only are left out: they never run)."""
+    to, inside functions; imports for type checking only (they never run) when asked for."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:  # node: any syntax node, a statement or not
         if not in_functions and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             return
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not for_type_checking:
             for statement in node.orelse:
                 visit(statement)
             return
@@ -91,35 +93,36 @@ def _imports(tree: ast.AST, *, in_functions: bool = True) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """{layer unit: the other units it imports}."""
+def import_graph(*, for_type_checking: bool = False) -> dict[str, set[str]]:
+    """{layer unit: the other units it imports} (with the imports for type checking only, when
+    asked for: a type named from a layer above is an arrow back up all the same)."""
     graph: dict[str, set[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         unit = _unit(_module_name(path))
-        imported = {_unit(module) for module in _imports(ast.parse(path.read_text()))}
+        tree = ast.parse(path.read_text())
+        imported = {_unit(m) for m in _imports(tree, for_type_checking=for_type_checking)}
         graph.setdefault(unit, set()).update(imported - {unit})
     return graph
 
 
-def _folder(module: str) -> str:
-    """The folder (package) a module sits in, the package itself for an __init__."""
-    path = PACKAGE.parent / module.replace(".", "/")
-    return module if path.is_dir() else module.rpartition(".")[0]
-
-
 def module_graph() -> dict[str, set[str]]:
-    """{module: the package's modules it imports}, leaving out the lazy imports a folder's
-    factory makes of its own submodules inside a function."""
-    graph: dict[str, set[str]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        module = _module_name(path)
-        tree = ast.parse(path.read_text())
-        eager = _imports(tree, in_functions=False)
-        lazy = _imports(tree) - eager
-        graph[module] = (
-            eager | {m for m in lazy if not _folder(m).startswith(_folder(module))}
-        ) - {module}
-    return graph
+    """{module: the package's modules it imports}, leaving out only the lazy imports a folder's
+    factory (its __init__) makes of its own submodules inside a function: two modules of one
+    folder that import each other, lazily or not, are a circle."""
+    return {
+        _module_name(path): module_imports(
+            _module_name(path), ast.parse(path.read_text()), factory=path.name == "__init__.py"
+        )
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+
+
+def module_imports(module: str, tree: ast.AST, *, factory: bool) -> set[str]:
+    """The modules one module imports, as module_graph counts them."""
+    eager = _imports(tree, in_functions=False)
+    lazy = _imports(tree) - eager
+    own = {m for m in lazy if factory and m.startswith(module + ".")}
+    return (eager | lazy) - own - {module}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -177,14 +180,32 @@ def test_every_module_is_placed_in_a_layer() -> None:
 
 
 def test_no_module_imports_from_a_layer_above_it() -> None:
+    """Not even a type for its annotations: reports/ once took the run controller (run/) to
+    read its judgement, an arrow back up that only type checking saw."""
     rank = {unit: index for index, unit in enumerate(LAYERS)}
     upward = sorted(
         f"{unit} imports {target}"
-        for unit, targets in import_graph().items()
+        for unit, targets in import_graph(for_type_checking=True).items()
         for target in targets
         if target in rank and rank[target] > rank[unit]
     )
     assert upward == []
+
+
+def test_the_checks_see_a_circle_in_a_folder_and_a_typed_arrow_back_up() -> None:
+    """The two holes the checks had: a module's lazy import of a sibling that imports it back
+    (engines/managed.py and its builders), and an upward import for type checking only."""
+    lazy = ast.parse("def build():\n    from pytest_gpubench.engines.managed_x import plan\n")
+    sibling = "pytest_gpubench.engines.managed_x"
+    assert module_imports("pytest_gpubench.engines.managed", lazy, factory=False) == {sibling}
+    # Only a folder's factory may import its own submodules lazily.
+    assert module_imports("pytest_gpubench.engines", lazy, factory=True) == set()
+    typed = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from pytest_gpubench.run.controller import RunController\n"
+    )
+    assert _imports(typed) == set()
+    assert _imports(typed, for_type_checking=True) == {"pytest_gpubench.run.controller"}
 
 
 # What a benchmark needs and a session without one must not pay for: the statistics, SSH, the
