@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
@@ -14,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.hypothesis_examples import examples
 
+from pytest_gpubench.config.metrics import MEASURES, PERCENTILE_NAMES, sampled
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.results.baseline import (
     CellBaseline,
@@ -121,7 +121,7 @@ def test_round_trip(tmp_path: Path) -> None:
     )
     easy = loaded.prompt("P-EASY")
     assert easy is not None
-    assert easy.samples.first_delta_ms == (20.0, 20.37, 20.74, 21.11, 21.48)
+    assert easy.samples["first_delta_ms"] == (20.0, 20.37, 20.74, 21.11, 21.48)
     assert easy.prompt_sha256 == "sha-of-P-EASY" and easy.cold_first_delta_ms == 400.0
     assert [cell.cell_id for cell in read_baselines(tmp_path)] == [OTHER, CELL]
 
@@ -146,12 +146,16 @@ summaries = st.builds(
     prompt_id=st.sampled_from(["P-EASY", "P-HARD"]),
     prompt_sha256=st.none() | st.text(min_size=1, max_size=8),
     n_cold=st.integers(0, 5),
-    warm_first_delta_ms_p50=st.none() | st.floats(0, 1e9),
-    warm_first_delta_ms_p90=st.none() | st.floats(0, 1e9),
-    warm_decode_tokens_per_sec_p50=st.none() | st.floats(0, 1e9),
-    warm_tpot_ms_p99=st.none() | st.floats(0, 1e9),
-    warm_e2e_tokens_per_sec_p95=st.none() | st.floats(0, 1e9),
-    warm_engine_prompt_ms_p90=st.none() | st.floats(0, 1e9),
+    # Any percentile of any measure but a reasoning model's (written only where it reasoned).
+    warm=st.fixed_dictionaries(
+        {
+            measure.name: st.fixed_dictionaries(
+                {p: st.none() | st.floats(0, 1e9) for p in PERCENTILE_NAMES}
+            )
+            for measure in MEASURES
+            if not measure.reasoning
+        }
+    ),
     warm_coalesced=st.integers(0, 100),
     samples=st.builds(
         WarmSamples,
@@ -320,30 +324,28 @@ FORMAT_1 = {
 }  # fmt: skip
 
 
-def test_a_format_1_baseline_loads_and_its_missing_figures_are_new(tmp_path: Path) -> None:
-    from pytest_gpubench.results.gate import judge
-    from pytest_gpubench.results.stats import summarize
-
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
+def test_a_baseline_of_a_pre_release_format_is_refused_and_replaced_by_baseline_update(
+    tmp_path: Path, version: int
+) -> None:
+    """The first release reads one format (5). A file of a pre-release's (1 to 4, written
+    between 2026-11-22 and 11-25) is one line naming the file and what to do, never figures read
+    as unknown; --baseline-update replaces it with a file of the current format."""
     path = tmp_path / "local_llamacpp_tiny.json"
-    path.write_text(json.dumps(FORMAT_1, indent=2), encoding="utf-8")
-    (old,) = read_baseline(path).prompts
-    assert (old.warm_first_delta_ms_p50, old.warm_first_delta_ms_p90) == (3.2, None)
-    assert old.warm_decode_tokens_per_sec_p50 is None and old.warm_coalesced == 0
-    assert old.samples.decode_tokens_per_sec == () and old.samples.engine_prompt_ms == ()
-    assert old.samples.total_duration_ms == (24.0, 24.8, 25.6, 26.4, 27.2)
-    current = [s for s in summarize(ledger()) if s.key == (OTHER, "P-EASY")]
-    verdicts = {v.metric: v for v in judge(current[0], old)}
-    assert verdicts["warm_ttft_p50_ms"].verdict == "ok"  # still compared
-    decode = verdicts["warm_decode_tokens_per_sec_p50"]
-    assert decode.verdict == "new" and decode.baseline is None
-    assert "the baseline has no warm decode tokens/s p50" in decode.message
-    # Written again, it becomes a file of the current format (5) without the mean of ratios,
-    # its unknown identity facts null.
-    rewritten = json.loads(dumps_baseline(read_baseline(path)))
+    path.write_text(json.dumps({**FORMAT_1, "format": version}, indent=2), encoding="utf-8")
+    with pytest.raises(CorruptBaseline) as refused:
+        read_baseline(path)
+    assert str(refused.value) == (
+        f"{path}: baseline format {version} was written by a pre-release of pytest-gpubench and "
+        "is no longer read (the release reads format 5): write it again with `pytest "
+        "--baseline-update`"
+    )
+    update = update_baselines(tmp_path, ledger())
+    assert OTHER in update.replaced and str(path) in update.replaced[OTHER]
+    rewritten = json.loads(path.read_text())
     assert rewritten["format"] == 5
-    assert rewritten["provenance"]["model_identity"] is None
     assert "tokens_per_sec_mean" not in rewritten["prompts"]["P-EASY"]["warm"]
-    assert rewritten["prompts"]["P-EASY"]["warm"]["decode_tokens_per_sec"]["p50"] is None
+    assert rewritten["prompts"]["P-EASY"]["warm"]["decode_tokens_per_sec"]["p50"] is not None
 
 
 def test_the_engine_side_samples_are_kept_beside_the_clients(tmp_path: Path) -> None:
@@ -562,16 +564,13 @@ def test_every_figure_and_sample_of_a_summary_round_trips(tmp_path: Path) -> Non
     """Each warm percentile and sample list has its place in the file's model: a summary with
     every field set reads back equal (a metric missing from the model would read back None)."""
     numbered = {
-        f.name: float(index) + 0.5
-        for index, f in enumerate(dataclasses.fields(PromptSummary))
-        if f.name.startswith("warm_") and f.name != "warm_coalesced"
+        measure.name: {p: float(index) + 0.5 + n for n, p in enumerate(PERCENTILE_NAMES)}
+        for index, measure in enumerate(MEASURES)
     }
-    samples = WarmSamples(
-        **{f.name: (float(i), float(i) + 1) for i, f in enumerate(dataclasses.fields(WarmSamples))}
-    )
+    samples = WarmSamples(**{name: (float(i), float(i) + 1) for i, name in enumerate(sampled())})
     summary = PromptSummary(
         CELL, "P-EASY", "sha", 1, 1, "unload", 400.0, 900.0, 20, 19,
-        warm_coalesced=3, samples=samples, **numbered,
+        warm=numbered, warm_coalesced=3, samples=samples,
     )  # fmt: skip
     baseline = CellBaseline(CELL, Provenance(max_model_len=4096, gpus=({"name": "A"},)), (summary,))
     path = write_baseline(tmp_path, baseline)

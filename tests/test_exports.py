@@ -34,7 +34,7 @@ def test_prometheus_textfile_parses_back(ledger: Path, tmp_path: Path) -> None:
     }
     tiny = expected[("local:llamacpp:tiny", "P-EASY")]
     assert warm[("local:llamacpp:tiny", "P-EASY", "first_delta_ms", "p50")] == pytest.approx(
-        tiny.warm_first_delta_ms_p50
+        tiny.figure("first_delta_ms", "p50")
     )
     assert warm[("gpu1:llamacpp:qwen", "P-HARD", "decode_tokens_per_sec", "p99")] > 0
     calls = {

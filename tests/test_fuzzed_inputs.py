@@ -247,7 +247,7 @@ def test_any_bytes_as_cells_yaml_give_a_matrix_or_one_clear_error(data: bytes) -
 # -- baseline files ----------------------------------------------------------------------------
 
 BASELINE: dict[str, Any] = {
-    "format": 3,
+    "format": 5,
     "cell_id": "local:llamacpp:tiny",
     "provenance": {
         "benchmark_run_id": "r1",
@@ -337,7 +337,8 @@ CURRENT = json.loads(
             (
                 PromptSummary(
                     "local:llamacpp:tiny", "P-EASY", "ab", 1, 1, "restart", 9.0, 12.0, 3, 3,
-                    warm_first_delta_ms_p50=2.0, warm_tpot_ms_p99=0.5, warm_coalesced=1,
+                    warm={"first_delta_ms": {"p50": 2.0}, "tpot_ms": {"p99": 0.5}},
+                    warm_coalesced=1,
                     samples=WarmSamples(first_delta_ms=(1.0, 2.0, 3.0), control_ms=(0.1,)),
                 ),
             ),
@@ -361,7 +362,8 @@ FORMAT_1 = {
 # What the one line of a baseline that cannot be read says after the file's name.
 ONE_BASELINE_ERROR = re.compile(
     r"(corrupt baseline: (not UTF-8|not valid JSON|nested too deeply|a number too long|"
-    r"top level: |[^ ]+: )|baseline format \d+ is newer)"
+    r"top level: |[^ ]+: )|baseline format \d+ is newer|baseline format \d+ was written by a "
+    r"pre-release)"
 )
 
 
@@ -384,10 +386,13 @@ def encoded(document: Any) -> bytes:
 
 
 def test_the_fixed_baselines_are_valid(tmp_path: Path) -> None:
-    for document in (CURRENT, FORMAT_1):
-        path = tmp_path / "local_llamacpp_tiny.json"
-        path.write_bytes(encoded(document))
-        assert read_baseline(path).prompts[0].prompt_sha256 == "ab"
+    """The current format reads; a pre-release's (format 1) is refused with its one line."""
+    path = tmp_path / "local_llamacpp_tiny.json"
+    path.write_bytes(encoded(CURRENT))
+    assert read_baseline(path).prompts[0].prompt_sha256 == "ab"
+    path.write_bytes(encoded(FORMAT_1))
+    with pytest.raises(GpubenchError, match="baseline format 1 was written by a pre-release"):
+        read_baseline(path)
 
 
 @MANY
@@ -395,8 +400,8 @@ def test_the_fixed_baselines_are_valid(tmp_path: Path) -> None:
 def test_any_json_in_a_baseline_file_gives_a_baseline_or_one_line_naming_the_key(
     document: Any,
 ) -> None:
-    """Documents of the current format and of format 1 with one to three values replaced by
-    anything (wrong types, huge numbers, NaN, deep nesting, extra keys)."""
+    """Documents of the current format and of a pre-release's (format 1) with one to three
+    values replaced by anything (wrong types, huge numbers, NaN, deep nesting, extra keys)."""
     baseline_or_exactly_one_line(encoded(document))
 
 
@@ -570,7 +575,7 @@ def test_a_pytest_run_on_any_cells_yaml_ends_with_its_documented_status(
 
 def test_a_number_too_long_to_read_is_one_clear_error(tmp_path: Path) -> None:
     """Python reads integers of at most 4,300 digits: json.loads raised a bare ValueError."""
-    baseline_or_one_line(json.dumps(BASELINE).replace('"format": 3', '"format": ' + "9" * 5000))
+    baseline_or_one_line(json.dumps(BASELINE).replace('"format": 5', '"format": ' + "9" * 5000))
     path = tmp_path / "run.jsonl"
     path.write_text('{"type": "meta"}\n{"type": "call", "n": ' + "9" * 5000 + "}\n")
     with pytest.raises(GpubenchError, match="line 2 is not a ledger record"):

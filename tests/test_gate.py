@@ -391,8 +391,11 @@ def test_a_slower_engine_whose_prompt_time_held_shows_in_its_decode_rate() -> No
     held = [value / 2 for value in BASELINE]
     current = summary_of([3 * v for v in BASELINE], engine_ms=held)
     old = summary_of(BASELINE)
-    assert old.warm_engine_tokens_per_sec_p50 is not None
-    busy = replace(current, warm_engine_tokens_per_sec_p50=old.warm_engine_tokens_per_sec_p50 / 2)
+    assert old.figure("engine_tokens_per_sec", "p50") is not None
+    rate = old.figure("engine_tokens_per_sec", "p50")
+    assert rate is not None
+    halved = {**current.warm, "engine_tokens_per_sec": {"p50": rate / 2}}
+    busy = replace(current, warm=halved)
     (ttft, *_) = judge(busy, old)
     assert (ttft.verdict, ttft.attribution) == ("regression", "engine")
     assert ttft.message.endswith(
@@ -492,13 +495,16 @@ def reasoning_summary(answers: list[float], reasoning: list[int]) -> PromptSumma
 
 def test_the_first_answer_is_judged_only_where_the_model_reasoned() -> None:
     plain = reasoning_summary([10.0] * 10, [0] * 10)
-    assert plain.warm_first_answer_ms_p50 is None and plain.warm_reasoning_tokens_p50 is None
+    assert (
+        plain.figure("first_answer_ms", "p50") is None
+        and plain.figure("reasoning_tokens", "p50") is None
+    )
     assert "warm_first_answer_p50_ms" not in {v.metric for v in judge(plain, plain)}
 
     thinking = reasoning_summary([100.0 + i for i in range(10)], [20] * 10)
     later = reasoning_summary([300.0 + i for i in range(10)], [60] * 10)
-    assert thinking.warm_first_answer_ms_p50 == 104.5
-    assert thinking.warm_reasoning_tokens_p50 == 20
+    assert thinking.figure("first_answer_ms", "p50") == 104.5
+    assert thinking.figure("reasoning_tokens", "p50") == 20
     (verdict,) = [v for v in judge(later, thinking) if v.metric == "warm_first_answer_p50_ms"]
     assert verdict.verdict == "regression" and verdict.change_ratio == pytest.approx(304.5 / 104.5)
     assert "reasoning tokens p50 20 → 60" in verdict.message

@@ -239,7 +239,7 @@ def test_the_cpu_pressure_sees_a_busy_neighbour_on_the_same_cpu(
 def summary(ttft: float) -> PromptSummary:
     return PromptSummary(
         cell_id=CELL, prompt_id="P-EASY", n_warm=5, n_warm_ok=5,
-        warm_first_delta_ms_p50=ttft,
+        warm={"first_delta_ms": {"p50": ttft}},
         samples=WarmSamples(first_delta_ms=(ttft,) * 5, control_ms=(5.0,) * 5),
     )  # fmt: skip
 
@@ -267,10 +267,10 @@ def test_history_grows_per_update_counts_a_run_once_and_keeps_the_last_runs() ->
     assert json.loads(text)["prompts"]["P-EASY"]["history"][-1]["benchmark_run_id"] == "run-11"
 
 
-def test_a_format_4_baseline_reads_without_pressure_and_format_5_requires_it() -> None:
-    """Format 5 added the CPU pressure: a format-4 file (no pressure anywhere) reads with none,
-    and the gate then compares the control alone; a format-5 file without it is one line naming
-    the key."""
+def test_a_format_4_baseline_is_refused_and_format_5_requires_the_pressure() -> None:
+    """Format 5 added the CPU pressure: a format-4 file (no pressure anywhere) was written by a
+    pre-release and is refused with one line (the release reads one format); a format-5 file
+    without it is one line naming the key."""
     baseline = plan_cell(ratified("run-1", 100.0), None).baseline
     assert baseline is not None
     current = json.loads(dumps_baseline(baseline))
@@ -283,9 +283,10 @@ def test_a_format_4_baseline_reads_without_pressure_and_format_5_requires_it() -
     for part in ("warm", "samples"):
         del older["prompts"]["P-EASY"][part]["cpu_pressure"]
     del older["prompts"]["P-EASY"]["history"][0]["cpu_pressure"]
-    read = loads_baseline(json.dumps(older), "old.json")
-    assert read.prompts[0].samples.cpu_pressure == () and read.prompts[0].samples.control_ms
-    assert read.runs("P-EASY")[0].cpu_pressure is None
+    with pytest.raises(GpubenchError) as refused:
+        loads_baseline(json.dumps(older), "old.json")
+    assert str(refused.value).startswith("old.json: baseline format 4 was written by a pre-")
+    assert "--baseline-update" in str(refused.value) and "\n" not in str(refused.value)
     del current["prompts"]["P-EASY"]["samples"]["cpu_pressure"]
     with pytest.raises(GpubenchError) as bad:
         loads_baseline(json.dumps(current), "new.json")

@@ -274,8 +274,11 @@ class EngineOwn:
             if record.get("type") == "call" and record.get("pass", 1) == 1
         ]
         (summary,) = summarize(calls)
-        ttft, prompt = summary.warm_first_delta_ms_p50, summary.warm_engine_prompt_ms_p50
-        rate = summary.warm_engine_tokens_per_sec_p50
+        ttft, prompt = (
+            summary.figure("first_delta_ms", "p50"),
+            summary.figure("engine_prompt_ms", "p50"),
+        )
+        rate = summary.figure("engine_tokens_per_sec", "p50")
         assert ttft and prompt and rate
         return cls(ttft, prompt, rate)
 

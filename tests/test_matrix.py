@@ -45,7 +45,8 @@ def test_valid_matrix_applies_defaults_and_per_cell_overrides(tmp_path: Path) ->
     assert tiny.prompt_ids == ("P-EASY", "P-MEDIUM")
     assert ollama.cell_id == "box:ollama:qwen3.5:0.8b" and not ollama.managed
     assert ollama.runs == 7 and ollama.prompt_ids == ("P-EASY",)
-    assert ollama.thresholds.ttft_p50 == 0.5 and ollama.thresholds.total_p50 == 0.1
+    assert ollama.thresholds.ratio("ttft_p50") == 0.5
+    assert ollama.thresholds.ratio("total_p50") == 0.1
 
 
 @pytest.mark.parametrize(

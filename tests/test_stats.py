@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.hypothesis_examples import examples
 
+from pytest_gpubench.config.metrics import PERCENTILE_NAMES
 from pytest_gpubench.results.stats import (
-    PERCENTILE_NAMES,
     WARM_METRICS,
     PromptSummary,
     WarmSamples,
@@ -68,12 +68,12 @@ def only(records: list[dict[str, Any]]) -> PromptSummary:
 def test_warm_percentiles_interpolate_linearly() -> None:
     values = [10.0, 20.0, 30.0, 40.0, 50.0]
     summary = only([call(v, v * 10, run_idx=i) for i, v in enumerate(values)])
-    assert summary.warm_first_delta_ms_p50 == 30.0
-    assert summary.warm_first_delta_ms_p95 == pytest.approx(48.0)
-    assert summary.warm_first_delta_ms_p99 == pytest.approx(49.6)
-    assert summary.warm_total_duration_ms_p50 == 300.0
-    assert summary.warm_total_duration_ms_p99 == pytest.approx(496.0)
-    assert summary.samples.first_delta_ms == tuple(values)
+    assert summary.figure("first_delta_ms", "p50") == 30.0
+    assert summary.figure("first_delta_ms", "p95") == pytest.approx(48.0)
+    assert summary.figure("first_delta_ms", "p99") == pytest.approx(49.6)
+    assert summary.figure("total_duration_ms", "p50") == 300.0
+    assert summary.figure("total_duration_ms", "p99") == pytest.approx(496.0)
+    assert summary.samples["first_delta_ms"] == tuple(values)
 
 
 def test_failed_calls_count_against_success_and_are_left_out_of_numbers() -> None:
@@ -83,10 +83,19 @@ def test_failed_calls_count_against_success_and_are_left_out_of_numbers() -> Non
     summary = only(records)
     assert (summary.n_warm, summary.n_warm_ok) == (5, 4)
     assert summary.warm_success_rate == 0.8
-    assert summary.warm_first_delta_ms_p99 == 10.0
-    assert summary.warm_decode_tokens_per_sec_p50 == summary.warm_decode_tokens_per_sec_p99 == 40.0
+    assert summary.figure("first_delta_ms", "p99") == 10.0
+    assert (
+        summary.figure("decode_tokens_per_sec", "p50")
+        == summary.figure("decode_tokens_per_sec", "p99")
+        == 40.0
+    )
     assert summary.samples == WarmSamples(
-        (10.0,) * 4, (100.0,) * 4, (40.0,) * 4, (1.0,) * 4, (60.0,) * 4, (90.0,) * 4
+        first_delta_ms=(10.0,) * 4,
+        total_duration_ms=(100.0,) * 4,
+        decode_tokens_per_sec=(40.0,) * 4,
+        engine_prompt_ms=(1.0,) * 4,
+        engine_tokens_per_sec=(60.0,) * 4,
+        engine_total_ms=(90.0,) * 4,
     )
 
 
@@ -109,8 +118,8 @@ def test_finish_reason_error_alone_is_a_failure() -> None:
 def test_all_warm_calls_failed() -> None:
     summary = only([call(None, None, error="refused", run_idx=i) for i in range(3)])
     assert summary.warm_success_rate == 0.0
-    assert summary.warm_first_delta_ms_p50 is None
-    assert summary.warm_decode_tokens_per_sec_p50 is None
+    assert summary.figure("first_delta_ms", "p50") is None
+    assert summary.figure("decode_tokens_per_sec", "p50") is None
     assert summary.samples == WarmSamples()
 
 
@@ -132,7 +141,7 @@ def test_cold_numbers_come_from_the_first_successful_cold_call() -> None:
 def test_cold_only_prompt_has_no_warm_numbers() -> None:
     summary = only([call(500.0, 900.0, phase="cold", cold_kind="process_warm")])
     assert summary.n_warm == 0 and summary.warm_success_rate is None
-    assert summary.warm_first_delta_ms_p50 is None
+    assert summary.figure("first_delta_ms", "p50") is None
     assert summary.cold_kind == "process_warm"
 
 
@@ -159,11 +168,11 @@ def test_older_ledger_without_some_fields() -> None:
     for field in ("tokens_per_sec", "prompt_sha256", "cold_kind", "engine_tokens_per_sec"):
         del record[field]
     summary = only([record, record])
-    assert summary.warm_decode_tokens_per_sec_p50 is None
-    assert summary.warm_engine_tokens_per_sec_p50 is None
+    assert summary.figure("decode_tokens_per_sec", "p50") is None
+    assert summary.figure("engine_tokens_per_sec", "p50") is None
     assert summary.prompt_sha256 is None
-    assert summary.samples.decode_tokens_per_sec == ()
-    assert summary.warm_first_delta_ms_p50 == 10.0
+    assert summary.samples["decode_tokens_per_sec"] == ()
+    assert summary.figure("first_delta_ms", "p50") == 10.0
 
 
 def test_an_integer_past_a_floats_range_is_no_value_not_an_error() -> None:
@@ -171,8 +180,8 @@ def test_an_integer_past_a_floats_range_is_no_value_not_an_error() -> None:
     report of the ledger raised OverflowError); the other calls' figures still count."""
     damaged = call(ttft=10**400)
     summary = only([call(ttft=10.0), damaged, call(ttft=12.0)])
-    assert summary.samples.first_delta_ms == (10.0, 12.0)
-    assert summary.warm_first_delta_ms_p50 == 11.0
+    assert summary.samples["first_delta_ms"] == (10.0, 12.0)
+    assert summary.figure("first_delta_ms", "p50") == 11.0
 
 
 def test_tokens_per_sec_of_a_ledger_before_the_decode_definition_is_not_a_decode_rate() -> None:
@@ -181,16 +190,19 @@ def test_tokens_per_sec_of_a_ledger_before_the_decode_definition_is_not_a_decode
     for field in ("coalesced", "content_reads", "e2e_tokens_per_sec"):
         del record[field]
     summary = only([record])
-    assert summary.warm_decode_tokens_per_sec_p50 is None and summary.warm_tpot_ms_p50 is None
-    assert summary.samples.decode_tokens_per_sec == ()
-    assert summary.warm_first_delta_ms_p50 == 10.0 and summary.n_warm_ok == 1
+    assert (
+        summary.figure("decode_tokens_per_sec", "p50") is None
+        and summary.figure("tpot_ms", "p50") is None
+    )
+    assert summary.samples["decode_tokens_per_sec"] == ()
+    assert summary.figure("first_delta_ms", "p50") == 10.0 and summary.n_warm_ok == 1
 
 
 def test_success_without_token_rate_keeps_its_latency() -> None:
     summary = only([call(10.0, 20.0, tokens_per_sec=None), call(30.0, 40.0, run_idx=1)])
-    assert summary.warm_first_delta_ms_p50 == 20.0
-    assert summary.warm_decode_tokens_per_sec_p50 == 50.0
-    assert summary.samples.decode_tokens_per_sec == (50.0,)
+    assert summary.figure("first_delta_ms", "p50") == 20.0
+    assert summary.figure("decode_tokens_per_sec", "p50") == 50.0
+    assert summary.samples["decode_tokens_per_sec"] == (50.0,)
 
 
 def test_coalesced_calls_are_counted_and_have_no_decode_rate() -> None:
@@ -198,9 +210,9 @@ def test_coalesced_calls_are_counted_and_have_no_decode_rate() -> None:
     records += [call(run_idx=3 + i, tokens_per_sec=None, coalesced=True) for i in range(2)]
     summary = only(records)
     assert summary.warm_coalesced == 2 and summary.n_warm_ok == 5
-    assert summary.warm_decode_tokens_per_sec_p50 == 101.0
-    assert summary.samples.decode_tokens_per_sec == (100.0, 101.0, 102.0)
-    assert summary.samples.first_delta_ms == (10.0,) * 5  # their latency still counts
+    assert summary.figure("decode_tokens_per_sec", "p50") == 101.0
+    assert summary.samples["decode_tokens_per_sec"] == (100.0, 101.0, 102.0)
+    assert summary.samples["first_delta_ms"] == (10.0,) * 5  # their latency still counts
 
 
 def test_no_calls() -> None:
@@ -230,7 +242,7 @@ def test_matches_numpy_per_group(rows: list[tuple[str, float, bool]]) -> None:
         mine = [r for r in rows if r[0] == summary.prompt_id]
         good = [ttft for _, ttft, ok in mine if ok]
         assert summary.n_warm == len(mine) and summary.n_warm_ok == len(good)
-        assert summary.samples.first_delta_ms == tuple(good)
+        assert summary.samples["first_delta_ms"] == tuple(good)
         expected = {
             "first_delta_ms": good,
             "total_duration_ms": [ttft * 2 for ttft in good],

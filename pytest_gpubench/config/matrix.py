@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AnyHttpUrl,
@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 
 from pytest_gpubench.config.datasets import Dataset, DatasetPrompt, dataset_sha256, sample_dataset
 from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting, Synthetic, merged_profile
+from pytest_gpubench.config.metrics import GATED
 from pytest_gpubench.config.traces import read_trace
 from pytest_gpubench.config.words import seeded_words
 from pytest_gpubench.config.yaml_file import parse_yaml
@@ -70,20 +71,29 @@ class _Strict(BaseModel):
 
 
 class Thresholds(_Strict):
-    """Regression thresholds: relative slowdowns (0.30 = 30 %) and the minimum success rate;
-    the optional `max_` limits are absolute, on the warm calls' resource telemetry."""
+    """Regression thresholds: relative changes of the gated figures (0.30 = 30 %; one key per
+    figure of config/metrics.GATED, written in below), and the minimum success rate; the optional
+    `max_` limits are absolute, on the warm calls' resource telemetry."""
 
-    ttft_p50: PositiveFloat | None = None
-    total_p50: PositiveFloat | None = None
-    tokens_per_sec: PositiveFloat | None = None
-    # A reasoning model's warm time to its first answer token (judged only where it reasoned).
-    first_answer_p50: PositiveFloat | None = None
     success_rate: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     max_peak_vram_mib: PositiveFloat | None = None
     # The engine's own processes' VRAM (NVML on this machine); the whole GPU's is the one above.
     max_engine_vram_mib: PositiveFloat | None = None
     max_energy_j_per_token: PositiveFloat | None = None
     max_engine_cpu_s_per_token: PositiveFloat | None = None
+    # Each gated figure's key (ttft_p50, total_p50, tokens_per_sec, first_answer_p50, ...), a
+    # field like the ones above: a new gated figure is a new entry in config/metrics.py only.
+    __annotations__.update({figure.threshold_key: "PositiveFloat | None" for figure in GATED})
+    locals().update({figure.threshold_key: None for figure in GATED})
+
+    if TYPE_CHECKING:
+        # The keys written in above, as a type checker cannot see them.
+        def __init__(self, **thresholds: float | None) -> None: ...
+
+    def ratio(self, key: str) -> float | None:
+        """A gated figure's relative threshold as cells.yaml gave it (None: not given)."""
+        value = getattr(self, key)
+        return None if value is None else float(value)
 
 
 class LocalNode(_Strict):

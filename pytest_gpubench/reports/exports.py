@@ -10,12 +10,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pytest_gpubench.config.metrics import PERCENTILE_NAMES
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_file
 from pytest_gpubench.ledger.schema import EndRecord
 from pytest_gpubench.reports.frame import EXPORT_NUMBERS, EXPORT_TEXT, LedgerData
 from pytest_gpubench.results.gate import Verdict
-from pytest_gpubench.results.stats import PERCENTILE_NAMES, WARM_METRICS, PromptSummary
+from pytest_gpubench.results.stats import WARM_METRICS, PromptSummary
 
 # The CSV's columns in order; the numbers as the call record names them.
 CSV_COLUMNS = (

@@ -14,7 +14,7 @@ from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.schema import LoadRecord
 from pytest_gpubench.reports.frame import LedgerData, read_ledger_frame
 from pytest_gpubench.reports.terminal import METRIC_LABELS, NONE, fixed, table
-from pytest_gpubench.results.gate import RATIO_METRICS, SUCCESS_RATE, Verdict
+from pytest_gpubench.results.gate import GATED_METRICS, RATIO_METRICS, SUCCESS_RATE, Verdict
 from pytest_gpubench.results.load_gate import LOAD_METRICS, SATURATION, gated, point_key
 from pytest_gpubench.results.stats import PromptSummary
 
@@ -54,7 +54,7 @@ class History:
 def metric_value(summary: PromptSummary, metric: str) -> float | None:
     if metric == SUCCESS_RATE:
         return summary.warm_success_rate
-    return next(m.value(summary) for m in RATIO_METRICS if m.name == metric)
+    return next(m.value(summary) for m in GATED_METRICS if m.name == metric)
 
 
 HISTORY_METRICS = (*(m.name for m in RATIO_METRICS), SUCCESS_RATE)

@@ -13,17 +13,18 @@ from pytest_gpubench.reports.charts import inline_svg, pyplot
 from pytest_gpubench.reports.frame import LedgerData
 from pytest_gpubench.reports.load_html import LoadBaselines, render_load_section
 from pytest_gpubench.reports.terminal import METRIC_LABELS, NONE, change, detectable, fixed
-from pytest_gpubench.results.gate import Verdict
+from pytest_gpubench.results.gate import GATED_METRICS, RATIO_METRICS, Verdict
 from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
 
-# (WarmSamples field, chart title, unit): the distributions drawn per (cell, prompt).
-DISTRIBUTIONS = (
-    ("first_delta_ms", "Warm TTFT", "ms"),
-    ("total_duration_ms", "Warm total duration", "ms"),
-    ("decode_tokens_per_sec", "Warm decode rate", "tokens/s"),
+# (sampled measure, chart title, unit): the distributions drawn per (cell, prompt), one per gated
+# figure's measure (config/metrics.GATED); a reasoning model's (issue 23) only where some (cell,
+# prompt) reasoned.
+DISTRIBUTIONS = tuple(
+    (m.figure.measure, m.figure.chart, m.measure.unit) for m in RATIO_METRICS if m.figure.chart
 )
-# Drawn beside them where some (cell, prompt) reasoned (issue 23): its first answer token.
-REASONING_DISTRIBUTION = ("first_answer_ms", "Warm time to first answer", "ms")
+REASONING_DISTRIBUTIONS = tuple(
+    (m.figure.measure, m.figure.chart, m.measure.unit) for m in GATED_METRICS if m.reasoning
+)
 CURRENT_COLOR = "#1f6fb4"
 BASELINE_COLOR = "#9a9a9a"
 VERDICT_COLORS = {
@@ -251,7 +252,7 @@ def _distributions(
     baseline: Sequence[PromptSummary],
     baseline_source: str | None,
 ) -> str:
-    warm = [s for s in summaries if s.samples.first_delta_ms or s.samples.total_duration_ms]
+    warm = [s for s in summaries if s.samples["first_delta_ms"] or s.samples["total_duration_ms"]]
     if not warm:
         return "<h2>Warm distributions</h2>\n<p class=note>no successful warm calls</p>"
     old = summaries_by_key(baseline)
@@ -274,15 +275,17 @@ def _distribution_chart(
     plt = pyplot()
     rows = list(reversed(warm))
     panels: tuple[tuple[str, str, str], ...] = DISTRIBUTIONS
-    if any(summary.samples.first_answer_ms for summary in warm):
-        panels = (*DISTRIBUTIONS, REASONING_DISTRIBUTION)
+    if any(
+        summary.samples[measure] for summary in warm for measure, _, _ in REASONING_DISTRIBUTIONS
+    ):
+        panels = (*DISTRIBUTIONS, *REASONING_DISTRIBUTIONS)
     figure, axes_row = plt.subplots(
         1, len(panels), figsize=(4 * len(panels), 1.0 + 0.6 * len(rows)), sharey=True, squeeze=False
     )
     for axes, (field, title, unit) in zip(axes_row[0], panels, strict=True):
         for index, summary in enumerate(rows):
-            current = getattr(summary.samples, field)
-            previous = getattr(old[summary.key].samples, field) if summary.key in old else ()
+            current = summary.samples.get(field, ())
+            previous = old[summary.key].samples.get(field, ()) if summary.key in old else ()
             if current:
                 _box(axes, current, index + 0.17, CURRENT_COLOR)
             if previous:

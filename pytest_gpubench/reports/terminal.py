@@ -14,9 +14,10 @@ from tabulate import tabulate
 from pytest_gpubench.ledger.outcomes import CellOutcome
 from pytest_gpubench.results.gate import (
     ALL_METRIC_NAMES,
-    FIRST_ANSWER_P50,
+    GATED_METRICS,
     METRIC_NAMES,
     PROVENANCE,
+    RATIO_METRICS,
     SUCCESS_RATE,
     Verdict,
     incomparables,
@@ -40,10 +41,7 @@ if TYPE_CHECKING:
 
 NONE = "-"
 METRIC_LABELS = {
-    "warm_ttft_p50_ms": "TTFT p50 ms",
-    "warm_total_p50_ms": "total p50 ms",
-    "warm_decode_tokens_per_sec_p50": "decode tok/s p50",
-    FIRST_ANSWER_P50.name: "first answer p50 ms",
+    **{metric.name: metric.figure.column for metric in GATED_METRICS},
     # Gated before issue 11; still named when an older ledger's end record is rendered.
     "warm_tokens_per_sec_mean": "tok/s mean",
     SUCCESS_RATE: "success rate",
@@ -106,18 +104,18 @@ def _numeric(text: str) -> bool:
 
 # -- the terminal summary ---------------------------------------------------------------------
 
+# The gated figures' columns (config/metrics.GATED), their changes, and what the run could
+# have seen of the first (TTFT).
 SUMMARY_HEADERS = (
     "cell",
     "prompt",
-    "TTFT p50 ms",
-    "total p50 ms",
-    "decode tok/s p50",
+    *(metric.figure.column for metric in RATIO_METRICS),
     "cold TTFT ms",
     "cold total ms",
     "coalesced",
     "success",
-    "Δ TTFT / total / decode tok/s",
-    "could detect Δ TTFT",
+    "Δ " + " / ".join(metric.figure.short for metric in RATIO_METRICS),
+    f"could detect Δ {RATIO_METRICS[0].figure.short}",
     "verdict",
 )
 
@@ -128,14 +126,14 @@ REASONING_HEADERS = ("first answer p50 ms", "Δ first answer", "reasoning tok p5
 
 
 def reasoning_shown(summaries: Iterable[PromptSummary]) -> bool:
-    return any(summary.warm_first_answer_ms_p50 is not None for summary in summaries)
+    return any(summary.figure("first_answer_ms", "p50") is not None for summary in summaries)
 
 
 def summary_headers(summaries: Iterable[PromptSummary]) -> tuple[str, ...]:
     """SUMMARY_HEADERS, with the reasoning columns where some (cell, prompt) reasoned."""
     if not reasoning_shown(summaries):
         return SUMMARY_HEADERS
-    at = SUMMARY_HEADERS.index("decode tok/s p50") + 1
+    at = 2 + len(RATIO_METRICS)
     return (*SUMMARY_HEADERS[:at], *REASONING_HEADERS, *SUMMARY_HEADERS[at:])
 
 
@@ -153,9 +151,7 @@ def summary_rows(
         [
             summary.cell_id,
             summary.prompt_id,
-            fixed(summary.warm_first_delta_ms_p50),
-            fixed(summary.warm_total_duration_ms_p50),
-            fixed(summary.warm_decode_tokens_per_sec_p50, 1),
+            *(fixed(metric.value(summary), metric.measure.decimals) for metric in RATIO_METRICS),
             *(_reasoning_cells(summary, by_key.get(summary.key, {})) if shown else ()),
             _cold_figure(summary, summary.cold_first_delta_ms),
             _cold_figure(summary, summary.cold_total_duration_ms),
@@ -170,11 +166,11 @@ def summary_rows(
 
 
 def _reasoning_cells(summary: PromptSummary, verdicts: Mapping[str, Verdict]) -> list[str]:
-    judged = verdicts.get(FIRST_ANSWER_P50.name)
+    judged = next((verdicts.get(m.name) for m in GATED_METRICS if m.reasoning), None)
     return [
-        fixed(summary.warm_first_answer_ms_p50),
+        fixed(summary.figure("first_answer_ms", "p50")),
         change(judged.change_ratio if judged else None),
-        fixed(summary.warm_reasoning_tokens_p50, 0),
+        fixed(summary.figure("reasoning_tokens", "p50"), 0),
     ]
 
 
@@ -659,7 +655,7 @@ def _top_summary(summaries: Sequence[PromptSummary]) -> str:
     if not summaries:
         return "No calls were measured."
     prompt_ids = sorted({s.prompt_id for s in summaries})
-    values = {s.key: s.warm_first_delta_ms_p50 for s in summaries}
+    values = {s.key: s.figure("first_delta_ms", "p50") for s in summaries}
     rows = [
         [cell_id, *(fixed(values.get((cell_id, p))) for p in prompt_ids)]
         for cell_id in sorted({s.cell_id for s in summaries})
@@ -786,22 +782,22 @@ def _warm_rows(summaries: Iterable[PromptSummary], *, reasoning: bool = False) -
             s.prompt_id,
             str(s.n_warm),
             str(s.n_warm_ok),
-            fixed(s.warm_first_delta_ms_p50),
-            fixed(s.warm_first_delta_ms_p95),
-            fixed(s.warm_first_delta_ms_p99),
-            fixed(s.warm_total_duration_ms_p50),
-            fixed(s.warm_total_duration_ms_p95),
-            fixed(s.warm_total_duration_ms_p99),
-            fixed(s.warm_decode_tokens_per_sec_p50, 1),
-            fixed(s.warm_tpot_ms_p90, 3),
-            fixed(s.warm_engine_tokens_per_sec_p50, 1),
+            fixed(s.figure("first_delta_ms", "p50")),
+            fixed(s.figure("first_delta_ms", "p95")),
+            fixed(s.figure("first_delta_ms", "p99")),
+            fixed(s.figure("total_duration_ms", "p50")),
+            fixed(s.figure("total_duration_ms", "p95")),
+            fixed(s.figure("total_duration_ms", "p99")),
+            fixed(s.figure("decode_tokens_per_sec", "p50"), 1),
+            fixed(s.figure("tpot_ms", "p90"), 3),
+            fixed(s.figure("engine_tokens_per_sec", "p50"), 1),
             str(s.warm_coalesced),
             *(
                 (
-                    fixed(s.warm_first_answer_ms_p50),
-                    fixed(s.warm_first_answer_ms_p95),
-                    fixed(s.warm_first_answer_ms_p99),
-                    fixed(s.warm_reasoning_tokens_p50, 0),
+                    fixed(s.figure("first_answer_ms", "p50")),
+                    fixed(s.figure("first_answer_ms", "p95")),
+                    fixed(s.figure("first_answer_ms", "p99")),
+                    fixed(s.figure("reasoning_tokens", "p50"), 0),
                 )
                 if reasoning
                 else ()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from pytest_gpubench.config.metrics import PERCENTILE_NAMES
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.ledger.schema import CallRecord, CellRecord, MetaRecord, meta_of, records_of
@@ -17,25 +18,23 @@ from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.baseline_format import (
     FORMAT_VERSION,
     REPAIR,
-    BaselineFileV5,
+    BaselineFile,
     Cold,
     CorruptBaseline,
     Percentiles,
-    PromptV1,
-    PromptV2,
-    PromptV4,
-    PromptV5,
-    ProvenanceV3,
+    Prompt,
     RunEntry,
-    SamplesV5,
-    WarmV5,
+    Samples,
+    Warm,
     read_json,
+    sample_values,
     validated,
+    warm_percentiles,
 )
+from pytest_gpubench.results.baseline_format import Provenance as FileProvenance
 from pytest_gpubench.results.gate import run_figures
 from pytest_gpubench.results.run_history import History, RunFigures, appended
 from pytest_gpubench.results.stats import (
-    PERCENTILE_NAMES,
     REASONING_METRICS,
     SAMPLE_FIELDS,
     WARM_METRICS,
@@ -181,17 +180,17 @@ def _reasoned(summary: PromptSummary, name: str) -> bool:
     model that does not reason has no reasoning figures: left out, not written as nulls)."""
     if name not in REASONING_METRICS:
         return True
-    samples = getattr(summary.samples, name, ())
+    samples = summary.samples.get(name, ())
     return bool(samples) or any(
         summary.warm_percentile(name, p) is not None for p in PERCENTILE_NAMES
     )
 
 
-def _prompt_model(summary: PromptSummary, history: History) -> PromptV5:
+def _prompt_model(summary: PromptSummary, history: History) -> Prompt:
     """A summary as the current format holds it. Built without validation (model_construct):
     the file holds the summary's values exactly as they are, so the same numbers give the same
     bytes; only the fields given are written (model_dump(exclude_unset=True))."""
-    warm = WarmV5.model_construct(
+    warm = Warm.model_construct(
         None,
         n=summary.n_warm,
         n_ok=summary.n_warm_ok,
@@ -210,13 +209,9 @@ def _prompt_model(summary: PromptSummary, history: History) -> PromptV5:
         first_delta_ms=summary.cold_first_delta_ms,
         total_duration_ms=summary.cold_total_duration_ms,
     )
-    samples = SamplesV5.model_construct(
+    samples = Samples.model_construct(
         None,
-        **{
-            name: list(getattr(summary.samples, name))
-            for name in SAMPLE_FIELDS
-            if _reasoned(summary, name)
-        },
+        **{name: list(summary.samples[name]) for name in SAMPLE_FIELDS if _reasoned(summary, name)},
     )
     runs = [
         RunEntry.model_construct(
@@ -229,7 +224,7 @@ def _prompt_model(summary: PromptSummary, history: History) -> PromptV5:
         )
         for run in history
     ]
-    return PromptV5.model_construct(
+    return Prompt.model_construct(
         prompt_sha256=summary.prompt_sha256, cold=cold, warm=warm, samples=samples, history=runs
     )
 
@@ -241,10 +236,10 @@ def summary_to_dict(summary: PromptSummary) -> dict[str, Any]:
 
 def baseline_to_dict(baseline: CellBaseline) -> dict[str, Any]:
     provenance = baseline.provenance
-    model = BaselineFileV5.model_construct(
+    model = BaselineFile.model_construct(
         format=FORMAT_VERSION,
         cell_id=baseline.cell_id,
-        provenance=ProvenanceV3.model_construct(
+        provenance=FileProvenance.model_construct(
             **{**dataclasses.asdict(provenance), "gpus": list(provenance.gpus)}
         ),
         prompts={
@@ -269,17 +264,14 @@ def dumps_baseline(baseline: CellBaseline) -> str:
     )
 
 
-def _summary(
-    cell_id: str, prompt_id: str, prompt: PromptV1 | PromptV2 | PromptV4 | PromptV5
-) -> PromptSummary:
-    """One prompt's summary; figures newer than the file's format are None (compared as new)."""
+def _summary(cell_id: str, prompt_id: str, prompt: Prompt) -> PromptSummary:
+    """One prompt's summary; a measure the file lacks (a later one) is None (compared as new)."""
     warm, cold = prompt.warm, prompt.cold
-    percentiles = {
-        f"warm_{metric}_{name}": getattr(getattr(warm, metric), name)
+    figures = {
+        metric: {name: getattr(warm_percentiles(warm, metric), name) for name in PERCENTILE_NAMES}
         for metric in WARM_METRICS
-        for name in PERCENTILE_NAMES
     }
-    samples = {name: tuple(values) for name, values in prompt.samples}
+    samples = {name: tuple(sample_values(prompt.samples, name)) for name in SAMPLE_FIELDS}
     return PromptSummary(
         cell_id=cell_id,
         prompt_id=prompt_id,
@@ -291,9 +283,9 @@ def _summary(
         cold_total_duration_ms=cold.total_duration_ms,
         n_warm=warm.n,
         n_warm_ok=warm.n_ok,
+        warm=figures,
         warm_coalesced=warm.coalesced,
         samples=WarmSamples(**samples),
-        **percentiles,
     )
 
 
@@ -304,7 +296,7 @@ def baseline_from_dict(data: Any, source: str) -> CellBaseline:
     cell_id = str(model.cell_id)
     history: dict[str, History] = {}
     for prompt_id, prompt in model.prompts.items():
-        if isinstance(prompt, PromptV4) and prompt.history:
+        if prompt.history:
             history[prompt_id] = tuple(RunFigures(**run.model_dump()) for run in prompt.history)
     facts = model.provenance
     return CellBaseline(
@@ -428,7 +420,7 @@ def prompt_refusals(
     if rate is not None and rate < min_success_rate:
         detail = f"{summary.prompt_id} {rate:.2f} ({summary.n_warm_ok}/{summary.n_warm})"
         return (f"warm success rate below {min_success_rate:.2f}:", detail)
-    samples = len(summary.samples.first_delta_ms)
+    samples = len(summary.samples["first_delta_ms"])
     future = future_runs if future_runs is not None else samples
     why = sample_check(samples, future) if sample_check is not None else None
     if why is not None:

@@ -1,12 +1,13 @@
-"""The baseline file's format, version by version, as pydantic models: which keys a file of
-each format must hold and of which type, read strictly, and a file that is not one as one line
-naming the file and the key. results/baseline.py turns them into summaries and back."""
+"""The baseline file's one format, as pydantic models built from the figures of
+config/metrics.py: which keys a file must hold and of which type, read strictly, and a file that
+is not one as one line naming the file and the key. results/baseline.py turns them into
+summaries and back."""
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 from pydantic import (
     AfterValidator,
@@ -18,31 +19,28 @@ from pydantic import (
     ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    create_model,
 )
 from pydantic_core import PydanticCustomError
 
+from pytest_gpubench.config.metrics import MEASURES
 from pytest_gpubench.core.errors import GpubenchError, key_path
 
-# What each format added to the one before. 2: p90s, the decode, TPOT, end-to-end and
-# engine-side metrics and samples, the coalesced count;
-# the mean of per-call tokens/s of format 1 is no longer written (and ignored when read).
-# 3: the model's identity beside its digest (model_identity, model_root, max_model_len) and the
-# stream's system_fingerprint in the provenance; older files read them as unknown. A file may hold
-# prompts and phases measured by different runs of the same setup (--baseline-update merges).
-# 4: per prompt, `history`: the figures of its last ratified runs (run_history.py), and the
-# control call's figures and samples (`control_ms`); an older file reads with no history and no
-# control (the gate then says the noise floor is unknown).
-# 5: the CPU pressure's figures and samples (`cpu_pressure`) beside the control call's, and its p50
-# in each history entry; an older file reads without them (the gate then compares the control).
-# In any format: a reasoning model's figures (`first_answer_ms`, `reasoning_tokens`), written only
-# where the model reasoned; absent, they are None (and the gate judges no first answer).
+# The first release reads and writes one format: per prompt its cold call, each measure's warm
+# percentiles and the sampled measures' raw values (config/metrics.py), and its history (its last
+# ratified runs' figures, run_history.py). Formats 1 to 4 were written by pre-releases between
+# 2026-11-22 and 11-25: such a file is refused with one line, and --baseline-update writes it
+# again. A measure added to config/metrics.py later (in_every_baseline False) reads as unknown
+# where a file lacks it. A reasoning model's figures (`first_answer_ms`, `reasoning_tokens`) are
+# written only where the model reasoned; absent, they are None (the gate judges no first answer).
 FORMAT_VERSION = 5
 REPAIR = "restore it with `git checkout -- <file>` or write it again with --baseline-update"
 
 
 class CorruptBaseline(GpubenchError):
-    """A baseline file that cannot be read as one (not JSON, a key missing or of the wrong type):
-    --baseline-update replaces it. A newer format or an unreadable file is not corrupt."""
+    """A baseline file that cannot be read as one (not JSON, a key missing or of the wrong type,
+    a pre-release's format): --baseline-update replaces it. A newer format or an unreadable file
+    is not corrupt."""
 
 
 # Each model says which keys a file of its format must have and of which type; a key a reader
@@ -79,7 +77,7 @@ _Record = ConfigDict(extra="ignore", frozen=True)
 
 
 class OptionalPercentiles(BaseModel):
-    """A metric's warm percentiles in a format older than the metric: each may be absent."""
+    """A measure's warm percentiles where a file may lack them (a measure added later)."""
 
     model_config = _Record
 
@@ -90,18 +88,10 @@ class OptionalPercentiles(BaseModel):
 
 
 class Percentiles(OptionalPercentiles):
-    """A metric's warm percentiles: every one present (null where the run had no value)."""
+    """A measure's warm percentiles: every one present (null where the run had no value)."""
 
     p50: Number
     p90: Number
-    p95: Number
-    p99: Number
-
-
-class Format1Percentiles(OptionalPercentiles):
-    """Format 1 had no p90."""
-
-    p50: Number
     p95: Number
     p99: Number
 
@@ -118,33 +108,8 @@ class Cold(BaseModel):
     total_duration_ms: Number
 
 
-class WarmV1(BaseModel):
-    """Format 1's warm figures: TTFT and total duration; the later metrics read as new."""
-
-    model_config = _Record
-
-    n: Count
-    n_ok: Count
-    first_delta_ms: Format1Percentiles
-    total_duration_ms: Format1Percentiles
-    decode_tokens_per_sec: OptionalPercentiles = OptionalPercentiles()
-    tpot_ms: OptionalPercentiles = OptionalPercentiles()
-    e2e_tokens_per_sec: OptionalPercentiles = OptionalPercentiles()
-    engine_tokens_per_sec: OptionalPercentiles = OptionalPercentiles()
-    engine_prompt_ms: OptionalPercentiles = OptionalPercentiles()
-    engine_total_ms: OptionalPercentiles = OptionalPercentiles()
-    control_ms: OptionalPercentiles = OptionalPercentiles()
-    cpu_pressure: OptionalPercentiles = OptionalPercentiles()
-    first_answer_ms: OptionalPercentiles = OptionalPercentiles()
-    reasoning_tokens: OptionalPercentiles = OptionalPercentiles()
-
-    @property
-    def coalesced(self) -> int:
-        return 0  # format 1 did not count them
-
-
-class WarmV2(BaseModel):
-    """Formats 2 and 3: every metric's percentiles, the coalesced count; no control call."""
+class WarmHead(BaseModel):
+    """A prompt's warm calls: their counts; each measure's percentiles beside them (Warm)."""
 
     model_config = _Record
 
@@ -153,63 +118,32 @@ class WarmV2(BaseModel):
     coalesced: Count
     # Derived from n and n_ok, written for a reader's eye and never read back.
     success_rate: SkipValidation[float | None] = None
-    first_delta_ms: Percentiles
-    total_duration_ms: Percentiles
-    decode_tokens_per_sec: Percentiles
-    tpot_ms: Percentiles
-    e2e_tokens_per_sec: Percentiles
-    engine_tokens_per_sec: Percentiles
-    engine_prompt_ms: Percentiles
-    engine_total_ms: Percentiles
-    control_ms: OptionalPercentiles = OptionalPercentiles()
-    cpu_pressure: OptionalPercentiles = OptionalPercentiles()
-    # A reasoning model's, in any format from 2 on: only where the model reasoned.
-    first_answer_ms: OptionalPercentiles = OptionalPercentiles()
-    reasoning_tokens: OptionalPercentiles = OptionalPercentiles()
 
 
-class WarmV4(WarmV2):
-    """Format 4 adds the control call's figures."""
-
-    control_ms: Percentiles
+def _percentiles_field(every: bool) -> Any:
+    return (Percentiles, ...) if every else (OptionalPercentiles, OptionalPercentiles())
 
 
-class WarmV5(WarmV4):
-    """Format 5 adds the CPU pressure's."""
-
-    cpu_pressure: Percentiles
+def _samples_field(every: bool) -> Any:
+    return (Numbers, ...) if every else (Numbers, [])
 
 
-class SamplesV1(BaseModel):
-    """Format 1's raw warm values; its `tokens_per_sec` (another definition) is ignored."""
-
-    model_config = _Record
-
-    first_delta_ms: Numbers
-    total_duration_ms: Numbers
-    # A reasoning model's, in any format: only where the model reasoned.
-    first_answer_ms: Numbers = []
-
-
-class SamplesV2(SamplesV1):
-    """Formats 2 and 3: the decode rate and the engine's own figures beside the client's."""
-
-    decode_tokens_per_sec: Numbers
-    engine_prompt_ms: Numbers
-    engine_tokens_per_sec: Numbers
-    engine_total_ms: Numbers
-
-
-class SamplesV4(SamplesV2):
-    """Format 4 adds the control call's."""
-
-    control_ms: Numbers
-
-
-class SamplesV5(SamplesV4):
-    """Format 5 adds the CPU pressure's."""
-
-    cpu_pressure: Numbers
+# One key per measure of config/metrics.py: a measure in every baseline is required, a reasoning
+# model's or a later one's may be absent. Built once, from the table, not written out here.
+Warm: type[WarmHead] = create_model(
+    "Warm",
+    __base__=WarmHead,
+    **{m.name: _percentiles_field(m.in_every_baseline and not m.reasoning) for m in MEASURES},
+)
+Samples: type[BaseModel] = create_model(
+    "Samples",
+    __config__=_Record,
+    **{
+        m.name: _samples_field(m.in_every_baseline and not m.reasoning)
+        for m in MEASURES
+        if m.samples
+    },
+)
 
 
 class RunEntry(BaseModel):
@@ -225,45 +159,24 @@ class RunEntry(BaseModel):
     cpu_pressure: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
-class PromptV1(BaseModel):
-    model_config = _Record
-
-    prompt_sha256: Text
-    cold: Cold
-    warm: WarmV1
-    samples: SamplesV1
-
-
-class PromptV2(BaseModel):
-    model_config = _Record
-
-    prompt_sha256: Text
-    cold: Cold
-    warm: WarmV2
-    samples: SamplesV2
-
-
-class PromptV4(BaseModel):
-    """A prompt of format 4: its figures, samples and between-run history."""
+class Prompt(BaseModel):
+    """A prompt's figures, samples and between-run history."""
 
     model_config = _Record
 
     prompt_sha256: Text
     cold: Cold
-    warm: WarmV4
-    samples: SamplesV4
+    if TYPE_CHECKING:
+        warm: WarmHead
+        samples: BaseModel
+    else:
+        warm: Warm
+        samples: Samples
     history: Annotated[list[RunEntry], Strict()]
 
 
-class PromptV5(PromptV4):
-    """A prompt of the current format: with the CPU pressure's figures and samples."""
-
-    warm: WarmV5
-    samples: SamplesV5
-
-
-class ProvenanceV1(BaseModel):
-    """Formats 1 and 2: the model's identity facts may be absent (read as unknown)."""
+class Provenance(BaseModel):
+    """The setup the numbers were measured on (null where unknown)."""
 
     model_config = _Record
 
@@ -273,15 +186,6 @@ class ProvenanceV1(BaseModel):
     model_digest: Text
     gpus: Annotated[list[Any], Strict()]
     date: Text
-    model_identity: Text = None
-    model_root: Text = None
-    max_model_len: Count | None = None
-    system_fingerprint: Text = None
-
-
-class ProvenanceV3(ProvenanceV1):
-    """Format 3 on: every identity fact present (null where unknown)."""
-
     model_identity: Text
     model_root: Text
     max_model_len: Count | None
@@ -289,7 +193,7 @@ class ProvenanceV3(ProvenanceV1):
 
 
 class FileHead(BaseModel):
-    """What is read first: the format, which picks the model of the rest."""
+    """What is read first: the format, which says whether the rest can be read."""
 
     model_config = _Record
 
@@ -299,48 +203,22 @@ class FileHead(BaseModel):
 CellId = Annotated[Text, AfterValidator(_non_empty)]
 
 
-class BaselineFileV1(FileHead):
-    cell_id: CellId
-    provenance: ProvenanceV1
-    prompts: Annotated[dict[str, PromptV1], Strict()]
-
-
-class BaselineFileV2(FileHead):
-    cell_id: CellId
-    provenance: ProvenanceV1
-    prompts: Annotated[dict[str, PromptV2], Strict()]
-
-
-class BaselineFileV3(FileHead):
-    cell_id: CellId
-    provenance: ProvenanceV3
-    prompts: Annotated[dict[str, PromptV2], Strict()]
-
-
-class BaselineFileV4(FileHead):
-    cell_id: CellId
-    provenance: ProvenanceV3
-    prompts: Annotated[dict[str, PromptV4], Strict()]
-
-
-class BaselineFileV5(FileHead):
-    """The current format: what dumps_baseline writes."""
+class BaselineFile(FileHead):
+    """The format: what dumps_baseline writes."""
 
     cell_id: CellId
-    provenance: ProvenanceV3
-    prompts: Annotated[dict[str, PromptV5], Strict()]
+    provenance: Provenance
+    prompts: Annotated[dict[str, Prompt], Strict()]
 
 
-FILE_MODELS: dict[
-    int,
-    type[BaselineFileV1 | BaselineFileV2 | BaselineFileV3 | BaselineFileV4 | BaselineFileV5],
-] = {
-    1: BaselineFileV1,
-    2: BaselineFileV2,
-    3: BaselineFileV3,
-    4: BaselineFileV4,
-    5: BaselineFileV5,
-}
+def warm_percentiles(warm: BaseModel, measure: str) -> OptionalPercentiles:
+    """A measure's percentiles as a file's `warm` holds them (all None where it lacks them)."""
+    return cast(OptionalPercentiles, getattr(warm, measure, None) or OptionalPercentiles())
+
+
+def sample_values(samples: BaseModel, measure: str) -> list[float]:
+    return list(getattr(samples, measure, None) or [])
+
 
 # A problem by pydantic's error type, in the words of a file's reader.
 _PROBLEMS = {
@@ -383,9 +261,6 @@ def _kind(value: Any) -> str:
     return f"{type(value).__name__} {shown}"
 
 
-BaselineFile = BaselineFileV1 | BaselineFileV2 | BaselineFileV3 | BaselineFileV4 | BaselineFileV5
-
-
 def read_json(text: str, source: str) -> Any:
     """The file's JSON; text that is not is one line naming the file and where it breaks."""
     try:
@@ -402,8 +277,9 @@ def read_json(text: str, source: str) -> Any:
 
 
 def validated(data: Any, source: str) -> BaselineFile:
-    """A parsed file validated by the model of its format; `source` (the file) is named in the
-    one line of any error. A newer format is not corrupt: it asks for an upgrade."""
+    """A parsed file validated by the format's model; `source` (the file) is named in the one
+    line of any error. A newer format is not corrupt: it asks for an upgrade; a pre-release's is
+    refused, and --baseline-update writes it again."""
     try:
         version = FileHead.model_validate(data).format
         if version > FORMAT_VERSION:
@@ -411,6 +287,12 @@ def validated(data: Any, source: str) -> BaselineFile:
                 f"{source}: baseline format {version} is newer than this pytest-gpubench "
                 f"understands ({FORMAT_VERSION}); upgrade pytest-gpubench"
             )
-        return FILE_MODELS[max(version, 1)].model_validate(data)
+        if version < FORMAT_VERSION:
+            raise CorruptBaseline(
+                f"{source}: baseline format {version} was written by a pre-release of "
+                f"pytest-gpubench and is no longer read (the release reads format "
+                f"{FORMAT_VERSION}): write it again with `pytest --baseline-update`"
+            )
+        return BaselineFile.model_validate(data)
     except ValidationError as exc:
         raise corrupt(source, exc) from None

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from pytest_gpubench.results.gate import FIRST_ANSWER_P50, RATIO_METRICS, Verdict, VerdictKind
+from pytest_gpubench.results.gate import GATED_METRICS, Verdict, VerdictKind
 
 CONFIRMED = "confirmed"
 NOT_CONFIRMED = "not confirmed"
-RATIO_NAMES = {metric.name for metric in (*RATIO_METRICS, FIRST_ANSWER_P50)}
+RATIO_NAMES = {metric.name for metric in GATED_METRICS}
 
 
 def suspects(verdicts: Iterable[Verdict]) -> list[tuple[str, str]]:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pytest_gpubench.config.matrix import Thresholds
+from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME, GatedFigure, Measure
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.results.decision import (
     ALPHA,
@@ -73,20 +74,50 @@ ENGINE_NAMES = {"llamacpp": "llama-server", "ollama": "Ollama"}
 
 @dataclass(frozen=True)
 class Metric:
-    """A gated number: how to read it from a summary and which direction is better.
+    """A gated figure (config/metrics.GATED) as the gate reads it from a summary: its value, its
+    raw samples, and the engine's own counterpart (its prompt time for TTFT, its decode rate for
+    decode tokens/s), which says whether a change happened inside the engine."""
 
-    `engine_value` reads the engine's own counterpart (its prompt time for TTFT, its decode rate
-    for decode tokens/s), which says whether a change happened inside the engine.
-    """
+    figure: GatedFigure
 
-    name: str
-    label: str
-    threshold_field: str
-    higher_is_better: bool
-    value: Callable[[PromptSummary], float | None]
-    samples: Callable[[PromptSummary], tuple[float, ...]]
-    engine_label: str
-    engine_value: Callable[[PromptSummary], float | None]
+    @property
+    def name(self) -> str:
+        return self.figure.name
+
+    @property
+    def label(self) -> str:
+        return self.figure.label
+
+    @property
+    def threshold_field(self) -> str:
+        return self.figure.threshold_key
+
+    @property
+    def engine_label(self) -> str:
+        return self.figure.engine_label
+
+    @property
+    def measure(self) -> Measure:
+        return MEASURE_BY_NAME[self.figure.measure]
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.measure.higher_is_better
+
+    @property
+    def reasoning(self) -> bool:
+        """Judged only where the engine reasoned (a reasoning model's figure)."""
+        return self.measure.reasoning
+
+    def value(self, summary: PromptSummary) -> float | None:
+        return summary.figure(self.figure.measure, self.figure.percentile)
+
+    def samples(self, summary: PromptSummary) -> tuple[float, ...]:
+        return summary.samples.get(self.figure.measure, ())
+
+    def engine_value(self, summary: PromptSummary) -> float | None:
+        engine = self.figure.engine_measure
+        return None if engine is None else summary.figure(engine, self.figure.percentile)
 
     @property
     def worse(self) -> str:
@@ -97,68 +128,46 @@ class Metric:
         return "higher" if self.higher_is_better else "faster"
 
 
-TTFT_P50 = Metric(
-    name="warm_ttft_p50_ms",
-    label="warm TTFT p50",
-    threshold_field="ttft_p50",
-    higher_is_better=False,
-    value=lambda summary: summary.warm_first_delta_ms_p50,
-    samples=lambda summary: summary.samples.first_delta_ms,
-    engine_label="prompt time",
-    engine_value=lambda summary: summary.warm_engine_prompt_ms_p50,
-)
-TOTAL_P50 = Metric(
-    name="warm_total_p50_ms",
-    label="warm total p50",
-    threshold_field="total_p50",
-    higher_is_better=False,
-    value=lambda summary: summary.warm_total_duration_ms_p50,
-    samples=lambda summary: summary.samples.total_duration_ms,
-    engine_label="prompt + decode time",
-    engine_value=lambda summary: summary.warm_engine_total_ms_p50,
-)
-DECODE_TOKENS_PER_SEC = Metric(
-    name="warm_decode_tokens_per_sec_p50",
-    label="warm decode tokens/s p50",
-    threshold_field="tokens_per_sec",
-    higher_is_better=True,
-    value=lambda summary: summary.warm_decode_tokens_per_sec_p50,
-    samples=lambda summary: summary.samples.decode_tokens_per_sec,
-    engine_label="decode rate",
-    engine_value=lambda summary: summary.warm_engine_tokens_per_sec_p50,
-)
-# A reasoning model's time to its first answer token (issue 23): what its user waits for, which
-# TTFT (the first reasoning token) does not show. Judged only where the engine reasoned, in this
-# run or the baseline's. No engine reports a time of its own for it: a change is set beside the
-# reasoning token count instead (more reasoning is a later answer).
-FIRST_ANSWER_P50 = Metric(
-    name="warm_first_answer_p50_ms",
-    label="warm time to first answer p50",
-    threshold_field="first_answer_p50",
-    higher_is_better=False,
-    value=lambda summary: summary.warm_first_answer_ms_p50,
-    samples=lambda summary: summary.samples.first_answer_ms,
-    engine_label="reasoning tokens",
-    engine_value=lambda summary: None,
-)
-RATIO_METRICS = (TTFT_P50, TOTAL_P50, DECODE_TOKENS_PER_SEC)
+# Every gated figure, in the order the reports list them; the engine's decode rate, which says
+# whether an engine slowed as a whole (attribute()).
+GATED_METRICS = tuple(Metric(figure) for figure in GATED)
+DECODE_TOKENS_PER_SEC = next(m for m in GATED_METRICS if m.measure.decode and m.higher_is_better)
+# The figures judged on every (cell, prompt) whose run measured them: not a reasoning model's
+# (only where it reasoned), not an opt-in one (only where its threshold is given).
+RATIO_METRICS = tuple(m for m in GATED_METRICS if not m.reasoning and not m.figure.opt_in)
 SUCCESS_RATE = "warm_success_rate"
 METRIC_NAMES = (*tuple(metric.name for metric in RATIO_METRICS), SUCCESS_RATE)
 # Every metric a verdict may name, in the order the reports list them.
-ALL_METRIC_NAMES = (*METRIC_NAMES, FIRST_ANSWER_P50.name)
+ALL_METRIC_NAMES = (
+    *METRIC_NAMES,
+    *(m.name for m in GATED_METRICS if m.reasoning or m.figure.opt_in),
+)
 
 
 def reasoned(summary: PromptSummary | None) -> bool:
     """Did the engine reason on this (cell, prompt)? Its first-answer figure exists only then."""
-    return summary is not None and summary.warm_first_answer_ms_p50 is not None
+    return summary is not None and any(
+        summary.figure(m.figure.measure) is not None for m in GATED_METRICS if m.reasoning
+    )
 
 
-def gated_metrics(current: PromptSummary, baseline: PromptSummary | None) -> tuple[Metric, ...]:
-    """The ratio metrics judged for a (cell, prompt): the first answer where either run reasoned
-    (a baseline that reasoned and a run that did not is inconclusive, never passed unmeasured)."""
-    if reasoned(current) or reasoned(baseline):
-        return (*RATIO_METRICS, FIRST_ANSWER_P50)
-    return RATIO_METRICS
+def gated_metrics(
+    current: PromptSummary, baseline: PromptSummary | None, thresholds: Thresholds | None = None
+) -> tuple[Metric, ...]:
+    """The ratio metrics judged for a (cell, prompt): a reasoning model's where either run
+    reasoned (a baseline that reasoned and a run that did not is inconclusive, never passed
+    unmeasured), an opt-in figure where the thresholds give it (all, without thresholds)."""
+    either = reasoned(current) or reasoned(baseline)
+    return tuple(
+        metric
+        for metric in GATED_METRICS
+        if (either or not metric.reasoning)
+        and (
+            not metric.figure.opt_in
+            or thresholds is None
+            or thresholds.ratio(metric.figure.threshold_key) is not None
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -247,8 +256,10 @@ class Verdict:
 
 
 def ratio_threshold(thresholds: Thresholds, field: str) -> float:
-    value = getattr(thresholds, field)
-    return DEFAULT_RATIO_THRESHOLD if value is None else float(value)
+    """A gated figure's threshold: its cell's, else the default (an opt-in figure is judged only
+    where one is given: gated_metrics)."""
+    value = thresholds.ratio(field)
+    return DEFAULT_RATIO_THRESHOLD if value is None else value
 
 
 def success_threshold(thresholds: Thresholds) -> float:
@@ -267,7 +278,7 @@ def judge(
     thresholds = thresholds or Thresholds()
     if current.n_warm == 0:
         return []
-    metrics = gated_metrics(current, baseline)
+    metrics = gated_metrics(current, baseline, thresholds)
     if baseline is None:
         return [
             _verdict(current, metric.name, "new", "no baseline yet", value=metric.value(current))
@@ -301,23 +312,23 @@ def machine_steadiness(
     the baseline's runs, and within this run; None when this run checked neither."""
     runs_pressure = pressure_figures(history)
     return steadiness(
-        current.samples.control_ms,
-        baseline.samples.control_ms,
+        current.samples["control_ms"],
+        baseline.samples["control_ms"],
         control_figures(history),
-        pressure=current.samples.cpu_pressure,
-        baseline_pressure=runs_pressure or baseline.samples.cpu_pressure,
+        pressure=current.samples["cpu_pressure"],
+        baseline_pressure=runs_pressure or baseline.samples["cpu_pressure"],
         runs_pressure=runs_pressure,
     )
 
 
 def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None) -> RunFigures:
     """What a baseline's history keeps of one run of a (cell, prompt)."""
-    control = summary.samples.control_ms
-    pressure = summary.samples.cpu_pressure
+    control = summary.samples["control_ms"]
+    pressure = summary.samples["cpu_pressure"]
     return RunFigures(
         benchmark_run_id=run_id,
         date=date,
-        n=len(summary.samples.first_delta_ms),
+        n=len(summary.samples["first_delta_ms"]),
         figures={metric.name: metric.value(summary) for metric in gated_metrics(summary, None)},
         control_ms=sorted(control)[len(control) // 2] if control else None,
         cpu_pressure=statistics.median(pressure) if pressure else None,
@@ -400,9 +411,9 @@ def from_decision(
 
 
 def _why_missing(metric: Metric, current: PromptSummary) -> str:
-    if metric is FIRST_ANSWER_P50 and current.n_warm_ok:
+    if metric.reasoning and current.n_warm_ok:
         return "the baseline's model reasoned, this run's produced no reasoning tokens"
-    if metric is DECODE_TOKENS_PER_SEC and current.warm_coalesced:
+    if metric.measure.decode and current.warm_coalesced:
         return (
             f"no decode rate in this run: {current.warm_coalesced} of {current.n_warm_ok} "
             "successful warm calls were coalesced (their content arrived in one read)"
@@ -420,7 +431,7 @@ def attribute(
     metric: Metric, current: PromptSummary, baseline: PromptSummary, ratio: float
 ) -> Attribution:
     """Did the engine's own figure move with the client's (current / baseline = `ratio`)?"""
-    if metric is FIRST_ANSWER_P50:
+    if metric.reasoning:
         return _reasoning_cause(current, baseline)
     old, new = metric.engine_value(baseline), metric.engine_value(current)
     engine = engine_name(current.cell_id)
@@ -468,7 +479,7 @@ def attribute(
 def _reasoning_cause(current: PromptSummary, baseline: PromptSummary) -> Attribution:
     """A later first answer comes from more reasoning or from slower tokens: the reasoning token
     count (p50) of both runs says which; the engine's own timings do not split the two."""
-    old, new = baseline.warm_reasoning_tokens_p50, current.warm_reasoning_tokens_p50
+    old, new = baseline.figure("reasoning_tokens", "p50"), current.figure("reasoning_tokens", "p50")
     if old is None or new is None:
         return Attribution("unknown", None, "not attributed: no reasoning token count to compare")
     moved = f"reasoning tokens p50 {old:g} → {new:g}"

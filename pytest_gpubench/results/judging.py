@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
 from pytest_gpubench.config.load_profile import LoadThresholds
 from pytest_gpubench.config.matrix import Thresholds
+from pytest_gpubench.config.metrics import GATED
 from pytest_gpubench.core.errors import GpubenchError, key_path
 from pytest_gpubench.core.status import session_status
 from pytest_gpubench.ledger.outcomes import CellOutcome, PlannedCell, cell_outcomes
@@ -42,9 +43,9 @@ SETTINGS_VERSION = 1
 NOT_REMEASURED = "not_remeasured"
 # The phase of a load case's call records: judged per load point, never with the warm calls.
 LOAD_PHASE = "load"
-# The thresholds' relative fields with a default (results/gate.py), written resolved: a later
-# release's defaults never change how a ledger written today is judged.
-RATIO_FIELDS = ("ttft_p50", "total_p50", "tokens_per_sec", "first_answer_p50")
+# The thresholds' relative keys with a default (config/metrics.GATED but the opt-in ones), written
+# resolved: a later release's defaults never change how a ledger written today is judged.
+RATIO_FIELDS = tuple(figure.threshold_key for figure in GATED if not figure.opt_in)
 
 
 class _Strict(BaseModel):
@@ -134,7 +135,7 @@ def resolved_thresholds(thresholds: Thresholds) -> Thresholds:
     from pytest_gpubench.results.gate import DEFAULT_RATIO_THRESHOLD, DEFAULT_SUCCESS_RATE
 
     defaults: dict[str, float] = {
-        name: DEFAULT_RATIO_THRESHOLD for name in RATIO_FIELDS if getattr(thresholds, name) is None
+        name: DEFAULT_RATIO_THRESHOLD for name in RATIO_FIELDS if thresholds.ratio(name) is None
     }
     if thresholds.success_rate is None:
         defaults["success_rate"] = DEFAULT_SUCCESS_RATE

@@ -13,6 +13,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from pytest_gpubench.config.matrix import Thresholds
+from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME
 from pytest_gpubench.results.decision import change_word, scipy_stats, verdict_of
 from pytest_gpubench.results.gate import (
     ALPHA,
@@ -72,16 +73,17 @@ class PairedMetric:
     higher_is_better: bool
 
 
-PAIRED_METRICS = (
-    PairedMetric("warm_ttft_p50_ms", "warm TTFT p50", "first_delta_ms", "ttft_p50", False),
-    PairedMetric("warm_total_p50_ms", "warm total p50", "total_duration_ms", "total_p50", False),
+# The figures an A/B pair is judged on (config/metrics.GATED: `paired`), from each call record.
+PAIRED_METRICS = tuple(
     PairedMetric(
-        "warm_decode_tokens_per_sec_p50",
-        "warm decode tokens/s p50",
-        "tokens_per_sec",
-        "tokens_per_sec",
-        True,
-    ),
+        figure.name,
+        figure.label,
+        MEASURE_BY_NAME[figure.measure].field,
+        figure.threshold_key,
+        MEASURE_BY_NAME[figure.measure].higher_is_better,
+    )
+    for figure in GATED
+    if figure.paired
 )
 
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import numpy as np
 
 from pytest_gpubench.config.matrix import Thresholds
+from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME
 from pytest_gpubench.results.decision import (
     ALPHA,
     alternative,
@@ -42,10 +43,11 @@ class _Metric:
     threshold_field: str
 
 
-# The figures a look decides on (both latencies: lower is better).
-_METRICS = (
-    _Metric("warm TTFT p50", "first_delta_ms", "ttft_p50"),
-    _Metric("warm total p50", "total_duration_ms", "total_p50"),
+# The figures a look decides on (config/metrics.GATED: `sequential`; latencies, lower is better).
+_METRICS = tuple(
+    _Metric(figure.label, figure.measure, figure.threshold_key)
+    for figure in GATED
+    if figure.sequential
 )
 
 
@@ -89,8 +91,9 @@ def _look(
     """A regression as soon as one figure is one; unchanged once every figure is."""
     unchanged = []
     for metric in _METRICS:
-        now = [float(call[metric.field]) for call in calls if call.get(metric.field) is not None]
-        then = list(getattr(baseline.samples, metric.field))
+        source = MEASURE_BY_NAME[metric.field].field
+        now = [float(call[source]) for call in calls if call.get(source) is not None]
+        then = list(baseline.samples.get(metric.field, ()))
         if len(now) < 3 or len(then) < 3:
             return None
         threshold = ratio_threshold(thresholds, metric.threshold_field)

@@ -3,81 +3,70 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-PERCENTILES = (0.50, 0.90, 0.95, 0.99)
-PERCENTILE_NAMES = ("p50", "p90", "p95", "p99")
-# The warm metrics summarized per (cell, prompt), each to the call record field it is read from.
-# The decode rate is the record's `tokens_per_sec` (and `tpot_ms` its inverse) only in records
-# that carry `coalesced`: older ledgers computed both another way, and are left out of them.
-WARM_METRICS: dict[str, str] = {
-    "first_delta_ms": "first_delta_ms",
-    "total_duration_ms": "total_duration_ms",
-    "decode_tokens_per_sec": "tokens_per_sec",
-    "tpot_ms": "tpot_ms",
-    "e2e_tokens_per_sec": "e2e_tokens_per_sec",
-    "engine_tokens_per_sec": "engine_tokens_per_sec",
-    "engine_prompt_ms": "engine_prompt_ms",
-    "engine_total_ms": "engine_total_ms",
-    # The control call measured before each call (measure/control.py): the machine's speed then.
-    "control_ms": "control_ms",
-    # A reasoning model's (issue 23): the first answer token after its reasoning, and the tokens
-    # it reasoned with. Only a (cell, prompt) whose warm calls reasoned has them (_reasoning_only).
-    "first_answer_ms": "first_answer_ms",
-    "reasoning_tokens": "reasoning_tokens",
-    # The share of each call's wall time in which some task waited for a CPU (measure/control.py).
-    "cpu_pressure": "cpu_pressure",
-}
-REASONING_METRICS = ("first_answer_ms", "reasoning_tokens")
-_DECODE_METRICS = ("decode_tokens_per_sec", "tpot_ms")
+from pytest_gpubench.config.metrics import MEASURES, PERCENTILE_NAMES, PERCENTILES, sampled
+
+# The warm measures summarized per (cell, prompt), each to the call record field it is read from
+# (config/metrics.py declares them). The decode rate is the record's `tokens_per_sec` (and
+# `tpot_ms` its inverse) only in records that carry `coalesced`: older ledgers computed both
+# another way, and are left out of them.
+WARM_METRICS: dict[str, str] = {measure.name: measure.field for measure in MEASURES}
+REASONING_METRICS = tuple(measure.name for measure in MEASURES if measure.reasoning)
+_DECODE_METRICS = tuple(measure.name for measure in MEASURES if measure.decode)
 # Fields read from each call record; everything else (inter-chunk gaps, engine timings) is left
 # out of the frame so that a million records stay cheap.
 _TEXT_FIELDS = ("cell_id", "prompt_id", "prompt_sha256", "phase", "cold_kind")
 # The raw values kept per (cell, prompt): what the gate tests significance and attribution on.
-SAMPLE_FIELDS = (
-    "first_delta_ms",
-    "total_duration_ms",
-    "decode_tokens_per_sec",
-    "engine_prompt_ms",
-    "engine_tokens_per_sec",
-    "engine_total_ms",
-    "control_ms",
-    "first_answer_ms",
-    "cpu_pressure",
-)
+SAMPLE_FIELDS = sampled()
 
 
-@dataclass(frozen=True)
-class WarmSamples:
-    """Raw values of the successful warm calls, in ledger order: what the gate tests on.
+class WarmSamples(Mapping[str, tuple[float, ...]]):
+    """Raw values of the successful warm calls, in ledger order, per measure that keeps them
+    (config/metrics.py): what the gate tests on. Every such measure is there, () where the run
+    had none. The engine's own figures (engine_*) sit beside the client's, so that a change can
+    be attributed to the engine or to what lies between it and the client."""
 
-    The engine's own figures (engine_*) sit beside the client's, so that a change can be
-    attributed to the engine or to what lies between it and the client.
-    """
+    __slots__ = ("_values",)
 
-    first_delta_ms: tuple[float, ...] = ()
-    total_duration_ms: tuple[float, ...] = ()
-    decode_tokens_per_sec: tuple[float, ...] = ()
-    engine_prompt_ms: tuple[float, ...] = ()
-    engine_tokens_per_sec: tuple[float, ...] = ()
-    engine_total_ms: tuple[float, ...] = ()
-    control_ms: tuple[float, ...] = ()
-    first_answer_ms: tuple[float, ...] = ()
-    cpu_pressure: tuple[float, ...] = ()
+    def __init__(self, **values: Sequence[float]) -> None:
+        unknown = sorted(set(values) - set(SAMPLE_FIELDS))
+        if unknown:
+            raise TypeError(f"no samples are kept of {', '.join(unknown)}")
+        self._values = {name: tuple(values.get(name, ())) for name in SAMPLE_FIELDS}
+
+    def __getitem__(self, name: str) -> tuple[float, ...]:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._values.items()))
+
+    def __repr__(self) -> str:
+        kept = ", ".join(f"{name}={values!r}" for name, values in self._values.items() if values)
+        return f"WarmSamples({kept})"
+
+
+# A measure's warm percentiles, p50 to p99 (None where the run had no value).
+Figures = Mapping[str, float | None]
+_NO_FIGURES: Figures = dict.fromkeys(PERCENTILE_NAMES)
 
 
 @dataclass(frozen=True)
 class PromptSummary:
-    """The numbers of one (cell, prompt): its first cold call and its warm distribution.
-
-    Warm percentiles are named warm_<metric>_<p50|p90|p95|p99> for each metric of WARM_METRICS;
-    `warm_coalesced` counts the successful warm calls whose content came in one read.
-    """
+    """The numbers of one (cell, prompt): its first cold call and its warm distribution, as a
+    mapping of each measure of config/metrics.py to its percentiles (`figure(measure, "p90")`);
+    `warm_coalesced` counts the successful warm calls whose content came in one read."""
 
     cell_id: str
     prompt_id: str
@@ -89,57 +78,26 @@ class PromptSummary:
     cold_total_duration_ms: float | None = None
     n_warm: int = 0
     n_warm_ok: int = 0
-    warm_first_delta_ms_p50: float | None = None
-    warm_first_delta_ms_p90: float | None = None
-    warm_first_delta_ms_p95: float | None = None
-    warm_first_delta_ms_p99: float | None = None
-    warm_total_duration_ms_p50: float | None = None
-    warm_total_duration_ms_p90: float | None = None
-    warm_total_duration_ms_p95: float | None = None
-    warm_total_duration_ms_p99: float | None = None
-    warm_decode_tokens_per_sec_p50: float | None = None
-    warm_decode_tokens_per_sec_p90: float | None = None
-    warm_decode_tokens_per_sec_p95: float | None = None
-    warm_decode_tokens_per_sec_p99: float | None = None
-    warm_tpot_ms_p50: float | None = None
-    warm_tpot_ms_p90: float | None = None
-    warm_tpot_ms_p95: float | None = None
-    warm_tpot_ms_p99: float | None = None
-    warm_e2e_tokens_per_sec_p50: float | None = None
-    warm_e2e_tokens_per_sec_p90: float | None = None
-    warm_e2e_tokens_per_sec_p95: float | None = None
-    warm_e2e_tokens_per_sec_p99: float | None = None
-    warm_engine_tokens_per_sec_p50: float | None = None
-    warm_engine_tokens_per_sec_p90: float | None = None
-    warm_engine_tokens_per_sec_p95: float | None = None
-    warm_engine_tokens_per_sec_p99: float | None = None
-    warm_engine_prompt_ms_p50: float | None = None
-    warm_engine_prompt_ms_p90: float | None = None
-    warm_engine_prompt_ms_p95: float | None = None
-    warm_engine_prompt_ms_p99: float | None = None
-    warm_engine_total_ms_p50: float | None = None
-    warm_engine_total_ms_p90: float | None = None
-    warm_engine_total_ms_p95: float | None = None
-    warm_engine_total_ms_p99: float | None = None
-    warm_control_ms_p50: float | None = None
-    warm_control_ms_p90: float | None = None
-    warm_control_ms_p95: float | None = None
-    warm_control_ms_p99: float | None = None
-    # None unless the engine reasoned on this (cell, prompt): no empty figures for other models.
-    warm_first_answer_ms_p50: float | None = None
-    warm_first_answer_ms_p90: float | None = None
-    warm_first_answer_ms_p95: float | None = None
-    warm_first_answer_ms_p99: float | None = None
-    warm_reasoning_tokens_p50: float | None = None
-    warm_reasoning_tokens_p90: float | None = None
-    warm_reasoning_tokens_p95: float | None = None
-    warm_reasoning_tokens_p99: float | None = None
-    warm_cpu_pressure_p50: float | None = None
-    warm_cpu_pressure_p90: float | None = None
-    warm_cpu_pressure_p95: float | None = None
-    warm_cpu_pressure_p99: float | None = None
+    # Each measure's percentiles; a reasoning measure's are None unless the engine reasoned on
+    # this (cell, prompt): no empty figures for other models.
+    warm: Mapping[str, Figures] = field(default_factory=dict)
     warm_coalesced: int = 0
-    samples: WarmSamples = WarmSamples()
+    samples: WarmSamples = field(default_factory=WarmSamples)
+
+    def __post_init__(self) -> None:
+        # Every measure's four percentiles, None where not measured: summaries of the same
+        # figures are equal however they were made (a run, a baseline file, a test).
+        unknown = sorted(set(self.warm) - set(WARM_METRICS))
+        if unknown:
+            raise TypeError(f"no such measure: {', '.join(unknown)} (config/metrics.py)")
+        figures = {
+            name: {p: self.warm.get(name, _NO_FIGURES).get(p) for p in PERCENTILE_NAMES}
+            for name in WARM_METRICS
+        }
+        object.__setattr__(self, "warm", figures)
+
+    def __hash__(self) -> int:
+        return hash((self.cell_id, self.prompt_id, self.n_warm, self.n_warm_ok, self.samples))
 
     @property
     def key(self) -> tuple[str, str]:
@@ -150,10 +108,12 @@ class PromptSummary:
         """Successful warm calls over all warm calls; None when no warm call ran."""
         return self.n_warm_ok / self.n_warm if self.n_warm else None
 
+    def figure(self, measure: str, percentile: str = "p50") -> float | None:
+        """figure("decode_tokens_per_sec", "p90"): a warm percentile (None: not measured)."""
+        return self.warm.get(measure, _NO_FIGURES).get(percentile)
+
     def warm_percentile(self, metric: str, percentile: str) -> float | None:
-        """warm_percentile("decode_tokens_per_sec", "p90"): one of the warm_* fields."""
-        value: float | None = getattr(self, f"warm_{metric}_{percentile}")
-        return value
+        return self.figure(metric, percentile)
 
 
 def is_success(record: Mapping[str, Any]) -> bool:
@@ -170,8 +130,8 @@ def call_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
         {field: text_column([record.get(field) for record in calls]) for field in _TEXT_FIELDS}
     )
     frame["run_idx"] = _floats([record.get("run_idx") for record in calls])
-    for metric, field in WARM_METRICS.items():
-        frame[metric] = _floats([record.get(field) for record in calls])
+    for metric, source in WARM_METRICS.items():
+        frame[metric] = _floats([record.get(source) for record in calls])
     current_definition = np.array(["coalesced" in record for record in calls], dtype=bool)
     for metric in _DECODE_METRICS:
         frame.loc[~current_definition, metric] = np.nan
@@ -313,10 +273,9 @@ def _summary(
     samples: WarmSamples,
 ) -> PromptSummary:
     cold_kind, cold_ttft, cold_total = first_cold or (None, None, None)
-    warm_fields = {
-        f"warm_{metric}_{name}": value
+    figures: dict[str, Figures] = {
+        metric: {name: value for name, value in zip(PERCENTILE_NAMES, values, strict=True)}
         for metric, values in warm.items()
-        for name, value in zip(PERCENTILE_NAMES, values, strict=True)
     }
     return PromptSummary(
         cell_id=key[0],
@@ -329,9 +288,9 @@ def _summary(
         cold_total_duration_ms=cold_total,
         n_warm=warm_counts[0],
         n_warm_ok=warm_counts[1],
+        warm=figures,
         warm_coalesced=coalesced,
         samples=samples,
-        **warm_fields,
     )
 
 
@@ -390,9 +349,9 @@ def _percentiles(
     table = frame.groupby("group", sort=False)[fields].quantile(np.array(PERCENTILES))
     groups = table.index.get_level_values(0).to_numpy()[:: len(PERCENTILES)]
     result: dict[str, dict[int, tuple[float | None, ...]]] = {}
-    for field in fields:
-        values = table[field].to_numpy(dtype="float64").reshape(-1, len(PERCENTILES))
-        result[field] = {
+    for name in fields:
+        values = table[name].to_numpy(dtype="float64").reshape(-1, len(PERCENTILES))
+        result[name] = {
             int(group): tuple(_number(value) for value in row)
             for group, row in zip(groups.tolist(), values, strict=True)
             if not np.isnan(row).all()

@@ -1,0 +1,188 @@
+"""Every figure the plugin measures and judges, declared once: what a call record's field is
+summarized as (its unit, which way is better, whether its raw values are kept), and which of
+those figures the gate judges (the percentile, the threshold key of cells.yaml, the verdict's
+name and label, the engine's own counterpart, whether an A/B pair judges it too). Statistics,
+the gate, the baseline file, the thresholds of cells.yaml, the judging settings and the reports
+read these tables; a new figure is a new entry here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Percentile = Literal["p50", "p90", "p95", "p99"]
+PERCENTILES: tuple[float, ...] = (0.50, 0.90, 0.95, 0.99)
+PERCENTILE_NAMES: tuple[str, ...] = ("p50", "p90", "p95", "p99")
+
+
+@dataclass(frozen=True)
+class Measure:
+    """A figure of each warm call, summarized per (cell, prompt) as its percentiles."""
+
+    # Its name in the summaries and the baseline file, and the call record field it is read from.
+    name: str
+    field: str
+    unit: str
+    label: str
+    higher_is_better: bool = False
+    # Its raw values are kept per (cell, prompt): the gate tests significance on them.
+    samples: bool = False
+    # Only in records that carry `coalesced`: older ledgers computed the decode rate otherwise.
+    decode: bool = False
+    # Only where the engine reasoned on the (cell, prompt) (a reasoning model's).
+    reasoning: bool = False
+    # A baseline file must hold it (a measure added later is read as unknown where it is absent).
+    in_every_baseline: bool = True
+    # Digits after the point in the reports' tables.
+    decimals: int = 2
+
+
+MEASURES: tuple[Measure, ...] = (
+    Measure("first_delta_ms", "first_delta_ms", "ms", "TTFT", samples=True),
+    Measure("total_duration_ms", "total_duration_ms", "ms", "total", samples=True),
+    Measure(
+        "decode_tokens_per_sec",
+        "tokens_per_sec",
+        "tokens/s",
+        "decode tokens/s",
+        higher_is_better=True,
+        samples=True,
+        decode=True,
+        decimals=1,
+    ),
+    Measure("tpot_ms", "tpot_ms", "ms", "TPOT", decode=True),
+    Measure("e2e_tokens_per_sec", "e2e_tokens_per_sec", "tokens/s", "end-to-end tokens/s", True),
+    Measure(
+        "engine_tokens_per_sec",
+        "engine_tokens_per_sec",
+        "tokens/s",
+        "engine's decode rate",
+        higher_is_better=True,
+        samples=True,
+    ),
+    Measure("engine_prompt_ms", "engine_prompt_ms", "ms", "engine's prompt time", samples=True),
+    Measure("engine_total_ms", "engine_total_ms", "ms", "engine's total time", samples=True),
+    # The control call measured before each call (measure/control.py): the machine's speed then.
+    Measure("control_ms", "control_ms", "ms", "control call", samples=True),
+    # A reasoning model's (issue 23): its first answer token, and the tokens it reasoned with.
+    Measure(
+        "first_answer_ms",
+        "first_answer_ms",
+        "ms",
+        "time to first answer",
+        samples=True,
+        reasoning=True,
+        in_every_baseline=False,
+    ),
+    Measure(
+        "reasoning_tokens",
+        "reasoning_tokens",
+        "tokens",
+        "reasoning tokens",
+        reasoning=True,
+        in_every_baseline=False,
+    ),
+    # The share of each call's wall time in which some task waited for a CPU (measure/control.py).
+    Measure("cpu_pressure", "cpu_pressure", "share", "CPU pressure", samples=True),
+)
+
+
+@dataclass(frozen=True)
+class GatedFigure:
+    """A figure the gate judges on every (cell, prompt) it can: a measure's percentile."""
+
+    # The verdict's metric name (the end record, JUnit, history, exports) and its label in the
+    # verdicts' messages.
+    name: str
+    label: str
+    measure: str
+    percentile: Percentile
+    # Its relative threshold's key under `thresholds:` in cells.yaml.
+    threshold_key: str
+    # The engine's own counterpart (a change that moved it too is engine-side), and its words.
+    engine_measure: str | None
+    engine_label: str
+    # Its column in the terminal, Markdown and HTML tables ("TTFT p50 ms"), the short word of
+    # the change column ("Δ TTFT / total / decode tok/s"), and its distribution chart's title.
+    column: str
+    short: str
+    chart: str
+    # Judged with the default threshold unless cells.yaml sets one; an opt-in figure is judged
+    # only where its cell (or the settings) gives its threshold.
+    opt_in: bool = False
+    # An A/B candidate's pairs are judged on it too (results/paired.py), and sequential
+    # sampling against a baseline decides on it (results/sequential_runs.py).
+    paired: bool = False
+    sequential: bool = False
+
+
+GATED: tuple[GatedFigure, ...] = (
+    GatedFigure(
+        name="warm_ttft_p50_ms",
+        label="warm TTFT p50",
+        measure="first_delta_ms",
+        percentile="p50",
+        threshold_key="ttft_p50",
+        engine_measure="engine_prompt_ms",
+        engine_label="prompt time",
+        column="TTFT p50 ms",
+        short="TTFT",
+        chart="Warm TTFT",
+        paired=True,
+        sequential=True,
+    ),
+    GatedFigure(
+        name="warm_total_p50_ms",
+        label="warm total p50",
+        measure="total_duration_ms",
+        percentile="p50",
+        threshold_key="total_p50",
+        engine_measure="engine_total_ms",
+        engine_label="prompt + decode time",
+        column="total p50 ms",
+        short="total",
+        chart="Warm total duration",
+        paired=True,
+        sequential=True,
+    ),
+    GatedFigure(
+        name="warm_decode_tokens_per_sec_p50",
+        label="warm decode tokens/s p50",
+        measure="decode_tokens_per_sec",
+        percentile="p50",
+        threshold_key="tokens_per_sec",
+        engine_measure="engine_tokens_per_sec",
+        engine_label="decode rate",
+        column="decode tok/s p50",
+        short="decode tok/s",
+        chart="Warm decode rate",
+        paired=True,
+    ),
+    # A reasoning model's time to its first answer token (issue 23): what its user waits for,
+    # which TTFT (the first reasoning token) does not show. Judged only where the engine reasoned;
+    # no engine reports a time of its own for it (a change is set beside the reasoning tokens).
+    GatedFigure(
+        name="warm_first_answer_p50_ms",
+        label="warm time to first answer p50",
+        measure="first_answer_ms",
+        percentile="p50",
+        threshold_key="first_answer_p50",
+        engine_measure=None,
+        engine_label="reasoning tokens",
+        column="first answer p50 ms",
+        short="first answer",
+        chart="Warm time to first answer",
+    ),
+)
+
+MEASURE_BY_NAME = {measure.name: measure for measure in MEASURES}
+GATED_BY_NAME = {figure.name: figure for figure in GATED}
+
+
+def measure(name: str) -> Measure:
+    return MEASURE_BY_NAME[name]
+
+
+def sampled() -> tuple[str, ...]:
+    """The measures whose raw values are kept per (cell, prompt)."""
+    return tuple(m.name for m in MEASURES if m.samples)
