@@ -1,0 +1,117 @@
+"""The table of measures and gated figures (config/metrics.py) is the one place a figure is
+declared: summaries, the baseline file, the thresholds of cells.yaml, the gate and the reports
+follow it."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpubench.config.matrix import Thresholds, read_matrix
+from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME, MEASURES, PERCENTILE_NAMES
+from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.reports.terminal import render_comparison
+from pytest_gpubench.results.baseline import (
+    CellBaseline,
+    Provenance,
+    dumps_baseline,
+    loads_baseline,
+)
+from pytest_gpubench.results.gate import compare
+from pytest_gpubench.results.stats import SAMPLE_FIELDS, summarize
+
+CELL = "local:llamacpp:tiny"
+
+
+def calls(slowdown: float = 1.0, *, seed: int = 0, runs: int = 12) -> list[dict[str, Any]]:
+    """Warm calls whose every measure has a value (the reasoning ones too)."""
+    rng = random.Random(seed)
+    records = []
+    for run_idx in range(runs):
+        ttft = 20.0 * slowdown * rng.lognormvariate(0, 0.03)
+        decode = 400.0 / slowdown * rng.lognormvariate(0, 0.03)
+        total = ttft + 32 / decode * 1000
+        records.append(
+            {
+                "type": "call",
+                "cell_id": CELL,
+                "prompt_id": "P-EASY",
+                "prompt_sha256": "sha",
+                "phase": "warm",
+                "run_idx": run_idx,
+                "error": None,
+                "finish_reason": "length",
+                "coalesced": False,
+                "first_delta_ms": ttft,
+                "total_duration_ms": total,
+                "tokens_per_sec": decode,
+                "tpot_ms": 1000 / decode,
+                "e2e_tokens_per_sec": 32 / total * 1000,
+                "engine_tokens_per_sec": decode,
+                "engine_prompt_ms": ttft * 0.9,
+                "engine_total_ms": total * 0.95,
+                "control_ms": 2.0,
+                "first_answer_ms": ttft * 3,
+                "reasoning_tokens": 12,
+                "cpu_pressure": 0.0,
+            }
+        )
+    return records
+
+
+def test_the_table_is_consistent() -> None:
+    assert len({m.name for m in MEASURES}) == len(MEASURES)
+    assert len({f.name for f in GATED}) == len(GATED)
+    assert len({f.threshold_key for f in GATED}) == len(GATED)
+    for figure in GATED:
+        assert figure.measure in MEASURE_BY_NAME, figure
+        assert figure.engine_measure is None or figure.engine_measure in MEASURE_BY_NAME
+        assert figure.percentile in PERCENTILE_NAMES
+        # Judging a figure tests significance on its measure's raw values.
+        assert MEASURE_BY_NAME[figure.measure].samples, figure
+
+
+def test_every_measure_is_summarized_and_round_trips_through_a_baseline_file() -> None:
+    (summary,) = summarize(calls())
+    for measure in MEASURES:
+        assert summary.figure(measure.name, "p50") is not None, measure.name
+    assert all(summary.samples[name] for name in SAMPLE_FIELDS)
+    baseline = CellBaseline(CELL, Provenance(), (summary,))
+    assert loads_baseline(dumps_baseline(baseline), "mem.json") == baseline
+
+
+def test_every_gated_figure_has_its_key_in_cells_yaml(tmp_path: Path) -> None:
+    keys = ", ".join(f"{figure.threshold_key}: 0.{index + 1}" for index, figure in enumerate(GATED))
+    (tmp_path / "prompts.yaml").write_text(
+        "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 4}\n"
+    )
+    (tmp_path / "cells.yaml").write_text(
+        "nodes: {local: {kind: local}}\n"
+        f"cells:\n  - {{node: local, engine: llamacpp, model: tiny, thresholds: {{{keys}}}}}\n"
+    )
+    (cell,) = read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml").cells
+    for index, figure in enumerate(GATED):
+        assert cell.thresholds.ratio(figure.threshold_key) == pytest.approx(0.1 * (index + 1))
+    (tmp_path / "cells.yaml").write_text(
+        "nodes: {local: {kind: local}}\n"
+        "cells:\n  - {node: local, engine: llamacpp, model: tiny, thresholds: {ttft_p5O: 0.2}}\n"
+    )
+    with pytest.raises(GpubenchError) as bad:
+        read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+    assert "thresholds.ttft_p5O: unknown key" in str(bad.value)
+
+
+def test_each_gated_figure_is_judged_and_labelled_in_the_reports() -> None:
+    """Twice as slow everywhere: every default figure (and a reasoning model's, which this one
+    is) regresses, each under its own name and its column's label."""
+    baseline = summarize(calls(seed=1))
+    current = summarize(calls(2.0, seed=2))
+    thresholds = Thresholds(**{figure.threshold_key: 0.2 for figure in GATED})
+    verdicts = {v.metric: v for v in compare(baseline, current, thresholds)}
+    table = render_comparison(list(verdicts.values()))
+    for figure in GATED:
+        assert verdicts[figure.name].verdict == "regression", figure.name
+        assert figure.column in table
