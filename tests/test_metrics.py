@@ -115,3 +115,24 @@ def test_each_gated_figure_is_judged_and_labelled_in_the_reports() -> None:
     for figure in GATED:
         assert verdicts[figure.name].verdict == "regression", figure.name
         assert figure.column in table
+
+
+def test_end_to_end_p99_is_judged_where_a_cell_asks_for_it(tmp_path: Path) -> None:
+    """`warm_total_p99_ms`, an opt-in figure: a cell without `total_p99` gets no verdict on it
+    (and its judging settings write no default for it); with it, twice as slow is a regression
+    named `warm_total_p99_ms`, in the table as `total p99 ms`."""
+    from pytest_gpubench.results.judging import resolved_thresholds
+
+    baseline = summarize(calls(seed=1))
+    current = summarize(calls(2.0, seed=2))
+    plain = {v.metric for v in compare(baseline, current, Thresholds())}
+    assert "warm_total_p99_ms" not in plain and "warm_total_p50_ms" in plain
+    assert resolved_thresholds(Thresholds()).ratio("total_p99") is None
+    asked = Thresholds(total_p99=0.3)
+    verdicts = {v.metric: v for v in compare(baseline, current, asked)}
+    tail = verdicts["warm_total_p99_ms"]
+    assert tail.verdict == "regression" and tail.message.startswith(
+        f"{CELL} P-EASY: warm total p99"
+    )
+    assert tail.current == pytest.approx(current[0].figure("total_duration_ms", "p99"))
+    assert "total p99 ms" in render_comparison([tail])

@@ -158,6 +158,21 @@ GATED: tuple[GatedFigure, ...] = (
         chart="Warm decode rate",
         paired=True,
     ),
+    # The tail of end-to-end latency: what the slowest calls of a user's session wait. Opt-in
+    # (`thresholds: {total_p99: 0.30}`): with few runs a p99 is near the slowest call.
+    GatedFigure(
+        name="warm_total_p99_ms",
+        label="warm total p99",
+        measure="total_duration_ms",
+        percentile="p99",
+        threshold_key="total_p99",
+        engine_measure="engine_total_ms",
+        engine_label="prompt + decode time",
+        column="total p99 ms",
+        short="total p99",
+        chart="",
+        opt_in=True,
+    ),
     # A reasoning model's time to its first answer token (issue 23): what its user waits for,
     # which TTFT (the first reasoning token) does not show. Judged only where the engine reasoned;
     # no engine reports a time of its own for it (a change is set beside the reasoning tokens).
