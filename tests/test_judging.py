@@ -280,3 +280,20 @@ def test_a_baseline_corrupted_after_the_run_is_one_error_line_and_exit_4(
     out = capsys.readouterr().out
     assert f"ERROR: {baseline}: corrupt baseline: " in out
     assert "gpubench gate: exit status 4: usage error" in out and "Traceback" not in out
+
+
+def test_the_first_baseline_update_on_a_busy_machine_says_so(tmp_path: Path) -> None:
+    """Tasks waited for a CPU 40 % of the calls' time while the baseline was ratified (issue 37):
+    the note says that a change against it will be unsteady until it has runs of history; a
+    quiet machine's update says nothing of the kind."""
+    busy = GeneratedRun(tmp_path / "busy", [CellPlan("main", pressure=0.4)], seed=6)
+    notes = run_session(busy, baseline_update=True).notes
+    assert any(
+        note.startswith("baseline of local:llamacpp:tiny@main measured on a busy machine (tasks "
+                        "waited for a CPU 40% of the calls' time): until it has 3 runs of history")
+        for note in notes
+    ), notes  # fmt: skip
+    quiet = GeneratedRun(tmp_path / "quiet", [CellPlan("main")], seed=6)
+    assert not any(
+        "busy machine" in note for note in run_session(quiet, baseline_update=True).notes
+    )

@@ -473,6 +473,19 @@ def decide(evidence: Evidence) -> Decision:
         p_value = one_sided_p(now, then, alternative(evidence.higher_is_better, direction))
         test = "within the run; between-run noise floor unknown"
     kind = verdict_of(direction, p_value, 0.0, ALPHA)
+    within_run = between_run_spread(evidence.history) is None
+    if busy is not None and within_run and kind in ("regression", "win"):
+        # The within-run test takes the calls as independent draws; on a machine that was busy
+        # in this run or the baseline's, the calls share the neighbours' doing, and a re-measure
+        # in the same state would confirm it. Without runs of history (or a reference cell, A/B)
+        # nothing tells the machine from a change.
+        why = (
+            f"{change}, p = {p_value:.3g} ({test}), but not judged: {busy}, and without "
+            f"{MIN_HISTORY} runs of history the gate cannot tell the machine from a change; "
+            "settle it with `gpubench calibrate` (runs of history) or a `reference:` cell (A/B), "
+            "or re-run on a quiet machine"
+        )
+        return replace(base, kind="unsteady", text=why, p_value=p_value)
     if kind == "inconclusive":
         unsure = f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA}; {test}){hint}"
         if busy is not None:

@@ -497,7 +497,7 @@ class RunController:
 def _history_notes(baselines_dir: Path, cell_id: str) -> list[str]:
     """What a written baseline's history lets the gate know: a note while it is too short."""
     from pytest_gpubench.results.baseline import find_baseline
-    from pytest_gpubench.results.decision import MIN_HISTORY
+    from pytest_gpubench.results.decision import MIN_HISTORY, PRESSURE_LIMIT
 
     try:
         baseline = find_baseline(baselines_dir, cell_id)
@@ -512,7 +512,20 @@ def _history_notes(baselines_dir: Path, cell_id: str) -> list[str]:
     )
     if not short:
         return []
-    return [
+    notes = [
         f"baseline of {cell_id}: runs of history {', '.join(short)}: the between-run noise floor "
         f"is still unknown until {MIN_HISTORY} (seed it with `gpubench calibrate`)"
     ]
+    busiest = max(
+        (s.figure("cpu_pressure") or 0.0 for s in baseline.prompts if s.n_warm), default=0.0
+    )
+    if busiest > PRESSURE_LIMIT:
+        # The within-run test cannot tell such a machine from a change (results/decision.py): a
+        # regression or win against this baseline is `unsteady` until the history has its runs.
+        notes.append(
+            f"baseline of {cell_id} measured on a busy machine (tasks waited for a CPU "
+            f"{busiest:.0%} of the calls' time): until it has {MIN_HISTORY} runs of history, a "
+            "change against it is unsteady, not judged; ratify on a quiet machine or seed its "
+            "history with `gpubench calibrate`"
+        )
+    return notes

@@ -282,6 +282,7 @@ class SessionEnd:
     ledger: Path
     records: list[dict[str, Any]]
     exit_status: int
+    notes: tuple[str, ...] = ()
 
     @property
     def end(self) -> dict[str, Any]:
@@ -299,9 +300,12 @@ def _remeasured_by(generated: GeneratedRun, run_id: str) -> Iterator[None]:
         yield
 
 
-def run_session(generated: GeneratedRun, *, run_id: str = "judged-run") -> SessionEnd:
-    """The session's own begin, collect and finish over the generated run's records."""
-    options = generated.options()
+def run_session(
+    generated: GeneratedRun, *, run_id: str = "judged-run", **options_given: Any
+) -> SessionEnd:
+    """The session's own begin, collect and finish over the generated run's records (options as
+    Options' fields: baseline_update=True, ...); its notes on the baselines in `notes`."""
+    options = generated.options(**options_given)
     run = RunController(
         options,
         generated.matrix,
@@ -315,4 +319,5 @@ def run_session(generated: GeneratedRun, *, run_id: str = "judged-run") -> Sessi
     run.collect(generated.session_records(run_id))
     with _remeasured_by(generated, run_id):
         status = run.finish(0, None)
-    return SessionEnd(run.ledger.path, read_ledger(run.ledger.path), status)
+    notes = tuple(run.judgement.baseline_notes)
+    return SessionEnd(run.ledger.path, read_ledger(run.ledger.path), status, notes)
