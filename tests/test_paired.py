@@ -156,3 +156,28 @@ def test_a_win_is_decided_the_other_way() -> None:
     pairs = pairs_of(drifting_machine(20), 0.5)
     stop = sequential_stop(pairs, Thresholds(ttft_p50=0.15, total_p50=0.15), 7, 20)
     assert stop == ("win", 7)
+
+
+def test_an_ab_pass_needs_its_interval_inside_the_threshold(tmp_path: Path) -> None:
+    """Issue 37: two A/B sessions of a candidate +76 ms slower on a busy machine exited 0 with
+    `ok` on TTFT p50 +12.3 % [95 % interval +4.0 % … +34.5 %]. Inside the threshold (15 % here)
+    by its point estimate, the pairs still allow a change of the threshold's size: `blind`,
+    saying how far the interval reaches; pairs that rule it out pass."""
+    candidate = cell(tmp_path)
+    reference = [50.0] * 8
+    spread = [1.01, 1.04, 1.08, 1.10, 1.14, 1.16, 1.30, 1.38]  # median +12 %, wide
+    wide = Pairs()
+    for index, first_token in enumerate(reference):
+        wide.reference[index] = call(MAIN, index, first_token)
+        wide.candidate[index] = call(PR, index, first_token * spread[index])
+    calls = [*wide.reference.values(), *wide.candidate.values()]
+    ttft = next(v for v in ab_verdicts(calls, JudgingSettings.of_cells([candidate])))
+    assert ttft.metric == "warm_ttft_p50_ms" and ttft.change_ratio is not None
+    assert 1.0 < ttft.change_ratio < 1.15
+    assert ttft.interval_high is not None and ttft.interval_high > 1.15
+    assert ttft.verdict == "blind"
+    assert "but the gate is blind here: its 95% interval reaches +" in ttft.message
+    tight = pairs_of(drifting_machine(8), 1.0)
+    calls = [*tight.reference.values(), *tight.candidate.values()]
+    same = next(v for v in ab_verdicts(calls, JudgingSettings.of_cells([candidate])))
+    assert same.verdict == "ok" and same.interval_high is not None and same.interval_high < 1.15

@@ -423,7 +423,13 @@ def _word(
     smallest_p = min_signed_rank_p(result.pairs)
     kind = verdict_of(result.direction, result.p_value, smallest_p, alpha)
     if result.direction is None:
-        return kind, f"{change} (within the {threshold:.0%} threshold)"
+        within = f"{change} (within the {threshold:.0%} threshold)"
+        reach = _worse_reach(result, threshold)
+        if reach is not None:
+            # A pass only where a change of the threshold's size would have been seen, as
+            # against a baseline: here the interval still allows one.
+            return "blind", f"{within}, but the gate is blind here: {reach}; raise runs"
+        return kind, within
     word = change_word(result.direction, metric.higher_is_better)
     if smallest_p >= alpha:
         return kind, (
@@ -436,6 +442,19 @@ def _word(
             f"{change} ({word}), but not significant (Wilcoxon p = {p_value:.3g} ≥ {alpha:.3g})"
         )
     return kind, f"{change} ({word}), Wilcoxon p = {p_value:.3g}"
+
+
+def _worse_reach(result: PairedResult, threshold: float) -> str | None:
+    """Why the pairs cannot rule out a change of the threshold's size the worse way: the
+    interval's far end past it, or no interval (too few pairs); None where they can."""
+    if result.interval is None:
+        return f"{result.pairs} pairs give no {INTERVAL_LEVEL:.0%} interval"
+    low, high = result.interval
+    if result.metric.higher_is_better and low < 1.0 - threshold:
+        return f"its {INTERVAL_LEVEL:.0%} interval reaches {_percent(low)}, past the threshold"
+    if not result.metric.higher_is_better and high > 1.0 + threshold:
+        return f"its {INTERVAL_LEVEL:.0%} interval reaches {_percent(high)}, past the threshold"
+    return None
 
 
 def _percent(ratio: float) -> str:
