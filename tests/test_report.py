@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -204,6 +205,25 @@ def test_terminal_summary_has_one_row_per_cell_and_prompt() -> None:
     header = text.splitlines()[0].split()
     assert header[:3] == ["cell", "prompt", "TTFT"] and header[-1] == "verdict"
     assert f"REGRESSION: {TINY} P-EASY: warm success rate 0.91 (10/11) is below 0.95" in text
+
+
+def test_baseline_update_table_says_accepted_where_it_ratifies_a_regression() -> None:
+    """--baseline-update ratifies: its table called what it accepted `regression` (issue 37),
+    beside notes that say `ACCEPTED (regression)`. An A/B regression, which no update
+    ratifies, stands; a win stays a win."""
+    old = summarize(ledger())
+    new = summarize(ledger(slowdown=2.0))
+    verdicts = compare(old, new)
+    assert summary_rows(new, verdicts)[0][-1] == "regression"
+    rows = summary_rows(new, verdicts, accepted=True)
+    assert [row[-1] for row in rows] == ["accepted"] * 6
+    text = render_summary(new, verdicts, accepted=True)
+    assert not [line for line in text.splitlines() if line.rstrip().endswith("regression")]
+    assert f"ACCEPTED (regression): {TINY} P-EASY: warm TTFT p50 +100.0%" in text
+    ab = dataclasses.replace(verdicts[0], reference="local:llamacpp:reference")
+    assert summary_rows(new, [ab], accepted=True)[0][-1] == "regression"
+    faster = compare(summarize(ledger(slowdown=2.0)), old)
+    assert "win" in [row[-1] for row in summary_rows(old, faster, accepted=True)]
 
 
 def test_terminal_summary_without_baselines_or_warm_calls() -> None:

@@ -140,14 +140,16 @@ def summary_headers(summaries: Iterable[PromptSummary]) -> tuple[str, ...]:
 
 
 def summary_rows(
-    summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict]
+    summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict], *, accepted: bool = False
 ) -> list[list[str]]:
     """One row per (cell, prompt): warm numbers, the first cold call, the change against the
-    baseline, the verdict (the columns of summary_headers)."""
+    baseline, the verdict (the columns of summary_headers). `accepted`: --baseline-update."""
     summaries = list(summaries)
     verdicts = list(verdicts)
     by_key = _verdicts_by_key(verdicts)
-    worst = overall_by_key(verdicts)
+    worst: Mapping[tuple[str, str], str] = overall_by_key(verdicts)
+    if accepted:
+        worst = {key: _ratified(kind, key, verdicts) for key, kind in worst.items()}
     shown = reasoning_shown(summaries)
     return [
         [
@@ -167,6 +169,20 @@ def summary_rows(
         ]
         for summary in sorted(summaries, key=lambda item: item.key)
     ]
+
+
+# What --baseline-update did with a finding against a baseline (verdict_notes' `ACCEPTED`).
+ACCEPTED = "accepted"
+
+
+def _ratified(kind: str, key: tuple[str, str], verdicts: Sequence[Verdict]) -> str:
+    """The verdict column while ratifying: a baseline's finding (`regression`, …) is what is
+    being accepted; a win stays one, and an A/B finding, against a reference no update
+    ratifies, stands."""
+    worst = [v for v in verdicts if v.key == key and v.verdict == kind]
+    if kind in NOTEWORTHY and kind != "win" and all(v.reference is None for v in worst):
+        return ACCEPTED
+    return kind
 
 
 def _reasoning_cells(summary: PromptSummary, verdicts: Mapping[str, Verdict]) -> list[str]:
@@ -242,7 +258,7 @@ def render_summary(
     sampled), then one line per verdict that needs attention."""
     verdicts = list(verdicts)
     summaries = list(summaries)
-    rows = summary_rows(summaries, verdicts)
+    rows = summary_rows(summaries, verdicts, accepted=accepted)
     if not rows:
         return "no calls measured"
     notes = verdict_notes(verdicts, accepted=accepted)
