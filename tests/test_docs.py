@@ -204,3 +204,15 @@ def test_every_exit_status_is_in_the_docs_table_its_precedence_and_the_readme() 
     (line,) = re.findall(r"## Exit statuses in one line\n\n(.*?)\n\n", readme, flags=re.S)
     listed = {int(number) for number in re.findall(r"(?:^|[;,] )(\d+)", line.replace("\n", " "))}
     assert listed == set(MEANINGS), line
+
+
+def test_every_key_of_a_cell_is_documented() -> None:
+    """`stall_s` was in no page (issue 37): each key a cell takes is named on the site, as
+    `key` or `key:`."""
+    from pytest_gpubench.config.matrix import CellSpec
+
+    site = "\n".join(page.read_text() for page in (REPO / "docs").glob("*.md"))
+    undocumented = [
+        name for name in CellSpec.model_fields if not re.search(rf"(`{name}\b|\b{name}:)", site)
+    ]
+    assert undocumented == []
