@@ -197,6 +197,14 @@ def _reasoning_cells(summary: PromptSummary, verdicts: Mapping[str, Verdict]) ->
 # A cold case on an engine that cannot unload its model (an `openai` endpoint) runs warm: its
 # figure is shown, but never as if it were a cold start.
 RAN_WARM = "process_warm"
+# `process_warm` is the ledger's word (it stays); a reader of a report gets a sentence.
+RAN_WARM_WORDS = "no true cold start: the engine could not unload its model, so the call ran warm"
+
+
+def cold_kind_words(kind: str | None) -> str:
+    """A cold kind as a report shows it: `restart` and `unload` as they are, `process_warm`
+    in words."""
+    return RAN_WARM_WORDS if kind == RAN_WARM else _text(kind)
 
 
 def _cold_figure(summary: PromptSummary, value: float | None) -> str:
@@ -262,6 +270,8 @@ def render_summary(
     if not rows:
         return "no calls measured"
     notes = verdict_notes(verdicts, accepted=accepted)
+    if any(summary.cold_kind == RAN_WARM and summary.n_cold for summary in summaries):
+        notes.append(f"(ran warm): {RAN_WARM_WORDS}")
     resources = telemetry_rows(telemetry)
     tables = [table(rows, summary_headers(summaries))]
     if resources:
@@ -786,7 +796,7 @@ def _cold_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
     return [
         [
             s.prompt_id,
-            _text(s.cold_kind),
+            cold_kind_words(s.cold_kind),
             str(s.n_cold),
             str(s.n_cold_ok),
             fixed(s.cold_first_delta_ms),
