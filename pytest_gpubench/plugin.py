@@ -7,7 +7,7 @@ session that has a cells file or a benchmark test (tests/test_architecture.py ch
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -65,6 +65,11 @@ MARKER_ERROR_KEY = pytest.StashKey[str]()
 # {test id: the node id of the test that has it}: two tests may not share a name.
 TEST_IDS_KEY = pytest.StashKey[dict[str, str]]()
 FROZEN_KEY: pytest.StashKey[FrozenRequests] = pytest.StashKey()
+# A case skipped because its required cell could not be measured: a skipped test that fails
+# the run (exit 7), shown as `u` / UNMEASURED rather than a plain `s` (docs/exit-statuses.md).
+# The report carries it as a built-in attribute (xdist sends it to the controller).
+UNMEASURED_KEY = pytest.StashKey[bool]()
+UNMEASURED_ATTR = "gpubench_unmeasured"
 NOTHING_MEASURED = (
     "{nodeid} asked for gpubench_case but never called gpubench_case.run(): nothing was measured"
 )
@@ -393,9 +398,11 @@ def _gpubench_param(request: pytest.FixtureRequest) -> Case:
     return case
 
 
-def _unavailable(run: RunController, case: Case, reason: str) -> None:
+def _unavailable(item: pytest.Item, run: RunController, case: Case, reason: str) -> None:
     if run.options.for_publication:
         pytest.fail(f"--for-publication: {case.cell_id} is unavailable: {reason}", False)
+    spec = run.matrix.cell(case.cell_id).spec if run.matrix is not None else None
+    item.stash[UNMEASURED_KEY] = spec is not None and not spec.optional and spec.skip is None
     pytest.skip(reason)
 
 
@@ -408,7 +415,7 @@ def gpubench_target(request: pytest.FixtureRequest, _gpubench_param: Case) -> Ta
     reason, prepared, target = run.harness.open_node(_gpubench_param)
     records.extend(prepared)
     if reason is not None:
-        _unavailable(run, _gpubench_param, reason)
+        _unavailable(request.node, run, _gpubench_param, reason)
     assert target is not None
     return target
 
@@ -434,7 +441,7 @@ def gpubench_engine(
     reason, prepared = run.harness.prepare(case)
     records.extend(prepared)
     if reason is not None:
-        _unavailable(run, case, reason)
+        _unavailable(request.node, run, case, reason)
     frozen = request.config.stash.setdefault(FROZEN_KEY, FrozenRequests(run.options.baselines_dir))
     return BenchEngine(
         case,
@@ -476,6 +483,8 @@ def pytest_runtest_makereport(
         elif isinstance(engine, BenchEngine) and not engine.calls:
             report.outcome = "failed"
             report.longrepr = NOTHING_MEASURED_ENGINE.format(nodeid=item.nodeid)
+    if report.skipped and item.stash.get(UNMEASURED_KEY, False):
+        setattr(report, UNMEASURED_ATTR, True)
     # Records ride on the report (built-in types only) so xdist carries them to the controller.
     for key, attr in ((RECORDS_KEY, xdist.RECORDS_ATTR), (RENTALS_KEY, xdist.RENTALS_ATTR)):
         pending = item.stash.get(key, [])
@@ -483,6 +492,16 @@ def pytest_runtest_makereport(
             setattr(report, attr, list(pending))
             pending.clear()
     return report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_report_teststatus(
+    report: pytest.TestReport | pytest.CollectReport,
+) -> tuple[str, str, tuple[str, Mapping[str, bool]]] | None:
+    """Counted as skipped, shown as what it is: a required cell not measured fails the run."""
+    if report.skipped and getattr(report, UNMEASURED_ATTR, False):
+        return "skipped", "u", ("UNMEASURED", {"red": True})
+    return None
 
 
 class ReportReader:
@@ -603,7 +622,31 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             lines.append(report.TerminalLine(f"pull request summary: {run.summary_path}"))
         if run.summary_error is not None:
             lines.append(report.TerminalLine(f"WARNING: {run.summary_error}", red=True))
+        # Beside pytest's own counts ("24 passed, 2 regressed in 9.1s"): its tests passed, and
+        # the run did not.
+        for word, found in _findings(run).items():
+            if found:
+                terminalreporter.stats.setdefault(word, []).extend(found)
     _write(terminalreporter, run, lines)
+
+
+def _findings(run: RunController) -> dict[str, list[Any]]:
+    """What fails the run that no test failed, by the word pytest's summary line counts it
+    under: the required cells not measured, the incomparable baselines, the regressions and the
+    unsteady figures (a ratified regression against a baseline is none)."""
+    judgement = run.judgement
+    updating = run.options.baseline_update
+    verdicts = [*judgement.verdicts, *judgement.load_verdicts]
+    return {
+        "unmeasured": [outcome for outcome in run.outcomes if outcome.fails_run],
+        "incomparable": list(judgement.failing_incomparables()),
+        "regressed": [
+            verdict
+            for verdict in verdicts
+            if verdict.verdict == "regression" and (verdict.reference is not None or not updating)
+        ],
+        "unsteady": [v for v in verdicts if v.verdict == "unsteady" and not updating],
+    }
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from support.hypothesis_examples import examples
 
 from pytest_gpubench.config.metrics import MEASURES, PERCENTILE_NAMES, sampled
-from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.errors import GpubenchError, key_path
 from pytest_gpubench.results.baseline import (
     CellBaseline,
     Provenance,
@@ -32,6 +33,8 @@ from pytest_gpubench.results.baseline import (
     write_baseline,
 )
 from pytest_gpubench.results.baseline_format import CorruptBaseline
+from pytest_gpubench.results.gate import ALL_METRIC_NAMES
+from pytest_gpubench.results.run_history import RunFigures
 from pytest_gpubench.results.stats import PromptSummary, WarmSamples
 
 RUN_ID = "5b1c1f43-58a3-4d5e-9d0e-2f3c8a0e4b11"
@@ -222,6 +225,72 @@ def test_missing_or_wrong_keys_name_file_and_key(tmp_path: Path, edit: Any, expe
         read_baseline(path)
     assert str(raised.value).startswith(f"{path}: ")
     assert expected in str(raised.value)
+
+
+def _every_number_filled() -> dict[str, Any]:
+    """A file of the current format as --baseline-update writes it, with every figure, sample
+    and history entry the model holds given a number (the measures read from the table of
+    config/metrics.py, not listed here)."""
+    figures = {measure.name: dict.fromkeys(PERCENTILE_NAMES, 0.5) for measure in MEASURES}
+    samples = WarmSamples(**{name: (0.5, 0.6) for name in sampled()})
+    summary = PromptSummary(
+        OTHER, "P-EASY", "ab", 1, 1, "restart", 0.5, 0.5, n_warm=2, n_warm_ok=2,
+        warm=figures, samples=samples,
+    )  # fmt: skip
+    history = RunFigures("r0", "2026-11-24", 2, dict.fromkeys(ALL_METRIC_NAMES, 0.5), 0.5, 0.5)
+    baseline = CellBaseline(
+        OTHER, Provenance(max_model_len=4096), (summary,), {"P-EASY": (history, history)}
+    )
+    data: dict[str, Any] = json.loads(dumps_baseline(baseline))
+    return data
+
+
+EVERY_NUMBER = _every_number_filled()
+
+
+def _number_paths(value: Any, path: tuple[str | int, ...] = ()) -> list[tuple[str | int, ...]]:
+    if isinstance(value, dict):
+        return [p for key, inner in value.items() for p in _number_paths(inner, (*path, key))]
+    if isinstance(value, list):
+        return [
+            p for index, inner in enumerate(value) for p in _number_paths(inner, (*path, index))
+        ]
+    return [path] if isinstance(value, int | float) and not isinstance(value, bool) else []
+
+
+NUMBER_PATHS = _number_paths(EVERY_NUMBER)
+
+
+def test_the_filled_file_holds_a_number_in_every_field_of_the_model() -> None:
+    """The parametrization below covers every kind of number the format holds."""
+    entry = EVERY_NUMBER["prompts"]["P-EASY"]
+    assert all(value["p50"] == 0.5 for value in entry["warm"].values() if isinstance(value, dict))
+    assert all(len(values) == 2 for values in entry["samples"].values())
+    assert entry["history"][0]["figures"] and entry["history"][0]["cpu_pressure"] == 0.5
+    assert len(NUMBER_PATHS) > 80
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["NaN", "Infinity"])
+@pytest.mark.parametrize("where", NUMBER_PATHS, ids=key_path)
+def test_nan_or_infinity_in_any_number_of_a_baseline_is_one_line_naming_the_key(
+    tmp_path: Path, where: tuple[str | int, ...], value: float
+) -> None:
+    """Python's json reads NaN and Infinity; a baseline holding one in a history figure crashed
+    the session (AttributeError in between_run_spread), and NaN in samples was read silently."""
+    data = json.loads(json.dumps(EVERY_NUMBER))
+    parent = data
+    for step in where[:-1]:
+        parent = parent[step]
+    parent[where[-1]] = value
+    path = tmp_path / "local_llamacpp_tiny.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(CorruptBaseline) as raised:
+        read_baseline(path)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path}: corrupt baseline: {key_path(where)}: expected a "), message
+    assert message.endswith("restore it with `git checkout -- <file>` or write it again with "
+                            "--baseline-update")  # fmt: skip
 
 
 def test_not_an_object_and_newer_format(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from test_faults import mount_tmpfs  # noqa: F401 - the fixture, shared
 
 from pytest_gpubench.core.status import EXIT_INCOMPARABLE, EXIT_WRITE_FAILED
 from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.results.baseline_format import REPAIR
 
 pytestmark = pytest.mark.engine
 
@@ -262,3 +263,71 @@ def test_a_read_only_baselines_directory_is_one_error_and_exit_9(
         "gpubench: exit status 9: the ledger or a baseline could not be written"
     )
     assert end_record(pytester)["exit_status"] == EXIT_WRITE_FAILED
+
+
+def _not_finite(value: str) -> float:
+    return float(value.replace("Infinity", "inf"))
+
+
+@pytest.mark.parametrize("value", ["Infinity", "NaN"])
+def test_nan_or_infinity_in_a_history_figure_is_one_line_and_exit_4_before_anything_runs(
+    pytester: pytest.Pytester, llama_server: Path, value: str
+) -> None:
+    """Issue 37: with three runs of history, one figure Infinity crashed the session in the
+    gate's between-run spread (AttributeError: 'float' object has no attribute 'numerator'),
+    with a traceback and no end record; NaN was read as a figure. The frozen-prompts guard reads
+    the file first: one line naming the key, exit 4, nothing measured."""
+    bench(pytester, llama_server, runs=5)
+    assert run(pytester, "--baseline-update").ret == 0
+    data = stored(pytester)
+    entry = data["prompts"]["P-EASY"]
+    first = json.dumps(entry["history"][0])
+    entry["history"] = [{**json.loads(first), "benchmark_run_id": f"r{i}"} for i in range(3)]
+    metric = sorted(entry["history"][2]["figures"])[0]
+    entry["history"][2]["figures"][metric] = _not_finite(value)
+    path = pytester.path / "baselines" / FILE
+    path.write_text(json.dumps(data, indent=2))
+    result = run(pytester)
+    output = result.stdout.str() + result.stderr.str()
+    assert "Traceback" not in output and "INTERNALERROR" not in output, output
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    lines = [*result.stdout.lines, *result.stderr.lines]
+    assert [line for line in lines if line.startswith("ERROR:")] == [
+        f"ERROR: {path}: corrupt baseline: prompts.P-EASY.history[2].figures.{metric}: expected "
+        f"a finite number, got float {value}; restore it with `git checkout -- <file>` or write "
+        "it again with --baseline-update"
+    ]
+    assert len(list((pytester.path / "runs").glob("*.jsonl"))) == 1  # the update's only
+
+
+@pytest.mark.parametrize("value", ["Infinity", "NaN"])
+def test_a_baseline_spoilt_with_nan_or_infinity_during_a_run_ends_it_with_its_end_record(
+    pytester: pytest.Pytester, llama_server: Path, value: str
+) -> None:
+    """A baseline read at the session's end (a checkout while the run ran): the calls stay in the
+    ledger, the end record says why nothing was judged, exit 4, no traceback."""
+    bench(pytester, llama_server, runs=5)
+    assert run(pytester, "--baseline-update").ret == 0
+    data = stored(pytester)
+    data["prompts"]["P-EASY"]["samples"]["first_delta_ms"][1] = _not_finite(value)
+    spoilt = pytester.path / "spoilt.json"
+    spoilt.write_text(json.dumps(data, indent=2))
+    # The guard has read the good file by the time the first case runs.
+    pytester.makepyfile(
+        test_bench=TEST_FILE + "    import shutil\n"
+        f"    shutil.copyfile({str(spoilt)!r}, 'baselines/{FILE}')\n"
+    )
+    result = run(pytester)
+    output = result.stdout.str() + result.stderr.str()
+    assert "Traceback" not in output and "INTERNALERROR" not in output, output
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    problem = (
+        f"{pytester.path / 'baselines' / FILE}: corrupt baseline: "
+        f"prompts.P-EASY.samples.first_delta_ms[1]: expected a finite number, got float {value}"
+    )
+    errors = [line for line in result.stdout.lines if line.startswith("ERROR:")]
+    assert errors == [f"ERROR: {problem}; {REPAIR}"]
+    end = end_record(pytester)
+    assert end["exit_status"] == pytest.ExitCode.USAGE_ERROR
+    assert str(end["gate_error"]).startswith(problem)
+    assert end["calls"] == 5

@@ -184,3 +184,35 @@ def test_chromium_renders_a_docs_page_with_its_nav_and_no_console_errors(
     assert any(re.match(r"/assets/stylesheets/main\.\w+\.min\.css", p) for p in paths), paths
     assert any(re.match(r"/assets/javascripts/bundle\.\w+\.min\.js", p) for p in paths), paths
     assert [(path, code) for path, code in requests if code != 200] == []
+
+
+def test_every_exit_status_is_in_the_docs_table_its_precedence_and_the_readme() -> None:
+    """core/status.py is the one place the statuses live; exit status 10 (unsteady) was missing
+    from docs/exit-statuses.md and README's one-line list (issue 37)."""
+    from pytest_gpubench.core.status import MEANINGS, SEVERITY
+
+    page = (REPO / "docs" / "exit-statuses.md").read_text()
+    table = set(re.findall(r"^\| ([\d, ]+) \|", page, flags=re.M))
+    in_table = {int(number) for row in table for number in row.split(",")}
+    assert in_table == set(MEANINGS)
+    (precedence,) = re.findall(r"^When several apply: (.*)$", page, flags=re.M)
+    named = [int(number) for number in re.findall(r"\b(\d+)\b", precedence)]
+    # pytest's own statuses are named as one; the plugin's, each in the order of SEVERITY.
+    ours = [status for status in SEVERITY if status > int(pytest.ExitCode.NO_TESTS_COLLECTED)]
+    assert named == ours, precedence
+    readme = (REPO / "README.md").read_text()
+    (line,) = re.findall(r"## Exit statuses in one line\n\n(.*?)\n\n", readme, flags=re.S)
+    listed = {int(number) for number in re.findall(r"(?:^|[;,] )(\d+)", line.replace("\n", " "))}
+    assert listed == set(MEANINGS), line
+
+
+def test_every_key_of_a_cell_is_documented() -> None:
+    """`stall_s` was in no page (issue 37): each key a cell takes is named on the site, as
+    `key` or `key:`."""
+    from pytest_gpubench.config.matrix import CellSpec
+
+    site = "\n".join(page.read_text() for page in (REPO / "docs").glob("*.md"))
+    undocumented = [
+        name for name in CellSpec.model_fields if not re.search(rf"(`{name}\b|\b{name}:)", site)
+    ]
+    assert undocumented == []

@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 from support.standins import OLLAMA_DIGEST, FaultyOpenAIServer, OllamaStandin, serving
 
+from pytest_gpubench.engines import api_root
 from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.measure.stream import Endpoint, joined_url
 
 
 def test_ollama_adapter_streams_ndjson_and_keeps_engine_timings() -> None:
@@ -69,6 +71,43 @@ def test_ollama_health_names_a_missing_model() -> None:
     with serving(OllamaStandin("qwen3.5:0.8b")) as url:
         health = OllamaEngine(url, "llama3:8b").health(5)
     assert not health.ok and "model 'llama3:8b' is not pulled" in health.reason
+
+
+def test_a_gateways_query_follows_every_path_of_every_engine_kind() -> None:
+    """The control calls (health, version, models, /tokenize) and the streamed request alike."""
+    root = api_root("http://gw.internal/serving/llama/v1/?key=k1")
+    assert root == "http://gw.internal/serving/llama?key=k1"
+    assert joined_url(root, "/v1/models") == "http://gw.internal/serving/llama/v1/models?key=k1"
+    assert joined_url("http://h:11434/?key=k1", "/api/tags") == "http://h:11434/api/tags?key=k1"
+    assert joined_url("http://h:8080", "/health") == "http://h:8080/health"
+    endpoint = Endpoint.parse(root)
+    assert endpoint.target("/v1/chat/completions") == "/serving/llama/v1/chat/completions?key=k1"
+    assert Endpoint.parse("http://h:8080/").target("/metrics") == "/metrics"
+
+
+def test_an_ollama_endpoint_with_a_query_keeps_it_after_every_path(
+    pytester: pytest.Pytester,
+) -> None:
+    """A gateway in front of Ollama that wants its key in the query (`?key=k1`): the paths went
+    after the query (`/?key=k1/api/version`), and the stream's request dropped it (issue 37).
+    Ollama cannot run here: the stand-in follows Ollama's docs/api.md."""
+    server = OllamaStandin("qwen3.5:0.8b")
+    server.query = "key=k1"
+    with serving(server) as url:
+        pytester.makefile(
+            ".yaml",
+            prompts='prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 4}\n',
+            cells=f"cells:\n  - {{node: local, engine: ollama, model: 'qwen3.5:0.8b', "
+            f"endpoint: '{url}/?key=k1', runs: 1}}\n",
+        )
+        pytester.makepyfile("def test_generate(gpubench_case):\n    gpubench_case.run()\n")
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    paths = {path for _, path, _ in server.requests}
+    assert paths == {
+        "/api/version?key=k1", "/api/tags?key=k1", "/api/generate?key=k1", "/api/ps?key=k1",
+        "/api/chat?key=k1",
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(

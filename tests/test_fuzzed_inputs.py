@@ -24,9 +24,11 @@ from support.hypothesis_examples import examples
 
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.config.matrix import read_matrix, read_prompts
-from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.errors import GpubenchError, key_path
 from pytest_gpubench.engines.managed import ManagedLlamaServer
+from pytest_gpubench.ledger.schema import DECLARED_FIELDS
 from pytest_gpubench.ledger.writer import Ledger, iter_records
+from pytest_gpubench.reports.frame import read_ledger_frame
 from pytest_gpubench.results.baseline import (
     CellBaseline,
     Provenance,
@@ -76,12 +78,16 @@ CELLS: dict[str, Any] = {
     ],
 }
 
+# NaN and the infinities: Python's json writes and reads them (JSON has none), st.floats() draws
+# them only now and then.
+NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])
 scalars = (
     st.none()
     | st.booleans()
     | st.integers()
     | st.integers(min_value=-(10**400), max_value=10**400)
     | st.floats()
+    | NON_FINITE
     | st.text(max_size=20)
     | st.sampled_from(
         ["", "local", "llamacpp", "tiny", "P-EASY", "warm", "cold", "off", "∞", "\x00"]
@@ -112,6 +118,32 @@ def paths_of(document: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...
         for index, value in enumerate(document):
             found.extend(paths_of(value, (*prefix, index)))
     return found
+
+
+def number_paths(document: Any) -> list[tuple[Any, ...]]:
+    """Every place in a parsed document that holds a number (not a boolean)."""
+    return [
+        path
+        for path in paths_of(document)
+        if isinstance(at(document, path), int | float) and not isinstance(at(document, path), bool)
+    ]
+
+
+def at(document: Any, path: tuple[Any, ...]) -> Any:
+    for step in path:
+        document = document[step]
+    return document
+
+
+@st.composite
+def with_a_non_finite_number(
+    draw: st.DrawFn, document: Any, paths: list[tuple[Any, ...]] | None = None
+) -> tuple[Any, tuple[Any, ...], float]:
+    """The document with one of its numbers (one of `paths`) made NaN or an infinity; where,
+    and which."""
+    where = draw(st.sampled_from(paths if paths is not None else number_paths(document)))
+    value = draw(NON_FINITE)
+    return replaced(document, where, value), where, value
 
 
 def replaced(document: Any, path: tuple[Any, ...], value: Any) -> Any:
@@ -414,6 +446,25 @@ def test_any_bytes_in_a_baseline_file_give_a_baseline_or_one_line(data: bytes) -
     baseline_or_exactly_one_line(data)
 
 
+@MANY
+@given(with_a_non_finite_number(CURRENT))
+def test_nan_or_an_infinity_in_any_number_of_a_baseline_is_one_line_naming_it(
+    case: tuple[Any, tuple[Any, ...], float],
+) -> None:
+    """Never read as a baseline: an infinite history figure crashed the gate's between-run
+    spread, and NaN in samples was read silently (issue 37). (A pre-release's format is refused
+    whole, whatever its numbers: test_the_fixed_baselines_are_valid.)"""
+    document, where, _ = case
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory, "local_llamacpp_tiny.json")
+        path.write_bytes(encoded(document))
+        with pytest.raises(GpubenchError) as raised:
+            read_baseline(path)
+    message = str(raised.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"{path}: corrupt baseline: {key_path(where)}: expected a "), message
+
+
 LOAD_BASELINE: dict[str, Any] = {
     "format": 1,
     "cell_id": "local:llamacpp:tiny",
@@ -436,6 +487,24 @@ def test_any_load_baseline_file_gives_points_or_one_clear_error(document: Any) -
             assert_one_clear_error(error, path)
         else:
             assert all(isinstance(point, dict) for point in points.values())
+
+
+@SOME
+@given(with_a_non_finite_number(LOAD_BASELINE))
+def test_nan_or_an_infinity_in_a_load_baseline_is_one_line_naming_it(
+    case: tuple[Any, tuple[Any, ...], float],
+) -> None:
+    document, where, value = case
+    with tempfile.TemporaryDirectory() as directory:
+        path = load_baseline_path(Path(directory), "local:llamacpp:tiny")
+        path.parent.mkdir(parents=True)
+        path.write_text(json_text(document), encoding="utf-8")
+        with pytest.raises(GpubenchError) as raised:
+            read_load_baseline(Path(directory), "local:llamacpp:tiny")
+    assert_one_clear_error(raised.value, path)
+    assert f"({key_path(where)}: expected a finite number, got {json.dumps(value)})" in str(
+        raised.value
+    )
 
 
 # -- ledger lines ------------------------------------------------------------------------------
@@ -509,6 +578,55 @@ def test_values_no_json_holds_are_written_as_text_not_lost(tmp_path: Path) -> No
     ledger.close()
     (record,) = iter_records(tmp_path / "run.jsonl")
     assert record["big"] == 10**300 and record["text"] == "∞ é 𝄞" and math.isnan(record["nan"])
+
+
+@st.composite
+def ledgers_with_a_non_finite_field(
+    draw: st.DrawFn,
+) -> tuple[list[dict[str, Any]], int, tuple[Any, ...], float]:
+    """A real-looking ledger with one number in a field its record's type declares
+    (ledger/schema.py) made NaN or an infinity: the ledger, the record's index, where, which."""
+    # As a file holds them: no list shared by two fields (a sample's columns share their times).
+    written = json.loads(
+        json.dumps(ledgers.run_records("run-a", seed=draw(st.integers(0, 3)), warm=3))
+    )
+    index = draw(
+        st.sampled_from(
+            [
+                i
+                for i, record in enumerate(written)
+                if any(path[0] in DECLARED_FIELDS[record["type"]] for path in number_paths(record))
+            ]
+        )
+    )
+    fields = DECLARED_FIELDS[written[index]["type"]]
+    paths = [path for path in number_paths(written[index]) if path[0] in fields]
+    record, where, value = draw(with_a_non_finite_number(written[index], paths))
+    written[index] = record
+    return written, index, where, value
+
+
+@SOME
+@given(ledgers_with_a_non_finite_field())
+def test_nan_or_an_infinity_in_a_ledger_field_is_one_line_naming_it(
+    case: tuple[list[dict[str, Any]], int, tuple[Any, ...], float],
+) -> None:
+    """Read by `gpubench gate` and `merge` (ledger.writer) and by the reports (reports.frame,
+    whose orjson refuses the line: it was taken for a cut tail when last) alike."""
+    written, index, where, value = case
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory, "run-a.jsonl")
+        path.write_text("".join(json.dumps(record) + "\n" for record in written))
+        expected = (
+            f"{path}: line {index + 1}: {key_path(where)}: expected a finite number, "
+            f"got {json.dumps(value)}"
+        )
+        with pytest.raises(GpubenchError) as raised:
+            list(iter_records(path))
+        assert str(raised.value) == expected
+        with pytest.raises(GpubenchError) as raised:
+            read_ledger_frame(path)
+        assert str(raised.value) == expected
 
 
 @st.composite

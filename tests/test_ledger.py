@@ -11,9 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from support import ledgers
 from support.pytest_process import LEAN
 from support.standins import OllamaStandin, serving
 
+from pytest_gpubench.cli.main import main
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.writer import read_ledger
 
@@ -108,4 +110,34 @@ def test_kill_9_mid_run_leaves_complete_lines_that_parse(pytester: pytest.Pytest
     restored = read_ledger(ledgers[0])[: len(records)]
     assert [{key: r[key] for key in raw} for r, raw in zip(restored, records, strict=True)] == (
         records
+    )
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("command", ["gate", "merge", "report"])
+def test_nan_or_an_infinity_in_a_call_is_one_line_from_gate_merge_and_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, value: str
+) -> None:
+    """Python's json writes and reads them, JSON has none: `gpubench gate` and `merge` took NaN
+    as a figure, `report` called the line not JSON (and a last one a cut tail). Now each names
+    the line and the field, with the status of a command's bad input (2, as a run's is 4:
+    docs/clusters-and-leases.md)."""
+    path = ledgers.write(tmp_path / "run-a.jsonl", ledgers.run_records("run-a", warm=3))
+    lines = path.read_text().splitlines()
+    number = next(i for i, line in enumerate(lines, 1) if json.loads(line)["type"] == "call")
+    record = json.loads(lines[number - 1])
+    record["first_delta_ms"] = float(value.replace("Infinity", "inf"))
+    lines[number - 1] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    (tmp_path / "baselines").mkdir()
+    argv = {
+        "gate": ["gate", str(path), "--baselines", str(tmp_path / "baselines")],
+        "merge": ["merge", str(path), "-o", str(tmp_path / "merged.jsonl")],
+        "report": ["report", str(path), "-o", str(tmp_path / "report.md")],
+    }[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"gpubench: error: {path}: line {number}: first_delta_ms: expected a finite number, "
+        f"got {value}\n"
     )

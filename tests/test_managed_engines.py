@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +56,46 @@ def test_a_launch_template_is_filled_in_and_its_environment_goes_first() -> None
         "vllm", "serve", "Qwen/Qwen3-0.6B", "--port", "8123", "--json", '{"a": 1}',
     ]  # fmt: skip
     assert render_launch(["{model_path}", "{nope}"], {"model_path": "/m"}) == ["/m", "{nope}"]
+
+
+def test_a_managed_ollama_cell_without_ollama_installed_says_so_in_one_line(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new user's first managed Ollama cell, on a machine without Ollama: the reason read
+    "cell ...: ollama exited while starting; log tail: env: 'oll…" (issue 37). Now it is found
+    before anything is started, and the reason says what to do."""
+    tools = tmp_path / "bin"  # a PATH with a shell, env and git, and no ollama
+    tools.mkdir()
+    for name in ("env", "sh", "git"):
+        found = shutil.which(name)
+        assert found is not None
+        (tools / name).symlink_to(found)
+    monkeypatch.setenv("PATH", str(tools))
+    pytester.makefile(
+        ".yaml",
+        prompts='prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 4}\n',
+        cells="cells:\n  - {node: local, engine: ollama, model: 'qwen3:0.6b', runs: 1}\n",
+    )
+    pytester.makepyfile("def test_generate(gpubench_case):\n    gpubench_case.run()\n")
+    result = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
+    output = result.stdout.str() + result.stderr.str()
+    assert result.ret == 7, output
+    reason = (
+        "[engine_start] cell local:ollama:qwen3:0.6b: ollama is not installed: install it, or "
+        "give the cell an endpoint of an engine already running (`ollama` is not on the node's "
+        "PATH)"
+    )
+    (outcome,) = ledger_of(pytester)[-1]["cells"]
+    assert (outcome["status"], outcome["stage"], outcome["reason"]) == (
+        "failed",
+        "engine_start",
+        reason,
+    )
+    # The terminal's table cuts a reason at 100 characters: what to do is inside them.
+    result.stdout.fnmatch_lines(
+        ["*local:ollama:qwen3:0.6b*failed*engine_start*ollama is not installed: install it, or *"]
+    )
+    assert "log tail" not in output and "No such file" not in output
 
 
 @pytest.mark.engine

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpubench.config.matrix import PluginNode, read_matrix, read_prompts
+from pytest_gpubench.config.matrix import (
+    LocalNode,
+    PluginNode,
+    SshNode,
+    read_matrix,
+    read_prompts,
+)
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.results.baseline import baseline_file_name
 
@@ -120,6 +126,40 @@ def test_bad_cells_file_names_file_cell_and_key(tmp_path: Path, cells: str, expe
     with pytest.raises(GpubenchError) as excinfo:
         read_matrix(*write(tmp_path, cells))
     assert expected in str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    "nodes",
+    ["", "nodes:\n", "nodes: {}\n", "nodes: {box: {kind: ssh, host: 127.0.0.1, user: bench}}\n"],
+    ids=["no-nodes-key", "nodes-empty", "nodes-empty-mapping", "other-nodes-only"],
+)
+def test_local_needs_no_entry_under_nodes(tmp_path: Path, nodes: str) -> None:
+    """A new user's local-only cells.yaml had to write `nodes: {local: {kind: local}}` (issue
+    37): `local` is this machine wherever a cell names it and the file does not define it."""
+    cells = nodes + "cells:\n  - {node: local, engine: llamacpp, model: tiny}\n"
+    matrix = read_matrix(*write(tmp_path, cells))
+    (cell,) = matrix.cells
+    assert cell.cell_id == "local:llamacpp:tiny" and cell.node == LocalNode(kind="local")
+    assert matrix.nodes["local"] == LocalNode(kind="local")
+
+
+def test_a_node_named_local_of_another_kind_is_the_files_own(tmp_path: Path) -> None:
+    cells = (
+        "nodes: {local: {kind: ssh, host: 127.0.0.1, user: bench}}\n"
+        "cells:\n  - {node: local, engine: ollama, model: m, endpoint: 'http://127.0.0.1:9'}\n"
+    )
+    (cell,) = read_matrix(*write(tmp_path, cells)).cells
+    assert isinstance(cell.node, SshNode)
+
+
+def test_a_node_other_than_local_still_needs_its_entry(tmp_path: Path) -> None:
+    cells = "cells:\n  - {node: gpu1, engine: llamacpp, model: tiny}\n"
+    with pytest.raises(GpubenchError) as excinfo:
+        read_matrix(*write(tmp_path, cells))
+    assert str(excinfo.value) == (
+        f"{tmp_path / 'cells.yaml'}: cells[0] (gpu1:llamacpp:tiny): node: 'gpu1' is not defined "
+        "under nodes (defined: none)"
+    )
 
 
 def test_non_positive_max_tokens_names_prompt_and_key(tmp_path: Path) -> None:

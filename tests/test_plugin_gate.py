@@ -81,6 +81,24 @@ def test_update_then_same_speed_passes_and_slower_exits_6(pytester: pytest.Pytes
     assert "warm_ttft_p50_ms" in metrics
 
 
+def test_pytests_count_line_says_a_regressed_run_failed(pytester: pytest.Pytester) -> None:
+    """Issue 37: an exit-6 run ended `6 passed in 2.1s` (green) right above the status line."""
+    server = OllamaStandin(token_s=0.020)
+    with serving(server) as url:
+        bench(pytester, url, runs=6, prompts=PROMPTS.replace("max_tokens: 6", "max_tokens: 3"))
+        update = pytester.runpytest("--force-load", "--baseline-update")
+        server.token_s = 0.060
+        slower = pytester.runpytest("--force-load")
+    assert "regressed" not in update.parseoutcomes()
+    assert slower.ret == 6
+    # pytest's summary line: `6 passed, 1 regressed in 2.1s`, then the status line.
+    outcomes = slower.parseoutcomes()
+    assert outcomes["passed"] == 6 and outcomes["regressed"] >= 1
+    assert (
+        slower.outlines[-1] == "gpubench: exit status 6: benchmarks ran and at least one regressed"
+    )
+
+
 def test_update_skips_cells_below_the_success_bar(pytester: pytest.Pytester) -> None:
     with serving(OllamaStandin()) as good, serving(FaultyOpenAIServer()) as bad:
         bench(

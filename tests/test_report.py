@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any, cast
 
@@ -11,6 +13,8 @@ import pytest
 
 from pytest_gpubench.cli.main import compare_command, main
 from pytest_gpubench.ledger.schema import LoadRecord
+from pytest_gpubench.reports.frame import frame_of_records
+from pytest_gpubench.reports.html import render_html
 from pytest_gpubench.reports.terminal import (
     render_comparison,
     render_load_table,
@@ -206,6 +210,25 @@ def test_terminal_summary_has_one_row_per_cell_and_prompt() -> None:
     assert f"REGRESSION: {TINY} P-EASY: warm success rate 0.91 (10/11) is below 0.95" in text
 
 
+def test_baseline_update_table_says_accepted_where_it_ratifies_a_regression() -> None:
+    """--baseline-update ratifies: its table called what it accepted `regression` (issue 37),
+    beside notes that say `ACCEPTED (regression)`. An A/B regression, which no update
+    ratifies, stands; a win stays a win."""
+    old = summarize(ledger())
+    new = summarize(ledger(slowdown=2.0))
+    verdicts = compare(old, new)
+    assert summary_rows(new, verdicts)[0][-1] == "regression"
+    rows = summary_rows(new, verdicts, accepted=True)
+    assert [row[-1] for row in rows] == ["accepted"] * 6
+    text = render_summary(new, verdicts, accepted=True)
+    assert not [line for line in text.splitlines() if line.rstrip().endswith("regression")]
+    assert f"ACCEPTED (regression): {TINY} P-EASY: warm TTFT p50 +100.0%" in text
+    ab = dataclasses.replace(verdicts[0], reference="local:llamacpp:reference")
+    assert summary_rows(new, [ab], accepted=True)[0][-1] == "regression"
+    faster = compare(summarize(ledger(slowdown=2.0)), old)
+    assert "win" in [row[-1] for row in summary_rows(old, faster, accepted=True)]
+
+
 def test_terminal_summary_without_baselines_or_warm_calls() -> None:
     cold_only = [r for r in ledger() if r.get("phase") != "warm"]
     summaries = summarize(cold_only)
@@ -342,6 +365,29 @@ def test_a_cold_case_that_ran_warm_is_labelled_in_the_cold_columns() -> None:
     assert rows[OLLAMA][5:7] == ["40.00 (ran warm)", "200.00 (ran warm)"]
     assert rows[TINY][5:7] == ["900.00", "4500.00"]
     assert "ran warm" in render_summary(summaries, [])
+
+
+def test_process_warm_is_said_in_words_in_the_terminal_markdown_and_html() -> None:
+    """`process_warm` is the ledger's value, jargon in a report (issue 37): the terminal says
+    what `(ran warm)` means, the Markdown and HTML cold tables say it in words; the ledger's
+    field keeps its value."""
+    records: list[dict[str, Any]] = [
+        {"type": "meta", "benchmark_run_id": RUN_ID, "git_sha": "c0ffee0"},
+        {**call(OLLAMA, "P-EASY", "cold", 0, 40.0), "cold_kind": "process_warm"},
+        call(OLLAMA, "P-EASY", "warm", 0, 40.0),
+        call(TINY, "P-EASY", "cold", 0, 900.0),
+        {"type": "end", "verdicts": []},
+    ]
+    words = "no true cold start: the engine could not unload its model, so the call ran warm"
+    terminal = render_summary(summarize(records), [])
+    assert f"(ran warm): {words}" in terminal.splitlines()
+    markdown = render_markdown(records)
+    assert re.search(rf"^\| P-EASY +\| {words} +\|", markdown, flags=re.M), markdown
+    assert re.search(r"^\| P-EASY +\| restart +\|", markdown, flags=re.M), markdown
+    assert "process_warm" not in terminal + markdown
+    page = render_html(frame_of_records(records))
+    assert f"<td>{words}</td>" in page and "process_warm" not in page
+    assert records[1]["cold_kind"] == "process_warm"
 
 
 def test_the_load_table_shows_prefix_cache_and_first_answer_only_where_measured() -> None:

@@ -85,6 +85,32 @@ def test_a_required_cell_that_cannot_be_measured_fails_the_session(
     assert outcomes[cell_id]["status"] == "failed" and reason in outcomes[cell_id]["reason"]
 
 
+@pytest.mark.parametrize("optional", [False, True], ids=["required", "optional"])
+def test_pytests_own_lines_show_a_required_cell_that_was_not_measured(
+    pytester: pytest.Pytester, server: ManagedLlamaServer, optional: bool
+) -> None:
+    """pytest printed `..ss` and `2 passed, 2 skipped` on a run that exits 7 (issue 37): the
+    cases stay skipped tests, shown as `u` (UNMEASURED with -v) and counted beside pytest's own;
+    an optional cell's are plain skips."""
+    cell_id = bench(pytester, server.base_url, "unreachable", optional=optional)
+    quiet = pytester.runpytest("--force-load", "-p", "no:cacheprovider")
+    verbose = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-v")
+    for result in (quiet, verbose):
+        assert result.ret == (0 if optional else EXIT_UNMEASURED)
+        result.assert_outcomes(passed=2, skipped=2)
+    case = f"test_bench.py::test_generate[[]{cell_id}-P-EASY-warm-0[]]"
+    if optional:
+        quiet.stdout.fnmatch_lines(["test_bench.py ..ss*"])
+        verbose.stdout.fnmatch_lines([f"{case} SKIPPED*"])
+        assert "unmeasured" not in quiet.parseoutcomes()
+        return
+    quiet.stdout.fnmatch_lines(["test_bench.py ..uu*"])
+    verbose.stdout.fnmatch_lines([f"{case} UNMEASURED*"])
+    # pytest's summary line: `2 passed, 2 skipped, 1 unmeasured in 0.3s`.
+    assert quiet.parseoutcomes()["unmeasured"] == 1
+    assert quiet.outlines[-1] == "gpubench: exit status 7: a required cell was not measured"
+
+
 @pytest.mark.parametrize("bad", list(BAD))
 def test_the_same_cell_marked_optional_is_listed_as_missing_and_passes(
     pytester: pytest.Pytester,

@@ -512,7 +512,8 @@ class Prompt(_Strict):
 
 class _CellsFile(_Strict):
     settings: CellDefaults = CellDefaults()
-    nodes: dict[str, Node]
+    # `local` (this machine) needs no entry: a local-only file may leave out `nodes:`.
+    nodes: dict[str, Node] = {}
     cells: list[CellSpec]
 
 
@@ -786,6 +787,8 @@ def read_matrix(
     prompts, groups = read_prompt_file(prompts_path)
     if raw.get("cells") is None and "cells" in raw:
         raw = {**raw, "cells": []}  # `cells:` with nothing under it: said below, after the nodes
+    if raw.get("nodes") is None and "nodes" in raw:
+        raw = {**raw, "nodes": {}}  # `nodes:` with nothing under it: `local` only
     context = {"engine_kinds": tuple(engine_kinds), "node_kinds": tuple(node_kinds)}
     try:
         parsed = _CellsFile.model_validate(raw, context=context)
@@ -797,6 +800,9 @@ def read_matrix(
             "{node, engine, model} under cells)"
         )
 
+    nodes: dict[str, AnyNode] = dict(parsed.nodes)
+    if "local" not in nodes and any(spec.node == "local" for spec in parsed.cells):
+        nodes["local"] = LocalNode(kind="local")
     cells: list[Cell] = []
     seen: dict[str, int] = {}
     for index, spec in enumerate(parsed.cells):
@@ -812,8 +818,8 @@ def read_matrix(
                 f"{where}: duplicate cell id, already defined at cells[{seen[spec.cell_id]}]{hint}"
             )
         seen[spec.cell_id] = index
-        if spec.node not in parsed.nodes:
-            known = ", ".join(sorted(parsed.nodes)) or "none"
+        if spec.node not in nodes:
+            known = ", ".join(sorted(nodes)) or "none"
             raise GpubenchError(
                 f"{where}: node: '{spec.node}' is not defined under nodes (defined: {known})"
             )
@@ -836,7 +842,7 @@ def read_matrix(
         cells.append(
             Cell(
                 spec=spec,
-                node=parsed.nodes[spec.node],
+                node=nodes[spec.node],
                 index=index,
                 prompt_ids=prompt_ids,
                 runs=spec.runs or parsed.settings.runs,
@@ -853,7 +859,7 @@ def read_matrix(
         cells_path=cells_path,
         prompts_path=prompts_path,
         settings=parsed.settings,
-        nodes=dict(parsed.nodes),
+        nodes=nodes,
         cells=tuple(cells),
         prompts=prompts,
         prompt_groups=groups,

@@ -19,6 +19,7 @@ from pytest_gpubench.measure.stream import (
     StreamError,
     TlsSettings,
     finish_timing,
+    joined_url,
     note_delta,
     read_error_body,
     stream_post,
@@ -80,7 +81,7 @@ def api_root(base_url: str) -> str:
     path = parts.path.rstrip("/")
     if path.endswith("/v1") or path == "/v1":
         path = path[: -len("/v1")]
-    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
 
 def control_client(
@@ -103,7 +104,7 @@ def get_json(
     tls: TlsSettings | None = None,
 ) -> Any:
     with control_client(timeout_s, headers, tls) as client:
-        response = client.get(base_url.rstrip("/") + path)
+        response = client.get(joined_url(base_url, path))
         response.raise_for_status()
         return response.json()
 

@@ -9,7 +9,7 @@ import httpx
 
 from pytest_gpubench.engines import Health, control_client
 from pytest_gpubench.engines.openai import OpenAIEngine
-from pytest_gpubench.measure.stream import StreamError, TlsSettings
+from pytest_gpubench.measure.stream import StreamError, TlsSettings, joined_url
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.matrix import RequestShape
@@ -44,20 +44,21 @@ class LlamaCppEngine(OpenAIEngine):
         return payload
 
     def health(self, timeout_s: float) -> Health:
+        url = joined_url(self.base_url, "/health")
         try:
             with control_client(timeout_s, self._auth(), self.tls) as client:
-                answer = client.get(f"{self.base_url}/health")
+                answer = client.get(url)
         except (httpx.HTTPError, StreamError) as exc:
-            return Health(False, f"{self.base_url}/health is unreachable: {exc}")
+            return Health(False, f"{url} is unreachable: {exc}")
         if answer.status_code != 200:
-            return Health(False, f"{self.base_url}/health answered {answer.status_code}")
+            return Health(False, f"{url} answered {answer.status_code}")
         return Health(True)
 
     def describe(self, timeout_s: float) -> dict[str, Any]:
         props: dict[str, Any] = {}
         try:
             with control_client(timeout_s, self._auth(), self.tls) as client:
-                answer = client.get(f"{self.base_url}/props")
+                answer = client.get(joined_url(self.base_url, "/props"))
                 if answer.status_code == 200:
                     props = answer.json()
         except (httpx.HTTPError, ValueError, StreamError):

@@ -27,6 +27,8 @@ from pytest_gpubench.targets.stages import StageError
 
 READY_POLL_S = 0.05
 DEFAULT_READY_TIMEOUT_S = 120.0
+# How long `command -v` of the launch's program may take on the node (an SSH round trip).
+INSTALLED_CHECK_S = 30.0
 # The address a managed engine listens on (`{host}`): the node's loopback, reached through the
 # node's forward (SSH) or directly (this machine), unless the node says otherwise (Slurm).
 LISTEN_HOST = "127.0.0.1"
@@ -90,6 +92,23 @@ class ManagedServer:
             return command
         assignments = [f"{name}={value}" for name, value in self.env.items()]
         return ["env", *render_launch(assignments, values), *command]
+
+    def check_installed(self) -> None:
+        """Before the server is first started on a node that runs commands where it runs: its
+        program is there (on the node's PATH with the launch's environment, or at the path the
+        launch names). A missing one otherwise showed only as the log tail of a process that
+        exited, `env: 'ollama': No such file or directory`, cut short in a one-line reason."""
+        values = {**self.values, "port": "0", "host": self.bind_host}
+        program = render_launch(self.launch, values)[0]
+        assignments = [f"{name}={value}" for name, value in self.env.items()]
+        probe = ["env", *render_launch(assignments, values), "sh", "-c", 'command -v "$0"']
+        if not self.target.run([*probe, program], timeout_s=INSTALLED_CHECK_S).ok:
+            raise StageError(
+                "engine_start",
+                f"cell {self.cell_id}: {self.program} is not installed: install it, or give the "
+                f"cell an endpoint of an engine already running (`{program}` is not on the "
+                "node's PATH)",
+            )
 
     def start(self) -> str:
         """Start the server and return its base URL (as reached from here) once its health

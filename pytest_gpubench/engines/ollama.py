@@ -24,6 +24,7 @@ from pytest_gpubench.measure.stream import (
     StreamedResponse,
     StreamError,
     TlsSettings,
+    joined_url,
     note_delta,
 )
 
@@ -210,7 +211,8 @@ class OllamaEngine:
         try:
             with control_client(timeout_s, self.headers, self.tls) as client:
                 client.post(
-                    f"{self.base_url}/api/generate", json={"model": self.model, "keep_alive": 0}
+                    joined_url(self.base_url, "/api/generate"),
+                    json={"model": self.model, "keep_alive": 0},
                 ).raise_for_status()
             while time.monotonic() < deadline:
                 if not any(_same_model(name, self.model) for name in self.loaded_models(timeout_s)):

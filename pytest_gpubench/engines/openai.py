@@ -16,7 +16,13 @@ from pytest_gpubench.engines import (
     merge_body,
     parse_openai_sse,
 )
-from pytest_gpubench.measure.stream import CallMeasurement, HttpConnection, StreamError, TlsSettings
+from pytest_gpubench.measure.stream import (
+    CallMeasurement,
+    HttpConnection,
+    StreamError,
+    TlsSettings,
+    joined_url,
+)
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.matrix import RequestShape
@@ -90,10 +96,10 @@ class OpenAIEngine:
     def health(self, timeout_s: float) -> Health:
         try:
             with control_client(timeout_s, self._auth(), self.tls) as client:
-                health = client.get(f"{self.base_url}/health")
+                health = client.get(joined_url(self.base_url, "/health"))
                 if health.status_code not in (200, 404):
-                    return Health(False, f"{self.base_url}/health answered {health.status_code}")
-                models = client.get(f"{self.base_url}/v1/models")
+                    return Health(False, f"{health.url} answered {health.status_code}")
+                models = client.get(joined_url(self.base_url, "/v1/models"))
                 models.raise_for_status()
                 ids = [entry.get("id") for entry in models.json().get("data", [])]
         except (httpx.HTTPError, ValueError, StreamError) as exc:
@@ -113,10 +119,10 @@ class OpenAIEngine:
         entry: dict[str, Any] = {}
         try:
             with control_client(timeout_s, self._auth(), self.tls) as client:
-                answer = client.get(f"{self.base_url}/version")
+                answer = client.get(joined_url(self.base_url, "/version"))
                 if answer.status_code == 200:
                     version = answer.json().get("version")
-                models = client.get(f"{self.base_url}/v1/models")
+                models = client.get(joined_url(self.base_url, "/v1/models"))
                 if models.status_code == 200:
                     entry = next(
                         (

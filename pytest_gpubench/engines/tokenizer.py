@@ -15,6 +15,7 @@ import httpx
 
 from pytest_gpubench.config.words import WORDS, seeded_words
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.measure.stream import joined_url
 
 # Rounds of cutting or adding tokens before a count is given up as not reachable (a word split
 # differently at the cut moves the count by one or two; more than this is a tokenizer that does
@@ -56,16 +57,13 @@ class TokenCounter(Protocol):
 
 class _Http:
     def __init__(self, base_url: str, headers: Mapping[str, str], verify: Any = True) -> None:
-        self.client = httpx.Client(
-            base_url=base_url.rstrip("/"),
-            headers=dict(headers),
-            timeout=CONTROL_TIMEOUT_S,
-            verify=verify,
-        )
+        # Not httpx's base_url: it would put the endpoint's query before the path.
+        self.base_url = base_url
+        self.client = httpx.Client(headers=dict(headers), timeout=CONTROL_TIMEOUT_S, verify=verify)
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            response = self.client.post(path, json=body)
+            response = self.client.post(joined_url(self.base_url, path), json=body)
         except httpx.HTTPError as exc:
             raise TokenizeUnavailable(f"{path}: {exc}") from None
         if response.status_code != 200:

@@ -7,10 +7,12 @@ field that a version may lack. The types say what this version writes; the JSON 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal, NotRequired, TypedDict, cast, overload
 
 from pytest_gpubench.config.shards import ShardFacts
+from pytest_gpubench.core.errors import key_path, non_finite_at
 from pytest_gpubench.core.provenance import GitState
 from pytest_gpubench.measure.stream import MeasurementFields
 from pytest_gpubench.targets.stages import StageFacts
@@ -345,6 +347,47 @@ Record = (
     | StageRecord
     | EndRecord
 )
+
+
+def _fields(*types: Any) -> frozenset[str]:
+    return frozenset(name for kind in types for name in kind.__annotations__)
+
+
+# The fields each record type declares, by its `type` (a call of a load case adds the load
+# fields): where a reader takes a number. A key no type declares is a newer version's or a
+# test's own, and is read as it is.
+DECLARED_FIELDS: dict[str, frozenset[str]] = {
+    "meta": _fields(MetaRecord),
+    "cell": _fields(CellRecord),
+    "call": _fields(LoadCallRecord),
+    "load": _fields(LoadRecord),
+    "sample": _fields(SampleRecord),
+    "skipped": _fields(SkippedRecord),
+    "checkpoint": _fields(CheckpointRecord),
+    "stage": _fields(StageRecord),
+    "end": _fields(EndRecord),
+}
+
+
+def non_finite_field(record: Mapping[str, Any]) -> tuple[str, float] | None:
+    """Where a record holds NaN or an infinity in a field its type declares, and that number
+    (`first_delta_ms`, `verdicts[0].change_ratio`); None where it holds none. Python's json
+    writes and reads them, JSON has neither, and a reader would count one as a figure."""
+    kind = record.get("type")
+    fields = DECLARED_FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        return None
+    for name, value in record.items():
+        if name not in fields:
+            continue
+        if isinstance(value, float):  # most fields: no walk
+            if not math.isfinite(value):
+                return name, value
+        elif isinstance(value, dict | list):
+            found = non_finite_at(value, (name,))
+            if found is not None:
+                return key_path(found[0]), found[1]
+    return None
 
 
 def as_json(record: Record) -> dict[str, Any]:

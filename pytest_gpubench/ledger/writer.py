@@ -138,9 +138,31 @@ def _reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
+class NotFinite(Exception):
+    """A record holds NaN or an infinity in a field its type declares (the message says which
+    field and which number)."""
+
+
+def parse_line(line: str | bytes) -> Any:
+    """One ledger line's JSON (json's own errors as they are). Python's json reads NaN and
+    infinities, which JSON has not: in a field a record's type declares (ledger/schema.py) one
+    is NotFinite, naming the field; a key no type declares keeps it as written."""
+    # The record types import the measurement's (h11, pydantic): only a reader of a file pays.
+    from pytest_gpubench.ledger.schema import non_finite_field
+
+    record = json.loads(line)
+    if isinstance(record, dict):
+        found = non_finite_field(record)
+        if found is not None:
+            where, value = found
+            raise NotFinite(f"{where}: expected a finite number, got {json.dumps(value)}")
+    return record
+
+
 def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """Read a ledger, tolerating a truncated last line (a run that was killed mid-write); call
-    records come back whole (their cell's keys restored), as they were before issue 24."""
+    records come back whole (their cell's keys restored), as they were before issue 24. NaN or
+    an infinity in a record's field is one error naming the line and the field."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
@@ -154,11 +176,13 @@ def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = parse_line(line)
         except json.JSONDecodeError:
             if number == last + 1:
                 return  # the truncated tail of a run that died while writing
             raise GpubenchError(f"{path}: line {number} is not valid JSON") from None
+        except NotFinite as exc:
+            raise GpubenchError(f"{path}: line {number}: {exc}") from None
         except (ValueError, RecursionError):
             # A number longer than Python reads (4,300 digits), or nesting deeper than it recurses:
             # no record the plugin writes.

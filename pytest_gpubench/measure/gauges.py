@@ -113,7 +113,7 @@ class GaugeScraper:
     ) -> None:
         self.endpoint = endpoint
         self.tls = tls
-        head = [f"GET {endpoint.prefix}/metrics HTTP/1.1", f"Host: {endpoint.address}"]
+        head = [f"GET {endpoint.target('/metrics')} HTTP/1.1", f"Host: {endpoint.address}"]
         head += [f"{name}: {value}" for name, value in headers]
         self.request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
         self.samples = GaugeSamples(interval_ms)

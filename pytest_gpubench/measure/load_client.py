@@ -314,7 +314,7 @@ def request_bytes(
 ) -> bytes:
     """A whole HTTP/1.1 POST, built once per distinct request and sent as is."""
     head = [
-        f"POST {endpoint.prefix}{path} HTTP/1.1",
+        f"POST {endpoint.target(path)} HTTP/1.1",
         f"Host: {endpoint.address}",
         "Content-Type: application/json",
         "Accept: text/event-stream",

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import h11
 
@@ -309,14 +309,24 @@ def _client_context(verify: bool, ca_file: str | None) -> ssl.SSLContext:
     return context
 
 
+def joined_url(base_url: str, path: str) -> str:
+    """`path` under the base URL's own path, with the base URL's query after it (a gateway's
+    key, a proxy's route): `http://h:11434/?key=k` and `/api/tags` give
+    `http://h:11434/api/tags?key=k`, where pasting them together put the query before `/api`."""
+    parts = urlsplit(base_url)
+    return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/") + path, parts.query, ""))
+
+
 @dataclass(frozen=True)
 class Endpoint:
-    """Where a stream goes: scheme, host, port and the path prefix every request path follows."""
+    """Where a stream goes: scheme, host, port, the path prefix every request path follows and
+    the query that follows every path (an endpoint's own `?key=...`)."""
 
     scheme: str
     host: str
     port: int
     prefix: str
+    query: str = ""
 
     @classmethod
     def parse(cls, base_url: str) -> Endpoint:
@@ -324,11 +334,15 @@ class Endpoint:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise StreamError(f"{base_url}: only http:// and https:// endpoints can be streamed")
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
+        return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"), parts.query)
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def target(self, path: str) -> str:
+        """The request target of `path`: under the prefix, the endpoint's query after it."""
+        return f"{self.prefix}{path}?{self.query}" if self.query else f"{self.prefix}{path}"
 
 
 class _ClosedByPeer(Exception):
@@ -506,7 +520,7 @@ class HttpConnection:
             *([] if self.keep_alive else [("Connection", "close")]),
             *headers,
         ]
-        target = endpoint.prefix + path
+        target = endpoint.target(path)
         payload = conn.send(h11.Request(method="POST", target=target, headers=request_headers))
         payload += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
         stamps: list[int] = []

@@ -35,7 +35,7 @@ from pytest_gpubench.ledger.schema import (
     meta_of,
     records_of,
 )
-from pytest_gpubench.ledger.writer import CELL_KEYS
+from pytest_gpubench.ledger.writer import CELL_KEYS, NotFinite, parse_line
 from pytest_gpubench.results.stats import PromptSummary, summarize_frame, text_column
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
 
@@ -186,6 +186,9 @@ def _read(path: Path, *, export: bool) -> tuple[LedgerData, bool]:
     lines_before = 0
     truncated = False
     for index, part in enumerate(parts):
+        if part.not_finite is not None:
+            line, problem = part.not_finite
+            raise GpubenchError(f"{path}: line {lines_before + line}: {problem}")
         if part.bad_line is not None:
             later = any(p.records for p in parts[index + 1 :])
             if part.content_after_bad or later:
@@ -232,6 +235,8 @@ class _Part:
     bad_line: int | None
     content_after_bad: bool
     whole: bool
+    # A whole line with NaN or an infinity in a record's field: (its line, what and where).
+    not_finite: tuple[int, str] | None = None
 
 
 def _read_range(path: Path, start: int, end: int, export: bool) -> _Part:
@@ -259,6 +264,15 @@ def _read_range(path: Path, start: int, end: int, export: bool) -> _Part:
             try:
                 record = orjson.loads(line)
             except orjson.JSONDecodeError:
+                # orjson refuses NaN and infinities, which Python's json writes: one in a
+                # record's field is named as gpubench gate names it, not taken for a cut tail.
+                problem = _not_finite(line)
+                if problem is not None:
+                    builder.flush()
+                    return _Part(
+                        builder.chunks, others, lines, records, None, False, whole,
+                        not_finite=(lines, problem),
+                    )  # fmt: skip
                 bad_line = lines
                 continue
             if not isinstance(record, dict):
@@ -269,6 +283,18 @@ def _read_range(path: Path, start: int, end: int, export: bool) -> _Part:
                 others.append(record)
     builder.flush()
     return _Part(builder.chunks, others, lines, records, bad_line, after_bad, whole)
+
+
+def _not_finite(line: bytes) -> str | None:
+    """Where a line orjson could not read holds NaN or an infinity in a record's field
+    (ledger.writer.parse_line), or None: the line is not JSON for another reason."""
+    try:
+        parse_line(line)
+    except NotFinite as exc:
+        return str(exc)
+    except (ValueError, RecursionError):
+        return None
+    return None
 
 
 # -- the columnar cache beside the ledger -------------------------------------------------------

@@ -12,7 +12,14 @@ from pytest_gpubench.ledger.schema import CellRecord, EndRecord, MetaRecord, Sam
 from pytest_gpubench.reports.charts import inline_svg, pyplot
 from pytest_gpubench.reports.frame import LedgerData
 from pytest_gpubench.reports.load_html import LoadBaselines, render_load_section
-from pytest_gpubench.reports.terminal import METRIC_LABELS, NONE, change, detectable, fixed
+from pytest_gpubench.reports.terminal import (
+    METRIC_LABELS,
+    NONE,
+    change,
+    cold_kind_words,
+    detectable,
+    fixed,
+)
 from pytest_gpubench.results.gate import GATED_METRICS, RATIO_METRICS, Verdict
 from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
 
@@ -233,7 +240,7 @@ def _cold(summaries: Sequence[PromptSummary]) -> str:
         (
             _e(s.cell_id),
             _e(s.prompt_id),
-            _e(s.cold_kind),
+            _e(cold_kind_words(s.cold_kind)),
             f"{s.n_cold_ok}/{s.n_cold}",
             fixed(s.cold_first_delta_ms),
             fixed(s.cold_total_duration_ms),

@@ -138,14 +138,16 @@ def summary_headers(summaries: Iterable[PromptSummary]) -> tuple[str, ...]:
 
 
 def summary_rows(
-    summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict]
+    summaries: Iterable[PromptSummary], verdicts: Iterable[Verdict], *, accepted: bool = False
 ) -> list[list[str]]:
     """One row per (cell, prompt): warm numbers, the first cold call, the change against the
-    baseline, the verdict (the columns of summary_headers)."""
+    baseline, the verdict (the columns of summary_headers). `accepted`: --baseline-update."""
     summaries = list(summaries)
     verdicts = list(verdicts)
     by_key = _verdicts_by_key(verdicts)
-    worst = overall_by_key(verdicts)
+    worst: Mapping[tuple[str, str], str] = overall_by_key(verdicts)
+    if accepted:
+        worst = {key: _ratified(kind, key, verdicts) for key, kind in worst.items()}
     shown = reasoning_shown(summaries)
     return [
         [
@@ -165,6 +167,20 @@ def summary_rows(
     ]
 
 
+# What --baseline-update did with a finding against a baseline (verdict_notes' `ACCEPTED`).
+ACCEPTED = "accepted"
+
+
+def _ratified(kind: str, key: tuple[str, str], verdicts: Sequence[Verdict]) -> str:
+    """The verdict column while ratifying: a baseline's finding (`regression`, …) is what is
+    being accepted; a win stays one, and an A/B finding, against a reference no update
+    ratifies, stands."""
+    worst = [v for v in verdicts if v.key == key and v.verdict == kind]
+    if kind in NOTEWORTHY and kind != "win" and all(v.reference is None for v in worst):
+        return ACCEPTED
+    return kind
+
+
 def _reasoning_cells(summary: PromptSummary, verdicts: Mapping[str, Verdict]) -> list[str]:
     judged = next((verdicts.get(m.name) for m in GATED_METRICS if m.reasoning), None)
     return [
@@ -177,6 +193,14 @@ def _reasoning_cells(summary: PromptSummary, verdicts: Mapping[str, Verdict]) ->
 # A cold case on an engine that cannot unload its model (an `openai` endpoint) runs warm: its
 # figure is shown, but never as if it were a cold start.
 RAN_WARM = "process_warm"
+# `process_warm` is the ledger's word (it stays); a reader of a report gets a sentence.
+RAN_WARM_WORDS = "no true cold start: the engine could not unload its model, so the call ran warm"
+
+
+def cold_kind_words(kind: str | None) -> str:
+    """A cold kind as a report shows it: `restart` and `unload` as they are, `process_warm`
+    in words."""
+    return RAN_WARM_WORDS if kind == RAN_WARM else _text(kind)
 
 
 def _cold_figure(summary: PromptSummary, value: float | None) -> str:
@@ -238,10 +262,12 @@ def render_summary(
     sampled), then one line per verdict that needs attention."""
     verdicts = list(verdicts)
     summaries = list(summaries)
-    rows = summary_rows(summaries, verdicts)
+    rows = summary_rows(summaries, verdicts, accepted=accepted)
     if not rows:
         return "no calls measured"
     notes = verdict_notes(verdicts, accepted=accepted)
+    if any(summary.cold_kind == RAN_WARM and summary.n_cold for summary in summaries):
+        notes.append(f"(ran warm): {RAN_WARM_WORDS}")
     resources = telemetry_rows(telemetry)
     tables = [table(rows, summary_headers(summaries))]
     if resources:
@@ -766,7 +792,7 @@ def _cold_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
     return [
         [
             s.prompt_id,
-            _text(s.cold_kind),
+            cold_kind_words(s.cold_kind),
             str(s.n_cold),
             str(s.n_cold_ok),
             fixed(s.cold_first_delta_ms),

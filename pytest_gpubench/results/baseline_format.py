@@ -6,7 +6,6 @@ summaries and back."""
 from __future__ import annotations
 
 import json
-import math
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 from pydantic import (
@@ -14,7 +13,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SkipValidation,
     Strict,
     ValidationError,
     ValidatorFunctionWrapHandler,
@@ -45,13 +43,9 @@ class CorruptBaseline(GpubenchError):
 
 # Each model says which keys a file of its format must have and of which type; a key a reader
 # does not know is ignored (a newer minor field, a reader's note). The types are strict: "12" is
-# not a number, true is not a count.
-
-
-def _not_nan(value: float) -> float:
-    if math.isnan(value):
-        raise PydanticCustomError("not_a_number", "NaN is not a number")
-    return value
+# not a number, true is not a count. Every number is finite: Python's json reads NaN and
+# Infinity (JSON has neither), and one in a figure, a sample or a history entry would reach the
+# gate's arithmetic (an infinite history figure crashed the between-run spread).
 
 
 def _non_empty(value: str | None) -> str | None:
@@ -61,19 +55,21 @@ def _non_empty(value: str | None) -> str | None:
 
 
 def _numbers(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-    """One message for the whole list, as a user reads it: which sample is bad matters less."""
+    """One message for the whole list, as a user reads it: which sample is bad matters less,
+    but for a number that is not finite, named where it sits (`first_delta_ms[2]`)."""
     try:
         return handler(value)
-    except ValidationError:
+    except ValidationError as exc:
+        if exc.errors()[0]["type"] == "finite_number":
+            raise
         raise PydanticCustomError("numbers", "expected a list of numbers") from None
 
 
-Number = Annotated[float, Strict(), AfterValidator(_not_nan)] | None
+Number = Annotated[float, Strict()] | None
 Count = Annotated[int, Strict(), Field(ge=0)]
 Text = Annotated[str, Strict()] | None
-# A sample list may hold NaN and infinities, as the earlier reader allowed.
 Numbers = Annotated[list[Annotated[float, Strict()]], WrapValidator(_numbers)]
-_Record = ConfigDict(extra="ignore", frozen=True)
+_Record = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
 
 class OptionalPercentiles(BaseModel):
@@ -116,8 +112,8 @@ class WarmHead(BaseModel):
     n: Count
     n_ok: Count
     coalesced: Count
-    # Derived from n and n_ok, written for a reader's eye and never read back.
-    success_rate: SkipValidation[float | None] = None
+    # Derived from n and n_ok, written for a reader's eye and never read back (a number, though).
+    success_rate: Number = None
 
 
 def _percentiles_field(every: bool) -> Any:
@@ -149,7 +145,7 @@ Samples: type[BaseModel] = create_model(
 class RunEntry(BaseModel):
     """One run of a prompt's history, as the file holds it."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
     benchmark_run_id: str | None = None
     date: str | None = None
@@ -224,7 +220,7 @@ def sample_values(samples: BaseModel, measure: str) -> list[float]:
 _PROBLEMS = {
     "missing": "required key is missing",
     "float_type": "expected a number",
-    "not_a_number": "expected a number",
+    "finite_number": "expected a finite number",
     "int_type": "expected a count",
     "greater_than_equal": "expected a count (greater than or equal to 0)",
     "string_type": "expected a string",

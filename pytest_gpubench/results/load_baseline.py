@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Strict, ValidationError
 
-from pytest_gpubench.core.errors import GpubenchError, key_path
+from pytest_gpubench.core.errors import GpubenchError, key_path, non_finite_at
 from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.results.baseline import baseline_file_name
 from pytest_gpubench.results.load_gate import baseline_point, gated, is_result, point_key
@@ -60,6 +60,15 @@ def read_load_baseline(baselines_dir: Path, cell_id: str) -> dict[str, dict[str,
         raise GpubenchError(
             f"{path}: not the load baseline of {cell_id} (cell_id: it holds "
             f"{parsed.cell_id[:60]!r}'s points); {_REPAIR}"
+        )
+    # The points are read as loosely as records (a figure of the wrong type is unknown), but NaN
+    # or an infinity (Python's json reads them; JSON has none) would be compared as a number.
+    found = non_finite_at(data)
+    if found is not None:
+        at, value = found
+        raise GpubenchError(
+            f"{path}: corrupt load baseline ({key_path(at)}: expected a finite number, got "
+            f"{json.dumps(value)}); {_REPAIR}"
         )
     return {key: value for key, value in parsed.points.items() if isinstance(value, dict)}
 

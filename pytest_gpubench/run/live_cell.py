@@ -139,6 +139,10 @@ class LiveCell:
         with clock.stage("engine_start", server.ready_timeout_s, cell_id=cell_id) as limit:
             if limit is not None:
                 server.ready_timeout_s = limit
+            # Not for a job: the login node that runs commands lacks what its image or modules
+            # give the compute node.
+            if not isinstance(target, SlurmTarget) and server.starts == 0:
+                server.check_installed()
             base_url = server.start()
         if server.pulls_model:
             self._pull(base_url, clock)

@@ -67,6 +67,17 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     requests: list[tuple[str, str, Any]]
+    # A gateway's key in front of the engine: each request must end in `?<query>` (None: none).
+    query: str | None = None
+
+    def route(self, handler: _Handler) -> str | None:
+        """The request's path without its query; None (and 401 answered) where the gateway's
+        query is not the one it needs."""
+        path, _, query = handler.path.partition("?")
+        if self.query is not None and query != self.query:
+            handler._json(401, {"error": f"no gateway key in {handler.path!r}"})
+            return None
+        return path
 
     def get(self, handler: _Handler) -> None:
         handler._json(404, {"error": "not found"})
@@ -99,32 +110,32 @@ class OllamaStandin(_Server):
         }
 
     def get(self, handler: _Handler) -> None:
-        if handler.path == "/api/version":
+        path = self.route(handler)
+        if path == "/api/version":
             handler._json(200, {"version": self.version})
-        elif handler.path == "/api/tags":
+        elif path == "/api/tags":
             handler._json(200, {"models": [{**self._entry(), "modified_at": _now()}]})
-        elif handler.path == "/api/ps":
+        elif path == "/api/ps":
             running = [{**self._entry(), "expires_at": _now(), "size_vram": 0}]
             handler._json(200, {"models": running if self.loaded else []})
-        else:
+        elif path is not None:
             handler._json(404, {"error": "not found"})
 
     def post(self, handler: _Handler, body: dict[str, Any]) -> None:
+        path = self.route(handler)
+        if path is None:
+            return
         if body.get("model") not in (self.model, self.model.removesuffix(":latest")):
             handler._json(404, {"error": f"model '{body.get('model')}' not found"})
             return
-        if (
-            handler.path == "/api/generate"
-            and not body.get("prompt")
-            and body.get("keep_alive") == 0
-        ):
+        if path == "/api/generate" and not body.get("prompt") and body.get("keep_alive") == 0:
             self.loaded = False
             handler._json(
                 200,
                 {"model": self.model, "created_at": _now(), "response": "", "done": True,
                  "done_reason": "unload"},
             )  # fmt: skip
-        elif handler.path == "/api/chat":
+        elif path == "/api/chat":
             self._chat(handler, body)
         else:
             handler._json(404, {"error": "not found"})
