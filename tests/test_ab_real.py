@@ -21,6 +21,7 @@ from support.delay_proxy import DelayProxy, delay_proxy
 from pytest_gpubench.config.cases import build_cases
 from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.synthetic import WORDS
+from pytest_gpubench.core.status import EXIT_UNSTEADY
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.reports.terminal import render_markdown
 from pytest_gpubench.results.judging import judge_ledger
@@ -199,7 +200,6 @@ def test_two_identical_servers_called_turn_about_pass(
         prompts=LONG_PROMPTS,
     )
     result = run_session(pytester)
-    assert result.ret == 0, summary(result)
     verdicts = ab_verdicts(ledger(pytester))
     assert set(verdicts) == {
         "warm_ttft_p50_ms",
@@ -207,12 +207,26 @@ def test_two_identical_servers_called_turn_about_pass(
         "warm_decode_tokens_per_sec_p50",
     }
     for verdict in verdicts.values():
-        assert verdict["verdict"] in ("ok", "inconclusive"), verdict
+        assert verdict["verdict"] in ("ok", "inconclusive", "blind"), verdict
         assert verdict["calls"] == 2 * RUNS
+    # Never a regression. A decode rate of the few pairs whose replies came in more than one
+    # read (four tokens of a long prefill) has no interval to rule out a change: blind, and the
+    # run says "re-run" (exit 10, issue 37); TTFT and total have every pair.
+    for name in ("warm_ttft_p50_ms", "warm_total_p50_ms"):
+        assert verdicts[name]["verdict"] in ("ok", "inconclusive"), verdicts[name]
+    decode = verdicts["warm_decode_tokens_per_sec_p50"]
+    assert decode["verdict"] != "blind" or decode["pairs"] < RUNS, decode
+    all_ok = all(verdict["verdict"] == "ok" for verdict in verdicts.values())
+    assert result.ret == (0 if all_ok else EXIT_UNSTEADY), summary(result)
     # A call whose reply came in one read has no decode rate: that pair is left out of it alone.
     assert verdicts["warm_ttft_p50_ms"]["pairs"] == RUNS
     passed = junit_cases(pytester, "verdict")
-    assert passed[f"{PR} vs {MAIN} {PROMPT_ID} warm_ttft_p50_ms"] in ("ok", "inconclusive")
+    # A passed gate case with its verdict where it passed; one the run could not tell is a
+    # skipped case (it holds the run back).
+    ttft = verdicts["warm_ttft_p50_ms"]["verdict"]
+    assert passed.get(f"{PR} vs {MAIN} {PROMPT_ID} warm_ttft_p50_ms") == (
+        ttft if ttft == "ok" else None
+    )
     result.stdout.fnmatch_lines([f"{PR} * {MAIN} * {PROMPT_ID} * TTFT p50 ms * 8/8 * 16 * *"])
 
 
@@ -281,4 +295,6 @@ def test_identical_sides_stop_as_unchanged_or_run_to_the_maximum(
         assert calls + len(reasons) == 24
     else:
         assert calls == 24 and not reasons
-        assert {v["verdict"] for v in verdicts.values()} <= {"ok", "inconclusive"}
+        # Never a regression; a figure whose pairs cannot rule out a change is blind (a decode
+        # rate of the few replies that came in more than one read), which was `ok` before.
+        assert {v["verdict"] for v in verdicts.values()} <= {"ok", "inconclusive", "blind"}

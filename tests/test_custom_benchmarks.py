@@ -16,6 +16,7 @@ from support.delay_proxy import DelayProxy, EngineSpeed, delay_proxy
 from support.pytest_process import LEAN
 
 from pytest_gpubench.config.cases import request_sha256
+from pytest_gpubench.core.status import EXIT_UNSTEADY
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.ledger.writer import read_ledger
 
@@ -123,9 +124,10 @@ def test_a_custom_test_is_collected_per_cell_measured_recorded_and_baselined(
     # the baseline's figure, none is `new`. (Whether the same speed passes is the gate's own
     # question, tested with the built-in cases: with four samples a side, a 2-ms TTFT that moves
     # by 40 % on a shared machine can be significant, so this run may end 0 or 6; and four
-    # decode rates spread wide leave the gate blind to theirs, which is a verdict too.)
+    # decode rates spread wide leave the gate blind to theirs, which is a verdict too, and one
+    # that CI sees as "re-run": 10.)
     again = run(pytester)
-    assert again.ret in (0, 6), again.stdout.str()
+    assert again.ret in (0, 6, EXIT_UNSTEADY), again.stdout.str()
     again.stdout.re_match_lines(
         [rf"{ONE}\s+test_greeting\s.*\s(ok|inconclusive|win|regression|blind)$"]
     )

@@ -14,6 +14,7 @@ import pytest
 from test_html_report import chromium, console_problems, needs_chromium
 
 from pytest_gpubench.cli.main import main
+from pytest_gpubench.core.status import EXIT_UNSTEADY
 from pytest_gpubench.ledger.writer import read_ledger
 
 PROMPTS = "prompts:\n  P-LOAD: {intent: load, prompt: 'Count to ten.', max_tokens: 32}\n"
@@ -47,7 +48,9 @@ def test_a_real_sweep_draws_its_load_section_in_chromium(
     update = pytester.runpytest(*args, "--baseline-update")
     assert update.ret == 0, update.stdout.str()[-3000:]
     second = pytester.runpytest(*args)
-    assert second.ret in (0, 6), second.stdout.str()[-3000:]
+    # Judged: passed, regressed, or not told (exit 10: a point's evidence too thin to rule out
+    # a change of the threshold's size); the HTML below is the subject.
+    assert second.ret in (0, 6, EXIT_UNSTEADY), second.stdout.str()[-3000:]
     ledger = newest_ledger(pytester.path)
     records = read_ledger(ledger)
     steps = [r for r in records if r["type"] == "load" and r["pattern"] != "sweep"]

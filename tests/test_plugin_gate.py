@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from support.standins import FaultyOpenAIServer, OllamaStandin, serving
 
+from pytest_gpubench.core.status import EXIT_UNSTEADY
 from pytest_gpubench.ledger.writer import read_ledger
 
 PROMPTS = """\
@@ -62,10 +63,12 @@ def test_update_then_same_speed_passes_and_slower_exits_6(pytester: pytest.Pytes
         (pytester.path / "baselines" / "local_ollama_qwen3.5_0.8b.json").read_text()
     )
     assert stored["cell_id"] == CELL
-    # The same speed never fails the gate; on a loaded machine the noise may still make the
-    # verdict inconclusive rather than ok, which is the gate being careful, not a failure.
-    assert same.ret == 0
-    same.stdout.re_match_lines([rf"{re.escape(CELL)}\s+P-EASY\s.*\s(ok|inconclusive)$"])
+    # The same speed never fails the gate; on a loaded machine the noise may still leave it
+    # unable to tell (inconclusive, or blind: a change of the threshold's size could not have
+    # been seen), which is the gate being careful, not a failure: "re-run" (exit 10), never 6.
+    same.stdout.re_match_lines([rf"{re.escape(CELL)}\s+P-EASY\s.*\s(ok|inconclusive|blind)$"])
+    row = next(line for line in same.outlines if line.startswith(CELL) and "P-EASY" in line)
+    assert same.ret == (0 if row.endswith(" ok") else EXIT_UNSTEADY)
     assert slower.ret == 6
     slower.stdout.fnmatch_lines(
         [

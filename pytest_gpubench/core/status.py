@@ -16,8 +16,11 @@ EXIT_UNMEASURED = 7
 EXIT_INCOMPARABLE = 8
 # The ledger or a baseline could not be written (a full disk, a read-only directory).
 EXIT_WRITE_FAILED = 9
-# No regression, but the machine drifted while a (cell, prompt) ran (its control call moved
-# beyond the noise floor): its verdict is `unsteady`, neither a pass nor a regression; re-run.
+# No regression, but some figure could not be told: the machine drifted or was busy while it ran
+# (`unsteady`), or the evidence allows a change of the threshold's size (`inconclusive`: past the
+# threshold but not significant or not found again; `blind`: inside it, but a change of its size
+# could not have been seen). Neither a pass nor a regression: re-run (more runs, runs of history,
+# a quieter machine). A CI gate never passes what it could not tell.
 EXIT_UNSTEADY = 10
 
 MEANINGS = {
@@ -31,7 +34,8 @@ MEANINGS = {
     EXIT_UNMEASURED: "a required cell was not measured",
     EXIT_INCOMPARABLE: "a baseline is not comparable with this run",
     EXIT_WRITE_FAILED: "the ledger or a baseline could not be written",
-    EXIT_UNSTEADY: "the machine was unsteady: some figures could not be judged",
+    EXIT_UNSTEADY: "some figures could not be told (an unsteady machine, or too little evidence): "
+    "re-run",
 }
 
 

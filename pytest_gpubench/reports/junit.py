@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
+    from pytest_gpubench.results.gate import Verdict
     from pytest_gpubench.results.judging import Judgement
 
 # The JUnit "file" of the gate's own test cases; their class name is gpubench.gate.
@@ -93,11 +94,13 @@ def gate_failures(judgement: Judgement) -> list[tuple[str, str]]:
 
 
 def ab_passes(judgement: Judgement) -> list[tuple[str, list[tuple[str, object]]]]:
-    """(test name, properties) of each A/B verdict that is no regression (those are failures):
-    CI sees every candidate's verdict word, its ratio of medians, interval and p."""
+    """(test name, properties) of each A/B verdict that is no regression (those are failures)
+    and not undecided (those are skipped): CI sees every candidate's verdict word, its ratio of
+    medians, interval and p."""
+    undecided = judgement.undecided()
     return [
         (
-            f"{v.cell_id} vs {v.reference} {v.prompt_id} {v.metric}",
+            _case_name(v),
             [
                 ("gpubench.verdict", v.verdict),
                 ("gpubench.change_ratio", v.change_ratio),
@@ -109,20 +112,23 @@ def ab_passes(judgement: Judgement) -> list[tuple[str, list[tuple[str, object]]]
             ],
         )
         for v in judgement.verdicts
-        if v.reference is not None and v.verdict != "regression"
+        if v.reference is not None and v.verdict != "regression" and v not in undecided
     ]
 
 
 def gate_skips(judgement: Judgement) -> list[tuple[str, str]]:
-    """(test name, message) of what the gate could not judge: an `unsteady` verdict (the machine
-    drifted: the run exits 10) and a `blind` one (nothing seen, but nothing could have been)."""
+    """(test name, message) of what the gate could not tell (the run exits 10): an `unsteady`
+    verdict (the machine drifted), an `inconclusive` one (past the threshold, not decided) and a
+    `blind` one (nothing seen, but nothing could have been)."""
     if judgement.settings.baseline_update:
         return []
-    return [
-        (f"{v.cell_id} {v.prompt_id} {v.metric}", f"{v.verdict.upper()}: {v.message}")
-        for v in judgement.every_verdict
-        if v.verdict in ("unsteady", "blind") and v.reference is None
-    ]
+    return [(_case_name(v), f"{v.verdict.upper()}: {v.message}") for v in judgement.undecided()]
+
+
+def _case_name(verdict: Verdict) -> str:
+    """A gate case's name: an A/B candidate's names its reference."""
+    against = f" vs {verdict.reference}" if verdict.reference is not None else ""
+    return f"{verdict.cell_id}{against} {verdict.prompt_id} {verdict.metric}"
 
 
 def add_gate_failures(config: pytest.Config, judgement: Judgement) -> None:

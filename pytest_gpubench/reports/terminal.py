@@ -24,6 +24,7 @@ from pytest_gpubench.results.gate import (
     overall_by_key,
     regressions,
 )
+from pytest_gpubench.results.judging import undecided_improvement
 from pytest_gpubench.results.stats import PromptSummary, summarize
 from pytest_gpubench.targets.gpu import gpu_summary
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
@@ -466,6 +467,21 @@ def gate_lines(
             TerminalLine(
                 f"gpubench: the machine was unsteady while {', '.join(keys)} ran: not judged "
                 "(neither a pass nor a regression); re-run on a steady machine",
+                red=True,
+            )
+        )
+    untold = [
+        verdict
+        for verdict in verdicts
+        if verdict.verdict in ("inconclusive", "blind") and not undecided_improvement(verdict)
+    ]
+    if untold and not baseline_update:
+        keys = sorted({f"{v.cell_id} {v.prompt_id}" for v in untold})
+        lines.append(
+            TerminalLine(
+                f"gpubench: the evidence could not tell for {', '.join(keys)}: neither a pass "
+                "nor a regression; re-run with more runs (--gpubench-runs), runs of history "
+                "(gpubench calibrate) or a reference: cell (A/B)",
                 red=True,
             )
         )

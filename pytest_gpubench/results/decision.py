@@ -28,6 +28,11 @@ VERDICT_ORDER: tuple[VerdictKind, ...] = (
     "new",
 )
 
+# The verdicts of a figure the run could not tell (the machine moved, or the evidence allows a
+# change of the threshold's size either way): neither a pass nor a regression; a run with one
+# exits 10 (core/status.py), never 0.
+UNDECIDED: tuple[VerdictKind, ...] = ("unsteady", "inconclusive", "blind")
+
 ALPHA = 0.05
 # The power the smallest detectable change is stated at: a change that large is caught in 80 %
 # of runs (one-sided test at ALPHA).
@@ -443,12 +448,9 @@ def decide(evidence: Evidence) -> Decision:
         return replace(base, kind="unsteady", text=f"{seen}{threshold}; re-run on a quiet machine")
     if direction is None:
         within = f"{label} {_percent(ratio)} (within the {evidence.threshold:.0%} threshold)"
-        # Blind for certain: too few samples ever to be significant, or a between-run spread
-        # learned over many runs. A spread estimated from this run's few samples alone is
-        # itself noisy: the pass stands, and says how little it could have seen.
-        certain = undetectable is not None or between_run_spread(evidence.history) is not None
-        if blind and not certain:
-            return replace(base, text=f"{within}; only {could} ({why_blind})")
+        # A pass only where a change of the threshold's size would have been seen: however its
+        # spread was estimated (between runs, or from this run's samples), a run that could not
+        # have seen one says so, and does not pass.
         if blind:
             return replace(
                 base, kind="blind", text=f"{within}, but the gate is blind here: {could} "

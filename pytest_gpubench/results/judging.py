@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
 from pytest_gpubench.config.load_profile import LoadThresholds
 from pytest_gpubench.config.matrix import Thresholds
-from pytest_gpubench.config.metrics import GATED
+from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME
 from pytest_gpubench.core.errors import GpubenchError, key_path
 from pytest_gpubench.core.status import session_status
 from pytest_gpubench.ledger.outcomes import CellOutcome, PlannedCell, cell_outcomes
@@ -27,7 +27,7 @@ from pytest_gpubench.ledger.schema import (
     MetaRecord,
     SkippedRecord,
 )
-from pytest_gpubench.results.decision import ALPHA, MIN_HISTORY
+from pytest_gpubench.results.decision import ALPHA, MIN_HISTORY, UNDECIDED
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.matrix import Cell
@@ -271,13 +271,22 @@ class Judgement:
             return [verdict for verdict in found if verdict.reference is not None]
         return found
 
+    def undecided(self) -> list[Verdict]:
+        """The figures the run could not tell, which hold it back (exit 10): an unsteady machine,
+        a pass that could not have seen a change of the threshold's size (`blind`), a change
+        past it not decided (`inconclusive`) the worse way or of a figure not measured. An
+        undecided improvement holds nothing: it cannot hide a regression."""
+        return [
+            v for v in self.every_verdict if v.verdict in UNDECIDED and not undecided_improvement(v)
+        ]
+
     @property
     def unmeasured(self) -> list[CellOutcome]:
         return [outcome for outcome in self.outcomes if outcome.fails_run]
 
     def exit_status(self, pytest_status: int = 0, *, write_failed: bool = False) -> int:
         """The run's exit status from these findings (core/status.py ranks them)."""
-        unsteady = any(v.verdict == "unsteady" for v in self.every_verdict)
+        unsteady = bool(self.undecided())
         return session_status(
             pytest_status,
             write_failed=write_failed or self.write_failed,
@@ -287,6 +296,19 @@ class Judgement:
             regressed=bool(self.failing_regressions()),
             unsteady=unsteady and not self.settings.baseline_update,
         )
+
+
+def undecided_improvement(verdict: Verdict) -> bool:
+    """An `inconclusive` change past the threshold the better way (faster, higher): undecided,
+    but it cannot hide a regression."""
+    if verdict.verdict != "inconclusive" or verdict.change_ratio is None:
+        return False
+    from pytest_gpubench.results.load_gate import LOAD_METRICS
+
+    higher = {m.name for m in LOAD_METRICS if m.higher_is_better} | {
+        figure.name for figure in GATED if MEASURE_BY_NAME[figure.measure].higher_is_better
+    }
+    return (verdict.change_ratio > 1.0) == (verdict.metric in higher)
 
 
 @dataclass
