@@ -48,9 +48,10 @@ from typing import Any
 
 from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.synthetic import WORDS
-from pytest_gpubench.core.status import EXIT_REGRESSION
+from pytest_gpubench.core.status import EXIT_REGRESSION, EXIT_UNSTEADY
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
 from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.results.judging import JudgingSettings
 from pytest_gpubench.results.paired import collect_pairs, judge_candidate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -162,17 +163,17 @@ def run_session(root: Path, replay_root: Path, keep: Path | None) -> Session:
 def judged(records: list[dict[str, Any]], replay_root: Path, status: int, wall_s: float) -> Session:
     """A session's fixed-N verdict (its end record) and the sequential one on its pairs."""
     end = records[-1]
-    if end.get("type") != "end" or status not in (0, EXIT_REGRESSION):
+    if end.get("type") != "end" or status not in (0, EXIT_REGRESSION, EXIT_UNSTEADY):
         raise SystemExit(f"pytest failed (exit {status}): see {records[0].get('rootdir')}")
     ab = [v for v in end.get("verdicts") or [] if v.get("reference") == MAIN]
     ttft: dict[str, Any] = next((v for v in ab if v["metric"] == "warm_ttft_p50_ms"), {})
     # The sequential rule on the same pairs, in the order measured (replay_root's cells.yaml is
     # this one with min_runs set).
     matrix = read_matrix(replay_root / "cells.yaml", replay_root / "prompts.yaml")
-    candidate = matrix.cell(PR)
+    candidate = JudgingSettings.of_cells(matrix.cells).cells[PR]
     calls = [r for r in records if r.get("type") == "call"]
     pairs = collect_pairs(calls, {PR: MAIN})[(PR, PROMPT_ID)]
-    replayed = judge_candidate(candidate, PROMPT_ID, pairs)
+    replayed = judge_candidate(PR, candidate, PROMPT_ID, pairs)
     return Session(
         exit_status=status,
         fixed=worst(ab),

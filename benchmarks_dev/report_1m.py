@@ -37,12 +37,12 @@ from pytest_gpubench.reports.frame import cache_path
 
 BEFORE = """
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.reports.terminal import render_markdown
+from pytest_gpubench.reports.markdown import render_markdown
 text = render_markdown(read_ledger(PATH))
 """
 AFTER = """
 from pytest_gpubench.reports.frame import read_ledger_frame
-from pytest_gpubench.reports.terminal import render_document
+from pytest_gpubench.reports.markdown import render_document
 data = read_ledger_frame(PATH)
 text = render_document(data.others, data.summaries(with_samples=False))
 """

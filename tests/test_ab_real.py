@@ -23,7 +23,7 @@ from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.synthetic import WORDS
 from pytest_gpubench.core.status import EXIT_UNSTEADY
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.reports.terminal import render_markdown
+from pytest_gpubench.reports.markdown import render_markdown
 from pytest_gpubench.results.judging import judge_ledger
 
 MAIN = "local:llamacpp:tiny@main"

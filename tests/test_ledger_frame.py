@@ -13,7 +13,7 @@ from support import ledgers
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.reports.frame import frame_of_records, read_ledger_frame
-from pytest_gpubench.reports.terminal import render_document, render_markdown
+from pytest_gpubench.reports.markdown import render_document, render_markdown
 from pytest_gpubench.results.stats import summarize
 
 

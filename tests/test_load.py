@@ -406,7 +406,7 @@ def test_markers_select_load_cases_apart_from_cold_and_warm(pytester: pytest.Pyt
 
 
 def test_the_markdown_report_has_a_load_table_per_cell() -> None:
-    from pytest_gpubench.reports.terminal import render_markdown
+    from pytest_gpubench.reports.markdown import render_markdown
 
     point = load([1000.0] * 3, [10.0, 11.0, 12.0])
     point.update(

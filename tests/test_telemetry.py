@@ -31,7 +31,7 @@ from support.gpu_standins import (
 from pytest_gpubench.config.matrix import TelemetrySettings, read_matrix
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.reports.terminal import TELEMETRY_HEADERS, telemetry_rows
+from pytest_gpubench.reports.telemetry_table import TELEMETRY_HEADERS, telemetry_rows
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.telemetry import (
     CaseSamples,
@@ -581,7 +581,7 @@ def test_a_telemetry_limit_fails_the_gate_and_the_reports_show_the_figures(
     assert [v["metric"] for v in end["verdicts"] if v["verdict"] == "regression"] == [
         "engine_cpu_s_per_token"
     ]
-    from pytest_gpubench.reports.terminal import render_markdown
+    from pytest_gpubench.reports.markdown import render_markdown
 
     markdown = render_markdown(read_ledger(ledger))
     assert "## Resource telemetry (warm calls)" in markdown

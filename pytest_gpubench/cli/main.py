@@ -62,7 +62,7 @@ def _make_model(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from pytest_gpubench.reports.frame import read_ledger_frame
-    from pytest_gpubench.reports.terminal import render_document
+    from pytest_gpubench.reports.markdown import render_document
 
     data = read_ledger_frame(Path(args.ledger))
     if args.html:

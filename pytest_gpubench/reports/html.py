@@ -10,16 +10,10 @@ from typing import Any
 
 from pytest_gpubench.ledger.schema import CellRecord, EndRecord, MetaRecord, SampleRecord
 from pytest_gpubench.reports.charts import inline_svg, pyplot
+from pytest_gpubench.reports.formatting import METRIC_LABELS, NONE, change, fixed
 from pytest_gpubench.reports.frame import LedgerData
 from pytest_gpubench.reports.load_html import LoadBaselines, render_load_section
-from pytest_gpubench.reports.terminal import (
-    METRIC_LABELS,
-    NONE,
-    change,
-    cold_kind_words,
-    detectable,
-    fixed,
-)
+from pytest_gpubench.reports.terminal import cold_kind_words, detectable
 from pytest_gpubench.results.gate import GATED_METRICS, RATIO_METRICS, Verdict
 from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
 

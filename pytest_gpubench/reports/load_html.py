@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.reports.charts import inline_svg, pyplot
-from pytest_gpubench.reports.terminal import (
-    NONE,
+from pytest_gpubench.reports.formatting import NONE
+from pytest_gpubench.reports.load_tables import (
     SERVER_CHECK_HEADERS,
     load_headers,
     load_rows,

@@ -1,22 +1,34 @@
-"""All rendering: the terminal summary, the probe table, rented nodes, run comparisons and the
-Markdown baseline document. Pure: text in, text out."""
+"""The terminal at the end of a pytest session: the outcome of each cell, the summary table
+with its verdicts and notes, A/B and load tables, the probe table and rented nodes; and the
+comparison of two runs. Pure: text in, text out."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tabulate import tabulate
 
 from pytest_gpubench.ledger.outcomes import CellOutcome
+from pytest_gpubench.reports.formatting import (
+    METRIC_LABELS,
+    NONE,
+    NOTEWORTHY,
+    change,
+    fixed,
+    plain,
+    shortened,
+    success,
+    table,
+)
+from pytest_gpubench.reports.load_tables import render_load_table, render_server_check
+from pytest_gpubench.reports.telemetry_table import TELEMETRY_HEADERS, telemetry_rows
 from pytest_gpubench.results.gate import (
     ALL_METRIC_NAMES,
     GATED_METRICS,
     METRIC_NAMES,
-    PROVENANCE,
     RATIO_METRICS,
     SUCCESS_RATE,
     Verdict,
@@ -25,31 +37,15 @@ from pytest_gpubench.results.gate import (
     regressions,
 )
 from pytest_gpubench.results.judging import undecided_improvement
-from pytest_gpubench.results.stats import PromptSummary, summarize
-from pytest_gpubench.targets.gpu import gpu_summary
-from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
+from pytest_gpubench.results.stats import PromptSummary
+from pytest_gpubench.telemetry.aggregate import TelemetrySummary
 
 if TYPE_CHECKING:
     # The record types import the measurement's (h11, pydantic): not at the end of a session
     # that measured nothing (the terminal summary).
     from pytest_gpubench.ledger.schema import (
-        CellRecord,
-        EndRecord,
         LoadRecord,
-        MetaRecord,
-        SkippedRecord,
     )
-
-NONE = "-"
-METRIC_LABELS = {
-    **{metric.name: metric.figure.column for metric in GATED_METRICS},
-    # Gated before issue 11; still named when an older ledger's end record is rendered.
-    "warm_tokens_per_sec_mean": "tok/s mean",
-    SUCCESS_RATE: "success rate",
-    PROVENANCE: "baseline setup",
-}
-# Shown under a table: the verdicts a reader has to act on.
-NOTEWORTHY = ("regression", "incomparable", "unsteady", "inconclusive", "blind", "win")
 
 
 class ProbeRowLike(Protocol):
@@ -63,44 +59,6 @@ class ProbeRowLike(Protocol):
     def model_digest(self) -> str | None: ...
     @property
     def status(self) -> str: ...
-
-
-# -- formatting -------------------------------------------------------------------------------
-
-
-def fixed(value: float | None, digits: int = 2) -> str:
-    return NONE if value is None else f"{value:.{digits}f}"
-
-
-def change(ratio: float | None) -> str:
-    """1.352 -> "+35.2%"."""
-    return NONE if ratio is None else f"{ratio - 1.0:+.1%}"
-
-
-def success(summary: PromptSummary) -> str:
-    return f"{summary.n_warm_ok}/{summary.n_warm}" if summary.n_warm else NONE
-
-
-def table(rows: Sequence[Sequence[str]], headers: Sequence[str], *, markdown: bool = False) -> str:
-    """Cells pre-formatted as text; columns of numbers right-aligned, names left-aligned."""
-    cell = _md if markdown else str
-    texts = [[cell(value) for value in row] for row in rows]
-    align = [
-        "right" if all(_numeric(row[index]) for row in texts) and texts else "left"
-        for index in range(len(headers))
-    ]
-    return tabulate(
-        texts,
-        headers=[cell(header) for header in headers],
-        tablefmt="pipe" if markdown else "simple",
-        disable_numparse=True,
-        colalign=align,
-    )
-
-
-def _numeric(text: str) -> bool:
-    """A number as this module formats it: 12.30, +5.1%, 4/5, 1.2e-05, or the "-" of none."""
-    return text == NONE or text[:1].isdigit() or (text[:1] in "+-" and text[1:2].isdigit())
 
 
 # -- the terminal summary ---------------------------------------------------------------------
@@ -201,7 +159,7 @@ RAN_WARM_WORDS = "no true cold start: the engine could not unload its model, so 
 def cold_kind_words(kind: str | None) -> str:
     """A cold kind as a report shows it: `restart` and `unload` as they are, `process_warm`
     in words."""
-    return RAN_WARM_WORDS if kind == RAN_WARM else _text(kind)
+    return RAN_WARM_WORDS if kind == RAN_WARM else plain(kind)
 
 
 def _cold_figure(summary: PromptSummary, value: float | None) -> str:
@@ -405,17 +363,12 @@ def outcome_lines(outcomes: Iterable[CellOutcome]) -> list[TerminalLine]:
             o.status + (" (optional)" if o.optional and o.unmeasured else ""),
             f"{o.ok_calls}/{o.calls}",
             o.stage or NONE,
-            _shorten(o.reason or NONE),
+            shortened(o.reason or NONE),
         ]
         for o in outcomes
     ]
     text = table(rows, OUTCOME_HEADERS)
     return [TerminalLine(text, red=any(o.fails_run for o in outcomes))]
-
-
-def _shorten(text: str, limit: int = 100) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def gate_lines(
@@ -498,76 +451,6 @@ def gate_lines(
     return lines
 
 
-# -- resource telemetry --------------------------------------------------------------------------
-
-TELEMETRY_HEADERS = (
-    "cell",
-    "prompt",
-    "peak VRAM MiB",
-    "engine VRAM MiB",
-    "GPU util %",
-    "power W",
-    "J/token",
-    "tokens/J",
-    "engine CPU s",
-    "CPU s/token",
-    "peak RSS MiB",
-)
-
-
-def telemetry_rows(summaries: Iterable[TelemetrySummary]) -> list[list[str]]:
-    """One row per (cell, prompt) whose warm calls were sampled (medians; peaks of peaks). Energy
-    integrated from power, for GPUs without an energy counter, is marked `~`."""
-    rows = []
-    for summary in summaries:
-        figures = (
-            summary.gpu_peak_memory_used_mib,
-            summary.engine_gpu_memory_peak_mib,
-            summary.gpu_utilization_mean_pct,
-            summary.gpu_power_mean_w,
-            summary.gpu_energy_j_per_token,
-            summary.gpu_tokens_per_j,
-            summary.engine_cpu_s,
-            summary.engine_cpu_s_per_token,
-            summary.engine_peak_rss_mib,
-        )
-        if all(figure is None for figure in figures):
-            continue
-        integrated = "~" if summary.gpu_energy_source == "integrated_power" else ""
-        peak, engine_peak, util, power, joules, per_joule, cpu, cpu_per_token, rss = figures
-        rows.append(
-            [
-                summary.cell_id,
-                summary.prompt_id,
-                fixed(peak, 0),
-                fixed(engine_peak, 0),
-                fixed(util, 1),
-                fixed(power, 1),
-                integrated + fixed(joules, 4) if joules is not None else NONE,
-                integrated + fixed(per_joule, 2) if per_joule is not None else NONE,
-                fixed(cpu, 3),
-                fixed(cpu_per_token, 5),
-                fixed(rss, 1),
-            ]
-        )
-    return rows
-
-
-def _telemetry_section(telemetry: Sequence[TelemetrySummary]) -> str:
-    rows = telemetry_rows(telemetry)
-    if not rows:
-        return ""
-    return "\n\n".join(
-        [
-            "## Resource telemetry (warm calls)",
-            "Medians per call; peak VRAM and RSS are the highest seen. Peak VRAM is the whole "
-            "GPU's, engine VRAM the engine's own processes' (NVML). `~`: energy integrated "
-            "from power draw (no energy counter on the GPU, or one too coarse for the call).",
-            table(rows, TELEMETRY_HEADERS, markdown=True),
-        ]
-    )
-
-
 # -- comparison of two runs -------------------------------------------------------------------
 
 COMPARISON_HEADERS = (
@@ -610,432 +493,6 @@ def render_comparison(verdicts: Iterable[Verdict], *, markdown: bool = False) ->
         lines.append("")
         lines.extend(f"- {note}" if markdown else note for note in notes)
     return "\n".join(lines)
-
-
-# -- the Markdown baseline document -----------------------------------------------------------
-
-
-def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
-    """The baseline document of one ledger: the same ledger always gives the same bytes."""
-    records = list(records)
-    others = [record for record in records if record.get("type") != "call"]
-    return render_document(others, summarize(records), telemetry_summaries(records))
-
-
-def render_document(
-    others: Sequence[Mapping[str, Any]],
-    summaries: Sequence[PromptSummary],
-    telemetry: Sequence[TelemetrySummary] = (),
-) -> str:
-    """render_markdown from a ledger read as columns (ledger_frame): the records other than
-    calls, the summaries of the calls and their resource figures."""
-    from pytest_gpubench.ledger.schema import end_of, meta_of, records_of
-
-    meta = meta_of(others) or cast("MetaRecord", {})  # none: every fact unknown
-    end = end_of(others) or cast("EndRecord", {})
-    cells = _first_by_cell(records_of(others, "cell"))
-    skipped = records_of(others, "skipped")
-    loads = records_of(others, "load")
-    cell_ids = sorted(
-        {s.cell_id for s in summaries}
-        | set(cells)
-        | {str(r.get("cell_id")) for r in [*skipped, *loads]}
-    )
-    sections = [
-        _title(meta),
-        _run_section(meta, end),
-        _top_summary(summaries),
-        *(
-            _cell_section(cell_id, cells.get(cell_id), summaries, skipped, loads)
-            for cell_id in cell_ids
-        ),
-        _telemetry_section(telemetry),
-        _gate_section(end),
-    ]
-    return "\n\n".join(section for section in sections if section) + "\n"
-
-
-def _first_by_cell(records: Iterable[CellRecord]) -> dict[str, CellRecord]:
-    first: dict[str, CellRecord] = {}
-    for record in records:
-        first.setdefault(str(record.get("cell_id")), record)
-    return first
-
-
-def _title(meta: MetaRecord) -> str:
-    run_id = meta.get("benchmark_run_id")
-    return f"# Benchmark run {run_id}" if run_id else "# Benchmark run"
-
-
-def _run_section(meta: MetaRecord, end: EndRecord) -> str:
-    dirty = meta.get("git_dirty_files") or []
-    git = _code(meta.get("git_sha"))
-    if meta.get("git_dirty"):
-        git += f" (dirty: {', '.join(_code(name) for name in dirty) or 'yes'})"
-    command = meta.get("command_line")
-    python = f"{_text(meta.get('python_version'))} / {_text(meta.get('pytest_version'))}"
-    load = f"{_text(meta.get('load_avg_start'))} / {_text(end.get('load_avg_end'))}"
-    items = [
-        ("started (UTC)", _text(meta.get("started_at_utc"))),
-        ("finished (UTC)", _text(end.get("finished_at_utc"))),
-        ("git", git),
-        ("harness", _text(meta.get("harness_version"))),
-        ("plugin", _text(meta.get("plugin_version"))),
-        ("Python / pytest", python),
-        ("host", f"{_text(meta.get('host'))} ({_text(meta.get('platform'))})"),
-        ("load average start / end", load),
-        ("command", _code(" ".join(command) if isinstance(command, list) else command)),
-    ]
-    env = meta.get("env")
-    if isinstance(env, dict) and env:
-        items.append(("environment", ", ".join(f"`{k}={env[k]}`" for k in sorted(env))))
-    return "\n".join(f"- {name}: {value}" for name, value in items)
-
-
-def _top_summary(summaries: Sequence[PromptSummary]) -> str:
-    """Warm TTFT p50 per cell (rows) and prompt (columns)."""
-    if not summaries:
-        return "No calls were measured."
-    prompt_ids = sorted({s.prompt_id for s in summaries})
-    values = {s.key: s.figure("first_delta_ms", "p50") for s in summaries}
-    rows = [
-        [cell_id, *(fixed(values.get((cell_id, p))) for p in prompt_ids)]
-        for cell_id in sorted({s.cell_id for s in summaries})
-    ]
-    aligned = table(rows, ["cell", *prompt_ids], markdown=True)
-    return f"## Warm TTFT p50 (ms)\n\n{aligned}"
-
-
-def _cell_section(
-    cell_id: str,
-    cell: CellRecord | None,
-    summaries: Sequence[PromptSummary],
-    skipped: Sequence[SkippedRecord],
-    loads: Sequence[LoadRecord] = (),
-) -> str:
-    mine = [s for s in summaries if s.cell_id == cell_id]
-    parts = [f"## {_md(cell_id)}"]
-    if cell:
-        parts.append(_cell_description(cell))
-    cold = [s for s in mine if s.n_cold]
-    warm = [s for s in mine if s.n_warm]
-    if cold:
-        parts.append("### Cold\n\n" + table(_cold_rows(cold), COLD_HEADERS, markdown=True))
-    if warm:
-        headers = (
-            (*WARM_HEADERS, *WARM_REASONING_HEADERS) if reasoning_shown(warm) else WARM_HEADERS
-        )
-        rows = _warm_rows(warm, reasoning=reasoning_shown(warm))
-        parts.append("### Warm\n\n" + table(rows, headers, markdown=True))
-    own_loads = [record for record in loads if record.get("cell_id") == cell_id]
-    if own_loads:
-        parts.append("### Load\n\n" + render_load_table(own_loads, markdown=True))
-        check = render_server_check(own_loads, markdown=True)
-        if check:
-            parts.append("Client against engine, per point:\n\n" + check)
-        warnings = [
-            f"- **{_md(str(load.get('load_point')))}**: {_md(warning)}"
-            for load in own_loads
-            for warning in load.get("delivery_warnings") or ()
-        ]
-        if warnings:
-            parts.append("\n".join(warnings))
-    reasons = Counter(
-        str(r.get("reason") or "no reason given") for r in skipped if r.get("cell_id") == cell_id
-    )
-    if reasons:
-        lines = [f"- {reason} ({count}×)" for reason, count in sorted(reasons.items())]
-        parts.append("### Skipped\n\n" + "\n".join(lines))
-    return "\n\n".join(parts)
-
-
-def _cell_description(cell: CellRecord) -> str:
-    items = [
-        ("engine", f"{_text(cell.get('engine'))} {_code(cell.get('engine_version'))}"),
-        ("model", f"{_text(cell.get('model'))} ({_model_identity(cell)})"),
-        ("GPUs", _gpus(cell.get("gpus"))),
-    ]
-    if cell.get("endpoint"):
-        items.append(("endpoint", _code(cell.get("endpoint"))))
-    return "\n".join(f"- {name}: {value}" for name, value in items)
-
-
-def _model_identity(cell: CellRecord) -> str:
-    """`digest sha256:…`, or what identifies the model where no digest is known."""
-    parts = [f"digest {_code(cell.get('model_digest'))}"]
-    identity = cell.get("model_identity")
-    if identity and identity != "digest":
-        parts.append(f"identity: {identity}")
-    if cell.get("model_root"):
-        parts.append(f"root {_code(cell.get('model_root'))}")
-    if cell.get("max_model_len"):
-        parts.append(f"max model length {cell.get('max_model_len')}")
-    return ", ".join(parts)
-
-
-def _gpus(gpus: Any) -> str:
-    if not isinstance(gpus, list):
-        return "none reported"
-    return gpu_summary(gpus)
-
-
-COLD_HEADERS = ("prompt", "cold kind", "calls", "ok", "TTFT ms", "total ms")
-WARM_HEADERS = (
-    "prompt",
-    "calls",
-    "ok",
-    "TTFT p50",
-    "TTFT p95",
-    "TTFT p99",
-    "total p50",
-    "total p95",
-    "total p99",
-    "decode tok/s p50",
-    "TPOT p90 ms",
-    "engine tok/s p50",
-    "coalesced",
-)
-# Where some prompt of the cell reasoned (issue 23): its first answer token and reasoning tokens.
-WARM_REASONING_HEADERS = (
-    "first answer p50",
-    "first answer p95",
-    "first answer p99",
-    "reasoning tok p50",
-)
-
-
-def _cold_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
-    return [
-        [
-            s.prompt_id,
-            cold_kind_words(s.cold_kind),
-            str(s.n_cold),
-            str(s.n_cold_ok),
-            fixed(s.cold_first_delta_ms),
-            fixed(s.cold_total_duration_ms),
-        ]
-        for s in summaries
-    ]
-
-
-def _warm_rows(summaries: Iterable[PromptSummary], *, reasoning: bool = False) -> list[list[str]]:
-    return [
-        [
-            s.prompt_id,
-            str(s.n_warm),
-            str(s.n_warm_ok),
-            fixed(s.figure("first_delta_ms", "p50")),
-            fixed(s.figure("first_delta_ms", "p95")),
-            fixed(s.figure("first_delta_ms", "p99")),
-            fixed(s.figure("total_duration_ms", "p50")),
-            fixed(s.figure("total_duration_ms", "p95")),
-            fixed(s.figure("total_duration_ms", "p99")),
-            fixed(s.figure("decode_tokens_per_sec", "p50"), 1),
-            fixed(s.figure("tpot_ms", "p90"), 3),
-            fixed(s.figure("engine_tokens_per_sec", "p50"), 1),
-            str(s.warm_coalesced),
-            *(
-                (
-                    fixed(s.figure("first_answer_ms", "p50")),
-                    fixed(s.figure("first_answer_ms", "p95")),
-                    fixed(s.figure("first_answer_ms", "p99")),
-                    fixed(s.figure("reasoning_tokens", "p50"), 0),
-                )
-                if reasoning
-                else ()
-            ),
-        ]
-        for s in summaries
-    ]
-
-
-def _gate_section(end: EndRecord) -> str:
-    raw = end.get("verdicts")
-    verdicts = [Verdict.from_record(r) for r in raw if isinstance(r, dict)] if raw else []
-    known = [verdict for verdict in verdicts if verdict is not None]
-    if not known:
-        return ""
-    gate = "## Regression gate\n\n" + render_comparison(known, markdown=True)
-    head_to_head = render_ab(known, markdown=True)
-    if head_to_head:
-        gate += "\n\n## Head-to-head A/B\n\n" + head_to_head
-    return gate
-
-
-def _text(value: Any) -> str:
-    return NONE if value is None or value == "" else str(value)
-
-
-def _code(value: Any) -> str:
-    return NONE if value is None or value == "" else f"`{value}`"
-
-
-def _md(text: str) -> str:
-    """Escape the one character that breaks a Markdown table cell."""
-    return text.replace("|", "\\|")
-
-
-# -- load cases -------------------------------------------------------------------------------
-
-LOAD_HEADERS = (
-    "prompt",
-    "point",
-    "offered req/s",
-    "req/s",
-    "out tok/s",
-    "TTFT p50 / p99 ms",
-    "TPOT p50 / p99 ms",
-    "ITL p99 ms",
-    "E2E p99 ms",
-    "goodput req/s",
-    "ok / err / timeout",
-    "send lag p99 / max ms",
-    "result",
-)
-
-
-# Beside the TTFT where a point has them: the engine's prefix-cache hit rate (a `prefix:`
-# workload's cache, vLLM's counters or llama.cpp's cache_n) and a reasoning model's first answer.
-LOAD_PREFIX_HEADERS = ("prefix cache hit",)
-LOAD_REASONING_HEADERS = ("first answer p50 / p99 ms", "reasoning tok p50")
-
-
-def _load_extras(loads: Sequence[Mapping[str, Any]]) -> tuple[bool, bool]:
-    """(some point has a prefix-cache hit rate, some point reasoned)."""
-    return (
-        any(load.get("prefix_cache_hit_rate") is not None for load in loads),
-        any(load.get("reasoning_tokens_p50") is not None for load in loads),
-    )
-
-
-def load_headers(loads: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
-    """LOAD_HEADERS, with the prefix-cache and reasoning columns after the TTFT where some
-    point has them."""
-    prefix, reasoning = _load_extras(list(loads))
-    at = LOAD_HEADERS.index("TTFT p50 / p99 ms") + 1
-    extra = (
-        *(LOAD_PREFIX_HEADERS if prefix else ()),
-        *(LOAD_REASONING_HEADERS if reasoning else ()),
-    )
-    return (*LOAD_HEADERS[:at], *extra, *LOAD_HEADERS[at:])
-
-
-def _load_extra_cells(load: Mapping[str, Any], prefix: bool, reasoning: bool) -> list[str]:
-    cells = []
-    if prefix:
-        rate = load.get("prefix_cache_hit_rate")
-        cells.append(f"{rate:.1%}" if isinstance(rate, int | float) else NONE)
-    if reasoning:
-        cells.append(
-            f"{fixed(load.get('first_answer_ms_p50'))} / {fixed(load.get('first_answer_ms_p99'))}"
-            if load.get("reasoning_tokens_p50") is not None
-            else NONE
-        )
-        cells.append(fixed(load.get("reasoning_tokens_p50"), 0))
-    return cells
-
-
-def load_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
-    """One row per load point (a sweep: per step, then the sweep's saturation point), in the
-    columns of load_headers."""
-    loads = list(loads)
-    prefix, reasoning = _load_extras(loads)
-    extras = int(prefix) + 2 * int(reasoning)
-    rows = []
-    for load in loads:
-        if load.get("pattern") == "sweep":
-            saturation = load.get("saturation_rate")
-            rows.append(
-                [
-                    _text(load.get("prompt_id")),
-                    "sweep",
-                    *([NONE] * (10 + extras)),
-                    f"saturation {fixed(saturation)} req/s"
-                    if saturation is not None
-                    else (load.get("error") or "no step met the SLO"),
-                ]
-            )
-            continue
-        result = (
-            "ok"
-            if load.get("valid")
-            else f"INVALID: {_shorten(str(load.get('invalid_reason')), 60)}"
-        )
-        rows.append(
-            [
-                _text(load.get("prompt_id")),
-                _text(load.get("load_point")),
-                fixed(load.get("offered_rate")),
-                fixed(load.get("achieved_rate")),
-                fixed(load.get("output_tokens_per_sec"), 1),
-                f"{fixed(load.get('ttft_ms_p50'))} / {fixed(load.get('ttft_ms_p99'))}",
-                *_load_extra_cells(load, prefix, reasoning),
-                f"{fixed(load.get('tpot_ms_p50'))} / {fixed(load.get('tpot_ms_p99'))}",
-                fixed(load.get("itl_ms_p99")),
-                fixed(load.get("e2e_ms_p99")),
-                fixed(load.get("goodput_rate")),
-                f"{load.get('ok', 0)} / {load.get('errors', 0)} / {load.get('timeouts', 0)}",
-                f"{fixed(load.get('send_lag_ms_p99'), 3)} / "
-                f"{fixed(load.get('send_lag_ms_max'), 3)}",
-                result,
-            ]
-        )
-    return rows
-
-
-def render_load_table(loads: Iterable[LoadRecord], *, markdown: bool = False) -> str:
-    loads = list(loads)
-    return table(load_rows(loads), load_headers(loads), markdown=markdown)
-
-
-SERVER_CHECK_HEADERS = (
-    "point",
-    "engine",
-    "TTFT client / engine / offset ms",
-    "TPOT client / engine / offset ms",
-    "E2E client / engine / offset ms",
-    "coalesced",
-    "n TTFT / TPOT",
-)
-
-
-def _against(figure: Any) -> str:
-    if not isinstance(figure, Mapping):
-        return NONE
-    offset = figure.get("offset_ms")
-    return f"{fixed(figure.get('client_mean'))} / {fixed(figure.get('server_mean'))} / " + (
-        NONE if offset is None else f"{offset:+.2f}"
-    )
-
-
-def server_check_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
-    """One row per load point: the client's means beside the engine's own over the same point,
-    the replies that came whole in one read, and the `n` behind the percentiles."""
-    rows = []
-    for load in loads:
-        if load.get("pattern") == "sweep":
-            continue
-        check = load.get("server_check") or {}
-        rows.append(
-            [
-                _text(load.get("load_point")),
-                _text(check.get("engine")),
-                _against(check.get("ttft_ms")),
-                _against(check.get("tpot_ms")),
-                _against(check.get("e2e_ms")),
-                f"{load.get('coalesced_calls', NONE)} of {load.get('ok', 0)}",
-                f"{load.get('ttft_ms_n', NONE)} / {load.get('tpot_ms_n', NONE)}",
-            ]
-        )
-    return rows
-
-
-def render_server_check(loads: Sequence[LoadRecord], *, markdown: bool = False) -> str:
-    """The client against the engine per point; empty when no point has either figure (a ledger
-    written before they were recorded)."""
-    if not any("coalesced_calls" in load or load.get("server_check") for load in loads):
-        return ""
-    return table(server_check_rows(loads), SERVER_CHECK_HEADERS, markdown=markdown)
 
 
 def load_lines(

@@ -1,0 +1,285 @@
+"""The Markdown baseline document of a ledger (`gpubench report`): the run, a top summary, and
+per cell its cold and warm tables and its gate. Pure: records in, text out; deterministic."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+from pytest_gpubench.reports.formatting import code_span, fixed, markdown_cell, plain, table
+from pytest_gpubench.reports.load_tables import render_load_table, render_server_check
+from pytest_gpubench.reports.telemetry_table import telemetry_section
+from pytest_gpubench.reports.terminal import (
+    cold_kind_words,
+    reasoning_shown,
+    render_ab,
+    render_comparison,
+)
+from pytest_gpubench.results.gate import (
+    Verdict,
+)
+from pytest_gpubench.results.stats import PromptSummary, summarize
+from pytest_gpubench.targets.gpu import gpu_summary
+from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
+
+if TYPE_CHECKING:
+    # The record types import the measurement's (h11, pydantic): not at the end of a session
+    # that measured nothing (the terminal summary).
+    from pytest_gpubench.ledger.schema import (
+        CellRecord,
+        EndRecord,
+        LoadRecord,
+        MetaRecord,
+        SkippedRecord,
+    )
+
+
+# -- the Markdown baseline document -----------------------------------------------------------
+
+
+def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
+    """The baseline document of one ledger: the same ledger always gives the same bytes."""
+    records = list(records)
+    others = [record for record in records if record.get("type") != "call"]
+    return render_document(others, summarize(records), telemetry_summaries(records))
+
+
+def render_document(
+    others: Sequence[Mapping[str, Any]],
+    summaries: Sequence[PromptSummary],
+    telemetry: Sequence[TelemetrySummary] = (),
+) -> str:
+    """render_markdown from a ledger read as columns (ledger_frame): the records other than
+    calls, the summaries of the calls and their resource figures."""
+    from pytest_gpubench.ledger.schema import end_of, meta_of, records_of
+
+    meta = meta_of(others) or cast("MetaRecord", {})  # none: every fact unknown
+    end = end_of(others) or cast("EndRecord", {})
+    cells = _first_by_cell(records_of(others, "cell"))
+    skipped = records_of(others, "skipped")
+    loads = records_of(others, "load")
+    cell_ids = sorted(
+        {s.cell_id for s in summaries}
+        | set(cells)
+        | {str(r.get("cell_id")) for r in [*skipped, *loads]}
+    )
+    sections = [
+        _title(meta),
+        _run_section(meta, end),
+        _top_summary(summaries),
+        *(
+            _cell_section(cell_id, cells.get(cell_id), summaries, skipped, loads)
+            for cell_id in cell_ids
+        ),
+        telemetry_section(telemetry),
+        _gate_section(end),
+    ]
+    return "\n\n".join(section for section in sections if section) + "\n"
+
+
+def _first_by_cell(records: Iterable[CellRecord]) -> dict[str, CellRecord]:
+    first: dict[str, CellRecord] = {}
+    for record in records:
+        first.setdefault(str(record.get("cell_id")), record)
+    return first
+
+
+def _title(meta: MetaRecord) -> str:
+    run_id = meta.get("benchmark_run_id")
+    return f"# Benchmark run {run_id}" if run_id else "# Benchmark run"
+
+
+def _run_section(meta: MetaRecord, end: EndRecord) -> str:
+    dirty = meta.get("git_dirty_files") or []
+    git = code_span(meta.get("git_sha"))
+    if meta.get("git_dirty"):
+        git += f" (dirty: {', '.join(code_span(name) for name in dirty) or 'yes'})"
+    command = meta.get("command_line")
+    python = f"{plain(meta.get('python_version'))} / {plain(meta.get('pytest_version'))}"
+    load = f"{plain(meta.get('load_avg_start'))} / {plain(end.get('load_avg_end'))}"
+    items = [
+        ("started (UTC)", plain(meta.get("started_at_utc"))),
+        ("finished (UTC)", plain(end.get("finished_at_utc"))),
+        ("git", git),
+        ("harness", plain(meta.get("harness_version"))),
+        ("plugin", plain(meta.get("plugin_version"))),
+        ("Python / pytest", python),
+        ("host", f"{plain(meta.get('host'))} ({plain(meta.get('platform'))})"),
+        ("load average start / end", load),
+        ("command", code_span(" ".join(command) if isinstance(command, list) else command)),
+    ]
+    env = meta.get("env")
+    if isinstance(env, dict) and env:
+        items.append(("environment", ", ".join(f"`{k}={env[k]}`" for k in sorted(env))))
+    return "\n".join(f"- {name}: {value}" for name, value in items)
+
+
+def _top_summary(summaries: Sequence[PromptSummary]) -> str:
+    """Warm TTFT p50 per cell (rows) and prompt (columns)."""
+    if not summaries:
+        return "No calls were measured."
+    prompt_ids = sorted({s.prompt_id for s in summaries})
+    values = {s.key: s.figure("first_delta_ms", "p50") for s in summaries}
+    rows = [
+        [cell_id, *(fixed(values.get((cell_id, p))) for p in prompt_ids)]
+        for cell_id in sorted({s.cell_id for s in summaries})
+    ]
+    aligned = table(rows, ["cell", *prompt_ids], markdown=True)
+    return f"## Warm TTFT p50 (ms)\n\n{aligned}"
+
+
+def _cell_section(
+    cell_id: str,
+    cell: CellRecord | None,
+    summaries: Sequence[PromptSummary],
+    skipped: Sequence[SkippedRecord],
+    loads: Sequence[LoadRecord] = (),
+) -> str:
+    mine = [s for s in summaries if s.cell_id == cell_id]
+    parts = [f"## {markdown_cell(cell_id)}"]
+    if cell:
+        parts.append(_cell_description(cell))
+    cold = [s for s in mine if s.n_cold]
+    warm = [s for s in mine if s.n_warm]
+    if cold:
+        parts.append("### Cold\n\n" + table(_cold_rows(cold), COLD_HEADERS, markdown=True))
+    if warm:
+        headers = (
+            (*WARM_HEADERS, *WARM_REASONING_HEADERS) if reasoning_shown(warm) else WARM_HEADERS
+        )
+        rows = _warm_rows(warm, reasoning=reasoning_shown(warm))
+        parts.append("### Warm\n\n" + table(rows, headers, markdown=True))
+    own_loads = [record for record in loads if record.get("cell_id") == cell_id]
+    if own_loads:
+        parts.append("### Load\n\n" + render_load_table(own_loads, markdown=True))
+        check = render_server_check(own_loads, markdown=True)
+        if check:
+            parts.append("Client against engine, per point:\n\n" + check)
+        warnings = [
+            f"- **{markdown_cell(str(load.get('load_point')))}**: {markdown_cell(warning)}"
+            for load in own_loads
+            for warning in load.get("delivery_warnings") or ()
+        ]
+        if warnings:
+            parts.append("\n".join(warnings))
+    reasons = Counter(
+        str(r.get("reason") or "no reason given") for r in skipped if r.get("cell_id") == cell_id
+    )
+    if reasons:
+        lines = [f"- {reason} ({count}×)" for reason, count in sorted(reasons.items())]
+        parts.append("### Skipped\n\n" + "\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def _cell_description(cell: CellRecord) -> str:
+    items = [
+        ("engine", f"{plain(cell.get('engine'))} {code_span(cell.get('engine_version'))}"),
+        ("model", f"{plain(cell.get('model'))} ({_model_identity(cell)})"),
+        ("GPUs", _gpus(cell.get("gpus"))),
+    ]
+    if cell.get("endpoint"):
+        items.append(("endpoint", code_span(cell.get("endpoint"))))
+    return "\n".join(f"- {name}: {value}" for name, value in items)
+
+
+def _model_identity(cell: CellRecord) -> str:
+    """`digest sha256:…`, or what identifies the model where no digest is known."""
+    parts = [f"digest {code_span(cell.get('model_digest'))}"]
+    identity = cell.get("model_identity")
+    if identity and identity != "digest":
+        parts.append(f"identity: {identity}")
+    if cell.get("model_root"):
+        parts.append(f"root {code_span(cell.get('model_root'))}")
+    if cell.get("max_model_len"):
+        parts.append(f"max model length {cell.get('max_model_len')}")
+    return ", ".join(parts)
+
+
+def _gpus(gpus: Any) -> str:
+    if not isinstance(gpus, list):
+        return "none reported"
+    return gpu_summary(gpus)
+
+
+COLD_HEADERS = ("prompt", "cold kind", "calls", "ok", "TTFT ms", "total ms")
+WARM_HEADERS = (
+    "prompt",
+    "calls",
+    "ok",
+    "TTFT p50",
+    "TTFT p95",
+    "TTFT p99",
+    "total p50",
+    "total p95",
+    "total p99",
+    "decode tok/s p50",
+    "TPOT p90 ms",
+    "engine tok/s p50",
+    "coalesced",
+)
+# Where some prompt of the cell reasoned (issue 23): its first answer token and reasoning tokens.
+WARM_REASONING_HEADERS = (
+    "first answer p50",
+    "first answer p95",
+    "first answer p99",
+    "reasoning tok p50",
+)
+
+
+def _cold_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
+    return [
+        [
+            s.prompt_id,
+            cold_kind_words(s.cold_kind),
+            str(s.n_cold),
+            str(s.n_cold_ok),
+            fixed(s.cold_first_delta_ms),
+            fixed(s.cold_total_duration_ms),
+        ]
+        for s in summaries
+    ]
+
+
+def _warm_rows(summaries: Iterable[PromptSummary], *, reasoning: bool = False) -> list[list[str]]:
+    return [
+        [
+            s.prompt_id,
+            str(s.n_warm),
+            str(s.n_warm_ok),
+            fixed(s.figure("first_delta_ms", "p50")),
+            fixed(s.figure("first_delta_ms", "p95")),
+            fixed(s.figure("first_delta_ms", "p99")),
+            fixed(s.figure("total_duration_ms", "p50")),
+            fixed(s.figure("total_duration_ms", "p95")),
+            fixed(s.figure("total_duration_ms", "p99")),
+            fixed(s.figure("decode_tokens_per_sec", "p50"), 1),
+            fixed(s.figure("tpot_ms", "p90"), 3),
+            fixed(s.figure("engine_tokens_per_sec", "p50"), 1),
+            str(s.warm_coalesced),
+            *(
+                (
+                    fixed(s.figure("first_answer_ms", "p50")),
+                    fixed(s.figure("first_answer_ms", "p95")),
+                    fixed(s.figure("first_answer_ms", "p99")),
+                    fixed(s.figure("reasoning_tokens", "p50"), 0),
+                )
+                if reasoning
+                else ()
+            ),
+        ]
+        for s in summaries
+    ]
+
+
+def _gate_section(end: EndRecord) -> str:
+    raw = end.get("verdicts")
+    verdicts = [Verdict.from_record(r) for r in raw if isinstance(r, dict)] if raw else []
+    known = [verdict for verdict in verdicts if verdict is not None]
+    if not known:
+        return ""
+    gate = "## Regression gate\n\n" + render_comparison(known, markdown=True)
+    head_to_head = render_ab(known, markdown=True)
+    if head_to_head:
+        gate += "\n\n## Head-to-head A/B\n\n" + head_to_head
+    return gate
