@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.config.matrix import SlurmNode
+from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.engines.llamacpp_build import ensure_llama_server
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.engines.tinymodel import ensure_tiny_model

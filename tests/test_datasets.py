@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from pytest_gpubench.config.datasets import Dataset, dataset_sha256, sample_dataset
-from pytest_gpubench.config.matrix import read_matrix, read_prompt_file
+from pytest_gpubench.config.matrix import read_matrix
+from pytest_gpubench.config.prompts import read_prompt_file
 from pytest_gpubench.core.errors import GpubenchError
 
 SAMPLE = (

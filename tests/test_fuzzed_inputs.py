@@ -23,7 +23,8 @@ from support import ledgers
 from support.hypothesis_examples import examples
 
 from pytest_gpubench.cli.main import main
-from pytest_gpubench.config.matrix import read_matrix, read_prompts
+from pytest_gpubench.config.matrix import read_matrix
+from pytest_gpubench.config.prompts import read_prompts
 from pytest_gpubench.core.errors import GpubenchError, key_path
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.ledger.schema import DECLARED_FIELDS

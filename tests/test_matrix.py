@@ -8,13 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpubench.config.matrix import (
-    LocalNode,
-    PluginNode,
-    SshNode,
-    read_matrix,
-    read_prompts,
-)
+from pytest_gpubench.config.matrix import read_matrix
+from pytest_gpubench.config.nodes import LocalNode, PluginNode, SshNode
+from pytest_gpubench.config.prompts import read_prompts
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.results.baseline import baseline_file_name
 

@@ -14,7 +14,8 @@ from support.keepalive_server import KeepAliveServer, keepalive_server
 from support.standins import OllamaStandin, serving
 from support.tls_terminator import make_ca, stunnel, stunnel_binary
 
-from pytest_gpubench.config.matrix import Prompt, RequestShape, read_matrix
+from pytest_gpubench.config.matrix import read_matrix
+from pytest_gpubench.config.prompts import Prompt, RequestShape
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines import api_root
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine

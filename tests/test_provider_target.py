@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from support.provider_standin import ProviderStandIn, Scenario
 
-from pytest_gpubench.config.matrix import LocalNode, ProviderNode, SshNode
+from pytest_gpubench.config.nodes import LocalNode, ProviderNode, SshNode
 from pytest_gpubench.targets import open_target
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.targets.provider import ProviderTarget

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from pytest_gpubench.cli.main import main
-from pytest_gpubench.config.matrix import SlurmNode
+from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.targets.slurm import open_slurm_target
 from pytest_gpubench.targets.slurm.script import job_name, job_script
 

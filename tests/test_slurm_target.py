@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from pytest_gpubench.config.matrix import SlurmNode
+from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.targets.slurm import SlurmTarget, open_slurm_target
 from pytest_gpubench.targets.stages import StageError
 

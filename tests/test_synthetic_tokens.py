@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpubench.config.load_profile import Synthetic
-from pytest_gpubench.config.matrix import read_prompt_file
+from pytest_gpubench.config.prompts import read_prompt_file
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines.tokenizer import exact_text, feedback_text
 

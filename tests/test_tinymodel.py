@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, TokenType
 
-from pytest_gpubench.config.matrix import read_prompts
+from pytest_gpubench.config.prompts import read_prompts
 from pytest_gpubench.engines.tinymodel import (
     CHAT_TEMPLATE,
     CONFIG,

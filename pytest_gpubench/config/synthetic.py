@@ -5,7 +5,7 @@ asking for exactly `output_tokens` (ignore_eos)."""
 from __future__ import annotations
 
 from pytest_gpubench.config.load_profile import Synthetic
-from pytest_gpubench.config.matrix import Prompt, RequestShape
+from pytest_gpubench.config.prompts import Prompt, RequestShape
 from pytest_gpubench.config.words import WORDS, seeded_words
 
 __all__ = ["WORDS", "synthetic_prompt"]

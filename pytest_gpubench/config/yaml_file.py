@@ -1,12 +1,15 @@
 """Reading the YAML files a user writes (cells.yaml, prompts.yaml): a safe loader that rejects a
-key written twice in one mapping, and every parse problem as one line naming file and line."""
+key written twice in one mapping, and every parse or validation problem as one line naming the
+file, and the line or the key."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 from yaml.events import (
     AliasEvent,
     MappingEndEvent,
@@ -17,7 +20,7 @@ from yaml.events import (
 )
 from yaml.nodes import MappingNode
 
-from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.errors import GpubenchError, key_path
 
 # Deeper than any file a person writes; PyYAML composes recursively, and pydantic and json after
 # it recurse too, so a deeper document would end in a RecursionError instead of a clear line.
@@ -126,3 +129,57 @@ def parse_yaml(text: str, path: Path) -> Any:
         raise GpubenchError(f"{path}:{where}: malformed YAML: {problem}") from None
     except RecursionError:
         raise GpubenchError(f"{path}: nested too deeply to read") from None
+
+
+def read_yaml_mapping(path: Path, expected: str) -> Any:
+    """The parsed document; `expected` says what the file holds, for an empty file's error."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise GpubenchError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise GpubenchError(f"{path}: is a directory, not a file") from None
+    except OSError as exc:
+        raise GpubenchError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise GpubenchError(
+            f"{path}: line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}); save the file as UTF-8"
+        ) from None
+    loaded = parse_yaml(text, path)
+    if loaded is None:
+        raise GpubenchError(f"{path}: the file is empty (expected {expected})")
+    if not isinstance(loaded, dict):
+        raise GpubenchError(f"{path}: expected {expected}, got {type(loaded).__name__}")
+    return loaded
+
+
+def key_path_of(loc: tuple[int | str, ...], raw: Any) -> str:
+    """A location as the file's reader writes it: `prompts.P-EASY.max_tokens`."""
+    return key_path(loc)
+
+
+def one_line_errors(
+    path: Path,
+    exc: ValidationError,
+    raw: Any,
+    describe: Callable[[tuple[int | str, ...], Any], str] = key_path_of,
+) -> GpubenchError:
+    """pydantic's findings in a file a user wrote, each on a line naming the file and the key
+    (`describe`: how a location reads in this file; cells.yaml's names its cells)."""
+    lines = []
+    for error in exc.errors():
+        where = describe(tuple(error["loc"]), raw)
+        if error["type"] == "extra_forbidden":
+            lines.append(f"{path}: {where}: unknown key (remove it or check its spelling)")
+        elif error["type"] == "missing":
+            lines.append(f"{path}: {where}: required key is missing")
+        else:
+            value = error.get("input")
+            plain = not isinstance(value, dict | list) and error["type"] != "unknown_kind"
+            shown = f" (got {value!r})" if plain else ""
+            lines.append(f"{path}: {where}: {error['msg']}{shown}")
+    return GpubenchError("\n".join(lines))

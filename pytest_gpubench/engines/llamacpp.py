@@ -12,7 +12,7 @@ from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.measure.stream import StreamError, TlsSettings, joined_url
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import RequestShape
+    from pytest_gpubench.config.prompts import RequestShape
 
 
 class LlamaCppEngine(OpenAIEngine):

@@ -29,7 +29,7 @@ from pytest_gpubench.measure.stream import (
 )
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import RequestShape
+    from pytest_gpubench.config.prompts import RequestShape
 
 # The engine's own timings, kept unchanged (nanoseconds, as Ollama reports them).
 OLLAMA_TIMING_FIELDS = (

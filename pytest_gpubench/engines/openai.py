@@ -25,7 +25,7 @@ from pytest_gpubench.measure.stream import (
 )
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import RequestShape
+    from pytest_gpubench.config.prompts import RequestShape
 
 
 def serves_model(served: str, wanted: str) -> bool:

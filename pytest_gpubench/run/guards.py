@@ -6,13 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pytest_gpubench.config.load_profile import dataset_prompt_id
-from pytest_gpubench.config.matrix import (
-    Cell,
-    Matrix,
-    RequestShape,
-    frozen_prompt_error,
-    load_dataset_sha256,
-)
+from pytest_gpubench.config.matrix import Cell, Matrix, load_dataset_sha256
+from pytest_gpubench.config.prompts import RequestShape, frozen_prompt_error
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.provenance import GitState, git_state, load_average
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpubench.config.cases import Case
-from pytest_gpubench.config.matrix import Matrix, Prompt, RequestShape
+from pytest_gpubench.config.matrix import Matrix
+from pytest_gpubench.config.prompts import Prompt, RequestShape
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.provenance import utc_now
 from pytest_gpubench.core.secrets import SecretScrubber

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from pytest_gpubench.config.matrix import Cell, RequestShape
+from pytest_gpubench.config.matrix import Cell
+from pytest_gpubench.config.prompts import RequestShape
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import distinct_file_name
 from pytest_gpubench.core.secrets import secret_from_env

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpubench.config.matrix import Prompt, RequestShape
+from pytest_gpubench.config.prompts import Prompt, RequestShape
 from pytest_gpubench.config.traces import Trace, TraceEntry
 from pytest_gpubench.engines.tokenizer import (
     ExactText,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import AnyNode
+    from pytest_gpubench.config.nodes import AnyNode
     from pytest_gpubench.targets.leases import JournalEntry, RentalJournal
     from pytest_gpubench.targets.stages import Stage, StageClock
 
@@ -108,7 +108,7 @@ def open_target(
     """
     # Each kind is imported when a node of it is opened: the kinds import this module (the
     # protocol), and a run with local nodes only loads neither paramiko nor the provider client.
-    from pytest_gpubench.config.matrix import LocalNode, PluginNode, SlurmNode, SshNode
+    from pytest_gpubench.config.nodes import LocalNode, PluginNode, SlurmNode, SshNode
     from pytest_gpubench.targets.bringup import bring_up
     from pytest_gpubench.targets.stages import StageClock, StageError
 
@@ -154,7 +154,7 @@ def release_leaked(node: AnyNode, journal: RentalJournal, seen: set[str]) -> lis
     """Give back the leases (the journal, targets/leases.py) that runs now gone left where this
     node lives: its provider's API, its Slurm cluster, its SSH host; once per place and run
     (`seen` holds the places done). What became of each, in the shape of a rental given back."""
-    from pytest_gpubench.config.matrix import ProviderNode, SlurmNode, SshNode
+    from pytest_gpubench.config.nodes import ProviderNode, SlurmNode, SshNode
 
     if isinstance(node, ProviderNode):
         from pytest_gpubench.targets.provider.leases import api_key, release_leaked_rentals
@@ -210,13 +210,13 @@ def describe_lease(entry: JournalEntry, state: str) -> str:
 
 def opening_stage(node: AnyNode) -> Stage:
     """The stage a node that failed to open for a reason no target named failed in."""
-    from pytest_gpubench.config.matrix import SshNode
+    from pytest_gpubench.config.nodes import SshNode
 
     return "ssh_connect" if isinstance(node, SshNode) else "provision"
 
 
 def records_stages(node: AnyNode) -> bool:
     """Whether the node's stages go into the ledger (a local node's are timed, not recorded)."""
-    from pytest_gpubench.config.matrix import LocalNode
+    from pytest_gpubench.config.nodes import LocalNode
 
     return not isinstance(node, LocalNode)

@@ -12,7 +12,7 @@ from pytest_gpubench.targets.gpu import NodeGpus, read_gpus
 from pytest_gpubench.targets.stages import SetupStep, Stage, StageClock, StageError
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import ProviderNode, SshNode
+    from pytest_gpubench.config.nodes import ProviderNode, SshNode
 
 DEFAULT_CHECK_TIMEOUT_S = 30.0
 MIB = 1024 * 1024

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.config.matrix import ProviderNode
+from pytest_gpubench.config.nodes import ProviderNode
 from pytest_gpubench.core.cache import cache_dir
 from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.core.provenance import utc_now

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, get_args
 
-from pytest_gpubench.config.matrix import StageName
+from pytest_gpubench.config.nodes import StageName
 from pytest_gpubench.core.errors import GpubenchError
 
 # The stage names, in the order a rented node goes through them (matrix.StageName: cells.yaml's

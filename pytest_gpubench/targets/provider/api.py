@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from pytest_gpubench.config.matrix import ProviderNode
+from pytest_gpubench.config.nodes import ProviderNode
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.secrets import SecretScrubber, secret_from_env
 from pytest_gpubench.targets.stages import Stage, StageError

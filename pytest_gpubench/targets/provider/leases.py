@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.config.matrix import ProviderNode
+from pytest_gpubench.config.nodes import ProviderNode
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.targets.leases import JournalEntry, RentalJournal, leaked_lease
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pytest_gpubench.config.matrix import ProviderNode
+from pytest_gpubench.config.nodes import ProviderNode
 from pytest_gpubench.targets import CommandResult, RentalClosed
 from pytest_gpubench.targets.bringup import bring_up
 from pytest_gpubench.targets.leases import RentalJournal

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pytest_gpubench.config.matrix import SlurmNode
+from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.targets import RentalClosed, Target
 from pytest_gpubench.targets.slurm.target import SlurmJob, SlurmTarget
 

@@ -8,7 +8,7 @@ import logging
 import socket
 from pathlib import Path
 
-from pytest_gpubench.config.matrix import SlurmNode
+from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.targets.leases import JournalEntry, RentalJournal
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pytest_gpubench.config.matrix import SlurmNode
+from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.targets.leases import JournalEntry, RentalJournal, leaked_lease
 from pytest_gpubench.targets.slurm import open_slurm_target

@@ -6,7 +6,7 @@ import re
 import shlex
 from collections.abc import Sequence
 
-from pytest_gpubench.config.matrix import SlurmNode
+from pytest_gpubench.config.nodes import SlurmNode
 
 # Slurm keeps job names short in squeue's columns; the cell id is in the script's comment.
 JOB_NAME_PATTERN = re.compile(r"[^A-Za-z0-9._-]+")

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from pytest_gpubench.config.matrix import SlurmNode
+from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.targets import LOOPBACK_HOSTS, CommandResult, RentalClosed, Target
 from pytest_gpubench.targets.gpu import nvidia_smi_argv, parse_nvidia_smi

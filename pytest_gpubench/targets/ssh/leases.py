@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from pytest_gpubench.config.matrix import SshNode
+from pytest_gpubench.config.nodes import SshNode
 from pytest_gpubench.targets.leases import JournalEntry, RentalJournal
 from pytest_gpubench.targets.ssh.scripts import SHELL_FUNCTIONS
 

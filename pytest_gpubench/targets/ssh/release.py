@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pytest_gpubench.config.matrix import SshNode
+from pytest_gpubench.config.nodes import SshNode
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.targets.leases import JournalEntry, RentalJournal, leaked_lease
 from pytest_gpubench.targets.ssh import SshTarget

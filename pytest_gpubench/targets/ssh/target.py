@@ -36,7 +36,7 @@ from pytest_gpubench.targets.ssh.scripts import (
 from pytest_gpubench.targets.stages import SetupStep, Stage, StageError
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import SshNode
+    from pytest_gpubench.config.nodes import SshNode
     from pytest_gpubench.targets.leases import RentalJournal
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,192 @@
+"""The rules a cell of cells.yaml follows beyond its keys' types: an A/B pair comparable call for
+call, endpoint keys only where the harness does not launch the engine, request keys the engine
+can send, a load profile the engine can serve. Each broken rule is one line naming the cell."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pytest_gpubench.config.load_profile import LoadProfile
+from pytest_gpubench.config.prompts import Prompt, RequestShape
+from pytest_gpubench.core.errors import GpubenchError
+
+if TYPE_CHECKING:
+    from pytest_gpubench.config.matrix import Cell, CellSpec
+
+# Engines the harness knows how to launch itself when a cell has no endpoint.
+MANAGED_ENGINE_KINDS = ("llamacpp", "ollama", "openai")
+
+# What each engine kind cannot send, and why: one line in the error.
+UNSUPPORTED_REQUEST_KEYS = {
+    "ollama": {
+        "ignore_eos": "Ollama's API has no ignore_eos: the output length cannot be fixed",
+        "min_tokens": "Ollama's API has no min_tokens: the output length cannot be fixed",
+    },
+    "llamacpp": {
+        "min_tokens": "llama-server has no min_tokens; use ignore_eos: true for a fixed length",
+    },
+}
+
+
+def check_references(cells_path: Path, cells: Sequence[Cell]) -> None:
+    """An A/B candidate's `reference:` names another cell, on the same node, that is measured
+    the same way (warm, the same runs, the candidate's prompts) and is no candidate itself."""
+    by_id = {cell.cell_id: cell for cell in cells}
+    for cell in cells:
+        spec = cell.spec
+        where = f"{cells_path}: cells[{cell.index}] ({cell.cell_id})"
+        if spec.reference is None:
+            if spec.min_runs is not None and spec.min_runs > cell.runs:
+                raise GpubenchError(
+                    f"{where}: min_runs: {spec.min_runs} is more than runs ({cell.runs})"
+                )
+            continue
+        reference = by_id.get(spec.reference)
+        if reference is None:
+            raise GpubenchError(
+                f"{where}: reference: '{spec.reference}' is not a cell of this file "
+                f"(cells: {', '.join(by_id)})"
+            )
+        if reference is cell:
+            raise GpubenchError(f"{where}: reference: a cell cannot be its own reference")
+        if reference.reference is not None:
+            raise GpubenchError(
+                f"{where}: reference: '{reference.cell_id}' has a reference of its own "
+                f"('{reference.reference}'); chains are not supported: name "
+                f"'{reference.reference}' here"
+            )
+        _check_pair(where, cell, reference)
+
+
+def _check_pair(where: str, cell: Cell, reference: Cell) -> None:
+    """What makes an A/B pair's calls comparable one for one, each broken rule in one line."""
+    ref = f"its reference '{reference.cell_id}'"
+    if reference.spec.node != cell.spec.node:
+        raise GpubenchError(
+            f"{where}: reference: {ref} runs on node '{reference.spec.node}', this cell on "
+            f"'{cell.spec.node}'; an A/B pair shares one node, so that the machine's drift "
+            "hits both sides"
+        )
+    for side, other in ((cell, "this cell"), (reference, ref)):
+        if "warm" not in side.spec.phases:
+            raise GpubenchError(f"{where}: reference: {other} has no warm phase to pair")
+        if side.spec.duration_s is not None:
+            raise GpubenchError(
+                f"{where}: reference: {other} has a timed warm phase (duration_s); an A/B pair "
+                "counts its calls in runs"
+            )
+        if side.spec.skip or side.spec.optional:
+            key = "skip" if side.spec.skip else "optional"
+            raise GpubenchError(
+                f"{where}: reference: {other} is {key}: an A/B verdict needs both sides measured"
+            )
+    if reference.runs != cell.runs:
+        raise GpubenchError(
+            f"{where}: runs: {cell.runs}, but {ref} has {reference.runs}; a pair measures both "
+            "sides the same number of times"
+        )
+    for prompt_id in cell.prompt_ids:
+        if prompt_id not in reference.prompt_ids:
+            raise GpubenchError(f"{where}: prompts: '{prompt_id}' is not measured by {ref}")
+    if cell.spec.min_runs is not None and cell.spec.min_runs > cell.runs:
+        raise GpubenchError(
+            f"{where}: min_runs: {cell.spec.min_runs} is more than runs ({cell.runs})"
+        )
+
+
+def check_endpoint_keys(where: str, spec: CellSpec) -> None:
+    """One way to reach the engine: an endpoint, a port on the node, or a launch; and a managed
+    engine of a kind the harness can start."""
+    if spec.endpoint is not None:
+        for key in ("port", "launch", "launch_env", "health_path", "ready_timeout_s", "cold"):
+            if getattr(spec, key):
+                raise GpubenchError(
+                    f"{where}: {key}: only for an engine on the node (port:) or one the "
+                    "harness launches; this cell has an endpoint"
+                )
+    if not spec.managed:
+        for key in ("launch_env", "health_path", "ready_timeout_s", "cold"):
+            if getattr(spec, key):
+                raise GpubenchError(
+                    f"{where}: {key}: only for a managed engine (give the cell a launch:)"
+                )
+        return
+    if spec.engine not in MANAGED_ENGINE_KINDS:
+        raise GpubenchError(
+            f"{where}: endpoint: required for engine '{spec.engine}' "
+            f"(the harness can only launch {', '.join(MANAGED_ENGINE_KINDS)} itself)"
+        )
+    if spec.engine == "openai" and spec.launch is None:
+        raise GpubenchError(
+            f"{where}: launch: a managed openai cell needs a launch template (e.g. "
+            '[vllm, serve, "{model}", --host, "{host}", --port, "{port}"]), '
+            "or an endpoint or port of an engine already running"
+        )
+
+
+def check_request_keys(
+    where: str,
+    spec: CellSpec,
+    prompts: dict[str, Prompt],
+    prompt_ids: Sequence[str],
+    prompts_path: Path,
+) -> None:
+    """Request keys the cell's engine cannot send, and TLS keys on a plain endpoint: one line."""
+    unsupported = UNSUPPORTED_REQUEST_KEYS.get(spec.engine, {})
+    sources: list[tuple[str, RequestShape | None]] = [(where, spec.request)]
+    sources += [(f"{prompts_path}: prompts.{pid}", prompts[pid].request) for pid in prompt_ids]
+    for source, shape in sources:
+        for key in shape.model_dump(exclude_none=True) if shape is not None else {}:
+            if key in unsupported:
+                suffix = f" (cell {spec.cell_id})" if source != where else ""
+                raise GpubenchError(f"{source}: request.{key}: {unsupported[key]}{suffix}")
+    plain = spec.endpoint is None or spec.endpoint.scheme != "https"
+    if plain and (spec.ca_file is not None or not spec.tls_verify):
+        key = "ca_file" if spec.ca_file is not None else "tls_verify"
+        raise GpubenchError(f"{where}: {key}: only applies to an https:// endpoint")
+
+
+# The engine kinds a load case can drive: those that speak OpenAI's streamed chat completions.
+LOAD_ENGINE_KINDS = ("llamacpp", "openai")
+
+
+def check_load(
+    where: str,
+    spec: CellSpec,
+    load: LoadProfile | None,
+    prompts: dict[str, Prompt],
+    prompts_path: Path,
+) -> None:
+    """A load profile that cannot run, and `parallel` where no managed server takes it: one line."""
+    if spec.parallel is not None and not (spec.managed and spec.engine == "llamacpp"):
+        raise GpubenchError(
+            f"{where}: parallel: only a managed llamacpp cell (no endpoint) takes it; an "
+            "external server's slots are set where it is started"
+        )
+    if spec.parallel is not None and spec.launch is not None:
+        raise GpubenchError(
+            f"{where}: parallel: the cell's launch: replaces the argv; put --parallel there"
+        )
+    if load is None:
+        return
+    if spec.engine not in LOAD_ENGINE_KINDS:
+        raise GpubenchError(
+            f"{where}: load: engine '{spec.engine}' cannot be load-tested yet (load cases drive "
+            f"{', '.join(LOAD_ENGINE_KINDS)})"
+        )
+    if not load.bounded:
+        raise GpubenchError(
+            f"{where}: load: needs duration_s or requests (or both) to bound each load point"
+        )
+    for prompt_id in load.prompts or ():
+        if prompt_id not in prompts:
+            raise GpubenchError(
+                f"{where}: load.prompts: '{prompt_id}' is not defined in {prompts_path}"
+            )
+    sources = [key for key in ("prompts", "synthetic", "dataset", "trace") if getattr(load, key)]
+    if len(sources) > 1:
+        raise GpubenchError(
+            f"{where}: load: give one of prompts, synthetic, dataset (got {', '.join(sources)})"
+        )
