@@ -209,13 +209,10 @@ def test_two_identical_servers_called_turn_about_pass(
     for verdict in verdicts.values():
         assert verdict["verdict"] in ("ok", "inconclusive", "blind"), verdict
         assert verdict["calls"] == 2 * RUNS
-    # Never a regression. A decode rate of the few pairs whose replies came in more than one
-    # read (four tokens of a long prefill) has no interval to rule out a change: blind, and the
-    # run says "re-run" (exit 10, issue 37); TTFT and total have every pair.
-    for name in ("warm_ttft_p50_ms", "warm_total_p50_ms"):
-        assert verdicts[name]["verdict"] in ("ok", "inconclusive"), verdicts[name]
-    decode = verdicts["warm_decode_tokens_per_sec_p50"]
-    assert decode["verdict"] != "blind" or decode["pairs"] < RUNS, decode
+    # Never a regression. A figure whose pairs cannot rule out a change of the threshold's size
+    # says so (blind: a decode rate of the few pairs whose replies came in more than one read,
+    # or, on a busy machine, an interval that reaches past it), and the run says "re-run"
+    # (exit 10, issue 37); it passes (0) only where every figure is ok.
     all_ok = all(verdict["verdict"] == "ok" for verdict in verdicts.values())
     assert result.ret == (0 if all_ok else EXIT_UNSTEADY), summary(result)
     # A call whose reply came in one read has no decode rate: that pair is left out of it alone.
@@ -280,9 +277,12 @@ def test_identical_sides_stop_as_unchanged_or_run_to_the_maximum(
         runs=12,
     )
     result = run_session(pytester)
-    assert result.ret == 0, summary(result)
     records = ledger(pytester)
     verdicts = ab_verdicts(records)
+    # Never a regression; a pass (0) where every figure is ok, else "re-run" (10: a figure whose
+    # pairs cannot rule out a change of the threshold's size, issue 37).
+    all_ok = all(verdict["verdict"] == "ok" for verdict in verdicts.values())
+    assert result.ret == (0 if all_ok else EXIT_UNSTEADY), summary(result)
     ttft = verdicts["warm_ttft_p50_ms"]
     calls = len([r for r in records if r["type"] == "call"])
     assert ttft["calls"] == calls
