@@ -297,3 +297,40 @@ def test_the_first_baseline_update_on_a_busy_machine_says_so(tmp_path: Path) -> 
     assert not any(
         "busy machine" in note for note in run_session(quiet, baseline_update=True).notes
     )
+
+
+def test_a_ratified_change_starts_a_new_history_and_does_not_blind_the_gate(
+    tmp_path: Path,
+) -> None:
+    """Issue 37: five unchanged runs of history, then --baseline-update ratifies TTFT and total
+    twice as slow. Kept beside the runs before it, that step made the between-run spread so
+    wide that a +40 % run read `inconclusive` (p = 0.087 between runs) and exited 0. Now the
+    ratified run starts a new segment: the history holds it alone, the file's figures are its
+    own, an unchanged run passes and +40 % is a regression (exit 6)."""
+    import random
+
+    from pytest_gpubench.results.baseline import find_baseline, update_baselines
+
+    plans = [CellPlan("main", history=5)]
+    generated = GeneratedRun(tmp_path / "before", plans, seed=11)
+    generated.write_baselines()
+    (plan,) = generated.plans
+    ratified = generated.calls(
+        "ratified", plan, rng=random.Random(3), slowdown=2.0, drift=1.0, pressure=0.0, runs=8
+    )
+    meta = {"type": "meta", "benchmark_run_id": "ratified", "started_at_utc": "2026-11-26T10Z"}
+    update_baselines(
+        generated.baselines, [meta, generated.cell_record("ratified", plan), *ratified]
+    )
+    baseline = find_baseline(generated.baselines, plan.cell_id)
+    assert baseline is not None
+    for prompt_id in ("P-EASY", "P-HARD"):
+        assert [run.benchmark_run_id for run in baseline.runs(prompt_id)] == ["ratified"]
+
+    def judged(slowdown: float, name: str) -> int:
+        run = GeneratedRun(tmp_path / name, [CellPlan("main", slowdown=slowdown, again=slowdown)])
+        shutil.copytree(generated.baselines, run.baselines)
+        return run_session(run).exit_status
+
+    assert judged(2.0, "unchanged") == 0
+    assert judged(2.8, "slower") == 6

@@ -33,7 +33,7 @@ from pytest_gpubench.results.baseline_format import (
 )
 from pytest_gpubench.results.baseline_format import Provenance as FileProvenance
 from pytest_gpubench.results.gate import run_figures
-from pytest_gpubench.results.run_history import History, RunFigures, appended
+from pytest_gpubench.results.run_history import History, RunFigures, appended, ratified_change
 from pytest_gpubench.results.stats import (
     REASONING_METRICS,
     SAMPLE_FIELDS,
@@ -534,7 +534,11 @@ def plan_cell(
             run = run_figures(
                 summary, run_id=new.provenance.benchmark_run_id, date=new.provenance.date
             )
-            history[prompt_id] = appended(history.get(prompt_id, ()), run)
+            before = history.get(prompt_id, ())
+            # A ratified change starts a new segment: kept beside the runs before it, the step
+            # would widen the between-run spread until it left the history, and the gate would
+            # be blind to a change of its size for ten updates.
+            history[prompt_id] = appended(() if ratified_change(before, run) else before, run)
     prompts = tuple(merged[prompt_id] for prompt_id in sorted(merged))
     history = {p: runs for p, runs in sorted(history.items()) if runs and p in merged}
     return CellPlan(CellBaseline(new.cell_id, provenance, prompts, history), refused)

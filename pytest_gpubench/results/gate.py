@@ -10,7 +10,14 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pytest_gpubench.config.matrix import Thresholds
-from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME, GatedFigure, Measure
+from pytest_gpubench.config.metrics import (
+    DEFAULT_RATIO_THRESHOLD,
+    DEFAULT_SUCCESS_RATE,
+    GATED,
+    MEASURE_BY_NAME,
+    GatedFigure,
+    Measure,
+)
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.results.decision import (
     ALPHA,
@@ -41,6 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALPHA",
+    "DEFAULT_RATIO_THRESHOLD",
+    "DEFAULT_SUCCESS_RATE",
     "EXACT_TEST_MAX_N",
     "VERDICT_ORDER",
     "Verdict",
@@ -56,13 +65,6 @@ ACCEPT_OPTION = "--gpubench-accept-incomparable"
 
 RERUN_RUNS = 20
 RERUN_HINT = f"re-run with --gpubench-runs {RERUN_RUNS}"
-# The defaults (docs/gate.md): relative changes for the ratio metrics, an
-# absolute floor for success. 20 %, not the 30 % of earlier versions: a gate at 30 % catches a
-# +30 % regression in half the runs (the measured change falls either side of it); at 20 % it is
-# caught with room on a quiet machine, whose between-run spread is a few per cent, and where a
-# machine's spread is wider the gate says it is blind there rather than guessing.
-DEFAULT_RATIO_THRESHOLD = 0.20
-DEFAULT_SUCCESS_RATE = 0.95
 # A change is engine-side when the engine's own figure moved the same way by at least this share
 # of the client's change (on a log scale: 0.5 means half as far); otherwise the engine held and
 # the change lies between the engine and the client (transport, proxy, client machine).

@@ -3,8 +3,12 @@ prompt), oldest first, from which the gate learns how far an unchanged engine mo
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from pytest_gpubench.config.metrics import DEFAULT_RATIO_THRESHOLD
 
 # Runs kept per (cell, prompt): enough for a t quantile near the normal's, few enough that a
 # machine's slow change of speed over months leaves the history.
@@ -40,6 +44,35 @@ def appended(history: Sequence[RunFigures], run: RunFigures, keep: int = HISTORY
         if run.benchmark_run_id is None or entry.benchmark_run_id != run.benchmark_run_id
     ]
     return (*kept, run)[-keep:]
+
+
+def ratified_change(history: Sequence[RunFigures], run: RunFigures) -> bool:
+    """Whether a ratified run moved one of its gated figures away from the history before it:
+    beyond the history's own spread (two-sided, at ALPHA, as a new draw of it: a prediction
+    interval) and by more than the default threshold (a step worth a user's ratifying, not the
+    machine's drift). Needs MIN_HISTORY runs before it: a shorter history has no spread."""
+    from pytest_gpubench.results.decision import (
+        ALPHA,
+        MIN_HISTORY,
+        between_run_spread,
+        scipy_stats,
+    )
+
+    for metric, value in run.figures.items():
+        past = figures(history, metric)
+        spread = between_run_spread(past)
+        if value is None or value <= 0 or spread is None or len(past) < MIN_HISTORY:
+            continue
+        logs = [math.log(v) for v in past]
+        step = math.log(value) - statistics.fmean(logs)
+        if abs(step) <= math.log(1.0 + DEFAULT_RATIO_THRESHOLD):
+            continue
+        if spread == 0.0:
+            return True
+        statistic = abs(step) / (spread * math.sqrt(1.0 + 1.0 / len(logs)))
+        if 2.0 * float(scipy_stats().t.sf(statistic, len(logs) - 1)) < ALPHA:
+            return True
+    return False
 
 
 def figures(history: Iterable[RunFigures], metric: str) -> tuple[float, ...]:
