@@ -132,6 +132,17 @@ def cell_id_of(node: Any, engine: Any, model: Any, name: Any = None) -> str:
     return f"{base}@{name}" if name is not None else base
 
 
+def node_of(cell_id: str) -> str:
+    """The node of a cell id (cell_id_of's first part)."""
+    return cell_id.split(":", 1)[0]
+
+
+def engine_of(cell_id: str) -> str | None:
+    """The engine kind of a cell id (cell_id_of's second part), None where it has none."""
+    parts = cell_id.split(":", 2)
+    return parts[1] if len(parts) == 3 else None
+
+
 class CellSpec(_Strict):
     node: str
     engine: str

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from pytest_gpubench.config.matrix import node_of
 from pytest_gpubench.config.shards import ShardFacts, assign_nodes
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.status import EXIT_UNMEASURED, most_severe
@@ -58,10 +59,6 @@ class ShardLedger:
         return cast(EndRecord, last) if last.get("type") == "end" else None
 
 
-def _node_of(cell_id: str) -> str:
-    return cell_id.split(":", 1)[0]
-
-
 def _check_one_run(ledgers: Sequence[ShardLedger]) -> tuple[int, list[str]]:
     """The shard count and the matrix's cells, the same in every ledger; no shard twice."""
     first = ledgers[0]
@@ -96,12 +93,12 @@ def _missing_outcomes(
     """A `missing` outcome for each cell of a shard that left no ledger or no end record."""
     groups: dict[str, list[str]] = {}
     for cell_id in cells:
-        groups.setdefault(_node_of(cell_id), []).append(cell_id)
+        groups.setdefault(node_of(cell_id), []).append(cell_id)
     shard_of = assign_nodes(groups, count)
     by_index = {int(ledger.shard["index"]): ledger for ledger in ledgers}
     outcomes = []
     for cell_id in cells:
-        index = shard_of[_node_of(cell_id)]
+        index = shard_of[node_of(cell_id)]
         ledger = by_index.get(index)
         if ledger is not None and ledger.end is not None:
             continue
@@ -116,7 +113,7 @@ def _missing_outcomes(
         outcomes.append(
             CellOutcome(
                 cell_id=cell_id,
-                node=_node_of(cell_id),
+                node=node_of(cell_id),
                 status="missing",
                 optional=False,
                 reason=reason,

@@ -14,6 +14,7 @@ from typing import Any, Literal, NotRequired, TypedDict, cast, overload
 from pytest_gpubench.config.shards import ShardFacts
 from pytest_gpubench.core.errors import key_path, non_finite_at
 from pytest_gpubench.core.provenance import GitState
+from pytest_gpubench.ledger.outcomes import CellStatus
 from pytest_gpubench.measure.stream import MeasurementFields
 from pytest_gpubench.targets.stages import StageFacts
 
@@ -306,7 +307,7 @@ class CellOutcomeRecord(TypedDict):
 
     cell_id: str
     node: str
-    status: Literal["measured", "failed", "skipped", "missing"]
+    status: CellStatus
     optional: bool
     stage: str | None
     reason: str | None

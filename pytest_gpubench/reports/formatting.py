@@ -8,6 +8,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from pytest_gpubench.results.decision import signed_percent
 from pytest_gpubench.results.gate import GATED_METRICS, PROVENANCE, SUCCESS_RATE
 from pytest_gpubench.results.stats import PromptSummary
 
@@ -32,7 +33,7 @@ def fixed(value: float | None, digits: int = 2) -> str:
 
 def change(ratio: float | None) -> str:
     """1.352 -> "+35.2%"."""
-    return NONE if ratio is None else f"{ratio - 1.0:+.1%}"
+    return NONE if ratio is None else signed_percent(ratio)
 
 
 def success(summary: PromptSummary) -> str:

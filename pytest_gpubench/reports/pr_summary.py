@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.core.status import describe
+from pytest_gpubench.results.decision import signed_percent
 
 if TYPE_CHECKING:
     # The record types import the measurement's (h11, pydantic): not at the end of a session
@@ -43,7 +44,7 @@ def _number(value: Any, digits: int = 2) -> str:
 def _change(ratio: Any) -> str:
     if isinstance(ratio, bool) or not isinstance(ratio, int | float):
         return NONE
-    return f"{ratio - 1.0:+.1%}"
+    return signed_percent(ratio)
 
 
 def _p_value(value: Any) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
+from pytest_gpubench.results.decision import signed_percent
 from pytest_gpubench.results.gate import GATED_METRICS, Verdict, VerdictKind
 
 CONFIRMED = "confirmed"
@@ -78,4 +79,4 @@ def _figure(verdict: Verdict) -> str:
     if verdict.change_ratio is None:
         return "pass 2: not measured"
     p_value = f", p = {verdict.p_value:.3g}" if verdict.p_value is not None else ""
-    return f"pass 2: {verdict.change_ratio - 1.0:+.1%}{p_value}"
+    return f"pass 2: {signed_percent(verdict.change_ratio)}{p_value}"

@@ -41,6 +41,24 @@ _Z_POWER = statistics.NormalDist().inv_cdf(POWER)
 _Z_ALPHA = statistics.NormalDist().inv_cdf(1.0 - ALPHA)
 
 
+# Sequential sampling (an A/B pair's, a (cell, prompt)'s against its baseline) looks at most this
+# many times: the first look, then evenly up to the last; each look spends an equal share of
+# ALPHA (Bonferroni), so deciding early at some look is no likelier by chance than a fixed-N
+# verdict at ALPHA. Its bootstrap intervals: their resamples and seed (the same calls give the
+# same interval).
+MAX_LOOKS = 4
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 20261125
+
+
+def look_schedule(first: int, last: int, count: int) -> tuple[int, ...]:
+    """`count` looks from `first` evenly up to `last` (the last always among them)."""
+    if count <= 1 or first >= last:
+        return (last,)
+    step = math.ceil((last - first) / (count - 1))
+    return (*range(first, last, step), last)
+
+
 def scipy_stats() -> Any:
     """scipy.stats, imported when a figure is first tested: a run that only ratifies
     (--baseline-update) or is not judged never pays its import (about a second of CPU)."""
@@ -111,13 +129,11 @@ class Steadiness:
         reasons = []
         limit = f"±{math.exp(self.floor) - 1.0:.0%}"
         if self.against_baseline and abs(math.log(self.against_baseline)) > self.floor:
-            reasons.append(
-                f"the control call ran {_percent(self.against_baseline)} against the baseline's "
-                f"(beyond {limit})"
-            )
+            ran = signed_percent(self.against_baseline)
+            reasons.append(f"the control call ran {ran} against the baseline's (beyond {limit})")
         if self.within_run and abs(math.log(self.within_run)) > self.floor:
             reasons.append(
-                f"the control call drifted {_percent(self.within_run)} during the run "
+                f"the control call drifted {signed_percent(self.within_run)} during the run "
                 f"(beyond {limit})"
             )
         now, then = self.pressure, self.baseline_pressure
@@ -436,18 +452,20 @@ def decide(evidence: Evidence) -> Decision:
     )
     could = could_detect(label, base.detectable_ratio, evidence.higher_is_better)
     if drift is not None:
-        seen = f"{label} {_percent(ratio)}, not judged: machine unsteady ({drift})"
+        seen = f"{label} {signed_percent(ratio)}, not judged: machine unsteady ({drift})"
         return replace(base, kind="unsteady", text=f"{seen}; re-run on a steady machine")
     busy = evidence.steadiness.contended if evidence.steadiness is not None else None
     # Blind because of the spread, on a busy machine: the spread may be the neighbours', and a
     # quiet machine could tell. Blind because of too few samples (`undetectable`) stays blind:
     # no machine could tell, and "re-run on a quiet machine" would not help.
     if busy is not None and blind and direction is None and undetectable is None:
-        seen = f"{label} {_percent(ratio)}, not judged: {busy}, and the gate could not see the "
+        seen = (
+            f"{label} {signed_percent(ratio)}, not judged: {busy}, and the gate could not see the "
+        )
         threshold = f"{evidence.threshold:.0%} threshold there ({could}: {why_blind})"
         return replace(base, kind="unsteady", text=f"{seen}{threshold}; re-run on a quiet machine")
     if direction is None:
-        within = f"{label} {_percent(ratio)} (within the {evidence.threshold:.0%} threshold)"
+        within = f"{label} {signed_percent(ratio)} (within the {evidence.threshold:.0%} threshold)"
         # A pass only where a change of the threshold's size would have been seen: however its
         # spread was estimated (between runs, or from this run's samples), a run that could not
         # have seen one says so, and does not pass.
@@ -458,7 +476,7 @@ def decide(evidence: Evidence) -> Decision:
             )  # fmt: skip
         return replace(base, text=f"{within}; {could}")
     word = change_word(direction, evidence.higher_is_better)
-    change = f"{label} {_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
+    change = f"{label} {signed_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
     hint = f"; {evidence.more_samples_hint}" if evidence.more_samples_hint else ""
     if between_run_spread(evidence.history) is not None:
         p_value = _between_run_p(evidence, ratio, direction)
@@ -510,10 +528,11 @@ def could_detect(label: str, detectable_ratio: float | None, higher_is_better: b
     if detectable_ratio is None:
         return f"could detect no change of {label}"
     sign = "≤" if higher_is_better else "≥"
-    return f"could detect {sign} {_percent(detectable_ratio)} {label}"
+    return f"could detect {sign} {signed_percent(detectable_ratio)} {label}"
 
 
-def _percent(ratio: float) -> str:
+def signed_percent(ratio: float) -> str:
+    """A ratio as the change every verdict and report writes: 1.352 -> "+35.2%"."""
     return f"{ratio - 1.0:+.1%}"
 
 

@@ -9,7 +9,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from pytest_gpubench.config.matrix import Thresholds
+from pytest_gpubench.config.matrix import Thresholds, engine_of
 from pytest_gpubench.config.metrics import (
     DEFAULT_RATIO_THRESHOLD,
     DEFAULT_SUCCESS_RATE,
@@ -32,6 +32,7 @@ from pytest_gpubench.results.decision import (
     min_achievable_p,
     mwu_method,
     one_sided_p,
+    signed_percent,
     steadiness,
 )
 from pytest_gpubench.results.run_history import (
@@ -425,8 +426,7 @@ def _why_missing(metric: Metric, current: PromptSummary) -> str:
 
 def engine_name(cell_id: str) -> str:
     """The server of the cell's engine kind (`<node>:<engine>:<model>`), for the messages."""
-    parts = cell_id.split(":", 2)
-    return ENGINE_NAMES.get(parts[1], "the engine") if len(parts) == 3 else "the engine"
+    return ENGINE_NAMES.get(engine_of(cell_id) or "", "the engine")
 
 
 def attribute(
@@ -447,7 +447,7 @@ def attribute(
             "unknown", None, f"not attributed: {side} has no {engine} {metric.engine_label}"
         )
     engine_ratio = new / old
-    own = f"{engine}'s own {metric.engine_label} {_percent(engine_ratio)}"
+    own = f"{engine}'s own {metric.engine_label} {signed_percent(engine_ratio)}"
     if _share(engine_ratio, ratio) >= ENGINE_SHARE:
         return Attribution("engine", engine_ratio, f"engine-side: {own}")
     # The engine's prompt time leaves out the wait before it starts on a request (its queue, a
@@ -461,7 +461,7 @@ def attribute(
         and rate_new
         and _share(rate_old / rate_new, ratio) >= ENGINE_SHARE
     ):
-        slower = f"{engine}'s own decode rate {_percent(rate_new / rate_old)}"
+        slower = f"{engine}'s own decode rate {signed_percent(rate_new / rate_old)}"
         return Attribution(
             "engine", engine_ratio, f"engine-side: {slower} over the same calls ({own})"
         )
@@ -664,10 +664,6 @@ def _verdict(
         attribution=attribution,
         engine_change_ratio=engine_ratio,
     )
-
-
-def _percent(ratio: float) -> str:
-    return f"{ratio - 1.0:+.1%}"
 
 
 def _number(value: float) -> str:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
 from pytest_gpubench.config.load_profile import LoadThresholds
-from pytest_gpubench.config.matrix import Thresholds
+from pytest_gpubench.config.matrix import Thresholds, node_of
 from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME
 from pytest_gpubench.core.errors import GpubenchError, key_path
 from pytest_gpubench.core.status import session_status
@@ -476,7 +476,7 @@ def _as_run_ended(outcome: CellOutcome, lost: Mapping[str, str], *, ended: bool)
 def _planned(cell_id: str, cell: CellJudging | None) -> PlannedCell:
     if cell is None:
         # A cell the settings do not name (a lost shard's): required, as nothing says otherwise.
-        return PlannedCell(cell_id=cell_id, node=cell_id.split(":", 1)[0])
+        return PlannedCell(cell_id=cell_id, node=node_of(cell_id))
     return PlannedCell(cell_id=cell_id, node=cell.node, optional=cell.optional, skip=cell.skip)
 
 

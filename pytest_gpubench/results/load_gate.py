@@ -19,6 +19,7 @@ from pytest_gpubench.results.decision import (
     VerdictKind,
     change_direction,
     decide,
+    signed_percent,
 )
 from pytest_gpubench.results.gate import Verdict, from_decision
 
@@ -99,7 +100,7 @@ def _judge_saturation(
     ratio = new / old
     direction = change_direction(old, new, threshold, higher_is_better=True)
     found = {"baseline": old, "value": new, "ratio": ratio}
-    change = f"saturation rate {ratio - 1:+.1%} ({old:.4g} → {new:.4g} req/s)"
+    change = f"saturation rate {signed_percent(ratio)} ({old:.4g} → {new:.4g} req/s)"
     if direction is None:
         text = f"{change} (within the {threshold:.0%} threshold)"
         return _verdict(cell_id, key, SATURATION, "ok", text, **found)

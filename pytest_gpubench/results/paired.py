@@ -14,7 +14,16 @@ import numpy as np
 
 from pytest_gpubench.config.matrix import Thresholds
 from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME
-from pytest_gpubench.results.decision import change_word, scipy_stats, verdict_of
+from pytest_gpubench.results.decision import (
+    BOOTSTRAP_RESAMPLES,
+    BOOTSTRAP_SEED,
+    MAX_LOOKS,
+    change_word,
+    look_schedule,
+    scipy_stats,
+    signed_percent,
+    verdict_of,
+)
 from pytest_gpubench.results.gate import (
     ALPHA,
     Verdict,
@@ -24,15 +33,9 @@ from pytest_gpubench.results.gate import (
 )
 from pytest_gpubench.results.stats import is_success
 
-# The bootstrap interval of the ratio of medians: its level, its resamples, and its seed (fixed:
-# the same calls give the same interval).
+# The level of the bootstrap interval of the ratio of medians (its resamples and seed, and the
+# most looks of sequential sampling: results/decision.py).
 INTERVAL_LEVEL = 0.95
-BOOTSTRAP_RESAMPLES = 2000
-BOOTSTRAP_SEED = 20261125
-# Sequential sampling looks at the pairs at most this many times (the minimum, then evenly up to
-# the maximum); each look spends an equal share of ALPHA (Bonferroni), so deciding early at
-# some look is no likelier by chance than a fixed-N verdict at ALPHA.
-MAX_LOOKS = 4
 Decision = Literal["regression", "win", "unchanged"]
 
 
@@ -248,10 +251,7 @@ def looks(min_pairs: int, max_pairs: int) -> tuple[int, ...]:
     share of ALPHA (7 at four looks: the signed-rank test's smallest p is 1/2^n)."""
     count = max(1, min(MAX_LOOKS, max_pairs - min_pairs + 1))
     first = min(max(min_pairs, _fewest_significant(ALPHA / count)), max_pairs)
-    if first >= max_pairs:
-        return (max_pairs,)
-    step = math.ceil((max_pairs - first) / (count - 1))
-    return (*range(first, max_pairs, step), max_pairs)
+    return look_schedule(first, max_pairs, count)
 
 
 def _fewest_significant(alpha: float) -> int:
@@ -409,8 +409,8 @@ def _word(
     if result.ratio is None:
         return "inconclusive", f"{metric.label}: no pair with both calls measured (A/B)"
     interval = (
-        f" [{INTERVAL_LEVEL:.0%} interval {_percent(result.interval[0])} … "
-        f"{_percent(result.interval[1])}]"
+        f" [{INTERVAL_LEVEL:.0%} interval {signed_percent(result.interval[0])} … "
+        f"{signed_percent(result.interval[1])}]"
         if result.interval
         else ""
     )
@@ -419,7 +419,7 @@ def _word(
         if decided_at is not None and decided_at < max_pairs
         else f"over {result.pairs} pairs"
     )
-    change = f"{metric.label} {_percent(result.ratio)}{interval}, A/B {over}"
+    change = f"{metric.label} {signed_percent(result.ratio)}{interval}, A/B {over}"
     smallest_p = min_signed_rank_p(result.pairs)
     kind = verdict_of(result.direction, result.p_value, smallest_p, alpha)
     if result.direction is None:
@@ -451,11 +451,11 @@ def _worse_reach(result: PairedResult, threshold: float) -> str | None:
         return f"{result.pairs} pairs give no {INTERVAL_LEVEL:.0%} interval"
     low, high = result.interval
     if result.metric.higher_is_better and low < 1.0 - threshold:
-        return f"its {INTERVAL_LEVEL:.0%} interval reaches {_percent(low)}, past the threshold"
+        return (
+            f"its {INTERVAL_LEVEL:.0%} interval reaches {signed_percent(low)}, past the threshold"
+        )
     if not result.metric.higher_is_better and high > 1.0 + threshold:
-        return f"its {INTERVAL_LEVEL:.0%} interval reaches {_percent(high)}, past the threshold"
+        return (
+            f"its {INTERVAL_LEVEL:.0%} interval reaches {signed_percent(high)}, past the threshold"
+        )
     return None
-
-
-def _percent(ratio: float) -> str:
-    return f"{ratio - 1.0:+.1%}"

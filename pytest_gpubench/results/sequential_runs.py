@@ -19,8 +19,12 @@ from pytest_gpubench.config.matrix import Thresholds
 from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME
 from pytest_gpubench.results.decision import (
     ALPHA,
+    BOOTSTRAP_RESAMPLES,
+    BOOTSTRAP_SEED,
+    MAX_LOOKS,
     alternative,
     change_direction,
+    look_schedule,
     one_sided_p,
     scipy_stats,
     verdict_of,
@@ -28,11 +32,6 @@ from pytest_gpubench.results.decision import (
 from pytest_gpubench.results.gate import ratio_threshold
 from pytest_gpubench.results.stats import PromptSummary, is_success
 
-# At most this many looks: the minimum, then evenly up to the maximum, each at ALPHA / looks
-# (Bonferroni), so that deciding at some look is no likelier by chance than a fixed-N verdict.
-MAX_LOOKS = 4
-BOOTSTRAP_RESAMPLES = 2000
-BOOTSTRAP_SEED = 20261125
 Stop = Literal["regression", "unchanged"]
 
 
@@ -54,11 +53,7 @@ _METRICS = tuple(
 def looks(min_runs: int, max_runs: int) -> tuple[int, ...]:
     """The call counts at which a (cell, prompt) is judged: from min_runs evenly to max_runs."""
     first = min(min_runs, max_runs)
-    count = max(1, min(MAX_LOOKS, max_runs - first + 1))
-    if count == 1:
-        return (max_runs,)
-    step = math.ceil((max_runs - first) / (count - 1))
-    return (*range(first, max_runs, step), max_runs)
+    return look_schedule(first, max_runs, max(1, min(MAX_LOOKS, max_runs - first + 1)))
 
 
 def sequential_stop(
