@@ -165,7 +165,11 @@ def test_a_candidate_held_back_is_a_regression_against_its_reference(
     # `gpubench gate` over the finished ledger finds the same A/B regression.
     judged = judge_ledger(records, pytester.path / "baselines")
     assert judged.exit_status == 6
-    again = [v for v in judged.verdicts if v.reference == MAIN and v.metric == "warm_ttft_p50_ms"]
+    again = [
+        v
+        for v in judged.judgement.verdicts
+        if v.reference == MAIN and v.metric == "warm_ttft_p50_ms"
+    ]
     assert [(v.verdict, v.pairs) for v in again] == [("regression", RUNS)]
     assert f"| {PR} " in markdown.split("## Head-to-head A/B")[1]
 

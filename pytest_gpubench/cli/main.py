@@ -202,9 +202,10 @@ def _gate(args: argparse.Namespace) -> int:
     if not baselines.is_dir():
         raise GpubenchError(f"{baselines}: --baselines is not a directory")
     cells = Path(args.cells) if args.cells else None
-    judgement = judge_ledger(records, baselines, source=str(args.ledger), cells_path=cells)
-    if judgement.judgement.gate_error is not None:
-        print(f"ERROR: {judgement.judgement.gate_error}")
+    judged = judge_ledger(records, baselines, source=str(args.ledger), cells_path=cells)
+    judgement = judged.judgement
+    if judgement.gate_error is not None:
+        print(f"ERROR: {judgement.gate_error}")
     print(render_comparison(judgement.verdicts))
     if judgement.load_verdicts:
         print("load points:")
@@ -213,8 +214,8 @@ def _gate(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     for cell in judgement.unmeasured:
         print(f"unmeasured: {cell.cell_id}: {cell.status}: {cell.reason}")
-    print(f"gpubench gate: {describe(judgement.exit_status)}")
-    return judgement.exit_status
+    print(f"gpubench gate: {describe(judged.exit_status)}")
+    return judged.exit_status
 
 
 def _calibrate(args: argparse.Namespace) -> int:

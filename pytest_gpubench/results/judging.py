@@ -536,22 +536,6 @@ class LedgerJudgement:
     judgement: Judgement
     exit_status: int
 
-    @property
-    def verdicts(self) -> list[Verdict]:
-        return self.judgement.verdicts
-
-    @property
-    def load_verdicts(self) -> list[Verdict]:
-        return self.judgement.load_verdicts
-
-    @property
-    def unmeasured(self) -> list[CellOutcome]:
-        return self.judgement.unmeasured
-
-    @property
-    def notes(self) -> list[str]:
-        return self.judgement.notes
-
 
 def judge_ledger(
     records: Sequence[Mapping[str, Any]],
