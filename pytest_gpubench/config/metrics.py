@@ -92,6 +92,17 @@ MEASURES: tuple[Measure, ...] = (
     ),
     # The share of each call's wall time in which some task waited for a CPU (measure/control.py).
     Measure("cpu_pressure", "cpu_pressure", "share", "CPU pressure", samples=True),
+    # A local managed engine's own threads over each call: how long they waited on a run queue
+    # for a CPU, and ran (measure/engine_wait.py). Recorded beside the machine's pressure.
+    Measure(
+        "engine_wait_ms",
+        "engine_wait_ms",
+        "ms",
+        "engine's CPU wait",
+        samples=True,
+        in_every_baseline=False,
+    ),
+    Measure("engine_cpu_ms", "engine_cpu_ms", "ms", "engine's CPU time", in_every_baseline=False),
 )
 
 

@@ -375,7 +375,10 @@ class Harness:
         window = self._begin_sampling(live)
         started = utc_now()
         pressure_mark = self.pressure.start() if steadiness else None
+        engine_wait = live.engine_wait() if steadiness else None
+        wait_mark = engine_wait.mark() if engine_wait is not None else None
         measurement = live.chat(prompt, max_tokens, shape, **own)
+        waited = engine_wait.since(wait_mark) if engine_wait is not None else None
         cpu_pressure = self.pressure.share(pressure_mark) if steadiness else None
         live.last_call_end = time.monotonic()
         samples = self._end_sampling(live, window)
@@ -397,6 +400,10 @@ class Harness:
             fields["control_ms"] = round(control_ms, 3)
         if cpu_pressure is not None:
             fields["cpu_pressure"] = round(cpu_pressure, 4)
+        if waited is not None:
+            # The engine's own run-queue wait and CPU time over the call (measure/engine_wait).
+            fields["engine_wait_ms"] = round(waited.wait_ms, 3)
+            fields["engine_cpu_ms"] = round(waited.cpu_ms, 3)
         if self.measure_pass > 1:
             fields["pass"] = self.measure_pass
         others = self._sample_records(live, case, samples)

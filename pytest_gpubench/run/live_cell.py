@@ -20,6 +20,7 @@ from pytest_gpubench.core.secrets import secret_from_env
 from pytest_gpubench.engines import Engine, EngineHook, KeepsConnection, make_engine
 from pytest_gpubench.engines.managed import ManagedServer, managed_server, model_size
 from pytest_gpubench.ledger.records import tls_warning
+from pytest_gpubench.measure.engine_wait import EngineWait
 from pytest_gpubench.measure.stream import STALL_LIMIT_S, CallMeasurement, StreamError, TlsSettings
 from pytest_gpubench.run.nodes import plain_error
 from pytest_gpubench.targets import Target, records_stages
@@ -58,6 +59,14 @@ class LiveCell:
     learn_secret: Callable[[str], None] = lambda secret: None
     target: Target | None = None
     server: ManagedServer | None = None
+
+    def engine_wait(self) -> EngineWait | None:
+        """The reader of the engine's own waiting: a managed engine on this machine only."""
+        if self.server is None or not isinstance(self.target, LocalTarget):
+            return None
+        pid = self.server.pid
+        return EngineWait(pid) if pid is not None else None
+
     engine: Engine | None = None
     model_digest: str | None = None
     unavailable: str | None = None

@@ -1,0 +1,98 @@
+"""The engine's own waiting (measure/engine_wait.py): its threads' run-queue wait and CPU time
+from Linux's schedstat, read over a call; and recorded beside each warm call of a local managed
+engine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from pytest_gpubench.measure.engine_wait import EngineWait
+
+BUSY = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
+
+
+def test_the_threads_counts_are_summed_and_a_gone_process_reads_none(tmp_path: Path) -> None:
+    tasks = tmp_path / "42" / "task"
+    for tid, (cpu, wait) in {"42": (5_000_000, 1_000_000), "43": (2_000_000, 3_000_000)}.items():
+        (tasks / tid).mkdir(parents=True)
+        (tasks / tid / "schedstat").write_text(f"{cpu} {wait} 7\n")
+    reader = EngineWait(42, proc=tmp_path)
+    mark = reader.mark()
+    assert mark is not None and (mark.cpu_ns, mark.wait_ns) == (7_000_000, 4_000_000)
+    (tasks / "43" / "schedstat").write_text("2500000 9000000 9\n")
+    waited = reader.since(mark)
+    assert waited is not None
+    assert (waited.cpu_ms, waited.wait_ms) == pytest.approx((0.5, 6.0))
+    assert EngineWait(99, proc=tmp_path).mark() is None
+    assert reader.since(None) is None
+
+
+@contextmanager
+def pinned(cpu: int, count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """`count` busy Python processes, each allowed on one CPU only."""
+    started = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(count)]
+    try:
+        for process in started:
+            os.sched_setaffinity(process.pid, {cpu})
+        yield started
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="no schedstat here")
+def test_a_process_pinned_beside_a_busy_one_waits_for_its_cpu_half_the_time() -> None:
+    """Two busy processes that may run on one CPU only take turns: each waits on the run queue
+    about as long as it runs (the share is certain: it does not depend on what else the machine
+    does, only on the two sharing their one CPU)."""
+    cpu = max(os.sched_getaffinity(0))
+    with pinned(cpu, 2) as (engine, _neighbour):
+        time.sleep(0.3)  # both started and pinned
+        reader = EngineWait(engine.pid)
+        mark = reader.mark()
+        time.sleep(1.5)
+        waited = reader.since(mark)
+    assert waited is not None
+    assert waited.wall_ms == pytest.approx(1500, rel=0.3)
+    assert waited.share > 0.3, waited
+    assert waited.cpu_ms > 0.2 * waited.wall_ms, waited
+
+
+@pytest.mark.engine
+def test_each_warm_call_of_a_local_managed_engine_records_its_own_wait(
+    pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
+) -> None:
+    """The real llama-server on the tiny model, started by the harness on this machine: each
+    warm call carries the engine's run-queue wait and CPU time over the call, and the baseline
+    keeps the waits as samples."""
+    from support.bench_files import CHECKED_TEST_FILE, ONE_PROMPT
+
+    from pytest_gpubench.ledger.writer import read_ledger
+
+    pytester.makefile(
+        ".yaml",
+        prompts=ONE_PROMPT,
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, phases: [warm], runs: 5, "
+        f"server_binary: '{llama_server}', model_path: '{tiny_model}', "
+        "server_args: ['--threads', '1']}\n",
+    )
+    pytester.makepyfile(test_bench=CHECKED_TEST_FILE)
+    result = pytester.runpytest("--force-load", "--baseline-update", "-p", "no:cacheprovider")
+    assert result.ret == 0, result.stdout.str()[-2000:]
+    ledger = next((pytester.path / "runs").glob("*.jsonl"))
+    calls = [r for r in read_ledger(ledger) if r["type"] == "call" and r["phase"] == "warm"]
+    assert len(calls) == 5
+    for call in calls:
+        assert call["engine_wait_ms"] >= 0.0 and call["engine_cpu_ms"] > 0.0, call
+    stored = next((pytester.path / "baselines").glob("*.json")).read_text()
+    assert '"engine_wait_ms"' in stored
