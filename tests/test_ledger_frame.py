@@ -85,7 +85,7 @@ def test_the_columns_are_cached_beside_the_ledger_while_it_is_unchanged(tmp_path
     path = ledgers.write(tmp_path / "run.jsonl", records)
     first = read_ledger_frame(path)
     cache = cache_path(path)
-    assert cache.name == "run.jsonl.columns.npz" and cache.exists()
+    assert cache.name == "run.jsonl.columns" and cache.exists()
     second = read_ledger_frame(path)  # from the cache
     assert second.summaries() == first.summaries() == summarize(records)
     assert second.others == first.others
