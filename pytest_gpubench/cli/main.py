@@ -4,6 +4,7 @@ export, compare, merge, gate, calibrate, slurm submit, rentals."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -177,15 +178,27 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from pytest_gpubench.ledger.merge import ShardLedger, merge_ledgers
-    from pytest_gpubench.ledger.writer import compact_records, read_ledger, record_line
+    """The shards' ledgers into one, streamed: written as a session writes its ledger (call
+    records without their cell's keys), with its columnar cache beside it."""
+    from pytest_gpubench.core.files import atomic_file
+    from pytest_gpubench.ledger.merge import ShardLedger, merged_parts
+    from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError
+    from pytest_gpubench.reports.frame_cache import ColumnCacheWriter
 
-    ledgers = [ShardLedger(str(path), read_ledger(path)) for path in args.ledgers]
-    merged = merge_ledgers(ledgers)
-    # Written as a session writes its ledger: call records without their cell's keys.
-    text = "".join(record_line(record) + "\n" for record in compact_records(merged))
-    _write_text(Path(args.output), text)
-    shard = merged[0]["shard"]
+    ledgers = [ShardLedger.read(Path(path)) for path in args.ledgers]
+    meta, body, end = merged_parts(ledgers)
+    output = Path(args.output)
+    try:
+        with atomic_file(output, durable=False) as partial:
+            ledger = Ledger(partial, observer=ColumnCacheWriter(output))
+            for record in itertools.chain([meta], body, [end]):
+                ledger.append(record)
+            ledger.close()
+    except (OSError, LedgerWriteError) as exc:
+        raise GpubenchError(
+            f"{output}: cannot write: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
+    shard = meta["shard"]
     missing = f"; shards missing: {shard['missing']}" if shard["missing"] else ""
     print(f"{args.output}: {len(ledgers)} of {shard['count']} shards merged{missing}")
     return 0
