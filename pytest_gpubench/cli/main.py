@@ -201,7 +201,7 @@ def _merge(args: argparse.Namespace) -> int:
     records without their cell's keys), with its columnar cache beside it."""
     from pytest_gpubench.core.files import atomic_file
     from pytest_gpubench.ledger.merge import ShardLedger, merged_parts
-    from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError
+    from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError, read_record_line
     from pytest_gpubench.reports.frame_cache import ColumnCacheWriter
 
     ledgers = [ShardLedger.read(Path(path)) for path in args.ledgers]
@@ -209,7 +209,7 @@ def _merge(args: argparse.Namespace) -> int:
     output = Path(args.output)
     try:
         with atomic_file(output, durable=False) as partial:
-            ledger = Ledger(partial, observer=ColumnCacheWriter(output))
+            ledger = Ledger(partial, observer=ColumnCacheWriter(output), dumps=read_record_line)
             for record in itertools.chain([meta], body, [end]):
                 ledger.append(record)
             ledger.close()
