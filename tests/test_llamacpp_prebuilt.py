@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 from support.pytest_process import LEAN
 
-from pytest_gpubench.core.status import EXIT_INCOMPARABLE
+from pytest_gpubench.core.status import EXIT_INCOMPARABLE, EXIT_UNMEASURED
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
-from pytest_gpubench.engines.llamacpp_launcher import LauncherFlagError
 from pytest_gpubench.engines.llamacpp_prebuilt import (
     BUILD_ENV,
     is_installed,
@@ -111,12 +110,30 @@ def test_the_same_prompts_through_both_servers(both: dict[str, ManagedLlamaServe
 
 
 def test_a_flag_the_launcher_does_not_map_fails_the_cell_in_one_line(
-    prebuilt: list[str], tiny_model: Path, tmp_path: Path
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, prebuilt: list[str]
 ) -> None:
-    from pytest_gpubench.engines.llamacpp_launcher import parse_server_args
-
-    with pytest.raises(LauncherFlagError, match=r"^--lora: .*set the cell's server_binary"):
-        parse_server_args(["--threads", "1", "--lora", "x.gguf"])
+    """The embedded default's cell with a llama-server flag the launcher does not map: the cell
+    is not measured (exit 7), and the reason is one line naming the flag and the way out."""
+    pytester.makefile(
+        ".yaml",
+        prompts=SHIPPED_PROMPTS.read_text(),
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        "  - {node: local, engine: llamacpp, model: tiny,"
+        " server_args: [--threads, '1', --lora, adapter.gguf], runs: 1, phases: [warm]}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    monkeypatch.delenv("GPUBENCH_LLAMA_SERVER", raising=False)
+    monkeypatch.delenv(BUILD_ENV, raising=False)
+    monkeypatch.setenv("PATH", "/usr/local/bin:/usr/bin:/bin")
+    result = _bench(pytester, "--allow-dirty", "-rs")
+    assert result.ret == EXIT_UNMEASURED
+    result.stdout.fnmatch_lines(
+        [
+            "SKIPPED * cell local:llamacpp:tiny: server_args: --lora: not a llama-server flag the"
+            " prebuilt llama.cpp server (xllamacpp) maps; to use it, run a built llama-server:"
+            " set the cell's server_binary to one, or set GPUBENCH_LLAMA_SERVER_BUILD=1 *"
+        ]
+    )
 
 
 def _bench(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -223,15 +223,6 @@ def physical_cores(cpu_root: str = "/sys/devices/system/cpu") -> int:
         except OSError:
             continue
     return len(siblings) or os.cpu_count() or 1
-
-
-def unmapped_flags(argv: Iterable[str]) -> list[str]:
-    """The words of `argv` that look like flags and are not in FLAGS (for messages)."""
-    return [
-        word.partition("=")[0]
-        for word in argv
-        if word.startswith("-") and word.partition("=")[0] not in _BY_NAME
-    ]
 
 
 # -- the process ---------------------------------------------------------------------------------
