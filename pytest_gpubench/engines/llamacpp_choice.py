@@ -4,6 +4,7 @@ or the one built from source (forced, or where the wheel cannot run)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Mapping
@@ -22,9 +23,11 @@ from pytest_gpubench.engines.llamacpp_build import (
 )
 from pytest_gpubench.engines.llamacpp_prebuilt import (
     BUILD_ENV,
+    XLLAMACPP_VERSION,
     MachineFacts,
     build_forced,
     install_prebuilt,
+    installed_version,
     launcher_command,
     prebuilt_engine_version,
     prebuilt_reason,
@@ -113,8 +116,9 @@ def ensure_llama_server_choice(
     with `check`, started once), or llama-server built (a cached build that answers is reused)."""
     choice = choose_llama_server(explicit)
     if choice.kind == "prebuilt":
-        install_prebuilt(progress=progress, check=check)
-        return choice
+        directory = install_prebuilt(progress=progress, check=check)
+        version = installed_version(directory) or XLLAMACPP_VERSION
+        return dataclasses.replace(choice, engine_version=prebuilt_engine_version(version))
     if choice.kind == "built":
         binary: Path = build_llama_server(progress=progress)
         return LlamaServerChoice("built", choice.reason, (str(binary),))

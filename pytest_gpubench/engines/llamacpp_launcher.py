@@ -22,6 +22,7 @@ from pytest_gpubench.engines.llamacpp_prebuilt import (
     BUILD_ENV,
     PACKAGE,
     XLLAMACPP_VERSION,
+    installed_version,
     is_installed,
     package_dir,
     prebuilt_engine_version,
@@ -269,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if words == ["--version"]:
             load_package()
-            print(f"version: {prebuilt_engine_version()}", flush=True)
+            version = installed_version(package_dir()) or XLLAMACPP_VERSION
+            print(f"version: {prebuilt_engine_version(version)}", flush=True)
             return 0
         settings = parse_server_args(words)
         package = load_package()

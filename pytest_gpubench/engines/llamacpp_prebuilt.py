@@ -111,6 +111,23 @@ def is_installed(directory: Path, version: str = XLLAMACPP_VERSION) -> bool:
     ).is_dir()
 
 
+def installed_version(directory: Path) -> str | None:
+    """The version the installed wheel's own metadata states (its dist-info METADATA), None
+    where none is installed there: what the engine version is made of, since the server itself
+    answers `b0-unknown`."""
+    for metadata in sorted(directory.glob(f"{PACKAGE}-*.dist-info/METADATA")):
+        try:
+            text = metadata.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("Version:"):
+                return line.partition(":")[2].strip()
+            if not line.strip():
+                break  # the headers end at the first blank line
+    return None
+
+
 def launcher_command(python: str | None = None) -> list[str]:
     """The argv that starts the prebuilt server, before its llama-server flags."""
     return [python or sys.executable, "-m", LAUNCHER_MODULE]
