@@ -1,7 +1,7 @@
 """Seconds and peak memory of `gpubench report` on a generated ledger of 1,000,000 call records,
 before (a dict per record: ledger.read_ledger + report.render_markdown) and after (the columnar
 reader: ledger_frame.read_ledger_frame + report.render_document), each in a fresh process: after
-on the ledger alone (it writes <ledger>.columns.npz), then again with that cache.
+on the ledger alone (it writes <ledger>.columns), then again with that cache.
 
     python benchmarks_dev/report_1m.py [--records 1000000] [--cells 40] [--skip-before] [--html]
         [--realistic [--unpacked] [--whole-keys]]

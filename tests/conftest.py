@@ -52,12 +52,16 @@ register_profiles()
 
 @pytest.fixture(scope="session")
 def llama_server() -> Path:
-    """The llama-server binary (`make engine`); skipped where it is not built, failed on CI."""
+    """The llama-server binary built from source (`make engine-build`), which the tests run
+    where they name a binary; skipped where it is not built, failed on CI. (The embedded
+    default runs the prebuilt server, `make engine`, in the tests that do not name one.)"""
     from pytest_gpubench.engines.llamacpp_build import find_llama_server
 
     binary = find_llama_server(None)
     if binary is None:
-        message = "llama-server is not installed: run `make engine` (gpubench install-server)"
+        message = (
+            "llama-server is not built: run `make engine-build` (gpubench install-server --build)"
+        )
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import ledgers
@@ -141,3 +142,30 @@ def test_nan_or_an_infinity_in_a_call_is_one_line_from_gate_merge_and_report(
         f"gpubench: error: {path}: line {number}: first_delta_ms: expected a finite number, "
         f"got {value}\n"
     )
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {
+            "type": "call",
+            "ttft": 12.5,
+            "tiny": 1e-05,
+            "text": "ünïcode ✓",
+            "nested": {"a": [1, 2.0]},
+        },
+        {"type": "call", "nan": float("nan")},
+        {"type": "call", "big": -9223372036854775809},
+        {"type": "call", "keys": {1: "one"}},
+    ],
+    ids=["plain", "nan", "beyond-64-bits", "number-keys"],
+)
+def test_a_read_record_is_written_again_with_its_values(record: dict[str, Any]) -> None:
+    """gpubench merge writes the records it read with orjson (read_record_line): the values read
+    back are record_line's, NaN and integers beyond 64 bits included."""
+    from pytest_gpubench.ledger.writer import parse_line, read_record_line, record_line
+
+    again, problem = parse_line(read_record_line(record).encode())
+    expected, _ = parse_line(record_line(record).encode())
+    assert problem is None
+    assert json.dumps(again, sort_keys=True) == json.dumps(expected, sort_keys=True)

@@ -85,7 +85,7 @@ def test_the_columns_are_cached_beside_the_ledger_while_it_is_unchanged(tmp_path
     path = ledgers.write(tmp_path / "run.jsonl", records)
     first = read_ledger_frame(path)
     cache = cache_path(path)
-    assert cache.name == "run.jsonl.columns.npz" and cache.exists()
+    assert cache.name == "run.jsonl.columns" and cache.exists()
     second = read_ledger_frame(path)  # from the cache
     assert second.summaries() == first.summaries() == summarize(records)
     assert second.others == first.others
@@ -145,3 +145,38 @@ def test_read_in_ranges_keeps_the_rules_for_bad_lines(tmp_path: Path) -> None:
         ledger.write("\nnot json\n" + "".join(json.dumps(r) + "\n" for r in records[2:]))
     with pytest.raises(GpubenchError, match=r"bad\.jsonl: line 4 is not valid JSON"):
         read_ledger_frame(path)
+
+
+def telemetry_records(seed: int = 5) -> list[dict[str, object]]:
+    """A run whose warm calls carry the per-call resource figures, some missing, two energy
+    sources in one group, and a failed call that must not count."""
+    import random
+
+    rng = random.Random(seed)
+    records = ledgers.run_records("run-telemetry", seed=seed, warm=9)
+    calls = [r for r in records if r["type"] == "call"]
+    for number, call in enumerate(calls):
+        for name in (
+            "gpu_peak_memory_used_mib", "engine_gpu_memory_peak_mib", "engine_peak_rss_mib",
+            "gpu_utilization_mean_pct", "gpu_power_mean_w", "gpu_energy_j_per_token",
+            "gpu_tokens_per_j", "engine_cpu_s", "engine_cpu_s_per_token",
+        ):  # fmt: skip
+            call[name] = None if rng.random() < 0.2 else round(rng.uniform(1, 900), 3)
+        call["gpu_energy_source"] = ("nvml_counter", "power_integral", None)[number % 3]
+    calls[4]["error"] = "boom"
+    calls[4]["engine_peak_rss_mib"] = 1e9
+    return records
+
+
+def test_telemetry_from_columns_is_the_records_telemetry(tmp_path: Path) -> None:
+    """The columns' telemetry summaries (grouped on the frame) equal those of the call records
+    (telemetry.aggregate.telemetry_summaries), read from the ledger and from its cache."""
+    from pytest_gpubench.telemetry.aggregate import telemetry_summaries
+
+    records = telemetry_records()
+    expected = telemetry_summaries(records)
+    assert expected and any(s.gpu_energy_source == "nvml_counter+power_integral" for s in expected)
+    assert frame_of_records(records).telemetry() == expected
+    path = ledgers.write(tmp_path / "run.jsonl", records)
+    assert read_ledger_frame(path).telemetry() == expected  # parsed, then cached
+    assert read_ledger_frame(path).telemetry() == expected  # from the cache

@@ -4,6 +4,8 @@ export, compare, merge, gate, calibrate, slurm submit, rentals."""
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,16 +27,22 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _install_server(args: argparse.Namespace) -> int:
+    """Install (or find, or build) the llama.cpp server the embedded default runs, say which
+    and why, and print what starts it: a binary's path, or the prebuilt server's launcher."""
+    import time
+
     from pytest_gpubench.engines.llamacpp_build import (
         CMAKE_FLAGS,
         build_llama_server,
         cuda_flags,
-        ensure_llama_server,
     )
+    from pytest_gpubench.engines.llamacpp_choice import choose_llama_server
+    from pytest_gpubench.engines.llamacpp_prebuilt import BUILD_ENV, install_prebuilt
 
     def say(line: str) -> None:
         print(line, flush=True)
 
+    started = time.monotonic()
     if args.cuda or args.sdist:
         if args.binary:
             raise GpubenchError(
@@ -43,9 +51,21 @@ def _install_server(args: argparse.Namespace) -> int:
         flags = cuda_flags(args.cuda_arch) if args.cuda else CMAKE_FLAGS
         sdist = Path(args.sdist).expanduser() if args.sdist else None
         binary = build_llama_server(progress=say, flags=flags, sdist=sdist)
+        say(f"llama-server ready in {time.monotonic() - started:.0f} s")
+        print(binary)
+        return 0
+    environ = {**os.environ, BUILD_ENV: "1"} if args.build else None
+    choice = choose_llama_server(args.binary, environ=environ)
+    say(choice.describe())
+    if choice.kind == "prebuilt":
+        install_prebuilt(progress=say, check=True)
+        command = " ".join(choice.command)
+    elif choice.kind == "built":
+        command = str(build_llama_server(progress=say))
     else:
-        binary = ensure_llama_server(args.binary, progress=say)
-    print(binary)
+        command = choice.command[0]
+    say(f"ready in {time.monotonic() - started:.1f} s")
+    print(command)
     return 0
 
 
@@ -177,15 +197,27 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from pytest_gpubench.ledger.merge import ShardLedger, merge_ledgers
-    from pytest_gpubench.ledger.writer import compact_records, read_ledger, record_line
+    """The shards' ledgers into one, streamed: written as a session writes its ledger (call
+    records without their cell's keys), with its columnar cache beside it."""
+    from pytest_gpubench.core.files import atomic_file
+    from pytest_gpubench.ledger.merge import ShardLedger, merged_parts
+    from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError, read_record_line
+    from pytest_gpubench.reports.frame_cache import ColumnCacheWriter
 
-    ledgers = [ShardLedger(str(path), read_ledger(path)) for path in args.ledgers]
-    merged = merge_ledgers(ledgers)
-    # Written as a session writes its ledger: call records without their cell's keys.
-    text = "".join(record_line(record) + "\n" for record in compact_records(merged))
-    _write_text(Path(args.output), text)
-    shard = merged[0]["shard"]
+    ledgers = [ShardLedger.read(Path(path)) for path in args.ledgers]
+    meta, body, end = merged_parts(ledgers)
+    output = Path(args.output)
+    try:
+        with atomic_file(output, durable=False) as partial:
+            ledger = Ledger(partial, observer=ColumnCacheWriter(output), dumps=read_record_line)
+            for record in itertools.chain([meta], body, [end]):
+                ledger.append(record)
+            ledger.close()
+    except (OSError, LedgerWriteError) as exc:
+        raise GpubenchError(
+            f"{output}: cannot write: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
+    shard = meta["shard"]
     missing = f"; shards missing: {shard['missing']}" if shard["missing"] else ""
     print(f"{args.output}: {len(ledgers)} of {shard['count']} shards merged{missing}")
     return 0
@@ -312,9 +344,17 @@ def parser() -> argparse.ArgumentParser:
     init.set_defaults(handler=_init)
 
     install = commands.add_parser(
-        "install-server", help="build (or find) llama.cpp's llama-server and print its path"
+        "install-server",
+        help="install the prebuilt llama.cpp server where this machine runs it (x86_64 Linux with "
+        "AVX2), else build llama-server from source; say which and why, and print what starts it",
     )
     install.add_argument("--binary", help="use this llama-server instead of searching or building")
+    install.add_argument(
+        "--build",
+        action="store_true",
+        help="build llama-server from source even where the prebuilt server runs (as "
+        "GPUBENCH_LLAMA_SERVER_BUILD=1 does)",
+    )
     install.add_argument(
         "--cuda",
         action="store_true",

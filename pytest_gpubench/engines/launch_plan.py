@@ -29,6 +29,9 @@ class LaunchPlan:
     pulls_model: bool = False
     # Keys the cell left out that were filled with this host's paths, which the node shares.
     shared_paths: Mapping[str, str] = field(default_factory=dict)
+    # The engine version to record where the server's own does not name it (the prebuilt
+    # llama.cpp server answers `b0-unknown`); None: the server's own.
+    engine_version: str | None = None
 
 
 def is_local(target: Target) -> bool:

@@ -63,6 +63,8 @@ class ManagedServer:
         self.pulls_model = pulls_model
         # Keys the cell left out, filled with this host's paths that the node shares.
         self.shared_paths: dict[str, str] = {}
+        # The engine version to record in place of the server's own (LaunchPlan's).
+        self.engine_version: str | None = None
         self.cell_id = cell_id
         self.launch = tuple(launch)
         self.health_path = health_path if health_path.startswith("/") else f"/{health_path}"
@@ -173,14 +175,15 @@ class ManagedServer:
 
 
 class ManagedLlamaServer(ManagedServer):
-    """A llama-server process on a target, serving one GGUF under the cell's model name."""
+    """A llama-server process on a target, serving one GGUF under the cell's model name
+    (`binary`: its path, or the argv before its flags, as the prebuilt server's launcher)."""
 
     def __init__(
         self,
         target: Target,
         *,
         cell_id: str,
-        binary: str,
+        binary: str | Sequence[str],
         model_path: str,
         alias: str,
         log_dir: str,
@@ -245,6 +248,7 @@ def managed_server(cell: Cell, target: Target, log_dir: Path) -> tuple[ManagedSe
         pulls_model=plan.pulls_model,
     )
     server.shared_paths = dict(plan.shared_paths)
+    server.engine_version = plan.engine_version
     return server, plan.model_digest
 
 

@@ -15,12 +15,17 @@ log = logging.getLogger(__name__)
 
 
 def llama_server_launch(
-    binary: str, extra_args: Sequence[str] = (), *, parallel: int = 1, metrics: bool = False
+    binary: str | Sequence[str],
+    extra_args: Sequence[str] = (),
+    *,
+    parallel: int = 1,
+    metrics: bool = False,
 ) -> list[str]:
     """The launch template of a llama-server serving `{model_path}` as `{model}`, with
-    `parallel` slots (the cell's `parallel`) and /metrics where a load case scrapes it."""
+    `parallel` slots (the cell's `parallel`) and /metrics where a load case scrapes it.
+    `binary` is its path, or the argv before its flags (the prebuilt server's launcher)."""
     return [
-        binary,
+        *([binary] if isinstance(binary, str) else binary),
         "--model", "{model_path}",
         "--alias", "{model}",
         "--host", "{host}",
@@ -33,36 +38,38 @@ def llama_server_launch(
 
 
 def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
-    """On this machine the binary is found or built and the model is the cell's GGUF (or the
-    tiny model); on a remote node both are paths there, put in place by the node's setup. A
-    cell's `launch:` replaces the argv (its `{model_path}` is still the cell's model_path)."""
+    """On this machine the server is chosen (engines/llamacpp_choice.py: one named, the
+    prebuilt one, or the source build), installed or built where needed, and the model is the
+    cell's GGUF (or the tiny model); on a remote node both are paths there, put in place by the
+    node's setup. A cell's `launch:` replaces the argv (its `{model_path}` is still the cell's
+    model_path)."""
     from pytest_gpubench.targets.local import LocalTarget
 
     spec = cell.spec
-    binary = spec.server_binary or ""
+    command: Sequence[str] = [spec.server_binary or ""]
+    engine_version: str | None = None
     # Paths of this (the submit) host that a remote node sees too (a shared filesystem).
     shared: dict[str, str] = {}
     if isinstance(target, LocalTarget):
         model_path = str(_local_model(cell))
         if spec.launch is None:
-            from pytest_gpubench.engines.llamacpp_build import ensure_llama_server
-
-            binary = str(ensure_llama_server(spec.server_binary))
+            command, engine_version = _local_server(cell)
     else:
         model_path = spec.model_path or ""
         if not model_path:
             model_path = _shared_path(cell, target, "model_path", _submit_host_model(cell))
             shared["model_path"] = model_path
-        if spec.launch is None and not binary:
+        if spec.launch is None and not spec.server_binary:
             binary = _shared_path(cell, target, "server_binary", _submit_host_binary())
             shared["server_binary"] = binary
+            command = [binary]
     digest = node_file_digest(cell, target, model_path)
     if digest is None:
         raise GpubenchError(
             f"cell {cell.cell_id}: model_path: cannot read {model_path} on the node"
         )
     launch = spec.launch or llama_server_launch(
-        binary, spec.server_args, parallel=spec.parallel or 1, metrics=cell.load is not None
+        command, spec.server_args, parallel=spec.parallel or 1, metrics=cell.load is not None
     )
     return LaunchPlan(
         launch=tuple(launch),
@@ -71,7 +78,29 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
         values={"model": spec.model, "model_path": model_path},
         model_digest=digest,
         shared_paths=shared,
+        engine_version=engine_version if spec.launch is None else None,
     )
+
+
+def _local_server(cell: Cell) -> tuple[list[str], str | None]:
+    """The argv before the flags of the server this machine runs for the cell
+    (engines/llamacpp_choice.py), installed or built where needed, and the engine version to
+    record where the server's own does not tell it apart (the prebuilt one's). The prebuilt
+    server's launcher maps llama-server's flags: one it does not map fails here, as one line."""
+    from pytest_gpubench.engines.llamacpp_choice import ensure_llama_server_choice
+
+    choice = ensure_llama_server_choice(cell.spec.server_binary)
+    if choice.maps_flags:
+        from pytest_gpubench.engines.llamacpp_launcher import (
+            LauncherFlagError,
+            parse_server_args,
+        )
+
+        try:
+            parse_server_args(cell.spec.server_args)
+        except LauncherFlagError as exc:
+            raise GpubenchError(f"cell {cell.cell_id}: server_args: {exc}") from None
+    return list(choice.command), choice.engine_version
 
 
 def _submit_host_binary() -> Path | None:

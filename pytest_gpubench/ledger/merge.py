@@ -9,9 +9,11 @@ record, leaves its cells `missing`, so the gate never passes them. Pure: records
 
 from __future__ import annotations
 
+import itertools
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 from pytest_gpubench.config.matrix import node_of
@@ -25,23 +27,45 @@ from pytest_gpubench.ledger.schema import (
     EndRecord,
     MetaRecord,
     as_json,
-    records_of,
 )
+from pytest_gpubench.ledger.writer import iter_records
 
 
 @dataclass(frozen=True)
 class ShardLedger:
-    """One shard's ledger as read: where it came from and its records."""
+    """One shard's ledger as a merge needs it: where it came from, its first and last records,
+    its calls per cell (calls, successful calls), its records by type, and its records again,
+    read when the merged ledger is written (a large ledger is never held whole)."""
 
     source: str
-    records: list[dict[str, Any]]
+    first: Mapping[str, Any]
+    last: Mapping[str, Any]
+    cell_calls: Mapping[str, tuple[int, int]]
+    type_counts: Mapping[str, int]
+    again: Callable[[], Iterator[dict[str, Any]]]
+
+    @classmethod
+    def of_records(cls, source: str, records: Sequence[dict[str, Any]]) -> ShardLedger:
+        """A shard from its records in memory."""
+        scan = _Scan()
+        for record in records:
+            scan.see(record)
+        return scan.shard(source, lambda: iter(records))
+
+    @classmethod
+    def read(cls, path: Path) -> ShardLedger:
+        """A shard from its ledger file, read once now (its facts) and once more when the
+        merged ledger is written (its records)."""
+        scan = _Scan()
+        for record in iter_records(path):
+            scan.see(record)
+        return scan.shard(str(path), lambda: iter_records(path))
 
     @property
     def meta(self) -> MetaRecord:
-        first = self.records[0] if self.records else {}
-        if first.get("type") != "meta":
+        if self.first.get("type") != "meta":
             raise GpubenchError(f"{self.source}: not a ledger (its first line is no meta record)")
-        return cast(MetaRecord, first)
+        return cast(MetaRecord, self.first)
 
     @property
     def shard(self) -> ShardFacts:
@@ -55,8 +79,33 @@ class ShardLedger:
 
     @property
     def end(self) -> EndRecord | None:
-        last = self.records[-1] if self.records else {}
-        return cast(EndRecord, last) if last.get("type") == "end" else None
+        return cast(EndRecord, self.last) if self.last.get("type") == "end" else None
+
+
+@dataclass
+class _Scan:
+    """What one pass over a shard's records keeps: first and last, counts."""
+
+    first: dict[str, Any] | None = None
+    last: dict[str, Any] | None = None
+    cell_calls: dict[str, tuple[int, int]] = field(default_factory=dict)
+    type_counts: dict[str, int] = field(default_factory=dict)
+
+    def see(self, record: dict[str, Any]) -> None:
+        if self.first is None:
+            self.first = record
+        self.last = record
+        kind = str(record.get("type"))
+        self.type_counts[kind] = self.type_counts.get(kind, 0) + 1
+        if kind == "call":
+            cell_id = str(record.get("cell_id"))
+            calls, ok = self.cell_calls.get(cell_id, (0, 0))
+            self.cell_calls[cell_id] = (calls + 1, ok + (record.get("error") is None))
+
+    def shard(self, source: str, again: Callable[[], Iterator[dict[str, Any]]]) -> ShardLedger:
+        return ShardLedger(
+            source, self.first or {}, self.last or {}, self.cell_calls, self.type_counts, again
+        )
 
 
 def _check_one_run(ledgers: Sequence[ShardLedger]) -> tuple[int, list[str]]:
@@ -106,10 +155,7 @@ def _missing_outcomes(
             reason = f"shard {index}/{count}: no ledger merged"
         else:
             reason = f"shard {index}/{count}: {ledger.source} has no end record (the task died)"
-        calls = [
-            call for call in records_of(ledger.records if ledger else [], "call")
-            if call.get("cell_id") == cell_id
-        ]  # fmt: skip
+        calls, ok_calls = ledger.cell_calls.get(cell_id, (0, 0)) if ledger else (0, 0)
         outcomes.append(
             CellOutcome(
                 cell_id=cell_id,
@@ -117,8 +163,8 @@ def _missing_outcomes(
                 status="missing",
                 optional=False,
                 reason=reason,
-                calls=len(calls),
-                ok_calls=sum(call.get("error") is None for call in calls),
+                calls=calls,
+                ok_calls=ok_calls,
             ).to_record()
         )
     return outcomes
@@ -148,6 +194,15 @@ def _merged_judging(ledgers: Sequence[ShardLedger]) -> dict[str, Any] | None:
 
 def merge_ledgers(ledgers: Sequence[ShardLedger]) -> list[dict[str, Any]]:
     """The merged ledger's records: one meta, the shards' records, one end."""
+    meta, body, end = merged_parts(ledgers)
+    return [meta, *body, end]
+
+
+def merged_parts(
+    ledgers: Sequence[ShardLedger],
+) -> tuple[dict[str, Any], Iterator[dict[str, Any]], dict[str, Any]]:
+    """The merged ledger's meta, its body (the shards' records, read again as it is iterated)
+    and its end: a merge of large ledgers is written without holding them."""
     if not ledgers:
         raise GpubenchError("merge: name at least one ledger")
     ordered = sorted(ledgers, key=lambda ledger: int(ledger.shard["index"]))
@@ -189,19 +244,23 @@ def merge_ledgers(ledgers: Sequence[ShardLedger]) -> list[dict[str, Any]]:
     judging = _merged_judging(ordered)
     if judging is not None:
         meta["judging"] = judging
-    body = [
+    body = (
         {**record, "benchmark_run_id": merged_id, "shard_run_id": record.get("benchmark_run_id")}
         for ledger in ordered
-        for record in ledger.records[1:]
+        for record in itertools.islice(ledger.again(), 1, None)
         if record.get("type") not in ("meta", "end")
-    ]
+    )
     ends = [end for end in (ledger.end for ledger in ordered) if end is not None]
+    counts = {
+        kind: sum(ledger.type_counts.get(kind, 0) for ledger in ordered)
+        for kind in ("call", "skipped")
+    }
     gate_errors = [str(end["gate_error"]) for end in ends if end.get("gate_error")]
     end = end_record(
         run_id=merged_id,
         pytest_exitstatus=max((int(end.get("pytest_exitstatus") or 0) for end in ends), default=0),
-        calls=sum(record.get("type") == "call" for record in body),
-        skipped=sum(record.get("type") == "skipped" for record in body),
+        calls=counts["call"],
+        skipped=counts["skipped"],
         verdicts=[verdict for end in ends for verdict in end.get("verdicts", [])],
         regressions=sum(int(end.get("regressions") or 0) for end in ends),
         gate_error="; ".join(gate_errors) or None,
@@ -211,4 +270,4 @@ def merge_ledgers(ledgers: Sequence[ShardLedger]) -> list[dict[str, Any]]:
         # The last shard's end; the shards ran on other machines, so no load of this one.
         ended=(max((str(end.get("finished_at_utc")) for end in ends), default=None), None),
     )
-    return [meta, *body, as_json(end)]
+    return meta, body, as_json(end)

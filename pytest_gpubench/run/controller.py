@@ -4,7 +4,6 @@ that read a cell matrix builds one: a session without benchmarks pays for nothin
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,10 +35,6 @@ if TYPE_CHECKING:
         MetaRecord,
     )
     from pytest_gpubench.ledger.writer import Ledger
-
-
-# A session of at least this many calls writes its ledger's columnar cache as it ends.
-CACHE_AT_END_CALLS = 10_000
 
 
 @dataclass(frozen=True)
@@ -170,6 +165,7 @@ class RunController:
         from pytest_gpubench.ledger.records import meta_record
         from pytest_gpubench.ledger.schema import as_json
         from pytest_gpubench.ledger.writer import Ledger
+        from pytest_gpubench.reports.frame_cache import ColumnCacheWriter
         from pytest_gpubench.run import guards
 
         planned = {case.cell_id for case in cases}
@@ -183,7 +179,9 @@ class RunController:
             replacing_corrupt=options.baseline_update and not options.smoke,
         )
         self.started = True
-        self.ledger = Ledger(options.ledger_dir / f"{self.run_id}.jsonl", self.scrub)
+        path = options.ledger_dir / f"{self.run_id}.jsonl"
+        # Its columnar cache is written beside it as it grows (no report re-reads a large one).
+        self.ledger = Ledger(path, self.scrub, observer=ColumnCacheWriter(path))
         meta = meta_record(
             run_id=self.run_id,
             root=self.root,
@@ -307,22 +305,7 @@ class RunController:
             status = self._close_ledger(exitstatus)
         self.exit_status = status
         self._write_pr_summary(status)
-        self._cache_columns()
         return status
-
-    def _cache_columns(self) -> None:
-        """A large ledger's columnar cache (reports/frame.py), written as the run ends, so that
-        the first report on it reads the cache: a million-call ledger's first read otherwise
-        takes 17 s of CPU; the run that wrote it took hours. A small ledger is read fast as it
-        is, and its session does not pay the columnar reader's imports."""
-        if self.ledger is None or self.write_error is not None:
-            return
-        if len(self.calls) + len(self.records.load_calls) < CACHE_AT_END_CALLS:
-            return
-        from pytest_gpubench.reports.frame import read_ledger_frame
-
-        with contextlib.suppress(GpubenchError):
-            read_ledger_frame(self.ledger.path)
 
     def _write_pr_summary(self, status: int) -> None:
         """The pull request's summary (reports/pr_summary.py): appended to

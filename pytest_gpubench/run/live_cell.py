@@ -113,6 +113,14 @@ class LiveCell:
             if engine_facts.get("model_digest") is None and self.model_digest is not None:
                 # A managed engine's model file, hashed on its node (the engine may not say).
                 engine_facts = {**engine_facts, "model_digest": self.model_digest}
+            if self.server is not None and self.server.engine_version is not None:
+                # The prebuilt llama.cpp server's own build reads `b0-unknown`: the package and
+                # its llama.cpp build are recorded instead, its own kept beside them.
+                engine_facts = {
+                    **engine_facts,
+                    "engine_version": self.server.engine_version,
+                    "engine_build_info": engine_facts.get("engine_version"),
+                }
             if self.server is not None and self.server.shared_paths:
                 # Which of this host's paths the node ran from (a shared filesystem).
                 engine_facts = {**engine_facts, "shared_paths": self.server.shared_paths}
