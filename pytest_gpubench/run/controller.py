@@ -12,12 +12,27 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_gpubench.config.cases import seed_of_run
+from pytest_gpubench.config.shards import shard_facts, shard_matrix
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.secrets import SecretScrubber
 from pytest_gpubench.core.signals import TerminateAsInterrupt
 from pytest_gpubench.core.status import session_status
-from pytest_gpubench.ledger.writer import LedgerWriteError
-from pytest_gpubench.results.judging import Judgement, JudgingSettings, RunRecords
+from pytest_gpubench.ledger.records import end_record, meta_record
+from pytest_gpubench.ledger.schema import as_json
+from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError
+from pytest_gpubench.reports.frame_cache import ColumnCacheWriter
+from pytest_gpubench.reports.pr_summary import render_pr_summary, report_pointer, write_pr_summary
+from pytest_gpubench.results.decision import MIN_HISTORY, PRESSURE_LIMIT
+from pytest_gpubench.results.judging import (
+    Judgement,
+    JudgingSettings,
+    RunRecords,
+    first_pass_verdicts,
+    judge_run,
+    not_remeasured_record,
+)
+from pytest_gpubench.run import guards
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.harness import Harness
 
@@ -34,7 +49,6 @@ if TYPE_CHECKING:
         LoadRecord,
         MetaRecord,
     )
-    from pytest_gpubench.ledger.writer import Ledger
 
 
 @dataclass(frozen=True)
@@ -67,8 +81,6 @@ class RunController:
         # A shard of a job array runs only its share of the matrix; its meta names them all.
         self.shard: ShardFacts | None = None
         if options.shard is not None:
-            from pytest_gpubench.config.shards import shard_facts, shard_matrix
-
             self.shard = shard_facts(options.shard, [cell.cell_id for cell in matrix.cells])
             matrix = shard_matrix(matrix, options.shard)
         self.matrix = matrix
@@ -151,8 +163,6 @@ class RunController:
     @property
     def ab_seed(self) -> int:
         """The seed of the A/B pairs' call order (--gpubench-ab-seed, else from the run id)."""
-        from pytest_gpubench.config.cases import seed_of_run
-
         given = self.options.ab_seed
         return given if given is not None else seed_of_run(self.run_id)
 
@@ -162,12 +172,6 @@ class RunController:
         """Check the guards and open the ledger with its meta record (writing process only)."""
         if self.started or self.options.probe:
             return
-        from pytest_gpubench.ledger.records import meta_record
-        from pytest_gpubench.ledger.schema import as_json
-        from pytest_gpubench.ledger.writer import Ledger
-        from pytest_gpubench.reports.frame_cache import ColumnCacheWriter
-        from pytest_gpubench.run import guards
-
         planned = {case.cell_id for case in cases}
         self.planned = [cell for cell in self.matrix.cells if cell.cell_id in planned]
         options = self.options
@@ -311,11 +315,6 @@ class RunController:
         """The pull request's summary (reports/pr_summary.py): appended to
         $GITHUB_STEP_SUMMARY where it is set, else written beside the ledger. Never changes the
         status: a summary that cannot be written is said in the terminal."""
-        from pytest_gpubench.reports.pr_summary import (
-            render_pr_summary,
-            report_pointer,
-            write_pr_summary,
-        )
 
         if self.ledger is None or self.end is None:
             return
@@ -338,10 +337,7 @@ class RunController:
             return int(pytest.ExitCode.USAGE_ERROR)
         if self.ledger is None:
             return session_status(exitstatus, unmeasured=self.probe_failed)
-        from pytest_gpubench.ledger.records import end_record
-        from pytest_gpubench.ledger.schema import as_json
         from pytest_gpubench.results.gate import regressions
-        from pytest_gpubench.results.judging import judge_run
 
         judgement = self.judgement = judge_run(
             self.records, self.settings, self.options.baselines_dir
@@ -393,7 +389,6 @@ class RunController:
         failed then), nor where the judging itself fails (the end says why). A suspect that
         cannot be measured again is written into the ledger with the reason."""
         from pytest_gpubench.results.confirm import suspects
-        from pytest_gpubench.results.judging import first_pass_verdicts, not_remeasured_record
         from pytest_gpubench.run.remeasure import remeasure, why_not_remeasured
 
         options = self.options
@@ -480,7 +475,6 @@ class RunController:
 def _history_notes(baselines_dir: Path, cell_id: str) -> list[str]:
     """What a written baseline's history lets the gate know: a note while it is too short."""
     from pytest_gpubench.results.baseline import find_baseline
-    from pytest_gpubench.results.decision import MIN_HISTORY, PRESSURE_LIMIT
 
     try:
         baseline = find_baseline(baselines_dir, cell_id)
