@@ -57,6 +57,8 @@ def calls(slowdown: float = 1.0, *, seed: int = 0, runs: int = 12) -> list[dict[
                 "first_answer_ms": ttft * 3,
                 "reasoning_tokens": 12,
                 "cpu_pressure": 0.0,
+                "engine_wait_ms": 0.2,
+                "engine_cpu_ms": ttft * 0.8,
             }
         )
     return records

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from pytest_gpubench.config.metrics import PERCENTILE_NAMES
+from pytest_gpubench.config.metrics import MEASURE_BY_NAME, PERCENTILE_NAMES
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.ledger.schema import CallRecord, CellRecord, MetaRecord, meta_of, records_of
@@ -35,7 +35,6 @@ from pytest_gpubench.results.baseline_format import Provenance as FileProvenance
 from pytest_gpubench.results.gate import run_figures
 from pytest_gpubench.results.run_history import History, RunFigures, appended, ratified_change
 from pytest_gpubench.results.stats import (
-    REASONING_METRICS,
     SAMPLE_FIELDS,
     WARM_METRICS,
     PromptSummary,
@@ -175,10 +174,13 @@ def _percentiles(summary: PromptSummary, metric: str) -> Percentiles:
     )
 
 
-def _reasoned(summary: PromptSummary, name: str) -> bool:
-    """Whether a figure is written: always, but a reasoning model's only where it reasoned (a
-    model that does not reason has no reasoning figures: left out, not written as nulls)."""
-    if name not in REASONING_METRICS:
+def _written(summary: PromptSummary, name: str) -> bool:
+    """Whether a measure's figures and samples are written: always for one every baseline holds;
+    a reasoning model's, or one only some engines give (a local engine's own wait), only where
+    the run measured it (left out, not written as nulls or empty lists: files of runs without
+    it keep their shape)."""
+    measure = MEASURE_BY_NAME[name]
+    if measure.in_every_baseline and not measure.reasoning:
         return True
     samples = summary.samples.get(name, ())
     return bool(samples) or any(
@@ -199,7 +201,7 @@ def _prompt_model(summary: PromptSummary, history: History) -> Prompt:
         **{
             metric: _percentiles(summary, metric)
             for metric in WARM_METRICS
-            if _reasoned(summary, metric)
+            if _written(summary, metric)
         },
     )
     cold = Cold.model_construct(
@@ -211,7 +213,7 @@ def _prompt_model(summary: PromptSummary, history: History) -> Prompt:
     )
     samples = Samples.model_construct(
         None,
-        **{name: list(summary.samples[name]) for name in SAMPLE_FIELDS if _reasoned(summary, name)},
+        **{name: list(summary.samples[name]) for name in SAMPLE_FIELDS if _written(summary, name)},
     )
     runs = [
         RunEntry.model_construct(
