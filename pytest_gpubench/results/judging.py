@@ -13,9 +13,15 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
+from pytest_gpubench.config.cases import LOAD_PHASE
 from pytest_gpubench.config.load_profile import LoadThresholds
 from pytest_gpubench.config.matrix import Thresholds, node_of
-from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME
+from pytest_gpubench.config.metrics import (
+    DEFAULT_RATIO_THRESHOLD,
+    DEFAULT_SUCCESS_RATE,
+    GATED,
+    MEASURE_BY_NAME,
+)
 from pytest_gpubench.core.errors import GpubenchError, key_path
 from pytest_gpubench.core.status import session_status
 from pytest_gpubench.ledger.outcomes import CellOutcome, PlannedCell, cell_outcomes
@@ -36,13 +42,10 @@ if TYPE_CHECKING:
     from pytest_gpubench.results.stats import PromptSummary
     from pytest_gpubench.telemetry.aggregate import TelemetrySummary
 
-# The meta record's key for the settings, and the version of their shape.
+# The meta record's key for the settings (whose shape has its `version`).
 SETTINGS_KEY = "judging"
-SETTINGS_VERSION = 1
 # A suspect that the re-measure could not measure again: its reason, in a record of its own.
 NOT_REMEASURED = "not_remeasured"
-# The phase of a load case's call records: judged per load point, never with the warm calls.
-LOAD_PHASE = "load"
 # The thresholds' relative keys with a default (config/metrics.GATED but the opt-in ones), written
 # resolved: a later release's defaults never change how a ledger written today is judged.
 RATIO_FIELDS = tuple(figure.threshold_key for figure in GATED if not figure.opt_in)
@@ -132,8 +135,6 @@ class JudgingSettings(_Strict):
 
 def resolved_thresholds(thresholds: Thresholds) -> Thresholds:
     """The thresholds with every relative default and the success rate's written in."""
-    from pytest_gpubench.results.gate import DEFAULT_RATIO_THRESHOLD, DEFAULT_SUCCESS_RATE
-
     defaults: dict[str, float] = {
         name: DEFAULT_RATIO_THRESHOLD for name in RATIO_FIELDS if thresholds.ratio(name) is None
     }
