@@ -120,9 +120,10 @@ def test_a_full_disk_stops_the_run_keeps_whole_lines_and_exits_9(
     pytester: pytest.Pytester, llama_server: Path, mount_tmpfs: object
 ) -> None:
     runs = pytester.path / "runs"
-    mount_tmpfs(runs, "size=16k")  # type: ignore[operator]
-    # Leave room for the meta and cell records and a few calls, not for 200 calls.
-    (runs / "filler").write_bytes(b"\0" * (16384 - 8192))
+    mount_tmpfs(runs, "size=32k")  # type: ignore[operator]
+    # Leave room for the meta and cell records and a few calls, not for 200 calls: 16 KiB (the
+    # meta record holds the run's judging settings since issue 33; 8 KiB left none for a call).
+    (runs / "filler").write_bytes(b"\0" * (32768 - 16384))
     bench(pytester, llama_server, runs=200)
     process = start_pytest(pytester, *LEAN)
     servers: set[int] = set()
