@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.fake_llama import fake_binary, fake_sdist
 
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines import llamacpp_build
@@ -25,14 +26,6 @@ from pytest_gpubench.engines.llamacpp_build import (
 )
 
 
-def _fake_binary(path: Path, exit_status: int = 0) -> Path:
-    """A stand-in executable: only its place in the resolution order matters."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"#!/bin/sh\nexit {exit_status}\n")
-    path.chmod(0o755)
-    return path
-
-
 @pytest.fixture
 def places(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     """An isolated cache, PATH and environment, each holding its own fake llama-server."""
@@ -40,10 +33,10 @@ def places(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     monkeypatch.setenv("PATH", str(tmp_path / "on-path"))
     monkeypatch.delenv(BINARY_ENV, raising=False)
     return {
-        "explicit": _fake_binary(tmp_path / "explicit" / "llama-server"),
-        "env": _fake_binary(tmp_path / "env" / "llama-server"),
-        "path": _fake_binary(tmp_path / "on-path" / "llama-server"),
-        "cache": _fake_binary(cached_binary_path()),
+        "explicit": fake_binary(tmp_path / "explicit" / "llama-server"),
+        "env": fake_binary(tmp_path / "env" / "llama-server"),
+        "path": fake_binary(tmp_path / "on-path" / "llama-server"),
+        "cache": fake_binary(cached_binary_path()),
     }
 
 
@@ -107,9 +100,9 @@ def test_a_cached_binary_that_fails_version_is_rebuilt(
     places: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     places["path"].unlink()
-    _fake_binary(places["cache"], exit_status=1)
+    fake_binary(places["cache"], exit_status=1)
     assert find_llama_server(None) is None
-    rebuilt = _fake_binary(tmp_path / "rebuilt" / "llama-server")
+    rebuilt = fake_binary(tmp_path / "rebuilt" / "llama-server")
     monkeypatch.setattr(llamacpp_build, "build_llama_server", lambda progress=None: rebuilt)
     assert ensure_llama_server() == rebuilt
 
@@ -155,33 +148,13 @@ def test_the_real_cached_binary_answers_version() -> None:
     assert "version" in done.stdout + done.stderr
 
 
-def _fake_sdist(path: Path) -> Path:
-    """A llama-cpp-python-shaped sdist whose vendored "llama.cpp" builds a small program named
-    llama-server with the real cmake and compiler (the real tree takes minutes to compile)."""
-    import tarfile
-
-    tree = path.parent / "tree" / "llama_cpp_python-0.0.0" / "vendor" / "llama.cpp"
-    tree.mkdir(parents=True)
-    (tree / "CMakeLists.txt").write_text(
-        "cmake_minimum_required(VERSION 3.16)\nproject(fake CXX)\n"
-        "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
-        'add_executable(llama-server main.cpp)\ntarget_compile_definitions(llama-server PRIVATE CUDA="${GGML_CUDA}")\n'
-    )
-    (tree / "main.cpp").write_text(
-        '#include <cstdio>\nint main() { std::printf("version: fake cuda=%s\\n", CUDA); }\n'
-    )
-    with tarfile.open(path, "w:gz") as archive:
-        archive.add(tree.parents[1], arcname="llama_cpp_python-0.0.0")
-    return path
-
-
 def test_a_cuda_build_from_a_local_sdist_is_cached_apart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`install-server --cuda --sdist FILE`: built from the file (no pip download), configured
     with the CUDA flags, cached under its own key beside the CPU build, reused the second time."""
-    sdist = _fake_sdist(tmp_path / "llama_cpp_python-0.0.0.tar.gz")
-    fake_bin = _fake_binary(tmp_path / "bin" / "nvcc")
+    sdist = fake_sdist(tmp_path / "llama_cpp_python-0.0.0.tar.gz")
+    fake_bin = fake_binary(tmp_path / "bin" / "nvcc")
     monkeypatch.setenv("PATH", f"{fake_bin.parent}:{os.environ['PATH']}")
     monkeypatch.setattr(
         llamacpp_build, "_download_sdist", lambda *args: pytest.fail("downloaded the sdist")

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support.fake_llama import fake_binary, fake_sdist
 
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.core.errors import GpubenchError
@@ -27,14 +28,6 @@ from pytest_gpubench.engines.llamacpp_prebuilt import (
 )
 
 WITH_AVX2 = MachineFacts("Linux", "x86_64", frozenset({"sse4_2", "avx", "avx2", "fma"}))
-
-
-def _fake_binary(path: Path) -> Path:
-    """A stand-in executable: only its place in the order matters here."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("#!/bin/sh\nexit 0\n")
-    path.chmod(0o755)
-    return path
 
 
 @pytest.fixture
@@ -89,15 +82,15 @@ def test_the_environment_forces_the_source_build(bare: Path, value: str) -> None
 
 
 def test_a_cached_build_is_the_forced_choices_command(bare: Path) -> None:
-    binary = _fake_binary(cached_binary_path())
+    binary = fake_binary(cached_binary_path())
     choice = choose_llama_server(None, environ={BUILD_ENV: "1"}, machine=WITH_AVX2)
     assert choice.command == (str(binary),)
 
 
 def test_a_named_llama_server_comes_before_the_prebuilt_one(bare: Path) -> None:
-    explicit = _fake_binary(bare / "mine" / "llama-server")
-    from_env = _fake_binary(bare / "env" / "llama-server")
-    on_path = _fake_binary(bare / "on-path" / "llama-server")
+    explicit = fake_binary(bare / "mine" / "llama-server")
+    from_env = fake_binary(bare / "env" / "llama-server")
+    on_path = fake_binary(bare / "on-path" / "llama-server")
     forced = {BUILD_ENV: "1"}
     named = choose_llama_server(str(explicit), environ=forced, machine=WITH_AVX2)
     assert (named.kind, named.command, named.reason) == (
@@ -132,26 +125,6 @@ def test_the_engine_version_names_the_package_and_its_llama_cpp_build() -> None:
     assert prebuilt_engine_version("2026.10.11549") == "xllamacpp 2026.10.11549 (llama.cpp b11549)"
 
 
-def _fake_sdist(path: Path) -> Path:
-    """A llama-cpp-python-shaped sdist whose vendored "llama.cpp" builds a small program named
-    llama-server with the real cmake and compiler (the real tree takes minutes to compile)."""
-    import tarfile
-
-    tree = path.parent / "tree" / "llama_cpp_python-0.0.0" / "vendor" / "llama.cpp"
-    tree.mkdir(parents=True)
-    (tree / "CMakeLists.txt").write_text(
-        "cmake_minimum_required(VERSION 3.16)\nproject(fake CXX)\n"
-        "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
-        "add_executable(llama-server main.cpp)\n"
-    )
-    (tree / "main.cpp").write_text(
-        '#include <cstdio>\nint main() { std::puts("version: fake"); }\n'
-    )
-    with tarfile.open(path, "w:gz") as archive:
-        archive.add(tree.parents[1], arcname="llama_cpp_python-0.0.0")
-    return path
-
-
 def test_install_server_forced_to_build_says_so_and_builds(
     bare: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -163,7 +136,7 @@ def test_install_server_forced_to_build_says_so_and_builds(
     # The real cmake and compiler (no llama-server on this PATH: the build is what is chosen).
     monkeypatch.setenv("PATH", "/usr/local/bin:/usr/bin:/bin")
     monkeypatch.setenv(BUILD_ENV, "1")
-    sdist = _fake_sdist(bare / "llama_cpp_python-0.0.0.tar.gz")
+    sdist = fake_sdist(bare / "llama_cpp_python-0.0.0.tar.gz")
     monkeypatch.setattr(llamacpp_build, "_download_sdist", lambda directory, log: sdist)
     assert main(["install-server"]) == 0
     out = capsys.readouterr().out.splitlines()
