@@ -96,6 +96,25 @@ def test_a_frame_the_ledger_no_longer_matches_is_not_used(tmp_path: Path) -> Non
     assert read_cached(path) is not None
 
 
+def test_a_frame_of_other_columns_is_not_used_and_its_lines_are_parsed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache written before a measure was added to config/metrics.py holds frames without its
+    column: such a frame is not used (a report built from it failed on the missing column),
+    its lines are parsed, and the report caches them anew with today's columns."""
+    from pytest_gpubench.reports import frame
+
+    path = tmp_path / "run.jsonl"
+    older = frame.CACHED_NUMBERS[:-1]  # a release that read one column fewer
+    with monkeypatch.context() as patched:
+        patched.setattr(frame, "CACHED_NUMBERS", older)
+        write_as_a_session(path, records())
+        assert len(load_cache(path, path.stat().st_size).frames) > 1
+    assert load_cache(path, path.stat().st_size).frames == []
+    assert read_ledger_frame(path).summaries() == summarize(read_ledger(path))
+    assert read_cached(path) is not None  # cached again, with today's columns
+
+
 def test_a_small_ledger_gets_no_cache(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     ledger = Ledger(path, observer=ColumnCacheWriter(path))

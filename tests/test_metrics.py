@@ -138,3 +138,20 @@ def test_end_to_end_p99_is_judged_where_a_cell_asks_for_it(tmp_path: Path) -> No
     )
     assert tail.current == pytest.approx(current[0].figure("total_duration_ms", "p99"))
     assert "total p99 ms" in render_comparison([tail])
+
+
+def test_every_measure_reaches_the_reports_columnar_reader(tmp_path: Path) -> None:
+    """`gpubench report` reads a ledger into columns (reports/frame.py): its summaries hold
+    every measure's figures and samples as the session's own summaries do."""
+    import json
+
+    from pytest_gpubench.reports.frame import read_ledger_frame
+
+    ledger = tmp_path / "run.jsonl"
+    records = [{"type": "meta", "benchmark_run_id": "r"}, *calls()]
+    ledger.write_text("".join(json.dumps(record) + "\n" for record in records))
+    (from_columns,) = read_ledger_frame(ledger).summaries()
+    (from_records,) = summarize(calls())
+    for measure in MEASURES:
+        assert from_columns.warm[measure.name] == from_records.warm[measure.name], measure.name
+    assert from_columns.samples == from_records.samples

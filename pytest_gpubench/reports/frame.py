@@ -25,6 +25,7 @@ import numpy as np
 import orjson
 import pandas as pd
 
+from pytest_gpubench.config.metrics import MEASURES
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.schema import (
     CellRecord,
@@ -43,21 +44,7 @@ from pytest_gpubench.telemetry.aggregate import TelemetrySummary
 
 # The columns stats.summarize needs (stats.call_frame builds the same frame from dicts).
 SUMMARY_TEXT = ("cell_id", "prompt_id", "prompt_sha256", "phase", "cold_kind", "finish_reason")
-SUMMARY_NUMBERS = (
-    "run_idx",
-    "first_delta_ms",
-    "total_duration_ms",
-    "tokens_per_sec",
-    "tpot_ms",
-    "e2e_tokens_per_sec",
-    "engine_tokens_per_sec",
-    "engine_prompt_ms",
-    "engine_total_ms",
-    "control_ms",
-    "first_answer_ms",
-    "reasoning_tokens",
-    "cpu_pressure",
-)
+SUMMARY_NUMBERS = ("run_idx", *(measure.field for measure in MEASURES))
 # The per-case resource figures (telemetry/aggregate.py) the report's telemetry table needs.
 TELEMETRY_TEXT = ("gpu_energy_source",)
 TELEMETRY_NUMBERS = (
@@ -166,14 +153,7 @@ class LedgerData:
 
 # TelemetrySummary's figures: the peak of the per-call peaks, the median of the rest.
 _TELEMETRY_PEAKS = ("gpu_peak_memory_used_mib", "engine_gpu_memory_peak_mib", "engine_peak_rss_mib")
-_TELEMETRY_MEDIANS = (
-    "gpu_utilization_mean_pct",
-    "gpu_power_mean_w",
-    "gpu_energy_j_per_token",
-    "gpu_tokens_per_j",
-    "engine_cpu_s",
-    "engine_cpu_s_per_token",
-)
+_TELEMETRY_MEDIANS = tuple(name for name in TELEMETRY_NUMBERS if name not in _TELEMETRY_PEAKS)
 
 
 def _energy_sources(column: pd.Series[Any]) -> str:
@@ -398,6 +378,10 @@ def _not_finite(line: bytes) -> str | None:
 # writes its ledger (reports/frame_cache.py), `gpubench merge` as it writes the merged one, and a
 # report the lines it had to parse, once the ledger is finished.
 CACHE_SUFFIX = ".columns"
+# The columns a frame holds (a report's, not an export's): a frame of other columns (written
+# before a measure was added to config/metrics.py) is not used, and its lines are parsed again.
+CACHED_TEXT = SUMMARY_TEXT + TELEMETRY_TEXT
+CACHED_NUMBERS = SUMMARY_NUMBERS + TELEMETRY_NUMBERS
 # 4: frames appended as the ledger grows (3: one file rewritten whole, <ledger>.columns.npz).
 CACHE_VERSION = 4
 _MAGIC = b"GBCOLS04"
@@ -460,6 +444,7 @@ def _next_frame(blob: memoryview, cached: _CachedFrames, ledger: Any, size: int)
         start, end, tail = int(header["start"]), int(header["end"]), bytes.fromhex(header["tail"])
         if (
             header.get("version") != CACHE_VERSION
+            or header.get("columns") != [*CACHED_TEXT, *CACHED_NUMBERS]
             or start != cached.covered
             or not start < end <= size
         ):
@@ -515,6 +500,7 @@ def frame_bytes(part: _Part, tail: bytes) -> bytes:
             "tail": tail.hex(),
             "lines": part.lines,
             "chunks": len(part.chunks),
+            "columns": [*CACHED_TEXT, *CACHED_NUMBERS],
         }
     )
     data = payload.getvalue()
@@ -608,8 +594,8 @@ class _FrameBuilder:
     """Rows are gathered as tuples, and every CHUNK_ROWS turned into numpy columns."""
 
     def __init__(self, *, export: bool) -> None:
-        self.text = SUMMARY_TEXT + TELEMETRY_TEXT + (EXPORT_TEXT if export else ())
-        self.numbers = SUMMARY_NUMBERS + TELEMETRY_NUMBERS + (EXPORT_NUMBERS if export else ())
+        self.text = CACHED_TEXT + (EXPORT_TEXT if export else ())
+        self.numbers = CACHED_NUMBERS + (EXPORT_NUMBERS if export else ())
         # "error" is always read (it decides `ok`); kept as a column only for an export.
         self.fields = (*self.text, *self.numbers, *(() if export else ("error",)))
         self.export = export
