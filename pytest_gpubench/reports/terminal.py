@@ -36,7 +36,7 @@ from pytest_gpubench.results.gate import (
     overall_by_key,
     regressions,
 )
-from pytest_gpubench.results.judging import undecided_improvement
+from pytest_gpubench.results.judging import holds_back
 from pytest_gpubench.results.stats import PromptSummary
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary
 
@@ -423,11 +423,7 @@ def gate_lines(
                 red=True,
             )
         )
-    untold = [
-        verdict
-        for verdict in verdicts
-        if verdict.verdict in ("inconclusive", "blind") and not undecided_improvement(verdict)
-    ]
+    untold = [v for v in verdicts if holds_back(v) and v.verdict != "unsteady"]
     if untold and not baseline_update:
         keys = sorted({f"{v.cell_id} {v.prompt_id}" for v in untold})
         lines.append(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -277,9 +278,7 @@ class Judgement:
         a pass that could not have seen a change of the threshold's size (`blind`), a change
         past it not decided (`inconclusive`) the worse way or of a figure not measured. An
         undecided improvement holds nothing: it cannot hide a regression."""
-        return [
-            v for v in self.every_verdict if v.verdict in UNDECIDED and not undecided_improvement(v)
-        ]
+        return [verdict for verdict in self.every_verdict if holds_back(verdict)]
 
     @property
     def unmeasured(self) -> list[CellOutcome]:
@@ -299,17 +298,25 @@ class Judgement:
         )
 
 
-def undecided_improvement(verdict: Verdict) -> bool:
-    """An `inconclusive` change past the threshold the better way (faster, higher): undecided,
-    but it cannot hide a regression."""
-    if verdict.verdict != "inconclusive" or verdict.change_ratio is None:
+def holds_back(verdict: Verdict) -> bool:
+    """Whether a figure the run could not tell holds it back (exit 10): unsteady, blind, or
+    inconclusive but for an undecided improvement, which cannot hide a regression."""
+    if verdict.verdict not in UNDECIDED:
         return False
+    if verdict.verdict != "inconclusive" or verdict.change_ratio is None:
+        return True
+    better = (verdict.change_ratio > 1.0) == (verdict.metric in _higher_is_better())
+    return not better
+
+
+@cache
+def _higher_is_better() -> frozenset[str]:
+    """The verdict metrics where higher is better: the gated figures' and the load points'."""
     from pytest_gpubench.results.load_gate import LOAD_METRICS
 
-    higher = {m.name for m in LOAD_METRICS if m.higher_is_better} | {
+    return frozenset(m.name for m in LOAD_METRICS if m.higher_is_better) | {
         figure.name for figure in GATED if MEASURE_BY_NAME[figure.measure].higher_is_better
     }
-    return (verdict.change_ratio > 1.0) == (verdict.metric in higher)
 
 
 @dataclass
