@@ -635,17 +635,14 @@ def _findings(run: RunController) -> dict[str, list[Any]]:
     under: the required cells not measured, the incomparable baselines, the regressions and the
     unsteady figures (a ratified regression against a baseline is none)."""
     judgement = run.judgement
-    updating = run.options.baseline_update
-    verdicts = [*judgement.verdicts, *judgement.load_verdicts]
+    updating = judgement.settings.baseline_update
     return {
-        "unmeasured": [outcome for outcome in run.outcomes if outcome.fails_run],
-        "incomparable": list(judgement.failing_incomparables()),
-        "regressed": [
-            verdict
-            for verdict in verdicts
-            if verdict.verdict == "regression" and (verdict.reference is not None or not updating)
+        "unmeasured": judgement.unmeasured,
+        "incomparable": judgement.failing_incomparables(),
+        "regressed": judgement.failing_regressions(),
+        "unsteady": [
+            v for v in judgement.every_verdict if v.verdict == "unsteady" and not updating
         ],
-        "unsteady": [v for v in verdicts if v.verdict == "unsteady" and not updating],
     }
 
 

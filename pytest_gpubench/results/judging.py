@@ -240,9 +240,7 @@ class Judgement:
     telemetry: list[TelemetrySummary] = field(default_factory=list)
     outcomes: list[CellOutcome] = field(default_factory=list)
     gate_error: str | None = None
-    # The baselines could not be read (nothing was judged) or written; which of the run's parts
-    # went unjudged ("warm", "load").
-    unjudged: bool = False
+    # The run's parts whose baselines could not be read, so went unjudged ("warm", "load").
     unjudged_parts: set[str] = field(default_factory=set)
     write_failed: bool = False
     # What judging had to assume (a ledger that recorded no settings), or was told.
@@ -279,6 +277,15 @@ class Judgement:
         past it not decided (`inconclusive`) the worse way or of a figure not measured. An
         undecided improvement holds nothing: it cannot hide a regression."""
         return [verdict for verdict in self.every_verdict if holds_back(verdict)]
+
+    @property
+    def unjudged(self) -> bool:
+        return bool(self.unjudged_parts)
+
+    def fail_to_judge(self, part: str, error: GpubenchError) -> None:
+        """A part of the run ("warm", "load") left unjudged: its baselines could not be read."""
+        self.gate_error = str(error)
+        self.unjudged_parts.add(part)
 
     @property
     def unmeasured(self) -> list[CellOutcome]:
@@ -426,9 +433,7 @@ def _judge_warm(judgement: Judgement, run: RunRecords, baselines_dir: Path) -> N
             verdicts = confirm(verdicts, second, run.not_remeasured)
         verdicts.extend(telemetry_verdicts(run.calls, settings.thresholds()))
     except GpubenchError as exc:
-        judgement.gate_error = str(exc)
-        judgement.unjudged = True
-        judgement.unjudged_parts.add("warm")
+        judgement.fail_to_judge("warm", exc)
         return
     judgement.verdicts = verdicts
     if settings.accept_incomparable and not settings.baseline_update:
@@ -451,9 +456,7 @@ def _judge_loads(judgement: Judgement, run: RunRecords, baselines_dir: Path) -> 
         baselines = read_load_baselines(baselines_dir, cell_ids)
     except GpubenchError as exc:
         if not settings.writes_baselines:
-            judgement.gate_error = str(exc)
-            judgement.unjudged = True
-            judgement.unjudged_parts.add("load")
+            judgement.fail_to_judge("load", exc)
             return
         baselines = {}
     judgement.load_verdicts = judge_loads(run.loads, baselines, settings.load_thresholds())
