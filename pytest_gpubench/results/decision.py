@@ -478,7 +478,8 @@ def decide(evidence: Evidence) -> Decision:
     word = change_word(direction, evidence.higher_is_better)
     change = f"{label} {signed_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
     hint = f"; {evidence.more_samples_hint}" if evidence.more_samples_hint else ""
-    if between_run_spread(evidence.history) is not None:
+    within_run = between_run_spread(evidence.history) is None
+    if not within_run:
         p_value = _between_run_p(evidence, ratio, direction)
         test = f"between runs, {len(_logs(evidence.history))} runs of history"
     else:
@@ -493,7 +494,6 @@ def decide(evidence: Evidence) -> Decision:
         p_value = one_sided_p(now, then, alternative(evidence.higher_is_better, direction))
         test = "within the run; between-run noise floor unknown"
     kind = verdict_of(direction, p_value, 0.0, ALPHA)
-    within_run = between_run_spread(evidence.history) is None
     if busy is not None and within_run and kind in ("regression", "win"):
         # The within-run test takes the calls as independent draws; on a machine that was busy
         # in this run or the baseline's, the calls share the neighbours' doing, and a re-measure
