@@ -13,7 +13,6 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from pytest_gpubench.config.matrix import Thresholds
-from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME
 from pytest_gpubench.results.decision import (
     BOOTSTRAP_RESAMPLES,
     BOOTSTRAP_SEED,
@@ -26,6 +25,8 @@ from pytest_gpubench.results.decision import (
 )
 from pytest_gpubench.results.gate import (
     ALPHA,
+    GATED_METRICS,
+    Metric,
     Verdict,
     VerdictKind,
     change_direction,
@@ -65,29 +66,8 @@ class PairedSettings(Protocol):
     def runs_override(self) -> int | None: ...
 
 
-@dataclass(frozen=True)
-class PairedMetric:
-    """A gated number of a call record, and which direction is better."""
-
-    name: str
-    label: str
-    field: str
-    threshold_field: str
-    higher_is_better: bool
-
-
 # The figures an A/B pair is judged on (config/metrics.GATED: `paired`), from each call record.
-PAIRED_METRICS = tuple(
-    PairedMetric(
-        figure.name,
-        figure.label,
-        MEASURE_BY_NAME[figure.measure].field,
-        figure.threshold_key,
-        MEASURE_BY_NAME[figure.measure].higher_is_better,
-    )
-    for figure in GATED
-    if figure.paired
-)
+PAIRED_METRICS = tuple(metric for metric in GATED_METRICS if metric.figure.paired)
 
 
 @dataclass
@@ -97,7 +77,7 @@ class Pairs:
     candidate: dict[int, Mapping[str, Any]] = field(default_factory=dict)
     reference: dict[int, Mapping[str, Any]] = field(default_factory=dict)
 
-    def values(self, metric: PairedMetric) -> tuple[list[float], list[float]]:
+    def values(self, metric: Metric) -> tuple[list[float], list[float]]:
         """The metric's (candidate, reference) values of the pairs where both calls have it,
         in pair order."""
         candidate, reference = [], []
@@ -129,10 +109,10 @@ class Pairs:
         return Pairs({i: self.candidate[i] for i in kept}, {i: self.reference[i] for i in kept})
 
 
-def _value(record: Mapping[str, Any], metric: PairedMetric) -> float | None:
+def _value(record: Mapping[str, Any], metric: Metric) -> float | None:
     if not is_success(record):
         return None
-    value = record.get(metric.field)
+    value = record.get(metric.measure.field)
     if not isinstance(value, int | float) or value <= 0 or not math.isfinite(value):
         return None
     return float(value)
@@ -142,7 +122,7 @@ def _value(record: Mapping[str, Any], metric: PairedMetric) -> float | None:
 class PairedResult:
     """One metric of one (candidate, prompt) over its pairs."""
 
-    metric: PairedMetric
+    metric: Metric
     pairs: int
     reference_median: float | None
     candidate_median: float | None
@@ -157,7 +137,7 @@ class PairedResult:
 
 
 def judge_pairs(
-    metric: PairedMetric, candidate: Sequence[float], reference: Sequence[float], threshold: float,
+    metric: Metric, candidate: Sequence[float], reference: Sequence[float], threshold: float,
     *, alpha: float = ALPHA,
 ) -> PairedResult:  # fmt: skip
     """The ratio of medians (candidate / reference) with its bootstrap interval, and the
@@ -224,7 +204,7 @@ def ratio_interval(
 
 
 def _within(
-    metric: PairedMetric,
+    metric: Metric,
     candidate: Sequence[float],
     reference: Sequence[float],
     threshold: float,

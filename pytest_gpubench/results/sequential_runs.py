@@ -10,13 +10,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
 from pytest_gpubench.config.matrix import Thresholds
-from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME
 from pytest_gpubench.results.decision import (
     ALPHA,
     BOOTSTRAP_RESAMPLES,
@@ -29,25 +27,14 @@ from pytest_gpubench.results.decision import (
     scipy_stats,
     verdict_of,
 )
-from pytest_gpubench.results.gate import ratio_threshold
+from pytest_gpubench.results.gate import GATED_METRICS, ratio_threshold
 from pytest_gpubench.results.stats import PromptSummary, is_success
 
 Stop = Literal["regression", "unchanged"]
 
 
-@dataclass(frozen=True)
-class _Metric:
-    label: str
-    field: str
-    threshold_field: str
-
-
-# The figures a look decides on (config/metrics.GATED: `sequential`; latencies, lower is better).
-_METRICS = tuple(
-    _Metric(figure.label, figure.measure, figure.threshold_key)
-    for figure in GATED
-    if figure.sequential
-)
+# The figures a look decides on (config/metrics.GATED: `sequential`).
+_METRICS = tuple(metric for metric in GATED_METRICS if metric.figure.sequential)
 
 
 def looks(min_runs: int, max_runs: int) -> tuple[int, ...]:
@@ -86,17 +73,18 @@ def _look(
     """A regression as soon as one figure is one; unchanged once every figure is."""
     unchanged = []
     for metric in _METRICS:
-        source = MEASURE_BY_NAME[metric.field].field
+        source = metric.measure.field
         now = [float(call[source]) for call in calls if call.get(source) is not None]
-        then = list(baseline.samples.get(metric.field, ()))
+        then = list(metric.samples(baseline))
         if len(now) < 3 or len(then) < 3:
             return None
         threshold = ratio_threshold(thresholds, metric.threshold_field)
         old, new = statistics.median(then), statistics.median(now)
-        direction = change_direction(old, new, threshold, higher_is_better=False)
-        p_value = (
-            one_sided_p(now, then, alternative(False, direction)) if direction is not None else None
-        )
+        better = metric.higher_is_better
+        direction = change_direction(old, new, threshold, higher_is_better=better)
+        p_value = None
+        if direction is not None:
+            p_value = one_sided_p(now, then, alternative(better, direction))
         kind = verdict_of(direction, p_value, 0.0, alpha)
         if kind == "regression":
             return "regression"
