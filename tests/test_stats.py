@@ -104,8 +104,8 @@ def test_a_failed_call_is_never_a_result_even_when_it_carries_figures() -> None:
     broken = call(5.0, 50.0, run_idx=1, tokens_per_sec=None, error="stream broke", coalesced=True)
     summary = only([call(10.0, 100.0), broken])
     for metric in WARM_METRICS:
-        values = {summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES}
-        assert values == {only([call(10.0, 100.0)]).warm_percentile(metric, "p50")}, metric
+        values = {summary.figure(metric, name) for name in PERCENTILE_NAMES}
+        assert values == {only([call(10.0, 100.0)]).figure(metric, "p50")}, metric
     assert summary.warm_coalesced == 0 and summary.n_warm_ok == 1
 
 
@@ -251,7 +251,7 @@ def test_matches_numpy_per_group(rows: list[tuple[str, float, bool]]) -> None:
         }
         for metric, values in expected.items():
             for name in PERCENTILE_NAMES:
-                found = summary.warm_percentile(metric, name)
+                found = summary.figure(metric, name)
                 if not values:
                     assert found is None
                     continue

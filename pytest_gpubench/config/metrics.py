@@ -44,6 +44,12 @@ class Measure:
     # Digits after the point in the reports' tables.
     decimals: int = 2
 
+    @property
+    def always_in_baseline(self) -> bool:
+        """Every baseline file holds it; a reasoning model's, or one only some runs measure, is
+        written only where the run measured it."""
+        return self.in_every_baseline and not self.reasoning
+
 
 MEASURES: tuple[Measure, ...] = (
     Measure("first_delta_ms", "first_delta_ms", "ms", "TTFT", samples=True),

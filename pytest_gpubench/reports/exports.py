@@ -198,7 +198,7 @@ def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], re
         key = (summary.cell_id, summary.prompt_id)
         for metric in WARM_METRICS:
             for percentile in PERCENTILE_NAMES:
-                value = summary.warm_percentile(metric, percentile)
+                value = summary.figure(metric, percentile)
                 if value is not None:
                     warm.labels(*key, metric, percentile).set(value)
         for metric, value in (

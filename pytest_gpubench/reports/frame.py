@@ -39,7 +39,12 @@ from pytest_gpubench.ledger.schema import (
     records_of,
 )
 from pytest_gpubench.ledger.writer import CELL_KEYS, NotFinite, parse_line
-from pytest_gpubench.results.stats import PromptSummary, summarize_frame, text_column
+from pytest_gpubench.results.stats import (
+    DECODE_METRICS,
+    PromptSummary,
+    summarize_frame,
+    text_column,
+)
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary
 
 # The columns stats.summarize needs (stats.call_frame builds the same frame from dicts).
@@ -71,9 +76,8 @@ EXPORT_TEXT = (
     "worker",
 )
 EXPORT_NUMBERS = ("prompt_tokens", "completion_tokens", "client_chunks", "content_reads")
-# The call record's field that stats names decode_tokens_per_sec.
-_RENAMED = {"tokens_per_sec": "decode_tokens_per_sec"}
-_DECODE_METRICS = ("decode_tokens_per_sec", "tpot_ms")
+# The call record's fields that stats names otherwise (tokens_per_sec: decode_tokens_per_sec).
+_RENAMED = {measure.field: measure.name for measure in MEASURES if measure.field != measure.name}
 CHUNK_ROWS = 65_536
 _ABSENT = object()
 
@@ -639,7 +643,7 @@ class _FrameBuilder:
         for name in self.numbers:
             data[_RENAMED.get(name, name)] = _concat([chunk[name] for chunk in self.chunks])
         current = _concat([chunk["_current"] for chunk in self.chunks], dtype=bool)
-        for metric in _DECODE_METRICS:
+        for metric in DECODE_METRICS:
             data[metric][~current] = np.nan
         data["ok"] = _concat([chunk["ok"] for chunk in self.chunks], dtype=bool)
         data["coalesced"] = _concat([chunk["coalesced"] for chunk in self.chunks], dtype=bool)

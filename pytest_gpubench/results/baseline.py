@@ -170,7 +170,7 @@ def baseline_path(baselines_dir: Path, cell_id: str) -> Path:
 def _percentiles(summary: PromptSummary, metric: str) -> Percentiles:
     # `None`: the fields set are those given (the first argument of model_construct).
     return Percentiles.model_construct(
-        None, **{name: summary.warm_percentile(metric, name) for name in PERCENTILE_NAMES}
+        None, **{name: summary.figure(metric, name) for name in PERCENTILE_NAMES}
     )
 
 
@@ -180,12 +180,10 @@ def _written(summary: PromptSummary, name: str) -> bool:
     the run measured it (left out, not written as nulls or empty lists: files of runs without
     it keep their shape)."""
     measure = MEASURE_BY_NAME[name]
-    if measure.in_every_baseline and not measure.reasoning:
+    if measure.always_in_baseline:
         return True
     samples = summary.samples.get(name, ())
-    return bool(samples) or any(
-        summary.warm_percentile(name, p) is not None for p in PERCENTILE_NAMES
-    )
+    return bool(samples) or any(summary.figure(name, p) is not None for p in PERCENTILE_NAMES)
 
 
 def _prompt_model(summary: PromptSummary, history: History) -> Prompt:

@@ -129,16 +129,12 @@ def _samples_field(every: bool) -> Any:
 Warm: type[WarmHead] = create_model(
     "Warm",
     __base__=WarmHead,
-    **{m.name: _percentiles_field(m.in_every_baseline and not m.reasoning) for m in MEASURES},
+    **{m.name: _percentiles_field(m.always_in_baseline) for m in MEASURES},
 )
 Samples: type[BaseModel] = create_model(
     "Samples",
     __config__=_Record,
-    **{
-        m.name: _samples_field(m.in_every_baseline and not m.reasoning)
-        for m in MEASURES
-        if m.samples
-    },
+    **{m.name: _samples_field(m.always_in_baseline) for m in MEASURES if m.samples},
 )
 
 

@@ -18,7 +18,7 @@ from pytest_gpubench.config.metrics import MEASURES, PERCENTILE_NAMES, PERCENTIL
 # another way, and are left out of them.
 WARM_METRICS: dict[str, str] = {measure.name: measure.field for measure in MEASURES}
 REASONING_METRICS = tuple(measure.name for measure in MEASURES if measure.reasoning)
-_DECODE_METRICS = tuple(measure.name for measure in MEASURES if measure.decode)
+DECODE_METRICS = tuple(measure.name for measure in MEASURES if measure.decode)
 # Fields read from each call record; everything else (inter-chunk gaps, engine timings) is left
 # out of the frame so that a million records stay cheap.
 _TEXT_FIELDS = ("cell_id", "prompt_id", "prompt_sha256", "phase", "cold_kind")
@@ -112,9 +112,6 @@ class PromptSummary:
         """figure("decode_tokens_per_sec", "p90"): a warm percentile (None: not measured)."""
         return self.warm.get(measure, _NO_FIGURES).get(percentile)
 
-    def warm_percentile(self, metric: str, percentile: str) -> float | None:
-        return self.figure(metric, percentile)
-
 
 def is_success(record: Mapping[str, Any]) -> bool:
     """A call failed when it carries an error (its finish_reason is then "error")."""
@@ -133,7 +130,7 @@ def call_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     for metric, source in WARM_METRICS.items():
         frame[metric] = _floats([record.get(source) for record in calls])
     current_definition = np.array(["coalesced" in record for record in calls], dtype=bool)
-    for metric in _DECODE_METRICS:
+    for metric in DECODE_METRICS:
         frame.loc[~current_definition, metric] = np.nan
     frame["coalesced"] = np.array([record.get("coalesced") is True for record in calls], dtype=bool)
     # is_success, inlined: a function call per record costs a third of a second per million.
