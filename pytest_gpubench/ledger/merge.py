@@ -47,19 +47,21 @@ class ShardLedger:
     @classmethod
     def of_records(cls, source: str, records: Sequence[dict[str, Any]]) -> ShardLedger:
         """A shard from its records in memory."""
-        scan = _Scan()
-        for record in records:
-            scan.see(record)
-        return scan.shard(source, lambda: iter(records))
+        return cls.scanned(source, lambda: iter(records))
 
     @classmethod
     def read(cls, path: Path) -> ShardLedger:
         """A shard from its ledger file, read once now (its facts) and once more when the
         merged ledger is written (its records)."""
+        return cls.scanned(str(path), lambda: iter_records(path))
+
+    @classmethod
+    def scanned(cls, source: str, again: Callable[[], Iterator[dict[str, Any]]]) -> ShardLedger:
+        """A shard from one pass over its records (`again` gives them, now and at the write)."""
         scan = _Scan()
-        for record in iter_records(path):
+        for record in again():
             scan.see(record)
-        return scan.shard(str(path), lambda: iter_records(path))
+        return scan.shard(source, again)
 
     @property
     def meta(self) -> MetaRecord:
