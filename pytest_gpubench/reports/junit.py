@@ -97,7 +97,8 @@ def ab_passes(judgement: Judgement) -> list[tuple[str, list[tuple[str, object]]]
     """(test name, properties) of each A/B verdict that is no regression (those are failures)
     and not undecided (those are skipped): CI sees every candidate's verdict word, its ratio of
     medians, interval and p."""
-    undecided = judgement.undecided()
+    from pytest_gpubench.results.judging import holds_back
+
     return [
         (
             _case_name(v),
@@ -112,7 +113,7 @@ def ab_passes(judgement: Judgement) -> list[tuple[str, list[tuple[str, object]]]
             ],
         )
         for v in judgement.verdicts
-        if v.reference is not None and v.verdict != "regression" and v not in undecided
+        if v.reference is not None and v.verdict != "regression" and not holds_back(v)
     ]
 
 
