@@ -60,13 +60,6 @@ class LiveCell:
     target: Target | None = None
     server: ManagedServer | None = None
 
-    def engine_wait(self) -> EngineWait | None:
-        """The reader of the engine's own waiting: a managed engine on this machine only."""
-        if self.server is None or not isinstance(self.target, LocalTarget):
-            return None
-        pid = self.server.pid
-        return EngineWait(pid) if pid is not None else None
-
     engine: Engine | None = None
     model_digest: str | None = None
     unavailable: str | None = None
@@ -82,6 +75,13 @@ class LiveCell:
     benchmark_stopped: str | None = None
     # Token-exact synthetic texts counted on this cell, by (size, seed) (run/workloads.py).
     exact_texts: dict[tuple[int, int], Any] = field(default_factory=dict)
+
+    def engine_wait(self) -> EngineWait | None:
+        """The reader of the engine's own waiting: a managed engine on this machine only."""
+        if self.server is None or not isinstance(self.target, LocalTarget):
+            return None
+        pid = self.server.pid
+        return EngineWait(pid) if pid is not None else None
 
     def prepare(self) -> None:
         """Open the node, launch a managed engine, health-check; on failure mark it unavailable."""
