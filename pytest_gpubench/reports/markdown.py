@@ -203,28 +203,27 @@ def _gpus(gpus: Any) -> str:
 
 
 COLD_HEADERS = ("prompt", "cold kind", "calls", "ok", "TTFT ms", "total ms")
-WARM_HEADERS = (
-    "prompt",
-    "calls",
-    "ok",
-    "TTFT p50",
-    "TTFT p95",
-    "TTFT p99",
-    "total p50",
-    "total p95",
-    "total p99",
-    "decode tok/s p50",
-    "TPOT p90 ms",
-    "engine tok/s p50",
-    "coalesced",
+# The warm table's figures: (header, measure, percentile, decimals), after prompt, calls and ok.
+_WARM_FIGURES = (
+    ("TTFT p50", "first_delta_ms", "p50", 2),
+    ("TTFT p95", "first_delta_ms", "p95", 2),
+    ("TTFT p99", "first_delta_ms", "p99", 2),
+    ("total p50", "total_duration_ms", "p50", 2),
+    ("total p95", "total_duration_ms", "p95", 2),
+    ("total p99", "total_duration_ms", "p99", 2),
+    ("decode tok/s p50", "decode_tokens_per_sec", "p50", 1),
+    ("TPOT p90 ms", "tpot_ms", "p90", 3),
+    ("engine tok/s p50", "engine_tokens_per_sec", "p50", 1),
 )
 # Where some prompt of the cell reasoned (issue 23): its first answer token and reasoning tokens.
-WARM_REASONING_HEADERS = (
-    "first answer p50",
-    "first answer p95",
-    "first answer p99",
-    "reasoning tok p50",
+_REASONING_FIGURES = (
+    ("first answer p50", "first_answer_ms", "p50", 2),
+    ("first answer p95", "first_answer_ms", "p95", 2),
+    ("first answer p99", "first_answer_ms", "p99", 2),
+    ("reasoning tok p50", "reasoning_tokens", "p50", 0),
 )
+WARM_HEADERS = ("prompt", "calls", "ok", *(f[0] for f in _WARM_FIGURES), "coalesced")
+WARM_REASONING_HEADERS = tuple(f[0] for f in _REASONING_FIGURES)
 
 
 def _cold_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
@@ -242,31 +241,15 @@ def _cold_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
 
 
 def _warm_rows(summaries: Iterable[PromptSummary], *, reasoning: bool = False) -> list[list[str]]:
+    extra = _REASONING_FIGURES if reasoning else ()
     return [
         [
             s.prompt_id,
             str(s.n_warm),
             str(s.n_warm_ok),
-            fixed(s.figure("first_delta_ms", "p50")),
-            fixed(s.figure("first_delta_ms", "p95")),
-            fixed(s.figure("first_delta_ms", "p99")),
-            fixed(s.figure("total_duration_ms", "p50")),
-            fixed(s.figure("total_duration_ms", "p95")),
-            fixed(s.figure("total_duration_ms", "p99")),
-            fixed(s.figure("decode_tokens_per_sec", "p50"), 1),
-            fixed(s.figure("tpot_ms", "p90"), 3),
-            fixed(s.figure("engine_tokens_per_sec", "p50"), 1),
+            *(fixed(s.figure(measure, p), digits) for _, measure, p, digits in _WARM_FIGURES),
             str(s.warm_coalesced),
-            *(
-                (
-                    fixed(s.figure("first_answer_ms", "p50")),
-                    fixed(s.figure("first_answer_ms", "p95")),
-                    fixed(s.figure("first_answer_ms", "p99")),
-                    fixed(s.figure("reasoning_tokens", "p50"), 0),
-                )
-                if reasoning
-                else ()
-            ),
+            *(fixed(s.figure(measure, p), digits) for _, measure, p, digits in extra),
         ]
         for s in summaries
     ]
