@@ -145,10 +145,9 @@ def _cell_section(
     if cold:
         parts.append("### Cold\n\n" + table(_cold_rows(cold), COLD_HEADERS, markdown=True))
     if warm:
-        headers = (
-            (*WARM_HEADERS, *WARM_REASONING_HEADERS) if reasoning_shown(warm) else WARM_HEADERS
-        )
-        rows = _warm_rows(warm, reasoning=reasoning_shown(warm))
+        reasoning = reasoning_shown(warm)
+        headers = (*WARM_HEADERS, *WARM_REASONING_HEADERS) if reasoning else WARM_HEADERS
+        rows = _warm_rows(warm, reasoning=reasoning)
         parts.append("### Warm\n\n" + table(rows, headers, markdown=True))
     own_loads = [record for record in loads if record.get("cell_id") == cell_id]
     if own_loads:

@@ -34,6 +34,7 @@ from pytest_gpubench.results.gate import (
     Verdict,
     incomparables,
     overall_by_key,
+    reasoned,
     regressions,
 )
 from pytest_gpubench.results.judging import holds_back
@@ -85,7 +86,8 @@ REASONING_HEADERS = ("first answer p50 ms", "Δ first answer", "reasoning tok p5
 
 
 def reasoning_shown(summaries: Iterable[PromptSummary]) -> bool:
-    return any(summary.figure("first_answer_ms", "p50") is not None for summary in summaries)
+    """Whether some (cell, prompt) reasoned: the reasoning columns are shown."""
+    return any(reasoned(summary) for summary in summaries)
 
 
 def summary_headers(summaries: Iterable[PromptSummary]) -> tuple[str, ...]:
