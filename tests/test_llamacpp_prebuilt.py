@@ -115,17 +115,11 @@ def test_a_flag_the_launcher_does_not_map_fails_the_cell_in_one_line(
     """The embedded default's cell with a llama-server flag the launcher does not map: the cell
     is not measured (exit 7, its cases shown UNMEASURED), and the reason is one line naming the
     flag and the way out."""
-    pytester.makefile(
-        ".yaml",
-        prompts=SHIPPED_PROMPTS.read_text(),
-        cells="nodes: {local: {kind: local}}\ncells:\n"
-        "  - {node: local, engine: llamacpp, model: tiny,"
-        " server_args: [--threads, '1', --lora, adapter.gguf], runs: 1, phases: [warm]}\n",
+    _embedded_default_project(
+        pytester,
+        monkeypatch,
+        "server_args: [--threads, '1', --lora, adapter.gguf], runs: 1, phases: [warm]",
     )
-    pytester.makepyfile(test_bench=TEST_FILE)
-    monkeypatch.delenv("GPUBENCH_LLAMA_SERVER", raising=False)
-    monkeypatch.delenv(BUILD_ENV, raising=False)
-    monkeypatch.setenv("PATH", "/usr/local/bin:/usr/bin:/bin")
     result = _bench(pytester, "--allow-dirty", "-rs")
     assert result.ret == EXIT_UNMEASURED
     result.stdout.fnmatch_lines(
@@ -135,6 +129,23 @@ def test_a_flag_the_launcher_does_not_map_fails_the_cell_in_one_line(
             " set the cell's server_binary to one, or set GPUBENCH_LLAMA_SERVER_BUILD=1 *"
         ]
     )
+
+
+def _embedded_default_project(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, keys: str
+) -> None:
+    """The shipped prompts and the embedded default's cell with these keys, in an environment
+    that names no llama-server (none on PATH, none set, no source build asked for)."""
+    pytester.makefile(
+        ".yaml",
+        prompts=SHIPPED_PROMPTS.read_text(),
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, {keys}}}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    monkeypatch.delenv("GPUBENCH_LLAMA_SERVER", raising=False)
+    monkeypatch.delenv(BUILD_ENV, raising=False)
+    monkeypatch.setenv("PATH", "/usr/local/bin:/usr/bin:/bin")  # no llama-server of its own
 
 
 def _bench(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
@@ -160,16 +171,9 @@ def test_a_baseline_of_the_built_server_is_incomparable_with_the_prebuilt_one(
     and its baseline written, then with the prebuilt server chosen as on a fresh machine. The
     second run says the baseline is of another engine version and exits 8; it never compares the
     two servers' numbers silently."""
-    pytester.makefile(
-        ".yaml",
-        prompts=SHIPPED_PROMPTS.read_text(),
-        cells="nodes: {local: {kind: local}}\ncells:\n"
-        "  - {node: local, engine: llamacpp, model: tiny, server_args: [--threads, '1'],"
-        " runs: 5, phases: [warm]}\n",
+    _embedded_default_project(
+        pytester, monkeypatch, "server_args: [--threads, '1'], runs: 5, phases: [warm]"
     )
-    pytester.makepyfile(test_bench=TEST_FILE)
-    monkeypatch.delenv("GPUBENCH_LLAMA_SERVER", raising=False)
-    monkeypatch.setenv("PATH", "/usr/local/bin:/usr/bin:/bin")  # no llama-server of its own
 
     monkeypatch.setenv(BUILD_ENV, "1")
     built = _bench(pytester, "--baseline-update", "--allow-dirty")
