@@ -216,11 +216,6 @@ GATED: tuple[GatedFigure, ...] = (
 )
 
 MEASURE_BY_NAME = {measure.name: measure for measure in MEASURES}
-GATED_BY_NAME = {figure.name: figure for figure in GATED}
-
-
-def measure(name: str) -> Measure:
-    return MEASURE_BY_NAME[name]
 
 
 def sampled() -> tuple[str, ...]:
