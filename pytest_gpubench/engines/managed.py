@@ -85,25 +85,26 @@ class ManagedServer:
         )
         self._process: BackgroundProcess | None = None
 
+    def _rendered(self, port: str) -> tuple[list[str], list[str]]:
+        """The launch's environment (`NAME=value`) and its command, placeholders filled."""
+        values = {**self.values, "port": port, "host": self.bind_host}
+        assignments = [f"{name}={value}" for name, value in self.env.items()]
+        return render_launch(assignments, values), render_launch(self.launch, values)
+
     def argv(self, port: int) -> list[str]:
         """The command that starts the server on `port`; its environment goes first through
         `env NAME=value`, so that every node kind starts it the same way."""
-        values = {**self.values, "port": str(port), "host": self.bind_host}
-        command = render_launch(self.launch, values)
-        if not self.env:
-            return command
-        assignments = [f"{name}={value}" for name, value in self.env.items()]
-        return ["env", *render_launch(assignments, values), *command]
+        assignments, command = self._rendered(str(port))
+        return ["env", *assignments, *command] if assignments else command
 
     def check_installed(self) -> None:
         """Before the server is first started on a node that runs commands where it runs: its
         program is there (on the node's PATH with the launch's environment, or at the path the
         launch names). A missing one otherwise showed only as the log tail of a process that
         exited, `env: 'ollama': No such file or directory`, cut short in a one-line reason."""
-        values = {**self.values, "port": "0", "host": self.bind_host}
-        program = render_launch(self.launch, values)[0]
-        assignments = [f"{name}={value}" for name, value in self.env.items()]
-        probe = ["env", *render_launch(assignments, values), "sh", "-c", 'command -v "$0"']
+        assignments, command = self._rendered("0")
+        program = command[0]
+        probe = ["env", *assignments, "sh", "-c", 'command -v "$0"']
         if not self.target.run([*probe, program], timeout_s=INSTALLED_CHECK_S).ok:
             raise StageError(
                 "engine_start",

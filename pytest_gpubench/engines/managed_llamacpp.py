@@ -78,7 +78,7 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
         values={"model": spec.model, "model_path": model_path},
         model_digest=digest,
         shared_paths=shared,
-        engine_version=engine_version if spec.launch is None else None,
+        engine_version=engine_version,
     )
 
 
