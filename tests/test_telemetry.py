@@ -30,6 +30,7 @@ from support.gpu_standins import (
 
 from pytest_gpubench.config.matrix import TelemetrySettings, read_matrix
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.processes import process_tree
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.reports.telemetry_table import TELEMETRY_HEADERS, telemetry_rows
 from pytest_gpubench.targets.local import LocalTarget
@@ -49,7 +50,7 @@ from pytest_gpubench.telemetry.aggregate import (
 )
 from pytest_gpubench.telemetry.nvidia_smi import BatchedLineParser, parse_sample_line
 from pytest_gpubench.telemetry.nvml import engine_memory_mib
-from pytest_gpubench.telemetry.proc import RemoteLineParser, cpu_seconds, process_tree
+from pytest_gpubench.telemetry.proc import RemoteLineParser, cpu_seconds
 
 if TYPE_CHECKING:
     from support.ssh_fixtures import SshServer

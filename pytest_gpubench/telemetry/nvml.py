@@ -9,8 +9,8 @@ from collections.abc import Collection
 from types import ModuleType
 from typing import Any
 
+from pytest_gpubench.core.processes import process_tree
 from pytest_gpubench.telemetry import GpuSample, PollingSampler, Sample
-from pytest_gpubench.telemetry.proc import process_tree
 
 MIB = 1024 * 1024
 

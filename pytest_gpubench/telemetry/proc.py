@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pytest_gpubench.core.processes import process_tree
 from pytest_gpubench.targets import Target
 from pytest_gpubench.telemetry import (
     LineStream,
@@ -113,31 +114,6 @@ def proc_sample(
         mem_total_mib=mem_total_kb / KIB_PER_MIB if mem_total_kb is not None else None,
         load1=load1,
     )
-
-
-def process_tree(pid: int, root: Path = Path("/proc")) -> set[int]:
-    """pid and every process descended from it on this machine, from the kernel's
-    /proc/<pid>/task/<tid>/children lists: a few small reads per process of the tree, so that a
-    sampler polling every 100 ms never holds the interpreter for long (scanning all of /proc took
-    7 ms with 133 processes, and delayed the load client's scheduled sends)."""
-    tree: set[int] = set()
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        if current in tree:
-            continue
-        tree.add(current)
-        try:
-            tasks = list((root / str(current) / "task").iterdir())
-        except OSError:
-            continue  # ended while we looked
-        for task in tasks:
-            try:
-                children = (task / "children").read_text()
-            except OSError:
-                continue
-            pending.extend(int(child) for child in children.split())
-    return tree
 
 
 def read_local(now: float, pid: int | None, root: Path = Path("/proc")) -> ProcSample:
