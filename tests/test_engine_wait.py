@@ -35,6 +35,35 @@ def test_the_threads_counts_are_summed_and_a_gone_process_reads_none(tmp_path: P
     assert reader.since(None) is None
 
 
+def test_the_engines_children_count_and_a_thread_that_ended_takes_nothing_away(
+    tmp_path: Path,
+) -> None:
+    """vLLM's engine core and Ollama's runners are child processes: their threads' waits are the
+    engine's. A thread that ended between the marks is left out (never a negative wait); one
+    started between them counts whole."""
+
+    def thread(pid: int, tid: int, cpu: int, wait: int, children: str = "") -> None:
+        task = tmp_path / str(pid) / "task" / str(tid)
+        task.mkdir(parents=True, exist_ok=True)
+        (task / "schedstat").write_text(f"{cpu} {wait} 1\n")
+        (task / "children").write_text(children)
+
+    thread(42, 42, 1_000_000, 0, children="77")
+    thread(42, 43, 1_000_000, 5_000_000)
+    thread(77, 77, 2_000_000, 1_000_000)
+    reader = EngineWait(42, proc=tmp_path)
+    mark = reader.mark()
+    assert mark is not None and (mark.cpu_ns, mark.wait_ns) == (4_000_000, 6_000_000)
+    (tmp_path / "42" / "task" / "43" / "schedstat").unlink()  # ended
+    (tmp_path / "42" / "task" / "43" / "children").unlink()
+    (tmp_path / "42" / "task" / "43").rmdir()
+    thread(77, 77, 3_000_000, 4_000_000)  # the child ran 1 ms and waited 3 ms more
+    thread(77, 78, 500_000, 250_000)  # a thread started since
+    waited = reader.since(mark)
+    assert waited is not None
+    assert (waited.cpu_ms, waited.wait_ms) == pytest.approx((1.5, 3.25))
+
+
 @contextmanager
 def pinned(cpu: int, count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
     """`count` busy Python processes, each allowed on one CPU only."""
@@ -65,6 +94,34 @@ def test_a_process_pinned_beside_a_busy_one_waits_for_its_cpu_half_the_time() ->
     assert waited.wall_ms == pytest.approx(1500, rel=0.3)
     assert waited.share > 0.3, waited
     assert waited.cpu_ms > 0.2 * waited.wall_ms, waited
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="no schedstat here")
+def test_a_child_of_the_engine_pinned_beside_a_busy_process_shows_its_wait() -> None:
+    """An engine whose work runs in a child process (as vLLM's engine core does): the parent
+    sleeps, its busy child shares one CPU with a busy neighbour, so the wait read from the
+    parent's pid is the child's, about as long as it runs."""
+    cpu = max(os.sched_getaffinity(0))
+    child = f"import os, subprocess, sys\nos.sched_setaffinity(0, {{{cpu}}})\n" + (
+        "subprocess.run([sys.executable, '-c', sys.argv[1]])"
+    )
+    engine = subprocess.Popen([sys.executable, "-c", child, BUSY])
+    try:
+        with pinned(cpu, 1):
+            reader = EngineWait(engine.pid)
+            deadline = time.monotonic() + 10
+            mark = reader.mark()
+            while mark is None or len(mark.threads) < 2:  # the child started
+                assert time.monotonic() < deadline, "the child never started"
+                time.sleep(0.05)
+                mark = reader.mark()
+            time.sleep(1.5)
+            waited = reader.since(mark)
+    finally:
+        engine.kill()
+        engine.wait()
+    assert waited is not None
+    assert waited.share > 0.3, waited
 
 
 @pytest.mark.engine

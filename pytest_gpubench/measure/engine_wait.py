@@ -14,16 +14,26 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pytest_gpubench.core.processes import process_tree
+
 PROC = Path("/proc")
 
 
 @dataclass(frozen=True)
 class SchedMark:
-    """The engine's threads' totals at one moment: waited and on a CPU (ns), and when (s)."""
+    """The engine's threads' counts at one moment, by (pid, tid): (ns on a CPU, ns waiting), and
+    when (s)."""
 
-    wait_ns: int
-    cpu_ns: int
+    threads: dict[tuple[int, int], tuple[int, int]]
     at: float
+
+    @property
+    def cpu_ns(self) -> int:
+        return sum(cpu for cpu, _ in self.threads.values())
+
+    @property
+    def wait_ns(self) -> int:
+        return sum(wait for _, wait in self.threads.values())
 
 
 @dataclass(frozen=True)
@@ -42,39 +52,46 @@ class EngineWaiting:
 
 
 class EngineWait:
-    """Reads a local process's threads' schedstat; None where the kernel keeps none (no
-    schedstat, the process gone, another machine's process)."""
+    """Reads the schedstat of a local process's threads and of its descendants' (vLLM's engine
+    core and Ollama's runners do the work in child processes); None where the kernel keeps none
+    (no schedstat, the process gone, another machine's process)."""
 
     def __init__(self, pid: int, proc: Path = PROC) -> None:
-        self.tasks = proc / str(pid) / "task"
+        self.pid = pid
+        self.proc = proc
 
     def mark(self) -> SchedMark | None:
-        wait = cpu = 0
-        try:
-            threads = list(self.tasks.iterdir())
-        except OSError:
+        threads: dict[tuple[int, int], tuple[int, int]] = {}
+        if not (self.proc / str(self.pid)).is_dir():
             return None
-        for thread in threads:
+        for member in sorted(process_tree(self.pid, self.proc)):
             try:
-                fields = (thread / "schedstat").read_text().split()
-                cpu += int(fields[0])
-                wait += int(fields[1])
-            except (OSError, ValueError, IndexError):
-                continue  # a thread that ended between the listing and the read
+                tasks = list((self.proc / str(member) / "task").iterdir())
+            except OSError:
+                continue  # ended while we looked
+            for task in tasks:
+                try:
+                    fields = (task / "schedstat").read_text().split()
+                    threads[(member, int(task.name))] = (int(fields[0]), int(fields[1]))
+                except (OSError, ValueError, IndexError):
+                    continue  # a thread that ended between the listing and the read
         if not threads:
             return None
-        return SchedMark(wait_ns=wait, cpu_ns=cpu, at=time.monotonic())
+        return SchedMark(threads=threads, at=time.monotonic())
 
     def since(self, start: SchedMark | None) -> EngineWaiting | None:
-        """The waiting since `start` (a thread that ended since took its counts with it: the
-        difference is floored at zero)."""
+        """The waiting since `start`, thread by thread: a thread started since counts whole, a
+        thread that ended since took its counts with it (its part is lost, never negative)."""
         if start is None:
             return None
         now = self.mark()
         if now is None:
             return None
+        wait = cpu = 0
+        for key, (cpu_now, wait_now) in now.threads.items():
+            cpu_then, wait_then = start.threads.get(key, (0, 0))
+            cpu += max(0, cpu_now - cpu_then)
+            wait += max(0, wait_now - wait_then)
         return EngineWaiting(
-            wait_ms=max(0, now.wait_ns - start.wait_ns) / 1e6,
-            cpu_ms=max(0, now.cpu_ns - start.cpu_ns) / 1e6,
-            wall_ms=(now.at - start.at) * 1000.0,
+            wait_ms=wait / 1e6, cpu_ms=cpu / 1e6, wall_ms=(now.at - start.at) * 1000.0
         )
