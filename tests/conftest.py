@@ -1,5 +1,6 @@
 """Shared test set-up for the plugin's own tests."""
 
+import dataclasses
 import gc
 import importlib
 import os
@@ -114,13 +115,22 @@ def vllm_server(
 def steady_control(monkeypatch: pytest.MonkeyPatch) -> None:
     """The control call and the CPU pressure (measure/control.py) read this machine, which other
     jobs share: a test whose subject is not the machine's steadiness pins them to a steady 5 ms
-    and no pressure, so the shared machine's load cannot turn its verdicts `unsteady`. A test of
-    steadiness sets its own; a test that runs pytest in a subprocess passes
-    `--gpubench-steadiness off` where its subject is not the machine's steadiness."""
+    and no pressure, and a local engine's own run-queue wait (measure/engine_wait.py) to none
+    (its CPU time stays real), so the shared machine's load cannot turn its verdicts `unsteady`.
+    A test of steadiness sets its own (or undoes these); a test that runs pytest in a subprocess
+    passes `--gpubench-steadiness off` where its subject is not the machine's steadiness."""
     from pytest_gpubench.measure.control import ControlCall, CpuPressure
+    from pytest_gpubench.measure.engine_wait import EngineWait, EngineWaiting, SchedMark
 
     monkeypatch.setattr(ControlCall, "measure_ms", lambda self: 5.0)
     monkeypatch.setattr(CpuPressure, "share", lambda self, mark: 0.0)
+    real_since = EngineWait.since
+
+    def no_wait(self: EngineWait, start: SchedMark | None) -> EngineWaiting | None:
+        waited = real_since(self, start)
+        return None if waited is None else dataclasses.replace(waited, wait_ms=0.0)
+
+    monkeypatch.setattr(EngineWait, "since", no_wait)
 
 
 # pytester's in-process runs drop the modules first imported during a run. Import before any

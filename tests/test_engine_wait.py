@@ -16,10 +16,19 @@ import pytest
 
 from pytest_gpubench.measure.engine_wait import EngineWait
 
+
+@pytest.fixture
+def real_engine_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's wait as the kernel counts it, not the none tests/conftest.py pins."""
+    monkeypatch.undo()
+
+
 BUSY = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
 
 
-def test_the_threads_counts_are_summed_and_a_gone_process_reads_none(tmp_path: Path) -> None:
+def test_the_threads_counts_are_summed_and_a_gone_process_reads_none(
+    tmp_path: Path, real_engine_wait: None
+) -> None:
     tasks = tmp_path / "42" / "task"
     for tid, (cpu, wait) in {"42": (5_000_000, 1_000_000), "43": (2_000_000, 3_000_000)}.items():
         (tasks / tid).mkdir(parents=True)
@@ -36,7 +45,7 @@ def test_the_threads_counts_are_summed_and_a_gone_process_reads_none(tmp_path: P
 
 
 def test_the_engines_children_count_and_a_thread_that_ended_takes_nothing_away(
-    tmp_path: Path,
+    tmp_path: Path, real_engine_wait: None
 ) -> None:
     """vLLM's engine core and Ollama's runners are child processes: their threads' waits are the
     engine's. A thread that ended between the marks is left out (never a negative wait); one
@@ -79,7 +88,9 @@ def pinned(cpu: int, count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="no schedstat here")
-def test_a_process_pinned_beside_a_busy_one_waits_for_its_cpu_half_the_time() -> None:
+def test_a_process_pinned_beside_a_busy_one_waits_for_its_cpu_half_the_time(
+    real_engine_wait: None,
+) -> None:
     """Two busy processes that may run on one CPU only take turns: each waits on the run queue
     about as long as it runs (the share is certain: it does not depend on what else the machine
     does, only on the two sharing their one CPU)."""
@@ -97,7 +108,9 @@ def test_a_process_pinned_beside_a_busy_one_waits_for_its_cpu_half_the_time() ->
 
 
 @pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="no schedstat here")
-def test_a_child_of_the_engine_pinned_beside_a_busy_process_shows_its_wait() -> None:
+def test_a_child_of_the_engine_pinned_beside_a_busy_process_shows_its_wait(
+    real_engine_wait: None,
+) -> None:
     """An engine whose work runs in a child process (as vLLM's engine core does): the parent
     sleeps, its busy child shares one CPU with a busy neighbour, so the wait read from the
     parent's pid is the child's, about as long as it runs."""
@@ -151,5 +164,10 @@ def test_each_warm_call_of_a_local_managed_engine_records_its_own_wait(
     assert len(calls) == 5
     for call in calls:
         assert call["engine_wait_ms"] >= 0.0 and call["engine_cpu_ms"] > 0.0, call
+        assert call["engine_wait_per_cpu"] == pytest.approx(
+            call["engine_wait_ms"] / call["engine_cpu_ms"], abs=1e-4
+        )
     stored = next((pytester.path / "baselines").glob("*.json")).read_text()
     assert '"engine_wait_ms"' in stored
+    # The run's p50 of the wait per CPU ms is kept in the history: the next runs' steadiness.
+    assert '"engine_wait_per_cpu"' in stored

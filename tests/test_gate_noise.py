@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
@@ -36,6 +37,7 @@ from pytest_gpubench.results.baseline import (
     plan_cell,
 )
 from pytest_gpubench.results.decision import Evidence, Steadiness, decide, steadiness
+from pytest_gpubench.results.gate import machine_steadiness
 from pytest_gpubench.results.run_history import HISTORY_RUNS, RunFigures, appended
 from pytest_gpubench.results.stats import PromptSummary, WarmSamples
 
@@ -206,6 +208,63 @@ def test_a_within_run_regression_or_win_on_a_busy_machine_is_unsteady() -> None:
     assert decide(evidence(150.0, [], now=[150.0] * 10, steadiness=quiet)).kind == "regression"
     history = [100.0, 101.0, 99.0, 100.5, 99.5]
     assert decide(evidence(140.0, history, steadiness=busy)).kind == "regression"
+
+
+def with_waits(ttft: float, pressure: float, engine_wait: float | None) -> PromptSummary:
+    """A run's summary whose calls read the machine's pressure and, for a local engine, the
+    engine's own wait per ms of CPU."""
+    waits = () if engine_wait is None else (engine_wait,) * 10
+    return PromptSummary(
+        cell_id=CELL, prompt_id="P-EASY", n_warm=10, n_warm_ok=10,
+        warm={"first_delta_ms": {"p50": ttft}},
+        samples=WarmSamples(
+            first_delta_ms=(ttft,) * 10, control_ms=(5.0,) * 10, cpu_pressure=(pressure,) * 10,
+            engine_wait_per_cpu=waits,
+        ),
+    )  # fmt: skip
+
+
+def test_a_local_engines_own_wait_is_its_steadiness_not_the_machines_pressure() -> None:
+    """Issue 37: a delivery path that halved the decode rate moved the machine's CPU pressure by
+    itself (21 % against 33 %: the proxy and the client are tasks too), so the change came out
+    `unsteady`. Where the run and its baseline read a local engine's own run-queue wait, that is
+    the machine's steadiness: the same pressures with the engine's wait unchanged leave the
+    halved decode rate a regression; a neighbour that takes the engine's CPU is unsteady even
+    where the machine's pressure reads the same in both runs; a baseline without the engine's
+    wait (a remote engine, an older file) is judged by the machine's pressure as before."""
+    base, path_slowed = with_waits(60.0, 0.21, 0.02), with_waits(60.0, 0.33, 0.03)
+    engine = machine_steadiness(path_slowed, base)
+    assert engine is not None and engine.pressure_source == "engine"
+    assert engine.drift is None and engine.contended is None
+    decode = evidence(50.0, [], now=[50.0, 51.0, 49.0] * 3 + [50.0], steadiness=engine)
+    halved = decide(replace(decode, higher_is_better=True, label="decode rate p50"))
+    assert halved.kind == "regression", halved.text
+    machine = machine_steadiness(with_waits(60.0, 0.33, None), with_waits(60.0, 0.21, None))
+    assert machine is not None and machine.pressure_source == "machine"
+    assert machine.drift is not None and "tasks waited for a CPU 33%" in machine.drift
+    read_by_machine = replace(halved_evidence := replace(decode, higher_is_better=True),
+                              steadiness=machine)  # fmt: skip
+    assert decide(read_by_machine).kind == "unsteady"
+    assert decide(halved_evidence).kind == "regression"
+    # Neighbours that took the engine's CPU: the machine's pressure read 30 % both times.
+    taken = machine_steadiness(with_waits(90.0, 0.30, 0.55), with_waits(60.0, 0.30, 0.02))
+    assert taken is not None and taken.drift == (
+        "the engine's threads waited 0.55 ms for a CPU per ms they ran against 0.02 in the "
+        "baseline's runs (beyond ±0.10)"
+    )
+    assert decide(evidence(150.0, [], now=[150.0] * 10, steadiness=taken)).kind == "unsteady"
+    busy_both = machine_steadiness(with_waits(60.0, 0.0, 0.5), with_waits(60.0, 0.0, 0.45))
+    assert busy_both is not None and busy_both.contended == (
+        "the machine was busy: the engine's threads waited 0.50 ms for a CPU per ms they ran"
+    )
+    # The history's runs carry their own p50 of the engine's wait: its busiest run counts.
+    quiet_run = RunFigures(n=10, cpu_pressure=0.0, engine_wait_per_cpu=0.01)
+    history = (RunFigures(n=10, cpu_pressure=0.0, engine_wait_per_cpu=0.6), *[quiet_run] * 3)
+    flickered = machine_steadiness(
+        with_waits(60.0, 0.0, 0.01), with_waits(60.0, 0.0, 0.01), history
+    )
+    assert flickered is not None and flickered.contended is not None
+    assert "0.60 ms for a CPU per ms" in flickered.contended
 
 
 def test_cpu_pressure_is_read_from_the_kernels_stall_total(

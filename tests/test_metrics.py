@@ -59,6 +59,7 @@ def calls(slowdown: float = 1.0, *, seed: int = 0, runs: int = 12) -> list[dict[
                 "cpu_pressure": 0.0,
                 "engine_wait_ms": 0.2,
                 "engine_cpu_ms": ttft * 0.8,
+                "engine_wait_per_cpu": 0.2 / (ttft * 0.8),
             }
         )
     return records

@@ -109,6 +109,18 @@ MEASURES: tuple[Measure, ...] = (
         in_every_baseline=False,
     ),
     Measure("engine_cpu_ms", "engine_cpu_ms", "ms", "engine's CPU time", in_every_baseline=False),
+    # Their ratio: how long the engine's threads waited for a CPU per ms they ran (0.25: its CPU
+    # work took a quarter longer than on a free CPU). The steadiness of a local engine: a slower
+    # engine runs longer and waits in proportion, a slower path around it changes neither.
+    Measure(
+        "engine_wait_per_cpu",
+        "engine_wait_per_cpu",
+        "ms/ms",
+        "engine's CPU wait per CPU ms",
+        samples=True,
+        in_every_baseline=False,
+        decimals=3,
+    ),
 )
 
 

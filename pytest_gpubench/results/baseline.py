@@ -221,6 +221,7 @@ def _prompt_model(summary: PromptSummary, history: History) -> Prompt:
             figures=dict(run.figures),
             control_ms=run.control_ms,
             cpu_pressure=run.cpu_pressure,
+            engine_wait_per_cpu=run.engine_wait_per_cpu,
         )
         for run in history
     ]

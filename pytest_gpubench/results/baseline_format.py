@@ -149,6 +149,7 @@ class RunEntry(BaseModel):
     figures: dict[str, float | None] = Field(default_factory=dict)
     control_ms: float | None = None
     cpu_pressure: float | None = Field(default=None, ge=0.0, le=1.0)
+    engine_wait_per_cpu: float | None = Field(default=None, ge=0.0)
 
 
 class Prompt(BaseModel):

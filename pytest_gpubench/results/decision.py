@@ -91,6 +91,15 @@ Direction = Literal["worse", "better"]
 # this run, before the machine counts as unsteady, and the level over which the machine counts as
 # busy: 10 points (measured: 0.005 on a quiet 2-core machine, 0.52 beside two busy processes).
 PRESSURE_LIMIT = 0.10
+# Where the engine is a local process its own threads' run-queue wait per ms of the CPU they got
+# (measure/engine_wait.py) stands in for the machine's pressure, with the same limit: 0.10 ms per
+# ms is CPU work taking a tenth longer than on a free CPU. Measured beside the real llama-server
+# (one thread) on a 2-core machine (benchmarks_dev/steadiness_signals.py): 0.10-0.11 while two
+# other engineers' test suites ran, 0.94 beside two busy processes, 0.74 beside one copying
+# 512 MiB over and over; 0.17 with its replies paced by a slower proxy, where the machine's pressure
+# reads whatever the proxy and the client add. The engine's is the engine's alone: a slower
+# engine waits in proportion to its longer running, a slower path around it changes neither.
+PressureSource = Literal["machine", "engine"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,17 @@ class Steadiness:
     contention_counts: bool = True
     # The time the pressure was read over, for the messages.
     pressure_window: str = "the calls' time"
+    # What `pressure` is: the share of the time in which some task on the machine waited for a
+    # CPU ("machine"), or the engine's own threads' wait per ms of CPU they got ("engine").
+    pressure_source: PressureSource = "machine"
+
+    def _waited(self, value: float) -> str:
+        if self.pressure_source == "engine":
+            return f"the engine's threads waited {value:.2f} ms for a CPU per ms they ran"
+        return f"tasks waited for a CPU {value:.0%} of {self.pressure_window}"
+
+    def _level(self, value: float) -> str:
+        return f"{value:.2f}" if self.pressure_source == "engine" else f"{value:.0%}"
 
     @property
     def drift(self) -> str | None:
@@ -138,16 +158,30 @@ class Steadiness:
             )
         now, then = self.pressure, self.baseline_pressure
         if now is not None and then is not None and abs(now - then) > PRESSURE_LIMIT:
+            limit = (
+                f"±{PRESSURE_LIMIT:.2f}"
+                if self.pressure_source == "engine"
+                else f"±{PRESSURE_LIMIT * 100:.0f} points"
+            )
             reasons.append(
-                f"tasks waited for a CPU {now:.0%} of {self.pressure_window} against {then:.0%} "
-                f"in the baseline's runs (beyond ±{PRESSURE_LIMIT * 100:.0f} points)"
+                f"{self._waited(now)} against {self._level(then)} in the baseline's runs "
+                f"(beyond {limit})"
             )
         if self.pressure_halves is not None:
             early, late = self.pressure_halves
             if abs(late - early) > PRESSURE_LIMIT:
+                what = (
+                    "the engine's wait per ms of CPU"
+                    if self.pressure_source == "engine"
+                    else "the CPU pressure"
+                )
                 reasons.append(
-                    f"the CPU pressure went from {early:.0%} to {late:.0%} of "
-                    f"{self.pressure_window} during the run"
+                    f"{what} went from {self._level(early)} to {self._level(late)} "
+                    + (
+                        "during the run"
+                        if self.pressure_source == "engine"
+                        else f"of {self.pressure_window} during the run"
+                    )
                 )
         return "; ".join(reasons) if reasons else None
 
@@ -161,9 +195,7 @@ class Steadiness:
         busiest = max((p for p in readings if p is not None), default=None)
         if not self.contention_counts or busiest is None or busiest <= PRESSURE_LIMIT:
             return None
-        return (
-            f"the machine was busy: tasks waited for a CPU {busiest:.0%} of {self.pressure_window}"
-        )
+        return f"the machine was busy: {self._waited(busiest)}"
 
 
 def steadiness(
@@ -174,6 +206,7 @@ def steadiness(
     pressure: Sequence[float] = (),
     baseline_pressure: Sequence[float] = (),
     runs_pressure: Sequence[float] = (),
+    pressure_source: PressureSource = "machine",
 ) -> Steadiness | None:
     """The control's movement: this run's control samples (in call order) against the baseline's
     (the geometric mean of its history's p50s when it has MIN_HISTORY runs, else the baseline
@@ -182,7 +215,8 @@ def steadiness(
     Mann-Whitney U): one slow control call is the scheduler's noise, not a drift. The CPU
     pressure's p50 against the baseline's (`baseline_pressure`: its runs' p50s, or its run's
     samples), and its halves when they differ significantly; `runs_pressure`: the p50 of each
-    run in the baseline's history (its busiest run counts). None when this run has neither."""
+    run in the baseline's history (its busiest run counts). `pressure_source`: what those
+    readings are (Steadiness.pressure_source). None when this run has neither."""
     if not control and not pressure:
         return None
     against: float | None = None
@@ -212,6 +246,7 @@ def steadiness(
         baseline_pressure=statistics.median(baseline_pressure) if baseline_pressure else None,
         pressure_halves=halves,
         baseline_pressure_max=max(runs_pressure) if runs_pressure else None,
+        pressure_source=pressure_source,
     )
 
 

@@ -39,6 +39,7 @@ from pytest_gpubench.results.run_history import (
     History,
     RunFigures,
     control_figures,
+    engine_wait_figures,
     figures,
     pressure_figures,
 )
@@ -312,7 +313,23 @@ def machine_steadiness(
     current: PromptSummary, baseline: PromptSummary, history: History = ()
 ) -> Steadiness | None:
     """The control call's movement and the CPU pressure while this (cell, prompt) ran: against
-    the baseline's runs, and within this run; None when this run checked neither."""
+    the baseline's runs, and within this run; None when this run checked neither. Where this
+    run and the baseline both read a local engine's own wait (per ms of its CPU), that wait is
+    the pressure: the machine's counts the client, a proxy of the path and neighbours that take
+    nothing from the engine."""
+    engine_runs = engine_wait_figures(history)
+    engine_now = current.samples["engine_wait_per_cpu"]
+    engine_then = engine_runs or baseline.samples["engine_wait_per_cpu"]
+    if engine_now and engine_then:
+        return steadiness(
+            current.samples["control_ms"],
+            baseline.samples["control_ms"],
+            control_figures(history),
+            pressure=engine_now,
+            baseline_pressure=engine_then,
+            runs_pressure=engine_runs,
+            pressure_source="engine",
+        )
     runs_pressure = pressure_figures(history)
     return steadiness(
         current.samples["control_ms"],
@@ -328,6 +345,7 @@ def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None)
     """What a baseline's history keeps of one run of a (cell, prompt)."""
     control = summary.samples["control_ms"]
     pressure = summary.samples["cpu_pressure"]
+    engine_wait = summary.samples["engine_wait_per_cpu"]
     return RunFigures(
         benchmark_run_id=run_id,
         date=date,
@@ -335,6 +353,7 @@ def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None)
         figures={metric.name: metric.value(summary) for metric in gated_metrics(summary, None)},
         control_ms=sorted(control)[len(control) // 2] if control else None,
         cpu_pressure=statistics.median(pressure) if pressure else None,
+        engine_wait_per_cpu=statistics.median(engine_wait) if engine_wait else None,
     )
 
 

@@ -27,6 +27,8 @@ class RunFigures:
     figures: Mapping[str, float | None] = field(default_factory=dict)
     control_ms: float | None = None
     cpu_pressure: float | None = None
+    # The engine's own wait per ms of CPU (p50), where the engine was a local process.
+    engine_wait_per_cpu: float | None = None
 
     def figure(self, metric: str) -> float | None:
         return self.figures.get(metric)
@@ -87,3 +89,7 @@ def control_figures(history: Iterable[RunFigures]) -> tuple[float, ...]:
 
 def pressure_figures(history: Iterable[RunFigures]) -> tuple[float, ...]:
     return tuple(e.cpu_pressure for e in history if e.cpu_pressure is not None)
+
+
+def engine_wait_figures(history: Iterable[RunFigures]) -> tuple[float, ...]:
+    return tuple(e.engine_wait_per_cpu for e in history if e.engine_wait_per_cpu is not None)

@@ -404,6 +404,8 @@ class Harness:
             # The engine's own run-queue wait and CPU time over the call (measure/engine_wait).
             fields["engine_wait_ms"] = round(waited.wait_ms, 3)
             fields["engine_cpu_ms"] = round(waited.cpu_ms, 3)
+            if waited.cpu_ms > 0:
+                fields["engine_wait_per_cpu"] = round(waited.wait_ms / waited.cpu_ms, 4)
         if self.measure_pass > 1:
             fields["pass"] = self.measure_pass
         others = self._sample_records(live, case, samples)
