@@ -181,6 +181,7 @@ class DelayProxy:
         delay_ms: float = 0.0,
         batch_chunks: int = 0,
         delay_fraction: float = 0.0,
+        listen_port: int = 0,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.delay_ms = delay_ms
@@ -192,7 +193,8 @@ class DelayProxy:
         self.schedule: Schedule | None = None
         # The chat calls answered so far, in the order their streams ended.
         self.engine_calls: list[EngineCall] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        # Where it listens: a free port unless told (a managed engine's, support/paced_engine.py).
+        self._listener = socket.create_server(("127.0.0.1", listen_port))
         self.port: int = self._listener.getsockname()[1]
         self._selector = selectors.DefaultSelector()
         self._wake_reader, self._wake_writer = socket.socketpair()
