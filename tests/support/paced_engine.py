@@ -1,10 +1,12 @@
 """A managed engine whose delivery path is slowed: this process starts the engine's argv (after
 `--`) as its child on a port of its own, and serves the port the harness gave through the delay
 proxy (support/delay_proxy.py), each content event released `gap` ms after the one before (0: as
-it comes). The gap is read from a file at start, so that the cells.yaml a baseline was ratified
+it comes), or each reply's first content held back by a share of that call's own time to it
+(`--hold-file`: 0.3 is a TTFT 30 % slower, following the machine's state as a slower engine's
+would). Both are read from files at start, so that the cells.yaml a baseline was ratified
 with does not change between runs. The engine is untouched: only the pace the client sees.
 
-    python paced_engine.py --port PORT --gap-file FILE -- llama-server -m MODEL ...
+    python paced_engine.py --port PORT [--gap-file FILE] [--hold-file FILE] -- llama-server ...
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--gap-file", type=Path, required=True)
+    parser.add_argument("--gap-file", type=Path)
+    parser.add_argument("--hold-file", type=Path)
     parser.add_argument("engine", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     engine_argv = args.engine[1:] if args.engine[:1] == ["--"] else args.engine
@@ -45,8 +48,9 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    proxy = DelayProxy("127.0.0.1", inner, listen_port=args.port)
-    gap_ms = float(args.gap_file.read_text())
+    hold = float(args.hold_file.read_text()) if args.hold_file else 0.0
+    proxy = DelayProxy("127.0.0.1", inner, delay_fraction=hold, listen_port=args.port)
+    gap_ms = float(args.gap_file.read_text()) if args.gap_file else 0.0
     if gap_ms > 0:
         proxy.schedule = Schedule(first_ms=0.0, gap_ms=gap_ms)
     proxy.start()
