@@ -23,9 +23,11 @@ UNSUPPORTED_REQUEST_KEYS = {
     "ollama": {
         "ignore_eos": "Ollama's API has no ignore_eos: the output length cannot be fixed",
         "min_tokens": "Ollama's API has no min_tokens: the output length cannot be fixed",
+        "cache_salt": "Ollama's API has no cache salt",
     },
     "llamacpp": {
         "min_tokens": "llama-server has no min_tokens; use ignore_eos: true for a fixed length",
+        "cache_salt": "llama-server has no cache salt; use extra_body: {cache_prompt: false}",
     },
 }
 
@@ -152,6 +154,22 @@ def check_request_keys(
 LOAD_ENGINE_KINDS = ("llamacpp", "openai")
 
 
+def check_draft(where: str, spec: CellSpec) -> None:
+    """draft_model and draft_max only on a managed llamacpp cell whose argv the plugin writes."""
+    key = "draft_model" if spec.draft_model is not None else None
+    if key is None and spec.draft_max is not None:
+        raise GpubenchError(f"{where}: draft_max: needs a draft_model")
+    if key is not None and not (spec.managed and spec.engine == "llamacpp"):
+        raise GpubenchError(
+            f"{where}: {key}: only a managed llamacpp cell (no endpoint) takes it; an external "
+            "server's draft model is set where it is started"
+        )
+    if key is not None and spec.launch is not None:
+        raise GpubenchError(
+            f"{where}: {key}: the cell's launch: replaces the argv; put --model-draft there"
+        )
+
+
 def check_load(
     where: str,
     spec: CellSpec,
@@ -169,6 +187,7 @@ def check_load(
         raise GpubenchError(
             f"{where}: parallel: the cell's launch: replaces the argv; put --parallel there"
         )
+    check_draft(where, spec)
     if load is None:
         return
     if spec.engine not in LOAD_ENGINE_KINDS:

@@ -50,10 +50,11 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
     engine_version: str | None = None
     # Paths of this (the submit) host that a remote node sees too (a shared filesystem).
     shared: dict[str, str] = {}
+    draft = draft_args(cell, local=isinstance(target, LocalTarget))
     if isinstance(target, LocalTarget):
         model_path = str(_local_model(cell))
         if spec.launch is None:
-            command, engine_version = _local_server(cell)
+            command, engine_version = _local_server(cell, draft)
     else:
         model_path = spec.model_path or ""
         if not model_path:
@@ -68,8 +69,9 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
         raise GpubenchError(
             f"cell {cell.cell_id}: model_path: cannot read {model_path} on the node"
         )
+    # /metrics always: the engine's counters are read around every warm call (issue 35).
     launch = spec.launch or llama_server_launch(
-        command, spec.server_args, parallel=spec.parallel or 1, metrics=cell.load is not None
+        command, [*spec.server_args, *draft], parallel=spec.parallel or 1, metrics=True
     )
     return LaunchPlan(
         launch=tuple(launch),
@@ -82,7 +84,29 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
     )
 
 
-def _local_server(cell: Cell) -> tuple[list[str], str | None]:
+def draft_args(cell: Cell, *, local: bool) -> list[str]:
+    """llama-server's flags for the cell's draft model (speculative decoding): the model
+    (`tiny`: the generated tiny model, drafting for itself), the draft-model speculation and the
+    most tokens drafted at a time. A remote node's path is the node's."""
+    spec = cell.spec
+    if spec.draft_model is None:
+        return []
+    path = spec.draft_model
+    if spec.draft_model == TINY_MODEL and local:
+        from pytest_gpubench.engines.tinymodel import ensure_tiny_model
+
+        path = str(ensure_tiny_model())
+    elif local and not Path(path).expanduser().is_file():
+        raise GpubenchError(f"cell {cell.cell_id}: draft_model: {path} does not exist")
+    elif local:
+        path = str(Path(path).expanduser())
+    args = ["--model-draft", path, "--spec-type", "draft-simple"]
+    if spec.draft_max is not None:
+        args += ["--spec-draft-n-max", str(spec.draft_max)]
+    return args
+
+
+def _local_server(cell: Cell, draft: Sequence[str] = ()) -> tuple[list[str], str | None]:
     """The argv before the flags of the server this machine runs for the cell
     (engines/llamacpp_choice.py), installed or built where needed, and the engine version to
     record where the server's own does not tell it apart (the prebuilt one's). The prebuilt
@@ -100,6 +124,11 @@ def _local_server(cell: Cell) -> tuple[list[str], str | None]:
             parse_server_args(cell.spec.server_args)
         except LauncherFlagError as exc:
             raise GpubenchError(f"cell {cell.cell_id}: server_args: {exc}") from None
+        if draft:
+            raise GpubenchError(
+                f"cell {cell.cell_id}: draft_model: the prebuilt llama-server takes no draft "
+                "model; name a llama-server build (server_binary, $GPUBENCH_LLAMA_SERVER)"
+            )
     return list(choice.command), choice.engine_version
 
 
