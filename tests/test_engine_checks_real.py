@@ -1,7 +1,9 @@
-"""The warm calls checked against the real llama-server's own word (issue 35): its `usage`
+"""The warm calls checked against the real engines' own word (issue 35): llama-server's `usage`
 against the tokens streamed, its prefix cache (timings.cache_n) on and off, its Prometheus
 counters read around each warm call, and speculative decoding with a draft model (the tiny model
-drafting for itself), in one session of three managed cells on the source-built server."""
+drafting for itself), in one session of three managed cells on the source-built server; and
+vLLM CPU's prefix cache, which ignores llama.cpp's switch (warned of) and is kept cold by a cache
+salt per call."""
 
 from __future__ import annotations
 
@@ -9,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.vllm_server import VllmServer
 
 from pytest_gpubench.ledger.writer import read_ledger
-
-pytestmark = pytest.mark.engine
 
 PROMPTS = (
     'prompts:\n  P-EASY: {intent: short, prompt: "What is the capital of France?", '
@@ -24,6 +25,7 @@ UNCACHED = "local:llamacpp:tiny@nocache"
 DRAFTED = "local:llamacpp:tiny@draft"
 
 
+@pytest.mark.engine
 def test_token_counts_cache_hits_counters_and_draft_acceptance_on_the_real_server(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
@@ -87,3 +89,58 @@ def test_token_counts_cache_hits_counters_and_draft_acceptance_on_the_real_serve
     # Asked off and honoured: nothing to warn of.
     assert "PREFIX CACHE" not in result.stdout.str()
     assert "TOKEN COUNTS" not in result.stdout.str()
+
+
+# Longer than a few of vLLM's 16-token KV blocks: a prompt shorter than one is never cached.
+LONG_PROMPT = " ".join(["Explain in four sentences why the sky appears blue at noon."] * 8)
+
+
+@pytest.mark.vllm
+def test_vllm_prefix_cache_asked_off_is_warned_and_a_salt_per_call_keeps_it_cold(
+    pytester: pytest.Pytester, vllm_server: VllmServer
+) -> None:
+    """vLLM ignores llama.cpp's `cache_prompt: false`: its warm calls are served from its
+    prefix cache all the same, which its counters show and the run warns of; a cache salt of
+    each call's own (`cache_salt: per_call`) keeps every warm call a prefill."""
+    cell = (
+        f"node: local, engine: openai, model: {vllm_server.served_name}, "
+        f"endpoint: '{vllm_server.base_url}/v1', runs: 2, phases: [warm], token_check: fail"
+    )
+    pytester.makefile(
+        ".yaml",
+        prompts=(f'prompts:\n  P-LONG: {{intent: long, prompt: "{LONG_PROMPT}", max_tokens: 8}}\n'),
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{{cell}, name: asked-off, request: {{ignore_eos: true, "
+        "extra_body: {cache_prompt: false}}}\n"
+        f"  - {{{cell}, name: salted, request: {{ignore_eos: true, cache_salt: per_call}}}}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    result = pytester.runpytest("--force-load", "--gpubench-steadiness", "off")
+    assert result.ret == 0, result.stdout.str()
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    calls: dict[str, list[dict[str, Any]]] = {}
+    for record in read_ledger(ledger):
+        if record.get("type") == "call" and record["phase"] == "warm":
+            calls.setdefault(record["cell_id"].rsplit("@", 1)[1], []).append(record)
+    every = calls["asked-off"] + calls["salted"]
+    assert len(every) == 4
+    # vLLM's usage agrees with what it streamed (token_check: fail passed the run).
+    assert all(call["token_mismatch"] is False for call in every)
+    for call in every:
+        assert call["prefix_cache_off"] is True
+        assert call["engine_counters"]["prefix_cache_queries"] >= call["prompt_tokens"]
+    for call in calls["asked-off"]:
+        assert call["prefix_cache_hit"] is True
+        assert call["engine_counters"]["prefix_cache_hits"] > 0
+    for call in calls["salted"]:
+        assert call["prefix_cache_hit"] is False
+        assert call["engine_counters"]["prefix_cache_hits"] == 0
+    result.stdout.fnmatch_lines(
+        [
+            "*@asked-off * P-LONG * 2/2 agree * 2/2 hit (*/* tokens) ASKED OFF *",
+            "*@salted * P-LONG * 2/2 agree * 0/2 hit (0/* tokens) *",
+            "PREFIX CACHE: *@asked-off P-LONG: 2 of 2 warm calls were served from the engine's "
+            "prefix cache although the request asked for none*",
+        ]
+    )
+    assert "PREFIX CACHE: *@salted" not in result.stdout.str()
