@@ -192,6 +192,11 @@ PROMPTS = "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 4}\n"
             r"draft_model: only a managed llamacpp cell \(no endpoint\) takes it",
         ),
         (
+            "{node: local, engine: llamacpp, model: tiny, launch: [llama-server], port: 8080, "
+            "lora: tiny-lora-1}",
+            r"lora: the cell's launch: replaces the argv; put --lora there",
+        ),
+        (
             "{node: local, engine: llamacpp, model: tiny, draft_max: 4}",
             r"draft_max: needs a draft_model",
         ),

@@ -74,6 +74,7 @@ CELLS: dict[str, Any] = {
             "token_check": "fail",
             "draft_model": "tiny",
             "draft_max": 4,
+            "lora": "tiny-lora-1",
         },
         {
             "node": "box",

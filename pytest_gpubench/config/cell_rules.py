@@ -155,18 +155,26 @@ LOAD_ENGINE_KINDS = ("llamacpp", "openai")
 
 
 def check_draft(where: str, spec: CellSpec) -> None:
-    """draft_model and draft_max only on a managed llamacpp cell whose argv the plugin writes."""
-    key = "draft_model" if spec.draft_model is not None else None
-    if key is None and spec.draft_max is not None:
+    """draft_model, draft_max and lora only on a managed llamacpp cell whose argv the plugin
+    writes."""
+    if spec.draft_model is None and spec.draft_max is not None:
         raise GpubenchError(f"{where}: draft_max: needs a draft_model")
-    if key is not None and not (spec.managed and spec.engine == "llamacpp"):
+    for key in ("draft_model", "lora"):
+        _managed_llamacpp_key(where, spec, key)
+
+
+def _managed_llamacpp_key(where: str, spec: CellSpec, key: str) -> None:
+    if getattr(spec, key) is None:
+        return
+    flag = "--model-draft" if key == "draft_model" else "--lora"
+    if not (spec.managed and spec.engine == "llamacpp"):
         raise GpubenchError(
             f"{where}: {key}: only a managed llamacpp cell (no endpoint) takes it; an external "
-            "server's draft model is set where it is started"
+            f"server's is set where it is started ({flag})"
         )
-    if key is not None and spec.launch is not None:
+    if spec.launch is not None:
         raise GpubenchError(
-            f"{where}: {key}: the cell's launch: replaces the argv; put --model-draft there"
+            f"{where}: {key}: the cell's launch: replaces the argv; put {flag} there"
         )
 
 

@@ -215,6 +215,9 @@ class CellSpec(_Strict):
     # generated tiny model drafting for itself), and the most tokens it drafts at a time.
     draft_model: str | None = None
     draft_max: PositiveInt | None = None
+    # Managed llama.cpp: a LoRA adapter applied to every request (a GGUF path, or
+    # `tiny-lora-<seed>`: one generated for the tiny model); its own cell, so its own verdicts.
+    lora: str | None = None
     # The endpoint as the user wrote it: the URL type normalises (a trailing slash, a lower-case
     # scheme and host), and the record keeps what the user wrote.
     _endpoint_text: str | None = PrivateAttr(default=None)

@@ -50,11 +50,13 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
     engine_version: str | None = None
     # Paths of this (the submit) host that a remote node sees too (a shared filesystem).
     shared: dict[str, str] = {}
-    draft = draft_args(cell, local=isinstance(target, LocalTarget))
+    local = isinstance(target, LocalTarget)
+    # The draft model and LoRA adapter's flags, after the cell's own server_args.
+    added = [*draft_args(cell, local=local), *lora_args(cell, local=local)]
     if isinstance(target, LocalTarget):
         model_path = str(_local_model(cell))
         if spec.launch is None:
-            command, engine_version = _local_server(cell, draft)
+            command, engine_version = _local_server(cell, added)
     else:
         model_path = spec.model_path or ""
         if not model_path:
@@ -71,7 +73,7 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
         )
     # /metrics always: the engine's counters are read around every warm call (issue 35).
     launch = spec.launch or llama_server_launch(
-        command, [*spec.server_args, *draft], parallel=spec.parallel or 1, metrics=True
+        command, [*spec.server_args, *added], parallel=spec.parallel or 1, metrics=True
     )
     return LaunchPlan(
         launch=tuple(launch),
@@ -106,7 +108,24 @@ def draft_args(cell: Cell, *, local: bool) -> list[str]:
     return args
 
 
-def _local_server(cell: Cell, draft: Sequence[str] = ()) -> tuple[list[str], str | None]:
+def lora_args(cell: Cell, *, local: bool) -> list[str]:
+    """llama-server's flag for the cell's LoRA adapter, applied to every request: a GGUF path
+    (a remote node's own), or `tiny-lora-<seed>`, generated for the tiny model here."""
+    spec = cell.spec
+    if spec.lora is None:
+        return []
+    from pytest_gpubench.engines.tinymodel import ensure_tiny_lora, tiny_lora_seed
+
+    seed = tiny_lora_seed(spec.lora)
+    if seed is not None and local:
+        return ["--lora", str(ensure_tiny_lora(seed))]
+    path = Path(spec.lora).expanduser()
+    if local and not path.is_file():
+        raise GpubenchError(f"cell {cell.cell_id}: lora: {spec.lora} does not exist")
+    return ["--lora", str(path) if local else spec.lora]
+
+
+def _local_server(cell: Cell, added: Sequence[str] = ()) -> tuple[list[str], str | None]:
     """The argv before the flags of the server this machine runs for the cell
     (engines/llamacpp_choice.py), installed or built where needed, and the engine version to
     record where the server's own does not tell it apart (the prebuilt one's). The prebuilt
@@ -124,10 +143,11 @@ def _local_server(cell: Cell, draft: Sequence[str] = ()) -> tuple[list[str], str
             parse_server_args(cell.spec.server_args)
         except LauncherFlagError as exc:
             raise GpubenchError(f"cell {cell.cell_id}: server_args: {exc}") from None
-        if draft:
+        if added:
+            key = "draft_model" if cell.spec.draft_model is not None else "lora"
             raise GpubenchError(
-                f"cell {cell.cell_id}: draft_model: the prebuilt llama-server takes no draft "
-                "model; name a llama-server build (server_binary, $GPUBENCH_LLAMA_SERVER)"
+                f"cell {cell.cell_id}: {key}: the prebuilt llama-server takes no draft model or "
+                "LoRA adapter; name a llama-server build (server_binary, $GPUBENCH_LLAMA_SERVER)"
             )
     return list(choice.command), choice.engine_version
 
