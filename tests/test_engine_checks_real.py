@@ -144,3 +144,33 @@ def test_vllm_prefix_cache_asked_off_is_warned_and_a_salt_per_call_keeps_it_cold
         ]
     )
     assert "PREFIX CACHE: *@salted" not in result.stdout.str()
+
+
+@pytest.mark.engine
+def test_a_load_point_with_a_draft_model_records_its_acceptance(
+    pytester: pytest.Pytester, llama_server: Path
+) -> None:
+    """Speculative decoding per load point: llama-server's spec_decode counters over the point
+    give its acceptance rate and mean acceptance length in the load record."""
+    pytester.makefile(
+        ".yaml",
+        prompts=PROMPTS,
+        cells="nodes: {local: {kind: local}}\ncells:\n"
+        f"  - {{node: local, engine: llamacpp, model: tiny, phases: [warm], runs: 1, "
+        f"server_binary: '{llama_server}', server_args: [--threads, '1'], parallel: 2, "
+        "draft_model: tiny, draft_max: 3, load: {concurrency: [2], requests: 6}}\n",
+    )
+    pytester.makepyfile(test_bench=TEST_FILE)
+    result = pytester.runpytest("--force-load", "--gpubench-steadiness", "off", "-m", "load")
+    assert result.ret == 0, result.stdout.str()
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    (load,) = [r for r in read_ledger(ledger) if r.get("type") == "load"]
+    counters = load["engine_counters"]
+    drafts = counters["llamacpp:spec_decode_num_drafts_total"]
+    proposed = counters["llamacpp:spec_decode_num_draft_tokens_total"]
+    accepted = counters["llamacpp:spec_decode_num_accepted_tokens_total"]
+    assert drafts > 0 and 0 < accepted <= proposed
+    assert load["spec_acceptance_rate"] == round(accepted / proposed, 4)
+    assert load["spec_mean_acceptance_length"] == round(accepted / drafts + 1, 4)
+    # The tiny model drafting for itself: the target accepts what its own copy proposed.
+    assert load["spec_acceptance_rate"] == 1.0

@@ -203,6 +203,9 @@ class LoadFigures(TypedDict, total=False):
     # the point (measure/control.py): present where measured.
     prefix_cache_hit_rate: float | None
     prefix_cache_source: str | None
+    # Speculative decoding over the point (run/load/runner.spec_decode_figures; issue 35).
+    spec_acceptance_rate: float | None
+    spec_mean_acceptance_length: float | None
     reasoning_tokens_p50: float | None
     cpu_pressure: float
 

@@ -27,6 +27,15 @@ TOKEN_COUNTERS = (
     "llamacpp:tokens_predicted_total",
     "llamacpp:prompt_tokens_total",
     "llamacpp:n_decode_total",
+    # Preemptions and speculative decoding over the point (issue 35): drafts, the tokens they
+    # proposed and those accepted.
+    "vllm:num_preemptions_total",
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+    "llamacpp:spec_decode_num_drafts_total",
+    "llamacpp:spec_decode_num_draft_tokens_total",
+    "llamacpp:spec_decode_num_accepted_tokens_total",
 )
 # The engine's own latency figures: a histogram's `_sum` and `_count` (vLLM), or the seconds it
 # spent and the tokens it spent them on (llama-server); their change over a point gives the
