@@ -15,7 +15,6 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
