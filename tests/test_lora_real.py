@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpubench.core.files import file_sha256
 from pytest_gpubench.engines.tinymodel import ensure_tiny_lora, tiny_lora_seed
 from pytest_gpubench.ledger.writer import read_ledger
 
@@ -57,6 +58,13 @@ def test_two_generated_adapters_answer_differently_and_are_judged_each_on_its_ow
         "local_llamacpp_tiny_lora-1.json",
         "local_llamacpp_tiny_lora-2.json",
     ]
+    # Each adapter is part of its cell's setup: its digest follows the model's.
+    first = min((pytester.path / "runs").glob("*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
+    digests = {r["cell_id"]: r["model_digest"] for r in read_ledger(first) if r["type"] == "cell"}
+    model = digests["local:llamacpp:tiny"]
+    for cell, seed in zip(ADAPTED, (1, 2), strict=True):
+        adapter = f"sha256:{file_sha256(ensure_tiny_lora(seed))}"
+        assert digests[cell] == f"{model}+lora:{adapter}"
     # A second run is judged per adapter, against that adapter's baseline.
     judged = pytester.runpytest(*steady)
     assert judged.ret in (0, 10), judged.stdout.str()

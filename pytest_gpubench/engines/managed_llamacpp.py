@@ -71,6 +71,7 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
         raise GpubenchError(
             f"cell {cell.cell_id}: model_path: cannot read {model_path} on the node"
         )
+    digest += added_digests(cell, target, added)
     # /metrics always: the engine's counters are read around every warm call (issue 35).
     launch = spec.launch or llama_server_launch(
         command, [*spec.server_args, *added], parallel=spec.parallel or 1, metrics=True
@@ -84,6 +85,23 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
         shared_paths=shared,
         engine_version=engine_version,
     )
+
+
+def added_digests(cell: Cell, target: Target, added: Sequence[str]) -> str:
+    """The draft model's and the LoRA adapter's digests, after the model's in the cell's
+    model_digest (`sha256:<model>+draft:sha256:<draft>+lora:sha256:<adapter>`): another draft
+    model or adapter is another setup, and a baseline measured with the old one is not compared
+    with it."""
+    found = ""
+    for flag, word, key in (("--model-draft", "draft", "draft_model"), ("--lora", "lora", "lora")):
+        if flag not in added:
+            continue
+        path = added[list(added).index(flag) + 1]
+        digest = node_file_digest(cell, target, path)
+        if digest is None:
+            raise GpubenchError(f"cell {cell.cell_id}: {key}: cannot read {path} on the node")
+        found += f"+{word}:{digest}"
+    return found
 
 
 def draft_args(cell: Cell, *, local: bool) -> list[str]:
