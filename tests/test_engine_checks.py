@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from support.standins import FaultyOpenAIServer, serving
 
+from pytest_gpubench.cli.main import main
 from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.status import EXIT_REGRESSION
@@ -71,6 +72,10 @@ def test_token_check_fail_makes_a_mismatch_fail_the_run_with_exit_6(
     with serving(FaultyOpenAIServer()) as url:
         bench(pytester, url, "MISCOUNT please", ", token_check: fail")
         failed = pytester.runpytest("--force-load", "--gpubench-steadiness", "off")
+        # `gpubench gate` judges the ledger as the session did: the same status.
+        (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+        baselines = str(pytester.mkdir("baselines"))
+        assert main(["gate", str(ledger), "--baselines", baselines]) == EXIT_REGRESSION
         bench(pytester, url, "count well", ", token_check: fail")
         for old in (pytester.path / "runs").glob("*"):
             old.unlink()
