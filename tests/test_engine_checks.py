@@ -228,3 +228,53 @@ def test_a_bad_check_key_is_one_line_naming_it(tmp_path: Path, cell: str, messag
     with pytest.raises(GpubenchError, match=message) as raised:
         read_matrix(cells, prompts)
     assert "\n" not in str(raised.value)
+
+
+def test_counter_changes_take_each_engines_series_and_gauges_peak() -> None:
+    from pytest_gpubench.measure.gauges import counter_changes
+
+    before = {
+        "llamacpp:prompt_tokens_total": 10.0,
+        "llamacpp:prompt_tokens_cached_total": 5.0,
+        "llamacpp:requests_deferred": 2.0,
+        "vllm:num_preemptions_total": 1.0,
+    }
+    after = {
+        "llamacpp:prompt_tokens_total": 11.0,
+        "llamacpp:prompt_tokens_cached_total": 30.0,
+        "llamacpp:requests_deferred": 0.0,
+        "vllm:num_preemptions_total": 4.0,
+    }
+    assert counter_changes(before, after) == {
+        # llama.cpp's prompt tokens looked up: those it evaluated and those it found cached.
+        "prefix_cache_queries": 26.0,
+        "prefix_cache_hits": 25.0,
+        "preemptions": 3.0,
+        "requests_waiting_peak": 2.0,
+    }
+    # A series on one page only is no change: left out.
+    assert counter_changes({}, after) == {}
+
+
+def test_an_engine_without_metrics_is_asked_once() -> None:
+    import asyncio
+
+    from pytest_gpubench.measure.gauges import CaseCounters
+    from pytest_gpubench.measure.stream import Endpoint
+
+    server = FaultyOpenAIServer()
+    with serving(server) as url:
+        counters = CaseCounters(Endpoint.parse(url), ())
+        assert counters.read() is None and counters.read(settled=True) is None
+        asked = [path for _, path, _ in server.requests]
+    assert counters.absent == "/metrics answered HTTP 404 (llama-server needs --metrics)"
+    assert asked.count("/metrics") == 1
+
+    async def inside_a_loop() -> CaseCounters:
+        unread = CaseCounters(Endpoint.parse("http://127.0.0.1:9"), ())
+        assert unread.read() is None
+        return unread
+
+    # Inside a running event loop (an async test) the page is not read, and the call goes on.
+    unread = asyncio.run(inside_a_loop())
+    assert unread.absent is not None and "running event loop" in unread.absent

@@ -251,7 +251,12 @@ class CaseCounters:
         if self.absent is not None:
             return None
         reader = self.scraper.settled_page() if settled else self.scraper.scrape()
-        page = asyncio.run(reader)
+        try:
+            page = asyncio.run(reader)
+        except Exception as exc:  # counters are never worth a case: measure without them
+            reader.close()
+            page = None
+            self.scraper.samples.notes.append(f"/metrics not read: {exc}")
         if page is not None:
             return {**page[0], **page[1]}
         self.absent = "; ".join(self.scraper.samples.notes) or "/metrics not read"
