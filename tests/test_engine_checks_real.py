@@ -172,5 +172,7 @@ def test_a_load_point_with_a_draft_model_records_its_acceptance(
     assert drafts > 0 and 0 < accepted <= proposed
     assert load["spec_acceptance_rate"] == round(accepted / proposed, 4)
     assert load["spec_mean_acceptance_length"] == round(accepted / drafts + 1, 4)
+    # Every request of the point streamed the tokens the engine counted.
+    assert load["token_mismatches"] == 0
     # The tiny model drafting for itself: the target accepts what its own copy proposed.
     assert load["spec_acceptance_rate"] == 1.0

@@ -203,6 +203,8 @@ class LoadFigures(TypedDict, total=False):
     # the point (measure/control.py): present where measured.
     prefix_cache_hit_rate: float | None
     prefix_cache_source: str | None
+    # Requests whose engine counted other tokens than it streamed (measure.stream.token_mismatch).
+    token_mismatches: int
     # Speculative decoding over the point (run/load/runner.spec_decode_figures; issue 35).
     spec_acceptance_rate: float | None
     spec_mean_acceptance_length: float | None

@@ -363,6 +363,8 @@ class _Recorder:
                 "client_completion_tokens": sum(
                     int(call.get("completion_tokens") or 0) for call in calls
                 ),
+                # The requests whose engine counted other tokens than it streamed (issue 35).
+                "token_mismatches": sum(call.get("token_mismatch") is True for call in calls),
                 "engine_counters": scraper.samples.counter_changes() or None,
                 "engine_metrics_notes": scraper.samples.notes or None,
                 **prefix_cache_figures(calls, scraper.samples.counter_changes()),
