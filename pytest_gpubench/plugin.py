@@ -608,6 +608,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                 baseline_update=run.options.baseline_update,
                 baselines_dir=run.options.baselines_dir,
                 telemetry=judgement.telemetry,
+                checks=judgement.checks,
             )
         )
         lines.extend(

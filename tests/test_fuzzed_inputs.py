@@ -58,7 +58,7 @@ CELLS: dict[str, Any] = {
     "settings": {
         "runs": 3,
         "timeout_s": 30,
-        "thresholds": {"ttft_p50": 0.5},
+        "thresholds": {"ttft_p50": 0.5, "max_preemptions": 0},
         "load": {"concurrency": [1, 4], "requests": 8, "rate": [2.5], "arrival": "poisson"},
     },
     "nodes": {
@@ -66,7 +66,16 @@ CELLS: dict[str, Any] = {
         "box": {"kind": "ssh", "host": "127.0.0.1", "user": "bench"},
     },
     "cells": [
-        {"node": "local", "engine": "llamacpp", "model": "tiny", "phases": ["warm"]},
+        {
+            "node": "local",
+            "engine": "llamacpp",
+            "model": "tiny",
+            "phases": ["warm"],
+            "token_check": "fail",
+            "draft_model": "tiny",
+            "draft_max": 4,
+            "lora": "tiny-lora-1",
+        },
         {
             "node": "box",
             "engine": "openai",
@@ -74,6 +83,8 @@ CELLS: dict[str, Any] = {
             "endpoint": "http://127.0.0.1:9",
             "runs": 2,
             "prompts": ["P-EASY"],
+            "request": {"cache_salt": "per_call"},
+            "token_check": "off",
             "load": {"concurrency": [2], "duration_s": 1.5, "slo": {"ttft_ms": 200}},
         },
     ],

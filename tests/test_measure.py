@@ -151,6 +151,30 @@ def test_record_keeps_the_old_fields_in_their_order_and_adds_the_new_ones_after(
     # issue 12: the call's connection.
     assert fields[19:23] == ["connect_ms", "tls_handshake_ms", "connection_reused", "reconnected"]
     # issue 23: reasoning models alike on every engine, and the prefix cache.
-    assert fields[23:] == [
+    assert fields[23:27] == [
         "first_answer_ms", "reasoning_tokens", "answer_tokens", "cached_prompt_tokens",
     ]  # fmt: skip
+    # issue 35: the token counts checked, and speculative decoding's draft tokens.
+    assert fields[27:] == ["token_mismatch", "draft_tokens", "draft_accepted_tokens"]
+
+
+def test_the_engines_token_count_is_checked_against_the_chunks_streamed() -> None:
+    arrivals = [2 * MS, 3 * MS, 4 * MS, 5 * MS]
+    agree = CallMeasurement(completion_tokens=4, finish_reason="length")
+    finish_timing(agree, response(0, 9 * MS), arrivals)
+    more = CallMeasurement(completion_tokens=7, finish_reason="length")
+    finish_timing(more, response(0, 9 * MS), arrivals)
+    # Ended on the end-of-sequence token: counted by the engine, streamed as no text.
+    eos = CallMeasurement(completion_tokens=5, finish_reason="stop")
+    finish_timing(eos, response(0, 9 * MS), arrivals)
+    # One more than streamed is no stop token where the call ran to its length.
+    cut = CallMeasurement(completion_tokens=5, finish_reason="length")
+    finish_timing(cut, response(0, 9 * MS), arrivals)
+    untold = CallMeasurement(finish_reason="length")
+    finish_timing(untold, response(0, 9 * MS), arrivals)
+    failed = CallMeasurement(completion_tokens=7, error="stream broke after 4 chunks")
+    finish_timing(failed, response(0, 9 * MS), arrivals)
+    assert [m.token_mismatch for m in (agree, more, eos, cut, untold, failed)] == [
+        False, True, False, True, None, None,
+    ]  # fmt: skip
+    assert more.to_record()["token_mismatch"] is True

@@ -23,9 +23,11 @@ UNSUPPORTED_REQUEST_KEYS = {
     "ollama": {
         "ignore_eos": "Ollama's API has no ignore_eos: the output length cannot be fixed",
         "min_tokens": "Ollama's API has no min_tokens: the output length cannot be fixed",
+        "cache_salt": "Ollama's API has no cache salt",
     },
     "llamacpp": {
         "min_tokens": "llama-server has no min_tokens; use ignore_eos: true for a fixed length",
+        "cache_salt": "llama-server has no cache salt; use extra_body: {cache_prompt: false}",
     },
 }
 
@@ -152,6 +154,30 @@ def check_request_keys(
 LOAD_ENGINE_KINDS = ("llamacpp", "openai")
 
 
+def check_draft(where: str, spec: CellSpec) -> None:
+    """draft_model, draft_max and lora only on a managed llamacpp cell whose argv the plugin
+    writes."""
+    if spec.draft_model is None and spec.draft_max is not None:
+        raise GpubenchError(f"{where}: draft_max: needs a draft_model")
+    for key in ("draft_model", "lora"):
+        _managed_llamacpp_key(where, spec, key)
+
+
+def _managed_llamacpp_key(where: str, spec: CellSpec, key: str) -> None:
+    if getattr(spec, key) is None:
+        return
+    flag = "--model-draft" if key == "draft_model" else "--lora"
+    if not (spec.managed and spec.engine == "llamacpp"):
+        raise GpubenchError(
+            f"{where}: {key}: only a managed llamacpp cell (no endpoint) takes it; an external "
+            f"server's is set where it is started ({flag})"
+        )
+    if spec.launch is not None:
+        raise GpubenchError(
+            f"{where}: {key}: the cell's launch: replaces the argv; put {flag} there"
+        )
+
+
 def check_load(
     where: str,
     spec: CellSpec,
@@ -169,6 +195,7 @@ def check_load(
         raise GpubenchError(
             f"{where}: parallel: the cell's launch: replaces the argv; put --parallel there"
         )
+    check_draft(where, spec)
     if load is None:
         return
     if spec.engine not in LOAD_ENGINE_KINDS:

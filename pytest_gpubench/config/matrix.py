@@ -76,6 +76,8 @@ class Thresholds(_Strict):
     max_engine_vram_mib: PositiveFloat | None = None
     max_energy_j_per_token: PositiveFloat | None = None
     max_engine_cpu_s_per_token: PositiveFloat | None = None
+    # The engine's own preemptions over a (cell, prompt)'s warm calls (its /metrics; issue 35).
+    max_preemptions: Annotated[int, Field(ge=0)] | None = None
     # Each gated figure's key (ttft_p50, total_p50, tokens_per_sec, first_answer_p50, ...), a
     # field like the ones above: a new gated figure is a new entry in config/metrics.py only.
     __annotations__.update({figure.threshold_key: "PositiveFloat | None" for figure in GATED})
@@ -205,6 +207,17 @@ class CellSpec(_Strict):
     # Sequential sampling (an A/B candidate): each prompt measures at least this many warm pairs
     # and at most `runs`, stopping as soon as its verdict is decided either way.
     min_runs: PositiveInt | None = None
+    # The client's count of each call's streamed tokens against the engine's usage (issue 35):
+    # `warn` (the default) counts and shows a mismatch, `fail` also fails the run (exit 6),
+    # `off` checks nothing (an engine that streams several tokens a chunk).
+    token_check: Literal["warn", "fail", "off"] | None = None
+    # Managed llama.cpp: a draft model for speculative decoding (a GGUF path, or `tiny`: the
+    # generated tiny model drafting for itself), and the most tokens it drafts at a time.
+    draft_model: str | None = None
+    draft_max: PositiveInt | None = None
+    # Managed llama.cpp: a LoRA adapter applied to every request (a GGUF path, or
+    # `tiny-lora-<seed>`: one generated for the tiny model); its own cell, so its own verdicts.
+    lora: str | None = None
     # The endpoint as the user wrote it: the URL type normalises (a trailing slash, a lower-case
     # scheme and host), and the record keeps what the user wrote.
     _endpoint_text: str | None = PrivateAttr(default=None)
@@ -235,6 +248,12 @@ class CellSpec(_Strict):
                 "(it ends the cell id, <node>:<engine>:<model>@<name>)",
             )
         return value
+
+    @field_validator("token_check", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML reads a bare `off` as false.
+        return "off" if value is False else value
 
     @field_validator("engine")
     @classmethod

@@ -233,3 +233,73 @@ MEASURE_BY_NAME = {measure.name: measure for measure in MEASURES}
 def sampled() -> tuple[str, ...]:
     """The measures whose raw values are kept per (cell, prompt)."""
     return tuple(m.name for m in MEASURES if m.samples)
+
+
+@dataclass(frozen=True)
+class EngineCounter:
+    """One of the engine's own counters read from its Prometheus `/metrics` before and after each
+    warm call (measure/gauges.case_counters): the change of a counter over the call, or the peak
+    of a gauge at the two reads. Recorded under the call record's `engine_counters` by `name`."""
+
+    name: str
+    label: str
+    # Its series on each engine: the first alternative whose every name the page holds, added
+    # up (llama.cpp's prompt tokens looked up are the ones it evaluated and the ones it found).
+    series: tuple[tuple[str, ...], ...]
+    # "delta": a counter's change over the call; "peak": a gauge's larger reading of the two.
+    kind: Literal["delta", "peak"] = "delta"
+
+
+ENGINE_COUNTERS: tuple[EngineCounter, ...] = (
+    EngineCounter(
+        "prefix_cache_queries",
+        "prefix cache tokens looked up",
+        (
+            ("vllm:prefix_cache_queries_total",),
+            ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total"),
+        ),
+    ),
+    EngineCounter(
+        "prefix_cache_hits",
+        "prefix cache tokens found",
+        (("vllm:prefix_cache_hits_total",), ("llamacpp:prompt_tokens_cached_total",)),
+    ),
+    EngineCounter("preemptions", "preemptions", (("vllm:num_preemptions_total",),)),
+    EngineCounter(
+        "requests_waiting_peak",
+        "requests queued (peak)",
+        (("vllm:num_requests_waiting",), ("llamacpp:requests_deferred",)),
+        kind="peak",
+    ),
+    EngineCounter(
+        "kv_cache_usage_peak",
+        "KV-cache usage (peak)",
+        (
+            ("vllm:kv_cache_usage_perc",),
+            ("vllm:gpu_cache_usage_perc",),
+            ("llamacpp:kv_cache_usage_ratio",),
+        ),
+        kind="peak",
+    ),
+    EngineCounter(
+        "spec_drafts",
+        "speculative drafts",
+        (("vllm:spec_decode_num_drafts_total",), ("llamacpp:spec_decode_num_drafts_total",)),
+    ),
+    EngineCounter(
+        "spec_draft_tokens",
+        "draft tokens proposed",
+        (
+            ("vllm:spec_decode_num_draft_tokens_total",),
+            ("llamacpp:spec_decode_num_draft_tokens_total",),
+        ),
+    ),
+    EngineCounter(
+        "spec_accepted_tokens",
+        "draft tokens accepted",
+        (
+            ("vllm:spec_decode_num_accepted_tokens_total",),
+            ("llamacpp:spec_decode_num_accepted_tokens_total",),
+        ),
+    ),
+)

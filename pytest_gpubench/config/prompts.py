@@ -34,6 +34,9 @@ class RequestShape(_Strict):
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     # Merged into the request's JSON body last (engine-specific fields).
     extra_body: dict[str, Any] | None = None
+    # vLLM's per-request `cache_salt`: `per_call` gives each call a salt of its own, so that no
+    # call finds the prefix cache an earlier one left (a warm call then prefills its prompt).
+    cache_salt: Literal["per_call"] | None = None
 
     def merged(self, over: RequestShape | None) -> RequestShape:
         """These keys with `over`'s set keys on top."""

@@ -289,6 +289,11 @@ def parse_openai_sse(
             llamacpp_engine_figures(timings, measurement)
             if isinstance(timings.get("cache_n"), int):
                 measurement.cached_prompt_tokens = timings["cache_n"]
+            # Speculative decoding (a draft model): what it proposed, what was accepted.
+            if isinstance(timings.get("draft_n"), int):
+                measurement.draft_tokens = timings["draft_n"]
+            if isinstance(timings.get("draft_n_accepted"), int):
+                measurement.draft_accepted_tokens = timings["draft_n_accepted"]
 
 
 # pytest_gpubench_make_engine (hookspecs.py), as pytest's hook relay calls it.

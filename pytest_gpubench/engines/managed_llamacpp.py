@@ -50,10 +50,13 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
     engine_version: str | None = None
     # Paths of this (the submit) host that a remote node sees too (a shared filesystem).
     shared: dict[str, str] = {}
+    local = isinstance(target, LocalTarget)
+    # The draft model and LoRA adapter's flags, after the cell's own server_args.
+    added = [*draft_args(cell, local=local), *lora_args(cell, local=local)]
     if isinstance(target, LocalTarget):
         model_path = str(_local_model(cell))
         if spec.launch is None:
-            command, engine_version = _local_server(cell)
+            command, engine_version = _local_server(cell, added)
     else:
         model_path = spec.model_path or ""
         if not model_path:
@@ -68,8 +71,10 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
         raise GpubenchError(
             f"cell {cell.cell_id}: model_path: cannot read {model_path} on the node"
         )
+    digest += added_digests(cell, target, added)
+    # /metrics always: the engine's counters are read around every warm call (issue 35).
     launch = spec.launch or llama_server_launch(
-        command, spec.server_args, parallel=spec.parallel or 1, metrics=cell.load is not None
+        command, [*spec.server_args, *added], parallel=spec.parallel or 1, metrics=True
     )
     return LaunchPlan(
         launch=tuple(launch),
@@ -82,7 +87,63 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
     )
 
 
-def _local_server(cell: Cell) -> tuple[list[str], str | None]:
+def added_digests(cell: Cell, target: Target, added: Sequence[str]) -> str:
+    """The draft model's and the LoRA adapter's digests, after the model's in the cell's
+    model_digest (`sha256:<model>+draft:sha256:<draft>+lora:sha256:<adapter>`): another draft
+    model or adapter is another setup, and a baseline measured with the old one is not compared
+    with it."""
+    found = ""
+    for flag, word, key in (("--model-draft", "draft", "draft_model"), ("--lora", "lora", "lora")):
+        if flag not in added:
+            continue
+        path = added[list(added).index(flag) + 1]
+        digest = node_file_digest(cell, target, path)
+        if digest is None:
+            raise GpubenchError(f"cell {cell.cell_id}: {key}: cannot read {path} on the node")
+        found += f"+{word}:{digest}"
+    return found
+
+
+def draft_args(cell: Cell, *, local: bool) -> list[str]:
+    """llama-server's flags for the cell's draft model (speculative decoding): the model
+    (`tiny`: the generated tiny model, drafting for itself), the draft-model speculation and the
+    most tokens drafted at a time. A remote node's path is the node's."""
+    spec = cell.spec
+    if spec.draft_model is None:
+        return []
+    path = spec.draft_model
+    if spec.draft_model == TINY_MODEL and local:
+        from pytest_gpubench.engines.tinymodel import ensure_tiny_model
+
+        path = str(ensure_tiny_model())
+    elif local and not Path(path).expanduser().is_file():
+        raise GpubenchError(f"cell {cell.cell_id}: draft_model: {path} does not exist")
+    elif local:
+        path = str(Path(path).expanduser())
+    args = ["--model-draft", path, "--spec-type", "draft-simple"]
+    if spec.draft_max is not None:
+        args += ["--spec-draft-n-max", str(spec.draft_max)]
+    return args
+
+
+def lora_args(cell: Cell, *, local: bool) -> list[str]:
+    """llama-server's flag for the cell's LoRA adapter, applied to every request: a GGUF path
+    (a remote node's own), or `tiny-lora-<seed>`, generated for the tiny model here."""
+    spec = cell.spec
+    if spec.lora is None:
+        return []
+    from pytest_gpubench.engines.tinymodel import ensure_tiny_lora, tiny_lora_seed
+
+    seed = tiny_lora_seed(spec.lora)
+    if seed is not None and local:
+        return ["--lora", str(ensure_tiny_lora(seed))]
+    path = Path(spec.lora).expanduser()
+    if local and not path.is_file():
+        raise GpubenchError(f"cell {cell.cell_id}: lora: {spec.lora} does not exist")
+    return ["--lora", str(path) if local else spec.lora]
+
+
+def _local_server(cell: Cell, added: Sequence[str] = ()) -> tuple[list[str], str | None]:
     """The argv before the flags of the server this machine runs for the cell
     (engines/llamacpp_choice.py), installed or built where needed, and the engine version to
     record where the server's own does not tell it apart (the prebuilt one's). The prebuilt
@@ -100,6 +161,12 @@ def _local_server(cell: Cell) -> tuple[list[str], str | None]:
             parse_server_args(cell.spec.server_args)
         except LauncherFlagError as exc:
             raise GpubenchError(f"cell {cell.cell_id}: server_args: {exc}") from None
+        if added:
+            key = "draft_model" if cell.spec.draft_model is not None else "lora"
+            raise GpubenchError(
+                f"cell {cell.cell_id}: {key}: the prebuilt llama-server takes no draft model or "
+                "LoRA adapter; name a llama-server build (server_binary, $GPUBENCH_LLAMA_SERVER)"
+            )
     return list(choice.command), choice.engine_version
 
 

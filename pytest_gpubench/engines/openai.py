@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,9 @@ class OpenAIEngine:
                 value = getattr(request, key)
                 if value is not None:
                     payload[key] = value
+            if request.cache_salt == "per_call":
+                # A salt of its own: no earlier call's prefix cache serves this one (vLLM).
+                payload["cache_salt"] = uuid.uuid4().hex
             payload = merge_body(payload, request.extra_body)
         return merge_body(payload, extra_body)
 

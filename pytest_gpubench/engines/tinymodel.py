@@ -286,3 +286,60 @@ def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
     if not path.is_file():
         write_tiny_model(path)
     return path
+
+
+# A generated LoRA adapter for the tiny model is named `tiny-lora-<seed>` in cells.yaml.
+TINY_LORA_PREFIX = "tiny-lora-"
+LORA_RANK = 4
+# The scale of its B matrices: strong enough that two seeds answer differently from the first
+# tokens on (the base model's weights are uniform in ±1/sqrt(n_embd)).
+LORA_B_SCALE = 4.0
+
+
+def tiny_lora_seed(name: str) -> int | None:
+    """The seed of a generated adapter's name (`tiny-lora-1`: 1), None for any other name."""
+    if not name.startswith(TINY_LORA_PREFIX):
+        return None
+    seed = name[len(TINY_LORA_PREFIX) :]
+    return int(seed) if seed.isdigit() and len(seed) <= 9 else None
+
+
+def _write_lora(path: Path, seed: int, config: TinyConfig) -> None:
+    """llama.cpp's LoRA GGUF (convert_lora_to_gguf.py): general.type `adapter`, adapter.type
+    `lora`, adapter.lora.alpha, and per adapted weight `<name>.lora_a` (rank × in) and
+    `<name>.lora_b` (out × rank). It adapts the feed-forward gate and up projections only: their
+    outputs stay inside the layer, so the constant dimension that keeps the control tokens from
+    being sampled is left alone (see `_output_weights`)."""
+    source = UniformSource(seed)
+    writer = GGUFWriter(path, arch="llama")
+    writer.add_name(f"{MODEL_NAME}-lora-{seed}")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(LORA_RANK))
+    for layer in range(config.n_layer):
+        for name in ("ffn_gate", "ffn_up"):
+            down = source.uniform((LORA_RANK, config.n_embd), 1.0 / np.sqrt(config.n_embd))
+            up = source.uniform((config.n_ff, LORA_RANK), LORA_B_SCALE)
+            writer.add_tensor(f"blk.{layer}.{name}.weight.lora_a", down)
+            writer.add_tensor(f"blk.{layer}.{name}.weight.lora_b", up)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+
+
+def ensure_tiny_lora(seed: int, cache_dir: Path | None = None) -> Path:
+    """The cached LoRA adapter of the tiny model made from `seed`, written first if missing."""
+    root = cache_dir if cache_dir is not None else default_cache_dir()
+    path = (
+        root / "models" / f"{MODEL_NAME}-lora-{seed}-v{GENERATOR_VERSION}-{parameters_key()}.gguf"
+    )
+    if not path.is_file():
+        try:
+            with atomic_file(path, durable=False) as partial:
+                _write_lora(partial, seed, CONFIG)
+        except OSError as exc:
+            raise GpubenchError(f"cannot write the tiny LoRA adapter to {path}: {exc}") from exc
+    return path

@@ -28,6 +28,7 @@ from pytest_gpubench.ledger.schema import (
     CellRecord,
     CheckpointRecord,
     EndRecord,
+    EngineCheckFields,
     LoadCallRecord,
     LoadRecord,
     MetaRecord,
@@ -37,6 +38,7 @@ from pytest_gpubench.ledger.schema import (
     StageRecord,
     VerdictRecord,
 )
+from pytest_gpubench.measure.gauges import Page, counter_changes
 from pytest_gpubench.measure.stream import STALLED, CallMeasurement, MeasurementFields
 from pytest_gpubench.targets.stages import Stage, StageFacts
 
@@ -216,10 +218,44 @@ def call_record(
         # The gaps packed (ledger/gaps.py): most of a long reply's record otherwise.
         **cast(MeasurementFields, packed_record(measurement.to_record())),
         "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+        # A warm call's checks against the engine come later (engine_check_fields).
+        **EngineCheckFields(),
     }
     # Last, as before: an A/B pair's place, then the telemetry fields (one per sampler column).
     cast(dict[str, Any], record).update({**_ab_pair(case), **(telemetry or {})})
     return record
+
+
+def engine_check_fields(
+    measurement: CallMeasurement,
+    request: RequestShape,
+    before: Page | None,
+    after: Page | None,
+    extra_body: Mapping[str, Any] | None = None,
+) -> EngineCheckFields:
+    """A warm call's checks against the engine: its counters' changes over the call (pages read
+    before and after it), whether its prompt came from the prefix cache, and whether the
+    request asked for no prefix cache (the cell's or prompt's request keys, a test's own
+    `extra_body`)."""
+    fields: EngineCheckFields = {}
+    changes = counter_changes(before, after) if before is not None and after is not None else {}
+    if changes:
+        fields["engine_counters"] = changes
+    cached = measurement.cached_prompt_tokens
+    hits = changes.get("prefix_cache_hits")
+    if (cached is not None or hits is not None) and measurement.error is None:
+        fields["prefix_cache_hit"] = bool(cached) or bool(hits)
+    if cache_off_asked(request, extra_body):
+        fields["prefix_cache_off"] = True
+    return fields
+
+
+def cache_off_asked(request: RequestShape, extra_body: Mapping[str, Any] | None = None) -> bool:
+    """Whether a request asks for no prefix cache: `cache_prompt: false` in its body (llama.cpp),
+    or a cache salt of its own on every call (`cache_salt: per_call`, vLLM)."""
+    bodies = [request.extra_body or {}, extra_body or {}]
+    off = any(body.get("cache_prompt") is False for body in bodies)
+    return off or request.cache_salt == "per_call"
 
 
 def _ab_pair(case: Case) -> dict[str, Any]:

@@ -98,9 +98,25 @@ class CaseHead(TypedDict):
     phase: str
 
 
-class CallRecord(CaseHead, MeasurementFields):
+class EngineCheckFields(TypedDict, total=False):
+    """A warm call's checks against the engine (issue 35; ledger/records.engine_check_fields),
+    after its other fields; each absent from a ledger of an older version, and from a call where
+    the engine tells nothing of it."""
+
+    # config/metrics.ENGINE_COUNTERS over the call (counters' changes, gauges' peaks), where the
+    # engine exposes /metrics.
+    engine_counters: dict[str, float]
+    # The prompt was served (in part) from the engine's prefix cache: its own count of cached
+    # prompt tokens (cache_n, cached_tokens) or its prefix_cache_hits counter.
+    prefix_cache_hit: bool
+    # The request asked for no prefix cache (cache_prompt: false, a unique cache_salt).
+    prefix_cache_off: bool
+
+
+class CallRecord(CaseHead, MeasurementFields, EngineCheckFields):
     """One measured call of a case (successful or not); a load case's calls add the load
-    fields, a case with telemetry its resource figures (telemetry/aggregate.py CALL_FIELDS)."""
+    fields, a case with telemetry its resource figures (telemetry/aggregate.py CALL_FIELDS), a
+    warm call its checks against the engine (EngineCheckFields)."""
 
     type: Literal["call"]
     run_idx: int
@@ -187,6 +203,11 @@ class LoadFigures(TypedDict, total=False):
     # the point (measure/control.py): present where measured.
     prefix_cache_hit_rate: float | None
     prefix_cache_source: str | None
+    # Requests whose engine counted other tokens than it streamed (measure.stream.token_mismatch).
+    token_mismatches: int
+    # Speculative decoding over the point (run/load/runner.spec_decode_figures; issue 35).
+    spec_acceptance_rate: float | None
+    spec_mean_acceptance_length: float | None
     reasoning_tokens_p50: float | None
     cpu_pressure: float
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pytest_gpubench.config.metrics import ENGINE_COUNTERS, EngineCounter
 from pytest_gpubench.measure.load_client import StreamConnection
 from pytest_gpubench.measure.stream import Endpoint, StreamError
 
@@ -26,6 +27,15 @@ TOKEN_COUNTERS = (
     "llamacpp:tokens_predicted_total",
     "llamacpp:prompt_tokens_total",
     "llamacpp:n_decode_total",
+    # Preemptions and speculative decoding over the point (issue 35): drafts, the tokens they
+    # proposed and those accepted.
+    "vllm:num_preemptions_total",
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+    "llamacpp:spec_decode_num_drafts_total",
+    "llamacpp:spec_decode_num_draft_tokens_total",
+    "llamacpp:spec_decode_num_accepted_tokens_total",
 )
 # The engine's own latency figures: a histogram's `_sum` and `_count` (vLLM), or the seconds it
 # spent and the tokens it spent them on (llama-server); their change over a point gives the
@@ -149,20 +159,28 @@ class GaugeScraper:
     async def settled_counters(self, timeout_s: float = 3.0) -> dict[str, float] | None:
         """The token counters once two reads 100 ms apart agree (an engine may count a step
         after its reply went out), or the last read at the timeout."""
+        page = await self.settled_page(timeout_s)
+        return None if page is None else page[1]
+
+    async def settled_page(
+        self, timeout_s: float = 3.0
+    ) -> tuple[dict[str, float], dict[str, float]] | None:
+        """The page (gauges, counters) once its counters hold still, as settled_counters."""
         deadline = time.monotonic() + timeout_s
         last: dict[str, float] | None = None
+        previous: tuple[dict[str, float], dict[str, float]] | None = None
         while True:
             page = await self.scrape()
             if page is None:
-                return last
+                return previous
             # The histograms too: vLLM observes a request's latencies when it finishes, and a
             # read between its last token and that would miss them.
             counters = {
                 name: page[1][name] for name in (*TOKEN_COUNTERS, *SERVER_SERIES) if name in page[1]
             }
             if counters == last or time.monotonic() > deadline:
-                return page[1]
-            last = counters
+                return page
+            last, previous = counters, page
             await asyncio.sleep(0.1)
 
     def _note(self, note: str) -> None:
@@ -185,3 +203,61 @@ class GaugeScraper:
             page = self._parse(text)
             if page is not None:
                 self.samples.add(t_ms, page[0])
+
+
+# A page as case_counters reads it: its gauges and its counters in one mapping.
+Page = Mapping[str, float]
+
+
+def _reading(counter: EngineCounter, page: Page) -> float | None:
+    """The counter's value on a page: its first alternative whose every series is there."""
+    for names in counter.series:
+        if all(name in page for name in names):
+            return sum(page[name] for name in names)
+    return None
+
+
+def counter_changes(before: Page, after: Page) -> dict[str, float]:
+    """config/metrics.ENGINE_COUNTERS over a call from the pages read before and after it: each
+    counter's change, each gauge's peak of the two readings; a counter the engine does not
+    expose is left out."""
+    changes: dict[str, float] = {}
+    for counter in ENGINE_COUNTERS:
+        first, last = _reading(counter, before), _reading(counter, after)
+        if first is None or last is None:
+            continue
+        value = max(first, last) if counter.kind == "peak" else last - first
+        changes[counter.name] = round(value, 6)
+    return changes
+
+
+class CaseCounters:
+    """The engine's `/metrics` read before and after each warm call of a cell, on a connection of
+    its own outside the timed call (the load points' GaugeScraper, one read at a time). An
+    engine that exposes none is asked once: `absent` then says why, and it is not asked again."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        headers: Sequence[tuple[str, str]],
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.scraper = GaugeScraper(endpoint, headers, 1000, tls)
+        self.absent: str | None = None
+
+    def read(self, *, settled: bool = False) -> Page | None:
+        """The page's gauges and counters (None where the engine exposes none); `settled`: once
+        its counters hold still (an engine may count a step after its reply went out)."""
+        if self.absent is not None:
+            return None
+        reader = self.scraper.settled_page() if settled else self.scraper.scrape()
+        try:
+            page = asyncio.run(reader)
+        except Exception as exc:  # counters are never worth a case: measure without them
+            reader.close()
+            page = None
+            self.scraper.samples.notes.append(f"/metrics not read: {exc}")
+        if page is not None:
+            return {**page[0], **page[1]}
+        self.absent = "; ".join(self.scraper.samples.notes) or "/metrics not read"
+        return None

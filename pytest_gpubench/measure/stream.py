@@ -100,6 +100,9 @@ class MeasurementFields(TypedDict):
     reasoning_tokens: int | None
     answer_tokens: int | None
     cached_prompt_tokens: int | None
+    token_mismatch: bool | None
+    draft_tokens: int | None
+    draft_accepted_tokens: int | None
 
 
 @dataclass
@@ -150,6 +153,15 @@ class CallMeasurement:
     # Prompt tokens the engine served from its prefix cache (llama.cpp's timings.cache_n, else
     # usage.prompt_tokens_details.cached_tokens); None where it says nothing.
     cached_prompt_tokens: int | None = None
+    # The client's count of streamed tokens against the engine's usage (issue 35, token_check):
+    # True where they disagree (token_counts_agree), None where the engine sent no count or the
+    # call failed.
+    token_mismatch: bool | None = None
+    # Speculative decoding (llama.cpp's timings.draft_n and draft_n_accepted): the tokens the
+    # draft model proposed over the call and those the target model accepted; None where the
+    # engine says nothing.
+    draft_tokens: int | None = None
+    draft_accepted_tokens: int | None = None
     # Filled by the stream parsers, turned into the figures above by finish_timing.
     first_answer_ns: int = 0
     reasoning_chunks: int = 0
@@ -184,6 +196,9 @@ class CallMeasurement:
             "reasoning_tokens": self.reasoning_tokens,
             "answer_tokens": self.answer_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
+            "token_mismatch": self.token_mismatch,
+            "draft_tokens": self.draft_tokens,
+            "draft_accepted_tokens": self.draft_accepted_tokens,
         }
 
 
@@ -253,9 +268,24 @@ def finish_timing(
     rates = call_rates(arrivals, measurement.completion_tokens, measurement.total_duration_ms)
     measurement.coalesced, measurement.content_reads = rates.coalesced, rates.content_reads
     if measurement.error is None:
+        measurement.token_mismatch = token_mismatch(
+            len(arrivals), measurement.completion_tokens, measurement.finish_reason
+        )
         measurement.tokens_per_sec = rates.tokens_per_sec
         measurement.tpot_ms = rates.tpot_ms
         measurement.e2e_tokens_per_sec = rates.e2e_tokens_per_sec
+
+
+def token_mismatch(chunks: int, completion_tokens: int | None, finish_reason: str) -> bool | None:
+    """Whether the engine's count of the tokens it generated (usage.completion_tokens, Ollama's
+    eval_count) disagrees with the client's: the content (and reasoning) chunks it streamed, one
+    token each. A call that ended on the model's end-of-sequence token (`stop`) may count one
+    token more, which streams no text. None where the engine sent no count."""
+    if isinstance(completion_tokens, bool) or not isinstance(completion_tokens, int):
+        return None
+    if completion_tokens == chunks:
+        return False
+    return not (finish_reason == "stop" and completion_tokens == chunks + 1)
 
 
 def reasoning_split(measurement: CallMeasurement, sent_ns: int) -> None:

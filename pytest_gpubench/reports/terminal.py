@@ -12,6 +12,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tabulate import tabulate
 
 from pytest_gpubench.ledger.outcomes import CellOutcome
+from pytest_gpubench.reports.engine_checks_table import (
+    engine_check_warnings,
+    render_engine_checks,
+)
 from pytest_gpubench.reports.formatting import (
     METRIC_LABELS,
     NONE,
@@ -25,6 +29,7 @@ from pytest_gpubench.reports.formatting import (
 )
 from pytest_gpubench.reports.load_tables import render_load_table, render_server_check
 from pytest_gpubench.reports.telemetry_table import TELEMETRY_HEADERS, telemetry_rows
+from pytest_gpubench.results.engine_checks import EngineChecks
 from pytest_gpubench.results.gate import (
     ALL_METRIC_NAMES,
     GATED_METRICS,
@@ -218,9 +223,11 @@ def render_summary(
     *,
     accepted: bool = False,
     telemetry: Iterable[TelemetrySummary] = (),
+    checks: Iterable[EngineChecks] = (),
 ) -> str:
     """The terminal summary: the table, the resource telemetry table (when anything was
-    sampled), then one line per verdict that needs attention."""
+    sampled), the checks against the engine (when it told anything), then one line per verdict
+    that needs attention and per check that failed."""
     verdicts = list(verdicts)
     summaries = list(summaries)
     rows = summary_rows(summaries, verdicts, accepted=accepted)
@@ -233,6 +240,11 @@ def render_summary(
     tables = [table(rows, summary_headers(summaries))]
     if resources:
         tables.append(table(resources, TELEMETRY_HEADERS))
+    checks = list(checks)
+    engine_table = render_engine_checks(checks)
+    if engine_table:
+        tables.append(engine_table)
+    notes.extend(engine_check_warnings(checks))
     head_to_head = render_ab(verdicts)
     if head_to_head:
         tables.append(head_to_head)
@@ -382,13 +394,20 @@ def gate_lines(
     baseline_update: bool,
     baselines_dir: Path,
     telemetry: Iterable[TelemetrySummary] = (),
+    checks: Iterable[EngineChecks] = (),
 ) -> list[TerminalLine]:
     """The gate's part of the terminal summary: the tables, baseline notes, errors, the status."""
     summaries, verdicts = list(summaries), list(verdicts)
     lines = (
         [
             TerminalLine(
-                render_summary(summaries, verdicts, accepted=baseline_update, telemetry=telemetry)
+                render_summary(
+                    summaries,
+                    verdicts,
+                    accepted=baseline_update,
+                    telemetry=telemetry,
+                    checks=checks,
+                )
             )
         ]
         if summaries

@@ -38,6 +38,7 @@ from pytest_gpubench.results.decision import ALPHA, MIN_HISTORY, UNDECIDED
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.matrix import Cell
+    from pytest_gpubench.results.engine_checks import EngineChecks
     from pytest_gpubench.results.gate import Verdict
     from pytest_gpubench.results.run_history import History
     from pytest_gpubench.results.stats import PromptSummary
@@ -69,6 +70,8 @@ class CellJudging(_Strict):
     reference: str | None = None
     optional: bool = False
     skip: str | None = None
+    # The cell's token_check (issue 35): `fail` makes a token-count mismatch a regression.
+    token_check: Literal["warn", "fail", "off"] = "warn"
 
 
 class JudgingSettings(_Strict):
@@ -154,6 +157,7 @@ def _cell_judging(cell: Cell) -> CellJudging:
         reference=cell.reference,
         optional=cell.spec.optional,
         skip=cell.spec.skip,
+        token_check=cell.spec.token_check or "warn",
     )
 
 
@@ -238,6 +242,8 @@ class Judgement:
     load_verdicts: list[Verdict] = field(default_factory=list)
     # Per (cell, prompt): the warm calls' resource telemetry (telemetry/aggregate.py).
     telemetry: list[TelemetrySummary] = field(default_factory=list)
+    # Per (cell, prompt): the warm calls' checks against the engine (results/engine_checks.py).
+    checks: list[EngineChecks] = field(default_factory=list)
     outcomes: list[CellOutcome] = field(default_factory=list)
     gate_error: str | None = None
     # The run's parts whose baselines could not be read, so went unjudged ("warm", "load").
@@ -415,6 +421,7 @@ def judge_run(run: RunRecords, settings: JudgingSettings, baselines_dir: Path) -
 
 
 def _judge_warm(judgement: Judgement, run: RunRecords, baselines_dir: Path) -> None:
+    from pytest_gpubench.results.engine_checks import check_verdicts, engine_checks
     from pytest_gpubench.results.gate import ACCEPT_OPTION, telemetry_verdicts
     from pytest_gpubench.results.stats import summarize
     from pytest_gpubench.telemetry.aggregate import telemetry_summaries
@@ -422,6 +429,8 @@ def _judge_warm(judgement: Judgement, run: RunRecords, baselines_dir: Path) -> N
     settings = judgement.settings
     judgement.summaries = summarize(run.calls)
     judgement.telemetry = telemetry_summaries(run.calls)
+    unchecked = [cid for cid, cell in settings.cells.items() if cell.token_check == "off"]
+    judgement.checks = engine_checks(run.calls, unchecked)
     try:
         found = _read_baselines(run, baselines_dir, replacing=settings.writes_baselines)
         judgement.changed_setups = found.changed
@@ -432,6 +441,7 @@ def _judge_warm(judgement: Judgement, run: RunRecords, baselines_dir: Path) -> N
             second = _warm_verdicts(summarize(run.remeasured), found, settings)
             verdicts = confirm(verdicts, second, run.not_remeasured)
         verdicts.extend(telemetry_verdicts(run.calls, settings.thresholds()))
+        verdicts.extend(check_verdicts(judgement.checks, settings))
     except GpubenchError as exc:
         judgement.fail_to_judge("warm", exc)
         return

@@ -22,6 +22,7 @@ from pytest_gpubench.ledger.records import (
     call_record,
     cell_record,
     checkpoint_record,
+    engine_check_fields,
     sample_record,
     skipped_record,
     stage_record,
@@ -370,6 +371,9 @@ class Harness:
         else:
             live.warm_up(prompt, max_tokens, shape, **own)
         steadiness = self.steadiness and case.phase == "warm"
+        # The engine's own counters before the call (outside its timed span), where it has some.
+        counters = live.engine_counters() if case.phase == "warm" else None
+        counters_before = counters.read() if counters is not None else None
         control_ms = self.control.measure_ms() if steadiness else None
         assert live.engine is not None
         window = self._begin_sampling(live)
@@ -382,6 +386,11 @@ class Harness:
         cpu_pressure = self.pressure.share(pressure_mark) if steadiness else None
         live.last_call_end = time.monotonic()
         samples = self._end_sampling(live, window)
+        counters_after = (
+            counters.read(settled=True)
+            if counters is not None and counters_before is not None
+            else None
+        )
         record = call_record(
             run_id=self.run_id,
             cell=live.cell,
@@ -406,6 +415,11 @@ class Harness:
             fields["engine_cpu_ms"] = round(waited.cpu_ms, 3)
             if waited.cpu_ms > 0:
                 fields["engine_wait_per_cpu"] = round(waited.wait_ms / waited.cpu_ms, 4)
+        fields.update(
+            engine_check_fields(
+                measurement, shape, counters_before, counters_after, own.get("extra_body")
+            )
+        )
         if self.measure_pass > 1:
             fields["pass"] = self.measure_pass
         others = self._sample_records(live, case, samples)

@@ -21,6 +21,7 @@ from pytest_gpubench.engines import Engine, EngineHook, KeepsConnection, make_en
 from pytest_gpubench.engines.managed import ManagedServer, managed_server, model_size
 from pytest_gpubench.ledger.records import tls_warning
 from pytest_gpubench.measure.engine_wait import EngineWait
+from pytest_gpubench.measure.gauges import CaseCounters
 from pytest_gpubench.measure.stream import STALL_LIMIT_S, CallMeasurement, StreamError, TlsSettings
 from pytest_gpubench.run.nodes import plain_error
 from pytest_gpubench.targets import Target, records_stages
@@ -75,6 +76,9 @@ class LiveCell:
     benchmark_stopped: str | None = None
     # Token-exact synthetic texts counted on this cell, by (size, seed) (run/workloads.py).
     exact_texts: dict[tuple[int, int], Any] = field(default_factory=dict)
+    # The engine's /metrics read around each warm call (None until first asked, or where the
+    # engine speaks no OpenAI-compatible HTTP: Ollama, a plugin's engine).
+    counters: CaseCounters | None = None
 
     def engine_wait(self) -> EngineWait | None:
         """The reader of the engine's own waiting: a managed engine on this machine only."""
@@ -82,6 +86,22 @@ class LiveCell:
             return None
         pid = self.server.pid
         return EngineWait(pid) if pid is not None else None
+
+    def engine_counters(self) -> CaseCounters | None:
+        """The reader of the engine's own counters around a warm call: an OpenAI-compatible
+        engine's (vLLM, llama-server), on its endpoint with its headers; None where it exposes
+        no /metrics (asked once: measure/gauges.CaseCounters.absent says why)."""
+        from pytest_gpubench.engines.openai import OpenAIEngine
+        from pytest_gpubench.measure.stream import Endpoint
+
+        if not isinstance(self.engine, OpenAIEngine):
+            return None
+        if self.counters is None:
+            engine = self.engine
+            tls = engine.tls.context() if engine.base_url.startswith("https") else None
+            headers = tuple(engine.request_headers().items())
+            self.counters = CaseCounters(Endpoint.parse(engine.base_url), headers, tls)
+        return None if self.counters.absent is not None else self.counters
 
     def prepare(self) -> None:
         """Open the node, launch a managed engine, health-check; on failure mark it unavailable."""

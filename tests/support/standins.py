@@ -173,8 +173,15 @@ class FaultyOpenAIServer(_Server):
 
     A prompt containing BREAK closes the connection mid-stream, NOTJSON sends a line that is not
     JSON, ERRLINE sends an error event mid-stream, STALL stops sending mid-stream (until the
-    client gives up), FAIL500 answers HTTP 500, HANGUP closes the connection before answering;
-    any other prompt streams normally.
+    client gives up), FAIL500 answers HTTP 500, HANGUP closes the connection before answering,
+    MISCOUNT streams normally but its `usage` claims three tokens more than it streamed (a count
+    the client must not take on trust); any other prompt streams normally.
+
+    A normal stream follows OpenAI's chat completions streaming protocol field by field: each
+    `chat.completion.chunk` with `id`, `object`, `model` and `choices[{index, delta: {content},
+    finish_reason}]` (`length` on the last), then, as `stream_options.include_usage` asks, a
+    chunk with empty `choices` and `usage: {prompt_tokens, completion_tokens, total_tokens}`,
+    then `data: [DONE]`.
     """
 
     def __init__(self, model: str = "m") -> None:
@@ -222,8 +229,10 @@ class FaultyOpenAIServer(_Server):
                                   "finish_reason": "length" if index == tokens - 1 else None}]}  # fmt: skip
             handler._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
             time.sleep(0.001)
-        usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": tokens,
-                                          "total_tokens": 5 + tokens}}  # fmt: skip
+        counted = tokens + 3 if "MISCOUNT" in prompt else tokens
+        usage = {"id": "x", "object": "chat.completion.chunk", "model": self.model,
+                 "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": counted,
+                                          "total_tokens": 5 + counted}}  # fmt: skip
         handler._chunk(f"data: {json.dumps(usage)}\n\n".encode())
         handler._chunk(b"data: [DONE]\n\n")
         handler._end_chunked()

@@ -363,9 +363,12 @@ class _Recorder:
                 "client_completion_tokens": sum(
                     int(call.get("completion_tokens") or 0) for call in calls
                 ),
+                # The requests whose engine counted other tokens than it streamed (issue 35).
+                "token_mismatches": sum(call.get("token_mismatch") is True for call in calls),
                 "engine_counters": scraper.samples.counter_changes() or None,
                 "engine_metrics_notes": scraper.samples.notes or None,
                 **prefix_cache_figures(calls, scraper.samples.counter_changes()),
+                **spec_decode_figures(scraper.samples.counter_changes()),
                 **session_figures(calls, self.profile.turns),
                 # The share of the point's time in which some task on this machine waited for
                 # a CPU (our own client's and engine's tasks among them): how steady it was.
@@ -445,6 +448,23 @@ def prefix_cache_figures(
         prompt = sum(int(c["prompt_tokens"]) for c in cached)
         return {"prefix_cache_hit_rate": round(found / prompt, 4), "prefix_cache_source": "cache_n"}
     return {"prefix_cache_hit_rate": None, "prefix_cache_source": None}
+
+
+def spec_decode_figures(counters: Mapping[str, float]) -> dict[str, Any]:
+    """Speculative decoding over the point from the engine's own counters (vLLM's, llama.cpp's
+    spec_decode_*): the share of draft tokens accepted, and the mean acceptance length, the
+    tokens each draft step yields (accepted per draft, plus the target model's own one, as
+    vLLM counts it); None where the engine drafted nothing."""
+    for engine in ("vllm", "llamacpp"):
+        drafts = counters.get(f"{engine}:spec_decode_num_drafts_total")
+        proposed = counters.get(f"{engine}:spec_decode_num_draft_tokens_total")
+        accepted = counters.get(f"{engine}:spec_decode_num_accepted_tokens_total")
+        if drafts and proposed and accepted is not None:
+            return {
+                "spec_acceptance_rate": round(accepted / proposed, 4),
+                "spec_mean_acceptance_length": round(accepted / drafts + 1, 4),
+            }
+    return {"spec_acceptance_rate": None, "spec_mean_acceptance_length": None}
 
 
 def _lag_by_process(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
