@@ -189,7 +189,8 @@ def test_a_slower_path_is_a_regression_and_a_neighbour_on_the_engines_cpu_is_uns
     (21 % in the baseline's run, 33 % with the change: the proxy and the client are tasks too),
     and the change came out `unsteady`, twice. The real llama-server, started by the harness
     behind a pacing proxy in its own process (support/paced_engine.py: each content event 10 ms
-    after the one before in the second run, as it came in the first); the readings of the
+    after the one before in the second run, 2 ms in the first: paced in both, so that no reply's
+    chunks arrive coalesced and leave it without a decode rate); the readings of the
     machine are set, so that the verdict is certain on a shared machine: the pressure 21 % then
     33 %, the engine's own wait 0.02 ms per CPU ms both times. The decode rate's fall is a
     regression (exit 6), not unsteady. Then the path as it was, with the engine's wait at
@@ -216,7 +217,7 @@ def test_a_slower_path_is_a_regression_and_a_neighbour_on_the_engines_cpu_is_uns
         monkeypatch.setattr(CpuPressure, "share", lambda self, mark: share)
 
     gap = pytester.path / "gap_ms"
-    gap.write_text("0")
+    gap.write_text("2")
     launch = [
         sys.executable, str(SUPPORT / "paced_engine.py"), "--port", "{port}", "--gap-file",
         str(gap), "--", str(llama_server), "--model", "{model_path}", "--alias", "{model}",
@@ -252,7 +253,7 @@ def test_a_slower_path_is_a_regression_and_a_neighbour_on_the_engines_cpu_is_uns
     assert decode["verdict"] == "regression", decode
     assert not [v for v in judged.values() if v["verdict"] == "unsteady"], judged
 
-    gap.write_text("0")
+    gap.write_text("2")
     pressure(0.21)
     engine_waits(0.5)
     crowded = pytester.runpytest(*args)
