@@ -1,6 +1,6 @@
 """The frozen prompts of prompts.yaml (a prompt's text or turns, its max_tokens, the request keys
-it adds), a dataset entry's sampled prompts, synthetic ones by token counts, and the rule that a
-shipped prompt never changes under its id."""
+it adds, its request kind), a dataset entry's sampled prompts, synthetic ones by token counts, and
+the rule that a shipped prompt never changes under its id."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from pytest_gpubench.config.datasets import Dataset, DatasetPrompt, sample_dataset
 from pytest_gpubench.config.load_profile import Synthetic
+from pytest_gpubench.config.metrics import REQUEST_KINDS
 from pytest_gpubench.config.words import seeded_words
 from pytest_gpubench.config.yaml_file import one_line_errors, read_yaml_mapping
 from pytest_gpubench.core.errors import GpubenchError
@@ -62,10 +63,51 @@ class ChatTurn(_Strict):
     content: str
 
 
+RequestKind = Literal["chat", "completion", "embedding", "tools", "json_schema"]
+assert set(RequestKind.__args__) == set(REQUEST_KINDS)  # type: ignore[attr-defined]
+
+
+class ToolFunction(_Strict):
+    """An OpenAI tool's function: its name and the JSON Schema of its arguments."""
+
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+
+class Tool(_Strict):
+    """One entry of a `tools` prompt's tools, as the OpenAI API takes it."""
+
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+# The keys of a prompt that only some request kinds take: {key: the kinds that take it}.
+KIND_KEYS: dict[str, tuple[str, ...]] = {
+    "tools": ("tools",),
+    "tool_choice": ("tools",),
+    "json_schema": ("json_schema",),
+    "inputs": ("embedding",),
+    "messages": ("chat", "tools", "json_schema"),
+}
+
+
 class Prompt(_Strict):
     intent: str
     prompt: Annotated[str, Field(min_length=1)]
     max_tokens: PositiveInt
+    # What is asked of the engine (docs/request-kinds.md): a chat completion (the default), a
+    # plain streamed completion, embeddings, a chat with tools, a chat whose answer a JSON Schema
+    # constrains (response_format json_schema).
+    kind: RequestKind = "chat"
+    # kind tools: the tools offered, and which the model must call (`required`, the default: any
+    # of them; `auto`; or one tool's name).
+    tools: tuple[Tool, ...] | None = None
+    tool_choice: Annotated[str, Field(min_length=1)] | None = None
+    # kind json_schema: the JSON Schema the answer must follow.
+    json_schema: dict[str, Any] | None = None
+    # kind embedding: further inputs sent in the same request after `prompt`.
+    inputs: tuple[Annotated[str, Field(min_length=1)], ...] | None = None
     request: RequestShape | None = None
     # A whole conversation sent in place of `prompt` alone (a dataset's entry with a system
     # turn); `prompt` is then its last user turn.
@@ -73,6 +115,30 @@ class Prompt(_Strict):
     # A token-exact synthetic prompt of one size: `prompt` holds word text until the live cell
     # counts the exact text through the engine (run/workloads.py); frozen at that point.
     synthetic: Synthetic | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _embedding_needs_no_max_tokens(cls, value: Any) -> Any:
+        # An embedding generates nothing: its max_tokens may be left out (1, never sent).
+        if isinstance(value, dict) and value.get("kind") == "embedding":
+            return {"max_tokens": 1, **value}
+        return value
+
+    def kind_keys(self) -> dict[str, Any]:
+        """What the kind adds to the request, as JSON (also frozen in the hash)."""
+        keys: dict[str, Any] = {}
+        if self.tools is not None:
+            keys["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+            keys["tool_choice"] = self.tool_choice or "required"
+        if self.json_schema is not None:
+            keys["json_schema"] = self.json_schema
+        if self.inputs is not None:
+            keys["inputs"] = list(self.inputs)
+        return keys
+
+    def embedding_inputs(self) -> list[str]:
+        """An embedding request's inputs: `prompt`, then `inputs`."""
+        return [self.prompt, *(self.inputs or ())]
 
     def chat_messages(self) -> list[dict[str, Any]] | None:
         """The conversation to send, or None where `prompt` is sent as one user turn."""
@@ -91,6 +157,10 @@ class Prompt(_Strict):
         changed = request.changed_keys() if request is not None else {}
         if changed:
             frozen["request"] = changed
+        # A chat prompt's hash is the one it had before request kinds existed.
+        if self.kind != "chat":
+            frozen["kind"] = self.kind
+            frozen.update(self.kind_keys())
         canonical = json.dumps(frozen, sort_keys=True).encode()
         return hashlib.sha256(canonical).hexdigest()
 
@@ -191,6 +261,7 @@ def read_prompt_file(path: Path) -> tuple[dict[str, Prompt], dict[str, tuple[str
     groups: dict[str, tuple[str, ...]] = {}
     for key in named:
         if key in parsed.prompts:
+            check_kind_keys(path, key, parsed.prompts[key])
             prompts[key] = parsed.prompts[key]
             continue
         if key in synthetic.prompts:
@@ -221,6 +292,55 @@ def read_prompt_file(path: Path) -> tuple[dict[str, Prompt], dict[str, tuple[str
             ids.append(prompt_id)
         groups[key] = tuple(ids)
     return prompts, groups
+
+
+def check_kind_keys(path: Path, prompt_id: str, prompt: Prompt) -> None:
+    """A prompt's kind and the keys it sets agree, and its schemas are JSON Schema: else one
+    line naming the file, the prompt and the key (exit status 4, a bad prompts.yaml)."""
+    where = f"{path}: prompts.{prompt_id}"
+    for key, kinds in KIND_KEYS.items():
+        if getattr(prompt, key) is not None and prompt.kind not in kinds:
+            raise GpubenchError(
+                f"{where}.{key}: only a prompt of kind {' or '.join(kinds)} takes it "
+                f"(this one is {prompt.kind})"
+            )
+    if prompt.kind == "tools":
+        if not prompt.tools:
+            raise GpubenchError(f"{where}.tools: a prompt of kind tools names at least one tool")
+        names = [tool.function.name for tool in prompt.tools]
+        if len(set(names)) != len(names):
+            raise GpubenchError(f"{where}.tools: two tools are named alike ({', '.join(names)})")
+        choice = prompt.tool_choice
+        if choice is not None and choice not in ("auto", "required") and choice not in names:
+            raise GpubenchError(
+                f"{where}.tool_choice: auto, required or one tool's name ({', '.join(names)}), "
+                f"not {choice!r}"
+            )
+        for index, tool in enumerate(prompt.tools):
+            problem = schema_problem(tool.function.parameters)
+            if problem is not None:
+                raise GpubenchError(
+                    f"{where}.tools[{index}].function.parameters: not a valid JSON Schema: "
+                    f"{problem}"
+                )
+    if prompt.kind == "json_schema":
+        if prompt.json_schema is None:
+            raise GpubenchError(f"{where}.json_schema: a prompt of kind json_schema needs one")
+        problem = schema_problem(prompt.json_schema)
+        if problem is not None:
+            raise GpubenchError(f"{where}.json_schema: not a valid JSON Schema: {problem}")
+
+
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why `schema` is not a JSON Schema (draft 2020-12), in one line; None when it is."""
+    from jsonschema import Draft202012Validator, SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        at = "/".join(str(part) for part in exc.path)
+        return f"{exc.message}" + (f" (at {at})" if at else "")
+    return None
 
 
 def frozen_prompt_error(

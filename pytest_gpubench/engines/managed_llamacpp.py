@@ -37,6 +37,44 @@ def llama_server_launch(
     ]  # fmt: skip
 
 
+EMBEDDINGS_FLAGS = ("--embedding", "--embeddings")
+
+
+def kind_args(kinds: Sequence[str], server_args: Sequence[str]) -> list[str]:
+    """The flags a managed llama-server needs for the request kinds of its cell's prompts, where
+    server_args does not set them already (a cell's `launch:` is used as written):
+    `--embeddings --pooling mean` where every prompt is an embedding (llama-server then serves
+    embeddings only, so a cell that mixes embeddings with generating prompts gets no flag, and its
+    embedding cases are skipped: kind_missing); `--jinja` where a prompt is of kind tools (the
+    default of recent servers, written out for older ones)."""
+    args: list[str] = []
+    if set(kinds) == {"embedding"} and not set(EMBEDDINGS_FLAGS) & set(server_args):
+        args.append("--embeddings")
+        if "--pooling" not in server_args:
+            # /v1/embeddings answers one vector an input only with a pooling (a generative
+            # model's GGUF says none): the mean of its token vectors, as llama.cpp's own
+            # embedding examples use.
+            args += ["--pooling", "mean"]
+    if "tools" in kinds and not {"--jinja", "--no-jinja"} & set(server_args):
+        args.append("--jinja")
+    return args
+
+
+def kind_missing(kind: str, argv: Sequence[str]) -> str | None:
+    """Why a llama-server started with `argv` cannot serve a request of `kind`, or None."""
+    embeddings_only = bool(set(EMBEDDINGS_FLAGS) & set(argv))
+    if kind == "embedding" and not embeddings_only:
+        return (
+            "llama-server serves embeddings only when started with --embeddings, which turns "
+            "generation off: give embedding prompts a cell of their own (its prompts: key)"
+        )
+    if kind != "embedding" and embeddings_only:
+        return f"llama-server started with --embeddings serves no {kind} requests"
+    if kind == "tools" and "--no-jinja" in argv:
+        return "llama-server started with --no-jinja takes no tools (--jinja)"
+    return None
+
+
 def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
     """On this machine the server is chosen (engines/llamacpp_choice.py: one named, the
     prebuilt one, or the source build), installed or built where needed, and the model is the
@@ -69,7 +107,10 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
             f"cell {cell.cell_id}: model_path: cannot read {model_path} on the node"
         )
     launch = spec.launch or llama_server_launch(
-        command, spec.server_args, parallel=spec.parallel or 1, metrics=cell.load is not None
+        command,
+        [*spec.server_args, *kind_args(cell.kinds, spec.server_args)],
+        parallel=spec.parallel or 1,
+        metrics=cell.load is not None,
     )
     return LaunchPlan(
         launch=tuple(launch),

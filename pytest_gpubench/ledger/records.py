@@ -215,6 +215,7 @@ def call_record(
         "started_at_utc": started_at_utc,
         # The gaps packed (ledger/gaps.py): most of a long reply's record otherwise.
         **cast(MeasurementFields, packed_record(measurement.to_record())),
+        **measurement.kind_fields(),
         "worker": os.environ.get("PYTEST_XDIST_WORKER"),
     }
     # Last, as before: an A/B pair's place, then the telemetry fields (one per sampler column).

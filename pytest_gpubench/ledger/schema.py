@@ -15,7 +15,7 @@ from pytest_gpubench.config.shards import ShardFacts
 from pytest_gpubench.core.errors import key_path, non_finite_at
 from pytest_gpubench.core.provenance import GitState
 from pytest_gpubench.ledger.outcomes import CellStatus
-from pytest_gpubench.measure.stream import MeasurementFields
+from pytest_gpubench.measure.stream import KindFields, MeasurementFields
 from pytest_gpubench.targets.stages import StageFacts
 
 
@@ -98,9 +98,10 @@ class CaseHead(TypedDict):
     phase: str
 
 
-class CallRecord(CaseHead, MeasurementFields):
+class CallRecord(CaseHead, MeasurementFields, KindFields):
     """One measured call of a case (successful or not); a load case's calls add the load
-    fields, a case with telemetry its resource figures (telemetry/aggregate.py CALL_FIELDS)."""
+    fields, a case with telemetry its resource figures (telemetry/aggregate.py CALL_FIELDS), a
+    call of a request kind other than chat its kind's fields (KindFields)."""
 
     type: Literal["call"]
     run_idx: int

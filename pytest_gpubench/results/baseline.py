@@ -420,7 +420,10 @@ def prompt_refusals(
     if rate is not None and rate < min_success_rate:
         detail = f"{summary.prompt_id} {rate:.2f} ({summary.n_warm_ok}/{summary.n_warm})"
         return (f"warm success rate below {min_success_rate:.2f}:", detail)
-    samples = len(summary.samples["first_delta_ms"])
+    # The first gated figure's samples (TTFT); an embedding, which has none, its total's.
+    samples = len(
+        summary.samples["first_delta_ms" if summary.kind != "embedding" else "total_duration_ms"]
+    )
     future = future_runs if future_runs is not None else samples
     why = sample_check(samples, future) if sample_check is not None else None
     if why is not None:
