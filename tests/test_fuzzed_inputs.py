@@ -54,6 +54,45 @@ FEW = settings(
 )
 
 PROMPTS = {"prompts": {"P-EASY": {"intent": "short", "prompt": "Say hi.", "max_tokens": 4}}}
+# A prompt of each request kind with its keys (issue 35): the kinds' keys mutated too.
+KIND_PROMPTS: dict[str, Any] = {
+    "prompts": {
+        "C": {"intent": "c", "kind": "completion", "prompt": "Once", "max_tokens": 4},
+        "E": {"intent": "e", "kind": "embedding", "prompt": "one", "inputs": ["two"]},
+        "T": {
+            "intent": "t",
+            "kind": "tools",
+            "prompt": "weather?",
+            "max_tokens": 8,
+            "tool_choice": "get_weather",
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"city": {"type": "string", "maxLength": 12}},
+                            "required": ["city"],
+                        },
+                    },
+                }
+            ],
+        },
+        "J": {
+            "intent": "j",
+            "kind": "json_schema",
+            "prompt": "a person",
+            "max_tokens": 8,
+            "json_schema": {
+                "type": "object",
+                "properties": {"age": {"type": "integer", "minimum": 0}},
+                "$defs": {"n": {"type": "string"}},
+                "required": ["age"],
+            },
+        },
+    }
+}
 CELLS: dict[str, Any] = {
     "settings": {
         "runs": 3,
@@ -228,6 +267,8 @@ def test_the_fixed_documents_are_valid() -> None:
         cells_path.write_text(dumped(CELLS))
         prompts_path.write_text(dumped(PROMPTS))
         assert len(read_matrix(cells_path, prompts_path).cells) == 2
+        prompts_path.write_text(dumped(KIND_PROMPTS))
+        assert set(read_prompts(prompts_path)) == {"C", "E", "T", "J"}
 
 
 @MANY
@@ -256,6 +297,22 @@ def test_any_prompts_yaml_gives_prompts_or_one_clear_error(document: Any) -> Non
             read_prompts(path)
         except GpubenchError as error:
             assert_one_clear_error(error, path)
+
+
+@MANY
+@given(mutated(KIND_PROMPTS))
+def test_any_request_kind_keys_give_prompts_or_one_clear_error(document: Any) -> None:
+    """prompts.yaml's kinds and their keys (tools, tool_choice, json_schema, inputs), mutated:
+    prompts, or one line naming the file (and the prompt and key where one is at fault); a
+    cells.yaml that load-tests them is refused in one line too."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory, "prompts.yaml")
+        path.write_text(dumped(document), encoding="utf-8")
+        try:
+            read_prompts(path)
+        except GpubenchError as error:
+            assert_one_clear_error(error, path)
+    matrix_or_one_line(dumped(CELLS), dumped(document))
 
 
 @SOME

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -340,7 +341,24 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
     except SchemaError as exc:
         at = "/".join(str(part) for part in exc.path)
         return f"{exc.message}" + (f" (at {at})" if at else "")
+    remote = next(_remote_refs(schema), None)
+    if remote is not None:
+        # Nothing is fetched: an answer is judged against what the file holds.
+        return f"$ref {remote!r} points outside the schema; only local refs (#/...) are read"
     return None
+
+
+def _remote_refs(value: Any) -> Iterator[str]:
+    """The `$ref`s of a schema that do not point inside it."""
+    if isinstance(value, dict):
+        ref = value.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            yield ref
+        for item in value.values():
+            yield from _remote_refs(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _remote_refs(item)
 
 
 def frozen_prompt_error(

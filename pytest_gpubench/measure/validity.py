@@ -9,13 +9,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from jsonschema import Draft202012Validator
+from referencing.exceptions import Unresolvable
 
 from pytest_gpubench.measure.stream import CallMeasurement
 
 
 def follows(instance: Any, schema: Mapping[str, Any]) -> bool:
-    """Whether `instance` is valid against the JSON Schema `schema` (draft 2020-12)."""
-    return bool(Draft202012Validator(dict(schema)).is_valid(instance))
+    """Whether `instance` is valid against the JSON Schema `schema` (draft 2020-12). A local
+    `$ref` that points at nothing (prompts.yaml's schemas have no other: config/prompts.py)
+    cannot be followed, so no answer is valid against it."""
+    try:
+        return bool(Draft202012Validator(dict(schema)).is_valid(instance))
+    except Unresolvable:
+        return False
 
 
 def parsed(text: str) -> tuple[bool, Any]:
