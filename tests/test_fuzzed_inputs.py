@@ -59,6 +59,7 @@ KIND_PROMPTS: dict[str, Any] = {
     "prompts": {
         "C": {"intent": "c", "kind": "completion", "prompt": "Once", "max_tokens": 4},
         "E": {"intent": "e", "kind": "embedding", "prompt": "one", "inputs": ["two"]},
+        "R": {"intent": "r", "kind": "rerank", "prompt": "q", "documents": ["a", "b"], "top_n": 1},
         "T": {
             "intent": "t",
             "kind": "tools",
@@ -268,7 +269,7 @@ def test_the_fixed_documents_are_valid() -> None:
         prompts_path.write_text(dumped(PROMPTS))
         assert len(read_matrix(cells_path, prompts_path).cells) == 2
         prompts_path.write_text(dumped(KIND_PROMPTS))
-        assert set(read_prompts(prompts_path)) == {"C", "E", "T", "J"}
+        assert set(read_prompts(prompts_path)) == {"C", "E", "R", "T", "J"}
 
 
 @MANY
@@ -302,7 +303,8 @@ def test_any_prompts_yaml_gives_prompts_or_one_clear_error(document: Any) -> Non
 @MANY
 @given(mutated(KIND_PROMPTS))
 def test_any_request_kind_keys_give_prompts_or_one_clear_error(document: Any) -> None:
-    """prompts.yaml's kinds and their keys (tools, tool_choice, json_schema, inputs), mutated:
+    """prompts.yaml's kinds and their keys (tools, tool_choice, json_schema, inputs, documents,
+    top_n), mutated:
     prompts, or one line naming the file (and the prompt and key where one is at fault); a
     cells.yaml that load-tests them is refused in one line too."""
     with tempfile.TemporaryDirectory() as directory:

@@ -85,7 +85,7 @@ def test_each_kind_reads_its_keys_and_freezes_them(tmp_path: Path) -> None:
     [
         (
             "  P: {intent: p, prompt: hi, max_tokens: 4, kind: rerank2}\n",
-            "prompts.P.kind: Input should be 'chat', 'completion', 'embedding', 'tools' or 'json_schema'*",
+            "prompts.P.kind: Input should be 'chat', 'completion', 'embedding', 'rerank', 'tools' or 'json_schema'*",
         ),
         (
             "  P: {intent: p, prompt: hi, max_tokens: 4, kind: tools}\n",
@@ -108,6 +108,20 @@ def test_each_kind_reads_its_keys_and_freezes_them(tmp_path: Path) -> None:
             "  P:\n    intent: p\n    kind: tools\n    prompt: hi\n    max_tokens: 4\n"
             "    tools: [{function: {name: f, parameters: {type: object, required: 3}}}]\n",
             "prompts.P.tools[0].function.parameters: not a valid JSON Schema: *",
+        ),
+        (
+            "  P: {intent: p, kind: rerank, prompt: q}\n",
+            "prompts.P.documents: a prompt of kind rerank ranks at least one",
+        ),
+        (
+            "  P: {intent: p, kind: embedding, prompt: q, top_n: 2}\n",
+            "prompts.P.top_n: only a prompt of kind rerank takes it (this one is embedding)",
+        ),
+        (
+            "  P: {intent: p, kind: json_schema, prompt: q, max_tokens: 4, "
+            "json_schema: {$ref: 'http://127.0.0.1:1/s.json'}}\n",
+            "prompts.P.json_schema: not a valid JSON Schema: $ref 'http://127.0.0.1:1/s.json' "
+            "points outside the schema; only local refs (#/...) are read",
         ),
         (
             "  P: {intent: p, prompt: hi, max_tokens: 4, kind: completion, inputs: [x]}\n",
@@ -182,12 +196,19 @@ def test_a_json_schema_answer_is_valid_only_where_it_parses_and_follows_the_sche
 
 def test_a_managed_llama_server_gets_the_flags_of_its_prompts_kinds() -> None:
     assert kind_args(("embedding",), ()) == ["--embeddings", "--pooling", "mean"]
+    assert kind_args(("rerank",), ()) == ["--embeddings", "--pooling", "rank"]
     assert kind_args(("embedding",), ("--embeddings", "--pooling", "cls")) == []
-    # Mixed: --embeddings would turn generation off, so the embedding cases are skipped.
+    assert kind_args(("embedding",), ("--embeddings",)) == []
+    # Mixed: --embeddings is for embedding models (llama-server's help), so none is added and
+    # the embedding cases are skipped; server_args that ask for it measure them all.
     assert kind_args(("chat", "embedding"), ()) == []
     assert "--embeddings" in (kind_missing("embedding", ["llama-server"]) or "")
-    assert kind_missing("chat", ["llama-server", "--embeddings"]) is not None
+    assert kind_missing("chat", ["llama-server", "--embeddings"]) is None
     assert kind_missing("embedding", ["llama-server", "--embedding"]) is None
+    assert kind_missing("embedding", ["llama-server", "--rerank"]) is not None
+    assert kind_missing("rerank", ["llama-server", "--embeddings"]) is not None
+    assert kind_missing("rerank", ["llama-server", "--embeddings", "--pooling", "rank"]) is None
+    assert kind_missing("rerank", ["llama-server", "--reranking"]) is None
     assert kind_args(("tools",), ()) == ["--jinja"]
     assert kind_args(("tools",), ("--no-jinja",)) == []
     assert kind_missing("tools", ["llama-server", "--no-jinja"]) is not None

@@ -1,5 +1,5 @@
 """Request kinds (issue 35) against the real llama-server serving the tiny model: a plain
-completion, embeddings, a tools call and a json_schema answer, each with its own figures in the
+completion, embeddings, a rerank, a tools call and a json_schema answer, each with its own figures in the
 ledger and the terminal, baselined and then gated by a second run; a cell that cannot send a
 kind skips it in one line. The tiny model's own chat template (ChatML) makes llama-server's
 grammar sampler fail on any constrained chat (HTTP 400 "Failed to initialize samplers"), so the
@@ -41,6 +41,8 @@ PROMPTS = (
     "prompts:\n"
     '  C: {intent: plain completion, kind: completion, prompt: "Once upon a time", max_tokens: 8}\n'
     '  E: {intent: two texts embedded, kind: embedding, prompt: "hello world", inputs: [again]}\n'
+    "  R: {intent: three documents ranked, kind: rerank, prompt: weather, "
+    'documents: ["sunny day", "a fish", "rain"], top_n: 2}\n'
     "  T:\n    intent: weather tool\n    kind: tools\n    prompt: weather in Paris?\n"
     "    max_tokens: 24\n    tools:\n" + TOOL + "  J: {intent: a person, kind: json_schema, "
     f"prompt: a person, max_tokens: 64, json_schema: {json.dumps(SCHEMA)}}}\n"
@@ -79,7 +81,11 @@ def test_each_request_kind_is_measured_recorded_and_gated_on_the_real_llama_serv
         # Embeddings only: the cell's launch gets --embeddings --pooling mean from the kind.
         f"  - {{node: local, engine: llamacpp, model: tiny, name: embed, "
         f"server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 5, "
-        "phases: [warm], prompts: [E]}\n",
+        "phases: [warm], prompts: [E]}\n"
+        # Reranks only: --embeddings --pooling rank, what llama-server's --rerank sets.
+        f"  - {{node: local, engine: llamacpp, model: tiny, name: rank, "
+        f"server_binary: '{llama_server}', server_args: [--threads, '1'], runs: 5, "
+        "phases: [warm], prompts: [R]}\n",
     )
     pytester.makepyfile(test_bench=TEST_FILE)
     first = run(pytester, "--baseline-update")
@@ -95,6 +101,10 @@ def test_each_request_kind_is_measured_recorded_and_gated_on_the_real_llama_serv
         assert record["inputs_per_sec"] > 0 and record["total_duration_ms"] > 0
         assert record["first_delta_ms"] is None and record["tokens_per_sec"] is None
         assert "schema_valid" not in record and "tool_call_valid" not in record
+    # Rerank: three documents a call, ranked; documents/s, no TTFT or decode rate.
+    for record in calls["R"]:
+        assert record["kind"] == "rerank" and record["inputs"] == 3
+        assert record["inputs_per_sec"] > 0 and record["first_delta_ms"] is None
     # json_schema: llama-server's grammar holds the answer to the schema on every call.
     assert [r["schema_valid"] for r in calls["J"]] == [1] * 5
     # tools: the measured figure, honestly: the tiny model's server calls no tool (see above).
@@ -107,6 +117,7 @@ def test_each_request_kind_is_measured_recorded_and_gated_on_the_real_llama_serv
             "*local:llamacpp:tiny *J *json_schema *- *5/5 schema valid*",
             "*local:llamacpp:tiny *T *tools *- *0/5 tool call valid*",
             "*local:llamacpp:tiny@embed *E * - *embedding *[0-9]*.[0-9] *- *",
+            "*local:llamacpp:tiny@rank *R * - *rerank *[0-9]*.[0-9] *- *",
         ]
     )
     # Both cells' baselines written, the validity samples kept in the generating one's.
@@ -128,6 +139,7 @@ def test_each_request_kind_is_measured_recorded_and_gated_on_the_real_llama_serv
     # No TTFT or decode verdict for an embedding: the figure does not apply.
     assert ("E", "warm_ttft_p50_ms") not in judged
     assert ("E", "warm_decode_tokens_per_sec_p50") not in judged
+    assert ("R", "warm_total_p50_ms") in judged and ("R", "warm_ttft_p50_ms") not in judged
     assert ("C", "warm_ttft_p50_ms") in judged
     assert again.ret != EXIT_REGRESSION or all(
         verdict != "regression"
@@ -140,9 +152,9 @@ def test_each_request_kind_is_measured_recorded_and_gated_on_the_real_llama_serv
 def test_a_cell_that_cannot_send_a_kind_skips_it_in_one_line(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
-    """A managed llama-server serving chat is not started with --embeddings (that turns
-    generation off), so its embedding case is skipped with the reason, and so is an Ollama
-    cell's (the Ollama engine sends chat only); their chat cases run."""
+    """A managed llama-server serving chat is not started with --embeddings (llama-server's
+    help keeps it for embedding models), so its embedding case is skipped with the reason, and
+    so is an Ollama cell's (the Ollama engine sends chat only); their chat cases run."""
     with serving(OllamaStandin()) as ollama:
         pytester.makefile(
             ".yaml",
@@ -165,8 +177,9 @@ def test_a_cell_that_cannot_send_a_kind_skips_it_in_one_line(
             "local:llamacpp:tiny",
             "E",
             "cell local:llamacpp:tiny: llama-server serves embeddings only when started with "
-            "--embeddings, which turns generation off: give embedding prompts a cell of their "
-            "own (its prompts: key)",
+            "--embeddings (and a pooling other than rank), which its help keeps for embedding "
+            "models: give embedding prompts a cell of their own (its prompts: key), or set the "
+            "flags in its server_args",
         ),
         (
             "local:ollama:qwen3.5:0.8b",

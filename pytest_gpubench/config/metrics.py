@@ -22,9 +22,12 @@ DEFAULT_SUCCESS_RATE = 0.95
 PERCENTILES: tuple[float, ...] = (0.50, 0.90, 0.95, 0.99)
 PERCENTILE_NAMES: tuple[str, ...] = ("p50", "p90", "p95", "p99")
 # What a prompt asks of the engine (config/prompts.py `kind:`, docs/request-kinds.md): every kind
-# but embedding generates tokens, so has a TTFT and a decode rate; embedding has neither.
-REQUEST_KINDS: tuple[str, ...] = ("chat", "completion", "embedding", "tools", "json_schema")
-GENERATING: frozenset[str] = frozenset(REQUEST_KINDS) - {"embedding"}
+# but embedding and rerank generates tokens, so has a TTFT and a decode rate; those two have
+# neither, and their inputs per second instead.
+REQUEST_KINDS: tuple[str, ...] = (
+    "chat", "completion", "embedding", "rerank", "tools", "json_schema",
+)  # fmt: skip
+GENERATING: frozenset[str] = frozenset(REQUEST_KINDS) - {"embedding", "rerank"}
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,7 @@ MEASURES: tuple[Measure, ...] = (
         in_every_baseline=False,
     ),
     Measure("engine_cpu_ms", "engine_cpu_ms", "ms", "engine's CPU time", in_every_baseline=False),
-    # An embedding request's inputs over its end-to-end time (issue 35).
+    # An embedding request's inputs (a rerank request's documents) over its end-to-end time.
     Measure(
         "inputs_per_sec",
         "inputs_per_sec",
@@ -132,7 +135,7 @@ MEASURES: tuple[Measure, ...] = (
         samples=True,
         in_every_baseline=False,
         decimals=1,
-        kinds=frozenset({"embedding"}),
+        kinds=frozenset({"embedding", "rerank"}),
     ),
     # Whether a call's answer was valid for its kind, 1 or 0 (measure/validity.py): its samples
     # give the rate per (cell, prompt) that the gate judges (VALIDITY below).

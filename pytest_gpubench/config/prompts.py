@@ -17,7 +17,7 @@ from pytest_gpubench.config.load_profile import Synthetic
 from pytest_gpubench.config.metrics import REQUEST_KINDS
 from pytest_gpubench.config.words import seeded_words
 from pytest_gpubench.config.yaml_file import one_line_errors, read_yaml_mapping
-from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.errors import GpubenchError, shown_key
 
 
 class _Strict(BaseModel):
@@ -64,7 +64,7 @@ class ChatTurn(_Strict):
     content: str
 
 
-RequestKind = Literal["chat", "completion", "embedding", "tools", "json_schema"]
+RequestKind = Literal["chat", "completion", "embedding", "rerank", "tools", "json_schema"]
 assert set(RequestKind.__args__) == set(REQUEST_KINDS)  # type: ignore[attr-defined]
 
 
@@ -89,6 +89,8 @@ KIND_KEYS: dict[str, tuple[str, ...]] = {
     "tool_choice": ("tools",),
     "json_schema": ("json_schema",),
     "inputs": ("embedding",),
+    "documents": ("rerank",),
+    "top_n": ("rerank",),
     "messages": ("chat", "tools", "json_schema"),
 }
 
@@ -109,6 +111,9 @@ class Prompt(_Strict):
     json_schema: dict[str, Any] | None = None
     # kind embedding: further inputs sent in the same request after `prompt`.
     inputs: tuple[Annotated[str, Field(min_length=1)], ...] | None = None
+    # kind rerank: the documents ranked against `prompt` (the query), and how many come back.
+    documents: tuple[Annotated[str, Field(min_length=1)], ...] | None = None
+    top_n: PositiveInt | None = None
     request: RequestShape | None = None
     # A whole conversation sent in place of `prompt` alone (a dataset's entry with a system
     # turn); `prompt` is then its last user turn.
@@ -120,8 +125,9 @@ class Prompt(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _embedding_needs_no_max_tokens(cls, value: Any) -> Any:
-        # An embedding generates nothing: its max_tokens may be left out (1, never sent).
-        if isinstance(value, dict) and value.get("kind") == "embedding":
+        # An embedding or a rerank generates nothing: its max_tokens may be left out (1, never
+        # sent).
+        if isinstance(value, dict) and value.get("kind") in ("embedding", "rerank"):
             return {"max_tokens": 1, **value}
         return value
 
@@ -135,6 +141,10 @@ class Prompt(_Strict):
             keys["json_schema"] = self.json_schema
         if self.inputs is not None:
             keys["inputs"] = list(self.inputs)
+        if self.documents is not None:
+            keys["documents"] = list(self.documents)
+        if self.top_n is not None:
+            keys["top_n"] = self.top_n
         return keys
 
     def embedding_inputs(self) -> list[str]:
@@ -298,7 +308,7 @@ def read_prompt_file(path: Path) -> tuple[dict[str, Prompt], dict[str, tuple[str
 def check_kind_keys(path: Path, prompt_id: str, prompt: Prompt) -> None:
     """A prompt's kind and the keys it sets agree, and its schemas are JSON Schema: else one
     line naming the file, the prompt and the key (exit status 4, a bad prompts.yaml)."""
-    where = f"{path}: prompts.{prompt_id}"
+    where = f"{path}: prompts.{shown_key(prompt_id)}"
     for key, kinds in KIND_KEYS.items():
         if getattr(prompt, key) is not None and prompt.kind not in kinds:
             raise GpubenchError(
@@ -324,6 +334,8 @@ def check_kind_keys(path: Path, prompt_id: str, prompt: Prompt) -> None:
                     f"{where}.tools[{index}].function.parameters: not a valid JSON Schema: "
                     f"{problem}"
                 )
+    if prompt.kind == "rerank" and not prompt.documents:
+        raise GpubenchError(f"{where}.documents: a prompt of kind rerank ranks at least one")
     if prompt.kind == "json_schema":
         if prompt.json_schema is None:
             raise GpubenchError(f"{where}.json_schema: a prompt of kind json_schema needs one")
@@ -339,8 +351,10 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
-        at = "/".join(str(part) for part in exc.path)
-        return f"{exc.message}" + (f" (at {at})" if at else "")
+        # On one line: a key or value that holds a line break is quoted.
+        at = "/".join(shown_key(str(part)) for part in exc.path)
+        message = exc.message if exc.message.isprintable() else repr(exc.message)
+        return message + (f" (at {at})" if at else "")
     remote = next(_remote_refs(schema), None)
     if remote is not None:
         # Nothing is fetched: an answer is judged against what the file holds.

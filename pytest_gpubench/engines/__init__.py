@@ -376,6 +376,36 @@ def parse_embeddings(
     measurement.finish_reason = "stop"
 
 
+def parse_rerank(
+    response: StreamedResponse, measurement: CallMeasurement, arrivals: list[int]
+) -> None:
+    """/v1/rerank's one JSON answer (llama.cpp's, vLLM's and Jina's shape: `results`, each an
+    `index` and a `relevance_score`): as many results as asked for, each a document's index.
+    Its arrivals stay empty: a rerank has no first token."""
+    body = b"".join(line.text for line in response.lines)
+    try:
+        answer = json.loads(body)
+    except json.JSONDecodeError:
+        measurement.error = f"rerank answer is not JSON: {body[:120]!r}"
+        return
+    if not isinstance(answer, dict) or "error" in answer:
+        detail = answer.get("error") if isinstance(answer, dict) else answer
+        measurement.error = f"engine error: {json.dumps(detail)[:300]}"
+        return
+    results = answer.get("results")
+    ranked = [r for r in results if isinstance(r, dict)] if isinstance(results, list) else []
+    wanted = measurement.inputs
+    if not ranked or (wanted is not None and any(
+        not isinstance(r.get("index"), int) or not 0 <= r["index"] < wanted for r in ranked
+    )):  # fmt: skip
+        measurement.error = f"rerank answer ranks no document of the {wanted} sent"
+        return
+    usage = answer.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        measurement.prompt_tokens = usage["prompt_tokens"]
+    measurement.finish_reason = "stop"
+
+
 # pytest_gpubench_make_engine (hookspecs.py), as pytest's hook relay calls it.
 EngineHook = Callable[..., "Engine | None"]
 

@@ -38,23 +38,36 @@ def llama_server_launch(
 
 
 EMBEDDINGS_FLAGS = ("--embedding", "--embeddings")
+RERANK_FLAGS = ("--rerank", "--reranking")
+
+
+def _pooling(argv: Sequence[str]) -> str | None:
+    """The pooling a llama-server argv asks for (`--pooling X`), or None."""
+    words = list(argv)
+    for index, word in enumerate(words[:-1]):
+        if word == "--pooling":
+            return words[index + 1]
+    return None
 
 
 def kind_args(kinds: Sequence[str], server_args: Sequence[str]) -> list[str]:
     """The flags a managed llama-server needs for the request kinds of its cell's prompts, where
     server_args does not set them already (a cell's `launch:` is used as written):
-    `--embeddings --pooling mean` where every prompt is an embedding (llama-server then serves
-    embeddings only, so a cell that mixes embeddings with generating prompts gets no flag, and its
-    embedding cases are skipped: kind_missing); `--jinja` where a prompt is of kind tools (the
-    default of recent servers, written out for older ones)."""
+    - every prompt an embedding: `--embeddings --pooling mean` (a generative model's GGUF names no
+      pooling, and /v1/embeddings needs one: the mean of its token vectors);
+    - every prompt a rerank: `--embeddings --pooling rank` (what llama-server's `--rerank` sets,
+      and a flag the prebuilt server's launcher maps);
+    - a prompt of kind tools: `--jinja` (the default of recent servers, written for older ones).
+    A cell that mixes embeddings or reranks with other kinds gets neither: llama-server's help
+    keeps --embeddings for dedicated embedding models, so a generating prompt is not measured on
+    such a server by default; those cases are skipped (kind_missing), and a cell whose
+    server_args ask for it measures them all."""
     args: list[str] = []
-    if set(kinds) == {"embedding"} and not set(EMBEDDINGS_FLAGS) & set(server_args):
+    chosen = set(EMBEDDINGS_FLAGS + RERANK_FLAGS) & set(server_args)
+    if set(kinds) in ({"embedding"}, {"rerank"}) and not chosen:
         args.append("--embeddings")
-        if "--pooling" not in server_args:
-            # /v1/embeddings answers one vector an input only with a pooling (a generative
-            # model's GGUF says none): the mean of its token vectors, as llama.cpp's own
-            # embedding examples use.
-            args += ["--pooling", "mean"]
+        if _pooling(server_args) is None:
+            args += ["--pooling", "mean" if set(kinds) == {"embedding"} else "rank"]
     if "tools" in kinds and not {"--jinja", "--no-jinja"} & set(server_args):
         args.append("--jinja")
     return args
@@ -62,14 +75,20 @@ def kind_args(kinds: Sequence[str], server_args: Sequence[str]) -> list[str]:
 
 def kind_missing(kind: str, argv: Sequence[str]) -> str | None:
     """Why a llama-server started with `argv` cannot serve a request of `kind`, or None."""
-    embeddings_only = bool(set(EMBEDDINGS_FLAGS) & set(argv))
-    if kind == "embedding" and not embeddings_only:
+    rerank = bool(set(RERANK_FLAGS) & set(argv)) or _pooling(argv) == "rank"
+    embeddings = bool(set(EMBEDDINGS_FLAGS + RERANK_FLAGS) & set(argv))
+    if kind == "embedding" and (not embeddings or rerank):
         return (
-            "llama-server serves embeddings only when started with --embeddings, which turns "
-            "generation off: give embedding prompts a cell of their own (its prompts: key)"
+            "llama-server serves embeddings only when started with --embeddings (and a pooling "
+            "other than rank), which its help keeps for embedding models: give embedding prompts "
+            "a cell of their own (its prompts: key), or set the flags in its server_args"
         )
-    if kind != "embedding" and embeddings_only:
-        return f"llama-server started with --embeddings serves no {kind} requests"
+    if kind == "rerank" and not rerank:
+        return (
+            "llama-server ranks documents only when started with --rerank (or --embeddings "
+            "--pooling rank): give rerank prompts a cell of their own (its prompts: key), or set "
+            "the flags in its server_args"
+        )
     if kind == "tools" and "--no-jinja" in argv:
         return "llama-server started with --no-jinja takes no tools (--jinja)"
     return None

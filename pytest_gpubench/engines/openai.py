@@ -1,5 +1,5 @@
 """OpenAI-compatible servers (vLLM, SGLang, TGI, hosted APIs): /v1/chat/completions, and for the
-other request kinds /v1/completions and /v1/embeddings."""
+other request kinds /v1/completions, /v1/embeddings and /v1/rerank."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pytest_gpubench.engines import (
     merge_body,
     parse_embeddings,
     parse_openai_sse,
+    parse_rerank,
 )
 from pytest_gpubench.measure.stream import (
     CallMeasurement,
@@ -40,7 +41,8 @@ def serves_model(served: str, wanted: str) -> bool:
 class OpenAIEngine:
     kind = "openai"
     # The request kinds it sends (config/prompts.py): chat, tools and json_schema on
-    # /v1/chat/completions, completion on /v1/completions, embedding on /v1/embeddings.
+    # /v1/chat/completions, completion on /v1/completions, embedding on /v1/embeddings, rerank
+    # on /v1/rerank.
     kinds: tuple[str, ...] = REQUEST_KINDS
 
     def __init__(
@@ -231,6 +233,26 @@ class OpenAIEngine:
             parse=parse_embeddings,
             connection=self.connection,
             inputs=len(inputs),
+        )
+
+    def rerank(
+        self, query: str, documents: list[str], top_n: int | None, timeout_s: float
+    ) -> CallMeasurement:
+        """One rerank request (/v1/rerank: llama-server with --rerank, vLLM with a cross-encoder)
+        ranking `documents` against `query`, timed to its whole answer."""
+        payload: dict[str, Any] = {"model": self.model, "query": query, "documents": documents}
+        if top_n is not None:
+            payload["top_n"] = top_n
+        return measure_stream(
+            self.kind,
+            self.base_url,
+            "/v1/rerank",
+            payload,
+            timeout_s=timeout_s,
+            headers=tuple(self._auth().items()),
+            parse=parse_rerank,
+            connection=self.connection,
+            inputs=len(documents),
         )
 
     def unload(self, timeout_s: float) -> bool:

@@ -298,8 +298,8 @@ class LiveCell:
     ) -> CallMeasurement:
         """One call of the prompt's request kind (`of`; None or chat: a chat call): tools and
         json_schema are chat calls with their keys added, a completion and an embedding go to
-        the engine's `complete` and `embed`. A tools or json_schema answer is checked
-        (measure/validity.py)."""
+        the engine's `complete` and `embed`, a rerank to its `rerank`. A tools or json_schema
+        answer is checked (measure/validity.py)."""
         kind = of.kind if of is not None else "chat"
         if of is None or kind == "chat":
             return self.chat(prompt, max_tokens, request, **own)
@@ -315,6 +315,9 @@ class LiveCell:
                 measurement = engine.complete(prompt, max_tokens, self.cell.timeout_s, **shape)
             elif kind == "embedding":
                 measurement = engine.embed(of.embedding_inputs(), self.cell.timeout_s)
+            elif kind == "rerank":
+                documents = list(of.documents or ())
+                measurement = engine.rerank(prompt, documents, of.top_n, self.cell.timeout_s)
             else:
                 body = {**kind_body(kind, keys), **(own.pop("extra_body", None) or {})}
                 measurement = self.chat(prompt, max_tokens, request, extra_body=body, **own)
