@@ -20,6 +20,7 @@ import yaml
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 from support import ledgers
+from support.bench_files import png
 from support.hypothesis_examples import examples
 
 from pytest_gpubench.cli.main import main
@@ -91,6 +92,13 @@ KIND_PROMPTS: dict[str, Any] = {
                 "$defs": {"n": {"type": "string"}},
                 "required": ["age"],
             },
+        },
+        "I": {
+            "intent": "i",
+            "kind": "image",
+            "prompt": "colour?",
+            "max_tokens": 4,
+            "images": ["red.png"],
         },
     }
 }
@@ -269,7 +277,8 @@ def test_the_fixed_documents_are_valid() -> None:
         prompts_path.write_text(dumped(PROMPTS))
         assert len(read_matrix(cells_path, prompts_path).cells) == 2
         prompts_path.write_text(dumped(KIND_PROMPTS))
-        assert set(read_prompts(prompts_path)) == {"C", "E", "R", "T", "J"}
+        Path(directory, "red.png").write_bytes(png(255))
+        assert set(read_prompts(prompts_path)) == {"C", "E", "R", "T", "J", "I"}
 
 
 @MANY
@@ -304,12 +313,13 @@ def test_any_prompts_yaml_gives_prompts_or_one_clear_error(document: Any) -> Non
 @given(mutated(KIND_PROMPTS))
 def test_any_request_kind_keys_give_prompts_or_one_clear_error(document: Any) -> None:
     """prompts.yaml's kinds and their keys (tools, tool_choice, json_schema, inputs, documents,
-    top_n), mutated:
+    top_n, images), mutated:
     prompts, or one line naming the file (and the prompt and key where one is at fault); a
     cells.yaml that load-tests them is refused in one line too."""
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory, "prompts.yaml")
         path.write_text(dumped(document), encoding="utf-8")
+        Path(directory, "red.png").write_bytes(png(255))
         try:
             read_prompts(path)
         except GpubenchError as error:

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.bench_files import png
 
 from pytest_gpubench.config.matrix import Thresholds, read_matrix
 from pytest_gpubench.config.prompts import Prompt, read_prompts
@@ -85,7 +86,7 @@ def test_each_kind_reads_its_keys_and_freezes_them(tmp_path: Path) -> None:
     [
         (
             "  P: {intent: p, prompt: hi, max_tokens: 4, kind: rerank2}\n",
-            "prompts.P.kind: Input should be 'chat', 'completion', 'embedding', 'rerank', 'tools' or 'json_schema'*",
+            "prompts.P.kind: Input should be 'chat', 'completion', 'embedding', 'rerank', 'tools', 'json_schema' or 'image'*",
         ),
         (
             "  P: {intent: p, prompt: hi, max_tokens: 4, kind: tools}\n",
@@ -255,3 +256,71 @@ def test_a_fall_in_validity_is_a_regression_and_a_floor_is_absolute() -> None:
     chat = [{**call, "kind": None, "schema_valid": None} for call in _validity_calls([1] * 6)]
     (plain,) = summarize(chat)
     assert not [v for v in judge(plain, plain) if "valid" in v.metric]
+
+
+def test_an_image_prompt_sends_its_files_and_is_frozen_by_their_bytes(tmp_path: Path) -> None:
+    (tmp_path / "red.png").write_bytes(png(255))
+    path = prompts_file(
+        tmp_path,
+        "  I: {intent: i, kind: image, prompt: what colour?, max_tokens: 4, images: [red.png]}\n",
+    )
+    prompt = read_prompts(path)["I"]
+    (turn,) = prompt.chat_messages() or []
+    text, image = turn["content"]
+    assert text == {"type": "text", "text": "what colour?"}
+    url = image["image_url"]["url"]
+    assert image["type"] == "image_url" and url.startswith("data:image/png;base64,")
+    import base64
+
+    assert base64.b64decode(url.split(",", 1)[1]) == png(255)
+    before = prompt.sha256()
+    # Same name, other bytes: another prompt, refused against the first one's baseline.
+    (tmp_path / "red.png").write_bytes(png(254))
+    assert read_prompts(path)["I"].sha256() != before
+
+
+@pytest.mark.parametrize(
+    ("entry", "line"),
+    [
+        (
+            "  I: {intent: i, kind: image, prompt: p, max_tokens: 4, images: [gone.png]}\n",
+            "prompts.I.images[0]: cannot read {dir}/gone.png: No such file or directory",
+        ),
+        (
+            "  I: {intent: i, kind: image, prompt: p, max_tokens: 4, images: [notes.txt]}\n",
+            "prompts.I.images[0]: notes.txt is not one of .png, .jpg, .jpeg, .webp, .gif",
+        ),
+        (
+            "  I: {intent: i, kind: image, prompt: p, max_tokens: 4}\n",
+            "prompts.I.images: a prompt of kind image sends at least one",
+        ),
+        (
+            "  I: {intent: i, prompt: p, max_tokens: 4, images: [red.png]}\n",
+            "prompts.I.images: only a prompt of kind image takes it (this one is chat)",
+        ),
+    ],
+)
+def test_a_bad_image_key_is_one_line(tmp_path: Path, entry: str, line: str) -> None:
+    (tmp_path / "notes.txt").write_text("not an image")
+    path = prompts_file(tmp_path, entry)
+    with pytest.raises(GpubenchError) as raised:
+        read_prompts(path)
+    assert str(raised.value) == f"{path}: {line.format(dir=tmp_path)}"
+
+
+def test_a_bad_prompts_yaml_stops_the_session_with_the_usage_status(
+    pytester: pytest.Pytester,
+) -> None:
+    """The documented exit status of a bad prompts.yaml (4, docs/exit-statuses.md), its line on
+    stderr."""
+    pytester.makefile(
+        ".yaml",
+        prompts="prompts:\n  P: {intent: p, prompt: hi, max_tokens: 4, kind: tools}\n",
+        cells="cells:\n  - {node: local, engine: llamacpp, model: tiny}\n",
+    )
+    pytester.makepyfile(test_bench="def test_generate(gpubench_case):\n    gpubench_case.run()\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--allow-dirty")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*prompts.yaml: prompts.P.tools: a prompt of kind tools names at least one tool"]
+    )

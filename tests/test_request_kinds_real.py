@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.standins import OllamaStandin, ToolCallStandin, serving
+from support.bench_files import png
+from support.standins import ImageChatStandin, OllamaStandin, ToolCallStandin, serving
 from support.workload_runs import ledger_records, run_workload
 
 from pytest_gpubench.core.status import EXIT_REGRESSION, EXIT_UNSTEADY
@@ -159,17 +160,19 @@ def test_a_cell_that_cannot_send_a_kind_skips_it_in_one_line(
         pytester.makefile(
             ".yaml",
             prompts="prompts:\n  P: {intent: p, prompt: hi, max_tokens: 4}\n"
-            "  E: {intent: e, kind: embedding, prompt: hello}\n",
+            "  E: {intent: e, kind: embedding, prompt: hello}\n"
+            "  I: {intent: i, kind: image, prompt: colour?, max_tokens: 4, images: [red.png]}\n",
             cells="nodes: {local: {kind: local}}\ncells:\n"
             f"  - {{node: local, engine: llamacpp, model: tiny, server_binary: '{llama_server}', "
             "server_args: [--threads, '1'], runs: 2, phases: [warm]}\n"
             f"  - {{node: local, engine: ollama, model: qwen3.5:0.8b, endpoint: '{ollama}', "
             "runs: 2, phases: [warm]}\n",
         )
+        pytester.path.joinpath("red.png").write_bytes(png(255))
         pytester.makepyfile(test_bench=TEST_FILE)
         result = run(pytester)
     assert result.ret == 0, result.stdout.str()
-    result.assert_outcomes(passed=4, skipped=4)
+    result.assert_outcomes(passed=4, skipped=8)
     skipped = [r for r in ledger_records(pytester.path) if r["type"] == "skipped"]
     reasons = {(r["cell_id"], r["prompt_id"], r["reason"]) for r in skipped}
     assert reasons == {
@@ -185,6 +188,18 @@ def test_a_cell_that_cannot_send_a_kind_skips_it_in_one_line(
             "local:ollama:qwen3.5:0.8b",
             "E",
             "cell local:ollama:qwen3.5:0.8b: engine ollama does not send embedding requests "
+            "(it sends chat)",
+        ),
+        (
+            "local:llamacpp:tiny",
+            "I",
+            "cell local:llamacpp:tiny: llama-server reads images only with a multimodal "
+            "projector: set --mmproj (the model's projector GGUF) in the cell's server_args",
+        ),
+        (
+            "local:ollama:qwen3.5:0.8b",
+            "I",
+            "cell local:ollama:qwen3.5:0.8b: engine ollama does not send image requests "
             "(it sends chat)",
         ),
     }
@@ -233,3 +248,43 @@ def test_a_valid_tool_call_is_counted_and_a_fall_in_its_rate_fails_the_gate(
             "REGRESSION: local:openai:m T: warm tool call valid rate 0.00 (0/6) fell from 1.00",
         ]
     )
+
+
+def test_an_image_case_sends_its_file_and_is_frozen_by_its_bytes(pytester: pytest.Pytester) -> None:
+    """Against ImageChatStandin, which checks OpenAI's vision request shape field by field: no
+    tiny vision model and projector can be generated or installed here, and the real
+    llama-server without --mmproj refuses images (the skip above). Each call carries the file's
+    bytes; a second run is gated against the first; the same file name with other bytes is a
+    changed prompt, refused against the baseline like a changed text."""
+    import hashlib
+
+    standin = ImageChatStandin()
+    with serving(standin) as url:
+        pytester.path.joinpath("red.png").write_bytes(png(255))
+        pytester.makefile(
+            ".yaml",
+            prompts="prompts:\n  I: {intent: colour of an image, kind: image, prompt: colour?, "
+            "max_tokens: 6, images: [red.png]}\n",
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: openai, model: m, endpoint: '{url}', runs: 6, "
+            "phases: [warm]}\n",
+        )
+        pytester.makepyfile(test_bench=TEST_FILE)
+        first = run(pytester, "--baseline-update")
+        assert first.ret == 0, first.stdout.str()
+        records = calls_by_prompt(pytester.path)["I"]
+        assert all(r["kind"] == "image" and r["error"] is None for r in records)
+        # The stand-in counts each image's tokens in the prompt: the image reached it.
+        assert all(r["prompt_tokens"] == 5 + 64 for r in records)
+        assert set(standin.received) == {hashlib.sha256(png(255)).hexdigest()}
+        posts = [body for method, _, body in standin.requests if method == "POST"]
+        assert len(standin.received) == len(posts) >= 6  # each call (and the warm-up) had it
+        first.stdout.fnmatch_lines(["*I *image *- *- *new*"])
+        again = run(pytester)
+        assert again.ret in (0, EXIT_REGRESSION, EXIT_UNSTEADY), again.stdout.str()
+        assert verdicts(pytester.path)[("I", "warm_success_rate")] == "ok"
+
+        pytester.path.joinpath("red.png").write_bytes(png(254))
+        stopped = run(pytester)
+    assert stopped.ret == pytest.ExitCode.USAGE_ERROR
+    stopped.stderr.fnmatch_lines(["*prompt I changed since the baseline of local:openai:m*"])

@@ -25,7 +25,7 @@ PERCENTILE_NAMES: tuple[str, ...] = ("p50", "p90", "p95", "p99")
 # but embedding and rerank generates tokens, so has a TTFT and a decode rate; those two have
 # neither, and their inputs per second instead.
 REQUEST_KINDS: tuple[str, ...] = (
-    "chat", "completion", "embedding", "rerank", "tools", "json_schema",
+    "chat", "completion", "embedding", "rerank", "tools", "json_schema", "image",
 )  # fmt: skip
 GENERATING: frozenset[str] = frozenset(REQUEST_KINDS) - {"embedding", "rerank"}
 

@@ -4,6 +4,7 @@ the rule that a shipped prompt never changes under its id."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from collections.abc import Iterator
@@ -64,7 +65,7 @@ class ChatTurn(_Strict):
     content: str
 
 
-RequestKind = Literal["chat", "completion", "embedding", "rerank", "tools", "json_schema"]
+RequestKind = Literal["chat", "completion", "embedding", "rerank", "tools", "json_schema", "image"]
 assert set(RequestKind.__args__) == set(REQUEST_KINDS)  # type: ignore[attr-defined]
 
 
@@ -90,9 +91,24 @@ KIND_KEYS: dict[str, tuple[str, ...]] = {
     "json_schema": ("json_schema",),
     "inputs": ("embedding",),
     "documents": ("rerank",),
+    "images": ("image",),
     "top_n": ("rerank",),
     "messages": ("chat", "tools", "json_schema"),
 }
+
+
+# The image types a chat request may carry, by file suffix.
+IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg",
+               ".webp": "image/webp", ".gif": "image/gif"}  # fmt: skip
+
+
+class ImageData(_Strict):
+    """An image file of a prompt as it is sent: its name as written, its bytes' sha256 (what is
+    frozen) and its data URL (OpenAI's `image_url`)."""
+
+    name: str
+    sha256: str
+    url: str
 
 
 class Prompt(_Strict):
@@ -114,6 +130,10 @@ class Prompt(_Strict):
     # kind rerank: the documents ranked against `prompt` (the query), and how many come back.
     documents: tuple[Annotated[str, Field(min_length=1)], ...] | None = None
     top_n: PositiveInt | None = None
+    # kind image: image files (paths relative to prompts.yaml) sent with `prompt` in one user
+    # turn; read when the file is, frozen by their sha256 (`image_data`, filled by the reader).
+    images: tuple[Annotated[str, Field(min_length=1)], ...] | None = None
+    image_data: tuple[ImageData, ...] | None = None
     request: RequestShape | None = None
     # A whole conversation sent in place of `prompt` alone (a dataset's entry with a system
     # turn); `prompt` is then its last user turn.
@@ -145,6 +165,8 @@ class Prompt(_Strict):
             keys["documents"] = list(self.documents)
         if self.top_n is not None:
             keys["top_n"] = self.top_n
+        if self.image_data is not None:
+            keys["images"] = [{"name": i.name, "sha256": i.sha256} for i in self.image_data]
         return keys
 
     def embedding_inputs(self) -> list[str]:
@@ -152,7 +174,12 @@ class Prompt(_Strict):
         return [self.prompt, *(self.inputs or ())]
 
     def chat_messages(self) -> list[dict[str, Any]] | None:
-        """The conversation to send, or None where `prompt` is sent as one user turn."""
+        """The conversation to send, or None where `prompt` is sent as one user turn. An image
+        prompt's one user turn holds the text and each image (OpenAI's content parts)."""
+        if self.image_data is not None:
+            parts: list[dict[str, Any]] = [{"type": "text", "text": self.prompt}]
+            parts += [{"type": "image_url", "image_url": {"url": i.url}} for i in self.image_data]
+            return [{"role": "user", "content": parts}]
         if self.messages is None:
             return None
         return [turn.model_dump() for turn in self.messages]
@@ -164,7 +191,7 @@ class Prompt(_Strict):
         conversation's turns join the hash only where there are some, for the same reason."""
         frozen: dict[str, Any] = {"prompt": self.prompt, "max_tokens": self.max_tokens}
         if self.messages is not None:
-            frozen["messages"] = self.chat_messages()
+            frozen["messages"] = [turn.model_dump() for turn in self.messages]
         changed = request.changed_keys() if request is not None else {}
         if changed:
             frozen["request"] = changed
@@ -273,7 +300,7 @@ def read_prompt_file(path: Path) -> tuple[dict[str, Prompt], dict[str, tuple[str
     for key in named:
         if key in parsed.prompts:
             check_kind_keys(path, key, parsed.prompts[key])
-            prompts[key] = parsed.prompts[key]
+            prompts[key] = with_images(path, key, parsed.prompts[key])
             continue
         if key in synthetic.prompts:
             made = synthetic.prompts[key]
@@ -334,6 +361,10 @@ def check_kind_keys(path: Path, prompt_id: str, prompt: Prompt) -> None:
                     f"{where}.tools[{index}].function.parameters: not a valid JSON Schema: "
                     f"{problem}"
                 )
+    if prompt.kind == "image" and not prompt.images:
+        raise GpubenchError(f"{where}.images: a prompt of kind image sends at least one")
+    if prompt.image_data is not None:
+        raise GpubenchError(f"{where}.image_data: unknown key (remove it or check its spelling)")
     if prompt.kind == "rerank" and not prompt.documents:
         raise GpubenchError(f"{where}.documents: a prompt of kind rerank ranks at least one")
     if prompt.kind == "json_schema":
@@ -342,6 +373,36 @@ def check_kind_keys(path: Path, prompt_id: str, prompt: Prompt) -> None:
         problem = schema_problem(prompt.json_schema)
         if problem is not None:
             raise GpubenchError(f"{where}.json_schema: not a valid JSON Schema: {problem}")
+
+
+def with_images(path: Path, prompt_id: str, prompt: Prompt) -> Prompt:
+    """An image prompt with its files read (relative to prompts.yaml): a missing or unreadable
+    file, or one of a type a chat request does not carry, is one line naming the file, the
+    prompt and the key."""
+    if not prompt.images:
+        return prompt
+    read = []
+    for index, name in enumerate(prompt.images):
+        where = f"{path}: prompts.{shown_key(prompt_id)}.images[{index}]"
+        file = (path.parent / name).expanduser()
+        media = IMAGE_TYPES.get(file.suffix.lower())
+        if media is None:
+            shown = name if name.isprintable() else repr(name)
+            raise GpubenchError(f"{where}: {shown} is not one of {', '.join(IMAGE_TYPES)}")
+        try:
+            data = file.read_bytes()
+        except OSError as exc:
+            shown = str(file) if str(file).isprintable() else repr(str(file))
+            raise GpubenchError(f"{where}: cannot read {shown}: {exc.strerror}") from None
+        encoded = base64.b64encode(data).decode()
+        read.append(
+            ImageData(
+                name=name,
+                sha256=hashlib.sha256(data).hexdigest(),
+                url=f"data:{media};base64,{encoded}",
+            )
+        )
+    return prompt.model_copy(update={"image_data": tuple(read)})
 
 
 def schema_problem(schema: dict[str, Any]) -> str | None:

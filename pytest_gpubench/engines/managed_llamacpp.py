@@ -89,6 +89,11 @@ def kind_missing(kind: str, argv: Sequence[str]) -> str | None:
             "--pooling rank): give rerank prompts a cell of their own (its prompts: key), or set "
             "the flags in its server_args"
         )
+    if kind == "image" and not {"-mm", "--mmproj"} & set(argv):
+        return (
+            "llama-server reads images only with a multimodal projector: set --mmproj (the "
+            "model's projector GGUF) in the cell's server_args"
+        )
     if kind == "tools" and "--no-jinja" in argv:
         return "llama-server started with --no-jinja takes no tools (--jinja)"
     return None

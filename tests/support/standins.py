@@ -318,6 +318,92 @@ class ToolCallStandin(_Server):
         handler._end_chunked()
 
 
+class ImageChatStandin(_Server):
+    """An OpenAI-compatible server that takes chat requests with images: for what cannot run
+    here (no vision model and projector can be generated or installed on this machine; the real
+    llama-server answers an image without --mmproj HTTP 500 "image input is not supported").
+    The request is checked field by field as OpenAI documents a vision request: the last
+    message a user turn whose `content` is a list of parts, one {type: text, text} and each
+    image {type: image_url, image_url: {url: data:<image/...>;base64,<data>}}, the data valid
+    base64; a request that breaks it is answered HTTP 400 with the field named. The sha256 of
+    each image received is kept (`received`), and a short answer streams as a chat stream does,
+    its usage counting the images' tokens in the prompt (`image_tokens` each)."""
+
+    def __init__(self, model: str = "m", image_tokens: int = 64) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.requests = []
+        self.model = model
+        self.image_tokens = image_tokens
+        self.received: list[str] = []
+
+    def get(self, handler: _Handler) -> None:
+        if handler.path == "/v1/models":
+            handler._json(200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        else:
+            handler._json(404, {"error": "not found"})
+
+    def images_of(self, body: dict[str, Any]) -> tuple[list[bytes], str | None]:
+        """The images a request carries, or why its shape is not OpenAI's."""
+        import base64
+        import binascii
+
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return [], "messages: a non-empty list"
+        last = messages[-1]
+        if not isinstance(last, dict) or last.get("role") != "user":
+            return [], "messages[-1].role: user"
+        parts = last.get("content")
+        if not isinstance(parts, list):
+            return [], "messages[-1].content: a list of parts"
+        texts = [p for p in parts if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) != 1 or not isinstance(texts[0].get("text"), str):
+            return [], "messages[-1].content: one {type: text, text: <string>} part"
+        images = []
+        for index, part in enumerate(parts):
+            if part in texts:
+                continue
+            url = (part.get("image_url") or {}).get("url") if isinstance(part, dict) else None
+            if part.get("type") != "image_url" or not isinstance(url, str):
+                return [], f"messages[-1].content[{index}]: {{type: image_url, image_url: {{url}}}}"
+            head, _, data = url.partition(",")
+            if not (head.startswith("data:image/") and head.endswith(";base64")):
+                return [], f"messages[-1].content[{index}].image_url.url: data:image/...;base64,"
+            try:
+                images.append(base64.b64decode(data, validate=True))
+            except binascii.Error:
+                return [], f"messages[-1].content[{index}].image_url.url: not base64"
+        if not images:
+            return [], "messages[-1].content: at least one image_url part"
+        return images, None
+
+    def post(self, handler: _Handler, body: dict[str, Any]) -> None:
+        import hashlib
+
+        if handler.path != "/v1/chat/completions":
+            handler._json(404, {"error": {"message": f"no route {handler.path}"}})
+            return
+        images, problem = self.images_of(body)
+        if problem is not None:
+            handler._json(400, {"error": {"message": problem, "type": "invalid_request_error"}})
+            return
+        self.received += [hashlib.sha256(image).hexdigest() for image in images]
+        handler._start_chunked("text/event-stream")
+        tokens = int(body.get("max_tokens", 4))
+        for index in range(tokens):
+            chunk = {"id": "x", "object": "chat.completion.chunk", "model": self.model,
+                     "choices": [{"index": 0, "delta": {"content": f" red{index}"},
+                                  "finish_reason": "length" if index == tokens - 1 else None}]}  # fmt: skip
+            handler._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
+            time.sleep(0.001)
+        prompt = 5 + self.image_tokens * len(images)
+        usage = {"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": tokens,
+                                          "total_tokens": prompt + tokens}}  # fmt: skip
+        handler._chunk(f"data: {json.dumps(usage)}\n\n".encode())
+        handler._chunk(b"data: [DONE]\n\n")
+        handler._end_chunked()
+
+
 @contextmanager
 def serving(server: _Server) -> Iterator[str]:
     """Run the server in a thread; yields its base URL."""
