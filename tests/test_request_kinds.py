@@ -324,3 +324,32 @@ def test_a_bad_prompts_yaml_stops_the_session_with_the_usage_status(
     result.stderr.fnmatch_lines(
         ["*prompts.yaml: prompts.P.tools: a prompt of kind tools names at least one tool"]
     )
+
+
+def test_an_embedding_ab_pair_is_judged_on_its_total_only() -> None:
+    """An A/B candidate of embedding calls gets no TTFT or decode verdict (the figures do not
+    apply: absent, not inconclusive), and its total is judged as a chat pair's is."""
+    from pytest_gpubench.results.paired import Pairs, judge_candidate
+
+    def call(cell: str, index: int, total: float) -> dict[str, object]:
+        return {
+            "type": "call", "cell_id": cell, "prompt_id": "E", "phase": "warm",
+            "run_idx": index, "error": None, "finish_reason": "stop", "kind": "embedding",
+            "first_delta_ms": None, "tokens_per_sec": None, "total_duration_ms": total,
+            "inputs": 2, "inputs_per_sec": 2000 / total,
+        }  # fmt: skip
+
+    pairs = Pairs(
+        candidate={i: call("b", i, 10.0 + i * 0.01) for i in range(8)},
+        reference={i: call("a", i, 5.0 + i * 0.01) for i in range(8)},
+    )
+
+    class Cell:
+        thresholds = Thresholds()
+        runs = 8
+        min_runs = None
+        reference = "a"
+
+    verdicts = judge_candidate("b", Cell(), "E", pairs)
+    assert [v.metric for v in verdicts] == ["warm_total_p50_ms"]
+    assert verdicts[0].verdict == "regression"  # twice as slow in every pair
