@@ -353,3 +353,33 @@ def test_an_embedding_ab_pair_is_judged_on_its_total_only() -> None:
     verdicts = judge_candidate("b", Cell(), "E", pairs)
     assert [v.metric for v in verdicts] == ["warm_total_p50_ms"]
     assert verdicts[0].verdict == "regression"  # twice as slow in every pair
+
+
+def test_sequential_sampling_of_embeddings_stops_on_their_total() -> None:
+    """Sequential sampling against a baseline (min_runs) decides an embedding (cell, prompt) on
+    the figures it has: twice as slow in total stops as a regression at the first look, where
+    a TTFT it never has kept it sampling to the end."""
+    from pytest_gpubench.results.sequential_runs import sequential_stop
+
+    def calls(total: float) -> list[dict[str, object]]:
+        return [
+            {
+                "type": "call",
+                "cell_id": "c",
+                "prompt_id": "E",
+                "prompt_sha256": "s",
+                "phase": "warm",
+                "run_idx": i,
+                "error": None,
+                "finish_reason": "stop",
+                "kind": "embedding",
+                "first_delta_ms": None,
+                "tokens_per_sec": None,
+                "total_duration_ms": total + i * 0.01,
+                "coalesced": False,
+            }  # fmt: skip
+            for i in range(12)
+        ]
+
+    (baseline,) = summarize(calls(5.0))
+    assert sequential_stop(calls(10.0), baseline, Thresholds(), 6, 12) == ("regression", 6)
