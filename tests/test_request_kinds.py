@@ -377,7 +377,7 @@ def test_sequential_sampling_of_embeddings_stops_on_their_total() -> None:
                 "tokens_per_sec": None,
                 "total_duration_ms": total + i * 0.01,
                 "coalesced": False,
-            }  # fmt: skip
+            }
             for i in range(12)
         ]
 
