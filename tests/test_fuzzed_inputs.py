@@ -20,6 +20,7 @@ import yaml
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 from support import ledgers
+from support.bench_files import png
 from support.hypothesis_examples import examples
 
 from pytest_gpubench.cli.main import main
@@ -54,6 +55,53 @@ FEW = settings(
 )
 
 PROMPTS = {"prompts": {"P-EASY": {"intent": "short", "prompt": "Say hi.", "max_tokens": 4}}}
+# A prompt of each request kind with its keys (issue 35): the kinds' keys mutated too.
+KIND_PROMPTS: dict[str, Any] = {
+    "prompts": {
+        "C": {"intent": "c", "kind": "completion", "prompt": "Once", "max_tokens": 4},
+        "E": {"intent": "e", "kind": "embedding", "prompt": "one", "inputs": ["two"]},
+        "R": {"intent": "r", "kind": "rerank", "prompt": "q", "documents": ["a", "b"], "top_n": 1},
+        "T": {
+            "intent": "t",
+            "kind": "tools",
+            "prompt": "weather?",
+            "max_tokens": 8,
+            "tool_choice": "get_weather",
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"city": {"type": "string", "maxLength": 12}},
+                            "required": ["city"],
+                        },
+                    },
+                }
+            ],
+        },
+        "J": {
+            "intent": "j",
+            "kind": "json_schema",
+            "prompt": "a person",
+            "max_tokens": 8,
+            "json_schema": {
+                "type": "object",
+                "properties": {"age": {"type": "integer", "minimum": 0}},
+                "$defs": {"n": {"type": "string"}},
+                "required": ["age"],
+            },
+        },
+        "I": {
+            "intent": "i",
+            "kind": "image",
+            "prompt": "colour?",
+            "max_tokens": 4,
+            "images": ["red.png"],
+        },
+    }
+}
 CELLS: dict[str, Any] = {
     "settings": {
         "runs": 3,
@@ -239,6 +287,9 @@ def test_the_fixed_documents_are_valid() -> None:
         cells_path.write_text(dumped(CELLS))
         prompts_path.write_text(dumped(PROMPTS))
         assert len(read_matrix(cells_path, prompts_path).cells) == 2
+        prompts_path.write_text(dumped(KIND_PROMPTS))
+        Path(directory, "red.png").write_bytes(png(255))
+        assert set(read_prompts(prompts_path)) == {"C", "E", "R", "T", "J", "I"}
 
 
 @MANY
@@ -267,6 +318,24 @@ def test_any_prompts_yaml_gives_prompts_or_one_clear_error(document: Any) -> Non
             read_prompts(path)
         except GpubenchError as error:
             assert_one_clear_error(error, path)
+
+
+@MANY
+@given(mutated(KIND_PROMPTS))
+def test_any_request_kind_keys_give_prompts_or_one_clear_error(document: Any) -> None:
+    """prompts.yaml's kinds and their keys (tools, tool_choice, json_schema, inputs, documents,
+    top_n, images), mutated:
+    prompts, or one line naming the file (and the prompt and key where one is at fault); a
+    cells.yaml that load-tests them is refused in one line too."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory, "prompts.yaml")
+        path.write_text(dumped(document), encoding="utf-8")
+        Path(directory, "red.png").write_bytes(png(255))
+        try:
+            read_prompts(path)
+        except GpubenchError as error:
+            assert_one_clear_error(error, path)
+    matrix_or_one_line(dumped(CELLS), dumped(document))
 
 
 @SOME

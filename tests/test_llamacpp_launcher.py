@@ -121,7 +121,7 @@ def test_every_mapped_field_exists_on_the_real_common_params() -> None:
         "-fa": "off", "--cache-reuse": "16", "-cram": "0", "--ctx-checkpoints": "4", "-s": "7",
         "--temp": "0.5", "--top-k": "5", "--top-p": "0.9", "--min-p": "0.1",
         "--chat-template": "chatml", "--api-key": "k", "-to": "30", "-lv": "1",
-        "--sleep-idle-seconds": "60",
+        "--sleep-idle-seconds": "60", "--pooling": "mean",
     }  # fmt: skip
     for flag in FLAGS:
         name = flag.names[0]

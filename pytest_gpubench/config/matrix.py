@@ -35,7 +35,7 @@ from pytest_gpubench.config.cell_rules import (
 )
 from pytest_gpubench.config.datasets import dataset_sha256, sample_dataset
 from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting, merged_profile
-from pytest_gpubench.config.metrics import GATED
+from pytest_gpubench.config.metrics import GATED, VALIDITY
 from pytest_gpubench.config.nodes import (
     NODE_KINDS,
     AnyNode,
@@ -65,6 +65,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# A share from 0 to 1 (a validity rate's floor).
+UnitFloat = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
 class Thresholds(_Strict):
     """Regression thresholds: relative changes of the gated figures (0.30 = 30 %; one key per
     figure of config/metrics.GATED, written in below), and the minimum success rate; the optional
@@ -82,6 +86,10 @@ class Thresholds(_Strict):
     # field like the ones above: a new gated figure is a new entry in config/metrics.py only.
     __annotations__.update({figure.threshold_key: "PositiveFloat | None" for figure in GATED})
     locals().update({figure.threshold_key: None for figure in GATED})
+    # Each validity rate's floor (tool_call_valid_rate, schema_valid_rate: config/metrics.VALIDITY),
+    # absolute like success_rate; without one a fall below the baseline's rate is a regression.
+    __annotations__.update({rate.threshold_key: "UnitFloat | None" for rate in VALIDITY})
+    locals().update({rate.threshold_key: None for rate in VALIDITY})
 
     if TYPE_CHECKING:
         # The keys written in above, as a type checker cannot see them.
@@ -313,6 +321,9 @@ class Cell:
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
     # The effective load profile (settings.load with the cell's keys); None: no load cases.
     load: LoadProfile | None = None
+    # The request kinds of its prompts (config/prompts.py `kind:`): a managed llama.cpp cell's
+    # launch follows them (engines/managed_llamacpp.kind_args).
+    kinds: tuple[str, ...] = ("chat",)
 
     @property
     def cell_id(self) -> str:
@@ -426,6 +437,13 @@ def read_matrix(
         load = merged_profile(parsed.settings.load, spec.load_setting)
         load = _resolved_load(where, load, cells_path.parent)
         check_load(where, spec, load, prompts, prompts_path)
+        for prompt_id in load.prompt_ids(prompt_ids) if load is not None else ():
+            kind = prompts[prompt_id].kind if prompt_id in prompts else "chat"
+            if kind != "chat":
+                raise GpubenchError(
+                    f"{where}: load: prompt '{prompt_id}' is of kind {kind}; load cases send "
+                    "chat requests only (docs/request-kinds.md)"
+                )
         merged = parsed.settings.thresholds.model_dump(exclude_none=True)
         if spec.thresholds is not None:
             merged.update(spec.thresholds.model_dump(exclude_none=True))
@@ -442,6 +460,7 @@ def read_matrix(
                     update=spec.telemetry.model_dump(exclude_unset=True) if spec.telemetry else {}
                 ),
                 load=load,
+                kinds=tuple(sorted({prompts[p].kind for p in prompt_ids})) or ("chat",),
             )
         )
     check_references(cells_path, cells)

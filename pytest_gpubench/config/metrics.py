@@ -21,6 +21,13 @@ DEFAULT_RATIO_THRESHOLD = 0.20
 DEFAULT_SUCCESS_RATE = 0.95
 PERCENTILES: tuple[float, ...] = (0.50, 0.90, 0.95, 0.99)
 PERCENTILE_NAMES: tuple[str, ...] = ("p50", "p90", "p95", "p99")
+# What a prompt asks of the engine (config/prompts.py `kind:`, docs/request-kinds.md): every kind
+# but embedding and rerank generates tokens, so has a TTFT and a decode rate; those two have
+# neither, and their inputs per second instead.
+REQUEST_KINDS: tuple[str, ...] = (
+    "chat", "completion", "embedding", "rerank", "tools", "json_schema", "image",
+)  # fmt: skip
+GENERATING: frozenset[str] = frozenset(REQUEST_KINDS) - {"embedding", "rerank"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,8 @@ class Measure:
     in_every_baseline: bool = True
     # Digits after the point in the reports' tables.
     decimals: int = 2
+    # The request kinds it means something for (a call of another kind has none: absent, not 0).
+    kinds: frozenset[str] = GENERATING
 
     @property
     def always_in_baseline(self) -> bool:
@@ -53,7 +62,14 @@ class Measure:
 
 MEASURES: tuple[Measure, ...] = (
     Measure("first_delta_ms", "first_delta_ms", "ms", "TTFT", samples=True),
-    Measure("total_duration_ms", "total_duration_ms", "ms", "total", samples=True),
+    Measure(
+        "total_duration_ms",
+        "total_duration_ms",
+        "ms",
+        "total",
+        samples=True,
+        kinds=frozenset(REQUEST_KINDS),
+    ),
     Measure(
         "decode_tokens_per_sec",
         "tokens_per_sec",
@@ -120,6 +136,40 @@ MEASURES: tuple[Measure, ...] = (
         samples=True,
         in_every_baseline=False,
         decimals=3,
+    ),
+    # An embedding request's inputs (a rerank request's documents) over its end-to-end time.
+    Measure(
+        "inputs_per_sec",
+        "inputs_per_sec",
+        "inputs/s",
+        "inputs/s",
+        higher_is_better=True,
+        samples=True,
+        in_every_baseline=False,
+        decimals=1,
+        kinds=frozenset({"embedding", "rerank"}),
+    ),
+    # Whether a call's answer was valid for its kind, 1 or 0 (measure/validity.py): its samples
+    # give the rate per (cell, prompt) that the gate judges (VALIDITY below).
+    Measure(
+        "tool_call_valid",
+        "tool_call_valid",
+        "share",
+        "tool call valid",
+        higher_is_better=True,
+        samples=True,
+        in_every_baseline=False,
+        kinds=frozenset({"tools"}),
+    ),
+    Measure(
+        "schema_valid",
+        "schema_valid",
+        "share",
+        "schema valid",
+        higher_is_better=True,
+        samples=True,
+        in_every_baseline=False,
+        kinds=frozenset({"json_schema"}),
     ),
 )
 
@@ -224,6 +274,38 @@ GATED: tuple[GatedFigure, ...] = (
         column="first answer p50 ms",
         short="first answer",
         chart="Warm time to first answer",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class ValidityRate:
+    """The share of a (cell, prompt)'s successful warm calls whose answer was valid for its kind
+    (a measure of 1s and 0s, its samples kept). Judged like the success rate, absolutely: below
+    its floor (`thresholds:` key) is a regression; without a floor, a fall below the baseline's
+    rate is."""
+
+    name: str
+    measure: str
+    label: str
+    threshold_key: str
+    column: str
+
+
+VALIDITY: tuple[ValidityRate, ...] = (
+    ValidityRate(
+        "warm_tool_call_valid_rate",
+        "tool_call_valid",
+        "warm tool call valid rate",
+        "tool_call_valid_rate",
+        "tool call valid",
+    ),
+    ValidityRate(
+        "warm_schema_valid_rate",
+        "schema_valid",
+        "warm schema valid rate",
+        "schema_valid_rate",
+        "schema valid",
     ),
 )
 

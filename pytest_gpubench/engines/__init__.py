@@ -141,6 +141,7 @@ def measure_stream(
     parse: ChunkParser,
     connection: HttpConnection | None = None,
     tls: TlsSettings | None = None,
+    inputs: int | None = None,
 ) -> CallMeasurement:
     """Send one streamed request and turn its stamped lines into a measurement.
 
@@ -159,18 +160,19 @@ def measure_stream(
             )
     except StreamError as exc:
         return _failed(backend, str(exc))
-    measurement = measure_response(backend, response, parse)
+    measurement = measure_response(backend, response, parse, inputs=inputs)
     # After the clock: the rest of a good reply is read so its connection can carry the next call.
     response.release(measurement.error is None)
     return measurement
 
 
 def measure_response(
-    backend: str, response: StreamedResponse, parse: ChunkParser
+    backend: str, response: StreamedResponse, parse: ChunkParser, inputs: int | None = None
 ) -> CallMeasurement:
     """A measurement from a response whose lines carry their arrival stamps: the stream parser
-    fills it, measure.finish_timing times it (a single call's, and each of a load case's)."""
-    measurement = CallMeasurement(backend=backend)
+    fills it, measure.finish_timing times it (a single call's, and each of a load case's).
+    `inputs`: an embedding request's count of inputs."""
+    measurement = CallMeasurement(backend=backend, inputs=inputs)
     measurement.connect_ms = response.connect_ms
     measurement.tls_handshake_ms = response.tls_handshake_ms
     measurement.connection_reused = response.connection_reused
@@ -183,7 +185,8 @@ def measure_response(
             parse(response, measurement, content_arrivals)
     except StreamError as exc:
         measurement.error = str(exc)
-    if not measurement.error and measurement.finish_reason not in ("stop", "length"):
+    # A tools call's stream ends with `tool_calls` (OpenAI's, vLLM's and llama.cpp's finish).
+    if not measurement.error and measurement.finish_reason not in ("stop", "length", "tool_calls"):
         measurement.error = "stream ended without a finish reason"
     if measurement.error:
         measurement.finish_reason = "error"
@@ -252,8 +255,16 @@ def parse_openai_sse(
             break
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if isinstance(choice.get("text"), str) and not delta:
+                # /v1/completions streams `text` where a chat stream has a delta's content.
+                delta = {"content": choice["text"]}
+            called = note_tool_calls(delta.get("tool_calls"), measurement)
             # Reasoning models stream their thinking first; it is the first token all the same.
             text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+            if called and not text:
+                # A tool call's streamed name and arguments are the answer's tokens.
+                arrivals.append(arrived_ns)
+                note_delta(measurement, arrived_ns, reasoning=False, answer=True)
             if text:
                 arrivals.append(arrived_ns)
                 # vLLM streams `reasoning` (`reasoning_content` before 0.10), llama.cpp
@@ -294,6 +305,110 @@ def parse_openai_sse(
                 measurement.draft_tokens = timings["draft_n"]
             if isinstance(timings.get("draft_n_accepted"), int):
                 measurement.draft_accepted_tokens = timings["draft_n_accepted"]
+
+
+def kind_body(kind: str, keys: Mapping[str, Any]) -> dict[str, Any]:
+    """What a chat request of `kind` adds to its JSON (config/prompts.Prompt.kind_keys): a `tools`
+    call its tools and tool_choice (a tool's name as OpenAI names one), a `json_schema` call its
+    response_format; nothing for the other kinds."""
+    if kind == "tools":
+        choice = keys.get("tool_choice") or "required"
+        if choice not in ("auto", "required", "none"):
+            choice = {"type": "function", "function": {"name": choice}}
+        return {"tools": list(keys.get("tools") or ()), "tool_choice": choice}
+    if kind == "json_schema":
+        return {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "answer",
+                    "schema": keys.get("json_schema"),
+                    "strict": True,
+                },
+            }
+        }
+    return {}
+
+
+def note_tool_calls(deltas: Any, measurement: CallMeasurement) -> bool:
+    """A streamed delta's `tool_calls` (OpenAI's shape: each an index, then the function's name
+    once and its arguments in pieces) joined into the measurement's tool calls; whether it
+    carried any."""
+    if not isinstance(deltas, list):
+        return False
+    seen = False
+    for delta in deltas:
+        if not isinstance(delta, dict):
+            continue
+        index = delta.get("index")
+        index = index if isinstance(index, int) and 0 <= index < 64 else 0
+        while len(measurement.tool_calls) <= index:
+            measurement.tool_calls.append({"name": "", "arguments": ""})
+        function = delta.get("function")
+        function = function if isinstance(function, dict) else {}
+        call = measurement.tool_calls[index]
+        if isinstance(function.get("name"), str):
+            call["name"] += function["name"]
+        if isinstance(function.get("arguments"), str):
+            call["arguments"] += function["arguments"]
+        seen = True
+    return seen
+
+
+def parse_embeddings(
+    response: StreamedResponse, measurement: CallMeasurement, arrivals: list[int]
+) -> None:
+    """/v1/embeddings' one JSON answer (not streamed): how many vectors came back, and the
+    prompt tokens of its usage. Its arrivals stay empty: an embedding has no first token."""
+    body = b"".join(line.text for line in response.lines)
+    try:
+        answer = json.loads(body)
+    except json.JSONDecodeError:
+        measurement.error = f"embeddings answer is not JSON: {body[:120]!r}"
+        return
+    if not isinstance(answer, dict) or "error" in answer:
+        detail = answer.get("error") if isinstance(answer, dict) else answer
+        measurement.error = f"engine error: {json.dumps(detail)[:300]}"
+        return
+    data = answer.get("data")
+    vectors = [item for item in data if isinstance(item, dict)] if isinstance(data, list) else []
+    if measurement.inputs is not None and len(vectors) != measurement.inputs:
+        measurement.error = f"{len(vectors)} embeddings came back for {measurement.inputs} inputs"
+        return
+    usage = answer.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        measurement.prompt_tokens = usage["prompt_tokens"]
+    measurement.finish_reason = "stop"
+
+
+def parse_rerank(
+    response: StreamedResponse, measurement: CallMeasurement, arrivals: list[int]
+) -> None:
+    """/v1/rerank's one JSON answer (llama.cpp's, vLLM's and Jina's shape: `results`, each an
+    `index` and a `relevance_score`): as many results as asked for, each a document's index.
+    Its arrivals stay empty: a rerank has no first token."""
+    body = b"".join(line.text for line in response.lines)
+    try:
+        answer = json.loads(body)
+    except json.JSONDecodeError:
+        measurement.error = f"rerank answer is not JSON: {body[:120]!r}"
+        return
+    if not isinstance(answer, dict) or "error" in answer:
+        detail = answer.get("error") if isinstance(answer, dict) else answer
+        measurement.error = f"engine error: {json.dumps(detail)[:300]}"
+        return
+    results = answer.get("results")
+    ranked = [r for r in results if isinstance(r, dict)] if isinstance(results, list) else []
+    wanted = measurement.inputs
+    if not ranked or (wanted is not None and any(
+        not isinstance(r.get("index"), int) or not 0 <= r["index"] < wanted for r in ranked
+    )):  # fmt: skip
+        measurement.error = f"rerank answer ranks no document of the {wanted} sent"
+        return
+    usage = answer.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        measurement.prompt_tokens = usage["prompt_tokens"]
+    measurement.finish_reason = "stop"
 
 
 # pytest_gpubench_make_engine (hookspecs.py), as pytest's hook relay calls it.

@@ -43,6 +43,10 @@ class LlamaCppEngine(OpenAIEngine):
         payload.setdefault("timings_per_token", False)
         return payload
 
+    def completion_payload(self, payload: dict[str, Any]) -> dict[str, Any]:
+        payload.setdefault("timings_per_token", False)
+        return payload
+
     def health(self, timeout_s: float) -> Health:
         url = joined_url(self.base_url, "/health")
         try:

@@ -79,6 +79,16 @@ def _on_off_auto(flag: str, text: str) -> str:
     return text
 
 
+# llama.cpp's llama_pooling_type, as --pooling names them.
+_POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
+
+
+def _pooling(flag: str, text: str) -> int:
+    if text not in _POOLING:
+        raise LauncherFlagError(f"{flag}: {text!r} is none of {', '.join(_POOLING)}")
+    return _POOLING[text]
+
+
 def _cpu_mask(flag: str, text: str) -> list[bool]:
     """A hex mask of CPUs (`--cpu-mask 2`: CPU 1) as CommonParams' list of one bool a CPU."""
     digits = text[2:] if text.lower().startswith("0x") else text
@@ -145,6 +155,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--min-p",), ("sampling.min_p",), _number),
     Flag(("--no-warmup",), ("warmup",), switch_value=False),
     Flag(("--jinja",), ("use_jinja",)),
+    Flag(("--embedding", "--embeddings"), ("embedding",)),
+    Flag(("--pooling",), ("pooling_type",), _pooling),
     Flag(("--no-jinja",), ("use_jinja",), switch_value=False),
     Flag(("--chat-template",), ("chat_template",), _text),
     Flag(("--api-key",), ("api_keys",), _one_item),

@@ -37,6 +37,68 @@ def llama_server_launch(
     ]  # fmt: skip
 
 
+EMBEDDINGS_FLAGS = ("--embedding", "--embeddings")
+RERANK_FLAGS = ("--rerank", "--reranking")
+
+
+def _pooling(argv: Sequence[str]) -> str | None:
+    """The pooling a llama-server argv asks for (`--pooling X`), or None."""
+    words = list(argv)
+    for index, word in enumerate(words[:-1]):
+        if word == "--pooling":
+            return words[index + 1]
+    return None
+
+
+def kind_args(kinds: Sequence[str], server_args: Sequence[str]) -> list[str]:
+    """The flags a managed llama-server needs for the request kinds of its cell's prompts, where
+    server_args does not set them already (a cell's `launch:` is used as written):
+    - every prompt an embedding: `--embeddings --pooling mean` (a generative model's GGUF names no
+      pooling, and /v1/embeddings needs one: the mean of its token vectors);
+    - every prompt a rerank: `--embeddings --pooling rank` (what llama-server's `--rerank` sets,
+      and a flag the prebuilt server's launcher maps);
+    - a prompt of kind tools: `--jinja` (the default of recent servers, written for older ones).
+    A cell that mixes embeddings or reranks with other kinds gets neither: llama-server's help
+    keeps --embeddings for dedicated embedding models, so a generating prompt is not measured on
+    such a server by default; those cases are skipped (kind_missing), and a cell whose
+    server_args ask for it measures them all."""
+    args: list[str] = []
+    chosen = set(EMBEDDINGS_FLAGS + RERANK_FLAGS) & set(server_args)
+    if set(kinds) in ({"embedding"}, {"rerank"}) and not chosen:
+        args.append("--embeddings")
+        if _pooling(server_args) is None:
+            args += ["--pooling", "mean" if set(kinds) == {"embedding"} else "rank"]
+    if "tools" in kinds and not {"--jinja", "--no-jinja"} & set(server_args):
+        args.append("--jinja")
+    return args
+
+
+def kind_missing(kind: str, argv: Sequence[str]) -> str | None:
+    """Why a llama-server started with `argv` cannot serve a request of `kind`, or None."""
+    rerank = bool(set(RERANK_FLAGS) & set(argv)) or _pooling(argv) == "rank"
+    embeddings = bool(set(EMBEDDINGS_FLAGS + RERANK_FLAGS) & set(argv))
+    if kind == "embedding" and (not embeddings or rerank):
+        return (
+            "llama-server serves embeddings only when started with --embeddings (and a pooling "
+            "other than rank), which its help keeps for embedding models: give embedding prompts "
+            "a cell of their own (its prompts: key), or set the flags in its server_args"
+        )
+    if kind == "rerank" and not rerank:
+        return (
+            "llama-server ranks documents only when started with --rerank (or --embeddings "
+            "--pooling rank): give rerank prompts a cell of their own (its prompts: key), or set "
+            "the flags in its server_args"
+        )
+    if kind == "image" and not {"-mm", "--mmproj"} & set(argv):
+        return (
+            "llama-server reads images only with a multimodal projector: set --mmproj (the "
+            "model's projector GGUF) in the cell's server_args"
+        )
+    if kind == "tools" and "--no-jinja" in argv:
+        return "llama-server started with --no-jinja takes no tools (--jinja)"
+    return None
+
+
 def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
     """On this machine the server is chosen (engines/llamacpp_choice.py: one named, the
     prebuilt one, or the source build), installed or built where needed, and the model is the
@@ -74,7 +136,10 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
     digest += added_digests(cell, target, added)
     # /metrics always: the engine's counters are read around every warm call (issue 35).
     launch = spec.launch or llama_server_launch(
-        command, [*spec.server_args, *added], parallel=spec.parallel or 1, metrics=True
+        command,
+        [*spec.server_args, *added, *kind_args(cell.kinds, spec.server_args)],
+        parallel=spec.parallel or 1,
+        metrics=True,
     )
     return LaunchPlan(
         launch=tuple(launch),

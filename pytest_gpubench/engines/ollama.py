@@ -108,6 +108,9 @@ def parse_ollama_ndjson(
 
 class OllamaEngine:
     kind = "ollama"
+    # Only chat: prompts of other request kinds are skipped on an Ollama cell
+    # (docs/request-kinds.md).
+    kinds: tuple[str, ...] = ("chat",)
 
     def __init__(
         self,

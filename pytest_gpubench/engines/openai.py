@@ -1,4 +1,5 @@
-"""OpenAI-compatible servers (vLLM, SGLang, TGI, hosted APIs): /v1/chat/completions."""
+"""OpenAI-compatible servers (vLLM, SGLang, TGI, hosted APIs): /v1/chat/completions, and for the
+other request kinds /v1/completions, /v1/embeddings and /v1/rerank."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from pytest_gpubench.config.metrics import REQUEST_KINDS
 from pytest_gpubench.engines import (
     Health,
     api_root,
@@ -15,7 +17,9 @@ from pytest_gpubench.engines import (
     control_client,
     measure_stream,
     merge_body,
+    parse_embeddings,
     parse_openai_sse,
+    parse_rerank,
 )
 from pytest_gpubench.measure.stream import (
     CallMeasurement,
@@ -37,6 +41,10 @@ def serves_model(served: str, wanted: str) -> bool:
 
 class OpenAIEngine:
     kind = "openai"
+    # The request kinds it sends (config/prompts.py): chat, tools and json_schema on
+    # /v1/chat/completions, completion on /v1/completions, embedding on /v1/embeddings, rerank
+    # on /v1/rerank.
+    kinds: tuple[str, ...] = REQUEST_KINDS
 
     def __init__(
         self,
@@ -85,6 +93,15 @@ class OpenAIEngine:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        return self.with_request(payload, request, extra_body)
+
+    def with_request(
+        self,
+        payload: dict[str, Any],
+        request: RequestShape | None,
+        extra_body: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        """A request's JSON with the cell's and prompt's request keys, then `extra_body`."""
         if request is not None:
             # vLLM takes all three; llama-server takes seed and ignore_eos (min_tokens: matrix.py).
             for key in ("seed", "ignore_eos", "min_tokens"):
@@ -171,6 +188,75 @@ class OpenAIEngine:
             headers=headers,
             parse=parse_openai_sse,
             connection=self.connection,
+        )
+
+    def complete(
+        self,
+        prompt: str,
+        max_tokens: int,
+        timeout_s: float,
+        request: RequestShape | None = None,
+    ) -> CallMeasurement:
+        """One streamed plain completion (/v1/completions): `prompt` as it is, no chat template."""
+        payload = self.with_request(
+            {
+                "model": self.model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": request.temperature_or_default if request is not None else 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            request,
+            None,
+        )
+        return measure_stream(
+            self.kind,
+            self.base_url,
+            "/v1/completions",
+            self.completion_payload(payload),
+            timeout_s=timeout_s,
+            headers=tuple(self._auth().items()),
+            parse=parse_openai_sse,
+            connection=self.connection,
+        )
+
+    def completion_payload(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """What an engine adds to a plain completion's JSON (llama.cpp: its timings)."""
+        return payload
+
+    def embed(self, inputs: list[str], timeout_s: float) -> CallMeasurement:
+        """One embeddings request (/v1/embeddings) for `inputs`, timed to its whole answer."""
+        return measure_stream(
+            self.kind,
+            self.base_url,
+            "/v1/embeddings",
+            {"model": self.model, "input": inputs, "encoding_format": "float"},
+            timeout_s=timeout_s,
+            headers=tuple(self._auth().items()),
+            parse=parse_embeddings,
+            connection=self.connection,
+            inputs=len(inputs),
+        )
+
+    def rerank(
+        self, query: str, documents: list[str], top_n: int | None, timeout_s: float
+    ) -> CallMeasurement:
+        """One rerank request (/v1/rerank: llama-server with --rerank, vLLM with a cross-encoder)
+        ranking `documents` against `query`, timed to its whole answer."""
+        payload: dict[str, Any] = {"model": self.model, "query": query, "documents": documents}
+        if top_n is not None:
+            payload["top_n"] = top_n
+        return measure_stream(
+            self.kind,
+            self.base_url,
+            "/v1/rerank",
+            payload,
+            timeout_s=timeout_s,
+            headers=tuple(self._auth().items()),
+            parse=parse_rerank,
+            connection=self.connection,
+            inputs=len(documents),
         )
 
     def unload(self, timeout_s: float) -> bool:

@@ -217,6 +217,7 @@ def call_record(
         "started_at_utc": started_at_utc,
         # The gaps packed (ledger/gaps.py): most of a long reply's record otherwise.
         **cast(MeasurementFields, packed_record(measurement.to_record())),
+        **measurement.kind_fields(),
         "worker": os.environ.get("PYTEST_XDIST_WORKER"),
         # A warm call's checks against the engine come later (engine_check_fields).
         **EngineCheckFields(),

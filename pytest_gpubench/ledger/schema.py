@@ -15,7 +15,7 @@ from pytest_gpubench.config.shards import ShardFacts
 from pytest_gpubench.core.errors import key_path, non_finite_at
 from pytest_gpubench.core.provenance import GitState
 from pytest_gpubench.ledger.outcomes import CellStatus
-from pytest_gpubench.measure.stream import MeasurementFields
+from pytest_gpubench.measure.stream import KindFields, MeasurementFields
 from pytest_gpubench.targets.stages import StageFacts
 
 
@@ -113,10 +113,11 @@ class EngineCheckFields(TypedDict, total=False):
     prefix_cache_off: bool
 
 
-class CallRecord(CaseHead, MeasurementFields, EngineCheckFields):
+class CallRecord(CaseHead, MeasurementFields, EngineCheckFields, KindFields):
     """One measured call of a case (successful or not); a load case's calls add the load
     fields, a case with telemetry its resource figures (telemetry/aggregate.py CALL_FIELDS), a
-    warm call its checks against the engine (EngineCheckFields)."""
+    warm call its checks against the engine (EngineCheckFields), a call of a request kind other
+    than chat its kind's fields (KindFields)."""
 
     type: Literal["call"]
     run_idx: int

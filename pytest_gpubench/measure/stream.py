@@ -105,6 +105,17 @@ class MeasurementFields(TypedDict):
     draft_accepted_tokens: int | None
 
 
+class KindFields(TypedDict, total=False):
+    """A call record's fields of a request kind other than chat (CallMeasurement.kind_fields)."""
+
+    kind: str
+    inputs: int
+    inputs_per_sec: float | None
+    tool_calls: int
+    tool_call_valid: int | None
+    schema_valid: int | None
+
+
 @dataclass
 class CallMeasurement:
     """What one call measured, in the units of docs/metrics.md."""
@@ -162,6 +173,16 @@ class CallMeasurement:
     # engine says nothing.
     draft_tokens: int | None = None
     draft_accepted_tokens: int | None = None
+    # The request kind (config/prompts.py `kind:`) and what only some kinds have (issue 35): an
+    # embedding request's inputs and inputs/s; the tool calls a `tools` call streamed (name and
+    # arguments text; not recorded); whether a tools or json_schema answer was valid (1 or 0,
+    # measure/validity.py). None where the kind has no such figure: left out of the record.
+    kind: str = "chat"
+    inputs: int | None = None
+    inputs_per_sec: float | None = None
+    tool_calls: list[dict[str, str]] = field(default_factory=list)
+    tool_call_valid: int | None = None
+    schema_valid: int | None = None
     # Filled by the stream parsers, turned into the figures above by finish_timing.
     first_answer_ns: int = 0
     reasoning_chunks: int = 0
@@ -200,6 +221,22 @@ class CallMeasurement:
             "draft_tokens": self.draft_tokens,
             "draft_accepted_tokens": self.draft_accepted_tokens,
         }
+
+    def kind_fields(self) -> KindFields:
+        """The request kind's own fields of the call record: none for a chat call (its record
+        is as before kinds existed), else the kind and each of its figures that applies."""
+        if self.kind == "chat":
+            return {}
+        fields: KindFields = {"kind": self.kind}
+        if self.inputs is not None:
+            fields["inputs"] = self.inputs
+            fields["inputs_per_sec"] = self.inputs_per_sec
+        if self.kind == "tools":
+            fields["tool_call_valid"] = self.tool_call_valid
+            fields["tool_calls"] = len(self.tool_calls)
+        if self.kind == "json_schema":
+            fields["schema_valid"] = self.schema_valid
+        return fields
 
 
 def _ms(start_ns: int, end_ns: int) -> float:
@@ -274,6 +311,9 @@ def finish_timing(
         measurement.tokens_per_sec = rates.tokens_per_sec
         measurement.tpot_ms = rates.tpot_ms
         measurement.e2e_tokens_per_sec = rates.e2e_tokens_per_sec
+        total = measurement.total_duration_ms
+        if measurement.inputs is not None and total:
+            measurement.inputs_per_sec = round(measurement.inputs / (total / 1000.0), 3)
 
 
 def token_mismatch(chunks: int, completion_tokens: int | None, finish_reason: str) -> bool | None:

@@ -48,7 +48,9 @@ from pytest_gpubench.results.stats import (
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary
 
 # The columns stats.summarize needs (stats.call_frame builds the same frame from dicts).
-SUMMARY_TEXT = ("cell_id", "prompt_id", "prompt_sha256", "phase", "cold_kind", "finish_reason")
+SUMMARY_TEXT = (
+    "cell_id", "prompt_id", "prompt_sha256", "phase", "cold_kind", "finish_reason", "kind",
+)  # fmt: skip
 SUMMARY_NUMBERS = ("run_idx", *(measure.field for measure in MEASURES))
 # The per-case resource figures (telemetry/aggregate.py) the report's telemetry table needs.
 TELEMETRY_TEXT = ("gpu_energy_source",)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tabulate import tabulate
 
+from pytest_gpubench.config.metrics import VALIDITY
 from pytest_gpubench.ledger.outcomes import CellOutcome
 from pytest_gpubench.reports.engine_checks_table import (
     engine_check_warnings,
@@ -95,12 +96,39 @@ def reasoning_shown(summaries: Iterable[PromptSummary]) -> bool:
     return any(reasoned(summary) for summary in summaries)
 
 
+# The request kinds' columns (issue 35), after the success rate; only in a table where some
+# (cell, prompt) is of a kind other than chat.
+KIND_HEADERS = ("kind", "inputs/s p50", "valid")
+
+
+def kinds_shown(summaries: Iterable[PromptSummary]) -> bool:
+    """Whether some (cell, prompt) is of a request kind other than chat."""
+    return any(summary.kind != "chat" for summary in summaries)
+
+
 def summary_headers(summaries: Iterable[PromptSummary]) -> tuple[str, ...]:
-    """SUMMARY_HEADERS, with the reasoning columns where some (cell, prompt) reasoned."""
+    """SUMMARY_HEADERS, with the reasoning columns where some (cell, prompt) reasoned and the
+    request kinds' where some is not chat."""
+    summaries = list(summaries)
+    headers = SUMMARY_HEADERS
+    if kinds_shown(summaries):
+        at = headers.index("success") + 1
+        headers = (*headers[:at], *KIND_HEADERS, *headers[at:])
     if not reasoning_shown(summaries):
-        return SUMMARY_HEADERS
+        return headers
     at = 2 + len(RATIO_METRICS)
-    return (*SUMMARY_HEADERS[:at], *REASONING_HEADERS, *SUMMARY_HEADERS[at:])
+    return (*headers[:at], *REASONING_HEADERS, *headers[at:])
+
+
+def _kind_cells(summary: PromptSummary) -> list[str]:
+    """The request kind, an embedding's inputs/s, a tools or json_schema prompt's valid answers
+    (`3/3 tool calls`); `-` where the figure does not apply."""
+    valid = NONE
+    for rate in VALIDITY:
+        values = summary.samples[rate.measure]
+        if values:
+            valid = f"{int(sum(values))}/{len(values)} {rate.column}"
+    return [summary.kind, fixed(summary.figure("inputs_per_sec", "p50"), 1), valid]
 
 
 def summary_rows(
@@ -115,6 +143,7 @@ def summary_rows(
     if accepted:
         worst = {key: _ratified(kind, key, verdicts) for key, kind in worst.items()}
     shown = reasoning_shown(summaries)
+    kinds = kinds_shown(summaries)
     return [
         [
             summary.cell_id,
@@ -125,6 +154,7 @@ def summary_rows(
             _cold_figure(summary, summary.cold_total_duration_ms),
             str(summary.warm_coalesced),
             success(summary),
+            *(_kind_cells(summary) if kinds else ()),
             _changes(by_key.get(summary.key, {})),
             detectable(by_key.get(summary.key, {}).get(TTFT_NAME)),
             worst.get(summary.key, NONE),

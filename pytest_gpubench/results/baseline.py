@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from pytest_gpubench.config.metrics import MEASURE_BY_NAME, PERCENTILE_NAMES
+from pytest_gpubench.config.metrics import GENERATING, MEASURE_BY_NAME, PERCENTILE_NAMES
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.ledger.schema import CallRecord, CellRecord, MetaRecord, meta_of, records_of
@@ -421,7 +421,11 @@ def prompt_refusals(
     if rate is not None and rate < min_success_rate:
         detail = f"{summary.prompt_id} {rate:.2f} ({summary.n_warm_ok}/{summary.n_warm})"
         return (f"warm success rate below {min_success_rate:.2f}:", detail)
-    samples = len(summary.samples["first_delta_ms"])
+    # The first gated figure's samples (TTFT); an embedding or a rerank, which has none, its
+    # total's.
+    samples = len(
+        summary.samples["first_delta_ms" if summary.kind in GENERATING else "total_duration_ms"]
+    )
     future = future_runs if future_runs is not None else samples
     why = sample_check(samples, future) if sample_check is not None else None
     if why is not None:

@@ -15,8 +15,10 @@ from pytest_gpubench.config.metrics import (
     DEFAULT_SUCCESS_RATE,
     GATED,
     MEASURE_BY_NAME,
+    VALIDITY,
     GatedFigure,
     Measure,
+    ValidityRate,
 )
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.results.decision import (
@@ -145,6 +147,7 @@ METRIC_NAMES = (*tuple(metric.name for metric in RATIO_METRICS), SUCCESS_RATE)
 ALL_METRIC_NAMES = (
     *METRIC_NAMES,
     *(m.name for m in GATED_METRICS if m.reasoning or m.figure.opt_in),
+    *(rate.name for rate in VALIDITY),
 )
 
 
@@ -166,6 +169,8 @@ def gated_metrics(
         metric
         for metric in GATED_METRICS
         if (either or not metric.reasoning)
+        # A figure that does not apply to the prompt's request kind (an embedding's TTFT).
+        and current.kind in metric.measure.kinds
         and (
             not metric.figure.opt_in
             or thresholds is None
@@ -284,14 +289,23 @@ def judge(
         return []
     metrics = gated_metrics(current, baseline, thresholds)
     if baseline is None:
-        return [
-            _verdict(current, metric.name, "new", "no baseline yet", value=metric.value(current))
-            for metric in metrics
-        ] + [
-            _verdict(
-                current, SUCCESS_RATE, "new", "no baseline yet", value=current.warm_success_rate
-            )
-        ]
+        return (
+            [
+                _verdict(
+                    current, metric.name, "new", "no baseline yet", value=metric.value(current)
+                )
+                for metric in metrics
+            ]
+            + [
+                _verdict(
+                    current, SUCCESS_RATE, "new", "no baseline yet", value=current.warm_success_rate
+                )
+            ]
+            + [
+                _verdict(current, rate.name, "new", "no baseline yet", value=value)
+                for rate, value in validity_rates(current)
+            ]
+        )
     check_prompt_unchanged(current, baseline)
     steady = machine_steadiness(current, baseline, history)
     verdicts = [
@@ -306,7 +320,39 @@ def judge(
         for metric in metrics
     ]
     verdicts.append(judge_success_rate(current, baseline, success_threshold(thresholds)))
+    verdicts += [
+        judge_validity(rate, current, baseline, getattr(thresholds, rate.threshold_key))
+        for rate, _ in validity_rates(current)
+    ]
     return verdicts
+
+
+def validity_rates(summary: PromptSummary) -> list[tuple[ValidityRate, float]]:
+    """The validity rates a (cell, prompt) measured (config/metrics.VALIDITY), with their value."""
+    found = [(rate, summary.validity_rate(rate.measure)) for rate in VALIDITY]
+    return [(rate, value) for rate, value in found if value is not None]
+
+
+def judge_validity(
+    rate: ValidityRate, current: PromptSummary, baseline: PromptSummary, minimum: float | None
+) -> Verdict:
+    """Absolute, like the success rate: below the cell's floor (its `thresholds:` key) is a
+    regression; without a floor, a fall below the baseline's rate is."""
+    value = current.validity_rate(rate.measure)
+    old = baseline.validity_rate(rate.measure)
+    values = current.samples[rate.measure]
+    counts = f"{int(sum(values))}/{len(values)}"
+    found = partial(
+        _verdict, current, rate.name, baseline=old, value=value,
+        ratio=value / old if value is not None and old else None,
+    )  # fmt: skip
+    if value is None:
+        return _verdict(current, rate.name, "new", "no valid answer checked", baseline=old)
+    if minimum is not None and value < minimum:
+        return found("regression", f"{rate.label} {value:.2f} ({counts}) is below {minimum:.2f}")
+    if minimum is None and old is not None and value < old:
+        return found("regression", f"{rate.label} {value:.2f} ({counts}) fell from {old:.2f}")
+    return found("ok", f"{rate.label} {value:.2f} ({counts})")
 
 
 def machine_steadiness(

@@ -89,6 +89,12 @@ class Pairs:
         return candidate, reference
 
     @property
+    def kind(self) -> str:
+        """The request kind of the prompt (config/prompts.py; a chat call's record has none)."""
+        first = next(iter(self.candidate.values()), {})
+        return str(first.get("kind") or "chat")
+
+    @property
     def complete(self) -> int:
         """Pairs whose two calls both succeeded."""
         both = set(self.candidate) & set(self.reference)
@@ -354,6 +360,8 @@ def judge_candidate(
     calls = len(judged.candidate) + len(judged.reference)
     verdicts = []
     for metric in PAIRED_METRICS:
+        if pairs.kind not in metric.measure.kinds:
+            continue  # a figure the prompt's kind has not (an embedding's TTFT): no verdict
         result = by_name.get(metric.name)
         if result is None:
             result = judge_pairs(metric, [], [], 0.0)

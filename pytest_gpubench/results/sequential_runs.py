@@ -72,7 +72,10 @@ def _look(
 ) -> Stop | None:
     """A regression as soon as one figure is one; unchanged once every figure is."""
     unchanged = []
+    kind = str(calls[0].get("kind") or "chat") if calls else "chat"
     for metric in _METRICS:
+        if kind not in metric.measure.kinds:
+            continue  # a figure the prompt's request kind has not (an embedding's TTFT)
         source = metric.measure.field
         now = [float(call[source]) for call in calls if call.get(source) is not None]
         then = list(metric.samples(baseline))

@@ -21,7 +21,7 @@ REASONING_METRICS = tuple(measure.name for measure in MEASURES if measure.reason
 DECODE_METRICS = tuple(measure.name for measure in MEASURES if measure.decode)
 # Fields read from each call record; everything else (inter-chunk gaps, engine timings) is left
 # out of the frame so that a million records stay cheap.
-_TEXT_FIELDS = ("cell_id", "prompt_id", "prompt_sha256", "phase", "cold_kind")
+_TEXT_FIELDS = ("cell_id", "prompt_id", "prompt_sha256", "phase", "cold_kind", "kind")
 # The raw values kept per (cell, prompt): what the gate tests significance and attribution on.
 SAMPLE_FIELDS = sampled()
 
@@ -83,6 +83,8 @@ class PromptSummary:
     warm: Mapping[str, Figures] = field(default_factory=dict)
     warm_coalesced: int = 0
     samples: WarmSamples = field(default_factory=WarmSamples)
+    # The prompt's request kind (config/prompts.py); a chat call's record carries none.
+    kind: str = "chat"
 
     def __post_init__(self) -> None:
         # Every measure's four percentiles, None where not measured: summaries of the same
@@ -102,6 +104,12 @@ class PromptSummary:
     @property
     def key(self) -> tuple[str, str]:
         return (self.cell_id, self.prompt_id)
+
+    def validity_rate(self, measure: str) -> float | None:
+        """The share of the successful warm calls whose answer was valid (a validity measure of
+        config/metrics.VALIDITY, its 1s and 0s); None where none was checked."""
+        values = self.samples[measure]
+        return sum(values) / len(values) if values else None
 
     @property
     def warm_success_rate(self) -> float | None:
@@ -204,6 +212,7 @@ def summarize_frame(frame: pd.DataFrame, *, with_samples: bool = True) -> list[P
     warm_ok = warm[warm["ok"]]
     cold = frame[frame["phase"] == "cold"]
     shas = _first_text(frame, "prompt_sha256")
+    kinds = _first_text(frame, "kind") if "kind" in frame.columns else {}
     cold_counts = _counts(cold)
     first_cold = _first_cold(cold)
     warm_counts = _counts(warm)
@@ -222,6 +231,7 @@ def summarize_frame(frame: pd.DataFrame, *, with_samples: bool = True) -> list[P
             },
             coalesced=int(coalesced.get(group, 0)),
             samples=samples.get(group, WarmSamples()),
+            kind=kinds.get(group) or "chat",
         )
         for group in sorted(range(len(keys)), key=keys.__getitem__)
     ]
@@ -268,6 +278,7 @@ def _summary(
     warm: Mapping[str, tuple[float | None, ...]],
     coalesced: int,
     samples: WarmSamples,
+    kind: str = "chat",
 ) -> PromptSummary:
     cold_kind, cold_ttft, cold_total = first_cold or (None, None, None)
     figures: dict[str, Figures] = {
@@ -288,6 +299,7 @@ def _summary(
         warm=figures,
         warm_coalesced=coalesced,
         samples=samples,
+        kind=kind,
     )
 
 

@@ -168,6 +168,19 @@ class Harness:
                 )
             )
             return reason, records
+        prompt = self.matrix.prompts.get(case.prompt_id)
+        missing = live.kind_missing(prompt.kind) if prompt is not None else None
+        if missing is not None:
+            # A kind the engine does not send: this case is skipped, the cell's others run.
+            reason = self.scrub(missing)
+            records.append(
+                as_json(
+                    skipped_record(
+                        run_id=self.run_id, cell=live.cell, case=case, reason=reason, stage=None
+                    )
+                )
+            )
+            return reason, records
         return None, records
 
     def stopped_early(self, case: Case) -> tuple[str | None, list[dict[str, Any]]]:
@@ -224,7 +237,7 @@ class Harness:
             return self.run_timed(case, prompt, request)
         record, others, _ = self.measure(
             case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request), request=request,
-            messages=prompt.chat_messages(),
+            messages=prompt.chat_messages(), of=prompt,
         )  # fmt: skip
         record.update(facts)
         return record, others
@@ -285,7 +298,7 @@ class Harness:
         while last is None or time.monotonic() < end:
             record, others, _ = self.measure(
                 case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request),
-                request=request, messages=prompt.chat_messages(),
+                request=request, messages=prompt.chat_messages(), of=prompt,
             )  # fmt: skip
             record["timed_idx"] = calls
             calls += 1
@@ -350,6 +363,7 @@ class Harness:
         request: RequestShape | None = None,
         messages: list[dict[str, Any]] | None = None,
         extra_body: dict[str, Any] | None = None,
+        of: Prompt | None = None,
     ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
         """One measured call of the case, made cold or warm for its phase first: its call record
         (under the case's prompt_id, with `sha256`), the other records it produced (its `sample`
@@ -357,7 +371,8 @@ class Harness:
 
         `request` is the cell's (and prompt's) request keys, the cell's own when not given;
         `messages` and `extra_body` go to the engine only when given (a test's own request), so
-        an engine that does not take them still measures the prompts of prompts.yaml."""
+        an engine that does not take them still measures the prompts of prompts.yaml. `of`:
+        the prompts.yaml prompt, whose request kind the call is of (chat where None)."""
         live = self.cells[case.cell_id]
         shape = request if request is not None else (live.cell.spec.request or RequestShape())
         own: dict[str, Any] = {}
@@ -369,7 +384,7 @@ class Harness:
         if case.phase == "cold":
             cold_kind = live.make_cold()
         else:
-            live.warm_up(prompt, max_tokens, shape, **own)
+            live.warm_up(prompt, max_tokens, shape, of=of, **own)
         steadiness = self.steadiness and case.phase == "warm"
         # The engine's own counters before the call (outside its timed span), where it has some.
         counters = live.engine_counters() if case.phase == "warm" else None
@@ -381,7 +396,7 @@ class Harness:
         pressure_mark = self.pressure.start() if steadiness else None
         engine_wait = live.engine_wait() if steadiness else None
         wait_mark = engine_wait.mark() if engine_wait is not None else None
-        measurement = live.chat(prompt, max_tokens, shape, **own)
+        measurement = live.request(prompt, max_tokens, shape, of, **own)
         waited = engine_wait.since(wait_mark) if engine_wait is not None else None
         cpu_pressure = self.pressure.share(pressure_mark) if steadiness else None
         live.last_call_end = time.monotonic()

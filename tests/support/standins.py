@@ -238,6 +238,181 @@ class FaultyOpenAIServer(_Server):
         handler._end_chunked()
 
 
+class ToolCallStandin(_Server):
+    """An OpenAI-compatible server that answers a chat request with `tools` by calling one, as
+    OpenAI's streaming API does: for what no model here can do (the tiny model's chat template
+    makes llama-server's tool-call grammar fail, and with a template that it takes, no call
+    comes back). The request is checked field by field as OpenAI documents it (tools: a list of
+    {type: function, function: {name, parameters}}; tool_choice: none, auto, required or
+    {type: function, function: {name}}; stream_options.include_usage), and a request that
+    breaks it is answered HTTP 400 with the field named. The call streams as OpenAI's does: a
+    first delta with the call's index, id, type and function name and empty arguments, then
+    the arguments in pieces, then finish_reason `tool_calls` and the usage chunk.
+
+    `arguments`: the JSON text the call's arguments stream (valid or not for the tool's schema,
+    as a test sets it between runs)."""
+
+    def __init__(self, model: str = "m", arguments: str = '{"city": "Paris"}') -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.requests = []
+        self.model = model
+        self.arguments = arguments
+
+    def get(self, handler: _Handler) -> None:
+        if handler.path == "/v1/models":
+            handler._json(200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        else:
+            handler._json(404, {"error": "not found"})
+
+    @staticmethod
+    def shape_error(body: dict[str, Any]) -> str | None:
+        """What in a chat request with tools is not OpenAI's shape, or None."""
+        tools = body.get("tools")
+        if not isinstance(tools, list) or not tools:
+            return "tools: a non-empty list"
+        names = []
+        for index, tool in enumerate(tools):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                return f"tools[{index}].type: must be 'function'"
+            function = tool.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                return f"tools[{index}].function.name: a string"
+            if not isinstance(function.get("parameters", {}), dict):
+                return f"tools[{index}].function.parameters: a JSON Schema object"
+            names.append(function["name"])
+        choice = body.get("tool_choice", "auto")
+        if isinstance(choice, dict):
+            named = (choice.get("function") or {}).get("name")
+            if choice.get("type") != "function" or named not in names:
+                return "tool_choice: {type: function, function: {name: <a tool's name>}}"
+        elif choice not in ("none", "auto", "required"):
+            return "tool_choice: none, auto, required or a named function"
+        if body.get("stream") is not True or not isinstance(body.get("messages"), list):
+            return "stream: true and messages: a list"
+        return None
+
+    def post(self, handler: _Handler, body: dict[str, Any]) -> None:
+        if handler.path != "/v1/chat/completions":
+            handler._json(404, {"error": {"message": f"no route {handler.path}"}})
+            return
+        problem = self.shape_error(body)
+        if problem is not None:
+            handler._json(400, {"error": {"message": problem, "type": "invalid_request_error"}})
+            return
+        choice = body.get("tool_choice")
+        name = (
+            choice["function"]["name"]
+            if isinstance(choice, dict)
+            else body["tools"][0]["function"]["name"]
+        )
+        handler._start_chunked("text/event-stream")
+
+        def send(delta: dict[str, Any], finish: str | None = None) -> None:
+            chunk = {"id": "c", "object": "chat.completion.chunk", "model": self.model,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+            handler._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
+            time.sleep(0.001)
+
+        send({"role": "assistant", "content": None, "tool_calls": [
+            {"index": 0, "id": "call_0", "type": "function",
+             "function": {"name": name, "arguments": ""}}]})  # fmt: skip
+        pieces = [self.arguments[i : i + 4] for i in range(0, len(self.arguments), 4)]
+        for piece in pieces:
+            send({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+        send({}, "tool_calls")
+        usage = {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": len(pieces) + 1,
+                                          "total_tokens": 13 + len(pieces)}}  # fmt: skip
+        handler._chunk(f"data: {json.dumps(usage)}\n\n".encode())
+        handler._chunk(b"data: [DONE]\n\n")
+        handler._end_chunked()
+
+
+class ImageChatStandin(_Server):
+    """An OpenAI-compatible server that takes chat requests with images: for what cannot run
+    here (no vision model and projector can be generated or installed on this machine; the real
+    llama-server answers an image without --mmproj HTTP 500 "image input is not supported").
+    The request is checked field by field as OpenAI documents a vision request: the last
+    message a user turn whose `content` is a list of parts, one {type: text, text} and each
+    image {type: image_url, image_url: {url: data:<image/...>;base64,<data>}}, the data valid
+    base64; a request that breaks it is answered HTTP 400 with the field named. The sha256 of
+    each image received is kept (`received`), and a short answer streams as a chat stream does,
+    its usage counting the images' tokens in the prompt (`image_tokens` each)."""
+
+    def __init__(self, model: str = "m", image_tokens: int = 64) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.requests = []
+        self.model = model
+        self.image_tokens = image_tokens
+        self.received: list[str] = []
+
+    def get(self, handler: _Handler) -> None:
+        if handler.path == "/v1/models":
+            handler._json(200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        else:
+            handler._json(404, {"error": "not found"})
+
+    def images_of(self, body: dict[str, Any]) -> tuple[list[bytes], str | None]:
+        """The images a request carries, or why its shape is not OpenAI's."""
+        import base64
+        import binascii
+
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return [], "messages: a non-empty list"
+        last = messages[-1]
+        if not isinstance(last, dict) or last.get("role") != "user":
+            return [], "messages[-1].role: user"
+        parts = last.get("content")
+        if not isinstance(parts, list):
+            return [], "messages[-1].content: a list of parts"
+        texts = [p for p in parts if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) != 1 or not isinstance(texts[0].get("text"), str):
+            return [], "messages[-1].content: one {type: text, text: <string>} part"
+        images = []
+        for index, part in enumerate(parts):
+            if part in texts:
+                continue
+            url = (part.get("image_url") or {}).get("url") if isinstance(part, dict) else None
+            if part.get("type") != "image_url" or not isinstance(url, str):
+                return [], f"messages[-1].content[{index}]: {{type: image_url, image_url: {{url}}}}"
+            head, _, data = url.partition(",")
+            if not (head.startswith("data:image/") and head.endswith(";base64")):
+                return [], f"messages[-1].content[{index}].image_url.url: data:image/...;base64,"
+            try:
+                images.append(base64.b64decode(data, validate=True))
+            except binascii.Error:
+                return [], f"messages[-1].content[{index}].image_url.url: not base64"
+        if not images:
+            return [], "messages[-1].content: at least one image_url part"
+        return images, None
+
+    def post(self, handler: _Handler, body: dict[str, Any]) -> None:
+        import hashlib
+
+        if handler.path != "/v1/chat/completions":
+            handler._json(404, {"error": {"message": f"no route {handler.path}"}})
+            return
+        images, problem = self.images_of(body)
+        if problem is not None:
+            handler._json(400, {"error": {"message": problem, "type": "invalid_request_error"}})
+            return
+        self.received += [hashlib.sha256(image).hexdigest() for image in images]
+        handler._start_chunked("text/event-stream")
+        tokens = int(body.get("max_tokens", 4))
+        for index in range(tokens):
+            chunk = {"id": "x", "object": "chat.completion.chunk", "model": self.model,
+                     "choices": [{"index": 0, "delta": {"content": f" red{index}"},
+                                  "finish_reason": "length" if index == tokens - 1 else None}]}  # fmt: skip
+            handler._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
+            time.sleep(0.001)
+        prompt = 5 + self.image_tokens * len(images)
+        usage = {"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": tokens,
+                                          "total_tokens": prompt + tokens}}  # fmt: skip
+        handler._chunk(f"data: {json.dumps(usage)}\n\n".encode())
+        handler._chunk(b"data: [DONE]\n\n")
+        handler._end_chunked()
+
+
 @contextmanager
 def serving(server: _Server) -> Iterator[str]:
     """Run the server in a thread; yields its base URL."""

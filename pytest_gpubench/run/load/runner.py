@@ -219,7 +219,9 @@ def _run_load_case(
     # The warm-up sends the last of the prompts taken in turn: a point that sends each once
     # (unique prompts) then finds none of them cached by the warm-up.
     prompt, request = sends.prompts[-1], sends.request
-    own = {"messages": prompt.chat_messages()} if prompt.messages is not None else {}
+    own: dict[str, Any] = (
+        {"messages": prompt.chat_messages()} if prompt.messages is not None else {}
+    )
     live.warm_up(prompt.prompt, prompt.max_tokens, request, **own)
     engine: Any = live.engine
     payloads = [
