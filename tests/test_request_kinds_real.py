@@ -232,6 +232,8 @@ def test_a_valid_tool_call_is_counted_and_a_fall_in_its_rate_fails_the_gate(
         records = calls_by_prompt(pytester.path)["T"]
         assert [r["tool_call_valid"] for r in records] == [1] * 6
         assert all(r["tool_calls"] == 1 and r["finish_reason"] == "tool_calls" for r in records)
+        # A tool call's streamed pieces are not tokens: its count is not checked against usage.
+        assert all(r.get("token_mismatch") is None for r in records)
         # Its tokens are the call's: a TTFT from the first tool-call delta.
         assert all(r["first_delta_ms"] is not None for r in records)
         (sent,) = {json.dumps(body["tool_choice"]) for _, _, body in standin.requests if body}

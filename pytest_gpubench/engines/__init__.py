@@ -283,28 +283,33 @@ def parse_openai_sse(
         fingerprint = chunk.get("system_fingerprint")
         if isinstance(fingerprint, str) and fingerprint:
             measurement.system_fingerprint = fingerprint
-        usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            measurement.prompt_tokens = usage.get("prompt_tokens")
-            measurement.completion_tokens = usage.get("completion_tokens")
-            details = usage.get("completion_tokens_details")
-            # OpenAI's and vLLM's (with a reasoning parser) count of the reasoning tokens.
-            if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
-                measurement.reasoning_tokens = details["reasoning_tokens"]
-            cached = usage.get("prompt_tokens_details")
-            if isinstance(cached, dict) and isinstance(cached.get("cached_tokens"), int):
-                measurement.cached_prompt_tokens = cached["cached_tokens"]
-        timings = chunk.get("timings")
-        if isinstance(timings, dict):
-            measurement.engine_timings = timings
-            llamacpp_engine_figures(timings, measurement)
-            if isinstance(timings.get("cache_n"), int):
-                measurement.cached_prompt_tokens = timings["cache_n"]
-            # Speculative decoding (a draft model): what it proposed, what was accepted.
-            if isinstance(timings.get("draft_n"), int):
-                measurement.draft_tokens = timings["draft_n"]
-            if isinstance(timings.get("draft_n_accepted"), int):
-                measurement.draft_accepted_tokens = timings["draft_n_accepted"]
+        note_usage_and_timings(chunk, measurement)
+
+
+def note_usage_and_timings(chunk: Mapping[str, Any], measurement: CallMeasurement) -> None:
+    """A chunk's `usage` (OpenAI's, vLLM's token counts) and `timings` (llama.cpp's own)."""
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        measurement.prompt_tokens = usage.get("prompt_tokens")
+        measurement.completion_tokens = usage.get("completion_tokens")
+        details = usage.get("completion_tokens_details")
+        # OpenAI's and vLLM's (with a reasoning parser) count of the reasoning tokens.
+        if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
+            measurement.reasoning_tokens = details["reasoning_tokens"]
+        cached = usage.get("prompt_tokens_details")
+        if isinstance(cached, dict) and isinstance(cached.get("cached_tokens"), int):
+            measurement.cached_prompt_tokens = cached["cached_tokens"]
+    timings = chunk.get("timings")
+    if isinstance(timings, dict):
+        measurement.engine_timings = timings
+        llamacpp_engine_figures(timings, measurement)
+        if isinstance(timings.get("cache_n"), int):
+            measurement.cached_prompt_tokens = timings["cache_n"]
+        # Speculative decoding (a draft model): what it proposed, what was accepted.
+        if isinstance(timings.get("draft_n"), int):
+            measurement.draft_tokens = timings["draft_n"]
+        if isinstance(timings.get("draft_n_accepted"), int):
+            measurement.draft_accepted_tokens = timings["draft_n_accepted"]
 
 
 def kind_body(kind: str, keys: Mapping[str, Any]) -> dict[str, Any]:
