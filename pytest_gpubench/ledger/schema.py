@@ -167,6 +167,8 @@ class LoadFigures(TypedDict, total=False):
     itl_ms_p50: float | None
     itl_ms_p90: float | None
     itl_ms_p99: float | None
+    # Each percentile's distribution-free interval and its n (results/load_summary.py).
+    percentile_intervals: dict[str, Any]
     coalesced_calls: int
     coalesced_share: float | None
     slo: dict[str, Any] | None

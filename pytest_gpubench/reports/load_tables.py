@@ -175,3 +175,90 @@ def render_server_check(loads: Sequence[LoadRecord], *, markdown: bool = False) 
     if not any("coalesced_calls" in load or load.get("server_check") for load in loads):
         return ""
     return table(server_check_rows(loads), SERVER_CHECK_HEADERS, markdown=markdown)
+
+
+# -- each percentile's interval -----------------------------------------------------------------
+
+INTERVAL_FIGURES = {
+    "ttft_ms": "TTFT",
+    "tpot_ms": "TPOT",
+    "itl_ms": "ITL",
+    "e2e_ms": "E2E",
+    "first_answer_ms": "first answer",
+}
+INTERVAL_HEADERS = ("point", "figure", "n", "p50 [CI] ms", "p90 [CI] ms", "p99 [CI] ms")
+
+
+def _with_interval(value: Any, bounds: Any, few: bool) -> str:
+    if value is None:
+        return NONE
+    low, high = bounds if isinstance(bounds, list | tuple) and len(bounds) == 2 else (None, None)
+    side = [fixed(low) if low is not None else "open", fixed(high) if high is not None else "open"]
+    return f"{fixed(value)} [{side[0]}, {side[1]}]" + (" too few" if few else "")
+
+
+def percentile_interval_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
+    """One row per point and figure with samples: its n, and each percentile with its interval
+    (an open side where the sample cannot bound it; `too few` then, the percentile drawn from
+    fewer requests than its interval needs)."""
+    rows = []
+    for load in loads:
+        intervals = load.get("percentile_intervals")
+        if load.get("pattern") == "sweep" or not isinstance(intervals, Mapping):
+            continue
+        too_few = set(intervals.get("too_few") or ())
+        for name, label in INTERVAL_FIGURES.items():
+            figure = intervals.get(name)
+            if not isinstance(figure, Mapping) or not figure.get("n"):
+                continue
+            cells = [
+                _with_interval(
+                    load.get(f"{name}_p{q}"), figure.get(f"p{q}"), f"{name}_p{q}" in too_few
+                )
+                for q in (50, 90, 99)
+            ]
+            rows.append([plain(load.get("load_point")), label, str(figure["n"]), *cells])
+    return rows
+
+
+def render_percentile_intervals(loads: Sequence[LoadRecord], *, markdown: bool = False) -> str:
+    """Each point's percentiles with their confidence intervals and n; empty when no point has
+    them (a ledger written before they were recorded)."""
+    rows = percentile_interval_rows(loads)
+    if not rows:
+        return ""
+    confidence = next(
+        (
+            load["percentile_intervals"].get("confidence")
+            for load in loads
+            if isinstance(load.get("percentile_intervals"), Mapping)
+        ),
+        None,
+    )
+    headers = tuple(
+        header.replace("CI", f"{confidence:.0%} CI") if isinstance(confidence, float) else header
+        for header in INTERVAL_HEADERS
+    )
+    text = table(rows, headers, markdown=markdown)
+    if any(cell.endswith(" too few") for row in rows for cell in row):
+        fewest = next(
+            (
+                load["percentile_intervals"].get("fewest")
+                for load in loads
+                if isinstance(load.get("percentile_intervals"), Mapping)
+            ),
+            None,
+        )
+        needs = (
+            " (" + ", ".join(f"{q}: {n}" for q, n in fewest.items()) + ")"
+            if isinstance(fewest, Mapping)
+            else ""
+        )
+        text += (
+            ("\n\n" if markdown else "\n")
+            + "too few: fewer samples than the interval needs"
+            + needs
+            + "; the sample does not "
+            "bound that percentile (a p99 from under a few hundred requests is about the maximum)"
+        )
+    return text
