@@ -59,7 +59,13 @@ CELLS: dict[str, Any] = {
         "runs": 3,
         "timeout_s": 30,
         "thresholds": {"ttft_p50": 0.5},
-        "load": {"concurrency": [1, 4], "requests": 8, "rate": [2.5], "arrival": "poisson"},
+        "load": {
+            "concurrency": [1, 4],
+            "requests": 8,
+            "rate": [2.5],
+            "arrival": "poisson",
+            "slice_s": 0.5,
+        },
     },
     "nodes": {
         "local": {"kind": "local"},

@@ -178,6 +178,9 @@ class LoadProfile(_Strict):
     # Client processes sharing each point (one process may not keep up with a fast engine):
     # each sends its share (streams, or rate/N) and reports its own send lag.
     processes: Annotated[int, Field(ge=1, le=64)] = 1
+    # The measured window cut into slices this long, each with its own throughput and
+    # percentiles in the load record (results/load_summary.time_slices).
+    slice_s: PositiveFloat | None = None
     slo: Slo | None = None
     thresholds: LoadThresholds = LoadThresholds()
 

@@ -169,6 +169,9 @@ class LoadFigures(TypedDict, total=False):
     itl_ms_p99: float | None
     # Each percentile's distribution-free interval and its n (results/load_summary.py).
     percentile_intervals: dict[str, Any]
+    # `slice_s`: the measured window's time slices, each with its throughput and percentiles.
+    slice_s: float | None
+    slices: list[dict[str, Any]] | None
     coalesced_calls: int
     coalesced_share: float | None
     slo: dict[str, Any] | None

@@ -211,6 +211,51 @@ def _rates_per_bucket(
     return [round(total / (width / 1000.0), 4) for total in sums]
 
 
+def time_slices(
+    calls: Sequence[Mapping[str, Any]], start_ms: float, end_ms: float, slice_s: float
+) -> list[dict[str, Any]]:
+    """The measured window cut into slices of `slice_s` from its start (the last one may be
+    shorter): per slice its requests (by when each was sent), their TTFT/TPOT/E2E p50 and p99
+    with n, and output tokens/s of the tokens that arrived in it, so that a point whose engine
+    slowed down halfway shows where."""
+    width = slice_s * 1000.0
+    count = max(1, math.ceil((end_ms - start_ms) / width - 1e-9))
+    sent: list[list[Mapping[str, Any]]] = [[] for _ in range(count)]
+    for call in calls:
+        at = call.get("send_ms")
+        if isinstance(at, int | float):
+            sent[min(count - 1, max(0, int((at - start_ms) // width)))].append(call)
+    tokens = [0.0] * count
+    for call in calls:
+        if is_ok(call):
+            for at, weight in token_times_ms(call):
+                index = int((at - start_ms) // width)
+                if index == count and at <= end_ms:
+                    index -= 1  # the window's last token, at its very end
+                if 0 <= index < count:
+                    tokens[index] += weight
+    slices = []
+    for index, own in enumerate(sent):
+        begin = start_ms + index * width
+        span_s = (min(begin + width, end_ms) - begin) / 1000.0
+        ok = [call for call in own if is_ok(call)]
+        row: dict[str, Any] = {
+            "start_s": round(index * slice_s, 4),
+            "span_s": round(span_s, 4),
+            "requests": len(own),
+            "ok": len(ok),
+            "output_tokens_per_sec": round(tokens[index] / span_s, 3) if span_s > 0 else None,
+        }
+        for name, field in (("ttft_ms", "first_delta_ms"), ("tpot_ms", "tpot_ms"),
+                            ("e2e_ms", "total_duration_ms")):  # fmt: skip
+            values = _numbers(ok, field)
+            row[f"{name}_n"] = len(values)
+            row[f"{name}_p50"] = percentile(values, 50)
+            row[f"{name}_p99"] = percentile(values, 99)
+        slices.append(row)
+    return slices
+
+
 def summarize_point(
     calls: Sequence[Mapping[str, Any]],
     *,
@@ -218,6 +263,7 @@ def summarize_point(
     slo: Slo | None,
     max_send_lag_ms: float | None,
     server: Mapping[str, float] | None = None,
+    slice_s: float | None = None,
 ) -> dict[str, Any]:
     """The summary of one load point from all of its call records; only those sent in the
     measured window count (warm-up and cool-down ones are kept in the ledger, not here), but
@@ -226,7 +272,7 @@ def summarize_point(
 
     `max_send_lag_ms` bounds an open loop's send lag (None for a closed loop: it has no
     schedule to keep; its send lag, the time from a stream's last reply to its next request, is
-    reported all the same)."""
+    reported all the same). `slice_s` adds the window's time slices (time_slices)."""
     measured = [call for call in calls if call.get("load_window") == "measured"]
     ok = [call for call in measured if is_ok(call)]
     sends = _numbers(measured, "send_ms")
@@ -280,6 +326,12 @@ def summarize_point(
     )
     summary["coalesced_calls"] = sum(bool(call.get("coalesced")) for call in ok)
     summary["coalesced_share"] = round(summary["coalesced_calls"] / len(ok), 4) if ok else None
+    summary["slice_s"] = slice_s
+    summary["slices"] = (
+        time_slices(measured, start, start + window_s * 1000.0, slice_s)
+        if slice_s is not None and measured
+        else None
+    )
     summary["server_check"] = server_check(calls, server) if server else None
     summary["delivery_warnings"] = delivery_warnings(summary) or None
     summary.update(_goodput(ok, measured, slo, window_s))

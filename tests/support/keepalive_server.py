@@ -37,6 +37,10 @@ class KeepAliveServer:
     # Close the connection on reading request number N (1-based, over all connections), without
     # a byte of answer: a kept-alive connection dropped just as the client reuses it.
     hang_up_on_request: int | None = None
+    # From POST number N on (1-based, warm-up included), each reply waits `slow_prefill_s`
+    # before its first chunk instead of `prefill_s`: an engine that slows down partway.
+    slow_from_request: int | None = None
+    slow_prefill_s: float = 0.0
     connections_accepted: int = 0
     requests: list[SeenRequest] = field(default_factory=list)
     _listener: socket.socket = field(init=False)
@@ -122,7 +126,10 @@ class KeepAliveServer:
                 if self.hang_up_on_request == len(self.requests):
                     return
                 close = headers.get("connection", "").lower() == "close"
-                self._reply(conn, close)
+                slow = self.slow_from_request is not None and (
+                    len(self.requests) >= self.slow_from_request
+                )
+                self._reply(conn, close, self.slow_prefill_s if slow else self.prefill_s)
                 if close:
                     return
         except OSError:
@@ -143,14 +150,14 @@ class KeepAliveServer:
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
 
-    def _reply(self, conn: socket.socket, close: bool) -> None:
+    def _reply(self, conn: socket.socket, close: bool, prefill_s: float) -> None:
         conn.sendall(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
             b"Transfer-Encoding: chunked\r\n"
             + (b"Connection: close\r\n" if close else b"")
             + b"\r\n"
         )
-        time.sleep(self.prefill_s)  # "prefill": the client is already waiting in recv()
+        time.sleep(prefill_s)  # "prefill": the client is already waiting in recv()
         first_write_ns = 0
         for index in range(self.chunks):
             finish = "length" if index == self.chunks - 1 else None

@@ -342,6 +342,7 @@ class _Recorder:
                 self.profile.max_send_lag_ms if pattern.offered_rate is not None else None
             ),
             server=scraper.samples.server_changes() or None,
+            slice_s=self.profile.slice_s,
         )
         record = load_record(
             run_id=self.run_id,
