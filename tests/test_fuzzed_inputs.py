@@ -65,6 +65,9 @@ CELLS: dict[str, Any] = {
             "rate": [2.5],
             "arrival": "poisson",
             "slice_s": 0.5,
+            "ramp_s": 2,
+            "ramp": "exponential",
+            "ramp_from": 0.1,
         },
     },
     "nodes": {

@@ -76,9 +76,7 @@ def test_a_point_whose_engine_slowed_down_halfway_shows_it_in_its_slices_and_cha
     request k of one stream goes out at least 20 ms x k into the window, so the first 0.5 s
     slice holds only fast requests; the last 10 take at least 1.5 s, so the last slice with a
     send holds only slow ones, whose TTFT is at least 150 ms by the server's own wait."""
-    with keepalive_server(
-        prefill_s=FAST_S, slow_from_request=FAST + 2, slow_prefill_s=SLOW_S
-    ) as server:
+    with keepalive_server(prefill_s=FAST_S, from_request=FAST + 2, then_prefill_s=SLOW_S) as server:
         write_load_project(
             pytester,
             f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"

@@ -181,6 +181,12 @@ class LoadProfile(_Strict):
     # The measured window cut into slices this long, each with its own throughput and
     # percentiles in the load record (results/load_summary.time_slices).
     slice_s: PositiveFloat | None = None
+    # A ramp before the point's warm-up and measured window (run/load/ramp.py): its rate (an
+    # open loop) or concurrency (a closed loop) rises from `ramp_from` of the point's own to all
+    # of it over `ramp_s`, linearly or exponentially; its requests are left out of the figures.
+    ramp_s: PositiveFloat | None = None
+    ramp: Literal["linear", "exponential"] = "linear"
+    ramp_from: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
     slo: Slo | None = None
     thresholds: LoadThresholds = LoadThresholds()
 
@@ -198,6 +204,14 @@ class LoadProfile(_Strict):
             rest = {key: value for key, value in data.items() if key != "prefix"}
             return {**rest, "synthetic": {**synthetic, "prefix": data["prefix"]}}
         return data
+
+    @model_validator(mode="after")
+    def _ramp_keys(self) -> LoadProfile:
+        if self.ramp_s is None and ({"ramp", "ramp_from"} & self.model_fields_set):
+            raise ValueError("ramp, ramp_from: a ramp needs ramp_s (how long it lasts)")
+        if self.ramp == "exponential" and self.ramp_from == 0:
+            raise ValueError("ramp_from: an exponential ramp cannot start at 0 (e.g. 0.05)")
+        return self
 
     @property
     def points(self) -> list[str]:
@@ -228,7 +242,7 @@ class LoadProfile(_Strict):
     def longest_s(self) -> float:
         """How long one load point may run at most, for the case's timeout (a sweep runs
         `rates + 2` points)."""
-        span = self.warmup_s + self.cooldown_s + (self.duration_s or 0.0)
+        span = self.warmup_s + self.cooldown_s + (self.duration_s or 0.0) + (self.ramp_s or 0.0)
         if self.duration_s is None and self.requests is not None:
             span += float(self.requests)  # one request a second at the slowest, then the cap
         steps = (self.sweep.rates + 2) if self.sweep is not None else 1

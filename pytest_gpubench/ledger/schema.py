@@ -171,6 +171,10 @@ class LoadFigures(TypedDict, total=False):
     percentile_intervals: dict[str, Any]
     # `slice_s`: the measured window's time slices, each with its throughput and percentiles.
     slice_s: float | None
+    # A ramped point's ramp (run/load/ramp.py Ramp.facts) and the requests sent in it.
+    ramp: dict[str, Any] | None
+    ramp_requests: int
+    ramp_slices: list[dict[str, Any]] | None
     slices: list[dict[str, Any]] | None
     coalesced_calls: int
     coalesced_share: float | None

@@ -226,7 +226,7 @@ def _latency_curve(
 def _slices_chart(title: str, points: Sequence[Mapping[str, Any]]) -> str:
     """Each point's time slices (`slice_s`) against the time into its measured window: output
     tokens/s and TTFT p50/p99 per slice, one colour per point, so that a point that degraded
-    partway shows where."""
+    partway shows where; a ramp's slices before 0 (dotted, shaded), left out of its figures."""
     plt = pyplot()
     figure, (rate, latency) = plt.subplots(1, 2, figsize=(13, 3.0))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -234,6 +234,18 @@ def _slices_chart(title: str, points: Sequence[Mapping[str, Any]]) -> str:
         color = colors[index % len(colors)]
         name = str(point.get("load_point"))
         rows = [row for row in point.get("slices") or () if isinstance(row, Mapping)]
+        ramp = [row for row in point.get("ramp_slices") or () if isinstance(row, Mapping)]
+        ramp_span = sum(float(row["span_s"]) for row in ramp)
+        for axes, field in ((rate, "output_tokens_per_sec"), (latency, "ttft_ms_p50")):
+            pairs = [
+                (float(row["start_s"]) + float(row["span_s"]) / 2 - ramp_span, y)
+                for row in ramp
+                if (y := _number(row.get(field))) is not None
+            ]
+            if pairs:
+                axes.plot([x for x, _ in pairs], [y for _, y in pairs], ":", marker=".",
+                          color=color, label=f"{name} ramp")  # fmt: skip
+                axes.axvspan(-ramp_span, 0.0, color="#eeeeee", zorder=0)
         for axes, field, label, style in (
             (rate, "output_tokens_per_sec", f"{name} output tokens/s", "-"),
             (latency, "ttft_ms_p50", f"{name} TTFT p50", "-"),
@@ -250,7 +262,7 @@ def _slices_chart(title: str, points: Sequence[Mapping[str, Any]]) -> str:
     rate.set_title("output tokens/s per slice", loc="left")
     latency.set_title("TTFT p50 (solid) and p99 (dashed) ms per slice", loc="left")
     for axes in (rate, latency):
-        axes.set_xlabel("s into the measured window")
+        axes.set_xlabel("s into the measured window (a ramp before 0)")
         axes.grid(color="#eeeeee")
         axes.legend(fontsize=6, loc="upper left")
     figure.suptitle(title, x=0.01, ha="left", fontsize=10)

@@ -326,6 +326,16 @@ def summarize_point(
     )
     summary["coalesced_calls"] = sum(bool(call.get("coalesced")) for call in ok)
     summary["coalesced_share"] = round(summary["coalesced_calls"] / len(ok), 4) if ok else None
+    # A ramp's requests (run/load/ramp.py): sent before the window, never in its figures.
+    ramp = [call for call in calls if call.get("load_window") == "ramp"]
+    summary["ramp_requests"] = len(ramp)
+    ramp_sends = _numbers(ramp, "send_ms")
+    # The ramp's own slices, from its first send to the window's (drawn before the window's).
+    summary["ramp_slices"] = (
+        time_slices(ramp, min(ramp_sends), start, slice_s)
+        if slice_s is not None and ramp_sends and sends and start > min(ramp_sends)
+        else None
+    )
     summary["slice_s"] = slice_s
     summary["slices"] = (
         time_slices(measured, start, start + window_s * 1000.0, slice_s)

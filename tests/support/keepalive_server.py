@@ -37,10 +37,11 @@ class KeepAliveServer:
     # Close the connection on reading request number N (1-based, over all connections), without
     # a byte of answer: a kept-alive connection dropped just as the client reuses it.
     hang_up_on_request: int | None = None
-    # From POST number N on (1-based, warm-up included), each reply waits `slow_prefill_s`
-    # before its first chunk instead of `prefill_s`: an engine that slows down partway.
-    slow_from_request: int | None = None
-    slow_prefill_s: float = 0.0
+    # From POST number N on (1-based, warm-up included), each reply waits `then_prefill_s`
+    # before its first chunk instead of `prefill_s`: an engine that slows down (or speeds up)
+    # partway.
+    from_request: int | None = None
+    then_prefill_s: float = 0.0
     connections_accepted: int = 0
     requests: list[SeenRequest] = field(default_factory=list)
     _listener: socket.socket = field(init=False)
@@ -126,10 +127,8 @@ class KeepAliveServer:
                 if self.hang_up_on_request == len(self.requests):
                     return
                 close = headers.get("connection", "").lower() == "close"
-                slow = self.slow_from_request is not None and (
-                    len(self.requests) >= self.slow_from_request
-                )
-                self._reply(conn, close, self.slow_prefill_s if slow else self.prefill_s)
+                later = self.from_request is not None and len(self.requests) >= self.from_request
+                self._reply(conn, close, self.then_prefill_s if later else self.prefill_s)
                 if close:
                     return
         except OSError:

@@ -13,7 +13,7 @@ from typing import Any
 
 from pytest_gpubench.config.load_profile import LoadProfile
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.run.load import LoadPattern
+from pytest_gpubench.run.load import LoadPattern, ramp_seconds
 from pytest_gpubench.run.load.closed_loop import ClosedLoop
 from pytest_gpubench.run.load.driver import LoadRun, Sent, Target, wait_until
 from pytest_gpubench.run.load.open_loop import OpenLoop
@@ -29,7 +29,7 @@ def share(pattern: LoadPattern, process: int, processes: int) -> LoadPattern:
     arrivals at rate/N are one Poisson at the rate; constant ones interleave)."""
     if isinstance(pattern, ClosedLoop):
         base, extra = divmod(pattern.concurrency, processes)
-        return ClosedLoop(base + (1 if process < extra else 0))
+        return ClosedLoop(base + (1 if process < extra else 0), pattern.ramp)
     if isinstance(pattern, OpenLoop):
         rate = pattern.rate / processes
         return replace(
@@ -52,7 +52,7 @@ def _worker(
     target: Target, profile: LoadProfile, pattern: Any, process: int, pipe: Connection
 ) -> None:
     async def main() -> list[Sent]:
-        run = LoadRun(target, profile, process)
+        run = LoadRun(target, profile, process, ramp_seconds(pattern))
         try:
             await run.pool.fill(pattern.connections)
             pipe.send("ready")

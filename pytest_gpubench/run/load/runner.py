@@ -26,7 +26,7 @@ from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.measure.control import CpuPressure
 from pytest_gpubench.measure.gauges import GaugeScraper
 from pytest_gpubench.results.load_summary import percentile, summarize_point
-from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts
+from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts, ramp_seconds
 from pytest_gpubench.run.load.driver import LoadRun, Sent, SessionPlan, Target, build_target
 from pytest_gpubench.run.load.processes import run_in_processes
 
@@ -298,7 +298,7 @@ class _Recorder:
     async def step(
         self, target: Target, point: str, pattern: LoadPattern, sweep_step: str | None = None
     ) -> Mapping[str, Any]:
-        run = LoadRun(target, self.profile)
+        run = LoadRun(target, self.profile, ramp_s=ramp_seconds(pattern))
         started = utc_now()
         wall_ns = time.time_ns() - time.perf_counter_ns()
         scraper = GaugeScraper(
