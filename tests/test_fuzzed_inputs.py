@@ -68,6 +68,7 @@ CELLS: dict[str, Any] = {
             "ramp_s": 2,
             "ramp": "exponential",
             "ramp_from": 0.1,
+            "sweep": {"rates": 2, "up_to": 2.0},
         },
     },
     "nodes": {

@@ -141,6 +141,10 @@ class Sweep(_Strict):
 
     rates: Annotated[int, Field(ge=1, le=20)] = 3
     max_concurrency: Annotated[int, Field(ge=2, le=1024)] = 16
+    # The open-loop rates reach up to this multiple of the closed loop's achieved rate (above 1:
+    # past what the engine took at max_concurrency); the sweep stops rising at the first rate
+    # that over-saturates the engine (run/load/sweep.py).
+    up_to: Annotated[float, Field(ge=1.0, le=100.0)] = 1.0
 
 
 class LoadProfile(_Strict):

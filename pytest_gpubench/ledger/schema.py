@@ -175,6 +175,10 @@ class LoadFigures(TypedDict, total=False):
     ramp: dict[str, Any] | None
     ramp_requests: int
     ramp_slices: list[dict[str, Any]] | None
+    # An open loop's TTFT and in-flight trends within it (results/load_summary.saturation_trend);
+    # a sweep's stop once a step over-saturated (run/load/sweep.py).
+    trend: dict[str, Any] | None
+    saturation_stop: dict[str, Any] | None
     slices: list[dict[str, Any]] | None
     coalesced_calls: int
     coalesced_share: float | None

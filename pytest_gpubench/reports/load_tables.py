@@ -84,14 +84,17 @@ def load_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
     for load in loads:
         if load.get("pattern") == "sweep":
             saturation = load.get("saturation_rate")
+            result = (
+                f"saturation {fixed(saturation)} req/s"
+                if saturation is not None
+                else (load.get("error") or "no step met the SLO")
+            )
             rows.append(
                 [
                     plain(load.get("prompt_id")),
                     "sweep",
                     *([NONE] * (10 + extras)),
-                    f"saturation {fixed(saturation)} req/s"
-                    if saturation is not None
-                    else (load.get("error") or "no step met the SLO"),
+                    result + sweep_stop_text(load.get("saturation_stop")),
                 ]
             )
             continue
@@ -120,6 +123,19 @@ def load_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def sweep_stop_text(stop: Any) -> str:
+    """`; over-saturated at <rate> req/s (<step>), <n> higher rates not run (<s> s kept)`, or
+    nothing where the sweep ran every rate."""
+    if not isinstance(stop, Mapping):
+        return ""
+    skipped = len(stop.get("skipped") or ())
+    return (
+        f"; over-saturated at {fixed(stop.get('rate'))} req/s ({plain(stop.get('load_point'))}),"
+        f" {skipped} higher rate{'' if skipped == 1 else 's'} not run"
+        f" ({fixed(stop.get('time_kept_s'), 1)} s kept)"
+    )
 
 
 def render_load_table(loads: Iterable[LoadRecord], *, markdown: bool = False) -> str:

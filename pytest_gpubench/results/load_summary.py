@@ -7,6 +7,7 @@ and the warnings when the client's figures are delivery delay rather than engine
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import accumulate
 from typing import Any
@@ -36,6 +37,11 @@ COALESCED_WARN_SHARE = 0.1
 OFFSET_FLOOR_MS = {"ttft_ms": 5.0, "tpot_ms": 1.0, "e2e_ms": 5.0}
 # The confidence of each percentile's interval (percentile_interval).
 CONFIDENCE = 0.95
+# An open-loop point is over-saturated when both its TTFT and its requests in flight rise with
+# time within it, each by a one-sided Kendall test at this level (saturation_trend).
+TREND_ALPHA = 0.01
+# Fewer measured requests than this (after the point's fill, saturation_trend) give no trend.
+TREND_MIN_REQUESTS = 20
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -256,6 +262,66 @@ def time_slices(
     return slices
 
 
+def in_flight_at_sends(calls: Sequence[Mapping[str, Any]]) -> list[tuple[float, int]]:
+    """(send ms, requests of the point in flight then, itself included) per request with a
+    send time, in send order: every request of the point counts (warm-up and ramp too), each
+    from its send to its end (a failed one without a duration: to the point's end)."""
+    starts, ends = [], []
+    for call in calls:
+        send, total = call.get("send_ms"), call.get("total_duration_ms")
+        if isinstance(send, int | float):
+            starts.append(float(send))
+            ends.append(float(send) + float(total) if isinstance(total, int | float) else math.inf)
+    starts.sort()
+    ends.sort()
+    return [(at, bisect_right(starts, at) - bisect_right(ends, at)) for at in starts]
+
+
+def saturation_trend(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Whether an open-loop point's queue grew while it ran: Kendall's tau of the measured
+    requests' TTFT against their send time, and of the requests in flight at each send against
+    it, each tested one-sided (rising) with scipy.stats.kendalltau. `saturated` when both rise
+    at TREND_ALPHA: the engine took requests more slowly than they came, so the point's figures
+    are the length of a growing queue, not a steady state. The sends in the point's first
+    shortest E2E are left out: an open loop fills from one request in flight to its steady
+    count in about one latency, a rise of every point. None from fewer than TREND_MIN_REQUESTS
+    measured requests after that."""
+    from scipy.stats import kendalltau
+
+    measured = sorted(
+        (
+            (float(call["send_ms"]), float(call["first_delta_ms"]))
+            for call in calls
+            if call.get("load_window") == "measured"
+            and is_ok(call)
+            and isinstance(call.get("send_ms"), int | float)
+            and isinstance(call.get("first_delta_ms"), int | float)
+        ),
+    )
+    sends = _numbers(calls, "send_ms")
+    latencies = _numbers([c for c in calls if is_ok(c)], "total_duration_ms")
+    filled = min(sends) + min(latencies) if sends and latencies else -math.inf
+    measured = [(at, ttft) for at, ttft in measured if at >= filled]
+    if len(measured) < TREND_MIN_REQUESTS:
+        return None
+    # In flight at each send of the measured window (the ramp's and warm-up's count while they
+    # last, but are no samples of the trend).
+    first, last = measured[0][0], measured[-1][0]
+    flights = [(at, count) for at, count in in_flight_at_sends(calls) if first <= at <= last]
+    trend: dict[str, Any] = {"alpha": TREND_ALPHA, "n": len(measured)}
+    for name, pairs in (("ttft", measured), ("in_flight", flights)):
+        xs, ys = [x for x, _ in pairs], [float(y) for _, y in pairs]
+        if len(set(ys)) < 2:
+            tau, p = 0.0, 1.0
+        else:
+            result = kendalltau(xs, ys, alternative="greater")
+            tau, p = float(result.statistic), float(result.pvalue)
+        trend[f"{name}_tau"] = round(tau, 4)
+        trend[f"{name}_p"] = float(f"{p:.3g}")
+    trend["saturated"] = bool(trend["ttft_p"] < TREND_ALPHA and trend["in_flight_p"] < TREND_ALPHA)
+    return trend
+
+
 def summarize_point(
     calls: Sequence[Mapping[str, Any]],
     *,
@@ -337,6 +403,8 @@ def summarize_point(
         else None
     )
     summary["slice_s"] = slice_s
+    # An open loop's queue over the point (a closed loop keeps its in-flight count fixed).
+    summary["trend"] = saturation_trend(calls) if offered_rate is not None else None
     summary["slices"] = (
         time_slices(measured, start, start + window_s * 1000.0, slice_s)
         if slice_s is not None and measured

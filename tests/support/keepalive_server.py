@@ -42,15 +42,20 @@ class KeepAliveServer:
     # partway.
     from_request: int | None = None
     then_prefill_s: float = 0.0
+    # At most this many replies at once (an engine's slots), the others waiting their turn in
+    # arrival order before their first byte: a fixed capacity of slots / service time.
+    slots: int | None = None
     connections_accepted: int = 0
     requests: list[SeenRequest] = field(default_factory=list)
     _listener: socket.socket = field(init=False)
     _open: list[socket.socket] = field(default_factory=list)
     _closed: bool = False
+    _slots: threading.Semaphore | None = None
 
     _threads: list[threading.Thread] = field(default_factory=list)
 
     def start(self) -> KeepAliveServer:
+        self._slots = threading.Semaphore(self.slots) if self.slots is not None else None
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._spawn(self._accept_loop)
         return self
@@ -150,6 +155,13 @@ class KeepAliveServer:
         )
 
     def _reply(self, conn: socket.socket, close: bool, prefill_s: float) -> None:
+        if self._slots is None:
+            self._reply_now(conn, close, prefill_s)
+            return
+        with self._slots:
+            self._reply_now(conn, close, prefill_s)
+
+    def _reply_now(self, conn: socket.socket, close: bool, prefill_s: float) -> None:
         conn.sendall(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
             b"Transfer-Encoding: chunked\r\n"
