@@ -129,13 +129,15 @@ def test_a_sweep_against_a_fixed_capacity_stops_above_it_and_names_the_rate(
     The sweep's rates reach 10 x what its closed loop of 2 took, so its first open-loop rate is
     well above the ceiling; 40 requests sent on a constant schedule above it queue, their TTFT
     and the requests in flight rising with every send. It stops there: the second rate is not
-    run."""
+    run. A second of warm-up first: the stand-in accepts the 100-odd connections the client
+    opens ahead one thread at a time, a few ms each, and a request sent on one it has not
+    accepted yet waits in the kernel (the first requests were served last without it)."""
     with keepalive_server(slots=SLOTS, prefill_s=SERVICE_S) as server:
         write_load_project(
             pytester,
             f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"
             " load: {sweep: {rates: 2, max_concurrency: 2, up_to: 10}, requests: 40,"
-            " arrival: constant, max_send_lag_ms: 100}}\n",
+            " warmup_s: 1, arrival: constant, max_send_lag_ms: 100}}\n",
         )
         result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
     result.assert_outcomes(passed=1)

@@ -9,6 +9,7 @@ processes, so a client's first-content arrival minus the stamp is what the clien
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import socket
@@ -30,6 +31,32 @@ class SeenRequest:
     connection: int
 
 
+class FifoSlots:
+    """A semaphore that hands its slots out in the order they were asked for (threading's lets
+    a newcomer take a slot ahead of a thread already waiting: last come, first served)."""
+
+    def __init__(self, slots: int) -> None:
+        self._free = slots
+        self._lock = threading.Lock()
+        self._waiting: collections.deque[threading.Event] = collections.deque()
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._free > 0 and not self._waiting:
+                self._free -= 1
+                return
+            turn = threading.Event()
+            self._waiting.append(turn)
+        turn.wait()
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            if self._waiting:
+                self._waiting.popleft().set()  # the slot passes straight to the next in line
+            else:
+                self._free += 1
+
+
 @dataclass
 class KeepAliveServer:
     chunks: int = CHUNKS
@@ -43,19 +70,20 @@ class KeepAliveServer:
     from_request: int | None = None
     then_prefill_s: float = 0.0
     # At most this many replies at once (an engine's slots), the others waiting their turn in
-    # arrival order before their first byte: a fixed capacity of slots / service time.
+    # arrival order (first come, first served, as vLLM's and llama-server's schedulers) before
+    # their first byte: a fixed capacity of slots / service time.
     slots: int | None = None
     connections_accepted: int = 0
     requests: list[SeenRequest] = field(default_factory=list)
     _listener: socket.socket = field(init=False)
     _open: list[socket.socket] = field(default_factory=list)
     _closed: bool = False
-    _slots: threading.Semaphore | None = None
+    _slots: FifoSlots | None = None
 
     _threads: list[threading.Thread] = field(default_factory=list)
 
     def start(self) -> KeepAliveServer:
-        self._slots = threading.Semaphore(self.slots) if self.slots is not None else None
+        self._slots = FifoSlots(self.slots) if self.slots is not None else None
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._spawn(self._accept_loop)
         return self
