@@ -179,6 +179,10 @@ class LoadFigures(TypedDict, total=False):
     # a sweep's stop once a step over-saturated (run/load/sweep.py).
     trend: dict[str, Any] | None
     saturation_stop: dict[str, Any] | None
+    # `processes: N`: the client processes lost mid-point (the point then has no figure) and
+    # the requests the others recorded.
+    clients_lost: list[str]
+    requests_recorded: int | None
     slices: list[dict[str, Any]] | None
     coalesced_calls: int
     coalesced_share: float | None

@@ -116,7 +116,9 @@ def load_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
                 fixed(load.get("itl_ms_p99")),
                 fixed(load.get("e2e_ms_p99")),
                 fixed(load.get("goodput_rate")),
-                f"{load.get('ok', 0)} / {load.get('errors', 0)} / {load.get('timeouts', 0)}",
+                f"{load.get('ok', 0)} / {load.get('errors', 0)} / {load.get('timeouts', 0)}"
+                if "ok" in load or "requests" in load
+                else NONE,  # a point that lost a client process counts nothing
                 f"{fixed(load.get('send_lag_ms_p99'), 3)} / "
                 f"{fixed(load.get('send_lag_ms_max'), 3)}",
                 result,

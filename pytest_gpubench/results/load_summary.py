@@ -431,6 +431,26 @@ def summarize_point(
     return summary
 
 
+# What a point that lost a client process keeps of its summary: what it was asked and what
+# became of it, not one figure of the requests the other processes sent.
+LOST_CLIENT_KEEPS = ("offered_rate", "max_send_lag_ms", "slice_s", "ramp_requests")
+
+
+def lost_client_summary(summary: Mapping[str, Any], lost: Sequence[str]) -> dict[str, Any]:
+    """The summary of a point one of whose client processes died (or failed) mid-point:
+    invalid with the reason, and no figure at all (the others' requests are a part of the
+    point's load, so their rates and percentiles would be of a load nobody asked for); the
+    requests the others recorded are counted, their call records kept in the ledger."""
+    return {
+        **{key: summary.get(key) for key in LOST_CLIENT_KEEPS},
+        "requests_recorded": summary.get("requests"),
+        "clients_lost": list(lost),
+        "invalid_reason": "; ".join(lost)
+        + ": the point has only the other processes' requests, and no figure is drawn from them",
+        "valid": False,
+    }
+
+
 def _mean(values: Sequence[float]) -> float | None:
     return round(sum(values) / len(values), 4) if values else None
 

@@ -73,6 +73,8 @@ class KeepAliveServer:
     # arrival order (first come, first served, as vLLM's and llama-server's schedulers) before
     # their first byte: a fixed capacity of slots / service time.
     slots: int | None = None
+    # Called with each POST's number (1-based) as it is read, before it is answered.
+    on_request: Callable[[int], None] | None = None
     connections_accepted: int = 0
     requests: list[SeenRequest] = field(default_factory=list)
     _listener: socket.socket = field(init=False)
@@ -157,6 +159,8 @@ class KeepAliveServer:
                 self.requests.append(
                     SeenRequest(lines[0].split(" ")[1], headers, json.loads(body or b"{}"), number)
                 )
+                if self.on_request is not None:
+                    self.on_request(len(self.requests))
                 if self.hang_up_on_request == len(self.requests):
                     return
                 close = headers.get("connection", "").lower() == "close"

@@ -1,14 +1,16 @@
 """`processes: N`: one load point sent from N client processes (spawned, each with its own event
 loop and connections), their clocks started together; each request keeps the process that sent
-it, so that each process's send lag is its own."""
+it, so that each process's send lag is its own. A process that dies mid-point is named with how
+it ended: the point then has only the others' requests, and no figure is drawn from them."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import signal
 import time
 from dataclasses import replace
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pytest_gpubench.config.load_profile import LoadProfile
@@ -70,10 +72,17 @@ def _worker(
         pipe.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
+def _ended(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit status {exitcode}"
+
+
 def run_in_processes(
     target: Target, profile: LoadProfile, pattern: LoadPattern
-) -> tuple[int, list[Sent]]:
-    """(the shared start, every request of every process)."""
+) -> tuple[int, list[Sent], list[str]]:
+    """(the shared start, every request of the processes that ended whole, why each other one
+    is lost: it died mid-point, or failed)."""
     processes = profile.processes
     context = multiprocessing.get_context("spawn")
     pipes, workers = [], []
@@ -91,6 +100,8 @@ def run_in_processes(
             daemon=True,
         )
         worker.start()
+        # Only the worker holds its end: once it dies, reading the pipe ends (EOFError).
+        child.close()
         pipes.append(parent)
         workers.append(worker)
     try:
@@ -106,12 +117,23 @@ def run_in_processes(
         for pipe in pipes:
             pipe.send(started_ns)
         sent: list[Sent] = []
-        for pipe in pipes:
-            kind, value = pipe.recv()
+        lost: list[str] = []
+        for process, (pipe, worker) in enumerate(zip(pipes, workers, strict=True)):
+            wait([pipe, worker.sentinel])
+            try:
+                kind, value = pipe.recv()
+            except EOFError:
+                worker.join(timeout=5)
+                lost.append(
+                    f"client process {process} of {processes} died mid-point "
+                    f"({_ended(worker.exitcode)})"
+                )
+                continue
             if kind == "error":
-                raise GpubenchError(f"processes: a client process failed: {value}")
+                lost.append(f"client process {process} of {processes} failed: {value}")
+                continue
             sent.extend(value)
-        return started_ns, sorted(sent, key=lambda item: (item.scheduled_ns, item.process))
+        return started_ns, sorted(sent, key=lambda item: (item.scheduled_ns, item.process)), lost
     finally:
         for worker in workers:
             worker.join(timeout=5)

@@ -25,7 +25,11 @@ from pytest_gpubench.ledger.records import call_record, load_call_record, load_r
 from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.measure.control import CpuPressure
 from pytest_gpubench.measure.gauges import GaugeScraper
-from pytest_gpubench.results.load_summary import percentile, summarize_point
+from pytest_gpubench.results.load_summary import (
+    lost_client_summary,
+    percentile,
+    summarize_point,
+)
 from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts, ramp_seconds
 from pytest_gpubench.run.load.driver import LoadRun, Sent, SessionPlan, Target, build_target
 from pytest_gpubench.run.load.processes import run_in_processes
@@ -262,7 +266,7 @@ def _run_load_case(
             load_point="sweep",
             pattern={"pattern": "sweep", **sweep},
             started_at_utc=started,
-            summary={"output_tokens": sum(step["output_tokens"] for step in steps)},
+            summary={"output_tokens": sum(step.get("output_tokens") or 0 for step in steps)},
             error=None if valid else "no step of the sweep was a valid result",
         )
         live.last_call_end = time.monotonic()
@@ -310,11 +314,12 @@ class _Recorder:
         scraping: asyncio.Task[None] | None = None
         if before is not None:
             scraper.samples.counters_before = before[1]
+        lost: list[str] = []
         try:
             if self.profile.processes > 1:
                 started_ns = time.perf_counter_ns()
                 scraping = asyncio.create_task(scraper.run(started_ns, stop)) if before else None
-                started_ns, sent = await asyncio.to_thread(
+                started_ns, sent, lost = await asyncio.to_thread(
                     run_in_processes, target, self.profile, pattern
                 )
             else:
@@ -344,6 +349,8 @@ class _Recorder:
             server=scraper.samples.server_changes() or None,
             slice_s=self.profile.slice_s,
         )
+        if lost:
+            summary = lost_client_summary(summary, lost)
         record = load_record(
             run_id=self.run_id,
             cell=self.cell,
