@@ -74,6 +74,7 @@ CELLS: dict[str, Any] = {
     "nodes": {
         "local": {"kind": "local"},
         "box": {"kind": "ssh", "host": "127.0.0.1", "user": "bench"},
+        "hpc": {"kind": "slurm", "partition": "bench"},
     },
     "cells": [
         {"node": "local", "engine": "llamacpp", "model": "tiny", "phases": ["warm"]},
@@ -84,7 +85,12 @@ CELLS: dict[str, Any] = {
             "endpoint": "http://127.0.0.1:9",
             "runs": 2,
             "prompts": ["P-EASY"],
-            "load": {"concurrency": [2], "duration_s": 1.5, "slo": {"ttft_ms": 200}},
+            "load": {
+                "concurrency": [2],
+                "duration_s": 1.5,
+                "slo": {"ttft_ms": 200},
+                "clients": {"node": "hpc", "tasks": 2},
+            },
         },
     ],
 }

@@ -134,6 +134,17 @@ class Synthetic(_Strict):
         return f"synthetic-in{self.input_tokens}{spread}-out{self.output_tokens}{prefix}"
 
 
+class Clients(_Strict):
+    """Client tasks on a cluster's node for each load point (run/load/cluster_clients.py): an
+    `srun` step of `tasks` tasks on a Slurm node of cells.yaml, each sending its share, started
+    at one barrier time, their clocks' offsets to this process measured and their requests
+    merged raw. `coordinator`: this machine's address as the node reaches it."""
+
+    node: str
+    tasks: Annotated[int, Field(ge=1, le=256)]
+    coordinator: str = "127.0.0.1"
+
+
 class Sweep(_Strict):
     """One request at a time, then as fast as the engine takes (closed loop at
     `max_concurrency`), then `rates` rates evenly between (with the profile's arrival): the
@@ -185,6 +196,8 @@ class LoadProfile(_Strict):
     # The measured window cut into slices this long, each with its own throughput and
     # percentiles in the load record (results/load_summary.time_slices).
     slice_s: PositiveFloat | None = None
+    # Client tasks on a Slurm node instead of processes here (Clients).
+    clients: Clients | None = None
     # A ramp before the point's warm-up and measured window (run/load/ramp.py): its rate (an
     # open loop) or concurrency (a closed loop) rises from `ramp_from` of the point's own to all
     # of it over `ramp_s`, linearly or exponentially; its requests are left out of the figures.
@@ -215,6 +228,8 @@ class LoadProfile(_Strict):
             raise ValueError("ramp, ramp_from: a ramp needs ramp_s (how long it lasts)")
         if self.ramp == "exponential" and self.ramp_from == 0:
             raise ValueError("ramp_from: an exponential ramp cannot start at 0 (e.g. 0.05)")
+        if self.clients is not None and self.processes > 1:
+            raise ValueError("clients, processes: give one (tasks on a node, or processes here)")
         return self
 
     @property

@@ -406,7 +406,7 @@ def read_matrix(
         check_request_keys(where, spec, prompts, prompt_ids, prompts_path)
         load = merged_profile(parsed.settings.load, spec.load_setting)
         load = _resolved_load(where, load, cells_path.parent)
-        check_load(where, spec, load, prompts, prompts_path)
+        check_load(where, spec, load, prompts, prompts_path, nodes)
         merged = parsed.settings.thresholds.model_dump(exclude_none=True)
         if spec.thresholds is not None:
             merged.update(spec.thresholds.model_dump(exclude_none=True))

@@ -183,6 +183,11 @@ class LoadFigures(TypedDict, total=False):
     # the requests the others recorded.
     clients_lost: list[str]
     requests_recorded: int | None
+    # `clients:` on a Slurm node: its setting and each task's clock offset to the coordinator
+    # and that offset's error bound (run/load/cluster_clients.py).
+    clients: dict[str, Any] | None
+    client_offsets_ms: list[float]
+    client_offset_errors_ms: list[float]
     slices: list[dict[str, Any]] | None
     coalesced_calls: int
     coalesced_share: float | None
