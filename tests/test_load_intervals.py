@@ -87,6 +87,7 @@ def _calls(ttfts: list[float]) -> list[dict[str, object]]:
             "send_ms": 10.0 * i,
             "send_lag_ms": 0.1,
             "first_delta_ms": ttft,
+            "first_answer_ms": ttft,
             "total_duration_ms": ttft + 90.0,
             "tpot_ms": 10.0,
             "inter_chunk_ms": [10.0] * 9,
@@ -143,3 +144,12 @@ def test_the_terminal_and_markdown_tables_show_the_intervals_and_a_p99_from_too_
     ]  # fmt: skip
     assert cells["c400"][6] == "396.01 [392.00, 400.00]"
     assert "\n\ntoo few: fewer samples than the interval needs" in markdown
+
+
+def test_a_first_answer_row_only_where_the_model_reasoned() -> None:
+    """Without reasoning the first answer is the TTFT: its row would repeat the TTFT's."""
+    plain_point = _point(50)
+    reasoned = dict(plain_point, load_point="r1", reasoning_tokens_p50=12.0)
+    text = render_percentile_intervals([plain_point, reasoned])  # type: ignore[list-item]
+    rows = [line.split()[:2] for line in text.splitlines() if "first" in line]
+    assert rows == [["r1", "first"]]

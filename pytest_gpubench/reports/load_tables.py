@@ -226,6 +226,8 @@ def percentile_interval_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
             continue
         too_few = set(intervals.get("too_few") or ())
         for name, label in INTERVAL_FIGURES.items():
+            if name == "first_answer_ms" and load.get("reasoning_tokens_p50") is None:
+                continue  # no reasoning: its first answer is its TTFT, shown above
             figure = intervals.get(name)
             if not isinstance(figure, Mapping) or not figure.get("n"):
                 continue
