@@ -15,11 +15,14 @@ figures say what one more client process buys there, not on a real client host. 
 load average before and after.
 
     python benchmarks_dev/load_processes.py [--seconds 3] [--streams 64] [--rate 400]
+    python benchmarks_dev/load_processes.py --url http://127.0.0.1:8080 --streams 4 --rate 20
+        (a server already running instead of the stand-in: a llama-server with 4 slots)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import statistics
@@ -42,9 +45,11 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round((len(ordered) - 1) * q))] if ordered else 0.0
 
 
-def measure(url: str, pattern: LoadPattern, processes: int, seconds: float) -> dict[str, float]:
+def measure(
+    url: str, body: bytes, pattern: LoadPattern, processes: int, seconds: float
+) -> dict[str, float]:
     """One point through run_in_processes: its throughput and send lag."""
-    target = build_target("openai", url, BODY, {}, 30.0)
+    target = build_target("openai", url, body, {}, 60.0)
     profile = LoadProfile(duration_s=seconds, processes=processes)
     started_ns, sent, lost = run_in_processes(target, profile, pattern)
     assert not lost, lost
@@ -71,13 +76,24 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="per point")
     parser.add_argument("--streams", type=int, default=64, help="closed loop's concurrency")
     parser.add_argument("--rate", type=float, default=400.0, help="open loop's req/s")
+    parser.add_argument("--url", help="a running OpenAI-style server instead of the stand-in")
+    parser.add_argument("--max-tokens", type=int, default=32, help="per request, with --url")
     args = parser.parse_args()
-    ports: multiprocessing.Queue[int] = multiprocessing.Queue()
-    server = multiprocessing.Process(target=_serve, args=(ports, args.tokens), daemon=True)
-    server.start()
-    url = f"http://127.0.0.1:{ports.get(timeout=10)}"
+    server = None
+    if args.url:
+        url, body = args.url, json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "Count to ten."}],
+             "stream": True, "max_tokens": args.max_tokens, "ignore_eos": True}
+        ).encode()  # fmt: skip
+        described = f"{url}: {args.max_tokens} tokens a reply"
+    else:
+        ports: multiprocessing.Queue[int] = multiprocessing.Queue()
+        server = multiprocessing.Process(target=_serve, args=(ports, args.tokens), daemon=True)
+        server.start()
+        url, body = f"http://127.0.0.1:{ports.get(timeout=10)}", BODY
+        described = f"stand-in: {args.tokens} tokens a reply"
     print(f"load average before: {os.getloadavg()}, cores: {os.cpu_count()}")
-    print(f"stand-in: {args.tokens} tokens a reply; {args.seconds:g} s a point")
+    print(f"{described}; {args.seconds:g} s a point")
     header = (
         f"{'point':<12} {'processes':>9} {'requests':>9} {'req/s':>9} {'out tok/s':>11} "
         f"{'lag p50 ms':>11} {'lag p99 ms':>11} {'lag max ms':>11}"
@@ -89,14 +105,15 @@ def main() -> None:
     ]
     for name, pattern in points:
         for processes in (1, 2):
-            row = measure(url, pattern, processes, args.seconds)
+            row = measure(url, body, pattern, processes, args.seconds)
             print(
                 f"{name:<12} {processes:>9} {row['requests']:>9.0f} {row['req_per_s']:>9.1f} "
                 f"{row['tokens_per_s']:>11.0f} {row['lag_p50']:>11.3f} {row['lag_p99']:>11.3f} "
                 f"{row['lag_max']:>11.3f}"
             )
     print(f"load average after: {os.getloadavg()}")
-    server.terminate()
+    if server is not None:
+        server.terminate()
 
 
 if __name__ == "__main__":
