@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from support.keepalive_server import keepalive_server
+from test_html_report import CHROMIUM, chromium, console_problems
 from test_load import ledger_records, matrix_of, write_load_project
 
 from pytest_gpubench.config.load_profile import LoadProfile
@@ -170,6 +171,11 @@ def test_a_ramps_requests_are_recorded_as_such_and_left_out_of_the_figures(
                if row["requests"])  # fmt: skip
     section = render_load_section([load])  # type: ignore[list-item]
     assert "r30 ramp" in section and "(a ramp before 0)" in section
+    if CHROMIUM is not None:  # the page parsed as a browser does, where one is installed
+        page = pytester.path / "ramp.html"
+        page.write_text(f"<!doctype html><html><body>{section}</body></html>\n")
+        dom = chromium(page, pytester.path / "profile", "--dump-dom")
+        assert console_problems(dom.stderr) == [] and "r30 ramp" in dom.stdout
 
 
 def test_a_concurrency_ramp_starts_one_stream_first_and_the_rest_in_turn(

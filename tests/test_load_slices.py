@@ -106,5 +106,10 @@ def test_a_point_whose_engine_slowed_down_halfway_shows_it_in_its_slices_and_cha
     page = tmp_path / "slices.html"
     page.write_text(f"<!doctype html><html><body><h2>Load</h2>{section}</body></html>\n")
     dom = chromium(page, tmp_path / "profile", "--dump-dom")
-    assert console_problems(dom.stderr) == []
+    screenshot = tmp_path / "slices.png"
+    shot = chromium(page, tmp_path / "profile-2", "--window-size=1300,900", "--hide-scrollbars",
+                    f"--screenshot={screenshot}")  # fmt: skip
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert screenshot.stat().st_size > 30_000
+    assert console_problems(dom.stderr + shot.stderr) == []
     assert "TTFT p50 (solid) and p99 (dashed) ms per slice" in dom.stdout
