@@ -24,7 +24,7 @@ from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.run.load import LoadPattern, ramp_seconds
 from pytest_gpubench.run.load.driver import LoadRun, Sent, Target, wait_until
-from pytest_gpubench.run.load.processes import _profile_share, share
+from pytest_gpubench.run.load.processes import profile_share, share
 
 # The start is set this far ahead of the moment every task said it was ready.
 START_AHEAD_NS = 200_000_000
@@ -214,7 +214,7 @@ def task_main(plan_path: str) -> None:
     tasks = int(os.environ.get("SLURM_NTASKS", "1"))
     connection = Client(tuple(plan["coordinator"]), authkey=plan["authkey"])
     connection.send(("hello", task))
-    profile: LoadProfile = _profile_share(plan["profile"], task, tasks)
+    profile: LoadProfile = profile_share(plan["profile"], task, tasks)
     pattern = share(plan["pattern"], task, tasks)
 
     async def main() -> list[Sent]:

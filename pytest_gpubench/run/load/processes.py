@@ -43,7 +43,8 @@ def share(pattern: LoadPattern, process: int, processes: int) -> LoadPattern:
     raise GpubenchError(f"processes: cannot split a {type(pattern).__name__} load")
 
 
-def _profile_share(profile: LoadProfile, process: int, processes: int) -> LoadProfile:
+def profile_share(profile: LoadProfile, process: int, processes: int) -> LoadProfile:
+    """One client's profile: its share of `requests` (spread as evenly as they go)."""
     if profile.requests is None:
         return profile
     base, extra = divmod(profile.requests, processes)
@@ -92,7 +93,7 @@ def run_in_processes(
             target=_worker,
             args=(
                 target,
-                _profile_share(profile, process, processes),
+                profile_share(profile, process, processes),
                 share(pattern, process, processes),
                 process,
                 child,
