@@ -107,11 +107,22 @@ CELLS: dict[str, Any] = {
         "runs": 3,
         "timeout_s": 30,
         "thresholds": {"ttft_p50": 0.5, "max_preemptions": 0},
-        "load": {"concurrency": [1, 4], "requests": 8, "rate": [2.5], "arrival": "poisson"},
+        "load": {
+            "concurrency": [1, 4],
+            "requests": 8,
+            "rate": [2.5],
+            "arrival": "poisson",
+            "slice_s": 0.5,
+            "ramp_s": 2,
+            "ramp": "exponential",
+            "ramp_from": 0.1,
+            "sweep": {"rates": 2, "up_to": 2.0},
+        },
     },
     "nodes": {
         "local": {"kind": "local"},
         "box": {"kind": "ssh", "host": "127.0.0.1", "user": "bench"},
+        "hpc": {"kind": "slurm", "partition": "bench"},
     },
     "cells": [
         {
@@ -133,7 +144,12 @@ CELLS: dict[str, Any] = {
             "prompts": ["P-EASY"],
             "request": {"cache_salt": "per_call"},
             "token_check": "off",
-            "load": {"concurrency": [2], "duration_s": 1.5, "slo": {"ttft_ms": 200}},
+            "load": {
+                "concurrency": [2],
+                "duration_s": 1.5,
+                "slo": {"ttft_ms": 200},
+                "clients": {"node": "hpc", "tasks": 2},
+            },
         },
     ],
 }

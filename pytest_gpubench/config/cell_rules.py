@@ -4,7 +4,7 @@ can send, a load profile the engine can serve. Each broken rule is one line nami
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -184,6 +184,7 @@ def check_load(
     load: LoadProfile | None,
     prompts: dict[str, Prompt],
     prompts_path: Path,
+    nodes: Mapping[str, object] | None = None,
 ) -> None:
     """A load profile that cannot run, and `parallel` where no managed server takes it: one line."""
     if spec.parallel is not None and not (spec.managed and spec.engine == "llamacpp"):
@@ -211,6 +212,13 @@ def check_load(
         if prompt_id not in prompts:
             raise GpubenchError(
                 f"{where}: load.prompts: '{prompt_id}' is not defined in {prompts_path}"
+            )
+    if load.clients is not None:
+        node = nodes.get(load.clients.node) if nodes is not None else None
+        if getattr(node, "kind", None) != "slurm" or getattr(node, "login", None) is not None:
+            raise GpubenchError(
+                f"{where}: load.clients.node: '{load.clients.node}' is not a Slurm node of "
+                "cells.yaml reached from this machine (kind: slurm, no login:)"
             )
     sources = [key for key in ("prompts", "synthetic", "dataset", "trace") if getattr(load, key)]
     if len(sources) > 1:

@@ -134,6 +134,17 @@ class Synthetic(_Strict):
         return f"synthetic-in{self.input_tokens}{spread}-out{self.output_tokens}{prefix}"
 
 
+class Clients(_Strict):
+    """Client tasks on a cluster's node for each load point (run/load/cluster_clients.py): an
+    `srun` step of `tasks` tasks on a Slurm node of cells.yaml, each sending its share, started
+    at one barrier time, their clocks' offsets to this process measured and their requests
+    merged raw. `coordinator`: this machine's address as the node reaches it."""
+
+    node: str
+    tasks: Annotated[int, Field(ge=1, le=256)]
+    coordinator: str = "127.0.0.1"
+
+
 class Sweep(_Strict):
     """One request at a time, then as fast as the engine takes (closed loop at
     `max_concurrency`), then `rates` rates evenly between (with the profile's arrival): the
@@ -141,6 +152,10 @@ class Sweep(_Strict):
 
     rates: Annotated[int, Field(ge=1, le=20)] = 3
     max_concurrency: Annotated[int, Field(ge=2, le=1024)] = 16
+    # The open-loop rates reach up to this multiple of the closed loop's achieved rate (above 1:
+    # past what the engine took at max_concurrency); the sweep stops rising at the first rate
+    # that over-saturates the engine (run/load/sweep.py).
+    up_to: Annotated[float, Field(ge=1.0, le=100.0)] = 1.0
 
 
 class LoadProfile(_Strict):
@@ -178,6 +193,17 @@ class LoadProfile(_Strict):
     # Client processes sharing each point (one process may not keep up with a fast engine):
     # each sends its share (streams, or rate/N) and reports its own send lag.
     processes: Annotated[int, Field(ge=1, le=64)] = 1
+    # The measured window cut into slices this long, each with its own throughput and
+    # percentiles in the load record (results/load_summary.time_slices).
+    slice_s: PositiveFloat | None = None
+    # Client tasks on a Slurm node instead of processes here (Clients).
+    clients: Clients | None = None
+    # A ramp before the point's warm-up and measured window (run/load/ramp.py): its rate (an
+    # open loop) or concurrency (a closed loop) rises from `ramp_from` of the point's own to all
+    # of it over `ramp_s`, linearly or exponentially; its requests are left out of the figures.
+    ramp_s: PositiveFloat | None = None
+    ramp: Literal["linear", "exponential"] = "linear"
+    ramp_from: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
     slo: Slo | None = None
     thresholds: LoadThresholds = LoadThresholds()
 
@@ -195,6 +221,16 @@ class LoadProfile(_Strict):
             rest = {key: value for key, value in data.items() if key != "prefix"}
             return {**rest, "synthetic": {**synthetic, "prefix": data["prefix"]}}
         return data
+
+    @model_validator(mode="after")
+    def _ramp_keys(self) -> LoadProfile:
+        if self.ramp_s is None and ({"ramp", "ramp_from"} & self.model_fields_set):
+            raise ValueError("ramp, ramp_from: a ramp needs ramp_s (how long it lasts)")
+        if self.ramp == "exponential" and self.ramp_from == 0:
+            raise ValueError("ramp_from: an exponential ramp cannot start at 0 (e.g. 0.05)")
+        if self.clients is not None and self.processes > 1:
+            raise ValueError("clients, processes: give one (tasks on a node, or processes here)")
+        return self
 
     @property
     def points(self) -> list[str]:
@@ -225,7 +261,7 @@ class LoadProfile(_Strict):
     def longest_s(self) -> float:
         """How long one load point may run at most, for the case's timeout (a sweep runs
         `rates + 2` points)."""
-        span = self.warmup_s + self.cooldown_s + (self.duration_s or 0.0)
+        span = self.warmup_s + self.cooldown_s + (self.duration_s or 0.0) + (self.ramp_s or 0.0)
         if self.duration_s is None and self.requests is not None:
             span += float(self.requests)  # one request a second at the slowest, then the cap
         steps = (self.sweep.rates + 2) if self.sweep is not None else 1

@@ -436,7 +436,7 @@ def read_matrix(
         check_request_keys(where, spec, prompts, prompt_ids, prompts_path)
         load = merged_profile(parsed.settings.load, spec.load_setting)
         load = _resolved_load(where, load, cells_path.parent)
-        check_load(where, spec, load, prompts, prompts_path)
+        check_load(where, spec, load, prompts, prompts_path, nodes)
         for prompt_id in load.prompt_ids(prompt_ids) if load is not None else ():
             kind = prompts[prompt_id].kind if prompt_id in prompts else "chat"
             if kind != "chat":

@@ -184,6 +184,28 @@ class LoadFigures(TypedDict, total=False):
     itl_ms_p50: float | None
     itl_ms_p90: float | None
     itl_ms_p99: float | None
+    # Each percentile's distribution-free interval and its n (results/load_summary.py).
+    percentile_intervals: dict[str, Any]
+    # `slice_s`: the measured window's time slices, each with its throughput and percentiles.
+    slice_s: float | None
+    # A ramped point's ramp (run/load/ramp.py Ramp.facts) and the requests sent in it.
+    ramp: dict[str, Any] | None
+    ramp_requests: int
+    ramp_slices: list[dict[str, Any]] | None
+    # An open loop's TTFT and in-flight trends within it (results/load_summary.saturation_trend);
+    # a sweep's stop once a step over-saturated (run/load/sweep.py).
+    trend: dict[str, Any] | None
+    saturation_stop: dict[str, Any] | None
+    # `processes: N`: the client processes lost mid-point (the point then has no figure) and
+    # the requests the others recorded.
+    clients_lost: list[str]
+    requests_recorded: int | None
+    # `clients:` on a Slurm node: its setting and each task's clock offset to the coordinator
+    # and that offset's error bound (run/load/cluster_clients.py).
+    clients: dict[str, Any] | None
+    client_offsets_ms: list[float]
+    client_offset_errors_ms: list[float]
+    slices: list[dict[str, Any]] | None
     coalesced_calls: int
     coalesced_share: float | None
     slo: dict[str, Any] | None

@@ -93,6 +93,9 @@ def render_load_section(loads: Sequence[LoadRecord], baselines: LoadBaselines | 
                 parts.append(
                     _load_chart(f"{cell_id} · {prompt_id}", axis, drawn, previous, saturation)
                 )
+            sliced = [point for point in points if point.get("slices")]
+            if sliced:
+                parts.append(_slices_chart(f"{cell_id} · {prompt_id} · over time", sliced))
         parts.append(_points_table(own))
     return "\n".join(parts)
 
@@ -218,3 +221,50 @@ def _latency_curve(
     axes.set_xlabel("achieved req/s")
     axes.grid(color="#eeeeee")
     axes.legend(fontsize=6, loc="upper left")
+
+
+def _slices_chart(title: str, points: Sequence[Mapping[str, Any]]) -> str:
+    """Each point's time slices (`slice_s`) against the time into its measured window: output
+    tokens/s and TTFT p50/p99 per slice, one colour per point, so that a point that degraded
+    partway shows where; a ramp's slices before 0 (dotted, shaded), left out of its figures."""
+    plt = pyplot()
+    figure, (rate, latency) = plt.subplots(1, 2, figsize=(13, 3.0))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, point in enumerate(points):
+        color = colors[index % len(colors)]
+        name = str(point.get("load_point"))
+        rows = [row for row in point.get("slices") or () if isinstance(row, Mapping)]
+        ramp = [row for row in point.get("ramp_slices") or () if isinstance(row, Mapping)]
+        ramp_span = sum(float(row["span_s"]) for row in ramp)
+        for axes, field in ((rate, "output_tokens_per_sec"), (latency, "ttft_ms_p50")):
+            pairs = [
+                (float(row["start_s"]) + float(row["span_s"]) / 2 - ramp_span, y)
+                for row in ramp
+                if (y := _number(row.get(field))) is not None
+            ]
+            if pairs:
+                axes.plot([x for x, _ in pairs], [y for _, y in pairs], ":", marker=".",
+                          color=color, label=f"{name} ramp")  # fmt: skip
+                axes.axvspan(-ramp_span, 0.0, color="#eeeeee", zorder=0)
+        for axes, field, label, style in (
+            (rate, "output_tokens_per_sec", f"{name} output tokens/s", "-"),
+            (latency, "ttft_ms_p50", f"{name} TTFT p50", "-"),
+            (latency, "ttft_ms_p99", f"{name} TTFT p99", "--"),
+        ):
+            pairs = [
+                (float(row["start_s"]) + float(row["span_s"]) / 2, y)
+                for row in rows
+                if (y := _number(row.get(field))) is not None
+            ]
+            if pairs:
+                axes.plot([x for x, _ in pairs], [y for _, y in pairs], style, marker="o",
+                          markersize=3.5, color=color, label=label)  # fmt: skip
+    rate.set_title("output tokens/s per slice", loc="left")
+    latency.set_title("TTFT p50 (solid) and p99 (dashed) ms per slice", loc="left")
+    for axes in (rate, latency):
+        axes.set_xlabel("s into the measured window (a ramp before 0)")
+        axes.grid(color="#eeeeee")
+        axes.legend(fontsize=6, loc="upper left")
+    figure.suptitle(title, x=0.01, ha="left", fontsize=10)
+    figure.tight_layout()
+    return inline_svg(figure)

@@ -84,14 +84,17 @@ def load_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
     for load in loads:
         if load.get("pattern") == "sweep":
             saturation = load.get("saturation_rate")
+            result = (
+                f"saturation {fixed(saturation)} req/s"
+                if saturation is not None
+                else (load.get("error") or "no step met the SLO")
+            )
             rows.append(
                 [
                     plain(load.get("prompt_id")),
                     "sweep",
                     *([NONE] * (10 + extras)),
-                    f"saturation {fixed(saturation)} req/s"
-                    if saturation is not None
-                    else (load.get("error") or "no step met the SLO"),
+                    result + sweep_stop_text(load.get("saturation_stop")),
                 ]
             )
             continue
@@ -113,13 +116,28 @@ def load_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
                 fixed(load.get("itl_ms_p99")),
                 fixed(load.get("e2e_ms_p99")),
                 fixed(load.get("goodput_rate")),
-                f"{load.get('ok', 0)} / {load.get('errors', 0)} / {load.get('timeouts', 0)}",
+                f"{load.get('ok', 0)} / {load.get('errors', 0)} / {load.get('timeouts', 0)}"
+                if "ok" in load or "requests" in load
+                else NONE,  # a point that lost a client process counts nothing
                 f"{fixed(load.get('send_lag_ms_p99'), 3)} / "
                 f"{fixed(load.get('send_lag_ms_max'), 3)}",
                 result,
             ]
         )
     return rows
+
+
+def sweep_stop_text(stop: Any) -> str:
+    """`; over-saturated at <rate> req/s (<step>), <n> higher rates not run (<s> s kept)`, or
+    nothing where the sweep ran every rate."""
+    if not isinstance(stop, Mapping):
+        return ""
+    skipped = len(stop.get("skipped") or ())
+    return (
+        f"; over-saturated at {fixed(stop.get('rate'))} req/s ({plain(stop.get('load_point'))}),"
+        f" {skipped} higher rate{'' if skipped == 1 else 's'} not run"
+        f" ({fixed(stop.get('time_kept_s'), 1)} s kept)"
+    )
 
 
 def render_load_table(loads: Iterable[LoadRecord], *, markdown: bool = False) -> str:
@@ -175,3 +193,92 @@ def render_server_check(loads: Sequence[LoadRecord], *, markdown: bool = False) 
     if not any("coalesced_calls" in load or load.get("server_check") for load in loads):
         return ""
     return table(server_check_rows(loads), SERVER_CHECK_HEADERS, markdown=markdown)
+
+
+# -- each percentile's interval -----------------------------------------------------------------
+
+INTERVAL_FIGURES = {
+    "ttft_ms": "TTFT",
+    "tpot_ms": "TPOT",
+    "itl_ms": "ITL",
+    "e2e_ms": "E2E",
+    "first_answer_ms": "first answer",
+}
+INTERVAL_HEADERS = ("point", "figure", "n", "p50 [CI] ms", "p90 [CI] ms", "p99 [CI] ms")
+
+
+def _with_interval(value: Any, bounds: Any, few: bool) -> str:
+    if value is None:
+        return NONE
+    low, high = bounds if isinstance(bounds, list | tuple) and len(bounds) == 2 else (None, None)
+    side = [fixed(low) if low is not None else "open", fixed(high) if high is not None else "open"]
+    return f"{fixed(value)} [{side[0]}, {side[1]}]" + (" too few" if few else "")
+
+
+def percentile_interval_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
+    """One row per point and figure with samples: its n, and each percentile with its interval
+    (an open side where the sample cannot bound it; `too few` then, the percentile drawn from
+    fewer requests than its interval needs)."""
+    rows = []
+    for load in loads:
+        intervals = load.get("percentile_intervals")
+        if load.get("pattern") == "sweep" or not isinstance(intervals, Mapping):
+            continue
+        too_few = set(intervals.get("too_few") or ())
+        for name, label in INTERVAL_FIGURES.items():
+            if name == "first_answer_ms" and load.get("reasoning_tokens_p50") is None:
+                continue  # no reasoning: its first answer is its TTFT, shown above
+            figure = intervals.get(name)
+            if not isinstance(figure, Mapping) or not figure.get("n"):
+                continue
+            cells = [
+                _with_interval(
+                    load.get(f"{name}_p{q}"), figure.get(f"p{q}"), f"{name}_p{q}" in too_few
+                )
+                for q in (50, 90, 99)
+            ]
+            rows.append([plain(load.get("load_point")), label, str(figure["n"]), *cells])
+    return rows
+
+
+def render_percentile_intervals(loads: Sequence[LoadRecord], *, markdown: bool = False) -> str:
+    """Each point's percentiles with their confidence intervals and n; empty when no point has
+    them (a ledger written before they were recorded)."""
+    rows = percentile_interval_rows(loads)
+    if not rows:
+        return ""
+    confidence = next(
+        (
+            load["percentile_intervals"].get("confidence")
+            for load in loads
+            if isinstance(load.get("percentile_intervals"), Mapping)
+        ),
+        None,
+    )
+    headers = tuple(
+        header.replace("CI", f"{confidence:.0%} CI") if isinstance(confidence, float) else header
+        for header in INTERVAL_HEADERS
+    )
+    text = table(rows, headers, markdown=markdown)
+    if any(cell.endswith(" too few") for row in rows for cell in row):
+        fewest = next(
+            (
+                load["percentile_intervals"].get("fewest")
+                for load in loads
+                if isinstance(load.get("percentile_intervals"), Mapping)
+            ),
+            None,
+        )
+        needs = (
+            " (" + ", ".join(f"{q}: {n}" for q, n in fewest.items()) + ")"
+            if isinstance(fewest, Mapping)
+            else ""
+        )
+        text += (
+            ("\n\n" if markdown else "\n")
+            + "too few: fewer samples than the interval needs"
+            + needs
+            + "; the sample does not "
+            "bound that percentile (a p99 from under a few hundred requests is about the maximum)"
+        )
+    return text

@@ -8,7 +8,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from pytest_gpubench.reports.formatting import code_span, fixed, markdown_cell, plain, table
-from pytest_gpubench.reports.load_tables import render_load_table, render_server_check
+from pytest_gpubench.reports.load_tables import (
+    render_load_table,
+    render_percentile_intervals,
+    render_server_check,
+)
 from pytest_gpubench.reports.telemetry_table import telemetry_section
 from pytest_gpubench.reports.terminal import (
     cold_kind_words,
@@ -155,6 +159,9 @@ def _cell_section(
         check = render_server_check(own_loads, markdown=True)
         if check:
             parts.append("Client against engine, per point:\n\n" + check)
+        intervals = render_percentile_intervals(own_loads, markdown=True)
+        if intervals:
+            parts.append("Percentiles with their intervals, per point:\n\n" + intervals)
         warnings = [
             f"- **{markdown_cell(str(load.get('load_point')))}**: {markdown_cell(warning)}"
             for load in own_loads

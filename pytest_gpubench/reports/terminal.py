@@ -28,7 +28,11 @@ from pytest_gpubench.reports.formatting import (
     success,
     table,
 )
-from pytest_gpubench.reports.load_tables import render_load_table, render_server_check
+from pytest_gpubench.reports.load_tables import (
+    render_load_table,
+    render_percentile_intervals,
+    render_server_check,
+)
 from pytest_gpubench.reports.telemetry_table import TELEMETRY_HEADERS, telemetry_rows
 from pytest_gpubench.results.engine_checks import EngineChecks
 from pytest_gpubench.results.gate import (
@@ -558,6 +562,9 @@ def load_lines(
         check = render_server_check(own)
         if check:
             lines.append(TerminalLine(check))
+        intervals = render_percentile_intervals(own)
+        if intervals:
+            lines.append(TerminalLine(intervals))
         for load in own:
             if load.get("pattern") != "sweep" and not load.get("valid"):
                 lines.append(

@@ -7,6 +7,7 @@ and the warnings when the client's figures are delivery delay rather than engine
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import accumulate
 from typing import Any
@@ -34,6 +35,13 @@ COALESCED_WARN_SHARE = 0.1
 # engine's own mean itself: most of the client's figure is then not engine time) is delivery
 # delay: the network, a proxy, or a client that was not scheduled. Floors per figure, in ms.
 OFFSET_FLOOR_MS = {"ttft_ms": 5.0, "tpot_ms": 1.0, "e2e_ms": 5.0}
+# The confidence of each percentile's interval (percentile_interval).
+CONFIDENCE = 0.95
+# An open-loop point is over-saturated when both its TTFT and its requests in flight rise with
+# time within it, each by a one-sided Kendall test at this level (saturation_trend).
+TREND_ALPHA = 0.01
+# Fewer measured requests than this (after the point's fill, saturation_trend) give no trend.
+TREND_MIN_REQUESTS = 20
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -46,6 +54,76 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     high = min(low + 1, len(ordered) - 1)
     value = ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
     return round(value, 4)
+
+
+def interval_ranks(
+    n: int, q: float, confidence: float = CONFIDENCE
+) -> tuple[int | None, int | None]:
+    """The 0-based ranks (low, high) of the order statistics that bound the q-th percentile of
+    n samples with at least `confidence`, whatever the distribution (the binomial method: of n
+    draws, the number below the true percentile is Binomial(n, q/100); the interval between the
+    sorted samples at ranks low and high holds the percentile with probability
+    F(high) - F(low), at least `confidence` with each tail at most (1 - confidence) / 2). None
+    for a side the sample cannot bound: too few samples below (above) the percentile."""
+    from scipy.stats import binom
+
+    if n < 1:
+        return None, None
+    p = q / 100.0
+    tail = (1.0 - confidence) / 2.0
+    # The largest k with F(k) <= tail: the lower bound is the (k+1)-th smallest sample.
+    low = int(binom.ppf(tail, n, p))
+    if float(binom.cdf(low, n, p)) > tail:
+        low -= 1
+    # The smallest k with F(k) >= 1 - tail: the upper bound is the (k+1)-th smallest sample.
+    high = int(binom.ppf(1.0 - tail, n, p))
+    return (low if low >= 0 else None), (high if high <= n - 1 else None)
+
+
+def fewest_for_interval(q: float, confidence: float = CONFIDENCE) -> int:
+    """The fewest samples whose q-th percentile has an interval bounded on both sides (p99 at
+    95 %: 368; below it the p99's upper bound is nothing the sample holds)."""
+    p = q / 100.0
+    tail = (1.0 - confidence) / 2.0
+    # The upper bound exists once the chance that every sample lies below the percentile,
+    # p^n, is at most the tail (and the lower once (1 - p)^n is).
+    return max(
+        math.ceil(math.log(tail) / math.log(p)), math.ceil(math.log(tail) / math.log(1.0 - p))
+    )
+
+
+def percentile_interval(
+    values: Sequence[float], q: float, confidence: float = CONFIDENCE
+) -> list[float | None]:
+    """[low, high] of the q-th percentile's distribution-free interval (interval_ranks); an
+    open side is None."""
+    ordered = sorted(value for value in values if not math.isnan(value))
+    low, high = interval_ranks(len(ordered), q, confidence)
+    return [
+        round(ordered[low], 4) if low is not None else None,
+        round(ordered[high], 4) if high is not None else None,
+    ]
+
+
+def percentile_intervals(figures: Mapping[str, Sequence[float]]) -> dict[str, Any]:
+    """Per figure: the n behind its percentiles and each one's interval ([low, high], None an
+    open side), and `too_few`: the percentiles whose sample cannot bound them on both sides."""
+    intervals: dict[str, Any] = {
+        "confidence": CONFIDENCE,
+        "method": "order statistics (binomial)",
+        # The fewest samples that bound each percentile on both sides.
+        "fewest": {f"p{q}": fewest_for_interval(q) for q in PERCENTILES},
+    }
+    too_few = []
+    for name, values in figures.items():
+        row: dict[str, Any] = {"n": len(values)}
+        for q in PERCENTILES:
+            row[f"p{q}"] = percentile_interval(values, q)
+            if values and None in row[f"p{q}"]:
+                too_few.append(f"{name}_p{q}")
+        intervals[name] = row
+    intervals["too_few"] = too_few
+    return intervals
 
 
 def _numbers(calls: Sequence[Mapping[str, Any]], field: str) -> list[float]:
@@ -139,6 +217,111 @@ def _rates_per_bucket(
     return [round(total / (width / 1000.0), 4) for total in sums]
 
 
+def time_slices(
+    calls: Sequence[Mapping[str, Any]], start_ms: float, end_ms: float, slice_s: float
+) -> list[dict[str, Any]]:
+    """The measured window cut into slices of `slice_s` from its start (the last one may be
+    shorter): per slice its requests (by when each was sent), their TTFT/TPOT/E2E p50 and p99
+    with n, and output tokens/s of the tokens that arrived in it, so that a point whose engine
+    slowed down halfway shows where."""
+    width = slice_s * 1000.0
+    count = max(1, math.ceil((end_ms - start_ms) / width - 1e-9))
+    sent: list[list[Mapping[str, Any]]] = [[] for _ in range(count)]
+    for call in calls:
+        at = call.get("send_ms")
+        if isinstance(at, int | float):
+            sent[min(count - 1, max(0, int((at - start_ms) // width)))].append(call)
+    tokens = [0.0] * count
+    for call in calls:
+        if is_ok(call):
+            for at, weight in token_times_ms(call):
+                index = int((at - start_ms) // width)
+                if index == count and at <= end_ms:
+                    index -= 1  # the window's last token, at its very end
+                if 0 <= index < count:
+                    tokens[index] += weight
+    slices = []
+    for index, own in enumerate(sent):
+        begin = start_ms + index * width
+        span_s = (min(begin + width, end_ms) - begin) / 1000.0
+        ok = [call for call in own if is_ok(call)]
+        row: dict[str, Any] = {
+            "start_s": round(index * slice_s, 4),
+            "span_s": round(span_s, 4),
+            "requests": len(own),
+            "ok": len(ok),
+            "output_tokens_per_sec": round(tokens[index] / span_s, 3) if span_s > 0 else None,
+        }
+        for name, field in (("ttft_ms", "first_delta_ms"), ("tpot_ms", "tpot_ms"),
+                            ("e2e_ms", "total_duration_ms")):  # fmt: skip
+            values = _numbers(ok, field)
+            row[f"{name}_n"] = len(values)
+            row[f"{name}_p50"] = percentile(values, 50)
+            row[f"{name}_p99"] = percentile(values, 99)
+        slices.append(row)
+    return slices
+
+
+def in_flight_at_sends(calls: Sequence[Mapping[str, Any]]) -> list[tuple[float, int]]:
+    """(send ms, requests of the point in flight then, itself included) per request with a
+    send time, in send order: every request of the point counts (warm-up and ramp too), each
+    from its send to its end (a failed one without a duration: to the point's end)."""
+    starts, ends = [], []
+    for call in calls:
+        send, total = call.get("send_ms"), call.get("total_duration_ms")
+        if isinstance(send, int | float):
+            starts.append(float(send))
+            ends.append(float(send) + float(total) if isinstance(total, int | float) else math.inf)
+    starts.sort()
+    ends.sort()
+    return [(at, bisect_right(starts, at) - bisect_right(ends, at)) for at in starts]
+
+
+def saturation_trend(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Whether an open-loop point's queue grew while it ran: Kendall's tau of the measured
+    requests' TTFT against their send time, and of the requests in flight at each send against
+    it, each tested one-sided (rising) with scipy.stats.kendalltau. `saturated` when both rise
+    at TREND_ALPHA: the engine took requests more slowly than they came, so the point's figures
+    are the length of a growing queue, not a steady state. The sends in the point's first
+    shortest E2E are left out: an open loop fills from one request in flight to its steady
+    count in about one latency, a rise of every point. None from fewer than TREND_MIN_REQUESTS
+    measured requests after that."""
+    from scipy.stats import kendalltau
+
+    measured = sorted(
+        (
+            (float(call["send_ms"]), float(call["first_delta_ms"]))
+            for call in calls
+            if call.get("load_window") == "measured"
+            and is_ok(call)
+            and isinstance(call.get("send_ms"), int | float)
+            and isinstance(call.get("first_delta_ms"), int | float)
+        ),
+    )
+    sends = _numbers(calls, "send_ms")
+    latencies = _numbers([c for c in calls if is_ok(c)], "total_duration_ms")
+    filled = min(sends) + min(latencies) if sends and latencies else -math.inf
+    measured = [(at, ttft) for at, ttft in measured if at >= filled]
+    if len(measured) < TREND_MIN_REQUESTS:
+        return None
+    # In flight at each send of the measured window (the ramp's and warm-up's count while they
+    # last, but are no samples of the trend).
+    first, last = measured[0][0], measured[-1][0]
+    flights = [(at, count) for at, count in in_flight_at_sends(calls) if first <= at <= last]
+    trend: dict[str, Any] = {"alpha": TREND_ALPHA, "n": len(measured)}
+    for name, pairs in (("ttft", measured), ("in_flight", flights)):
+        xs, ys = [x for x, _ in pairs], [float(y) for _, y in pairs]
+        if len(set(ys)) < 2:
+            tau, p = 0.0, 1.0
+        else:
+            result = kendalltau(xs, ys, alternative="greater")
+            tau, p = float(result.statistic), float(result.pvalue)
+        trend[f"{name}_tau"] = round(tau, 4)
+        trend[f"{name}_p"] = float(f"{p:.3g}")
+    trend["saturated"] = bool(trend["ttft_p"] < TREND_ALPHA and trend["in_flight_p"] < TREND_ALPHA)
+    return trend
+
+
 def summarize_point(
     calls: Sequence[Mapping[str, Any]],
     *,
@@ -146,6 +329,7 @@ def summarize_point(
     slo: Slo | None,
     max_send_lag_ms: float | None,
     server: Mapping[str, float] | None = None,
+    slice_s: float | None = None,
 ) -> dict[str, Any]:
     """The summary of one load point from all of its call records; only those sent in the
     measured window count (warm-up and cool-down ones are kept in the ledger, not here), but
@@ -154,7 +338,7 @@ def summarize_point(
 
     `max_send_lag_ms` bounds an open loop's send lag (None for a closed loop: it has no
     schedule to keep; its send lag, the time from a stream's last reply to its next request, is
-    reported all the same)."""
+    reported all the same). `slice_s` adds the window's time slices (time_slices)."""
     measured = [call for call in calls if call.get("load_window") == "measured"]
     ok = [call for call in measured if is_ok(call)]
     sends = _numbers(measured, "send_ms")
@@ -200,8 +384,32 @@ def summarize_point(
     summary["itl_ms_n"] = len(gaps)
     for q in PERCENTILES:
         summary[f"itl_ms_p{q}"] = percentile(gaps, q)
+    summary["percentile_intervals"] = percentile_intervals(
+        {
+            **{name: _numbers(ok, field) for name, field in LATENCIES.items()},
+            "itl_ms": gaps,
+        }
+    )
     summary["coalesced_calls"] = sum(bool(call.get("coalesced")) for call in ok)
     summary["coalesced_share"] = round(summary["coalesced_calls"] / len(ok), 4) if ok else None
+    # A ramp's requests (run/load/ramp.py): sent before the window, never in its figures.
+    ramp = [call for call in calls if call.get("load_window") == "ramp"]
+    summary["ramp_requests"] = len(ramp)
+    ramp_sends = _numbers(ramp, "send_ms")
+    # The ramp's own slices, from its first send to the window's (drawn before the window's).
+    summary["ramp_slices"] = (
+        time_slices(ramp, min(ramp_sends), start, slice_s)
+        if slice_s is not None and ramp_sends and sends and start > min(ramp_sends)
+        else None
+    )
+    summary["slice_s"] = slice_s
+    # An open loop's queue over the point (a closed loop keeps its in-flight count fixed).
+    summary["trend"] = saturation_trend(calls) if offered_rate is not None else None
+    summary["slices"] = (
+        time_slices(measured, start, start + window_s * 1000.0, slice_s)
+        if slice_s is not None and measured
+        else None
+    )
     summary["server_check"] = server_check(calls, server) if server else None
     summary["delivery_warnings"] = delivery_warnings(summary) or None
     summary.update(_goodput(ok, measured, slo, window_s))
@@ -221,6 +429,26 @@ def summarize_point(
         ),
     }
     return summary
+
+
+# What a point that lost a client process keeps of its summary: what it was asked and what
+# became of it, not one figure of the requests the other processes sent.
+LOST_CLIENT_KEEPS = ("offered_rate", "max_send_lag_ms", "slice_s", "ramp_requests")
+
+
+def lost_client_summary(summary: Mapping[str, Any], lost: Sequence[str]) -> dict[str, Any]:
+    """The summary of a point one of whose client processes died (or failed) mid-point:
+    invalid with the reason, and no figure at all (the others' requests are a part of the
+    point's load, so their rates and percentiles would be of a load nobody asked for); the
+    requests the others recorded are counted, their call records kept in the ledger."""
+    return {
+        **{key: summary.get(key) for key in LOST_CLIENT_KEEPS},
+        "requests_recorded": summary.get("requests"),
+        "clients_lost": list(lost),
+        "invalid_reason": "; ".join(lost)
+        + ": the point has only the other processes' requests, and no figure is drawn from them",
+        "valid": False,
+    }
 
 
 def _mean(values: Sequence[float]) -> float | None:

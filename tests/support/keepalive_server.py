@@ -9,6 +9,7 @@ processes, so a client's first-content arrival minus the stamp is what the clien
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import socket
@@ -30,6 +31,32 @@ class SeenRequest:
     connection: int
 
 
+class FifoSlots:
+    """A semaphore that hands its slots out in the order they were asked for (threading's lets
+    a newcomer take a slot ahead of a thread already waiting: last come, first served)."""
+
+    def __init__(self, slots: int) -> None:
+        self._free = slots
+        self._lock = threading.Lock()
+        self._waiting: collections.deque[threading.Event] = collections.deque()
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._free > 0 and not self._waiting:
+                self._free -= 1
+                return
+            turn = threading.Event()
+            self._waiting.append(turn)
+        turn.wait()
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            if self._waiting:
+                self._waiting.popleft().set()  # the slot passes straight to the next in line
+            else:
+                self._free += 1
+
+
 @dataclass
 class KeepAliveServer:
     chunks: int = CHUNKS
@@ -37,15 +64,28 @@ class KeepAliveServer:
     # Close the connection on reading request number N (1-based, over all connections), without
     # a byte of answer: a kept-alive connection dropped just as the client reuses it.
     hang_up_on_request: int | None = None
+    # From POST number N on (1-based, warm-up included), each reply waits `then_prefill_s`
+    # before its first chunk instead of `prefill_s`: an engine that slows down (or speeds up)
+    # partway.
+    from_request: int | None = None
+    then_prefill_s: float = 0.0
+    # At most this many replies at once (an engine's slots), the others waiting their turn in
+    # arrival order (first come, first served, as vLLM's and llama-server's schedulers) before
+    # their first byte: a fixed capacity of slots / service time.
+    slots: int | None = None
+    # Called with each POST's number (1-based) as it is read, before it is answered.
+    on_request: Callable[[int], None] | None = None
     connections_accepted: int = 0
     requests: list[SeenRequest] = field(default_factory=list)
     _listener: socket.socket = field(init=False)
     _open: list[socket.socket] = field(default_factory=list)
     _closed: bool = False
+    _slots: FifoSlots | None = None
 
     _threads: list[threading.Thread] = field(default_factory=list)
 
     def start(self) -> KeepAliveServer:
+        self._slots = FifoSlots(self.slots) if self.slots is not None else None
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._spawn(self._accept_loop)
         return self
@@ -119,10 +159,13 @@ class KeepAliveServer:
                 self.requests.append(
                     SeenRequest(lines[0].split(" ")[1], headers, json.loads(body or b"{}"), number)
                 )
+                if self.on_request is not None:
+                    self.on_request(len(self.requests))
                 if self.hang_up_on_request == len(self.requests):
                     return
                 close = headers.get("connection", "").lower() == "close"
-                self._reply(conn, close)
+                later = self.from_request is not None and len(self.requests) >= self.from_request
+                self._reply(conn, close, self.then_prefill_s if later else self.prefill_s)
                 if close:
                     return
         except OSError:
@@ -143,14 +186,21 @@ class KeepAliveServer:
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
 
-    def _reply(self, conn: socket.socket, close: bool) -> None:
+    def _reply(self, conn: socket.socket, close: bool, prefill_s: float) -> None:
+        if self._slots is None:
+            self._reply_now(conn, close, prefill_s)
+            return
+        with self._slots:
+            self._reply_now(conn, close, prefill_s)
+
+    def _reply_now(self, conn: socket.socket, close: bool, prefill_s: float) -> None:
         conn.sendall(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
             b"Transfer-Encoding: chunked\r\n"
             + (b"Connection: close\r\n" if close else b"")
             + b"\r\n"
         )
-        time.sleep(self.prefill_s)  # "prefill": the client is already waiting in recv()
+        time.sleep(prefill_s)  # "prefill": the client is already waiting in recv()
         first_write_ns = 0
         for index in range(self.chunks):
             finish = "length" if index == self.chunks - 1 else None

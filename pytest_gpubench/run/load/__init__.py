@@ -30,14 +30,19 @@ class LoadPattern(Protocol):
 
 def make_pattern(profile: LoadProfile, point: str) -> LoadPattern:
     """The pattern of a point id of `profile.points` (not `sweep`: load/sweep.py)."""
+    from pytest_gpubench.run.load.ramp import ramp_of
+
+    ramp = ramp_of(profile.ramp_s, profile.ramp, profile.ramp_from)
     if point.startswith("c") and point[1:].isdigit():
         from pytest_gpubench.run.load.closed_loop import ClosedLoop
 
-        return ClosedLoop(int(point[1:]))
+        return ClosedLoop(int(point[1:]), ramp)
     if point.startswith("r") and not point.startswith("trace"):
         from pytest_gpubench.run.load.open_loop import OpenLoop
 
-        return OpenLoop(float(point[1:]), profile.arrival, profile.burstiness, profile.seed)
+        return OpenLoop(
+            float(point[1:]), profile.arrival, profile.burstiness, profile.seed, ramp=ramp
+        )
     if point.startswith("trace-x") and profile.trace is not None:
         from pytest_gpubench.config.traces import read_trace
         from pytest_gpubench.run.load.trace_replay import TraceReplay
@@ -45,6 +50,12 @@ def make_pattern(profile: LoadProfile, point: str) -> LoadPattern:
         entries = read_trace(profile.trace, "load.trace")
         return TraceReplay(tuple(entry.at_s for entry in entries), float(point[len("trace-x") :]))
     raise ValueError(f"not a load point of a single pattern: {point!r}")
+
+
+def ramp_seconds(pattern: LoadPattern) -> float:
+    """How long the pattern's ramp lasts (0 without one): its requests' window."""
+    ramp = getattr(pattern, "ramp", None)
+    return float(ramp.seconds) if ramp is not None else 0.0
 
 
 def pattern_facts(pattern: LoadPattern) -> dict[str, object]:
@@ -63,7 +74,12 @@ def pattern_facts(pattern: LoadPattern) -> dict[str, object]:
             "trace_span_s": round(pattern.span_s, 4),
         }
     if isinstance(pattern, ClosedLoop):
-        return {"pattern": "closed", "concurrency": pattern.concurrency, "rate": None}
+        return {
+            "pattern": "closed",
+            "concurrency": pattern.concurrency,
+            "rate": None,
+            "ramp": pattern.ramp.facts() if pattern.ramp is not None else None,
+        }
     if isinstance(pattern, OpenLoop):
         return {
             "pattern": "open",
@@ -71,5 +87,6 @@ def pattern_facts(pattern: LoadPattern) -> dict[str, object]:
             "rate": pattern.rate,
             "arrival": pattern.arrival,
             "burstiness": pattern.burstiness if pattern.arrival == "gamma" else None,
+            "ramp": pattern.ramp.facts() if pattern.ramp is not None else None,
         }
     return {"pattern": type(pattern).__name__}

@@ -7,12 +7,15 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from pytest_gpubench.run.load.driver import LoadRun
+from pytest_gpubench.run.load.driver import LoadRun, wait_until
+from pytest_gpubench.run.load.ramp import Ramp
 
 
 @dataclass(frozen=True)
 class ClosedLoop:
     concurrency: int
+    # The concurrency's ramp (`ramp_s`): each stream starts when it is due, or None.
+    ramp: Ramp | None = None
 
     @property
     def connections(self) -> int:
@@ -23,9 +26,16 @@ class ClosedLoop:
         return None  # a closed loop offers what the engine takes
 
     async def drive(self, run: LoadRun) -> None:
-        await asyncio.gather(*(self._stream(run) for _ in range(self.concurrency)))
+        starts = (
+            self.ramp.stream_starts_s(self.concurrency)
+            if self.ramp is not None
+            else [0.0] * self.concurrency
+        )
+        await asyncio.gather(*(self._stream(run, start_s) for start_s in starts))
 
-    async def _stream(self, run: LoadRun) -> None:
+    async def _stream(self, run: LoadRun, start_s: float) -> None:
+        if start_s > 0:
+            await wait_until(run.started_ns + int(start_s * 1e9))
         while True:
             window = run.window()
             if window is None:

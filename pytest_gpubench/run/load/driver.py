@@ -23,7 +23,7 @@ from pytest_gpubench.measure.load_client import (
 )
 from pytest_gpubench.measure.stream import CallMeasurement, Endpoint, StreamError, TlsSettings
 
-Window = Literal["warmup", "measured", "cooldown"]
+Window = Literal["ramp", "warmup", "measured", "cooldown"]
 # Before a scheduled send the loop sleeps until this long before it, then spins: epoll rounds
 # its timeout up to whole milliseconds, and the wake-up came up to 1.1 ms after the target on a
 # quiet 2-core VM (a 1.2 ms spin left p99 0.8 ms; 2.5-3 ms, 0.004-0.03 ms). Not much longer: on a
@@ -135,12 +135,14 @@ class Target:
 
 
 class Bounds:
-    """Which window a request due now falls in: warm-up for `warmup_s`, then measured until
-    `duration_s` has passed or `requests` were sent, then cool-down for `cooldown_s`; None once
-    all three are over (no request is sent after that)."""
+    """Which window a request due now falls in: the ramp for `ramp_s` (a ramped pattern's),
+    then warm-up for `warmup_s`, then measured until `duration_s` has passed or `requests`
+    were sent, then cool-down for `cooldown_s`; None once all are over (no request is sent
+    after that)."""
 
-    def __init__(self, profile: LoadProfile, started_ns: int) -> None:
-        self.measured_from = started_ns + int(profile.warmup_s * 1e9)
+    def __init__(self, profile: LoadProfile, started_ns: int, ramp_s: float = 0.0) -> None:
+        self.ramp_until = started_ns + int(ramp_s * 1e9)
+        self.measured_from = self.ramp_until + int(profile.warmup_s * 1e9)
         self.measured_until = (
             self.measured_from + int(profile.duration_s * 1e9)
             if profile.duration_s is not None
@@ -152,6 +154,8 @@ class Bounds:
         self.measured = 0
 
     def window(self, now_ns: int) -> Window | None:
+        if now_ns < self.ramp_until:
+            return "ramp"
         if now_ns < self.measured_from:
             return "warmup"
         if self.cooldown_until is None:
@@ -167,15 +171,19 @@ class Bounds:
 class LoadRun:
     """Sends the requests of one load point and keeps every one it sent."""
 
-    def __init__(self, target: Target, profile: LoadProfile, process: int = 0) -> None:
+    def __init__(
+        self, target: Target, profile: LoadProfile, process: int = 0, ramp_s: float = 0.0
+    ) -> None:
         self.target = target
         self.profile = profile
         self.process = process
+        # The pattern's ramp (its first window), or 0.
+        self.ramp_s = ramp_s
         self.pool = ConnectionPool(
             target.endpoint, connect_timeout_s=min(target.timeout_s, 10.0), tls=target.tls
         )
         self._sent: list[Sent | Received] = []
-        self.bounds = Bounds(profile, time.perf_counter_ns())
+        self.bounds = Bounds(profile, time.perf_counter_ns(), ramp_s)
         self.started_ns = 0
         self.next_index = 0
         self.next_session = 0
@@ -188,7 +196,7 @@ class LoadRun:
     def start(self, started_ns: int) -> None:
         """Start the point's clock (processes of one point share one start)."""
         self.started_ns = started_ns
-        self.bounds = Bounds(self.profile, started_ns)
+        self.bounds = Bounds(self.profile, started_ns, self.ramp_s)
 
     def window(self) -> Window | None:
         return self.bounds.window(time.perf_counter_ns())

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from pytest_gpubench.run.load.driver import LoadRun, spin_ns, wait_until
+from pytest_gpubench.run.load.ramp import Ramp
 
 # Connections opened ahead: enough for this many seconds of arrivals (more open on demand).
 PREOPEN_S = 1.0
@@ -38,6 +39,8 @@ class OpenLoop:
     seed: int = 0
     # The first send, after the point's start (the processes of a constant schedule interleave).
     offset_s: float = 0.0
+    # The rate's ramp before the point's own (`ramp_s`), or None.
+    ramp: Ramp | None = None
 
     @property
     def connections(self) -> int:
@@ -51,12 +54,26 @@ class OpenLoop:
         await send_on_schedule(run, self._due_ns(run.started_ns), spin_ns(self.rate))
 
     def _due_ns(self, started_ns: int) -> Iterator[int]:
+        if self.ramp is not None:
+            yield from (started_ns + int(at_s * 1e9) for at_s in self.ramped_s())
+            return
         # The first request goes out at the start; each later one a gap after the one before.
         gaps = arrival_gaps(self.rate, self.arrival, self.burstiness, self.seed)
         due_ns = started_ns + int(self.offset_s * 1e9)
         while True:
             yield due_ns
             due_ns += int(next(gaps) * 1e9)
+
+    def ramped_s(self) -> Iterator[float]:
+        """The sends of a ramped point, in s from its start: the arrivals of rate 1 (the same
+        seeded gaps), each sent when the ramped rate's expected arrivals reach it (a time
+        change: Poisson arrivals stay Poisson, of the ramped rate)."""
+        assert self.ramp is not None
+        gaps = arrival_gaps(1.0, self.arrival, self.burstiness, self.seed)
+        arrivals = self.offset_s * self.rate
+        while True:
+            yield self.ramp.time_of(self.rate, arrivals)
+            arrivals += next(gaps)
 
 
 async def send_on_schedule(run: LoadRun, due_ns: Iterable[int], spin: int) -> None:

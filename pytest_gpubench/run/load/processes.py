@@ -1,19 +1,21 @@
 """`processes: N`: one load point sent from N client processes (spawned, each with its own event
 loop and connections), their clocks started together; each request keeps the process that sent
-it, so that each process's send lag is its own."""
+it, so that each process's send lag is its own. A process that dies mid-point is named with how
+it ended: the point then has only the others' requests, and no figure is drawn from them."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import signal
 import time
 from dataclasses import replace
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pytest_gpubench.config.load_profile import LoadProfile
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.run.load import LoadPattern
+from pytest_gpubench.run.load import LoadPattern, ramp_seconds
 from pytest_gpubench.run.load.closed_loop import ClosedLoop
 from pytest_gpubench.run.load.driver import LoadRun, Sent, Target, wait_until
 from pytest_gpubench.run.load.open_loop import OpenLoop
@@ -29,7 +31,7 @@ def share(pattern: LoadPattern, process: int, processes: int) -> LoadPattern:
     arrivals at rate/N are one Poisson at the rate; constant ones interleave)."""
     if isinstance(pattern, ClosedLoop):
         base, extra = divmod(pattern.concurrency, processes)
-        return ClosedLoop(base + (1 if process < extra else 0))
+        return ClosedLoop(base + (1 if process < extra else 0), pattern.ramp)
     if isinstance(pattern, OpenLoop):
         rate = pattern.rate / processes
         return replace(
@@ -41,7 +43,8 @@ def share(pattern: LoadPattern, process: int, processes: int) -> LoadPattern:
     raise GpubenchError(f"processes: cannot split a {type(pattern).__name__} load")
 
 
-def _profile_share(profile: LoadProfile, process: int, processes: int) -> LoadProfile:
+def profile_share(profile: LoadProfile, process: int, processes: int) -> LoadProfile:
+    """One client's profile: its share of `requests` (spread as evenly as they go)."""
     if profile.requests is None:
         return profile
     base, extra = divmod(profile.requests, processes)
@@ -52,7 +55,7 @@ def _worker(
     target: Target, profile: LoadProfile, pattern: Any, process: int, pipe: Connection
 ) -> None:
     async def main() -> list[Sent]:
-        run = LoadRun(target, profile, process)
+        run = LoadRun(target, profile, process, ramp_seconds(pattern))
         try:
             await run.pool.fill(pattern.connections)
             pipe.send("ready")
@@ -70,10 +73,17 @@ def _worker(
         pipe.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
+def _ended(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit status {exitcode}"
+
+
 def run_in_processes(
     target: Target, profile: LoadProfile, pattern: LoadPattern
-) -> tuple[int, list[Sent]]:
-    """(the shared start, every request of every process)."""
+) -> tuple[int, list[Sent], list[str]]:
+    """(the shared start, every request of the processes that ended whole, why each other one
+    is lost: it died mid-point, or failed)."""
     processes = profile.processes
     context = multiprocessing.get_context("spawn")
     pipes, workers = [], []
@@ -83,7 +93,7 @@ def run_in_processes(
             target=_worker,
             args=(
                 target,
-                _profile_share(profile, process, processes),
+                profile_share(profile, process, processes),
                 share(pattern, process, processes),
                 process,
                 child,
@@ -91,6 +101,8 @@ def run_in_processes(
             daemon=True,
         )
         worker.start()
+        # Only the worker holds its end: once it dies, reading the pipe ends (EOFError).
+        child.close()
         pipes.append(parent)
         workers.append(worker)
     try:
@@ -106,12 +118,23 @@ def run_in_processes(
         for pipe in pipes:
             pipe.send(started_ns)
         sent: list[Sent] = []
-        for pipe in pipes:
-            kind, value = pipe.recv()
+        lost: list[str] = []
+        for process, (pipe, worker) in enumerate(zip(pipes, workers, strict=True)):
+            wait([pipe, worker.sentinel])
+            try:
+                kind, value = pipe.recv()
+            except EOFError:
+                worker.join(timeout=5)
+                lost.append(
+                    f"client process {process} of {processes} died mid-point "
+                    f"({_ended(worker.exitcode)})"
+                )
+                continue
             if kind == "error":
-                raise GpubenchError(f"processes: a client process failed: {value}")
+                lost.append(f"client process {process} of {processes} failed: {value}")
+                continue
             sent.extend(value)
-        return started_ns, sorted(sent, key=lambda item: (item.scheduled_ns, item.process))
+        return started_ns, sorted(sent, key=lambda item: (item.scheduled_ns, item.process)), lost
     finally:
         for worker in workers:
             worker.join(timeout=5)

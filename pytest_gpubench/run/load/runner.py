@@ -25,8 +25,12 @@ from pytest_gpubench.ledger.records import call_record, load_call_record, load_r
 from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.measure.control import CpuPressure
 from pytest_gpubench.measure.gauges import GaugeScraper
-from pytest_gpubench.results.load_summary import percentile, summarize_point
-from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts
+from pytest_gpubench.results.load_summary import (
+    lost_client_summary,
+    percentile,
+    summarize_point,
+)
+from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts, ramp_seconds
 from pytest_gpubench.run.load.driver import LoadRun, Sent, SessionPlan, Target, build_target
 from pytest_gpubench.run.load.processes import run_in_processes
 
@@ -243,6 +247,8 @@ def _run_load_case(
         session_plan(profile, sends, engine),
     )
     recorder = _Recorder(run_id, cell, case, sends.sha256, profile, pressure)
+    if profile.clients is not None:
+        recorder.client_node = matrix.nodes[profile.clients.node]
     recorder.facts = sends.facts
     if case.load_point == "sweep":
         from pytest_gpubench.run.load.sweep import run_sweep
@@ -264,7 +270,7 @@ def _run_load_case(
             load_point="sweep",
             pattern={"pattern": "sweep", **sweep},
             started_at_utc=started,
-            summary={"output_tokens": sum(step["output_tokens"] for step in steps)},
+            summary={"output_tokens": sum(step.get("output_tokens") or 0 for step in steps)},
             error=None if valid else "no step of the sweep was a valid result",
         )
         live.last_call_end = time.monotonic()
@@ -296,11 +302,13 @@ class _Recorder:
         self.loads: list[dict[str, Any]] = []
         # Per prompt sent in turn: what its call records carry (request i: i mod n).
         self.facts: tuple[dict[str, Any], ...] = ()
+        # `clients:`: the Slurm node its client tasks run on.
+        self.client_node: Any = None
 
     async def step(
         self, target: Target, point: str, pattern: LoadPattern, sweep_step: str | None = None
     ) -> Mapping[str, Any]:
-        run = LoadRun(target, self.profile)
+        run = LoadRun(target, self.profile, ramp_s=ramp_seconds(pattern))
         started = utc_now()
         wall_ns = time.time_ns() - time.perf_counter_ns()
         scraper = GaugeScraper(
@@ -312,12 +320,14 @@ class _Recorder:
         scraping: asyncio.Task[None] | None = None
         if before is not None:
             scraper.samples.counters_before = before[1]
+        lost: list[str] = []
+        offsets: dict[str, Any] = {}
         try:
-            if self.profile.processes > 1:
+            if self.profile.clients is not None or self.profile.processes > 1:
                 started_ns = time.perf_counter_ns()
                 scraping = asyncio.create_task(scraper.run(started_ns, stop)) if before else None
-                started_ns, sent = await asyncio.to_thread(
-                    run_in_processes, target, self.profile, pattern
+                started_ns, sent, lost, offsets = await asyncio.to_thread(
+                    self._elsewhere, target, pattern
                 )
             else:
                 await run.open(pattern.connections)
@@ -344,7 +354,10 @@ class _Recorder:
                 self.profile.max_send_lag_ms if pattern.offered_rate is not None else None
             ),
             server=scraper.samples.server_changes() or None,
+            slice_s=self.profile.slice_s,
         )
+        if lost:
+            summary = lost_client_summary(summary, lost)
         record = load_record(
             run_id=self.run_id,
             cell=self.cell,
@@ -358,8 +371,13 @@ class _Recorder:
                 **({"sweep_step": sweep_step} if sweep_step is not None else {}),
                 "processes": self.profile.processes,
                 "send_lag_by_process": _lag_by_process(calls)
-                if self.profile.processes > 1
+                if self.profile.processes > 1 or self.profile.clients is not None
                 else None,
+                **(
+                    {"clients": self.profile.clients.model_dump(), **offsets}
+                    if self.profile.clients is not None
+                    else {}
+                ),
                 # Every request of the point (warm-up and cool-down too) against the engine's
                 # own counters over the same span (None where it exposes none).
                 "client_completion_tokens": sum(
@@ -400,6 +418,23 @@ class _Recorder:
         self.loads.append(as_json(record))
         return summary
 
+    def _elsewhere(
+        self, target: Target, pattern: LoadPattern
+    ) -> tuple[int, list[Sent], list[str], dict[str, Any]]:
+        """The point sent by client processes here (`processes:`) or tasks on a Slurm node
+        (`clients:`): (their shared start, their requests, the ones lost, the tasks' clock
+        offsets)."""
+        if self.profile.clients is None:
+            return (*run_in_processes(target, self.profile, pattern), {})
+        from pytest_gpubench.run.load.cluster_clients import run_on_cluster
+
+        result = run_on_cluster(target, self.profile, pattern, self.client_node)
+        offsets = {
+            "client_offsets_ms": result.offsets_ms,
+            "client_offset_errors_ms": result.offset_errors_ms,
+        }
+        return result.started_ns, result.sent, result.lost, offsets
+
     def _call(self, point: str, started_ns: int, wall_ns: int, sent: Sent) -> dict[str, Any]:
         at = datetime.fromtimestamp((wall_ns + sent.sent_ns) / 1e9, UTC)
         call = call_record(
@@ -426,7 +461,11 @@ class _Recorder:
                 scheduled_send_ms=round((sent.scheduled_ns - started_ns) / 1e6, 4),
                 send_ms=round((sent.sent_ns - started_ns) / 1e6, 4),
                 send_lag_ms=sent.send_lag_ms,
-                process=sent.process if self.profile.processes > 1 else None,
+                process=(
+                    sent.process
+                    if self.profile.processes > 1 or self.profile.clients is not None
+                    else None
+                ),
             )
         )
 
