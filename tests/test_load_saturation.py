@@ -159,3 +159,31 @@ def test_a_sweep_against_a_fixed_capacity_stops_above_it_and_names_the_rate(
     # Over-saturated: not a rate it kept up with.
     assert sweep["saturation_rate"] is not None and sweep["saturation_rate"] <= CEILING
     result.stdout.fnmatch_lines([f"*sweep*over-saturated at {first['rate']:.2f} req/s*"])
+
+
+def test_a_step_the_baseline_measured_and_the_sweep_skipped_at_saturation_holds_the_run_back() -> (
+    None
+):
+    """A sweep that saturated earlier than its baseline's skips steps the baseline measured: each
+    is `inconclusive` (the run exits 10, not 0: a CI gate never passes what it did not measure),
+    naming where the sweep stopped. A step the baseline did not measure either says nothing."""
+    from pytest_gpubench.results.judging import holds_back
+    from pytest_gpubench.results.load_gate import judge_loads
+
+    sweep = {
+        "type": "load", "pattern": "sweep", "cell_id": "c", "prompt_id": "P",
+        "load_point": "sweep", "saturation_rate": 9.0,
+        "saturation_stop": {"load_point": "sweep-r8", "sweep_step": "s1", "rate": 8.0,
+                            "saturated": True, "time_kept_s": 6.0, "skipped": ["s2", "s3"]},
+    }  # fmt: skip
+    baseline = {"P@load-sweep-s2": {"rate": 12.0, "output_tokens_per_sec": 900.0}}
+    judged = judge_loads([sweep], {"c": baseline}, {})
+    (verdict,) = [v for v in judged if v.prompt_id != "P@load-sweep"]  # the sweep's own: new
+    assert verdict.prompt_id == "P@load-sweep-s2" and verdict.verdict == "inconclusive"
+    assert holds_back(verdict)
+    assert verdict.message == (
+        "c P@load-sweep-s2: not measured: the sweep stopped at saturation at s1 (8.0 req/s); the "
+        "baseline measured s2 (12 req/s); re-run, or ratify the lower capacity with "
+        "--baseline-update"
+    )
+    assert [v.prompt_id for v in judge_loads([sweep], {"c": {}}, {})] == ["P@load-sweep"]

@@ -221,7 +221,38 @@ def judge_loads(
         cell_id = str(record.get("cell_id"))
         baseline = baselines.get(cell_id, {}).get(point_key(record))
         verdicts.extend(judge_point(record, baseline, thresholds.get(cell_id, LoadThresholds())))
+        verdicts.extend(skipped_steps(record, baselines.get(cell_id, {})))
     return verdicts
+
+
+def skipped_steps(
+    record: Mapping[str, Any], baseline: Mapping[str, Mapping[str, Any]]
+) -> list[Verdict]:
+    """A sweep that stopped at saturation left its higher steps unmeasured: each that the
+    baseline measured is `inconclusive` (the run is held back, exit 10), never passed unseen.
+    The engine saturated at a lower rate than when the baseline was measured; the sweep's
+    saturation rate says by how much, and ratifying takes the lower capacity."""
+    stop = record.get("saturation_stop") if record.get("pattern") == "sweep" else None
+    if not isinstance(stop, Mapping) or not isinstance(stop.get("skipped"), list):
+        return []
+    cell_id, prompt_id = str(record.get("cell_id")), record.get("prompt_id")
+    found = []
+    for step in stop["skipped"]:
+        key = f"{prompt_id}@load-sweep-{step}"
+        if key not in baseline:
+            continue
+        rate = _number(baseline[key].get("rate"))
+        found.append(
+            _verdict(
+                cell_id, key, LOAD_METRICS[0], "inconclusive",
+                f"not measured: the sweep stopped at saturation at {stop.get('sweep_step')} "
+                f"({stop.get('rate')} req/s); the baseline measured {step}"
+                + (f" ({rate:g} req/s)" if rate is not None else "")
+                + "; re-run, or ratify the lower capacity with --baseline-update",
+                baseline=_number(baseline[key].get(LOAD_METRICS[0].field)),
+            )
+        )  # fmt: skip
+    return found
 
 
 def baseline_point(
