@@ -1,6 +1,7 @@
 """What reading the engine's /metrics around each warm call costs (issue 35): the real
 llama-server (the tiny model, one thread, --metrics), the page read before a call
-(CaseCounters.read) and after it, once its counters hold still (read(settled=True)), each timed;
+(CaseCounters.read) and after it, as the harness reads it (at once where the engine has counted
+the call's tokens, else once its counters hold still: read(settled=True, ...)), each timed;
 and the calls' TTFT and total with the reads around them and without, in turn, so that both see
 the same state of the machine. The reads are outside each call's timed span: what they add is
 wall time between calls, which the second pair of figures shows does not reach into the calls.
@@ -70,7 +71,7 @@ def main() -> None:
                 figures["read before"].append(ms(started))
                 call = engine.chat(PROMPT, MAX_TOKENS, 30)
                 started = time.perf_counter_ns()
-                after = counters.read(settled=True)
+                after = counters.read(settled=True, since=before, generated=call.completion_tokens)
                 figures["read after (settled)"].append(ms(started))
                 if before is None or after is None or call.error is not None:
                     raise SystemExit(f"no page or a failed call: {counters.absent or call.error}")

@@ -278,3 +278,58 @@ def test_an_engine_without_metrics_is_asked_once() -> None:
     # Inside a running event loop (an async test) the page is not read, and the call goes on.
     unread = asyncio.run(inside_a_loop())
     assert unread.absent is not None and "running event loop" in unread.absent
+
+
+def test_a_read_that_already_counts_the_call_is_not_settled_again_and_a_lapse_is_no_absence() -> (
+    None
+):
+    """After a warm call the page is read once: where the engine's count of generated tokens has
+    already moved by the call's, that read is the call's (no 100 ms settling, no second read);
+    otherwise it settles as before. A read that fails after the engine answered once is that
+    read's lapse: the next call asks again. (A /metrics page in Prometheus's text format from a
+    stdlib server: only the page is under test here.)"""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from pytest_gpubench.measure.gauges import CaseCounters
+    from pytest_gpubench.measure.stream import Endpoint
+
+    state = {"predicted": 15.0, "reads": 0, "fail": False}
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            state["reads"] += 1
+            if state["fail"]:
+                self.send_response(500)
+                self.end_headers()
+                return
+            body = (
+                "# TYPE llamacpp:tokens_predicted_total counter\n"
+                f"llamacpp:tokens_predicted_total {state['predicted']}\n"
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        counters = CaseCounters(Endpoint.parse(f"http://127.0.0.1:{server.server_port}"), ())
+        before = {"llamacpp:tokens_predicted_total": 10.0}
+        page = counters.read(settled=True, since=before, generated=5)
+        assert page == {"llamacpp:tokens_predicted_total": 15.0} and state["reads"] == 1
+        state["reads"] = 0
+        assert counters.read(settled=True, since=before, generated=8) is not None
+        assert state["reads"] >= 3  # not yet counted: settled (two reads that agree)
+        state["fail"] = True
+        assert counters.read() is None and counters.absent is None
+        state["fail"] = False
+        assert counters.read() is not None
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -9,8 +9,9 @@ import asyncio
 import contextlib
 import ssl
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pytest_gpubench.config.metrics import ENGINE_COUNTERS, EngineCounter
 from pytest_gpubench.measure.load_client import StreamConnection
@@ -234,7 +235,8 @@ def counter_changes(before: Page, after: Page) -> dict[str, float]:
 class CaseCounters:
     """The engine's `/metrics` read before and after each warm call of a cell, on a connection of
     its own outside the timed call (the load points' GaugeScraper, one read at a time). An
-    engine that exposes none is asked once: `absent` then says why, and it is not asked again."""
+    engine that exposes none is asked once: `absent` then says why, and it is not asked again
+    (an engine that answered once is asked again after a failed read)."""
 
     def __init__(
         self,
@@ -244,20 +246,50 @@ class CaseCounters:
     ) -> None:
         self.scraper = GaugeScraper(endpoint, headers, 1000, tls)
         self.absent: str | None = None
+        # A page was read once: a later failed read is that read's, not an engine without one.
+        self.seen = False
 
-    def read(self, *, settled: bool = False) -> Page | None:
+    def read(
+        self, *, settled: bool = False, since: Page | None = None, generated: int | None = None
+    ) -> Page | None:
         """The page's gauges and counters (None where the engine exposes none); `settled`: once
-        its counters hold still (an engine may count a step after its reply went out)."""
+        its counters hold still (an engine may count a step after its reply went out). A first
+        read whose count of generated tokens has already moved by the call's `generated` since
+        `since` is taken at once: the engine has counted the call, and the settling's 100 ms
+        wait (and second read) is spared on every warm call."""
         if self.absent is not None:
             return None
-        reader = self.scraper.settled_page() if settled else self.scraper.scrape()
+        page = self._run(self.scraper.scrape())
+        if page is not None and settled and not _counted(since, page, generated):
+            page = self._run(self.scraper.settled_page())
+        if page is not None:
+            self.seen = True
+            return page
+        if not self.seen:
+            self.absent = "; ".join(self.scraper.samples.notes) or "/metrics not read"
+        return None
+
+    def _run(
+        self, reader: Coroutine[Any, Any, tuple[dict[str, float], dict[str, float]] | None]
+    ) -> Page | None:
         try:
             page = asyncio.run(reader)
         except Exception as exc:  # counters are never worth a case: measure without them
             reader.close()
-            page = None
             self.scraper.samples.notes.append(f"/metrics not read: {exc}")
-        if page is not None:
-            return {**page[0], **page[1]}
-        self.absent = "; ".join(self.scraper.samples.notes) or "/metrics not read"
-        return None
+            return None
+        return None if page is None else {**page[0], **page[1]}
+
+
+# The engines' counts of the tokens they generated (vLLM's, llama.cpp's).
+GENERATED = ("vllm:generation_tokens_total", "llamacpp:tokens_predicted_total")
+
+
+def _counted(before: Page | None, after: Page, generated: int | None) -> bool:
+    """Whether `after` already counts a call that generated `generated` tokens since `before`."""
+    if before is None or not generated:
+        return False
+    for name in GENERATED:
+        if name in before and name in after:
+            return after[name] - before[name] >= generated
+    return False

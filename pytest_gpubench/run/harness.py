@@ -402,7 +402,9 @@ class Harness:
         live.last_call_end = time.monotonic()
         samples = self._end_sampling(live, window)
         counters_after = (
-            counters.read(settled=True)
+            counters.read(
+                settled=True, since=counters_before, generated=measurement.completion_tokens
+            )
             if counters is not None and counters_before is not None
             else None
         )
