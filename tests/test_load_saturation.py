@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -187,3 +188,34 @@ def test_a_step_the_baseline_measured_and_the_sweep_skipped_at_saturation_holds_
         "--baseline-update"
     )
     assert [v.prompt_id for v in judge_loads([sweep], {"c": {}}, {})] == ["P@load-sweep"]
+
+
+def test_ratifying_a_sweep_that_stopped_at_saturation_drops_the_steps_it_did_not_run(
+    tmp_path: Path,
+) -> None:
+    """--baseline-update after a sweep saturated earlier: the steps it skipped leave the baseline
+    (its lower capacity is what was ratified), so the next run is not held back by them."""
+    from pytest_gpubench.results.load_baseline import read_load_baseline, write_load_baselines
+    from pytest_gpubench.results.load_gate import judge_loads
+
+    def step(name: str, rate: float) -> dict[str, Any]:
+        return {
+            "type": "load", "pattern": "open", "cell_id": "c", "prompt_id": "P", "valid": True,
+            "load_point": f"sweep-r{rate:g}", "sweep_step": name, "rate": rate, "requests": 20,
+            "ok": 20, "output_tokens_per_sec": 900.0, "benchmark_run_id": "r1",
+        }  # fmt: skip
+
+    write_load_baselines(tmp_path, [step("s1", 8.0), step("s2", 12.0), step("s3", 16.0)])
+    assert set(read_load_baseline(tmp_path, "c")) >= {"P@load-sweep-s2", "P@load-sweep-s3"}
+    sweep = {
+        "type": "load", "pattern": "sweep", "cell_id": "c", "prompt_id": "P", "valid": True,
+        "load_point": "sweep", "saturation_rate": 7.5, "benchmark_run_id": "r2",
+        "saturation_stop": {"sweep_step": "s1", "rate": 8.0, "skipped": ["s2", "s3"]},
+    }  # fmt: skip
+    notes = write_load_baselines(tmp_path, [{**step("s1", 8.0), "benchmark_run_id": "r2"}, sweep])
+    kept = read_load_baseline(tmp_path, "c")
+    assert "P@load-sweep-s1" in kept
+    assert "P@load-sweep-s2" not in kept and "P@load-sweep-s3" not in kept
+    assert any("P@load-sweep-s2 removed: the sweep stopped at saturation at s1" in n for n in notes)
+    held = [v for v in judge_loads([sweep], {"c": kept}, {}) if v.verdict == "inconclusive"]
+    assert held == []

@@ -13,7 +13,14 @@ from pydantic import BaseModel, ConfigDict, Strict, ValidationError
 from pytest_gpubench.core.errors import GpubenchError, key_path, non_finite_at
 from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.results.baseline import baseline_file_name
-from pytest_gpubench.results.load_gate import baseline_point, gated, is_result, point_key
+from pytest_gpubench.results.load_gate import (
+    baseline_point,
+    gated,
+    is_result,
+    point_key,
+    skipped_step_keys,
+    skipped_why,
+)
 
 FORMAT = 1
 LOAD_DIR = "load"
@@ -113,6 +120,12 @@ def write_load_baselines(
                 for record in valid
             }
         )
+        # A sweep that stopped at saturation ratifies its lower capacity: the steps it did not
+        # run leave the baseline (else they would hold every later run back as unmeasured).
+        for record in records:
+            for key in skipped_step_keys(record):
+                if points.pop(key, None) is not None:
+                    notes.append(f"load baseline: {cell_id} {key} removed: {skipped_why(record)}")
         path = load_baseline_path(baselines_dir, cell_id)
         written = LoadBaselineFile(cell_id=cell_id, points=dict(sorted(points.items())))
         _write(path, written.model_dump())

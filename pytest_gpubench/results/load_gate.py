@@ -225,28 +225,39 @@ def judge_loads(
     return verdicts
 
 
+def skipped_step_keys(record: Mapping[str, Any]) -> list[str]:
+    """The point keys of the steps a sweep did not run after it stopped at saturation."""
+    stop = record.get("saturation_stop") if record.get("pattern") == "sweep" else None
+    if not isinstance(stop, Mapping) or not isinstance(stop.get("skipped"), list):
+        return []
+    return [point_key({**record, "sweep_step": step}) for step in stop["skipped"]]
+
+
+def skipped_why(record: Mapping[str, Any]) -> str:
+    stop = record.get("saturation_stop")
+    assert isinstance(stop, Mapping)
+    return f"the sweep stopped at saturation at {stop.get('sweep_step')} ({stop.get('rate')} req/s)"
+
+
 def skipped_steps(
     record: Mapping[str, Any], baseline: Mapping[str, Mapping[str, Any]]
 ) -> list[Verdict]:
     """A sweep that stopped at saturation left its higher steps unmeasured: each that the
     baseline measured is `inconclusive` (the run is held back, exit 10), never passed unseen.
     The engine saturated at a lower rate than when the baseline was measured; the sweep's
-    saturation rate says by how much, and ratifying takes the lower capacity."""
-    stop = record.get("saturation_stop") if record.get("pattern") == "sweep" else None
-    if not isinstance(stop, Mapping) or not isinstance(stop.get("skipped"), list):
-        return []
-    cell_id, prompt_id = str(record.get("cell_id")), record.get("prompt_id")
+    saturation rate says by how much, and ratifying takes the lower capacity (the steps leave the
+    baseline: results/load_baseline.write_load_baselines)."""
+    cell_id = str(record.get("cell_id"))
     found = []
-    for step in stop["skipped"]:
-        key = f"{prompt_id}@load-sweep-{step}"
+    for key in skipped_step_keys(record):
         if key not in baseline:
             continue
+        step = key.rsplit("-", 1)[-1]
         rate = _number(baseline[key].get("rate"))
         found.append(
             _verdict(
                 cell_id, key, LOAD_METRICS[0], "inconclusive",
-                f"not measured: the sweep stopped at saturation at {stop.get('sweep_step')} "
-                f"({stop.get('rate')} req/s); the baseline measured {step}"
+                f"not measured: {skipped_why(record)}; the baseline measured {step}"
                 + (f" ({rate:g} req/s)" if rate is not None else "")
                 + "; re-run, or ratify the lower capacity with --baseline-update",
                 baseline=_number(baseline[key].get(LOAD_METRICS[0].field)),
