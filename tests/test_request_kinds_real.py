@@ -209,6 +209,33 @@ def test_a_cell_that_cannot_send_a_kind_skips_it_in_one_line(
     assert not any({"kind", "inputs", "schema_valid"} & set(r) for r in calls["P"])
 
 
+def test_a_cell_whose_every_prompt_is_of_a_kind_it_cannot_send_is_skipped_not_failed(
+    pytester: pytest.Pytester,
+) -> None:
+    """An Ollama cell (chat only, OllamaStandin) given an embedding prompt alone: every case is
+    skipped with the reason, and the cell's outcome is `skipped`, not `failed` (exit 0, not 7);
+    a kind the engine lacks is a skip reason, never a failure (issue 35)."""
+    with serving(OllamaStandin()) as ollama:
+        pytester.makefile(
+            ".yaml",
+            prompts="prompts:\n  E: {intent: e, kind: embedding, prompt: hello}\n",
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: ollama, model: qwen3.5:0.8b, endpoint: '{ollama}', "
+            "runs: 2, phases: [warm]}\n",
+        )
+        pytester.makepyfile(test_bench=TEST_FILE)
+        result = run(pytester)
+    assert result.ret == 0, result.stdout.str()
+    result.assert_outcomes(skipped=2)
+    (end,) = [r for r in ledger_records(pytester.path) if r["type"] == "end"]
+    (outcome,) = end["cells"]
+    assert outcome["status"] == "skipped", outcome
+    assert outcome["reason"] == (
+        "cell local:ollama:qwen3.5:0.8b: engine ollama does not send embedding requests "
+        "(it sends chat)"
+    )
+
+
 def test_a_valid_tool_call_is_counted_and_a_fall_in_its_rate_fails_the_gate(
     pytester: pytest.Pytester,
 ) -> None:

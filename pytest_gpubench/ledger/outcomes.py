@@ -63,7 +63,11 @@ def cell_outcomes(
     """One outcome per planned cell, in the matrix's order."""
     first_skip: dict[str, Mapping[str, Any]] = {}
     for skip in skips:
-        first_skip.setdefault(str(skip.get("cell_id")), skip)
+        cell_id = str(skip.get("cell_id"))
+        # A case of a kind the engine cannot send (issue 35) gives way to any other reason.
+        kept = first_skip.get(cell_id)
+        if kept is None or (kept.get("kind_unsupported") and not skip.get("kind_unsupported")):
+            first_skip[cell_id] = skip
     counts: dict[str, list[int]] = {}
     first_error: dict[str, str] = {}
     for call in calls:
@@ -122,6 +126,9 @@ def _measured_or_failed(
         return replace(
             missing, status="failed", stage="benchmark", reason=f"every call failed: {error}"
         )
+    if skip is not None and skip.get("kind_unsupported"):
+        # Every case it had was of a kind its engine cannot send: skipped, not failed.
+        return replace(missing, status="skipped", reason=str(skip.get("reason")))
     if skip is not None:
         stage = skip.get("stage")
         return replace(

@@ -373,10 +373,18 @@ def sample_record(
 
 
 def skipped_record(
-    *, run_id: str, cell: Cell, case: Case | None, reason: str, stage: Stage | None
+    *,
+    run_id: str,
+    cell: Cell,
+    case: Case | None,
+    reason: str,
+    stage: Stage | None,
+    kind_unsupported: bool = False,
 ) -> SkippedRecord:
-    """A cell or case that could not run, with the reason and the stage it failed in."""
-    return {
+    """A cell or case that could not run, with the reason and the stage it failed in;
+    `kind_unsupported`: a case of a request kind the cell's engine cannot send (skipped, the
+    cell not failed for it)."""
+    record: SkippedRecord = {
         "type": "skipped",
         "benchmark_run_id": run_id,
         "cell_id": cell.cell_id,
@@ -389,6 +397,9 @@ def skipped_record(
         "node": cell.spec.node,
         "stage": stage,
     }
+    if kind_unsupported:
+        record["kind_unsupported"] = True
+    return record
 
 
 def checkpoint_record(

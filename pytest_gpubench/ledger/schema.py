@@ -283,6 +283,8 @@ class SkippedRecord(TypedDict):
     at_utc: str
     node: str
     stage: str | None
+    # A case of a request kind the cell's engine cannot send (issue 35): the cell is not failed.
+    kind_unsupported: NotRequired[bool]
 
 
 class CheckpointRecord(TypedDict):

@@ -176,7 +176,12 @@ class Harness:
             records.append(
                 as_json(
                     skipped_record(
-                        run_id=self.run_id, cell=live.cell, case=case, reason=reason, stage=None
+                        run_id=self.run_id,
+                        cell=live.cell,
+                        case=case,
+                        reason=reason,
+                        stage=None,
+                        kind_unsupported=True,
                     )
                 )
             )
