@@ -181,6 +181,35 @@ def test_max_preemptions_over_the_limit_is_a_regression() -> None:
     assert check_verdicts(checks, generous) == []
 
 
+def test_a_check_a_cell_asks_for_that_nothing_measured_holds_the_run_back() -> None:
+    """max_preemptions on an engine whose /metrics has no preemption counter (llama.cpp), or
+    token_check: fail where no call carried a token count: `inconclusive` (exit 10), naming what
+    was not read; never a pass of a check that was not made."""
+    from pytest_gpubench.config.matrix import Thresholds
+    from pytest_gpubench.results.engine_checks import check_verdicts
+    from pytest_gpubench.results.judging import CellJudging, JudgingSettings, holds_back
+
+    unread = engine_checks(
+        [call(token_mismatch=False, engine_counters={"prefix_cache_hits": 1.0})] * 2
+    )
+    settings = JudgingSettings(
+        cells={
+            "local:openai:m": CellJudging(
+                node="local", thresholds=Thresholds(max_preemptions=0), runs=2,
+                token_check="fail",
+            )
+        }
+    )  # fmt: skip
+    verdicts = {v.metric: v for v in check_verdicts(unread, settings)}
+    assert set(verdicts) == {"preemptions"}  # its calls' token counts were checked
+    assert verdicts["preemptions"].verdict == "inconclusive" and holds_back(verdicts["preemptions"])
+    assert "preemptions were not read" in verdicts["preemptions"].message
+    uncounted = engine_checks([call(token_mismatch=None, engine_counters={"preemptions": 0.0})])
+    (verdict,) = check_verdicts(uncounted, settings)
+    assert (verdict.metric, verdict.verdict) == ("token_mismatches", "inconclusive")
+    assert "no warm call's token count could be checked" in verdict.message
+
+
 PROMPTS = "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 4}\n"
 
 

@@ -164,8 +164,24 @@ def check_verdicts(checks: Iterable[EngineChecks], settings: JudgingSettings) ->
                     message=f"{where}: {mismatch_words(found)} (token_check: fail)",
                 )
             )
+        if cell.token_check == "fail" and found.calls and not found.token_checked:
+            verdicts.append(
+                _unmeasured(
+                    found, TOKEN_MISMATCHES,
+                    f"{where}: no warm call's token count could be checked (the engine sent no "
+                    "usage, or every call was a tool call): token_check: fail is not met",
+                )
+            )  # fmt: skip
         limit = cell.thresholds.max_preemptions
         preempted = found.counters.get("preemptions")
+        if limit is not None and preempted is None and found.calls:
+            verdicts.append(
+                _unmeasured(
+                    found, PREEMPTIONS,
+                    f"{where}: the engine's preemptions were not read (its /metrics has no "
+                    f"preemption counter, or none was read): max_preemptions: {limit} is not met",
+                )
+            )  # fmt: skip
         if limit is not None and preempted is not None and preempted > limit:
             verdicts.append(
                 Verdict(
@@ -184,3 +200,21 @@ def check_verdicts(checks: Iterable[EngineChecks], settings: JudgingSettings) ->
                 )
             )
     return verdicts
+
+
+def _unmeasured(found: EngineChecks, metric: str, message: str) -> Verdict:
+    """A check a cell asked for that nothing measured: `inconclusive`, which holds the run back
+    (exit 10): a CI gate never passes a check it did not make."""
+    from pytest_gpubench.results.gate import Verdict
+
+    return Verdict(
+        cell_id=found.cell_id,
+        prompt_id=found.prompt_id,
+        metric=metric,
+        baseline=None,
+        current=None,
+        change_ratio=None,
+        p_value=None,
+        verdict="inconclusive",
+        message=message,
+    )
