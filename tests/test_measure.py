@@ -178,3 +178,27 @@ def test_the_engines_token_count_is_checked_against_the_chunks_streamed() -> Non
         False, True, False, True, None, None,
     ]  # fmt: skip
     assert more.to_record()["token_mismatch"] is True
+
+
+def test_multibyte_characters_and_a_reasoning_end_may_hold_more_tokens_than_chunks() -> None:
+    """llama-server holds a token back until its character is whole, so a chunk with a character
+    outside ASCII may carry two or more tokens; vLLM's reasoning parsers stream nothing for the
+    end of thinking. Each such chunk (and one end of thinking) may count one token more; more
+    chunks than tokens never agree."""
+    from pytest_gpubench.measure.stream import note_delta
+
+    def streamed(texts: list[str], tokens: int, reasoning: int = 0) -> CallMeasurement:
+        measurement = CallMeasurement(completion_tokens=tokens, finish_reason="length")
+        arrivals = [(index + 2) * MS for index in range(len(texts))]
+        for index, (text, at) in enumerate(zip(texts, arrivals, strict=True)):
+            note_delta(measurement, at, reasoning=index < reasoning, answer=index >= reasoning,
+                       text=text)  # fmt: skip
+        finish_timing(measurement, response(0, 30 * MS), arrivals)
+        return measurement
+
+    accents = ["ca", "fé", " et", " crème"]
+    assert streamed(accents, 6).token_mismatch is False  # two chunks of two tokens each
+    assert streamed(accents, 7).token_mismatch is True
+    assert streamed(["a", "b", "c"], 4).token_mismatch is True  # ASCII: one token a chunk
+    assert streamed(["think", "ing", "Paris"], 4, reasoning=2).token_mismatch is False
+    assert streamed(["a", "b", "c"], 2).token_mismatch is True  # more chunks than tokens

@@ -275,6 +275,7 @@ def parse_openai_sse(
                     arrived_ns,
                     reasoning=bool(thought),
                     answer=bool(delta.get("content")),
+                    text=str(text),
                 )
             if isinstance(delta.get("content"), str):
                 measurement.text += delta["content"]

@@ -92,6 +92,7 @@ def parse_ollama_ndjson(
                 line.arrived_ns,
                 reasoning=bool(message.get("thinking")),
                 answer=bool(message.get("content")),
+                text=str(message.get("content") or message.get("thinking")),
             )
         if isinstance(message.get("content"), str):
             measurement.text += message["content"]

@@ -187,6 +187,9 @@ class CallMeasurement:
     first_answer_ns: int = 0
     reasoning_chunks: int = 0
     answer_chunks: int = 0
+    # Chunks whose text has a character outside ASCII: an engine that holds back a token until
+    # its character is whole (llama-server) sends two or more tokens in such a chunk.
+    multibyte_chunks: int = 0
 
     def to_record(self) -> MeasurementFields:
         return {
@@ -307,8 +310,12 @@ def finish_timing(
     if measurement.error is None and not measurement.tool_calls:
         # A tool call's streamed pieces are its parser's, not tokens (vLLM's parsers hold text
         # back and send it in runs): such a call's count is not checked.
+        # What a stream may hold in fewer chunks than tokens: a multibyte character's tokens
+        # in one chunk, and a reasoning model's end of thinking (vLLM's parsers stream nothing
+        # for `</think>`).
+        slack = measurement.multibyte_chunks + (1 if measurement.reasoning_chunks else 0)
         measurement.token_mismatch = token_mismatch(
-            len(arrivals), measurement.completion_tokens, measurement.finish_reason
+            len(arrivals), measurement.completion_tokens, measurement.finish_reason, slack
         )
     if measurement.error is None:
         measurement.tokens_per_sec = rates.tokens_per_sec
@@ -319,16 +326,19 @@ def finish_timing(
             measurement.inputs_per_sec = round(measurement.inputs / (total / 1000.0), 3)
 
 
-def token_mismatch(chunks: int, completion_tokens: int | None, finish_reason: str) -> bool | None:
+def token_mismatch(
+    chunks: int, completion_tokens: int | None, finish_reason: str, slack: int = 0
+) -> bool | None:
     """Whether the engine's count of the tokens it generated (usage.completion_tokens, Ollama's
     eval_count) disagrees with the client's: the content (and reasoning) chunks it streamed, one
     token each. A call that ended on the model's end-of-sequence token (`stop`) may count one
-    token more, which streams no text. None where the engine sent no count."""
+    token more, which streams no text; `slack`: how many more tokens than chunks the stream may
+    hold otherwise (multibyte characters, a reasoning parser's end of thinking). More chunks
+    than tokens never agree. None where the engine sent no count."""
     if isinstance(completion_tokens, bool) or not isinstance(completion_tokens, int):
         return None
-    if completion_tokens == chunks:
-        return False
-    return not (finish_reason == "stop" and completion_tokens == chunks + 1)
+    allowed = slack + (1 if finish_reason == "stop" else 0)
+    return not chunks <= completion_tokens <= chunks + allowed
 
 
 def reasoning_split(measurement: CallMeasurement, sent_ns: int) -> None:
@@ -346,9 +356,11 @@ def reasoning_split(measurement: CallMeasurement, sent_ns: int) -> None:
 
 
 def note_delta(
-    measurement: CallMeasurement, arrived_ns: int, *, reasoning: bool, answer: bool
+    measurement: CallMeasurement, arrived_ns: int, *, reasoning: bool, answer: bool, text: str = ""
 ) -> None:
     """One streamed delta that carried reasoning text, answer text, or both."""
+    if not text.isascii():
+        measurement.multibyte_chunks += 1
     if reasoning:
         measurement.reasoning_chunks += 1
     if answer:
