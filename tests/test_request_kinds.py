@@ -238,8 +238,11 @@ def _validity_calls(valid: list[int]) -> list[dict[str, object]]:
 
 
 def test_a_fall_in_validity_is_a_regression_and_a_floor_is_absolute() -> None:
+    """Without a floor a fall is a regression where it is significant (Fisher's exact test, one
+    answer in six less is not: inconclusive, which holds the run back); a floor is absolute."""
     (baseline,) = summarize(_validity_calls([1, 1, 1, 1, 1, 1]))
     (fell,) = summarize(_validity_calls([1, 1, 1, 0, 1, 1]))
+    (collapsed,) = summarize(_validity_calls([0, 0, 0, 0, 1, 0]))
     (held,) = summarize(_validity_calls([1] * 6))
 
     def verdict_of(current: object, thresholds: Thresholds | None = None) -> str:
@@ -247,7 +250,13 @@ def test_a_fall_in_validity_is_a_regression_and_a_floor_is_absolute() -> None:
         (found,) = [v for v in verdicts if v.metric == "warm_schema_valid_rate"]
         return f"{found.verdict}: {found.message}"
 
-    assert verdict_of(fell).startswith("regression: c J: warm schema valid rate 0.83 (5/6) fell")
+    assert verdict_of(fell).startswith(
+        "inconclusive: c J: warm schema valid rate 0.83 (5/6) fell from 1.00, but not significant "
+        "(p = 0.5 ≥ 0.05)"
+    )
+    assert verdict_of(collapsed).startswith(
+        "regression: c J: warm schema valid rate 0.17 (1/6) fell from 1.00, p = 0.00758"
+    )
     assert verdict_of(held).startswith("ok: ")
     # With a floor, the floor decides: 5/6 is above 0.8.
     assert verdict_of(fell, Thresholds(schema_valid_rate=0.8)).startswith("ok: ")

@@ -281,9 +281,9 @@ GATED: tuple[GatedFigure, ...] = (
 @dataclass(frozen=True)
 class ValidityRate:
     """The share of a (cell, prompt)'s successful warm calls whose answer was valid for its kind
-    (a measure of 1s and 0s, its samples kept). Judged like the success rate, absolutely: below
-    its floor (`thresholds:` key) is a regression; without a floor, a fall below the baseline's
-    rate is."""
+    (a measure of 1s and 0s, its samples kept). Judged absolutely against its floor (`thresholds:`
+    key): below it is a regression; without a floor, a fall below the baseline's rate is one
+    where it is significant (Fisher's exact test), else inconclusive."""
 
     name: str
     measure: str

@@ -34,6 +34,7 @@ from pytest_gpubench.results.decision import (
     min_achievable_p,
     mwu_method,
     one_sided_p,
+    scipy_stats,
     signed_percent,
     steadiness,
 )
@@ -351,7 +352,26 @@ def judge_validity(
     if minimum is not None and value < minimum:
         return found("regression", f"{rate.label} {value:.2f} ({counts}) is below {minimum:.2f}")
     if minimum is None and old is not None and value < old:
-        return found("regression", f"{rate.label} {value:.2f} ({counts}) fell from {old:.2f}")
+        # A fall is a regression where it is significant (Fisher's exact test, one-sided, on the
+        # valid and invalid answers of the two runs): 19 of 20 after 20 of 20 is a sampled
+        # model's noise as often as not, and undecided it holds the run back.
+        then = baseline.samples[rate.measure]
+        table = [
+            [int(sum(then)), len(then) - int(sum(then))],
+            [int(sum(values)), len(values) - int(sum(values))],
+        ]
+        p_value = float(scipy_stats().fisher_exact(table, alternative="greater").pvalue)
+        fell = f"{rate.label} {value:.2f} ({counts}) fell from {old:.2f}"
+        if p_value < ALPHA:
+            return replace(found("regression", f"{fell}, p = {p_value:.3g}"), p_value=p_value)
+        return replace(
+            found(
+                "inconclusive",
+                f"{fell}, but not significant (p = {p_value:.3g} ≥ {ALPHA:g}); re-run with more "
+                "runs, or set a floor (thresholds: {" + rate.threshold_key + ": …})",
+            ),
+            p_value=p_value,
+        )
     return found("ok", f"{rate.label} {value:.2f} ({counts})")
 
 
