@@ -151,7 +151,8 @@ def _export(args: argparse.Namespace) -> int:
     if not (args.prometheus or args.csv or args.json or args.load_csv):
         raise GpubenchError("export: name at least one of --prometheus, --csv, --json, --load-csv")
     data = read_ledger_frame(Path(args.ledger), export=bool(args.csv))
-    summaries = data.summaries(with_samples=False)
+    # The JSON's valid rates need the samples of a tools or json_schema prompt.
+    summaries = data.summaries(with_samples=bool(args.json) and data.has_validity())
     if args.prometheus:
         write_prometheus(data, summaries, Path(args.prometheus))
         print(args.prometheus)
@@ -162,7 +163,10 @@ def _export(args: argparse.Namespace) -> int:
         rows = write_load_csv(data, Path(args.load_csv))
         print(f"{args.load_csv} ({rows} load records)")
     if args.json:
-        write_json(data, summaries, Path(args.json))
+        from pytest_gpubench.results.judging import unchecked_cells
+
+        checks = data.engine_checks(unchecked_cells(data.meta))
+        write_json(data, summaries, Path(args.json), checks)
         print(args.json)
     return 0
 

@@ -10,11 +10,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.config.metrics import PERCENTILE_NAMES
+from pytest_gpubench.config.metrics import PERCENTILE_NAMES, VALIDITY
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_file
 from pytest_gpubench.ledger.schema import EndRecord
 from pytest_gpubench.reports.frame import EXPORT_NUMBERS, EXPORT_TEXT, LedgerData
+from pytest_gpubench.results.engine_checks import EngineChecks
 from pytest_gpubench.results.gate import Verdict
 from pytest_gpubench.results.stats import WARM_METRICS, PromptSummary
 
@@ -50,8 +51,25 @@ CSV_COLUMNS = (
     "backend",
     "error",
     "worker",
+    # Issue 35, after the columns of before (a reader by position keeps them where they were):
+    # the request kind and its figures (config/metrics.py), the checks against the engine.
+    "kind",
+    "inputs_per_sec",
+    "tool_call_valid",
+    "schema_valid",
+    "token_mismatch",
+    "prefix_cache_hit",
+    "prefix_cache_off",
+    "draft_tokens",
+    "draft_accepted_tokens",
 )
-_COUNTS = ("run_idx", "prompt_tokens", "completion_tokens", "client_chunks", "content_reads")
+_COUNTS = (
+    "run_idx", "prompt_tokens", "completion_tokens", "client_chunks", "content_reads",
+    "tool_call_valid", "schema_valid", "draft_tokens", "draft_accepted_tokens",
+)  # fmt: skip
+# The call record's booleans, read as 1/0 columns (reports/frame.CHECK_NUMBERS): written as
+# True/False, blank where the record had none.
+_FLAGS = ("token_mismatch", "prefix_cache_hit", "prefix_cache_off")
 # A load record's figures, as the record names them: the load CSV's columns after its keys, and
 # the Prometheus gauge gpubench_load's `metric` label.
 LOAD_FIGURES = (
@@ -81,6 +99,8 @@ def write_csv(data: LedgerData, path: Path) -> int:
     table = frame.reindex(columns=list(CSV_COLUMNS))
     for name in _COUNTS:
         table[name] = table[name].round().astype("Int64")
+    for name in _FLAGS:
+        table[name] = table[name].round().astype("Int64").astype("boolean")
     _write(path, lambda target: table.to_csv(target, index=False, lineterminator="\n"))
     return len(table)
 
@@ -114,15 +134,22 @@ def write_load_csv(data: LedgerData, path: Path) -> int:
     return len(table)
 
 
-def summaries_json(data: LedgerData, summaries: Sequence[PromptSummary]) -> dict[str, Any]:
-    """The run's summaries (without raw samples), its load points (without their per-request
-    samples), its verdicts and cell outcomes."""
+def summaries_json(
+    data: LedgerData, summaries: Sequence[PromptSummary], checks: Sequence[EngineChecks] = ()
+) -> dict[str, Any]:
+    """The run's summaries (without raw samples; with a tools or json_schema prompt's valid
+    rate where its samples were read), its checks against the engine, its load points (without
+    their per-request samples), its verdicts and cell outcomes."""
     meta, end = data.meta, data.end
     rows = []
     for summary in summaries:
         row = asdict(summary)
         row.pop("samples")
         row["warm_success_rate"] = summary.warm_success_rate
+        for rate in VALIDITY:
+            values = summary.samples[rate.measure]
+            if values:
+                row[rate.name] = sum(values) / len(values)
         rows.append(row)
     return {
         "benchmark_run_id": meta.get("benchmark_run_id"),
@@ -131,6 +158,7 @@ def summaries_json(data: LedgerData, summaries: Sequence[PromptSummary]) -> dict
         "finished_at_utc": end.get("finished_at_utc"),
         "exit_status": end.get("exit_status"),
         "summaries": rows,
+        "engine_checks": [_checks_json(found) for found in checks if found.shown],
         "loads": [
             {key: value for key, value in load.items() if key != "samples"}
             for load in data.of_type("load")
@@ -140,8 +168,32 @@ def summaries_json(data: LedgerData, summaries: Sequence[PromptSummary]) -> dict
     }
 
 
-def write_json(data: LedgerData, summaries: Sequence[PromptSummary], path: Path) -> None:
-    text = json.dumps(summaries_json(data, summaries), indent=2, sort_keys=True, default=str)
+def _checks_json(found: EngineChecks) -> dict[str, Any]:
+    """One (cell, prompt)'s checks as results/engine_checks.py counts them, with the draft's
+    acceptance (accepted and proposed tokens, their rate) where the engine drafted."""
+    row = asdict(found)
+    acceptance = found.acceptance
+    row["draft_acceptance"] = (
+        None
+        if acceptance is None
+        else {
+            "accepted": acceptance[0],
+            "proposed": acceptance[1],
+            "rate": acceptance[0] / acceptance[1],
+        }
+    )
+    return row
+
+
+def write_json(
+    data: LedgerData,
+    summaries: Sequence[PromptSummary],
+    path: Path,
+    checks: Sequence[EngineChecks] = (),
+) -> None:
+    text = json.dumps(
+        summaries_json(data, summaries, checks), indent=2, sort_keys=True, default=str
+    )
     _write(path, lambda target: Path(target).write_text(text + "\n", encoding="utf-8"))
 
 

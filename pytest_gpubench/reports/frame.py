@@ -25,7 +25,7 @@ import numpy as np
 import orjson
 import pandas as pd
 
-from pytest_gpubench.config.metrics import MEASURES
+from pytest_gpubench.config.metrics import ENGINE_COUNTERS, MEASURES, VALIDITY
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.schema import (
     CellRecord,
@@ -39,6 +39,7 @@ from pytest_gpubench.ledger.schema import (
     records_of,
 )
 from pytest_gpubench.ledger.writer import CELL_KEYS, NotFinite, parse_line
+from pytest_gpubench.results.engine_checks import EngineChecks, engine_checks
 from pytest_gpubench.results.stats import (
     DECODE_METRICS,
     PromptSummary,
@@ -65,6 +66,20 @@ TELEMETRY_NUMBERS = (
     "engine_peak_rss_mib",
     "engine_gpu_memory_peak_mib",
 )
+# The warm calls' checks against the engine (results/engine_checks.py): the call record's
+# fields, booleans as 1/0 (NaN where absent), and each of its engine_counters as a column of its
+# own (COUNTER_COLUMNS).
+CHECK_NUMBERS = (
+    "token_mismatch",
+    "prefix_cache_hit",
+    "prefix_cache_off",
+    "draft_tokens",
+    "draft_accepted_tokens",
+    "client_chunks",
+    "completion_tokens",
+)
+COUNTER_PREFIX = "engine_counters."
+COUNTER_COLUMNS = tuple(COUNTER_PREFIX + counter.name for counter in ENGINE_COUNTERS)
 # The further columns of a CSV export: one row per call record.
 EXPORT_TEXT = (
     "benchmark_run_id",
@@ -77,7 +92,7 @@ EXPORT_TEXT = (
     "error",
     "worker",
 )
-EXPORT_NUMBERS = ("prompt_tokens", "completion_tokens", "client_chunks", "content_reads")
+EXPORT_NUMBERS = ("prompt_tokens", "content_reads")
 # The call record's fields that stats names otherwise (tokens_per_sec: decode_tokens_per_sec).
 _RENAMED = {measure.field: measure.name for measure in MEASURES if measure.field != measure.name}
 CHUNK_ROWS = 65_536
@@ -155,6 +170,63 @@ class LedgerData:
             )
             for cell_id, prompt_id in sorted(sizes.index)
         ]
+
+    def has_validity(self) -> bool:
+        """Whether some call has a validity measure (config/metrics.VALIDITY: a tools or
+        json_schema prompt's): a report then needs the summaries' samples to count the valid
+        answers."""
+        columns = self.calls.columns
+        return any(
+            bool(self.calls[rate.measure].notna().any())
+            for rate in VALIDITY
+            if rate.measure in columns
+        )
+
+    def engine_checks(self, unchecked: Iterable[str] = ()) -> list[EngineChecks]:
+        """Per (cell, prompt) the warm calls' checks against the engine: what
+        results.engine_checks.engine_checks gives for their records (it is called on the calls
+        read back from the columns); none for columns cached before they were read."""
+        needed = ("cell_id", "prompt_id", "phase", "ok", *CHECK_NUMBERS, *COUNTER_COLUMNS)
+        if any(name not in self.calls.columns for name in needed):
+            return []
+        calls = self.calls
+        keep = (calls["phase"] == "warm").to_numpy(dtype=bool) & calls["ok"].to_numpy(dtype=bool)
+        warm = calls.loc[keep, [name for name in needed if name != "ok"]]
+        if warm.empty or warm[[*CHECK_NUMBERS, *COUNTER_COLUMNS]].isna().all(axis=None):
+            return []
+        records = []
+        for row in warm.itertuples(index=False, name=None):
+            call = dict(zip(warm.columns, row, strict=True))
+            record: dict[str, Any] = {
+                "phase": "warm",
+                "cell_id": call["cell_id"],
+                "prompt_id": call["prompt_id"],
+                "token_mismatch": _flag(call["token_mismatch"]),
+                "prefix_cache_hit": _flag(call["prefix_cache_hit"]),
+                "prefix_cache_off": _flag(call["prefix_cache_off"]),
+                "draft_tokens": _count(call["draft_tokens"]),
+                "draft_accepted_tokens": _count(call["draft_accepted_tokens"]),
+                "client_chunks": _count(call["client_chunks"]),
+                "completion_tokens": _count(call["completion_tokens"]),
+                "engine_counters": {
+                    name.removeprefix(COUNTER_PREFIX): value
+                    for name in COUNTER_COLUMNS
+                    if (value := _plain_float(call[name])) is not None
+                },
+            }
+            records.append(record)
+        return engine_checks(records, unchecked)
+
+
+def _flag(value: Any) -> bool | None:
+    """A boolean field read back from its 1/0 column (None: absent)."""
+    number = _plain_float(value)
+    return None if number is None else number != 0
+
+
+def _count(value: Any) -> int | None:
+    number = _plain_float(value)
+    return None if number is None else round(number)
 
 
 # TelemetrySummary's figures: the peak of the per-call peaks, the median of the rest.
@@ -387,9 +459,10 @@ CACHE_SUFFIX = ".columns"
 # The columns a frame holds (a report's, not an export's): a frame of other columns (written
 # before a measure was added to config/metrics.py) is not used, and its lines are parsed again.
 CACHED_TEXT = SUMMARY_TEXT + TELEMETRY_TEXT
-CACHED_NUMBERS = SUMMARY_NUMBERS + TELEMETRY_NUMBERS
-# 4: frames appended as the ledger grows (3: one file rewritten whole, <ledger>.columns.npz).
-CACHE_VERSION = 4
+CACHED_NUMBERS = SUMMARY_NUMBERS + TELEMETRY_NUMBERS + CHECK_NUMBERS
+# 5: the engine checks' columns (4: frames appended as the ledger grows; 3: one file rewritten
+# whole, <ledger>.columns.npz).
+CACHE_VERSION = 5
 _MAGIC = b"GBCOLS04"
 _HEAD = struct.Struct("<8sIQ")
 # The bytes of the ledger a frame keeps from the end of its range, to check it still holds them.
@@ -450,7 +523,7 @@ def _next_frame(blob: memoryview, cached: _CachedFrames, ledger: Any, size: int)
         start, end, tail = int(header["start"]), int(header["end"]), bytes.fromhex(header["tail"])
         if (
             header.get("version") != CACHE_VERSION
-            or header.get("columns") != [*CACHED_TEXT, *CACHED_NUMBERS]
+            or header.get("columns") != [*CACHED_TEXT, *CACHED_NUMBERS, *COUNTER_COLUMNS]
             or start != cached.covered
             or not start < end <= size
         ):
@@ -506,7 +579,7 @@ def frame_bytes(part: _Part, tail: bytes) -> bytes:
             "tail": tail.hex(),
             "lines": part.lines,
             "chunks": len(part.chunks),
-            "columns": [*CACHED_TEXT, *CACHED_NUMBERS],
+            "columns": [*CACHED_TEXT, *CACHED_NUMBERS, *COUNTER_COLUMNS],
         }
     )
     data = payload.getvalue()
@@ -602,8 +675,14 @@ class _FrameBuilder:
     def __init__(self, *, export: bool) -> None:
         self.text = CACHED_TEXT + (EXPORT_TEXT if export else ())
         self.numbers = CACHED_NUMBERS + (EXPORT_NUMBERS if export else ())
-        # "error" is always read (it decides `ok`); kept as a column only for an export.
-        self.fields = (*self.text, *self.numbers, *(() if export else ("error",)))
+        # "error" is always read (it decides `ok`); kept as a column only for an export. The
+        # engine's counters (a dict) are split into COUNTER_COLUMNS.
+        self.fields = (
+            *self.text,
+            *self.numbers,
+            *(() if export else ("error",)),
+            "engine_counters",
+        )
         self.export = export
         self.rows: list[tuple[Any, ...]] = []
         self.chunks: list[dict[str, Any]] = []
@@ -624,6 +703,11 @@ class _FrameBuilder:
             chunk[name] = pd.factorize(text_column(columns[index]), use_na_sentinel=True)
         for index, name in enumerate(self.numbers, start=width):
             chunk[name] = _floats(columns[index])
+        counters = columns[self.fields.index("engine_counters")]
+        for counter in ENGINE_COUNTERS:
+            chunk[COUNTER_PREFIX + counter.name] = _floats(
+                [found.get(counter.name) if isinstance(found, dict) else None for found in counters]
+            )
         errors = columns[self.fields.index("error")]
         finish = columns[self.fields.index("finish_reason")]
         # Element-wise comparisons of object arrays run in C: None == None, "x" != "error".
@@ -642,7 +726,7 @@ class _FrameBuilder:
         data: dict[str, Any] = {}
         for name in self.text:
             data[name] = _categorical([chunk[name] for chunk in self.chunks])
-        for name in self.numbers:
+        for name in (*self.numbers, *COUNTER_COLUMNS):
             data[_RENAMED.get(name, name)] = _concat([chunk[name] for chunk in self.chunks])
         current = _concat([chunk["_current"] for chunk in self.chunks], dtype=bool)
         for metric in DECODE_METRICS:
