@@ -82,7 +82,14 @@ def _report(args: argparse.Namespace) -> int:
     if args.html:
         text = _html_report(data, args.baselines)
     else:
-        text = render_document(data.others, data.summaries(with_samples=False), data.telemetry())
+        from pytest_gpubench.results.judging import unchecked_cells
+
+        text = render_document(
+            data.others,
+            data.summaries(with_samples=data.has_validity()),
+            data.telemetry(),
+            data.engine_checks(unchecked_cells(data.meta)),
+        )
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
         print(args.output)
