@@ -353,3 +353,35 @@ def test_the_exports_carry_the_kinds_and_checks_of_each_call(tmp_path: Path) -> 
         "kv_cache_usage_peak": pytest.approx(0.45),
     }
     assert (OFF, "P-EASY") not in checks  # token_check: off: nothing checked
+
+
+def test_the_prometheus_textfile_has_the_checks_and_the_valid_rates(tmp_path: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ledger = ledgers.write(tmp_path / f"{RUN}.jsonl", check_records())
+    textfile = tmp_path / "gpubench.prom"
+    assert main(["export", str(ledger), "--prometheus", str(textfile)]) == 0
+    families = {
+        family.name: family
+        for family in text_string_to_metric_families(textfile.read_text(encoding="utf-8"))
+    }
+    checks = {
+        (s.labels["cell"], s.labels["prompt"], s.labels["check"]): s.value
+        for s in families["gpubench_engine_check"].samples
+    }
+    assert checks[(VLLM, "P-EASY", "token_mismatches")] == 3
+    assert checks[(VLLM, "P-EASY", "unwanted_cache_hits")] == 3
+    assert checks[(VLLM, "P-EASY", "counter:preemptions")] == 3
+    assert checks[(DRAFT, "P-EASY", "draft_acceptance_rate")] == pytest.approx(45 / 54)
+    assert checks[(DRAFT, "P-EASY", "counter:prefix_cache_hits")] == 111
+    assert not any(cell == OFF for cell, _, _ in checks)
+    valid = {
+        (s.labels["cell"], s.labels["prompt"], s.labels["metric"]): s.value
+        for s in families["gpubench_warm_valid_rate"].samples
+    }
+    assert valid == {(DRAFT, "J-PERSON", "warm_schema_valid_rate"): pytest.approx(2 / 3)}
+    warm = {
+        (s.labels["prompt"], s.labels["metric"], s.labels["percentile"]): s.value
+        for s in families["gpubench_warm"].samples
+    }
+    assert warm[("E-PAIR", "inputs_per_sec", "p50")] == 110

@@ -197,11 +197,16 @@ def write_json(
     _write(path, lambda target: Path(target).write_text(text + "\n", encoding="utf-8"))
 
 
-def write_prometheus(data: LedgerData, summaries: Sequence[PromptSummary], path: Path) -> None:
+def write_prometheus(
+    data: LedgerData,
+    summaries: Sequence[PromptSummary],
+    path: Path,
+    checks: Sequence[EngineChecks] = (),
+) -> None:
     """The textfile collector's file, written atomically by prometheus_client."""
     from prometheus_client import CollectorRegistry, write_to_textfile
 
-    registry = prometheus_registry(data, summaries, CollectorRegistry())
+    registry = prometheus_registry(data, summaries, CollectorRegistry(), checks)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_to_textfile(str(path), registry)
@@ -209,9 +214,15 @@ def write_prometheus(data: LedgerData, summaries: Sequence[PromptSummary], path:
         raise GpubenchError(f"{path}: cannot write the Prometheus textfile: {exc}") from None
 
 
-def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], registry: Any) -> Any:
-    """Gauges labelled cell/prompt/metric: the warm percentiles, the cold call, the counts, the
-    gate's change and verdict, and the run's start time and identity."""
+def prometheus_registry(
+    data: LedgerData,
+    summaries: Iterable[PromptSummary],
+    registry: Any,
+    checks: Iterable[EngineChecks] = (),
+) -> Any:
+    """Gauges labelled cell/prompt/metric: the warm percentiles, the cold call, the counts, a
+    tools or json_schema prompt's valid rate, the checks against the engine, the gate's change
+    and verdict, and the run's start time and identity."""
     from prometheus_client import Gauge
 
     labels = ("cell", "prompt", "metric")
@@ -246,6 +257,13 @@ def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], re
         labels,
         registry=registry,
     )
+    valid = Gauge(
+        "gpubench_warm_valid_rate",
+        "Share of the successful warm calls whose answer was valid for the prompt's kind (a "
+        "tool call, a JSON schema), where the summaries' samples were read",
+        labels,
+        registry=registry,
+    )
     for summary in summaries:
         key = (summary.cell_id, summary.prompt_id)
         for metric in WARM_METRICS:
@@ -261,6 +279,11 @@ def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], re
                 cold.labels(*key, metric, summary.cold_kind or "").set(value)
         calls.labels(*key, "ok").set(summary.n_warm_ok)
         calls.labels(*key, "failed").set(summary.n_warm - summary.n_warm_ok)
+        for rate in VALIDITY:
+            values = summary.samples[rate.measure]
+            if values:
+                valid.labels(*key, rate.name).set(sum(values) / len(values))
+    _check_gauges(checks, registry)
     _load_gauges(data.of_type("load"), registry)
     for verdict in end_verdicts(data.end):
         names = (verdict.cell_id, verdict.prompt_id, verdict.metric)
@@ -269,6 +292,46 @@ def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], re
         regression.labels(*names).set(1 if verdict.verdict == "regression" else 0)
     _run_gauges(data, registry)
     return registry
+
+
+# gpubench_engine_check's `check` label: EngineChecks' counts (results/engine_checks.py).
+CHECK_COUNTS = (
+    "calls",
+    "token_checked",
+    "token_mismatches",
+    "cache_known",
+    "cache_hits",
+    "unwanted_cache_hits",
+    "draft_tokens",
+    "draft_accepted_tokens",
+)
+
+
+def _check_gauges(checks: Iterable[EngineChecks], registry: Any) -> None:
+    """gpubench_engine_check{cell, prompt, check}: per (cell, prompt) the warm calls' checks
+    against the engine (CHECK_COUNTS, the draft's acceptance rate) and, as `counter:<name>`,
+    the engine's counters over them (config/metrics.ENGINE_COUNTERS: changes added up, gauges'
+    peak)."""
+    from prometheus_client import Gauge
+
+    gauge = Gauge(
+        "gpubench_engine_check",
+        "The warm calls checked against the engine per cell and prompt: token counts, prefix "
+        "cache hits, draft tokens, the engine's counters over the calls",
+        ["cell", "prompt", "check"],
+        registry=registry,
+    )
+    for found in checks:
+        if not found.shown:
+            continue
+        key = (found.cell_id, found.prompt_id)
+        for name in CHECK_COUNTS:
+            gauge.labels(*key, name).set(getattr(found, name))
+        acceptance = found.acceptance
+        if acceptance is not None:
+            gauge.labels(*key, "draft_acceptance_rate").set(acceptance[0] / acceptance[1])
+        for name, value in sorted(found.counters.items()):
+            gauge.labels(*key, f"counter:{name}").set(value)
 
 
 def _load_gauges(loads: Iterable[Mapping[str, Any]], registry: Any) -> None:
