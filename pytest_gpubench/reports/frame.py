@@ -25,7 +25,7 @@ import numpy as np
 import orjson
 import pandas as pd
 
-from pytest_gpubench.config.metrics import ENGINE_COUNTERS, MEASURES, VALIDITY
+from pytest_gpubench.config.metrics import MEASURES, VALIDITY
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.schema import (
     CellRecord,
@@ -39,7 +39,13 @@ from pytest_gpubench.ledger.schema import (
     records_of,
 )
 from pytest_gpubench.ledger.writer import CELL_KEYS, NotFinite, parse_line
-from pytest_gpubench.results.engine_checks import EngineChecks, engine_checks
+from pytest_gpubench.results.engine_checks import (
+    CHECK_FIELDS,
+    COUNTER_COLUMNS,
+    COUNTER_PREFIX,
+    EngineChecks,
+    engine_checks_frame,
+)
 from pytest_gpubench.results.stats import (
     DECODE_METRICS,
     PromptSummary,
@@ -66,20 +72,9 @@ TELEMETRY_NUMBERS = (
     "engine_peak_rss_mib",
     "engine_gpu_memory_peak_mib",
 )
-# The warm calls' checks against the engine (results/engine_checks.py): the call record's
-# fields, booleans as 1/0 (NaN where absent), and each of its engine_counters as a column of its
-# own (COUNTER_COLUMNS).
-CHECK_NUMBERS = (
-    "token_mismatch",
-    "prefix_cache_hit",
-    "prefix_cache_off",
-    "draft_tokens",
-    "draft_accepted_tokens",
-    "client_chunks",
-    "completion_tokens",
-)
-COUNTER_PREFIX = "engine_counters."
-COUNTER_COLUMNS = tuple(COUNTER_PREFIX + counter.name for counter in ENGINE_COUNTERS)
+# The warm calls' checks against the engine: results/engine_checks.CHECK_FIELDS, and each of
+# the call's engine_counters as a column of its own (COUNTER_COLUMNS).
+CHECK_NUMBERS = CHECK_FIELDS
 # The further columns of a CSV export: one row per call record.
 EXPORT_TEXT = (
     "benchmark_run_id",
@@ -183,50 +178,13 @@ class LedgerData:
         )
 
     def engine_checks(self, unchecked: Iterable[str] = ()) -> list[EngineChecks]:
-        """Per (cell, prompt) the warm calls' checks against the engine: what
-        results.engine_checks.engine_checks gives for their records (it is called on the calls
-        read back from the columns); none for columns cached before they were read."""
+        """Per (cell, prompt) the warm calls' checks against the engine, counted on the columns
+        by results.engine_checks (as the session's judgement counts them); none for columns
+        cached before they were read."""
         needed = ("cell_id", "prompt_id", "phase", "ok", *CHECK_NUMBERS, *COUNTER_COLUMNS)
         if any(name not in self.calls.columns for name in needed):
             return []
-        calls = self.calls
-        keep = (calls["phase"] == "warm").to_numpy(dtype=bool) & calls["ok"].to_numpy(dtype=bool)
-        warm = calls.loc[keep, [name for name in needed if name != "ok"]]
-        if warm.empty or warm[[*CHECK_NUMBERS, *COUNTER_COLUMNS]].isna().all(axis=None):
-            return []
-        records = []
-        for row in warm.itertuples(index=False, name=None):
-            call = dict(zip(warm.columns, row, strict=True))
-            record: dict[str, Any] = {
-                "phase": "warm",
-                "cell_id": call["cell_id"],
-                "prompt_id": call["prompt_id"],
-                "token_mismatch": _flag(call["token_mismatch"]),
-                "prefix_cache_hit": _flag(call["prefix_cache_hit"]),
-                "prefix_cache_off": _flag(call["prefix_cache_off"]),
-                "draft_tokens": _count(call["draft_tokens"]),
-                "draft_accepted_tokens": _count(call["draft_accepted_tokens"]),
-                "client_chunks": _count(call["client_chunks"]),
-                "completion_tokens": _count(call["completion_tokens"]),
-                "engine_counters": {
-                    name.removeprefix(COUNTER_PREFIX): value
-                    for name in COUNTER_COLUMNS
-                    if (value := _plain_float(call[name])) is not None
-                },
-            }
-            records.append(record)
-        return engine_checks(records, unchecked)
-
-
-def _flag(value: Any) -> bool | None:
-    """A boolean field read back from its 1/0 column (None: absent)."""
-    number = _plain_float(value)
-    return None if number is None else number != 0
-
-
-def _count(value: Any) -> int | None:
-    number = _plain_float(value)
-    return None if number is None else round(number)
+        return engine_checks_frame(self.calls, unchecked)
 
 
 # TelemetrySummary's figures: the peak of the per-call peaks, the median of the rest.
@@ -703,11 +661,7 @@ class _FrameBuilder:
             chunk[name] = pd.factorize(text_column(columns[index]), use_na_sentinel=True)
         for index, name in enumerate(self.numbers, start=width):
             chunk[name] = _floats(columns[index])
-        counters = columns[self.fields.index("engine_counters")]
-        for counter in ENGINE_COUNTERS:
-            chunk[COUNTER_PREFIX + counter.name] = _floats(
-                [found.get(counter.name) if isinstance(found, dict) else None for found in counters]
-            )
+        chunk.update(_counter_columns(columns[self.fields.index("engine_counters")]))
         errors = columns[self.fields.index("error")]
         finish = columns[self.fields.index("finish_reason")]
         # Element-wise comparisons of object arrays run in C: None == None, "x" != "error".
@@ -734,6 +688,23 @@ class _FrameBuilder:
         data["ok"] = _concat([chunk["ok"] for chunk in self.chunks], dtype=bool)
         data["coalesced"] = _concat([chunk["coalesced"] for chunk in self.chunks], dtype=bool)
         return pd.DataFrame(data)
+
+
+def _counter_columns(counters: Sequence[Any]) -> dict[str, Any]:
+    """COUNTER_COLUMNS from the calls' engine_counters (a dict, or None): one pass over the
+    calls that have one (a ledger without them costs one `any`)."""
+    count = len(counters)
+    columns = {name: np.full(count, np.nan) for name in COUNTER_COLUMNS}
+    if not any(counters):
+        return columns
+    by_name = {name.removeprefix(COUNTER_PREFIX): column for name, column in columns.items()}
+    for index, found in enumerate(counters):
+        if found and isinstance(found, dict):
+            for name, value in found.items():
+                column = by_name.get(name)
+                if column is not None and isinstance(value, int | float):
+                    column[index] = value
+    return columns
 
 
 def _objects(values: Sequence[Any]) -> np.ndarray[Any, np.dtype[np.object_]]:
