@@ -7,12 +7,14 @@ salt per call."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.vllm_server import VllmServer
 
+from pytest_gpubench.cli.main import main
 from pytest_gpubench.ledger.writer import read_ledger
 
 PROMPTS = (
@@ -89,6 +91,43 @@ def test_token_counts_cache_hits_counters_and_draft_acceptance_on_the_real_serve
     # Asked off and honoured: nothing to warn of.
     assert "PREFIX CACHE" not in result.stdout.str()
     assert "TOKEN COUNTS" not in result.stdout.str()
+    # The same rows in the reports read after the run: the pull request summary the session
+    # wrote, and the Markdown and HTML reports of its ledger.
+    (summary,) = (pytester.path / "runs").glob("*.summary.md")
+    report, page = pytester.path / "report.md", pytester.path / "report.html"
+    assert main(["report", str(ledger), "-o", str(report)]) == 0
+    assert main(["report", str(ledger), "--html", "-o", str(page)]) == 0
+    cells = r"\s*(?:\|\s*|</td><td[^>]*>)"
+    for text in (
+        summary.read_text(encoding="utf-8"),
+        report.read_text(encoding="utf-8"),
+        page.read_text(encoding="utf-8"),
+    ):
+        checks = text[text.index("Checks against the engine") :]
+        assert re.search(
+            re.escape(CACHED)
+            + cells
+            + "P-EASY"
+            + cells
+            + "3/3 agree"
+            + cells
+            + r"3/3 hit \(\d+/\d+ tokens\)",
+            checks,
+        ), checks
+        assert re.search(
+            re.escape(UNCACHED)
+            + cells
+            + "P-EASY"
+            + cells
+            + "3/3 agree"
+            + cells
+            + r"0/3 hit \(0/\d+ tokens\)",
+            checks,
+        ), checks
+        assert re.search(
+            re.escape(DRAFTED) + cells + "P-EASY" + ".*" + re.escape(f"{accepted}/{proposed} ("),
+            checks,
+        ), checks
 
 
 # Longer than a few of vLLM's 16-token KV blocks: a prompt shorter than one is never cached.
