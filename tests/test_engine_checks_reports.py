@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+import random
 import re
 from pathlib import Path
 from typing import Any, cast
@@ -27,6 +28,7 @@ from test_html_report import CHROMIUM, chromium, console_problems, needs_chromiu
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.ledger.schema import EndRecord
 from pytest_gpubench.reports.engine_checks_table import render_engine_checks
+from pytest_gpubench.reports.frame import read_ledger_frame
 from pytest_gpubench.reports.markdown import render_markdown
 from pytest_gpubench.reports.pr_summary import render_pr_summary
 from pytest_gpubench.reports.terminal import render_summary
@@ -385,3 +387,45 @@ def test_the_prometheus_textfile_has_the_checks_and_the_valid_rates(tmp_path: Pa
         for s in families["gpubench_warm"].samples
     }
     assert warm[("E-PAIR", "inputs_per_sec", "p50")] == 110
+
+
+def test_the_ledgers_columns_count_what_the_judgement_counts(tmp_path: Path) -> None:
+    """Random calls (failed, cold, without fields, counters in any order): the checks read
+    from the ledger's columns, and from its cache, are the session's (records in memory)."""
+    rng = random.Random(35)
+    calls = []
+    for index in range(600):
+        fields: dict[str, Any] = {}
+        if rng.random() < 0.8:
+            fields["token_mismatch"] = rng.random() < 0.2
+        if rng.random() < 0.7:
+            fields["prefix_cache_hit"] = rng.random() < 0.5
+        if rng.random() < 0.3:
+            fields["prefix_cache_off"] = True
+        if rng.random() < 0.4:
+            proposed = rng.randrange(0, 20)
+            fields.update(draft_tokens=proposed, draft_accepted_tokens=rng.randrange(0, 21))
+        if rng.random() < 0.6:
+            names = ["preemptions", "kv_cache_usage_peak", "prefix_cache_hits", "spec_drafts"]
+            rng.shuffle(names)
+            fields["engine_counters"] = {name: float(rng.randrange(5)) for name in names[:3]}
+        record = warm(
+            f"c{rng.randrange(4)}",
+            f"P{rng.randrange(3)}",
+            index,
+            client_chunks=rng.randrange(1, 9),
+            completion_tokens=rng.randrange(1, 9),
+            **fields,
+        )
+        if rng.random() < 0.1:
+            record.update(error="HTTP 500", finish_reason="error")
+        if rng.random() < 0.1:
+            record.update(phase="cold", cold_kind="restart")
+        calls.append(record)
+    end = {"type": "end", "verdicts": [], "cells": []}
+    ledger = ledgers.write(tmp_path / "run.jsonl", [{"type": "meta"}, *calls, end])
+    expected = engine_checks(calls, ["c3"])
+    assert len(expected) == 12 and any(found.token_mismatches for found in expected)
+    assert read_ledger_frame(ledger).engine_checks(["c3"]) == expected
+    assert ledger.with_name(ledger.name + ".columns").exists()
+    assert read_ledger_frame(ledger).engine_checks(["c3"]) == expected  # from the cache
