@@ -7,6 +7,7 @@ salt per call."""
 
 from __future__ import annotations
 
+import csv
 import re
 from pathlib import Path
 from typing import Any
@@ -215,3 +216,15 @@ def test_a_load_point_with_a_draft_model_records_its_acceptance(
     assert load["token_mismatches"] == 0
     # The tiny model drafting for itself: the target accepts what its own copy proposed.
     assert load["spec_acceptance_rate"] == 1.0
+    # Shown per point in the load tables (terminal, Markdown report) and in the load CSV.
+    length = f"{load['spec_mean_acceptance_length']:.2f}"
+    result.stdout.fnmatch_lines(
+        ["*point*draft accepted*", f"*P-EASY*c2*100% (mean length {length})*ok*"]
+    )
+    report, exported = pytester.path / "report.md", pytester.path / "load.csv"
+    assert main(["report", str(ledger), "-o", str(report)]) == 0
+    assert f"| 100% (mean length {length}) |" in report.read_text(encoding="utf-8")
+    assert main(["export", str(ledger), "--load-csv", str(exported)]) == 0
+    with exported.open(encoding="utf-8", newline="") as handle:
+        (row,) = list(csv.DictReader(handle))
+    assert (row["spec_acceptance_rate"], row["token_mismatches"]) == ("1.0", "0")

@@ -81,6 +81,8 @@ LOAD_FIGURES = (
     "goodput_rate", "slo_attainment", "send_lag_ms_p50", "send_lag_ms_p99", "send_lag_ms_max",
     "coalesced_calls", "coalesced_share", "saturation_rate",
 )  # fmt: skip
+# The engine's word over a point (issue 35): the load CSV's last columns, gpubench_load metrics.
+LOAD_ENGINE_FIGURES = ("token_mismatches", "spec_acceptance_rate", "spec_mean_acceptance_length")
 LOAD_KEYS = (
     "benchmark_run_id", "cell_id", "prompt_id", "load_point", "sweep_step", "pattern",
     "concurrency", "rate", "arrival", "started_at_utc", "valid", "invalid_reason",
@@ -120,6 +122,7 @@ def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             row[f"client_{name}_mean"] = figure.get("client_mean")
             row[f"offset_{name}"] = figure.get("offset_ms")
         row["delivery_warnings"] = " | ".join(load.get("delivery_warnings") or ()) or None
+        row.update({name: load.get(name) for name in LOAD_ENGINE_FIGURES})
         rows.append(row)
     return rows
 
@@ -355,7 +358,7 @@ def _load_gauges(loads: Iterable[Mapping[str, Any]], registry: Any) -> None:
     )
     for row in load_rows(loads):
         key = (str(row["cell_id"]), str(row["prompt_id"]), str(row["load_point"]))
-        for name in LOAD_FIGURES:
+        for name in (*LOAD_FIGURES, *LOAD_ENGINE_FIGURES):
             value = row.get(name)
             if isinstance(value, int | float) and not isinstance(value, bool):
                 figures.labels(*key, name).set(value)
