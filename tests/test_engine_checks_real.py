@@ -7,12 +7,15 @@ salt per call."""
 
 from __future__ import annotations
 
+import csv
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.vllm_server import VllmServer
 
+from pytest_gpubench.cli.main import main
 from pytest_gpubench.ledger.writer import read_ledger
 
 PROMPTS = (
@@ -89,6 +92,43 @@ def test_token_counts_cache_hits_counters_and_draft_acceptance_on_the_real_serve
     # Asked off and honoured: nothing to warn of.
     assert "PREFIX CACHE" not in result.stdout.str()
     assert "TOKEN COUNTS" not in result.stdout.str()
+    # The same rows in the reports read after the run: the pull request summary the session
+    # wrote, and the Markdown and HTML reports of its ledger.
+    (summary,) = (pytester.path / "runs").glob("*.summary.md")
+    report, page = pytester.path / "report.md", pytester.path / "report.html"
+    assert main(["report", str(ledger), "-o", str(report)]) == 0
+    assert main(["report", str(ledger), "--html", "-o", str(page)]) == 0
+    cells = r"\s*(?:\|\s*|</td><td[^>]*>)"
+    for text in (
+        summary.read_text(encoding="utf-8"),
+        report.read_text(encoding="utf-8"),
+        page.read_text(encoding="utf-8"),
+    ):
+        checks = text[text.index("Checks against the engine") :]
+        assert re.search(
+            re.escape(CACHED)
+            + cells
+            + "P-EASY"
+            + cells
+            + "3/3 agree"
+            + cells
+            + r"3/3 hit \(\d+/\d+ tokens\)",
+            checks,
+        ), checks
+        assert re.search(
+            re.escape(UNCACHED)
+            + cells
+            + "P-EASY"
+            + cells
+            + "3/3 agree"
+            + cells
+            + r"0/3 hit \(0/\d+ tokens\)",
+            checks,
+        ), checks
+        assert re.search(
+            re.escape(DRAFTED) + cells + "P-EASY" + ".*" + re.escape(f"{accepted}/{proposed} ("),
+            checks,
+        ), checks
 
 
 # Longer than a few of vLLM's 16-token KV blocks: a prompt shorter than one is never cached.
@@ -176,3 +216,15 @@ def test_a_load_point_with_a_draft_model_records_its_acceptance(
     assert load["token_mismatches"] == 0
     # The tiny model drafting for itself: the target accepts what its own copy proposed.
     assert load["spec_acceptance_rate"] == 1.0
+    # Shown per point in the load tables (terminal, Markdown report) and in the load CSV.
+    length = f"{load['spec_mean_acceptance_length']:.2f}"
+    result.stdout.fnmatch_lines(
+        ["*point*draft accepted*", f"*P-EASY*c2*100% (mean length {length})*ok*"]
+    )
+    report, exported = pytester.path / "report.md", pytester.path / "load.csv"
+    assert main(["report", str(ledger), "-o", str(report)]) == 0
+    assert f"| 100% (mean length {length}) |" in report.read_text(encoding="utf-8")
+    assert main(["export", str(ledger), "--load-csv", str(exported)]) == 0
+    with exported.open(encoding="utf-8", newline="") as handle:
+        (row,) = list(csv.DictReader(handle))
+    assert (row["spec_acceptance_rate"], row["token_mismatches"]) == ("1.0", "0")

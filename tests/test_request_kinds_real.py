@@ -12,6 +12,7 @@ OpenAI's streaming tool-call shape (support/standins.ToolCallStandin)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from support.bench_files import png
 from support.standins import ImageChatStandin, OllamaStandin, ToolCallStandin, serving
 from support.workload_runs import ledger_records, run_workload
 
+from pytest_gpubench.cli.main import main
 from pytest_gpubench.core.status import EXIT_REGRESSION, EXIT_UNSTEADY
 
 TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
@@ -121,6 +123,25 @@ def test_each_request_kind_is_measured_recorded_and_gated_on_the_real_llama_serv
             "*local:llamacpp:tiny@rank *R * - *rerank *[0-9]*.[0-9] *- *",
         ]
     )
+    # The same figures in the reports read after the run: the pull request summary the session
+    # wrote, and the Markdown and HTML reports of its ledger.
+    (summary,) = (pytester.path / "runs").glob("*.summary.md")
+    (ledger,) = (pytester.path / "runs").glob("*.jsonl")
+    report, page = pytester.path / "report.md", pytester.path / "report.html"
+    assert main(["report", str(ledger), "-o", str(report)]) == 0
+    assert main(["report", str(ledger), "--html", "-o", str(page)]) == 0
+    for text in (summary, report, page):
+        kinds = text.read_text(encoding="utf-8")
+        kinds = kinds[kinds.index("Request kinds") :]
+        for row in (
+            ("local:llamacpp:tiny", "C", "completion", "-", "-"),
+            ("local:llamacpp:tiny", "J", "json_schema", "-", "5/5 schema valid"),
+            ("local:llamacpp:tiny", "T", "tools", "-", "0/5 tool call valid"),
+            ("local:llamacpp:tiny@embed", "E", "embedding", r"\d+\.\d", "-"),
+            ("local:llamacpp:tiny@rank", "R", "rerank", r"\d+\.\d", "-"),
+        ):
+            cells = [re.escape(cell) if "\\" not in cell else cell for cell in row]
+            assert re.search(r"\s*(?:\|\s*|</td><td[^>]*>)".join(cells), kinds), (text, row)
     # Both cells' baselines written, the validity samples kept in the generating one's.
     written = (pytester.path / "baselines" / "local_llamacpp_tiny.json").read_text()
     assert '"schema_valid"' in written and '"tool_call_valid"' in written

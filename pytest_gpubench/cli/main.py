@@ -82,7 +82,14 @@ def _report(args: argparse.Namespace) -> int:
     if args.html:
         text = _html_report(data, args.baselines)
     else:
-        text = render_document(data.others, data.summaries(with_samples=False), data.telemetry())
+        from pytest_gpubench.results.judging import unchecked_cells
+
+        text = render_document(
+            data.others,
+            data.summaries(with_samples=data.has_validity()),
+            data.telemetry(),
+            data.engine_checks(unchecked_cells(data.meta)),
+        )
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
         print(args.output)
@@ -151,9 +158,15 @@ def _export(args: argparse.Namespace) -> int:
     if not (args.prometheus or args.csv or args.json or args.load_csv):
         raise GpubenchError("export: name at least one of --prometheus, --csv, --json, --load-csv")
     data = read_ledger_frame(Path(args.ledger), export=bool(args.csv))
-    summaries = data.summaries(with_samples=False)
+    from pytest_gpubench.results.judging import unchecked_cells
+
+    # The valid rates of the JSON and Prometheus need the samples of a tools or json_schema
+    # prompt; the engine checks are read once for both.
+    wanted = bool(args.json or args.prometheus)
+    summaries = data.summaries(with_samples=wanted and data.has_validity())
+    checks = data.engine_checks(unchecked_cells(data.meta)) if wanted else []
     if args.prometheus:
-        write_prometheus(data, summaries, Path(args.prometheus))
+        write_prometheus(data, summaries, Path(args.prometheus), checks)
         print(args.prometheus)
     if args.csv:
         rows = write_csv(data, Path(args.csv))
@@ -162,7 +175,7 @@ def _export(args: argparse.Namespace) -> int:
         rows = write_load_csv(data, Path(args.load_csv))
         print(f"{args.load_csv} ({rows} load records)")
     if args.json:
-        write_json(data, summaries, Path(args.json))
+        write_json(data, summaries, Path(args.json), checks)
         print(args.json)
     return 0
 

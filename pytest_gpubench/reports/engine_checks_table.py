@@ -69,10 +69,11 @@ def engine_check_rows(checks: Iterable[EngineChecks]) -> list[list[str]]:
     ]
 
 
-def render_engine_checks(checks: Iterable[EngineChecks]) -> str:
-    """The table, or "" where the engines told nothing to check against."""
+def render_engine_checks(checks: Iterable[EngineChecks], *, markdown: bool = False) -> str:
+    """The table (the terminal's, or a Markdown one), or "" where the engines told nothing to
+    check against."""
     rows = engine_check_rows(checks)
-    return table(rows, ENGINE_CHECK_HEADERS) if rows else ""
+    return table(rows, ENGINE_CHECK_HEADERS, markdown=markdown) if rows else ""
 
 
 def engine_check_warnings(checks: Iterable[EngineChecks]) -> list[str]:

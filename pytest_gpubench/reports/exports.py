@@ -10,11 +10,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.config.metrics import PERCENTILE_NAMES
+from pytest_gpubench.config.metrics import PERCENTILE_NAMES, VALIDITY
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_file
 from pytest_gpubench.ledger.schema import EndRecord
 from pytest_gpubench.reports.frame import EXPORT_NUMBERS, EXPORT_TEXT, LedgerData
+from pytest_gpubench.results.engine_checks import EngineChecks
 from pytest_gpubench.results.gate import Verdict
 from pytest_gpubench.results.stats import WARM_METRICS, PromptSummary
 
@@ -50,8 +51,25 @@ CSV_COLUMNS = (
     "backend",
     "error",
     "worker",
+    # Issue 35, after the columns of before (a reader by position keeps them where they were):
+    # the request kind and its figures (config/metrics.py), the checks against the engine.
+    "kind",
+    "inputs_per_sec",
+    "tool_call_valid",
+    "schema_valid",
+    "token_mismatch",
+    "prefix_cache_hit",
+    "prefix_cache_off",
+    "draft_tokens",
+    "draft_accepted_tokens",
 )
-_COUNTS = ("run_idx", "prompt_tokens", "completion_tokens", "client_chunks", "content_reads")
+_COUNTS = (
+    "run_idx", "prompt_tokens", "completion_tokens", "client_chunks", "content_reads",
+    "tool_call_valid", "schema_valid", "draft_tokens", "draft_accepted_tokens",
+)  # fmt: skip
+# The call record's booleans, read as 1/0 columns (reports/frame.CHECK_NUMBERS): written as
+# True/False, blank where the record had none.
+_FLAGS = ("token_mismatch", "prefix_cache_hit", "prefix_cache_off")
 # A load record's figures, as the record names them: the load CSV's columns after its keys, and
 # the Prometheus gauge gpubench_load's `metric` label.
 LOAD_FIGURES = (
@@ -63,6 +81,8 @@ LOAD_FIGURES = (
     "goodput_rate", "slo_attainment", "send_lag_ms_p50", "send_lag_ms_p99", "send_lag_ms_max",
     "coalesced_calls", "coalesced_share", "saturation_rate",
 )  # fmt: skip
+# The engine's word over a point (issue 35): the load CSV's last columns, gpubench_load metrics.
+LOAD_ENGINE_FIGURES = ("token_mismatches", "spec_acceptance_rate", "spec_mean_acceptance_length")
 LOAD_KEYS = (
     "benchmark_run_id", "cell_id", "prompt_id", "load_point", "sweep_step", "pattern",
     "concurrency", "rate", "arrival", "started_at_utc", "valid", "invalid_reason",
@@ -81,6 +101,8 @@ def write_csv(data: LedgerData, path: Path) -> int:
     table = frame.reindex(columns=list(CSV_COLUMNS))
     for name in _COUNTS:
         table[name] = table[name].round().astype("Int64")
+    for name in _FLAGS:
+        table[name] = table[name].round().astype("Int64").astype("boolean")
     _write(path, lambda target: table.to_csv(target, index=False, lineterminator="\n"))
     return len(table)
 
@@ -100,6 +122,7 @@ def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             row[f"client_{name}_mean"] = figure.get("client_mean")
             row[f"offset_{name}"] = figure.get("offset_ms")
         row["delivery_warnings"] = " | ".join(load.get("delivery_warnings") or ()) or None
+        row.update({name: load.get(name) for name in LOAD_ENGINE_FIGURES})
         rows.append(row)
     return rows
 
@@ -114,15 +137,22 @@ def write_load_csv(data: LedgerData, path: Path) -> int:
     return len(table)
 
 
-def summaries_json(data: LedgerData, summaries: Sequence[PromptSummary]) -> dict[str, Any]:
-    """The run's summaries (without raw samples), its load points (without their per-request
-    samples), its verdicts and cell outcomes."""
+def summaries_json(
+    data: LedgerData, summaries: Sequence[PromptSummary], checks: Sequence[EngineChecks] = ()
+) -> dict[str, Any]:
+    """The run's summaries (without raw samples; with a tools or json_schema prompt's valid
+    rate where its samples were read), its checks against the engine, its load points (without
+    their per-request samples), its verdicts and cell outcomes."""
     meta, end = data.meta, data.end
     rows = []
     for summary in summaries:
         row = asdict(summary)
         row.pop("samples")
         row["warm_success_rate"] = summary.warm_success_rate
+        for rate in VALIDITY:
+            values = summary.samples[rate.measure]
+            if values:
+                row[rate.name] = sum(values) / len(values)
         rows.append(row)
     return {
         "benchmark_run_id": meta.get("benchmark_run_id"),
@@ -131,6 +161,7 @@ def summaries_json(data: LedgerData, summaries: Sequence[PromptSummary]) -> dict
         "finished_at_utc": end.get("finished_at_utc"),
         "exit_status": end.get("exit_status"),
         "summaries": rows,
+        "engine_checks": [_checks_json(found) for found in checks if found.shown],
         "loads": [
             {key: value for key, value in load.items() if key != "samples"}
             for load in data.of_type("load")
@@ -140,16 +171,45 @@ def summaries_json(data: LedgerData, summaries: Sequence[PromptSummary]) -> dict
     }
 
 
-def write_json(data: LedgerData, summaries: Sequence[PromptSummary], path: Path) -> None:
-    text = json.dumps(summaries_json(data, summaries), indent=2, sort_keys=True, default=str)
+def _checks_json(found: EngineChecks) -> dict[str, Any]:
+    """One (cell, prompt)'s checks as results/engine_checks.py counts them, with the draft's
+    acceptance (accepted and proposed tokens, their rate) where the engine drafted."""
+    row = asdict(found)
+    acceptance = found.acceptance
+    row["draft_acceptance"] = (
+        None
+        if acceptance is None
+        else {
+            "accepted": acceptance[0],
+            "proposed": acceptance[1],
+            "rate": acceptance[0] / acceptance[1],
+        }
+    )
+    return row
+
+
+def write_json(
+    data: LedgerData,
+    summaries: Sequence[PromptSummary],
+    path: Path,
+    checks: Sequence[EngineChecks] = (),
+) -> None:
+    text = json.dumps(
+        summaries_json(data, summaries, checks), indent=2, sort_keys=True, default=str
+    )
     _write(path, lambda target: Path(target).write_text(text + "\n", encoding="utf-8"))
 
 
-def write_prometheus(data: LedgerData, summaries: Sequence[PromptSummary], path: Path) -> None:
+def write_prometheus(
+    data: LedgerData,
+    summaries: Sequence[PromptSummary],
+    path: Path,
+    checks: Sequence[EngineChecks] = (),
+) -> None:
     """The textfile collector's file, written atomically by prometheus_client."""
     from prometheus_client import CollectorRegistry, write_to_textfile
 
-    registry = prometheus_registry(data, summaries, CollectorRegistry())
+    registry = prometheus_registry(data, summaries, CollectorRegistry(), checks)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_to_textfile(str(path), registry)
@@ -157,9 +217,15 @@ def write_prometheus(data: LedgerData, summaries: Sequence[PromptSummary], path:
         raise GpubenchError(f"{path}: cannot write the Prometheus textfile: {exc}") from None
 
 
-def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], registry: Any) -> Any:
-    """Gauges labelled cell/prompt/metric: the warm percentiles, the cold call, the counts, the
-    gate's change and verdict, and the run's start time and identity."""
+def prometheus_registry(
+    data: LedgerData,
+    summaries: Iterable[PromptSummary],
+    registry: Any,
+    checks: Iterable[EngineChecks] = (),
+) -> Any:
+    """Gauges labelled cell/prompt/metric: the warm percentiles, the cold call, the counts, a
+    tools or json_schema prompt's valid rate, the checks against the engine, the gate's change
+    and verdict, and the run's start time and identity."""
     from prometheus_client import Gauge
 
     labels = ("cell", "prompt", "metric")
@@ -194,6 +260,13 @@ def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], re
         labels,
         registry=registry,
     )
+    valid = Gauge(
+        "gpubench_warm_valid_rate",
+        "Share of the successful warm calls whose answer was valid for the prompt's kind (a "
+        "tool call, a JSON schema), where the summaries' samples were read",
+        labels,
+        registry=registry,
+    )
     for summary in summaries:
         key = (summary.cell_id, summary.prompt_id)
         for metric in WARM_METRICS:
@@ -209,6 +282,11 @@ def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], re
                 cold.labels(*key, metric, summary.cold_kind or "").set(value)
         calls.labels(*key, "ok").set(summary.n_warm_ok)
         calls.labels(*key, "failed").set(summary.n_warm - summary.n_warm_ok)
+        for rate in VALIDITY:
+            values = summary.samples[rate.measure]
+            if values:
+                valid.labels(*key, rate.name).set(sum(values) / len(values))
+    _check_gauges(checks, registry)
     _load_gauges(data.of_type("load"), registry)
     for verdict in end_verdicts(data.end):
         names = (verdict.cell_id, verdict.prompt_id, verdict.metric)
@@ -217,6 +295,46 @@ def prometheus_registry(data: LedgerData, summaries: Iterable[PromptSummary], re
         regression.labels(*names).set(1 if verdict.verdict == "regression" else 0)
     _run_gauges(data, registry)
     return registry
+
+
+# gpubench_engine_check's `check` label: EngineChecks' counts (results/engine_checks.py).
+CHECK_COUNTS = (
+    "calls",
+    "token_checked",
+    "token_mismatches",
+    "cache_known",
+    "cache_hits",
+    "unwanted_cache_hits",
+    "draft_tokens",
+    "draft_accepted_tokens",
+)
+
+
+def _check_gauges(checks: Iterable[EngineChecks], registry: Any) -> None:
+    """gpubench_engine_check{cell, prompt, check}: per (cell, prompt) the warm calls' checks
+    against the engine (CHECK_COUNTS, the draft's acceptance rate) and, as `counter:<name>`,
+    the engine's counters over them (config/metrics.ENGINE_COUNTERS: changes added up, gauges'
+    peak)."""
+    from prometheus_client import Gauge
+
+    gauge = Gauge(
+        "gpubench_engine_check",
+        "The warm calls checked against the engine per cell and prompt: token counts, prefix "
+        "cache hits, draft tokens, the engine's counters over the calls",
+        ["cell", "prompt", "check"],
+        registry=registry,
+    )
+    for found in checks:
+        if not found.shown:
+            continue
+        key = (found.cell_id, found.prompt_id)
+        for name in CHECK_COUNTS:
+            gauge.labels(*key, name).set(getattr(found, name))
+        acceptance = found.acceptance
+        if acceptance is not None:
+            gauge.labels(*key, "draft_acceptance_rate").set(acceptance[0] / acceptance[1])
+        for name, value in sorted(found.counters.items()):
+            gauge.labels(*key, f"counter:{name}").set(value)
 
 
 def _load_gauges(loads: Iterable[Mapping[str, Any]], registry: Any) -> None:
@@ -240,7 +358,7 @@ def _load_gauges(loads: Iterable[Mapping[str, Any]], registry: Any) -> None:
     )
     for row in load_rows(loads):
         key = (str(row["cell_id"]), str(row["prompt_id"]), str(row["load_point"]))
-        for name in LOAD_FIGURES:
+        for name in (*LOAD_FIGURES, *LOAD_ENGINE_FIGURES):
             value = row.get(name)
             if isinstance(value, int | float) and not isinstance(value, bool):
                 figures.labels(*key, name).set(value)

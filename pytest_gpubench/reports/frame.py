@@ -25,7 +25,7 @@ import numpy as np
 import orjson
 import pandas as pd
 
-from pytest_gpubench.config.metrics import MEASURES
+from pytest_gpubench.config.metrics import MEASURES, VALIDITY
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.schema import (
     CellRecord,
@@ -39,6 +39,13 @@ from pytest_gpubench.ledger.schema import (
     records_of,
 )
 from pytest_gpubench.ledger.writer import CELL_KEYS, NotFinite, parse_line
+from pytest_gpubench.results.engine_checks import (
+    CHECK_FIELDS,
+    COUNTER_COLUMNS,
+    COUNTER_PREFIX,
+    EngineChecks,
+    engine_checks_frame,
+)
 from pytest_gpubench.results.stats import (
     DECODE_METRICS,
     PromptSummary,
@@ -65,6 +72,9 @@ TELEMETRY_NUMBERS = (
     "engine_peak_rss_mib",
     "engine_gpu_memory_peak_mib",
 )
+# The warm calls' checks against the engine: results/engine_checks.CHECK_FIELDS, and each of
+# the call's engine_counters as a column of its own (COUNTER_COLUMNS).
+CHECK_NUMBERS = CHECK_FIELDS
 # The further columns of a CSV export: one row per call record.
 EXPORT_TEXT = (
     "benchmark_run_id",
@@ -77,7 +87,7 @@ EXPORT_TEXT = (
     "error",
     "worker",
 )
-EXPORT_NUMBERS = ("prompt_tokens", "completion_tokens", "client_chunks", "content_reads")
+EXPORT_NUMBERS = ("prompt_tokens", "content_reads")
 # The call record's fields that stats names otherwise (tokens_per_sec: decode_tokens_per_sec).
 _RENAMED = {measure.field: measure.name for measure in MEASURES if measure.field != measure.name}
 CHUNK_ROWS = 65_536
@@ -155,6 +165,26 @@ class LedgerData:
             )
             for cell_id, prompt_id in sorted(sizes.index)
         ]
+
+    def has_validity(self) -> bool:
+        """Whether some call has a validity measure (config/metrics.VALIDITY: a tools or
+        json_schema prompt's): a report then needs the summaries' samples to count the valid
+        answers."""
+        columns = self.calls.columns
+        return any(
+            bool(self.calls[rate.measure].notna().any())
+            for rate in VALIDITY
+            if rate.measure in columns
+        )
+
+    def engine_checks(self, unchecked: Iterable[str] = ()) -> list[EngineChecks]:
+        """Per (cell, prompt) the warm calls' checks against the engine, counted on the columns
+        by results.engine_checks (as the session's judgement counts them); none for columns
+        cached before they were read."""
+        needed = ("cell_id", "prompt_id", "phase", "ok", *CHECK_NUMBERS, *COUNTER_COLUMNS)
+        if any(name not in self.calls.columns for name in needed):
+            return []
+        return engine_checks_frame(self.calls, unchecked)
 
 
 # TelemetrySummary's figures: the peak of the per-call peaks, the median of the rest.
@@ -387,9 +417,10 @@ CACHE_SUFFIX = ".columns"
 # The columns a frame holds (a report's, not an export's): a frame of other columns (written
 # before a measure was added to config/metrics.py) is not used, and its lines are parsed again.
 CACHED_TEXT = SUMMARY_TEXT + TELEMETRY_TEXT
-CACHED_NUMBERS = SUMMARY_NUMBERS + TELEMETRY_NUMBERS
-# 4: frames appended as the ledger grows (3: one file rewritten whole, <ledger>.columns.npz).
-CACHE_VERSION = 4
+CACHED_NUMBERS = SUMMARY_NUMBERS + TELEMETRY_NUMBERS + CHECK_NUMBERS
+# 5: the engine checks' columns (4: frames appended as the ledger grows; 3: one file rewritten
+# whole, <ledger>.columns.npz).
+CACHE_VERSION = 5
 _MAGIC = b"GBCOLS04"
 _HEAD = struct.Struct("<8sIQ")
 # The bytes of the ledger a frame keeps from the end of its range, to check it still holds them.
@@ -450,7 +481,7 @@ def _next_frame(blob: memoryview, cached: _CachedFrames, ledger: Any, size: int)
         start, end, tail = int(header["start"]), int(header["end"]), bytes.fromhex(header["tail"])
         if (
             header.get("version") != CACHE_VERSION
-            or header.get("columns") != [*CACHED_TEXT, *CACHED_NUMBERS]
+            or header.get("columns") != [*CACHED_TEXT, *CACHED_NUMBERS, *COUNTER_COLUMNS]
             or start != cached.covered
             or not start < end <= size
         ):
@@ -506,7 +537,7 @@ def frame_bytes(part: _Part, tail: bytes) -> bytes:
             "tail": tail.hex(),
             "lines": part.lines,
             "chunks": len(part.chunks),
-            "columns": [*CACHED_TEXT, *CACHED_NUMBERS],
+            "columns": [*CACHED_TEXT, *CACHED_NUMBERS, *COUNTER_COLUMNS],
         }
     )
     data = payload.getvalue()
@@ -602,8 +633,14 @@ class _FrameBuilder:
     def __init__(self, *, export: bool) -> None:
         self.text = CACHED_TEXT + (EXPORT_TEXT if export else ())
         self.numbers = CACHED_NUMBERS + (EXPORT_NUMBERS if export else ())
-        # "error" is always read (it decides `ok`); kept as a column only for an export.
-        self.fields = (*self.text, *self.numbers, *(() if export else ("error",)))
+        # "error" is always read (it decides `ok`); kept as a column only for an export. The
+        # engine's counters (a dict) are split into COUNTER_COLUMNS.
+        self.fields = (
+            *self.text,
+            *self.numbers,
+            *(() if export else ("error",)),
+            "engine_counters",
+        )
         self.export = export
         self.rows: list[tuple[Any, ...]] = []
         self.chunks: list[dict[str, Any]] = []
@@ -624,6 +661,7 @@ class _FrameBuilder:
             chunk[name] = pd.factorize(text_column(columns[index]), use_na_sentinel=True)
         for index, name in enumerate(self.numbers, start=width):
             chunk[name] = _floats(columns[index])
+        chunk.update(_counter_columns(columns[self.fields.index("engine_counters")]))
         errors = columns[self.fields.index("error")]
         finish = columns[self.fields.index("finish_reason")]
         # Element-wise comparisons of object arrays run in C: None == None, "x" != "error".
@@ -642,7 +680,7 @@ class _FrameBuilder:
         data: dict[str, Any] = {}
         for name in self.text:
             data[name] = _categorical([chunk[name] for chunk in self.chunks])
-        for name in self.numbers:
+        for name in (*self.numbers, *COUNTER_COLUMNS):
             data[_RENAMED.get(name, name)] = _concat([chunk[name] for chunk in self.chunks])
         current = _concat([chunk["_current"] for chunk in self.chunks], dtype=bool)
         for metric in DECODE_METRICS:
@@ -650,6 +688,23 @@ class _FrameBuilder:
         data["ok"] = _concat([chunk["ok"] for chunk in self.chunks], dtype=bool)
         data["coalesced"] = _concat([chunk["coalesced"] for chunk in self.chunks], dtype=bool)
         return pd.DataFrame(data)
+
+
+def _counter_columns(counters: Sequence[Any]) -> dict[str, Any]:
+    """COUNTER_COLUMNS from the calls' engine_counters (a dict, or None): one pass over the
+    calls that have one (a ledger without them costs one `any`)."""
+    count = len(counters)
+    columns = {name: np.full(count, np.nan) for name in COUNTER_COLUMNS}
+    if not any(counters):
+        return columns
+    by_name = {name.removeprefix(COUNTER_PREFIX): column for name, column in columns.items()}
+    for index, found in enumerate(counters):
+        if found and isinstance(found, dict):
+            for name, value in found.items():
+                column = by_name.get(name)
+                if column is not None and isinstance(value, int | float):
+                    column[index] = value
+    return columns
 
 
 def _objects(values: Sequence[Any]) -> np.ndarray[Any, np.dtype[np.object_]]:

@@ -10,11 +10,18 @@ from typing import Any
 
 from pytest_gpubench.ledger.schema import CellRecord, EndRecord, MetaRecord, SampleRecord
 from pytest_gpubench.reports.charts import inline_svg, pyplot
+from pytest_gpubench.reports.engine_checks_table import (
+    ENGINE_CHECK_HEADERS,
+    engine_check_rows,
+    engine_check_warnings,
+)
 from pytest_gpubench.reports.formatting import METRIC_LABELS, NONE, change, fixed
 from pytest_gpubench.reports.frame import LedgerData
 from pytest_gpubench.reports.load_html import LoadBaselines, render_load_section
-from pytest_gpubench.reports.terminal import cold_kind_words, detectable
+from pytest_gpubench.reports.terminal import KIND_HEADERS, cold_kind_words, detectable, kind_rows
+from pytest_gpubench.results.engine_checks import EngineChecks
 from pytest_gpubench.results.gate import GATED_METRICS, RATIO_METRICS, Verdict
+from pytest_gpubench.results.judging import unchecked_cells
 from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
 
 # (sampled measure, chart title, unit): the distributions drawn per (cell, prompt), one per gated
@@ -82,6 +89,8 @@ def render_html(
         _outcomes(end),
         render_load_section(data.of_type("load"), read_baselines),
         _cold(summaries),
+        _kinds(summaries),
+        _engine_checks(data.engine_checks(unchecked_cells(meta))),
         _telemetry(data.of_type("sample")),
     ]
     body = "\n".join(section for section in sections if section)
@@ -243,6 +252,30 @@ def _cold(summaries: Sequence[PromptSummary]) -> str:
     ]
     headers = ("cell", "prompt", "cold kind", "ok", "cold TTFT ms", "cold total ms")
     return "<h2>Cold calls</h2>\n" + _table(headers, rows, (3, 4, 5))
+
+
+def _kinds(summaries: Sequence[PromptSummary]) -> str:
+    """The request kinds' figures of each (cell, prompt) that is not chat (the terminal's)."""
+    rows = [[_e(cell) for cell in row] for row in kind_rows(summaries)]
+    if not rows:
+        return ""
+    headers = ("cell", "prompt", *KIND_HEADERS)
+    return '<h2 id="request-kinds">Request kinds</h2>\n' + _table(headers, rows, (3,))
+
+
+def _engine_checks(checks: Sequence[EngineChecks]) -> str:
+    """The terminal's table of the warm calls' checks against the engine, then its warnings."""
+    rows = [[_e(cell) for cell in row] for row in engine_check_rows(checks)]
+    if not rows:
+        return ""
+    warnings = "".join(
+        f'<li class="regression">{_e(line)}</li>' for line in engine_check_warnings(checks)
+    )
+    return (
+        '<h2 id="engine-checks">Checks against the engine</h2>\n'
+        + _table(ENGINE_CHECK_HEADERS, rows)
+        + (f"\n<ul>{warnings}</ul>" if warnings else "")
+    )
 
 
 # -- charts -----------------------------------------------------------------------------------

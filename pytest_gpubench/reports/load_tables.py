@@ -37,29 +37,36 @@ LOAD_HEADERS = (
 # workload's cache, vLLM's counters or llama.cpp's cache_n) and a reasoning model's first answer.
 LOAD_PREFIX_HEADERS = ("prefix cache hit",)
 LOAD_REASONING_HEADERS = ("first answer p50 / p99 ms", "reasoning tok p50")
+# Where the engine drafted over some point (speculative decoding, issue 35): its acceptance rate
+# and mean acceptance length from the engine's counters over the point.
+LOAD_DRAFT_HEADERS = ("draft accepted",)
 
 
-def _load_extras(loads: Sequence[Mapping[str, Any]]) -> tuple[bool, bool]:
-    """(some point has a prefix-cache hit rate, some point reasoned)."""
+def _load_extras(loads: Sequence[Mapping[str, Any]]) -> tuple[bool, bool, bool]:
+    """(some point has a prefix-cache hit rate, some point reasoned, some point drafted)."""
     return (
         any(load.get("prefix_cache_hit_rate") is not None for load in loads),
         any(load.get("reasoning_tokens_p50") is not None for load in loads),
+        any(load.get("spec_acceptance_rate") is not None for load in loads),
     )
 
 
 def load_headers(loads: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
-    """LOAD_HEADERS, with the prefix-cache and reasoning columns after the TTFT where some
-    point has them."""
-    prefix, reasoning = _load_extras(list(loads))
+    """LOAD_HEADERS, with the prefix-cache, reasoning and draft columns after the TTFT where
+    some point has them."""
+    prefix, reasoning, draft = _load_extras(list(loads))
     at = LOAD_HEADERS.index("TTFT p50 / p99 ms") + 1
     extra = (
         *(LOAD_PREFIX_HEADERS if prefix else ()),
         *(LOAD_REASONING_HEADERS if reasoning else ()),
+        *(LOAD_DRAFT_HEADERS if draft else ()),
     )
     return (*LOAD_HEADERS[:at], *extra, *LOAD_HEADERS[at:])
 
 
-def _load_extra_cells(load: Mapping[str, Any], prefix: bool, reasoning: bool) -> list[str]:
+def _load_extra_cells(
+    load: Mapping[str, Any], prefix: bool, reasoning: bool, draft: bool
+) -> list[str]:
     cells = []
     if prefix:
         rate = load.get("prefix_cache_hit_rate")
@@ -71,6 +78,11 @@ def _load_extra_cells(load: Mapping[str, Any], prefix: bool, reasoning: bool) ->
             else NONE
         )
         cells.append(fixed(load.get("reasoning_tokens_p50"), 0))
+    if draft:
+        rate, length = load.get("spec_acceptance_rate"), load.get("spec_mean_acceptance_length")
+        cells.append(
+            f"{rate:.0%} (mean length {fixed(length)})" if isinstance(rate, int | float) else NONE
+        )
     return cells
 
 
@@ -78,8 +90,8 @@ def load_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
     """One row per load point (a sweep: per step, then the sweep's saturation point), in the
     columns of load_headers."""
     loads = list(loads)
-    prefix, reasoning = _load_extras(loads)
-    extras = int(prefix) + 2 * int(reasoning)
+    prefix, reasoning, draft = _load_extras(loads)
+    extras = int(prefix) + 2 * int(reasoning) + int(draft)
     rows = []
     for load in loads:
         if load.get("pattern") == "sweep":
@@ -111,7 +123,7 @@ def load_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
                 fixed(load.get("achieved_rate")),
                 fixed(load.get("output_tokens_per_sec"), 1),
                 f"{fixed(load.get('ttft_ms_p50'))} / {fixed(load.get('ttft_ms_p99'))}",
-                *_load_extra_cells(load, prefix, reasoning),
+                *_load_extra_cells(load, prefix, reasoning, draft),
                 f"{fixed(load.get('tpot_ms_p50'))} / {fixed(load.get('tpot_ms_p99'))}",
                 fixed(load.get("itl_ms_p99")),
                 fixed(load.get("e2e_ms_p99")),

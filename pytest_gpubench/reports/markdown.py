@@ -7,6 +7,10 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from pytest_gpubench.reports.engine_checks_table import (
+    engine_check_warnings,
+    render_engine_checks,
+)
 from pytest_gpubench.reports.formatting import code_span, fixed, markdown_cell, plain, table
 from pytest_gpubench.reports.load_tables import (
     render_load_table,
@@ -15,11 +19,14 @@ from pytest_gpubench.reports.load_tables import (
 )
 from pytest_gpubench.reports.telemetry_table import telemetry_section
 from pytest_gpubench.reports.terminal import (
+    KIND_HEADERS,
     cold_kind_words,
+    kind_rows,
     reasoning_shown,
     render_ab,
     render_comparison,
 )
+from pytest_gpubench.results.engine_checks import EngineChecks, engine_checks
 from pytest_gpubench.results.gate import (
     Verdict,
 )
@@ -44,18 +51,25 @@ if TYPE_CHECKING:
 
 def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
     """The baseline document of one ledger: the same ledger always gives the same bytes."""
+    from pytest_gpubench.ledger.schema import meta_of
+    from pytest_gpubench.results.judging import unchecked_cells
+
     records = list(records)
     others = [record for record in records if record.get("type") != "call"]
-    return render_document(others, summarize(records), telemetry_summaries(records))
+    calls = [record for record in records if record.get("type") == "call"]
+    checks = engine_checks(calls, unchecked_cells(meta_of(others) or {}))
+    return render_document(others, summarize(records), telemetry_summaries(records), checks)
 
 
 def render_document(
     others: Sequence[Mapping[str, Any]],
     summaries: Sequence[PromptSummary],
     telemetry: Sequence[TelemetrySummary] = (),
+    checks: Sequence[EngineChecks] = (),
 ) -> str:
     """render_markdown from a ledger read as columns (ledger_frame): the records other than
-    calls, the summaries of the calls and their resource figures."""
+    calls, the summaries of the calls (with their samples, for the request kinds' valid
+    answers), their resource figures and their checks against the engine."""
     from pytest_gpubench.ledger.schema import end_of, meta_of, records_of
 
     meta = meta_of(others) or cast("MetaRecord", {})  # none: every fact unknown
@@ -77,6 +91,8 @@ def render_document(
             for cell_id in cell_ids
         ),
         telemetry_section(telemetry),
+        _kinds_section(summaries),
+        _engine_checks_section(checks),
         _gate_section(end),
     ]
     return "\n\n".join(section for section in sections if section) + "\n"
@@ -259,6 +275,28 @@ def _warm_rows(summaries: Iterable[PromptSummary], *, reasoning: bool = False) -
         ]
         for s in summaries
     ]
+
+
+def _kinds_section(summaries: Sequence[PromptSummary]) -> str:
+    """The request kinds' figures (the terminal's kind columns) of each (cell, prompt) that is
+    not chat; none where all are."""
+    rows = kind_rows(summaries)
+    if not rows:
+        return ""
+    headers = ("cell", "prompt", *KIND_HEADERS)
+    return "## Request kinds\n\n" + table(rows, headers, markdown=True)
+
+
+def _engine_checks_section(checks: Sequence[EngineChecks]) -> str:
+    """The terminal's table of the checks against the engine, then its warnings."""
+    rendered = render_engine_checks(checks, markdown=True)
+    if not rendered:
+        return ""
+    warnings = [f"- {markdown_cell(line)}" for line in engine_check_warnings(checks)]
+    parts = ["## Checks against the engine", rendered]
+    if warnings:
+        parts.append("\n".join(warnings))
+    return "\n\n".join(parts)
 
 
 def _gate_section(end: EndRecord) -> str:

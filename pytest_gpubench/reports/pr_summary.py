@@ -22,6 +22,8 @@ if TYPE_CHECKING:
         LoadRecord,
         VerdictRecord,
     )
+    from pytest_gpubench.results.engine_checks import EngineChecks
+    from pytest_gpubench.results.stats import PromptSummary
 
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"
 # Verdict words in the order a reviewer needs them; a word not listed here (a newer gate's)
@@ -129,14 +131,40 @@ def load_section(loads: Sequence[LoadRecord]) -> list[str]:
     return [*lines, *(["", *warnings] if warnings else [])]
 
 
+def kinds_section(summaries: Sequence[PromptSummary]) -> list[str]:
+    """The request kinds' figures (the terminal's) of each (cell, prompt) that is not chat."""
+    from pytest_gpubench.reports.formatting import table
+    from pytest_gpubench.reports.terminal import KIND_HEADERS, kind_rows
+
+    rows = kind_rows(summaries)
+    return [table(rows, ("cell", "prompt", *KIND_HEADERS), markdown=True)] if rows else []
+
+
+def engine_checks_section(checks: Sequence[EngineChecks]) -> list[str]:
+    """The terminal's table of the checks against the engine, then its warnings."""
+    from pytest_gpubench.reports.engine_checks_table import (
+        engine_check_warnings,
+        render_engine_checks,
+    )
+
+    rendered = render_engine_checks(checks, markdown=True)
+    if not rendered:
+        return []
+    warnings = [f"- ⚠ {_md(line)}" for line in engine_check_warnings(checks)]
+    return [rendered, *(["", *warnings] if warnings else [])]
+
+
 def render_pr_summary(
     end: EndRecord,
     loads: Sequence[LoadRecord],
     *,
     ledger: str,
     report: str,
+    summaries: Sequence[PromptSummary] = (),
+    checks: Sequence[EngineChecks] = (),
 ) -> str:
-    """The summary from a run's end record and its load records; `report` says where the full
+    """The summary from a run's end record and its load records, and from its judgement the
+    request kinds' figures and the checks against the engine; `report` says where the full
     report is (a link or a command)."""
     status = end.get("exit_status")
     regressions = int(end.get("regressions") or 0)
@@ -152,6 +180,12 @@ def render_pr_summary(
     cells = cells_section(list(end.get("cells") or []))
     if cells:
         parts.append("### Cells\n\n" + "\n".join(cells))
+    kinds = kinds_section(summaries)
+    if kinds:
+        parts.append("### Request kinds\n\n" + "\n".join(kinds))
+    engine = engine_checks_section(checks)
+    if engine:
+        parts.append("### Checks against the engine\n\n" + "\n".join(engine))
     load = load_section(loads)
     if load:
         parts.append("### Load points\n\n" + "\n".join(load))

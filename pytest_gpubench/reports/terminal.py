@@ -110,6 +110,16 @@ def kinds_shown(summaries: Iterable[PromptSummary]) -> bool:
     return any(summary.kind != "chat" for summary in summaries)
 
 
+def kind_rows(summaries: Iterable[PromptSummary]) -> list[list[str]]:
+    """The KIND_HEADERS of each (cell, prompt) of a kind other than chat, after its cell and
+    prompt (the Markdown, HTML and pull request reports' table of request kinds)."""
+    return [
+        [summary.cell_id, summary.prompt_id, *kind_cells(summary)]
+        for summary in sorted(summaries, key=lambda item: item.key)
+        if summary.kind != "chat"
+    ]
+
+
 def summary_headers(summaries: Iterable[PromptSummary]) -> tuple[str, ...]:
     """SUMMARY_HEADERS, with the reasoning columns where some (cell, prompt) reasoned and the
     request kinds' where some is not chat."""
@@ -124,9 +134,10 @@ def summary_headers(summaries: Iterable[PromptSummary]) -> tuple[str, ...]:
     return (*headers[:at], *REASONING_HEADERS, *headers[at:])
 
 
-def _kind_cells(summary: PromptSummary) -> list[str]:
+def kind_cells(summary: PromptSummary) -> list[str]:
     """The request kind, an embedding's inputs/s, a tools or json_schema prompt's valid answers
-    (`3/3 tool calls`); `-` where the figure does not apply."""
+    (`3/3 tool calls`); `-` where the figure does not apply. The valid answers need the
+    summary's samples."""
     valid = NONE
     for rate in VALIDITY:
         values = summary.samples[rate.measure]
@@ -158,7 +169,7 @@ def summary_rows(
             _cold_figure(summary, summary.cold_total_duration_ms),
             str(summary.warm_coalesced),
             success(summary),
-            *(_kind_cells(summary) if kinds else ()),
+            *(kind_cells(summary) if kinds else ()),
             _changes(by_key.get(summary.key, {})),
             detectable(by_key.get(summary.key, {}).get(TTFT_NAME)),
             worst.get(summary.key, NONE),

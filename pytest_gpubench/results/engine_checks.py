@@ -7,9 +7,10 @@ verdicts out."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pytest_gpubench.config.metrics import ENGINE_COUNTERS
 
@@ -68,12 +69,57 @@ class EngineChecks:
         return bool(self.token_checked or self.cache_known or self.counters or self.draft_tokens)
 
 
-def _ok_warm(record: Mapping[str, Any]) -> bool:
-    return (
-        record.get("phase") == "warm"
-        and record.get("error") is None
-        and record.get("finish_reason") != "error"
-    )
+# The call record's fields the checks read, as columns of numbers (a boolean as 1/0, NaN where
+# absent): reports/frame.py reads them from a ledger, check_frame from records; each of the
+# call's engine_counters is a column of its own (COUNTER_COLUMNS).
+CHECK_FIELDS = (
+    "token_mismatch",
+    "prefix_cache_hit",
+    "prefix_cache_off",
+    "draft_tokens",
+    "draft_accepted_tokens",
+    "client_chunks",
+    "completion_tokens",
+)
+COUNTER_PREFIX = "engine_counters."
+COUNTER_COLUMNS = tuple(COUNTER_PREFIX + counter.name for counter in ENGINE_COUNTERS)
+
+
+def _number(value: Any) -> float:
+    """A field as its column holds it: a number or a boolean (1/0), else NaN."""
+    if isinstance(value, int | float):
+        return float(value)
+    return float("nan")
+
+
+def check_frame(calls: Iterable[Mapping[str, Any]]) -> Any:
+    """The columns engine_checks_frame reads (cell_id, prompt_id, phase, ok, CHECK_FIELDS,
+    COUNTER_COLUMNS), from call records: what reports/frame.py reads from a ledger."""
+    import pandas as pd
+
+    rows = []
+    for call in calls:
+        counters = call.get("engine_counters")
+        counters = counters if isinstance(counters, Mapping) else {}
+        rows.append(
+            (
+                str(call.get("cell_id")),
+                str(call.get("prompt_id")),
+                call.get("phase"),
+                call.get("error") is None and call.get("finish_reason") != "error",
+                *(_number(call.get(name)) for name in CHECK_FIELDS),
+                *(
+                    _number(value) if not isinstance(value := counters.get(name), bool) else NAN
+                    for name in _COUNTER_NAMES
+                ),
+            )
+        )
+    names = ["cell_id", "prompt_id", "phase", "ok", *CHECK_FIELDS, *COUNTER_COLUMNS]
+    return pd.DataFrame.from_records(rows, columns=names)
+
+
+NAN = float("nan")
+_COUNTER_NAMES = tuple(counter.name for counter in ENGINE_COUNTERS)
 
 
 def engine_checks(
@@ -81,49 +127,96 @@ def engine_checks(
 ) -> list[EngineChecks]:
     """Per (cell, prompt), in the order first seen, the checks of its successful warm calls;
     the token counts of the `unchecked` cells (token_check: off) are left alone."""
-    off = set(unchecked)
-    found: dict[tuple[str, str], EngineChecks] = {}
-    for call in calls:
-        if not _ok_warm(call):
-            continue
-        key = (str(call.get("cell_id")), str(call.get("prompt_id")))
-        checks = found.setdefault(key, EngineChecks(*key))
-        checks.calls += 1
-        if key[0] not in off:
-            _tokens(checks, call)
-        hit = call.get("prefix_cache_hit")
-        if isinstance(hit, bool):
-            checks.cache_known += 1
-            checks.cache_hits += hit
-            checks.unwanted_cache_hits += hit and call.get("prefix_cache_off") is True
-        for name, value in (call.get("engine_counters") or {}).items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                earlier = checks.counters.get(name)
-                if earlier is None:
-                    checks.counters[name] = float(value)
-                elif name in _PEAKS:
-                    checks.counters[name] = max(earlier, float(value))
-                else:
-                    checks.counters[name] = earlier + float(value)
-        proposed, accepted = call.get("draft_tokens"), call.get("draft_accepted_tokens")
-        if isinstance(proposed, int) and isinstance(accepted, int):
-            checks.draft_tokens += proposed
-            checks.draft_accepted_tokens += accepted
-    return list(found.values())
+    return engine_checks_frame(check_frame(calls), unchecked)
 
 
-def _tokens(checks: EngineChecks, call: Mapping[str, Any]) -> None:
-    mismatch = call.get("token_mismatch")
-    if not isinstance(mismatch, bool):
-        return
-    checks.token_checked += 1
-    if mismatch:
-        checks.token_mismatches += 1
-        if checks.mismatch_example is None:
-            checks.mismatch_example = (
-                int(call.get("client_chunks") or 0),
-                int(call.get("completion_tokens") or 0),
+def engine_checks_frame(frame: Any, unchecked: Iterable[str] = ()) -> list[EngineChecks]:
+    """engine_checks on the calls as columns (check_frame's, or a ledger's read by
+    reports/frame.py): one pass of vectorised sums per (cell, prompt), no object per call."""
+    import numpy as np
+    import pandas as pd
+
+    keep = (frame["phase"] == "warm").to_numpy(dtype=bool) & frame["ok"].to_numpy(dtype=bool)
+    warm = frame.loc[keep]
+    if warm.empty:
+        return []
+    cells = warm["cell_id"].astype(str).to_numpy(dtype=object)
+    prompts = warm["prompt_id"].astype(str).to_numpy(dtype=object)
+
+    def column(name: str) -> Any:
+        return warm[name].to_numpy(dtype="float64")
+
+    mismatch = column("token_mismatch")
+    checked = ~np.isnan(mismatch) & ~np.isin(cells, list(set(unchecked)))
+    differs = checked & (mismatch != 0)
+    hit = column("prefix_cache_hit")
+    known = ~np.isnan(hit)
+    hits = known & (hit != 0)
+    proposed, accepted = column("draft_tokens"), column("draft_accepted_tokens")
+    drafted = ~np.isnan(proposed) & ~np.isnan(accepted)
+    counts = pd.DataFrame(
+        {
+            "calls": np.ones(len(warm), dtype="int64"),
+            "token_checked": checked,
+            "token_mismatches": differs,
+            "cache_known": known,
+            "cache_hits": hits,
+            "unwanted_cache_hits": hits & (column("prefix_cache_off") == 1),
+            "draft_tokens": np.where(drafted, proposed, 0.0),
+            "draft_accepted_tokens": np.where(drafted, accepted, 0.0),
+        }
+    )
+    keys = [cells, prompts]
+    sums = counts.groupby(keys, sort=False).sum()
+    present = [name for name in COUNTER_COLUMNS if name in warm.columns]
+    counters = pd.DataFrame({name: column(name) for name in present})
+    grouped = counters.groupby(keys, sort=False)
+    peaks = [name for name in present if name.removeprefix(COUNTER_PREFIX) in _PEAKS]
+    added = [name for name in present if name not in peaks]
+    totals = pd.concat([grouped[added].sum(min_count=1), grouped[peaks].max()], axis=1)
+    # The first differing call's (client chunks, engine count), per (cell, prompt).
+    examples = (
+        pd.DataFrame(
+            {
+                "streamed": np.nan_to_num(column("client_chunks")[differs]),
+                "counted": np.nan_to_num(column("completion_tokens")[differs]),
+            }
+        )
+        .groupby([cells[differs], prompts[differs]], sort=False)
+        .first()
+    )
+    found = []
+    for key, row in sums.iterrows():
+        cell_id, prompt_id = cast("tuple[str, str]", key)
+        example = (
+            (
+                round(cast("float", examples.at[key, "streamed"])),
+                round(cast("float", examples.at[key, "counted"])),
             )
+            if key in examples.index
+            else None
+        )
+        found.append(
+            EngineChecks(
+                cell_id,
+                prompt_id,
+                calls=int(row["calls"]),
+                token_checked=int(row["token_checked"]),
+                token_mismatches=int(row["token_mismatches"]),
+                mismatch_example=example,
+                cache_known=int(row["cache_known"]),
+                cache_hits=int(row["cache_hits"]),
+                unwanted_cache_hits=int(row["unwanted_cache_hits"]),
+                counters={
+                    name.removeprefix(COUNTER_PREFIX): value
+                    for name in present
+                    if not math.isnan(value := float(cast("float", totals.at[key, name])))
+                },
+                draft_tokens=int(row["draft_tokens"]),
+                draft_accepted_tokens=int(row["draft_accepted_tokens"]),
+            )
+        )
+    return found
 
 
 def mismatch_words(checks: EngineChecks) -> str:

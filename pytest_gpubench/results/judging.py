@@ -532,6 +532,20 @@ def settings_of_ledger(
     return JudgingSettings.of_cells(matrix.cells, runs_override=runs), [assumed]
 
 
+def unchecked_cells(meta: Mapping[str, Any]) -> list[str]:
+    """The cells whose token counts a run left unchecked (token_check: off), as the settings
+    recorded in its meta record say (a report reads them there, as `gpubench gate` does)."""
+    recorded = meta.get(SETTINGS_KEY)
+    cells = recorded.get("cells") if isinstance(recorded, Mapping) else None
+    if not isinstance(cells, Mapping):
+        return []
+    return [
+        str(cell_id)
+        for cell_id, cell in cells.items()
+        if isinstance(cell, Mapping) and cell.get("token_check") == "off"
+    ]
+
+
 RECORDED = "the ledger records the settings its run was judged with"
 
 

@@ -324,6 +324,8 @@ class RunController:
             self.loads,
             ledger=ledger,
             report=report_pointer(ledger, os.environ),
+            summaries=self.judgement.summaries,
+            checks=self.judgement.checks,
         )
         try:
             self.summary_path = write_pr_summary(
