@@ -113,3 +113,21 @@ def test_a_point_whose_engine_slowed_down_halfway_shows_it_in_its_slices_and_cha
     assert screenshot.stat().st_size > 30_000
     assert console_problems(dom.stderr + shot.stderr) == []
     assert "TTFT p50 (solid) and p99 (dashed) ms per slice" in dom.stdout
+
+
+def test_a_slice_that_does_not_say_its_place_is_left_out_of_the_chart_not_a_crash() -> None:
+    """A hand-edited or merged ledger's slice without start_s or span_s (or with null ones):
+    `gpubench report` draws the slices that say where they are and leaves the rest out."""
+    from pytest_gpubench.reports.load_html import _slices_chart
+
+    point = {
+        "load_point": "c2",
+        "slices": [
+            {"start_s": 0.0, "span_s": 0.5, "output_tokens_per_sec": 100.0, "ttft_ms_p50": 9.0},
+            {"start_s": None, "span_s": 0.5, "output_tokens_per_sec": 90.0},
+            {"output_tokens_per_sec": 80.0},
+        ],
+        "ramp_slices": [{"span_s": None, "output_tokens_per_sec": 10.0}],
+    }
+    svg = _slices_chart("slices", [point])
+    assert "<svg" in svg

@@ -43,6 +43,14 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
+def _middle(row: Any) -> float | None:
+    """A time slice's middle (s into its window), or None where it does not say its place."""
+    if not isinstance(row, Mapping):
+        return None
+    start, span = _number(row.get("start_s")), _number(row.get("span_s"))
+    return None if start is None or span is None else start + span / 2
+
+
 def axis_of(point: Mapping[str, Any]) -> tuple[str, float | None]:
     """Which axis a point is drawn on and where: a closed loop by its concurrency, unless it is
     a sweep's step (all of a sweep's steps by request rate: offered, or achieved where a closed
@@ -233,12 +241,13 @@ def _slices_chart(title: str, points: Sequence[Mapping[str, Any]]) -> str:
     for index, point in enumerate(points):
         color = colors[index % len(colors)]
         name = str(point.get("load_point"))
-        rows = [row for row in point.get("slices") or () if isinstance(row, Mapping)]
-        ramp = [row for row in point.get("ramp_slices") or () if isinstance(row, Mapping)]
-        ramp_span = sum(float(row["span_s"]) for row in ramp)
+        # A slice without its place (a hand-edited or merged ledger) is left out, not a crash.
+        rows = [row for row in point.get("slices") or () if _middle(row) is not None]
+        ramp = [row for row in point.get("ramp_slices") or () if _middle(row) is not None]
+        ramp_span = sum(_number(row.get("span_s")) or 0.0 for row in ramp)
         for axes, field in ((rate, "output_tokens_per_sec"), (latency, "ttft_ms_p50")):
             pairs = [
-                (float(row["start_s"]) + float(row["span_s"]) / 2 - ramp_span, y)
+                ((_middle(row) or 0.0) - ramp_span, y)
                 for row in ramp
                 if (y := _number(row.get(field))) is not None
             ]
@@ -252,7 +261,7 @@ def _slices_chart(title: str, points: Sequence[Mapping[str, Any]]) -> str:
             (latency, "ttft_ms_p99", f"{name} TTFT p99", "--"),
         ):
             pairs = [
-                (float(row["start_s"]) + float(row["span_s"]) / 2, y)
+                (_middle(row) or 0.0, y)
                 for row in rows
                 if (y := _number(row.get(field))) is not None
             ]
