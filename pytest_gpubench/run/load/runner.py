@@ -248,7 +248,7 @@ def _run_load_case(
     )
     recorder = _Recorder(run_id, cell, case, sends.sha256, profile, pressure)
     if profile.clients is not None:
-        recorder.client_node = matrix.nodes[profile.clients.node]
+        recorder.client_nodes = matrix.nodes
     recorder.facts = sends.facts
     if case.load_point == "sweep":
         from pytest_gpubench.run.load.sweep import run_sweep
@@ -302,8 +302,8 @@ class _Recorder:
         self.loads: list[dict[str, Any]] = []
         # Per prompt sent in turn: what its call records carry (request i: i mod n).
         self.facts: tuple[dict[str, Any], ...] = ()
-        # `clients:`: the Slurm node its client tasks run on.
-        self.client_node: Any = None
+        # `clients:`: cells.yaml's nodes, among them the one its client tasks run on.
+        self.client_nodes: Any = None
 
     async def step(
         self, target: Target, point: str, pattern: LoadPattern, sweep_step: str | None = None
@@ -374,7 +374,7 @@ class _Recorder:
                 if self.profile.processes > 1 or self.profile.clients is not None
                 else None,
                 **(
-                    {"clients": self.profile.clients.model_dump(), **offsets}
+                    {"clients": self.profile.clients.model_dump(exclude_none=True), **offsets}
                     if self.profile.clients is not None
                     else {}
                 ),
@@ -421,14 +421,15 @@ class _Recorder:
     def _elsewhere(
         self, target: Target, pattern: LoadPattern
     ) -> tuple[int, list[Sent], list[str], dict[str, Any]]:
-        """The point sent by client processes here (`processes:`) or tasks on a Slurm node
-        (`clients:`): (their shared start, their requests, the ones lost, the tasks' clock
+        """The point sent by client processes here (`processes:`) or tasks on a Slurm or ssh
+        node (`clients:`): (their shared start, their requests, the ones lost, the tasks' clock
         offsets)."""
         if self.profile.clients is None:
             return (*run_in_processes(target, self.profile, pattern), {})
-        from pytest_gpubench.run.load.cluster_clients import run_on_cluster
+        from pytest_gpubench.run.load.cluster_clients import launch_for, run_clients
 
-        result = run_on_cluster(target, self.profile, pattern, self.client_node)
+        launch = launch_for(self.profile, self.client_nodes)
+        result = run_clients(target, self.profile, pattern, launch)
         offsets = {
             "client_offsets_ms": result.offsets_ms,
             "client_offset_errors_ms": result.offset_errors_ms,
