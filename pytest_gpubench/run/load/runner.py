@@ -26,6 +26,7 @@ from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.measure.control import CpuPressure
 from pytest_gpubench.measure.gauges import GaugeScraper
 from pytest_gpubench.results.load_summary import (
+    lag_by_client,
     lost_client_summary,
     percentile,
     summarize_point,
@@ -355,6 +356,7 @@ class _Recorder:
             ),
             server=scraper.samples.server_changes() or None,
             slice_s=self.profile.slice_s,
+            client_names=self._client_names(),
         )
         if lost:
             summary = lost_client_summary(summary, lost)
@@ -370,7 +372,7 @@ class _Recorder:
                 **summary,
                 **({"sweep_step": sweep_step} if sweep_step is not None else {}),
                 "processes": self.profile.processes,
-                "send_lag_by_process": _lag_by_process(calls)
+                "send_lag_by_process": lag_by_client(calls)
                 if self.profile.processes > 1 or self.profile.clients is not None
                 else None,
                 **(
@@ -417,6 +419,19 @@ class _Recorder:
         self.records.append(as_json(record))
         self.loads.append(as_json(record))
         return summary
+
+    def _client_names(self) -> dict[int, str] | None:
+        """Each client's name in a reason (None: one client, the pytest process)."""
+        clients = self.profile.clients
+        if clients is not None:
+            return {
+                task: f"client task {task} of {clients.tasks} on node '{clients.node}'"
+                for task in range(clients.tasks)
+            }
+        count = self.profile.processes
+        if count > 1:
+            return {process: f"client process {process} of {count}" for process in range(count)}
+        return None
 
     def _elsewhere(
         self, target: Target, pattern: LoadPattern
@@ -507,24 +522,3 @@ def spec_decode_figures(counters: Mapping[str, float]) -> dict[str, Any]:
                 "spec_mean_acceptance_length": round(accepted / drafts + 1, 4),
             }
     return {"spec_acceptance_rate": None, "spec_mean_acceptance_length": None}
-
-
-def _lag_by_process(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each client process's own send lag (p50, p99, max ms) over the measured window."""
-    rows = []
-    for process in sorted({call["process"] for call in calls}):
-        lags = [
-            float(call["send_lag_ms"])
-            for call in calls
-            if call["process"] == process and call["load_window"] == "measured"
-        ]
-        rows.append(
-            {
-                "process": process,
-                "requests": len(lags),
-                "send_lag_ms_p50": percentile(lags, 50),
-                "send_lag_ms_p99": percentile(lags, 99),
-                "send_lag_ms_max": max(lags) if lags else None,
-            }
-        )
-    return rows
