@@ -138,3 +138,26 @@ def test_an_ssh_client_task_killed_mid_point_makes_it_invalid_and_the_session_go
     assert lost.get("achieved_rate") is None and lost.get("ttft_ms_p99") is None
     assert loads["r40"]["valid"] is True and loads["r40"]["requests"] == 40
     assert ssh_client_tasks(sshd.user) == []
+
+
+@pytest.mark.sshd
+def test_a_python_the_node_lacks_fails_the_case_in_one_line(
+    pytester: pytest.Pytester, sshd: SshServer
+) -> None:
+    """`clients.python` not on the node: the sessions end at once, and the case fails with one
+    line saying how many tasks reached this machine and what the session said."""
+    with keepalive_server() as server:
+        write_project(
+            pytester,
+            sshd,
+            server.url,
+            "{rate: [40], arrival: constant, requests: 4,"
+            " clients: {node: far, tasks: 2, python: /nonexistent/python}}",
+        )
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
+    result.assert_outcomes(failed=1)
+    (line,) = [
+        line for line in result.stdout.lines if "clients: 0 of 2 client tasks on node 'far'" in line
+    ][:1]
+    assert "reached this machine at 127.0.0.1:" in line
+    assert "the SSH session of task" in line and "/nonexistent/python" in line

@@ -8,6 +8,7 @@ its requests is a lost client (the point is then invalid, run/load/runner.py).""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import secrets
@@ -178,8 +179,8 @@ class SshLaunch:
         for task, session in enumerate(self.sessions):
             status = session.exit_status()
             if status is not None:
-                said = session.pending().strip()[-300:]
-                return f"the SSH session of task {task} ended ({status}): {said}"
+                said = session.rest().strip()[-300:]
+                return f"the SSH session of task {task} ended (exit status {status}): {said}"
         return None
 
     def lost_detail(self, task: int) -> str:
@@ -194,6 +195,8 @@ class SshLaunch:
         return f" (its SSH session's exit status {status})"
 
     def close(self) -> None:
+        # A connection lost meanwhile must not hide why the point failed: the clean-up is best
+        # effort (a task left running ends once its connection to this process drops).
         try:
             deadline = time.monotonic() + END_TIMEOUT_S
             for task, session in enumerate(self.sessions):
@@ -201,9 +204,11 @@ class SshLaunch:
                     time.sleep(0.05)
                 pid = self.pids[task] if task < len(self.pids) else None
                 if session.exit_status() is None and pid is not None:
-                    self.target.run(["kill", "-KILL", str(pid)], timeout_s=10)
+                    with contextlib.suppress(GpubenchError):
+                        self.target.run(["kill", "-KILL", str(pid)], timeout_s=10)
                 session.close()
-            self.target.run(["rm", "-f", self.plan], timeout_s=10)
+            with contextlib.suppress(GpubenchError):
+                self.target.run(["rm", "-f", self.plan], timeout_s=10)
         finally:
             self.target.close()
 

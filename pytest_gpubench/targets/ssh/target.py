@@ -135,13 +135,16 @@ class SshLineStream:
             return None
         return self._channel.recv_exit_status()
 
-    def pending(self, max_bytes: int = 4000) -> str:
-        """What the command wrote that has not been read yet (its last words), unblocking."""
-        data = bytearray()
+    def rest(self, max_bytes: int = 4000) -> str:
+        """What an ended command wrote that has not been read yet (its last words: the end of
+        it, at most max_bytes); empty while it runs (it would block)."""
+        if not self._channel.exit_status_ready():
+            return ""
+        data = b""
         with contextlib.suppress(Exception):
-            while self._channel.recv_ready() and len(data) < max_bytes:
-                data += self._channel.recv(max_bytes)
-        return data.decode("utf-8", "replace")
+            data = self._file.read()
+        text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
+        return text[-max_bytes:]
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
