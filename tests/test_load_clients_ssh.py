@@ -161,3 +161,22 @@ def test_a_python_the_node_lacks_fails_the_case_in_one_line(
     ][:1]
     assert "reached this machine at 127.0.0.1:" in line
     assert "the SSH session of task" in line and "/nonexistent/python" in line
+
+
+@pytest.mark.sshd
+def test_the_plan_is_written_on_the_node_for_its_user_only(sshd: SshServer) -> None:
+    """The plan holds the connection's key: SshTarget.write_file makes it mode 600, owned by
+    the node's user, its folder made first, the bytes whole."""
+    from support.remote_cells import ssh_target
+
+    target = ssh_target(sshd, "far")
+    path = f"{sshd.remote_dir}/plans/plan.pkl"
+    data = bytes(range(256)) * 300
+    try:
+        target.write_file(path, data)
+    finally:
+        target.close()
+    written = Path(path)
+    assert written.read_bytes() == data
+    assert written.stat().st_mode & 0o777 == 0o600
+    assert written.stat().st_uid == pwd.getpwnam(sshd.user).pw_uid
