@@ -189,14 +189,18 @@ class SshLaunch:
             return ""
         if status == -1:
             return " (its SSH session ended by a signal)"
-        if status > 128 and status - 128 in signal.Signals._value2member_map_:
+        if status > 128:
             # The login shell's word for a command a signal ended: 128 + its number.
-            return f" (its SSH session ended: killed by {signal.Signals(status - 128).name})"
+            try:
+                return f" (its SSH session ended: killed by {signal.Signals(status - 128).name})"
+            except ValueError:
+                pass
         return f" (its SSH session's exit status {status})"
 
     def close(self) -> None:
         # A connection lost meanwhile must not hide why the point failed: the clean-up is best
-        # effort (a task left running ends once its connection to this process drops).
+        # effort (a task left running fails at its next read of, or write to, its connection to
+        # this process, closed by then: at the latest once its share is sent).
         try:
             deadline = time.monotonic() + END_TIMEOUT_S
             for task, session in enumerate(self.sessions):
