@@ -148,7 +148,7 @@ CELLS: dict[str, Any] = {
                 "concurrency": [2],
                 "duration_s": 1.5,
                 "slo": {"ttft_ms": 200},
-                "clients": {"node": "hpc", "tasks": 2},
+                "clients": {"node": "hpc", "tasks": 2, "python": "python3"},
             },
         },
     ],

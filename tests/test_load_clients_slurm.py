@@ -62,7 +62,7 @@ def test_clients_on_a_node_that_is_not_slurm_is_one_line(tmp_path: Path) -> None
     )
     with pytest.raises(GpubenchError) as caught:
         matrix_of(tmp_path, cells)
-    assert "load.clients.node: 'local' is not a Slurm node" in str(caught.value)
+    assert "load.clients.node: 'local' is not an ssh node or a Slurm node" in str(caught.value)
     assert "\n" not in str(caught.value)
 
 

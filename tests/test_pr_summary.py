@@ -9,7 +9,7 @@ server (tests/support/keepalive_server.py)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from support.keepalive_server import keepalive_server
@@ -104,3 +104,44 @@ def test_verdicts_are_ordered_regressions_first_and_ok_ones_only_counted() -> No
     assert "| c\\|d | P | m4 | +35.0% | 0.001 |" in rows[1]
     assert "_1 within their thresholds._" in text
     assert text.rstrip().endswith("`gpubench report --html runs/x.jsonl -o report.html`")
+
+
+def test_the_load_points_show_their_intervals_slices_trend_and_the_sweeps_stop() -> None:
+    """The p99s with their intervals and n (an open side and `*` where too few requests bound
+    them), the slices' throughput spread (a point that degraded halfway), a rising queue, and
+    where a sweep stopped rising."""
+    point = {
+        "cell_id": "local:openai:m", "load_point": "r40", "pattern": "open", "valid": True,
+        "achieved_rate": 39.9, "output_tokens_per_sec": 319.1, "ttft_ms_p99": 27.81,
+        "tpot_ms_p99": 2.84, "ttft_ms_n": 40,
+        "percentile_intervals": {
+            "confidence": 0.95,
+            "ttft_ms": {"n": 40, "p99": [26.28, None]},
+            "tpot_ms": {"n": 40, "p99": [2.57, 3.1]},
+            "too_few": ["ttft_ms_p99"],
+        },
+        "slices": [{"output_tokens_per_sec": 640.0}, {"output_tokens_per_sec": 310.5}],
+        "trend": {"saturated": True, "ttft_tau": 0.81, "in_flight_tau": 0.7},
+    }  # fmt: skip
+    sweep = {
+        "cell_id": "local:openai:m", "load_point": "sweep", "pattern": "sweep",
+        "saturation_rate": 120.0,
+        "saturation_stop": {"load_point": "sweep-r135.9", "rate": 135.9, "skipped": ["s2"],
+                            "time_kept_s": 0.11},
+    }  # fmt: skip
+    text = render_pr_summary(
+        cast(EndRecord, {"exit_status": 0, "verdicts": [], "cells": []}),
+        cast(Any, [point, sweep]),
+        ledger="runs/x.jsonl",
+        report="-",
+    )
+    assert "| TTFT p99 [95% CI] ms | TPOT p99 [95% CI] ms |" in text
+    (row,) = [line for line in text.splitlines() if line.startswith("| local:openai:m | r40 ")]
+    cells = [cell.strip() for cell in row.strip("|").split(" | ")]
+    assert cells[4:8] == ["310.5 to 640.0 (2)", "40", "27.81 [26.28, open]\\*", "2.84 [2.57, 3.10]"]
+    assert cells[9] == "ok; queue rising (TTFT τ 0.81, in flight τ 0.70)"
+    assert "_\\* too few requests for the interval" in text
+    assert (
+        "saturation 120.00 req/s; over-saturated at 135.90 req/s (sweep-r135.9), 1 higher rate"
+        " not run (0.1 s kept)"
+    ) in text

@@ -151,12 +151,16 @@ def _export(args: argparse.Namespace) -> int:
         write_csv,
         write_json,
         write_load_csv,
+        write_load_slices_csv,
         write_prometheus,
     )
     from pytest_gpubench.reports.frame import read_ledger_frame
 
-    if not (args.prometheus or args.csv or args.json or args.load_csv):
-        raise GpubenchError("export: name at least one of --prometheus, --csv, --json, --load-csv")
+    if not (args.prometheus or args.csv or args.json or args.load_csv or args.load_slices_csv):
+        raise GpubenchError(
+            "export: name at least one of --prometheus, --csv, --json, --load-csv, "
+            "--load-slices-csv"
+        )
     data = read_ledger_frame(Path(args.ledger), export=bool(args.csv))
     from pytest_gpubench.results.judging import unchecked_cells
 
@@ -174,6 +178,9 @@ def _export(args: argparse.Namespace) -> int:
     if args.load_csv:
         rows = write_load_csv(data, Path(args.load_csv))
         print(f"{args.load_csv} ({rows} load records)")
+    if args.load_slices_csv:
+        rows = write_load_slices_csv(data, Path(args.load_slices_csv))
+        print(f"{args.load_slices_csv} ({rows} slices)")
     if args.json:
         write_json(data, summaries, Path(args.json), checks)
         print(args.json)
@@ -429,7 +436,13 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--load-csv",
         metavar="FILE",
-        help="one row per load point: its figures, the engine's own means and the offsets",
+        help="one row per load point: its figures and their intervals, the engine's own means "
+        "and the offsets, the queue trend, the slices' spread, a sweep's stop",
+    )
+    export.add_argument(
+        "--load-slices-csv",
+        metavar="FILE",
+        help="one row per time slice of each load point (slice_s), the ramp's and the window's",
     )
     export.add_argument(
         "--json",

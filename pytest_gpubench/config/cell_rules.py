@@ -215,10 +215,12 @@ def check_load(
             )
     if load.clients is not None:
         node = nodes.get(load.clients.node) if nodes is not None else None
-        if getattr(node, "kind", None) != "slurm" or getattr(node, "login", None) is not None:
+        kind = getattr(node, "kind", None)
+        if kind not in ("slurm", "ssh") or getattr(node, "login", None) is not None:
             raise GpubenchError(
-                f"{where}: load.clients.node: '{load.clients.node}' is not a Slurm node of "
-                "cells.yaml reached from this machine (kind: slurm, no login:)"
+                f"{where}: load.clients.node: '{load.clients.node}' is not an ssh node or a "
+                "Slurm node of cells.yaml reached from this machine (kind: ssh, or kind: slurm "
+                "with no login:)"
             )
     sources = [key for key in ("prompts", "synthetic", "dataset", "trace") if getattr(load, key)]
     if len(sources) > 1:

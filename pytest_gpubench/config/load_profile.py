@@ -135,14 +135,17 @@ class Synthetic(_Strict):
 
 
 class Clients(_Strict):
-    """Client tasks on a cluster's node for each load point (run/load/cluster_clients.py): an
-    `srun` step of `tasks` tasks on a Slurm node of cells.yaml, each sending its share, started
-    at one barrier time, their clocks' offsets to this process measured and their requests
-    merged raw. `coordinator`: this machine's address as the node reaches it."""
+    """Client tasks on another node for each load point (run/load/cluster_clients.py): an
+    `srun` step of `tasks` tasks on a Slurm node of cells.yaml, or `tasks` SSH sessions on an
+    ssh node, each sending its share, started at one barrier time, their clocks' offsets to
+    this process measured and their requests merged raw. `coordinator`: this machine's address
+    as the node reaches it; `python`: the Python with pytest-gpubench that runs each task there
+    (default: this one's path)."""
 
     node: str
     tasks: Annotated[int, Field(ge=1, le=256)]
     coordinator: str = "127.0.0.1"
+    python: str | None = None
 
 
 class Sweep(_Strict):
@@ -196,7 +199,7 @@ class LoadProfile(_Strict):
     # The measured window cut into slices this long, each with its own throughput and
     # percentiles in the load record (results/load_summary.time_slices).
     slice_s: PositiveFloat | None = None
-    # Client tasks on a Slurm node instead of processes here (Clients).
+    # Client tasks on a Slurm or ssh node instead of processes here (Clients).
     clients: Clients | None = None
     # A ramp before the point's warm-up and measured window (run/load/ramp.py): its rate (an
     # open loop) or concurrency (a closed loop) rises from `ramp_from` of the point's own to all

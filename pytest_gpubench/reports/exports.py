@@ -16,6 +16,7 @@ from pytest_gpubench.core.files import atomic_file
 from pytest_gpubench.ledger.schema import EndRecord
 from pytest_gpubench.reports.frame import EXPORT_NUMBERS, EXPORT_TEXT, LedgerData
 from pytest_gpubench.results.engine_checks import EngineChecks
+from pytest_gpubench.reports.load_tables import slice_rate_spread
 from pytest_gpubench.results.gate import Verdict
 from pytest_gpubench.results.stats import WARM_METRICS, PromptSummary
 
@@ -88,6 +89,21 @@ LOAD_KEYS = (
     "concurrency", "rate", "arrival", "started_at_utc", "valid", "invalid_reason",
 )  # fmt: skip
 SERVER_FIGURES = ("ttft_ms", "tpot_ms", "e2e_ms")
+# The figures whose percentiles have a confidence interval in the load record
+# (results/load_summary.percentile_intervals): the load CSV's `<figure>_p<q>_low`/`_high`.
+INTERVAL_FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+INTERVAL_PERCENTILES = (50, 90, 99)
+# An open-loop point's queue trend (results/load_summary.saturation_trend): `trend_<field>`.
+TREND_FIELDS = ("n", "ttft_tau", "ttft_p", "in_flight_tau", "in_flight_p", "saturated")
+# A sweep's stop at saturation: `saturation_stop_<field>` (skipped: how many rates).
+STOP_FIELDS = ("load_point", "rate", "skipped", "time_kept_s")
+# The slices CSV: a row per slice of a point (the ramp's, then the measured window's).
+SLICE_KEYS = ("benchmark_run_id", "cell_id", "prompt_id", "load_point", "window")
+SLICE_FIGURES = (
+    "start_s", "span_s", "requests", "ok", "output_tokens_per_sec",
+    "ttft_ms_n", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_n", "tpot_ms_p50", "tpot_ms_p99",
+    "e2e_ms_n", "e2e_ms_p50", "e2e_ms_p99",
+)  # fmt: skip
 
 
 def write_csv(data: LedgerData, path: Path) -> int:
@@ -107,10 +123,48 @@ def write_csv(data: LedgerData, path: Path) -> int:
     return len(table)
 
 
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _load_extras(load: Mapping[str, Any]) -> dict[str, Any]:
+    """A point's percentile intervals (`ttft_ms_p99_low`, `_high`: blank an open side, and
+    `too_few` the percentiles its sample cannot bound), its queue trend (`trend_...`), its
+    slices' count and spread (`slices`, `slice_output_tokens_per_sec_min`/`_max`), its ramp's
+    requests and a sweep's stop at saturation (`saturation_stop_...`)."""
+    intervals = _mapping(load.get("percentile_intervals"))
+    row: dict[str, Any] = {}
+    for name in INTERVAL_FIGURES:
+        figure = _mapping(intervals.get(name))
+        for q in INTERVAL_PERCENTILES:
+            bounds = figure.get(f"p{q}")
+            low, high = bounds if isinstance(bounds, list | tuple) and len(bounds) == 2 else (
+                None, None
+            )  # fmt: skip
+            row[f"{name}_p{q}_low"], row[f"{name}_p{q}_high"] = low, high
+    row["too_few"] = " ".join(intervals.get("too_few") or ()) or None
+    trend = _mapping(load.get("trend"))
+    for field in TREND_FIELDS:
+        row[f"trend_{field}"] = trend.get(field)
+    slices = load.get("slices")
+    spread = slice_rate_spread(load)
+    row["slice_s"] = load.get("slice_s")
+    row["slices"] = len(slices) if isinstance(slices, list) and slices else None
+    row["slice_output_tokens_per_sec_min"] = spread[0] if spread else None
+    row["slice_output_tokens_per_sec_max"] = spread[1] if spread else None
+    row["ramp_requests"] = load.get("ramp_requests")
+    stop = _mapping(load.get("saturation_stop"))
+    for field in STOP_FIELDS:
+        value = stop.get(field)
+        row[f"saturation_stop_{field}"] = len(value) if isinstance(value, list) else value
+    return row
+
+
 def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One flat row per load record: its keys, figures, the engine's own means beside the
     client's with the offsets (`server_ttft_ms_mean`, `client_ttft_ms_mean`,
-    `offset_ttft_ms`, ...) and its delivery warnings joined."""
+    `offset_ttft_ms`, ...), its delivery warnings joined, then its intervals, trend, slices and
+    sweep stop (_load_extras)."""
     rows = []
     for load in loads:
         row = {name: load.get(name) for name in (*LOAD_KEYS, *LOAD_FIGURES)}
@@ -123,8 +177,34 @@ def load_rows(loads: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             row[f"offset_{name}"] = figure.get("offset_ms")
         row["delivery_warnings"] = " | ".join(load.get("delivery_warnings") or ()) or None
         row.update({name: load.get(name) for name in LOAD_ENGINE_FIGURES})
+        row.update(_load_extras(load))
         rows.append(row)
     return rows
+
+
+def slice_rows(loads: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per time slice of each point (`slice_s`): the ramp's (`window: ramp`, start_s
+    from the ramp's first send) then the measured window's (`window: measured`)."""
+    rows = []
+    for load in loads:
+        keys = {name: load.get(name) for name in SLICE_KEYS if name != "window"}
+        for window in ("ramp", "measured"):
+            slices = load.get("ramp_slices" if window == "ramp" else "slices")
+            for piece in slices if isinstance(slices, list) else ():
+                if isinstance(piece, Mapping):
+                    figures = {name: piece.get(name) for name in SLICE_FIGURES}
+                    rows.append({**keys, "window": window, **figures})
+    return rows
+
+
+def write_load_slices_csv(data: LedgerData, path: Path) -> int:
+    """One row per slice of each load point (slice_rows); returns the rows written."""
+    import pandas as pd
+
+    rows = slice_rows(data.of_type("load"))
+    table = pd.DataFrame(rows, columns=[*SLICE_KEYS, *SLICE_FIGURES])
+    _write(path, lambda target: table.to_csv(target, index=False, lineterminator="\n"))
+    return len(table)
 
 
 def write_load_csv(data: LedgerData, path: Path) -> int:

@@ -139,6 +139,19 @@ def load_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
     return rows
 
 
+def slice_rate_spread(load: Mapping[str, Any]) -> tuple[float, float, int] | None:
+    """A point's slices' output tokens/s: (lowest, highest, how many slices had one); None
+    without slices (no slice_s)."""
+    slices = load.get("slices")
+    rates = [
+        float(piece["output_tokens_per_sec"])
+        for piece in (slices if isinstance(slices, list) else [])
+        if isinstance(piece, Mapping)
+        and isinstance(piece.get("output_tokens_per_sec"), int | float)
+    ]
+    return (min(rates), max(rates), len(rates)) if rates else None
+
+
 def sweep_stop_text(stop: Any) -> str:
     """`; over-saturated at <rate> req/s (<step>), <n> higher rates not run (<s> s kept)`, or
     nothing where the sweep ran every rate."""

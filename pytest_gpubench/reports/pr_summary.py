@@ -99,36 +99,101 @@ def cells_section(cells: Sequence[CellOutcomeRecord]) -> list[str]:
     return lines
 
 
+def _p99(load: Mapping[str, Any], name: str) -> tuple[str, bool]:
+    """`27.81 [26.28, open]` (the p99 and its confidence interval, an open side where the
+    sample cannot bound it; `*` then: too few requests), and whether it was too few."""
+    value = load.get(f"{name}_p99")
+    intervals = load.get("percentile_intervals")
+    if not isinstance(value, int | float) or not isinstance(intervals, Mapping):
+        return _number(value), False
+    figure = intervals.get(name)
+    bounds = figure.get("p99") if isinstance(figure, Mapping) else None
+    if not isinstance(bounds, list | tuple) or len(bounds) != 2:
+        return _number(value), False
+    low, high = (_number(b) if b is not None else "open" for b in bounds)
+    few = f"{name}_p99" in (intervals.get("too_few") or ())
+    return f"{_number(value)} [{low}, {high}]" + ("\\*" if few else ""), few
+
+
+def _slices(load: Mapping[str, Any]) -> str:
+    """The slices' output tokens/s, lowest to highest, and how many (`-` without slice_s)."""
+    from pytest_gpubench.reports.load_tables import slice_rate_spread
+
+    spread = slice_rate_spread(load)
+    if spread is None:
+        return NONE
+    low, high, count = spread
+    return f"{_number(low, 1)} to {_number(high, 1)} ({count})"
+
+
+def _trend(load: Mapping[str, Any]) -> str:
+    """`; queue rising` where an open-loop point's TTFT and requests in flight both rose."""
+    trend = load.get("trend")
+    if not isinstance(trend, Mapping) or not trend.get("saturated"):
+        return ""
+    return (
+        f"; queue rising (TTFT τ {_number(trend.get('ttft_tau'))}, "
+        f"in flight τ {_number(trend.get('in_flight_tau'))})"
+    )
+
+
 def load_section(loads: Sequence[LoadRecord]) -> list[str]:
-    """One row per load point (a sweep's saturation rate as its own row), then each point's
-    delivery warnings."""
+    """One row per load point (a sweep's saturation rate, and where it stopped rising, as its
+    own row): its p99s with their confidence intervals and n, its slices' throughput spread,
+    its queue trend; then each point's delivery warnings, and what `*` means."""
+    from pytest_gpubench.reports.load_tables import sweep_stop_text
+
     if not loads:
         return []
+    confidence = next(
+        (
+            intervals.get("confidence")
+            for intervals in (load.get("percentile_intervals") for load in loads)
+            if isinstance(intervals, Mapping)
+        ),
+        None,
+    )
+    ci = f"{confidence:.0%} CI" if isinstance(confidence, float) else "CI"
     lines = [
-        "| cell | point | req/s | out tok/s | TTFT p99 ms | TPOT p99 ms | goodput req/s | result |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        f"| cell | point | req/s | out tok/s | slices out tok/s | n | TTFT p99 [{ci}] ms "
+        f"| TPOT p99 [{ci}] ms | goodput req/s | result |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     warnings = []
+    any_few = False
     for load in loads:
         cell, point = _md(load.get("cell_id")), _md(load.get("load_point"))
         if load.get("pattern") == "sweep":
             rate = load.get("saturation_rate")
             result = f"saturation {_number(rate)} req/s" if rate is not None else NONE
-            lines.append(f"| {cell} | sweep | | | | | | {result} |")
+            result += _md(sweep_stop_text(load.get("saturation_stop")))
+            lines.append(f"| {cell} | sweep | | | | | | | | {result} |")
             continue
         result = "ok" if load.get("valid") else f"INVALID: {_md(load.get('invalid_reason'))[:80]}"
+        result += _trend(load)
         if load.get("delivery_warnings"):
             result += " ⚠"
             warnings += [
                 f"- ⚠ {cell} {point}: {_md(w)}" for w in load.get("delivery_warnings") or []
             ]
+        (ttft, few_ttft), (tpot, few_tpot) = _p99(load, "ttft_ms"), _p99(load, "tpot_ms")
+        any_few = any_few or few_ttft or few_tpot
         lines.append(
             f"| {cell} | {point} | {_number(load.get('achieved_rate'))} "
-            f"| {_number(load.get('output_tokens_per_sec'), 1)} "
-            f"| {_number(load.get('ttft_ms_p99'))} | {_number(load.get('tpot_ms_p99'))} "
-            f"| {_number(load.get('goodput_rate'))} | {result} |"
+            f"| {_number(load.get('output_tokens_per_sec'), 1)} | {_slices(load)} "
+            f"| {load.get('ttft_ms_n') if load.get('ttft_ms_n') is not None else NONE} "
+            f"| {ttft} | {tpot} | {_number(load.get('goodput_rate'))} | {result} |"
         )
-    return [*lines, *(["", *warnings] if warnings else [])]
+    notes = (
+        [
+            "",
+            "_\\* too few requests for the interval: the sample does not bound that p99 "
+            "(a p99 from under a few hundred requests is about the maximum)._",
+        ]
+        if any_few
+        else []
+    )
+    return [*lines, *notes, *(["", *warnings] if warnings else [])]
 
 
 def kinds_section(summaries: Sequence[PromptSummary]) -> list[str]:

@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -215,3 +216,56 @@ def node_install(sshd: SshServer, llama_server: Path, tiny_model: Path) -> tuple
     model = Path(shutil.copy2(tiny_model, install / "tiny.gguf"))
     subprocess.run(["chown", "-R", f"{sshd.user}:{sshd.user}", str(install)], check=True)
     return binary, model
+
+
+# What the node's Python needs to run a load client task: the modules it imports from
+# site-packages, found by importing it here (pytest_gpubench itself is copied whole).
+_CLIENT_IMPORTS = """
+import sys, pytest_gpubench.run.load.client_task
+names = set()
+for module in list(sys.modules.values()):
+    path = getattr(module, "__file__", None) or ""
+    if "site-packages/" in path:
+        names.add(path.split("site-packages/")[1].split("/")[0])
+print("\\n".join(sorted(names)))
+"""
+
+
+@pytest.fixture(scope="module")
+def node_python(sshd: SshServer) -> str:
+    """A Python with pytest-gpubench installed as the node's own: a venv of the system's
+    python3 in the test user's folder, with this checkout's package and the libraries a load
+    client task imports copied into it (this interpreter's are in root's home, closed to that
+    user). Skips where the system python3 is another minor version than this one (the copied
+    compiled libraries would not load)."""
+    system = Path("/usr/bin/python3")
+    version = subprocess.run(
+        [str(system), "-c", "import sys; print(sys.version_info[:2])"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if version.stdout.strip() != str(tuple(sys.version_info[:2])):
+        pytest.skip(f"{system} is not Python {sys.version_info[0]}.{sys.version_info[1]}")
+    venv = sshd.remote_dir / "client-venv"
+    if not venv.exists():
+        subprocess.run([str(system), "-m", "venv", "--without-pip", str(venv)], check=True)
+        (site,) = venv.glob("lib/python3*/site-packages")
+        listed = subprocess.run(
+            [sys.executable, "-c", _CLIENT_IMPORTS],
+            capture_output=True, text=True, check=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        ).stdout.split()  # fmt: skip
+        import pytest_gpubench
+
+        package = Path(pytest_gpubench.__file__).parent
+        ignore = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(package, site / "pytest_gpubench", ignore=ignore)
+        for name in listed:
+            if name.startswith(("_distutils_hack", "__editable__")):
+                continue
+            source = next(p for p in map(Path, sys.path) if (p / name).exists()) / name
+            if source.is_dir():
+                shutil.copytree(source, site / name, ignore=ignore)
+            else:
+                shutil.copy2(source, site / name)
+        subprocess.run(["chown", "-R", f"{sshd.user}:{sshd.user}", str(venv)], check=True)
+    return str(venv / "bin" / "python")

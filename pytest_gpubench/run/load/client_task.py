@@ -1,5 +1,6 @@
-"""A client task of `clients: {node, tasks}` (run/load/cluster_clients.py), started by srun on
-the node: `python -m pytest_gpubench.run.load.client_task PLAN`."""
+"""A client task of `clients: {node, tasks}` (run/load/cluster_clients.py), started on the node
+by srun (`python -m pytest_gpubench.run.load.client_task PLAN`, its share its SLURM_PROCID) or
+by an SSH session (`... PLAN TASK TASKS`)."""
 
 from __future__ import annotations
 
@@ -8,4 +9,4 @@ import sys
 from pytest_gpubench.run.load.cluster_clients import task_main
 
 if __name__ == "__main__":
-    task_main(sys.argv[1])
+    task_main(*sys.argv[1:4])

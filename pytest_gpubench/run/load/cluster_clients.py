@@ -1,14 +1,18 @@
-"""`clients: {node, tasks}`: one load point sent by K client tasks of an `srun` step on a Slurm
-node. This process coordinates: it listens for the tasks (multiprocessing's authenticated
+"""`clients: {node, tasks}`: one load point sent by K client tasks on a node of cells.yaml: an
+`srun` step of K tasks on a Slurm node, or K SSH sessions on an ssh node. Both share one
+mechanism (`run_clients`), and differ only in how the plan reaches the node and the tasks start
+(a `Launch`). This process coordinates: it listens for the tasks (multiprocessing's authenticated
 connections), measures each task's clock offset to its own by timestamp exchanges, starts them at
 one barrier time, and merges their requests raw into its own clock; a task that ends without
 its requests is a lost client (the point is then invalid, run/load/runner.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,21 +21,28 @@ import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pytest_gpubench.config.load_profile import LoadProfile
-from pytest_gpubench.config.nodes import SlurmNode
+from pytest_gpubench.config.nodes import SlurmNode, SshNode
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.run.load import LoadPattern, ramp_seconds
 from pytest_gpubench.run.load.driver import LoadRun, Sent, Target, wait_until
 from pytest_gpubench.run.load.processes import profile_share, share
 
+if TYPE_CHECKING:
+    from pytest_gpubench.targets.ssh.target import SshLineStream, SshTarget
+
 # The start is set this far ahead of the moment every task said it was ready.
 START_AHEAD_NS = 200_000_000
-# How long the tasks may take to start and connect (srun, Python's imports), then to be ready.
+# How long the tasks may take to start and connect (srun, ssh, Python's imports), then to be
+# ready.
 CONNECT_TIMEOUT_S = 120.0
 # Timestamp exchanges per task; the one with the smallest round trip gives the offset.
 EXCHANGES = 8
+# How long the tasks may take to end once the point is over, before they are killed.
+END_TIMEOUT_S = 30.0
+TASK_MODULE = "pytest_gpubench.run.load.client_task"
 
 
 @dataclass(frozen=True)
@@ -55,8 +66,26 @@ def clock_offset(exchanges: list[tuple[int, int, int, int]]) -> tuple[float, flo
     return ((t1 - t0) + (t2 - t3)) / 2.0, ((t3 - t0) - (t2 - t1)) / 2.0
 
 
-def srun_argv(node: SlurmNode, tasks: int, plan: Path) -> list[str]:
-    """The step: K tasks on one node of the node's partition, each this Python on the plan."""
+class Launch(Protocol):
+    """How K client tasks start on a node, given their plan: what differs between an `srun`
+    step and SSH sessions. Everything else (the plan, barrier, offsets, merge, loss) is
+    run_clients'."""
+
+    def start(self, plan: bytes, tasks: int) -> None:
+        """Put the plan where the tasks read it, and start them."""
+
+    def ended(self) -> str | None:
+        """Why the launch ended before every task connected (its own last words), else None."""
+
+    def lost_detail(self, task: int) -> str:
+        """What is known of how a lost task ended (may be empty)."""
+
+    def close(self) -> None:
+        """Wait for the tasks to end (killed past END_TIMEOUT_S) and remove the plan."""
+
+
+def srun_argv(node: SlurmNode, tasks: int, plan: Path, python: str | None = None) -> list[str]:
+    """The step: K tasks on one node of the node's partition, each Python on the plan."""
     argv = ["srun", f"--ntasks={tasks}", "--nodes=1", "--kill-on-bad-exit=0"]
     if node.partition:
         argv.append(f"--partition={node.partition}")
@@ -66,43 +95,157 @@ def srun_argv(node: SlurmNode, tasks: int, plan: Path) -> list[str]:
         argv.append(f"--account={node.account}")
     if node.qos:
         argv.append(f"--qos={node.qos}")
-    return [*argv, sys.executable, "-m", "pytest_gpubench.run.load.client_task", str(plan)]
+    return [*argv, python or sys.executable, "-m", TASK_MODULE, str(plan)]
 
 
-def run_on_cluster(
-    target: Target,
-    profile: LoadProfile,
-    pattern: LoadPattern,
-    node: SlurmNode,
+class SrunLaunch:
+    """An `srun` step of K tasks on a Slurm node: the plan written (mode 600) to the node's
+    `work_dir` (a folder the compute node shares), each task's share its SLURM_PROCID."""
+
+    def __init__(self, node: SlurmNode, python: str | None) -> None:
+        self.node, self.python = node, python
+        work_dir = Path(node.work_dir) if node.work_dir else Path(tempfile.gettempdir())
+        work_dir.mkdir(parents=True, exist_ok=True)
+        self.plan = work_dir / f"gpubench-load-plan-{secrets.token_hex(6)}.pkl"
+        self.step: subprocess.Popen[str] | None = None
+
+    def start(self, plan: bytes, tasks: int) -> None:
+        # The plan holds the connection's key (and the cell's headers): its owner's only.
+        descriptor = os.open(self.plan, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(plan)
+        env = {
+            **os.environ,
+            **({"SLURM_CONF": self.node.slurm_conf} if self.node.slurm_conf else {}),
+        }
+        self.step = subprocess.Popen(
+            srun_argv(self.node, tasks, self.plan, self.python),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def ended(self) -> str | None:
+        if self.step is None or self.step.poll() is None:
+            return None
+        said = (self.step.stderr.read() if self.step.stderr else "").strip()[-300:]
+        return f"srun ended ({self.step.returncode}): {said}"
+
+    def lost_detail(self, task: int) -> str:
+        if self.step is None or self.step.poll() is None:
+            return ""
+        return f" (srun exit status {self.step.returncode})"
+
+    def close(self) -> None:
+        if self.step is not None:
+            try:
+                self.step.wait(timeout=END_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.step.kill()
+                self.step.wait()
+        self.plan.unlink(missing_ok=True)
+
+
+class SshLaunch:
+    """K SSH sessions on an ssh node (targets/ssh/, one connection of its own): the plan
+    written (mode 600) to the node's work folder, each session one task, its share given on
+    its command line. Each session's shell says the task's pid first, so that a task still
+    running after the point can be killed."""
+
+    def __init__(self, node_id: str, node: SshNode, python: str | None) -> None:
+        from pytest_gpubench.targets.ssh.target import SshTarget
+
+        self.python = python or sys.executable
+        self.target: SshTarget = SshTarget.of_node(
+            node_id, node, connect_timeout_s=node.connect_timeout_s, forward=False
+        )
+        self.plan = f"{self.target.work_dir}/gpubench-load-plan-{secrets.token_hex(6)}.pkl"
+        self.sessions: list[SshLineStream] = []
+        self.pids: list[int | None] = []
+
+    def start(self, plan: bytes, tasks: int) -> None:
+        self.target.write_file(self.plan, plan)
+        for task in range(tasks):
+            argv = [self.python, "-m", TASK_MODULE, self.plan, str(task), str(tasks)]
+            self.sessions.append(
+                self.target.stream(["sh", "-c", 'echo "$$"; exec "$@"', "sh", *argv])
+            )
+        for session in self.sessions:
+            line = session.readline()
+            self.pids.append(int(line) if line and line.strip().isdigit() else None)
+
+    def ended(self) -> str | None:
+        for task, session in enumerate(self.sessions):
+            status = session.exit_status()
+            if status is not None:
+                said = session.rest().strip()[-300:]
+                return f"the SSH session of task {task} ended (exit status {status}): {said}"
+        return None
+
+    def lost_detail(self, task: int) -> str:
+        status = self.sessions[task].exit_status() if task < len(self.sessions) else None
+        if status is None:
+            return ""
+        if status == -1:
+            return " (its SSH session ended by a signal)"
+        if status > 128:
+            # The login shell's word for a command a signal ended: 128 + its number.
+            try:
+                return f" (its SSH session ended: killed by {signal.Signals(status - 128).name})"
+            except ValueError:
+                pass
+        return f" (its SSH session's exit status {status})"
+
+    def close(self) -> None:
+        # A connection lost meanwhile must not hide why the point failed: the clean-up is best
+        # effort (a task left running fails at its next read of, or write to, its connection to
+        # this process, closed by then: at the latest once its share is sent).
+        try:
+            deadline = time.monotonic() + END_TIMEOUT_S
+            for task, session in enumerate(self.sessions):
+                while session.exit_status() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                pid = self.pids[task] if task < len(self.pids) else None
+                if session.exit_status() is None and pid is not None:
+                    with contextlib.suppress(GpubenchError):
+                        self.target.run(["kill", "-KILL", str(pid)], timeout_s=10)
+                session.close()
+            with contextlib.suppress(GpubenchError):
+                self.target.run(["rm", "-f", self.plan], timeout_s=10)
+        finally:
+            self.target.close()
+
+
+def launch_for(profile: LoadProfile, nodes: Any) -> Launch:
+    """The launch of `clients:`'s node: an srun step on a Slurm node, SSH sessions on an ssh
+    node (config/cell_rules.py has refused any other)."""
+    assert profile.clients is not None
+    node = nodes[profile.clients.node]
+    if isinstance(node, SshNode):
+        return SshLaunch(profile.clients.node, node, profile.clients.python)
+    assert isinstance(node, SlurmNode)
+    return SrunLaunch(node, profile.clients.python)
+
+
+def run_clients(
+    target: Target, profile: LoadProfile, pattern: LoadPattern, launch: Launch
 ) -> ClusterResult:
+    """One point sent by the launch's K tasks: listen, start them, wait until all connected
+    (or the launch ended first, or CONNECT_TIMEOUT_S), then coordinate (_coordinate)."""
     assert profile.clients is not None
     tasks = profile.clients.tasks
     authkey = secrets.token_bytes(32)
     listener = Listener(("0.0.0.0", 0), authkey=authkey)
     port = listener.address[1]
-    work_dir = Path(node.work_dir) if node.work_dir else Path(tempfile.gettempdir())
-    work_dir.mkdir(parents=True, exist_ok=True)
-    plan = work_dir / f"gpubench-load-plan-{secrets.token_hex(6)}.pkl"
-    # The plan holds the connection's key (and the cell's headers): readable by its owner only.
-    descriptor = os.open(plan, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "wb") as file:
-        pickle.dump(
-            {
-                "coordinator": (profile.clients.coordinator, port),
-                "authkey": authkey,
-                "target": target,
-                "profile": profile,
-                "pattern": pattern,
-            },
-            file,
-        )
-    env = {**os.environ, **({"SLURM_CONF": node.slurm_conf} if node.slurm_conf else {})}
-    step = subprocess.Popen(
-        srun_argv(node, tasks, plan),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    plan = pickle.dumps(
+        {
+            "coordinator": (profile.clients.coordinator, port),
+            "authkey": authkey,
+            "target": target,
+            "profile": profile,
+            "pattern": pattern,
+        }
     )
     accepted: list[Connection] = []
 
@@ -113,38 +256,30 @@ def run_on_cluster(
             except OSError:
                 return
 
-    threading.Thread(target=accept, daemon=True).start()
     try:
+        launch.start(plan, tasks)
+        threading.Thread(target=accept, daemon=True).start()
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         while len(accepted) < tasks:
-            if step.poll() is not None or time.monotonic() > deadline:
-                said = (step.stderr.read() if step.stderr else "").strip()[-300:]
-                why = (
-                    f"srun ended ({step.returncode}): {said}"
-                    if step.returncode is not None
-                    else f"not within {CONNECT_TIMEOUT_S:g} s"
-                )
+            ended = launch.ended()
+            if ended is not None or time.monotonic() > deadline:
                 raise GpubenchError(
                     f"clients: {len(accepted)} of {tasks} client tasks on node "
                     f"'{profile.clients.node}' reached this machine at "
-                    f"{profile.clients.coordinator}:{port}: {why}"
+                    f"{profile.clients.coordinator}:{port}: "
+                    + (ended or f"not within {CONNECT_TIMEOUT_S:g} s")
                 )
             time.sleep(0.05)
-        return _coordinate(accepted, tasks, profile.clients.node, step)
+        return _coordinate(accepted, tasks, profile.clients.node, launch)
     finally:
         listener.close()
         for connection in accepted:
             connection.close()
-        try:
-            step.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            step.kill()
-            step.wait()
-        plan.unlink(missing_ok=True)
+        launch.close()
 
 
 def _coordinate(
-    connections: list[Connection], tasks: int, node: str, step: subprocess.Popen[str]
+    connections: list[Connection], tasks: int, node: str, launch: Launch
 ) -> ClusterResult:
     by_task: dict[int, Connection] = {}
     for connection in connections:
@@ -180,10 +315,10 @@ def _coordinate(
         try:
             kind, value = connection.recv()
         except EOFError:
-            step.poll()
+            time.sleep(0.2)  # the launch's own word on how the task ended comes a moment later
             lost.append(
                 f"client task {task} of {tasks} on node '{node}' ended without its requests"
-                + (f" (srun exit status {step.returncode})" if step.returncode is not None else "")
+                + launch.lost_detail(task)
             )
             continue
         if kind == "error":
@@ -203,15 +338,16 @@ def _coordinate(
     )
 
 
-def task_main(plan_path: str) -> None:
-    """One client task (`python -m pytest_gpubench.run.load.client_task PLAN`): its share of
-    the point, sent from the barrier time the coordinator gives in this task's clock."""
+def task_main(plan_path: str, task_arg: str | None = None, tasks_arg: str | None = None) -> None:
+    """One client task (`python -m pytest_gpubench.run.load.client_task PLAN [TASK TASKS]`):
+    its share of the point (TASK of TASKS; under srun its SLURM_PROCID of SLURM_NTASKS), sent
+    from the barrier time the coordinator gives in this task's clock."""
     import asyncio
 
     with open(plan_path, "rb") as file:
         plan: dict[str, Any] = pickle.load(file)
-    task = int(os.environ.get("SLURM_PROCID", "0"))
-    tasks = int(os.environ.get("SLURM_NTASKS", "1"))
+    task = int(task_arg if task_arg is not None else os.environ.get("SLURM_PROCID", "0"))
+    tasks = int(tasks_arg if tasks_arg is not None else os.environ.get("SLURM_NTASKS", "1"))
     connection = Client(tuple(plan["coordinator"]), authkey=plan["authkey"])
     connection.send(("hello", task))
     profile: LoadProfile = profile_share(plan["profile"], task, tasks)

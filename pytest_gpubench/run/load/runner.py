@@ -26,6 +26,7 @@ from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.measure.control import CpuPressure
 from pytest_gpubench.measure.gauges import GaugeScraper
 from pytest_gpubench.results.load_summary import (
+    lag_by_client,
     lost_client_summary,
     percentile,
     summarize_point,
@@ -248,7 +249,7 @@ def _run_load_case(
     )
     recorder = _Recorder(run_id, cell, case, sends.sha256, profile, pressure)
     if profile.clients is not None:
-        recorder.client_node = matrix.nodes[profile.clients.node]
+        recorder.client_nodes = matrix.nodes
     recorder.facts = sends.facts
     if case.load_point == "sweep":
         from pytest_gpubench.run.load.sweep import run_sweep
@@ -302,8 +303,8 @@ class _Recorder:
         self.loads: list[dict[str, Any]] = []
         # Per prompt sent in turn: what its call records carry (request i: i mod n).
         self.facts: tuple[dict[str, Any], ...] = ()
-        # `clients:`: the Slurm node its client tasks run on.
-        self.client_node: Any = None
+        # `clients:`: cells.yaml's nodes, among them the one its client tasks run on.
+        self.client_nodes: Any = None
 
     async def step(
         self, target: Target, point: str, pattern: LoadPattern, sweep_step: str | None = None
@@ -355,6 +356,7 @@ class _Recorder:
             ),
             server=scraper.samples.server_changes() or None,
             slice_s=self.profile.slice_s,
+            client_names=self._client_names(),
         )
         if lost:
             summary = lost_client_summary(summary, lost)
@@ -370,11 +372,11 @@ class _Recorder:
                 **summary,
                 **({"sweep_step": sweep_step} if sweep_step is not None else {}),
                 "processes": self.profile.processes,
-                "send_lag_by_process": _lag_by_process(calls)
+                "send_lag_by_process": lag_by_client(calls)
                 if self.profile.processes > 1 or self.profile.clients is not None
                 else None,
                 **(
-                    {"clients": self.profile.clients.model_dump(), **offsets}
+                    {"clients": self.profile.clients.model_dump(exclude_none=True), **offsets}
                     if self.profile.clients is not None
                     else {}
                 ),
@@ -418,17 +420,31 @@ class _Recorder:
         self.loads.append(as_json(record))
         return summary
 
+    def _client_names(self) -> dict[int, str] | None:
+        """Each client's name in a reason (None: one client, the pytest process)."""
+        clients = self.profile.clients
+        if clients is not None:
+            return {
+                task: f"client task {task} of {clients.tasks} on node '{clients.node}'"
+                for task in range(clients.tasks)
+            }
+        count = self.profile.processes
+        if count > 1:
+            return {process: f"client process {process} of {count}" for process in range(count)}
+        return None
+
     def _elsewhere(
         self, target: Target, pattern: LoadPattern
     ) -> tuple[int, list[Sent], list[str], dict[str, Any]]:
-        """The point sent by client processes here (`processes:`) or tasks on a Slurm node
-        (`clients:`): (their shared start, their requests, the ones lost, the tasks' clock
+        """The point sent by client processes here (`processes:`) or tasks on a Slurm or ssh
+        node (`clients:`): (their shared start, their requests, the ones lost, the tasks' clock
         offsets)."""
         if self.profile.clients is None:
             return (*run_in_processes(target, self.profile, pattern), {})
-        from pytest_gpubench.run.load.cluster_clients import run_on_cluster
+        from pytest_gpubench.run.load.cluster_clients import launch_for, run_clients
 
-        result = run_on_cluster(target, self.profile, pattern, self.client_node)
+        launch = launch_for(self.profile, self.client_nodes)
+        result = run_clients(target, self.profile, pattern, launch)
         offsets = {
             "client_offsets_ms": result.offsets_ms,
             "client_offset_errors_ms": result.offset_errors_ms,
@@ -506,24 +522,3 @@ def spec_decode_figures(counters: Mapping[str, float]) -> dict[str, Any]:
                 "spec_mean_acceptance_length": round(accepted / drafts + 1, 4),
             }
     return {"spec_acceptance_rate": None, "spec_mean_acceptance_length": None}
-
-
-def _lag_by_process(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each client process's own send lag (p50, p99, max ms) over the measured window."""
-    rows = []
-    for process in sorted({call["process"] for call in calls}):
-        lags = [
-            float(call["send_lag_ms"])
-            for call in calls
-            if call["process"] == process and call["load_window"] == "measured"
-        ]
-        rows.append(
-            {
-                "process": process,
-                "requests": len(lags),
-                "send_lag_ms_p50": percentile(lags, 50),
-                "send_lag_ms_p99": percentile(lags, 99),
-                "send_lag_ms_max": max(lags) if lags else None,
-            }
-        )
-    return rows

@@ -129,6 +129,23 @@ class SshLineStream:
         text: str = line.decode("utf-8", "replace") if isinstance(line, bytes) else str(line)
         return text.rstrip("\r\n")
 
+    def exit_status(self) -> int | None:
+        """The command's exit status once it has ended (-1: ended by a signal), else None."""
+        if not self._channel.exit_status_ready():
+            return None
+        return self._channel.recv_exit_status()
+
+    def rest(self, max_bytes: int = 4000) -> str:
+        """What an ended command wrote that has not been read yet (its last words: the end of
+        it, at most max_bytes); empty while it runs (it would block)."""
+        if not self._channel.exit_status_ready():
+            return ""
+        data = b""
+        with contextlib.suppress(Exception):
+            data = self._file.read()
+        text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
+        return text[-max_bytes:]
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._channel.close()
@@ -347,6 +364,35 @@ class SshTarget:
                 f"{str(exc) or type(exc).__name__}",
             ) from None
         return SshLineStream(channel)
+
+    def write_file(self, path: str, data: bytes) -> None:
+        """Write data to a new file at path on the node, readable by its owner only (mode 600:
+        it may hold a key), its folder made first; through `cat` on stdin (no SFTP needed)."""
+        script = 'umask 077 && mkdir -p "$(dirname "$1")" && cat > "$1"'
+        command = shlex.join(["sh", "-c", script, "sh", path])
+        transport = self._transport("benchmark")
+        try:
+            channel = transport.open_session(timeout=self.connect_timeout_s)
+            try:
+                channel.exec_command(command)
+                channel.sendall(data)
+                channel.shutdown_write()
+                status = channel.recv_exit_status()
+                said = channel.recv_stderr(4000).decode("utf-8", "replace").strip()
+            finally:
+                channel.close()
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise StageError(
+                "benchmark",
+                f"node {self.node_id}: cannot write {path} on {self.where}: "
+                f"{str(exc) or type(exc).__name__}",
+            ) from None
+        if status != 0:
+            raise StageError(
+                "benchmark",
+                f"node {self.node_id}: cannot write {path} on {self.where}: "
+                f"status {status}: {said[-300:]}",
+            )
 
     def run_script(self, script: str, args: Sequence[str], timeout_s: float) -> CommandResult:
         """Run a fixed sh script of ours; values reach it only as positional parameters."""

@@ -1,0 +1,182 @@
+"""`clients: {node, tasks}` on an ssh node: a load point driven by 2 client tasks, each an SSH
+session on the real sshd of the tests (tests/support/ssh_fixtures.py, logging in as its
+unprivileged user, whose Python is a venv of the system's with this checkout copied in:
+node_python), against tests/support/keepalive_server.py (a stand-in OpenAI-style streaming
+server, so that the figures are the clients', not a tiny model's). The same plan, barrier,
+clock offsets, raw merge and loss as the Slurm path (run/load/cluster_clients.run_clients)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pwd
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from support.keepalive_server import keepalive_server
+from support.remote_cells import ssh_node
+from test_load import INFERENCE_TEST, ledger_records, write_load_project
+
+if TYPE_CHECKING:
+    from support.ssh_fixtures import SshServer
+
+pytest_plugins = ["support.ssh_fixtures"]
+
+
+def write_project(pytester: pytest.Pytester, sshd: SshServer, url: str, load: str) -> None:
+    """One cell on this machine whose load points are sent from the ssh node `far`."""
+    write_load_project(
+        pytester,
+        f"  - {{node: local, engine: openai, model: m, endpoint: '{url}', load: {load}}}\n",
+        INFERENCE_TEST,
+    )
+    cells = (pytester.path / "cells.yaml").read_text()
+    (pytester.path / "cells.yaml").write_text(
+        cells.replace(
+            "nodes: {local: {kind: local}}",
+            f"nodes: {{local: {{kind: local}}, far: {ssh_node(sshd)}}}",
+        )
+    )
+
+
+@pytest.mark.sshd
+def test_two_client_tasks_as_ssh_sessions_drive_a_point_merged_exactly(
+    pytester: pytest.Pytester, sshd: SshServer, node_python: str
+) -> None:
+    with keepalive_server() as server:
+        write_project(
+            pytester,
+            sshd,
+            server.url,
+            "{rate: [40], arrival: constant, requests: 40, max_send_lag_ms: 100,"
+            f" clients: {{node: far, tasks: 2, python: '{node_python}'}}}}",
+        )
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    result.assert_outcomes(passed=1)
+    records = ledger_records(pytester)
+    (merged,) = [r for r in records if r["type"] == "load"]
+    calls = [r for r in records if r["type"] == "call" and r.get("load_point") == "r40"]
+    assert merged["valid"], merged["invalid_reason"]
+    # Each request once: 40 measured, 20 from each task, no (task, index) twice.
+    assert merged["requests"] == len(calls) == 40
+    assert {c["process"] for c in calls} == {0, 1}
+    assert len({(c["process"], c["request_idx"]) for c in calls}) == 40
+    assert [row["requests"] for row in merged["send_lag_by_process"]] == [20, 20]
+    # The offsets: one per task, within their error bound of 0 (one machine, one clock).
+    offsets, errors = merged["client_offsets_ms"], merged["client_offset_errors_ms"]
+    assert len(offsets) == len(errors) == 2
+    assert all(abs(o) <= e + 0.5 for o, e in zip(offsets, errors, strict=True))
+    assert merged["clients"] == {
+        "node": "far", "tasks": 2, "coordinator": "127.0.0.1", "python": node_python,
+    }  # fmt: skip
+    # The schedule kept per request: two constant shares at 20/s interleave into one at 40/s,
+    # each request's actual send after its scheduled one.
+    due = sorted(c["scheduled_send_ms"] for c in calls)
+    assert [round(b - a, 1) for a, b in itertools.pairwise(due)] == [25.0] * 39
+    assert all(c["send_ms"] >= c["scheduled_send_ms"] - 0.001 for c in calls)
+    assert merged["output_tokens"] == 40 * 8
+
+
+def ssh_client_tasks(user: str) -> list[int]:
+    """The client tasks' processes on this machine: the test user's Pythons running the task
+    module (started by sshd, not by us)."""
+    uid = pwd.getpwnam(user).pw_uid
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().split(b"\0")
+                owner = entry.stat().st_uid
+            except OSError:
+                continue
+            if (
+                owner == uid
+                and b"python" in command[0]
+                and b"pytest_gpubench.run.load.client_task" in command
+            ):
+                pids.append(int(entry.name))
+    return sorted(pids)
+
+
+@pytest.mark.sshd
+def test_an_ssh_client_task_killed_mid_point_makes_it_invalid_and_the_session_goes_on(
+    pytester: pytest.Pytester, sshd: SshServer, node_python: str
+) -> None:
+    """The stand-in SIGKILLs one of the two tasks as it reads the c4 point's 11th request (the
+    warm-up is the first): the point is invalid, named by the task, with no figure; r40 after
+    it runs on two new sessions and passes."""
+    killed: list[int] = []
+
+    def kill_one_task(request: int) -> None:
+        if request == 12 and not killed:
+            tasks = ssh_client_tasks(sshd.user)
+            assert len(tasks) == 2, tasks
+            os.kill(tasks[0], signal.SIGKILL)
+            killed.append(tasks[0])
+
+    with keepalive_server(prefill_s=0.02, on_request=kill_one_task) as server:
+        write_project(
+            pytester,
+            sshd,
+            server.url,
+            "{concurrency: [4], rate: [40], arrival: constant, requests: 40, max_send_lag_ms: 100,"
+            f" clients: {{node: far, tasks: 2, python: '{node_python}'}}}}",
+        )
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
+    assert len(killed) == 1
+    result.assert_outcomes(failed=1, passed=1)
+    records = ledger_records(pytester)
+    loads = {r["load_point"]: r for r in records if r["type"] == "load"}
+    lost = loads["c4"]
+    assert lost["valid"] is False
+    assert "client task" in lost["invalid_reason"]
+    assert "of 2 on node 'far' ended without its requests" in lost["invalid_reason"]
+    assert "(its SSH session ended: killed by SIGKILL)" in lost["invalid_reason"]
+    assert lost.get("achieved_rate") is None and lost.get("ttft_ms_p99") is None
+    assert loads["r40"]["valid"] is True and loads["r40"]["requests"] == 40
+    assert ssh_client_tasks(sshd.user) == []
+
+
+@pytest.mark.sshd
+def test_a_python_the_node_lacks_fails_the_case_in_one_line(
+    pytester: pytest.Pytester, sshd: SshServer
+) -> None:
+    """`clients.python` not on the node: the sessions end at once, and the case fails with one
+    line saying how many tasks reached this machine and what the session said."""
+    with keepalive_server() as server:
+        write_project(
+            pytester,
+            sshd,
+            server.url,
+            "{rate: [40], arrival: constant, requests: 4,"
+            " clients: {node: far, tasks: 2, python: /nonexistent/python}}",
+        )
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
+    result.assert_outcomes(failed=1)
+    (line,) = [
+        line for line in result.stdout.lines if "clients: 0 of 2 client tasks on node 'far'" in line
+    ][:1]
+    assert "reached this machine at 127.0.0.1:" in line
+    assert "the SSH session of task" in line and "/nonexistent/python" in line
+
+
+@pytest.mark.sshd
+def test_the_plan_is_written_on_the_node_for_its_user_only(sshd: SshServer) -> None:
+    """The plan holds the connection's key: SshTarget.write_file makes it mode 600, owned by
+    the node's user, its folder made first, the bytes whole."""
+    from support.remote_cells import ssh_target
+
+    target = ssh_target(sshd, "far")
+    path = f"{sshd.remote_dir}/plans/plan.pkl"
+    data = bytes(range(256)) * 300
+    try:
+        target.write_file(path, data)
+    finally:
+        target.close()
+    written = Path(path)
+    assert written.read_bytes() == data
+    assert written.stat().st_mode & 0o777 == 0o600
+    assert written.stat().st_uid == pwd.getpwnam(sshd.user).pw_uid
