@@ -194,3 +194,30 @@ def test_a_client_task_killed_mid_point_makes_it_invalid_and_the_session_goes_on
     assert "ended without its requests" in lost["invalid_reason"]
     assert lost.get("achieved_rate") is None and lost.get("ttft_ms_p99") is None
     assert loads["r40"]["valid"] is True and loads["r40"]["requests"] == 40
+
+
+@pytest.mark.timeout(30)  # before the fix, the wrong-key client waited forever for a challenge
+def test_a_stray_connection_to_the_coordinator_does_not_stop_it_accepting_the_tasks() -> None:
+    """A port probe (connected and closed at once) and a client with the wrong key reach the
+    coordinator's listener before the task: neither is a task, and the task is accepted (before,
+    the first stray connection ended the accepting thread and the point failed after 120 s)."""
+    import socket
+    import threading
+    from multiprocessing.connection import Client, Connection, Listener
+
+    from pytest_gpubench.run.load.cluster_clients import accept_tasks
+
+    listener = Listener(("127.0.0.1", 0), authkey=b"right")
+    accepted: list[Connection] = []
+    thread = threading.Thread(target=accept_tasks, args=(listener, accepted, 1), daemon=True)
+    thread.start()
+    try:
+        socket.create_connection(listener.address).close()  # a port probe
+        with pytest.raises(Exception):  # noqa: B017 (multiprocessing's AuthenticationError)
+            Client(listener.address, authkey=b"wrong")
+        task = Client(listener.address, authkey=b"right")
+        thread.join(timeout=10)
+        assert len(accepted) == 1 and not thread.is_alive()
+        task.close()
+    finally:
+        listener.close()

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, replace
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -108,6 +109,9 @@ class SrunLaunch:
         work_dir.mkdir(parents=True, exist_ok=True)
         self.plan = work_dir / f"gpubench-load-plan-{secrets.token_hex(6)}.pkl"
         self.step: subprocess.Popen[str] | None = None
+        # srun's stderr: a file, not a pipe nobody reads while the point runs (a task's 64 KiB
+        # of warnings would stall srun's forwarding, and with it the tasks).
+        self.said = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in close())
 
     def start(self, plan: bytes, tasks: int) -> None:
         # The plan holds the connection's key (and the cell's headers): its owner's only.
@@ -122,14 +126,15 @@ class SrunLaunch:
             srun_argv(self.node, tasks, self.plan, self.python),
             env=env,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=self.said,
             text=True,
         )
 
     def ended(self) -> str | None:
         if self.step is None or self.step.poll() is None:
             return None
-        said = (self.step.stderr.read() if self.step.stderr else "").strip()[-300:]
+        self.said.seek(0)
+        said = self.said.read().strip()[-300:]
         return f"srun ended ({self.step.returncode}): {said}"
 
     def lost_detail(self, task: int) -> str:
@@ -142,8 +147,14 @@ class SrunLaunch:
             try:
                 self.step.wait(timeout=END_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                self.step.kill()
-                self.step.wait()
+                # SIGTERM first: srun cancels its step (a SIGKILLed srun can leave it running).
+                self.step.terminate()
+                try:
+                    self.step.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.step.kill()
+                    self.step.wait()
+        self.said.close()
         self.plan.unlink(missing_ok=True)
 
 
@@ -248,17 +259,9 @@ def run_clients(
         }
     )
     accepted: list[Connection] = []
-
-    def accept() -> None:
-        while len(accepted) < tasks:
-            try:
-                accepted.append(listener.accept())
-            except OSError:
-                return
-
     try:
         launch.start(plan, tasks)
-        threading.Thread(target=accept, daemon=True).start()
+        threading.Thread(target=accept_tasks, args=(listener, accepted, tasks), daemon=True).start()
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         while len(accepted) < tasks:
             ended = launch.ended()
@@ -270,7 +273,16 @@ def run_clients(
                     + (ended or f"not within {CONNECT_TIMEOUT_S:g} s")
                 )
             time.sleep(0.05)
-        return _coordinate(accepted, tasks, profile.clients.node, launch)
+        # The point's share of time at most, and a margin: a task that hangs cannot hang the
+        # session.
+        ends_within_s = profile.longest_s + CONNECT_TIMEOUT_S
+        try:
+            return _coordinate(accepted, tasks, profile.clients.node, launch, ends_within_s)
+        except (EOFError, OSError) as exc:
+            raise GpubenchError(
+                f"clients: a client task on node '{profile.clients.node}' was lost before the "
+                f"point started ({type(exc).__name__})"
+            ) from None
     finally:
         listener.close()
         for connection in accepted:
@@ -278,8 +290,20 @@ def run_clients(
         launch.close()
 
 
+def accept_tasks(listener: Listener, accepted: list[Connection], tasks: int) -> None:
+    """Accept the tasks' connections until there are `tasks` of them or the listener closes; a
+    stray connection (a port probe, a wrong key) is not a task and does not stop it."""
+    while len(accepted) < tasks:
+        try:
+            accepted.append(listener.accept())
+        except (EOFError, AuthenticationError):
+            continue
+        except OSError:
+            return  # the listener closed
+
+
 def _coordinate(
-    connections: list[Connection], tasks: int, node: str, launch: Launch
+    connections: list[Connection], tasks: int, node: str, launch: Launch, ends_within_s: float
 ) -> ClusterResult:
     by_task: dict[int, Connection] = {}
     for connection in connections:
@@ -310,8 +334,14 @@ def _coordinate(
         connection.send(("start", started_ns + round(offsets_ns[task])))
     sent: list[Sent] = []
     lost: list[str] = []
+    deadline = time.monotonic() + ends_within_s
     for task, connection in sorted(by_task.items()):
-        wait([connection])
+        if not wait([connection], timeout=max(0.0, deadline - time.monotonic())):
+            lost.append(
+                f"client task {task} of {tasks} on node '{node}' sent nothing within "
+                f"{ends_within_s:g} s"
+            )
+            continue
         try:
             kind, value = connection.recv()
         except EOFError:
