@@ -8,15 +8,18 @@ serving two generated adapters is in tests/test_lora_real.py."""
 from __future__ import annotations
 
 import json
+import pickle
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.standins import FaultyOpenAIServer, serving
 
 from pytest_gpubench.config.cases import build_cases
 from pytest_gpubench.config.matrix import Matrix, read_matrix
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.reports.load_tables import render_adapter_split
 from pytest_gpubench.results.load_summary import adapter_split
 from pytest_gpubench.run.load.adapters import AdapterChoice
@@ -115,6 +118,14 @@ def test_a_seeded_draw_is_the_same_every_time_and_follows_the_weights() -> None:
     counts = Counter(heavy.name_of(i) for i in range(1000))
     # 9 to 1: far from an even split (a binomial with p 0.9 stays above 800 in 1000 draws).
     assert counts["a"] > 800 and counts["b"] > 0
+
+
+def test_a_client_process_given_the_choice_makes_the_same_one() -> None:
+    """`processes: N` sends a pickled target: its copy names the same adapters, drawn or not."""
+    for choice in (AdapterChoice(["a", "b", "c"], "random", seed=3), AdapterChoice(["a", "b"])):
+        choice.of(5)  # partly made before it is sent
+        copy = pickle.loads(pickle.dumps(choice))
+        assert [copy.of(i) for i in range(50)] == [choice.of(i) for i in range(50)]
 
 
 def test_each_load_request_carries_its_adapters_fields() -> None:
@@ -231,3 +242,42 @@ def test_a_bad_adapter_key_is_one_line_naming_it(tmp_path: Path, cell: str, mess
         matrix_of(tmp_path, cell)
     assert "\n" not in str(raised.value)
     assert "cells[0]" in str(raised.value)
+
+
+def test_an_openai_cell_names_each_adapter_as_the_requests_model(pytester: pytest.Pytester) -> None:
+    """vLLM serves each adapter under its own model name (`--lora-modules sql=... chat=...`) and
+    a request chooses one by its `model`. Against FaultyOpenAIServer (tests/support/standins.py,
+    OpenAI's chat completions streaming protocol field by field; it keeps every request's body)
+    in place of vLLM: the CPU build needs a model and adapters in Hugging Face's format, which
+    nothing here generates. The warm calls of `P-EASY@sql` ask for model `sql`, the load point's
+    requests for `sql` and `chat` in turn."""
+    server = FaultyOpenAIServer()
+    with serving(server) as url:
+        pytester.makefile(
+            ".yaml",
+            prompts="prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 4}\n",
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: openai, model: m, endpoint: '{url}', runs: 2,"
+            " phases: [warm], lora: [sql, chat],"
+            " load: {concurrency: [1], requests: 4, max_send_lag_ms: 1000}}\n",
+        )
+        pytester.makepyfile(
+            test_bench="def test_generate(gpubench_case):\n    gpubench_case.run()\n"
+        )
+        result = pytester.runpytest("--force-load", "--gpubench-steadiness", "off")
+    assert result.ret == 0, result.stdout.str()
+    models = [
+        body["model"]
+        for method, path, body in server.requests
+        if method == "POST" and path == "/v1/chat/completions" and body
+    ]
+    # Warm: each adapter's case a warm-up (its first request may load it) and 2 runs; then the
+    # point's 4 sends, in turn.
+    assert models[:6] == ["sql"] * 3 + ["chat"] * 3
+    assert models[-4:] == ["sql", "chat", "sql", "chat"]
+    ledger = next((pytester.path / "runs").glob("*.jsonl"))
+    (load,) = [r for r in read_ledger(ledger) if r["type"] == "load"]
+    assert [(row["adapter"], row["requests"]) for row in load["lora_split"]] == [
+        ("sql", 2),
+        ("chat", 2),
+    ]

@@ -385,7 +385,7 @@ class Harness:
         if case.phase == "cold":
             cold_kind = live.make_cold()
         else:
-            live.warm_up(prompt, max_tokens, shape, of=of, **own)
+            live.warm_up(prompt, max_tokens, shape, of=of, adapter=case.adapter, **own)
         steadiness = self.steadiness and case.phase == "warm"
         # The engine's own counters before the call (outside its timed span), where it has some.
         counters = live.engine_counters() if case.phase == "warm" else None

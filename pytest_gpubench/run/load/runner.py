@@ -230,6 +230,10 @@ def _run_load_case(
         {"messages": prompt.chat_messages()} if prompt.messages is not None else {}
     )
     live.warm_up(prompt.prompt, prompt.max_tokens, request, **own)
+    for adapter in cell.adapters:
+        # Each adapter's first request may load it: warmed up before the point, not in it.
+        adapted = cell.adapter_request(request, adapter)
+        live.warm_up(prompt.prompt, prompt.max_tokens, adapted, adapter=adapter, **own)
     engine: Any = live.engine
     payloads = [
         json.dumps(
