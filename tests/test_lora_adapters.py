@@ -281,3 +281,29 @@ def test_an_openai_cell_names_each_adapter_as_the_requests_model(pytester: pytes
         ("sql", 2),
         ("chat", 2),
     ]
+
+
+def test_an_ab_pair_chooses_the_same_adapters_on_both_sides(tmp_path: Path) -> None:
+    """A candidate's `P-EASY@sql` is paired with its reference's: both choose the same adapters."""
+    reference = "{node: local, engine: llamacpp, model: tiny, lora: {sql: tiny-lora-1}}"
+    candidate = (
+        "{node: local, engine: llamacpp, model: tiny, name: b, reference: local:llamacpp:tiny, "
+        "lora: {chat: tiny-lora-2}}"
+    )
+    with pytest.raises(GpubenchError) as raised:
+        matrix_of(tmp_path, f"{reference}\n  - {candidate}")
+    assert str(raised.value).endswith(
+        "cells[1] (local:llamacpp:tiny@b): lora: this cell chooses the adapters [chat] per "
+        "request, its reference 'local:llamacpp:tiny' [sql]; an A/B pair measures each "
+        "adapter's prompts on both sides (the same names, in the same order)"
+    )
+    same = candidate.replace("chat: tiny-lora-2", "sql: tiny-lora-2")
+    pair = build_cases(matrix_of(tmp_path, f"{reference}\n  - {same}"))
+    warm = {(case.cell_id, case.prompt_id) for case in pair if case.phase == "warm"}
+    assert warm == {
+        ("local:llamacpp:tiny", "P-EASY@sql"),
+        ("local:llamacpp:tiny@b", "P-EASY@sql"),
+    } | {
+        ("local:llamacpp:tiny", "P-TWO@sql"),
+        ("local:llamacpp:tiny@b", "P-TWO@sql"),
+    }

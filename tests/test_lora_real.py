@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpubench.cli.main import main
 from pytest_gpubench.core.files import file_sha256
 from pytest_gpubench.engines.tinymodel import ensure_tiny_lora, tiny_lora_seed
 from pytest_gpubench.ledger.writer import read_ledger
@@ -222,3 +223,10 @@ def test_under_load_each_request_names_its_adapter_in_turn_and_the_split_is_reco
     assert {c["request_idx"] % 2: c["lora_adapter"] for c in calls} == {0: "one", 1: "two"}
     assert all(c["lora_adapter"] == ("one", "two")[c["request_idx"] % 2] for c in calls)
     result.stdout.re_match_lines([r"\s*c2\s+one\s+5\s+0\s.*", r"\s*c2\s+two\s+5\s+0\s.*"])
+    # The Markdown document and the HTML report of the ledger have the split too.
+    markdown = pytester.path / "report.md"
+    assert main(["report", str(ledger), "-o", str(markdown)]) == 0
+    assert re.search(r"^\| c2 +\| one +\| +5 \| +0 \|", markdown.read_text(), re.M)
+    html = pytester.path / "report.html"
+    assert main(["report", "--html", str(ledger), "-o", str(html)]) == 0
+    assert "<tr><td>c2</td><td>two</td><td>5</td><td>0</td>" in html.read_text()

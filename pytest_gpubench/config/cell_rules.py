@@ -92,6 +92,12 @@ def _check_pair(where: str, cell: Cell, reference: Cell) -> None:
     for prompt_id in cell.prompt_ids:
         if prompt_id not in reference.prompt_ids:
             raise GpubenchError(f"{where}: prompts: '{prompt_id}' is not measured by {ref}")
+    if cell.adapters != reference.adapters:
+        raise GpubenchError(
+            f"{where}: lora: this cell chooses the adapters [{', '.join(cell.adapters)}] per "
+            f"request, {ref} [{', '.join(reference.adapters)}]; an A/B pair measures each "
+            "adapter's prompts on both sides (the same names, in the same order)"
+        )
     if cell.spec.min_runs is not None and cell.spec.min_runs > cell.runs:
         raise GpubenchError(
             f"{where}: min_runs: {cell.spec.min_runs} is more than runs ({cell.runs})"
