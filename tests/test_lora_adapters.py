@@ -120,6 +120,21 @@ def test_a_seeded_draw_is_the_same_every_time_and_follows_the_weights() -> None:
     assert counts["a"] > 800 and counts["b"] > 0
 
 
+def test_each_adapter_takes_the_points_prompts_in_turn() -> None:
+    """Round robin over two adapters and two prompts: each adapter sends both prompts (request
+    i mod 2 would send each adapter one prompt only); a trace's request i is its entry i."""
+    choice = AdapterChoice(["a", "b"])
+    sent = [(choice.name_of(i), choice.prompt_of(i, 2)) for i in range(8)]
+    assert Counter(sent) == {("a", 0): 2, ("a", 1): 2, ("b", 0): 2, ("b", 1): 2}
+    weighted = AdapterChoice(["a", "b"], "random", seed=1, weights={"a": 3, "b": 1})
+    per_adapter: dict[str, list[int]] = {}
+    for i in range(40):
+        per_adapter.setdefault(weighted.name_of(i), []).append(weighted.prompt_of(i, 3))
+    assert all(turns == [k % 3 for k in range(len(turns))] for turns in per_adapter.values())
+    trace = AdapterChoice(["a", "b"], in_order=True)
+    assert [trace.prompt_of(i, 5) for i in range(7)] == [0, 1, 2, 3, 4, 0, 1]
+
+
 def test_a_client_process_given_the_choice_makes_the_same_one() -> None:
     """`processes: N` sends a pickled target: its copy names the same adapters, drawn or not."""
     for choice in (AdapterChoice(["a", "b", "c"], "random", seed=3), AdapterChoice(["a", "b"])):
@@ -131,7 +146,10 @@ def test_a_client_process_given_the_choice_makes_the_same_one() -> None:
 def test_each_load_request_carries_its_adapters_fields() -> None:
     payload = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     per_adapter = tuple(
-        (json.dumps({**payload, "lora": [{"id": 0, "scale": float(i == 0)}]}).encode(),)
+        tuple(
+            json.dumps({**payload, "n": n, "lora": [{"id": 0, "scale": float(i == 0)}]}).encode()
+            for n in range(2)
+        )
         for i in range(2)
     )
     target = build_target(
@@ -144,8 +162,9 @@ def test_each_load_request_carries_its_adapters_fields() -> None:
         adapter_payloads=per_adapter,
     )
     sent = [target.request_for(i).split(b"\r\n\r\n", 1)[1] for i in range(4)]
-    scales = [json.loads(body)["lora"][0]["scale"] for body in sent]
-    assert scales == [1.0, 0.0, 1.0, 0.0]
+    sent_as = [(json.loads(body)["lora"][0]["scale"], json.loads(body)["n"]) for body in sent]
+    # Adapter a (scale 1) and b in turn, each with the point's two prompts in turn.
+    assert sent_as == [(1.0, 0), (0.0, 0), (1.0, 1), (0.0, 1)]
 
 
 def call(adapter: str, ttft: float, window: str = "measured", error: str | None = None) -> Any:

@@ -23,13 +23,22 @@ class AdapterChoice:
         choice: Choice = "round_robin",
         seed: int = 0,
         weights: Mapping[str, int] | None = None,
+        *,
+        in_order: bool = False,
     ) -> None:
         if not names:
             raise ValueError("an adapter choice needs adapters")
         self.names = tuple(names)
         self.choice = choice
         self.weights = tuple(int((weights or {}).get(name, 1)) for name in self.names)
+        # Whether request i sends the point's i-th prompt whatever its adapter (a trace, replayed
+        # as recorded); else each adapter takes the prompts in turn, so that round robin over 2
+        # adapters and 2 prompts does not send each adapter one prompt only.
+        self.in_order = in_order
         self._made: list[int] = []
+        # Per request, how many requests before it named its adapter.
+        self._turns: list[int] = []
+        self._counts = [0] * len(self.names)
         self._draw = random.Random(f"lora:{seed}")
         # Smooth weighted round robin (each pick: every adapter gains its weight, the one
         # furthest ahead is picked and loses the total): each adapter exactly `weight` times in
@@ -39,8 +48,18 @@ class AdapterChoice:
     def of(self, index: int) -> int:
         """The adapter of the `index`-th request (0-based)."""
         while len(self._made) <= index:
-            self._made.append(self._next())
+            made = self._next()
+            self._made.append(made)
+            self._turns.append(self._counts[made])
+            self._counts[made] += 1
         return self._made[index]
+
+    def prompt_of(self, index: int, prompts: int) -> int:
+        """Which of the point's `prompts` (sent in turn) the `index`-th request sends."""
+        if self.in_order:
+            return index % prompts
+        self.of(index)
+        return self._turns[index] % prompts
 
     def name_of(self, index: int) -> str:
         return self.names[self.of(index)]

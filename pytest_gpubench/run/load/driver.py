@@ -130,7 +130,7 @@ class Target:
     # goes (the history, the previous answer, the next user turn).
     session: SessionPlan | None = None
     # A cell that chooses LoRA adapters per request: request i names adapter `adapters.of(i)`,
-    # and is the (i mod n)-th of that adapter's requests in `by_adapter` (its prompts in turn).
+    # and sends its `adapters.prompt_of(i, n)`-th request in `by_adapter` (its prompts).
     adapters: AdapterChoice | None = None
     by_adapter: tuple[tuple[bytes, ...], ...] = ()
 
@@ -138,7 +138,7 @@ class Target:
         """The bytes of the point's `index`-th request."""
         if self.adapters is not None:
             requests = self.by_adapter[self.adapters.of(index)]
-            return requests[index % len(requests)]
+            return requests[self.adapters.prompt_of(index, len(requests))]
         return self.variants[index % len(self.variants)] if self.variants else self.request
 
 

@@ -245,7 +245,14 @@ def _run_load_case(
     ]
     # A cell that chooses LoRA adapters per request: each adapter's requests, and the choice.
     adapters = (
-        AdapterChoice(cell.adapters, profile.lora_choice, profile.seed, profile.lora_weights)
+        AdapterChoice(
+            cell.adapters,
+            profile.lora_choice,
+            profile.seed,
+            profile.lora_weights,
+            # A trace's requests are sent as recorded: request i is its entry i.
+            in_order=profile.trace is not None and case.prompt_id == profile.prompt_ids(())[0],
+        )
         if cell.adapters
         else None
     )
@@ -481,7 +488,12 @@ class _Recorder:
         # A workload's own facts (the prompt's tokens, its session and turn) are open fields.
         fields = cast(dict[str, Any], call)
         if self.facts:
-            fields.update(self.facts[sent.index % len(self.facts)])
+            turn = (
+                self.adapters.prompt_of(sent.index, len(self.facts))
+                if self.adapters is not None
+                else sent.index % len(self.facts)
+            )
+            fields.update(self.facts[turn])
         if sent.session is not None:
             fields.update(session_idx=sent.session, turn=sent.turn)
         return as_json(
