@@ -128,9 +128,10 @@ def test_one_server_serves_two_adapters_chosen_per_request_each_judged_on_its_ow
     """One managed llama-server loads both generated adapters (`--lora` each, not applied until
     a request names one): each request's `lora` field applies its adapter alone, which answers
     as a server with only that adapter does; the base model answers a request that names none.
-    Each prompt is measured and judged once per adapter (`P-EASY@one`, `P-EASY@two`)."""
+    Each prompt is measured and judged once per adapter (`P-EASY@one`, `P-EASY@two`), cold
+    (after a restart) and warm."""
     managed = (
-        f"node: local, engine: llamacpp, model: tiny, runs: 4, phases: [warm], "
+        f"node: local, engine: llamacpp, model: tiny, runs: 4, phases: [cold, warm], "
         f"server_binary: '{llama_server}', server_args: [--threads, '1']"
     )
     pytester.makefile(
@@ -164,9 +165,13 @@ def test_one_server_serves_two_adapters_chosen_per_request_each_judged_on_its_ow
         for r in read_ledger(first)
         if r["type"] == "call" and r["cell_id"] == MULTI and r.get("test_id") is None
     ]
-    assert sorted((c["prompt_id"], c["lora_adapter"]) for c in calls) == sorted(
-        [("P-EASY@one", "one")] * 4 + [("P-EASY@two", "two")] * 4
+    assert sorted((c["phase"], c["prompt_id"], c["lora_adapter"]) for c in calls) == sorted(
+        [("cold", "P-EASY@one", "one"), ("cold", "P-EASY@two", "two")]
+        + [("warm", "P-EASY@one", "one")] * 4
+        + [("warm", "P-EASY@two", "two")] * 4
     )
+    assert all(c["error"] is None for c in calls)
+    assert {c["cold_kind"] for c in calls if c["phase"] == "cold"} == {"restart"}
     # Both adapters are the cell's setup: their digests follow the model's, in order.
     (digest,) = {
         r["model_digest"]
