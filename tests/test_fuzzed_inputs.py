@@ -117,6 +117,8 @@ CELLS: dict[str, Any] = {
             "ramp": "exponential",
             "ramp_from": 0.1,
             "sweep": {"rates": 2, "up_to": 2.0},
+            "lora_choice": "random",
+            "lora_weights": {"sql": 3, "chat": 1},
         },
     },
     "nodes": {
@@ -144,12 +146,21 @@ CELLS: dict[str, Any] = {
             "prompts": ["P-EASY"],
             "request": {"cache_salt": "per_call"},
             "token_check": "off",
+            "lora": ["sql", "chat"],
             "load": {
                 "concurrency": [2],
                 "duration_s": 1.5,
                 "slo": {"ttft_ms": 200},
                 "clients": {"node": "hpc", "tasks": 2, "python": "python3"},
             },
+        },
+        {
+            "node": "local",
+            "engine": "llamacpp",
+            "model": "tiny",
+            "name": "multi",
+            "lora": {"sql": "tiny-lora-1", "chat": "tiny-lora-2"},
+            "load": {"concurrency": [2], "requests": 4, "lora_choice": "round_robin"},
         },
     ],
 }
@@ -302,7 +313,7 @@ def test_the_fixed_documents_are_valid() -> None:
         cells_path, prompts_path = Path(directory, "cells.yaml"), Path(directory, "prompts.yaml")
         cells_path.write_text(dumped(CELLS))
         prompts_path.write_text(dumped(PROMPTS))
-        assert len(read_matrix(cells_path, prompts_path).cells) == 2
+        assert len(read_matrix(cells_path, prompts_path).cells) == 3
         prompts_path.write_text(dumped(KIND_PROMPTS))
         Path(directory, "red.png").write_bytes(png(255))
         assert set(read_prompts(prompts_path)) == {"C", "E", "R", "T", "J", "I"}

@@ -41,6 +41,9 @@ class Case:
     test_id: str | None = None
     # A load case (phase `load`): its load point (`c4`, `r5`, `sweep`); run_idx is its index.
     load_point: str | None = None
+    # A cell that chooses LoRA adapters per request: the adapter this case's calls name (its
+    # prompt_id is then `<prompt>@<adapter>`, the id it is judged under).
+    adapter: str | None = None
     # A cell of an A/B group: the group's reference cell id and index (its cases run as one
     # cell's), and for a warm case its place among the group's calls of the same prompt and
     # run_idx (0 first), drawn per pair from the seed. Only the run order: not in equality, so a
@@ -70,6 +73,13 @@ class Case:
         if not isinstance(other, Case):
             return NotImplemented
         return self._run_order() < other._run_order()
+
+    @property
+    def source_prompt_id(self) -> str:
+        """The prompts.yaml id of the case's prompt (its prompt_id less its adapter)."""
+        if self.adapter is None:
+            return self.prompt_id
+        return self.prompt_id[: -len(self.adapter) - 1]
 
     @property
     def case_id(self) -> str:
@@ -139,7 +149,7 @@ def _measures(cell: Cell, case: Case) -> bool:
     """Whether the cell has a warm call of the case's prompt and run_idx."""
     if case.test_id is not None:
         return True
-    return case.prompt_id in cell.prompt_ids
+    return case.source_prompt_id in cell.prompt_ids
 
 
 def build_cases(matrix: Matrix, runs_override: int | None = None, *, seed: int = 0) -> list[Case]:
@@ -155,7 +165,10 @@ def build_cases(matrix: Matrix, runs_override: int | None = None, *, seed: int =
             phases=cell.spec.phases,
             # A timed cell's warm phase is one case per prompt, which calls for duration_s.
             warm_runs=1 if cell.spec.duration_s else (runs_override or cell.runs),
-            prompts=list(enumerate(cell.prompt_ids)),
+            prompts=[
+                (index, judged, adapter)
+                for index, (judged, _, adapter) in enumerate(cell.case_prompts())
+            ],
         )
     ]
     cases += [case for cell in matrix.cells for case in _load_cases(cell, node_order)]
@@ -206,7 +219,7 @@ def build_test_cases(
             node_order,
             phases=phases if phases is not None else cell.spec.phases,
             warm_runs=runs_override or runs or cell.runs,
-            prompts=[(TEST_PROMPT_INDEX, test_id)],
+            prompts=[(TEST_PROMPT_INDEX, test_id, None)],
             test_id=test_id,
         )
     ]
@@ -223,10 +236,11 @@ def _cell_cases(
     *,
     phases: Sequence[str],
     warm_runs: int,
-    prompts: Sequence[tuple[int, str]],
+    prompts: Sequence[tuple[int, str, str | None]],
     test_id: str | None = None,
 ) -> list[Case]:
-    """One cell's cases: per phase, per prompt (index, id), 1 cold run or `warm_runs`."""
+    """One cell's cases: per phase, per prompt (index, id, adapter), 1 cold run or
+    `warm_runs`."""
     return [
         Case(
             node_index=node_order.index(cell.spec.node),
@@ -238,9 +252,10 @@ def _cell_cases(
             prompt_id=prompt_id,
             phase=phase,
             test_id=test_id,
+            adapter=adapter,
         )
         for phase in phases
-        for prompt_index, prompt_id in prompts
+        for prompt_index, prompt_id, adapter in prompts
         for run_idx in range(COLD_RUNS if phase == "cold" else warm_runs)
     ]
 

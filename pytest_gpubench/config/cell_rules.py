@@ -92,6 +92,12 @@ def _check_pair(where: str, cell: Cell, reference: Cell) -> None:
     for prompt_id in cell.prompt_ids:
         if prompt_id not in reference.prompt_ids:
             raise GpubenchError(f"{where}: prompts: '{prompt_id}' is not measured by {ref}")
+    if cell.adapters != reference.adapters:
+        raise GpubenchError(
+            f"{where}: lora: this cell chooses the adapters [{', '.join(cell.adapters)}] per "
+            f"request, {ref} [{', '.join(reference.adapters)}]; an A/B pair measures each "
+            "adapter's prompts on both sides (the same names, in the same order)"
+        )
     if cell.spec.min_runs is not None and cell.spec.min_runs > cell.runs:
         raise GpubenchError(
             f"{where}: min_runs: {cell.spec.min_runs} is more than runs ({cell.runs})"
@@ -159,6 +165,14 @@ def check_draft(where: str, spec: CellSpec) -> None:
     writes."""
     if spec.draft_model is None and spec.draft_max is not None:
         raise GpubenchError(f"{where}: draft_max: needs a draft_model")
+    if isinstance(spec.lora, list) and spec.engine != "openai":
+        raise GpubenchError(
+            f"{where}: lora: a list names the adapters an OpenAI-compatible server serves "
+            "(engine: openai); a managed llamacpp cell names each adapter's file: "
+            "lora: {name: path}"
+        )
+    if isinstance(spec.lora, list):
+        return _managed_llamacpp_key(where, spec, "draft_model")
     for key in ("draft_model", "lora"):
         _managed_llamacpp_key(where, spec, key)
 
@@ -167,6 +181,11 @@ def _managed_llamacpp_key(where: str, spec: CellSpec, key: str) -> None:
     if getattr(spec, key) is None:
         return
     flag = "--model-draft" if key == "draft_model" else "--lora"
+    if key == "lora" and isinstance(spec.lora, dict) and spec.engine == "openai":
+        raise GpubenchError(
+            f"{where}: lora: an openai cell lists the names the server serves its adapters "
+            "under (lora: [name, ...]; vLLM's --lora-modules name=path, set where it is started)"
+        )
     if not (spec.managed and spec.engine == "llamacpp"):
         raise GpubenchError(
             f"{where}: {key}: only a managed llamacpp cell (no endpoint) takes it; an external "
@@ -227,3 +246,36 @@ def check_load(
         raise GpubenchError(
             f"{where}: load: give one of prompts, synthetic, dataset (got {', '.join(sources)})"
         )
+    check_load_adapters(where, spec, load)
+
+
+def check_load_adapters(where: str, spec: CellSpec, load: LoadProfile) -> None:
+    """lora_choice and lora_weights on a cell that chooses adapters per request, weights for
+    each of its adapters; no adapter per request in a multi-turn session yet."""
+    adapters = [] if spec.lora is None or isinstance(spec.lora, str) else list(spec.lora)
+    own = spec.load_setting
+    asked = {"lora_choice", "lora_weights"} & (
+        own.model_fields_set if isinstance(own, LoadProfile) else set()
+    )
+    if not adapters:
+        if asked:
+            raise GpubenchError(
+                f"{where}: load.{sorted(asked)[0]}: the cell chooses no LoRA adapter per request "
+                "(lora: a list of names, or name: path)"
+            )
+        return
+    if load.turns is not None:
+        raise GpubenchError(
+            f"{where}: load.turns: a multi-turn session names no LoRA adapter per request yet; "
+            "drop turns: or give the cell one adapter"
+        )
+    weights = load.lora_weights
+    if weights is not None and set(weights) != set(adapters):
+        unknown = sorted(set(weights) - set(adapters))
+        missing = sorted(set(adapters) - set(weights))
+        said = (
+            f"'{unknown[0]}' is not an adapter of the cell"
+            if unknown
+            else (f"no weight for adapter '{missing[0]}'")
+        )
+        raise GpubenchError(f"{where}: load.lora_weights: {said} (adapters: {', '.join(adapters)})")

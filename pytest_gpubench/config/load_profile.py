@@ -209,6 +209,11 @@ class LoadProfile(_Strict):
     ramp_from: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
     slo: Slo | None = None
     thresholds: LoadThresholds = LoadThresholds()
+    # A cell that chooses LoRA adapters per request (`lora:` a list or mapping): each request's
+    # adapter in turn (`round_robin`) or drawn from `seed` (`random`), each adapter as often as
+    # its weight (`lora_weights`: every adapter's, all alike when not given).
+    lora_choice: Literal["round_robin", "random"] = "round_robin"
+    lora_weights: dict[str, PositiveInt] | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -223,9 +223,13 @@ class CellSpec(_Strict):
     # generated tiny model drafting for itself), and the most tokens it drafts at a time.
     draft_model: str | None = None
     draft_max: PositiveInt | None = None
-    # Managed llama.cpp: a LoRA adapter applied to every request (a GGUF path, or
-    # `tiny-lora-<seed>`: one generated for the tiny model); its own cell, so its own verdicts.
-    lora: str | None = None
+    # LoRA adapters. One (a string): managed llama.cpp applies it to every request (a GGUF
+    # path, or `tiny-lora-<seed>`: one generated for the tiny model). Several, chosen per
+    # request: a mapping name -> adapter (managed llama.cpp loads them all), or a list of the
+    # names an OpenAI-compatible server serves them under (vLLM's --lora-modules name=path).
+    # Each prompt is then measured once per adapter (`<prompt>@<name>`), and a load case
+    # chooses one per request (load: lora_choice).
+    lora: str | list[str] | dict[str, str] | None = None
     # The endpoint as the user wrote it: the URL type normalises (a trailing slash, a lower-case
     # scheme and host), and the record keeps what the user wrote.
     _endpoint_text: str | None = PrivateAttr(default=None)
@@ -255,6 +259,28 @@ class CellSpec(_Strict):
                 "must be letters, digits, '.', '_' or '-', starting with a letter or digit "
                 "(it ends the cell id, <node>:<engine>:<model>@<name>)",
             )
+        return value
+
+    @field_validator("lora")
+    @classmethod
+    def _adapters_named_plainly(
+        cls, value: str | list[str] | dict[str, str] | None
+    ) -> str | list[str] | dict[str, str] | None:
+        if isinstance(value, str) or value is None:
+            return value
+        if not value:
+            raise ValueError("names no adapter (give one, a list of names, or name: path)")
+        names = list(value)
+        for name in names:
+            if not CELL_NAME_PATTERN.fullmatch(name):
+                raise PydanticCustomError(
+                    "adapter_name",
+                    "adapter name '{name}' must be letters, digits, '.', '_' or '-', starting "
+                    "with a letter or digit (it ends the prompt id, <prompt>@<adapter>)",
+                    {"name": name},
+                )
+        if len(set(names)) != len(names):
+            raise ValueError("names an adapter twice")
         return value
 
     @field_validator("token_check", mode="before")
@@ -353,6 +379,50 @@ class Cell:
     def request_for(self, prompt: Prompt) -> RequestShape:
         """The request keys of a call of `prompt` in this cell: the prompt's over the cell's."""
         return (self.spec.request or RequestShape()).merged(prompt.request)
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The names of the LoRA adapters chosen per request (a `lora:` list or mapping), in
+        their order; () where the cell has none, or one applied to every request."""
+        lora = self.spec.lora
+        return () if lora is None or isinstance(lora, str) else tuple(lora)
+
+    def adapter_body(self, adapter: str) -> dict[str, Any]:
+        """The request fields that choose `adapter`: llama-server's per-request `lora` scales
+        (the adapter's 1, every other one's 0: the ids are the order of its --lora flags), or
+        the model name an OpenAI-compatible server serves it under (vLLM)."""
+        if self.spec.engine == "llamacpp":
+            return {
+                "lora": [
+                    {"id": index, "scale": 1.0 if name == adapter else 0.0}
+                    for index, name in enumerate(self.adapters)
+                ]
+            }
+        return {"model": adapter}
+
+    def adapter_request(self, request: RequestShape, adapter: str | None) -> RequestShape:
+        """`request` choosing `adapter` (its fields over the request's extra_body)."""
+        if adapter is None:
+            return request
+        body = {**(request.extra_body or {}), **self.adapter_body(adapter)}
+        return request.model_copy(update={"extra_body": body})
+
+    def case_prompts(self) -> list[tuple[str, str, str | None]]:
+        """(the id it is judged under, its prompts.yaml id, its adapter) per prompt the cell's
+        cold and warm cases measure: each prompt once per adapter (`<prompt>@<adapter>`) on a
+        cell that chooses adapters per request, else the prompt itself."""
+        if not self.adapters:
+            return [(prompt_id, prompt_id, None) for prompt_id in self.prompt_ids]
+        return [
+            (adapter_prompt_id(prompt_id, adapter), prompt_id, adapter)
+            for prompt_id in self.prompt_ids
+            for adapter in self.adapters
+        ]
+
+
+def adapter_prompt_id(prompt_id: str, adapter: str) -> str:
+    """The id a prompt measured on one of its cell's adapters is judged under."""
+    return f"{prompt_id}@{adapter}"
 
 
 @dataclass(frozen=True)

@@ -158,10 +158,12 @@ def added_digests(cell: Cell, target: Target, added: Sequence[str]) -> str:
     model or adapter is another setup, and a baseline measured with the old one is not compared
     with it."""
     found = ""
-    for flag, word, key in (("--model-draft", "draft", "draft_model"), ("--lora", "lora", "lora")):
-        if flag not in added:
+    words = {"--model-draft": ("draft", "draft_model"), "--lora": ("lora", "lora")}
+    for at, flag in enumerate(added):
+        if flag not in words:
             continue
-        path = added[list(added).index(flag) + 1]
+        word, key = words[flag]
+        path = added[at + 1]
         digest = node_file_digest(cell, target, path)
         if digest is None:
             raise GpubenchError(f"cell {cell.cell_id}: {key}: cannot read {path} on the node")
@@ -192,20 +194,34 @@ def draft_args(cell: Cell, *, local: bool) -> list[str]:
 
 
 def lora_args(cell: Cell, *, local: bool) -> list[str]:
-    """llama-server's flag for the cell's LoRA adapter, applied to every request: a GGUF path
-    (a remote node's own), or `tiny-lora-<seed>`, generated for the tiny model here."""
-    spec = cell.spec
-    if spec.lora is None:
+    """llama-server's flags for the cell's LoRA adapters: one applied to every request, or
+    several (`lora: {name: adapter}`) loaded in their order without being applied
+    (`--lora-init-without-apply`), each request naming its own by id in its `lora` field. An
+    adapter is a GGUF path (a remote node's own), or `tiny-lora-<seed>`, generated for the tiny
+    model here."""
+    lora = cell.spec.lora
+    if lora is None or isinstance(lora, list):
         return []
+    if isinstance(lora, str):
+        return ["--lora", _adapter_path(cell, "lora", lora, local=local)]
+    args = [
+        arg
+        for name, adapter in lora.items()
+        for arg in ("--lora", _adapter_path(cell, f"lora.{name}", adapter, local=local))
+    ]
+    return [*args, "--lora-init-without-apply"]
+
+
+def _adapter_path(cell: Cell, key: str, adapter: str, *, local: bool) -> str:
     from pytest_gpubench.engines.tinymodel import ensure_tiny_lora, tiny_lora_seed
 
-    seed = tiny_lora_seed(spec.lora)
+    seed = tiny_lora_seed(adapter)
     if seed is not None and local:
-        return ["--lora", str(ensure_tiny_lora(seed))]
-    path = Path(spec.lora).expanduser()
+        return str(ensure_tiny_lora(seed))
+    path = Path(adapter).expanduser()
     if local and not path.is_file():
-        raise GpubenchError(f"cell {cell.cell_id}: lora: {spec.lora} does not exist")
-    return ["--lora", str(path) if local else spec.lora]
+        raise GpubenchError(f"cell {cell.cell_id}: {key}: {adapter} does not exist")
+    return str(path) if local else adapter
 
 
 def _local_server(cell: Cell, added: Sequence[str] = ()) -> tuple[list[str], str | None]:

@@ -22,6 +22,7 @@ from pytest_gpubench.config.shards import ShardFacts
 from pytest_gpubench.core.provenance import GitState, chosen_environment, load_average, utc_now
 from pytest_gpubench.ledger.gaps import packed_record
 from pytest_gpubench.ledger.schema import (
+    AdapterFields,
     CallRecord,
     CaseHead,
     CellOutcomeRecord,
@@ -202,10 +203,12 @@ def call_record(
     started_at_utc: str,
     measurement: CallMeasurement,
     telemetry: Mapping[str, Any] | None = None,
+    adapter: str | None = None,
 ) -> CallRecord:
     """One measured call (successful or not) of a case; `telemetry` adds the case's resource
     figures (telemetry/aggregate.py CALL_FIELDS) after the others. Its inter-chunk gaps are
-    packed into `inter_chunk_packed` (read them with ledger.gaps.gaps_ms)."""
+    packed into `inter_chunk_packed` (read them with ledger.gaps.gaps_ms). `adapter`: the LoRA
+    adapter a load request chose (a warm or cold call's is its case's)."""
     record: CallRecord = {
         "type": "call",
         **_case_head(run_id, cell, case, prompt_sha256),
@@ -221,7 +224,11 @@ def call_record(
         "worker": os.environ.get("PYTEST_XDIST_WORKER"),
         # A warm call's checks against the engine come later (engine_check_fields).
         **EngineCheckFields(),
+        **AdapterFields(),
     }
+    chosen = adapter if adapter is not None else case.adapter
+    if chosen is not None:
+        record["lora_adapter"] = chosen
     # Last, as before: an A/B pair's place, then the telemetry fields (one per sampler column).
     cast(dict[str, Any], record).update({**_ab_pair(case), **(telemetry or {})})
     return record

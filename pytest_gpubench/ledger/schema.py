@@ -113,7 +113,14 @@ class EngineCheckFields(TypedDict, total=False):
     prefix_cache_off: bool
 
 
-class CallRecord(CaseHead, MeasurementFields, EngineCheckFields, KindFields):
+class AdapterFields(TypedDict, total=False):
+    """The LoRA adapter a call's request chose, on a cell that chooses them per request (absent
+    elsewhere)."""
+
+    lora_adapter: str
+
+
+class CallRecord(CaseHead, MeasurementFields, EngineCheckFields, KindFields, AdapterFields):
     """One measured call of a case (successful or not); a load case's calls add the load
     fields, a case with telemetry its resource figures (telemetry/aggregate.py CALL_FIELDS), a
     warm call its checks against the engine (EngineCheckFields), a call of a request kind other
@@ -231,6 +238,9 @@ class LoadFigures(TypedDict, total=False):
     # Speculative decoding over the point (run/load/runner.spec_decode_figures; issue 35).
     spec_acceptance_rate: float | None
     spec_mean_acceptance_length: float | None
+    # A cell that chooses LoRA adapters per request: per adapter, its measured requests, errors
+    # and TTFT/E2E p50 and p99 (results/load_summary.adapter_split).
+    lora_split: list[dict[str, Any]]
     reasoning_tokens_p50: float | None
     cpu_pressure: float
 

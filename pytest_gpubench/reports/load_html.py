@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 from pytest_gpubench.reports.charts import inline_svg, pyplot
 from pytest_gpubench.reports.formatting import NONE
 from pytest_gpubench.reports.load_tables import (
+    ADAPTER_HEADERS,
     SERVER_CHECK_HEADERS,
+    adapter_split_rows,
     load_headers,
     load_rows,
     server_check_rows,
@@ -123,6 +125,17 @@ def _points_table(loads: Sequence[LoadRecord]) -> str:
             "\n<p class=note>The client's means against the engine's own over the same point "
             "(its /metrics read before and after), the replies that came whole in one read, "
             "and the requests behind the percentiles.</p>"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        )
+    split = adapter_split_rows(loads)
+    if split:
+        head = "".join(f"<th>{_e(h)}</th>" for h in ADAPTER_HEADERS)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in split
+        )
+        text += (
+            "\n<p class=note>Per LoRA adapter chosen per request: its measured requests, "
+            "errors and latency.</p>"
             f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
         )
     warnings = [

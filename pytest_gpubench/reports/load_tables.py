@@ -307,3 +307,43 @@ def render_percentile_intervals(loads: Sequence[LoadRecord], *, markdown: bool =
             "bound that percentile (a p99 from under a few hundred requests is about the maximum)"
         )
     return text
+
+
+# -- the LoRA adapters' split -------------------------------------------------------------------
+
+ADAPTER_HEADERS = (
+    "point",
+    "adapter",
+    "requests",
+    "errors",
+    "TTFT p50 / p99 ms",
+    "E2E p50 / p99 ms",
+)
+
+
+def adapter_split_rows(loads: Iterable[LoadRecord]) -> list[list[str]]:
+    """One row per point and LoRA adapter of a cell that chooses them per request: its
+    measured requests, errors and latency percentiles."""
+    rows = []
+    for load in loads:
+        split = load.get("lora_split")
+        if load.get("pattern") == "sweep" or not isinstance(split, list):
+            continue
+        for row in split:
+            rows.append(
+                [
+                    plain(load.get("load_point")),
+                    plain(row.get("adapter")),
+                    str(row.get("requests", NONE)),
+                    str(row.get("errors", NONE)),
+                    f"{fixed(row.get('ttft_ms_p50'))} / {fixed(row.get('ttft_ms_p99'))}",
+                    f"{fixed(row.get('e2e_ms_p50'))} / {fixed(row.get('e2e_ms_p99'))}",
+                ]
+            )
+    return rows
+
+
+def render_adapter_split(loads: Sequence[LoadRecord], *, markdown: bool = False) -> str:
+    """Each point's requests and latency per LoRA adapter; empty where no point chose any."""
+    rows = adapter_split_rows(loads)
+    return table(rows, ADAPTER_HEADERS, markdown=markdown) if rows else ""

@@ -13,6 +13,7 @@ from pytest_gpubench.reports.engine_checks_table import (
 )
 from pytest_gpubench.reports.formatting import code_span, fixed, markdown_cell, plain, table
 from pytest_gpubench.reports.load_tables import (
+    render_adapter_split,
     render_load_table,
     render_percentile_intervals,
     render_server_check,
@@ -178,6 +179,9 @@ def _cell_section(
         intervals = render_percentile_intervals(own_loads, markdown=True)
         if intervals:
             parts.append("Percentiles with their intervals, per point:\n\n" + intervals)
+        split = render_adapter_split(own_loads, markdown=True)
+        if split:
+            parts.append("Per LoRA adapter, per point:\n\n" + split)
         warnings = [
             f"- **{markdown_cell(str(load.get('load_point')))}**: {markdown_cell(warning)}"
             for load in own_loads

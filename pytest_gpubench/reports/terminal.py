@@ -29,6 +29,7 @@ from pytest_gpubench.reports.formatting import (
     table,
 )
 from pytest_gpubench.reports.load_tables import (
+    render_adapter_split,
     render_load_table,
     render_percentile_intervals,
     render_server_check,
@@ -576,6 +577,9 @@ def load_lines(
         intervals = render_percentile_intervals(own)
         if intervals:
             lines.append(TerminalLine(intervals))
+        split = render_adapter_split(own)
+        if split:
+            lines.append(TerminalLine(split))
         for load in own:
             if load.get("pattern") != "sweep" and not load.get("valid"):
                 lines.append(

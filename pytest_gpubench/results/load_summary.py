@@ -444,6 +444,34 @@ def summarize_point(
 LOST_CLIENT_KEEPS = ("offered_rate", "max_send_lag_ms", "slice_s", "ramp_requests")
 
 
+def adapter_split(
+    calls: Sequence[Mapping[str, Any]], adapters: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Per LoRA adapter (in the cell's order), over the measured window: its requests, their
+    errors, and the TTFT and E2E p50 and p99 of its successful ones."""
+    rows = []
+    for adapter in adapters:
+        measured = [
+            call
+            for call in calls
+            if call.get("load_window") == "measured" and call.get("lora_adapter") == adapter
+        ]
+        ok = [call for call in measured if is_ok(call)]
+        ttft, e2e = _numbers(ok, "first_delta_ms"), _numbers(ok, "total_duration_ms")
+        rows.append(
+            {
+                "adapter": adapter,
+                "requests": len(measured),
+                "errors": len(measured) - len(ok),
+                "ttft_ms_p50": percentile(ttft, 50),
+                "ttft_ms_p99": percentile(ttft, 99),
+                "e2e_ms_p50": percentile(e2e, 50),
+                "e2e_ms_p99": percentile(e2e, 99),
+            }
+        )
+    return rows
+
+
 def lost_client_summary(summary: Mapping[str, Any], lost: Sequence[str]) -> dict[str, Any]:
     """The summary of a point one of whose client processes died (or failed) mid-point:
     invalid with the reason, and no figure at all (the others' requests are a part of the

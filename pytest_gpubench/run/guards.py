@@ -61,15 +61,19 @@ def check_frozen_prompts(
             if not replacing_corrupt:
                 raise
             continue
+        # A prompt measured on one of the cell's adapters is judged as `<prompt>@<adapter>`.
+        judged = {judged: (source, adapter) for judged, source, adapter in cell.case_prompts()}
         for recorded in baseline.prompts if baseline else []:
-            prompt = matrix.prompts.get(recorded.prompt_id)
+            source, adapter = judged.get(recorded.prompt_id, (recorded.prompt_id, None))
+            prompt = matrix.prompts.get(source)
             if prompt is None or prompt.synthetic is not None:
                 continue  # a synthetic prompt's text is made on the live cell: checked there
+            request = cell.adapter_request(cell.request_for(prompt), adapter)
             error = frozen_prompt_error(
                 recorded.prompt_id,
                 cell.cell_id,
                 baseline_sha256=recorded.prompt_sha256,
-                current_sha256=prompt.sha256(cell.request_for(prompt)),
+                current_sha256=prompt.sha256(request),
                 source=matrix.prompts_path,
             )
             if error is not None:

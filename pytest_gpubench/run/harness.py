@@ -168,7 +168,7 @@ class Harness:
                 )
             )
             return reason, records
-        prompt = self.matrix.prompts.get(case.prompt_id)
+        prompt = self.matrix.prompts.get(case.source_prompt_id)
         missing = live.kind_missing(prompt.kind) if prompt is not None else None
         if missing is not None:
             # A kind the engine does not send: this case is skipped, the cell's others run.
@@ -232,9 +232,10 @@ class Harness:
         sampled)."""
         if case.load_point is not None:
             return self.run_load_case(case)
-        prompt = self.matrix.prompts[case.prompt_id]
+        prompt = self.matrix.prompts[case.source_prompt_id]
         cell = self.matrix.cell(case.cell_id)
-        request = cell.request_for(prompt)
+        # On a cell that chooses LoRA adapters per request, the case's adapter's fields.
+        request = cell.adapter_request(cell.request_for(prompt), case.adapter)
         facts: dict[str, Any] = {}
         if prompt.synthetic is not None:
             prompt, facts = self._exact_prompt(case, prompt, request)
@@ -389,7 +390,7 @@ class Harness:
         if case.phase == "cold":
             cold_kind = live.make_cold()
         else:
-            live.warm_up(prompt, max_tokens, shape, of=of, **own)
+            live.warm_up(prompt, max_tokens, shape, of=of, adapter=case.adapter, **own)
         steadiness = self.steadiness and case.phase == "warm"
         # The engine's own counters before the call (outside its timed span), where it has some.
         counters = live.engine_counters() if case.phase == "warm" else None

@@ -66,6 +66,9 @@ class LiveCell:
     unavailable: str | None = None
     unavailable_stage: Stage | None = None
     last_call_end: float | None = None
+    # The LoRA adapters a request has named since the engine was last made cold: an adapter's
+    # first request may load it (vLLM's LoRA slots), so each gets a warm-up of its own.
+    warmed_adapters: set[str] = field(default_factory=set)
     # The cell record's facts (engine version, model digest, GPUs), once healthy.
     facts: dict[str, Any] = field(default_factory=dict)
     # When the cell became ready (its benchmark stage runs from there until it is closed).
@@ -272,6 +275,7 @@ class LiveCell:
         A cold call also opens a fresh connection."""
         assert self.engine is not None
         self.close_connection()
+        self.warmed_adapters.clear()
         if self.server is not None and self.cell.cold_mode == "restart":
             self.engine = self._engine(self.server.restart())
             return "restart"
@@ -374,16 +378,21 @@ class LiveCell:
         request: RequestShape,
         *,
         of: Prompt | None = None,
+        adapter: str | None = None,
         **own: Any,
     ) -> None:
         """An unrecorded call, so that the measured call follows one within the warm window (and
         on a connection already open). It sends the measured request itself, so that it primes
-        what the measured call will find (a prompt cache) on every run alike."""
+        what the measured call will find (a prompt cache) on every run alike. A request naming
+        a LoRA adapter (`adapter`) no request has named since the engine was made cold is
+        always preceded by one."""
         recent = self.last_call_end is not None and (
             time.monotonic() - self.last_call_end < WARM_WINDOW_S
         )
-        if recent:
+        if recent and (adapter is None or adapter in self.warmed_adapters):
             return
+        if adapter is not None:
+            self.warmed_adapters.add(adapter)
         self.request(prompt, max_tokens, request, of, **own)
         self.last_call_end = time.monotonic()
 

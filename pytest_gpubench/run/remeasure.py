@@ -20,7 +20,8 @@ REMEASURE_PASS = 2
 
 def why_not_remeasured(matrix: Matrix, cell_id: str, prompt_id: str) -> str | None:
     """Why a suspect cannot be measured again by the harness alone, or None when it can."""
-    if prompt_id not in matrix.prompts:
+    judged = {judged for judged, _, _ in matrix.cell(cell_id).case_prompts()}
+    if prompt_id not in matrix.prompts and prompt_id not in judged:
         return "a test's own requests are measured by the test: not re-measured"
     if matrix.cell(cell_id).spec.duration_s is not None:
         return "a timed cell (duration_s) is not re-measured"
@@ -44,7 +45,7 @@ def remeasure(
             for cell_id, prompt_id, _ in todo:
                 if not live.setdefault(cell_id, _make_live(harness, cell_id, prompt_id, records)):
                     continue
-                case = Case(0, 0, 1, 0, round_idx, cell_id, prompt_id, "warm")
+                case = _case(harness, cell_id, prompt_id, round_idx)
                 try:
                     record, others = harness.run_case(case)
                 except GpubenchError as exc:
@@ -54,6 +55,13 @@ def remeasure(
     finally:
         harness.measure_pass = 1
     return records
+
+
+def _case(harness: Harness, cell_id: str, prompt_id: str, run_idx: int) -> Case:
+    """A warm case of the suspect (its adapter where its cell chooses them per request)."""
+    cell = harness.matrix.cell(cell_id)
+    adapter = next((a for judged, _, a in cell.case_prompts() if judged == prompt_id), None)
+    return Case(0, 0, 1, 0, run_idx, cell_id, prompt_id, "warm", adapter=adapter)
 
 
 def _make_live(

@@ -22,6 +22,7 @@ from pytest_gpubench.measure.load_client import (
     request_bytes,
 )
 from pytest_gpubench.measure.stream import CallMeasurement, Endpoint, StreamError, TlsSettings
+from pytest_gpubench.run.load.adapters import AdapterChoice
 
 Window = Literal["ramp", "warmup", "measured", "cooldown"]
 # Before a scheduled send the loop sleeps until this long before it, then spins: epoll rounds
@@ -128,9 +129,16 @@ class Target:
     # Multi-turn sessions (`turns:`): each send is a whole session, its requests built as it
     # goes (the history, the previous answer, the next user turn).
     session: SessionPlan | None = None
+    # A cell that chooses LoRA adapters per request: request i names adapter `adapters.of(i)`,
+    # and sends its `adapters.prompt_of(i, n)`-th request in `by_adapter` (its prompts).
+    adapters: AdapterChoice | None = None
+    by_adapter: tuple[tuple[bytes, ...], ...] = ()
 
     def request_for(self, index: int) -> bytes:
         """The bytes of the point's `index`-th request."""
+        if self.adapters is not None:
+            requests = self.by_adapter[self.adapters.of(index)]
+            return requests[self.adapters.prompt_of(index, len(requests))]
         return self.variants[index % len(self.variants)] if self.variants else self.request
 
 
@@ -326,8 +334,11 @@ def build_target(
     tls: TlsSettings | None = None,
     more_payloads: tuple[bytes, ...] = (),
     session: SessionPlan | None = None,
+    adapters: AdapterChoice | None = None,
+    adapter_payloads: tuple[tuple[bytes, ...], ...] = (),
 ) -> Target:
-    """The point's target; `more_payloads` are sent in turn after `payload` (a dataset)."""
+    """The point's target; `more_payloads` are sent in turn after `payload` (a dataset);
+    `adapter_payloads` each adapter's, chosen per request by `adapters`."""
     endpoint = Endpoint.parse(base_url)
     pairs = tuple(headers.items())
     path = "/v1/chat/completions"
@@ -338,4 +349,19 @@ def build_target(
         if more_payloads
         else ()
     )
-    return Target(backend, endpoint, request, timeout_s, pairs, context, variants, session)
+    by_adapter = tuple(
+        tuple(request_bytes(endpoint, path, one, pairs) for one in payloads)
+        for payloads in adapter_payloads
+    )
+    return Target(
+        backend,
+        endpoint,
+        request,
+        timeout_s,
+        pairs,
+        context,
+        variants,
+        session,
+        adapters if by_adapter else None,
+        by_adapter,
+    )

@@ -21,17 +21,20 @@ from pytest_gpubench.config.prompts import Prompt, RequestShape, dataset_prompt
 from pytest_gpubench.config.synthetic import synthetic_prompt
 from pytest_gpubench.config.traces import Trace, read_trace
 from pytest_gpubench.core.provenance import utc_now
+from pytest_gpubench.engines import merge_body
 from pytest_gpubench.ledger.records import call_record, load_call_record, load_record, sample_record
 from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.measure.control import CpuPressure
 from pytest_gpubench.measure.gauges import GaugeScraper
 from pytest_gpubench.results.load_summary import (
+    adapter_split,
     lag_by_client,
     lost_client_summary,
     percentile,
     summarize_point,
 )
 from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts, ramp_seconds
+from pytest_gpubench.run.load.adapters import AdapterChoice
 from pytest_gpubench.run.load.driver import LoadRun, Sent, SessionPlan, Target, build_target
 from pytest_gpubench.run.load.processes import run_in_processes
 
@@ -228,6 +231,10 @@ def _run_load_case(
         {"messages": prompt.chat_messages()} if prompt.messages is not None else {}
     )
     live.warm_up(prompt.prompt, prompt.max_tokens, request, **own)
+    for adapter in cell.adapters:
+        # Each adapter's first request may load it: warmed up before the point, not in it.
+        adapted = cell.adapter_request(request, adapter)
+        live.warm_up(prompt.prompt, prompt.max_tokens, adapted, adapter=adapter, **own)
     engine: Any = live.engine
     payloads = [
         json.dumps(
@@ -237,6 +244,26 @@ def _run_load_case(
         ).encode()
         for p in sends.prompts
     ]
+    # A cell that chooses LoRA adapters per request: each adapter's requests, and the choice.
+    adapters = (
+        AdapterChoice(
+            cell.adapters,
+            profile.lora_choice,
+            profile.seed,
+            profile.lora_weights,
+            # A trace's requests are sent as recorded: request i is its entry i.
+            in_order=profile.trace is not None and case.prompt_id == profile.prompt_ids(())[0],
+        )
+        if cell.adapters
+        else None
+    )
+    adapter_payloads = tuple(
+        tuple(
+            json.dumps(merge_body(json.loads(payload), cell.adapter_body(name))).encode()
+            for payload in payloads
+        )
+        for name in cell.adapters
+    )
     target = build_target(
         engine.kind,
         engine.base_url,
@@ -246,8 +273,11 @@ def _run_load_case(
         getattr(engine, "tls", None),
         tuple(payloads[1:]),
         session_plan(profile, sends, engine),
+        adapters,
+        adapter_payloads,
     )
     recorder = _Recorder(run_id, cell, case, sends.sha256, profile, pressure)
+    recorder.adapters = adapters
     if profile.clients is not None:
         recorder.client_nodes = matrix.nodes
     recorder.facts = sends.facts
@@ -305,6 +335,8 @@ class _Recorder:
         self.facts: tuple[dict[str, Any], ...] = ()
         # `clients:`: cells.yaml's nodes, among them the one its client tasks run on.
         self.client_nodes: Any = None
+        # A cell that chooses LoRA adapters per request: each request's (by its index).
+        self.adapters: AdapterChoice | None = None
 
     async def step(
         self, target: Target, point: str, pattern: LoadPattern, sweep_step: str | None = None
@@ -392,6 +424,12 @@ class _Recorder:
                 **prefix_cache_figures(calls, scraper.samples.counter_changes()),
                 **spec_decode_figures(scraper.samples.counter_changes()),
                 **session_figures(calls, self.profile.turns),
+                # Per LoRA adapter: its requests and latency percentiles (absent without).
+                **(
+                    {"lora_split": adapter_split(calls, self.adapters.names)}
+                    if self.adapters is not None
+                    else {}
+                ),
                 # The share of the point's time in which some task on this machine waited for
                 # a CPU (our own client's and engine's tasks among them): how steady it was.
                 **({"cpu_pressure": round(cpu_pressure, 4)} if cpu_pressure is not None else {}),
@@ -461,11 +499,17 @@ class _Recorder:
             cold_kind=None,
             started_at_utc=at.isoformat(timespec="microseconds").replace("+00:00", "Z"),
             measurement=sent.measurement,
+            adapter=self.adapters.name_of(sent.index) if self.adapters is not None else None,
         )
         # A workload's own facts (the prompt's tokens, its session and turn) are open fields.
         fields = cast(dict[str, Any], call)
         if self.facts:
-            fields.update(self.facts[sent.index % len(self.facts)])
+            turn = (
+                self.adapters.prompt_of(sent.index, len(self.facts))
+                if self.adapters is not None
+                else sent.index % len(self.facts)
+            )
+            fields.update(self.facts[turn])
         if sent.session is not None:
             fields.update(session_idx=sent.session, turn=sent.turn)
         return as_json(
