@@ -34,9 +34,13 @@ ADAPTED = ("local:llamacpp:tiny@lora-1", "local:llamacpp:tiny@lora-2")
 def test_two_generated_adapters_answer_differently_and_are_judged_each_on_its_own(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
+    # Its subject is that each adapter is judged against its own baseline: thresholds of 1000 %
+    # keep the tiny model's 2-3 ms TTFT, which moves by half between runs on a shared machine,
+    # from a within-run regression on 4 calls a side.
     managed = (
         f"node: local, engine: llamacpp, model: tiny, runs: 4, phases: [warm], "
-        f"server_binary: '{llama_server}', server_args: [--threads, '1']"
+        f"server_binary: '{llama_server}', server_args: [--threads, '1'], "
+        "thresholds: {ttft_p50: 10, total_p50: 10, tokens_per_sec: 10}"
     )
     pytester.makefile(
         ".yaml",
@@ -71,7 +75,7 @@ def test_two_generated_adapters_answer_differently_and_are_judged_each_on_its_ow
     judged = pytester.runpytest(*steady)
     assert judged.ret in (0, 10), judged.stdout.str()
     for cell in ADAPTED:
-        verdict = rf"{re.escape(cell)}\s+P-EASY\s.*\s(pass|win|unsteady|blind|inconclusive)\s*$"
+        verdict = rf"{re.escape(cell)}\s+P-EASY\s.*\s(ok|win|unsteady|blind|inconclusive)\s*$"
         judged.stdout.re_match_lines([verdict])
     newest = max((pytester.path / "runs").glob("*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
     (end,) = [r for r in read_ledger(newest) if r["type"] == "end"]
@@ -130,9 +134,12 @@ def test_one_server_serves_two_adapters_chosen_per_request_each_judged_on_its_ow
     as a server with only that adapter does; the base model answers a request that names none.
     Each prompt is measured and judged once per adapter (`P-EASY@one`, `P-EASY@two`), cold
     (after a restart) and warm."""
+    # Thresholds of 1000 % as above: the subject is per-adapter judging, not the tiny model's
+    # few-ms timings on a shared machine.
     managed = (
         f"node: local, engine: llamacpp, model: tiny, runs: 4, phases: [cold, warm], "
-        f"server_binary: '{llama_server}', server_args: [--threads, '1']"
+        f"server_binary: '{llama_server}', server_args: [--threads, '1'], "
+        "thresholds: {ttft_p50: 10, total_p50: 10, tokens_per_sec: 10}"
     )
     pytester.makefile(
         ".yaml",
@@ -184,7 +191,7 @@ def test_one_server_serves_two_adapters_chosen_per_request_each_judged_on_its_ow
     judged = pytester.runpytest(*steady)
     assert judged.ret in (0, 10), judged.stdout.str()
     for prompt in ("P-EASY@one", "P-EASY@two"):
-        verdict = rf"{re.escape(MULTI)}\s+{prompt}\s.*\s(pass|win|unsteady|blind|inconclusive)\s*$"
+        verdict = rf"{re.escape(MULTI)}\s+{prompt}\s.*\s(ok|win|unsteady|blind|inconclusive)\s*$"
         judged.stdout.re_match_lines([verdict])
     newest = max((pytester.path / "runs").glob("*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
     (end,) = [r for r in read_ledger(newest) if r["type"] == "end"]
