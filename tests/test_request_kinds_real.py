@@ -295,7 +295,8 @@ def test_a_valid_tool_call_is_counted_and_a_fall_in_its_rate_fails_the_gate(
     fell.stdout.fnmatch_lines(
         [
             "*T *tools *0/6 tool call valid*regression*",
-            "REGRESSION: local:openai:m T: warm tool call valid rate 0.00 (0/6) fell from 1.00",
+            "REGRESSION: local:openai:m T: warm tool call valid rate 0.00 (0/6) fell from 1.00, "
+            "p = 0.00108",
         ]
     )
 

@@ -361,20 +361,31 @@ def note_tool_calls(deltas: Any, measurement: CallMeasurement) -> bool:
     return seen
 
 
+def _json_answer(
+    response: StreamedResponse, measurement: CallMeasurement, what: str
+) -> dict[str, Any] | None:
+    """A one-JSON answer (embeddings, rerank) as an object; None, with the call's error set,
+    where it is not JSON, not an object, or the engine's error."""
+    body = b"".join(line.text for line in response.lines)
+    try:
+        answer = json.loads(body)
+    except json.JSONDecodeError:
+        measurement.error = f"{what} answer is not JSON: {body[:120]!r}"
+        return None
+    if not isinstance(answer, dict) or "error" in answer:
+        detail = answer.get("error") if isinstance(answer, dict) else answer
+        measurement.error = f"engine error: {json.dumps(detail)[:300]}"
+        return None
+    return answer
+
+
 def parse_embeddings(
     response: StreamedResponse, measurement: CallMeasurement, arrivals: list[int]
 ) -> None:
     """/v1/embeddings' one JSON answer (not streamed): how many vectors came back, and the
     prompt tokens of its usage. Its arrivals stay empty: an embedding has no first token."""
-    body = b"".join(line.text for line in response.lines)
-    try:
-        answer = json.loads(body)
-    except json.JSONDecodeError:
-        measurement.error = f"embeddings answer is not JSON: {body[:120]!r}"
-        return
-    if not isinstance(answer, dict) or "error" in answer:
-        detail = answer.get("error") if isinstance(answer, dict) else answer
-        measurement.error = f"engine error: {json.dumps(detail)[:300]}"
+    answer = _json_answer(response, measurement, "embeddings")
+    if answer is None:
         return
     data = answer.get("data")
     vectors = [item for item in data if isinstance(item, dict)] if isinstance(data, list) else []
@@ -393,15 +404,8 @@ def parse_rerank(
     """/v1/rerank's one JSON answer (llama.cpp's, vLLM's and Jina's shape: `results`, each an
     `index` and a `relevance_score`): as many results as asked for, each a document's index.
     Its arrivals stay empty: a rerank has no first token."""
-    body = b"".join(line.text for line in response.lines)
-    try:
-        answer = json.loads(body)
-    except json.JSONDecodeError:
-        measurement.error = f"rerank answer is not JSON: {body[:120]!r}"
-        return
-    if not isinstance(answer, dict) or "error" in answer:
-        detail = answer.get("error") if isinstance(answer, dict) else answer
-        measurement.error = f"engine error: {json.dumps(detail)[:300]}"
+    answer = _json_answer(response, measurement, "rerank")
+    if answer is None:
         return
     results = answer.get("results")
     ranked = [r for r in results if isinstance(r, dict)] if isinstance(results, list) else []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pytest_gpubench.config.metrics import ENGINE_COUNTERS
 
@@ -234,9 +234,9 @@ def mismatch_words(checks: EngineChecks) -> str:
 
 def check_verdicts(checks: Iterable[EngineChecks], settings: JudgingSettings) -> list[Verdict]:
     """A regression for each (cell, prompt) whose cell asked for it: a token-count mismatch
-    where its token_check is `fail`, more preemptions than its thresholds' max_preemptions."""
-    from pytest_gpubench.results.gate import Verdict
-
+    where its token_check is `fail`, more preemptions than its thresholds' max_preemptions; and
+    `inconclusive` (exit 10) where such a check could not be made: a CI gate never passes a
+    check it did not make."""
     verdicts: list[Verdict] = []
     for found in checks:
         cell = settings.cell(found.cell_id)
@@ -245,22 +245,16 @@ def check_verdicts(checks: Iterable[EngineChecks], settings: JudgingSettings) ->
         where = f"{found.cell_id} {found.prompt_id}"
         if cell.token_check == "fail" and found.token_mismatches:
             verdicts.append(
-                Verdict(
-                    cell_id=found.cell_id,
-                    prompt_id=found.prompt_id,
-                    metric=TOKEN_MISMATCHES,
-                    baseline=None,
+                _verdict(
+                    found, TOKEN_MISMATCHES, "regression",
+                    f"{where}: {mismatch_words(found)} (token_check: fail)",
                     current=float(found.token_mismatches),
-                    change_ratio=None,
-                    p_value=None,
-                    verdict="regression",
-                    message=f"{where}: {mismatch_words(found)} (token_check: fail)",
                 )
-            )
+            )  # fmt: skip
         if cell.token_check == "fail" and found.calls and not found.token_checked:
             verdicts.append(
-                _unmeasured(
-                    found, TOKEN_MISMATCHES,
+                _verdict(
+                    found, TOKEN_MISMATCHES, "inconclusive",
                     f"{where}: no warm call's token count could be checked (the engine sent no "
                     "usage, or every call was a tool call): token_check: fail is not met",
                 )
@@ -269,35 +263,31 @@ def check_verdicts(checks: Iterable[EngineChecks], settings: JudgingSettings) ->
         preempted = found.counters.get("preemptions")
         if limit is not None and preempted is None and found.calls:
             verdicts.append(
-                _unmeasured(
-                    found, PREEMPTIONS,
+                _verdict(
+                    found, PREEMPTIONS, "inconclusive",
                     f"{where}: the engine's preemptions were not read (its /metrics has no "
                     f"preemption counter, or none was read): max_preemptions: {limit} is not met",
                 )
             )  # fmt: skip
         if limit is not None and preempted is not None and preempted > limit:
             verdicts.append(
-                Verdict(
-                    cell_id=found.cell_id,
-                    prompt_id=found.prompt_id,
-                    metric=PREEMPTIONS,
-                    baseline=None,
+                _verdict(
+                    found, PREEMPTIONS, "regression",
+                    f"{where}: the engine preempted {preempted:g} requests over the warm "
+                    f"calls, over its limit (max_preemptions: {limit})",
                     current=preempted,
-                    change_ratio=None,
-                    p_value=None,
-                    verdict="regression",
-                    message=(
-                        f"{where}: the engine preempted {preempted:g} requests over the warm "
-                        f"calls, over its limit (max_preemptions: {limit})"
-                    ),
                 )
-            )
+            )  # fmt: skip
     return verdicts
 
 
-def _unmeasured(found: EngineChecks, metric: str, message: str) -> Verdict:
-    """A check a cell asked for that nothing measured: `inconclusive`, which holds the run back
-    (exit 10): a CI gate never passes a check it did not make."""
+def _verdict(
+    found: EngineChecks,
+    metric: str,
+    kind: Literal["regression", "inconclusive"],
+    message: str,
+    current: float | None = None,
+) -> Verdict:
     from pytest_gpubench.results.gate import Verdict
 
     return Verdict(
@@ -305,9 +295,9 @@ def _unmeasured(found: EngineChecks, metric: str, message: str) -> Verdict:
         prompt_id=found.prompt_id,
         metric=metric,
         baseline=None,
-        current=None,
+        current=current,
         change_ratio=None,
         p_value=None,
-        verdict="inconclusive",
+        verdict=kind,
         message=message,
     )
