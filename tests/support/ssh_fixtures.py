@@ -267,9 +267,10 @@ def node_python(sshd: SshServer) -> str:
         # listing's process: seen once in the whole suite, httpx), copied until the task's
         # imports load in the venv itself.
         for _ in range(20):
+            # As the node's session runs it: no PYTHONPATH or other hint from this process.
             tried = subprocess.run(
-                [str(venv / "bin" / "python"), "-c", _TASK_IMPORTS],
-                capture_output=True, text=True, check=False,
+                [str(venv / "bin" / "python"), "-I", "-c", _TASK_IMPORTS],
+                capture_output=True, text=True, check=False, env={"PATH": "/usr/bin:/bin"},
             )  # fmt: skip
             missing = re.search(r"No module named '([\w.]+)'", tried.stderr)
             if tried.returncode == 0 or missing is None:
