@@ -219,16 +219,30 @@ def node_install(sshd: SshServer, llama_server: Path, tiny_model: Path) -> tuple
     return binary, model
 
 
-# What the node's Python needs to run a load client task: the modules it imports from
-# site-packages, found by importing it here (pytest_gpubench itself is copied whole).
+# What the node's Python needs to run a load client task: the top-level modules and packages
+# it imports from site-packages, as paths, found by importing here what a task runs
+# (pytest_gpubench itself is copied whole). Paths, not names: a name looked up again on this
+# process's sys.path once found another `httpx` than the one a task loads.
 _CLIENT_IMPORTS = """
-import sys, pytest_gpubench.run.load.client_task
-names = set()
+import sys
+import pytest_gpubench.run.load.client_task, pytest_gpubench.run.load.driver
+import pytest_gpubench.engines, pytest_gpubench.measure.load_client
+tops = set()
 for module in list(sys.modules.values()):
     path = getattr(module, "__file__", None) or ""
     if "site-packages/" in path:
-        names.add(path.split("site-packages/")[1].split("/")[0])
-print("\\n".join(sorted(names)))
+        base, rest = path.split("site-packages/", 1)
+        tops.add(base + "site-packages/" + rest.split("/")[0])
+print("\\n".join(sorted(tops)))
+"""
+# Where this interpreter finds a top-level module (the path to copy), printed.
+_FIND = """
+import importlib.util, sys
+from pathlib import Path
+spec = importlib.util.find_spec(sys.argv[1])
+if spec is not None and spec.origin:
+    origin = Path(spec.origin)
+    print(origin.parent if origin.name == "__init__.py" else origin)
 """
 
 
@@ -250,34 +264,43 @@ def node_python(sshd: SshServer) -> str:
     if not venv.exists():
         subprocess.run([str(system), "-m", "venv", "--without-pip", str(venv)], check=True)
         (site,) = venv.glob("lib/python3*/site-packages")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         listed = subprocess.run(
-            [sys.executable, "-c", _CLIENT_IMPORTS],
-            capture_output=True, text=True, check=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        ).stdout.split()  # fmt: skip
+            [sys.executable, "-c", _CLIENT_IMPORTS], capture_output=True, text=True, check=True,
+            env=env,
+        ).stdout.split("\n")  # fmt: skip
         import pytest_gpubench
 
         package = Path(pytest_gpubench.__file__).parent
-        ignore = shutil.ignore_patterns("__pycache__")
-        shutil.copytree(package, site / "pytest_gpubench", ignore=ignore)
-        for name in listed:
-            if not name.startswith(("_distutils_hack", "__editable__")):
-                _copy_top_level(name, site)
-        # What the listing missed (a module imported from elsewhere than a site-packages in the
-        # listing's process: seen once in the whole suite, httpx), copied until the task's
-        # imports load in the venv itself.
+        shutil.copytree(package, site / "pytest_gpubench", ignore=_IGNORE)
+        for top in filter(None, listed):
+            if not Path(top).name.startswith(
+                ("_distutils_hack", "__editable__", "pytest_gpubench")
+            ):
+                _copy_path(Path(top), site)
+        # Whatever still fails to import as the node's session runs it (as the node's user,
+        # python -I: no PYTHONPATH or other hint from this process), copied from where this
+        # interpreter finds it, until the task's imports load.
+        chown = ["chown", "-R", f"{sshd.user}:{sshd.user}", str(venv)]
         for _ in range(20):
-            # As the node's session runs it: no PYTHONPATH or other hint from this process.
+            subprocess.run(chown, check=True)
             tried = subprocess.run(
-                [str(venv / "bin" / "python"), "-I", "-c", _TASK_IMPORTS],
+                [shutil.which("runuser") or "/usr/sbin/runuser", "-u", sshd.user, "--", str(venv / "bin" / "python"), "-I", "-c",
+                 _TASK_IMPORTS],
                 capture_output=True, text=True, check=False, env={"PATH": "/usr/bin:/bin"},
+                cwd=str(venv),
             )  # fmt: skip
             missing = re.search(r"No module named '([\w.]+)'", tried.stderr)
             if tried.returncode == 0 or missing is None:
                 break
-            if not _copy_top_level(missing.group(1).split(".")[0], site):
+            found = subprocess.run(
+                [sys.executable, "-c", _FIND, missing.group(1).split(".")[0]],
+                capture_output=True, text=True, check=False, env=env,
+            ).stdout.strip()  # fmt: skip
+            if not found:
                 break  # not this interpreter's either: the test will say what is missing
-        subprocess.run(["chown", "-R", f"{sshd.user}:{sshd.user}", str(venv)], check=True)
+            _copy_path(Path(found), site)
+        subprocess.run(chown, check=True)
     return str(venv / "bin" / "python")
 
 
@@ -288,17 +311,15 @@ _TASK_IMPORTS = (
 )
 
 
-def _copy_top_level(name: str, site: Path) -> bool:
-    """A top-level module or package of this interpreter's path copied into `site`; whether
-    there was one to copy."""
-    ignore = shutil.ignore_patterns("__pycache__")
-    found = [p / name for p in map(Path, sys.path) if (p / name).exists()]
-    found += [p / f"{name}.py" for p in map(Path, sys.path) if (p / f"{name}.py").exists()]
-    if not found or (site / found[0].name).exists():
-        return False
-    source = found[0]
+_IGNORE = shutil.ignore_patterns("__pycache__")
+
+
+def _copy_path(source: Path, site: Path) -> None:
+    """A top-level module or package (its path) copied into `site`, over what was there."""
+    target = site / source.name
+    if target.is_dir():
+        shutil.rmtree(target)
     if source.is_dir():
-        shutil.copytree(source, site / source.name, ignore=ignore)
+        shutil.copytree(source, target, ignore=_IGNORE)
     else:
-        shutil.copy2(source, site / source.name)
-    return True
+        shutil.copy2(source, target)
