@@ -123,7 +123,7 @@ def write_load_baselines(
         # A sweep that stopped at saturation ratifies its lower capacity: the steps it did not
         # run leave the baseline (else they would hold every later run back as unmeasured).
         for record in records:
-            for key in skipped_step_keys(record):
+            for key in skipped_step_keys(record).values():
                 if points.pop(key, None) is not None:
                     notes.append(f"load baseline: {cell_id} {key} removed: {skipped_why(record)}")
         path = load_baseline_path(baselines_dir, cell_id)

@@ -225,12 +225,12 @@ def judge_loads(
     return verdicts
 
 
-def skipped_step_keys(record: Mapping[str, Any]) -> list[str]:
-    """The point keys of the steps a sweep did not run after it stopped at saturation."""
+def skipped_step_keys(record: Mapping[str, Any]) -> dict[str, str]:
+    """The steps a sweep did not run after it stopped at saturation, each with its point key."""
     stop = record.get("saturation_stop") if record.get("pattern") == "sweep" else None
     if not isinstance(stop, Mapping) or not isinstance(stop.get("skipped"), list):
-        return []
-    return [point_key({**record, "sweep_step": step}) for step in stop["skipped"]]
+        return {}
+    return {str(step): point_key({**record, "sweep_step": step}) for step in stop["skipped"]}
 
 
 def skipped_why(record: Mapping[str, Any]) -> str:
@@ -249,10 +249,9 @@ def skipped_steps(
     baseline: results/load_baseline.write_load_baselines)."""
     cell_id = str(record.get("cell_id"))
     found = []
-    for key in skipped_step_keys(record):
+    for step, key in skipped_step_keys(record).items():
         if key not in baseline:
             continue
-        step = key.rsplit("-", 1)[-1]
         rate = _number(baseline[key].get("rate"))
         found.append(
             _verdict(

@@ -154,39 +154,25 @@ class Harness:
             # that a run killed during it still says what was measured (the controller keeps
             # one cell record per cell, so the copy on the case's report is dropped).
             self.unwritten_cells[case.cell_id] = described
-        if live.unavailable is not None:
-            reason = self.scrub(live.unavailable)
-            records.append(
-                as_json(
-                    skipped_record(
-                        run_id=self.run_id,
-                        cell=live.cell,
-                        case=case,
-                        reason=reason,
-                        stage=live.unavailable_stage,
-                    )
-                )
-            )
-            return reason, records
-        prompt = self.matrix.prompts.get(case.source_prompt_id)
-        missing = live.kind_missing(prompt.kind) if prompt is not None else None
-        if missing is not None:
-            # A kind the engine does not send: this case is skipped, the cell's others run.
-            reason = self.scrub(missing)
-            records.append(
-                as_json(
-                    skipped_record(
-                        run_id=self.run_id,
-                        cell=live.cell,
-                        case=case,
-                        reason=reason,
-                        stage=None,
-                        kind_unsupported=True,
-                    )
-                )
-            )
-            return reason, records
-        return None, records
+        # A cell that could not start skips its cases in the stage that failed; a kind the
+        # engine does not send skips this case, the cell's others run.
+        why = live.unavailable
+        if why is None:
+            prompt = self.matrix.prompts.get(case.source_prompt_id)
+            why = live.kind_missing(prompt.kind) if prompt is not None else None
+        if why is None:
+            return None, records
+        reason = self.scrub(why)
+        skipped = skipped_record(
+            run_id=self.run_id,
+            cell=live.cell,
+            case=case,
+            reason=reason,
+            stage=live.unavailable_stage if live.unavailable is not None else None,
+            kind_unsupported=live.unavailable is None,
+        )
+        records.append(as_json(skipped))
+        return reason, records
 
     def stopped_early(self, case: Case) -> tuple[str | None, list[dict[str, Any]]]:
         """Why the case is not run, its pair's verdict decided (sequential sampling), with its
