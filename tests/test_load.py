@@ -517,11 +517,14 @@ def test_a_corrupt_load_baseline_is_one_line_naming_the_file(tmp_path: Path) -> 
         read_load_baseline(tmp_path, "local:openai:m")
 
 
+@pytest.mark.parametrize("processes", [1, 2])
 def test_a_load_case_on_an_https_endpoint_trusts_what_the_cell_trusts(
-    pytester: pytest.Pytester, tmp_path: Path
+    pytester: pytest.Pytester, tmp_path: Path, processes: int
 ) -> None:
     """stunnel (tests/support/tls_terminator.py, a CA made for the test) in front of the keepalive
-    server: the load client connects over TLS with the cell's ca_file."""
+    server: the load client connects over TLS with the cell's ca_file, from this process or from
+    `processes: 2` spawned client processes (the CA travels to them as its text: an SSLContext
+    cannot be pickled, and once failed the point with "cannot pickle 'SSLContext' object")."""
     from support.tls_terminator import stunnel, stunnel_binary
 
     if stunnel_binary() is None:
@@ -530,7 +533,8 @@ def test_a_load_case_on_an_https_endpoint_trusts_what_the_cell_trusts(
         write_load_project(
             pytester,
             f"  - {{node: local, engine: openai, model: m, endpoint: '{terminator.url}',"
-            f" ca_file: '{terminator.ca_file}', load: {{concurrency: [2], requests: 6}}}}\n",
+            f" ca_file: '{terminator.ca_file}',"
+            f" load: {{concurrency: [2], requests: 6, processes: {processes}}}}}\n",
         )
         result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
         handshakes = terminator.handshakes()
@@ -538,7 +542,12 @@ def test_a_load_case_on_an_https_endpoint_trusts_what_the_cell_trusts(
     records = ledger_records(pytester)
     (point,) = [r for r in records if r["type"] == "load"]
     assert point["ok"] == 6 and point["valid"]
-    assert handshakes >= 2  # the warm-up's connection and the load client's own
+    calls = [r for r in records if r["type"] == "call" and r.get("load_point") == "c2"]
+    assert len(calls) == 6
+    if processes > 1:
+        assert {c["process"] for c in calls} == {0, 1}
+    # The warm-up's connection and each client process's own (one per concurrent stream).
+    assert handshakes >= 1 + processes
 
 
 @given(

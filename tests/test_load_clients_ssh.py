@@ -80,6 +80,46 @@ def test_two_client_tasks_as_ssh_sessions_drive_a_point_merged_exactly(
     assert merged["output_tokens"] == 40 * 8
 
 
+@pytest.mark.sshd
+def test_ssh_client_tasks_trust_an_https_endpoint_by_the_cells_ca_file(
+    pytester: pytest.Pytester, sshd: SshServer, node_python: str, tmp_path: Path
+) -> None:
+    """stunnel (a CA made for the test) in front of the stand-in, its CA file where only this
+    process's user can read it: the tasks, logged in as the node's unprivileged user, connect
+    over TLS with the CA's text carried in the plan (an ssl.SSLContext cannot be pickled, and
+    the file's path is not theirs to read)."""
+    from support.tls_terminator import stunnel, stunnel_binary
+
+    if stunnel_binary() is None:
+        pytest.skip("stunnel4 is not installed (scripts/setup-system.sh)")
+    with keepalive_server() as server, stunnel(server.url, tmp_path / "tls") as terminator:
+        (tmp_path / "tls").chmod(0o700)
+        write_project(
+            pytester,
+            sshd,
+            terminator.url,
+            "{concurrency: [2], requests: 8,"
+            f" clients: {{node: far, tasks: 2, python: '{node_python}'}}}}",
+        )
+        cells = (pytester.path / "cells.yaml").read_text()
+        (pytester.path / "cells.yaml").write_text(
+            cells.replace(
+                f"endpoint: '{terminator.url}'",
+                f"endpoint: '{terminator.url}', ca_file: '{terminator.ca_file}'",
+            )
+        )
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
+        handshakes = terminator.handshakes()
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    records = ledger_records(pytester)
+    (merged,) = [r for r in records if r["type"] == "load"]
+    assert merged["valid"], merged["invalid_reason"]
+    calls = [r for r in records if r["type"] == "call" and r.get("load_point") == "c2"]
+    assert merged["ok"] == len(calls) == 8
+    assert {c["process"] for c in calls} == {0, 1}
+    assert handshakes >= 3  # the warm-up's connection and each task's own
+
+
 def ssh_client_tasks(user: str) -> list[int]:
     """The client tasks' processes on this machine: the test user's Pythons running the task
     module (started by sshd, not by us)."""

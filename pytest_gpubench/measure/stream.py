@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypedDict
 from urllib.parse import urlsplit, urlunsplit
 
@@ -375,17 +376,34 @@ class TlsSettings:
 
     verify: bool = True
     ca_file: str | None = None
+    # The CA file's own text, where the settings travel to another process or node (a load
+    # point's `processes:` or `clients:`): an ssl.SSLContext cannot be pickled, and the file's
+    # path may not exist on the node a client task runs on.
+    ca_pem: str | None = None
 
     def context(self) -> ssl.SSLContext:
         """The client context for both the timed streams and the control calls (httpx): one per
         setting in a process, since reading the system's CA store costs about 50 ms of CPU."""
-        return _client_context(self.verify, self.ca_file)
+        return _client_context(self.verify, self.ca_file, self.ca_pem)
+
+    def portable(self) -> TlsSettings:
+        """The same trust with the CA file's text carried in place of its path."""
+        if self.ca_file is None:
+            return self
+        try:
+            pem = Path(self.ca_file).read_text(encoding="ascii")
+        except (OSError, UnicodeError) as exc:
+            raise StreamError(f"ca_file {self.ca_file}: cannot be read as PEM: {exc}") from None
+        return TlsSettings(self.verify, self.ca_file, pem)
 
 
 @functools.lru_cache(maxsize=16)
-def _client_context(verify: bool, ca_file: str | None) -> ssl.SSLContext:
+def _client_context(verify: bool, ca_file: str | None, ca_pem: str | None) -> ssl.SSLContext:
     try:
-        context = ssl.create_default_context(cafile=ca_file)
+        if ca_pem is not None:
+            context = ssl.create_default_context(cadata=ca_pem)
+        else:
+            context = ssl.create_default_context(cafile=ca_file)
     except (OSError, ssl.SSLError) as exc:
         raise StreamError(f"ca_file {ca_file}: cannot be read as PEM: {exc}") from None
     if not verify:

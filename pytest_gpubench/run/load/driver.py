@@ -121,8 +121,9 @@ class Target:
     timeout_s: float
     # The cell's headers (an API key among them), for the engine's /metrics too.
     headers: tuple[tuple[str, str], ...] = ()
-    # An https:// endpoint's client context (the cell's ca_file, tls_verify).
-    tls: ssl.SSLContext | None = None
+    # An https:// endpoint's trust (the cell's ca_file, its text carried, and tls_verify): the
+    # settings, not an ssl.SSLContext, so that the target pickles for `processes:` and `clients:`.
+    tls: TlsSettings | None = None
     # Where the point sends several requests (a dataset's prompts): request i is the
     # (i mod n)-th of these, and `request` is the first.
     variants: tuple[bytes, ...] = ()
@@ -133,6 +134,11 @@ class Target:
     # and sends its `adapters.prompt_of(i, n)`-th request in `by_adapter` (its prompts).
     adapters: AdapterChoice | None = None
     by_adapter: tuple[tuple[bytes, ...], ...] = ()
+
+    @property
+    def context(self) -> ssl.SSLContext | None:
+        """The client context of an https:// endpoint (one per setting in each process)."""
+        return self.tls.context() if self.tls is not None else None
 
     def request_for(self, index: int) -> bytes:
         """The bytes of the point's `index`-th request."""
@@ -188,7 +194,7 @@ class LoadRun:
         # The pattern's ramp (its first window), or 0.
         self.ramp_s = ramp_s
         self.pool = ConnectionPool(
-            target.endpoint, connect_timeout_s=min(target.timeout_s, 10.0), tls=target.tls
+            target.endpoint, connect_timeout_s=min(target.timeout_s, 10.0), tls=target.context
         )
         self._sent: list[Sent | Received] = []
         self.bounds = Bounds(profile, time.perf_counter_ns(), ramp_s)
@@ -343,7 +349,9 @@ def build_target(
     pairs = tuple(headers.items())
     path = "/v1/chat/completions"
     request = request_bytes(endpoint, path, payload, pairs)
-    context = (tls or TlsSettings()).context() if endpoint.scheme == "https" else None
+    trust = (tls or TlsSettings()).portable() if endpoint.scheme == "https" else None
+    if trust is not None:
+        trust.context()  # an unreadable CA is one line before the point, not in each process
     variants = (
         (request, *(request_bytes(endpoint, path, more, pairs) for more in more_payloads))
         if more_payloads
@@ -359,7 +367,7 @@ def build_target(
         request,
         timeout_s,
         pairs,
-        context,
+        trust,
         variants,
         session,
         adapters if by_adapter else None,

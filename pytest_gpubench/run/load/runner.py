@@ -345,7 +345,7 @@ class _Recorder:
         started = utc_now()
         wall_ns = time.time_ns() - time.perf_counter_ns()
         scraper = GaugeScraper(
-            target.endpoint, target.headers, self.cell.telemetry.interval_ms, target.tls
+            target.endpoint, target.headers, self.cell.telemetry.interval_ms, target.context
         )
         before = await scraper.scrape()
         pressure_mark = self.pressure.start() if self.pressure is not None else None
