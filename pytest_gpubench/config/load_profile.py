@@ -277,6 +277,31 @@ class LoadProfile(_Strict):
             span += 600.0  # the trace's own length, not known before it is read
         return span * steps
 
+    def shaping(self, *, open_loop: bool, sweep: bool, adapters: bool) -> dict[str, Any]:
+        """The settings that shape a point's figures beyond its request (prompt_sha256) and its
+        concurrency or rate (its name): a baseline measured under others is not comparable
+        (results/load_gate.settings_changes). Not among them: how long the point runs (requests,
+        duration_s: its sample's size), the arrivals' seed (another draw of the same process),
+        its ramp and cool-down (left out of its figures), who sends it (processes, clients) and
+        how it is reported or judged. `open_loop`: a point at a rate; `sweep`: the sweep's own
+        record or one of its open-loop steps (whose rates its settings place); `adapters`: a
+        cell that chooses LoRA adapters per request."""
+        found: dict[str, Any] = {
+            "warmup_s": self.warmup_s,
+            "slo": self.slo.model_dump() if self.slo is not None else None,
+        }
+        if open_loop:
+            found["arrival"] = self.arrival
+            if self.arrival == "gamma":
+                found["burstiness"] = self.burstiness
+        if self.turns is not None:
+            found |= {"turns": self.turns, "think_time_s": self.think_time_s}
+        if sweep and self.sweep is not None:
+            found["sweep"] = self.sweep.model_dump()
+        if adapters:
+            found |= {"lora_choice": self.lora_choice, "lora_weights": self.lora_weights}
+        return found
+
 
 def dataset_prompt_id(dataset: Dataset) -> str:
     """The id a dataset load case carries: `dataset-<file stem>`."""

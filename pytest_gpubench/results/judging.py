@@ -256,16 +256,26 @@ class Judgement:
     # new setup --baseline-update ratified (wrote).
     changed_setups: dict[str, str] = field(default_factory=dict)
     ratified: set[str] = field(default_factory=set)
+    # The load points (cell id, point key) --baseline-update wrote: an `incomparable` point's
+    # new request or settings ratified.
+    ratified_points: set[tuple[str, str]] = field(default_factory=set)
 
     @property
     def every_verdict(self) -> list[Verdict]:
         return [*self.verdicts, *self.load_verdicts]
 
     def failing_incomparables(self) -> list[Verdict]:
-        """The `incomparable` verdicts that fail the run: those not ratified."""
+        """The `incomparable` verdicts that fail the run: those not ratified (a warm cell's
+        setup, a load point's request or settings)."""
         from pytest_gpubench.results.gate import incomparables
 
-        return [v for v in incomparables(self.verdicts) if v.cell_id not in self.ratified]
+        warm = [v for v in incomparables(self.verdicts) if v.cell_id not in self.ratified]
+        load = [
+            v
+            for v in incomparables(self.load_verdicts)
+            if (v.cell_id, v.prompt_id) not in self.ratified_points
+        ]
+        return warm + load
 
     def failing_regressions(self) -> list[Verdict]:
         """The regressions that fail the run: with --baseline-update, only an A/B candidate's

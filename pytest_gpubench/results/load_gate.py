@@ -116,10 +116,20 @@ def judge_point(
 ) -> list[Verdict]:
     """One verdict per metric the point has (goodput only under an SLO)."""
     cell_id, key = str(current.get("cell_id")), point_key(current)
-    if current.get("pattern") == "sweep":
-        return [_judge_saturation(current, baseline, thresholds.throughput)]
     # Goodput only where an SLO defines it.
     metrics = [m for m in LOAD_METRICS if m.field != "goodput_rate" or current.get("slo")]
+    changes = settings_changes(baseline, current)
+    if changes:
+        metric = SATURATION if current.get("pattern") == "sweep" else metrics[0]
+        return [
+            _verdict(
+                cell_id, key, metric, "incomparable",
+                f"the load settings changed since the load baseline was measured ({changes}): "
+                "ratify them with --baseline-update",
+            )
+        ]  # fmt: skip
+    if current.get("pattern") == "sweep":
+        return [_judge_saturation(current, baseline, thresholds.throughput)]
     if baseline is None:
         return [
             _verdict(cell_id, key, m, "new", "no load baseline yet", value=current.get(m.field))
@@ -140,6 +150,32 @@ def judge_point(
         judge_metric(m, current, baseline, float(getattr(thresholds, m.threshold_field)))
         for m in metrics
     ]
+
+
+def settings_changes(baseline: Mapping[str, Any] | None, current: Mapping[str, Any]) -> str:
+    """What changed in the settings that shape a point's figures (LoadProfile.shaping) since its
+    baseline, as `arrival poisson → constant; warmup_s 0 → 5`; empty where nothing did, or where
+    either side does not say (a baseline written before they were kept is judged as before)."""
+    old = baseline.get("load_settings") if baseline is not None else None
+    new = current.get("load_settings")
+    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return ""
+    changed = [
+        f"{name} {_setting(old.get(name))} → {_setting(new.get(name))}"
+        for name in sorted(set(old) | set(new))
+        if old.get(name) != new.get(name)
+    ]
+    return "; ".join(changed)
+
+
+def _setting(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, Mapping):
+        return (
+            "{" + ", ".join(f"{k}: {_setting(v)}" for k, v in value.items() if v is not None) + "}"
+        )
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def judge_metric(
@@ -275,10 +311,15 @@ def baseline_point(
         "requests", "ok", "achieved_rate", "output_tokens_per_sec", "ttft_ms_p50", "ttft_ms_p99",
         "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_p99", "goodput_rate", "send_lag_ms_p99",
         "benchmark_run_id", "started_at_utc", "samples", "sweep_step", "saturation_rate",
-        "cpu_pressure",
+        "cpu_pressure", "load_settings",
     )  # fmt: skip
     point = {name: record.get(name) for name in keep}
-    runs = previous.get("history") if previous is not None else None
+    # Runs under another request or other settings are another point's: its history restarts.
+    other = previous is not None and (
+        previous.get("prompt_sha256") not in (None, record.get("prompt_sha256"))
+        or bool(settings_changes(previous, record))
+    )
+    runs = previous.get("history") if previous is not None and not other else None
     kept = [
         run
         for run in (runs if isinstance(runs, list) else [])

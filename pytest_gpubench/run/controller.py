@@ -375,6 +375,7 @@ class RunController:
     def _update_load_baselines(self) -> None:
         """The load points' baselines (baselines/load/) written from this run."""
         from pytest_gpubench.results.load_baseline import write_load_baselines
+        from pytest_gpubench.results.load_gate import gated, is_result, point_key
 
         judgement = self.judgement
         try:
@@ -384,6 +385,12 @@ class RunController:
         except GpubenchError as exc:
             judgement.gate_error = self.scrub(str(exc))
             judgement.write_failed = True
+            return
+        judgement.ratified_points.update(
+            (str(record.get("cell_id")), point_key(record))
+            for record in self.loads
+            if gated(record) and is_result(record)
+        )
 
     def _remeasure_suspects(self) -> None:
         """Before anything is given back: judge the first pass, and measure the suspected

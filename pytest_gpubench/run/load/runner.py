@@ -301,7 +301,12 @@ def _run_load_case(
             load_point="sweep",
             pattern={"pattern": "sweep", **sweep},
             started_at_utc=started,
-            summary={"output_tokens": sum(step.get("output_tokens") or 0 for step in steps)},
+            summary={
+                "output_tokens": sum(step.get("output_tokens") or 0 for step in steps),
+                "load_settings": profile.shaping(
+                    open_loop=True, sweep=True, adapters=adapters is not None
+                ),
+            },
             error=None if valid else "no step of the sweep was a valid result",
         )
         live.last_call_end = time.monotonic()
@@ -392,17 +397,23 @@ class _Recorder:
         )
         if lost:
             summary = lost_client_summary(summary, lost)
+        facts = pattern_facts(pattern)
         record = load_record(
             run_id=self.run_id,
             cell=self.cell,
             case=self.case,
             prompt_sha256=self.sha256,
             load_point=point,
-            pattern=pattern_facts(pattern),
+            pattern=facts,
             started_at_utc=started,
             summary={
                 **summary,
                 **({"sweep_step": sweep_step} if sweep_step is not None else {}),
+                "load_settings": self.profile.shaping(
+                    open_loop=facts["pattern"] == "open",
+                    sweep=sweep_step is not None,
+                    adapters=self.adapters is not None,
+                ),
                 "processes": self.profile.processes,
                 "send_lag_by_process": lag_by_client(calls)
                 if self.profile.processes > 1 or self.profile.clients is not None
