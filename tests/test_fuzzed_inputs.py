@@ -24,6 +24,7 @@ from support.bench_files import png
 from support.hypothesis_examples import examples
 
 from pytest_gpubench.cli.main import main
+from pytest_gpubench.config.load_profile import LoadThresholds
 from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.prompts import read_prompts
 from pytest_gpubench.core.errors import GpubenchError, key_path
@@ -38,6 +39,7 @@ from pytest_gpubench.results.baseline import (
     read_baseline,
 )
 from pytest_gpubench.results.load_baseline import load_baseline_path, read_load_baseline
+from pytest_gpubench.results.load_gate import baseline_point, judge_point
 from pytest_gpubench.results.run_history import RunFigures
 from pytest_gpubench.results.stats import PromptSummary, WarmSamples
 
@@ -576,8 +578,24 @@ def test_nan_or_an_infinity_in_any_number_of_a_baseline_is_one_line_naming_it(
 LOAD_BASELINE: dict[str, Any] = {
     "format": 1,
     "cell_id": "local:llamacpp:tiny",
-    "points": {"P-EASY@load-c4": {"output_tokens_per_sec": 120.5, "samples": {"ttft_ms": [1.0]}}},
+    "points": {
+        "P-EASY@load-c4": {
+            "output_tokens_per_sec": 120.5,
+            "samples": {"ttft_ms": [1.0]},
+            "prompt_sha256": "s",
+            "load_settings": {"warmup_s": 0.0, "slo": {"ttft_ms": 200.0}, "arrival": "poisson"},
+            "history": [{"benchmark_run_id": "r1", "output_tokens_per_sec": 120.5}],
+        }
+    },
 }
+# A load point of this run, judged against whatever the file's point holds.
+LOAD_POINT: dict[str, Any] = {
+    "type": "load", "cell_id": "local:llamacpp:tiny", "prompt_id": "P-EASY",
+    "prompt_sha256": "s", "load_point": "c4", "pattern": "closed", "valid": True,
+    "output_tokens_per_sec": 118.0, "ttft_ms_p99": 3.0, "tpot_ms_p99": 1.0, "slo": None,
+    "samples": {"output_tokens_per_sec": [118.0], "ttft_ms": [1.0, 3.0], "tpot_ms": [1.0]},
+    "load_settings": {"warmup_s": 0.0, "slo": {"ttft_ms": 200.0}, "arrival": "poisson"},
+}  # fmt: skip
 
 
 @SOME
@@ -595,6 +613,44 @@ def test_any_load_baseline_file_gives_points_or_one_clear_error(document: Any) -
             assert_one_clear_error(error, path)
         else:
             assert all(isinstance(point, dict) for point in points.values())
+            # Whatever a point holds, judging this run against it and ratifying over it give
+            # verdicts and a point, never an exception.
+            for point in points.values():
+                judge_point(LOAD_POINT, point, LoadThresholds())
+                baseline_point(LOAD_POINT, point)
+
+
+# Any JSON value (finite: the reader refuses the others), its lists and objects keyed by the
+# names a load point's figures go by.
+POINT_NAMES = sorted({*LOAD_POINT, "history", "ttft_ms", "tpot_ms", "saturation_rate", "rate"})
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.sampled_from(POINT_NAMES) | st.text(max_size=3), inner, max_size=3),
+    max_leaves=8,
+)  # fmt: skip
+
+
+@SOME
+@given(
+    point=st.dictionaries(st.sampled_from(POINT_NAMES), JSON_VALUES, max_size=6),
+    samples=st.dictionaries(
+        st.sampled_from(["ttft_ms", "tpot_ms", "output_tokens_per_sec"]), JSON_VALUES, max_size=3
+    ),
+    sweep=st.booleans(),
+)
+def test_any_value_in_a_load_baseline_point_is_judged_without_an_exception(
+    point: dict[str, Any], samples: dict[str, Any], sweep: bool
+) -> None:
+    """A hand-edited point (its figures, samples, history and settings of any type) is judged as
+    records are, a figure of the wrong type unknown: a list where a number was, or a number where
+    the samples were, crashed the judging (TypeError: 'int' object is not iterable)."""
+    baseline = {**LOAD_BASELINE["points"]["P-EASY@load-c4"], "samples": samples, **point}
+    current = {**LOAD_POINT, "pattern": "sweep", "saturation_rate": 9.0} if sweep else LOAD_POINT
+    verdicts = judge_point(current, baseline, LoadThresholds())
+    assert verdicts and all(v.verdict for v in verdicts)
+    assert isinstance(baseline_point(current, baseline)["history"], list)
 
 
 @SOME

@@ -333,13 +333,19 @@ def baseline_point(
 def _samples(record: Mapping[str, Any], metric: LoadMetric) -> list[float]:
     samples = record.get("samples")
     values = samples.get(metric.samples) if isinstance(samples, Mapping) else None
-    return [float(v) for v in values or [] if _number(v) is not None]
+    # A hand-edited file's figure of the wrong type is unknown, as in records.
+    return [n for v in values if (n := _number(v)) is not None] if isinstance(values, list) else []
 
 
 def _number(value: Any) -> float | None:
+    """A figure as a number, else unknown: not a number, or an integer past a float's range (a
+    hand-edited file's: float() raised OverflowError)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 def _verdict(
