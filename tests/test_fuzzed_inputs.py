@@ -798,6 +798,8 @@ def damaged_ledgers(draw: st.DrawFn) -> list[dict[str, Any]]:
     """A real-looking ledger (meta, cells, calls, samples, end) with some of its records'
     fields given wrong types, huge values, unicode or nesting."""
     written = ledgers.run_records("run-a", seed=draw(st.integers(0, 3)))
+    # A load point beside the warm calls (judged by `gpubench gate` against LOAD_BASELINE).
+    written.insert(-1, {**LOAD_POINT, "benchmark_run_id": "run-a"})
     for _ in range(draw(st.integers(1, 4))):
         index = draw(st.integers(0, len(written) - 1))
         record = written[index]
@@ -825,6 +827,13 @@ def test_reports_of_any_ledger_give_a_status_never_a_traceback(written: list[Any
             ["history", str(path.parent), "-o", str(out / "history.txt")],
         ):
             assert main(argv) in (0, 2, 6, 7, 8), argv
+        # `gpubench gate` judges it as a session would, against no baselines: a status of the
+        # documented table (docs/exit-statuses.md), never an exception.
+        load_baseline = load_baseline_path(out / "baselines", "local:llamacpp:tiny")
+        load_baseline.parent.mkdir(parents=True)
+        load_baseline.write_text(json.dumps(LOAD_BASELINE))
+        gate = ["gate", str(path), "--baselines", str(out / "baselines")]
+        assert main(gate) in (0, 2, 3, 4, 5, 6, 7, 8, 9, 10), gate
 
 
 # -- the whole run -----------------------------------------------------------------------------
