@@ -12,7 +12,7 @@ import os
 import pwd
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from support.keepalive_server import keepalive_server
@@ -118,6 +118,65 @@ def test_ssh_client_tasks_trust_an_https_endpoint_by_the_cells_ca_file(
     assert merged["ok"] == len(calls) == 8
     assert {c["process"] for c in calls} == {0, 1}
     assert handshakes >= 3  # the warm-up's connection and each task's own
+
+
+@pytest.mark.sshd
+def test_client_tasks_reach_the_coordinator_through_a_tunnel_over_the_ssh_connection(
+    pytester: pytest.Pytester, sshd: SshServer, node_python: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`coordinator: tunnel`, for a node that cannot reach this machine: the tasks connect to a
+    port the node's sshd listens on (its loopback), carried back over the SSH connection to the
+    listener, which then listens on this machine's loopback alone. The carrying is counted by
+    wrapping the real RemoteForward's (pytester runs the session in this process)."""
+    from pytest_gpubench.targets.ssh.forward import RemoteForward
+
+    carried: list[int] = []
+    serve = RemoteForward._serve
+
+    def counted(self: RemoteForward, channel: Any) -> None:
+        carried.append(self.remote_port)
+        serve(self, channel)
+
+    monkeypatch.setattr(RemoteForward, "_serve", counted)
+    with keepalive_server() as server:
+        write_project(
+            pytester,
+            sshd,
+            server.url,
+            "{concurrency: [2], requests: 8,"
+            f" clients: {{node: far, tasks: 2, coordinator: tunnel, python: '{node_python}'}}}}",
+        )
+        result = pytester.runpytest_inprocess(
+            "--force-load", "-p", "no:cacheprovider", "-m", "load"
+        )
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    records = ledger_records(pytester)
+    (merged,) = [r for r in records if r["type"] == "load"]
+    assert merged["valid"], merged["invalid_reason"]
+    calls = [r for r in records if r["type"] == "call" and r.get("load_point") == "c2"]
+    assert merged["ok"] == len(calls) == 8 and {c["process"] for c in calls} == {0, 1}
+    assert merged["clients"]["coordinator"] == "tunnel"
+    assert len(merged["client_offsets_ms"]) == 2
+    # Each task's one connection to the coordinator came through the node's forwarded port.
+    assert len(carried) == 2 and len(set(carried)) == 1, carried
+
+
+def test_a_tunnel_to_a_slurm_node_is_one_line(tmp_path: Path) -> None:
+    from pytest_gpubench.config.matrix import read_matrix
+    from pytest_gpubench.core.errors import GpubenchError
+
+    (tmp_path / "prompts.yaml").write_text(
+        "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 8}\n"
+    )
+    (tmp_path / "cells.yaml").write_text(
+        "nodes: {local: {kind: local}, hpc: {kind: slurm}}\ncells:\n"
+        "  - {node: local, engine: openai, model: m, endpoint: 'http://127.0.0.1:9',"
+        " load: {concurrency: [2], requests: 8, clients: {node: hpc, tasks: 2,"
+        " coordinator: tunnel}}}\n"
+    )
+    with pytest.raises(GpubenchError, match="coordinator: tunnel is for an ssh node") as raised:
+        read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml")
+    assert "\n" not in str(raised.value)
 
 
 def ssh_client_tasks(user: str) -> list[int]:

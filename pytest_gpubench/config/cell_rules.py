@@ -241,6 +241,12 @@ def check_load(
                 "Slurm node of cells.yaml reached from this machine (kind: ssh, or kind: slurm "
                 "with no login:)"
             )
+        if kind == "slurm" and load.clients.coordinator == "tunnel":
+            raise GpubenchError(
+                f"{where}: load.clients.coordinator: tunnel is for an ssh node (a remote port "
+                f"forward over its SSH connection); Slurm node '{load.clients.node}' needs this "
+                "machine's address as its compute nodes reach it"
+            )
     sources = [key for key in ("prompts", "synthetic", "dataset", "trace") if getattr(load, key)]
     if len(sources) > 1:
         raise GpubenchError(

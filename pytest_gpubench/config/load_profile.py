@@ -139,8 +139,9 @@ class Clients(_Strict):
     `srun` step of `tasks` tasks on a Slurm node of cells.yaml, or `tasks` SSH sessions on an
     ssh node, each sending its share, started at one barrier time, their clocks' offsets to
     this process measured and their requests merged raw. `coordinator`: this machine's address
-    as the node reaches it; `python`: the Python with pytest-gpubench that runs each task there
-    (default: this one's path)."""
+    as the node reaches it, or `tunnel` (an ssh node: a port on the node's loopback carried back
+    over the SSH connection, for a node that cannot reach this machine); `python`: the Python
+    with pytest-gpubench that runs each task there (default: this one's path)."""
 
     node: str
     tasks: Annotated[int, Field(ge=1, le=256)]

@@ -147,7 +147,9 @@ def sshd() -> Iterator[SshServer]:
                     "KbdInteractiveAuthentication no",
                     "PermitRootLogin no",
                     f"AllowUsers {TEST_USER}",
-                    "AllowTcpForwarding local",
+                    # Local forwards reach a node's engine; remote ones carry client tasks back
+                    # to the coordinator (`clients: {coordinator: tunnel}`).
+                    "AllowTcpForwarding yes",
                     # A key's authorized_keys line may set PATH (environment="PATH=..."): the
                     # telemetry tests put a stand-in nvidia-smi first on the node's PATH.
                     "PermitUserEnvironment PATH",

@@ -32,6 +32,7 @@ from pytest_gpubench.run.load.driver import LoadRun, Sent, Target, wait_until
 from pytest_gpubench.run.load.processes import profile_share, share
 
 if TYPE_CHECKING:
+    from pytest_gpubench.targets.ssh.forward import RemoteForward
     from pytest_gpubench.targets.ssh.target import SshLineStream, SshTarget
 
 # The start is set this far ahead of the moment every task said it was ready.
@@ -44,6 +45,9 @@ EXCHANGES = 8
 # How long the tasks may take to end once the point is over, before they are killed.
 END_TIMEOUT_S = 30.0
 TASK_MODULE = "pytest_gpubench.run.load.client_task"
+# `clients.coordinator: tunnel`: the tasks on an ssh node reach this machine through a remote
+# port forward over the SSH connection, not by an address of this machine.
+TUNNEL = "tunnel"
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,10 @@ class Launch(Protocol):
     """How K client tasks start on a node, given their plan: what differs between an `srun`
     step and SSH sessions. Everything else (the plan, barrier, offsets, merge, loss) is
     run_clients'."""
+
+    def address(self, coordinator: str, port: int) -> tuple[str, int]:
+        """Where the tasks connect to reach this machine's listener on `port`: `coordinator`'s
+        address, or (`tunnel`, on an ssh node) a port on the node's loopback carried back."""
 
     def start(self, plan: bytes, tasks: int) -> None:
         """Put the plan where the tasks read it, and start them."""
@@ -112,6 +120,9 @@ class SrunLaunch:
         # srun's stderr: a file, not a pipe nobody reads while the point runs (a task's 64 KiB
         # of warnings would stall srun's forwarding, and with it the tasks).
         self.said = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in close())
+
+    def address(self, coordinator: str, port: int) -> tuple[str, int]:
+        return coordinator, port
 
     def start(self, plan: bytes, tasks: int) -> None:
         # The plan holds the connection's key (and the cell's headers): its owner's only.
@@ -174,6 +185,13 @@ class SshLaunch:
         self.plan = f"{self.target.work_dir}/gpubench-load-plan-{secrets.token_hex(6)}.pkl"
         self.sessions: list[SshLineStream] = []
         self.pids: list[int | None] = []
+        self.tunnel: RemoteForward | None = None
+
+    def address(self, coordinator: str, port: int) -> tuple[str, int]:
+        if coordinator != TUNNEL:
+            return coordinator, port
+        self.tunnel = self.target.reach_back(port)
+        return "127.0.0.1", self.tunnel.remote_port
 
     def start(self, plan: bytes, tasks: int) -> None:
         self.target.write_file(self.plan, plan)
@@ -224,6 +242,8 @@ class SshLaunch:
                 session.close()
             with contextlib.suppress(GpubenchError):
                 self.target.run(["rm", "-f", self.plan], timeout_s=10)
+            if self.tunnel is not None:
+                self.tunnel.close()
         finally:
             self.target.close()
 
@@ -247,19 +267,21 @@ def run_clients(
     assert profile.clients is not None
     tasks = profile.clients.tasks
     authkey = secrets.token_bytes(32)
-    listener = Listener(("0.0.0.0", 0), authkey=authkey)
-    port = listener.address[1]
-    plan = pickle.dumps(
-        {
-            "coordinator": (profile.clients.coordinator, port),
-            "authkey": authkey,
-            "target": target,
-            "profile": profile,
-            "pattern": pattern,
-        }
-    )
+    coordinator = profile.clients.coordinator
+    # Through a tunnel the tasks arrive on this machine's loopback, and nowhere else.
+    listener = Listener(("127.0.0.1" if coordinator == TUNNEL else "0.0.0.0", 0), authkey=authkey)
     accepted: list[Connection] = []
     try:
+        host, port = launch.address(coordinator, listener.address[1])
+        plan = pickle.dumps(
+            {
+                "coordinator": (host, port),
+                "authkey": authkey,
+                "target": target,
+                "profile": profile,
+                "pattern": pattern,
+            }
+        )
         launch.start(plan, tasks)
         threading.Thread(target=accept_tasks, args=(listener, accepted, tasks), daemon=True).start()
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
@@ -269,7 +291,11 @@ def run_clients(
                 raise GpubenchError(
                     f"clients: {len(accepted)} of {tasks} client tasks on node "
                     f"'{profile.clients.node}' reached this machine at "
-                    f"{profile.clients.coordinator}:{port}: "
+                    + (
+                        f"{coordinator}:{port}: "
+                        if coordinator != TUNNEL
+                        else f"127.0.0.1:{port} on the node (a tunnel back): "
+                    )
                     + (ended or f"not within {CONNECT_TIMEOUT_S:g} s")
                 )
             time.sleep(0.05)

@@ -1,4 +1,6 @@
-"""Port forwards of an SSH node: a local listening socket carried to host:port by direct-tcpip."""
+"""Port forwards of an SSH node: a local listening socket carried to host:port by direct-tcpip
+(PortForward), and a port on the node's loopback carried back to one on this machine by a
+remote forward (RemoteForward: `ssh -R`)."""
 
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ class PortForward:
                 log.debug("forward to %s:%s refused: %s", self.host, self.port, exc)
                 return
             try:
-                self._pump(connection, channel)
+                pump(connection, channel, self._closed)
             finally:
                 # On a connection that just dropped, even the close message cannot be sent.
                 with contextlib.suppress(EOFError, OSError, paramiko.SSHException):
@@ -94,32 +96,83 @@ class PortForward:
                 self._connections.discard(connection)
             connection.close()
 
-    def _pump(self, connection: socket.socket, channel: paramiko.Channel) -> None:
-        # Each direction ends on its own EOF (a half close), the pair when both have ended.
-        client_sends = server_sends = True
+
+def pump(connection: socket.socket, channel: paramiko.Channel, closed: threading.Event) -> None:
+    """Carry bytes both ways between a socket and a channel until both directions have ended
+    (each ends on its own EOF: a half close), the channel closed, or `closed` is set."""
+    client_sends = server_sends = True
+    try:
+        while (client_sends or server_sends) and not closed.is_set():
+            watched: list[Any] = []
+            if client_sends:
+                watched.append(connection)
+            if server_sends:
+                watched.append(channel)
+            readable, _, _ = select.select(watched, [], [], POLL_S)
+            if connection in readable:
+                data = connection.recv(65536)
+                if data:
+                    channel.sendall(data)
+                else:
+                    client_sends = False
+                    channel.shutdown_write()
+            if channel in readable:
+                data = channel.recv(65536)
+                if data:
+                    connection.sendall(data)
+                else:
+                    server_sends = False
+                    connection.shutdown(socket.SHUT_WR)
+            if server_sends and channel.closed:
+                return
+    except (OSError, paramiko.SSHException, EOFError):
+        return
+
+
+class RemoteForward:
+    """A port on the node's loopback (chosen by its sshd) whose connections are carried back
+    over the SSH connection to `port` on this machine's loopback: what `ssh -R 0:127.0.0.1:port`
+    does, for a node that cannot reach this machine itself (a firewall, a NAT). The node's sshd
+    must allow it (`AllowTcpForwarding yes` or `remote`)."""
+
+    def __init__(self, transport: paramiko.Transport, port: int) -> None:
+        self._transport = transport
+        self.port = port
+        self._closed = threading.Event()
         try:
-            while (client_sends or server_sends) and not self._closed.is_set():
-                watched: list[Any] = []
-                if client_sends:
-                    watched.append(connection)
-                if server_sends:
-                    watched.append(channel)
-                readable, _, _ = select.select(watched, [], [], POLL_S)
-                if connection in readable:
-                    data = connection.recv(65536)
-                    if data:
-                        channel.sendall(data)
-                    else:
-                        client_sends = False
-                        channel.shutdown_write()
-                if channel in readable:
-                    data = channel.recv(65536)
-                    if data:
-                        connection.sendall(data)
-                    else:
-                        server_sends = False
-                        connection.shutdown(socket.SHUT_WR)
-                if server_sends and channel.closed:
-                    return
-        except (OSError, paramiko.SSHException, EOFError):
+            self.remote_port: int = transport.request_port_forward(
+                "127.0.0.1", 0, handler=self._handle
+            )
+        except paramiko.SSHException as exc:
+            raise StageError(
+                "benchmark",
+                f"the node refused a remote port forward ({exc}): its sshd needs "
+                "AllowTcpForwarding yes (or remote)",
+            ) from None
+
+    def _handle(
+        self, channel: paramiko.Channel, origin: tuple[str, int], server: tuple[str, int]
+    ) -> None:
+        # Called on the transport's own thread: the carrying goes on a thread of its own.
+        threading.Thread(target=self._serve, args=(channel,), daemon=True).start()
+
+    def _serve(self, channel: paramiko.Channel) -> None:
+        try:
+            connection = socket.create_connection(("127.0.0.1", self.port), timeout=10.0)
+        except OSError as exc:
+            log.debug("remote forward to 127.0.0.1:%s refused: %s", self.port, exc)
+            with contextlib.suppress(EOFError, OSError, paramiko.SSHException):
+                channel.close()
             return
+        connection.settimeout(None)
+        try:
+            pump(connection, channel, self._closed)
+        finally:
+            with contextlib.suppress(EOFError, OSError, paramiko.SSHException):
+                channel.close()
+            connection.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(EOFError, OSError, paramiko.SSHException):
+            self._transport.cancel_port_forward("127.0.0.1", self.remote_port)

@@ -26,7 +26,7 @@ import paramiko
 from pytest_gpubench.targets import LOOPBACK_HOSTS, CommandResult
 from pytest_gpubench.targets.gpu import gpu_inventory_of
 from pytest_gpubench.targets.ssh.connect import open_client
-from pytest_gpubench.targets.ssh.forward import POLL_S, PortForward
+from pytest_gpubench.targets.ssh.forward import POLL_S, PortForward, RemoteForward
 from pytest_gpubench.targets.ssh.scripts import (
     ALIVE_SCRIPT,
     FREE_PORT_PY,
@@ -495,6 +495,10 @@ class SshTarget:
         forward = PortForward(self._forward_transport, host, port, f"{self.node_id}-{port}")
         self._forwards[key] = forward
         return "127.0.0.1", forward.local_port
+
+    def reach_back(self, port: int) -> RemoteForward:
+        """A port on the node's loopback carried back to `port` on this machine's (ssh -R)."""
+        return RemoteForward(self._transport("benchmark"), port)
 
     # --- facts ---------------------------------------------------------------------
 
