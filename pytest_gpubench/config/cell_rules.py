@@ -235,11 +235,10 @@ def check_load(
     if load.clients is not None:
         node = nodes.get(load.clients.node) if nodes is not None else None
         kind = getattr(node, "kind", None)
-        if kind not in ("slurm", "ssh") or getattr(node, "login", None) is not None:
+        if kind not in ("slurm", "ssh"):
             raise GpubenchError(
                 f"{where}: load.clients.node: '{load.clients.node}' is not an ssh node or a "
-                "Slurm node of cells.yaml reached from this machine (kind: ssh, or kind: slurm "
-                "with no login:)"
+                "Slurm node of cells.yaml (kind: ssh, or kind: slurm)"
             )
         if kind == "slurm" and load.clients.coordinator == "tunnel":
             raise GpubenchError(

@@ -169,6 +169,84 @@ class SrunLaunch:
         self.plan.unlink(missing_ok=True)
 
 
+class LoginSrunLaunch:
+    """An `srun` step of K tasks started on a Slurm node's login node (its `login:`) over SSH:
+    the plan written (mode 600) to the node's `work_dir` (shared with the compute nodes) through
+    the SSH connection, srun run in an SSH session of its own whose shell says srun's pid first
+    (so that a step still running after the point is cancelled: SIGTERM to srun, then KILL)."""
+
+    def __init__(self, node_id: str, node: SlurmNode, python: str | None) -> None:
+        from pytest_gpubench.targets.ssh.target import SshTarget
+
+        login = node.login
+        assert login is not None
+        self.node, self.python = node, python
+        self.target = SshTarget(
+            node_id,
+            login.host,
+            login.port,
+            login.user,
+            key_file=login.key_file,
+            known_hosts=login.known_hosts,
+            trust_new_host=login.trust_new_host,
+            connect_timeout_s=login.connect_timeout_s,
+            command_timeout_s=node.command_timeout_s,
+            forward=False,
+        )
+        work_dir = node.work_dir or self.target.work_dir
+        self.plan = f"{work_dir}/gpubench-load-plan-{secrets.token_hex(6)}.pkl"
+        self.session: SshLineStream | None = None
+        self.pid: int | None = None
+
+    def address(self, coordinator: str, port: int) -> tuple[str, int]:
+        return coordinator, port
+
+    def start(self, plan: bytes, tasks: int) -> None:
+        self.target.write_file(self.plan, plan)
+        conf = ["env", f"SLURM_CONF={self.node.slurm_conf}"] if self.node.slurm_conf else []
+        argv = [*conf, *srun_argv(self.node, tasks, Path(self.plan), self.python)]
+        self.session = self.target.stream(["sh", "-c", 'echo "$$"; exec "$@"', "sh", *argv])
+        line = self.session.readline()
+        self.pid = int(line) if line and line.strip().isdigit() else None
+
+    def ended(self) -> str | None:
+        status = self.session.exit_status() if self.session is not None else None
+        if status is None:
+            return None
+        assert self.session is not None
+        said = self.session.rest().strip()[-300:]
+        return f"srun on the login node ended ({status}): {said}"
+
+    def lost_detail(self, task: int) -> str:
+        status = self.session.exit_status() if self.session is not None else None
+        return "" if status is None else f" (srun exit status {status})"
+
+    def close(self) -> None:
+        # Best effort, as SshLaunch's: a connection lost meanwhile must not hide why the point
+        # failed.
+        try:
+            session = self.session
+            if session is not None:
+                deadline = time.monotonic() + END_TIMEOUT_S
+                while session.exit_status() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if session.exit_status() is None and self.pid is not None:
+                    # SIGTERM first: srun cancels its step (a SIGKILLed srun can leave it).
+                    for signal_name, wait_s in (("-TERM", 10.0), ("-KILL", 0.0)):
+                        with contextlib.suppress(GpubenchError):
+                            self.target.run(["kill", signal_name, str(self.pid)], timeout_s=10)
+                        until = time.monotonic() + wait_s
+                        while session.exit_status() is None and time.monotonic() < until:
+                            time.sleep(0.05)
+                        if session.exit_status() is not None:
+                            break
+                session.close()
+            with contextlib.suppress(GpubenchError):
+                self.target.run(["rm", "-f", self.plan], timeout_s=10)
+        finally:
+            self.target.close()
+
+
 class SshLaunch:
     """K SSH sessions on an ssh node (targets/ssh/, one connection of its own): the plan
     written (mode 600) to the node's work folder, each session one task, its share given on
@@ -249,13 +327,16 @@ class SshLaunch:
 
 
 def launch_for(profile: LoadProfile, nodes: Any) -> Launch:
-    """The launch of `clients:`'s node: an srun step on a Slurm node, SSH sessions on an ssh
-    node (config/cell_rules.py has refused any other)."""
+    """The launch of `clients:`'s node: an srun step on a Slurm node (from this machine, or
+    over SSH from its login node), SSH sessions on an ssh node (config/cell_rules.py has refused
+    any other)."""
     assert profile.clients is not None
     node = nodes[profile.clients.node]
     if isinstance(node, SshNode):
         return SshLaunch(profile.clients.node, node, profile.clients.python)
     assert isinstance(node, SlurmNode)
+    if node.login is not None:
+        return LoginSrunLaunch(profile.clients.node, node, profile.clients.python)
     return SrunLaunch(node, profile.clients.python)
 
 
