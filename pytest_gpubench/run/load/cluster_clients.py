@@ -181,17 +181,8 @@ class LoginSrunLaunch:
         login = node.login
         assert login is not None
         self.node, self.python = node, python
-        self.target = SshTarget(
-            node_id,
-            login.host,
-            login.port,
-            login.user,
-            key_file=login.key_file,
-            known_hosts=login.known_hosts,
-            trust_new_host=login.trust_new_host,
-            connect_timeout_s=login.connect_timeout_s,
-            command_timeout_s=node.command_timeout_s,
-            forward=False,
+        self.target = SshTarget.of_connection(
+            node_id, login, command_timeout_s=node.command_timeout_s, forward=False
         )
         work_dir = node.work_dir or self.target.work_dir
         self.plan = f"{work_dir}/gpubench-load-plan-{secrets.token_hex(6)}.pkl"

@@ -20,15 +20,7 @@ def open_slurm_target(node_id: str, node: SlurmNode, *, on_job_ended: RentalClos
     else:
         from pytest_gpubench.targets.ssh import SshTarget
 
-        login = SshTarget(
-            node_id,
-            node.login.host,
-            node.login.port,
-            node.login.user,
-            key_file=node.login.key_file,
-            known_hosts=node.login.known_hosts,
-            trust_new_host=node.login.trust_new_host,
-            connect_timeout_s=node.login.connect_timeout_s,
-            command_timeout_s=node.command_timeout_s,
+        login = SshTarget.of_connection(
+            node_id, node.login, command_timeout_s=node.command_timeout_s
         )
     return SlurmTarget(node_id, node, login, on_job_ended=on_job_ended)

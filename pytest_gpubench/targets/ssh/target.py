@@ -36,7 +36,7 @@ from pytest_gpubench.targets.ssh.scripts import (
 from pytest_gpubench.targets.stages import SetupStep, Stage, StageError
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.nodes import SshNode
+    from pytest_gpubench.config.nodes import SshConnection, SshNode
     from pytest_gpubench.targets.leases import RentalJournal
 
 log = logging.getLogger(__name__)
@@ -196,16 +196,38 @@ class SshTarget:
         cls, node_id: str, node: SshNode, *, connect_timeout_s: float, forward: bool
     ) -> SshTarget:
         """The target of an ssh node of cells.yaml, connected."""
-        return cls(
+        return cls.of_connection(
             node_id,
-            node.host,
-            node.port,
-            node.user,
-            key_file=node.key_file,
-            known_hosts=node.known_hosts,
-            trust_new_host=node.trust_new_host,
+            node,
             connect_timeout_s=connect_timeout_s,
             command_timeout_s=node.command_timeout_s,
+            forward=forward,
+        )
+
+    @classmethod
+    def of_connection(
+        cls,
+        node_id: str,
+        connection: SshConnection,
+        *,
+        command_timeout_s: float,
+        connect_timeout_s: float | None = None,
+        forward: bool = True,
+    ) -> SshTarget:
+        """The target of a host as cells.yaml says to log in to it (an ssh node, a Slurm
+        node's login node); `connect_timeout_s` by default its own."""
+        return cls(
+            node_id,
+            connection.host,
+            connection.port,
+            connection.user,
+            key_file=connection.key_file,
+            known_hosts=connection.known_hosts,
+            trust_new_host=connection.trust_new_host,
+            connect_timeout_s=connection.connect_timeout_s
+            if connect_timeout_s is None
+            else connect_timeout_s,
+            command_timeout_s=command_timeout_s,
             forward=forward,
         )
 
