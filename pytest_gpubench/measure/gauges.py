@@ -93,6 +93,10 @@ class GaugeSamples:
             if name in self.counters_before and name in self.counters_after
         }
 
+    def engine_counters(self) -> dict[str, float]:
+        """config/metrics.ENGINE_COUNTERS over the point, by their names (counter_changes)."""
+        return counter_changes(self.counters_before, self.counters_after)
+
     def server_changes(self) -> dict[str, float]:
         """The change over the point of each SERVER_SERIES the engine exposes."""
         return {

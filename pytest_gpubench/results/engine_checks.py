@@ -57,16 +57,24 @@ class EngineChecks:
         """(accepted, proposed) draft tokens: the per-call figures, else the engine's counters."""
         if self.draft_tokens:
             return float(self.draft_accepted_tokens), float(self.draft_tokens)
-        proposed = self.counters.get("spec_draft_tokens")
-        accepted = self.counters.get("spec_accepted_tokens")
-        if proposed and accepted is not None:
-            return accepted, proposed
-        return None
+        found = draft_counts(self.counters)
+        return (found[0], found[1]) if found is not None else None
 
     @property
     def shown(self) -> bool:
         """Anything to show: a token count checked, the cache known, a counter read."""
         return bool(self.token_checked or self.cache_known or self.counters or self.draft_tokens)
+
+
+def draft_counts(counters: Mapping[str, float]) -> tuple[float, float, float | None] | None:
+    """(accepted, proposed, drafts) of speculative decoding by the engine's own counters
+    (config/metrics.ENGINE_COUNTERS' spec_*: vLLM's or llama.cpp's), over warm calls or a load
+    point; None where the draft proposed nothing. `drafts` (the draft steps) may be unknown."""
+    proposed = counters.get("spec_draft_tokens")
+    accepted = counters.get("spec_accepted_tokens")
+    if not proposed or accepted is None:
+        return None
+    return accepted, proposed, counters.get("spec_drafts")
 
 
 # The call record's fields the checks read, as columns of numbers (a boolean as 1/0, NaN where

@@ -433,7 +433,7 @@ class _Recorder:
                 "engine_counters": scraper.samples.counter_changes() or None,
                 "engine_metrics_notes": scraper.samples.notes or None,
                 **prefix_cache_figures(calls, scraper.samples.counter_changes()),
-                **spec_decode_figures(scraper.samples.counter_changes()),
+                **spec_decode_figures(scraper.samples.engine_counters()),
                 **session_figures(calls, self.profile.turns),
                 # Per LoRA adapter: its requests and latency percentiles (absent without).
                 **(
@@ -563,17 +563,19 @@ def prefix_cache_figures(
 
 
 def spec_decode_figures(counters: Mapping[str, float]) -> dict[str, Any]:
-    """Speculative decoding over the point from the engine's own counters (vLLM's, llama.cpp's
-    spec_decode_*): the share of draft tokens accepted, and the mean acceptance length, the
-    tokens each draft step yields (accepted per draft, plus the target model's own one, as
-    vLLM counts it); None where the engine drafted nothing."""
-    for engine in ("vllm", "llamacpp"):
-        drafts = counters.get(f"{engine}:spec_decode_num_drafts_total")
-        proposed = counters.get(f"{engine}:spec_decode_num_draft_tokens_total")
-        accepted = counters.get(f"{engine}:spec_decode_num_accepted_tokens_total")
-        if drafts and proposed and accepted is not None:
-            return {
-                "spec_acceptance_rate": round(accepted / proposed, 4),
-                "spec_mean_acceptance_length": round(accepted / drafts + 1, 4),
-            }
-    return {"spec_acceptance_rate": None, "spec_mean_acceptance_length": None}
+    """Speculative decoding over the point from the engine's own counters (config/metrics.
+    ENGINE_COUNTERS over the point: vLLM's or llama.cpp's spec_decode_*): the share of draft
+    tokens accepted, and the mean acceptance length, the tokens each draft step yields
+    (accepted per draft, plus the target model's own one, as vLLM counts it); None where the
+    engine drafted nothing."""
+    from pytest_gpubench.results.engine_checks import draft_counts
+
+    found = draft_counts(counters)
+    drafts = found[2] if found is not None else None
+    if found is None or not drafts:
+        return {"spec_acceptance_rate": None, "spec_mean_acceptance_length": None}
+    accepted, proposed, _ = found
+    return {
+        "spec_acceptance_rate": round(accepted / proposed, 4),
+        "spec_mean_acceptance_length": round(accepted / drafts + 1, 4),
+    }
