@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -79,8 +80,11 @@ PROGRESS_LINE = re.compile(r"^\[\s*\d+(/\d+|%)\]")
 Progress = Callable[[str], None]
 
 
+@functools.cache
 def compiler_version() -> str:
-    """The first line of `c++ --version`: a new compiler means a new cached build."""
+    """The first line of `c++ --version`: a new compiler means a new cached build. Asked once a
+    process (the build folder is named from it for the cached binary's path and again for the
+    build)."""
     try:
         done = subprocess.run(
             ["c++", "--version"],
