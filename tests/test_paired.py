@@ -181,3 +181,47 @@ def test_an_ab_pass_needs_its_interval_inside_the_threshold(tmp_path: Path) -> N
     calls = [*tight.reference.values(), *tight.candidate.values()]
     same = next(v for v in ab_verdicts(calls, JudgingSettings.of_cells([candidate])))
     assert same.verdict == "ok" and same.interval_high is not None and same.interval_high < 1.15
+
+
+def with_waits(pairs: Pairs, candidate: float, reference: float) -> list[dict[str, Any]]:
+    """The pairs' call records, each side's engine having waited this long for a CPU per ms it
+    ran (engine_wait_per_cpu, as a local engine's call records carry it)."""
+    return [
+        *({**r, "engine_wait_per_cpu": reference} for r in pairs.reference.values()),
+        *({**r, "engine_wait_per_cpu": candidate} for r in pairs.candidate.values()),
+    ]
+
+
+def test_an_ab_verdict_the_machines_uneven_share_could_explain_is_unsteady(
+    tmp_path: Path,
+) -> None:
+    """Issue 37's table: an unchanged candidate came out +25 % TTFT, `regression` (exit 6),
+    beside two busy processes, its engine waiting 1.00 ms for a CPU per ms it ran against the
+    reference's 0.67: A/B cancels what the machine does to both sides only while it shares
+    itself evenly. A regression while the candidate's engine waited more (beyond the baseline
+    gate's limit, 0.10), or a pass while it waited less, is `unsteady`; the other way round
+    the share cannot explain it, and within the limit it is judged as before."""
+    candidate = cell(tmp_path)
+    settings = JudgingSettings.of_cells([candidate])
+    slower = pairs_of(drifting_machine(20), 1.3)
+
+    def ttft(calls: list[dict[str, Any]]) -> Verdict:
+        return next(v for v in ab_verdicts(calls, settings) if v.metric == "warm_ttft_p50_ms")
+
+    uneven = ttft(with_waits(slower, candidate=1.0, reference=0.67))
+    assert uneven.verdict == "unsteady"
+    assert uneven.message.startswith(f"{PR} P: warm TTFT p50 +")
+    assert (
+        f"against {MAIN}, not judged: the machine did not share itself evenly: the candidate's "
+        "engine waited "
+        "1.00 ms for a CPU per ms it ran against the reference's 0.67 (beyond ±0.10)"
+    ) in uneven.message
+    # The candidate had the better share and was slower all the same: its own regression.
+    assert ttft(with_waits(slower, candidate=0.5, reference=0.9)).verdict == "regression"
+    assert ttft(with_waits(slower, candidate=0.75, reference=0.7)).verdict == "regression"
+    same = pairs_of(drifting_machine(20), 1.0)
+    # A pass with the better share could hide a regression; with the worse one it cannot.
+    assert ttft(with_waits(same, candidate=0.5, reference=0.9)).verdict == "unsteady"
+    assert ttft(with_waits(same, candidate=0.9, reference=0.5)).verdict == "ok"
+    # Remote engines (no wait read) are judged as before.
+    assert ttft([*slower.reference.values(), *slower.candidate.values()]).verdict == "regression"

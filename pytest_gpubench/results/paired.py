@@ -17,6 +17,7 @@ from pytest_gpubench.results.decision import (
     BOOTSTRAP_RESAMPLES,
     BOOTSTRAP_SEED,
     MAX_LOOKS,
+    PRESSURE_LIMIT,
     change_word,
     look_schedule,
     scipy_stats,
@@ -105,6 +106,22 @@ class Pairs:
         records = [*self.candidate.values(), *self.reference.values()]
         return sum(float(r.get("total_duration_ms") or 0.0) for r in records) / 1000.0
 
+    def engine_waits(self) -> tuple[float, float] | None:
+        """Each side's engine's wait for a CPU per ms it ran (engine_wait_per_cpu, a local
+        engine's), its median over the complete pairs: (candidate, reference); None where
+        either side's engine was not read on at least half of them (a remote engine)."""
+        both = [
+            i
+            for i in sorted(set(self.candidate) & set(self.reference))
+            if is_success(self.candidate[i]) and is_success(self.reference[i])
+        ]
+        candidate = [_wait(self.candidate[index]) for index in both]
+        reference = [_wait(self.reference[index]) for index in both]
+        found = [w for w in candidate if w is not None], [w for w in reference if w is not None]
+        if not both or min(len(found[0]), len(found[1])) * 2 < len(both):
+            return None
+        return float(np.median(found[0])), float(np.median(found[1]))
+
     def prefix(self, count: int) -> Pairs:
         """The first `count` complete pairs (a sequential look sees only those)."""
         kept = [
@@ -113,6 +130,17 @@ class Pairs:
             if is_success(self.candidate[i]) and is_success(self.reference[i])
         ][:count]
         return Pairs({i: self.candidate[i] for i in kept}, {i: self.reference[i] for i in kept})
+
+
+def _wait(record: Mapping[str, Any]) -> float | None:
+    value = record.get("engine_wait_per_cpu")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        wait = float(value)
+    except OverflowError:  # an integer past a float's range (a hand-edited ledger's)
+        return None
+    return wait if math.isfinite(wait) and wait >= 0 else None
 
 
 def _value(record: Mapping[str, Any], metric: Metric) -> float | None:
@@ -356,6 +384,7 @@ def judge_candidate(
             decided_at = stop[1]
             judged = pairs.prefix(decided_at)
     _, results = decide(judged, cell.thresholds, alpha)
+    waits = judged.engine_waits()
     by_name = {result.metric.name: result for result in results}
     calls = len(judged.candidate) + len(judged.reference)
     verdicts = []
@@ -367,6 +396,11 @@ def judge_candidate(
             result = judge_pairs(metric, [], [], 0.0)
         threshold = ratio_threshold(cell.thresholds, metric.threshold_field)
         kind, message = _word(result, threshold, alpha, decided_at, max_pairs)
+        message = f"{message} against {reference}"
+        uneven = _uneven_share(kind, waits)
+        if uneven is not None:
+            change = message.split(", A/B")[0]
+            kind, message = "unsteady", f"{change} against {reference}, not judged: {uneven}"
         verdicts.append(
             Verdict(
                 cell_id=cell_id,
@@ -377,7 +411,7 @@ def judge_candidate(
                 change_ratio=result.ratio,
                 p_value=result.p_value,
                 verdict=kind,
-                message=f"{cell_id} {prompt_id}: {message} against {reference}",
+                message=f"{cell_id} {prompt_id}: {message}",
                 reference=reference,
                 interval_low=result.interval[0] if result.interval else None,
                 interval_high=result.interval[1] if result.interval else None,
@@ -388,6 +422,29 @@ def judge_candidate(
             )
         )
     return verdicts
+
+
+def _uneven_share(kind: VerdictKind, waits: tuple[float, float] | None) -> str | None:
+    """Why a verdict is not the engines' but the machine's: A/B cancels what the machine does to
+    both sides only while it shares itself evenly between them. Where each side's engine is a
+    local process, its threads' wait for a CPU per ms they ran (the baseline gate's steadiness
+    signal, with its limit) says how evenly: a regression while the candidate's engine waited
+    more than the reference's by more than the limit, or a pass or win while it waited less, may
+    be that share, and is `unsteady` (seen: an unchanged candidate +25 % TTFT, `regression`, its
+    engine waiting 1.00 ms per ms against the reference's 0.67, beside two busy processes)."""
+    if waits is None:
+        return None
+    candidate, reference = waits
+    worse_share = candidate - reference > PRESSURE_LIMIT
+    better_share = reference - candidate > PRESSURE_LIMIT
+    if not ((kind == "regression" and worse_share) or (kind in ("win", "ok") and better_share)):
+        return None
+    return (
+        "the machine did not share itself evenly: the candidate's engine waited "
+        f"{candidate:.2f} ms for a CPU per ms it ran against the reference's {reference:.2f} "
+        f"(beyond ±{PRESSURE_LIMIT:.2f}); re-run, on a quieter machine or with each engine on "
+        "cores of its own"
+    )
 
 
 def _word(
