@@ -258,3 +258,34 @@ def test_a_lower_decode_rate_on_an_uneven_share_is_unsteady(tmp_path: Path) -> N
         next(v for v in ab_verdicts(even, settings) if v.metric.startswith("warm_decode")).verdict
         == "regression"
     )
+
+
+def test_a_significant_change_whose_interval_includes_none_is_inconclusive(
+    tmp_path: Path,
+) -> None:
+    """Issue 37's table, with the share rule in place: an unchanged candidate beside two busy
+    processes came out decode rate -50.5 % [95 % interval -66.1 % … +11.0 %], Wilcoxon p =
+    0.019, `regression` (exit 6). The signed-rank test alone said so; the ratio's interval did
+    not rule out no change. Both must agree: `inconclusive` (exit 10), and a sequential look
+    samples on rather than stopping there."""
+    candidate = cell(tmp_path)
+    settings = JudgingSettings.of_cells([candidate])
+    # Two kinds of call: ten short ones, each +25 % on the candidate, and five long ones, each
+    # 3 % faster. The ranks say slower (p = 0.004); the ratio of medians is +28.5 % from the
+    # short calls' median, but resampled pairs whose median is a long call's give -3 %.
+    reference = [50.0 + i * 0.5 for i in range(10)] + [150.0 + i for i in range(5)]
+    factors = [1.25 + 0.005 * i for i in range(10)] + [0.97 + 0.002 * i for i in range(5)]
+    split = Pairs()
+    for index, (first_token, factor) in enumerate(zip(reference, factors, strict=True)):
+        split.reference[index] = call(MAIN, index, first_token)
+        split.candidate[index] = call(PR, index, first_token * factor)
+    ttft = next(
+        v
+        for v in ab_verdicts([*split.reference.values(), *split.candidate.values()], settings)
+        if v.metric == "warm_ttft_p50_ms"
+    )
+    assert ttft.interval_low is not None and ttft.interval_high is not None
+    assert ttft.interval_low <= 1.0 <= ttft.interval_high, ttft.message
+    assert ttft.p_value is not None and ttft.p_value < ALPHA, ttft.message
+    assert ttft.verdict == "inconclusive", ttft.message
+    assert "but its 95% interval does not rule out no change; raise runs" in ttft.message

@@ -288,6 +288,9 @@ def decide(
     decisions: list[Decision | None] = []
     for result in results:
         kind = verdict_of(result.direction, result.p_value, 0.0, alpha)
+        if kind in ("regression", "win") and not rules_out_no_change(result):
+            decisions.append(None)  # not yet earned: sample on
+            continue
         if kind == "regression":
             return "regression", results
         if kind == "win":
@@ -476,6 +479,12 @@ def _uneven_share(
     )
 
 
+def rules_out_no_change(result: PairedResult) -> bool:
+    """Whether the ratio's interval lies wholly on one side of no change (1.0): a regression or
+    a win needs it as well as the signed-rank test (without an interval, the test alone)."""
+    return result.interval is None or not result.interval[0] <= 1.0 <= result.interval[1]
+
+
 def _word(
     result: PairedResult, threshold: float, alpha: float, decided_at: int | None, max_pairs: int
 ) -> tuple[VerdictKind, str]:
@@ -514,6 +523,14 @@ def _word(
     if kind == "inconclusive":
         return kind, (
             f"{change} ({word}), but not significant (Wilcoxon p = {p_value:.3g} ≥ {alpha:.3g})"
+        )
+    if not rules_out_no_change(result):
+        # Both readings of the pairs must agree: a change their ratio's interval does not tell
+        # from none is not earned by the signed-rank test alone (issue 37's table: unchanged
+        # candidates at +27.1 % [-0.0 % … +63.0 %] and -50.5 % [-66.1 % … +11.0 %], p < 0.05).
+        return "inconclusive", (
+            f"{change} ({word}), Wilcoxon p = {p_value:.3g}, but its {INTERVAL_LEVEL:.0%} "
+            "interval does not rule out no change; raise runs"
         )
     return kind, f"{change} ({word}), Wilcoxon p = {p_value:.3g}"
 
