@@ -152,6 +152,12 @@ def session(root: Path, code: str, state: str, *extra: str) -> Session:
     why = ""
     if ttft["verdict"] in ("unsteady", "blind", "inconclusive"):
         why = str(ttft.get("message", ""))[:140]
+    # A session that failed on another figure than TTFT says which, and why.
+    others = [
+        v for v in end.get("verdicts") or [] if v.get("verdict") == "regression" and v is not ttft
+    ]
+    if finished.returncode == 6 and others:
+        why = "; ".join(str(v.get("message", ""))[:200] for v in others)
     return Session(finished.returncode, ttft["verdict"], ttft.get("change_ratio"), state, why)
 
 
