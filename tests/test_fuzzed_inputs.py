@@ -933,3 +933,21 @@ def test_a_bad_baseline_is_a_usage_error_before_anything_runs(
     assert "Traceback" not in output and "INTERNALERROR" not in output
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: *local_llamacpp_tiny.json: corrupt baseline*"])
+
+
+def test_a_cell_id_too_long_for_a_file_name_is_one_line_in_gpubench_gate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by the damaged-ledger property: a hand-edited ledger's 300-character cell id made
+    the baseline's file name too long to look up (OSError: File name too long, a traceback)."""
+    written = [
+        {**r, "cell_id": "9" * 300} if r.get("cell_id") == "local:llamacpp:tiny" else r
+        for r in ledgers.run_records("run-a")
+    ]
+    path = tmp_path / "runs" / "run-a.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json_text(record) + "\n" for record in written))
+    (tmp_path / "baselines").mkdir()
+    assert main(["gate", str(path), "--baselines", str(tmp_path / "baselines")]) == 4
+    said = "".join(capsys.readouterr())
+    assert "cannot look up baseline: File name too long" in said and "Traceback" not in said

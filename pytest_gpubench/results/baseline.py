@@ -586,10 +586,19 @@ def read_baseline(path: Path) -> CellBaseline:
     return loads_baseline(text, str(path))
 
 
+def baseline_exists(path: Path) -> bool:
+    """Whether a baseline file is there; a path that cannot even be looked up (a cell id too
+    long for a file name, in a hand-edited ledger: ENAMETOOLONG) is one line, not a traceback."""
+    try:
+        return path.exists()
+    except OSError as exc:
+        raise GpubenchError(f"{str(path)[:200]}: cannot look up baseline: {exc.strerror}") from None
+
+
 def find_baseline(baselines_dir: Path, cell_id: str) -> CellBaseline | None:
     """The cell's baseline, or None when it has none yet."""
     path = baseline_path(baselines_dir, cell_id)
-    if not path.exists():
+    if not baseline_exists(path):
         return None
     baseline = read_baseline(path)
     if baseline.cell_id != cell_id:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Strict, ValidationError
 
 from pytest_gpubench.core.errors import GpubenchError, key_path, non_finite_at
 from pytest_gpubench.core.files import atomic_write
-from pytest_gpubench.results.baseline import baseline_file_name
+from pytest_gpubench.results.baseline import baseline_exists, baseline_file_name
 from pytest_gpubench.results.load_gate import (
     baseline_point,
     gated,
@@ -47,7 +47,7 @@ def load_baseline_path(baselines_dir: Path, cell_id: str) -> Path:
 def read_load_baseline(baselines_dir: Path, cell_id: str) -> dict[str, dict[str, Any]]:
     """{point key: baseline point} of a cell; empty when it has no load baseline yet."""
     path = load_baseline_path(baselines_dir, cell_id)
-    if not path.exists():
+    if not baseline_exists(path):
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
