@@ -22,6 +22,7 @@ from pytest_gpubench.results.decision import (
     signed_percent,
 )
 from pytest_gpubench.results.gate import Verdict, from_decision
+from pytest_gpubench.results.stats import field_number
 
 # How many runs of each point a load baseline keeps (its between-run history).
 LOAD_HISTORY_RUNS = 10
@@ -78,7 +79,7 @@ def gated(record: Mapping[str, Any]) -> bool:
 def is_result(record: Mapping[str, Any]) -> bool:
     """A point that is a result, or a sweep that found its saturation rate."""
     if record.get("pattern") == "sweep":
-        return _number(record.get("saturation_rate")) is not None
+        return field_number(record.get("saturation_rate")) is not None
     return bool(record.get("valid"))
 
 
@@ -88,8 +89,8 @@ def _judge_saturation(
     """The sweep's saturation rate against the baseline's, on the throughput threshold alone
     (one figure per run: no samples to test; its steps' verdicts carry the significance)."""
     cell_id, key = str(current.get("cell_id")), point_key(current)
-    new = _number(current.get("saturation_rate"))
-    old = _number(baseline.get("saturation_rate")) if baseline is not None else None
+    new = field_number(current.get("saturation_rate"))
+    old = field_number(baseline.get("saturation_rate")) if baseline is not None else None
     if old is None or old <= 0:
         text = "no load baseline yet" if baseline is None else "the baseline has no saturation rate"
         return _verdict(cell_id, key, SATURATION, "new", text, value=new)
@@ -191,8 +192,8 @@ def judge_metric(
             label=metric.label,
             higher_is_better=metric.higher_is_better,
             threshold=threshold,
-            baseline=_number(baseline.get(metric.field)),
-            current=_number(current.get(metric.field)),
+            baseline=field_number(baseline.get(metric.field)),
+            current=field_number(current.get(metric.field)),
             current_samples=_samples(current, metric),
             baseline_samples=_samples(baseline, metric),
             history=history_figures(baseline, metric.field),
@@ -201,7 +202,7 @@ def judge_metric(
         )
     )
     return from_decision(
-        cell_id, key, metric.name, decision, current=_number(current.get(metric.field))
+        cell_id, key, metric.name, decision, current=field_number(current.get(metric.field))
     )
 
 
@@ -209,13 +210,13 @@ def point_steadiness(current: Mapping[str, Any], baseline: Mapping[str, Any]) ->
     """The CPU pressure over the point against the baseline's (the median over its history's
     runs, else its run's); None when this run did not read it. The point's own requests keep
     tasks waiting: only a change counts, not the level."""
-    now = _number(current.get("cpu_pressure"))
+    now = field_number(current.get("cpu_pressure"))
     if now is None:
         return None
     runs = baseline.get("history")
     entries = [run for run in runs if isinstance(run, Mapping)] if isinstance(runs, list) else []
-    kept = [v for v in (_number(run.get("cpu_pressure")) for run in entries) if v is not None]
-    then = statistics.median(kept) if kept else _number(baseline.get("cpu_pressure"))
+    kept = [v for v in (field_number(run.get("cpu_pressure")) for run in entries) if v is not None]
+    then = statistics.median(kept) if kept else field_number(baseline.get("cpu_pressure"))
     return Steadiness(
         None,
         None,
@@ -232,15 +233,15 @@ def history_figures(baseline: Mapping[str, Any], field: str) -> tuple[float, ...
     runs = baseline.get("history")
     if not isinstance(runs, list):
         return ()
-    values = (_number(run.get(field)) for run in runs if isinstance(run, Mapping))
+    values = (field_number(run.get(field)) for run in runs if isinstance(run, Mapping))
     return tuple(value for value in values if value is not None and value > 0)
 
 
 def history_entry(record: Mapping[str, Any]) -> dict[str, Any]:
     """What a load baseline's history keeps of one run of a point: its gated figures."""
     entry: dict[str, Any] = {"benchmark_run_id": record.get("benchmark_run_id")}
-    entry.update({metric.field: _number(record.get(metric.field)) for metric in LOAD_METRICS})
-    entry["cpu_pressure"] = _number(record.get("cpu_pressure"))
+    entry.update({metric.field: field_number(record.get(metric.field)) for metric in LOAD_METRICS})
+    entry["cpu_pressure"] = field_number(record.get("cpu_pressure"))
     return entry
 
 
@@ -288,14 +289,14 @@ def skipped_steps(
     for step, key in skipped_step_keys(record).items():
         if key not in baseline:
             continue
-        rate = _number(baseline[key].get("rate"))
+        rate = field_number(baseline[key].get("rate"))
         found.append(
             _verdict(
                 cell_id, key, LOAD_METRICS[0], "inconclusive",
                 f"not measured: {skipped_why(record)}; the baseline measured {step}"
                 + (f" ({rate:g} req/s)" if rate is not None else "")
                 + "; re-run, or ratify the lower capacity with --baseline-update",
-                baseline=_number(baseline[key].get(LOAD_METRICS[0].field)),
+                baseline=field_number(baseline[key].get(LOAD_METRICS[0].field)),
             )
         )  # fmt: skip
     return found
@@ -334,18 +335,11 @@ def _samples(record: Mapping[str, Any], metric: LoadMetric) -> list[float]:
     samples = record.get("samples")
     values = samples.get(metric.samples) if isinstance(samples, Mapping) else None
     # A hand-edited file's figure of the wrong type is unknown, as in records.
-    return [n for v in values if (n := _number(v)) is not None] if isinstance(values, list) else []
-
-
-def _number(value: Any) -> float | None:
-    """A figure as a number, else unknown: not a number, or an integer past a float's range (a
-    hand-edited file's: float() raised OverflowError)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        return float(value)
-    except OverflowError:
-        return None
+    return (
+        [n for v in values if (n := field_number(v)) is not None]
+        if isinstance(values, list)
+        else []
+    )
 
 
 def _verdict(
@@ -365,7 +359,7 @@ def _verdict(
         prompt_id=key,
         metric=metric.name,
         baseline=baseline,
-        current=_number(value),
+        current=field_number(value),
         change_ratio=ratio,
         p_value=p_value,
         verdict=kind,

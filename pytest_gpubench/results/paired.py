@@ -32,7 +32,7 @@ from pytest_gpubench.results.gate import (
     change_direction,
     ratio_threshold,
 )
-from pytest_gpubench.results.stats import is_success
+from pytest_gpubench.results.stats import field_number, is_success
 
 # The level of the bootstrap interval of the ratio of medians (its resamples and seed, and the
 # most looks of sequential sampling: results/decision.py).
@@ -94,11 +94,18 @@ class Pairs:
         first = next(iter(self.candidate.values()), {})
         return str(first.get("kind") or "chat")
 
+    def complete_indices(self) -> list[int]:
+        """The pair indices whose two calls both succeeded, in pair order."""
+        return [
+            index
+            for index in sorted(set(self.candidate) & set(self.reference))
+            if is_success(self.candidate[index]) and is_success(self.reference[index])
+        ]
+
     @property
     def complete(self) -> int:
         """Pairs whose two calls both succeeded."""
-        both = set(self.candidate) & set(self.reference)
-        return sum(is_success(self.candidate[i]) and is_success(self.reference[i]) for i in both)
+        return len(self.complete_indices())
 
     def busy_seconds(self) -> float:
         """How long the calls held the engines: the sum of their total durations."""
@@ -109,11 +116,7 @@ class Pairs:
         """Each side's engine's wait for a CPU per ms it ran (engine_wait_per_cpu, a local
         engine's), its median over the complete pairs: (candidate, reference); None where
         either side's engine was not read on at least half of them (a remote engine)."""
-        both = [
-            i
-            for i in sorted(set(self.candidate) & set(self.reference))
-            if is_success(self.candidate[i]) and is_success(self.reference[i])
-        ]
+        both = self.complete_indices()
         candidate = [_wait(self.candidate[index]) for index in both]
         reference = [_wait(self.reference[index]) for index in both]
         found = [w for w in candidate if w is not None], [w for w in reference if w is not None]
@@ -123,32 +126,18 @@ class Pairs:
 
     def prefix(self, count: int) -> Pairs:
         """The first `count` complete pairs (a sequential look sees only those)."""
-        kept = [
-            i
-            for i in sorted(set(self.candidate) & set(self.reference))
-            if is_success(self.candidate[i]) and is_success(self.reference[i])
-        ][:count]
+        kept = self.complete_indices()[:count]
         return Pairs({i: self.candidate[i] for i in kept}, {i: self.reference[i] for i in kept})
 
 
 def _wait(record: Mapping[str, Any]) -> float | None:
-    value = record.get("engine_wait_per_cpu")
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        wait = float(value)
-    except OverflowError:  # an integer past a float's range (a hand-edited ledger's)
-        return None
-    return wait if math.isfinite(wait) and wait >= 0 else None
+    wait = field_number(record.get("engine_wait_per_cpu"))
+    return wait if wait is not None and math.isfinite(wait) and wait >= 0 else None
 
 
 def _value(record: Mapping[str, Any], metric: Metric) -> float | None:
-    if not is_success(record):
-        return None
-    value = record.get(metric.measure.field)
-    if not isinstance(value, int | float) or value <= 0 or not math.isfinite(value):
-        return None
-    return float(value)
+    value = field_number(record.get(metric.measure.field)) if is_success(record) else None
+    return value if value is not None and math.isfinite(value) and value > 0 else None
 
 
 @dataclass(frozen=True)
@@ -401,7 +390,7 @@ def judge_candidate(
         message = f"{message} against {reference}"
         uneven = _uneven_share(kind, result, threshold, waits)
         if uneven is not None:
-            change = message.split(", A/B")[0]
+            change = _change(result, decided_at, max_pairs)
             kind, message = "unsteady", f"{change} against {reference}, not judged: {uneven}"
         verdicts.append(
             Verdict(
@@ -453,13 +442,9 @@ def _uneven_share(
     def even(ratio: float) -> float:
         return ratio * share if higher else ratio / share
 
-    if kind == "regression":
+    if kind in ("regression", "win"):
         holds = change_direction(1.0, even(result.ratio), threshold, higher_is_better=higher)
-        if holds == "worse":
-            return None
-    elif kind == "win":
-        holds = change_direction(1.0, even(result.ratio), threshold, higher_is_better=higher)
-        if holds == "better":
+        if holds == ("worse" if kind == "regression" else "better"):
             return None
     else:
         worse_end = (
@@ -485,12 +470,9 @@ def rules_out_no_change(result: PairedResult) -> bool:
     return result.interval is None or not result.interval[0] <= 1.0 <= result.interval[1]
 
 
-def _word(
-    result: PairedResult, threshold: float, alpha: float, decided_at: int | None, max_pairs: int
-) -> tuple[VerdictKind, str]:
-    metric = result.metric
-    if result.ratio is None:
-        return "inconclusive", f"{metric.label}: no pair with both calls measured (A/B)"
+def _change(result: PairedResult, decided_at: int | None, max_pairs: int) -> str:
+    """What the pairs measured: "TTFT p50 +12.3 % [95 % interval …], A/B over 20 pairs"."""
+    assert result.ratio is not None
     interval = (
         f" [{INTERVAL_LEVEL:.0%} interval {signed_percent(result.interval[0])} … "
         f"{signed_percent(result.interval[1])}]"
@@ -502,7 +484,16 @@ def _word(
         if decided_at is not None and decided_at < max_pairs
         else f"over {result.pairs} pairs"
     )
-    change = f"{metric.label} {signed_percent(result.ratio)}{interval}, A/B {over}"
+    return f"{result.metric.label} {signed_percent(result.ratio)}{interval}, A/B {over}"
+
+
+def _word(
+    result: PairedResult, threshold: float, alpha: float, decided_at: int | None, max_pairs: int
+) -> tuple[VerdictKind, str]:
+    metric = result.metric
+    if result.ratio is None:
+        return "inconclusive", f"{metric.label}: no pair with both calls measured (A/B)"
+    change = _change(result, decided_at, max_pairs)
     smallest_p = min_signed_rank_p(result.pairs)
     kind = verdict_of(result.direction, result.p_value, smallest_p, alpha)
     if result.direction is None:

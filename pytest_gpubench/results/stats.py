@@ -121,6 +121,18 @@ class PromptSummary:
         return self.warm.get(measure, _NO_FIGURES).get(percentile)
 
 
+def field_number(value: Any) -> float | None:
+    """A record's or a file's field as a float, else None: not a number (text, a list, a bool),
+    or an integer past a float's range (a hand-edited file's: float() raised OverflowError).
+    NaN and infinities come back as they are; the reader decides what it accepts."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
 def is_success(record: Mapping[str, Any]) -> bool:
     """A call failed when it carries an error (its finish_reason is then "error")."""
     return record.get("error") is None and record.get("finish_reason") != "error"
