@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pytest_gpubench.config.load_profile import LoadProfile
+from pytest_gpubench.config.load_profile import TUNNEL, LoadProfile
 from pytest_gpubench.config.prompts import Prompt, RequestShape
 from pytest_gpubench.core.errors import GpubenchError
 
@@ -240,7 +240,7 @@ def check_load(
                 f"{where}: load.clients.node: '{load.clients.node}' is not an ssh node or a "
                 "Slurm node of cells.yaml (kind: ssh, or kind: slurm)"
             )
-        if kind == "slurm" and load.clients.coordinator == "tunnel":
+        if kind == "slurm" and load.clients.coordinator == TUNNEL:
             raise GpubenchError(
                 f"{where}: load.clients.coordinator: tunnel is for an ssh node (a remote port "
                 f"forward over its SSH connection); Slurm node '{load.clients.node}' needs this "

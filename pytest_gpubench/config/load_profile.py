@@ -134,6 +134,11 @@ class Synthetic(_Strict):
         return f"synthetic-in{self.input_tokens}{spread}-out{self.output_tokens}{prefix}"
 
 
+# `clients.coordinator: tunnel`: the tasks on an ssh node reach this machine through a remote
+# port forward over the SSH connection, not by an address of this machine.
+TUNNEL = "tunnel"
+
+
 class Clients(_Strict):
     """Client tasks on another node for each load point (run/load/cluster_clients.py): an
     `srun` step of `tasks` tasks on a Slurm node of cells.yaml, or `tasks` SSH sessions on an

@@ -24,7 +24,7 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pytest_gpubench.config.load_profile import LoadProfile
+from pytest_gpubench.config.load_profile import TUNNEL, LoadProfile
 from pytest_gpubench.config.nodes import SlurmNode, SshNode
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.run.load import LoadPattern, ramp_seconds
@@ -45,9 +45,6 @@ EXCHANGES = 8
 # How long the tasks may take to end once the point is over, before they are killed.
 END_TIMEOUT_S = 30.0
 TASK_MODULE = "pytest_gpubench.run.load.client_task"
-# `clients.coordinator: tunnel`: the tasks on an ssh node reach this machine through a remote
-# port forward over the SSH connection, not by an address of this machine.
-TUNNEL = "tunnel"
 
 
 @dataclass(frozen=True)
@@ -218,18 +215,13 @@ class LoginSrunLaunch:
         try:
             session = self.session
             if session is not None:
-                deadline = time.monotonic() + END_TIMEOUT_S
-                while session.exit_status() is None and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                if session.exit_status() is None and self.pid is not None:
+                ended = _ended(session, time.monotonic() + END_TIMEOUT_S)
+                if not ended and self.pid is not None:
                     # SIGTERM first: srun cancels its step (a SIGKILLed srun can leave it).
                     for signal_name, wait_s in (("-TERM", 10.0), ("-KILL", 0.0)):
                         with contextlib.suppress(GpubenchError):
                             self.target.run(["kill", signal_name, str(self.pid)], timeout_s=10)
-                        until = time.monotonic() + wait_s
-                        while session.exit_status() is None and time.monotonic() < until:
-                            time.sleep(0.05)
-                        if session.exit_status() is not None:
+                        if _ended(session, time.monotonic() + wait_s):
                             break
                 session.close()
             with contextlib.suppress(GpubenchError):
@@ -302,10 +294,8 @@ class SshLaunch:
         try:
             deadline = time.monotonic() + END_TIMEOUT_S
             for task, session in enumerate(self.sessions):
-                while session.exit_status() is None and time.monotonic() < deadline:
-                    time.sleep(0.05)
                 pid = self.pids[task] if task < len(self.pids) else None
-                if session.exit_status() is None and pid is not None:
+                if not _ended(session, deadline) and pid is not None:
                     with contextlib.suppress(GpubenchError):
                         self.target.run(["kill", "-KILL", str(pid)], timeout_s=10)
                 session.close()
@@ -315,6 +305,13 @@ class SshLaunch:
                 self.tunnel.close()
         finally:
             self.target.close()
+
+
+def _ended(session: SshLineStream, deadline: float) -> bool:
+    """Whether an SSH session's command has ended, waiting for it up to `deadline` (monotonic)."""
+    while session.exit_status() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return session.exit_status() is not None
 
 
 def launch_for(profile: LoadProfile, nodes: Any) -> Launch:
