@@ -24,39 +24,53 @@ pytestmark = [pytest.mark.slurm, pytest.mark.sshd]
 pytest_plugins = ["support.slurm_fixtures", "support.ssh_fixtures"]
 
 
-def test_two_client_tasks_of_an_srun_step_started_on_the_login_node_drive_a_point(
-    pytester: pytest.Pytester, slurm_cluster: SlurmCluster, sshd: SshServer, node_python: str
-) -> None:
-    work_dir = sshd.remote_dir / "clients-work"
+def login_node(sshd: SshServer, slurm_conf: Path, folder: str, **keys: str) -> tuple[str, Path]:
+    """The Slurm node (flow YAML) reached through the tests' sshd as its login node, and its
+    work folder: a folder of the sshd user's, shared with the compute node."""
+    work_dir = sshd.remote_dir / folder
     work_dir.mkdir(exist_ok=True)
     subprocess.run(["chown", f"{sshd.user}:{sshd.user}", str(work_dir)], check=True)
     login = {
         "host": sshd.host, "port": sshd.port, "user": sshd.user,
         "key_file": str(sshd.key_file), "known_hosts": str(sshd.known_hosts),
     }  # fmt: skip
-    node = flow_mapping(
-        {
-            "kind": "slurm",
-            "login": login,
-            "partition": slurm_cluster.partition,
-            "slurm_conf": str(slurm_cluster.conf),
-            "work_dir": str(work_dir),
-            "time_limit": "10:00",
-        }
+    node = {
+        "kind": "slurm",
+        "login": login,
+        "slurm_conf": str(slurm_conf),
+        "work_dir": str(work_dir),
+    }
+    return flow_mapping({**node, **keys}), work_dir
+
+
+def write_project_with_node(pytester: pytest.Pytester, cell: str, node: str) -> None:
+    """A load project of one cell, with the node `hpc` beside `local`."""
+    write_load_project(pytester, cell, INFERENCE_TEST)
+    cells = (pytester.path / "cells.yaml").read_text()
+    (pytester.path / "cells.yaml").write_text(
+        cells.replace(
+            "nodes: {local: {kind: local}}", f"nodes: {{local: {{kind: local}}, hpc: {node}}}"
+        )
+    )
+
+
+def test_two_client_tasks_of_an_srun_step_started_on_the_login_node_drive_a_point(
+    pytester: pytest.Pytester, slurm_cluster: SlurmCluster, sshd: SshServer, node_python: str
+) -> None:
+    node, work_dir = login_node(
+        sshd,
+        slurm_cluster.conf,
+        "clients-work",
+        partition=slurm_cluster.partition,
+        time_limit="10:00",
     )
     with keepalive_server() as server:
-        write_load_project(
+        write_project_with_node(
             pytester,
             f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"
             " load: {rate: [40], arrival: constant, requests: 40, max_send_lag_ms: 100,"
             f" clients: {{node: hpc, tasks: 2, python: '{node_python}'}}}}}}\n",
-            INFERENCE_TEST,
-        )
-        cells = (pytester.path / "cells.yaml").read_text()
-        (pytester.path / "cells.yaml").write_text(
-            cells.replace(
-                "nodes: {local: {kind: local}}", f"nodes: {{local: {{kind: local}}, hpc: {node}}}"
-            )
+            node,
         )
         result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
     assert result.ret == 0, result.stdout.str()[-3000:]
@@ -79,34 +93,15 @@ def test_a_step_that_cannot_start_on_the_login_node_fails_the_case_in_one_line(
     pytester: pytest.Pytester, slurm_cluster: SlurmCluster, sshd: SshServer
 ) -> None:
     """A partition the cluster lacks: srun refuses, and the case says so with srun's words."""
-    work_dir = sshd.remote_dir / "clients-work-refused"
-    work_dir.mkdir(exist_ok=True)
-    subprocess.run(["chown", f"{sshd.user}:{sshd.user}", str(work_dir)], check=True)
-    login = {
-        "host": sshd.host, "port": sshd.port, "user": sshd.user,
-        "key_file": str(sshd.key_file), "known_hosts": str(sshd.known_hosts),
-    }  # fmt: skip
-    node = flow_mapping(
-        {
-            "kind": "slurm",
-            "login": login,
-            "partition": "no-such-partition",
-            "slurm_conf": str(slurm_cluster.conf),
-            "work_dir": str(work_dir),
-        }
+    node, work_dir = login_node(
+        sshd, slurm_cluster.conf, "clients-work-refused", partition="no-such-partition"
     )
     with keepalive_server() as server:
-        write_load_project(
+        write_project_with_node(
             pytester,
             f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"
             " load: {concurrency: [2], requests: 4, clients: {node: hpc, tasks: 2}}}\n",
-            INFERENCE_TEST,
-        )
-        cells = (pytester.path / "cells.yaml").read_text()
-        (pytester.path / "cells.yaml").write_text(
-            cells.replace(
-                "nodes: {local: {kind: local}}", f"nodes: {{local: {{kind: local}}, hpc: {node}}}"
-            )
+            node,
         )
         result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
     assert result.ret != 0
