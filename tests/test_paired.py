@@ -13,6 +13,7 @@ from pytest_gpubench.config.matrix import Cell, Thresholds, read_matrix
 from pytest_gpubench.results.gate import ALPHA, Verdict
 from pytest_gpubench.results.judging import JudgingSettings
 from pytest_gpubench.results.paired import (
+    MIN_DECODE_GAPS,
     PAIRED_METRICS,
     Pairs,
     ab_verdicts,
@@ -289,3 +290,72 @@ def test_a_significant_change_whose_interval_includes_none_is_inconclusive(
     assert ttft.p_value is not None and ttft.p_value < ALPHA, ttft.message
     assert ttft.verdict == "inconclusive", ttft.message
     assert "but its 95% interval does not rule out no change; raise runs" in ttft.message
+
+
+def decode_pairs(factor: float, tokens: int | None) -> list[dict[str, Any]]:
+    """20 pairs whose candidate's decode rate is `factor` times the reference's, with a little
+    noise of its own, from replies of `tokens` completion tokens (None: records that do not say,
+    as older ledgers')."""
+    chooser = random.Random(5)
+    calls = []
+    for index in range(20):
+        rate = 200.0 * chooser.uniform(0.8, 1.2)
+        length = {} if tokens is None else {"completion_tokens": tokens}
+        calls += [
+            {**call(MAIN, index, 50.0), "tokens_per_sec": rate, **length},
+            {
+                **call(PR, index, 50.0),
+                "tokens_per_sec": rate * factor * chooser.uniform(0.98, 1.02),
+                **length,
+            },
+        ]
+    return calls
+
+
+def test_a_decode_change_of_replies_too_short_to_time_it_is_inconclusive(
+    tmp_path: Path,
+) -> None:
+    """Issue 37's table, with both rules above in place: an unchanged candidate beside two busy
+    nice-19 processes still came out decode rate -41.3 % [95 % interval -67.3 % … -4.8 %] over
+    15 pairs, `regression`, exit 6, on 4-token replies: three gaps between tokens of about
+    1.5 ms, decided by when the threads ran. A decode regression or win needs replies of at
+    least MIN_DECODE_GAPS gaps; on shorter ones it is `inconclusive` (exit 10 for a
+    regression), saying how long they were and what would settle it, while the same numbers on
+    long replies are a regression; and the sequential rule samples on rather than stopping."""
+    candidate = cell(tmp_path)
+    settings = JudgingSettings.of_cells([candidate])
+
+    def decode(calls: list[dict[str, Any]]) -> Verdict:
+        return next(v for v in ab_verdicts(calls, settings) if v.metric.startswith("warm_decode"))
+
+    short = decode(decode_pairs(0.6, tokens=4))
+    assert short.verdict == "inconclusive", short.message
+    assert short.message.startswith(f"{PR} P: warm decode tokens/s p50 -")
+    assert short.message.endswith(
+        f"against {MAIN}, not judged: its replies carry 3 gaps between tokens, fewer than the "
+        f"{MIN_DECODE_GAPS} a decode figure needs for a change in A/B (so few are decided by "
+        f"when the threads were scheduled); raise the prompt's max_tokens to "
+        f"{MIN_DECODE_GAPS + 1} or more"
+    )
+    faster = decode(decode_pairs(1.6, tokens=MIN_DECODE_GAPS))
+    assert faster.verdict == "inconclusive", faster.message
+    # Long enough replies, or records that do not say how long (older ledgers): judged.
+    assert decode(decode_pairs(0.6, tokens=MIN_DECODE_GAPS + 1)).verdict == "regression"
+    assert decode(decode_pairs(1.6, tokens=MIN_DECODE_GAPS + 1)).verdict == "win"
+    assert decode(decode_pairs(0.6, tokens=None)).verdict == "regression"
+    # The figures that are not decode figures are judged on short replies as before.
+    ttft = next(
+        v for v in ab_verdicts(decode_pairs(0.6, tokens=4), settings) if v.metric == TTFT.name
+    )
+    assert ttft.verdict == "ok", ttft.message
+    # Sequential sampling does not stop on the short replies' decode change.
+    pairs = Pairs()
+    for record in decode_pairs(0.6, tokens=4):
+        side = pairs.candidate if record["cell_id"] == PR else pairs.reference
+        side[record["run_idx"]] = record
+    assert sequential_stop(pairs, candidate.thresholds, 7, 20) is None
+    longer = Pairs(
+        {i: {**r, "completion_tokens": 64} for i, r in pairs.candidate.items()},
+        {i: {**r, "completion_tokens": 64} for i, r in pairs.reference.items()},
+    )
+    assert sequential_stop(longer, candidate.thresholds, 7, 20) == ("regression", 7)

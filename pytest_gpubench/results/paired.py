@@ -38,6 +38,15 @@ from pytest_gpubench.results.stats import field_number, is_success
 # most looks of sequential sampling: results/decision.py).
 INTERVAL_LEVEL = 0.95
 Decision = Literal["regression", "win", "unchanged"]
+# The fewest gaps between tokens (completion tokens - 1, median over the pairs) a reply needs for
+# an A/B regression or win on its decode figures. Fewer are decided by when the engine's, its
+# delivery path's and the client's threads were scheduled more than by the engine, and two
+# engines beside busy neighbours are not scheduled alike: in issue 37's table (4-token replies,
+# 3 gaps of about 1.5 ms, most pairs with a gap of 0 where chunks came together) an unchanged
+# candidate's decode rate moved -45 % to +131 % per session, and one session in 10-20 came out
+# significant both by the signed ranks and by its interval. Such a claim is `inconclusive`;
+# a pass still needs its interval inside the threshold, as for any figure.
+MIN_DECODE_GAPS = 16
 
 
 class PairedCell(Protocol):
@@ -123,6 +132,19 @@ class Pairs:
         if not both or min(len(found[0]), len(found[1])) * 2 < len(both):
             return None
         return float(np.median(found[0])), float(np.median(found[1]))
+
+    def decode_gaps(self) -> int | None:
+        """The gaps between tokens a decode figure is measured over: the median of the complete
+        pairs' calls' completion tokens less one; None where no call says (older ledgers)."""
+        counts = [
+            int(tokens) - 1
+            for index in self.complete_indices()
+            for record in (self.candidate[index], self.reference[index])
+            if (tokens := field_number(record.get("completion_tokens"))) is not None
+            and math.isfinite(tokens)
+            and tokens >= 1
+        ]
+        return int(np.median(counts)) if counts else None
 
     def prefix(self, count: int) -> Pairs:
         """The first `count` complete pairs (a sequential look sees only those)."""
@@ -275,9 +297,12 @@ def decide(
             threshold = ratio_threshold(thresholds, metric.threshold_field)
             results.append(judge_pairs(metric, candidate, reference, threshold, alpha=alpha))
     decisions: list[Decision | None] = []
+    gaps = pairs.decode_gaps()
     for result in results:
         kind = verdict_of(result.direction, result.p_value, 0.0, alpha)
-        if kind in ("regression", "win") and not rules_out_no_change(result):
+        if kind in ("regression", "win") and (
+            not rules_out_no_change(result) or _too_few_gaps(result.metric, gaps) is not None
+        ):
             decisions.append(None)  # not yet earned: sample on
             continue
         if kind == "regression":
@@ -375,7 +400,7 @@ def judge_candidate(
             decided_at = stop[1]
             judged = pairs.prefix(decided_at)
     _, results = decide(judged, cell.thresholds, alpha)
-    waits = judged.engine_waits()
+    waits, gaps = judged.engine_waits(), judged.decode_gaps()
     by_name = {result.metric.name: result for result in results}
     calls = len(judged.candidate) + len(judged.reference)
     verdicts = []
@@ -389,9 +414,13 @@ def judge_candidate(
         kind, message = _word(result, threshold, alpha, decided_at, max_pairs)
         message = f"{message} against {reference}"
         uneven = _uneven_share(kind, result, threshold, waits)
+        short = _too_few_gaps(metric, gaps) if kind in ("regression", "win") else None
         if uneven is not None:
             change = _change(result, decided_at, max_pairs)
             kind, message = "unsteady", f"{change} against {reference}, not judged: {uneven}"
+        elif short is not None:
+            change = _change(result, decided_at, max_pairs)
+            kind, message = "inconclusive", f"{change} against {reference}, not judged: {short}"
         verdicts.append(
             Verdict(
                 cell_id=cell_id,
@@ -413,6 +442,18 @@ def judge_candidate(
             )
         )
     return verdicts
+
+
+def _too_few_gaps(metric: Metric, gaps: int | None) -> str | None:
+    """Why the pairs' replies are too short for a regression or win on a decode figure
+    (MIN_DECODE_GAPS); None where they are long enough, or nothing says how long."""
+    if not metric.measure.decode or gaps is None or gaps >= MIN_DECODE_GAPS:
+        return None
+    return (
+        f"its replies carry {gaps} gaps between tokens, fewer than the {MIN_DECODE_GAPS} a "
+        "decode figure needs for a change in A/B (so few are decided by when the threads were "
+        f"scheduled); raise the prompt's max_tokens to {MIN_DECODE_GAPS + 1} or more"
+    )
 
 
 def _uneven_share(
