@@ -1,6 +1,7 @@
 """The gate on a shared machine, neighbour by neighbour (issue 37's table): false alarms, false
 wins, catches, `unsteady` and silent passes of an unchanged engine and of one 30 % slower, with a
-baseline of one update, a calibrated baseline (5 updates) and head-to-head A/B sessions.
+baseline of one update, a calibrated baseline (5 updates) and head-to-head A/B sessions, the
+two engines where the kernel puts them (`ab`) or both pinned to the last CPU (`ab-pinned`).
 
 The engine is the harness's own: a managed llama-server (the tiny model, one thread) started
 behind a holding proxy in its own process (tests/support/paced_engine.py), so that the engine's
@@ -43,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 WRAPPER = REPO / "tests" / "support" / "paced_engine.py"
 PROMPT = " ".join(f"word{index % 97} and more" for index in range(350))
 SCENARIOS = ("quiet", "nice19", "onoff", "memstream")
-MODES = ("update", "calibrate", "ab")
+MODES = ("update", "calibrate", "ab", "ab-pinned")
 CALIBRATE_RUNS = 5
 TTFT = "warm_ttft_p50_ms"
 BUSY = "while True: pass"
@@ -96,8 +97,10 @@ class Session:
         return f"exit {self.exit_status} TTFT {change} {self.verdict} [{self.state}] {self.why}"
 
 
-def launch(binary: Path, hold_file: Path) -> list[str]:
+def launch(binary: Path, hold_file: Path, pin: str | None = None) -> list[str]:
+    """The engine behind its holding proxy; `pin`: both run under `taskset -c pin`."""
     return [
+        *(["taskset", "-c", pin] if pin is not None else []),
         sys.executable, str(WRAPPER), "--port", "{port}", "--hold-file", str(hold_file), "--",
         str(binary), "--model", "{model_path}", "--alias", "{model}", "--threads", "1",
         "--parallel", "1",
@@ -112,12 +115,14 @@ def write_project(root: Path, mode: str, binary: Path, model: Path) -> None:
         f"node: local, engine: llamacpp, model: tiny, model_path: '{model}', phases: [warm], "
         "request: {extra_body: {cache_prompt: false}}"
     )
-    if mode == "ab":
+    if mode in ("ab", "ab-pinned"):
+        # ab-pinned: both engines on the last CPU (docs/ab-runs.md: placed alike).
+        pin = str(max(os.sched_getaffinity(0))) if mode == "ab-pinned" else None
         cells = (
             f"  - {{{common}, name: main, runs: 20, "
-            f"launch: {json.dumps(launch(binary, root / 'zero'))}}}\n"
+            f"launch: {json.dumps(launch(binary, root / 'zero', pin))}}}\n"
             f"  - {{{common}, name: pr, runs: 20, reference: 'local:llamacpp:tiny@main', "
-            f"launch: {json.dumps(launch(binary, root / 'hold'))}}}\n"
+            f"launch: {json.dumps(launch(binary, root / 'hold', pin))}}}\n"
         )
     else:
         cells = f"  - {{{common}, runs: 10, launch: {json.dumps(launch(binary, root / 'hold'))}}}\n"
@@ -184,7 +189,7 @@ def main() -> None:
                 for mode in modes:
                     project = Path(temp) / f"{scenario}-{mode}"
                     write_project(project, mode, binary, model)
-                    if mode == "ab":
+                    if mode.startswith("ab"):
                         continue
                     for _ in range(CALIBRATE_RUNS if mode == "calibrate" else 1):
                         state = neighbours.start(scenario)

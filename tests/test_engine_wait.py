@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from pytest_gpubench.measure.engine_wait import EngineWait
+from pytest_gpubench.core.processes import process_tree
+from pytest_gpubench.measure.engine_wait import EngineWait, cpu_list
 
 
 @pytest.fixture
@@ -139,6 +140,34 @@ def test_a_child_of_the_engine_pinned_beside_a_busy_process_shows_its_wait(
     assert waited.share > 0.3, waited
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: none to pin narrower")
+def test_the_cpus_an_engine_is_pinned_to_are_read_and_an_unpinned_one_reads_none() -> None:
+    """A/B's two engines are placed alike only when pinned to the same CPUs (results/paired):
+    the reader says which CPUs an engine's processes may run on where they are narrower than
+    the harness's own (taskset in the cell's launch:), and None where they are not."""
+    cpu = max(os.sched_getaffinity(0))
+    parent = "import subprocess, sys, time\nsubprocess.run([sys.executable, '-c', sys.argv[1]])"
+    engine = subprocess.Popen([sys.executable, "-c", parent, "import time; time.sleep(60)"])
+    try:
+        reader = EngineWait(engine.pid)
+        deadline = time.monotonic() + 10
+        while len(process_tree(engine.pid)) < 2:  # the child started
+            assert time.monotonic() < deadline, "the child never started"
+            time.sleep(0.05)
+        assert reader.pinned_cpus() is None
+        # The parent pinned, its child not: the child may still run anywhere.
+        os.sched_setaffinity(engine.pid, {cpu})
+        assert reader.pinned_cpus() is None
+        for member in process_tree(engine.pid):
+            os.sched_setaffinity(member, {cpu})
+        assert reader.pinned_cpus() == str(cpu)
+    finally:
+        engine.kill()
+        engine.wait()
+    assert reader.pinned_cpus() is None  # gone
+    assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+
+
 @pytest.mark.engine
 def test_each_warm_call_of_a_local_managed_engine_records_its_own_wait(
     pytester: pytest.Pytester, llama_server: Path, tiny_model: Path
@@ -169,6 +198,8 @@ def test_each_warm_call_of_a_local_managed_engine_records_its_own_wait(
         assert call["engine_wait_per_cpu"] == pytest.approx(
             call["engine_wait_ms"] / call["engine_cpu_ms"], abs=1e-4
         )
+        # Not pinned narrower than the harness: no CPUs said (A/B reads them: results/paired).
+        assert "engine_cpus" not in call
     stored = next((pytester.path / "baselines").glob("*.json")).read_text()
     assert '"engine_wait_ms"' in stored
     # The run's p50 of the wait per CPU ms is kept in the history: the next runs' steadiness.

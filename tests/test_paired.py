@@ -185,12 +185,29 @@ def test_an_ab_pass_needs_its_interval_inside_the_threshold(tmp_path: Path) -> N
     assert same.verdict == "ok" and same.interval_high is not None and same.interval_high < 1.15
 
 
-def with_waits(pairs: Pairs, candidate: float, reference: float) -> list[dict[str, Any]]:
+def with_waits(
+    pairs: Pairs,
+    candidate: float,
+    reference: float,
+    cpus: tuple[str | None, str | None] = ("0", "0"),
+) -> list[dict[str, Any]]:
     """The pairs' call records, each side's engine having waited this long for a CPU per ms it
-    ran (engine_wait_per_cpu, as a local engine's call records carry it)."""
+    ran (engine_wait_per_cpu, as a local engine's call records carry it), pinned to `cpus`
+    (candidate's, reference's engine_cpus; None: not pinned). Both on CPU 0 by default: the
+    uneven-share rule is about two engines placed alike."""
+
+    def pinned(cpu: str | None) -> dict[str, Any]:
+        return {} if cpu is None else {"engine_cpus": cpu}
+
     return [
-        *({**r, "engine_wait_per_cpu": reference} for r in pairs.reference.values()),
-        *({**r, "engine_wait_per_cpu": candidate} for r in pairs.candidate.values()),
+        *(
+            {**r, "engine_wait_per_cpu": reference, **pinned(cpus[1])}
+            for r in pairs.reference.values()
+        ),
+        *(
+            {**r, "engine_wait_per_cpu": candidate, **pinned(cpus[0])}
+            for r in pairs.candidate.values()
+        ),
     ]
 
 
@@ -248,8 +265,8 @@ def test_a_lower_decode_rate_on_an_uneven_share_is_unsteady(tmp_path: Path) -> N
             "tokens_per_sec": rate * 0.75 * chooser.uniform(0.98, 1.02),
         }
         calls += [
-            {**reference, "engine_wait_per_cpu": 0.10},
-            {**slower, "engine_wait_per_cpu": 0.20},
+            {**reference, "engine_wait_per_cpu": 0.10, "engine_cpus": "0"},
+            {**slower, "engine_wait_per_cpu": 0.20, "engine_cpus": "0"},
         ]
     decode = next(v for v in ab_verdicts(calls, settings) if v.metric.startswith("warm_decode"))
     assert decode.verdict == "unsteady", decode.message
@@ -359,3 +376,46 @@ def test_a_decode_change_of_replies_too_short_to_time_it_is_inconclusive(
         {i: {**r, "completion_tokens": 64} for i, r in pairs.reference.items()},
     )
     assert sequential_stop(longer, candidate.thresholds, 7, 20) == ("regression", 7)
+
+
+def test_ab_on_a_busy_machine_needs_both_engines_pinned_to_the_same_cpus(tmp_path: Path) -> None:
+    """Issue 37's table, once more: two unchanged engines, unpinned beside two busy processes
+    on 2 cores, took -28 % to +23 % CPU time of each other for the same call, session by
+    session (one process placed worse for its whole life), and the TTFT moved with it: a false
+    regression (+22.7 % [+3.6 % … +34.7 %], p = 0.009, engines waiting 1.01 and 0.87 ms per ms)
+    and a false win. A/B cancels only what both sides share. On a busy machine (an engine
+    waited over 0.10 ms for a CPU per ms it ran) a verdict of engines not pinned to the same
+    CPUs is `unsteady` (exit 10), a pass too; pinned alike, on a quiet machine, or remote
+    (no wait read), the pairs are judged as before."""
+    candidate = cell(tmp_path)
+    settings = JudgingSettings.of_cells([candidate])
+
+    def ttft(calls: Iterable[Mapping[str, Any]]) -> Verdict:
+        return next(v for v in ab_verdicts(calls, settings) if v.metric == "warm_ttft_p50_ms")
+
+    slower = pairs_of(drifting_machine(20), 1.3)
+    same = pairs_of(drifting_machine(20), 1.0)
+    apart = ttft(with_waits(slower, candidate=1.01, reference=0.87, cpus=(None, None)))
+    assert apart.verdict == "unsteady", apart.message
+    assert apart.message.startswith(f"{PR} P: warm TTFT p50 +")
+    assert apart.message.endswith(
+        f"against {MAIN}, not judged: the machine was busy (the candidate's engine waited 1.01 "
+        "ms for a CPU per ms it ran, the reference's 0.87; over 0.10) and the two engines were "
+        "not pinned to the same CPUs, so the machine need not have placed them alike; pin both "
+        "(taskset -c in each launch:) or re-run on a quieter machine"
+    )
+    # A pass and a win are the machine's as much.
+    assert ttft(with_waits(same, 1.0, 0.9, cpus=(None, None))).verdict == "unsteady"
+    faster = pairs_of(drifting_machine(20), 0.6)
+    assert ttft(with_waits(faster, 1.0, 0.9, cpus=(None, None))).verdict == "unsteady"
+    # Pinned to different CPUs, or only one of them: not alike.
+    assert ttft(with_waits(slower, 1.0, 0.9, cpus=("0", "1"))).verdict == "unsteady"
+    assert ttft(with_waits(slower, 1.0, 0.9, cpus=("0", None))).verdict == "unsteady"
+    # Pinned alike (one CPU or a set), or a quiet machine: judged.
+    assert ttft(with_waits(slower, 1.0, 0.9)).verdict == "regression"
+    assert ttft(with_waits(slower, 1.0, 0.9, cpus=("0-1,4", "0-1,4"))).verdict == "regression"
+    assert ttft(with_waits(same, 1.0, 0.9)).verdict == "ok"
+    assert ttft(with_waits(slower, 0.08, 0.10, cpus=(None, None))).verdict == "regression"
+    assert ttft(with_waits(same, 0.08, 0.10, cpus=(None, None))).verdict == "ok"
+    # Remote engines: no wait read, judged on the pairs alone.
+    assert ttft([*slower.reference.values(), *slower.candidate.values()]).verdict == "regression"

@@ -10,6 +10,7 @@ not the waiting)."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,3 +96,29 @@ class EngineWait:
         return EngineWaiting(
             wait_ms=wait / 1e6, cpu_ms=cpu / 1e6, wall_ms=(now.at - start.at) * 1000.0
         )
+
+    def pinned_cpus(self) -> str | None:
+        """The CPUs the engine's processes may run on, as a CPU list ("0", "0-1,4"), where they
+        were pinned narrower than this process's own (`taskset` in the cell's `launch:`); None
+        where they may run anywhere this process may, or the kernel does not say."""
+        allowed: set[int] = set()
+        try:
+            own = os.sched_getaffinity(0)
+            for member in process_tree(self.pid, self.proc):
+                allowed |= os.sched_getaffinity(member)
+        except OSError:
+            return None  # a process that ended while we looked
+        if not allowed or allowed >= own:
+            return None
+        return cpu_list(allowed)
+
+
+def cpu_list(cpus: set[int]) -> str:
+    """CPUs as the kernel writes a CPU list: runs of consecutive numbers as ranges ("0-2,5")."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][-1] + 1:
+            runs[-1].append(cpu)
+        else:
+            runs.append([cpu])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)

@@ -17,6 +17,7 @@ from pytest_gpubench.results.decision import (
     BOOTSTRAP_RESAMPLES,
     BOOTSTRAP_SEED,
     MAX_LOOKS,
+    PRESSURE_LIMIT,
     change_word,
     look_schedule,
     scipy_stats,
@@ -132,6 +133,16 @@ class Pairs:
         if not both or min(len(found[0]), len(found[1])) * 2 < len(both):
             return None
         return float(np.median(found[0])), float(np.median(found[1]))
+
+    def pinned_alike(self) -> str | None:
+        """The CPUs both sides' engines were pinned to (engine_cpus, a local engine's), where
+        every complete pair's two calls say the same; None where either was not pinned."""
+        found = {
+            str(record.get("engine_cpus") or "")
+            for index in self.complete_indices()
+            for record in (self.candidate[index], self.reference[index])
+        }
+        return found.pop() if len(found) == 1 and "" not in found else None
 
     def decode_gaps(self) -> int | None:
         """The gaps between tokens a decode figure is measured over: the median of the complete
@@ -400,7 +411,7 @@ def judge_candidate(
             decided_at = stop[1]
             judged = pairs.prefix(decided_at)
     _, results = decide(judged, cell.thresholds, alpha)
-    waits, gaps = judged.engine_waits(), judged.decode_gaps()
+    waits, gaps, pinned = judged.engine_waits(), judged.decode_gaps(), judged.pinned_alike()
     by_name = {result.metric.name: result for result in results}
     calls = len(judged.candidate) + len(judged.reference)
     verdicts = []
@@ -414,10 +425,14 @@ def judge_candidate(
         kind, message = _word(result, threshold, alpha, decided_at, max_pairs)
         message = f"{message} against {reference}"
         uneven = _uneven_share(kind, result, threshold, waits)
+        apart = _placed_apart(kind, waits, pinned)
         short = _too_few_gaps(metric, gaps) if kind in ("regression", "win") else None
-        if uneven is not None:
+        if uneven is not None or apart is not None:
             change = _change(result, decided_at, max_pairs)
-            kind, message = "unsteady", f"{change} against {reference}, not judged: {uneven}"
+            kind, message = (
+                "unsteady",
+                f"{change} against {reference}, not judged: {uneven or apart}",
+            )
         elif short is not None:
             change = _change(result, decided_at, max_pairs)
             kind, message = "inconclusive", f"{change} against {reference}, not judged: {short}"
@@ -442,6 +457,32 @@ def judge_candidate(
             )
         )
     return verdicts
+
+
+def _placed_apart(
+    kind: VerdictKind, waits: tuple[float, float] | None, pinned: str | None
+) -> str | None:
+    """Why a verdict beside busy neighbours is not the engines' where they were not pinned alike:
+    two processes on a busy machine are not placed alike (which CPU, beside which neighbour,
+    how warm its caches are), and A/B cancels only what both sides share. In issue 37's table
+    two unchanged engines, unpinned beside two busy processes on 2 cores, differed by -28 % to
+    +23 % in the CPU time each took for the same call, session by session, and their TTFT by as
+    much: a false regression and a false win, and a +30 % candidate measured +14 %. Any verdict
+    but one already undecided is then `unsteady`; where both engines' `launch:` pins them to
+    the same CPUs (taskset), or the machine was not busy (both engines waited at most
+    PRESSURE_LIMIT for a CPU per ms they ran), the pairs are judged. Remote engines (no wait
+    read) are judged on the pairs alone."""
+    if waits is None or pinned is not None or kind in ("unsteady", "blind"):
+        return None
+    if max(waits) <= PRESSURE_LIMIT:
+        return None
+    candidate, reference = waits
+    return (
+        f"the machine was busy (the candidate's engine waited {candidate:.2f} ms for a CPU per "
+        f"ms it ran, the reference's {reference:.2f}; over {PRESSURE_LIMIT:.2f}) and the two "
+        "engines were not pinned to the same CPUs, so the machine need not have placed them "
+        "alike; pin both (taskset -c in each launch:) or re-run on a quieter machine"
+    )
 
 
 def _too_few_gaps(metric: Metric, gaps: int | None) -> str | None:

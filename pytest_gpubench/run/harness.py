@@ -29,6 +29,7 @@ from pytest_gpubench.ledger.records import (
 )
 from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.measure.control import ControlCall, CpuPressure
+from pytest_gpubench.measure.engine_wait import EngineWait, EngineWaiting
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
@@ -418,12 +419,8 @@ class Harness:
             fields["control_ms"] = round(control_ms, 3)
         if cpu_pressure is not None:
             fields["cpu_pressure"] = round(cpu_pressure, 4)
-        if waited is not None:
-            # The engine's own run-queue wait and CPU time over the call (measure/engine_wait).
-            fields["engine_wait_ms"] = round(waited.wait_ms, 3)
-            fields["engine_cpu_ms"] = round(waited.cpu_ms, 3)
-            if waited.cpu_ms > 0:
-                fields["engine_wait_per_cpu"] = round(waited.wait_ms / waited.cpu_ms, 4)
+        if waited is not None and engine_wait is not None:
+            fields.update(engine_wait_fields(waited, engine_wait))
         fields.update(
             engine_check_fields(
                 measurement, shape, counters_before, counters_after, own.get("extra_body")
@@ -580,3 +577,19 @@ def close_within(target: Target, limit_s: float) -> str | None:
     if failure:
         raise failure[0]
     return None
+
+
+def engine_wait_fields(waited: EngineWaiting, engine_wait: EngineWait) -> dict[str, Any]:
+    """A call record's fields of the engine's own run-queue wait and CPU time over the call
+    (measure/engine_wait), and the CPUs it was pinned to, if any (A/B's two engines placed
+    alike: results/paired)."""
+    fields: dict[str, Any] = {
+        "engine_wait_ms": round(waited.wait_ms, 3),
+        "engine_cpu_ms": round(waited.cpu_ms, 3),
+    }
+    if waited.cpu_ms > 0:
+        fields["engine_wait_per_cpu"] = round(waited.wait_ms / waited.cpu_ms, 4)
+    pinned = engine_wait.pinned_cpus()
+    if pinned is not None:
+        fields["engine_cpus"] = pinned
+    return fields
