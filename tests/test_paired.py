@@ -9,7 +9,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from pytest_gpubench.config.matrix import Cell, Thresholds, read_matrix
+from pytest_gpubench.results.decision import VERDICT_ORDER
 from pytest_gpubench.results.gate import ALPHA, Verdict
 from pytest_gpubench.results.judging import JudgingSettings
 from pytest_gpubench.results.paired import (
@@ -419,3 +423,68 @@ def test_ab_on_a_busy_machine_needs_both_engines_pinned_to_the_same_cpus(tmp_pat
     assert ttft(with_waits(same, 0.08, 0.10, cpus=(None, None))).verdict == "ok"
     # Remote engines: no wait read, judged on the pairs alone.
     assert ttft([*slower.reference.values(), *slower.candidate.values()]).verdict == "regression"
+
+
+def test_a_figure_no_pair_measured_on_a_busy_machine_stays_inconclusive(tmp_path: Path) -> None:
+    """Found by issue 37's table with the placement rule: a +30 % candidate's replies came in
+    one read each, so no pair had a decode rate; on the busy machine, unpinned, that figure's
+    verdict was turned `unsteady` with a change it did not have, and the session ended in an
+    AssertionError traceback (exit 1) with no verdicts. It stays `inconclusive`, saying no pair
+    was measured, and the other figures are judged."""
+    candidate = cell(tmp_path)
+    settings = JudgingSettings.of_cells([candidate])
+    slower = pairs_of(drifting_machine(20), 1.3)
+    calls = [
+        {k: v for k, v in r.items() if k != "tokens_per_sec"}
+        for r in with_waits(slower, 1.0, 0.9, cpus=(None, None))
+    ]
+    verdicts = {v.metric: v for v in ab_verdicts(calls, settings)}
+    decode = verdicts["warm_decode_tokens_per_sec_p50"]
+    assert decode.verdict == "inconclusive"
+    assert decode.message == (
+        f"{PR} P: warm decode tokens/s p50: no pair with both calls measured (A/B) against {MAIN}"
+    )
+    assert verdicts["warm_ttft_p50_ms"].verdict == "unsteady"
+
+
+ANY_FIELD = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**400), max_value=10**400),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=5),
+    st.lists(st.integers(), max_size=2),
+)
+FIELDS = (
+    "first_delta_ms", "total_duration_ms", "tokens_per_sec", "engine_wait_per_cpu",
+    "engine_cpus", "completion_tokens", "error", "finish_reason", "kind",
+)  # fmt: skip
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(
+            st.booleans(), st.integers(0, 7), st.dictionaries(st.sampled_from(FIELDS), ANY_FIELD)
+        ),
+        max_size=24,
+    )
+)
+def test_ab_verdicts_of_any_call_records_never_raise(
+    tmp_path: Path, drawn: list[tuple[bool, int, dict[str, Any]]]
+) -> None:
+    """Whatever a (hand-edited, damaged) ledger's call records hold in the fields A/B reads,
+    `gpubench gate` and the session judge them without a traceback: every verdict a word of the
+    gate's, never a regression from a pair that has no numbers."""
+    candidate = cell(tmp_path)
+    settings_ = JudgingSettings.of_cells([candidate])
+    calls = [
+        {**call(PR if is_candidate else MAIN, index, 50.0), **fields}
+        for is_candidate, index, fields in drawn
+    ]
+    for verdict in ab_verdicts(calls, settings_):
+        assert verdict.verdict in VERDICT_ORDER
+        if verdict.verdict == "regression":
+            assert verdict.change_ratio is not None and verdict.pairs >= 1

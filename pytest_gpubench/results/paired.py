@@ -120,7 +120,8 @@ class Pairs:
     def busy_seconds(self) -> float:
         """How long the calls held the engines: the sum of their total durations."""
         records = [*self.candidate.values(), *self.reference.values()]
-        return sum(float(r.get("total_duration_ms") or 0.0) for r in records) / 1000.0
+        durations = (field_number(r.get("total_duration_ms")) for r in records)
+        return sum(d for d in durations if d is not None and math.isfinite(d) and d > 0) / 1000.0
 
     def engine_waits(self) -> tuple[float, float] | None:
         """Each side's engine's wait for a CPU per ms it ran (engine_wait_per_cpu, a local
@@ -425,7 +426,7 @@ def judge_candidate(
         kind, message = _word(result, threshold, alpha, decided_at, max_pairs)
         message = f"{message} against {reference}"
         uneven = _uneven_share(kind, result, threshold, waits)
-        apart = _placed_apart(kind, waits, pinned)
+        apart = _placed_apart(kind, waits, pinned) if result.ratio is not None else None
         short = _too_few_gaps(metric, gaps) if kind in ("regression", "win") else None
         if uneven is not None or apart is not None:
             change = _change(result, decided_at, max_pairs)
@@ -554,7 +555,8 @@ def rules_out_no_change(result: PairedResult) -> bool:
 
 def _change(result: PairedResult, decided_at: int | None, max_pairs: int) -> str:
     """What the pairs measured: "TTFT p50 +12.3 % [95 % interval …], A/B over 20 pairs"."""
-    assert result.ratio is not None
+    if result.ratio is None:
+        return f"{result.metric.label}: no pair with both calls measured (A/B)"
     interval = (
         f" [{INTERVAL_LEVEL:.0%} interval {signed_percent(result.interval[0])} … "
         f"{signed_percent(result.interval[1])}]"
@@ -573,9 +575,9 @@ def _word(
     result: PairedResult, threshold: float, alpha: float, decided_at: int | None, max_pairs: int
 ) -> tuple[VerdictKind, str]:
     metric = result.metric
-    if result.ratio is None:
-        return "inconclusive", f"{metric.label}: no pair with both calls measured (A/B)"
     change = _change(result, decided_at, max_pairs)
+    if result.ratio is None:
+        return "inconclusive", change
     smallest_p = min_signed_rank_p(result.pairs)
     kind = verdict_of(result.direction, result.p_value, smallest_p, alpha)
     if result.direction is None:
