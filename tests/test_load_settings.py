@@ -23,6 +23,8 @@ from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.load_gate import judge_point
 
 # The subject is the settings' bookkeeping, not the shared machine's steadiness.
+# Each open-loop point allows a send lag of 1 s: on a busy shared machine the default 10 ms left
+# the first point invalid, so no baseline was written and the changed run was "new", exit 0.
 ARGS = ("--force-load", "-p", "no:cacheprovider", "-m", "load", "--gpubench-steadiness", "off")
 
 
@@ -47,17 +49,27 @@ def test_a_changed_arrival_is_incomparable_naming_it_until_ratified(
 
     with keepalive_server() as server:
         update = run(
-            server.url, "{rate: [40], arrival: poisson, requests: 20}", "--baseline-update"
+            server.url,
+            "{rate: [40], arrival: poisson, requests: 20, max_send_lag_ms: 1000}",
+            "--baseline-update",
         )
         assert update.ret == 0, update.stdout.str()[-3000:]
-        changed = run(server.url, "{rate: [40], arrival: constant, requests: 20}")
+        changed = run(
+            server.url, "{rate: [40], arrival: constant, requests: 20, max_send_lag_ms: 1000}"
+        )
         # More requests is a larger sample of the same point, not another point.
-        longer = run(server.url, "{rate: [40], arrival: poisson, requests: 30}")
+        longer = run(
+            server.url, "{rate: [40], arrival: poisson, requests: 30, max_send_lag_ms: 1000}"
+        )
         ratified = run(
-            server.url, "{rate: [40], arrival: constant, requests: 20}", "--baseline-update"
+            server.url,
+            "{rate: [40], arrival: constant, requests: 20, max_send_lag_ms: 1000}",
+            "--baseline-update",
         )
         assert ratified.ret == 0, ratified.stdout.str()[-3000:]
-        again = run(server.url, "{rate: [40], arrival: constant, requests: 20}")
+        again = run(
+            server.url, "{rate: [40], arrival: constant, requests: 20, max_send_lag_ms: 1000}"
+        )
     assert changed.ret == 8, changed.stdout.str()[-3000:]
     changed.stdout.fnmatch_lines(
         [
@@ -78,7 +90,8 @@ def test_gpubench_gate_judges_the_changed_settings_as_the_session_did(
             write_load_project(
                 pytester,
                 f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"
-                f" load: {{rate: [40], arrival: {arrival}, requests: 20}}}}\n",
+                f" load: {{rate: [40], arrival: {arrival}, requests: 20,"
+                " max_send_lag_ms: 1000}}\n",
             )
             result = pytester.runpytest(*ARGS, *more)
     assert result.ret == 8, result.stdout.str()[-3000:]
