@@ -487,4 +487,4 @@ def test_ab_verdicts_of_any_call_records_never_raise(
     for verdict in ab_verdicts(calls, settings_):
         assert verdict.verdict in VERDICT_ORDER
         if verdict.verdict == "regression":
-            assert verdict.change_ratio is not None and verdict.pairs >= 1
+            assert verdict.change_ratio is not None and (verdict.pairs or 0) >= 1
