@@ -120,8 +120,8 @@ class Pairs:
     def busy_seconds(self) -> float:
         """How long the calls held the engines: the sum of their total durations."""
         records = [*self.candidate.values(), *self.reference.values()]
-        durations = (field_number(r.get("total_duration_ms")) for r in records)
-        return sum(d for d in durations if d is not None and math.isfinite(d) and d > 0) / 1000.0
+        durations = (_finite(r.get("total_duration_ms")) for r in records)
+        return sum(d for d in durations if d is not None and d > 0) / 1000.0
 
     def engine_waits(self) -> tuple[float, float] | None:
         """Each side's engine's wait for a CPU per ms it ran (engine_wait_per_cpu, a local
@@ -152,9 +152,7 @@ class Pairs:
             int(tokens) - 1
             for index in self.complete_indices()
             for record in (self.candidate[index], self.reference[index])
-            if (tokens := field_number(record.get("completion_tokens"))) is not None
-            and math.isfinite(tokens)
-            and tokens >= 1
+            if (tokens := _finite(record.get("completion_tokens"))) is not None and tokens >= 1
         ]
         return int(np.median(counts)) if counts else None
 
@@ -164,14 +162,20 @@ class Pairs:
         return Pairs({i: self.candidate[i] for i in kept}, {i: self.reference[i] for i in kept})
 
 
+def _finite(value: Any) -> float | None:
+    """A record's field as a finite number, else None (not a number, too large, NaN, ±inf)."""
+    number = field_number(value)
+    return number if number is not None and math.isfinite(number) else None
+
+
 def _wait(record: Mapping[str, Any]) -> float | None:
-    wait = field_number(record.get("engine_wait_per_cpu"))
-    return wait if wait is not None and math.isfinite(wait) and wait >= 0 else None
+    wait = _finite(record.get("engine_wait_per_cpu"))
+    return wait if wait is not None and wait >= 0 else None
 
 
 def _value(record: Mapping[str, Any], metric: Metric) -> float | None:
-    value = field_number(record.get(metric.measure.field)) if is_success(record) else None
-    return value if value is not None and math.isfinite(value) and value > 0 else None
+    value = _finite(record.get(metric.measure.field)) if is_success(record) else None
+    return value if value is not None and value > 0 else None
 
 
 @dataclass(frozen=True)
@@ -426,7 +430,7 @@ def judge_candidate(
         kind, message = _word(result, threshold, alpha, decided_at, max_pairs)
         message = f"{message} against {reference}"
         uneven = _uneven_share(kind, result, threshold, waits)
-        apart = _placed_apart(kind, waits, pinned) if result.ratio is not None else None
+        apart = _placed_apart(kind, result, waits, pinned)
         short = _too_few_gaps(metric, gaps) if kind in ("regression", "win") else None
         if uneven is not None or apart is not None:
             change = _change(result, decided_at, max_pairs)
@@ -461,7 +465,10 @@ def judge_candidate(
 
 
 def _placed_apart(
-    kind: VerdictKind, waits: tuple[float, float] | None, pinned: str | None
+    kind: VerdictKind,
+    result: PairedResult,
+    waits: tuple[float, float] | None,
+    pinned: str | None,
 ) -> str | None:
     """Why a verdict beside busy neighbours is not the engines' where they were not pinned alike:
     two processes on a busy machine are not placed alike (which CPU, beside which neighbour,
@@ -472,8 +479,10 @@ def _placed_apart(
     but one already undecided is then `unsteady`; where both engines' `launch:` pins them to
     the same CPUs (taskset), or the machine was not busy (both engines waited at most
     PRESSURE_LIMIT for a CPU per ms they ran), the pairs are judged. Remote engines (no wait
-    read) are judged on the pairs alone."""
-    if waits is None or pinned is not None or kind in ("unsteady", "blind"):
+    read) are judged on the pairs alone; a figure no pair measured stays as it is."""
+    if waits is None or pinned is not None or result.ratio is None:
+        return None
+    if kind in ("unsteady", "blind"):
         return None
     if max(waits) <= PRESSURE_LIMIT:
         return None
