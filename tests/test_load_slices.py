@@ -131,3 +131,19 @@ def test_a_slice_that_does_not_say_its_place_is_left_out_of_the_chart_not_a_cras
     }
     svg = _slices_chart("slices", [point])
     assert "<svg" in svg
+
+
+def test_a_slice_whose_number_is_past_a_floats_range_is_left_out_not_a_crash() -> None:
+    """A hand-edited ledger's integer too large for a float (10**400) where a slice says its
+    place: the report's own number reader raised OverflowError; it now reads such a field as
+    no number, as every ledger reader does (results/stats.field_number)."""
+    from pytest_gpubench.reports.load_html import _slices_chart
+
+    point = {
+        "load_point": "c2",
+        "slices": [
+            {"start_s": 0.0, "span_s": 0.5, "output_tokens_per_sec": 100.0, "ttft_ms_p50": 9.0},
+            {"start_s": 10**400, "span_s": 0.5, "output_tokens_per_sec": 90.0},
+        ],
+    }
+    assert "<svg" in _slices_chart("slices", [point])

@@ -21,6 +21,7 @@ from pytest_gpubench.reports.load_tables import (
     server_check_rows,
 )
 from pytest_gpubench.results.load_gate import point_key
+from pytest_gpubench.results.stats import field_number
 
 if TYPE_CHECKING:
     from pytest_gpubench.ledger.schema import LoadRecord
@@ -39,17 +40,11 @@ def _e(value: Any) -> str:
     return html.escape(NONE if value is None or value == "" else str(value))
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
 def _middle(row: Any) -> float | None:
     """A time slice's middle (s into its window), or None where it does not say its place."""
     if not isinstance(row, Mapping):
         return None
-    start, span = _number(row.get("start_s")), _number(row.get("span_s"))
+    start, span = field_number(row.get("start_s")), field_number(row.get("span_s"))
     return None if start is None or span is None else start + span / 2
 
 
@@ -58,9 +53,9 @@ def axis_of(point: Mapping[str, Any]) -> tuple[str, float | None]:
     a sweep's step (all of a sweep's steps by request rate: offered, or achieved where a closed
     step offered none)."""
     if point.get("pattern") == "closed" and not point.get("sweep_step"):
-        return "concurrency", _number(point.get("concurrency"))
-    offered = _number(point.get("rate"))
-    return "request rate (req/s)", offered if offered is not None else _number(
+        return "concurrency", field_number(point.get("concurrency"))
+    offered = field_number(point.get("rate"))
+    return "request rate (req/s)", offered if offered is not None else field_number(
         point.get("achieved_rate")
     )
 
@@ -97,7 +92,11 @@ def render_load_section(loads: Sequence[LoadRecord], baselines: LoadBaselines | 
             for axis, drawn in sorted(by_axis.items()):
                 previous = [old[point_key(point)] for point in drawn if point_key(point) in old]
                 saturation = next(
-                    (_number(s.get("saturation_rate")) for s in sweeps if axis != "concurrency"),
+                    (
+                        field_number(s.get("saturation_rate"))
+                        for s in sweeps
+                        if axis != "concurrency"
+                    ),
                     None,
                 )
                 parts.append(
@@ -152,7 +151,8 @@ def _series(points: Sequence[Mapping[str, Any]], field: str) -> tuple[list[float
     pairs = sorted(
         (x, y)
         for point in points
-        if (x := axis_of(point)[1]) is not None and (y := _number(point.get(field))) is not None
+        if (x := axis_of(point)[1]) is not None
+        and (y := field_number(point.get(field))) is not None
     )
     return [x for x, _ in pairs], [y for _, y in pairs]
 
@@ -181,7 +181,7 @@ def _load_chart(
 
     draw(rate, "output_tokens_per_sec", "output tokens/s", CURRENT_COLOR)
     rate.set_title("output tokens/s", loc="left")
-    if any(_number(p.get("goodput_rate")) is not None for p in points):
+    if any(field_number(p.get("goodput_rate")) is not None for p in points):
         goodput = rate.twinx()
         draw(goodput, "goodput_rate", "goodput req/s", SLO_COLOR, dashed=True)
         goodput.set_ylabel("goodput req/s (dashed)")
@@ -190,7 +190,7 @@ def _load_chart(
     draw(latency, "tpot_ms_p50", "TPOT p50", P99_COLOR)
     draw(latency, "tpot_ms_p99", "TPOT p99", P99_COLOR, dashed=True)
     latency.set_title("TTFT (blue) and TPOT (red) ms", loc="left")
-    if any(_number(p.get("ttft_ms_p50")) for p in points):
+    if any(field_number(p.get("ttft_ms_p50")) for p in points):
         latency.set_yscale("log")
     latency.legend(fontsize=6, loc="upper left")
     _latency_curve(curve, points, baseline, saturation)
@@ -222,8 +222,8 @@ def _latency_curve(
         pairs = sorted(
             (x, y, str(point.get("load_point")))
             for point in group
-            if (x := _number(point.get("achieved_rate"))) is not None
-            and (y := _number(point.get("ttft_ms_p99"))) is not None
+            if (x := field_number(point.get("achieved_rate"))) is not None
+            and (y := field_number(point.get("ttft_ms_p99"))) is not None
         )
         if not pairs:
             continue
@@ -235,7 +235,7 @@ def _latency_curve(
     if saturation is not None:
         axes.axvline(saturation, color=SATURATION_COLOR, linestyle=":", label="saturation")
     slo = next((p.get("slo") for p in points if isinstance(p.get("slo"), Mapping)), None)
-    limit = _number(slo.get("ttft_ms")) if slo is not None else None
+    limit = field_number(slo.get("ttft_ms")) if slo is not None else None
     if limit is not None:
         axes.axhline(limit, color=SLO_COLOR, linestyle="--", label="SLO TTFT")
     axes.set_title("TTFT p99 ms against req/s", loc="left")
@@ -257,12 +257,12 @@ def _slices_chart(title: str, points: Sequence[Mapping[str, Any]]) -> str:
         # A slice without its place (a hand-edited or merged ledger) is left out, not a crash.
         rows = [row for row in point.get("slices") or () if _middle(row) is not None]
         ramp = [row for row in point.get("ramp_slices") or () if _middle(row) is not None]
-        ramp_span = sum(_number(row.get("span_s")) or 0.0 for row in ramp)
+        ramp_span = sum(field_number(row.get("span_s")) or 0.0 for row in ramp)
         for axes, field in ((rate, "output_tokens_per_sec"), (latency, "ttft_ms_p50")):
             pairs = [
                 ((_middle(row) or 0.0) - ramp_span, y)
                 for row in ramp
-                if (y := _number(row.get(field))) is not None
+                if (y := field_number(row.get(field))) is not None
             ]
             if pairs:
                 axes.plot([x for x, _ in pairs], [y for _, y in pairs], ":", marker=".",
@@ -276,7 +276,7 @@ def _slices_chart(title: str, points: Sequence[Mapping[str, Any]]) -> str:
             pairs = [
                 (_middle(row) or 0.0, y)
                 for row in rows
-                if (y := _number(row.get(field))) is not None
+                if (y := field_number(row.get(field))) is not None
             ]
             if pairs:
                 axes.plot([x for x, _ in pairs], [y for _, y in pairs], style, marker="o",
