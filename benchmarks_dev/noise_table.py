@@ -44,7 +44,8 @@ REPO = Path(__file__).resolve().parent.parent
 WRAPPER = REPO / "tests" / "support" / "paced_engine.py"
 PROMPT = " ".join(f"word{index % 97} and more" for index in range(350))
 SCENARIOS = ("quiet", "nice19", "onoff", "memstream")
-MODES = ("update", "calibrate", "ab", "ab-pinned")
+AB_MODES = ("ab", "ab-pinned")
+MODES = ("update", "calibrate", *AB_MODES)
 CALIBRATE_RUNS = 5
 TTFT = "warm_ttft_p50_ms"
 BUSY = "while True: pass"
@@ -115,7 +116,7 @@ def write_project(root: Path, mode: str, binary: Path, model: Path) -> None:
         f"node: local, engine: llamacpp, model: tiny, model_path: '{model}', phases: [warm], "
         "request: {extra_body: {cache_prompt: false}}"
     )
-    if mode in ("ab", "ab-pinned"):
+    if mode in AB_MODES:
         # ab-pinned: both engines on the last CPU (docs/ab-runs.md: placed alike).
         pin = str(max(os.sched_getaffinity(0))) if mode == "ab-pinned" else None
         cells = (
@@ -189,7 +190,7 @@ def main() -> None:
                 for mode in modes:
                     project = Path(temp) / f"{scenario}-{mode}"
                     write_project(project, mode, binary, model)
-                    if mode.startswith("ab"):
+                    if mode in AB_MODES:
                         continue
                     for _ in range(CALIBRATE_RUNS if mode == "calibrate" else 1):
                         state = neighbours.start(scenario)
