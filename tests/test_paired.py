@@ -238,7 +238,8 @@ def test_an_ab_verdict_the_machines_uneven_share_could_explain_is_unsteady(
     assert (
         f"against {MAIN}, not judged: the machine did not share itself evenly: the candidate's "
         "engine waited 1.00 ms for a CPU per ms it ran against the reference's 0.67, which alone "
-        "makes its CPU work +19.8%, and the change taken back by that is +9.1%"
+        "makes its CPU work +19.8%, and the change taken back by that is +9.1%; re-run on a "
+        "quieter machine, with both engines pinned to the same CPUs (taskset -c in each launch:)"
     ) in uneven.message
     # The candidate had the better share and was slower all the same: its own regression; and
     # a slightly uneven share leaves +30 % past the threshold (+26 % taken back).

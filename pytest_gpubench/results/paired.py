@@ -551,8 +551,8 @@ def _uneven_share(
         "the machine did not share itself evenly: the candidate's engine waited "
         f"{candidate:.2f} ms for a CPU per ms it ran against the reference's {reference:.2f}, "
         f"which alone makes its CPU work {signed_percent(share)}, and the change taken back by "
-        f"that is {signed_percent(even(result.ratio))}; re-run, on a quieter machine or with "
-        "each engine on cores of its own"
+        f"that is {signed_percent(even(result.ratio))}; re-run on a quieter machine, with both "
+        "engines pinned to the same CPUs (taskset -c in each launch:)"
     )
 
 
