@@ -97,18 +97,25 @@ class EngineWait:
             wait_ms=wait / 1e6, cpu_ms=cpu / 1e6, wall_ms=(now.at - start.at) * 1000.0
         )
 
-    def pinned_cpus(self) -> str | None:
-        """The CPUs the engine's processes may run on, as a CPU list ("0", "0-1,4"), where they
-        were pinned narrower than this process's own (`taskset` in the cell's `launch:`); None
-        where they may run anywhere this process may, or the kernel does not say."""
+    def allowed_cpus(self) -> set[int] | None:
+        """The CPUs the engine's processes may run on (the union of their affinities); None
+        where a process ended while we looked or the kernel does not say."""
         allowed: set[int] = set()
         try:
-            own = os.sched_getaffinity(0)
             for member in process_tree(self.pid, self.proc):
                 allowed |= os.sched_getaffinity(member)
         except OSError:
             return None  # a process that ended while we looked
-        if not allowed or allowed >= own:
+        return allowed or None
+
+    def pinned_cpus(self, allowed: set[int] | None = None) -> str | None:
+        """The CPUs the engine's processes may run on, as a CPU list ("0", "0-1,4"), where they
+        were pinned narrower than this process's own (`taskset` in the cell's `launch:`); None
+        where they may run anywhere this process may, or the kernel does not say. `allowed`:
+        allowed_cpus() already read."""
+        if allowed is None:
+            allowed = self.allowed_cpus()
+        if not allowed or allowed >= os.sched_getaffinity(0):
             return None
         return cpu_list(allowed)
 

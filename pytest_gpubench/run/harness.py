@@ -581,15 +581,20 @@ def close_within(target: Target, limit_s: float) -> str | None:
 
 def engine_wait_fields(waited: EngineWaiting, engine_wait: EngineWait) -> dict[str, Any]:
     """A call record's fields of the engine's own run-queue wait and CPU time over the call
-    (measure/engine_wait), and the CPUs it was pinned to, if any (A/B's two engines placed
-    alike: results/paired)."""
+    (measure/engine_wait), how busy it kept the CPUs it may use, and the CPUs it was pinned to,
+    if any (A/B's two engines placed alike: results/paired)."""
     fields: dict[str, Any] = {
         "engine_wait_ms": round(waited.wait_ms, 3),
         "engine_cpu_ms": round(waited.cpu_ms, 3),
     }
     if waited.cpu_ms > 0:
         fields["engine_wait_per_cpu"] = round(waited.wait_ms / waited.cpu_ms, 4)
-    pinned = engine_wait.pinned_cpus()
+    allowed = engine_wait.allowed_cpus()
+    if allowed and waited.wall_ms > 0:
+        # How busy the engine kept the CPUs it may use (1.0: every one, all the call long): an
+        # engine that fills them waits for its own threads too (results/engine_checks).
+        fields["engine_cpus_filled"] = round(waited.cpu_ms / (waited.wall_ms * len(allowed)), 3)
+    pinned = engine_wait.pinned_cpus(allowed)
     if pinned is not None:
         fields["engine_cpus"] = pinned
     return fields
