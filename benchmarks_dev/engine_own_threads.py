@@ -5,7 +5,9 @@ engine with more threads than CPUs reads as a busy machine (docs/gate-noise.md, 
 own waiting"). Run it on a quiet machine: the load average is printed beside the figures.
 
 Each launch is one pytest session of `--calls` warm calls on the tiny model (a ~1,800-token
-never-cached prefill, 4 tokens out), the harness's managed engine as a user's would be.
+never-cached prefill, 4 tokens out), the harness's managed engine as a user's would be; the
+table gives how busy the engine kept its CPUs (`engine_cpus_filled`) and whether the session
+warned of the engine's own threads (`OWN THREADS:`, results/engine_checks.py).
 
     python benchmarks_dev/engine_own_threads.py [--calls 10]
 """
@@ -44,7 +46,8 @@ def launches() -> list[tuple[str, list[str], int]]:
 
 def measure(
     root: Path, binary: Path, model: Path, pin: list[str], threads: int, calls: int
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], bool]:
+    """The session's warm call records, and whether it warned of the engine's own threads."""
     root.mkdir(parents=True)
     launch = [*pin, str(binary), "--model", "{model_path}", "--alias", "{model}",
               "--port", "{port}", "--threads", str(threads), "--parallel", "1"]  # fmt: skip
@@ -60,12 +63,13 @@ def measure(
     (root / "test_bench.py").write_text(
         "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
     )
-    subprocess.run(
+    finished = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
         cwd=root, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     records = [r for ledger in (root / "runs").glob("*.jsonl") for r in read_ledger(ledger)]
-    return [r for r in records if r.get("type") == "call" and r.get("phase") == "warm"]
+    warm = [r for r in records if r.get("type") == "call" and r.get("phase") == "warm"]
+    return warm, "OWN THREADS:" in finished.stdout
 
 
 def main() -> None:
@@ -77,24 +81,23 @@ def main() -> None:
         raise SystemExit("llama-server is not installed: run `make engine`")
     model = ensure_tiny_model()
     print(f"machine: {os.cpu_count()} cores; load {os.getloadavg()}", flush=True)
-    print("| launch | wait per CPU ms p50 (min-max) | engine CPU ms per call ms | TTFT p50 ms |")
-    print("|---|---|---|---|")
+    print("| launch | wait per CPU ms p50 (min-max) | CPUs filled p50 | TTFT p50 ms | warned |")
+    print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="gpubench-own-threads-") as temp:
         for index, (what, pin, threads) in enumerate(launches()):
-            calls = measure(Path(temp) / str(index), binary, model, pin, threads, args.calls)
+            calls, warned = measure(
+                Path(temp) / str(index), binary, model, pin, threads, args.calls
+            )
             waits = [c["engine_wait_per_cpu"] for c in calls if c.get("engine_wait_per_cpu")]
-            busy = [
-                c["engine_cpu_ms"] / c["total_duration_ms"]
-                for c in calls
-                if c.get("engine_cpu_ms") and c.get("total_duration_ms")
-            ]
+            filled = [c["engine_cpus_filled"] for c in calls if c.get("engine_cpus_filled")]
             ttft = [c["first_delta_ms"] for c in calls if c.get("first_delta_ms")]
-            if not waits or not ttft:
-                print(f"| {what} | not measured ({len(calls)} calls) | - | - |", flush=True)
+            if not waits or not filled or not ttft:
+                print(f"| {what} | not measured ({len(calls)} calls) | - | - | - |", flush=True)
                 continue
             print(
                 f"| {what} | {statistics.median(waits):.3f} ({min(waits):.2f}-{max(waits):.2f}) "
-                f"| {statistics.median(busy):.2f} | {statistics.median(ttft):.1f} |",
+                f"| {statistics.median(filled):.2f} | {statistics.median(ttft):.1f} "
+                f"| {'OWN THREADS' if warned else '-'} |",
                 flush=True,
             )
     print(f"load after: {os.getloadavg()}")

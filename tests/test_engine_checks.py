@@ -132,6 +132,37 @@ def test_calls_served_from_a_prefix_cache_asked_off_are_warned_of() -> None:
     assert "2/2 hit" in render_engine_checks(wanted) and engine_check_warnings(wanted) == []
 
 
+def test_an_engine_that_fills_its_cpus_and_waits_is_warned_of_its_own_threads() -> None:
+    """benchmarks_dev/engine_own_threads.py: llama-server with two threads under `taskset -c 1`
+    kept its one CPU 100 % busy and waited 0.83 ms for a CPU per ms it ran on a quiet machine,
+    which the gate reads as a busy one. Warned of, with what to do; a neighbour that takes the
+    engine's CPUs leaves them less than full, and an engine that hardly waits is not warned of."""
+
+    def warnings(wait: float | None, filled: float | None) -> list[str]:
+        fields = {
+            name: value
+            for name, value in (("engine_wait_per_cpu", wait), ("engine_cpus_filled", filled))
+            if value is not None
+        }
+        return engine_check_warnings(engine_checks([call(**fields)] * 3))
+
+    (warning,) = warnings(0.825, 1.0)
+    assert warning == (
+        "OWN THREADS: local:openai:m P-EASY: the engine kept every CPU it may use 100% busy and "
+        "its threads waited 0.82 ms for a CPU per ms they ran: with more compute threads than "
+        "CPUs they wait for each other, which the gate reads as a busy machine; give the engine "
+        "as many CPUs as threads (taskset -c, --threads) and leave one to the client "
+        "(docs/gate-noise.md)"
+    )
+    assert warnings(0.15, 0.9) != []
+    assert warnings(0.88, 0.5) == []  # beside busy neighbours: their CPU time, not its own
+    assert warnings(0.08, 1.0) == []  # it hardly waited
+    assert warnings(0.825, None) == warnings(None, 1.0) == warnings(None, None) == []
+    # The p50 over the calls: one call that waited does not make the warning.
+    calls = [call(engine_wait_per_cpu=w, engine_cpus_filled=1.0) for w in (0.9, 0.02, 0.03)]
+    assert engine_check_warnings(engine_checks(calls)) == []
+
+
 def test_counters_add_up_over_the_calls_and_gauges_keep_their_peak() -> None:
     first = {"preemptions": 1.0, "kv_cache_usage_peak": 0.25, "spec_draft_tokens": 6.0}
     second = {"preemptions": 2.0, "kv_cache_usage_peak": 0.5, "spec_draft_tokens": 6.0}

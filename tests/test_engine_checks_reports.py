@@ -409,6 +409,8 @@ def test_the_ledgers_columns_count_what_the_judgement_counts(tmp_path: Path) -> 
             names = ["preemptions", "kv_cache_usage_peak", "prefix_cache_hits", "spec_drafts"]
             rng.shuffle(names)
             fields["engine_counters"] = {name: float(rng.randrange(5)) for name in names[:3]}
+        if rng.random() < 0.5:
+            fields.update(engine_wait_per_cpu=rng.random(), engine_cpus_filled=rng.random())
         record = warm(
             f"c{rng.randrange(4)}",
             f"P{rng.randrange(3)}",
@@ -426,6 +428,7 @@ def test_the_ledgers_columns_count_what_the_judgement_counts(tmp_path: Path) -> 
     ledger = ledgers.write(tmp_path / "run.jsonl", [{"type": "meta"}, *calls, end])
     expected = engine_checks(calls, ["c3"])
     assert len(expected) == 12 and any(found.token_mismatches for found in expected)
+    assert any(found.engine_wait is not None and found.cpus_filled for found in expected)
     assert read_ledger_frame(ledger).engine_checks(["c3"]) == expected
     assert ledger.with_name(ledger.name + ".columns").exists()
     assert read_ledger_frame(ledger).engine_checks(["c3"]) == expected  # from the cache

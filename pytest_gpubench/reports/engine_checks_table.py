@@ -1,6 +1,7 @@
 """The warm calls' checks against the engine (results/engine_checks.py) as a table beside the
-figures, and the warnings they call for: token counts that disagree, and warm calls served from
-the prefix cache although the request asked for none. Pure: summaries in, text out."""
+figures, and the warnings they call for: token counts that disagree, warm calls served from
+the prefix cache although the request asked for none, and an engine waiting for its own threads.
+Pure: summaries in, text out."""
 
 from __future__ import annotations
 
@@ -77,8 +78,9 @@ def render_engine_checks(checks: Iterable[EngineChecks], *, markdown: bool = Fal
 
 
 def engine_check_warnings(checks: Iterable[EngineChecks]) -> list[str]:
-    """One line per (cell, prompt) whose token counts disagree, and per one whose warm calls the
-    prefix cache served although the request asked for none (their TTFT is no prefill)."""
+    """One line per (cell, prompt) whose token counts disagree, per one whose warm calls the
+    prefix cache served although the request asked for none (their TTFT is no prefill), and per
+    one whose engine waited for its own threads (EngineChecks.own_threads)."""
     lines: list[str] = []
     for found in checks:
         where = f"{found.cell_id} {found.prompt_id}"
@@ -90,5 +92,14 @@ def engine_check_warnings(checks: Iterable[EngineChecks]) -> list[str]:
                 "calls were served from the engine's prefix cache although the request asked "
                 "for none: their TTFT is not a prefill (the engine ignores the request's "
                 "switch; vLLM: cache_salt: per_call, or --no-enable-prefix-caching)"
+            )
+        if found.own_threads:
+            lines.append(
+                f"OWN THREADS: {where}: the engine kept every CPU it may use "
+                f"{found.cpus_filled:.0%} busy and its threads waited {found.engine_wait:.2f} ms "
+                "for a CPU per ms they ran: with more compute threads than CPUs they wait for "
+                "each other, which the gate reads as a busy machine; give the engine as many "
+                "CPUs as threads (taskset -c, --threads) and leave one to the client "
+                "(docs/gate-noise.md)"
             )
     return lines

@@ -72,9 +72,11 @@ TELEMETRY_NUMBERS = (
     "engine_peak_rss_mib",
     "engine_gpu_memory_peak_mib",
 )
-# The warm calls' checks against the engine: results/engine_checks.CHECK_FIELDS, and each of
-# the call's engine_counters as a column of its own (COUNTER_COLUMNS).
-CHECK_NUMBERS = CHECK_FIELDS
+# The warm calls' checks against the engine: results/engine_checks.CHECK_FIELDS (those not read
+# already), and each of the call's engine_counters as a column of its own (COUNTER_COLUMNS).
+CHECK_NUMBERS = tuple(
+    name for name in CHECK_FIELDS if name not in (*SUMMARY_NUMBERS, *TELEMETRY_NUMBERS)
+)
 # The further columns of a CSV export: one row per call record.
 EXPORT_TEXT = (
     "benchmark_run_id",
@@ -418,9 +420,9 @@ CACHE_SUFFIX = ".columns"
 # before a measure was added to config/metrics.py) is not used, and its lines are parsed again.
 CACHED_TEXT = SUMMARY_TEXT + TELEMETRY_TEXT
 CACHED_NUMBERS = SUMMARY_NUMBERS + TELEMETRY_NUMBERS + CHECK_NUMBERS
-# 5: the engine checks' columns (4: frames appended as the ledger grows; 3: one file rewritten
-# whole, <ledger>.columns.npz).
-CACHE_VERSION = 5
+# 6: how busy the engine kept its CPUs (5: the engine checks' columns; 4: frames appended as the
+# ledger grows; 3: one file rewritten whole, <ledger>.columns.npz).
+CACHE_VERSION = 6
 _MAGIC = b"GBCOLS04"
 _HEAD = struct.Struct("<8sIQ")
 # The bytes of the ledger a frame keeps from the end of its range, to check it still holds them.

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pytest_gpubench.config.metrics import ENGINE_COUNTERS
+from pytest_gpubench.results.decision import PRESSURE_LIMIT
 
 if TYPE_CHECKING:
     from pytest_gpubench.results.gate import Verdict
@@ -22,6 +23,12 @@ if TYPE_CHECKING:
 TOKEN_MISMATCHES = "token_mismatches"
 PREEMPTIONS = "preemptions"
 _PEAKS = frozenset(counter.name for counter in ENGINE_COUNTERS if counter.kind == "peak")
+# How busy an engine kept the CPUs it may use (engine_cpus_filled) for its wait to be partly its
+# own threads'. Measured with the real llama-server on 2 CPUs (benchmarks_dev/engine_own_threads.py
+# and sessions of its launches): two threads pinned to one CPU 0.98-1.00, waiting 0.80-0.83 ms
+# per ms on a quiet machine; two threads on both CPUs 0.84-0.90; one thread unpinned 0.49; one
+# thread pinned, with something else taking part of its CPU, 0.56 (waiting 0.90).
+FILLED = 0.9
 
 
 @dataclass
@@ -47,6 +54,10 @@ class EngineChecks:
     # draft proposed and those accepted, over the calls.
     draft_tokens: int = 0
     draft_accepted_tokens: int = 0
+    # A local engine's p50 over the calls of its wait for a CPU per ms it ran, and of how busy
+    # it kept the CPUs it may use (1.0: every one, all the call long); None where not read.
+    engine_wait: float | None = None
+    cpus_filled: float | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -59,6 +70,18 @@ class EngineChecks:
             return float(self.draft_accepted_tokens), float(self.draft_tokens)
         found = draft_counts(self.counters)
         return (found[0], found[1]) if found is not None else None
+
+    @property
+    def own_threads(self) -> bool:
+        """The engine waited for a CPU past the busy limit while it kept every CPU it may use
+        busy: its compute threads outnumber its CPUs and wait for each other, which the gate
+        cannot tell from a busy machine (docs/gate-noise.md, "The engine's own waiting")."""
+        return (
+            self.engine_wait is not None
+            and self.cpus_filled is not None
+            and self.engine_wait > PRESSURE_LIMIT
+            and self.cpus_filled >= FILLED
+        )
 
     @property
     def shown(self) -> bool:
@@ -88,6 +111,8 @@ CHECK_FIELDS = (
     "draft_accepted_tokens",
     "client_chunks",
     "completion_tokens",
+    "engine_wait_per_cpu",
+    "engine_cpus_filled",
 )
 COUNTER_PREFIX = "engine_counters."
 COUNTER_COLUMNS = tuple(COUNTER_PREFIX + counter.name for counter in ENGINE_COUNTERS)
@@ -182,6 +207,13 @@ def engine_checks_frame(frame: Any, unchecked: Iterable[str] = ()) -> list[Engin
     peaks = [name for name in present if name.removeprefix(COUNTER_PREFIX) in _PEAKS]
     added = [name for name in present if name not in peaks]
     totals = pd.concat([grouped[added].sum(min_count=1), grouped[peaks].max()], axis=1)
+    waiting = (
+        pd.DataFrame(
+            {"wait": column("engine_wait_per_cpu"), "filled": column("engine_cpus_filled")}
+        )
+        .groupby(keys, sort=False)
+        .median()
+    )
     # The first differing call's (client chunks, engine count), per (cell, prompt).
     examples = (
         pd.DataFrame(
@@ -222,9 +254,17 @@ def engine_checks_frame(frame: Any, unchecked: Iterable[str] = ()) -> list[Engin
                 },
                 draft_tokens=int(row["draft_tokens"]),
                 draft_accepted_tokens=int(row["draft_accepted_tokens"]),
+                engine_wait=_present(waiting.at[key, "wait"]),
+                cpus_filled=_present(waiting.at[key, "filled"]),
             )
         )
     return found
+
+
+def _present(value: Any) -> float | None:
+    """A p50 of the frame's, or None where no call had the figure (NaN)."""
+    number = float(value)
+    return None if math.isnan(number) else number
 
 
 def mismatch_words(checks: EngineChecks) -> str:
