@@ -7,7 +7,6 @@ verdicts out."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -169,6 +168,8 @@ def engine_checks_frame(frame: Any, unchecked: Iterable[str] = ()) -> list[Engin
     import numpy as np
     import pandas as pd
 
+    from pytest_gpubench.results.stats import frame_number
+
     keep = (frame["phase"] == "warm").to_numpy(dtype=bool) & frame["ok"].to_numpy(dtype=bool)
     warm = frame.loc[keep]
     if warm.empty:
@@ -250,21 +251,15 @@ def engine_checks_frame(frame: Any, unchecked: Iterable[str] = ()) -> list[Engin
                 counters={
                     name.removeprefix(COUNTER_PREFIX): value
                     for name in present
-                    if not math.isnan(value := float(cast("float", totals.at[key, name])))
+                    if (value := frame_number(totals.at[key, name])) is not None
                 },
                 draft_tokens=int(row["draft_tokens"]),
                 draft_accepted_tokens=int(row["draft_accepted_tokens"]),
-                engine_wait=_present(waiting.at[key, "wait"]),
-                cpus_filled=_present(waiting.at[key, "filled"]),
+                engine_wait=frame_number(waiting.at[key, "wait"]),
+                cpus_filled=frame_number(waiting.at[key, "filled"]),
             )
         )
     return found
-
-
-def _present(value: Any) -> float | None:
-    """A p50 of the frame's, or None where no call had the figure (NaN)."""
-    number = float(value)
-    return None if math.isnan(number) else number
 
 
 def mismatch_words(checks: EngineChecks) -> str:

@@ -315,8 +315,8 @@ def _summary(
     )
 
 
-def _number(value: Any) -> float | None:
-    """A float for the summary, or None for a missing or NaN value."""
+def frame_number(value: Any) -> float | None:
+    """A frame's value as a float (a summary's, a check's), or None for a missing or NaN one."""
     if value is None:
         return None
     number = float(value)
@@ -349,7 +349,7 @@ def _first_cold(cold: pd.DataFrame) -> dict[int, tuple[str | None, float | None,
     ok = cold[cold["ok"]].sort_values("run_idx", kind="stable", na_position="last")
     first = ok.drop_duplicates(subset="group", keep="first")
     return {
-        int(group): (_text(kind), _number(ttft), _number(total))
+        int(group): (_text(kind), frame_number(ttft), frame_number(total))
         for group, kind, ttft, total in zip(
             first["group"],
             first["cold_kind"],
@@ -373,7 +373,7 @@ def _percentiles(
     for name in fields:
         values = table[name].to_numpy(dtype="float64").reshape(-1, len(PERCENTILES))
         result[name] = {
-            int(group): tuple(_number(value) for value in row)
+            int(group): tuple(frame_number(value) for value in row)
             for group, row in zip(groups.tolist(), values, strict=True)
             if not np.isnan(row).all()
         }
