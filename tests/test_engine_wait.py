@@ -163,6 +163,10 @@ def test_the_cpus_an_engine_is_pinned_to_are_read_and_an_unpinned_one_reads_none
             os.sched_setaffinity(member, {cpu})
         assert reader.pinned_cpus() == str(cpu)
         assert reader.allowed_cpus() == {cpu}
+        # A call's waiting names the processes its mark read: read again without a walk.
+        waited = reader.since(reader.mark())
+        assert waited is not None and waited.pids == process_tree(engine.pid)
+        assert reader.allowed_cpus(waited.pids) == {cpu}
     finally:
         engine.kill()
         engine.wait()

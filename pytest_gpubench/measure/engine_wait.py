@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,12 +40,13 @@ class SchedMark:
 
 @dataclass(frozen=True)
 class EngineWaiting:
-    """Over one call: how long the engine's threads waited for a CPU, and ran, in all (ms), and
-    the wall time between the marks (ms)."""
+    """Over one call: how long the engine's threads waited for a CPU, and ran, in all (ms), the
+    wall time between the marks (ms), and the engine's processes the second mark read."""
 
     wait_ms: float
     cpu_ms: float
     wall_ms: float
+    pids: frozenset[int] = frozenset()
 
     @property
     def share(self) -> float:
@@ -94,15 +96,19 @@ class EngineWait:
             cpu += max(0, cpu_now - cpu_then)
             wait += max(0, wait_now - wait_then)
         return EngineWaiting(
-            wait_ms=wait / 1e6, cpu_ms=cpu / 1e6, wall_ms=(now.at - start.at) * 1000.0
+            wait_ms=wait / 1e6,
+            cpu_ms=cpu / 1e6,
+            wall_ms=(now.at - start.at) * 1000.0,
+            pids=frozenset(pid for pid, _ in now.threads),
         )
 
-    def allowed_cpus(self) -> set[int] | None:
+    def allowed_cpus(self, pids: Iterable[int] = ()) -> set[int] | None:
         """The CPUs the engine's processes may run on (the union of their affinities); None
-        where a process ended while we looked or the kernel does not say."""
+        where a process ended while we looked or the kernel does not say. `pids`: the processes
+        a mark just read (EngineWaiting.pids), else the engine's process tree is walked."""
         allowed: set[int] = set()
         try:
-            for member in process_tree(self.pid, self.proc):
+            for member in pids or process_tree(self.pid, self.proc):
                 allowed |= os.sched_getaffinity(member)
         except OSError:
             return None  # a process that ended while we looked

@@ -589,7 +589,7 @@ def engine_wait_fields(waited: EngineWaiting, engine_wait: EngineWait) -> dict[s
     }
     if waited.cpu_ms > 0:
         fields["engine_wait_per_cpu"] = round(waited.wait_ms / waited.cpu_ms, 4)
-    allowed = engine_wait.allowed_cpus()
+    allowed = engine_wait.allowed_cpus(waited.pids)
     if allowed and waited.wall_ms > 0:
         # How busy the engine kept the CPUs it may use (1.0: every one, all the call long): an
         # engine that fills them waits for its own threads too (results/engine_checks).
