@@ -387,11 +387,13 @@ def run_clients(
 
 def accept_tasks(listener: Listener, accepted: list[Connection], tasks: int) -> None:
     """Accept the tasks' connections until there are `tasks` of them or the listener closes; a
-    stray connection (a port probe, a wrong key) is not a task and does not stop it."""
+    stray connection (a port probe, a wrong key) is not a task and does not stop it, whether it
+    ended with a FIN (EOFError) or a reset (ConnectionResetError, BrokenPipeError: an OSError,
+    taken before for the listener's closing)."""
     while len(accepted) < tasks:
         try:
             accepted.append(listener.accept())
-        except (EOFError, AuthenticationError):
+        except (EOFError, AuthenticationError, ConnectionError):
             continue
         except OSError:
             return  # the listener closed
