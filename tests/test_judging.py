@@ -85,6 +85,7 @@ def cell_plans(draw: st.DrawFn) -> list[CellPlan]:
     seed=st.integers(0, 1000),
     runs_override=st.sampled_from([None, None, 4]),
     accept=st.booleans(),
+    pytest_status=st.sampled_from([0, 0, 0, 1, 5]),
 )
 def test_the_gate_on_a_ledger_says_what_its_session_said(
     tmp_path_factory: pytest.TempPathFactory,
@@ -92,18 +93,19 @@ def test_the_gate_on_a_ledger_says_what_its_session_said(
     seed: int,
     runs_override: int | None,
     accept: bool,
+    pytest_status: int,
 ) -> None:
     """Generated runs (warm calls, load points, A/B pairs with and without sequential looks,
     re-measure passes that confirm, clear or cannot run, steadiness readings, baselines with and
-    without history, --gpubench-runs, --gpubench-accept-incomparable): the verdicts in the
-    session's end record equal those of `gpubench gate` on its ledger, compared as JSON, and so
-    do the exit statuses."""
+    without history, --gpubench-runs, --gpubench-accept-incomparable, a test that failed or
+    nothing collected): the verdicts in the session's end record equal those of `gpubench gate`
+    on its ledger, compared as JSON, and so do the exit statuses."""
     root = tmp_path_factory.mktemp("run")
     generated = GeneratedRun(
         root, plans, seed=seed, runs_override=runs_override, accept_incomparable=accept
     )
     generated.write_baselines()
-    session = run_session(generated)
+    session = run_session(generated, pytest_status=pytest_status)
     verdicts, status = gate_of(session.ledger, generated.baselines)
     for verdict in verdicts:
         kind = "A/B" if verdict.get("reference") else verdict["metric"].split("_")[0]
@@ -111,6 +113,21 @@ def test_the_gate_on_a_ledger_says_what_its_session_said(
     event(f"exit status {status}")
     assert verdicts == session.end["verdicts"]
     assert status == session.exit_status == session.end["exit_status"]
+
+
+def test_the_gate_on_the_ledger_of_a_session_whose_tests_failed_exits_as_it_did(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A test failed (pytest's 1) in a session that also regressed: the session exits 1, as a
+    failed test stands above the gate's findings; `gpubench gate` on its ledger judged the
+    findings alone and exited 6 (issue 44). It reads pytest's status in the end record."""
+    generated = GeneratedRun(tmp_path, [CellPlan("main", slowdown=2.0, again=2.0)], seed=3)
+    generated.write_baselines()
+    session = run_session(generated, pytest_status=1)
+    assert session.exit_status == session.end["exit_status"] == 1
+    assert any(verdict["verdict"] == "regression" for verdict in session.end["verdicts"])
+    assert main(["gate", str(session.ledger), "--baselines", str(generated.baselines)]) == 1
+    assert "gpubench gate: exit status 1: some tests failed" in capsys.readouterr().out
 
 
 # -- the two contradictions seen from outside ---------------------------------------------------

@@ -590,8 +590,28 @@ def judge_ledger(
     cells_path: Path | None = None,
 ) -> LedgerJudgement:
     """A finished (or merged) ledger judged as its session judged it: with the settings its meta
-    record holds, against the baselines in `baselines_dir`."""
-    run = RunRecords.from_records(records)
+    record holds, against the baselines in `baselines_dir`; its tests' own status (pytest's, in
+    its end record: a failed test) stands as it stood in the session."""
+    return judge_finished(
+        RunRecords.from_records(records),
+        baselines_dir,
+        source=source,
+        cells_path=cells_path,
+        pytest_status=_pytest_status(records),
+    )
+
+
+def judge_finished(
+    run: RunRecords,
+    baselines_dir: Path,
+    *,
+    source: str = "the ledger",
+    cells_path: Path | None = None,
+    pytest_status: int = 0,
+) -> LedgerJudgement:
+    """A finished run's records (a ledger's, a merge's) judged with the settings its meta record
+    holds; `pytest_status`, its pytest sessions' own, ranks with the findings as at the session's
+    end (core/status.session_status)."""
     if run.meta is None:
         raise GpubenchError(f"{source}: the ledger has no meta record")
     settings, notes = settings_of_ledger(run.meta, source, cells_path=cells_path)
@@ -602,4 +622,28 @@ def judge_ledger(
             "the run ratified its numbers (--baseline-update): judged against the baselines as "
             "they are now, which it may have written"
         )
-    return LedgerJudgement(judgement, judgement.exit_status())
+    return LedgerJudgement(judgement, judgement.exit_status(pytest_status))
+
+
+def _pytest_status(records: Sequence[Mapping[str, Any]]) -> int:
+    """The status pytest's session itself ended with, as the end record says (0 without one:
+    a run that died before its end is judged on what it measured)."""
+    for record in reversed(records):
+        if record.get("type") == "end":
+            status = record.get("pytest_exitstatus")
+            return status if isinstance(status, int) and not isinstance(status, bool) else 0
+    return 0
+
+
+def judged_end(judgement: Judgement, exit_status: int) -> dict[str, Any]:
+    """The end record's judged fields (ledger/records.end_record): every verdict, how many are
+    regressions, why judging failed, every planned cell's outcome and the exit status."""
+    from pytest_gpubench.results.gate import regressions
+
+    return {
+        "verdicts": [verdict.to_record() for verdict in judgement.every_verdict],
+        "regressions": len(regressions(judgement.every_verdict)),
+        "gate_error": judgement.gate_error,
+        "cells": [outcome.to_record() for outcome in judgement.outcomes],
+        "exit_status": exit_status,
+    }

@@ -301,10 +301,15 @@ def _remeasured_by(generated: GeneratedRun, run_id: str) -> Iterator[None]:
 
 
 def run_session(
-    generated: GeneratedRun, *, run_id: str = "judged-run", **options_given: Any
+    generated: GeneratedRun,
+    *,
+    run_id: str = "judged-run",
+    pytest_status: int = 0,
+    **options_given: Any,
 ) -> SessionEnd:
     """The session's own begin, collect and finish over the generated run's records (options as
-    Options' fields: baseline_update=True, ...); its notes on the baselines in `notes`."""
+    Options' fields: baseline_update=True, ...), pytest's own status `pytest_status` (1: a test
+    failed); its notes on the baselines in `notes`."""
     options = generated.options(**options_given)
     run = RunController(
         options,
@@ -318,6 +323,6 @@ def run_session(
     assert run.startup_error is None and run.ledger is not None
     run.collect(generated.session_records(run_id))
     with _remeasured_by(generated, run_id):
-        status = run.finish(0, None)
+        status = run.finish(pytest_status, None)
     notes = tuple(run.judgement.baseline_notes)
     return SessionEnd(run.ledger.path, read_ledger(run.ledger.path), status, notes)
