@@ -4,7 +4,6 @@ export, compare, merge, gate, calibrate, slurm submit, rentals."""
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -275,28 +274,48 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _merge(args: argparse.Namespace) -> int:
     """The shards' ledgers into one, streamed: written as a session writes its ledger (call
-    records without their cell's keys), with its columnar cache beside it."""
+    records without their cell's keys), with its columnar cache beside it; its end record is the
+    judgement of the merged records against --baselines, the one `gpubench gate` gives."""
     from pytest_gpubench.core.files import atomic_file
-    from pytest_gpubench.ledger.merge import ShardLedger, merged_parts
+    from pytest_gpubench.core.status import describe
+    from pytest_gpubench.ledger.merge import ShardLedger, merged_run
     from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError, read_record_line
     from pytest_gpubench.reports.frame_cache import ColumnCacheWriter
+    from pytest_gpubench.results.judging import RunRecords, judge_finished, judged_end
 
+    baselines = Path(args.baselines)
+    if not baselines.is_dir():
+        raise GpubenchError(
+            f"{baselines}: --baselines is not a directory (the merged ledger is judged against "
+            "the baselines, as gpubench gate judges it)"
+        )
     ledgers = [ShardLedger.read(Path(path)) for path in args.ledgers]
-    meta, body, end = merged_parts(ledgers)
+    merged = merged_run(ledgers)
     output = Path(args.output)
+    run = RunRecords()
+    run.add(merged.meta)
     try:
         with atomic_file(output, durable=False) as partial:
             ledger = Ledger(partial, observer=ColumnCacheWriter(output), dumps=read_record_line)
-            for record in itertools.chain([meta], body, [end]):
+            ledger.append(merged.meta)
+            for record in merged.body:
+                run.add(record)
                 ledger.append(record)
+            judged = judge_finished(
+                run, baselines, source=str(output), pytest_status=merged.pytest_status
+            )
+            ledger.append(merged.end(judged_end(judged.judgement, judged.exit_status)))
             ledger.close()
     except (OSError, LedgerWriteError) as exc:
         raise GpubenchError(
             f"{output}: cannot write: {getattr(exc, 'strerror', None) or exc}"
         ) from None
-    shard = meta["shard"]
+    shard = merged.meta["shard"]
     missing = f"; shards missing: {shard['missing']}" if shard["missing"] else ""
     print(f"{args.output}: {len(ledgers)} of {shard['count']} shards merged{missing}")
+    print(
+        f"judged against {baselines}: {describe(judged.exit_status)} (as gpubench gate judges it)"
+    )
     return 0
 
 
@@ -537,6 +556,13 @@ def _add_sharded_run_commands(commands: argparse._SubParsersAction[Any]) -> None
     )
     merge.add_argument("ledgers", nargs="+", help="each shard's ledger (one meta per shard)")
     merge.add_argument("--output", "-o", required=True, help="the merged ledger to write")
+    merge.add_argument(
+        "--baselines",
+        default="baselines",
+        metavar="DIR",
+        help="the baselines the merged records are judged against for its end record, as "
+        "gpubench gate judges them (default: baselines)",
+    )
     merge.set_defaults(handler=_merge)
 
     gate = commands.add_parser(
