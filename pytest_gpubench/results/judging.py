@@ -23,6 +23,7 @@ from pytest_gpubench.config.metrics import (
     GATED,
     MEASURE_BY_NAME,
 )
+from pytest_gpubench.config.options import FLAGS
 from pytest_gpubench.core.errors import GpubenchError, key_path
 from pytest_gpubench.core.status import session_status
 from pytest_gpubench.ledger.outcomes import CellOutcome, PlannedCell, cell_outcomes
@@ -554,6 +555,26 @@ def unchecked_cells(meta: Mapping[str, Any]) -> list[str]:
         for cell_id, cell in cells.items()
         if isinstance(cell, Mapping) and cell.get("token_check") == "off"
     ]
+
+
+def wrote_baselines(meta: Mapping[str, Any]) -> bool:
+    """Whether a run was a baseline update (--baseline-update, by either name, on its command
+    line or in addopts; never with --smoke, which writes none), as the settings recorded in its
+    meta record say; a ledger of an earlier release, which recorded none, by its command line."""
+    recorded = meta.get(SETTINGS_KEY)
+    if isinstance(recorded, Mapping):
+        return recorded.get("baseline_update") is True and recorded.get("smoke") is not True
+    command = meta.get("command_line")
+    words = command if isinstance(command, list) else str(command or "").split()
+    return any(word in _BASELINE_UPDATE_FLAGS for word in words)
+
+
+_BASELINE_UPDATE_FLAGS = frozenset(
+    name
+    for flag in FLAGS
+    if flag.dest == "gpubench_baseline_update"
+    for name in (flag.name, flag.alias)
+)
 
 
 RECORDED = "the ledger records the settings its run was judged with"
