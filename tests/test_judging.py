@@ -351,3 +351,31 @@ def test_a_ratified_change_starts_a_new_history_and_does_not_blind_the_gate(
 
     assert judged(2.0, "unchanged") == 0
     assert judged(2.8, "slower") == 6
+
+
+def test_the_gate_on_a_baseline_update_ledger_says_what_its_session_ratified(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What --baseline-update writes is decided in the judgement, from the settings the ledger
+    recorded (results/ratification.py): `gpubench gate` on the ledger says which cells the
+    session ratified and why it refused the others (two warm runs can never be significant
+    against two), line for line as the session's notes; it said only that the run ratified."""
+    generated = GeneratedRun(tmp_path, [CellPlan("main", runs=6), CellPlan("few", runs=2)], seed=5)
+    session = run_session(generated, baseline_update=True)
+    written = sorted(
+        note.split(": ", 1)[1].split(" -> ")[0]
+        for note in session.notes
+        if note.startswith("baseline written: ")
+    )
+    refused = sorted(note for note in session.notes if note.startswith("baseline NOT written"))
+    assert written == ["local:llamacpp:tiny@main"] and len(refused) == 1, session.notes
+    assert "local:llamacpp:tiny@few" in refused[0]
+    assert main(["gate", str(session.ledger), "--baselines", str(generated.baselines)]) == 0
+    notes = [line[6:] for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    ratified = sorted(
+        note.split(": ", 1)[1].split(" (")[0]
+        for note in notes
+        if note.startswith("ratified (--baseline-update): ")
+    )
+    assert ratified == written, notes
+    assert sorted(note for note in notes if note.startswith("baseline NOT written")) == refused
