@@ -128,7 +128,7 @@ def test_a_baseline_update_is_marked_from_the_settings_the_run_recorded(tmp_path
         )
         records[0]["command_line"] = ["pytest", "benchmarks/", *flags]
         if settings is not None:
-            records[0]["judging"] = JudgingSettings(**settings).to_record()
+            records[0]["judging"] = JudgingSettings.model_validate(settings).to_record()
         ledgers.write(tmp_path / f"{name}.jsonl", records)
     history = read_history(tmp_path)
     assert {run.run_id: run.baseline_update for run in history.runs} == {
