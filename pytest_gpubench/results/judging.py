@@ -643,11 +643,9 @@ def judge_finished(
             "the run ratified its numbers (--baseline-update): judged against the baselines as "
             "they are now, which it may have written"
         )
-        from pytest_gpubench.results.ratification import baseline_update_plan, ratified_by_plan
+        from pytest_gpubench.results.ratification import ratify_ledger
 
-        plan = baseline_update_plan(run, settings)
-        if plan is not None and run.calls and "warm" not in judgement.unjudged_parts:
-            judgement.notes.extend(ratified_by_plan(plan, baselines_dir))
+        ratify_ledger(judgement, run, settings, baselines_dir)
     return LedgerJudgement(judgement, judgement.exit_status(pytest_status))
 
 

@@ -7,7 +7,7 @@ the writing ratified (notes, the cells whose changed setup it accepted, the load
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -128,37 +128,57 @@ def history_notes(baselines_dir: Path, cell_id: str) -> list[str]:
     return notes
 
 
-def ratified_by_plan(plan: BaselineUpdatePlan, baselines_dir: Path) -> list[str]:
-    """What a --baseline-update ledger's plan ratifies, said by `gpubench gate` (which writes
-    nothing): each cell the plan writes (results/baseline.plan_cell against the baseline as it
-    is now, which the run may have written) and each it refuses, and why."""
-    if plan.refused is not None:
-        return [plan.refused]
-    from pytest_gpubench.results.baseline import (
-        DEFAULT_MIN_SUCCESS_RATE,
-        baselines_from_records,
-        find_baseline,
-        plan_cell,
-    )
-    from pytest_gpubench.results.baseline_format import CorruptBaseline
+def planned_update(plan: BaselineUpdatePlan, baselines_dir: Path) -> BaselineUpdate:
+    """What the plan's update of the warm baselines does against `baselines_dir` as it is now,
+    writing nothing there: results/baseline.update_baselines, its rules whole, run on a scratch
+    copy of the run's cells' files; its paths are named in `baselines_dir`."""
+    import shutil
+    import tempfile
+
+    from pytest_gpubench.results.baseline import baseline_path, update_baselines
     from pytest_gpubench.results.gate import too_few_samples
 
-    said = []
-    for new in baselines_from_records(plan.records):
-        try:
-            old = find_baseline(baselines_dir, new.cell_id)
-        except CorruptBaseline:
-            old = None  # the update replaces it
-        decided = plan_cell(
-            new,
-            old,
-            min_success_rate=plan.min_success_rate.get(new.cell_id, DEFAULT_MIN_SUCCESS_RATE),
-            future_runs=plan.future_runs.get(new.cell_id),
+    cells = {str(record.get("cell_id")) for record in plan.records if record.get("type") == "call"}
+    with tempfile.TemporaryDirectory(prefix="gpubench-ratify-") as scratch:
+        copy = Path(scratch)
+        for cell_id in sorted(cells):
+            path = baseline_path(baselines_dir, cell_id)
+            if path.is_file():
+                shutil.copyfile(path, baseline_path(copy, cell_id))
+        update = update_baselines(
+            copy,
+            plan.records,
+            plan.min_success_rate,
+            future_runs=plan.future_runs,
             sample_check=too_few_samples,
         )
-        if decided.baseline is not None:
-            prompts = ", ".join(summary.prompt_id for summary in new.prompts)
-            said.append(f"ratified (--baseline-update): {new.cell_id} ({prompts})")
-        if decided.refused is not None:
-            said.append(f"baseline NOT written for {new.cell_id}: {decided.refused}")
-    return said
+    written = {cell: baseline_path(baselines_dir, cell) for cell in update.written}
+    return replace(update, written=written)
+
+
+def ratify_ledger(
+    judgement: Judgement, run: RunRecords, settings: JudgingSettings, baselines_dir: Path
+) -> None:
+    """`gpubench gate` on a --baseline-update ledger: what its session ratified, decided as the
+    session decided it (against the baselines as they are now; before the run wrote them, the
+    same decisions), into the judgement: the notes, the changed setups and the load points it
+    ratified, so that the exit status is the session's."""
+    plan = baseline_update_plan(run, settings)
+    if plan is None:
+        return
+    if plan.refused is not None:
+        if run.calls and "warm" not in judgement.unjudged_parts:
+            judgement.notes.append(plan.refused)
+        return
+    if run.calls and "warm" not in judgement.unjudged_parts:
+        update = planned_update(plan, baselines_dir)
+        for cell_id, path in sorted(update.written.items()):
+            judgement.notes.append(f"ratified (--baseline-update): {cell_id} -> {path}")
+            if cell_id in judgement.changed_setups:
+                judgement.ratified.add(cell_id)
+        judgement.notes.extend(
+            f"baseline NOT written for {cell_id}: {reason}"
+            for cell_id, reason in sorted(update.refused.items())
+        )
+    if run.loads:
+        take_load_update(judgement, plan, [])
