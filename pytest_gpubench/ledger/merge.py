@@ -26,6 +26,7 @@ from pytest_gpubench.ledger.records import end_record
 from pytest_gpubench.ledger.schema import (
     CellOutcomeRecord,
     EndRecord,
+    JudgedEnd,
     MetaRecord,
     as_json,
 )
@@ -205,7 +206,7 @@ class MergedRun:
     nodes: list[dict[str, Any]]
     finished_at_utc: str | None
 
-    def end(self, judged: Mapping[str, Any]) -> dict[str, Any]:
+    def end(self, judged: JudgedEnd) -> dict[str, Any]:
         """The end record: these facts, and `judged` (results/judging.judged_end): every
         verdict, the regressions, why judging failed, each planned cell's outcome, the status."""
         end = end_record(
@@ -213,14 +214,10 @@ class MergedRun:
             pytest_exitstatus=self.pytest_status,
             calls=self.calls,
             skipped=self.skipped,
-            verdicts=judged["verdicts"],
-            regressions=int(judged["regressions"]),
-            gate_error=judged["gate_error"],
             nodes=self.nodes,
-            cells=judged["cells"],
-            exit_status=int(judged["exit_status"]),
             # The last shard's end; the shards ran on other machines, so no load of this one.
             ended=(self.finished_at_utc, None),
+            **judged,
         )
         return as_json(end)
 

@@ -30,6 +30,7 @@ from pytest_gpubench.ledger.outcomes import CellOutcome, PlannedCell, cell_outco
 from pytest_gpubench.ledger.schema import (
     CallRecord,
     CellRecord,
+    JudgedEnd,
     LoadCallRecord,
     LoadRecord,
     MetaRecord,
@@ -659,7 +660,7 @@ def _pytest_status(records: Sequence[Mapping[str, Any]]) -> int:
     return 0
 
 
-def judged_end(judgement: Judgement, exit_status: int) -> dict[str, Any]:
+def judged_end(judgement: Judgement, exit_status: int) -> JudgedEnd:
     """The end record's judged fields (ledger/records.end_record): every verdict, how many are
     regressions, why judging failed, every planned cell's outcome and the exit status."""
     from pytest_gpubench.results.gate import regressions

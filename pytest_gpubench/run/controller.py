@@ -29,6 +29,7 @@ from pytest_gpubench.results.judging import (
     RunRecords,
     first_pass_verdicts,
     judge_run,
+    judged_end,
     not_remeasured_record,
 )
 from pytest_gpubench.results.ratification import (
@@ -344,8 +345,6 @@ class RunController:
             return int(pytest.ExitCode.USAGE_ERROR)
         if self.ledger is None:
             return session_status(exitstatus, unmeasured=self.probe_failed)
-        from pytest_gpubench.results.gate import regressions
-
         judgement = self.judgement = judge_run(
             self.records, self.settings, self.options.baselines_dir
         )
@@ -363,12 +362,8 @@ class RunController:
             pytest_exitstatus=exitstatus,
             calls=len(run.calls) + len(run.load_calls),
             skipped=len(run.skips),
-            verdicts=[verdict.to_record() for verdict in judgement.every_verdict],
-            regressions=len(regressions(judgement.every_verdict)),
-            gate_error=judgement.gate_error,
             nodes=self.rentals(),
-            cells=[outcome.to_record() for outcome in judgement.outcomes],
-            exit_status=status,
+            **judged_end(judgement, status),
         )
         self._append(as_json(self.end), after_failure=True)
         try:
