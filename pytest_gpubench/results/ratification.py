@@ -171,7 +171,12 @@ def ratify_ledger(
             judgement.notes.append(plan.refused)
         return
     if run.calls and "warm" not in judgement.unjudged_parts:
-        update = planned_update(plan, baselines_dir)
+        try:
+            update = planned_update(plan, baselines_dir)
+        except (GpubenchError, OSError) as exc:
+            # Where the session's update failed as well (its run exited 9): said, not raised.
+            judgement.notes.append(f"what the run ratified cannot be told: {exc}")
+            return
         for cell_id, path in sorted(update.written.items()):
             judgement.notes.append(f"ratified (--baseline-update): {cell_id} -> {path}")
             if cell_id in judgement.changed_setups:
