@@ -633,17 +633,19 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 def _findings(run: RunController) -> dict[str, list[Any]]:
     """What fails the run that no test failed, by the word pytest's summary line counts it
-    under: the required cells not measured, the incomparable baselines, the regressions and the
-    unsteady figures (a ratified regression against a baseline is none)."""
+    under: the required cells not measured, the incomparable baselines, the regressions, and
+    each figure that could not be told and holds the run back (exit 10), by its verdict:
+    `unsteady`, `blind`, `inconclusive` (a ratified regression against a baseline is none, and
+    a baseline update is held back by none)."""
+    from pytest_gpubench.results.decision import UNDECIDED
+
     judgement = run.judgement
-    updating = judgement.settings.baseline_update
+    held = [] if judgement.settings.baseline_update else judgement.undecided()
     return {
         "unmeasured": judgement.unmeasured,
         "incomparable": judgement.failing_incomparables(),
         "regressed": judgement.failing_regressions(),
-        "unsteady": [
-            v for v in judgement.every_verdict if v.verdict == "unsteady" and not updating
-        ],
+        **{word: [v for v in held if v.verdict == word] for word in UNDECIDED},
     }
 
 

@@ -128,14 +128,14 @@ def test_merge_writes_the_merged_ledger_s_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The merged ledger's first report is a cached read, the same as a fresh one."""
-    from support.ledgers import CELLS
+    from support.ledgers import CELLS, judged_against
     from test_merge import shard_ledger
 
     monkeypatch.setattr(frame_cache, "FRAME_LINES", 20)
     monkeypatch.setattr(frame_cache, "SMALL_LEDGER_LINES", 8)
     paths = [shard_ledger(tmp_path, cell) for cell in CELLS]
     merged = tmp_path / "merged.jsonl"
-    assert main(["merge", *map(str, paths), "-o", str(merged)]) == 0
+    assert main(["merge", *map(str, paths), "-o", str(merged), *judged_against(tmp_path)]) == 0
     data = read_cached(merged)
     assert data is not None
     assert data.summaries() == fresh_read(merged).summaries() == summarize(read_ledger(merged))

@@ -10,6 +10,7 @@ from support import ledgers
 
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.reports.history import read_history, sparkline
+from pytest_gpubench.results.judging import JudgingSettings
 
 PLANTED = 17  # the run that is 60 % slower
 UPDATES = (0, 20)  # runs started with --baseline-update
@@ -102,3 +103,34 @@ def test_an_empty_directory_is_one_clear_error(
     assert (
         capsys.readouterr().err.strip() == f"gpubench: error: {tmp_path}: holds no ledger (*.jsonl)"
     )
+
+
+def test_a_baseline_update_is_marked_from_the_settings_the_run_recorded(tmp_path: Path) -> None:
+    """The run's recorded settings say whether it ratified, not its command line: the long name
+    `--gpubench-baseline-update` and an `addopts` flag (no word on the command line) were never
+    marked; `--smoke` writes no baseline, whatever flag it ran with. A ledger of an earlier
+    release, with no settings, is read from its command line, by either name."""
+    runs = {
+        "long-name": (["--gpubench-baseline-update"], {"baseline_update": True}, True),
+        "addopts": ([], {"baseline_update": True}, True),
+        "smoke": (
+            ["--baseline-update", "--smoke"],
+            {"baseline_update": True, "smoke": True},
+            False,
+        ),
+        "plain": (["-k", "P-EASY"], {}, False),
+        "older-long-name": (["--gpubench-baseline-update"], None, True),
+        "older-short-name": (["--baseline-update"], None, True),
+    }
+    for index, (name, (flags, settings, _)) in enumerate(runs.items()):
+        records = ledgers.run_records(
+            name, seed=index, started=f"2026-11-{index + 1:02d}T10:00:00.000Z", samples=False
+        )
+        records[0]["command_line"] = ["pytest", "benchmarks/", *flags]
+        if settings is not None:
+            records[0]["judging"] = JudgingSettings.model_validate(settings).to_record()
+        ledgers.write(tmp_path / f"{name}.jsonl", records)
+    history = read_history(tmp_path)
+    assert {run.run_id: run.baseline_update for run in history.runs} == {
+        name: marked for name, (_, _, marked) in runs.items()
+    }

@@ -43,7 +43,8 @@ SLOWDOWNS = st.sampled_from([1.0, 1.05, 1.3, 2.0, 0.6])
 def cell_plans(draw: st.DrawFn) -> list[CellPlan]:
     """One to three cells against their baselines, and maybe an A/B candidate of the first:
     thresholds, runs, sequential looks, the engine's change, the machine's drift and pressure,
-    what the re-measure finds, load points, and 0 to 4 runs of baseline history."""
+    what the re-measure finds, load points, 0 to 4 runs of baseline history, and an engine
+    upgraded since its baseline."""
     count = draw(st.integers(1, 3))
     plans = []
     for number in range(count):
@@ -58,6 +59,7 @@ def cell_plans(draw: st.DrawFn) -> list[CellPlan]:
                 again=draw(st.sampled_from([1.0, 2.0, None])),
                 load_slowdown=draw(st.sampled_from([None, 1.0, 2.0])),
                 history=draw(st.integers(0, 4)),
+                upgraded=draw(st.sampled_from([False, False, False, True])),
             )
         )
     if draw(st.booleans()):
@@ -85,6 +87,8 @@ def cell_plans(draw: st.DrawFn) -> list[CellPlan]:
     seed=st.integers(0, 1000),
     runs_override=st.sampled_from([None, None, 4]),
     accept=st.booleans(),
+    pytest_status=st.sampled_from([0, 0, 0, 1, 5]),
+    baseline_update=st.sampled_from([False, False, False, True]),
 )
 def test_the_gate_on_a_ledger_says_what_its_session_said(
     tmp_path_factory: pytest.TempPathFactory,
@@ -92,25 +96,49 @@ def test_the_gate_on_a_ledger_says_what_its_session_said(
     seed: int,
     runs_override: int | None,
     accept: bool,
+    pytest_status: int,
+    baseline_update: bool,
 ) -> None:
     """Generated runs (warm calls, load points, A/B pairs with and without sequential looks,
     re-measure passes that confirm, clear or cannot run, steadiness readings, baselines with and
-    without history, --gpubench-runs, --gpubench-accept-incomparable): the verdicts in the
-    session's end record equal those of `gpubench gate` on its ledger, compared as JSON, and so
-    do the exit statuses."""
+    without history, --gpubench-runs, --gpubench-accept-incomparable, a test that failed or
+    nothing collected, --baseline-update): the verdicts in the session's end record equal those
+    of `gpubench gate` on its ledger, compared as JSON, and so do the exit statuses. A baseline
+    update is gated against the baselines as its session found them (it then wrote them): the
+    gate decides what it ratified as the session did (a changed setup ratified passes)."""
     root = tmp_path_factory.mktemp("run")
     generated = GeneratedRun(
         root, plans, seed=seed, runs_override=runs_override, accept_incomparable=accept
     )
     generated.write_baselines()
-    session = run_session(generated)
-    verdicts, status = gate_of(session.ledger, generated.baselines)
+    before = root / "baselines-before"
+    if generated.baselines.is_dir():
+        shutil.copytree(generated.baselines, before)
+    else:
+        before.mkdir()  # no baseline yet (no history)
+    session = run_session(generated, pytest_status=pytest_status, baseline_update=baseline_update)
+    verdicts, status = gate_of(session.ledger, before)
     for verdict in verdicts:
         kind = "A/B" if verdict.get("reference") else verdict["metric"].split("_")[0]
         event(f"{kind} {verdict['verdict']}{' ' + str(verdict['remeasure'] or '')}")
     event(f"exit status {status}")
     assert verdicts == session.end["verdicts"]
     assert status == session.exit_status == session.end["exit_status"]
+
+
+def test_the_gate_on_the_ledger_of_a_session_whose_tests_failed_exits_as_it_did(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A test failed (pytest's 1) in a session that also regressed: the session exits 1, as a
+    failed test stands above the gate's findings; `gpubench gate` on its ledger judged the
+    findings alone and exited 6 (issue 44). It reads pytest's status in the end record."""
+    generated = GeneratedRun(tmp_path, [CellPlan("main", slowdown=2.0, again=2.0)], seed=3)
+    generated.write_baselines()
+    session = run_session(generated, pytest_status=1)
+    assert session.exit_status == session.end["exit_status"] == 1
+    assert any(verdict["verdict"] == "regression" for verdict in session.end["verdicts"])
+    assert main(["gate", str(session.ledger), "--baselines", str(generated.baselines)]) == 1
+    assert "gpubench gate: exit status 1: some tests failed" in capsys.readouterr().out
 
 
 # -- the two contradictions seen from outside ---------------------------------------------------
@@ -334,3 +362,53 @@ def test_a_ratified_change_starts_a_new_history_and_does_not_blind_the_gate(
 
     assert judged(2.0, "unchanged") == 0
     assert judged(2.8, "slower") == 6
+
+
+def test_the_gate_on_a_baseline_update_ledger_says_what_its_session_ratified(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What --baseline-update writes is decided in the judgement, from the settings the ledger
+    recorded (results/ratification.py): `gpubench gate` on the ledger says which cells the
+    session ratified and why it refused the others (two warm runs can never be significant
+    against two), line for line as the session's notes; it said only that the run ratified."""
+    generated = GeneratedRun(tmp_path, [CellPlan("main", runs=6), CellPlan("few", runs=2)], seed=5)
+    session = run_session(generated, baseline_update=True)
+    written = sorted(
+        note.split(": ", 1)[1].split(" -> ")[0]
+        for note in session.notes
+        if note.startswith("baseline written: ")
+    )
+    refused = sorted(note for note in session.notes if note.startswith("baseline NOT written"))
+    assert written == ["local:llamacpp:tiny@main"] and len(refused) == 1, session.notes
+    assert "local:llamacpp:tiny@few" in refused[0]
+    assert main(["gate", str(session.ledger), "--baselines", str(generated.baselines)]) == 0
+    notes = [line[6:] for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    ratified = sorted(
+        note.split(": ", 1)[1].split(" -> ")[0]
+        for note in notes
+        if note.startswith("ratified (--baseline-update): ")
+    )
+    assert ratified == written, notes
+    assert sorted(note for note in notes if note.startswith("baseline NOT written")) == refused
+
+
+def test_the_gate_on_an_update_that_ratified_a_new_engine_exits_as_its_session(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine was upgraded since the baseline: --baseline-update ratifies the new setup and
+    the session exits 0. `gpubench gate` on its ledger, against the baselines the session found,
+    called the cell incomparable and exited 8: it could not rebuild what the update ratified."""
+    generated = GeneratedRun(tmp_path, [CellPlan("main", upgraded=True, history=2)], seed=8)
+    generated.write_baselines()
+    before = tmp_path / "baselines-before"
+    shutil.copytree(generated.baselines, before)
+    session = run_session(generated, baseline_update=True)
+    assert session.exit_status == 0
+    assert any("ratified for this setup" in note for note in session.notes), session.notes
+    verdicts, status = gate_of(session.ledger, before)
+    assert "incomparable" in {verdict["verdict"] for verdict in verdicts}
+    assert status == session.exit_status == 0
+    assert main(["gate", str(session.ledger), "--baselines", str(before)]) == 0
+    assert f"ratified (--baseline-update): {CellPlan('main').cell_id} -> " in (
+        capsys.readouterr().out
+    )

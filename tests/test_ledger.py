@@ -133,7 +133,13 @@ def test_nan_or_an_infinity_in_a_call_is_one_line_from_gate_merge_and_report(
     (tmp_path / "baselines").mkdir()
     argv = {
         "gate": ["gate", str(path), "--baselines", str(tmp_path / "baselines")],
-        "merge": ["merge", str(path), "-o", str(tmp_path / "merged.jsonl")],
+        "merge": [
+            "merge",
+            str(path),
+            "-o",
+            str(tmp_path / "merged.jsonl"),
+            *ledgers.judged_against(tmp_path),
+        ],
         "report": ["report", str(path), "-o", str(tmp_path / "report.md")],
     }[command]
     assert main(argv) == 2

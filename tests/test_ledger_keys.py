@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from support.ledgers import CELLS, read, run_records, write
+from support.ledgers import CELLS, judged_against, read, run_records, write
 from support.standins import OllamaStandin, serving
 from test_ledger import PROMPTS, ollama_cells
 from test_merge import baselines, shard_ledger
@@ -153,7 +153,7 @@ def test_merge_and_gate_work_on_compact_shards(
                 "engine" not in r for p in paths for r in raw_records(p) if r["type"] == "call"
             )
         merged = folder / "merged.jsonl"
-        assert main(["merge", *map(str, paths), "-o", str(merged)]) == 0
+        assert main(["merge", *map(str, paths), "-o", str(merged), *judged_against(folder)]) == 0
         raw_calls = [r for r in raw_records(merged) if r["type"] == "call"]
         assert raw_calls and not any(
             {"benchmark_run_id", "engine", "model"} & set(r) for r in raw_calls

@@ -4,16 +4,19 @@ merged and gated in test_slurm_array.py."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.ledgers import CELLS, load_records, read, run_records, write
+from support.ledgers import CELLS, judged_against, load_records, read, run_records, write
 
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.config.shards import Shard, assign_nodes, node_groups, shard_matrix
 from pytest_gpubench.core.status import EXIT_REGRESSION, EXIT_UNMEASURED
 from pytest_gpubench.results.baseline import update_baselines
+from pytest_gpubench.results.judging import judge_ledger
 from pytest_gpubench.results.load_baseline import load_baseline_path, write_load_baselines
 
 
@@ -59,7 +62,10 @@ def baselines(tmp_path: Path) -> Path:
 def test_merged_ledger_has_one_meta_every_record_and_one_end(tmp_path: Path) -> None:
     paths = [shard_ledger(tmp_path, cell) for cell in CELLS]
     merged = tmp_path / "merged.jsonl"
-    assert main(["merge", *map(str, reversed(paths)), "-o", str(merged)]) == 0
+    assert (
+        main(["merge", *map(str, reversed(paths)), "-o", str(merged), *judged_against(tmp_path)])
+        == 0
+    )
 
     records = read(merged)
     shards = [read(path) for path in paths]
@@ -81,22 +87,67 @@ def test_merged_ledger_has_one_meta_every_record_and_one_end(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize(
-    ("statuses", "merged_status"),
-    [((5, EXIT_UNMEASURED), EXIT_UNMEASURED), ((EXIT_REGRESSION, 1), 1), ((0, 5), 5)],
+    ("pytest_statuses", "slowdown", "merged_status"),
+    [((5, None), 1.0, EXIT_UNMEASURED), ((0, 1), 2.0, 1), ((0, 5), 1.0, 5)],
     ids=["nothing-collected-below-unmeasured", "failed-tests-above-regression", "5-above-ok"],
 )
-def test_the_merged_status_is_the_most_severe_shard_s_as_a_session_ranks_them(
-    tmp_path: Path, statuses: tuple[int, int], merged_status: int
+def test_the_merged_status_ranks_the_shards_tests_with_the_merged_findings_as_a_session_does(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    pytest_statuses: tuple[int, int | None],
+    slowdown: float,
+    merged_status: int,
 ) -> None:
-    """A shard that collected nothing (5) must not hide another's unmeasured cells (7)."""
-    paths = [shard_ledger(tmp_path, cell) for cell in CELLS]
-    for path, status in zip(paths, statuses, strict=True):
-        records = read(path)
-        records[-1]["exit_status"] = status
-        write(path, records)
+    """The shards' pytest statuses (None: the shard died before its end record) rank with the
+    findings of the merged records as a session ranks its own (core/status.py): a shard that
+    collected nothing (5) must not hide another's unmeasured cells (7); a failed test (1)
+    stands above a regression (6). `gpubench gate` on the merged ledger says the same."""
+    directory = baselines(tmp_path)
+    paths = []
+    for cell, status in zip(CELLS, pytest_statuses, strict=True):
+        path = shard_ledger(tmp_path, cell, slowdown=slowdown, seed=3, end=status is not None)
+        if status is not None:
+            records = read(path)
+            records[-1]["pytest_exitstatus"] = status
+            write(path, records)
+        paths.append(path)
     merged = tmp_path / "merged.jsonl"
-    main(["merge", *map(str, paths), "-o", str(merged)])
+    assert main(["merge", *map(str, paths), "-o", str(merged), "--baselines", str(directory)]) == 0
     assert read(merged)[-1]["exit_status"] == merged_status
+    capsys.readouterr()
+    assert main(["gate", str(merged), "--baselines", str(directory)]) == merged_status
+
+
+def _as_json(verdicts: Sequence[Mapping[str, Any]]) -> list[str]:
+    return sorted(json.dumps(verdict, sort_keys=True) for verdict in verdicts)
+
+
+def test_the_merged_end_record_is_the_gate_s_judgement_not_the_shards_ends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each shard's end judged its cell against no baseline (`new`, exit 0); the merged
+    records, against the baselines named, are twice as slow. The merged end record, which
+    `gpubench report`, the pull request summary, the exports and `gpubench history` read, holds
+    what `gpubench gate` says of the merged ledger (its verdicts as JSON, each cell's outcome,
+    its exit status), not the shards' verdicts concatenated and their worst status."""
+    directory = baselines(tmp_path)
+    paths = [shard_ledger(tmp_path, cell, slowdown=2.0, seed=3) for cell in CELLS]
+    shards = [verdict for path in paths for verdict in read(path)[-1]["verdicts"]]
+    merged = tmp_path / "merged.jsonl"
+    assert main(["merge", *map(str, paths), "-o", str(merged), "--baselines", str(directory)]) == 0
+    assert "judged against" in capsys.readouterr().out
+    end = read(merged)[-1]
+    judged = judge_ledger(read(merged), directory)
+    gate = json.loads(json.dumps([v.to_record() for v in judged.judgement.every_verdict]))
+    assert _as_json(end["verdicts"]) == _as_json(gate)
+    assert _as_json(end["verdicts"]) != _as_json(shards)
+    assert end["regressions"] == sum(v["verdict"] == "regression" for v in gate) > 0
+    assert end["cells"] == [outcome.to_record() for outcome in judged.judgement.outcomes]
+    assert main(["gate", str(merged), "--baselines", str(directory)]) == EXIT_REGRESSION
+    assert end["exit_status"] == judged.exit_status == EXIT_REGRESSION
+    capsys.readouterr()
+    assert main(["report", str(merged)]) == 0
+    assert "| regression |" in capsys.readouterr().out.split("## Regression gate")[1]
 
 
 def test_merged_ledger_is_read_by_gpubench_report(
@@ -104,7 +155,7 @@ def test_merged_ledger_is_read_by_gpubench_report(
 ) -> None:
     paths = [shard_ledger(tmp_path, cell) for cell in CELLS]
     merged = tmp_path / "merged.jsonl"
-    main(["merge", *map(str, paths), "-o", str(merged)])
+    main(["merge", *map(str, paths), "-o", str(merged), *judged_against(tmp_path)])
     capsys.readouterr()
     assert main(["report", str(merged)]) == 0
     document = capsys.readouterr().out
@@ -119,7 +170,7 @@ def test_gate_judges_the_merged_ledger_with_the_sessions_exit_status(
 ) -> None:
     paths = [shard_ledger(tmp_path, cell, slowdown=slowdown, seed=3) for cell in CELLS]
     merged = tmp_path / "merged.jsonl"
-    main(["merge", *map(str, paths), "-o", str(merged)])
+    main(["merge", *map(str, paths), "-o", str(merged), *judged_against(tmp_path)])
     assert main(["gate", str(merged), "--baselines", str(baselines(tmp_path))]) == status
     out = capsys.readouterr().out
     assert all(cell in out for cell in CELLS)
@@ -140,7 +191,7 @@ def test_gate_judges_the_merged_ledgers_load_points_as_the_session_does(
     the point and the metric named, as the session's gate would have it."""
     paths = [shard_ledger(tmp_path, cell, seed=3, load_slowdown=load_slowdown) for cell in CELLS]
     merged = tmp_path / "merged.jsonl"
-    assert main(["merge", *map(str, paths), "-o", str(merged)]) == 0
+    assert main(["merge", *map(str, paths), "-o", str(merged), *judged_against(tmp_path)]) == 0
     loads = [r for r in read(merged) if r["type"] == "load"]
     shard_loads = [r for path in paths for r in read(path) if r["type"] == "load"]
     assert len(loads) == len(shard_loads) == 2 * len(CELLS)
@@ -175,7 +226,7 @@ def test_gate_calls_load_points_without_a_load_baseline_new(
     """Load points with no load baseline yet are `new`, as in the session: they fail nothing."""
     paths = [shard_ledger(tmp_path, cell, seed=3, load_slowdown=2.0) for cell in CELLS]
     merged = tmp_path / "merged.jsonl"
-    main(["merge", *map(str, paths), "-o", str(merged)])
+    main(["merge", *map(str, paths), "-o", str(merged), *judged_against(tmp_path)])
     capsys.readouterr()
     assert main(["gate", str(merged), "--baselines", str(baselines(tmp_path))]) == 0
     rows = load_rows(capsys.readouterr().out)
@@ -201,7 +252,18 @@ def test_a_missing_shard_leaves_its_cells_unmeasured(
     first = next(cell for cell in CELLS if _shard_of(cell) == 0)
     other = next(cell for cell in CELLS if _shard_of(cell) == 1)
     merged = tmp_path / "merged.jsonl"
-    assert main(["merge", str(shard_ledger(tmp_path, first)), "-o", str(merged)]) == 0
+    assert (
+        main(
+            [
+                "merge",
+                str(shard_ledger(tmp_path, first)),
+                "-o",
+                str(merged),
+                *judged_against(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert "shards missing: [1]" in capsys.readouterr().out
     status = main(["gate", str(merged), "--baselines", str(baselines(tmp_path))])
     assert status == EXIT_UNMEASURED
@@ -215,7 +277,7 @@ def test_a_shard_that_died_before_its_end_record_leaves_its_cells_unmeasured(
     dead = next(cell for cell in CELLS if _shard_of(cell) == 1)
     paths = [shard_ledger(tmp_path, cell, end=cell != dead) for cell in CELLS]
     merged = tmp_path / "merged.jsonl"
-    main(["merge", *map(str, paths), "-o", str(merged)])
+    main(["merge", *map(str, paths), "-o", str(merged), *judged_against(tmp_path)])
     assert main(["gate", str(merged), "--baselines", str(baselines(tmp_path))]) == EXIT_UNMEASURED
     assert f"unmeasured: {dead}: missing: shard 1/2: " in capsys.readouterr().out
 
@@ -235,7 +297,9 @@ def test_ledgers_of_different_runs_are_refused_with_one_line(
     records[0].update(edits[fault])
     write(second, records)
     merged = tmp_path / "merged.jsonl"
-    assert main(["merge", str(first), str(second), "-o", str(merged)]) == 2
+    assert (
+        main(["merge", str(first), str(second), "-o", str(merged), *judged_against(tmp_path)]) == 2
+    )
     error = capsys.readouterr().err
     assert error.startswith("gpubench: error: ") and str(second) in error
     assert error.count("\n") == 1 and "Traceback" not in error

@@ -224,3 +224,24 @@ def test_another_engine_version_is_incomparable_and_names_the_change(
             "gpubench: exit status 8: a baseline is not comparable with this run",
         ]
     )
+
+
+def test_pytests_count_line_counts_every_figure_that_holds_the_run_back(
+    pytester: pytest.Pytester,
+) -> None:
+    """Issue 44: `blind` and `inconclusive` hold the run back (exit 10) as `unsteady` does, but
+    only `unsteady` was counted: a run of one call against a baseline of six, blind where one
+    sample cannot show a change, ended `1 passed in 0.3s` right above `exit status 10`."""
+    with serving(OllamaStandin()) as url:
+        bench(pytester, url, runs=6)
+        update = pytester.runpytest("--force-load", "--baseline-update")
+        few = pytester.runpytest(
+            "--force-load", "--gpubench-runs", "1", "--gpubench-steadiness", "off"
+        )
+    assert update.ret == 0
+    assert few.ret == EXIT_UNSTEADY, few.stdout.str()
+    held = [v["verdict"] for v in last_ledger(pytester)[-1]["verdicts"]]
+    outcomes = few.parseoutcomes()
+    assert "blind" in held
+    for word in ("unsteady", "blind", "inconclusive"):
+        assert outcomes.get(word, 0) == held.count(word), few.outlines[-3:]

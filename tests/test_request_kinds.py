@@ -392,3 +392,26 @@ def test_sequential_sampling_of_embeddings_stops_on_their_total() -> None:
 
     (baseline,) = summarize(calls(5.0))
     assert sequential_stop(calls(10.0), baseline, Thresholds(), 6, 12) == ("regression", 6)
+
+
+@pytest.mark.parametrize("kind", ["embedding", "rerank", "chat"])
+def test_a_baseline_counts_the_warm_calls_of_each_request_kind(tmp_path: Path, kind: str) -> None:
+    """The runs of a baseline's history say how many warm calls each ratified (`n`): it was
+    the count of TTFT samples, 0 for an embedding or a rerank, which have none."""
+    from pytest_gpubench.results.baseline import baseline_path, update_baselines
+
+    generating = kind == "chat"
+    calls = [
+        {
+            "type": "call", "cell_id": "local:llamacpp:tiny", "prompt_id": "P",
+            "prompt_sha256": "s", "phase": "warm", "run_idx": index, "error": None,
+            "finish_reason": "stop", "kind": None if generating else kind,
+            "first_delta_ms": 2.0 + index * 0.01 if generating else None,
+            "tokens_per_sec": 500.0 if generating else None,
+            "total_duration_ms": 5.0 + index * 0.01, "coalesced": False,
+        }
+        for index in range(12)
+    ]  # fmt: skip
+    update_baselines(tmp_path, calls)
+    written = json.loads(baseline_path(tmp_path, "local:llamacpp:tiny").read_text())
+    assert [run["n"] for run in written["prompts"]["P"]["history"]] == [12]

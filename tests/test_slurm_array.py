@@ -113,7 +113,8 @@ def test_a_two_task_job_array_is_merged_and_gated(
         assert baseline_path(project / "baselines", cell_id).exists()
 
     merged = shared / "merged.jsonl"
-    assert main(["merge", *map(str, ledgers), "-o", str(merged)]) == 0
+    against = ["--baselines", str(project / "baselines")]
+    assert main(["merge", *map(str, ledgers), "-o", str(merged), *against]) == 0
     records = read_ledger(merged)
     calls = [r for r in records if r["type"] == "call"]
     assert sorted({c["cell_id"] for c in calls}) == ["box-a:llamacpp:tiny", "box-b:llamacpp:tiny"]
@@ -145,7 +146,7 @@ def test_a_two_task_job_array_is_merged_and_gated(
     # Without the second task's ledger its cell is unmeasured: the gate does not pass.
     first = next(p for p, meta in zip(ledgers, metas, strict=True) if meta["shard"]["index"] == 0)
     partial = shared / "partial.jsonl"
-    assert main(["merge", str(first), "-o", str(partial)]) == 0
+    assert main(["merge", str(first), "-o", str(partial), *against]) == 0
     assert main(["gate", str(partial), "--baselines", str(project / "baselines")]) == (
         EXIT_UNMEASURED
     )
@@ -182,7 +183,8 @@ def test_a_merged_job_array_is_gated_from_an_empty_folder_as_its_shards_judged_i
     ends = [read_ledger(path)[-1] for path in ledgers]
     assert all(end["type"] == "end" for end in ends), logs
     merged = shared / "merged.jsonl"
-    assert main(["merge", *map(str, ledgers), "-o", str(merged)]) == 0
+    against = ["--baselines", str(project / "baselines")]
+    assert main(["merge", *map(str, ledgers), "-o", str(merged), *against]) == 0
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -200,3 +202,8 @@ def test_a_merged_job_array_is_gated_from_an_empty_folder_as_its_shards_judged_i
     gate = [verdict.to_record() for verdict in judged.judgement.every_verdict]
     shards = [verdict for end in ends for verdict in end["verdicts"]]
     assert shards and _as_json(json.loads(json.dumps(gate))) == _as_json(shards)
+    # The merged end record, which every report of the merged ledger reads, is the gate's
+    # judgement (issue 44): the same verdicts as JSON and the same exit status.
+    merged_end = read_ledger(elsewhere / "run.jsonl")[-1]
+    assert _as_json(merged_end["verdicts"]) == _as_json(json.loads(json.dumps(gate)))
+    assert merged_end["exit_status"] == status

@@ -2,9 +2,10 @@
 
 Each shard's ledger has its own meta, records and end. The merged ledger has one meta (the
 lowest shard's facts, the run's start, every shard's run id, host and Slurm task under
-`merged_from`), every shard's other records in shard order, and one end record whose `cells`
-names every cell of the matrix: a shard whose ledger is missing, or that ended without its end
-record, leaves its cells `missing`, so the gate never passes them. Pure: records in, records out.
+`merged_from`), every shard's other records in shard order, and one end record: the judgement of
+the merged records (the caller's: results/judging.py), with every cell of the matrix; a shard whose
+ledger is missing, or that ended without its end record, leaves its cells `missing` (`cells_lost`),
+so the gate never passes them. Pure: records in, records out.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from typing import Any, cast
 from pytest_gpubench.config.matrix import node_of
 from pytest_gpubench.config.shards import ShardFacts, assign_nodes
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.core.status import EXIT_UNMEASURED, most_severe
+from pytest_gpubench.core.status import most_severe
 from pytest_gpubench.ledger.outcomes import CellOutcome
 from pytest_gpubench.ledger.records import end_record
 from pytest_gpubench.ledger.schema import (
     CellOutcomeRecord,
     EndRecord,
+    JudgedEnd,
     MetaRecord,
     as_json,
 )
@@ -172,13 +174,6 @@ def _missing_outcomes(
     return outcomes
 
 
-def _exit_status(ends: Sequence[EndRecord], missing: bool) -> int:
-    """The merged end record's exit status: the most serious a shard ended with, as a session
-    ranks its own findings (core/status.py); a missing shard's cells are unmeasured."""
-    statuses = [status for end in ends if isinstance(status := end.get("exit_status"), int)]
-    return most_severe([*statuses, *([EXIT_UNMEASURED] if missing else [])])
-
-
 def _merged_judging(ledgers: Sequence[ShardLedger]) -> dict[str, Any] | None:
     """The shards' judging settings as one: each shard recorded its own cells' (the run-wide
     settings are the same command line's); None where a shard recorded none (an older one)."""
@@ -194,17 +189,41 @@ def _merged_judging(ledgers: Sequence[ShardLedger]) -> dict[str, Any] | None:
     return merged
 
 
-def merge_ledgers(ledgers: Sequence[ShardLedger]) -> list[dict[str, Any]]:
-    """The merged ledger's records: one meta, the shards' records, one end."""
-    meta, body, end = merged_parts(ledgers)
-    return [meta, *body, end]
+@dataclass(frozen=True)
+class MergedRun:
+    """The merged ledger but its judgement: one meta, the shards' records (read again as they
+    are iterated: a merge of large ledgers is written without holding them) and the facts of
+    its end record. The end's judgement is the caller's (results/judging.py, above this layer),
+    from the merged records, as `gpubench gate` judges them: never the shards' own."""
+
+    meta: dict[str, Any]
+    body: Iterator[dict[str, Any]]
+    # The most serious status the shards' pytest sessions ended with (a failed test stands).
+    pytest_status: int
+    run_id: str
+    calls: int
+    skipped: int
+    nodes: list[dict[str, Any]]
+    finished_at_utc: str | None
+
+    def end(self, judged: JudgedEnd) -> dict[str, Any]:
+        """The end record: these facts, and `judged` (results/judging.judged_end): every
+        verdict, the regressions, why judging failed, each planned cell's outcome, the status."""
+        end = end_record(
+            run_id=self.run_id,
+            pytest_exitstatus=self.pytest_status,
+            calls=self.calls,
+            skipped=self.skipped,
+            nodes=self.nodes,
+            # The last shard's end; the shards ran on other machines, so no load of this one.
+            ended=(self.finished_at_utc, None),
+            **judged,
+        )
+        return as_json(end)
 
 
-def merged_parts(
-    ledgers: Sequence[ShardLedger],
-) -> tuple[dict[str, Any], Iterator[dict[str, Any]], dict[str, Any]]:
-    """The merged ledger's meta, its body (the shards' records, read again as it is iterated)
-    and its end: a merge of large ledgers is written without holding them."""
+def merged_run(ledgers: Sequence[ShardLedger]) -> MergedRun:
+    """The merged ledger's meta, its body and its end's facts."""
     if not ledgers:
         raise GpubenchError("merge: name at least one ledger")
     ordered = sorted(ledgers, key=lambda ledger: int(ledger.shard["index"]))
@@ -257,19 +276,18 @@ def merged_parts(
         kind: sum(ledger.type_counts.get(kind, 0) for ledger in ordered)
         for kind in ("call", "skipped")
     }
-    gate_errors = [str(end["gate_error"]) for end in ends if end.get("gate_error")]
-    end = end_record(
+    return MergedRun(
+        meta=meta,
+        body=body,
+        pytest_status=most_severe(_pytest_status(end) for end in ends),
         run_id=merged_id,
-        pytest_exitstatus=max((int(end.get("pytest_exitstatus") or 0) for end in ends), default=0),
         calls=counts["call"],
         skipped=counts["skipped"],
-        verdicts=[verdict for end in ends for verdict in end.get("verdicts", [])],
-        regressions=sum(int(end.get("regressions") or 0) for end in ends),
-        gate_error="; ".join(gate_errors) or None,
         nodes=[node for end in ends for node in end.get("nodes", [])],
-        cells=[cell for end in ends for cell in end.get("cells", [])] + missing,
-        exit_status=_exit_status(ends, bool(missing)),
-        # The last shard's end; the shards ran on other machines, so no load of this one.
-        ended=(max((str(end.get("finished_at_utc")) for end in ends), default=None), None),
+        finished_at_utc=max((str(end.get("finished_at_utc")) for end in ends), default=None),
     )
-    return meta, body, as_json(end)
+
+
+def _pytest_status(end: EndRecord) -> int:
+    status = end.get("pytest_exitstatus")
+    return status if isinstance(status, int) else 0

@@ -373,6 +373,17 @@ class CellOutcomeRecord(TypedDict):
     engine_version: str | None
 
 
+class JudgedEnd(TypedDict):
+    """An end record's fields that the judgement gives (results/judging.judged_end): the
+    session's end and `gpubench merge` write them alike."""
+
+    verdicts: list[VerdictRecord]
+    regressions: int
+    gate_error: str | None
+    cells: list[CellOutcomeRecord]
+    exit_status: int
+
+
 class EndRecord(TypedDict):
     """The last line: when it ended, the gate's verdicts, every planned cell's outcome and the
     session's exit status."""

@@ -15,10 +15,10 @@ from pytest_gpubench.ledger.schema import LoadRecord
 from pytest_gpubench.reports.formatting import METRIC_LABELS, NONE, fixed, table
 from pytest_gpubench.reports.frame import LedgerData, read_ledger_frame
 from pytest_gpubench.results.gate import GATED_METRICS, RATIO_METRICS, SUCCESS_RATE, Verdict
+from pytest_gpubench.results.judging import wrote_baselines
 from pytest_gpubench.results.load_gate import LOAD_METRICS, SATURATION, gated, point_key
 from pytest_gpubench.results.stats import PromptSummary
 
-BASELINE_UPDATE_FLAG = "--baseline-update"
 SPARKS = "▁▂▃▄▅▆▇█"
 # In the marks line under a sparkline: a regression, a baseline update, both.
 REGRESSION_MARK, UPDATE_MARK, BOTH_MARK, NO_MARK = "R", "B", "*", "·"
@@ -88,8 +88,6 @@ def read_history(directory: Path) -> History:
 
 def run_point(data: LedgerData, path: Path) -> RunPoint:
     meta, end = data.meta, data.end
-    command = meta.get("command_line")
-    words = command if isinstance(command, list) else str(command or "").split()
     raw = end.get("verdicts") or []
     verdicts = [Verdict.from_record(r) for r in raw if isinstance(r, dict)]
     regressions = frozenset(
@@ -101,7 +99,7 @@ def run_point(data: LedgerData, path: Path) -> RunPoint:
         run_id=str(meta.get("benchmark_run_id") or path.stem),
         started_at_utc=str(meta.get("started_at_utc") or ""),
         path=path,
-        baseline_update=BASELINE_UPDATE_FLAG in words,
+        baseline_update=wrote_baselines(meta),
         regressions=regressions,
     )
 

@@ -15,6 +15,7 @@ from pytest_gpubench.config.metrics import (
     DEFAULT_SUCCESS_RATE,
     GATED,
     MEASURE_BY_NAME,
+    MEASURES,
     VALIDITY,
     GatedFigure,
     Measure,
@@ -407,6 +408,13 @@ def machine_steadiness(
     )
 
 
+def counted_measure(kind: str) -> str:
+    """The measure whose warm samples count a run's calls of this request kind: the first one
+    it has (TTFT for a kind that generates, the end-to-end time for an embedding or a rerank,
+    which have no TTFT)."""
+    return next(m.name for m in MEASURES if m.samples and kind in m.kinds)
+
+
 def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None) -> RunFigures:
     """What a baseline's history keeps of one run of a (cell, prompt)."""
     control = summary.samples["control_ms"]
@@ -415,7 +423,7 @@ def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None)
     return RunFigures(
         benchmark_run_id=run_id,
         date=date,
-        n=len(summary.samples["first_delta_ms"]),
+        n=len(summary.samples[counted_measure(summary.kind)]),
         figures={metric.name: metric.value(summary) for metric in gated_metrics(summary, None)},
         control_ms=sorted(control)[len(control) // 2] if control else None,
         cpu_pressure=statistics.median(pressure) if pressure else None,

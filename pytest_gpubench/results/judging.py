@@ -23,12 +23,14 @@ from pytest_gpubench.config.metrics import (
     GATED,
     MEASURE_BY_NAME,
 )
+from pytest_gpubench.config.options import FLAGS
 from pytest_gpubench.core.errors import GpubenchError, key_path
 from pytest_gpubench.core.status import session_status
 from pytest_gpubench.ledger.outcomes import CellOutcome, PlannedCell, cell_outcomes
 from pytest_gpubench.ledger.schema import (
     CallRecord,
     CellRecord,
+    JudgedEnd,
     LoadCallRecord,
     LoadRecord,
     MetaRecord,
@@ -556,6 +558,26 @@ def unchecked_cells(meta: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def wrote_baselines(meta: Mapping[str, Any]) -> bool:
+    """Whether a run was a baseline update (--baseline-update, by either name, on its command
+    line or in addopts; never with --smoke, which writes none), as the settings recorded in its
+    meta record say; a ledger of an earlier release, which recorded none, by its command line."""
+    recorded = meta.get(SETTINGS_KEY)
+    if isinstance(recorded, Mapping):
+        return recorded.get("baseline_update") is True and recorded.get("smoke") is not True
+    command = meta.get("command_line")
+    words = command if isinstance(command, list) else str(command or "").split()
+    return any(word in _BASELINE_UPDATE_FLAGS for word in words)
+
+
+_BASELINE_UPDATE_FLAGS = frozenset(
+    name
+    for flag in FLAGS
+    if flag.dest == "gpubench_baseline_update"
+    for name in (flag.name, flag.alias)
+)
+
+
 RECORDED = "the ledger records the settings its run was judged with"
 
 
@@ -590,8 +612,28 @@ def judge_ledger(
     cells_path: Path | None = None,
 ) -> LedgerJudgement:
     """A finished (or merged) ledger judged as its session judged it: with the settings its meta
-    record holds, against the baselines in `baselines_dir`."""
-    run = RunRecords.from_records(records)
+    record holds, against the baselines in `baselines_dir`; its tests' own status (pytest's, in
+    its end record: a failed test) stands as it stood in the session."""
+    return judge_finished(
+        RunRecords.from_records(records),
+        baselines_dir,
+        source=source,
+        cells_path=cells_path,
+        pytest_status=_pytest_status(records),
+    )
+
+
+def judge_finished(
+    run: RunRecords,
+    baselines_dir: Path,
+    *,
+    source: str = "the ledger",
+    cells_path: Path | None = None,
+    pytest_status: int = 0,
+) -> LedgerJudgement:
+    """A finished run's records (a ledger's, a merge's) judged with the settings its meta record
+    holds; `pytest_status`, its pytest sessions' own, ranks with the findings as at the session's
+    end (core/status.session_status)."""
     if run.meta is None:
         raise GpubenchError(f"{source}: the ledger has no meta record")
     settings, notes = settings_of_ledger(run.meta, source, cells_path=cells_path)
@@ -602,4 +644,31 @@ def judge_ledger(
             "the run ratified its numbers (--baseline-update): judged against the baselines as "
             "they are now, which it may have written"
         )
-    return LedgerJudgement(judgement, judgement.exit_status())
+        from pytest_gpubench.results.ratification import ratify_ledger
+
+        ratify_ledger(judgement, run, settings, baselines_dir)
+    return LedgerJudgement(judgement, judgement.exit_status(pytest_status))
+
+
+def _pytest_status(records: Sequence[Mapping[str, Any]]) -> int:
+    """The status pytest's session itself ended with, as the end record says (0 without one:
+    a run that died before its end is judged on what it measured)."""
+    for record in reversed(records):
+        if record.get("type") == "end":
+            status = record.get("pytest_exitstatus")
+            return status if isinstance(status, int) and not isinstance(status, bool) else 0
+    return 0
+
+
+def judged_end(judgement: Judgement, exit_status: int) -> JudgedEnd:
+    """The end record's judged fields (ledger/records.end_record): every verdict, how many are
+    regressions, why judging failed, every planned cell's outcome and the exit status."""
+    from pytest_gpubench.results.gate import regressions
+
+    return {
+        "verdicts": [verdict.to_record() for verdict in judgement.every_verdict],
+        "regressions": len(regressions(judgement.every_verdict)),
+        "gate_error": judgement.gate_error,
+        "cells": [outcome.to_record() for outcome in judgement.outcomes],
+        "exit_status": exit_status,
+    }

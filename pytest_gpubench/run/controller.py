@@ -23,14 +23,20 @@ from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError
 from pytest_gpubench.reports.frame_cache import ColumnCacheWriter
 from pytest_gpubench.reports.pr_summary import render_pr_summary, report_pointer, write_pr_summary
-from pytest_gpubench.results.decision import MIN_HISTORY, PRESSURE_LIMIT
 from pytest_gpubench.results.judging import (
     Judgement,
     JudgingSettings,
     RunRecords,
     first_pass_verdicts,
     judge_run,
+    judged_end,
     not_remeasured_record,
+)
+from pytest_gpubench.results.ratification import (
+    BaselineUpdatePlan,
+    baseline_update_plan,
+    take_baseline_update,
+    take_load_update,
 )
 from pytest_gpubench.run import guards
 from pytest_gpubench.run.guards import FrozenRequests
@@ -339,16 +345,16 @@ class RunController:
             return int(pytest.ExitCode.USAGE_ERROR)
         if self.ledger is None:
             return session_status(exitstatus, unmeasured=self.probe_failed)
-        from pytest_gpubench.results.gate import regressions
-
         judgement = self.judgement = judge_run(
             self.records, self.settings, self.options.baselines_dir
         )
         judgement.gate_error = judgement.gate_error and self.scrub(judgement.gate_error)
-        if self.calls and "warm" not in judgement.unjudged_parts and self.options.baseline_update:
-            self._update_baselines()
-        if self.loads and self.settings.writes_baselines:
-            self._update_load_baselines()
+        # What --baseline-update writes is the judgement's, from the recorded settings.
+        plan = baseline_update_plan(self.records, self.settings)
+        if plan is not None and self.calls and "warm" not in judgement.unjudged_parts:
+            self._update_baselines(plan)
+        if plan is not None and plan.refused is None and self.loads:
+            self._update_load_baselines(plan)
         status = judgement.exit_status(exitstatus, write_failed=self.write_error is not None)
         run = self.records
         self.end = end_record(
@@ -356,12 +362,8 @@ class RunController:
             pytest_exitstatus=exitstatus,
             calls=len(run.calls) + len(run.load_calls),
             skipped=len(run.skips),
-            verdicts=[verdict.to_record() for verdict in judgement.every_verdict],
-            regressions=len(regressions(judgement.every_verdict)),
-            gate_error=judgement.gate_error,
             nodes=self.rentals(),
-            cells=[outcome.to_record() for outcome in judgement.outcomes],
-            exit_status=status,
+            **judged_end(judgement, status),
         )
         self._append(as_json(self.end), after_failure=True)
         try:
@@ -372,25 +374,18 @@ class RunController:
             status = session_status(exitstatus, write_failed=True)
         return status
 
-    def _update_load_baselines(self) -> None:
-        """The load points' baselines (baselines/load/) written from this run."""
+    def _update_load_baselines(self, plan: BaselineUpdatePlan) -> None:
+        """The load points' baselines (baselines/load/) written as the plan says."""
         from pytest_gpubench.results.load_baseline import write_load_baselines
-        from pytest_gpubench.results.load_gate import gated, is_result, point_key
 
         judgement = self.judgement
         try:
-            judgement.baseline_notes.extend(
-                write_load_baselines(self.options.baselines_dir, self.loads)
-            )
+            notes = write_load_baselines(self.options.baselines_dir, plan.loads)
         except GpubenchError as exc:
             judgement.gate_error = self.scrub(str(exc))
             judgement.write_failed = True
             return
-        judgement.ratified_points.update(
-            (str(record.get("cell_id")), point_key(record))
-            for record in self.loads
-            if gated(record) and is_result(record)
-        )
+        take_load_update(judgement, plan, notes)
 
     def _remeasure_suspects(self) -> None:
         """Before anything is given back: judge the first pass, and measure the suspected
@@ -432,86 +427,27 @@ class RunController:
                     left.append(not_remeasured_record(self.run_id, cell_id, prompt_id, why))
         self.collect(left)
 
-    def _update_baselines(self) -> None:
+    def _update_baselines(self, plan: BaselineUpdatePlan) -> None:
+        """The warm baselines written as the plan (results/ratification.py) says."""
         from pytest_gpubench.results.baseline import update_baselines
-        from pytest_gpubench.results.gate import success_threshold, too_few_samples
+        from pytest_gpubench.results.gate import too_few_samples
 
         judgement = self.judgement
-        if self.options.smoke:
-            # One call per cell can never reach significance: every later run would be
-            # "inconclusive" against it.
-            judgement.baseline_notes.append(
-                "baselines NOT written: --smoke measures one call, too few to judge against"
-            )
+        if plan.refused is not None:
+            judgement.baseline_notes.append(plan.refused)
             return
-        minimum = {cell.cell_id: success_threshold(cell.thresholds) for cell in self.matrix.cells}
-        # Later runs measure the cell's configured runs (cells.yaml), not this run's override.
-        future_runs = {cell.cell_id: cell.runs for cell in self.matrix.cells}
-        run = self.records
-        meta = [run.meta] if run.meta is not None else []
-        records = [*meta, *run.cells.values(), *run.calls, *run.skips]
         try:
             update = update_baselines(
                 self.options.baselines_dir,
-                records,
-                minimum,
-                future_runs=future_runs,
+                plan.records,
+                plan.min_success_rate,
+                future_runs=plan.future_runs,
                 sample_check=too_few_samples,
             )
         except GpubenchError as exc:
             judgement.gate_error = self.scrub(str(exc))
             judgement.write_failed = True
             return
-        notes = judgement.baseline_notes
-        for _cell_id, reason in sorted(update.replaced.items()):
-            notes.append(f"{reason}: replaced with this run's numbers")
-        for cell_id, path in sorted(update.written.items()):
-            notes.append(f"baseline written: {cell_id} -> {path}")
-            notes.extend(_history_notes(self.options.baselines_dir, cell_id))
-            changes = judgement.changed_setups.get(cell_id)
-            if changes is not None:
-                judgement.ratified.add(cell_id)
-                notes.append(f"baseline of {cell_id} ratified for this setup: {changes}")
-        for cell_id, reason in sorted(update.refused.items()):
-            notes.append(f"baseline NOT written for {cell_id}: {reason}")
-        if update.failed:
-            judgement.gate_error = self.scrub(
-                "; ".join(update.failed[c] for c in sorted(update.failed))
-            )
-            judgement.write_failed = True
-
-
-def _history_notes(baselines_dir: Path, cell_id: str) -> list[str]:
-    """What a written baseline's history lets the gate know: a note while it is too short."""
-    from pytest_gpubench.results.baseline import find_baseline
-
-    try:
-        baseline = find_baseline(baselines_dir, cell_id)
-    except GpubenchError:
-        return []
-    if baseline is None:
-        return []
-    short = sorted(
-        f"{summary.prompt_id} ({len(baseline.runs(summary.prompt_id))})"
-        for summary in baseline.prompts
-        if summary.n_warm and len(baseline.runs(summary.prompt_id)) < MIN_HISTORY
-    )
-    if not short:
-        return []
-    notes = [
-        f"baseline of {cell_id}: runs of history {', '.join(short)}: the between-run noise floor "
-        f"is still unknown until {MIN_HISTORY} (seed it with `gpubench calibrate`)"
-    ]
-    busiest = max(
-        (s.figure("cpu_pressure") or 0.0 for s in baseline.prompts if s.n_warm), default=0.0
-    )
-    if busiest > PRESSURE_LIMIT:
-        # The within-run test cannot tell such a machine from a change (results/decision.py): a
-        # regression or win against this baseline is `unsteady` until the history has its runs.
-        notes.append(
-            f"baseline of {cell_id} measured on a busy machine (tasks waited for a CPU "
-            f"{busiest:.0%} of the calls' time): until it has {MIN_HISTORY} runs of history, a "
-            "change against it is unsteady, not judged; ratify on a quiet machine or seed its "
-            "history with `gpubench calibrate`"
-        )
-    return notes
+        take_baseline_update(judgement, update, self.options.baselines_dir)
+        if judgement.gate_error is not None:
+            judgement.gate_error = self.scrub(judgement.gate_error)

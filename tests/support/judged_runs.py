@@ -33,6 +33,8 @@ prompts:
   P-HARD: {intent: long, prompt: "Write a story.", max_tokens: 32}
 """
 ENGINE_VERSION = "b6000 (abc123)"
+# The engine of an `upgraded` cell in the judged run: another setup than its baseline's.
+UPGRADED_VERSION = "b6100 (def456)"
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class CellPlan:
     load_slowdown: float | None = None
     # Runs of history in the baseline (0: no baseline at all).
     history: int = 1
+    # The judged run's engine is another version than its baseline's: `incomparable`, unless
+    # accepted or ratified (--baseline-update).
+    upgraded: bool = False
 
     @property
     def cell_id(self) -> str:
@@ -184,7 +189,8 @@ class GeneratedRun:
                 records.append(record)
         return records
 
-    def cell_record(self, run_id: str, plan: CellPlan) -> dict[str, Any]:
+    def cell_record(self, run_id: str, plan: CellPlan, *, judged: bool = False) -> dict[str, Any]:
+        """The cell's record: in the judged run (`judged`), an upgraded cell's engine version."""
         return {
             "type": "cell",
             "benchmark_run_id": run_id,
@@ -192,7 +198,7 @@ class GeneratedRun:
             "node": "local",
             "engine": "llamacpp",
             "model": "tiny",
-            "engine_version": ENGINE_VERSION,
+            "engine_version": UPGRADED_VERSION if judged and plan.upgraded else ENGINE_VERSION,
             "model_digest": "sha256:77ea1bb2a447",
             "gpus": [],
             "gpu_summary": "no GPU",
@@ -234,7 +240,7 @@ class GeneratedRun:
         records: list[dict[str, Any]] = []
         for plan in self.plans:
             runs = self.runs_override or plan.runs
-            records.append(self.cell_record(run_id, plan))
+            records.append(self.cell_record(run_id, plan, judged=True))
             records.extend(
                 self.calls(
                     run_id,
@@ -301,10 +307,15 @@ def _remeasured_by(generated: GeneratedRun, run_id: str) -> Iterator[None]:
 
 
 def run_session(
-    generated: GeneratedRun, *, run_id: str = "judged-run", **options_given: Any
+    generated: GeneratedRun,
+    *,
+    run_id: str = "judged-run",
+    pytest_status: int = 0,
+    **options_given: Any,
 ) -> SessionEnd:
     """The session's own begin, collect and finish over the generated run's records (options as
-    Options' fields: baseline_update=True, ...); its notes on the baselines in `notes`."""
+    Options' fields: baseline_update=True, ...), pytest's own status `pytest_status` (1: a test
+    failed); its notes on the baselines in `notes`."""
     options = generated.options(**options_given)
     run = RunController(
         options,
@@ -318,6 +329,6 @@ def run_session(
     assert run.startup_error is None and run.ledger is not None
     run.collect(generated.session_records(run_id))
     with _remeasured_by(generated, run_id):
-        status = run.finish(0, None)
+        status = run.finish(pytest_status, None)
     notes = tuple(run.judgement.baseline_notes)
     return SessionEnd(run.ledger.path, read_ledger(run.ledger.path), status, notes)

@@ -263,3 +263,11 @@ def write(path: Path, records: Sequence[dict[str, Any]], *, compact: bool = Fals
 def read(path: Path) -> list[dict[str, Any]]:
     """A ledger's records as the plugin reads them (call records with their cell's keys)."""
     return read_ledger(path)
+
+
+def judged_against(directory: Path) -> list[str]:
+    """`gpubench merge`'s --baselines: `directory`/baselines (made, empty, where absent), which
+    the merged records are judged against for the merged end record."""
+    baselines = directory / "baselines"
+    baselines.mkdir(parents=True, exist_ok=True)
+    return ["--baselines", str(baselines)]

@@ -94,12 +94,12 @@ def default_shards(cells_path: Path, prompts_path: Path) -> int:
 def next_steps(job_id: str, spec: ArraySpec, baselines: Path | None) -> Sequence[str]:
     folder = ledger_folder(spec.ledger_dir, job_id)
     merged = spec.ledger_dir / f"merged-{job_id}.jsonl"
-    gate = ["gpubench", "gate", str(merged)]
-    if baselines is not None:
-        gate += ["--baselines", str(baselines)]
+    # The merged end record is judged as the gate judges it: against the same baselines.
+    against = [] if baselines is None else ["--baselines", str(baselines)]
+    merge = ["gpubench", "merge", "-o", str(merged), *against]
     return [
         f"submitted job array {job_id}: {spec.shards} tasks, ledgers in {folder}/",
         "when every task has ended:",
-        "  " + shlex.join(["gpubench", "merge", "-o", str(merged)]) + f" {folder}/*.jsonl",
-        "  " + shlex.join(gate),
+        "  " + shlex.join(merge) + f" {folder}/*.jsonl",
+        "  " + shlex.join(["gpubench", "gate", str(merged), *against]),
     ]
