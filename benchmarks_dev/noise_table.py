@@ -335,6 +335,10 @@ def session(root: Path, code: str, state: str, *extra: str) -> Session:
     others = [v for v in verdicts if v.get("verdict") == "regression" and v is not ttft]
     if finished.returncode == 6 and others:
         why = "; ".join(str(v.get("message", ""))[:200] for v in others)
+    # So does one held back (exit 10) by another figure while its TTFT was decided.
+    held = [v for v in verdicts if v.get("verdict") in ("unsteady", "blind", "inconclusive")]
+    if finished.returncode == 10 and not why and held:
+        why = "; ".join(str(v.get("message", ""))[:140] for v in held)
     won = any(v.get("verdict") == "win" for v in verdicts)
     return Session(
         finished.returncode, ttft["verdict"], ttft.get("change_ratio"), state, why, seconds, won
