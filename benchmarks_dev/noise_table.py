@@ -415,6 +415,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     rows = pick_rows(args.engines, args.scenarios, args.modes)
+    # Stopped with SIGTERM, the neighbours and the endpoint engines (sessions of their own) are
+    # stopped on the way out too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     binary = find_llama_server(None)
     if binary is None:
         raise SystemExit("llama-server is not installed: run `make engine`")
