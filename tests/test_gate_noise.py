@@ -37,8 +37,8 @@ from pytest_gpubench.results.baseline import (
     plan_cell,
 )
 from pytest_gpubench.results.decision import Evidence, Steadiness, decide, steadiness
-from pytest_gpubench.results.gate import machine_steadiness
-from pytest_gpubench.results.run_history import HISTORY_RUNS, RunFigures, appended
+from pytest_gpubench.results.gate import judge, machine_steadiness
+from pytest_gpubench.results.run_history import HISTORY_RUNS, RunFigures, appended, current_segment
 from pytest_gpubench.results.stats import PromptSummary, WarmSamples
 
 CELL = "local:ollama:qwen3.5:0.8b"
@@ -349,6 +349,30 @@ def test_history_grows_per_update_counts_a_run_once_and_keeps_the_last_runs() ->
     text = dumps_baseline(again)
     assert loads_baseline(text, "mem.json") == again
     assert json.loads(text)["prompts"]["P-EASY"]["history"][-1]["benchmark_run_id"] == "run-11"
+
+
+def test_a_step_after_two_runs_is_the_reference_and_the_file_keeps_them() -> None:
+    """Issue 43, item 5: after two runs near 100 ms a ratified 140 ms is a step (two runs bound
+    no prediction interval, but a move past the threshold after them is one): the gate judges
+    against it alone, and an unchanged run at 140 ms passes against the ratified figure (against
+    the three runs' mean it read +25 %, inconclusive). The file keeps all three runs; 110 ms is
+    no step, and after one run nothing is."""
+    two = plan_cell(ratified("b", 101.0), plan_cell(ratified("a", 100.0), None).baseline).baseline
+    assert two is not None
+    stepped = plan_cell(ratified("c", 140.0), two).baseline
+    drifted = plan_cell(ratified("c", 110.0), two).baseline
+    assert stepped is not None and drifted is not None
+    assert [run.benchmark_run_id for run in stepped.runs("P-EASY")] == ["a", "b", "c"]
+    assert [run.benchmark_run_id for run in current_segment(stepped.runs("P-EASY"))] == ["c"]
+    assert len(current_segment(drifted.runs("P-EASY"))) == 3
+    assert len(current_segment(stepped.runs("P-EASY")[1:])) == 2
+    (baseline,) = stepped.prompts
+    (ttft,) = (
+        verdict
+        for verdict in judge(summary(140.0), baseline, history=stepped.runs("P-EASY"))
+        if verdict.metric == "warm_ttft_p50_ms"
+    )
+    assert ttft.verdict == "ok" and ttft.baseline == pytest.approx(140.0), ttft.message
 
 
 def test_a_format_4_baseline_is_refused_and_format_5_requires_the_pressure() -> None:

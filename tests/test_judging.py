@@ -334,3 +334,46 @@ def test_a_ratified_change_starts_a_new_history_and_does_not_blind_the_gate(
 
     assert judged(2.0, "unchanged") == 0
     assert judged(2.8, "slower") == 6
+
+
+def test_a_ratified_step_after_two_updates_is_the_new_reference(tmp_path: Path) -> None:
+    """Issue 43, item 5: two updates of an unchanged engine, then --baseline-update ratifies
+    TTFT 40 % slower (P-HARD 50 → 70 ms). Two runs before it cannot bound a prediction interval,
+    so the step stayed in the history, the reference was the three runs' mean and the unchanged
+    run at the new level read `inconclusive` (+25 %, p ≈ 0.2 between runs): exit 10 every time.
+    The run after the step is now compared with what the update ratified: the unchanged run
+    exits 0, and 40 % slower again is a regression (exit 6)."""
+    import random
+
+    from pytest_gpubench.results.baseline import find_baseline, update_baselines
+    from pytest_gpubench.results.run_history import current_segment
+
+    generated = GeneratedRun(tmp_path / "before", [CellPlan("main", history=2)], seed=5)
+    generated.write_baselines()
+    (plan,) = generated.plans
+    ratified = generated.calls(
+        "ratified", plan, rng=random.Random(4), slowdown=1.4, drift=1.0, pressure=0.0, runs=8
+    )
+    meta = {"type": "meta", "benchmark_run_id": "ratified", "started_at_utc": "2026-11-26T10Z"}
+    update_baselines(
+        generated.baselines, [meta, generated.cell_record("ratified", plan), *ratified]
+    )
+    baseline = find_baseline(generated.baselines, plan.cell_id)
+    assert baseline is not None
+    # The file keeps the two runs before the step; the gate leaves them out.
+    assert len(baseline.runs("P-HARD")) == 3
+    assert [run.benchmark_run_id for run in current_segment(baseline.runs("P-HARD"))] == [
+        "ratified"
+    ]
+
+    def judged(slowdown: float, name: str) -> tuple[int, list[str]]:
+        run = GeneratedRun(tmp_path / name, [CellPlan("main", slowdown=slowdown, again=slowdown)])
+        shutil.copytree(generated.baselines, run.baselines)
+        end = run_session(run)
+        return end.exit_status, [v["message"] for v in end.end["verdicts"]]
+
+    status, messages = judged(1.4, "unchanged")
+    assert status == 0, messages
+    status, messages = judged(1.96, "slower")
+    assert status == 6, messages
+    assert any("warm TTFT p50 +" in m and "(slower: 7" in m for m in messages), messages

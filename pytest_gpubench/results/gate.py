@@ -42,6 +42,7 @@ from pytest_gpubench.results.run_history import (
     History,
     RunFigures,
     control_figures,
+    current_segment,
     engine_wait_figures,
     figures,
     pressure_figures,
@@ -309,13 +310,15 @@ def judge(
         )
     check_prompt_unchanged(current, baseline)
     steady = machine_steadiness(current, baseline, history)
+    # The figures since the last ratified step: the reference is what that update ratified.
+    segment = current_segment(history)
     verdicts = [
         judge_ratio(
             metric,
             current,
             baseline,
             ratio_threshold(thresholds, metric.threshold_field),
-            history=figures(history, metric.name),
+            history=figures(segment, metric.name),
             steady=steady,
         )
         for metric in metrics
