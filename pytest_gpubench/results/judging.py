@@ -389,13 +389,16 @@ def first_pass_verdicts(
     from pytest_gpubench.results.stats import summarize
 
     found = _read_baselines(run, baselines_dir, replacing=False)
-    return _warm_verdicts(summarize(run.calls), found, settings)
+    return _warm_verdicts(summarize(run.calls), found, settings, run.calls)
 
 
 def _warm_verdicts(
-    summaries: Sequence[PromptSummary], found: _Baselines, settings: JudgingSettings
+    summaries: Sequence[PromptSummary],
+    found: _Baselines,
+    settings: JudgingSettings,
+    calls: Sequence[Mapping[str, Any]],
 ) -> list[Verdict]:
-    from pytest_gpubench.results.gate import compare
+    from pytest_gpubench.results.gate import compare, reply_gaps
 
     return compare(
         found.summaries,
@@ -404,6 +407,7 @@ def _warm_verdicts(
         changed_setups=found.changed,
         accept_incomparable=settings.accept_incomparable,
         histories=found.histories,
+        decode_gaps=reply_gaps(calls),
     )
 
 
@@ -444,11 +448,11 @@ def _judge_warm(judgement: Judgement, run: RunRecords, baselines_dir: Path) -> N
     try:
         found = _read_baselines(run, baselines_dir, replacing=settings.writes_baselines)
         judgement.changed_setups = found.changed
-        verdicts = _warm_verdicts(judgement.summaries, found, settings)
+        verdicts = _warm_verdicts(judgement.summaries, found, settings, run.calls)
         if run.remeasured or run.not_remeasured:
             from pytest_gpubench.results.confirm import confirm
 
-            second = _warm_verdicts(summarize(run.remeasured), found, settings)
+            second = _warm_verdicts(summarize(run.remeasured), found, settings, run.remeasured)
             verdicts = confirm(verdicts, second, run.not_remeasured)
         verdicts.extend(telemetry_verdicts(run.calls, settings.thresholds()))
         verdicts.extend(check_verdicts(judgement.checks, settings))
