@@ -624,7 +624,15 @@ def test_too_few_runs_is_blind_in_every_output(pytester: pytest.Pytester) -> Non
     with serving(OllamaStandin(token_s=0.003)) as url:
         bench(pytester, url, more=wide)
         pytester.runpytest("--force-load", "--baseline-update")
-        result = pytester.runpytest("--force-load", "--gpubench-runs", "1", "--junitxml=junit.xml")
+        # Not sampled on (issue 43 would measure it until decided): the blind verdict's outputs.
+        result = pytester.runpytest(
+            "--force-load",
+            "--gpubench-runs",
+            "1",
+            "--gpubench-sample-on-runs",
+            "0",
+            "--junitxml=junit.xml",
+        )
     # Blind is not a pass (issue 37): the run could not have seen a change of the threshold's
     # size, so CI sees exit 10 ("re-run"), never 0.
     assert result.ret == EXIT_UNSTEADY
@@ -645,6 +653,27 @@ def test_too_few_runs_is_blind_in_every_output(pytester: pytest.Pytester) -> Non
     ledger = str(newest_ledger(pytester))
     assert gpubench(["report", ledger, "--html", "-o", str(html)]) == 0
     assert '<span class="blind">blind</span>' in html.read_text()
+
+
+def test_a_blind_figure_is_sampled_on_by_the_session_until_decided(
+    pytester: pytest.Pytester,
+) -> None:
+    """Issue 43, item 2, through a real session: the one planned warm run is blind against the
+    baseline's ten (above), so the session measures the prompt once more at its end (the
+    default budget: as many calls again as planned), its call marked `sampled_on` (run_idx 1),
+    and judges it again at the look: decided, exit 0; `gpubench gate` agrees."""
+    wide = ", thresholds: {ttft_p50: 50.0, total_p50: 50.0, tokens_per_sec: 0.99}"
+    with serving(OllamaStandin(token_s=0.003)) as url:
+        bench(pytester, url, more=wide)
+        pytester.runpytest("--force-load", "--baseline-update")
+        result = pytester.runpytest("--force-load", "--gpubench-runs", "1")
+    assert result.ret == 0, result.stdout.str()
+    records = last_ledger(pytester)
+    sampled = [r for r in records if r.get("type") == "call" and r.get("sampled_on")]
+    assert [(r["prompt_id"], r["run_idx"], r["phase"]) for r in sampled] == [("P-EASY", 1, "warm")]
+    verdicts = {v["metric"]: v["verdict"] for v in records[-1]["verdicts"]}
+    assert verdicts["warm_ttft_p50_ms"] == "ok"
+    assert gpubench(["gate", str(newest_ledger(pytester))]) == 0
 
 
 def test_detectable_ratio_is_stated_for_a_figure_where_higher_is_better() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,12 @@ from support.standins import OllamaStandin, serving
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.writer import read_ledger
+from pytest_gpubench.results.gate import Verdict
 from pytest_gpubench.results.judging import (
     SETTINGS_KEY,
     JudgingSettings,
     RunRecords,
+    holds_back,
     judge_ledger,
 )
 
@@ -417,3 +420,60 @@ def test_a_decode_rate_of_replies_too_short_to_time_never_holds_the_run_back(
     assert ttft == ["ok", "ok"]
     assert end.exit_status == 0, [v["message"] for v in end.end["verdicts"]]
     assert gate_of(end.ledger, generated.baselines)[1] == 0
+
+
+# -- an undecided figure measured until it is decided (issue 43, item 2) ----------------------
+
+
+def test_a_blind_figure_is_sampled_on_and_decided_within_the_budget(tmp_path: Path) -> None:
+    """Six calls whose TTFT and decode rate swing ±50 % (the engine was still warming its
+    caches) leave every figure `blind` within the run: exit 10, and a re-run would do the same.
+    The session now samples on: more warm calls of both prompts, interleaved, judged again at
+    each planned look (their spread narrows to 2 %), until decided: `ok`, exit 0, within the
+    default budget of as many calls again, and `gpubench gate` judges the ledger alike."""
+    plan = CellPlan("main", runs=6, spread=0.5, sampled_spread=0.02)
+    generated = GeneratedRun(tmp_path, [plan], seed=3)
+    generated.write_baselines()
+    end = run_session(generated)
+    messages = [v["message"] for v in end.end["verdicts"]]
+    assert end.exit_status == 0, messages
+    ttft = [v for v in end.end["verdicts"] if v["metric"] == "warm_ttft_p50_ms"]
+    assert [v["verdict"] for v in ttft] == ["ok", "ok"], messages
+    sampled = {(c["prompt_id"], c["run_idx"]) for c in generated.sampled}
+    assert {prompt for prompt, _ in sampled} == {"P-EASY", "P-HARD"}
+    assert 0 < len(sampled) <= 2 * 6 and min(run_idx for _, run_idx in sampled) == 6
+    calls = [r for r in end.records if r.get("type") == "call" and r.get("sampled_on")]
+    assert len(calls) == len(sampled)
+    assert gate_of(end.ledger, generated.baselines) == (
+        json.loads(json.dumps(end.end["verdicts"])),
+        0,
+    )
+
+
+def test_a_figure_still_undecided_when_the_budget_is_spent_says_the_budget(
+    tmp_path: Path,
+) -> None:
+    """The same ±50 % spread, and the calls sampled on no steadier: after the budget (3 runs
+    per (cell, prompt) here) the figure is still `blind`, the run exits 10, and the message says
+    what was spent of which budget and what would settle it. With the budget at 0 nothing is
+    sampled on (and the message is today's)."""
+    plan = CellPlan("main", runs=6, spread=0.5)
+    generated = GeneratedRun(tmp_path / "spent", [plan], seed=3)
+    generated.write_baselines()
+    end = run_session(generated, sample_on_runs=3)
+    assert end.exit_status == 10
+    assert len(generated.sampled) == 2 * 3
+    found = [Verdict.from_record(record) for record in end.end["verdicts"]]
+    undecided = [asdict(v) for v in found if v is not None and holds_back(v)]
+    assert undecided and all(v["verdict"] in ("blind", "inconclusive") for v in undecided)
+    assert all(
+        "; sampled on: 3 more calls after the planned 6 left it undecided (budget 3 runs and "
+        "120 s per (cell, prompt); its runs spent): settle it with a larger budget "
+        "(--gpubench-sample-on-runs 6, --gpubench-sample-on-seconds), a baseline of more runs, "
+        "or runs of history (`gpubench calibrate`)" in v["message"]
+        for v in undecided
+    ), [v["message"] for v in undecided]
+    assert gate_of(end.ledger, generated.baselines)[1] == 10
+    off = GeneratedRun(tmp_path / "off", [plan], seed=3)
+    off.write_baselines()
+    assert run_session(off, sample_on_runs=0).exit_status == 10 and not off.sampled

@@ -313,6 +313,9 @@ class Evidence:
     more_samples_hint: str = ""
     # Why there is no current figure, when there is none.
     missing: str = "not measured"
+    # The level each test is at: ALPHA, or its share at each look of a figure sampled on until
+    # decided (results/sample_on.py: the error rate held as sequential sampling holds it).
+    alpha: float = ALPHA
 
 
 @dataclass(frozen=True)
@@ -415,6 +418,10 @@ def one_sided_p(
     return 1.0 if math.isnan(p_value) else p_value
 
 
+def _z(quantile: float) -> float:
+    return statistics.NormalDist().inv_cdf(quantile)
+
+
 def _logs(values: Sequence[float]) -> list[float]:
     return [math.log(value) for value in values if value > 0]
 
@@ -441,13 +448,13 @@ def detectable_log_change(evidence: Evidence) -> tuple[float, str, str | None]:
     spread = between_run_spread(evidence.history)
     if spread is not None:
         k = len(_logs(evidence.history))
-        t_quantile = float(scipy_stats().t.ppf(1.0 - ALPHA, k - 1))
+        t_quantile = float(scipy_stats().t.ppf(1.0 - evidence.alpha, k - 1))
         noise = f"between runs ({k} runs of history)"
         return (t_quantile + _Z_POWER) * spread * math.sqrt(1.0 + 1.0 / k), noise, None
     n, m = len(evidence.current_samples), len(evidence.baseline_samples)
     noise = "within this run (between-run noise floor unknown: history too short)"
     floor = min_achievable_p(n, m)
-    if floor >= ALPHA:
+    if floor >= evidence.alpha:
         return math.inf, noise, f"too few runs: {n} samples against the baseline's {m}"
     pooled = [
         *(
@@ -460,7 +467,8 @@ def detectable_log_change(evidence: Evidence) -> tuple[float, str, str | None]:
         ),
     ]
     sd = _robust_sd(pooled)
-    change = (_Z_ALPHA + _Z_POWER) * _MWU_EFFICIENCY * sd * math.sqrt(1.0 / n + 1.0 / m)
+    z_alpha = _Z_ALPHA if evidence.alpha == ALPHA else _z(1.0 - evidence.alpha)
+    change = (z_alpha + _Z_POWER) * _MWU_EFFICIENCY * sd * math.sqrt(1.0 / n + 1.0 / m)
     return change, noise, None
 
 
@@ -546,21 +554,22 @@ def decide(evidence: Evidence) -> Decision:
     change = f"{label} {signed_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
     hint = f"; {evidence.more_samples_hint}" if evidence.more_samples_hint else ""
     within_run = between_run_spread(evidence.history) is None
+    alpha = evidence.alpha
     if not within_run:
         p_value = _between_run_p(evidence, ratio, direction)
         test = f"between runs, {len(_logs(evidence.history))} runs of history"
     else:
         now, then = evidence.current_samples, evidence.baseline_samples
         floor = min_achievable_p(len(now), len(then))
-        if floor >= ALPHA:
+        if floor >= alpha:
             too_few = (
                 f"{change}, but {len(now)} samples against the baseline's {len(then)} cannot be "
-                f"significant (smallest possible p = {floor:.3g} ≥ {ALPHA}){hint}"
+                f"significant (smallest possible p = {floor:.3g} ≥ {alpha:.3g}){hint}"
             )
             return replace(base, kind="inconclusive", text=too_few)
         p_value = one_sided_p(now, then, alternative(evidence.higher_is_better, direction))
         test = "within the run; between-run noise floor unknown"
-    kind = verdict_of(direction, p_value, 0.0, ALPHA)
+    kind = verdict_of(direction, p_value, 0.0, alpha)
     if busy is not None and within_run and kind in ("regression", "win"):
         # The within-run test takes the calls as independent draws; on a machine that was busy
         # in this run or the baseline's, the calls share the neighbours' doing, and a re-measure
@@ -574,7 +583,7 @@ def decide(evidence: Evidence) -> Decision:
         )
         return replace(base, kind="unsteady", text=why, p_value=p_value)
     if kind == "inconclusive":
-        unsure = f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA}; {test}){hint}"
+        unsure = f"{change}, but not significant (p = {p_value:.3g} ≥ {alpha:.3g}; {test}){hint}"
         if busy is not None:
             why = f"{unsure}; not judged: {busy}; re-run on a quiet machine"
             return replace(base, kind="unsteady", text=why, p_value=p_value)

@@ -286,11 +286,13 @@ def judge(
     history: History = (),
     *,
     decode_gaps: int | None = None,
+    alpha: float = ALPHA,
 ) -> list[Verdict]:
     """One verdict per metric; none when nothing warm was measured (a cold-only run).
     `history`: the baseline's last ratified runs of this (cell, prompt), oldest first;
     `decode_gaps`: the gaps between tokens of this run's replies (reply_gaps): a decode figure of
-    replies too short to time is `ungated` (decision.too_short_to_time)."""
+    replies too short to time is `ungated` (decision.too_short_to_time); `alpha`: the level of
+    each test (a figure sampled on until decided tests at its look's share, sample_on.py)."""
     thresholds = thresholds or Thresholds()
     if current.n_warm == 0:
         return []
@@ -326,6 +328,7 @@ def judge(
             ratio_threshold(thresholds, metric.threshold_field),
             history=figures(segment, metric.name),
             steady=steady,
+            alpha=alpha,
         )
         for metric in metrics
     ]
@@ -486,6 +489,7 @@ def judge_ratio(
     *,
     history: tuple[float, ...] = (),
     steady: Steadiness | None = None,
+    alpha: float = ALPHA,
 ) -> Verdict:
     """The decision core's verdict on one metric (decision.decide), with its attribution."""
     decision = decide(
@@ -501,6 +505,7 @@ def judge_ratio(
             steadiness=steady,
             more_samples_hint=RERUN_HINT,
             missing=_why_missing(metric, current),
+            alpha=alpha,
         )
     )
     cause: Attribution | None = None
@@ -666,6 +671,7 @@ def compare(
     accept_incomparable: bool = False,
     histories: Mapping[tuple[str, str], History] | None = None,
     decode_gaps: Mapping[tuple[str, str], int] | None = None,
+    alphas: Mapping[tuple[str, str], float] | None = None,
 ) -> list[Verdict]:
     """Verdicts for every new (cell, prompt), sorted; thresholds may be given per cell id.
 
@@ -674,9 +680,11 @@ def compare(
     or, accepted, judged with a note on every verdict that the baseline came from another setup.
     `histories`: per (cell, prompt), the baseline's last ratified runs (run_history.py).
     `decode_gaps`: per (cell, prompt), the gaps between tokens of this run's replies (reply_gaps).
+    `alphas`: per (cell, prompt) sampled on until decided, the level of its tests (sample_on.py).
     """
     old = summaries_by_key(old_summaries)
     gaps = decode_gaps or {}
+    levels = alphas or {}
     changed = changed_setups or {}
     runs = histories or {}
     verdicts: list[Verdict] = []
@@ -695,6 +703,7 @@ def compare(
                     baseline,
                     _for_cell(thresholds, summary),
                     decode_gaps=gaps.get(summary.key),
+                    alpha=levels.get(summary.key, ALPHA),
                 )
             )
             continue
@@ -706,6 +715,7 @@ def compare(
                 _for_cell(thresholds, summary),
                 history,
                 decode_gaps=gaps.get(summary.key),
+                alpha=levels.get(summary.key, ALPHA),
             )
         )
     return verdicts

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         LoadRecord,
         MetaRecord,
     )
+    from pytest_gpubench.results.gate import Verdict
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ class RunController:
             accept_incomparable=options.accept_incomparable,
             baseline_update=options.baseline_update,
             smoke=options.smoke,
+            sample_on_runs=options.sample_on_runs,
+            sample_on_seconds=options.sample_on_seconds,
         )
         # Every record of the run by kind (the ledger's lines, as they were appended).
         self.records = RunRecords()
@@ -295,6 +298,7 @@ class RunController:
         Returns the session's exit status."""
         try:
             if self.ledger is not None:
+                self._sample_on_undecided()
                 self._remeasure_suspects()
         finally:
             self.catch_signals.restore()
@@ -390,6 +394,39 @@ class RunController:
             (str(record.get("cell_id")), point_key(record))
             for record in self.loads
             if gated(record) and is_result(record)
+        )
+
+    def _sample_on_undecided(self) -> None:
+        """Before the re-measure: each (cell, prompt) whose gated figure the planned runs left
+        undecided is measured further, within its budget (run/sample_on.py). Never while
+        ratifying or in a smoke run, nor where the judging itself fails (the end says why)."""
+        from pytest_gpubench.run.sample_on import sample_on
+
+        options = self.options
+        if options.baseline_update or options.smoke or not self.calls or not self.writes_ledger:
+            return
+        if self.settings.sample_on_runs == 0 or self.settings.sample_on_seconds <= 0:
+            return
+        planned: dict[tuple[str, str], int] = {}
+        for call in self.calls:
+            if call.get("phase") == "warm":
+                key = (str(call.get("cell_id")), str(call.get("prompt_id")))
+                planned[key] = planned.get(key, 0) + 1
+
+        def judge() -> list[Verdict]:
+            return first_pass_verdicts(self.records, self.settings, options.baselines_dir)
+
+        try:
+            judge()
+        except GpubenchError:
+            return  # the judgement says it at the end
+        sample_on(
+            self.harness,
+            judge,
+            self.collect,
+            planned,
+            runs=self.settings.sample_on_runs,
+            seconds=self.settings.sample_on_seconds,
         )
 
     def _remeasure_suspects(self) -> None:
