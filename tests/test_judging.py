@@ -440,6 +440,10 @@ def test_a_blind_figure_is_sampled_on_and_decided_within_the_budget(tmp_path: Pa
     ttft = [v for v in end.end["verdicts"] if v["metric"] == "warm_ttft_p50_ms"]
     assert [v["verdict"] for v in ttft] == ["ok", "ok"], messages
     sampled = {(c["prompt_id"], c["run_idx"]) for c in generated.sampled}
+    more = sum(1 for prompt, _ in sampled if prompt == "P-EASY")
+    assert ttft[0]["message"].endswith(
+        f"; decided with {more} more calls sampled on after the planned 6"
+    )
     assert {prompt for prompt, _ in sampled} == {"P-EASY", "P-HARD"}
     assert 0 < len(sampled) <= 2 * 6 and min(run_idx for _, run_idx in sampled) == 6
     calls = [r for r in end.records if r.get("type") == "call" and r.get("sampled_on")]

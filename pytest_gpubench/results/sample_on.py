@@ -81,16 +81,21 @@ def with_budget(
     sample_on_runs: int | None,
     sample_on_seconds: float,
 ) -> list[Verdict]:
-    """Each verdict still undecided of a (cell, prompt) sampled on, saying what the budget was,
-    what was spent and what would settle it."""
+    """The verdicts of a (cell, prompt) sampled on: each gated figure decided says after how
+    many calls; each still undecided says what the budget was, what was spent and what would
+    settle it."""
     sampled = counts(calls)
     noted = []
     for verdict in verdicts:
         found = sampled.get(verdict.key)
-        if found is None or verdict.key not in undecided([verdict]):
+        if found is None or verdict.metric not in _HIGHER_IS_BETTER:
             noted.append(verdict)
             continue
         planned, more = found
+        if verdict.key not in undecided([verdict]):
+            note = f"; decided with {more} more calls sampled on after the planned {planned}"
+            noted.append(replace(verdict, message=verdict.message + note))
+            continue
         runs = budget_runs(planned, sample_on_runs)
         spent = "its runs" if more >= runs else "its seconds"
         note = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pytest_gpubench.core.errors import GpubenchError
@@ -39,6 +39,16 @@ def measure_call(
     return [*made, record, *others]
 
 
+def _seconds(records: Sequence[Mapping[str, Any]], waited: float) -> float:
+    """What a call sampled on spent of its (cell, prompt)'s budget: its own duration where its
+    record says it (making the cell live again, an engine start, is not the figure's cost),
+    else the time waited for it."""
+    for record in records:
+        if record.get(SAMPLED_ON) and isinstance(record.get("total_duration_ms"), int | float):
+            return float(record["total_duration_ms"]) / 1000.0
+    return waited
+
+
 def sample_on(
     harness: Harness,
     judge: Callable[[], Sequence[Verdict]],
@@ -66,7 +76,7 @@ def sample_on(
         for key in list(todo):
             started = time.monotonic()
             records = measure_call(harness, *key, planned[key] + taken[key], live)
-            spent[key] += time.monotonic() - started
+            spent[key] += _seconds(records, time.monotonic() - started)
             if collect(records) is not None:
                 return taken  # the ledger can no longer be written: the end says so
             if not any(r.get(SAMPLED_ON) for r in records):
