@@ -417,17 +417,16 @@ class RunController:
             return first_pass_verdicts(self.records, self.settings, options.baselines_dir)
 
         try:
-            judge()
+            sample_on(
+                self.harness,
+                judge,
+                self.collect,
+                planned,
+                runs=self.settings.sample_on_runs,
+                seconds=self.settings.sample_on_seconds,
+            )
         except GpubenchError:
-            return  # the judgement says it at the end
-        sample_on(
-            self.harness,
-            judge,
-            self.collect,
-            planned,
-            runs=self.settings.sample_on_runs,
-            seconds=self.settings.sample_on_seconds,
-        )
+            return  # the baselines could not be read: the judgement says it at the end
 
     def _remeasure_suspects(self) -> None:
         """Before anything is given back: judge the first pass, and measure the suspected
