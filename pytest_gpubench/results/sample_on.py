@@ -88,7 +88,7 @@ def with_budget(
     noted = []
     for verdict in verdicts:
         found = sampled.get(verdict.key)
-        if found is None or verdict.metric not in _HIGHER_IS_BETTER:
+        if found is None or verdict.metric not in _HIGHER_IS_BETTER or verdict.verdict == "ungated":
             noted.append(verdict)
             continue
         planned, more = found
