@@ -481,3 +481,19 @@ def test_a_figure_still_undecided_when_the_budget_is_spent_says_the_budget(
     off = GeneratedRun(tmp_path / "off", [plan], seed=3)
     off.write_baselines()
     assert run_session(off, sample_on_runs=0).exit_status == 10 and not off.sampled
+
+
+def test_the_update_that_ratified_a_step_says_its_history_starts_again(tmp_path: Path) -> None:
+    """After two updates of an unchanged engine, a --baseline-update session that ratifies TTFT
+    40 % slower notes that the gate's history is back to one run (the runs before the step are
+    left out, issue 43): the between-run noise floor is unknown again. It said nothing: the file
+    holds three runs."""
+    before = GeneratedRun(tmp_path / "before", [CellPlan("main", history=2)], seed=5)
+    before.write_baselines()
+    step = GeneratedRun(tmp_path / "step", [CellPlan("main", slowdown=1.4)], seed=5)
+    shutil.copytree(before.baselines, step.baselines)
+    notes = run_session(step, baseline_update=True).notes
+    assert (
+        "baseline of local:llamacpp:tiny@main: runs of history P-EASY (1), P-HARD (1): the "
+        "between-run noise floor is still unknown until 3 (seed it with `gpubench calibrate`)"
+    ) in notes, notes
