@@ -472,6 +472,33 @@ def test_each_baseline_update_adds_a_run_to_the_history(pytester: pytest.Pyteste
     assert all(run["figures"]["warm_ttft_p50_ms"] > 0 for run in history)
 
 
+def test_a_first_update_in_three_runs_records_three_runs_of_history(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43, item 4, through a session: with --gpubench-baseline-runs 3 a first
+    --baseline-update of an endpoint measures the prompt in two more runs, spaced apart (a
+    pause: its engine cannot be started again from here), and the file's history holds the
+    three runs; a second update adds one run, as before."""
+    monkeypatch.setattr("pytest_gpubench.run.history_runs.ENDPOINT_SPACING_S", 0.05)
+    with serving(OllamaStandin(token_s=0.003)) as url:
+        bench(pytester, url, runs=4)
+        first = pytester.runpytest(
+            "--force-load", "--baseline-update", "--gpubench-baseline-runs", "3"
+        )
+        records = last_ledger(pytester)
+        again = pytester.runpytest(
+            "--force-load", "--baseline-update", "--gpubench-baseline-runs", "3"
+        )
+    assert first.ret == 0 and again.ret == 0
+    later = [r for r in records if r.get("type") == "call" and r.get("history_run")]
+    assert sorted((r["history_run"], r["run_idx"]) for r in later) == [
+        (1, 4), (1, 5), (1, 6), (1, 7), (2, 8), (2, 9), (2, 10), (2, 11)
+    ]  # fmt: skip
+    history = stored(pytester)["prompts"]["P-EASY"]["history"]
+    assert [run["benchmark_run_id"].partition("#")[2] for run in history] == ["0", "1", "2", ""]
+    assert all(run["n"] == 4 for run in history)
+
+
 def test_calibrate_seeds_the_history_and_states_the_noise_floor(
     pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
 ) -> None:

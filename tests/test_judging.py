@@ -497,3 +497,52 @@ def test_the_update_that_ratified_a_step_says_its_history_starts_again(tmp_path:
         "baseline of local:llamacpp:tiny@main: runs of history P-EASY (1), P-HARD (1): the "
         "between-run noise floor is still unknown until 3 (seed it with `gpubench calibrate`)"
     ) in notes, notes
+
+
+# -- a baseline knows its between-run spread from the first update (issue 43, item 4) ---------
+
+
+def test_a_first_baseline_update_records_runs_and_a_faster_unchanged_run_is_no_win(
+    tmp_path: Path,
+) -> None:
+    """The engine ran 25 % faster than during its one baseline run (its speed moves between
+    runs of itself: 0.8 and 1.1 of the first's in two more): judged within that run alone, the
+    unchanged engine was a significant `win`, as in 4 of 5 sessions of issue 43. A first
+    --baseline-update with --gpubench-baseline-runs 3 measures each (cell, prompt) in three
+    runs, its engine started again between them, and records each run in the history: the next
+    session judges between runs, reports no win, and exits 0. With one run (the default), the
+    same session reports the false win."""
+    plan = CellPlan("main", history=0, run_slowdowns=(0.8, 1.1))
+    first = GeneratedRun(tmp_path / "first", [plan], seed=8)
+    update = run_session(first, baseline_update=True, run_id="first-update", baseline_runs=3)
+    assert update.exit_status == 0
+    later = [r for r in update.records if r.get("type") == "call" and r.get("history_run")]
+    assert sorted({r["history_run"] for r in later}) == [1, 2]
+    assert len(later) == 2 * 2 * 6  # two more runs of both prompts, six calls each
+    stored = json.loads((first.baselines / "local_llamacpp_tiny_main.json").read_text())
+    assert [run["benchmark_run_id"] for run in stored["prompts"]["P-EASY"]["history"]] == [
+        "first-update#0",
+        "first-update#1",
+        "first-update#2",
+    ]
+
+    def judged(name: str) -> list[dict[str, Any]]:
+        run = GeneratedRun(tmp_path / name, [CellPlan("main", slowdown=0.75)], seed=8)
+        shutil.copytree(first.baselines, run.baselines)
+        end = run_session(run)
+        verdicts: list[dict[str, Any]] = end.end["verdicts"]
+        assert end.exit_status == 0, [v["message"] for v in verdicts]
+        return verdicts
+
+    verdicts = judged("after")
+    assert not [v for v in verdicts if v["verdict"] == "win"], verdicts
+    one = GeneratedRun(tmp_path / "one", [plan], seed=8)
+    run_session(one, baseline_update=True, run_id="one-run")
+    faster = GeneratedRun(tmp_path / "faster", [CellPlan("main", slowdown=0.75)], seed=8)
+    shutil.copytree(one.baselines, faster.baselines)
+    assert [v for v in run_session(faster).end["verdicts"] if v["verdict"] == "win"]
+    assert all(
+        v["noise"].startswith("between runs (3 runs of history)")
+        for v in verdicts
+        if v["metric"] == "warm_ttft_p50_ms"
+    )

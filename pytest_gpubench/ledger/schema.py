@@ -121,10 +121,13 @@ class AdapterFields(TypedDict, total=False):
 
 
 class SampledOnFields(TypedDict, total=False):
-    """A warm call measured past the planned runs because a figure was still undecided
-    (run/sample_on.py; absent from every other call)."""
+    """A warm call measured past the planned runs: because a figure was still undecided
+    (run/sample_on.py), or in a later run of a first --baseline-update (run/history_runs.py);
+    absent from every other call."""
 
     sampled_on: bool
+    # A call of a later run of a first --baseline-update (run/history_runs.py): its run's number.
+    history_run: int
 
 
 class CallRecord(

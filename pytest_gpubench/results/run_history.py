@@ -91,8 +91,21 @@ def current_segment(history: Sequence[RunFigures]) -> History:
     it."""
     segment: History = ()
     for run in history:
-        segment = (run,) if ratified_change(segment, run, short_steps=True) else (*segment, run)
+        stepped = not same_update(segment[-1], run) if segment else False
+        if stepped and ratified_change(segment, run, short_steps=True):
+            segment = (run,)
+        else:
+            segment = (*segment, run)
     return segment
+
+
+def same_update(earlier: RunFigures, later: RunFigures) -> bool:
+    """Whether two runs were ratified by one --baseline-update (its runs `<run id>#<n>`,
+    run/history_runs.py): one update's runs are never a step from each other, however far its
+    engine's speed moved between them (that is the spread they are measured for)."""
+    first, _, number = (earlier.benchmark_run_id or "").partition("#")
+    second, _, other = (later.benchmark_run_id or "").partition("#")
+    return bool(first) and bool(number) and bool(other) and first == second
 
 
 def figures(history: Iterable[RunFigures], metric: str) -> tuple[float, ...]:

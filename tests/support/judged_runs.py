@@ -60,6 +60,9 @@ class CellPlan:
     # and of the calls sampled on past the planned runs (run/sample_on.py; None: the same).
     spread: float = 0.06
     sampled_spread: float | None = None
+    # A first --baseline-update's later runs (run/history_runs.py): the engine's slowdown in
+    # each, run 1 on (the engine's speed moves between its runs).
+    run_slowdowns: tuple[float, ...] = ()
 
     @property
     def cell_id(self) -> str:
@@ -308,6 +311,29 @@ class GeneratedRun:
         self.sampled.append(record)
         return [record]
 
+    def history_run(self, run_id: str, planned: dict[Any, int], number: int) -> list[Any]:
+        """Run `number` of a first --baseline-update's (cell, prompt)s, as each cell's engine
+        answers in that run (run/history_runs.measure_run), marked as such."""
+        by_id = {plan.cell_id: plan for plan in self.plans}
+        records: list[dict[str, Any]] = []
+        for cell_id, prompt_id in sorted(planned):
+            plan = by_id[cell_id]
+            slowdowns = plan.run_slowdowns or (plan.slowdown,)
+            for record in self.calls(
+                run_id,
+                plan,
+                rng=random.Random(f"{self.seed}-history-{number}"),
+                slowdown=slowdowns[min(number, len(slowdowns)) - 1],
+                drift=plan.drift,
+                pressure=plan.pressure,
+                runs=planned[(cell_id, prompt_id)],
+                first_run=number * planned[(cell_id, prompt_id)],
+            ):
+                if record["prompt_id"] == prompt_id:
+                    record["history_run"] = number
+                    records.append(record)
+        return records
+
     @property
     def _sampling(self) -> random.Random:
         if self._sampling_rng is None:
@@ -341,9 +367,13 @@ def _remeasured_by(generated: GeneratedRun, run_id: str) -> Iterator[None]:
     ) -> list[Any]:
         return generated.sampled_on(run_id, cell_id, prompt_id, run_idx)
 
+    def history_run(harness: Any, planned: dict[Any, int], number: int, **_: Any) -> list[Any]:
+        return generated.history_run(run_id, planned, number)
+
     with (
         mock.patch("pytest_gpubench.run.remeasure.remeasure", remeasure),
         mock.patch("pytest_gpubench.run.sample_on.measure_call", sampled_on),
+        mock.patch("pytest_gpubench.run.history_runs.measure_run", history_run),
     ):
         yield
 
