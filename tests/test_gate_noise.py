@@ -37,8 +37,8 @@ from pytest_gpubench.results.baseline import (
     plan_cell,
 )
 from pytest_gpubench.results.decision import Evidence, Steadiness, decide, steadiness
-from pytest_gpubench.results.gate import machine_steadiness
-from pytest_gpubench.results.run_history import HISTORY_RUNS, RunFigures, appended
+from pytest_gpubench.results.gate import judge, machine_steadiness
+from pytest_gpubench.results.run_history import HISTORY_RUNS, RunFigures, appended, current_segment
 from pytest_gpubench.results.stats import PromptSummary, WarmSamples
 
 CELL = "local:ollama:qwen3.5:0.8b"
@@ -351,6 +351,30 @@ def test_history_grows_per_update_counts_a_run_once_and_keeps_the_last_runs() ->
     assert json.loads(text)["prompts"]["P-EASY"]["history"][-1]["benchmark_run_id"] == "run-11"
 
 
+def test_a_step_after_two_runs_is_the_reference_and_the_file_keeps_them() -> None:
+    """Issue 43, item 5: after two runs near 100 ms a ratified 140 ms is a step (two runs bound
+    no prediction interval, but a move past the threshold after them is one): the gate judges
+    against it alone, and an unchanged run at 140 ms passes against the ratified figure (against
+    the three runs' mean it read +25 %, inconclusive). The file keeps all three runs; 110 ms is
+    no step, and after one run nothing is."""
+    two = plan_cell(ratified("b", 101.0), plan_cell(ratified("a", 100.0), None).baseline).baseline
+    assert two is not None
+    stepped = plan_cell(ratified("c", 140.0), two).baseline
+    drifted = plan_cell(ratified("c", 110.0), two).baseline
+    assert stepped is not None and drifted is not None
+    assert [run.benchmark_run_id for run in stepped.runs("P-EASY")] == ["a", "b", "c"]
+    assert [run.benchmark_run_id for run in current_segment(stepped.runs("P-EASY"))] == ["c"]
+    assert len(current_segment(drifted.runs("P-EASY"))) == 3
+    assert len(current_segment(stepped.runs("P-EASY")[1:])) == 2
+    (baseline,) = stepped.prompts
+    (ttft,) = (
+        verdict
+        for verdict in judge(summary(140.0), baseline, history=stepped.runs("P-EASY"))
+        if verdict.metric == "warm_ttft_p50_ms"
+    )
+    assert ttft.verdict == "ok" and ttft.baseline == pytest.approx(140.0), ttft.message
+
+
 def test_a_format_4_baseline_is_refused_and_format_5_requires_the_pressure() -> None:
     """Format 5 added the CPU pressure: a format-4 file (no pressure anywhere) was written by a
     pre-release and is refused with one line (the release reads one format); a format-5 file
@@ -446,6 +470,33 @@ def test_each_baseline_update_adds_a_run_to_the_history(pytester: pytest.Pyteste
     assert len(history) == 2 and history[0]["benchmark_run_id"] != history[1]["benchmark_run_id"]
     assert all(run["control_ms"] == 5.0 and run["n"] == 10 for run in history)
     assert all(run["figures"]["warm_ttft_p50_ms"] > 0 for run in history)
+
+
+def test_a_first_update_in_three_runs_records_three_runs_of_history(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43, item 4, through a session: with --gpubench-baseline-runs 3 a first
+    --baseline-update of an endpoint measures the prompt in two more runs, spaced apart (a
+    pause: its engine cannot be started again from here), and the file's history holds the
+    three runs; a second update adds one run, as before."""
+    monkeypatch.setattr("pytest_gpubench.run.history_runs.ENDPOINT_SPACING_S", 0.05)
+    with serving(OllamaStandin(token_s=0.003)) as url:
+        bench(pytester, url, runs=4)
+        first = pytester.runpytest(
+            "--force-load", "--baseline-update", "--gpubench-baseline-runs", "3"
+        )
+        records = last_ledger(pytester)
+        again = pytester.runpytest(
+            "--force-load", "--baseline-update", "--gpubench-baseline-runs", "3"
+        )
+    assert first.ret == 0 and again.ret == 0
+    later = [r for r in records if r.get("type") == "call" and r.get("history_run")]
+    assert sorted((r["history_run"], r["run_idx"]) for r in later) == [
+        (1, 4), (1, 5), (1, 6), (1, 7), (2, 8), (2, 9), (2, 10), (2, 11)
+    ]  # fmt: skip
+    history = stored(pytester)["prompts"]["P-EASY"]["history"]
+    assert [run["benchmark_run_id"].partition("#")[2] for run in history] == ["0", "1", "2", ""]
+    assert all(run["n"] == 4 for run in history)
 
 
 def test_calibrate_seeds_the_history_and_states_the_noise_floor(
@@ -600,7 +651,15 @@ def test_too_few_runs_is_blind_in_every_output(pytester: pytest.Pytester) -> Non
     with serving(OllamaStandin(token_s=0.003)) as url:
         bench(pytester, url, more=wide)
         pytester.runpytest("--force-load", "--baseline-update")
-        result = pytester.runpytest("--force-load", "--gpubench-runs", "1", "--junitxml=junit.xml")
+        # Not sampled on (issue 43 would measure it until decided): the blind verdict's outputs.
+        result = pytester.runpytest(
+            "--force-load",
+            "--gpubench-runs",
+            "1",
+            "--gpubench-sample-on-runs",
+            "0",
+            "--junitxml=junit.xml",
+        )
     # Blind is not a pass (issue 37): the run could not have seen a change of the threshold's
     # size, so CI sees exit 10 ("re-run"), never 0.
     assert result.ret == EXIT_UNSTEADY
@@ -621,6 +680,27 @@ def test_too_few_runs_is_blind_in_every_output(pytester: pytest.Pytester) -> Non
     ledger = str(newest_ledger(pytester))
     assert gpubench(["report", ledger, "--html", "-o", str(html)]) == 0
     assert '<span class="blind">blind</span>' in html.read_text()
+
+
+def test_a_blind_figure_is_sampled_on_by_the_session_until_decided(
+    pytester: pytest.Pytester,
+) -> None:
+    """Issue 43, item 2, through a real session: the one planned warm run is blind against the
+    baseline's ten (above), so the session measures the prompt once more at its end (the
+    default budget: as many calls again as planned), its call marked `sampled_on` (run_idx 1),
+    and judges it again at the look: decided, exit 0; `gpubench gate` agrees."""
+    wide = ", thresholds: {ttft_p50: 50.0, total_p50: 50.0, tokens_per_sec: 0.99}"
+    with serving(OllamaStandin(token_s=0.003)) as url:
+        bench(pytester, url, more=wide)
+        pytester.runpytest("--force-load", "--baseline-update")
+        result = pytester.runpytest("--force-load", "--gpubench-runs", "1")
+    assert result.ret == 0, result.stdout.str()
+    records = last_ledger(pytester)
+    sampled = [r for r in records if r.get("type") == "call" and r.get("sampled_on")]
+    assert [(r["prompt_id"], r["run_idx"], r["phase"]) for r in sampled] == [("P-EASY", 1, "warm")]
+    verdicts = {v["metric"]: v["verdict"] for v in records[-1]["verdicts"]}
+    assert verdicts["warm_ttft_p50_ms"] == "ok"
+    assert gpubench(["gate", str(newest_ledger(pytester))]) == 0
 
 
 def test_detectable_ratio_is_stated_for_a_figure_where_higher_is_better() -> None:

@@ -34,6 +34,7 @@ from pytest_gpubench.ledger.schema import (
     LoadRecord,
     MetaRecord,
     RequestFacts,
+    SampledOnFields,
     SampleRecord,
     SkippedRecord,
     StageRecord,
@@ -225,6 +226,8 @@ def call_record(
         # A warm call's checks against the engine come later (engine_check_fields).
         **EngineCheckFields(),
         **AdapterFields(),
+        # A call measured past the planned runs says so later (run/sample_on.py).
+        **SampledOnFields(),
     }
     chosen = adapter if adapter is not None else case.adapter
     if chosen is not None:

@@ -120,7 +120,19 @@ class AdapterFields(TypedDict, total=False):
     lora_adapter: str
 
 
-class CallRecord(CaseHead, MeasurementFields, EngineCheckFields, KindFields, AdapterFields):
+class SampledOnFields(TypedDict, total=False):
+    """A warm call measured past the planned runs: because a figure was still undecided
+    (run/sample_on.py), or in a later run of a first --baseline-update (run/history_runs.py);
+    absent from every other call."""
+
+    sampled_on: bool
+    # A call of a later run of a first --baseline-update (run/history_runs.py): its run's number.
+    history_run: int
+
+
+class CallRecord(
+    CaseHead, MeasurementFields, EngineCheckFields, KindFields, AdapterFields, SampledOnFields
+):
     """One measured call of a case (successful or not); a load case's calls add the load
     fields, a case with telemetry its resource figures (telemetry/aggregate.py CALL_FIELDS), a
     warm call its checks against the engine (EngineCheckFields), a call of a request kind other

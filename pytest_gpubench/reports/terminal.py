@@ -188,7 +188,11 @@ def _ratified(kind: str, key: tuple[str, str], verdicts: Sequence[Verdict]) -> s
     being accepted; a win stays one, and an A/B finding, against a reference no update
     ratifies, stands."""
     worst = [v for v in verdicts if v.key == key and v.verdict == kind]
-    if kind in NOTEWORTHY and kind != "win" and all(v.reference is None for v in worst):
+    if (
+        kind in NOTEWORTHY
+        and kind not in ("win", "ungated")
+        and all(v.reference is None for v in worst)
+    ):
         return ACCEPTED
     return kind
 
@@ -257,7 +261,7 @@ def verdict_notes(verdicts: Iterable[Verdict], *, accepted: bool = False) -> lis
     chosen.sort(key=lambda v: (order[v.verdict], v.key, metrics.get(v.metric, len(metrics))))
     return [
         f"ACCEPTED ({verdict.verdict}): {verdict.message}"
-        if accepted and verdict.verdict != "win"
+        if accepted and verdict.verdict not in ("win", "ungated")
         else f"{verdict.verdict.upper()}: {verdict.message}"
         for verdict in chosen
     ]

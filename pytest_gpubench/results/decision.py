@@ -12,11 +12,20 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 VerdictKind = Literal[
-    "regression", "incomparable", "unsteady", "inconclusive", "blind", "win", "ok", "new"
+    "regression",
+    "incomparable",
+    "unsteady",
+    "inconclusive",
+    "blind",
+    "win",
+    "ok",
+    "new",
+    "ungated",
 ]
 # The worst first: a (cell, prompt) takes the verdict of its worst metric. `unsteady` (the machine
 # drifted: nothing could be told) sits under the findings that fail a run for what was measured,
-# `blind` (nothing past the threshold seen, but the run could not have seen one) over a plain pass.
+# `blind` (nothing past the threshold seen, but the run could not have seen one) over a plain pass;
+# `ungated` last: a figure the prompt cannot measure, not judged (its replies too short to time).
 VERDICT_ORDER: tuple[VerdictKind, ...] = (
     "regression",
     "incomparable",
@@ -26,6 +35,7 @@ VERDICT_ORDER: tuple[VerdictKind, ...] = (
     "win",
     "ok",
     "new",
+    "ungated",
 )
 
 # The verdicts of a figure the run could not tell (the machine moved, or the evidence allows a
@@ -34,11 +44,33 @@ VERDICT_ORDER: tuple[VerdictKind, ...] = (
 UNDECIDED: tuple[VerdictKind, ...] = ("unsteady", "inconclusive", "blind")
 
 ALPHA = 0.05
+
 # The power the smallest detectable change is stated at: a change that large is caught in 80 %
 # of runs (one-sided test at ALPHA).
 POWER = 0.80
 _Z_POWER = statistics.NormalDist().inv_cdf(POWER)
 _Z_ALPHA = statistics.NormalDist().inv_cdf(1.0 - ALPHA)
+
+# The fewest gaps between tokens (completion tokens - 1, median over the calls) a reply needs
+# for its decode figures to be gated. Fewer are decided by when the engine's, its delivery
+# path's and the client's threads were scheduled more than by the engine: in issue 37's table
+# (4-token replies, 3 gaps of about 1.5 ms, most with a gap of 0 where chunks came together) an
+# unchanged engine's decode rate moved -45 % to +131 % per session. Such a figure is `ungated`
+# for the prompt (issue 43): said, never holding a run back, never a re-run.
+MIN_DECODE_GAPS = 16
+
+
+def too_short_to_time(gaps: int | None) -> str | None:
+    """Why a decode figure of replies with this many gaps between tokens is not gated for the
+    prompt, and what would make it gateable; None where they are long enough or nothing says."""
+    if gaps is None or gaps >= MIN_DECODE_GAPS:
+        return None
+    return (
+        f"not gated for this prompt: its replies carry {gaps} gaps between tokens, fewer than "
+        f"the {MIN_DECODE_GAPS} a decode figure needs (so few are decided by when the threads "
+        f"were scheduled); raise the prompt's max_tokens to {MIN_DECODE_GAPS + 1} or "
+        "more to gate it"
+    )
 
 
 # Sequential sampling (an A/B pair's, a (cell, prompt)'s against its baseline) looks at most this
@@ -281,6 +313,9 @@ class Evidence:
     more_samples_hint: str = ""
     # Why there is no current figure, when there is none.
     missing: str = "not measured"
+    # The level each test is at: ALPHA, or its share at each look of a figure sampled on until
+    # decided (results/sample_on.py: the error rate held as sequential sampling holds it).
+    alpha: float = ALPHA
 
 
 @dataclass(frozen=True)
@@ -383,6 +418,10 @@ def one_sided_p(
     return 1.0 if math.isnan(p_value) else p_value
 
 
+def _z(quantile: float) -> float:
+    return statistics.NormalDist().inv_cdf(quantile)
+
+
 def _logs(values: Sequence[float]) -> list[float]:
     return [math.log(value) for value in values if value > 0]
 
@@ -409,13 +448,13 @@ def detectable_log_change(evidence: Evidence) -> tuple[float, str, str | None]:
     spread = between_run_spread(evidence.history)
     if spread is not None:
         k = len(_logs(evidence.history))
-        t_quantile = float(scipy_stats().t.ppf(1.0 - ALPHA, k - 1))
+        t_quantile = float(scipy_stats().t.ppf(1.0 - evidence.alpha, k - 1))
         noise = f"between runs ({k} runs of history)"
         return (t_quantile + _Z_POWER) * spread * math.sqrt(1.0 + 1.0 / k), noise, None
     n, m = len(evidence.current_samples), len(evidence.baseline_samples)
     noise = "within this run (between-run noise floor unknown: history too short)"
     floor = min_achievable_p(n, m)
-    if floor >= ALPHA:
+    if floor >= evidence.alpha:
         return math.inf, noise, f"too few runs: {n} samples against the baseline's {m}"
     pooled = [
         *(
@@ -428,7 +467,8 @@ def detectable_log_change(evidence: Evidence) -> tuple[float, str, str | None]:
         ),
     ]
     sd = _robust_sd(pooled)
-    change = (_Z_ALPHA + _Z_POWER) * _MWU_EFFICIENCY * sd * math.sqrt(1.0 / n + 1.0 / m)
+    z_alpha = _Z_ALPHA if evidence.alpha == ALPHA else _z(1.0 - evidence.alpha)
+    change = (z_alpha + _Z_POWER) * _MWU_EFFICIENCY * sd * math.sqrt(1.0 / n + 1.0 / m)
     return change, noise, None
 
 
@@ -514,21 +554,22 @@ def decide(evidence: Evidence) -> Decision:
     change = f"{label} {signed_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
     hint = f"; {evidence.more_samples_hint}" if evidence.more_samples_hint else ""
     within_run = between_run_spread(evidence.history) is None
+    alpha = evidence.alpha
     if not within_run:
         p_value = _between_run_p(evidence, ratio, direction)
         test = f"between runs, {len(_logs(evidence.history))} runs of history"
     else:
         now, then = evidence.current_samples, evidence.baseline_samples
         floor = min_achievable_p(len(now), len(then))
-        if floor >= ALPHA:
+        if floor >= alpha:
             too_few = (
                 f"{change}, but {len(now)} samples against the baseline's {len(then)} cannot be "
-                f"significant (smallest possible p = {floor:.3g} ≥ {ALPHA}){hint}"
+                f"significant (smallest possible p = {floor:.3g} ≥ {alpha:.3g}){hint}"
             )
             return replace(base, kind="inconclusive", text=too_few)
         p_value = one_sided_p(now, then, alternative(evidence.higher_is_better, direction))
         test = "within the run; between-run noise floor unknown"
-    kind = verdict_of(direction, p_value, 0.0, ALPHA)
+    kind = verdict_of(direction, p_value, 0.0, alpha)
     if busy is not None and within_run and kind in ("regression", "win"):
         # The within-run test takes the calls as independent draws; on a machine that was busy
         # in this run or the baseline's, the calls share the neighbours' doing, and a re-measure
@@ -542,7 +583,7 @@ def decide(evidence: Evidence) -> Decision:
         )
         return replace(base, kind="unsteady", text=why, p_value=p_value)
     if kind == "inconclusive":
-        unsure = f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA}; {test}){hint}"
+        unsure = f"{change}, but not significant (p = {p_value:.3g} ≥ {alpha:.3g}; {test}){hint}"
         if busy is not None:
             why = f"{unsure}; not judged: {busy}; re-run on a quiet machine"
             return replace(base, kind="unsteady", text=why, p_value=p_value)

@@ -38,16 +38,18 @@ from pytest_gpubench.results.decision import (
     scipy_stats,
     signed_percent,
     steadiness,
+    too_short_to_time,
 )
 from pytest_gpubench.results.run_history import (
     History,
     RunFigures,
     control_figures,
+    current_segment,
     engine_wait_figures,
     figures,
     pressure_figures,
 )
-from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
+from pytest_gpubench.results.stats import PromptSummary, is_success, summaries_by_key
 
 if TYPE_CHECKING:
     from pytest_gpubench.ledger.schema import VerdictRecord
@@ -283,9 +285,15 @@ def judge(
     baseline: PromptSummary | None,
     thresholds: Thresholds | None = None,
     history: History = (),
+    *,
+    decode_gaps: int | None = None,
+    alpha: float = ALPHA,
 ) -> list[Verdict]:
     """One verdict per metric; none when nothing warm was measured (a cold-only run).
-    `history`: the baseline's last ratified runs of this (cell, prompt), oldest first."""
+    `history`: the baseline's last ratified runs of this (cell, prompt), oldest first;
+    `decode_gaps`: the gaps between tokens of this run's replies (reply_gaps): a decode figure of
+    replies too short to time is `ungated` (decision.too_short_to_time); `alpha`: the level of
+    each test (a figure sampled on until decided tests at its look's share, sample_on.py)."""
     thresholds = thresholds or Thresholds()
     if current.n_warm == 0:
         return []
@@ -310,14 +318,18 @@ def judge(
         )
     check_prompt_unchanged(current, baseline)
     steady = machine_steadiness(current, baseline, history)
+    # The figures since the last ratified step: the reference is what that update ratified.
+    segment = current_segment(history)
     verdicts = [
-        judge_ratio(
+        ungated_verdict(metric, current, baseline, decode_gaps)
+        or judge_ratio(
             metric,
             current,
             baseline,
             ratio_threshold(thresholds, metric.threshold_field),
-            history=figures(history, metric.name),
+            history=figures(segment, metric.name),
             steady=steady,
+            alpha=alpha,
         )
         for metric in metrics
     ]
@@ -327,6 +339,39 @@ def judge(
         for rate, _ in validity_rates(current)
     ]
     return verdicts
+
+
+def ungated_verdict(
+    metric: Metric, current: PromptSummary, baseline: PromptSummary, decode_gaps: int | None
+) -> Verdict | None:
+    """A decode figure of replies too short to time: `ungated`, its figures shown, never
+    judged; None for any other figure."""
+    if not metric.measure.decode:
+        return None
+    why = too_short_to_time(decode_gaps)
+    if why is None:
+        return None
+    old, new = metric.value(baseline), metric.value(current)
+    ratio = new / old if new is not None and old else None
+    seen = f"{metric.label} {signed_percent(ratio)}" if ratio is not None else metric.label
+    return _verdict(
+        current, metric.name, "ungated", f"{seen}: {why}", baseline=old, value=new, ratio=ratio
+    )
+
+
+def reply_gaps(calls: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], int]:
+    """Per (cell, prompt): the gaps between tokens of its successful warm calls' replies (their
+    completion tokens less one, the median), where the calls say how many tokens they had."""
+    counts: dict[tuple[str, str], list[int]] = {}
+    for call in calls:
+        tokens = call.get("completion_tokens")
+        if call.get("phase") != "warm" or not is_success(call):
+            continue
+        if isinstance(tokens, bool) or not isinstance(tokens, int | float) or tokens < 1:
+            continue
+        key = (str(call.get("cell_id")), str(call.get("prompt_id")))
+        counts.setdefault(key, []).append(int(tokens) - 1)
+    return {key: int(statistics.median_low(found)) for key, found in counts.items()}
 
 
 def validity_rates(summary: PromptSummary) -> list[tuple[ValidityRate, float]]:
@@ -452,6 +497,7 @@ def judge_ratio(
     *,
     history: tuple[float, ...] = (),
     steady: Steadiness | None = None,
+    alpha: float = ALPHA,
 ) -> Verdict:
     """The decision core's verdict on one metric (decision.decide), with its attribution."""
     decision = decide(
@@ -467,6 +513,7 @@ def judge_ratio(
             steadiness=steady,
             more_samples_hint=RERUN_HINT,
             missing=_why_missing(metric, current),
+            alpha=alpha,
         )
     )
     cause: Attribution | None = None
@@ -631,6 +678,8 @@ def compare(
     changed_setups: Mapping[str, str] | None = None,
     accept_incomparable: bool = False,
     histories: Mapping[tuple[str, str], History] | None = None,
+    decode_gaps: Mapping[tuple[str, str], int] | None = None,
+    alphas: Mapping[tuple[str, str], float] | None = None,
 ) -> list[Verdict]:
     """Verdicts for every new (cell, prompt), sorted; thresholds may be given per cell id.
 
@@ -638,8 +687,12 @@ def compare(
     (`engine version b4100 → b4200`). Those cells' prompts with a baseline are `incomparable`,
     or, accepted, judged with a note on every verdict that the baseline came from another setup.
     `histories`: per (cell, prompt), the baseline's last ratified runs (run_history.py).
+    `decode_gaps`: per (cell, prompt), the gaps between tokens of this run's replies (reply_gaps).
+    `alphas`: per (cell, prompt) sampled on until decided, the level of its tests (sample_on.py).
     """
     old = summaries_by_key(old_summaries)
+    gaps = decode_gaps or {}
+    levels = alphas or {}
     changed = changed_setups or {}
     runs = histories or {}
     verdicts: list[Verdict] = []
@@ -653,11 +706,26 @@ def compare(
             note = f" [baseline from another setup ({changes}), accepted with {ACCEPT_OPTION}]"
             verdicts.extend(
                 replace(verdict, message=verdict.message + note)
-                for verdict in judge(summary, baseline, _for_cell(thresholds, summary))
+                for verdict in judge(
+                    summary,
+                    baseline,
+                    _for_cell(thresholds, summary),
+                    decode_gaps=gaps.get(summary.key),
+                    alpha=levels.get(summary.key, ALPHA),
+                )
             )
             continue
         history = runs.get(summary.key, ())
-        verdicts.extend(judge(summary, baseline, _for_cell(thresholds, summary), history))
+        verdicts.extend(
+            judge(
+                summary,
+                baseline,
+                _for_cell(thresholds, summary),
+                history,
+                decode_gaps=gaps.get(summary.key),
+                alpha=levels.get(summary.key, ALPHA),
+            )
+        )
     return verdicts
 
 

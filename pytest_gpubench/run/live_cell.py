@@ -283,6 +283,18 @@ class LiveCell:
             return "unload"
         return "process_warm"
 
+    def start_again(self) -> bool:
+        """Stop the managed engine and start it again, so that the next calls are a new run of
+        it (run/history_runs.py), warmed up again before the first; False for an engine this
+        cell does not start (an endpoint)."""
+        if self.server is None or self.engine is None:
+            return False
+        self.close_connection()
+        self.warmed_adapters.clear()
+        self.engine = self._engine(self.server.restart())
+        self.last_call_end = None
+        return True
+
     def chat(
         self, prompt: str, max_tokens: int, request: RequestShape, **own: Any
     ) -> CallMeasurement:
