@@ -106,6 +106,7 @@ def cell_record(
     node_info: Mapping[str, Any],
     prompts: Mapping[str, Prompt] | None = None,
     engine_url: str | None = None,
+    engine_process: Mapping[str, Any] | None = None,
 ) -> CellRecord:
     """A healthy cell: the engine's version, the model's digest and the node's GPUs, and how it
     is asked (TLS, request keys, header names; never a header's value)."""
@@ -134,6 +135,9 @@ def cell_record(
             "node_port": spec.port,
             "launch": list(spec.launch) if spec.launch is not None else None,
             "engine_url": engine_url,
+            # The process found serving an engine started outside the harness on this machine
+            # (its pid and name), or why none was (measure/listener.py); absent otherwise.
+            **({"engine_process": dict(engine_process)} if engine_process is not None else {}),
         },
     )
 

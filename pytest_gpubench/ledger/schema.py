@@ -83,6 +83,10 @@ class CellRecord(RequestFacts):
     node_port: int | None
     launch: list[str] | None
     engine_url: str | None
+    # An engine started outside the harness, on this machine: the process found serving its
+    # endpoint, whose own CPU wait its calls read ({"pid", "comm"}), or why none was
+    # ({"missing"}). Absent for a managed engine, one on another node, and in older ledgers.
+    engine_process: NotRequired[dict[str, Any]]
 
 
 class CaseHead(TypedDict):
