@@ -267,6 +267,42 @@ def test_a_local_engines_own_wait_is_its_steadiness_not_the_machines_pressure() 
     assert "0.60 ms for a CPU per ms" in flickered.contended
 
 
+def test_a_client_that_waited_for_a_cpu_makes_the_machine_busy_and_is_named() -> None:
+    """The harness's own threads are the client: one that waited for a CPU read the engine's
+    bytes late, whatever the engine's own wait. Past the limit the machine is busy, and the
+    message says it was the client that waited (beside the engine, where both did); below it,
+    nothing changes."""
+
+    def run(engine_wait: float | None, client_wait: float) -> PromptSummary:
+        summary = with_waits(60.0, 0.0, engine_wait)
+        samples = {name: summary.samples[name] for name in summary.samples}
+        samples["client_wait_per_cpu"] = (client_wait,) * 10
+        return replace(summary, samples=WarmSamples(**samples))
+
+    quiet = machine_steadiness(run(0.01, 0.02), run(0.01, 0.02))
+    assert quiet is not None and quiet.client_wait == 0.02 and quiet.contended is None
+    starved = machine_steadiness(run(0.01, 0.4), run(0.01, 0.02))
+    assert starved is not None and starved.pressure_source == "engine"
+    assert starved.contended == (
+        "the machine was busy: the client's threads waited 0.40 ms for a CPU per ms they ran"
+    )
+    wide = [100.0, 112.0, 95.0, 104.0, 90.0, 108.0]
+    assert decide(evidence(108.0, wide, steadiness=quiet)).kind == "blind"
+    blind = decide(evidence(108.0, wide, steadiness=starved))
+    assert blind.kind == "unsteady" and "the client's threads waited 0.40 ms" in blind.text
+    both = machine_steadiness(run(0.5, 0.3), run(0.45, 0.02))
+    assert both is not None and both.contended == (
+        "the machine was busy: the engine's threads waited 0.50 ms for a CPU per ms they ran "
+        "and the client's threads waited 0.30 ms for a CPU per ms they ran"
+    )
+    # A remote engine: the machine's pressure, and the client's wait beside it.
+    remote = machine_steadiness(run(None, 0.4), run(None, 0.02))
+    assert remote is not None and remote.pressure_source == "machine"
+    assert remote.contended is not None and "the client's threads waited 0.40 ms" in (
+        remote.contended
+    )
+
+
 def test_cpu_pressure_is_read_from_the_kernels_stall_total(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

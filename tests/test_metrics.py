@@ -60,6 +60,7 @@ def calls(slowdown: float = 1.0, *, seed: int = 0, runs: int = 12) -> list[dict[
                 "engine_wait_ms": 0.2,
                 "engine_cpu_ms": ttft * 0.8,
                 "engine_wait_per_cpu": 0.2 / (ttft * 0.8),
+                "client_wait_per_cpu": 0.01,
                 # The request kinds' (issue 35): a call has those of its kind; this one all.
                 "inputs_per_sec": 1000 / total,
                 "tool_call_valid": 1,

@@ -137,6 +137,17 @@ MEASURES: tuple[Measure, ...] = (
         in_every_baseline=False,
         decimals=3,
     ),
+    # The harness's own threads over each call (the client's), likewise: a client that waited
+    # for a CPU read the engine's bytes late (measure/engine_wait.client_wait).
+    Measure(
+        "client_wait_per_cpu",
+        "client_wait_per_cpu",
+        "ms/ms",
+        "client's CPU wait per CPU ms",
+        samples=True,
+        in_every_baseline=False,
+        decimals=3,
+    ),
     # An embedding request's inputs (a rerank request's documents) over its end-to-end time.
     Measure(
         "inputs_per_sec",

@@ -124,7 +124,29 @@ class AdapterFields(TypedDict, total=False):
     lora_adapter: str
 
 
-class CallRecord(CaseHead, MeasurementFields, EngineCheckFields, KindFields, AdapterFields):
+class SteadinessFields(TypedDict, total=False):
+    """A warm call's readings of the machine beside it (run/harness.py: measure/control.py,
+    measure/engine_wait.py), after its other fields; each absent where not read (steadiness
+    off, a remote engine) and from a ledger of an older version."""
+
+    control_ms: float
+    cpu_pressure: float
+    # The engine's own threads over the call: a managed engine's, or the process found serving
+    # a local endpoint (measure/listener.py).
+    engine_wait_ms: float
+    engine_cpu_ms: float
+    engine_wait_per_cpu: float
+    engine_cpus_filled: float
+    engine_cpus: str
+    # The harness's own threads over the call (the client's): its wait for a CPU, and ran.
+    client_wait_ms: float
+    client_cpu_ms: float
+    client_wait_per_cpu: float
+
+
+class CallRecord(
+    CaseHead, MeasurementFields, EngineCheckFields, KindFields, AdapterFields, SteadinessFields
+):
     """One measured call of a case (successful or not); a load case's calls add the load
     fields, a case with telemetry its resource figures (telemetry/aggregate.py CALL_FIELDS), a
     warm call its checks against the engine (EngineCheckFields), a call of a request kind other

@@ -134,6 +134,9 @@ class Steadiness:
     # What `pressure` is: the share of the time in which some task on the machine waited for a
     # CPU ("machine"), or the engine's own threads' wait per ms of CPU they got ("engine").
     pressure_source: PressureSource = "machine"
+    # The harness's own threads' wait per ms they ran, p50 over this run's calls (None where not
+    # read): a client that waited for a CPU read the engine's bytes late, whatever the engine's.
+    client_wait: float | None = None
 
     def _waited(self, value: float) -> str:
         if self.pressure_source == "engine":
@@ -191,11 +194,18 @@ class Steadiness:
         of the baseline's runs (steadily: a drift is `drift`), or None. On such a machine the
         engine's speed is partly its neighbours' to decide: a verdict that cannot tell (blind,
         inconclusive) is `unsteady` there, never a silent pass."""
+        if not self.contention_counts:
+            return None
         readings = (self.pressure, self.baseline_pressure, self.baseline_pressure_max)
         busiest = max((p for p in readings if p is not None), default=None)
-        if not self.contention_counts or busiest is None or busiest <= PRESSURE_LIMIT:
-            return None
-        return f"the machine was busy: {self._waited(busiest)}"
+        waits = []
+        if busiest is not None and busiest > PRESSURE_LIMIT:
+            waits.append(self._waited(busiest))
+        if self.client_wait is not None and self.client_wait > PRESSURE_LIMIT:
+            waits.append(
+                f"the client's threads waited {self.client_wait:.2f} ms for a CPU per ms they ran"
+            )
+        return f"the machine was busy: {' and '.join(waits)}" if waits else None
 
 
 def steadiness(
@@ -207,6 +217,7 @@ def steadiness(
     baseline_pressure: Sequence[float] = (),
     runs_pressure: Sequence[float] = (),
     pressure_source: PressureSource = "machine",
+    client_wait: Sequence[float] = (),
 ) -> Steadiness | None:
     """The control's movement: this run's control samples (in call order) against the baseline's
     (the geometric mean of its history's p50s when it has MIN_HISTORY runs, else the baseline
@@ -216,7 +227,8 @@ def steadiness(
     pressure's p50 against the baseline's (`baseline_pressure`: its runs' p50s, or its run's
     samples), and its halves when they differ significantly; `runs_pressure`: the p50 of each
     run in the baseline's history (its busiest run counts). `pressure_source`: what those
-    readings are (Steadiness.pressure_source). None when this run has neither."""
+    readings are (Steadiness.pressure_source); `client_wait`: the harness's own threads' wait
+    per ms they ran, per call. None when this run has neither control nor pressure."""
     if not control and not pressure:
         return None
     against: float | None = None
@@ -247,6 +259,7 @@ def steadiness(
         pressure_halves=halves,
         baseline_pressure_max=max(runs_pressure) if runs_pressure else None,
         pressure_source=pressure_source,
+        client_wait=statistics.median(client_wait) if client_wait else None,
     )
 
 

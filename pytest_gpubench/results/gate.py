@@ -382,7 +382,8 @@ def machine_steadiness(
     the baseline's runs, and within this run; None when this run checked neither. Where this
     run and the baseline both read a local engine's own wait (per ms of its CPU), that wait is
     the pressure: the machine's counts the client, a proxy of the path and neighbours that take
-    nothing from the engine."""
+    nothing from the engine. The harness's own threads' wait (the client's) counts beside
+    either: a client that waited past the limit made the machine busy too."""
     engine_runs = engine_wait_figures(history)
     engine_now = current.samples["engine_wait_per_cpu"]
     engine_then = engine_runs or baseline.samples["engine_wait_per_cpu"]
@@ -395,6 +396,7 @@ def machine_steadiness(
             baseline_pressure=engine_then,
             runs_pressure=engine_runs,
             pressure_source="engine",
+            client_wait=current.samples["client_wait_per_cpu"],
         )
     runs_pressure = pressure_figures(history)
     return steadiness(
@@ -404,6 +406,7 @@ def machine_steadiness(
         pressure=current.samples["cpu_pressure"],
         baseline_pressure=runs_pressure or baseline.samples["cpu_pressure"],
         runs_pressure=runs_pressure,
+        client_wait=current.samples["client_wait_per_cpu"],
     )
 
 

@@ -29,7 +29,7 @@ from pytest_gpubench.ledger.records import (
 )
 from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.measure.control import ControlCall, CpuPressure
-from pytest_gpubench.measure.engine_wait import EngineWait, EngineWaiting
+from pytest_gpubench.measure.engine_wait import client_wait, client_wait_fields, engine_wait_fields
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
@@ -388,8 +388,11 @@ class Harness:
         started = utc_now()
         pressure_mark = self.pressure.start() if steadiness else None
         engine_wait = live.engine_wait() if steadiness else None
+        own_wait = client_wait() if steadiness else None
         wait_mark = engine_wait.mark() if engine_wait is not None else None
+        own_mark = own_wait.mark() if own_wait is not None else None
         measurement = live.request(prompt, max_tokens, shape, of, **own)
+        own_waited = own_wait.since(own_mark) if own_wait is not None else None
         waited = engine_wait.since(wait_mark) if engine_wait is not None else None
         cpu_pressure = self.pressure.share(pressure_mark) if steadiness else None
         live.last_call_end = time.monotonic()
@@ -421,6 +424,8 @@ class Harness:
             fields["cpu_pressure"] = round(cpu_pressure, 4)
         if waited is not None and engine_wait is not None:
             fields.update(engine_wait_fields(waited, engine_wait))
+        if own_waited is not None:
+            fields.update(client_wait_fields(own_waited))
         fields.update(
             engine_check_fields(
                 measurement, shape, counters_before, counters_after, own.get("extra_body")
@@ -578,23 +583,3 @@ def close_within(target: Target, limit_s: float) -> str | None:
         raise failure[0]
     return None
 
-
-def engine_wait_fields(waited: EngineWaiting, engine_wait: EngineWait) -> dict[str, Any]:
-    """A call record's fields of the engine's own run-queue wait and CPU time over the call
-    (measure/engine_wait), how busy it kept the CPUs it may use, and the CPUs it was pinned to,
-    if any (A/B's two engines placed alike: results/paired)."""
-    fields: dict[str, Any] = {
-        "engine_wait_ms": round(waited.wait_ms, 3),
-        "engine_cpu_ms": round(waited.cpu_ms, 3),
-    }
-    if waited.cpu_ms > 0:
-        fields["engine_wait_per_cpu"] = round(waited.wait_ms / waited.cpu_ms, 4)
-    allowed = engine_wait.allowed_cpus(waited.pids)
-    if allowed and waited.wall_ms > 0:
-        # How busy the engine kept the CPUs it may use (1.0: every one, all the call long): an
-        # engine that fills them waits for its own threads too (results/engine_checks).
-        fields["engine_cpus_filled"] = round(waited.cpu_ms / (waited.wall_ms * len(allowed)), 3)
-    pinned = engine_wait.pinned_cpus(allowed)
-    if pinned is not None:
-        fields["engine_cpus"] = pinned
-    return fields
