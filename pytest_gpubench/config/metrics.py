@@ -148,6 +148,27 @@ MEASURES: tuple[Measure, ...] = (
         in_every_baseline=False,
         decimals=3,
     ),
+    # The machine's CPU time over each call with the benchmark's own (the engine's where read,
+    # this process's) taken out: the neighbours' share; and the share a hypervisor stole
+    # (measure/control.MachineCpu). The steadiness where the engine's own wait is not read.
+    Measure(
+        "neighbour_cpu_share",
+        "neighbour_cpu_share",
+        "share",
+        "neighbours' CPU share",
+        samples=True,
+        in_every_baseline=False,
+        decimals=3,
+    ),
+    Measure(
+        "steal_share",
+        "steal_share",
+        "share",
+        "CPU time stolen",
+        samples=True,
+        in_every_baseline=False,
+        decimals=3,
+    ),
     # An embedding request's inputs (a rerank request's documents) over its end-to-end time.
     Measure(
         "inputs_per_sec",

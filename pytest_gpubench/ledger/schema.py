@@ -142,6 +142,10 @@ class SteadinessFields(TypedDict, total=False):
     client_wait_ms: float
     client_cpu_ms: float
     client_wait_per_cpu: float
+    # The machine's CPU time over the call less the engine's and this process's: the
+    # neighbours' share; and the share a hypervisor stole (/proc/stat's steal).
+    neighbour_cpu_share: float
+    steal_share: float
 
 
 class CallRecord(

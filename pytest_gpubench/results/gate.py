@@ -44,6 +44,7 @@ from pytest_gpubench.results.run_history import (
     control_figures,
     engine_wait_figures,
     figures,
+    neighbour_figures,
     pressure_figures,
 )
 from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
@@ -382,8 +383,11 @@ def machine_steadiness(
     the baseline's runs, and within this run; None when this run checked neither. Where this
     run and the baseline both read a local engine's own wait (per ms of its CPU), that wait is
     the pressure: the machine's counts the client, a proxy of the path and neighbours that take
-    nothing from the engine. The harness's own threads' wait (the client's) counts beside
-    either: a client that waited past the limit made the machine busy too."""
+    nothing from the engine. Where not, and both read the machine's CPU time, the other
+    processes' share of it (the engine's and the client's own taken out) is the pressure; else
+    the machine's pressure, as runs before either was measured. The harness's own threads' wait
+    (the client's) and a hypervisor's steal count beside each: either past the limit made the
+    machine busy too."""
     engine_runs = engine_wait_figures(history)
     engine_now = current.samples["engine_wait_per_cpu"]
     engine_then = engine_runs or baseline.samples["engine_wait_per_cpu"]
@@ -397,6 +401,22 @@ def machine_steadiness(
             runs_pressure=engine_runs,
             pressure_source="engine",
             client_wait=current.samples["client_wait_per_cpu"],
+            steal=current.samples["steal_share"],
+        )
+    neighbour_runs = neighbour_figures(history)
+    neighbours_now = current.samples["neighbour_cpu_share"]
+    neighbours_then = neighbour_runs or baseline.samples["neighbour_cpu_share"]
+    if neighbours_now and neighbours_then:
+        return steadiness(
+            current.samples["control_ms"],
+            baseline.samples["control_ms"],
+            control_figures(history),
+            pressure=neighbours_now,
+            baseline_pressure=neighbours_then,
+            runs_pressure=neighbour_runs,
+            pressure_source="neighbours",
+            client_wait=current.samples["client_wait_per_cpu"],
+            steal=current.samples["steal_share"],
         )
     runs_pressure = pressure_figures(history)
     return steadiness(
@@ -407,6 +427,7 @@ def machine_steadiness(
         baseline_pressure=runs_pressure or baseline.samples["cpu_pressure"],
         runs_pressure=runs_pressure,
         client_wait=current.samples["client_wait_per_cpu"],
+        steal=current.samples["steal_share"],
     )
 
 
@@ -415,6 +436,7 @@ def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None)
     control = summary.samples["control_ms"]
     pressure = summary.samples["cpu_pressure"]
     engine_wait = summary.samples["engine_wait_per_cpu"]
+    neighbours = summary.samples["neighbour_cpu_share"]
     return RunFigures(
         benchmark_run_id=run_id,
         date=date,
@@ -423,6 +445,7 @@ def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None)
         control_ms=sorted(control)[len(control) // 2] if control else None,
         cpu_pressure=statistics.median(pressure) if pressure else None,
         engine_wait_per_cpu=statistics.median(engine_wait) if engine_wait else None,
+        neighbour_cpu_share=statistics.median(neighbours) if neighbours else None,
     )
 
 

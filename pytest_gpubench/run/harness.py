@@ -28,8 +28,8 @@ from pytest_gpubench.ledger.records import (
     stage_record,
 )
 from pytest_gpubench.ledger.schema import as_json
-from pytest_gpubench.measure.control import ControlCall, CpuPressure
-from pytest_gpubench.measure.engine_wait import client_wait, client_wait_fields, engine_wait_fields
+from pytest_gpubench.measure.control import ControlCall, CpuPressure, MachineCpu
+from pytest_gpubench.measure.steadiness import CallReadings
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
@@ -95,6 +95,9 @@ class Harness:
         self.steadiness = steadiness
         self.control = ControlCall()
         self.pressure = CpuPressure()
+        # The machine's CPU time during the call, the benchmark's own taken out (the neighbours'
+        # share) and the hypervisor's steal: where the engine's own wait cannot be read.
+        self.machine_cpu = MachineCpu()
         # Which pass of the session's measurements this is: 2 while suspects are re-measured.
         self.measure_pass = 1
 
@@ -386,15 +389,13 @@ class Harness:
         assert live.engine is not None
         window = self._begin_sampling(live)
         started = utc_now()
-        pressure_mark = self.pressure.start() if steadiness else None
-        engine_wait = live.engine_wait() if steadiness else None
-        own_wait = client_wait() if steadiness else None
-        wait_mark = engine_wait.mark() if engine_wait is not None else None
-        own_mark = own_wait.mark() if own_wait is not None else None
+        readings = (
+            CallReadings(self.pressure, self.machine_cpu, live.engine_wait())
+            if steadiness
+            else None
+        )
         measurement = live.request(prompt, max_tokens, shape, of, **own)
-        own_waited = own_wait.since(own_mark) if own_wait is not None else None
-        waited = engine_wait.since(wait_mark) if engine_wait is not None else None
-        cpu_pressure = self.pressure.share(pressure_mark) if steadiness else None
+        beside = readings.fields() if readings is not None else {}
         live.last_call_end = time.monotonic()
         samples = self._end_sampling(live, window)
         counters_after = (
@@ -420,12 +421,7 @@ class Harness:
         fields = as_json(record)
         if control_ms is not None:
             fields["control_ms"] = round(control_ms, 3)
-        if cpu_pressure is not None:
-            fields["cpu_pressure"] = round(cpu_pressure, 4)
-        if waited is not None and engine_wait is not None:
-            fields.update(engine_wait_fields(waited, engine_wait))
-        if own_waited is not None:
-            fields.update(client_wait_fields(own_waited))
+        fields.update(beside)
         fields.update(
             engine_check_fields(
                 measurement, shape, counters_before, counters_after, own.get("extra_body")
@@ -582,4 +578,3 @@ def close_within(target: Target, limit_s: float) -> str | None:
     if failure:
         raise failure[0]
     return None
-
