@@ -37,6 +37,7 @@ from pytest_gpubench.ledger.schema import (
     SampleRecord,
     SkippedRecord,
     StageRecord,
+    SteadinessFields,
     VerdictRecord,
 )
 from pytest_gpubench.measure.gauges import Page, counter_changes
@@ -229,6 +230,8 @@ def call_record(
         # A warm call's checks against the engine come later (engine_check_fields).
         **EngineCheckFields(),
         **AdapterFields(),
+        # The machine's readings beside a warm call come later (run/harness.py).
+        **SteadinessFields(),
     }
     chosen = adapter if adapter is not None else case.adapter
     if chosen is not None:
