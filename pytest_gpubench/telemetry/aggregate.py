@@ -34,7 +34,19 @@ CALL_FIELDS = (
     "system_mem_used_peak_mib",
     "system_load1_max",
     "engine_gpu_memory_peak_mib",
+    "gpu_other_processes",
+    "gpu_clock_events",
 )
+# NVML's clock event reasons (nvmlClocksEventReason*) that slow the engine's kernels, by bit, as a
+# call record names them; the others (idle, an application clock setting, sync boost, a display
+# clock) are the GPU's or its owner's settings, not a neighbour or the machine's state.
+CLOCK_EVENTS = {
+    0x4: "power cap",
+    0x8: "hardware slowdown",
+    0x20: "thermal (software)",
+    0x40: "thermal (hardware)",
+    0x80: "power brake",
+}
 
 Points = list[tuple[float, float]]
 # NVML's energy counter on an H100 moves about every 100 ms, in steps of the power over that
@@ -139,6 +151,12 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> di
         if joules is not None:
             energy_mj, source = joules * 1000.0, "integrated_power"
     engine_peaks = _peaks_per_gpu(gpus, "engine_memory_mib")
+    during = [s for g in inside for s in g]
+    listed = [s.other_pids for s in during if s.other_pids is not None]
+    events = [s.clock_events for s in during if s.clock_events is not None]
+    mask = 0
+    for event in events:
+        mask |= event
     return {
         "gpu_peak_memory_used_mib": _sum_or_none(peaks) if gpus else None,
         "engine_gpu_memory_peak_mib": _sum_or_none(engine_peaks) if gpus else None,
@@ -148,6 +166,12 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> di
         "gpu_temperature_max_c": max(temperatures, default=None),
         "gpu_energy_j": energy_mj / 1000.0 if energy_mj is not None else None,
         "gpu_energy_source": source,
+        # Other processes on the GPUs during the case, and what held their clocks down: None
+        # where not read (nvidia-smi, no engine process), [] where none.
+        "gpu_other_processes": sorted({pid for pids in listed for pid in pids}) if listed else None,
+        "gpu_clock_events": (
+            [name for bit, name in CLOCK_EVENTS.items() if mask & bit] if events else None
+        ),
     }
 
 
