@@ -10,15 +10,13 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.bench_files import CHECKED_TEST_FILE, ONE_PROMPT
+from support.tiny_server import users_llama_server
 
 from pytest_gpubench.measure.listener import (
     endpoint_process,
@@ -157,42 +155,6 @@ def test_a_listening_child_process_is_found_on_the_real_proc() -> None:
         child.kill()
         child.wait()
     assert os.getpid() != child.pid
-
-
-@contextmanager
-def users_llama_server(binary: Path, model: Path, *prefix: str) -> Iterator[tuple[str, int]]:
-    """llama-server (one thread) on the tiny model, started as a user starts one: a process of
-    its own, in a session of its own, not the harness's (`prefix`: a command it runs under,
-    `taskset -c 0`). Its base URL and pid; killed on the way out."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [
-            *prefix, str(binary), "--model", str(model), "--alias", "tiny", "--host",
-            "127.0.0.1", "--port", str(port), "--threads", "1", "--parallel", "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, "llama-server ended before it was healthy"
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "llama-server never became healthy"
-            time.sleep(0.2)
-        yield url, server.pid
-    finally:
-        server.kill()
-        server.wait()
 
 
 @pytest.mark.engine

@@ -169,6 +169,27 @@ MEASURES: tuple[Measure, ...] = (
         in_every_baseline=False,
         decimals=3,
     ),
+    # A GPU's neighbours over each call (telemetry/aggregate.py, through NVML): how many compute
+    # processes that are not the engine's ran on it, and the clock events that held it down
+    # (CLOCK_EVENTS' bits). The gate's steadiness names them (results/gate.gpu_signals).
+    Measure(
+        "gpu_other_processes",
+        "gpu_other_process_count",
+        "processes",
+        "other GPU processes",
+        samples=True,
+        in_every_baseline=False,
+        decimals=0,
+    ),
+    Measure(
+        "gpu_clock_events",
+        "gpu_clock_event_bits",
+        "bits",
+        "GPU clock events",
+        samples=True,
+        in_every_baseline=False,
+        decimals=0,
+    ),
     # An embedding request's inputs (a rerank request's documents) over its end-to-end time.
     Measure(
         "inputs_per_sec",
@@ -417,3 +438,15 @@ ENGINE_COUNTERS: tuple[EngineCounter, ...] = (
         ),
     ),
 )
+
+
+# NVML's clock event reasons (nvmlClocksEventReason*) that slow the engine's kernels, by bit, as a
+# call record and a verdict name them; the others (idle, an application clock setting, sync
+# boost, a display clock) are the GPU's or its owner's settings, not a neighbour or its state.
+CLOCK_EVENTS = {
+    0x4: "power cap",
+    0x8: "hardware slowdown",
+    0x20: "thermal (software)",
+    0x40: "thermal (hardware)",
+    0x80: "power brake",
+}

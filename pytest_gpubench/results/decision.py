@@ -145,6 +145,9 @@ class Steadiness:
     client_wait: float | None = None
     # The share of the CPUs' time the hypervisor stole, p50 over this run's calls (None: not read).
     steal: float | None = None
+    # What the GPU's own signals showed beside the engine during this run's calls, where they
+    # moved against the baseline's (another process on it, clocks held down), or None.
+    gpu: str | None = None
 
     def _waited(self, value: float) -> str:
         if self.pressure_source == "engine":
@@ -195,6 +198,8 @@ class Steadiness:
                         else f"of {self.pressure_window} during the run"
                     )
                 )
+        if self.gpu is not None:
+            reasons.append(self.gpu)
         return "; ".join(reasons) if reasons else None
 
     @property
@@ -230,6 +235,7 @@ def steadiness(
     pressure_source: PressureSource = "machine",
     client_wait: Sequence[float] = (),
     steal: Sequence[float] = (),
+    gpu: str | None = None,
 ) -> Steadiness | None:
     """The control's movement: this run's control samples (in call order) against the baseline's
     (the geometric mean of its history's p50s when it has MIN_HISTORY runs, else the baseline
@@ -241,7 +247,8 @@ def steadiness(
     run in the baseline's history (its busiest run counts). `pressure_source`: what those
     readings are (Steadiness.pressure_source); `client_wait`: the harness's own threads' wait
     per ms they ran, per call; `steal`: the share of the CPUs' time a hypervisor stole, per
-    call. None when this run has neither control nor pressure."""
+    call; `gpu`: what the GPU's signals showed (Steadiness.gpu). None when this run has neither
+    control nor pressure."""
     if not control and not pressure:
         return None
     against: float | None = None
@@ -274,6 +281,7 @@ def steadiness(
         pressure_source=pressure_source,
         client_wait=statistics.median(client_wait) if client_wait else None,
         steal=statistics.median(steal) if steal else None,
+        gpu=gpu,
     )
 
 

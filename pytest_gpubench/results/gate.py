@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pytest_gpubench.config.matrix import Thresholds, engine_of
 from pytest_gpubench.config.metrics import (
+    CLOCK_EVENTS,
     DEFAULT_RATIO_THRESHOLD,
     DEFAULT_SUCCESS_RATE,
     GATED,
@@ -402,6 +403,7 @@ def machine_steadiness(
             pressure_source="engine",
             client_wait=current.samples["client_wait_per_cpu"],
             steal=current.samples["steal_share"],
+            gpu=gpu_signals(current, baseline),
         )
     neighbour_runs = neighbour_figures(history)
     neighbours_now = current.samples["neighbour_cpu_share"]
@@ -417,6 +419,7 @@ def machine_steadiness(
             pressure_source="neighbours",
             client_wait=current.samples["client_wait_per_cpu"],
             steal=current.samples["steal_share"],
+            gpu=gpu_signals(current, baseline),
         )
     runs_pressure = pressure_figures(history)
     return steadiness(
@@ -428,7 +431,38 @@ def machine_steadiness(
         runs_pressure=runs_pressure,
         client_wait=current.samples["client_wait_per_cpu"],
         steal=current.samples["steal_share"],
+        gpu=gpu_signals(current, baseline),
     )
+
+
+def gpu_signals(current: PromptSummary, baseline: PromptSummary) -> str | None:
+    """What the GPU's own signals (NVML, beside each call) showed that no CPU reading sees:
+    another compute process on the GPU during this run's calls, and clocks held down (thermal,
+    power cap, a hardware slowdown) by reasons the baseline's calls did not show (a GPU at its
+    power cap under every run's load is the same GPU); None where neither, or not read."""
+    reasons = []
+    others = current.samples["gpu_other_processes"]
+    shared = sum(1 for count in others if count > 0)
+    if shared:
+        reasons.append(
+            f"another process ran on the GPU during {shared} of {len(others)} calls "
+            f"(up to {max(others):.0f} besides the engine's)"
+        )
+    events = current.samples["gpu_clock_events"]
+    then = 0
+    for bits in baseline.samples["gpu_clock_events"]:
+        then |= int(bits)
+    held = {
+        name: sum(1 for bits in events if int(bits) & bit)
+        for bit, name in CLOCK_EVENTS.items()
+        if not then & bit
+    }
+    named = [f"{name} in {count} of {len(events)} calls" for name, count in held.items() if count]
+    if named:
+        reasons.append(
+            f"the GPU's clocks were held down ({', '.join(named)}), unlike the baseline's"
+        )
+    return "; ".join(reasons) if reasons else None
 
 
 def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None) -> RunFigures:

@@ -443,7 +443,7 @@ class Harness:
         telemetry = self.telemetry.get(live.cell.spec.node)
         if telemetry is None or (settings.gpu == "off" and settings.cpu == "off"):
             return None
-        pid = live.server.pid if live.server is not None else None
+        pid = live.engine_pid()
         try:
             return telemetry, telemetry.begin_case(pid)
         except Exception:

@@ -87,15 +87,18 @@ class LiveCell:
     # machine (or why it was not): None for a managed engine, or one on another node.
     engine_process: EngineProcess | None = None
 
+    def engine_pid(self) -> int | None:
+        """The engine's process: a managed engine's, or the one found serving the endpoint of an
+        engine started outside the harness on this machine; None elsewhere."""
+        if self.server is not None:
+            return self.server.pid
+        return self.engine_process.pid if self.engine_process is not None else None
+
     def engine_wait(self) -> EngineWait | None:
-        """The reader of the engine's own waiting: a managed engine on this machine, or the
-        process found serving the endpoint of one started outside the harness."""
+        """The reader of the engine's own waiting: an engine process on this machine."""
         if not isinstance(self.target, LocalTarget):
             return None
-        if self.server is not None:
-            pid = self.server.pid
-        else:
-            pid = self.engine_process.pid if self.engine_process is not None else None
+        pid = self.engine_pid()
         return EngineWait(pid) if pid is not None else None
 
     def engine_counters(self) -> CaseCounters | None:

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from itertools import pairwise
 from typing import Any
 
+from pytest_gpubench.config.metrics import CLOCK_EVENTS
 from pytest_gpubench.telemetry import CaseSamples, GpuSample, ProcSample
 
 # The call record's telemetry fields, in this order (added after the measurement's fields).
@@ -35,18 +36,10 @@ CALL_FIELDS = (
     "system_load1_max",
     "engine_gpu_memory_peak_mib",
     "gpu_other_processes",
+    "gpu_other_process_count",
     "gpu_clock_events",
+    "gpu_clock_event_bits",
 )
-# NVML's clock event reasons (nvmlClocksEventReason*) that slow the engine's kernels, by bit, as a
-# call record names them; the others (idle, an application clock setting, sync boost, a display
-# clock) are the GPU's or its owner's settings, not a neighbour or the machine's state.
-CLOCK_EVENTS = {
-    0x4: "power cap",
-    0x8: "hardware slowdown",
-    0x20: "thermal (software)",
-    0x40: "thermal (hardware)",
-    0x80: "power brake",
-}
 
 Points = list[tuple[float, float]]
 # NVML's energy counter on an H100 moves about every 100 ms, in steps of the power over that
@@ -157,6 +150,8 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> di
     mask = 0
     for event in events:
         mask |= event
+    mask &= sum(CLOCK_EVENTS)
+    others = sorted({pid for pids in listed for pid in pids}) if listed else None
     return {
         "gpu_peak_memory_used_mib": _sum_or_none(peaks) if gpus else None,
         "engine_gpu_memory_peak_mib": _sum_or_none(engine_peaks) if gpus else None,
@@ -168,10 +163,12 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> di
         "gpu_energy_source": source,
         # Other processes on the GPUs during the case, and what held their clocks down: None
         # where not read (nvidia-smi, no engine process), [] where none.
-        "gpu_other_processes": sorted({pid for pids in listed for pid in pids}) if listed else None,
+        "gpu_other_processes": others,
+        "gpu_other_process_count": len(others) if others is not None else None,
         "gpu_clock_events": (
             [name for bit, name in CLOCK_EVENTS.items() if mask & bit] if events else None
         ),
+        "gpu_clock_event_bits": mask if events else None,
     }
 
 
