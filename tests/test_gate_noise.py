@@ -28,7 +28,7 @@ from pytest_gpubench.cli.main import main as gpubench
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.status import EXIT_UNSTEADY
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.measure.control import ControlCall, CpuPressure
+from pytest_gpubench.measure.control import ControlCall, CpuPressure, MachineCpu, Neighbours
 from pytest_gpubench.results.baseline import (
     CellBaseline,
     Provenance,
@@ -265,6 +265,117 @@ def test_a_local_engines_own_wait_is_its_steadiness_not_the_machines_pressure() 
     )
     assert flickered is not None and flickered.contended is not None
     assert "0.60 ms for a CPU per ms" in flickered.contended
+
+
+def test_a_client_that_waited_for_a_cpu_makes_the_machine_busy_and_is_named() -> None:
+    """The harness's own threads are the client: one that waited for a CPU read the engine's
+    bytes late, whatever the engine's own wait. Past the limit the machine is busy, and the
+    message says it was the client that waited (beside the engine, where both did); below it,
+    nothing changes."""
+
+    def run(engine_wait: float | None, client_wait: float) -> PromptSummary:
+        summary = with_waits(60.0, 0.0, engine_wait)
+        samples = {name: summary.samples[name] for name in summary.samples}
+        samples["client_wait_per_cpu"] = (client_wait,) * 10
+        return replace(summary, samples=WarmSamples(**samples))
+
+    quiet = machine_steadiness(run(0.01, 0.02), run(0.01, 0.02))
+    assert quiet is not None and quiet.client_wait == 0.02 and quiet.contended is None
+    starved = machine_steadiness(run(0.01, 0.4), run(0.01, 0.02))
+    assert starved is not None and starved.pressure_source == "engine"
+    assert starved.contended == (
+        "the machine was busy: the client's threads waited 0.40 ms for a CPU per ms they ran"
+    )
+    wide = [100.0, 112.0, 95.0, 104.0, 90.0, 108.0]
+    assert decide(evidence(108.0, wide, steadiness=quiet)).kind == "blind"
+    blind = decide(evidence(108.0, wide, steadiness=starved))
+    assert blind.kind == "unsteady" and "the client's threads waited 0.40 ms" in blind.text
+    both = machine_steadiness(run(0.5, 0.3), run(0.45, 0.02))
+    assert both is not None and both.contended == (
+        "the machine was busy: the engine's threads waited 0.50 ms for a CPU per ms they ran "
+        "and the client's threads waited 0.30 ms for a CPU per ms they ran"
+    )
+    # A remote engine: the machine's pressure, and the client's wait beside it.
+    remote = machine_steadiness(run(None, 0.4), run(None, 0.02))
+    assert remote is not None and remote.pressure_source == "machine"
+    assert remote.contended is not None and "the client's threads waited 0.40 ms" in (
+        remote.contended
+    )
+
+
+def stat_file(path: Path, user: int, system: int, idle: int, steal: int) -> None:
+    """A /proc/stat of two CPUs, in clock ticks (the first line sums them)."""
+    path.write_text(
+        f"cpu  {user} 0 {system} {idle} 0 0 0 {steal} 0 0\n"
+        "cpu0 1 0 1 1 0 0 0 0 0 0\ncpu1 1 0 1 1 0 0 0 0 0 0\nintr 0\n"
+    )
+
+
+def test_the_neighbours_share_is_the_machines_busy_time_less_the_benchmarks_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc/stat's busy ticks over a window, less the CPU time the engine and this process used
+    (their schedstat), over all of it: what other processes took. Over 1 s on 2 CPUs (200 ticks
+    at 100 a second) 90 ticks busy, of which the benchmark's own 700 ms: 0.10; and 10 ticks
+    stolen by the hypervisor: 0.05. Its own time alone is no neighbour; a kernel without the
+    file reads none."""
+    monkeypatch.undo()  # the real reader, not the quiet one tests/conftest.py pins
+    stat = tmp_path / "stat"
+    reader = MachineCpu(stat)
+    reader.tick_ms = 10.0
+    stat_file(stat, user=1000, system=500, idle=3000, steal=100)
+    start = reader.read()
+    assert start is not None and start.cpus == 2 and start.busy_ms == 15_000.0
+    stat_file(stat, user=1070, system=520, idle=3100, steal=110)
+    seen = reader.neighbours(start, own_cpu_ms=700.0)
+    assert seen is not None
+    assert seen.cpu_share == pytest.approx(0.10) and seen.steal_share == pytest.approx(0.05)
+    alone = reader.neighbours(start, own_cpu_ms=900.0)
+    assert alone is not None and alone.cpu_share == 0.0
+    assert reader.neighbours(None, 0.0) is None
+    assert reader.neighbours(start, 0.0, end=start) is None  # no tick between the reads
+    assert MachineCpu(tmp_path / "absent").read() is None
+
+
+def test_a_hypervisor_that_stole_the_cpus_time_makes_the_machine_busy() -> None:
+    """A virtual machine's CPU time the host gave to others: no in-guest pressure sees it, the
+    engine's threads do not count it as a wait. Past the limit the machine was busy, and says
+    why; below it nothing changes."""
+    stolen = steadiness([5.0] * 10, [5.0] * 10, pressure=[0.01] * 10,
+                        baseline_pressure=[0.01] * 10, steal=[0.2] * 10)  # fmt: skip
+    assert stolen is not None and stolen.drift is None
+    assert (
+        stolen.contended
+        == "the machine was busy: the hypervisor took 20% of the CPUs' time (steal)"
+    )
+    little = steadiness([5.0] * 10, [5.0] * 10, pressure=[0.01] * 10,
+                        baseline_pressure=[0.01] * 10, steal=[0.02] * 10)  # fmt: skip
+    assert little is not None and little.contended is None
+
+
+def test_the_neighbours_share_judges_only_where_both_runs_read_it() -> None:
+    """A baseline ratified before the machine's CPU time was read (an older file) has no
+    neighbours' share: the machine's pressure judges, as before; once both runs read it, the
+    share does, and the pressure of the benchmark's own tasks waiting for each other no
+    longer moves the verdict."""
+
+    def run(pressure: float, neighbours: float | None) -> PromptSummary:
+        summary = with_waits(60.0, pressure, None)
+        samples = {name: summary.samples[name] for name in summary.samples}
+        samples["neighbour_cpu_share"] = () if neighbours is None else (neighbours,) * 10
+        return replace(summary, samples=WarmSamples(**samples))
+
+    older = machine_steadiness(run(0.35, 0.01), run(0.48, None))
+    assert older is not None and older.pressure_source == "machine"
+    assert older.drift is not None and "tasks waited for a CPU 35%" in older.drift
+    both = machine_steadiness(run(0.35, 0.01), run(0.48, 0.02))
+    assert both is not None and both.pressure_source == "neighbours"
+    assert both.drift is None and both.contended is None
+    history = (RunFigures(n=10, cpu_pressure=0.5, neighbour_cpu_share=0.3),)
+    flickered = machine_steadiness(run(0.35, 0.01), run(0.48, 0.02), history)
+    assert flickered is not None and flickered.contended == (
+        "the machine was busy: other processes used 30% of the CPUs' time during the calls"
+    )
 
 
 def test_cpu_pressure_is_read_from_the_kernels_stall_total(
@@ -563,7 +674,9 @@ def test_cpu_pressure_rising_mid_run_turns_a_slowdown_unsteady_unless_steadiness
 ) -> None:
     """Three times slower while, from the sixth call on, tasks waited for a CPU 80 % of the time:
     unsteady, with the pressure in each call record. With --gpubench-steadiness off neither the
-    control nor the pressure is read, and the same slowdown is a regression."""
+    control nor the pressure is read, and the same slowdown is a regression. The machine's CPU
+    time is not read here (a kernel without /proc/stat): the pressure is all there is."""
+    monkeypatch.setattr(MachineCpu, "read", lambda self: None)
     server = OllamaStandin(token_s=SLOWDOWN_S[0])
     with serving(server) as url:
         bench(pytester, url, prompts=SHORT_PROMPTS)
@@ -586,6 +699,41 @@ def test_cpu_pressure_rising_mid_run_turns_a_slowdown_unsteady_unless_steadiness
     assert off.ret == 6
     assert "UNSTEADY" not in off.stdout.str()
     assert all("cpu_pressure" not in r and "control_ms" not in r for r in unread)
+
+
+def test_neighbours_taking_the_cpu_mid_run_turn_a_slowdown_unsteady_not_the_pressure_alone(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the machine's CPU time is read, the other processes' share of it (the benchmark's
+    own taken out) is the steadiness, not the pressure, which counts the engine and the client
+    waiting for each other (issue 43). Three times slower while from the sixth call on other
+    processes used 80 % of the CPUs' time: unsteady, naming them. The same slowdown with the
+    pressure at 80 % and no neighbour is the engine's: a regression."""
+    server = OllamaStandin(token_s=SLOWDOWN_S[0])
+    with serving(server) as url:
+        bench(pytester, url, prompts=SHORT_PROMPTS)
+        pytester.runpytest("--force-load", "--baseline-update")
+        server.token_s = SLOWDOWN_S[1]
+        feed = iter([Neighbours(0.0, 0.0)] * 5 + [Neighbours(0.8, 0.01)] * 5)
+        monkeypatch.setattr(
+            MachineCpu, "neighbours", lambda self, *args: next(feed, Neighbours(0.8, 0.01))
+        )
+        crowded = pytester.runpytest("--force-load")
+        calls = [r for r in last_ledger(pytester) if r["type"] == "call" and r["phase"] == "warm"]
+        monkeypatch.setattr(MachineCpu, "neighbours", lambda self, *args: Neighbours(0.0, 0.0))
+        monkeypatch.setattr(CpuPressure, "share", lambda self, mark: 0.8)
+        own_load = pytester.runpytest("--force-load")
+    assert crowded.ret == EXIT_UNSTEADY, crowded.stdout.str()[-2000:]
+    crowded.stdout.fnmatch_lines(
+        [
+            f"UNSTEADY: {CELL} P-EASY: warm TTFT p50 +*the other processes' CPU share went from "
+            "0% to 80% of the calls' time during the run*"
+        ]
+    )
+    assert [r["neighbour_cpu_share"] for r in calls[:10]] == [0.0] * 5 + [0.8] * 5
+    assert [r["steal_share"] for r in calls[:10]] == [0.0] * 5 + [0.01] * 5
+    assert own_load.ret == 6, own_load.stdout.str()[-2000:]
+    assert "UNSTEADY" not in own_load.stdout.str()
 
 
 def test_a_regression_seen_again_on_re_measure_is_confirmed(pytester: pytest.Pytester) -> None:

@@ -225,6 +225,7 @@ def _prompt_model(summary: PromptSummary, history: History) -> Prompt:
             control_ms=run.control_ms,
             cpu_pressure=run.cpu_pressure,
             engine_wait_per_cpu=run.engine_wait_per_cpu,
+            neighbour_cpu_share=run.neighbour_cpu_share,
         )
         for run in history
     ]

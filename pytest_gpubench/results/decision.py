@@ -131,7 +131,13 @@ PRESSURE_LIMIT = 0.10
 # 512 MiB over and over; 0.17 with its replies paced by a slower proxy, where the machine's pressure
 # reads whatever the proxy and the client add. The engine's is the engine's alone: a slower
 # engine waits in proportion to its longer running, a slower path around it changes neither.
-PressureSource = Literal["machine", "engine"]
+# Where the engine's own wait is not read (a remote engine, one in a container), the neighbours'
+# share of the machine's CPU time over the call, the engine's (where read) and the client's own
+# taken out (measure/control.MachineCpu), stands in for the pressure, with the same limit: the
+# pressure counts the engine and the client waiting for each other (issue 43: an idle 2-core
+# machine read 34-36 % with an engine started by hand). A hypervisor's steal (a VM's CPU time the
+# host gave to others, which no in-guest pressure sees) past the limit is a busy machine too.
+PressureSource = Literal["machine", "engine", "neighbours"]
 
 
 @dataclass(frozen=True)
@@ -166,10 +172,20 @@ class Steadiness:
     # What `pressure` is: the share of the time in which some task on the machine waited for a
     # CPU ("machine"), or the engine's own threads' wait per ms of CPU they got ("engine").
     pressure_source: PressureSource = "machine"
+    # The harness's own threads' wait per ms they ran, p50 over this run's calls (None where not
+    # read): a client that waited for a CPU read the engine's bytes late, whatever the engine's.
+    client_wait: float | None = None
+    # The share of the CPUs' time the hypervisor stole, p50 over this run's calls (None: not read).
+    steal: float | None = None
+    # What the GPU's own signals showed beside the engine during this run's calls, where they
+    # moved against the baseline's (another process on it, clocks held down), or None.
+    gpu: str | None = None
 
     def _waited(self, value: float) -> str:
         if self.pressure_source == "engine":
             return f"the engine's threads waited {value:.2f} ms for a CPU per ms they ran"
+        if self.pressure_source == "neighbours":
+            return f"other processes used {value:.0%} of the CPUs' time during the calls"
         return f"tasks waited for a CPU {value:.0%} of {self.pressure_window}"
 
     def _level(self, value: float) -> str:
@@ -202,11 +218,10 @@ class Steadiness:
         if self.pressure_halves is not None:
             early, late = self.pressure_halves
             if abs(late - early) > PRESSURE_LIMIT:
-                what = (
-                    "the engine's wait per ms of CPU"
-                    if self.pressure_source == "engine"
-                    else "the CPU pressure"
-                )
+                what = {
+                    "engine": "the engine's wait per ms of CPU",
+                    "neighbours": "the other processes' CPU share",
+                }.get(self.pressure_source, "the CPU pressure")
                 reasons.append(
                     f"{what} went from {self._level(early)} to {self._level(late)} "
                     + (
@@ -215,6 +230,8 @@ class Steadiness:
                         else f"of {self.pressure_window} during the run"
                     )
                 )
+        if self.gpu is not None:
+            reasons.append(self.gpu)
         return "; ".join(reasons) if reasons else None
 
     @property
@@ -223,11 +240,20 @@ class Steadiness:
         of the baseline's runs (steadily: a drift is `drift`), or None. On such a machine the
         engine's speed is partly its neighbours' to decide: a verdict that cannot tell (blind,
         inconclusive) is `unsteady` there, never a silent pass."""
+        if not self.contention_counts:
+            return None
         readings = (self.pressure, self.baseline_pressure, self.baseline_pressure_max)
         busiest = max((p for p in readings if p is not None), default=None)
-        if not self.contention_counts or busiest is None or busiest <= PRESSURE_LIMIT:
-            return None
-        return f"the machine was busy: {self._waited(busiest)}"
+        waits = []
+        if busiest is not None and busiest > PRESSURE_LIMIT:
+            waits.append(self._waited(busiest))
+        if self.client_wait is not None and self.client_wait > PRESSURE_LIMIT:
+            waits.append(
+                f"the client's threads waited {self.client_wait:.2f} ms for a CPU per ms they ran"
+            )
+        if self.steal is not None and self.steal > PRESSURE_LIMIT:
+            waits.append(f"the hypervisor took {self.steal:.0%} of the CPUs' time (steal)")
+        return f"the machine was busy: {' and '.join(waits)}" if waits else None
 
 
 def steadiness(
@@ -239,6 +265,9 @@ def steadiness(
     baseline_pressure: Sequence[float] = (),
     runs_pressure: Sequence[float] = (),
     pressure_source: PressureSource = "machine",
+    client_wait: Sequence[float] = (),
+    steal: Sequence[float] = (),
+    gpu: str | None = None,
 ) -> Steadiness | None:
     """The control's movement: this run's control samples (in call order) against the baseline's
     (the geometric mean of its history's p50s when it has MIN_HISTORY runs, else the baseline
@@ -248,7 +277,10 @@ def steadiness(
     pressure's p50 against the baseline's (`baseline_pressure`: its runs' p50s, or its run's
     samples), and its halves when they differ significantly; `runs_pressure`: the p50 of each
     run in the baseline's history (its busiest run counts). `pressure_source`: what those
-    readings are (Steadiness.pressure_source). None when this run has neither."""
+    readings are (Steadiness.pressure_source); `client_wait`: the harness's own threads' wait
+    per ms they ran, per call; `steal`: the share of the CPUs' time a hypervisor stole, per
+    call; `gpu`: what the GPU's signals showed (Steadiness.gpu). None when this run has neither
+    control nor pressure."""
     if not control and not pressure:
         return None
     against: float | None = None
@@ -279,6 +311,9 @@ def steadiness(
         pressure_halves=halves,
         baseline_pressure_max=max(runs_pressure) if runs_pressure else None,
         pressure_source=pressure_source,
+        client_wait=statistics.median(client_wait) if client_wait else None,
+        steal=statistics.median(steal) if steal else None,
+        gpu=gpu,
     )
 
 

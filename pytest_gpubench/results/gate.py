@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pytest_gpubench.config.matrix import Thresholds, engine_of
 from pytest_gpubench.config.metrics import (
+    CLOCK_EVENTS,
     DEFAULT_RATIO_THRESHOLD,
     DEFAULT_SUCCESS_RATE,
     GATED,
@@ -47,6 +48,7 @@ from pytest_gpubench.results.run_history import (
     current_segment,
     engine_wait_figures,
     figures,
+    neighbour_figures,
     pressure_figures,
 )
 from pytest_gpubench.results.stats import PromptSummary, is_success, summaries_by_key
@@ -428,7 +430,11 @@ def machine_steadiness(
     the baseline's runs, and within this run; None when this run checked neither. Where this
     run and the baseline both read a local engine's own wait (per ms of its CPU), that wait is
     the pressure: the machine's counts the client, a proxy of the path and neighbours that take
-    nothing from the engine."""
+    nothing from the engine. Where not, and both read the machine's CPU time, the other
+    processes' share of it (the engine's and the client's own taken out) is the pressure; else
+    the machine's pressure, as runs before either was measured. The harness's own threads' wait
+    (the client's) and a hypervisor's steal count beside each: either past the limit made the
+    machine busy too."""
     engine_runs = engine_wait_figures(history)
     engine_now = current.samples["engine_wait_per_cpu"]
     engine_then = engine_runs or baseline.samples["engine_wait_per_cpu"]
@@ -441,6 +447,25 @@ def machine_steadiness(
             baseline_pressure=engine_then,
             runs_pressure=engine_runs,
             pressure_source="engine",
+            client_wait=current.samples["client_wait_per_cpu"],
+            steal=current.samples["steal_share"],
+            gpu=gpu_signals(current, baseline),
+        )
+    neighbour_runs = neighbour_figures(history)
+    neighbours_now = current.samples["neighbour_cpu_share"]
+    neighbours_then = neighbour_runs or baseline.samples["neighbour_cpu_share"]
+    if neighbours_now and neighbours_then:
+        return steadiness(
+            current.samples["control_ms"],
+            baseline.samples["control_ms"],
+            control_figures(history),
+            pressure=neighbours_now,
+            baseline_pressure=neighbours_then,
+            runs_pressure=neighbour_runs,
+            pressure_source="neighbours",
+            client_wait=current.samples["client_wait_per_cpu"],
+            steal=current.samples["steal_share"],
+            gpu=gpu_signals(current, baseline),
         )
     runs_pressure = pressure_figures(history)
     return steadiness(
@@ -450,6 +475,9 @@ def machine_steadiness(
         pressure=current.samples["cpu_pressure"],
         baseline_pressure=runs_pressure or baseline.samples["cpu_pressure"],
         runs_pressure=runs_pressure,
+        client_wait=current.samples["client_wait_per_cpu"],
+        steal=current.samples["steal_share"],
+        gpu=gpu_signals(current, baseline),
     )
 
 
@@ -460,11 +488,42 @@ def counted_measure(kind: str) -> str:
     return next(m.name for m in MEASURES if m.samples and kind in m.kinds)
 
 
+def gpu_signals(current: PromptSummary, baseline: PromptSummary) -> str | None:
+    """What the GPU's own signals (NVML, beside each call) showed that no CPU reading sees:
+    another compute process on the GPU during this run's calls, and clocks held down (thermal,
+    power cap, a hardware slowdown) by reasons the baseline's calls did not show (a GPU at its
+    power cap under every run's load is the same GPU); None where neither, or not read."""
+    reasons = []
+    others = current.samples["gpu_other_processes"]
+    shared = sum(1 for count in others if count > 0)
+    if shared:
+        reasons.append(
+            f"another process ran on the GPU during {shared} of {len(others)} calls "
+            f"(up to {max(others):.0f} besides the engine's)"
+        )
+    events = current.samples["gpu_clock_events"]
+    then = 0
+    for bits in baseline.samples["gpu_clock_events"]:
+        then |= int(bits)
+    held = {
+        name: sum(1 for bits in events if int(bits) & bit)
+        for bit, name in CLOCK_EVENTS.items()
+        if not then & bit
+    }
+    named = [f"{name} in {count} of {len(events)} calls" for name, count in held.items() if count]
+    if named:
+        reasons.append(
+            f"the GPU's clocks were held down ({', '.join(named)}), unlike the baseline's"
+        )
+    return "; ".join(reasons) if reasons else None
+
+
 def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None) -> RunFigures:
     """What a baseline's history keeps of one run of a (cell, prompt)."""
     control = summary.samples["control_ms"]
     pressure = summary.samples["cpu_pressure"]
     engine_wait = summary.samples["engine_wait_per_cpu"]
+    neighbours = summary.samples["neighbour_cpu_share"]
     return RunFigures(
         benchmark_run_id=run_id,
         date=date,
@@ -473,6 +532,7 @@ def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None)
         control_ms=sorted(control)[len(control) // 2] if control else None,
         cpu_pressure=statistics.median(pressure) if pressure else None,
         engine_wait_per_cpu=statistics.median(engine_wait) if engine_wait else None,
+        neighbour_cpu_share=statistics.median(neighbours) if neighbours else None,
     )
 
 

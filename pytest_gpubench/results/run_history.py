@@ -29,6 +29,9 @@ class RunFigures:
     cpu_pressure: float | None = None
     # The engine's own wait per ms of CPU (p50), where the engine was a local process.
     engine_wait_per_cpu: float | None = None
+    # The neighbours' share of the machine's CPU time, the benchmark's own taken out (p50):
+    # absent from runs ratified before it was measured.
+    neighbour_cpu_share: float | None = None
 
     def figure(self, metric: str) -> float | None:
         return self.figures.get(metric)
@@ -124,3 +127,7 @@ def pressure_figures(history: Iterable[RunFigures]) -> tuple[float, ...]:
 
 def engine_wait_figures(history: Iterable[RunFigures]) -> tuple[float, ...]:
     return tuple(e.engine_wait_per_cpu for e in history if e.engine_wait_per_cpu is not None)
+
+
+def neighbour_figures(history: Iterable[RunFigures]) -> tuple[float, ...]:
+    return tuple(e.neighbour_cpu_share for e in history if e.neighbour_cpu_share is not None)
