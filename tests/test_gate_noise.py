@@ -303,6 +303,40 @@ def test_a_client_that_waited_for_a_cpu_makes_the_machine_busy_and_is_named() ->
     )
 
 
+def test_waits_for_the_benchmarks_own_threads_never_make_a_quiet_machine_busy() -> None:
+    """Issue 43: an engine with more compute threads than CPUs waits for its own threads (0.81 ms
+    per ms measured: benchmarks_dev/engine_own_threads.py), and on two cores the client waits for
+    the engine's; the gate read either as a busy machine and a blind figure came out `unsteady`
+    on an idle machine, run after run. Where the other processes took no more than the limit of
+    the CPUs' time in this run and the baseline's, those waits are the benchmark's own: neither
+    busy nor unsteady (a wide spread stays `blind`, a clear change is judged). A neighbour past
+    the limit makes the same waits count again, named."""
+
+    def run(engine_wait: float, client_wait: float, neighbours: float) -> PromptSummary:
+        summary = with_waits(60.0, 0.4, engine_wait)
+        samples = {name: summary.samples[name] for name in summary.samples}
+        samples["client_wait_per_cpu"] = (client_wait,) * 10
+        samples["neighbour_cpu_share"] = (neighbours,) * 10
+        return replace(summary, samples=WarmSamples(**samples))
+
+    own = machine_steadiness(run(0.81, 0.3, 0.02), run(0.62, 0.02, 0.03))
+    assert own is not None and own.pressure_source == "engine" and own.neighbours == 0.03
+    assert own.contended is None and own.drift is None
+    wide = [100.0, 112.0, 95.0, 104.0, 90.0, 108.0]
+    assert decide(evidence(108.0, wide, steadiness=own)).kind == "blind"
+    assert decide(evidence(150.0, [], now=[150.0] * 10, steadiness=own)).kind == "regression"
+    neighboured = machine_steadiness(run(0.81, 0.3, 0.45), run(0.62, 0.02, 0.03))
+    assert neighboured is not None and neighboured.contended == (
+        "the machine was busy: the engine's threads waited 0.81 ms for a CPU per ms they ran "
+        "and the client's threads waited 0.30 ms for a CPU per ms they ran"
+    )
+    assert neighboured.drift is not None and "0.81 ms" in neighboured.drift
+    assert decide(evidence(108.0, wide, steadiness=neighboured)).kind == "unsteady"
+    # A baseline that did not read the neighbours (an older file): the waits count as before.
+    unread = machine_steadiness(run(0.81, 0.3, 0.02), with_waits(60.0, 0.4, 0.62))
+    assert unread is not None and unread.neighbours is None and unread.contended is not None
+
+
 def stat_file(path: Path, user: int, system: int, idle: int, steal: int) -> None:
     """A /proc/stat of two CPUs, in clock ticks (the first line sums them)."""
     path.write_text(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -438,6 +438,9 @@ def machine_steadiness(
     engine_runs = engine_wait_figures(history)
     engine_now = current.samples["engine_wait_per_cpu"]
     engine_then = engine_runs or baseline.samples["engine_wait_per_cpu"]
+    neighbour_runs = neighbour_figures(history)
+    neighbours_now = current.samples["neighbour_cpu_share"]
+    neighbours_then = neighbour_runs or baseline.samples["neighbour_cpu_share"]
     if engine_now and engine_then:
         return steadiness(
             current.samples["control_ms"],
@@ -450,10 +453,8 @@ def machine_steadiness(
             client_wait=current.samples["client_wait_per_cpu"],
             steal=current.samples["steal_share"],
             gpu=gpu_signals(current, baseline),
+            neighbours=busiest_neighbours(neighbours_now, neighbours_then, neighbour_runs),
         )
-    neighbour_runs = neighbour_figures(history)
-    neighbours_now = current.samples["neighbour_cpu_share"]
-    neighbours_then = neighbour_runs or baseline.samples["neighbour_cpu_share"]
     if neighbours_now and neighbours_then:
         return steadiness(
             current.samples["control_ms"],
@@ -466,6 +467,7 @@ def machine_steadiness(
             client_wait=current.samples["client_wait_per_cpu"],
             steal=current.samples["steal_share"],
             gpu=gpu_signals(current, baseline),
+            neighbours=busiest_neighbours(neighbours_now, neighbours_then, neighbour_runs),
         )
     runs_pressure = pressure_figures(history)
     return steadiness(
@@ -479,6 +481,16 @@ def machine_steadiness(
         steal=current.samples["steal_share"],
         gpu=gpu_signals(current, baseline),
     )
+
+
+def busiest_neighbours(
+    now: Sequence[float], then: Sequence[float], runs: Sequence[float]
+) -> float | None:
+    """The other processes' busiest CPU share (p50) of this run, the baseline's run and its
+    history's runs; None unless this run and the baseline both read it."""
+    if not now or not then:
+        return None
+    return max(statistics.median(now), statistics.median(then), *runs)
 
 
 def counted_measure(kind: str) -> str:
