@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
@@ -159,7 +159,29 @@ class BenchCase:
         sample record travels beside it."""
         from pytest_gpubench.reports.junit import call_properties
 
-        self.record, others = self.harness.run_case(self.case)
+        try:
+            self.record, others = self.harness.run_case(self.case)
+        except GpubenchError as exc:
+            error = exc
+        else:
+            error = None
+        if error is not None:
+            self._not_made(error)  # outside the except: the failure is one line, no chain
         self.records.extend([self.record, *others])
         self.properties.extend(call_properties(self.record))
         return self.record
+
+    def _not_made(self, error: GpubenchError) -> NoReturn:
+        """A case its cell cannot make (a synthetic prompt no tokenizer counts exactly, a changed
+        one refused against its baseline): a `skipped` record at stage `benchmark` (the cell's
+        outcome then says why it was not measured), and the test fails in one line."""
+        from pytest_gpubench.ledger.records import skipped_record
+        from pytest_gpubench.ledger.schema import as_json
+
+        reason = self.harness.scrub(f"cell {self.case.cell_id}: {error}")
+        cell = self.harness.matrix.cell(self.case.cell_id)
+        record = skipped_record(
+            run_id=self.harness.run_id, cell=cell, case=self.case, reason=reason, stage="benchmark"
+        )
+        self.records.append(self.harness.scrub.record(as_json(record)))
+        pytest.fail(reason, pytrace=False)
