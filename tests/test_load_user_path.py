@@ -1,6 +1,7 @@
-"""A load profile as a new user meets it (issue 44), through the shipped benchmarks/ file: a
-synthetic load prompt that no tokenizer can make exact fails its case in one line, the cell's
-outcome saying why."""
+"""A load profile as a new user meets it (issue 44), through the shipped benchmarks/ file: the
+warm-up request each point sends before its clock starts is counted in its load record, so the
+engine's request count adds up to the ledger's; and a synthetic load prompt that no tokenizer can
+make exact fails its case in one line, the cell's outcome saying why."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.keepalive_server import keepalive_server
 from support.standins import FaultyOpenAIServer, serving
 
 from pytest_gpubench.ledger.writer import read_ledger
@@ -25,6 +27,33 @@ def project(pytester: pytest.Pytester, cell: str) -> None:
 def records(pytester: pytest.Pytester) -> list[dict[str, Any]]:
     (ledger,) = (pytester.path / "runs").glob("*.jsonl")
     return read_ledger(ledger)
+
+
+def test_each_point_counts_the_warm_up_it_sent_and_the_engine_count_adds_up(
+    pytester: pytest.Pytester,
+) -> None:
+    """Two closed-loop points, 5 requests each, and nothing before them: the first point warms
+    the engine up with one request no call record holds, the second follows within 60 s and
+    sends none. The server saw the call records' requests plus the warm-ups the load records
+    count (it had seen one more than the ledger held, and nothing said so)."""
+    with keepalive_server() as server:
+        project(
+            pytester,
+            f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"
+            " load: {concurrency: [1, 2], requests: 5, max_send_lag_ms: 100}}\n",
+        )
+        result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
+        seen = sum(1 for request in server.requests if request.path.endswith("/completions"))
+    assert result.ret == 0, result.stdout.str()
+    result.assert_outcomes(passed=2)
+    written = records(pytester)
+    loads = {r["load_point"]: r for r in written if r["type"] == "load"}
+    calls = [r for r in written if r["type"] == "call"]
+    assert {point: load["unrecorded_warmups"] for point, load in loads.items()} == {
+        "c1": 1,
+        "c2": 0,
+    }
+    assert seen == len(calls) + 1 == 11
 
 
 def test_a_synthetic_load_prompt_no_tokenizer_can_count_fails_in_one_line_and_names_the_cell(
