@@ -216,3 +216,25 @@ def test_every_key_of_a_cell_is_documented() -> None:
         name for name in CellSpec.model_fields if not re.search(rf"(`{name}\b|\b{name}:)", site)
     ]
     assert undocumented == []
+
+
+def test_no_page_calls_a_verdict_that_holds_the_run_back_a_pass() -> None:
+    """docs/gate.md's table says what each verdict word exits with; docs/gate-noise.md said
+    "`blind` never fails a run: it is a pass", while blind exits 10 (issue 44). No page may
+    call a verdict that exits non-zero a pass, or say it never fails a run."""
+    table = (REPO / "docs" / "gate.md").read_text()
+    exits = {
+        word: int(status)
+        for word, status in re.findall(r"^\| `(\w+)` \|.*\| (\d+)[^|]*\|$", table, flags=re.M)
+    }
+    assert exits["blind"] == 10 and exits["ok"] == 0, exits
+    held_back = [word for word, status in exits.items() if status != 0]
+    claims = [
+        (page.name, word, found.group(0))
+        for page in sorted((REPO / "docs").glob("*.md"))
+        for word in held_back
+        for found in re.finditer(
+            rf"`{word}` (never fails a run|is a pass|passes)[^.]*", page.read_text()
+        )
+    ]
+    assert claims == []
