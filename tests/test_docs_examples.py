@@ -34,7 +34,21 @@ from pytest_gpubench.cli.init import template_text
 REPOSITORY = Path(__file__).resolve().parent.parent
 DOCS = REPOSITORY / "docs"
 # The pages whose every example runs here: the ones a new user follows first.
-RUN_PAGES = ("getting-started.md", "request-kinds.md")
+RUN_PAGES = (
+    "getting-started.md",
+    "request-kinds.md",
+    "index.md",
+    "workloads.md",
+    "cells.md",
+    "engine-checks.md",
+    "load.md",
+    "ab-runs.md",
+    "commands.md",
+    "gate-noise.md",
+)
+# The files the examples name, as the shipped sample (a ShareGPT file the package ships).
+SAMPLE = REPOSITORY / "pytest_gpubench" / "config" / "samples" / "chat_sample.jsonl"
+EXAMPLE_FILES = {"samples/chat_sample.jsonl": SAMPLE, "chat.jsonl": SAMPLE}
 INFERENCE_TEST = REPOSITORY / "benchmarks" / "test_inference.py"
 # What a prompt's kind needs of its cell (docs/request-kinds.md).
 GENERATING_ARGS = "[--threads, '1', --chat-template, llama3]"
@@ -78,8 +92,12 @@ def cells_for(prompts: dict[str, dict[str, object]]) -> str:
     return "nodes: {local: {kind: local}}\ncells:\n" + "".join(lines)
 
 
-def image_files(root: Path, prompts: dict[str, dict[str, object]]) -> None:
-    """The image files an image prompt names, written (a red PNG) where prompts.yaml finds them."""
+def example_files(root: Path, prompts: dict[str, dict[str, object]]) -> None:
+    """The files the examples name (EXAMPLE_FILES), and the image files an image prompt names
+    (a red PNG), where the YAML finds them."""
+    for name, source in EXAMPLE_FILES.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source, root / name)
     for prompt in prompts.values():
         for name in prompt.get("images") or []:  # type: ignore[attr-defined]
             path = root / str(name)
@@ -106,7 +124,7 @@ def run_yaml_example(pytester: pytest.Pytester, example: Example) -> None:
         prompts = {**yaml.safe_load(template_text("prompts.yaml"))["prompts"]}
         prompts.update(prompts_of_page(example.page))
         pytester.makefile(".yaml", prompts=yaml.safe_dump({"prompts": prompts}), cells=example.text)
-    image_files(pytester.path, prompts)
+    example_files(pytester.path, prompts)
     pytester.mkdir("benchmarks")
     shutil.copy(INFERENCE_TEST, pytester.path / "benchmarks" / "test_inference.py")
     result = pytester.runpytest("benchmarks/", *RUN_OPTIONS)
@@ -116,9 +134,22 @@ def run_yaml_example(pytester: pytest.Pytester, example: Example) -> None:
 
 
 def run_commands_example(tmp_path: Path, example: Example) -> None:
+    """In a new git repository: one `cd your-repository` goes into (the quick start writes its
+    files with `gpubench init`), or, for commands run in a project, the project `gpubench init`
+    writes, committed, with a test of its own beside the benchmarks."""
     repository = tmp_path / "your-repository"
     repository.mkdir()
-    subprocess.run(["git", "init", "-q"], cwd=repository, check=True)
+    commands = example.commands()
+    git = ("git", "-c", "user.email=t@t", "-c", "user.name=t")
+    subprocess.run([*git, "init", "-q"], cwd=repository, check=True)
+    in_project = not commands[0].startswith("cd ")
+    if in_project:
+        init = [sys.executable, "-m", "pytest_gpubench.cli.main", "init"]
+        subprocess.run(init, cwd=repository, check=True, capture_output=True)
+        (repository / "tests").mkdir()
+        (repository / "tests" / "test_unit.py").write_text("def test_unit():\n    assert True\n")
+        subprocess.run([*git, "add", "-A"], cwd=repository, check=True)
+        subprocess.run([*git, "commit", "-qm", "benchmarks"], cwd=repository, check=True)
     environment = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -127,10 +158,10 @@ def run_commands_example(tmp_path: Path, example: Example) -> None:
         "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
         "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
     }  # fmt: skip
-    script = "set -e\n" + "\n".join(example.commands()) + "\n"
+    script = "set -e\n" + "\n".join(commands) + "\n"
     done = subprocess.run(
         ["bash", "-c", script],
-        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600, check=False,
+        cwd=repository if in_project else tmp_path, env=environment, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert_documented(example, done.returncode, done.stdout + done.stderr)
 

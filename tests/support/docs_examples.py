@@ -46,9 +46,12 @@ class Example:
         return loaded
 
     def commands(self) -> list[str]:
-        """The block's command lines, `$ ` and trailing `# comments` cut."""
+        """The block's command lines, `$ ` and trailing `# comments` cut. In a block that shows a
+        session (lines with a `$ ` prompt), only those: the rest is what they print."""
+        raw_lines = self.text.splitlines()
+        prompted = [line for line in raw_lines if line.strip().startswith("$ ")]
         lines = []
-        for raw in self.text.splitlines():
+        for raw in prompted or raw_lines:
             line = raw.strip().removeprefix("$ ")
             if line.split(" ", 1)[0] in COMMAND_WORDS:
                 lines.append(re.sub(r"\s+#\s.*$", "", line).strip())
