@@ -199,16 +199,18 @@ class BenchCase:
         sample record travels beside it."""
         from pytest_gpubench.reports.junit import call_properties
 
-        error: GpubenchError | None = None
+        made: tuple[dict[str, Any], list[dict[str, Any]]] | GpubenchError
         try:
-            self.record, others = self.harness.run_case(self.case)
+            made = self.harness.run_case(self.case)
         except GpubenchError as exc:
-            error = exc
-        if error is not None:
-            self._not_made(error)  # outside the except: the failure is one line, no chain
-        self.records.extend([self.record, *others])
-        self.properties.extend(call_properties(self.record))
-        return self.record
+            made = exc
+        if isinstance(made, GpubenchError):
+            self._not_made(made)  # outside the except: the failure is one line, no chain
+        record, others = made
+        self.record = record
+        self.records.extend([record, *others])
+        self.properties.extend(call_properties(record))
+        return record
 
     def _not_made(self, error: GpubenchError) -> NoReturn:
         """A case its cell cannot make (a synthetic prompt no tokenizer counts exactly, a changed
