@@ -91,4 +91,8 @@ def test_a_synthetic_load_prompt_no_tokenizer_can_count_fails_in_one_line_and_na
     assert "no case of this cell ran" not in output
     (end,) = [r for r in records(pytester) if r["type"] == "end"]
     (outcome,) = end["cells"]
-    assert (outcome["status"], outcome["stage"], outcome["reason"]) == ("failed", "benchmark", reason)
+    assert (outcome["status"], outcome["stage"], outcome["reason"]) == (
+        "failed",
+        "benchmark",
+        reason,
+    )

@@ -69,8 +69,7 @@ def test_the_shipped_inference_benchmark_passes_every_request_kind_on_the_real_l
     pytester.makefile(
         ".yaml",
         prompts="prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 8}\n" + KIND_PROMPTS,
-        cells="nodes: {local: {kind: local}}\ncells:\n"
-        + kind_cells(["P-EASY", "C-STORY"]),
+        cells="nodes: {local: {kind: local}}\ncells:\n" + kind_cells(["P-EASY", "C-STORY"]),
     )
     result = run_workload(pytester, "--gpubench-runs", "2", "-rf", in_process=True)
     assert result.ret == pytest.ExitCode.OK, failures(result)
