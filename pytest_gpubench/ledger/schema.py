@@ -301,6 +301,10 @@ class LoadRecord(CaseHead, LoadFigures):
     started_at_utc: str
     error: str | None
     worker: str | None
+    # Requests sent before the point to warm the engine up (one, and one per LoRA adapter not
+    # named since the engine was made cold; none where it answered within 60 s): no call record
+    # holds them. Absent from ledgers written before issue 44.
+    unrecorded_warmups: NotRequired[int]
 
 
 class SampleRecord(TypedDict):

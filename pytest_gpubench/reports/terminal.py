@@ -432,7 +432,14 @@ def outcome_lines(outcomes: Iterable[CellOutcome]) -> list[TerminalLine]:
         for o in outcomes
     ]
     text = table(rows, OUTCOME_HEADERS)
-    return [TerminalLine(text, red=any(o.fails_run for o in outcomes))]
+    lines = [TerminalLine(text, red=any(o.fails_run for o in outcomes))]
+    # The table cuts a long reason; what to do is often at its end: each such reason whole.
+    for outcome in outcomes:
+        whole = " ".join((outcome.reason or "").split())
+        if shortened(whole) != whole:
+            named = whole if outcome.cell_id in whole else f"{outcome.cell_id}: {whole}"
+            lines.append(TerminalLine(named, red=outcome.fails_run))
+    return lines
 
 
 def gate_lines(

@@ -420,21 +420,22 @@ class LiveCell:
         of: Prompt | None = None,
         adapter: str | None = None,
         **own: Any,
-    ) -> None:
+    ) -> bool:
         """An unrecorded call, so that the measured call follows one within the warm window (and
         on a connection already open). It sends the measured request itself, so that it primes
         what the measured call will find (a prompt cache) on every run alike. A request naming
         a LoRA adapter (`adapter`) no request has named since the engine was made cold is
-        always preceded by one."""
+        always preceded by one. Whether it sent one."""
         recent = self.last_call_end is not None and (
             time.monotonic() - self.last_call_end < WARM_WINDOW_S
         )
         if recent and (adapter is None or adapter in self.warmed_adapters):
-            return
+            return False
         if adapter is not None:
             self.warmed_adapters.add(adapter)
         self.request(prompt, max_tokens, request, of, **own)
         self.last_call_end = time.monotonic()
+        return True
 
     def close(self) -> None:
         """Stop the cell's managed engine; the node itself is closed by the harness.
