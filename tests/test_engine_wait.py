@@ -237,11 +237,12 @@ def test_a_slower_path_is_a_regression_and_a_neighbour_on_the_engines_cpu_is_uns
     33 %, the engine's own wait 0.02 ms per CPU ms both times. The decode rate's fall is a
     regression (exit 6), not unsteady. Then the path as it was, with the engine's wait at
     0.5 ms per CPU ms (a neighbour taking its CPU) and the pressure as in the baseline: unsteady
-    (exit 10), in the engine's words."""
+    (exit 10), in the engine's words, with the neighbour's share of the machine's CPU time read
+    beside it (35 %)."""
     from support.bench_files import CHECKED_TEST_FILE
 
     from pytest_gpubench.ledger.writer import read_ledger
-    from pytest_gpubench.measure.control import CpuPressure
+    from pytest_gpubench.measure.control import CpuPressure, MachineCpu, Neighbours
     from pytest_gpubench.measure.engine_wait import EngineWait, EngineWaiting, SchedMark
 
     real_since = EngineWait.since
@@ -298,6 +299,13 @@ def test_a_slower_path_is_a_regression_and_a_neighbour_on_the_engines_cpu_is_uns
     gap.write_text("2")
     pressure(0.21)
     engine_waits(0.5)
+    # A neighbour that takes the engine's CPU takes the machine's CPU time too: its share is
+    # read beside each call (without it, a wait is the benchmark's own threads', not busy).
+    monkeypatch.setattr(
+        MachineCpu,
+        "neighbours",
+        lambda self, start, *rest: None if start is None else Neighbours(0.35, 0.0),
+    )
     crowded = pytester.runpytest(*args)
     assert crowded.ret == 10, crowded.stdout.str()[-3000:]
     ttft = verdicts()["warm_ttft_p50_ms"]

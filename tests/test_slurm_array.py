@@ -131,7 +131,11 @@ def test_a_two_task_job_array_is_merged_and_gated(
     # calls a side (or a decode rate of one to three) could not have shown a change of the
     # threshold's size, the gate says it is blind there, and why (issue 37: blind is no pass).
     assert len(rows) == 8, judged
-    assert {row[-1] for row in rows if row[2] != "success"} <= {"ok", "new", "blind"}, judged
+    # A decode rate of replies of 7 gaps between tokens is not gated for the prompt (`ungated`,
+    # issue 43: too few to time).
+    assert {row[-1] for row in rows if row[2] != "success"} <= {"ok", "new", "blind", "ungated"}, (
+        judged
+    )
     assert {row[-1] for row in rows if row[2] == "success"} == {"ok"}, judged
     assert all("+0.0%" in row for row in rows if row[-1] != "new"), judged
     for line in judged.splitlines():
