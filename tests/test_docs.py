@@ -209,7 +209,7 @@ def test_every_exit_status_is_in_the_docs_table_its_precedence_and_the_readme() 
 def test_every_key_of_a_cell_is_documented() -> None:
     """`stall_s` was in no page (issue 37): each key a cell takes is named on the site, as
     `key` or `key:`."""
-    from pytest_gpubench.config.matrix import CellSpec
+    from pytest_gpubench.config.cell import CellSpec
 
     site = "\n".join(page.read_text() for page in (REPO / "docs").glob("*.md"))
     undocumented = [

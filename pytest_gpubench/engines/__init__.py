@@ -26,7 +26,7 @@ from pytest_gpubench.measure.stream import (
 )
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import Cell
+    from pytest_gpubench.config.cell import Cell
 
 
 @dataclass(frozen=True)

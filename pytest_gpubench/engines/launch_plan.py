@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pytest_gpubench.config.matrix import Cell
+from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.targets import Target
 
 

@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath
 
 import httpx
 
-from pytest_gpubench.config.matrix import Cell
+from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import distinct_file_name
 from pytest_gpubench.engines import control_client

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from pytest_gpubench.config.matrix import TINY_MODEL, Cell
+from pytest_gpubench.config.cell import TINY_MODEL, Cell
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines.launch_plan import LaunchPlan, node_file_digest
 from pytest_gpubench.targets import Target

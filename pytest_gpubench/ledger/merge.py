@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from pytest_gpubench.config.matrix import node_of
+from pytest_gpubench.config.cell import node_of
 from pytest_gpubench.config.shards import ShardFacts, assign_nodes
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.status import most_severe

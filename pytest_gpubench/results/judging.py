@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
 from pytest_gpubench.config.cases import LOAD_PHASE
+from pytest_gpubench.config.cell import Thresholds, node_of
 from pytest_gpubench.config.load_profile import LoadThresholds
-from pytest_gpubench.config.matrix import Thresholds, node_of
 from pytest_gpubench.config.metrics import (
     DEFAULT_RATIO_THRESHOLD,
     DEFAULT_SUCCESS_RATE,
@@ -39,7 +39,7 @@ from pytest_gpubench.ledger.schema import (
 from pytest_gpubench.results.decision import ALPHA, MIN_HISTORY, UNDECIDED
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import Cell
+    from pytest_gpubench.config.cell import Cell
     from pytest_gpubench.results.engine_checks import EngineChecks
     from pytest_gpubench.results.gate import Verdict
     from pytest_gpubench.results.run_history import History

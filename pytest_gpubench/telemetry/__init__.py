@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import TelemetrySettings
+    from pytest_gpubench.config.cell import TelemetrySettings
     from pytest_gpubench.targets import Target
 
 log = logging.getLogger(__name__)
