@@ -19,12 +19,8 @@ from support.standins import OllamaStandin, serving
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.results.judging import (
-    SETTINGS_KEY,
-    JudgingSettings,
-    RunRecords,
-    judge_ledger,
-)
+from pytest_gpubench.results.judging import SETTINGS_KEY, JudgingSettings, RunRecords
+from pytest_gpubench.results.ledger_judgement import judge_ledger
 
 
 def gate_of(ledger: Path, baselines: Path) -> tuple[list[dict[str, Any]], int]:
