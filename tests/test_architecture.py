@@ -245,6 +245,31 @@ def test_importing_the_plugin_loads_neither_pandas_nor_scipy(module: str) -> Non
     assert done.stdout.strip() == "[]"
 
 
+# The package's modules every session imports (the plugin, its option table and its hooks): what
+# a session without benchmarks does not use (the matrix, the shards, the harness) is not here.
+EVERY_SESSION = {
+    "pytest_gpubench",
+    "pytest_gpubench.plugin",
+    "pytest_gpubench.xdist",
+    "pytest_gpubench.hookspecs",
+    "pytest_gpubench.config",
+    "pytest_gpubench.config.options",
+    "pytest_gpubench.core",
+    "pytest_gpubench.core.errors",
+}
+
+
+def test_importing_the_plugin_loads_only_what_every_session_uses() -> None:
+    code = (
+        "import sys, pytest_gpubench.plugin, pytest_gpubench.xdist, pytest_gpubench.hookspecs\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pytest_gpubench'))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == repr(sorted(EVERY_SESSION))
+
+
 def test_a_session_without_benchmarks_loads_neither_pandas_nor_scipy(
     pytester: pytest.Pytester,
 ) -> None:
