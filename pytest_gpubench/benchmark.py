@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
@@ -77,12 +77,18 @@ class BenchEngine:
         self,
         messages: str | Sequence[Mapping[str, Any]],
         max_tokens: int,
+        *,
+        answer_schema: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> ChatCall:
         """One streamed call, measured and recorded (prompt_id: the test's name, prompt_sha256:
-        the hash of `messages`, `max_tokens` and `options`). `messages`: a string (one user
-        turn) or the whole conversation; `options`: keys added to the request's JSON body.
-        A request that differs from the one this test was baselined with is refused, unsent."""
+        the hash of `messages`, `max_tokens`, `options` and `answer_schema`). `messages`: a
+        string (one user turn) or the whole conversation; `options`: keys added to the
+        request's JSON body. `answer_schema`: a JSON Schema the answer is judged against, not
+        sent: the call is recorded as kind json_schema with `schema_valid` (1 or 0), a figure
+        the gate judges as it judges a json_schema prompt's (docs/request-kinds.md), instead of
+        a failed test. A request that differs from the one this test was baselined with is
+        refused, unsent."""
         from pytest_gpubench.reports.junit import call_properties
 
         test_id = self.case.test_id
@@ -99,8 +105,9 @@ class BenchEngine:
                 f"{self.nodeid}: max_tokens: expected a positive integer, got {max_tokens!r}",
                 pytrace=False,
             )
+        schema = _answer_schema(answer_schema, self.nodeid)
         try:
-            sha256 = request_sha256(conversation, max_tokens, options)
+            sha256 = request_sha256(conversation, max_tokens, options, answer_schema=schema)
         except (TypeError, ValueError) as exc:
             pytest.fail(f"{self.nodeid}: request options are not JSON: {exc}", pytrace=False)
         try:
@@ -115,10 +122,43 @@ class BenchEngine:
             messages=conversation,
             extra_body=dict(options),
         )
+        if schema is not None:
+            record = _judged(record, text, schema)
         self.calls.append(record)
         self.records.extend([record, *others])
         self.properties.extend(call_properties(record))
         return ChatCall(record, text)
+
+
+def _answer_schema(schema: Mapping[str, Any] | None, nodeid: str) -> dict[str, Any] | None:
+    """The answer's JSON Schema as a dict, checked (draft 2020-12); a bad one fails the test."""
+    if schema is None:
+        return None
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    if not isinstance(schema, Mapping):
+        pytest.fail(f"{nodeid}: answer_schema: expected a JSON Schema object, got {schema!r}"[:300],
+                    pytrace=False)  # fmt: skip
+    try:
+        Draft202012Validator.check_schema(dict(schema))
+    except SchemaError as exc:
+        pytest.fail(f"{nodeid}: answer_schema: not a valid JSON Schema: {exc.message}"[:300],
+                    pytrace=False)  # fmt: skip
+    return dict(schema)
+
+
+def _judged(record: dict[str, Any], text: str, schema: Mapping[str, Any]) -> dict[str, Any]:
+    """The call record of an answer judged against `schema`: kind json_schema, and
+    `schema_valid` 1 or 0 (none for a failed call, whose error counts against the success
+    rate), as a json_schema prompt's call has (measure/validity.py judges both)."""
+    from pytest_gpubench.measure.validity import follows, parsed
+
+    judged = {**record, "kind": "json_schema"}
+    if record.get("error") is None:
+        ok, answer = parsed(text.strip())
+        judged["schema_valid"] = int(ok and follows(answer, schema))
+    return judged
 
 
 def _conversation(messages: str | Sequence[Mapping[str, Any]], nodeid: str) -> list[dict[str, Any]]:
@@ -159,7 +199,30 @@ class BenchCase:
         sample record travels beside it."""
         from pytest_gpubench.reports.junit import call_properties
 
-        self.record, others = self.harness.run_case(self.case)
-        self.records.extend([self.record, *others])
-        self.properties.extend(call_properties(self.record))
-        return self.record
+        made: tuple[dict[str, Any], list[dict[str, Any]]] | GpubenchError
+        try:
+            made = self.harness.run_case(self.case)
+        except GpubenchError as exc:
+            made = exc
+        if isinstance(made, GpubenchError):
+            self._not_made(made)  # outside the except: the failure is one line, no chain
+        record, others = made
+        self.record = record
+        self.records.extend([record, *others])
+        self.properties.extend(call_properties(record))
+        return record
+
+    def _not_made(self, error: GpubenchError) -> NoReturn:
+        """A case its cell cannot make (a synthetic prompt no tokenizer counts exactly, a changed
+        one refused against its baseline): a `skipped` record at stage `benchmark` (the cell's
+        outcome then says why it was not measured), and the test fails in one line."""
+        from pytest_gpubench.ledger.records import skipped_record
+        from pytest_gpubench.ledger.schema import as_json
+
+        reason = self.harness.scrub(f"cell {self.case.cell_id}: {error}")
+        cell = self.harness.matrix.cell(self.case.cell_id)
+        record = skipped_record(
+            run_id=self.harness.run_id, cell=cell, case=self.case, reason=reason, stage="benchmark"
+        )
+        self.records.append(self.harness.scrub.record(as_json(record)))
+        pytest.fail(reason, pytrace=False)

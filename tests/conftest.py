@@ -113,17 +113,23 @@ def vllm_server(
 
 @pytest.fixture(autouse=True)
 def steady_control(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The control call and the CPU pressure (measure/control.py) read this machine, which other
-    jobs share: a test whose subject is not the machine's steadiness pins them to a steady 5 ms
-    and no pressure, and a local engine's own run-queue wait (measure/engine_wait.py) to none
-    (its CPU time stays real), so the shared machine's load cannot turn its verdicts `unsteady`.
+    """The control call, the CPU pressure and the neighbours' CPU time (measure/control.py) read
+    this machine, which other jobs share: a test whose subject is not the machine's steadiness
+    pins them to a steady 5 ms, no pressure and no neighbours (nor steal), and a local engine's
+    and the client's own run-queue wait (measure/engine_wait.py) to none (their CPU time stays
+    real), so the shared machine's load cannot turn its verdicts `unsteady`.
     A test of steadiness sets its own (or undoes these); a test that runs pytest in a subprocess
     passes `--gpubench-steadiness off` where its subject is not the machine's steadiness."""
-    from pytest_gpubench.measure.control import ControlCall, CpuPressure
+    from pytest_gpubench.measure.control import ControlCall, CpuPressure, MachineCpu, Neighbours
     from pytest_gpubench.measure.engine_wait import EngineWait, EngineWaiting, SchedMark
 
     monkeypatch.setattr(ControlCall, "measure_ms", lambda self: 5.0)
     monkeypatch.setattr(CpuPressure, "share", lambda self, mark: 0.0)
+    monkeypatch.setattr(
+        MachineCpu,
+        "neighbours",
+        lambda self, start, *args: None if start is None else Neighbours(0.0, 0.0),
+    )
     real_since = EngineWait.since
 
     def no_wait(self: EngineWait, start: SchedMark | None) -> EngineWaiting | None:

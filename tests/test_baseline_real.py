@@ -331,3 +331,35 @@ def test_a_baseline_spoilt_with_nan_or_infinity_during_a_run_ends_it_with_its_en
     assert end["exit_status"] == pytest.ExitCode.USAGE_ERROR
     assert str(end["gate_error"]).startswith(problem)
     assert end["calls"] == 5
+
+
+def test_a_first_update_in_three_runs_starts_the_engine_again_between_them(
+    pytester: pytest.Pytester, llama_server: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43, item 4, on the real llama-server: with --gpubench-baseline-runs 3 a first
+    --baseline-update measures P-EASY in two more runs, the managed engine stopped and started
+    again before each (a new process: the engine's own speed moves between its runs), and the
+    file's history holds the three runs; the calls of each later run follow a warm-up, as the
+    planned ones do (their success, their figures present)."""
+    from pytest_gpubench.engines.managed import ManagedServer
+
+    restarts: list[int | None] = []
+    restart = ManagedServer.restart
+
+    def counted(server: ManagedServer) -> str:
+        restarts.append(server.pid)
+        return restart(server)
+
+    monkeypatch.setattr(ManagedServer, "restart", counted)
+    bench(pytester, llama_server, runs=3)
+    result = run(pytester, "--baseline-update", "--gpubench-baseline-runs", "3")
+    assert result.ret == 0, result.stdout.str()
+    records = read_ledger(max((pytester.path / "runs").glob("*.jsonl")))
+    calls = [r for r in records if r.get("type") == "call"]
+    assert sorted(r.get("history_run", 0) for r in calls) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert all(r["error"] is None and r["first_delta_ms"] > 0 for r in calls)
+    # Stopped and started again before each later run: two processes replaced.
+    assert len(restarts) == 2 and all(pid is not None for pid in restarts)
+    assert restarts[0] != restarts[1]
+    history = stored(pytester)["prompts"]["P-EASY"]["history"]
+    assert [run["benchmark_run_id"].partition("#")[2] for run in history] == ["0", "1", "2"]

@@ -305,12 +305,10 @@ def test_the_examples_pass_against_the_real_llama_server(
     result = run(pytester, "-rx")
     assert result.ret == 0, result.stdout.str()
     # The chat 2 warm runs (the cell's), the prefill 1 cold and 2 warm, the JSON answer the 5
-    # warm runs of its marker: expected to fail on the tiny model (xfail strict), measured all
-    # the same.
-    result.assert_outcomes(passed=5, xfailed=5)
-    result.stdout.fnmatch_lines(
-        ["XFAIL *test_json_answer*the embedded tiny model never answers JSON"]
-    )
+    # warm runs of its marker: the tiny model never answers JSON, which the JSON answer's
+    # schema valid rate shows (a figure the gate judges, not a failed test).
+    result.assert_outcomes(passed=10)
+    result.stdout.fnmatch_lines(["*local:llamacpp:tiny *test_json_answer *0/5 schema valid*"])
     calls = [r for r in ledger_records(pytester) if r["type"] == "call"]
     by_test: dict[str, list[dict[str, Any]]] = {}
     for call in calls:
@@ -331,24 +329,24 @@ def test_the_examples_pass_against_the_real_llama_server(
 
 
 @pytest.mark.engine
-def test_the_json_example_fails_with_a_clear_message_when_the_answer_does_not_parse(
+def test_the_json_example_records_an_answer_that_does_not_parse_as_not_schema_valid(
     pytester: pytest.Pytester, server: ManagedLlamaServer
 ) -> None:
-    """--runxfail: what a user sees of the tiny model's noise on a model expected to answer JSON."""
+    """What a user sees of the tiny model's noise on the JSON example: every case passes (the
+    call was measured, and an answer that is no JSON is a figure, not a failed test: issue 44),
+    each call is recorded as judged against the example's schema and not valid, and the terminal
+    says 0/5 (`--runxfail` changes nothing: nothing is expected to fail)."""
     examples_bench(pytester, server.base_url)
     result = run(pytester, "test_json_answer.py", "--runxfail")
-    assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.assert_outcomes(failed=5)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.assert_outcomes(passed=5)
     result.stdout.fnmatch_lines(
-        [
-            "local:llamacpp:tiny-test_json_answer-warm-0: the answer is not JSON (Expecting value, "
-            "at character *): '*'"
-        ]
+        ["*kind*valid*", "*local:llamacpp:tiny *test_json_answer *json_schema *0/5 schema valid*"]
     )
-    assert "During handling" not in result.stdout.str()  # one message, no chained traceback
     # Measured all the same: a correctness failure is not a failed call.
     calls = [r for r in ledger_records(pytester) if r["type"] == "call"]
     assert len(calls) == 5 and all(call["error"] is None for call in calls)
+    assert [(call["kind"], call["schema_valid"]) for call in calls] == [("json_schema", 0)] * 5
 
 
 # -- the gate ------------------------------------------------------------------------------------
@@ -453,3 +451,46 @@ def test_node(gpubench_target):
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines([f"*test_node[[]{ONE}-test_node-warm-0[]] PASSED*"])
     result.assert_outcomes(passed=2)
+
+
+# -- an answer judged against a schema ----------------------------------------------------------
+
+SCHEMA_TEST = """
+def test_judged(gpubench_engine):
+    call = gpubench_engine.chat("hi", max_tokens=3, answer_schema=SCHEMA)
+    assert call.error is None, call.error
+"""
+
+
+def test_a_bad_answer_schema_fails_the_test_in_one_line_and_a_changed_one_is_a_changed_request(
+    pytester: pytest.Pytester,
+) -> None:
+    """`answer_schema` is checked before anything is sent (one line, no traceback), and it is
+    part of the test's frozen request: a baseline judged against another schema refuses it."""
+    from support.standins import FaultyOpenAIServer, serving
+
+    with serving(FaultyOpenAIServer()) as url:
+        pytester.makefile(
+            ".yaml",
+            prompts=PROMPTS,
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: openai, model: m, endpoint: '{url}', runs: 4, "
+            "phases: [warm]}\n",
+        )
+        pytester.makepyfile(test_own="SCHEMA = {'type': 12}\n" + SCHEMA_TEST)
+        bad = run(pytester, "test_own.py")
+        assert bad.ret == pytest.ExitCode.TESTS_FAILED, bad.stdout.str()
+        bad.stdout.fnmatch_lines(
+            ["*test_own.py::test_judged*: answer_schema: not a valid JSON Schema: 12 is not *"]
+        )
+        assert "Traceback" not in bad.stdout.str() and "SchemaError" not in bad.stdout.str()
+
+        pytester.makepyfile(test_own="SCHEMA = {'type': 'object'}\n" + SCHEMA_TEST)
+        first = run(pytester, "test_own.py", "--baseline-update", "--allow-dirty")
+        assert first.ret == pytest.ExitCode.OK, first.stdout.str()
+        # The stand-in streams `t0t1t2`: no JSON, judged not valid.
+        first.stdout.fnmatch_lines(["*local:openai:m *test_judged *json_schema *0/4 schema valid*"])
+        pytester.makepyfile(test_own="SCHEMA = {'type': 'array'}\n" + SCHEMA_TEST)
+        changed = run(pytester, "test_own.py", "--allow-dirty")
+    assert changed.ret == pytest.ExitCode.TESTS_FAILED, changed.stdout.str()
+    changed.stdout.fnmatch_lines(["*benchmark test test_judged changed its request since the*"])

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import typing
 from collections.abc import Iterator
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -216,3 +217,77 @@ def test_every_key_of_a_cell_is_documented() -> None:
         name for name in CellSpec.model_fields if not re.search(rf"(`{name}\b|\b{name}:)", site)
     ]
     assert undocumented == []
+
+
+def test_no_page_calls_a_verdict_that_holds_the_run_back_a_pass() -> None:
+    """docs/gate.md's table says what each verdict word exits with; docs/gate-noise.md said
+    "`blind` never fails a run: it is a pass", while blind exits 10 (issue 44). No page may
+    call a verdict that exits non-zero a pass, or say it never fails a run."""
+    table = (REPO / "docs" / "gate.md").read_text()
+    exits = {
+        word: int(status)
+        for word, status in re.findall(r"^\| `(\w+)` \|.*\| (\d+)[^|]*\|$", table, flags=re.M)
+    }
+    assert exits["blind"] == 10 and exits["ok"] == 0, exits
+    held_back = [word for word, status in exits.items() if status != 0]
+    claims = [
+        (page.name, word, found.group(0))
+        for page in sorted((REPO / "docs").glob("*.md"))
+        for word in held_back
+        for found in re.finditer(
+            rf"`{word}` (never fails a run|is a pass|passes)[^.]*", page.read_text()
+        )
+    ]
+    assert claims == []
+
+
+def _models_in(annotation: Any) -> Iterator[type[Any]]:
+    """The pydantic models an annotation holds (itself, or inside Optional, list, dict, ...)."""
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation
+        return
+    for argument in typing.get_args(annotation):
+        yield from _models_in(argument)
+
+
+def _dotted_keys(model: type[Any], prefix: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+    """Every key a YAML mapping of `model` takes, as a path, its nested models' keys too."""
+    for name, field in model.model_fields.items():
+        path = (*prefix, field.alias or name)
+        yield path
+        for nested in _models_in(field.annotation):
+            yield from _dotted_keys(nested, path)
+
+
+def test_every_dotted_key_of_cells_yaml_is_documented_beside_its_parent() -> None:
+    """The top-level check above let `load.dataset`'s length filters and `column`, and a
+    provider node's `api_token_env`, `min_vram_gb`, ... go undocumented (issue 44). Every key of
+    every model of cells.yaml (a cell, `settings:`, each node kind, and every model nested in
+    them: `load.dataset.min_input_words`, `provider.api_token_env`, `slurm.login.port`) is named
+    on the site as `key` or `key:`, in a paragraph or block that also names its parent key (or
+    the node's kind)."""
+    from pytest_gpubench.config.cell import CellDefaults, CellSpec
+    from pytest_gpubench.config.nodes import ProviderNode, SlurmNode, SshNode
+
+    paths = {*_dotted_keys(CellSpec, ()), *_dotted_keys(CellDefaults, ())}
+    for model, kind in ((SshNode, "ssh"), (ProviderNode, "provider"), (SlurmNode, "slurm")):
+        paths.update(_dotted_keys(model, (kind,)))
+    assert ("load", "dataset", "min_input_words") in paths and ("provider", "api") in paths
+    blocks = [
+        block
+        for page in (REPO / "docs").glob("*.md")
+        for block in re.split(r"\n\s*\n", page.read_text())
+    ]
+
+    def named(key: str, block: str) -> bool:
+        return re.search(rf"(`{re.escape(key)}\b|\b{re.escape(key)}:)", block) is not None
+
+    def documented(path: tuple[str, ...]) -> bool:
+        if len(path) == 1:
+            return any(named(path[0], block) for block in blocks)
+        parent = re.compile(rf"\b{re.escape(path[-2])}\b")
+        return any(named(path[-1], block) and parent.search(block) for block in blocks)
+
+    assert sorted(".".join(path) for path in paths if not documented(path)) == []

@@ -303,3 +303,37 @@ def test_a_slower_path_is_a_regression_and_a_neighbour_on_the_engines_cpu_is_uns
     ttft = verdicts()["warm_ttft_p50_ms"]
     assert ttft["verdict"] == "unsteady", ttft
     assert "the engine's threads waited 0.50 ms for a CPU per ms they ran" in ttft["message"]
+
+
+def test_each_warm_call_records_the_clients_own_wait(pytester: pytest.Pytester) -> None:
+    """The harness's own threads (the client's) over each warm call: how long they waited for a
+    CPU, and ran, and the ratio the gate's steadiness reads beside the engine's. The wait is the kernel's count, pinned to none here
+    (tests/conftest.py) as the engine's is: the CPU time is real."""
+    from support.bench_files import CHECKED_TEST_FILE, ONE_PROMPT
+    from support.standins import FaultyOpenAIServer, serving
+
+    from pytest_gpubench.ledger.writer import read_ledger
+
+    with serving(FaultyOpenAIServer("tiny")) as url:
+        pytester.makefile(
+            ".yaml",
+            prompts=ONE_PROMPT,
+            cells="nodes: {local: {kind: local}}\ncells:\n"
+            f"  - {{node: local, engine: openai, model: tiny, endpoint: '{url}', runs: 5, "
+            "phases: [warm]}\n",
+        )
+        pytester.makepyfile(test_bench=CHECKED_TEST_FILE)
+        result = pytester.runpytest("--force-load", "--baseline-update", "-p", "no:cacheprovider")
+    assert result.ret == 0, result.stdout.str()[-2000:]
+    calls = [
+        r
+        for r in read_ledger(next((pytester.path / "runs").glob("*.jsonl")))
+        if r["type"] == "call"
+    ]
+    warm = [call for call in calls if call["phase"] == "warm"]
+    assert len(warm) == 5
+    for call in warm:
+        assert call["client_wait_ms"] == 0.0 and call["client_cpu_ms"] > 0.0, call
+        assert call["client_wait_per_cpu"] == 0.0, call
+    stored = next((pytester.path / "baselines").glob("*.json")).read_text()
+    assert '"client_wait_per_cpu"' in stored

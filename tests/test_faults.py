@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from pytest_gpubench.ledger.writer import read_ledger
 pytestmark = pytest.mark.engine
 
 PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 8}\n'
+REPO = Path(__file__).resolve().parent.parent
 TEST_FILE = "def test_generate(gpubench_case):\n    gpubench_case.run()\n"
 
 
@@ -114,6 +116,15 @@ def test_a_read_only_ledger_directory_is_one_clear_error(
     assert "Traceback" not in done.stdout + done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR:")]
     assert len(errors) == 1 and "cannot create the ledger: Read-only file system" in errors[0]
+    # The docs say so (issue 44: docs/exit-statuses.md listed "a read-only directory" under 9,
+    # which is a write that fails once measuring has begun, a read-only baselines/ folder).
+    rows = dict(
+        re.findall(r"^\| (\d+) \| (.*) \|$", (REPO / "docs" / "exit-statuses.md").read_text(), re.M)
+    )
+    read_only = {int(status) for status, text in rows.items() if "read-only" in text}
+    assert read_only == {done.returncode, EXIT_WRITE_FAILED}, rows
+    assert "ledger directory" in rows[str(done.returncode)]
+    assert "`baselines/`" in rows[str(EXIT_WRITE_FAILED)].split("read-only")[1][:20]
 
 
 def test_a_full_disk_stops_the_run_keeps_whole_lines_and_exits_9(

@@ -27,6 +27,7 @@ from support.delay_proxy import (
     content_pieces,
     delay_proxy,
 )
+from support.quiet_machine import machine_moved, wait_for_quiet
 from support.tiny_server import tiny_llama_server
 
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
@@ -329,8 +330,9 @@ def judged_run(
             return result
         moved.append(
             f"delivery lag p50 {lags[0]:.1f} / {lags[1]:.1f} ms; {own} against {own_at_baseline}"
+            f"; then {wait_for_quiet()}"
         )
-    pytest.skip(
+    machine_moved(
         f"{scenario.name} not judged: in every attempt the replies came more than "
         f"{DELIVERY_LAG_MS} ms after the schedule, or llama-server's own timings moved more than "
         f"{HELD_SHARE} as far as TTFT: {'; '.join(moved)}"

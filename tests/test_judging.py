@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,13 @@ from support.standins import OllamaStandin, serving
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.results.judging import SETTINGS_KEY, JudgingSettings, RunRecords
+from pytest_gpubench.results.gate import Verdict
+from pytest_gpubench.results.judging import (
+    SETTINGS_KEY,
+    JudgingSettings,
+    RunRecords,
+    holds_back,
+)
 from pytest_gpubench.results.ledger_judgement import judge_ledger
 
 
@@ -407,4 +414,213 @@ def test_the_gate_on_an_update_that_ratified_a_new_engine_exits_as_its_session(
     assert main(["gate", str(session.ledger), "--baselines", str(before)]) == 0
     assert f"ratified (--baseline-update): {CellPlan('main').cell_id} -> " in (
         capsys.readouterr().out
+    )
+
+
+def test_a_ratified_step_after_two_updates_is_the_new_reference(tmp_path: Path) -> None:
+    """Issue 43, item 5: two updates of an unchanged engine, then --baseline-update ratifies
+    TTFT 40 % slower (P-HARD 50 → 70 ms). Two runs before it cannot bound a prediction interval,
+    so the step stayed in the history, the reference was the three runs' mean and the unchanged
+    run at the new level read `inconclusive` (+25 %, p ≈ 0.2 between runs): exit 10 every time.
+    The run after the step is now compared with what the update ratified: the unchanged run
+    exits 0, and 40 % slower again is a regression (exit 6)."""
+    import random
+
+    from pytest_gpubench.results.baseline import find_baseline, update_baselines
+    from pytest_gpubench.results.run_history import current_segment
+
+    generated = GeneratedRun(tmp_path / "before", [CellPlan("main", history=2)], seed=5)
+    generated.write_baselines()
+    (plan,) = generated.plans
+    ratified = generated.calls(
+        "ratified", plan, rng=random.Random(4), slowdown=1.4, drift=1.0, pressure=0.0, runs=8
+    )
+    meta = {"type": "meta", "benchmark_run_id": "ratified", "started_at_utc": "2026-11-26T10Z"}
+    update_baselines(
+        generated.baselines, [meta, generated.cell_record("ratified", plan), *ratified]
+    )
+    baseline = find_baseline(generated.baselines, plan.cell_id)
+    assert baseline is not None
+    # The file keeps the two runs before the step; the gate leaves them out.
+    assert len(baseline.runs("P-HARD")) == 3
+    assert [run.benchmark_run_id for run in current_segment(baseline.runs("P-HARD"))] == [
+        "ratified"
+    ]
+
+    def judged(slowdown: float, name: str) -> tuple[int, list[str]]:
+        run = GeneratedRun(tmp_path / name, [CellPlan("main", slowdown=slowdown, again=slowdown)])
+        shutil.copytree(generated.baselines, run.baselines)
+        end = run_session(run)
+        return end.exit_status, [v["message"] for v in end.end["verdicts"]]
+
+    status, messages = judged(1.4, "unchanged")
+    assert status == 0, messages
+    status, messages = judged(1.96, "slower")
+    assert status == 6, messages
+    assert any("warm TTFT p50 +" in m and "(slower: 7" in m for m in messages), messages
+
+
+class ShortReplies(GeneratedRun):
+    """Replies of 4 tokens: 3 gaps between them, a decode rate decided by when the threads ran
+    (the client's reads of them now together, now apart), which swings either way per call."""
+
+    def calls(self, run_id: str, plan: CellPlan, **given: Any) -> list[dict[str, Any]]:
+        import random
+
+        rng = random.Random(f"{run_id}-short")
+        records = super().calls(run_id, plan, **given)
+        for record in records:
+            record["completion_tokens"] = record["client_chunks"] = 4
+            record["tokens_per_sec"] = round(record["tokens_per_sec"] * rng.uniform(0.4, 2.5), 3)
+        return records
+
+
+def test_a_decode_rate_of_replies_too_short_to_time_never_holds_the_run_back(
+    tmp_path: Path,
+) -> None:
+    """Issue 43, item 3: 4-token replies give a decode rate that swings -60 % to +150 % per call.
+    Judged, it was `blind` or `inconclusive` (exit 10) session after session, and no re-run
+    could settle it. It is `ungated` for the prompt: the run exits 0, and the one line says why
+    and which setting would make it gateable; TTFT and total are judged as before, and `gpubench
+    gate` agrees."""
+    generated = ShortReplies(tmp_path, [CellPlan("main", history=3, runs=8)], seed=2)
+    generated.write_baselines()
+    end = run_session(generated)
+    decode = [v for v in end.end["verdicts"] if v["metric"] == "warm_decode_tokens_per_sec_p50"]
+    assert [v["verdict"] for v in decode] == ["ungated", "ungated"], decode
+    assert decode[0]["message"].startswith("local:llamacpp:tiny@main P-EASY: warm decode tokens/s")
+    assert decode[0]["message"].endswith(
+        ": not gated for this prompt: its replies carry 3 gaps between tokens, fewer than the 16 "
+        "a decode figure needs (so few are decided by when the threads were scheduled); raise "
+        "the prompt's max_tokens to 17 or more to gate it"
+    )
+    ttft = [v["verdict"] for v in end.end["verdicts"] if v["metric"] == "warm_ttft_p50_ms"]
+    assert ttft == ["ok", "ok"]
+    assert end.exit_status == 0, [v["message"] for v in end.end["verdicts"]]
+    assert gate_of(end.ledger, generated.baselines)[1] == 0
+
+
+# -- an undecided figure measured until it is decided (issue 43, item 2) ----------------------
+
+
+def test_a_blind_figure_is_sampled_on_and_decided_within_the_budget(tmp_path: Path) -> None:
+    """Six calls whose TTFT and decode rate swing ±50 % (the engine was still warming its
+    caches) leave every figure `blind` within the run: exit 10, and a re-run would do the same.
+    The session now samples on: more warm calls of both prompts, interleaved, judged again at
+    each planned look (their spread narrows to 2 %), until decided: `ok`, exit 0, within the
+    default budget of as many calls again, and `gpubench gate` judges the ledger alike."""
+    plan = CellPlan("main", runs=6, spread=0.5, sampled_spread=0.02)
+    generated = GeneratedRun(tmp_path, [plan], seed=3)
+    generated.write_baselines()
+    end = run_session(generated)
+    messages = [v["message"] for v in end.end["verdicts"]]
+    assert end.exit_status == 0, messages
+    ttft = [v for v in end.end["verdicts"] if v["metric"] == "warm_ttft_p50_ms"]
+    assert [v["verdict"] for v in ttft] == ["ok", "ok"], messages
+    sampled = {(c["prompt_id"], c["run_idx"]) for c in generated.sampled}
+    more = sum(1 for prompt, _ in sampled if prompt == "P-EASY")
+    assert ttft[0]["message"].endswith(
+        f"; decided with {more} more calls sampled on after the planned 6"
+    )
+    assert {prompt for prompt, _ in sampled} == {"P-EASY", "P-HARD"}
+    assert 0 < len(sampled) <= 2 * 6 and min(run_idx for _, run_idx in sampled) == 6
+    calls = [r for r in end.records if r.get("type") == "call" and r.get("sampled_on")]
+    assert len(calls) == len(sampled)
+    assert gate_of(end.ledger, generated.baselines) == (
+        json.loads(json.dumps(end.end["verdicts"])),
+        0,
+    )
+
+
+def test_a_figure_still_undecided_when_the_budget_is_spent_says_the_budget(
+    tmp_path: Path,
+) -> None:
+    """The same ±50 % spread, and the calls sampled on no steadier: after the budget (3 runs
+    per (cell, prompt) here) the figure is still `blind`, the run exits 10, and the message says
+    what was spent of which budget and what would settle it. With the budget at 0 nothing is
+    sampled on (and the message is today's)."""
+    plan = CellPlan("main", runs=6, spread=0.5)
+    generated = GeneratedRun(tmp_path / "spent", [plan], seed=3)
+    generated.write_baselines()
+    end = run_session(generated, sample_on_runs=3)
+    assert end.exit_status == 10
+    assert len(generated.sampled) == 2 * 3
+    found = [Verdict.from_record(record) for record in end.end["verdicts"]]
+    undecided = [asdict(v) for v in found if v is not None and holds_back(v)]
+    assert undecided and all(v["verdict"] in ("blind", "inconclusive") for v in undecided)
+    assert all(
+        "; sampled on: 3 more calls after the planned 6 left it undecided (budget 3 runs and "
+        "120 s per (cell, prompt); its runs spent): settle it with a larger budget "
+        "(--gpubench-sample-on-runs 6, --gpubench-sample-on-seconds), a baseline of more runs, "
+        "or runs of history (`gpubench calibrate`)" in v["message"]
+        for v in undecided
+    ), [v["message"] for v in undecided]
+    assert gate_of(end.ledger, generated.baselines)[1] == 10
+    off = GeneratedRun(tmp_path / "off", [plan], seed=3)
+    off.write_baselines()
+    assert run_session(off, sample_on_runs=0).exit_status == 10 and not off.sampled
+
+
+def test_the_update_that_ratified_a_step_says_its_history_starts_again(tmp_path: Path) -> None:
+    """After two updates of an unchanged engine, a --baseline-update session that ratifies TTFT
+    40 % slower notes that the gate's history is back to one run (the runs before the step are
+    left out, issue 43): the between-run noise floor is unknown again. It said nothing: the file
+    holds three runs."""
+    before = GeneratedRun(tmp_path / "before", [CellPlan("main", history=2)], seed=5)
+    before.write_baselines()
+    step = GeneratedRun(tmp_path / "step", [CellPlan("main", slowdown=1.4)], seed=5)
+    shutil.copytree(before.baselines, step.baselines)
+    notes = run_session(step, baseline_update=True).notes
+    assert (
+        "baseline of local:llamacpp:tiny@main: runs of history P-EASY (1), P-HARD (1): the "
+        "between-run noise floor is still unknown until 3 (seed it with `gpubench calibrate`)"
+    ) in notes, notes
+
+
+# -- a baseline knows its between-run spread from the first update (issue 43, item 4) ---------
+
+
+def test_a_first_baseline_update_records_runs_and_a_faster_unchanged_run_is_no_win(
+    tmp_path: Path,
+) -> None:
+    """The engine ran 25 % faster than during its one baseline run (its speed moves between
+    runs of itself: 0.8 and 1.1 of the first's in two more): judged within that run alone, the
+    unchanged engine was a significant `win`, as in 4 of 5 sessions of issue 43. A first
+    --baseline-update with --gpubench-baseline-runs 3 measures each (cell, prompt) in three
+    runs, its engine started again between them, and records each run in the history: the next
+    session judges between runs, reports no win, and exits 0. With one run (the default), the
+    same session reports the false win."""
+    plan = CellPlan("main", history=0, run_slowdowns=(0.8, 1.1))
+    first = GeneratedRun(tmp_path / "first", [plan], seed=8)
+    update = run_session(first, baseline_update=True, run_id="first-update", baseline_runs=3)
+    assert update.exit_status == 0
+    later = [r for r in update.records if r.get("type") == "call" and r.get("history_run")]
+    assert sorted({r["history_run"] for r in later}) == [1, 2]
+    assert len(later) == 2 * 2 * 6  # two more runs of both prompts, six calls each
+    stored = json.loads((first.baselines / "local_llamacpp_tiny_main.json").read_text())
+    assert [run["benchmark_run_id"] for run in stored["prompts"]["P-EASY"]["history"]] == [
+        "first-update#0",
+        "first-update#1",
+        "first-update#2",
+    ]
+
+    def judged(name: str) -> list[dict[str, Any]]:
+        run = GeneratedRun(tmp_path / name, [CellPlan("main", slowdown=0.75)], seed=8)
+        shutil.copytree(first.baselines, run.baselines)
+        end = run_session(run)
+        verdicts: list[dict[str, Any]] = end.end["verdicts"]
+        assert end.exit_status == 0, [v["message"] for v in verdicts]
+        return verdicts
+
+    verdicts = judged("after")
+    assert not [v for v in verdicts if v["verdict"] == "win"], verdicts
+    one = GeneratedRun(tmp_path / "one", [plan], seed=8)
+    run_session(one, baseline_update=True, run_id="one-run")
+    faster = GeneratedRun(tmp_path / "faster", [CellPlan("main", slowdown=0.75)], seed=8)
+    shutil.copytree(one.baselines, faster.baselines)
+    assert [v for v in run_session(faster).end["verdicts"] if v["verdict"] == "win"]
+    assert all(
+        v["noise"].startswith("between runs (3 runs of history)")
+        for v in verdicts
+        if v["metric"] == "warm_ttft_p50_ms"
     )

@@ -83,7 +83,7 @@ def test_a_managed_ollama_cell_without_ollama_installed_says_so_in_one_line(
     reason = (
         "[engine_start] cell local:ollama:qwen3:0.6b: ollama is not installed: install it, or "
         "give the cell an endpoint of an engine already running (`ollama` is not on the node's "
-        "PATH)"
+        "PATH; a cell without `endpoint:` is managed: the harness starts its engine itself)"
     )
     (outcome,) = ledger_of(pytester)[-1]["cells"]
     assert (outcome["status"], outcome["stage"], outcome["reason"]) == (
@@ -91,9 +91,13 @@ def test_a_managed_ollama_cell_without_ollama_installed_says_so_in_one_line(
         "engine_start",
         reason,
     )
-    # The terminal's table cuts a reason at 100 characters: what to do is inside them.
+    # The terminal's table cuts a reason at 100 characters; the whole reason follows it, and
+    # names the key the cell lacks (issue 44: the terminal had cut it at "give the …").
     result.stdout.fnmatch_lines(
-        ["*local:ollama:qwen3:0.6b*failed*engine_start*ollama is not installed: install it, or *"]
+        [
+            "*local:ollama:qwen3:0.6b*failed*engine_start*ollama is not installed: install it, or *",
+            reason,
+        ]
     )
     assert "log tail" not in output and "No such file" not in output
 

@@ -61,6 +61,11 @@ def calls(slowdown: float = 1.0, *, seed: int = 0, runs: int = 12) -> list[dict[
                 "engine_wait_ms": 0.2,
                 "engine_cpu_ms": ttft * 0.8,
                 "engine_wait_per_cpu": 0.2 / (ttft * 0.8),
+                "client_wait_per_cpu": 0.01,
+                "neighbour_cpu_share": 0.02,
+                "steal_share": 0.001,
+                "gpu_other_process_count": 0,
+                "gpu_clock_event_bits": 4,
                 # The request kinds' (issue 35): a call has those of its kind; this one all.
                 "inputs_per_sec": 1000 / total,
                 "tool_call_valid": 1,

@@ -245,9 +245,13 @@ def test_a_cell_whose_every_prompt_is_of_a_kind_it_cannot_send_is_skipped_not_fa
             "runs: 2, phases: [warm]}\n",
         )
         pytester.makepyfile(test_bench=TEST_FILE)
-        result = run(pytester)
+        result = run(pytester, "-rs")
     assert result.ret == 0, result.stdout.str()
     result.assert_outcomes(skipped=2)
+    # Shown as the skips they are, not as an unmeasured required cell's cases (`u`,
+    # UNMEASURED), which the exit status and the cell table contradicted (issue 44).
+    result.stdout.fnmatch_lines(["test_bench.py ss *", "SKIPPED [[]2[]] *engine ollama does not*"])
+    assert "UNMEASURED" not in result.stdout.str()
     (end,) = [r for r in ledger_records(pytester.path) if r["type"] == "end"]
     (outcome,) = end["cells"]
     assert outcome["status"] == "skipped", outcome

@@ -272,6 +272,40 @@ def test_nvml_samples_in_mib_watts_celsius_and_millijoules(monkeypatch: pytest.M
     assert state.shut_down
 
 
+def test_another_process_on_the_gpu_and_its_throttled_clocks_are_recorded_per_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 43: a GPU shared with another process's kernels, or held below its clocks (its power
+    cap, heat, a hardware slowdown), slows an unchanged engine as a busy neighbour does a CPU.
+    Over a case, the call record lists the compute processes NVML saw on the GPUs that are not
+    the engine's (its process and its children), and names the clock events that slow it; the
+    GPU's own settings (idle, application clocks: 0x1, 0x2) are not named. Unknown, never
+    empty, where there is no engine process to tell the others from."""
+    module, state = nvml_module(gpus=2)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    engine = subprocess.Popen(["sleep", "30"])
+    try:
+
+        def case_fields(pid: int | None) -> dict[str, Any]:
+            telemetry = node_telemetry("local", LocalTarget(), [FAST], gpus=[])
+            assert telemetry is not None
+            case = one_case(telemetry, pid=pid, seconds=0.2, cpu=False)
+            return case_aggregates(case, completion_tokens=10)
+
+        state.processes = {0: {engine.pid: 1 << 30, 4242: 1 << 20}, 1: {engine.pid: 1 << 20}}
+        state.clock_events = 0x1 | 0x4 | 0x20
+        fields = case_fields(engine.pid)
+        assert fields["gpu_other_processes"] == [4242]
+        assert fields["gpu_clock_events"] == ["power cap", "thermal (software)"]
+        state.processes, state.clock_events = {0: {engine.pid: 1 << 30}}, 0x1
+        quiet = case_fields(engine.pid)
+        assert quiet["gpu_other_processes"] == [] and quiet["gpu_clock_events"] == []
+        assert case_fields(None)["gpu_other_processes"] is None  # no engine process: unknown
+    finally:
+        engine.kill()
+        engine.wait()
+
+
 def test_the_engines_own_vram_is_told_apart_from_the_whole_gpus(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

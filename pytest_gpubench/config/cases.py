@@ -296,12 +296,22 @@ def own_case_of_id(matrix: Matrix, param: str) -> Case | None:
 
 
 def request_sha256(
-    messages: Sequence[Mapping[str, Any]], max_tokens: int, options: Mapping[str, Any]
+    messages: Sequence[Mapping[str, Any]],
+    max_tokens: int,
+    options: Mapping[str, Any],
+    *,
+    answer_schema: Mapping[str, Any] | None = None,
 ) -> str:
     """What a test's request is frozen by: the sha256 of its messages, max_tokens and request
-    options as canonical JSON (keys sorted, no spaces, UTF-8)."""
+    options as canonical JSON (keys sorted, no spaces, UTF-8), and the JSON Schema its answer is
+    judged against where it has one (a request without one hashes as it always has)."""
+    frozen: dict[str, Any] = {
+        "messages": list(messages), "max_tokens": max_tokens, "options": dict(options)
+    }  # fmt: skip
+    if answer_schema is not None:
+        frozen["answer_schema"] = dict(answer_schema)
     canonical = json.dumps(
-        {"messages": list(messages), "max_tokens": max_tokens, "options": dict(options)},
+        frozen,
         sort_keys=True,
         separators=(",", ":"),
         ensure_ascii=False,

@@ -137,6 +137,59 @@ MEASURES: tuple[Measure, ...] = (
         in_every_baseline=False,
         decimals=3,
     ),
+    # The harness's own threads over each call (the client's), likewise: a client that waited
+    # for a CPU read the engine's bytes late (measure/engine_wait.client_wait).
+    Measure(
+        "client_wait_per_cpu",
+        "client_wait_per_cpu",
+        "ms/ms",
+        "client's CPU wait per CPU ms",
+        samples=True,
+        in_every_baseline=False,
+        decimals=3,
+    ),
+    # The machine's CPU time over each call with the benchmark's own (the engine's where read,
+    # this process's) taken out: the neighbours' share; and the share a hypervisor stole
+    # (measure/control.MachineCpu). The steadiness where the engine's own wait is not read.
+    Measure(
+        "neighbour_cpu_share",
+        "neighbour_cpu_share",
+        "share",
+        "neighbours' CPU share",
+        samples=True,
+        in_every_baseline=False,
+        decimals=3,
+    ),
+    Measure(
+        "steal_share",
+        "steal_share",
+        "share",
+        "CPU time stolen",
+        samples=True,
+        in_every_baseline=False,
+        decimals=3,
+    ),
+    # A GPU's neighbours over each call (telemetry/aggregate.py, through NVML): how many compute
+    # processes that are not the engine's ran on it, and the clock events that held it down
+    # (CLOCK_EVENTS' bits). The gate's steadiness names them (results/gate.gpu_signals).
+    Measure(
+        "gpu_other_processes",
+        "gpu_other_process_count",
+        "processes",
+        "other GPU processes",
+        samples=True,
+        in_every_baseline=False,
+        decimals=0,
+    ),
+    Measure(
+        "gpu_clock_events",
+        "gpu_clock_event_bits",
+        "bits",
+        "GPU clock events",
+        samples=True,
+        in_every_baseline=False,
+        decimals=0,
+    ),
     # An embedding request's inputs (a rerank request's documents) over its end-to-end time.
     Measure(
         "inputs_per_sec",
@@ -385,3 +438,15 @@ ENGINE_COUNTERS: tuple[EngineCounter, ...] = (
         ),
     ),
 )
+
+
+# NVML's clock event reasons (nvmlClocksEventReason*) that slow the engine's kernels, by bit, as a
+# call record and a verdict name them; the others (idle, an application clock setting, sync
+# boost, a display clock) are the GPU's or its owner's settings, not a neighbour or its state.
+CLOCK_EVENTS = {
+    0x4: "power cap",
+    0x8: "hardware slowdown",
+    0x20: "thermal (software)",
+    0x40: "thermal (hardware)",
+    0x80: "power brake",
+}

@@ -32,6 +32,27 @@ PROMPTS_DESC = "the frozen prompts file (default: prompts.yaml at the project an
 BASELINES_DESC = "directory of committed baselines (default: baselines/ at the project anchor)"
 LEDGER_DIR_DESC = "directory the JSONL ledgers go to (default: runs/ at the project anchor)"
 RUNS_DESC = "warm runs per (cell, prompt); raise it (e.g. 20) when investigating a regression"
+# Seconds of warm calls a (cell, prompt) whose gated figure is still undecided after its planned
+# runs may take past them, by default (run/sample_on.py); its runs past them default to as many
+# again as were planned: a session takes at most twice its warm calls.
+DEFAULT_SAMPLE_ON_SECONDS = 120.0
+# The runs a first --baseline-update measures each (cell, prompt) in, by default: one, as before
+# issue 43. Three (the gate's MIN_HISTORY) give a between-run spread from the first update; the
+# default stays one until the suite and the noise table are measured with three.
+DEFAULT_BASELINE_RUNS = 1
+BASELINE_RUNS_DESC = (
+    "runs a --baseline-update measures a (cell, prompt) with no history yet in, a managed "
+    "engine started again between them, an endpoint's spaced apart, so that the baseline knows "
+    f"the spread between runs from its first update (3 does; default {DEFAULT_BASELINE_RUNS})"
+)
+SAMPLE_ON_RUNS_DESC = (
+    "warm calls a (cell, prompt) whose gated figure the planned runs left blind or "
+    "inconclusive may take past them, until decided (default: as many again as planned; 0: "
+    "none)"
+)
+SAMPLE_ON_SECONDS_DESC = (
+    f"seconds of such calls per (cell, prompt) (default: {DEFAULT_SAMPLE_ON_SECONDS:g})"
+)
 LOAD_DESC = "refuse to start when the 1-minute load average is above this (default: 4.0)"
 ENV_DESC = (
     "environment variables recorded in the ledger's meta record (secret-looking ones redacted)"
@@ -104,6 +125,27 @@ def addoption(parser: pytest.Parser) -> None:
         dest="gpubench_accept_incomparable",
         help="judge against baselines measured on another engine version, model or GPU "
         "(otherwise their cells are `incomparable` and the session exits 8)",
+    )
+    group.addoption(
+        "--gpubench-sample-on-runs",
+        metavar="N",
+        type=int,
+        dest="gpubench_sample_on_runs",
+        help=SAMPLE_ON_RUNS_DESC,
+    )
+    group.addoption(
+        "--gpubench-sample-on-seconds",
+        metavar="S",
+        type=float,
+        dest="gpubench_sample_on_seconds",
+        help=SAMPLE_ON_SECONDS_DESC,
+    )
+    group.addoption(
+        "--gpubench-baseline-runs",
+        metavar="K",
+        type=int,
+        dest="gpubench_baseline_runs",
+        help=BASELINE_RUNS_DESC,
     )
     group.addoption(
         "--gpubench-ab-seed",
@@ -258,6 +300,12 @@ class Options:
     ab_seed: int | None = None
     # Whether the machine's steadiness is checked beside each warm call (--gpubench-steadiness).
     steadiness: bool = True
+    # An undecided figure's budget past the planned runs, per (cell, prompt): its runs (None: as
+    # many again as were planned; 0: none) and seconds (--gpubench-sample-on-runs, -seconds).
+    sample_on_runs: int | None = None
+    sample_on_seconds: float = DEFAULT_SAMPLE_ON_SECONDS
+    # The runs a first --baseline-update measures a (cell, prompt) in (--gpubench-baseline-runs).
+    baseline_runs: int = DEFAULT_BASELINE_RUNS
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Options:
@@ -291,6 +339,21 @@ class Options:
                 f"ini gpubench_steadiness: must be one of {', '.join(STEADINESS_CHOICES)} "
                 f"(got {steadiness!r})"
             )
+        sample_on_runs = config.getoption("gpubench_sample_on_runs")
+        sample_on_seconds = config.getoption("gpubench_sample_on_seconds")
+        if sample_on_runs is not None and sample_on_runs < 0:
+            raise pytest.UsageError(
+                f"--gpubench-sample-on-runs: must be 0 or more (got {sample_on_runs})"
+            )
+        if sample_on_seconds is not None and not sample_on_seconds >= 0:
+            raise pytest.UsageError(
+                f"--gpubench-sample-on-seconds: must be 0 or more (got {sample_on_seconds})"
+            )
+        baseline_runs = config.getoption("gpubench_baseline_runs")
+        if baseline_runs is not None and baseline_runs < 1:
+            raise pytest.UsageError(
+                f"--gpubench-baseline-runs: must be at least 1 (got {baseline_runs})"
+            )
         shard_text = config.getoption("gpubench_shard")
         shard = None
         if shard_text:
@@ -323,4 +386,9 @@ class Options:
             shard=shard,
             ab_seed=config.getoption("gpubench_ab_seed"),
             steadiness=steadiness == "check",
+            baseline_runs=DEFAULT_BASELINE_RUNS if baseline_runs is None else baseline_runs,
+            sample_on_runs=sample_on_runs,
+            sample_on_seconds=(
+                DEFAULT_SAMPLE_ON_SECONDS if sample_on_seconds is None else sample_on_seconds
+            ),
         )

@@ -14,7 +14,9 @@ EXIT_REGRESSION = 6
 EXIT_UNMEASURED = 7
 # A baseline was measured on another engine version, model or GPU: its numbers compare nothing.
 EXIT_INCOMPARABLE = 8
-# The ledger or a baseline could not be written (a full disk, a read-only directory).
+# The ledger or a baseline could not be written once measuring had begun (a disk that fills, a
+# read-only baselines folder at --baseline-update): records were lost. A ledger folder that
+# cannot be written when the run starts loses nothing: a usage error (4), like a bad matrix.
 EXIT_WRITE_FAILED = 9
 # No regression, but some figure could not be told: the machine drifted or was busy while it ran
 # (`unsteady`), or the evidence allows a change of the threshold's size (`inconclusive`: past the

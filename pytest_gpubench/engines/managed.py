@@ -110,7 +110,8 @@ class ManagedServer:
                 "engine_start",
                 f"cell {self.cell_id}: {self.program} is not installed: install it, or give the "
                 f"cell an endpoint of an engine already running (`{program}` is not on the "
-                "node's PATH)",
+                "node's PATH; a cell without `endpoint:` is managed: the harness starts its "
+                "engine itself)",
             )
 
     def start(self) -> str:

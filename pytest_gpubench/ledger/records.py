@@ -34,9 +34,11 @@ from pytest_gpubench.ledger.schema import (
     LoadRecord,
     MetaRecord,
     RequestFacts,
+    SampledOnFields,
     SampleRecord,
     SkippedRecord,
     StageRecord,
+    SteadinessFields,
     VerdictRecord,
 )
 from pytest_gpubench.measure.gauges import Page, counter_changes
@@ -106,6 +108,7 @@ def cell_record(
     node_info: Mapping[str, Any],
     prompts: Mapping[str, Prompt] | None = None,
     engine_url: str | None = None,
+    engine_process: Mapping[str, Any] | None = None,
 ) -> CellRecord:
     """A healthy cell: the engine's version, the model's digest and the node's GPUs, and how it
     is asked (TLS, request keys, header names; never a header's value)."""
@@ -134,6 +137,9 @@ def cell_record(
             "node_port": spec.port,
             "launch": list(spec.launch) if spec.launch is not None else None,
             "engine_url": engine_url,
+            # The process found serving an engine started outside the harness on this machine
+            # (its pid and name), or why none was (measure/listener.py); absent otherwise.
+            **({"engine_process": dict(engine_process)} if engine_process is not None else {}),
         },
     )
 
@@ -225,6 +231,10 @@ def call_record(
         # A warm call's checks against the engine come later (engine_check_fields).
         **EngineCheckFields(),
         **AdapterFields(),
+        # A call measured past the planned runs says so later (run/sample_on.py).
+        **SampledOnFields(),
+        # The machine's readings beside a warm call come later (run/harness.py).
+        **SteadinessFields(),
     }
     chosen = adapter if adapter is not None else case.adapter
     if chosen is not None:

@@ -83,6 +83,10 @@ class CellRecord(RequestFacts):
     node_port: int | None
     launch: list[str] | None
     engine_url: str | None
+    # An engine started outside the harness, on this machine: the process found serving its
+    # endpoint, whose own CPU wait its calls read ({"pid", "comm"}), or why none was
+    # ({"missing"}). Absent for a managed engine, one on another node, and in older ledgers.
+    engine_process: NotRequired[dict[str, Any]]
 
 
 class CaseHead(TypedDict):
@@ -120,7 +124,49 @@ class AdapterFields(TypedDict, total=False):
     lora_adapter: str
 
 
-class CallRecord(CaseHead, MeasurementFields, EngineCheckFields, KindFields, AdapterFields):
+class SampledOnFields(TypedDict, total=False):
+    """A warm call measured past the planned runs: because a figure was still undecided
+    (run/sample_on.py), or in a later run of a first --baseline-update (run/history_runs.py);
+    absent from every other call."""
+
+    sampled_on: bool
+    # A call of a later run of a first --baseline-update (run/history_runs.py): its run's number.
+    history_run: int
+
+
+class SteadinessFields(TypedDict, total=False):
+    """A warm call's readings of the machine beside it (run/harness.py: measure/control.py,
+    measure/engine_wait.py), after its other fields; each absent where not read (steadiness
+    off, a remote engine) and from a ledger of an older version."""
+
+    control_ms: float
+    cpu_pressure: float
+    # The engine's own threads over the call: a managed engine's, or the process found serving
+    # a local endpoint (measure/listener.py).
+    engine_wait_ms: float
+    engine_cpu_ms: float
+    engine_wait_per_cpu: float
+    engine_cpus_filled: float
+    engine_cpus: str
+    # The harness's own threads over the call (the client's): its wait for a CPU, and ran.
+    client_wait_ms: float
+    client_cpu_ms: float
+    client_wait_per_cpu: float
+    # The machine's CPU time over the call less the engine's and this process's: the
+    # neighbours' share; and the share a hypervisor stole (/proc/stat's steal).
+    neighbour_cpu_share: float
+    steal_share: float
+
+
+class CallRecord(
+    CaseHead,
+    MeasurementFields,
+    EngineCheckFields,
+    KindFields,
+    AdapterFields,
+    SampledOnFields,
+    SteadinessFields,
+):
     """One measured call of a case (successful or not); a load case's calls add the load
     fields, a case with telemetry its resource figures (telemetry/aggregate.py CALL_FIELDS), a
     warm call its checks against the engine (EngineCheckFields), a call of a request kind other
@@ -255,6 +301,10 @@ class LoadRecord(CaseHead, LoadFigures):
     started_at_utc: str
     error: str | None
     worker: str | None
+    # Requests sent before the point to warm the engine up (one, and one per LoRA adapter not
+    # named since the engine was made cold; none where it answered within 60 s): no call record
+    # holds them. Absent from ledgers written before issue 44.
+    unrecorded_warmups: NotRequired[int]
 
 
 class SampleRecord(TypedDict):

@@ -15,8 +15,10 @@ scheduler had left it a core between the engine's calls)."""
 from __future__ import annotations
 
 import hashlib
+import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 # The work: a sha256 of 8 MiB on one thread, a few milliseconds: longer than a scheduler's time
@@ -28,6 +30,9 @@ ROUNDS = 3
 # Linux's pressure-stall information for CPUs (kernel 4.20+): `some ... total=<µs>` is how long, in
 # all, at least one runnable task waited for a CPU.
 PRESSURE_FILE = Path("/proc/pressure/cpu")
+# The kernel's CPU time counters since boot, per state, in clock ticks (USER_HZ): the first line
+# sums every CPU's; a `cpuN` line per online CPU.
+STAT_FILE = Path("/proc/stat")
 
 
 class ControlCall:
@@ -72,3 +77,86 @@ class CpuPressure:
             return int(some.rsplit("total=", 1)[1].split()[0])
         except (OSError, IndexError, ValueError):
             return None
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """The machine's CPU time counters at one moment, in ms summed over its CPUs: busy (user,
+    nice, system, irq, softirq; a guest's time is inside user), stolen by the hypervisor
+    (`steal`: a virtual machine's CPU time the host gave to others), and all of it (idle and
+    iowait too); and how many CPUs."""
+
+    busy_ms: float
+    steal_ms: float
+    total_ms: float
+    cpus: int
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """Over a window: the share of the machine's CPU time that neither the engine nor this
+    process used (`cpu_share`: the neighbours'), and the share the hypervisor stole
+    (`steal_share`)."""
+
+    cpu_share: float
+    steal_share: float
+
+
+class MachineCpu:
+    """The machine's CPU time over a window, from /proc/stat, with the benchmark's own tasks
+    taken out: what the neighbours used, and what a hypervisor stole. None where the kernel
+    does not say (not Linux), or the window was shorter than a clock tick on every CPU.
+
+    The CPU pressure (CpuPressure) counts any task that waited, the engine and the client waiting
+    for each other too: on an idle 2-core machine it read an engine started by hand and its
+    client as a busy machine (issue 43). The CPU time the engine and this process used is theirs;
+    what is left of the busy time is the neighbours'. The counters tick at USER_HZ (100 per
+    second): over a 100 ms call on 2 CPUs a share is known to about 0.05, and the gate reads the
+    p50 over the calls. Steal is what no in-guest pressure sees: a VM's vCPU that did not run."""
+
+    def __init__(self, path: Path = STAT_FILE) -> None:
+        self.path = path
+        try:
+            self.tick_ms = 1000.0 / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError):
+            self.tick_ms = 10.0
+
+    def read(self) -> CpuTimes | None:
+        try:
+            lines = self.path.read_text().splitlines()
+            fields = [int(value) for value in lines[0].split()[1:]]
+        except (OSError, IndexError, ValueError):
+            return None
+        if not lines[0].startswith("cpu ") or len(fields) < 8:
+            return None
+        user, nice, system, idle, iowait, irq, softirq, steal = fields[:8]
+        cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+        tick = self.tick_ms
+        busy = user + nice + system + irq + softirq
+        return CpuTimes(
+            busy_ms=busy * tick,
+            steal_ms=steal * tick,
+            total_ms=(busy + idle + iowait + steal) * tick,
+            cpus=max(cpus, 1),
+        )
+
+    def neighbours(
+        self, start: CpuTimes | None, own_cpu_ms: float, end: CpuTimes | None = None
+    ) -> Neighbours | None:
+        """Since `start`: the neighbours' share of the CPU time (the busy time less `own_cpu_ms`,
+        the engine's and this process's CPU time over the window, as their schedstat counted
+        it), and the stolen share; each between 0 and 1."""
+        if start is None:
+            return None
+        now = end if end is not None else self.read()
+        if now is None:
+            return None
+        total = now.total_ms - start.total_ms
+        if total <= 0:
+            return None
+        others = (now.busy_ms - start.busy_ms) - own_cpu_ms
+        stolen = now.steal_ms - start.steal_ms
+        return Neighbours(
+            cpu_share=min(1.0, max(0.0, others / total)),
+            steal_share=min(1.0, max(0.0, stolen / total)),
+        )

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pytest_gpubench.core.processes import process_tree
 
@@ -57,17 +58,20 @@ class EngineWaiting:
 class EngineWait:
     """Reads the schedstat of a local process's threads and of its descendants' (vLLM's engine
     core and Ollama's runners do the work in child processes); None where the kernel keeps none
-    (no schedstat, the process gone, another machine's process)."""
+    (no schedstat, the process gone, another machine's process). `children`: False reads the
+    process's own threads alone (the harness's: a managed engine is its child)."""
 
-    def __init__(self, pid: int, proc: Path = PROC) -> None:
+    def __init__(self, pid: int, proc: Path = PROC, *, children: bool = True) -> None:
         self.pid = pid
         self.proc = proc
+        self.children = children
 
     def mark(self) -> SchedMark | None:
         threads: dict[tuple[int, int], tuple[int, int]] = {}
         if not (self.proc / str(self.pid)).is_dir():
             return None
-        for member in sorted(process_tree(self.pid, self.proc)):
+        members = process_tree(self.pid, self.proc) if self.children else {self.pid}
+        for member in sorted(members):
             try:
                 tasks = list((self.proc / str(member) / "task").iterdir())
             except OSError:
@@ -126,6 +130,12 @@ class EngineWait:
         return cpu_list(allowed)
 
 
+def client_wait() -> EngineWait:
+    """The reader of the harness's own threads' waiting (this process's, not its children's): a
+    client that waited for a CPU stamped the engine's bytes late, and delays what it measures."""
+    return EngineWait(os.getpid(), children=False)
+
+
 def cpu_list(cpus: set[int]) -> str:
     """CPUs as the kernel writes a CPU list: runs of consecutive numbers as ranges ("0-2,5")."""
     runs: list[list[int]] = []
@@ -135,3 +145,37 @@ def cpu_list(cpus: set[int]) -> str:
         else:
             runs.append([cpu])
     return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+
+
+def engine_wait_fields(waited: EngineWaiting, engine_wait: EngineWait) -> dict[str, Any]:
+    """A call record's fields of the engine's own run-queue wait and CPU time over the call
+    (measure/engine_wait), how busy it kept the CPUs it may use, and the CPUs it was pinned to,
+    if any (A/B's two engines placed alike: results/paired)."""
+    fields: dict[str, Any] = {
+        "engine_wait_ms": round(waited.wait_ms, 3),
+        "engine_cpu_ms": round(waited.cpu_ms, 3),
+    }
+    if waited.cpu_ms > 0:
+        fields["engine_wait_per_cpu"] = round(waited.wait_ms / waited.cpu_ms, 4)
+    allowed = engine_wait.allowed_cpus(waited.pids)
+    if allowed and waited.wall_ms > 0:
+        # How busy the engine kept the CPUs it may use (1.0: every one, all the call long): an
+        # engine that fills them waits for its own threads too (results/engine_checks).
+        fields["engine_cpus_filled"] = round(waited.cpu_ms / (waited.wall_ms * len(allowed)), 3)
+    pinned = engine_wait.pinned_cpus(allowed)
+    if pinned is not None:
+        fields["engine_cpus"] = pinned
+    return fields
+
+
+def client_wait_fields(waited: EngineWaiting) -> dict[str, Any]:
+    """A call record's fields of the harness's own threads' run-queue wait and CPU time over the
+    call, and their ratio (measure/engine_wait.client_wait): a client that waited for a CPU
+    read the engine's bytes late."""
+    fields: dict[str, Any] = {
+        "client_wait_ms": round(waited.wait_ms, 3),
+        "client_cpu_ms": round(waited.cpu_ms, 3),
+    }
+    if waited.cpu_ms > 0:
+        fields["client_wait_per_cpu"] = round(waited.wait_ms / waited.cpu_ms, 4)
+    return fields

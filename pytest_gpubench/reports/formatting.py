@@ -20,8 +20,8 @@ METRIC_LABELS = {
     SUCCESS_RATE: "success rate",
     PROVENANCE: "baseline setup",
 }
-# Shown under a table: the verdicts a reader has to act on.
-NOTEWORTHY = ("regression", "incomparable", "unsteady", "inconclusive", "blind", "win")
+# Shown under a table: the verdicts a reader has to act on, and a figure not gated for its prompt.
+NOTEWORTHY = ("regression", "incomparable", "unsteady", "inconclusive", "blind", "win", "ungated")
 
 
 # -- formatting -------------------------------------------------------------------------------

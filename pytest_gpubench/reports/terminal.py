@@ -188,7 +188,11 @@ def _ratified(kind: str, key: tuple[str, str], verdicts: Sequence[Verdict]) -> s
     being accepted; a win stays one, and an A/B finding, against a reference no update
     ratifies, stands."""
     worst = [v for v in verdicts if v.key == key and v.verdict == kind]
-    if kind in NOTEWORTHY and kind != "win" and all(v.reference is None for v in worst):
+    if (
+        kind in NOTEWORTHY
+        and kind not in ("win", "ungated")
+        and all(v.reference is None for v in worst)
+    ):
         return ACCEPTED
     return kind
 
@@ -257,7 +261,7 @@ def verdict_notes(verdicts: Iterable[Verdict], *, accepted: bool = False) -> lis
     chosen.sort(key=lambda v: (order[v.verdict], v.key, metrics.get(v.metric, len(metrics))))
     return [
         f"ACCEPTED ({verdict.verdict}): {verdict.message}"
-        if accepted and verdict.verdict != "win"
+        if accepted and verdict.verdict not in ("win", "ungated")
         else f"{verdict.verdict.upper()}: {verdict.message}"
         for verdict in chosen
     ]
@@ -428,7 +432,14 @@ def outcome_lines(outcomes: Iterable[CellOutcome]) -> list[TerminalLine]:
         for o in outcomes
     ]
     text = table(rows, OUTCOME_HEADERS)
-    return [TerminalLine(text, red=any(o.fails_run for o in outcomes))]
+    lines = [TerminalLine(text, red=any(o.fails_run for o in outcomes))]
+    # The table cuts a long reason; what to do is often at its end: each such reason whole.
+    for outcome in outcomes:
+        whole = " ".join((outcome.reason or "").split())
+        if shortened(whole) != whole:
+            named = whole if outcome.cell_id in whole else f"{outcome.cell_id}: {whole}"
+            lines.append(TerminalLine(named, red=outcome.fails_run))
+    return lines
 
 
 def gate_lines(

@@ -44,6 +44,9 @@ from pytest_gpubench.results.stats import (
 from pytest_gpubench.targets.gpu import gpu_summary
 
 DEFAULT_MIN_SUCCESS_RATE = 0.95
+# The field of a call measured in a later run of a first --baseline-update (run/history_runs.py):
+# its run's number, 1 on (the planned calls are run 0).
+HISTORY_RUN = "history_run"
 # Anything but these becomes "_" in a file name; the exact cell id is kept inside the file.
 _UNSAFE_IN_FILE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -222,6 +225,7 @@ def _prompt_model(summary: PromptSummary, history: History) -> Prompt:
             control_ms=run.control_ms,
             cpu_pressure=run.cpu_pressure,
             engine_wait_per_cpu=run.engine_wait_per_cpu,
+            neighbour_cpu_share=run.neighbour_cpu_share,
         )
         for run in history
     ]
@@ -379,14 +383,53 @@ def baselines_from_records(records: Iterable[Mapping[str, Any]]) -> list[CellBas
     by_cell: dict[str, list[PromptSummary]] = {}
     for summary in summarize(records):
         by_cell.setdefault(summary.cell_id, []).append(summary)
+    run_id = meta.get("benchmark_run_id") if meta else None
+    date = meta.get("started_at_utc") if meta else None
+    runs = history_runs(calls, run_id=run_id, date=date)
     return [
         CellBaseline(
             cell_id,
             cell_provenance(meta, cells.get(cell_id) or _unknown_cell(cell_id), calls),
             tuple(summaries),
+            {p: found for (c, p), found in runs.items() if c == cell_id},
         )
         for cell_id, summaries in sorted(by_cell.items())
     ]
+
+
+def history_runs(
+    calls: Iterable[Mapping[str, Any]], *, run_id: str | None, date: str | None
+) -> dict[tuple[str, str], History]:
+    """Per (cell, prompt) a first update measured in several runs (its calls' `history_run`,
+    run/history_runs.py): each run's figures, in order, as the history's entries (run ids
+    `<run id>#<n>`); none for a (cell, prompt) measured in one run."""
+    groups: dict[tuple[str, str], dict[int, list[Mapping[str, Any]]]] = {}
+    for call in calls:
+        if call.get("phase") != "warm" or call.get("pass", 1) != 1:
+            continue
+        key = (str(call.get("cell_id")), str(call.get("prompt_id")))
+        number = call.get(HISTORY_RUN)
+        groups.setdefault(key, {}).setdefault(number if isinstance(number, int) else 0, [])
+        groups[key][number if isinstance(number, int) else 0].append(call)
+    found: dict[tuple[str, str], History] = {}
+    for key, by_run in groups.items():
+        if len(by_run) < 2:
+            continue
+        entries = []
+        for number in sorted(by_run):
+            summaries = summarize(by_run[number])
+            if len(summaries) != 1 or not summaries[0].n_warm_ok:
+                continue  # a run with no successful call says nothing of the spread
+            entries.append(
+                run_figures(
+                    summaries[0],
+                    run_id=None if run_id is None else f"{run_id}#{number}",
+                    date=date,
+                )
+            )
+        if len(entries) >= 2:
+            found[key] = tuple(entries)
+    return found
 
 
 # -- the update rules (pure) ------------------------------------------------------------------
@@ -536,14 +579,19 @@ def plan_cell(
     for prompt_id, summary in written.items():
         merged[prompt_id] = merge_prompt(kept.get(prompt_id), summary)
         if summary.n_warm:
-            run = run_figures(
-                summary, run_id=new.provenance.benchmark_run_id, date=new.provenance.date
+            measured = new.runs(prompt_id) or (
+                run_figures(
+                    summary, run_id=new.provenance.benchmark_run_id, date=new.provenance.date
+                ),
             )
-            before = history.get(prompt_id, ())
-            # A ratified change starts a new segment: kept beside the runs before it, the step
-            # would widen the between-run spread until it left the history, and the gate would
-            # be blind to a change of its size for ten updates.
-            history[prompt_id] = appended(() if ratified_change(before, run) else before, run)
+            for number, run in enumerate(measured):
+                before = history.get(prompt_id, ())
+                # A ratified change starts a new segment: kept beside the runs before it, the
+                # step would widen the between-run spread until it left the history, and the
+                # gate would be blind to a change of its size for ten updates. Only an update's
+                # first run can be one: its later runs measure the spread between its runs.
+                stepped = number == 0 and ratified_change(before, run)
+                history[prompt_id] = appended(() if stepped else before, run)
     prompts = tuple(merged[prompt_id] for prompt_id in sorted(merged))
     history = {p: runs for p, runs in sorted(history.items()) if runs and p in merged}
     return CellPlan(CellBaseline(new.cell_id, provenance, prompts, history), refused)

@@ -150,6 +150,7 @@ class RunEntry(BaseModel):
     control_ms: float | None = None
     cpu_pressure: float | None = Field(default=None, ge=0.0, le=1.0)
     engine_wait_per_cpu: float | None = Field(default=None, ge=0.0)
+    neighbour_cpu_share: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
 class Prompt(BaseModel):

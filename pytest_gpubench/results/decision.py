@@ -12,11 +12,20 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 VerdictKind = Literal[
-    "regression", "incomparable", "unsteady", "inconclusive", "blind", "win", "ok", "new"
+    "regression",
+    "incomparable",
+    "unsteady",
+    "inconclusive",
+    "blind",
+    "win",
+    "ok",
+    "new",
+    "ungated",
 ]
 # The worst first: a (cell, prompt) takes the verdict of its worst metric. `unsteady` (the machine
 # drifted: nothing could be told) sits under the findings that fail a run for what was measured,
-# `blind` (nothing past the threshold seen, but the run could not have seen one) over a plain pass.
+# `blind` (nothing past the threshold seen, but the run could not have seen one) over a plain pass;
+# `ungated` last: a figure the prompt cannot measure, not judged (its replies too short to time).
 VERDICT_ORDER: tuple[VerdictKind, ...] = (
     "regression",
     "incomparable",
@@ -26,6 +35,7 @@ VERDICT_ORDER: tuple[VerdictKind, ...] = (
     "win",
     "ok",
     "new",
+    "ungated",
 )
 
 # The verdicts of a figure the run could not tell (the machine moved, or the evidence allows a
@@ -34,11 +44,33 @@ VERDICT_ORDER: tuple[VerdictKind, ...] = (
 UNDECIDED: tuple[VerdictKind, ...] = ("unsteady", "inconclusive", "blind")
 
 ALPHA = 0.05
+
 # The power the smallest detectable change is stated at: a change that large is caught in 80 %
 # of runs (one-sided test at ALPHA).
 POWER = 0.80
 _Z_POWER = statistics.NormalDist().inv_cdf(POWER)
 _Z_ALPHA = statistics.NormalDist().inv_cdf(1.0 - ALPHA)
+
+# The fewest gaps between tokens (completion tokens - 1, median over the calls) a reply needs
+# for its decode figures to be gated. Fewer are decided by when the engine's, its delivery
+# path's and the client's threads were scheduled more than by the engine: in issue 37's table
+# (4-token replies, 3 gaps of about 1.5 ms, most with a gap of 0 where chunks came together) an
+# unchanged engine's decode rate moved -45 % to +131 % per session. Such a figure is `ungated`
+# for the prompt (issue 43): said, never holding a run back, never a re-run.
+MIN_DECODE_GAPS = 16
+
+
+def too_short_to_time(gaps: int | None) -> str | None:
+    """Why a decode figure of replies with this many gaps between tokens is not gated for the
+    prompt, and what would make it gateable; None where they are long enough or nothing says."""
+    if gaps is None or gaps >= MIN_DECODE_GAPS:
+        return None
+    return (
+        f"not gated for this prompt: its replies carry {gaps} gaps between tokens, fewer than "
+        f"the {MIN_DECODE_GAPS} a decode figure needs (so few are decided by when the threads "
+        f"were scheduled); raise the prompt's max_tokens to {MIN_DECODE_GAPS + 1} or "
+        "more to gate it"
+    )
 
 
 # Sequential sampling (an A/B pair's, a (cell, prompt)'s against its baseline) looks at most this
@@ -99,7 +131,13 @@ PRESSURE_LIMIT = 0.10
 # 512 MiB over and over; 0.17 with its replies paced by a slower proxy, where the machine's pressure
 # reads whatever the proxy and the client add. The engine's is the engine's alone: a slower
 # engine waits in proportion to its longer running, a slower path around it changes neither.
-PressureSource = Literal["machine", "engine"]
+# Where the engine's own wait is not read (a remote engine, one in a container), the neighbours'
+# share of the machine's CPU time over the call, the engine's (where read) and the client's own
+# taken out (measure/control.MachineCpu), stands in for the pressure, with the same limit: the
+# pressure counts the engine and the client waiting for each other (issue 43: an idle 2-core
+# machine read 34-36 % with an engine started by hand). A hypervisor's steal (a VM's CPU time the
+# host gave to others, which no in-guest pressure sees) past the limit is a busy machine too.
+PressureSource = Literal["machine", "engine", "neighbours"]
 
 
 @dataclass(frozen=True)
@@ -134,10 +172,33 @@ class Steadiness:
     # What `pressure` is: the share of the time in which some task on the machine waited for a
     # CPU ("machine"), or the engine's own threads' wait per ms of CPU they got ("engine").
     pressure_source: PressureSource = "machine"
+    # The harness's own threads' wait per ms they ran, p50 over this run's calls (None where not
+    # read): a client that waited for a CPU read the engine's bytes late, whatever the engine's.
+    client_wait: float | None = None
+    # The share of the CPUs' time the hypervisor stole, p50 over this run's calls (None: not read).
+    steal: float | None = None
+    # What the GPU's own signals showed beside the engine during this run's calls, where they
+    # moved against the baseline's (another process on it, clocks held down), or None.
+    gpu: str | None = None
+    # The other processes' share of the machine's CPU time (the benchmark's own engine and
+    # client taken out), the busiest p50 of this run's and the baseline's runs, where both read
+    # it; None where not. At or under the limit nothing but the benchmark ran: an engine's or a
+    # client's wait is then for the benchmark's own threads (an engine with more compute threads
+    # than CPUs, the client beside it on two cores), which no re-run removes, and neither makes
+    # the machine busy or unsteady (issue 43). Over it, the waits count as before.
+    neighbours: float | None = None
+
+    @property
+    def own_waits_only(self) -> bool:
+        """Whether the other processes took no more than the limit of the CPUs' time in this run
+        and the baseline's: a wait read then is the benchmark's own."""
+        return self.neighbours is not None and self.neighbours <= PRESSURE_LIMIT
 
     def _waited(self, value: float) -> str:
         if self.pressure_source == "engine":
             return f"the engine's threads waited {value:.2f} ms for a CPU per ms they ran"
+        if self.pressure_source == "neighbours":
+            return f"other processes used {value:.0%} of the CPUs' time during the calls"
         return f"tasks waited for a CPU {value:.0%} of {self.pressure_window}"
 
     def _level(self, value: float) -> str:
@@ -157,6 +218,10 @@ class Steadiness:
                 f"(beyond {limit})"
             )
         now, then = self.pressure, self.baseline_pressure
+        # An engine that waited for its own threads (nothing else ran) waits as its build does.
+        own_engine = self.pressure_source == "engine" and self.own_waits_only
+        if own_engine:
+            now = then = None
         if now is not None and then is not None and abs(now - then) > PRESSURE_LIMIT:
             limit = (
                 f"±{PRESSURE_LIMIT:.2f}"
@@ -167,14 +232,13 @@ class Steadiness:
                 f"{self._waited(now)} against {self._level(then)} in the baseline's runs "
                 f"(beyond {limit})"
             )
-        if self.pressure_halves is not None:
+        if self.pressure_halves is not None and not own_engine:
             early, late = self.pressure_halves
             if abs(late - early) > PRESSURE_LIMIT:
-                what = (
-                    "the engine's wait per ms of CPU"
-                    if self.pressure_source == "engine"
-                    else "the CPU pressure"
-                )
+                what = {
+                    "engine": "the engine's wait per ms of CPU",
+                    "neighbours": "the other processes' CPU share",
+                }.get(self.pressure_source, "the CPU pressure")
                 reasons.append(
                     f"{what} went from {self._level(early)} to {self._level(late)} "
                     + (
@@ -183,6 +247,8 @@ class Steadiness:
                         else f"of {self.pressure_window} during the run"
                     )
                 )
+        if self.gpu is not None:
+            reasons.append(self.gpu)
         return "; ".join(reasons) if reasons else None
 
     @property
@@ -191,11 +257,22 @@ class Steadiness:
         of the baseline's runs (steadily: a drift is `drift`), or None. On such a machine the
         engine's speed is partly its neighbours' to decide: a verdict that cannot tell (blind,
         inconclusive) is `unsteady` there, never a silent pass."""
+        if not self.contention_counts:
+            return None
         readings = (self.pressure, self.baseline_pressure, self.baseline_pressure_max)
         busiest = max((p for p in readings if p is not None), default=None)
-        if not self.contention_counts or busiest is None or busiest <= PRESSURE_LIMIT:
-            return None
-        return f"the machine was busy: {self._waited(busiest)}"
+        waits = []
+        own = self.own_waits_only
+        own_engine = own and self.pressure_source == "engine"
+        if busiest is not None and busiest > PRESSURE_LIMIT and not own_engine:
+            waits.append(self._waited(busiest))
+        if self.client_wait is not None and self.client_wait > PRESSURE_LIMIT and not own:
+            waits.append(
+                f"the client's threads waited {self.client_wait:.2f} ms for a CPU per ms they ran"
+            )
+        if self.steal is not None and self.steal > PRESSURE_LIMIT:
+            waits.append(f"the hypervisor took {self.steal:.0%} of the CPUs' time (steal)")
+        return f"the machine was busy: {' and '.join(waits)}" if waits else None
 
 
 def steadiness(
@@ -207,6 +284,10 @@ def steadiness(
     baseline_pressure: Sequence[float] = (),
     runs_pressure: Sequence[float] = (),
     pressure_source: PressureSource = "machine",
+    client_wait: Sequence[float] = (),
+    steal: Sequence[float] = (),
+    gpu: str | None = None,
+    neighbours: float | None = None,
 ) -> Steadiness | None:
     """The control's movement: this run's control samples (in call order) against the baseline's
     (the geometric mean of its history's p50s when it has MIN_HISTORY runs, else the baseline
@@ -216,7 +297,11 @@ def steadiness(
     pressure's p50 against the baseline's (`baseline_pressure`: its runs' p50s, or its run's
     samples), and its halves when they differ significantly; `runs_pressure`: the p50 of each
     run in the baseline's history (its busiest run counts). `pressure_source`: what those
-    readings are (Steadiness.pressure_source). None when this run has neither."""
+    readings are (Steadiness.pressure_source); `client_wait`: the harness's own threads' wait
+    per ms they ran, per call; `steal`: the share of the CPUs' time a hypervisor stole, per
+    call; `gpu`: what the GPU's signals showed (Steadiness.gpu); `neighbours`: the other
+    processes' busiest CPU share (Steadiness.neighbours). None when this run has neither control
+    nor pressure."""
     if not control and not pressure:
         return None
     against: float | None = None
@@ -247,6 +332,10 @@ def steadiness(
         pressure_halves=halves,
         baseline_pressure_max=max(runs_pressure) if runs_pressure else None,
         pressure_source=pressure_source,
+        client_wait=statistics.median(client_wait) if client_wait else None,
+        steal=statistics.median(steal) if steal else None,
+        gpu=gpu,
+        neighbours=neighbours,
     )
 
 
@@ -281,6 +370,9 @@ class Evidence:
     more_samples_hint: str = ""
     # Why there is no current figure, when there is none.
     missing: str = "not measured"
+    # The level each test is at: ALPHA, or its share at each look of a figure sampled on until
+    # decided (results/sample_on.py: the error rate held as sequential sampling holds it).
+    alpha: float = ALPHA
 
 
 @dataclass(frozen=True)
@@ -383,6 +475,10 @@ def one_sided_p(
     return 1.0 if math.isnan(p_value) else p_value
 
 
+def _z(quantile: float) -> float:
+    return statistics.NormalDist().inv_cdf(quantile)
+
+
 def _logs(values: Sequence[float]) -> list[float]:
     return [math.log(value) for value in values if value > 0]
 
@@ -409,13 +505,13 @@ def detectable_log_change(evidence: Evidence) -> tuple[float, str, str | None]:
     spread = between_run_spread(evidence.history)
     if spread is not None:
         k = len(_logs(evidence.history))
-        t_quantile = float(scipy_stats().t.ppf(1.0 - ALPHA, k - 1))
+        t_quantile = float(scipy_stats().t.ppf(1.0 - evidence.alpha, k - 1))
         noise = f"between runs ({k} runs of history)"
         return (t_quantile + _Z_POWER) * spread * math.sqrt(1.0 + 1.0 / k), noise, None
     n, m = len(evidence.current_samples), len(evidence.baseline_samples)
     noise = "within this run (between-run noise floor unknown: history too short)"
     floor = min_achievable_p(n, m)
-    if floor >= ALPHA:
+    if floor >= evidence.alpha:
         return math.inf, noise, f"too few runs: {n} samples against the baseline's {m}"
     pooled = [
         *(
@@ -428,7 +524,8 @@ def detectable_log_change(evidence: Evidence) -> tuple[float, str, str | None]:
         ),
     ]
     sd = _robust_sd(pooled)
-    change = (_Z_ALPHA + _Z_POWER) * _MWU_EFFICIENCY * sd * math.sqrt(1.0 / n + 1.0 / m)
+    z_alpha = _Z_ALPHA if evidence.alpha == ALPHA else _z(1.0 - evidence.alpha)
+    change = (z_alpha + _Z_POWER) * _MWU_EFFICIENCY * sd * math.sqrt(1.0 / n + 1.0 / m)
     return change, noise, None
 
 
@@ -514,21 +611,22 @@ def decide(evidence: Evidence) -> Decision:
     change = f"{label} {signed_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
     hint = f"; {evidence.more_samples_hint}" if evidence.more_samples_hint else ""
     within_run = between_run_spread(evidence.history) is None
+    alpha = evidence.alpha
     if not within_run:
         p_value = _between_run_p(evidence, ratio, direction)
         test = f"between runs, {len(_logs(evidence.history))} runs of history"
     else:
         now, then = evidence.current_samples, evidence.baseline_samples
         floor = min_achievable_p(len(now), len(then))
-        if floor >= ALPHA:
+        if floor >= alpha:
             too_few = (
                 f"{change}, but {len(now)} samples against the baseline's {len(then)} cannot be "
-                f"significant (smallest possible p = {floor:.3g} ≥ {ALPHA}){hint}"
+                f"significant (smallest possible p = {floor:.3g} ≥ {alpha:.3g}){hint}"
             )
             return replace(base, kind="inconclusive", text=too_few)
         p_value = one_sided_p(now, then, alternative(evidence.higher_is_better, direction))
         test = "within the run; between-run noise floor unknown"
-    kind = verdict_of(direction, p_value, 0.0, ALPHA)
+    kind = verdict_of(direction, p_value, 0.0, alpha)
     if busy is not None and within_run and kind in ("regression", "win"):
         # The within-run test takes the calls as independent draws; on a machine that was busy
         # in this run or the baseline's, the calls share the neighbours' doing, and a re-measure
@@ -542,7 +640,7 @@ def decide(evidence: Evidence) -> Decision:
         )
         return replace(base, kind="unsteady", text=why, p_value=p_value)
     if kind == "inconclusive":
-        unsure = f"{change}, but not significant (p = {p_value:.3g} ≥ {ALPHA}; {test}){hint}"
+        unsure = f"{change}, but not significant (p = {p_value:.3g} ≥ {alpha:.3g}; {test}){hint}"
         if busy is not None:
             why = f"{unsure}; not judged: {busy}; re-run on a quiet machine"
             return replace(base, kind="unsteady", text=why, p_value=p_value)

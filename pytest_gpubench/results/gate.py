@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pytest_gpubench.config.cell import Thresholds, engine_of
 from pytest_gpubench.config.metrics import (
+    CLOCK_EVENTS,
     DEFAULT_RATIO_THRESHOLD,
     DEFAULT_SUCCESS_RATE,
     GATED,
@@ -38,16 +39,19 @@ from pytest_gpubench.results.decision import (
     scipy_stats,
     signed_percent,
     steadiness,
+    too_short_to_time,
 )
 from pytest_gpubench.results.run_history import (
     History,
     RunFigures,
     control_figures,
+    current_segment,
     engine_wait_figures,
     figures,
+    neighbour_figures,
     pressure_figures,
 )
-from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
+from pytest_gpubench.results.stats import PromptSummary, is_success, summaries_by_key
 
 if TYPE_CHECKING:
     from pytest_gpubench.ledger.schema import VerdictRecord
@@ -283,9 +287,15 @@ def judge(
     baseline: PromptSummary | None,
     thresholds: Thresholds | None = None,
     history: History = (),
+    *,
+    decode_gaps: int | None = None,
+    alpha: float = ALPHA,
 ) -> list[Verdict]:
     """One verdict per metric; none when nothing warm was measured (a cold-only run).
-    `history`: the baseline's last ratified runs of this (cell, prompt), oldest first."""
+    `history`: the baseline's last ratified runs of this (cell, prompt), oldest first;
+    `decode_gaps`: the gaps between tokens of this run's replies (reply_gaps): a decode figure of
+    replies too short to time is `ungated` (decision.too_short_to_time); `alpha`: the level of
+    each test (a figure sampled on until decided tests at its look's share, sample_on.py)."""
     thresholds = thresholds or Thresholds()
     if current.n_warm == 0:
         return []
@@ -310,14 +320,18 @@ def judge(
         )
     check_prompt_unchanged(current, baseline)
     steady = machine_steadiness(current, baseline, history)
+    # The figures since the last ratified step: the reference is what that update ratified.
+    segment = current_segment(history)
     verdicts = [
-        judge_ratio(
+        ungated_verdict(metric, current, baseline, decode_gaps)
+        or judge_ratio(
             metric,
             current,
             baseline,
             ratio_threshold(thresholds, metric.threshold_field),
-            history=figures(history, metric.name),
+            history=figures(segment, metric.name),
             steady=steady,
+            alpha=alpha,
         )
         for metric in metrics
     ]
@@ -327,6 +341,39 @@ def judge(
         for rate, _ in validity_rates(current)
     ]
     return verdicts
+
+
+def ungated_verdict(
+    metric: Metric, current: PromptSummary, baseline: PromptSummary, decode_gaps: int | None
+) -> Verdict | None:
+    """A decode figure of replies too short to time: `ungated`, its figures shown, never
+    judged; None for any other figure."""
+    if not metric.measure.decode:
+        return None
+    why = too_short_to_time(decode_gaps)
+    if why is None:
+        return None
+    old, new = metric.value(baseline), metric.value(current)
+    ratio = new / old if new is not None and old else None
+    seen = f"{metric.label} {signed_percent(ratio)}" if ratio is not None else metric.label
+    return _verdict(
+        current, metric.name, "ungated", f"{seen}: {why}", baseline=old, value=new, ratio=ratio
+    )
+
+
+def reply_gaps(calls: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], int]:
+    """Per (cell, prompt): the gaps between tokens of its successful warm calls' replies (their
+    completion tokens less one, the median), where the calls say how many tokens they had."""
+    counts: dict[tuple[str, str], list[int]] = {}
+    for call in calls:
+        tokens = call.get("completion_tokens")
+        if call.get("phase") != "warm" or not is_success(call):
+            continue
+        if isinstance(tokens, bool) or not isinstance(tokens, int | float) or tokens < 1:
+            continue
+        key = (str(call.get("cell_id")), str(call.get("prompt_id")))
+        counts.setdefault(key, []).append(int(tokens) - 1)
+    return {key: int(statistics.median_low(found)) for key, found in counts.items()}
 
 
 def validity_rates(summary: PromptSummary) -> list[tuple[ValidityRate, float]]:
@@ -383,10 +430,17 @@ def machine_steadiness(
     the baseline's runs, and within this run; None when this run checked neither. Where this
     run and the baseline both read a local engine's own wait (per ms of its CPU), that wait is
     the pressure: the machine's counts the client, a proxy of the path and neighbours that take
-    nothing from the engine."""
+    nothing from the engine. Where not, and both read the machine's CPU time, the other
+    processes' share of it (the engine's and the client's own taken out) is the pressure; else
+    the machine's pressure, as runs before either was measured. The harness's own threads' wait
+    (the client's) and a hypervisor's steal count beside each: either past the limit made the
+    machine busy too."""
     engine_runs = engine_wait_figures(history)
     engine_now = current.samples["engine_wait_per_cpu"]
     engine_then = engine_runs or baseline.samples["engine_wait_per_cpu"]
+    neighbour_runs = neighbour_figures(history)
+    neighbours_now = current.samples["neighbour_cpu_share"]
+    neighbours_then = neighbour_runs or baseline.samples["neighbour_cpu_share"]
     if engine_now and engine_then:
         return steadiness(
             current.samples["control_ms"],
@@ -396,6 +450,24 @@ def machine_steadiness(
             baseline_pressure=engine_then,
             runs_pressure=engine_runs,
             pressure_source="engine",
+            client_wait=current.samples["client_wait_per_cpu"],
+            steal=current.samples["steal_share"],
+            gpu=gpu_signals(current, baseline),
+            neighbours=busiest_neighbours(neighbours_now, neighbours_then, neighbour_runs),
+        )
+    if neighbours_now and neighbours_then:
+        return steadiness(
+            current.samples["control_ms"],
+            baseline.samples["control_ms"],
+            control_figures(history),
+            pressure=neighbours_now,
+            baseline_pressure=neighbours_then,
+            runs_pressure=neighbour_runs,
+            pressure_source="neighbours",
+            client_wait=current.samples["client_wait_per_cpu"],
+            steal=current.samples["steal_share"],
+            gpu=gpu_signals(current, baseline),
+            neighbours=busiest_neighbours(neighbours_now, neighbours_then, neighbour_runs),
         )
     runs_pressure = pressure_figures(history)
     return steadiness(
@@ -405,7 +477,20 @@ def machine_steadiness(
         pressure=current.samples["cpu_pressure"],
         baseline_pressure=runs_pressure or baseline.samples["cpu_pressure"],
         runs_pressure=runs_pressure,
+        client_wait=current.samples["client_wait_per_cpu"],
+        steal=current.samples["steal_share"],
+        gpu=gpu_signals(current, baseline),
     )
+
+
+def busiest_neighbours(
+    now: Sequence[float], then: Sequence[float], runs: Sequence[float]
+) -> float | None:
+    """The other processes' busiest CPU share (p50) of this run, the baseline's run and its
+    history's runs; None unless this run and the baseline both read it."""
+    if not now or not then:
+        return None
+    return max(statistics.median(now), statistics.median(then), *runs)
 
 
 def counted_measure(kind: str) -> str:
@@ -415,11 +500,42 @@ def counted_measure(kind: str) -> str:
     return next(m.name for m in MEASURES if m.samples and kind in m.kinds)
 
 
+def gpu_signals(current: PromptSummary, baseline: PromptSummary) -> str | None:
+    """What the GPU's own signals (NVML, beside each call) showed that no CPU reading sees:
+    another compute process on the GPU during this run's calls, and clocks held down (thermal,
+    power cap, a hardware slowdown) by reasons the baseline's calls did not show (a GPU at its
+    power cap under every run's load is the same GPU); None where neither, or not read."""
+    reasons = []
+    others = current.samples["gpu_other_processes"]
+    shared = sum(1 for count in others if count > 0)
+    if shared:
+        reasons.append(
+            f"another process ran on the GPU during {shared} of {len(others)} calls "
+            f"(up to {max(others):.0f} besides the engine's)"
+        )
+    events = current.samples["gpu_clock_events"]
+    then = 0
+    for bits in baseline.samples["gpu_clock_events"]:
+        then |= int(bits)
+    held = {
+        name: sum(1 for bits in events if int(bits) & bit)
+        for bit, name in CLOCK_EVENTS.items()
+        if not then & bit
+    }
+    named = [f"{name} in {count} of {len(events)} calls" for name, count in held.items() if count]
+    if named:
+        reasons.append(
+            f"the GPU's clocks were held down ({', '.join(named)}), unlike the baseline's"
+        )
+    return "; ".join(reasons) if reasons else None
+
+
 def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None) -> RunFigures:
     """What a baseline's history keeps of one run of a (cell, prompt)."""
     control = summary.samples["control_ms"]
     pressure = summary.samples["cpu_pressure"]
     engine_wait = summary.samples["engine_wait_per_cpu"]
+    neighbours = summary.samples["neighbour_cpu_share"]
     return RunFigures(
         benchmark_run_id=run_id,
         date=date,
@@ -428,6 +544,7 @@ def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None)
         control_ms=sorted(control)[len(control) // 2] if control else None,
         cpu_pressure=statistics.median(pressure) if pressure else None,
         engine_wait_per_cpu=statistics.median(engine_wait) if engine_wait else None,
+        neighbour_cpu_share=statistics.median(neighbours) if neighbours else None,
     )
 
 
@@ -452,6 +569,7 @@ def judge_ratio(
     *,
     history: tuple[float, ...] = (),
     steady: Steadiness | None = None,
+    alpha: float = ALPHA,
 ) -> Verdict:
     """The decision core's verdict on one metric (decision.decide), with its attribution."""
     decision = decide(
@@ -467,6 +585,7 @@ def judge_ratio(
             steadiness=steady,
             more_samples_hint=RERUN_HINT,
             missing=_why_missing(metric, current),
+            alpha=alpha,
         )
     )
     cause: Attribution | None = None
@@ -631,6 +750,8 @@ def compare(
     changed_setups: Mapping[str, str] | None = None,
     accept_incomparable: bool = False,
     histories: Mapping[tuple[str, str], History] | None = None,
+    decode_gaps: Mapping[tuple[str, str], int] | None = None,
+    alphas: Mapping[tuple[str, str], float] | None = None,
 ) -> list[Verdict]:
     """Verdicts for every new (cell, prompt), sorted; thresholds may be given per cell id.
 
@@ -638,8 +759,12 @@ def compare(
     (`engine version b4100 → b4200`). Those cells' prompts with a baseline are `incomparable`,
     or, accepted, judged with a note on every verdict that the baseline came from another setup.
     `histories`: per (cell, prompt), the baseline's last ratified runs (run_history.py).
+    `decode_gaps`: per (cell, prompt), the gaps between tokens of this run's replies (reply_gaps).
+    `alphas`: per (cell, prompt) sampled on until decided, the level of its tests (sample_on.py).
     """
     old = summaries_by_key(old_summaries)
+    gaps = decode_gaps or {}
+    levels = alphas or {}
     changed = changed_setups or {}
     runs = histories or {}
     verdicts: list[Verdict] = []
@@ -653,11 +778,26 @@ def compare(
             note = f" [baseline from another setup ({changes}), accepted with {ACCEPT_OPTION}]"
             verdicts.extend(
                 replace(verdict, message=verdict.message + note)
-                for verdict in judge(summary, baseline, _for_cell(thresholds, summary))
+                for verdict in judge(
+                    summary,
+                    baseline,
+                    _for_cell(thresholds, summary),
+                    decode_gaps=gaps.get(summary.key),
+                    alpha=levels.get(summary.key, ALPHA),
+                )
             )
             continue
         history = runs.get(summary.key, ())
-        verdicts.extend(judge(summary, baseline, _for_cell(thresholds, summary), history))
+        verdicts.extend(
+            judge(
+                summary,
+                baseline,
+                _for_cell(thresholds, summary),
+                history,
+                decode_gaps=gaps.get(summary.key),
+                alpha=levels.get(summary.key, ALPHA),
+            )
+        )
     return verdicts
 
 

@@ -12,7 +12,14 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+)
 
 from pytest_gpubench.config.cases import LOAD_PHASE
 from pytest_gpubench.config.cell import Thresholds, node_of
@@ -23,7 +30,7 @@ from pytest_gpubench.config.metrics import (
     GATED,
     MEASURE_BY_NAME,
 )
-from pytest_gpubench.config.options import FLAGS
+from pytest_gpubench.config.options import DEFAULT_SAMPLE_ON_SECONDS, FLAGS
 from pytest_gpubench.core.errors import GpubenchError, key_path
 from pytest_gpubench.core.status import session_status
 from pytest_gpubench.ledger.outcomes import CellOutcome, PlannedCell, cell_outcomes
@@ -89,6 +96,10 @@ class JudgingSettings(_Strict):
     smoke: bool = False
     alpha: float = ALPHA
     min_history: int = MIN_HISTORY
+    # An undecided figure's budget past the planned runs (results/sample_on.py): its runs (None:
+    # as many again as were planned; 0: none) and seconds per (cell, prompt).
+    sample_on_runs: NonNegativeInt | None = None
+    sample_on_seconds: NonNegativeFloat = DEFAULT_SAMPLE_ON_SECONDS
 
     @classmethod
     def of_cells(
@@ -99,6 +110,8 @@ class JudgingSettings(_Strict):
         accept_incomparable: bool = False,
         baseline_update: bool = False,
         smoke: bool = False,
+        sample_on_runs: int | None = None,
+        sample_on_seconds: float = DEFAULT_SAMPLE_ON_SECONDS,
     ) -> JudgingSettings:
         """The settings of a run of these cells (the matrix's, or a shard's share of it)."""
         return cls(
@@ -107,6 +120,8 @@ class JudgingSettings(_Strict):
             accept_incomparable=accept_incomparable,
             baseline_update=baseline_update,
             smoke=smoke,
+            sample_on_runs=sample_on_runs,
+            sample_on_seconds=sample_on_seconds,
         )
 
     @classmethod
@@ -391,22 +406,29 @@ def first_pass_verdicts(
     from pytest_gpubench.results.stats import summarize
 
     found = _read_baselines(run, baselines_dir, replacing=False)
-    return _warm_verdicts(summarize(run.calls), found, settings)
+    return _warm_verdicts(summarize(run.calls), found, settings, run.calls)
 
 
 def _warm_verdicts(
-    summaries: Sequence[PromptSummary], found: _Baselines, settings: JudgingSettings
+    summaries: Sequence[PromptSummary],
+    found: _Baselines,
+    settings: JudgingSettings,
+    calls: Sequence[Mapping[str, Any]],
 ) -> list[Verdict]:
-    from pytest_gpubench.results.gate import compare
+    from pytest_gpubench.results.gate import compare, reply_gaps
+    from pytest_gpubench.results.sample_on import alphas, with_budget
 
-    return compare(
+    verdicts = compare(
         found.summaries,
         summaries,
         settings.thresholds(),
         changed_setups=found.changed,
         accept_incomparable=settings.accept_incomparable,
         histories=found.histories,
+        decode_gaps=reply_gaps(calls),
+        alphas=alphas(calls, settings.sample_on_runs),
     )
+    return with_budget(verdicts, calls, settings.sample_on_runs, settings.sample_on_seconds)
 
 
 def judge_run(run: RunRecords, settings: JudgingSettings, baselines_dir: Path) -> Judgement:
@@ -446,11 +468,11 @@ def _judge_warm(judgement: Judgement, run: RunRecords, baselines_dir: Path) -> N
     try:
         found = _read_baselines(run, baselines_dir, replacing=settings.writes_baselines)
         judgement.changed_setups = found.changed
-        verdicts = _warm_verdicts(judgement.summaries, found, settings)
+        verdicts = _warm_verdicts(judgement.summaries, found, settings, run.calls)
         if run.remeasured or run.not_remeasured:
             from pytest_gpubench.results.confirm import confirm
 
-            second = _warm_verdicts(summarize(run.remeasured), found, settings)
+            second = _warm_verdicts(summarize(run.remeasured), found, settings, run.remeasured)
             verdicts = confirm(verdicts, second, run.not_remeasured)
         verdicts.extend(telemetry_verdicts(run.calls, settings.thresholds()))
         verdicts.extend(check_verdicts(judgement.checks, settings))

@@ -22,6 +22,7 @@ from pytest_gpubench.results.decision import (
     look_schedule,
     scipy_stats,
     signed_percent,
+    too_short_to_time,
     verdict_of,
 )
 from pytest_gpubench.results.gate import (
@@ -39,15 +40,10 @@ from pytest_gpubench.results.stats import field_number, is_success
 # most looks of sequential sampling: results/decision.py).
 INTERVAL_LEVEL = 0.95
 Decision = Literal["regression", "win", "unchanged"]
-# The fewest gaps between tokens (completion tokens - 1, median over the pairs) a reply needs for
-# an A/B regression or win on its decode figures. Fewer are decided by when the engine's, its
-# delivery path's and the client's threads were scheduled more than by the engine, and two
-# engines beside busy neighbours are not scheduled alike: in issue 37's table (4-token replies,
-# 3 gaps of about 1.5 ms, most pairs with a gap of 0 where chunks came together) an unchanged
-# candidate's decode rate moved -45 % to +131 % per session, and one session in 10-20 came out
-# significant both by the signed ranks and by its interval. Such a claim is `inconclusive`;
-# a pass still needs its interval inside the threshold, as for any figure.
-MIN_DECODE_GAPS = 16
+# A decode figure of replies shorter than MIN_DECODE_GAPS gaps between tokens (the median over
+# the pairs) is `ungated` (results/decision.py): in issue 37's table an unchanged candidate's
+# decode rate of 4-token replies moved -45 % to +131 % per session, and one session in 10-20
+# came out significant both by the signed ranks and by its interval.
 
 
 class PairedCell(Protocol):
@@ -315,10 +311,10 @@ def decide(
     decisions: list[Decision | None] = []
     gaps = pairs.decode_gaps()
     for result in results:
+        if _too_few_gaps(result.metric, gaps) is not None:
+            continue  # not gated for this prompt: nothing to decide
         kind = verdict_of(result.direction, result.p_value, 0.0, alpha)
-        if kind in ("regression", "win") and (
-            not rules_out_no_change(result) or _too_few_gaps(result.metric, gaps) is not None
-        ):
+        if kind in ("regression", "win") and not rules_out_no_change(result):
             decisions.append(None)  # not yet earned: sample on
             continue
         if kind == "regression":
@@ -431,16 +427,16 @@ def judge_candidate(
         message = f"{message} against {reference}"
         uneven = _uneven_share(kind, result, threshold, waits)
         apart = _placed_apart(kind, result, waits, pinned)
-        short = _too_few_gaps(metric, gaps) if kind in ("regression", "win") else None
-        if uneven is not None or apart is not None:
+        short = _too_few_gaps(metric, gaps)
+        if short is not None:
+            change = _change(result, decided_at, max_pairs)
+            kind, message = "ungated", f"{change} against {reference}: {short}"
+        elif uneven is not None or apart is not None:
             change = _change(result, decided_at, max_pairs)
             kind, message = (
                 "unsteady",
                 f"{change} against {reference}, not judged: {uneven or apart}",
             )
-        elif short is not None:
-            change = _change(result, decided_at, max_pairs)
-            kind, message = "inconclusive", f"{change} against {reference}, not judged: {short}"
         verdicts.append(
             Verdict(
                 cell_id=cell_id,
@@ -496,15 +492,12 @@ def _placed_apart(
 
 
 def _too_few_gaps(metric: Metric, gaps: int | None) -> str | None:
-    """Why the pairs' replies are too short for a regression or win on a decode figure
-    (MIN_DECODE_GAPS); None where they are long enough, or nothing says how long."""
-    if not metric.measure.decode or gaps is None or gaps >= MIN_DECODE_GAPS:
+    """Why a decode figure of the pairs' replies is not gated for the prompt (too short to
+    time: decision.too_short_to_time); None for another figure, long enough replies, or where
+    nothing says how long they were."""
+    if not metric.measure.decode:
         return None
-    return (
-        f"its replies carry {gaps} gaps between tokens, fewer than the {MIN_DECODE_GAPS} a "
-        "decode figure needs for a change in A/B (so few are decided by when the threads were "
-        f"scheduled); raise the prompt's max_tokens to {MIN_DECODE_GAPS + 1} or more"
-    )
+    return too_short_to_time(gaps)
 
 
 def _uneven_share(

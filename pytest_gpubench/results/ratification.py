@@ -102,10 +102,14 @@ def history_notes(baselines_dir: Path, cell_id: str) -> list[str]:
         return []
     if baseline is None:
         return []
+    from pytest_gpubench.results.run_history import current_segment
+
+    # The runs the gate judges by: those since the last ratified step.
+    runs = {s.prompt_id: len(current_segment(baseline.runs(s.prompt_id))) for s in baseline.prompts}
     short = sorted(
-        f"{summary.prompt_id} ({len(baseline.runs(summary.prompt_id))})"
+        f"{summary.prompt_id} ({runs[summary.prompt_id]})"
         for summary in baseline.prompts
-        if summary.n_warm and len(baseline.runs(summary.prompt_id)) < MIN_HISTORY
+        if summary.n_warm and runs[summary.prompt_id] < MIN_HISTORY
     )
     if not short:
         return []

@@ -29,6 +29,9 @@ class RunFigures:
     cpu_pressure: float | None = None
     # The engine's own wait per ms of CPU (p50), where the engine was a local process.
     engine_wait_per_cpu: float | None = None
+    # The neighbours' share of the machine's CPU time, the benchmark's own taken out (p50):
+    # absent from runs ratified before it was measured.
+    neighbour_cpu_share: float | None = None
 
     def figure(self, metric: str) -> float | None:
         return self.figures.get(metric)
@@ -48,11 +51,14 @@ def appended(history: Sequence[RunFigures], run: RunFigures, keep: int = HISTORY
     return (*kept, run)[-keep:]
 
 
-def ratified_change(history: Sequence[RunFigures], run: RunFigures) -> bool:
+def ratified_change(
+    history: Sequence[RunFigures], run: RunFigures, *, short_steps: bool = False
+) -> bool:
     """Whether a ratified run moved one of its gated figures away from the history before it:
     beyond the history's own spread (two-sided, at ALPHA, as a new draw of it: a prediction
     interval) and by more than the default threshold (a step worth a user's ratifying, not the
-    machine's drift). Needs MIN_HISTORY runs before it: a shorter history has no spread."""
+    machine's drift). Needs MIN_HISTORY runs before it: a shorter history has no spread. With
+    `short_steps`, after fewer (but at least two), a move past the threshold is a step."""
     from pytest_gpubench.results.decision import (
         ALPHA,
         MIN_HISTORY,
@@ -62,19 +68,47 @@ def ratified_change(history: Sequence[RunFigures], run: RunFigures) -> bool:
 
     for metric, value in run.figures.items():
         past = figures(history, metric)
-        spread = between_run_spread(past)
-        if value is None or value <= 0 or spread is None or len(past) < MIN_HISTORY:
+        if value is None or value <= 0 or len(past) < (2 if short_steps else MIN_HISTORY):
             continue
         logs = [math.log(v) for v in past]
         step = math.log(value) - statistics.fmean(logs)
         if abs(step) <= math.log(1.0 + DEFAULT_RATIO_THRESHOLD):
             continue
-        if spread == 0.0:
+        spread = between_run_spread(past)
+        if spread is None or spread == 0.0:
             return True
         statistic = abs(step) / (spread * math.sqrt(1.0 + 1.0 / len(logs)))
         if 2.0 * float(scipy_stats().t.sf(statistic, len(logs) - 1)) < ALPHA:
             return True
     return False
+
+
+def current_segment(history: Sequence[RunFigures]) -> History:
+    """The runs since the last ratified step, oldest first: what the gate judges a run against,
+    so that the run after an update that moved a figure is compared with what that update
+    ratified, whatever the history held before (issue 43). A step past the prediction interval
+    of MIN_HISTORY runs or more already starts a new history in the file; after two runs, which
+    bound no interval, a move past the threshold is a step here. The file keeps such runs (a
+    machine whose runs drift must still grow a history, and `gpubench calibrate` seed one): the
+    gate leaves them out, as the runs before any step, which say nothing of the spread after
+    it."""
+    segment: History = ()
+    for run in history:
+        stepped = not same_update(segment[-1], run) if segment else False
+        if stepped and ratified_change(segment, run, short_steps=True):
+            segment = (run,)
+        else:
+            segment = (*segment, run)
+    return segment
+
+
+def same_update(earlier: RunFigures, later: RunFigures) -> bool:
+    """Whether two runs were ratified by one --baseline-update (its runs `<run id>#<n>`,
+    run/history_runs.py): one update's runs are never a step from each other, however far its
+    engine's speed moved between them (that is the spread they are measured for)."""
+    first, _, number = (earlier.benchmark_run_id or "").partition("#")
+    second, _, other = (later.benchmark_run_id or "").partition("#")
+    return bool(first) and bool(number) and bool(other) and first == second
 
 
 def figures(history: Iterable[RunFigures], metric: str) -> tuple[float, ...]:
@@ -93,3 +127,7 @@ def pressure_figures(history: Iterable[RunFigures]) -> tuple[float, ...]:
 
 def engine_wait_figures(history: Iterable[RunFigures]) -> tuple[float, ...]:
     return tuple(e.engine_wait_per_cpu for e in history if e.engine_wait_per_cpu is not None)
+
+
+def neighbour_figures(history: Iterable[RunFigures]) -> tuple[float, ...]:
+    return tuple(e.neighbour_cpu_share for e in history if e.neighbour_cpu_share is not None)

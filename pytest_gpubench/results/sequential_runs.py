@@ -25,9 +25,10 @@ from pytest_gpubench.results.decision import (
     look_schedule,
     one_sided_p,
     scipy_stats,
+    too_short_to_time,
     verdict_of,
 )
-from pytest_gpubench.results.gate import GATED_METRICS, ratio_threshold
+from pytest_gpubench.results.gate import GATED_METRICS, ratio_threshold, reply_gaps
 from pytest_gpubench.results.stats import PromptSummary, is_success
 
 Stop = Literal["regression", "unchanged"]
@@ -73,9 +74,12 @@ def _look(
     """A regression as soon as one figure is one; unchanged once every figure is."""
     unchanged = []
     kind = str(calls[0].get("kind") or "chat") if calls else "chat"
+    gaps = next(iter(reply_gaps(calls).values()), None)
     for metric in _METRICS:
         if kind not in metric.measure.kinds:
             continue  # a figure the prompt's request kind has not (an embedding's TTFT)
+        if metric.measure.decode and too_short_to_time(gaps) is not None:
+            continue  # not gated for this prompt (replies too short to time)
         source = metric.measure.field
         now = [float(call[source]) for call in calls if call.get(source) is not None]
         then = list(metric.samples(baseline))

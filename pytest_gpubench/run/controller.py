@@ -56,6 +56,7 @@ if TYPE_CHECKING:
         LoadRecord,
         MetaRecord,
     )
+    from pytest_gpubench.results.gate import Verdict
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,8 @@ class RunController:
             accept_incomparable=options.accept_incomparable,
             baseline_update=options.baseline_update,
             smoke=options.smoke,
+            sample_on_runs=options.sample_on_runs,
+            sample_on_seconds=options.sample_on_seconds,
         )
         # Every record of the run by kind (the ledger's lines, as they were appended).
         self.records = RunRecords()
@@ -302,7 +305,9 @@ class RunController:
         Returns the session's exit status."""
         try:
             if self.ledger is not None:
+                self._sample_on_undecided()
                 self._remeasure_suspects()
+                self._measure_history_runs()
         finally:
             self.catch_signals.restore()
         try:
@@ -387,6 +392,70 @@ class RunController:
             judgement.write_failed = True
             return
         take_load_update(judgement, plan, notes)
+
+    def _sample_on_undecided(self) -> None:
+        """Before the re-measure: each (cell, prompt) whose gated figure the planned runs left
+        undecided is measured further, within its budget (run/sample_on.py). Never while
+        ratifying or in a smoke run, nor where the judging itself fails (the end says why)."""
+        from pytest_gpubench.run.sample_on import sample_on
+
+        options = self.options
+        if options.baseline_update or options.smoke or not self.calls or not self.writes_ledger:
+            return
+        if self.settings.sample_on_runs == 0 or self.settings.sample_on_seconds <= 0:
+            return
+        planned: dict[tuple[str, str], int] = {}
+        for call in self.calls:
+            if call.get("phase") == "warm":
+                key = (str(call.get("cell_id")), str(call.get("prompt_id")))
+                planned[key] = planned.get(key, 0) + 1
+
+        def judge() -> list[Verdict]:
+            return first_pass_verdicts(self.records, self.settings, options.baselines_dir)
+
+        try:
+            sample_on(
+                self.harness,
+                judge,
+                self.collect,
+                planned,
+                runs=self.settings.sample_on_runs,
+                seconds=self.settings.sample_on_seconds,
+            )
+        except GpubenchError:
+            return  # the baselines could not be read: the judgement says it at the end
+
+    def _measure_history_runs(self) -> None:
+        """--baseline-update: each warm (cell, prompt) whose baseline has no history yet is
+        measured in more runs, separated in time (run/history_runs.py), so that its first
+        baseline holds the spread between runs. Never in a smoke run; a test's own requests and
+        timed cells are measured in one run, as before."""
+        from pytest_gpubench.results.baseline import find_baseline
+        from pytest_gpubench.run.history_runs import measure_history_runs
+        from pytest_gpubench.run.remeasure import why_not_remeasured
+
+        options = self.options
+        if not options.baseline_update or options.smoke or options.baseline_runs < 2:
+            return
+        if not self.calls or not self.writes_ledger:
+            return
+        planned: dict[tuple[str, str], int] = {}
+        for call in self.calls:
+            key = (str(call.get("cell_id")), str(call.get("prompt_id")))
+            if call.get("phase") == "warm" and why_not_remeasured(self.matrix, *key) is None:
+                planned[key] = planned.get(key, 0) + 1
+        for cell_id in sorted({cell_id for cell_id, _ in planned}):
+            try:
+                baseline = find_baseline(options.baselines_dir, cell_id)
+            except GpubenchError:
+                baseline = None  # a corrupt file is replaced: a first baseline
+            if baseline is None:
+                continue
+            for key in [k for k in planned if k[0] == cell_id]:
+                if baseline.runs(key[1]):
+                    del planned[key]
+        if planned:
+            measure_history_runs(self.harness, planned, options.baseline_runs, self.collect)
 
     def _remeasure_suspects(self) -> None:
         """Before anything is given back: judge the first pass, and measure the suspected

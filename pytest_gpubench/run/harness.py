@@ -28,8 +28,8 @@ from pytest_gpubench.ledger.records import (
     stage_record,
 )
 from pytest_gpubench.ledger.schema import as_json
-from pytest_gpubench.measure.control import ControlCall, CpuPressure
-from pytest_gpubench.measure.engine_wait import EngineWait, EngineWaiting
+from pytest_gpubench.measure.control import ControlCall, CpuPressure, MachineCpu
+from pytest_gpubench.measure.steadiness import CallReadings
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
@@ -95,6 +95,9 @@ class Harness:
         self.steadiness = steadiness
         self.control = ControlCall()
         self.pressure = CpuPressure()
+        # The machine's CPU time during the call, the benchmark's own taken out (the neighbours'
+        # share) and the hypervisor's steal: where the engine's own wait cannot be read.
+        self.machine_cpu = MachineCpu()
         # Which pass of the session's measurements this is: 2 while suspects are re-measured.
         self.measure_pass = 1
 
@@ -386,12 +389,13 @@ class Harness:
         assert live.engine is not None
         window = self._begin_sampling(live)
         started = utc_now()
-        pressure_mark = self.pressure.start() if steadiness else None
-        engine_wait = live.engine_wait() if steadiness else None
-        wait_mark = engine_wait.mark() if engine_wait is not None else None
+        readings = (
+            CallReadings(self.pressure, self.machine_cpu, live.engine_wait())
+            if steadiness
+            else None
+        )
         measurement = live.request(prompt, max_tokens, shape, of, **own)
-        waited = engine_wait.since(wait_mark) if engine_wait is not None else None
-        cpu_pressure = self.pressure.share(pressure_mark) if steadiness else None
+        beside = readings.fields() if readings is not None else {}
         live.last_call_end = time.monotonic()
         samples = self._end_sampling(live, window)
         counters_after = (
@@ -417,10 +421,7 @@ class Harness:
         fields = as_json(record)
         if control_ms is not None:
             fields["control_ms"] = round(control_ms, 3)
-        if cpu_pressure is not None:
-            fields["cpu_pressure"] = round(cpu_pressure, 4)
-        if waited is not None and engine_wait is not None:
-            fields.update(engine_wait_fields(waited, engine_wait))
+        fields.update(beside)
         fields.update(
             engine_check_fields(
                 measurement, shape, counters_before, counters_after, own.get("extra_body")
@@ -442,7 +443,7 @@ class Harness:
         telemetry = self.telemetry.get(live.cell.spec.node)
         if telemetry is None or (settings.gpu == "off" and settings.cpu == "off"):
             return None
-        pid = live.server.pid if live.server is not None else None
+        pid = live.engine_pid()
         try:
             return telemetry, telemetry.begin_case(pid)
         except Exception:
@@ -577,24 +578,3 @@ def close_within(target: Target, limit_s: float) -> str | None:
     if failure:
         raise failure[0]
     return None
-
-
-def engine_wait_fields(waited: EngineWaiting, engine_wait: EngineWait) -> dict[str, Any]:
-    """A call record's fields of the engine's own run-queue wait and CPU time over the call
-    (measure/engine_wait), how busy it kept the CPUs it may use, and the CPUs it was pinned to,
-    if any (A/B's two engines placed alike: results/paired)."""
-    fields: dict[str, Any] = {
-        "engine_wait_ms": round(waited.wait_ms, 3),
-        "engine_cpu_ms": round(waited.cpu_ms, 3),
-    }
-    if waited.cpu_ms > 0:
-        fields["engine_wait_per_cpu"] = round(waited.wait_ms / waited.cpu_ms, 4)
-    allowed = engine_wait.allowed_cpus(waited.pids)
-    if allowed and waited.wall_ms > 0:
-        # How busy the engine kept the CPUs it may use (1.0: every one, all the call long): an
-        # engine that fills them waits for its own threads too (results/engine_checks).
-        fields["engine_cpus_filled"] = round(waited.cpu_ms / (waited.wall_ms * len(allowed)), 3)
-    pinned = engine_wait.pinned_cpus(allowed)
-    if pinned is not None:
-        fields["engine_cpus"] = pinned
-    return fields

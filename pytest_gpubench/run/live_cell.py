@@ -22,6 +22,7 @@ from pytest_gpubench.engines.managed import ManagedServer, managed_server, model
 from pytest_gpubench.ledger.records import tls_warning
 from pytest_gpubench.measure.engine_wait import EngineWait
 from pytest_gpubench.measure.gauges import CaseCounters
+from pytest_gpubench.measure.listener import EngineProcess, endpoint_process
 from pytest_gpubench.measure.stream import STALL_LIMIT_S, CallMeasurement, StreamError, TlsSettings
 from pytest_gpubench.run.nodes import plain_error
 from pytest_gpubench.targets import Target, records_stages
@@ -82,12 +83,22 @@ class LiveCell:
     # The engine's /metrics read around each warm call (None until first asked, or where the
     # engine speaks no OpenAI-compatible HTTP: Ollama, a plugin's engine).
     counters: CaseCounters | None = None
+    # The process serving an engine the harness did not start, found from its endpoint on this
+    # machine (or why it was not): None for a managed engine, or one on another node.
+    engine_process: EngineProcess | None = None
+
+    def engine_pid(self) -> int | None:
+        """The engine's process: a managed engine's, or the one found serving the endpoint of an
+        engine started outside the harness on this machine; None elsewhere."""
+        if self.server is not None:
+            return self.server.pid
+        return self.engine_process.pid if self.engine_process is not None else None
 
     def engine_wait(self) -> EngineWait | None:
-        """The reader of the engine's own waiting: a managed engine on this machine only."""
-        if self.server is None or not isinstance(self.target, LocalTarget):
+        """The reader of the engine's own waiting: an engine process on this machine."""
+        if not isinstance(self.target, LocalTarget):
             return None
-        pid = self.server.pid
+        pid = self.engine_pid()
         return EngineWait(pid) if pid is not None else None
 
     def engine_counters(self) -> CaseCounters | None:
@@ -154,6 +165,9 @@ class LiveCell:
                 "node_info": self.target.describe(),
                 "engine_url": base_url,
             }
+            if self.server is None and isinstance(self.target, LocalTarget):
+                self.engine_process = self._find_engine_process(base_url)
+                self.facts["engine_process"] = self.engine_process.facts()
             self.ready_at = time.monotonic()
         except GpubenchError as exc:
             self._unavailable(exc)
@@ -163,6 +177,20 @@ class LiveCell:
             # Ctrl-C while preparing: no later case may find a half-built cell.
             self.unavailable = "interrupted while the cell was being prepared"
             raise
+
+    def _find_engine_process(self, base_url: str) -> EngineProcess:
+        """The process serving an engine the user started, whose own CPU wait each warm call
+        reads (measure/listener.py); where none is found, why, said once here and in the cell
+        record, and the machine's CPU pressure stands in."""
+        found = endpoint_process(base_url)
+        if found.pid is not None:
+            log.info(
+                "cell %s: the engine at %s is process %d (%s)",
+                self.cell.cell_id, base_url, found.pid, found.comm,
+            )  # fmt: skip
+        else:
+            log.info("cell %s: %s", self.cell.cell_id, found.missing)
+        return found
 
     def _start_server(self, server: ManagedServer, target: Target) -> str:
         """Stages vram_check (where the model's size is known) and engine_start (within the
@@ -283,6 +311,18 @@ class LiveCell:
             return "unload"
         return "process_warm"
 
+    def start_again(self) -> bool:
+        """Stop the managed engine and start it again, so that the next calls are a new run of
+        it (run/history_runs.py), warmed up again before the first; False for an engine this
+        cell does not start (an endpoint)."""
+        if self.server is None or self.engine is None:
+            return False
+        self.close_connection()
+        self.warmed_adapters.clear()
+        self.engine = self._engine(self.server.restart())
+        self.last_call_end = None
+        return True
+
     def chat(
         self, prompt: str, max_tokens: int, request: RequestShape, **own: Any
     ) -> CallMeasurement:
@@ -380,21 +420,22 @@ class LiveCell:
         of: Prompt | None = None,
         adapter: str | None = None,
         **own: Any,
-    ) -> None:
+    ) -> bool:
         """An unrecorded call, so that the measured call follows one within the warm window (and
         on a connection already open). It sends the measured request itself, so that it primes
         what the measured call will find (a prompt cache) on every run alike. A request naming
         a LoRA adapter (`adapter`) no request has named since the engine was made cold is
-        always preceded by one."""
+        always preceded by one. Whether it sent one."""
         recent = self.last_call_end is not None and (
             time.monotonic() - self.last_call_end < WARM_WINDOW_S
         )
         if recent and (adapter is None or adapter in self.warmed_adapters):
-            return
+            return False
         if adapter is not None:
             self.warmed_adapters.add(adapter)
         self.request(prompt, max_tokens, request, of, **own)
         self.last_call_end = time.monotonic()
+        return True
 
     def close(self) -> None:
         """Stop the cell's managed engine; the node itself is closed by the harness.

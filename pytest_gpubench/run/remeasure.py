@@ -43,9 +43,9 @@ def remeasure(
             todo = [s for s in suspects if s[2] > round_idx]
             order.shuffle(todo)
             for cell_id, prompt_id, _ in todo:
-                if not live.setdefault(cell_id, _make_live(harness, cell_id, prompt_id, records)):
+                if not live.setdefault(cell_id, make_live(harness, cell_id, prompt_id, records)):
                     continue
-                case = _case(harness, cell_id, prompt_id, round_idx)
+                case = warm_case(harness, cell_id, prompt_id, round_idx)
                 try:
                     record, others = harness.run_case(case)
                 except GpubenchError as exc:
@@ -57,14 +57,14 @@ def remeasure(
     return records
 
 
-def _case(harness: Harness, cell_id: str, prompt_id: str, run_idx: int) -> Case:
+def warm_case(harness: Harness, cell_id: str, prompt_id: str, run_idx: int) -> Case:
     """A warm case of the suspect (its adapter where its cell chooses them per request)."""
     cell = harness.matrix.cell(cell_id)
     adapter = next((a for judged, _, a in cell.case_prompts() if judged == prompt_id), None)
     return Case(0, 0, 1, 0, run_idx, cell_id, prompt_id, "warm", adapter=adapter)
 
 
-def _make_live(
+def make_live(
     harness: Harness, cell_id: str, prompt_id: str, records: list[dict[str, Any]]
 ) -> bool:
     """The cell live again (its node was given back after its last case): True when it is."""

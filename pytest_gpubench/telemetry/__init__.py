@@ -43,6 +43,13 @@ class GpuSample:
     # engine core holds the GPU, not its API server) hold on this GPU, where the sampler can tell
     # (NVML on this machine); None elsewhere. memory_used_mib is the whole GPU's.
     engine_memory_mib: float | None = None
+    # The compute processes on this GPU that are not the engine's (pids), where NVML lists them
+    # and the engine's processes are known; None elsewhere. Another process's kernels share the
+    # GPU with the engine's, as a busy neighbour shares a CPU.
+    other_pids: tuple[int, ...] | None = None
+    # Why the GPU's clocks are held below their maximum now (NVML's clock event reasons, a
+    # bitmask: telemetry/aggregate.CLOCK_EVENTS names the ones that slow the engine down).
+    clock_events: int | None = None
 
 
 @dataclass(frozen=True)

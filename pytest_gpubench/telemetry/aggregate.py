@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from itertools import pairwise
 from typing import Any
 
+from pytest_gpubench.config.metrics import CLOCK_EVENTS
 from pytest_gpubench.telemetry import CaseSamples, GpuSample, ProcSample
 
 # The call record's telemetry fields, in this order (added after the measurement's fields).
@@ -34,6 +35,10 @@ CALL_FIELDS = (
     "system_mem_used_peak_mib",
     "system_load1_max",
     "engine_gpu_memory_peak_mib",
+    "gpu_other_processes",
+    "gpu_other_process_count",
+    "gpu_clock_events",
+    "gpu_clock_event_bits",
 )
 
 Points = list[tuple[float, float]]
@@ -139,6 +144,14 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> di
         if joules is not None:
             energy_mj, source = joules * 1000.0, "integrated_power"
     engine_peaks = _peaks_per_gpu(gpus, "engine_memory_mib")
+    during = [s for g in inside for s in g]
+    listed = [s.other_pids for s in during if s.other_pids is not None]
+    events = [s.clock_events for s in during if s.clock_events is not None]
+    mask = 0
+    for event in events:
+        mask |= event
+    mask &= sum(CLOCK_EVENTS)
+    others = sorted({pid for pids in listed for pid in pids}) if listed else None
     return {
         "gpu_peak_memory_used_mib": _sum_or_none(peaks) if gpus else None,
         "engine_gpu_memory_peak_mib": _sum_or_none(engine_peaks) if gpus else None,
@@ -148,6 +161,14 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> di
         "gpu_temperature_max_c": max(temperatures, default=None),
         "gpu_energy_j": energy_mj / 1000.0 if energy_mj is not None else None,
         "gpu_energy_source": source,
+        # Other processes on the GPUs during the case, and what held their clocks down: None
+        # where not read (nvidia-smi, no engine process), [] where none.
+        "gpu_other_processes": others,
+        "gpu_other_process_count": len(others) if others is not None else None,
+        "gpu_clock_events": (
+            [name for bit, name in CLOCK_EVENTS.items() if mask & bit] if events else None
+        ),
+        "gpu_clock_event_bits": mask if events else None,
     }
 
 

@@ -90,6 +90,34 @@ def engine_memory_mib(nvml: ModuleType, handle: Any, engine_pids: Collection[int
     return sum(int(value) for value in used) / MIB
 
 
+def other_pids(
+    nvml: ModuleType, handle: Any, engine_pids: Collection[int]
+) -> tuple[int, ...] | None:
+    """The compute processes NVML lists on this GPU that are not the engine's (sorted pids);
+    None where there is no engine process to tell them from, or the driver does not say."""
+    if not engine_pids:
+        return None
+    try:
+        processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except nvml.NVMLError as exc:
+        if isinstance(exc, _not_supported(nvml)):
+            return None
+        raise
+    return tuple(sorted({int(p.pid) for p in processes} - set(engine_pids)))
+
+
+def clock_events(nvml: ModuleType, handle: Any) -> int | None:
+    """NVML's reasons the clocks are held down now (a bitmask; the bindings' newer name first);
+    None where the driver does not say."""
+    read = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+        nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+    )
+    if read is None:
+        return None
+    value = _optional(nvml, lambda: read(handle))
+    return int(value) if value is not None else None
+
+
 def _read_gpu(
     nvml: ModuleType, index: int, handle: Any, now: float, engine_pids: Collection[int]
 ) -> GpuSample:
@@ -112,6 +140,8 @@ def _read_gpu(
         sm_clock_mhz=clock,
         energy_mj=energy,
         engine_memory_mib=engine_memory_mib(nvml, handle, engine_pids),
+        other_pids=other_pids(nvml, handle, engine_pids),
+        clock_events=clock_events(nvml, handle),
     )
 
 

@@ -132,6 +132,7 @@ class _Connection:
         self.client = client
         self.upstream = upstream
         self.is_chat: bool | None = None  # known from the first bytes of the request
+        self.request = b""  # the request's first bytes (its head and body), for extra_delay
         self.request_sent_s = 0.0
         self.first_content_s: float | None = None
         self.last_byte_s = 0.0
@@ -172,6 +173,10 @@ class DelayProxy:
     With a `schedule` (may be changed between calls too), the first content is released at the
     schedule's time after the request plus `delay_ms`, and each later content event the
     schedule's gap after the one before it.
+
+    With `extra_delay` (a regex over the request's bytes and ms; may be changed between calls),
+    the chat calls whose request matches it are held back that much more: one LoRA adapter's
+    requests, named by their `model`, slower than another's on the same engine.
     """
 
     def __init__(
@@ -191,6 +196,7 @@ class DelayProxy:
         self.delay_fraction = delay_fraction
         self.batch_chunks = batch_chunks
         self.schedule: Schedule | None = None
+        self.extra_delay: tuple[re.Pattern[bytes], float] | None = None
         # The chat calls answered so far, in the order their streams ended.
         self.engine_calls: list[EngineCall] = []
         # Where it listens: a free port unless told (a managed engine's, support/paced_engine.py).
@@ -302,6 +308,8 @@ class DelayProxy:
             return
         if connection.is_chat is None:
             connection.is_chat = data.startswith(CHAT_REQUEST)
+        if len(connection.request) < _RECV_BYTES:
+            connection.request += data
         # Stamped before the write: the engine may answer before this thread runs again.
         connection.request_sent_s = time.perf_counter()
         self._send(connection, connection.upstream, data)
@@ -343,7 +351,7 @@ class DelayProxy:
                 if schedule is None:
                     connection.next_release_s = (
                         connection.first_content_s
-                        + self.delay_ms / 1000.0
+                        + (self.delay_ms + self._extra_ms(connection)) / 1000.0
                         + self.delay_fraction * max(0.0, engine_s)
                     )
                 else:
@@ -353,6 +361,13 @@ class DelayProxy:
                     )
                 connection.holding = connection.first_content_held = True
                 self._hold(connection, later)
+
+    def _extra_ms(self, connection: _Connection) -> float:
+        """extra_delay's ms where its pattern matches the call's request, else 0."""
+        if self.extra_delay is None:
+            return 0.0
+        pattern, extra_ms = self.extra_delay
+        return extra_ms if pattern.search(connection.request) is not None else 0.0
 
     def _hold(self, connection: _Connection, data: bytes) -> None:
         """Hold back the reply from its first content on: in one piece, or with a schedule cut

@@ -17,7 +17,8 @@ sampler makes: nvmlInit/nvmlShutdown, nvmlDeviceGetCount, nvmlDeviceGetHandleByI
 nvmlDeviceGetMemoryInfo (bytes: total, free, used), nvmlDeviceGetUtilizationRates (gpu, memory
 in %), nvmlDeviceGetTemperature (°C), nvmlDeviceGetPowerUsage (milliwatts),
 nvmlDeviceGetClockInfo (MHz), nvmlDeviceGetTotalEnergyConsumption (millijoules since the driver
-loaded), the NVMLError class with its per-code subclasses, NVML_TEMPERATURE_GPU = 0,
+loaded), nvmlDeviceGetCurrentClocksEventReasons (the nvmlClocksEventReason* bitmask: 0x4 power
+cap, 0x8 hardware slowdown, 0x20 and 0x40 thermal), the NVMLError class with its per-code subclasses, NVML_TEMPERATURE_GPU = 0,
 NVML_CLOCK_SM = 1.
 """
 
@@ -189,6 +190,8 @@ class NvmlState:
         self.shut_down = False
         # The compute processes on each GPU: {gpu index: {pid: bytes used, or None}}.
         self.processes: dict[int, dict[int, int | None]] = {}
+        # Why the clocks are held down (nvmlClocksEventReason* bits): none, at full clocks.
+        self.clock_events = 0
 
 
 def nvml_module(
@@ -248,6 +251,7 @@ def nvml_module(
         "nvmlDeviceGetTemperature": reading(TEMPERATURE_C),
         "nvmlDeviceGetPowerUsage": reading(lambda: state.milliwatts),
         "nvmlDeviceGetClockInfo": reading(SM_CLOCK_MHZ),
+        "nvmlDeviceGetCurrentClocksEventReasons": reading(lambda: state.clock_events),
         "nvmlDeviceGetTotalEnergyConsumption": energy,
         "NVMLError": NVMLError,
         "NVMLError_NotSupported": NVMLError_NotSupported,

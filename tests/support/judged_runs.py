@@ -62,6 +62,14 @@ class CellPlan:
     # accepted or ratified (--baseline-update).
     upgraded: bool = False
 
+    # The spread of the judged run's calls (the sd of log TTFT and log decode rate per call),
+    # and of the calls sampled on past the planned runs (run/sample_on.py; None: the same).
+    spread: float = 0.06
+    sampled_spread: float | None = None
+    # A first --baseline-update's later runs (run/history_runs.py): the engine's slowdown in
+    # each, run 1 on (the engine's speed moves between its runs).
+    run_slowdowns: tuple[float, ...] = ()
+
     @property
     def cell_id(self) -> str:
         return f"local:llamacpp:tiny@{self.name}"
@@ -77,6 +85,9 @@ class GeneratedRun:
     runs_override: int | None = None
     accept_incomparable: bool = False
     matrix: Matrix = field(init=False)
+    # The calls sampled on past the planned runs (run/sample_on.py), in the order measured.
+    sampled: list[dict[str, Any]] = field(init=False, default_factory=list)
+    _sampling_rng: random.Random | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -144,13 +155,15 @@ class GeneratedRun:
         runs: int,
         first_pass: bool = True,
         prompts: Sequence[str] = ("P-EASY", "P-HARD"),
+        spread: float = 0.06,
+        first_run: int = 0,
     ) -> list[dict[str, Any]]:
         records = []
         for number, prompt_id in enumerate(prompts):
             base = 20.0 + 30 * number
-            for run_idx in range(runs):
-                ttft = base * slowdown * rng.lognormvariate(0, 0.06)
-                decode = 400.0 / slowdown * rng.lognormvariate(0, 0.06)
+            for run_idx in range(first_run, first_run + runs):
+                ttft = base * slowdown * rng.lognormvariate(0, spread)
+                decode = 400.0 / slowdown * rng.lognormvariate(0, spread)
                 total = ttft + 32 / decode * 1000
                 record: dict[str, Any] = {
                     "type": "call",
@@ -250,6 +263,7 @@ class GeneratedRun:
                     drift=plan.drift,
                     pressure=plan.pressure,
                     runs=runs,
+                    spread=plan.spread,
                 )
             )
             if plan.load_slowdown is not None:
@@ -280,6 +294,59 @@ class GeneratedRun:
             )
         return records
 
+    def sampled_on(self, run_id: str, cell_id: str, prompt_id: str, run_idx: int) -> list[Any]:
+        """One more warm call of a (cell, prompt) whose figure was undecided, as its cell would
+        answer now (run/sample_on.measure_call), marked as such."""
+        plan = {plan.cell_id: plan for plan in self.plans}[cell_id]
+        spread = plan.spread if plan.sampled_spread is None else plan.sampled_spread
+        (record,) = [
+            call
+            for call in self.calls(
+                run_id,
+                plan,
+                rng=self._sampling,
+                slowdown=plan.slowdown,
+                drift=plan.drift,
+                pressure=plan.pressure,
+                runs=1,
+                spread=spread,
+                first_run=run_idx,
+            )
+            if call["prompt_id"] == prompt_id
+        ]
+        record["sampled_on"] = True
+        self.sampled.append(record)
+        return [record]
+
+    def history_run(self, run_id: str, planned: dict[Any, int], number: int) -> list[Any]:
+        """Run `number` of a first --baseline-update's (cell, prompt)s, as each cell's engine
+        answers in that run (run/history_runs.measure_run), marked as such."""
+        by_id = {plan.cell_id: plan for plan in self.plans}
+        records: list[dict[str, Any]] = []
+        for cell_id, prompt_id in sorted(planned):
+            plan = by_id[cell_id]
+            slowdowns = plan.run_slowdowns or (plan.slowdown,)
+            for record in self.calls(
+                run_id,
+                plan,
+                rng=random.Random(f"{self.seed}-history-{number}"),
+                slowdown=slowdowns[min(number, len(slowdowns)) - 1],
+                drift=plan.drift,
+                pressure=plan.pressure,
+                runs=planned[(cell_id, prompt_id)],
+                first_run=number * planned[(cell_id, prompt_id)],
+            ):
+                if record["prompt_id"] == prompt_id:
+                    record["history_run"] = number
+                    records.append(record)
+        return records
+
+    @property
+    def _sampling(self) -> random.Random:
+        if self._sampling_rng is None:
+            self._sampling_rng = random.Random(f"{self.seed}-sampled")
+        return self._sampling_rng
+
 
 @dataclass(frozen=True)
 class SessionEnd:
@@ -302,7 +369,19 @@ def _remeasured_by(generated: GeneratedRun, run_id: str) -> Iterator[None]:
     ) -> list[dict[str, Any]]:
         return generated.remeasured(run_id, suspects)
 
-    with mock.patch("pytest_gpubench.run.remeasure.remeasure", remeasure):
+    def sampled_on(
+        harness: Any, cell_id: str, prompt_id: str, run_idx: int, live: Any
+    ) -> list[Any]:
+        return generated.sampled_on(run_id, cell_id, prompt_id, run_idx)
+
+    def history_run(harness: Any, planned: dict[Any, int], number: int, **_: Any) -> list[Any]:
+        return generated.history_run(run_id, planned, number)
+
+    with (
+        mock.patch("pytest_gpubench.run.remeasure.remeasure", remeasure),
+        mock.patch("pytest_gpubench.run.sample_on.measure_call", sampled_on),
+        mock.patch("pytest_gpubench.run.history_runs.measure_run", history_run),
+    ):
         yield
 
 

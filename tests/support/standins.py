@@ -198,6 +198,9 @@ class FaultyOpenAIServer(_Server):
             handler._json(404, {"error": "not found"})
 
     def post(self, handler: _Handler, body: dict[str, Any]) -> None:
+        if "messages" not in body:  # /tokenize and the other kinds' paths: not served
+            handler._json(404, {"error": {"message": f"no route {handler.path}", "code": 404}})
+            return
         prompt = body["messages"][-1]["content"]
         if "HANGUP" in prompt:
             handler.close_connection = True

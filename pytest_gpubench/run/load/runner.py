@@ -231,11 +231,13 @@ def _run_load_case(
     own: dict[str, Any] = (
         {"messages": prompt.chat_messages()} if prompt.messages is not None else {}
     )
-    live.warm_up(prompt.prompt, prompt.max_tokens, request, **own)
+    # What the warm-ups sent, held by no call record: the load record counts them, so that the
+    # engine's own request count adds up to the ledger's.
+    warmups = int(live.warm_up(prompt.prompt, prompt.max_tokens, request, **own))
     for adapter in cell.adapters:
         # Each adapter's first request may load it: warmed up before the point, not in it.
         adapted = cell.adapter_request(request, adapter)
-        live.warm_up(prompt.prompt, prompt.max_tokens, adapted, adapter=adapter, **own)
+        warmups += live.warm_up(prompt.prompt, prompt.max_tokens, adapted, adapter=adapter, **own)
     engine: Any = live.engine
     payloads = [
         json.dumps(
@@ -310,12 +312,14 @@ def _run_load_case(
             },
             error=None if valid else "no step of the sweep was a valid result",
         )
+        record["unrecorded_warmups"] = warmups
         live.last_call_end = time.monotonic()
         return LoadOutcome(as_json(record), recorder.records)
     pattern = make_pattern(profile, case.load_point)
     asyncio.run(recorder.step(target, case.load_point, pattern))
     live.last_call_end = time.monotonic()
     main = recorder.records.pop()
+    main["unrecorded_warmups"] = warmups
     return LoadOutcome(main, recorder.records)
 
 

@@ -1,0 +1,109 @@
+"""An undecided figure measured until it is decided (pure): which (cell, prompt)s a session
+samples on past its planned runs (a gated figure `blind` or `inconclusive` the worse way, judged
+within the run, where more calls can tell), its budget (runs and seconds per (cell, prompt)),
+the looks at which it is judged again, the level of each look's tests (ALPHA's equal share, as
+sequential sampling spends it), and what a verdict still undecided says of the budget."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from pytest_gpubench.results.decision import ALPHA, MAX_LOOKS, look_schedule
+from pytest_gpubench.results.gate import GATED_METRICS, Verdict
+
+# The field of a call record measured past the planned runs (ledger/schema.SampledOnFields).
+SAMPLED_ON = "sampled_on"
+_HIGHER_IS_BETTER = {metric.name: metric.higher_is_better for metric in GATED_METRICS}
+
+Key = tuple[str, str]
+
+
+def undecided(verdicts: Iterable[Verdict]) -> list[Key]:
+    """The (cell, prompt)s whose gated figure more calls of this run could decide: `blind`, or
+    `inconclusive` the worse way, judged within the run (a figure judged between runs is one
+    draw of its run, whatever the calls; an unsteady machine is not made steady by more calls;
+    an A/B candidate samples in pairs), sorted."""
+    return sorted(
+        {
+            verdict.key
+            for verdict in verdicts
+            if (verdict.verdict == "blind" or _worse_inconclusive(verdict))
+            and verdict.metric in _HIGHER_IS_BETTER
+            and verdict.reference is None
+            and (verdict.noise or "").startswith("within")
+        }
+    )
+
+
+def _worse_inconclusive(verdict: Verdict) -> bool:
+    """An `inconclusive` change the worse way (an undecided improvement holds nothing back)."""
+    if verdict.verdict != "inconclusive" or verdict.change_ratio is None:
+        return verdict.verdict == "inconclusive"
+    return (verdict.change_ratio < 1.0) == _HIGHER_IS_BETTER[verdict.metric]
+
+
+def budget_runs(planned: int, sample_on_runs: int | None) -> int:
+    """The calls a (cell, prompt) may take past its `planned` ones."""
+    return planned if sample_on_runs is None else sample_on_runs
+
+
+def looks(planned: int, budget: int) -> tuple[int, ...]:
+    """The call counts at which a figure sampled on is judged: the planned runs' (the first
+    look), then evenly up to the budget's end."""
+    return look_schedule(planned, planned + budget, MAX_LOOKS) if budget > 0 else (planned,)
+
+
+def counts(calls: Iterable[Mapping[str, Any]]) -> dict[Key, tuple[int, int]]:
+    """Per (cell, prompt) with calls sampled on: (its planned warm calls, those sampled on)."""
+    found: dict[Key, list[int]] = {}
+    for call in calls:
+        if call.get("phase") != "warm":
+            continue
+        key = (str(call.get("cell_id")), str(call.get("prompt_id")))
+        tally = found.setdefault(key, [0, 0])
+        tally[1 if call.get(SAMPLED_ON) else 0] += 1
+    return {key: (planned, more) for key, (planned, more) in found.items() if more}
+
+
+def alphas(calls: Iterable[Mapping[str, Any]], sample_on_runs: int | None) -> dict[Key, float]:
+    """Per (cell, prompt) sampled on: the level of its tests, ALPHA's share per look."""
+    return {
+        key: ALPHA / len(looks(planned, budget_runs(planned, sample_on_runs)))
+        for key, (planned, _) in counts(calls).items()
+    }
+
+
+def with_budget(
+    verdicts: Sequence[Verdict],
+    calls: Iterable[Mapping[str, Any]],
+    sample_on_runs: int | None,
+    sample_on_seconds: float,
+) -> list[Verdict]:
+    """The verdicts of a (cell, prompt) sampled on: each gated figure decided says after how
+    many calls; each still undecided says what the budget was, what was spent and what would
+    settle it."""
+    sampled = counts(calls)
+    noted = []
+    for verdict in verdicts:
+        found = sampled.get(verdict.key)
+        if found is None or verdict.metric not in _HIGHER_IS_BETTER or verdict.verdict == "ungated":
+            noted.append(verdict)
+            continue
+        planned, more = found
+        if verdict.key not in undecided([verdict]):
+            note = f"; decided with {more} more calls sampled on after the planned {planned}"
+            noted.append(replace(verdict, message=verdict.message + note))
+            continue
+        runs = budget_runs(planned, sample_on_runs)
+        spent = "its runs" if more >= runs else "its seconds"
+        note = (
+            f"; sampled on: {more} more calls after the planned {planned} left it undecided "
+            f"(budget {runs} runs and {sample_on_seconds:g} s per (cell, prompt); {spent} spent): "
+            f"settle it with a larger budget (--gpubench-sample-on-runs {2 * max(runs, 1)}, "
+            "--gpubench-sample-on-seconds), a baseline of more runs, or runs of history "
+            "(`gpubench calibrate`)"
+        )
+        noted.append(replace(verdict, message=verdict.message + note))
+    return noted
