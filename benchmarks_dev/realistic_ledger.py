@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from pytest_gpubench.config.cases import Case, build_cases
-from pytest_gpubench.config.matrix import Cell, read_matrix
+from pytest_gpubench.config.cell import Cell
+from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.ledger.gaps import PACKED_FIELD, unpack_gaps
 from pytest_gpubench.ledger.records import call_record, cell_record
 from pytest_gpubench.ledger.schema import as_json

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from timed_server import gpubench_client, start_server
 
-from pytest_gpubench.config.matrix import TelemetrySettings
+from pytest_gpubench.config.cell import TelemetrySettings
 from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.telemetry import NodeTelemetry, node_telemetry
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import pytest
 
 from pytest_gpubench.config.cases import Case, request_sha256
-from pytest_gpubench.config.matrix import Cell
+from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.harness import Harness

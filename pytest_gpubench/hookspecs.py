@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import Cell
+    from pytest_gpubench.config.cell import Cell
     from pytest_gpubench.config.nodes import PluginNode
     from pytest_gpubench.engines import Engine
     from pytest_gpubench.targets import Target

@@ -229,7 +229,7 @@ def _test_cases(
 ) -> list[Case]:
     """The cases of a test that measures requests of its own, from its gpubench marker."""
     from pytest_gpubench.config.cases import build_test_cases
-    from pytest_gpubench.config.matrix import PHASES
+    from pytest_gpubench.config.cell import PHASES
 
     test_id = _test_id(metafunc)
     where = metafunc.definition.nodeid

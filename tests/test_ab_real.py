@@ -24,7 +24,7 @@ from pytest_gpubench.config.synthetic import WORDS
 from pytest_gpubench.core.status import EXIT_UNSTEADY
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.reports.markdown import render_markdown
-from pytest_gpubench.results.judging import judge_ledger
+from pytest_gpubench.results.ledger_judgement import judge_ledger
 
 MAIN = "local:llamacpp:tiny@main"
 PR = "local:llamacpp:tiny@pr"

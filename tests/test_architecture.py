@@ -108,7 +108,7 @@ def import_graph(*, for_type_checking: bool = False) -> dict[str, set[str]]:
 def module_graph() -> dict[str, set[str]]:
     """{module: the package's modules it imports}, leaving out only the lazy imports a folder's
     factory (its __init__) makes of its own submodules inside a function: two modules of one
-    folder that import each other, lazily or not, are a circle."""
+    folder that import each other, lazily, for type checking only or not, are a circle."""
     return {
         _module_name(path): module_imports(
             _module_name(path), ast.parse(path.read_text()), factory=path.name == "__init__.py"
@@ -118,9 +118,11 @@ def module_graph() -> dict[str, set[str]]:
 
 
 def module_imports(module: str, tree: ast.AST, *, factory: bool) -> set[str]:
-    """The modules one module imports, as module_graph counts them."""
-    eager = _imports(tree, in_functions=False)
-    lazy = _imports(tree) - eager
+    """The modules one module imports, as module_graph counts them: a type named for an
+    annotation only is an edge too (the two modules cannot be read, nor moved, one without the
+    other)."""
+    eager = _imports(tree, in_functions=False, for_type_checking=True)
+    lazy = _imports(tree, for_type_checking=True) - eager
     own = {m for m in lazy if factory and m.startswith(module + ".")}
     return (eager | lazy) - own - {module}
 
@@ -158,7 +160,7 @@ def test_find_cycle_finds_one_and_only_one() -> None:
 
 
 def test_the_package_has_no_import_cycle() -> None:
-    cycle = find_cycle(import_graph())
+    cycle = find_cycle(import_graph(for_type_checking=True))
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
@@ -208,6 +210,22 @@ def test_the_checks_see_a_circle_in_a_folder_and_a_typed_arrow_back_up() -> None
     assert _imports(typed, for_type_checking=True) == {"pytest_gpubench.run.controller"}
 
 
+def test_the_circle_checks_see_imports_for_type_checking_and_inside_functions() -> None:
+    """The hole three circles hid in (config/cell_rules and config/matrix, ledger/outcomes and
+    ledger/schema, results/engine_checks and results/judging): one side's import was for type
+    checking only."""
+    typed = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from pytest_gpubench.config.matrix import Cell\n"
+    )
+    lazy = ast.parse("def read():\n    from pytest_gpubench.config.matrix import Cell\n")
+    matrix = "pytest_gpubench.config.matrix"
+    for tree in (typed, lazy):
+        assert module_imports("pytest_gpubench.config.cell_rules", tree, factory=False) == {matrix}
+    # And a folder's factory's own submodule named for type checking is no lazy import.
+    assert module_imports("pytest_gpubench.config", typed, factory=True) == {matrix}
+
+
 # What a benchmark needs and a session without one must not pay for: the statistics, SSH, the
 # matrix's validation (pydantic) and the HTTP clients (httpx, h11): together 0.2-0.3 s.
 HEAVY = ("pandas", "scipy", "numpy", "paramiko", "pydantic", "httpx", "h11", "yaml")
@@ -225,6 +243,31 @@ def test_importing_the_plugin_loads_neither_pandas_nor_scipy(module: str) -> Non
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert done.stdout.strip() == "[]"
+
+
+# The package's modules every session imports (the plugin, its option table and its hooks): what
+# a session without benchmarks does not use (the matrix, the shards, the harness) is not here.
+EVERY_SESSION = {
+    "pytest_gpubench",
+    "pytest_gpubench.plugin",
+    "pytest_gpubench.xdist",
+    "pytest_gpubench.hookspecs",
+    "pytest_gpubench.config",
+    "pytest_gpubench.config.options",
+    "pytest_gpubench.core",
+    "pytest_gpubench.core.errors",
+}
+
+
+def test_importing_the_plugin_loads_only_what_every_session_uses() -> None:
+    code = (
+        "import sys, pytest_gpubench.plugin, pytest_gpubench.xdist, pytest_gpubench.hookspecs\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pytest_gpubench'))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == repr(sorted(EVERY_SESSION))
 
 
 def test_a_session_without_benchmarks_loads_neither_pandas_nor_scipy(

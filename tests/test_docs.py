@@ -210,7 +210,7 @@ def test_every_exit_status_is_in_the_docs_table_its_precedence_and_the_readme() 
 def test_every_key_of_a_cell_is_documented() -> None:
     """`stall_s` was in no page (issue 37): each key a cell takes is named on the site, as
     `key` or `key:`."""
-    from pytest_gpubench.config.matrix import CellSpec
+    from pytest_gpubench.config.cell import CellSpec
 
     site = "\n".join(page.read_text() for page in (REPO / "docs").glob("*.md"))
     undocumented = [
@@ -268,7 +268,7 @@ def test_every_dotted_key_of_cells_yaml_is_documented_beside_its_parent() -> Non
     them: `load.dataset.min_input_words`, `provider.api_token_env`, `slurm.login.port`) is named
     on the site as `key` or `key:`, in a paragraph or block that also names its parent key (or
     the node's kind)."""
-    from pytest_gpubench.config.matrix import CellDefaults, CellSpec
+    from pytest_gpubench.config.cell import CellDefaults, CellSpec
     from pytest_gpubench.config.nodes import ProviderNode, SlurmNode, SshNode
 
     paths = {*_dotted_keys(CellSpec, ()), *_dotted_keys(CellDefaults, ())}

@@ -185,7 +185,7 @@ def test_counters_add_up_over_the_calls_and_gauges_keep_their_peak() -> None:
 
 
 def test_max_preemptions_over_the_limit_is_a_regression() -> None:
-    from pytest_gpubench.config.matrix import Thresholds
+    from pytest_gpubench.config.cell import Thresholds
     from pytest_gpubench.results.engine_checks import check_verdicts
     from pytest_gpubench.results.judging import CellJudging, JudgingSettings
 
@@ -216,7 +216,7 @@ def test_a_check_a_cell_asks_for_that_nothing_measured_holds_the_run_back() -> N
     """max_preemptions on an engine whose /metrics has no preemption counter (llama.cpp), or
     token_check: fail where no call carried a token count: `inconclusive` (exit 10), naming what
     was not read; never a pass of a check that was not made."""
-    from pytest_gpubench.config.matrix import Thresholds
+    from pytest_gpubench.config.cell import Thresholds
     from pytest_gpubench.results.engine_checks import check_verdicts
     from pytest_gpubench.results.judging import CellJudging, JudgingSettings, holds_back
 

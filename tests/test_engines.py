@@ -317,3 +317,28 @@ def test_an_openai_compatible_server_is_described_without_calling_a_name_a_diges
     with serving(FaultyOpenAIServer("m")) as url:
         facts = OpenAIEngine(url, "m").describe(5)
     assert facts["model_digest"] is None and facts["model_identity"] == "name only"
+
+
+def test_each_engine_kind_says_how_it_counts_tokens() -> None:
+    """run/workloads.py asks the engine (engines.CountsTokens), never its kind: llama-server's
+    /tokenize, an OpenAI-compatible server's as vLLM serves it (for the cell's model), and none
+    for Ollama (synthetic prompts then count by the prompt count it reports)."""
+    from pytest_gpubench.engines import CountsTokens
+    from pytest_gpubench.engines.llamacpp import LlamaCppEngine
+    from pytest_gpubench.engines.tokenizer import LlamaCppCounter, VllmCounter
+
+    headers = {"X-Team": "bench"}
+    llama = LlamaCppEngine("http://127.0.0.1:1/v1", "tiny", "key", headers=headers)
+    openai = OpenAIEngine("http://127.0.0.1:1", "org/model", headers=headers)
+    ollama = OllamaEngine("http://127.0.0.1:1", "llama3.2")
+    assert isinstance(llama, CountsTokens) and isinstance(openai, CountsTokens)
+    assert not isinstance(ollama, CountsTokens)
+    counted = llama.token_counter()
+    assert type(counted) is LlamaCppCounter
+    assert counted.base_url == "http://127.0.0.1:1"
+    assert counted.client.headers["X-Team"] == "bench"
+    assert counted.client.headers["Authorization"] == "Bearer key"
+    vllm = openai.token_counter()
+    assert type(vllm) is VllmCounter
+    assert vllm.model == "org/model"
+    assert vllm.client.headers["X-Team"] == "bench"

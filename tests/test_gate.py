@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.hypothesis_examples import examples
 
-from pytest_gpubench.config.matrix import Thresholds
+from pytest_gpubench.config.cell import Thresholds
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.results.gate import (
     RERUN_HINT,

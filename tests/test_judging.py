@@ -26,8 +26,8 @@ from pytest_gpubench.results.judging import (
     JudgingSettings,
     RunRecords,
     holds_back,
-    judge_ledger,
 )
+from pytest_gpubench.results.ledger_judgement import judge_ledger
 
 
 def gate_of(ledger: Path, baselines: Path) -> tuple[list[dict[str, Any]], int]:

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from pytest_gpubench.config.matrix import Thresholds, read_matrix
+from pytest_gpubench.config.cell import Thresholds
+from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME, MEASURES, PERCENTILE_NAMES
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.reports.terminal import render_comparison

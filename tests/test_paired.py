@@ -12,7 +12,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pytest_gpubench.config.matrix import Cell, Thresholds, read_matrix
+from pytest_gpubench.config.cell import Cell, Thresholds
+from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.results.decision import MIN_DECODE_GAPS, VERDICT_ORDER
 from pytest_gpubench.results.gate import ALPHA, Verdict
 from pytest_gpubench.results.judging import JudgingSettings

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from support.bench_files import png
 
-from pytest_gpubench.config.matrix import Thresholds, read_matrix
+from pytest_gpubench.config.cell import Thresholds
+from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.prompts import Prompt, read_prompts
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines import kind_body, note_tool_calls

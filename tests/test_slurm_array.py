@@ -22,7 +22,7 @@ from pytest_gpubench.cli.main import main
 from pytest_gpubench.core.status import EXIT_UNMEASURED, most_severe
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.baseline import baseline_path
-from pytest_gpubench.results.judging import judge_ledger
+from pytest_gpubench.results.ledger_judgement import judge_ledger
 
 pytestmark = [pytest.mark.engine, pytest.mark.slurm]
 

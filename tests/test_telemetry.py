@@ -28,7 +28,8 @@ from support.gpu_standins import (
     write_nvidia_smi,
 )
 
-from pytest_gpubench.config.matrix import TelemetrySettings, read_matrix
+from pytest_gpubench.config.cell import TelemetrySettings
+from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.processes import process_tree
 from pytest_gpubench.ledger.writer import read_ledger

@@ -14,7 +14,7 @@ from pytest_gpubench.core.errors import GpubenchError
 
 if TYPE_CHECKING:
     from pytest_gpubench.reports.frame import LedgerData
-    from pytest_gpubench.results.judging import LedgerJudgement
+    from pytest_gpubench.results.ledger_judgement import LedgerJudgement
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -202,7 +202,7 @@ def compare_command(old: Path, new: Path) -> int:
     import tempfile
 
     from pytest_gpubench.ledger.writer import read_ledger
-    from pytest_gpubench.results.judging import judge_ledger
+    from pytest_gpubench.results.ledger_judgement import judge_ledger
 
     if not new.is_file():
         raise GpubenchError(
@@ -281,7 +281,8 @@ def _merge(args: argparse.Namespace) -> int:
     from pytest_gpubench.ledger.merge import ShardLedger, merged_run
     from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError, read_record_line
     from pytest_gpubench.reports.frame_cache import ColumnCacheWriter
-    from pytest_gpubench.results.judging import RunRecords, judge_finished, judged_end
+    from pytest_gpubench.results.judging import RunRecords, judged_end
+    from pytest_gpubench.results.ledger_judgement import judge_finished
 
     baselines = Path(args.baselines)
     if not baselines.is_dir():
@@ -321,7 +322,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 def _gate(args: argparse.Namespace) -> int:
     from pytest_gpubench.ledger.writer import read_ledger
-    from pytest_gpubench.results.judging import judge_ledger
+    from pytest_gpubench.results.ledger_judgement import judge_ledger
 
     records = read_ledger(Path(args.ledger))
     baselines = Path(args.baselines)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 from functools import total_ordering
 from typing import Any
 
-from pytest_gpubench.config.matrix import PHASES, Cell, Matrix
+from pytest_gpubench.config.cell import PHASES, Cell
+from pytest_gpubench.config.matrix import Matrix
 
 COLD_RUNS = 1
 # The phase of a load case: many requests at once (load_profile.py), after the cold and warm ones.

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from pytest_gpubench.config.cell import Cell, CellSpec
 from pytest_gpubench.config.load_profile import TUNNEL, LoadProfile
 from pytest_gpubench.config.prompts import Prompt, RequestShape
 from pytest_gpubench.core.errors import GpubenchError
-
-if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import Cell, CellSpec
 
 # Engines the harness knows how to launch itself when a cell has no endpoint.
 MANAGED_ENGINE_KINDS = ("llamacpp", "ollama", "openai")

@@ -18,11 +18,14 @@ import argparse
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_gpubench.config.shards import Shard
 from pytest_gpubench.core.errors import GpubenchError
+
+if TYPE_CHECKING:
+    from pytest_gpubench.config.shards import Shard
 
 CELLS_DESC = "the cell matrix file (default: cells.yaml at the project anchor, see docs/options.md)"
 PROMPTS_DESC = "the frozen prompts file (default: prompts.yaml at the project anchor)"
@@ -352,10 +355,15 @@ class Options:
                 f"--gpubench-baseline-runs: must be at least 1 (got {baseline_runs})"
             )
         shard_text = config.getoption("gpubench_shard")
-        try:
-            shard = Shard.parse(shard_text) if shard_text else None
-        except GpubenchError as exc:
-            raise pytest.UsageError(str(exc)) from None
+        shard = None
+        if shard_text:
+            # Only a sharded session (a job array's task) reads its share.
+            from pytest_gpubench.config.shards import Shard
+
+            try:
+                shard = Shard.parse(shard_text)
+            except GpubenchError as exc:
+                raise pytest.UsageError(str(exc)) from None
         return cls(
             cells_path=cells_path,
             prompts_path=prompts_path,

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, NotRequired, TypedDict
 from pytest_gpubench.core.errors import GpubenchError
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import Cell, Matrix
+    from pytest_gpubench.config.cell import Cell
+    from pytest_gpubench.config.matrix import Matrix
 
 SHARD_PATTERN = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 

@@ -26,7 +26,8 @@ from pytest_gpubench.measure.stream import (
 )
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import Cell
+    from pytest_gpubench.config.cell import Cell
+    from pytest_gpubench.engines.tokenizer import TokenCounter
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,15 @@ class KeepsConnection(Protocol):
     The harness closes it before a cold call, which then opens a fresh one."""
 
     def close_connection(self) -> None: ...
+
+
+@runtime_checkable
+class CountsTokens(Protocol):
+    """An engine that counts a text's tokens itself (llama-server's /tokenize, an
+    OpenAI-compatible server's: vLLM's): token-exact synthetic prompts are counted through it
+    where the cell names no tokenizer (run/workloads.py)."""
+
+    def token_counter(self) -> TokenCounter: ...
 
 
 def api_root(base_url: str) -> str:

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pytest_gpubench.config.matrix import Cell
-from pytest_gpubench.targets import Target
+from pytest_gpubench.config.cell import Cell
+from pytest_gpubench.targets import Target, on_this_machine
 
 
 @dataclass(frozen=True)
@@ -34,16 +34,10 @@ class LaunchPlan:
     engine_version: str | None = None
 
 
-def is_local(target: Target) -> bool:
-    from pytest_gpubench.targets.local import LocalTarget
-
-    return isinstance(target, LocalTarget)
-
-
 def node_file_digest(cell: Cell, target: Target, path: str) -> str | None:
     """`sha256:<hex>` of a model file on the node; None where the path is not one file (a
     model directory, a name the engine resolves itself)."""
-    if is_local(target):
+    if on_this_machine(target):
         from pytest_gpubench.core.files import file_sha256
 
         local = Path(path).expanduser()

@@ -9,6 +9,7 @@ import httpx
 
 from pytest_gpubench.engines import Health, control_client
 from pytest_gpubench.engines.openai import OpenAIEngine
+from pytest_gpubench.engines.tokenizer import LlamaCppCounter, TokenCounter
 from pytest_gpubench.measure.stream import StreamError, TlsSettings, joined_url
 
 if TYPE_CHECKING:
@@ -30,6 +31,10 @@ class LlamaCppEngine(OpenAIEngine):
     ) -> None:
         super().__init__(base_url, model, api_key, tls=tls, headers=headers)
         self._model_digest = model_digest
+
+    def token_counter(self) -> TokenCounter:
+        """llama-server's own /tokenize."""
+        return LlamaCppCounter(self.base_url, self.request_headers(), self.tls.context())
 
     def payload(
         self,

@@ -17,12 +17,16 @@ from pathlib import Path, PurePosixPath
 
 import httpx
 
-from pytest_gpubench.config.matrix import Cell
+from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import distinct_file_name
 from pytest_gpubench.engines import control_client
-from pytest_gpubench.engines.launch_plan import is_local
-from pytest_gpubench.targets import BackgroundProcess, ListensBeyondLoopback, Target
+from pytest_gpubench.targets import (
+    BackgroundProcess,
+    ListensBeyondLoopback,
+    Target,
+    on_this_machine,
+)
 from pytest_gpubench.targets.stages import StageError
 
 READY_POLL_S = 0.05
@@ -235,7 +239,7 @@ def managed_server(cell: Cell, target: Target, log_dir: Path) -> tuple[ManagedSe
             f"cell {cell.cell_id}: endpoint: required for engine '{spec.engine}' (the harness "
             "launches llamacpp, ollama and openai itself)"
         )
-    work_dir = str(log_dir) if is_local(target) else target.work_dir
+    work_dir = str(log_dir) if on_this_machine(target) else target.work_dir
     server = ManagedServer(
         target,
         cell_id=cell.cell_id,
@@ -265,7 +269,7 @@ def model_size(cell: Cell, server: ManagedServer, target: Target) -> tuple[float
     path = server.values.get("model_path")
     if not path or path == cell.spec.model:
         return None, ""
-    if is_local(target):
+    if on_this_machine(target):
         local = Path(path).expanduser()
         return (float(local.stat().st_size), f"size of {path}") if local.is_file() else (None, "")
     result = target.run(["sh", "-c", 'test -f "$1" && stat -c %s "$1"', "sh", path], timeout_s=60)

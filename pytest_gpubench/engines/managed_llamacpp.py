@@ -6,10 +6,10 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from pytest_gpubench.config.matrix import TINY_MODEL, Cell
+from pytest_gpubench.config.cell import TINY_MODEL, Cell
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines.launch_plan import LaunchPlan, node_file_digest
-from pytest_gpubench.targets import Target
+from pytest_gpubench.targets import Target, on_this_machine
 
 log = logging.getLogger(__name__)
 
@@ -105,17 +105,15 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
     cell's GGUF (or the tiny model); on a remote node both are paths there, put in place by the
     node's setup. A cell's `launch:` replaces the argv (its `{model_path}` is still the cell's
     model_path)."""
-    from pytest_gpubench.targets.local import LocalTarget
-
     spec = cell.spec
     command: Sequence[str] = [spec.server_binary or ""]
     engine_version: str | None = None
     # Paths of this (the submit) host that a remote node sees too (a shared filesystem).
     shared: dict[str, str] = {}
-    local = isinstance(target, LocalTarget)
+    local = on_this_machine(target)
     # The draft model and LoRA adapter's flags, after the cell's own server_args.
     added = [*draft_args(cell, local=local), *lora_args(cell, local=local)]
-    if isinstance(target, LocalTarget):
+    if local:
         model_path = str(_local_model(cell))
         if spec.launch is None:
             command, engine_version = _local_server(cell, added)

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from pytest_gpubench.config.matrix import Cell
+from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.engines import control_client
 from pytest_gpubench.engines.launch_plan import LaunchPlan
 from pytest_gpubench.targets import Target

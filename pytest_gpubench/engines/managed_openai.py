@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from pytest_gpubench.config.matrix import Cell
+from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines.launch_plan import LaunchPlan, node_file_digest
 from pytest_gpubench.targets import Target

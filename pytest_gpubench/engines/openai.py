@@ -21,6 +21,7 @@ from pytest_gpubench.engines import (
     parse_openai_sse,
     parse_rerank,
 )
+from pytest_gpubench.engines.tokenizer import TokenCounter, VllmCounter
 from pytest_gpubench.measure.stream import (
     CallMeasurement,
     HttpConnection,
@@ -74,6 +75,11 @@ class OpenAIEngine:
 
     def close_connection(self) -> None:
         self.connection.close()
+
+    def token_counter(self) -> TokenCounter:
+        """The server's /tokenize as vLLM serves it (a server without one says so when asked:
+        engines/tokenizer.TokenizeUnavailable)."""
+        return VllmCounter(self.base_url, self.model, self.request_headers(), self.tls.context())
 
     def payload(
         self,

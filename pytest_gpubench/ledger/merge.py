@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from pytest_gpubench.config.matrix import node_of
+from pytest_gpubench.config.cell import node_of
 from pytest_gpubench.config.shards import ShardFacts, assign_nodes
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.status import most_severe
-from pytest_gpubench.ledger.outcomes import CellOutcome
+from pytest_gpubench.ledger.outcomes import CellOutcome, CellOutcomeRecord
 from pytest_gpubench.ledger.records import end_record
 from pytest_gpubench.ledger.schema import (
-    CellOutcomeRecord,
     EndRecord,
     JudgedEnd,
     MetaRecord,

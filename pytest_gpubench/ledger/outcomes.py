@@ -6,13 +6,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal, cast
-
-if TYPE_CHECKING:
-    # The record types import the measurement's (h11, pydantic): not in a session without one.
-    from pytest_gpubench.ledger.schema import CellOutcomeRecord
+from typing import Any, Literal, TypedDict, cast
 
 CellStatus = Literal["measured", "failed", "skipped", "missing"]
+
+
+class CellOutcomeRecord(TypedDict):
+    """What became of one planned cell, in the end record's manifest (ledger/schema.EndRecord):
+    a record type here, beside what builds it, so that ledger/schema.py (which imports the
+    measurement's types) is not needed to judge outcomes."""
+
+    cell_id: str
+    node: str
+    status: CellStatus
+    optional: bool
+    stage: str | None
+    reason: str | None
+    calls: int
+    ok_calls: int
+    gpu_summary: str | None
+    engine_version: str | None
 
 
 @dataclass(frozen=True)
@@ -50,7 +63,7 @@ class CellOutcome:
 
     def to_record(self) -> CellOutcomeRecord:
         """Built-in types only: the end record's manifest."""
-        return cast("CellOutcomeRecord", asdict(self))
+        return cast(CellOutcomeRecord, asdict(self))
 
 
 def cell_outcomes(

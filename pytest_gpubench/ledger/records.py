@@ -16,16 +16,16 @@ import pytest
 
 from pytest_gpubench import HARNESS_VERSION, __version__
 from pytest_gpubench.config.cases import Case
-from pytest_gpubench.config.matrix import Cell
+from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.config.prompts import Prompt, RequestShape
 from pytest_gpubench.config.shards import ShardFacts
 from pytest_gpubench.core.provenance import GitState, chosen_environment, load_average, utc_now
 from pytest_gpubench.ledger.gaps import packed_record
+from pytest_gpubench.ledger.outcomes import CellOutcomeRecord
 from pytest_gpubench.ledger.schema import (
     AdapterFields,
     CallRecord,
     CaseHead,
-    CellOutcomeRecord,
     CellRecord,
     CheckpointRecord,
     EndRecord,

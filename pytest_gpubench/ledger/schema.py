@@ -14,7 +14,7 @@ from typing import Any, Literal, NotRequired, TypedDict, cast, overload
 from pytest_gpubench.config.shards import ShardFacts
 from pytest_gpubench.core.errors import key_path, non_finite_at
 from pytest_gpubench.core.provenance import GitState
-from pytest_gpubench.ledger.outcomes import CellStatus
+from pytest_gpubench.ledger.outcomes import CellOutcomeRecord
 from pytest_gpubench.measure.stream import KindFields, MeasurementFields
 from pytest_gpubench.targets.stages import StageFacts
 
@@ -406,21 +406,6 @@ class VerdictRecord(TypedDict):
     max_pairs: NotRequired[int | None]
     calls: NotRequired[int | None]
     busy_s: NotRequired[float | None]
-
-
-class CellOutcomeRecord(TypedDict):
-    """What became of one planned cell, in the end record's manifest (ledger/outcomes.py)."""
-
-    cell_id: str
-    node: str
-    status: CellStatus
-    optional: bool
-    stage: str | None
-    reason: str | None
-    calls: int
-    ok_calls: int
-    gpu_summary: str | None
-    engine_version: str | None
 
 
 class JudgedEnd(TypedDict):

@@ -16,8 +16,8 @@ from pytest_gpubench.results.decision import signed_percent
 if TYPE_CHECKING:
     # The record types import the measurement's (h11, pydantic): not at the end of a session
     # that measured nothing.
+    from pytest_gpubench.ledger.outcomes import CellOutcomeRecord
     from pytest_gpubench.ledger.schema import (
-        CellOutcomeRecord,
         EndRecord,
         LoadRecord,
         VerdictRecord,

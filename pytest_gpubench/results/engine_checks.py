@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from pytest_gpubench.config.metrics import ENGINE_COUNTERS
 from pytest_gpubench.results.decision import PRESSURE_LIMIT
 
 if TYPE_CHECKING:
+    from pytest_gpubench.config.cell import Thresholds
     from pytest_gpubench.results.gate import Verdict
-    from pytest_gpubench.results.judging import JudgingSettings
 
 # The verdicts' metric names (the end record, JUnit, exports).
 TOKEN_MISMATCHES = "token_mismatches"
@@ -275,7 +275,24 @@ def mismatch_words(checks: EngineChecks) -> str:
     )
 
 
-def check_verdicts(checks: Iterable[EngineChecks], settings: JudgingSettings) -> list[Verdict]:
+class CheckedCell(Protocol):
+    """What the verdicts ask of a cell's judging settings (results/judging.CellJudging)."""
+
+    @property
+    def token_check(self) -> str: ...
+
+    @property
+    def thresholds(self) -> Thresholds: ...
+
+
+class CheckedCells(Protocol):
+    """The run's judging settings, as the verdicts read them (results/judging.JudgingSettings:
+    named by its shape, for judging.py imports this module)."""
+
+    def cell(self, cell_id: str) -> CheckedCell | None: ...
+
+
+def check_verdicts(checks: Iterable[EngineChecks], settings: CheckedCells) -> list[Verdict]:
     """A regression for each (cell, prompt) whose cell asked for it: a token-count mismatch
     where its token_check is `fail`, more preemptions than its thresholds' max_preemptions; and
     `inconclusive` (exit 10) where such a check could not be made: a CI gate never passes a

@@ -9,7 +9,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from pytest_gpubench.config.matrix import Thresholds, engine_of
+from pytest_gpubench.config.cell import Thresholds, engine_of
 from pytest_gpubench.config.metrics import (
     CLOCK_EVENTS,
     DEFAULT_RATIO_THRESHOLD,

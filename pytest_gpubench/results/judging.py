@@ -22,8 +22,8 @@ from pydantic import (
 )
 
 from pytest_gpubench.config.cases import LOAD_PHASE
+from pytest_gpubench.config.cell import Thresholds, node_of
 from pytest_gpubench.config.load_profile import LoadThresholds
-from pytest_gpubench.config.matrix import Thresholds, node_of
 from pytest_gpubench.config.metrics import (
     DEFAULT_RATIO_THRESHOLD,
     DEFAULT_SUCCESS_RATE,
@@ -46,7 +46,7 @@ from pytest_gpubench.ledger.schema import (
 from pytest_gpubench.results.decision import ALPHA, MIN_HISTORY, UNDECIDED
 
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import Cell
+    from pytest_gpubench.config.cell import Cell
     from pytest_gpubench.results.engine_checks import EngineChecks
     from pytest_gpubench.results.gate import Verdict
     from pytest_gpubench.results.run_history import History
@@ -615,71 +615,6 @@ def runs_on_command_line(meta: MetaRecord) -> int | None:
         if value is not None and value.isdigit() and int(value) > 0:
             return int(value)
     return None
-
-
-@dataclass(frozen=True)
-class LedgerJudgement:
-    """`gpubench gate` on a finished ledger: the run's judgement, and the exit status that a
-    session with those findings has."""
-
-    judgement: Judgement
-    exit_status: int
-
-
-def judge_ledger(
-    records: Sequence[Mapping[str, Any]],
-    baselines_dir: Path,
-    *,
-    source: str = "the ledger",
-    cells_path: Path | None = None,
-) -> LedgerJudgement:
-    """A finished (or merged) ledger judged as its session judged it: with the settings its meta
-    record holds, against the baselines in `baselines_dir`; its tests' own status (pytest's, in
-    its end record: a failed test) stands as it stood in the session."""
-    return judge_finished(
-        RunRecords.from_records(records),
-        baselines_dir,
-        source=source,
-        cells_path=cells_path,
-        pytest_status=_pytest_status(records),
-    )
-
-
-def judge_finished(
-    run: RunRecords,
-    baselines_dir: Path,
-    *,
-    source: str = "the ledger",
-    cells_path: Path | None = None,
-    pytest_status: int = 0,
-) -> LedgerJudgement:
-    """A finished run's records (a ledger's, a merge's) judged with the settings its meta record
-    holds; `pytest_status`, its pytest sessions' own, ranks with the findings as at the session's
-    end (core/status.session_status)."""
-    if run.meta is None:
-        raise GpubenchError(f"{source}: the ledger has no meta record")
-    settings, notes = settings_of_ledger(run.meta, source, cells_path=cells_path)
-    judgement = judge_run(run, settings, baselines_dir)
-    judgement.notes[:0] = notes
-    if settings.baseline_update:
-        judgement.notes.append(
-            "the run ratified its numbers (--baseline-update): judged against the baselines as "
-            "they are now, which it may have written"
-        )
-        from pytest_gpubench.results.ratification import ratify_ledger
-
-        ratify_ledger(judgement, run, settings, baselines_dir)
-    return LedgerJudgement(judgement, judgement.exit_status(pytest_status))
-
-
-def _pytest_status(records: Sequence[Mapping[str, Any]]) -> int:
-    """The status pytest's session itself ended with, as the end record says (0 without one:
-    a run that died before its end is judged on what it measured)."""
-    for record in reversed(records):
-        if record.get("type") == "end":
-            status = record.get("pytest_exitstatus")
-            return status if isinstance(status, int) and not isinstance(status, bool) else 0
-    return 0
 
 
 def judged_end(judgement: Judgement, exit_status: int) -> JudgedEnd:

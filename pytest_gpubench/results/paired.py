@@ -12,7 +12,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from pytest_gpubench.config.matrix import Thresholds
+from pytest_gpubench.config.cell import Thresholds
 from pytest_gpubench.results.decision import (
     BOOTSTRAP_RESAMPLES,
     BOOTSTRAP_SEED,

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pytest_gpubench.config.matrix import Thresholds
+from pytest_gpubench.config.cell import Thresholds
 from pytest_gpubench.results.decision import (
     ALPHA,
     BOOTSTRAP_RESAMPLES,

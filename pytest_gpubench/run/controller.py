@@ -44,7 +44,8 @@ from pytest_gpubench.run.harness import Harness
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.cases import Case
-    from pytest_gpubench.config.matrix import Cell, Matrix
+    from pytest_gpubench.config.cell import Cell
+    from pytest_gpubench.config.matrix import Matrix
     from pytest_gpubench.config.options import Options
     from pytest_gpubench.config.shards import ShardFacts
     from pytest_gpubench.ledger.outcomes import CellOutcome

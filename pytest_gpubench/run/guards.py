@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.config.load_profile import dataset_prompt_id
-from pytest_gpubench.config.matrix import Cell, Matrix, load_dataset_sha256
+from pytest_gpubench.config.matrix import Matrix, load_dataset_sha256
 from pytest_gpubench.config.prompts import RequestShape, frozen_prompt_error
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.provenance import GitState, git_state, load_average

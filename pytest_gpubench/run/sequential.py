@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.config.cases import Case
-from pytest_gpubench.config.matrix import Cell, Matrix
+from pytest_gpubench.config.cell import Cell
+from pytest_gpubench.config.matrix import Matrix
 
 if TYPE_CHECKING:
     from pytest_gpubench.results.baseline import CellBaseline

@@ -8,17 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.config.prompts import Prompt, RequestShape
 from pytest_gpubench.config.traces import Trace, TraceEntry
+from pytest_gpubench.engines import CountsTokens
 from pytest_gpubench.engines.tokenizer import (
     ExactText,
-    LlamaCppCounter,
     LocalCounter,
     TokenCounter,
     TokenizeUnavailable,
-    VllmCounter,
     exact_text,
     feedback_text,
 )
-from pytest_gpubench.measure.stream import TlsSettings
 
 if TYPE_CHECKING:
     from pytest_gpubench.run.live_cell import LiveCell
@@ -30,18 +28,8 @@ def token_counter(live: LiveCell) -> TokenCounter | None:
     spec = live.cell.spec
     if spec.tokenizer is not None:
         return LocalCounter(Path(spec.tokenizer).expanduser())
-    engine: Any = live.engine
-    base_url = getattr(engine, "base_url", None)
-    if base_url is None:
-        return None
-    headers = engine.request_headers() if hasattr(engine, "request_headers") else {}
-    tls = getattr(engine, "tls", None)
-    verify = (tls or TlsSettings()).context()
-    if spec.engine == "llamacpp":
-        return LlamaCppCounter(base_url, headers, verify)
-    if spec.engine == "openai":
-        return VllmCounter(base_url, spec.model, headers, verify)
-    return None
+    engine = live.engine
+    return engine.token_counter() if isinstance(engine, CountsTokens) else None
 
 
 def exact(live: LiveCell, size: int, seed: int) -> ExactText:

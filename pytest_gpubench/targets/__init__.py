@@ -12,6 +12,14 @@ if TYPE_CHECKING:
     from pytest_gpubench.targets.stages import Stage, StageClock
 
 
+def on_this_machine(target: object) -> bool:
+    """Whether a target is the machine that runs pytest (the local kind): its files, processes,
+    /proc and NVML are read directly, not through the node's commands."""
+    from pytest_gpubench.targets.local import LocalTarget
+
+    return isinstance(target, LocalTarget)
+
+
 # The names a node's own loopback goes by (what `reach` maps to the node itself).
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 

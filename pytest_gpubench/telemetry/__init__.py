@@ -14,8 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from pytest_gpubench.targets import on_this_machine
+
 if TYPE_CHECKING:
-    from pytest_gpubench.config.matrix import TelemetrySettings
+    from pytest_gpubench.config.cell import TelemetrySettings
     from pytest_gpubench.targets import Target
 
 log = logging.getLogger(__name__)
@@ -424,11 +426,10 @@ def _gpu_sampler(
 ) -> tuple[Sampler | None, str | None]:
     """NVML on this machine where its library loads, else an nvidia-smi stream where the node
     has GPUs; (None, why) otherwise."""
-    from pytest_gpubench.targets.local import LocalTarget
     from pytest_gpubench.telemetry.nvidia_smi import nvidia_smi_sampler
 
     nvml_note = None
-    if isinstance(target, LocalTarget):
+    if on_this_machine(target):
         from pytest_gpubench.telemetry.nvml import NvmlUnavailable, nvml_sampler
 
         try:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from pytest_gpubench.core.processes import process_tree
-from pytest_gpubench.targets import Target
+from pytest_gpubench.targets import Target, on_this_machine
 from pytest_gpubench.telemetry import (
     LineStream,
     PollingSampler,
@@ -182,9 +182,7 @@ class RemoteLineParser:
 def proc_sampler(target: Target, interval_s: float) -> Sampler | None:
     """This machine read directly; a node that can stream a command through REMOTE_LOOP;
     None for a node that cannot."""
-    from pytest_gpubench.targets.local import LocalTarget
-
-    if isinstance(target, LocalTarget):
+    if on_this_machine(target):
 
         def read(now: float, pid: int | None) -> list[Sample]:
             return [read_local(now, pid)]
