@@ -16,9 +16,9 @@ Each parallel run records, in pytest's cache, how long each module took; the nex
 units by those seconds, longest first (longest processing time first), a fresh clone by the
 seconds in `module_seconds.json` beside this file (a past run's, updated by hand), and modules
 seen in neither by their number of tests, as xdist would. Within a unit the modules and tests keep
-their collection order. Where llama-server is still being built beside the suite
-(`BUILD_STATUS_ENV`, `make test`), the units that need the built binary or run serially go last,
-and so do such modules within a group.
+their collection order. The units whose modules each have a serial test go last, and so do such
+modules within a group; where llama-server is still being built beside the suite
+(`BUILD_STATUS_ENV`, `make test`), so do those that need the built binary.
 
 Serial tests. A test marked `serial` measures the machine's own timing or loads it on purpose
 (busy loops pinned to a CPU): under `-n N` it runs while no other worker runs a test
@@ -107,13 +107,15 @@ def module_groups(items: list[pytest.Item]) -> dict[str, str]:
     }
 
 
+def is_serial(item: pytest.Item) -> bool:
+    """Whether a test runs with no other test beside it (SerialLock)."""
+    return item.get_closest_marker("serial") is not None
+
+
 def needs_build(item: pytest.Item) -> bool:
     """Whether a test waits for the build beside the suite: it uses the built binary or runs
     serially (tests/conftest.py's `llama_server`, SerialLock)."""
-    return (
-        BUILD_FIXTURE in getattr(item, "fixturenames", ())
-        or item.get_closest_marker("serial") is not None
-    )
+    return BUILD_FIXTURE in getattr(item, "fixturenames", ()) or is_serial(item)
 
 
 def longest_first(
@@ -198,8 +200,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not _parallel(config):
         return
     groups = module_groups(items)
+    # The serial tests late in any case: at the end the other workers have less left to wait with
+    # (and a group's session server is started by a test that does not hold the others back).
     building = bool(os.environ.get(BUILD_STATUS_ENV))
-    longest_first(items, recorded_seconds(config), groups, late=needs_build if building else None)
+    longest_first(
+        items, recorded_seconds(config), groups, late=needs_build if building else is_serial
+    )
     shared = _shared_dir(config)
     if shared is not None:
         worker = str(getattr(config, "workerinput", {}).get("workerid", "worker"))
