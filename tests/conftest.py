@@ -111,10 +111,11 @@ def vllm_server(
     vllm_install: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator["VllmServer"]:
     """One real vLLM (tiny model, served as `tiny-vllm`) shared by the session's tests: it takes
-    a minute or more to start on two cores."""
-    from support.vllm_server import running_vllm
+    a minute or more to start on two cores. Started with what a named tool call needs
+    (SESSION_ARGS), so that the request kinds' test needs no vLLM of its own."""
+    from support.vllm_server import SESSION_ARGS, running_vllm
 
-    with running_vllm(tmp_path_factory.mktemp("vllm")) as server:
+    with running_vllm(tmp_path_factory.mktemp("vllm"), extra_args=SESSION_ARGS) as server:
         yield server
 
 
