@@ -123,8 +123,8 @@ def test_the_modules_of_a_group_run_as_one_unit_by_their_seconds_together(
 def test_units_that_need_the_build_beside_the_suite_go_last_and_last_within_their_group(
     pytester: pytest.Pytester,
 ) -> None:
-    """While llama-server is built beside the suite, a unit all of whose modules need it (a test
-    of theirs uses it) goes after the others, however long; a group's modules that need it go
+    """While llama-server is built beside the suite, a unit with a module that needs it (a test
+    of the module uses it) goes after the others, however long; a group's modules that need it go
     after its others."""
     pytester.makeconftest(GROUP_CONFTEST)
     pytester.makeini("[pytest]\nmarkers =\n    built\n")
@@ -141,12 +141,13 @@ def test_units_that_need_the_build_beside_the_suite_go_last_and_last_within_thei
         module_groups(items),
         late=lambda item: item.get_closest_marker("built") is not None,
     )
+    # The vLLM group (test_c, test_a: 10 s) after test_d, which needs nothing; then test_b (90 s).
     assert [item.nodeid for item in items] == [
-        "test_c.py::test_1",
-        "test_a.py::test_1",
         "test_d.py::test_1",
         "test_b.py::test_1",
         "test_b.py::test_2",
+        "test_c.py::test_1",
+        "test_a.py::test_1",
     ]
 
 
