@@ -1,5 +1,6 @@
 # make bench: set everything up, then run the warm benchmarks on the embedded default (cells.yaml).
-# make test:  set everything up, build the docs site, then run the plugin's own test suite (CI's).
+# make test:  set everything up, build the docs site, then run the plugin's own test suite (CI's), on
+#             three workers, llama-server's build, vLLM and the wheel check beside them.
 # make test-fast: the tests that need none of sshd, vLLM or Slurm, on three workers (docs/development.md).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -15,12 +16,15 @@ unexport PYTHONDONTWRITEBYTECODE
 # The markers of what a test needs beyond Python (pyproject.toml; tests/conftest.py checks them).
 FAST_MARKERS := not sshd and not vllm and not slurm
 # Three workers, each taking a whole test module as it runs out (its module-scoped servers and
-# reports made once), the modules that took longest on the last run first (tests/support/
-# schedule.py: under worksteal the longest test was handed over last and ran alone for its last
-# 20 s); a third worker is worth it on two cores because the paced proxies' tests mostly wait.
+# reports made once; the vLLM modules together on one worker, the Slurm ones on one), the modules
+# that took longest on the last run first (tests/support/schedule.py: under worksteal the longest
+# test was handed over last and ran alone for its last 20 s); a third worker is worth it on two
+# cores because most tests wait on servers, proxies and subprocesses. The tests marked `serial`
+# run with no other test beside them.
+TEST_ARGS := -n 3 --dist loadfile --no-loadscope-reorder
 # And a quarter of the property tests' examples (tests/support/hypothesis_examples.py; `make test`
 # keeps them all).
-FAST_ARGS := -n 3 --dist loadfile --no-loadscope-reorder --hypothesis-profile=fast
+FAST_ARGS := $(TEST_ARGS) --hypothesis-profile=fast
 
 .PHONY: setup setup-fast system sshd vllm slurm python engine engine-build bench docs test test-fast wheel-check lint clean
 
@@ -34,10 +38,21 @@ system:
 
 python: $(VENV)/.installed
 
+# The packages go in with uv (PyPI's `uv`: the uv on PATH, else one pip puts into the venv first,
+# about 5 s): about 10 s against pip's 104 s on a fresh 2-core machine with an empty cache, the same
+# 123 packages at the same versions. Where uv cannot be had, pip installs them as before.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@uv=$$(command -v uv || true); \
+	if [ -z "$$uv" ] && $(BIN)/python -m pip install --quiet uv >/dev/null 2>&1; then uv=$(BIN)/uv; fi; \
+	if [ -n "$$uv" ]; then \
+	  echo "$$uv pip install --python $(BIN)/python --upgrade pip -e '.[test]'"; \
+	  "$$uv" pip install --quiet --python $(BIN)/python --upgrade pip -e '.[test]'; \
+	else \
+	  echo "uv not found: pip install -e '.[test]'"; \
+	  $(BIN)/python -m pip install --quiet --upgrade pip && \
+	  $(BIN)/python -m pip install --quiet -e '.[test]'; \
+	fi
 	touch $@
 
 # The llama.cpp server of the embedded default: the prebuilt one (xllamacpp's pinned wheel,
@@ -74,8 +89,11 @@ slurm:
 docs: python
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-test: setup engine-build sshd vllm slurm docs wheel-check
-	$(BIN)/pytest tests/ $(PYTEST_ARGS)
+# llama-server's source build, vLLM's install and the wheel check run in the background from the
+# start (scripts/test-suite.sh), beside sshd, Slurm, the docs site and the suite, whose tests that
+# need the built binary or vLLM wait for them (the modules that need the build run last).
+test: setup
+	MAKE="$(MAKE)" bash scripts/test-suite.sh $(BIN) $(TEST_ARGS) $(PYTEST_ARGS)
 
 # The package as a user installs it: build, twine check, the wheel in a fresh venv, then
 # `gpubench init` and `pytest benchmarks/ -m warm` from it in an empty directory.

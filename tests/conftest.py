@@ -55,9 +55,13 @@ register_profiles()
 def llama_server() -> Path:
     """The llama-server binary built from source (`make engine-build`), which the tests run
     where they name a binary; skipped where it is not built, failed on CI. (The embedded
-    default runs the prebuilt server, `make engine`, in the tests that do not name one.)"""
+    default runs the prebuilt server, `make engine`, in the tests that do not name one.) Where
+    `make test` builds it beside the suite, waited for (tests/support/schedule.py)."""
+    from support.schedule import wait_for_build
+
     from pytest_gpubench.engines.llamacpp_build import find_llama_server
 
+    wait_for_build()
     binary = find_llama_server(None)
     if binary is None:
         message = (
@@ -88,9 +92,12 @@ def server(llama_server: Path, tiny_model: Path, tmp_path: Path) -> Iterator["Ma
 
 @pytest.fixture(scope="session")
 def vllm_install() -> Path:
-    """The vLLM venv's Python (`make vllm`); skipped where it is not installed, failed on CI."""
+    """The vLLM venv's Python (`make vllm`); skipped where it is not installed, failed on CI.
+    Where `make test` installs it beside the suite, waited for (tests/support/schedule.py)."""
+    from support.schedule import wait_for_vllm
     from support.vllm_server import VLLM_PYTHON, vllm_installed
 
+    wait_for_vllm()
     missing = vllm_installed()
     if missing is not None:
         if os.environ.get("CI"):
@@ -104,10 +111,11 @@ def vllm_server(
     vllm_install: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator["VllmServer"]:
     """One real vLLM (tiny model, served as `tiny-vllm`) shared by the session's tests: it takes
-    a minute or more to start on two cores."""
-    from support.vllm_server import running_vllm
+    a minute or more to start on two cores. Started with what a named tool call needs
+    (SESSION_ARGS), so that the request kinds' test needs no vLLM of its own."""
+    from support.vllm_server import SESSION_ARGS, running_vllm
 
-    with running_vllm(tmp_path_factory.mktemp("vllm")) as server:
+    with running_vllm(tmp_path_factory.mktemp("vllm"), extra_args=SESSION_ARGS) as server:
         yield server
 
 

@@ -24,7 +24,10 @@ from support.tiny_server import tiny_llama_server
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.measure.stream import CallMeasurement
 
-pytestmark = pytest.mark.engine
+# Each compares the client's timings with the engine's, pinned to one CPU, and one starts CPU hogs
+# on it: alone under -n (tests/support/schedule.py), neither slowed by the other workers' tests
+# nor slowing them.
+pytestmark = [pytest.mark.engine, pytest.mark.serial]
 
 CELL = "local:llamacpp:tiny"
 PROMPT_ID = "P-EASY"

@@ -90,6 +90,8 @@ def pinned(cpu: int, count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
             process.wait()
 
 
+# Busy processes pinned to one CPU, timed: alone under -n (tests/support/schedule.py).
+@pytest.mark.serial
 @pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="no schedstat here")
 def test_a_process_pinned_beside_a_busy_one_waits_for_its_cpu_half_the_time(
     real_engine_wait: None,
@@ -110,6 +112,8 @@ def test_a_process_pinned_beside_a_busy_one_waits_for_its_cpu_half_the_time(
     assert waited.cpu_ms > 0.2 * waited.wall_ms, waited
 
 
+# Busy processes pinned to one CPU, timed: alone under -n (tests/support/schedule.py).
+@pytest.mark.serial
 @pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="no schedstat here")
 def test_a_child_of_the_engine_pinned_beside_a_busy_process_shows_its_wait(
     real_engine_wait: None,

@@ -432,6 +432,8 @@ def test_cpu_pressure_is_read_from_the_kernels_stall_total(
     assert gauge.share(None) is None
 
 
+# A busy loop pinned to this CPU, the kernel's stall read: alone under -n (tests/support/schedule.py).
+@pytest.mark.serial
 def test_the_cpu_pressure_sees_a_busy_neighbour_on_the_same_cpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -63,6 +63,9 @@ STOP_AT_REQUEST = 16
 STOPPED_S = 0.5
 
 
+# The other client must keep its schedule (send lag under 100 ms): alone under -n
+# (tests/support/schedule.py).
+@pytest.mark.serial
 def test_a_client_process_stopped_mid_point_makes_it_invalid_naming_it(
     pytester: pytest.Pytester,
 ) -> None:

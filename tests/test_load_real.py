@@ -83,6 +83,8 @@ def heavy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+# Throughput at 1, 2 and 4 streams compared: alone under -n (tests/support/schedule.py).
+@pytest.mark.serial
 def test_throughput_rises_with_concurrency_and_every_request_gets_max_tokens(
     pytester: pytest.Pytester, llama_server: Path, heavy_model: Path, proxy: PacingProxyProcess
 ) -> None:

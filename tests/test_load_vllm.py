@@ -34,6 +34,9 @@ def ledger_records(root: Path) -> list[dict[str, Any]]:
     return read_ledger(ledger)
 
 
+# vLLM's gauge of running requests sampled every 200 ms during a short point: alone under -n
+# (tests/support/schedule.py).
+@pytest.mark.serial
 def test_a_concurrency_sweep_on_vllm_counts_what_vllm_counts(
     pytester: pytest.Pytester, vllm_server: Any
 ) -> None:

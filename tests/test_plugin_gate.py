@@ -44,6 +44,8 @@ def last_ledger(pytester: pytest.Pytester) -> list[dict[str, Any]]:
     return read_ledger(newest)
 
 
+# Two runs' speeds compared: alone under -n (tests/support/schedule.py).
+@pytest.mark.serial
 def test_update_then_same_speed_passes_and_slower_exits_6(pytester: pytest.Pytester) -> None:
     # 20 ms a token, first token included: what a loaded machine adds to the stand-in's own
     # answer (a thread's wake-up, a descheduled client: a few ms) stays far inside the gate's 30 %

@@ -157,7 +157,7 @@ def test_ensure_writes_once_under_the_cache_dir(
     assert ensure_tiny_model() == path and path.stat().st_mtime_ns == written
 
 
-# The real engine, when one is installed (`gpubench install-server`); never built from here.
+# The real engine, when one is built (`make engine-build`); never built from here.
 
 
 def _free_port() -> int:
@@ -181,12 +181,12 @@ def _wait_healthy(base_url: str, process: subprocess.Popen[bytes], timeout_s: fl
 
 
 @pytest.fixture(scope="module")
-def tiny_server(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from pytest_gpubench.engines.llamacpp_build import find_llama_server
-
-    binary = find_llama_server(None)
-    if binary is None:
-        pytest.skip("no llama-server found (run `gpubench install-server` to build one)")
+def tiny_server(
+    llama_server: Path, model_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    # The built llama-server (tests/conftest.py: skipped where it is not built, failed on CI,
+    # waited for where `make test` builds it beside the suite).
+    binary = llama_server
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "llama-server.log"
     # One thread, as every other llama-server in the tests: two threads meet at a barrier each
@@ -241,6 +241,7 @@ def _stream_chat(base_url: str, body: dict[str, Any]) -> StreamedReply:
         ("Hi", 3.0),
     ],
 )
+@pytest.mark.engine
 def test_real_server_streams_exactly_max_tokens(
     tiny_server: str, prompt: str, temperature: float
 ) -> None:
@@ -263,6 +264,7 @@ def test_real_server_streams_exactly_max_tokens(
     assert reply.last_chunk["timings"]["predicted_n"] == max_tokens
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("prompt_id", ["P-EASY", "P-MEDIUM", "P-HARD"])
 def test_real_server_serves_each_shipped_prompt_in_full(tiny_server: str, prompt_id: str) -> None:
     """The canonical prompts, in the chat template, plus their max_tokens fit the server's context:

@@ -5,8 +5,6 @@ a completion, a schema-valid named tool call and a json_schema answer."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -111,22 +109,13 @@ prompts:
 
 
 @pytest.mark.vllm
-def test_request_kinds_on_the_real_vllm(
-    pytester: pytest.Pytester, vllm_install: Path, tmp_path: Path
-) -> None:
+def test_request_kinds_on_the_real_vllm(pytester: pytest.Pytester, vllm_server: VllmServer) -> None:
     """A completion, a named tool call and a json_schema answer on vLLM (issue 35): vLLM's
     guided decoding holds a named tool call's arguments and a response_format answer to their
-    schemas, so the valid rates measured are those of a real engine: every call valid. A vLLM of
-    its own: a named tool_choice needs --enable-auto-tool-choice and a --tool-call-parser
-    (pythonic: it asks no special token of the tiny model's tokenizer); found by trying, vLLM
-    answers HTTP 400 "requires --tool-call-parser to be set" without both."""
-    from support.vllm_server import running_vllm
-
-    with running_vllm(
-        tmp_path / "vllm",
-        extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "pythonic"),
-    ) as server:
-        _request_kinds_on(pytester, server)
+    schemas, so the valid rates measured are those of a real engine: every call valid. On the
+    session's vLLM, started with --enable-auto-tool-choice and a --tool-call-parser, which a
+    named tool_choice needs (support.vllm_server.SESSION_ARGS)."""
+    _request_kinds_on(pytester, vllm_server)
 
 
 def _request_kinds_on(pytester: pytest.Pytester, vllm_server: VllmServer) -> None:

@@ -38,6 +38,11 @@ VLLM_ENV = {
 }
 # Eager mode: torch.compile would add minutes to every start and nothing the tests look at.
 DEFAULT_ARGS = ("--max-model-len", "2048", "--enforce-eager", "--max-num-seqs", "16")
+# What the session's vLLM (tests/conftest.py) is started with beside DEFAULT_ARGS: a named
+# tool_choice needs --enable-auto-tool-choice and a --tool-call-parser (pythonic: it asks no
+# special token of the tiny model's tokenizer); found by trying, vLLM answers HTTP 400 "requires
+# --tool-call-parser to be set" without both. A request without tools is served as without them.
+SESSION_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 
 
 def vllm_installed() -> str | None:
