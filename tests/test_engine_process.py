@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from support.bench_files import CHECKED_TEST_FILE, ONE_PROMPT
+from support.quiet_machine import machine_moved
 from support.tiny_server import users_llama_server
 
 from pytest_gpubench.measure.listener import (
@@ -220,6 +221,7 @@ def test_an_engine_that_cannot_be_found_is_said_once_in_the_cell_record(
 
 
 @pytest.mark.engine
+@pytest.mark.serial
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: none to keep apart")
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="no taskset to pin with")
 def test_the_clients_and_engines_own_tasks_do_not_make_a_quiet_machine_unsteady(
@@ -235,7 +237,8 @@ def test_the_clients_and_engines_own_tasks_do_not_make_a_quiet_machine_unsteady(
 
     It holds on a quiet machine: where other processes took more than the busy limit of the
     CPUs' time during either run (their share, read beside each call), the engine's CPU was
-    theirs too and the gate rightly says so; the test is skipped with the figures."""
+    theirs too and the gate rightly says so; the test ends with the figures (a failure
+    under CI, support/quiet_machine.py; it runs alone there, marked serial)."""
     from pytest_gpubench.ledger.writer import read_ledger
     from pytest_gpubench.results.decision import PRESSURE_LIMIT
 
@@ -282,7 +285,7 @@ def test_the_clients_and_engines_own_tasks_do_not_make_a_quiet_machine_unsteady(
     print(f"p50 over the calls, baseline run then unchanged run: {figures}")
     busiest = max(run_figures["neighbour_cpu_share"] for run_figures in figures)
     if busiest > PRESSURE_LIMIT:
-        pytest.skip(f"not a quiet machine: other processes took {busiest:.0%} of the CPUs' time")
+        machine_moved(f"not a quiet machine: other processes took {busiest:.0%} of the CPUs' time")
     assert unchanged.returncode == 0, unchanged.stdout[-3000:]
     assert "UNSTEADY" not in unchanged.stdout
     (end,) = [r for r in read_ledger(ledgers[-1]) if r["type"] == "end"]

@@ -346,6 +346,7 @@ def release_ms(proxy: DelayProxy) -> float:
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda scenario: scenario.test_id)
 @pytest.mark.engine
+@pytest.mark.serial
 def test_gate_against_a_baseline_through_the_proxy(
     pytester: pytest.Pytester, proxy: DelayProxy, scenario: Scenario
 ) -> None:
