@@ -1,6 +1,6 @@
 # make bench: set everything up, then run the warm benchmarks on the embedded default (cells.yaml).
-# make test:  set everything up, build the docs site, then run the plugin's own test suite (CI's), on
-#             three workers, llama-server's build, vLLM and the wheel check beside them.
+# make test:  set everything up, build the docs site, then run the plugin's own test suite (CI's).
+# make test-parallel: the same suite on three workers, the slow set-up beside it (not CI's yet).
 # make test-fast: the tests that need none of sshd, vLLM or Slurm, on three workers (docs/development.md).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -26,7 +26,7 @@ TEST_ARGS := -n 3 --dist loadfile --no-loadscope-reorder
 # keeps them all).
 FAST_ARGS := $(TEST_ARGS) --hypothesis-profile=fast
 
-.PHONY: setup setup-fast system sshd vllm slurm python engine engine-build bench docs test test-fast wheel-check lint clean
+.PHONY: setup setup-fast system sshd vllm slurm python engine engine-build bench docs test test-parallel test-fast wheel-check lint clean
 
 setup: system python engine
 
@@ -89,10 +89,18 @@ slurm:
 docs: python
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-# llama-server's source build, vLLM's install and the wheel check run in the background from the
-# start (scripts/test-suite.sh), beside sshd, Slurm, the docs site and the suite, whose tests that
-# need the built binary or vLLM wait for them (the modules that need the build run last).
-test: setup
+# The whole suite on one process, after every set-up step, as CI runs it. The parallel run with
+# the set-up beside it (`make test-parallel`) is not CI's yet: on a fresh clone with empty caches
+# (2026-11-29, a quiet machine) it took 13 min 57 s, but 107 tests that name the built
+# llama-server failed in their fixture right after the build beside the suite had ended, and three
+# timing tests failed beside the other workers (docs/development.md).
+test: setup engine-build sshd vllm slurm docs wheel-check
+	$(BIN)/pytest tests/ $(PYTEST_ARGS)
+
+# The suite on three workers (TEST_ARGS), llama-server's build, vLLM's install and the wheel
+# check in the background from the start (scripts/test-suite.sh), beside sshd, Slurm, the docs
+# site and the suite, whose tests that need the built binary or vLLM wait for them.
+test-parallel: setup
 	MAKE="$(MAKE)" bash scripts/test-suite.sh $(BIN) $(TEST_ARGS) $(PYTEST_ARGS)
 
 # The package as a user installs it: build, twine check, the wheel in a fresh venv, then

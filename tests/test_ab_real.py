@@ -211,13 +211,14 @@ def test_two_identical_servers_called_turn_about_pass(
         "warm_decode_tokens_per_sec_p50",
     }
     for verdict in verdicts.values():
-        assert verdict["verdict"] in ("ok", "inconclusive", "blind"), verdict
+        assert verdict["verdict"] in ("ok", "inconclusive", "blind", "ungated"), verdict
         assert verdict["calls"] == 2 * RUNS
     # Never a regression. A figure whose pairs cannot rule out a change of the threshold's size
     # says so (blind: a decode rate of the few pairs whose replies came in more than one read,
     # or, on a busy machine, an interval that reaches past it), and the run says "re-run"
     # (exit 10, issue 37); it passes (0) only where every figure is ok.
-    all_ok = all(verdict["verdict"] == "ok" for verdict in verdicts.values())
+    # A decode rate of replies too short to time is declared not gated (`ungated`, issue 43).
+    all_ok = all(verdict["verdict"] in ("ok", "ungated") for verdict in verdicts.values())
     assert result.ret == (0 if all_ok else EXIT_UNSTEADY), summary(result)
     # A call whose reply came in one read has no decode rate: that pair is left out of it alone.
     assert verdicts["warm_ttft_p50_ms"]["pairs"] == RUNS
@@ -285,7 +286,8 @@ def test_identical_sides_stop_as_unchanged_or_run_to_the_maximum(
     verdicts = ab_verdicts(records)
     # Never a regression; a pass (0) where every figure is ok, else "re-run" (10: a figure whose
     # pairs cannot rule out a change of the threshold's size, issue 37).
-    all_ok = all(verdict["verdict"] == "ok" for verdict in verdicts.values())
+    # A decode rate of replies too short to time is declared not gated (`ungated`, issue 43).
+    all_ok = all(verdict["verdict"] in ("ok", "ungated") for verdict in verdicts.values())
     assert result.ret == (0 if all_ok else EXIT_UNSTEADY), summary(result)
     ttft = verdicts["warm_ttft_p50_ms"]
     calls = len([r for r in records if r["type"] == "call"])
@@ -295,10 +297,15 @@ def test_identical_sides_stop_as_unchanged_or_run_to_the_maximum(
     if ttft["pairs"] < 12:
         # Stopped early: as unchanged, never as a regression, and every verdict says ok.
         assert reasons and all("decided (unchanged)" in reason for reason in reasons), reasons
-        assert {v["verdict"] for v in verdicts.values()} == {"ok"}
+        assert {v["verdict"] for v in verdicts.values()} - {"ungated"} == {"ok"}
         assert calls + len(reasons) == 24
     else:
         assert calls == 24 and not reasons
         # Never a regression; a figure whose pairs cannot rule out a change is blind (a decode
         # rate of the few replies that came in more than one read), which was `ok` before.
-        assert {v["verdict"] for v in verdicts.values()} <= {"ok", "inconclusive", "blind"}
+        assert {v["verdict"] for v in verdicts.values()} <= {
+            "ok",
+            "inconclusive",
+            "blind",
+            "ungated",
+        }
