@@ -187,3 +187,27 @@ def test_a_cuda_build_without_nvcc_is_one_clear_error(
 def test_a_missing_sdist_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(GpubenchError, match=r"--sdist: .*nothing\.tar\.gz does not exist"):
         build_llama_server(cache_root=tmp_path, sdist=tmp_path / "nothing.tar.gz")
+
+
+def test_a_path_without_a_compiler_for_a_while_does_not_hide_the_built_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build folder is named from `c++ --version`, asked once a process. A process whose PATH
+    held no compiler for a while (a test's in-process session with a PATH of its own) kept "no
+    c++ compiler" for good, and looked for the built server in a folder of that name: under
+    `make test-parallel` every later test of that worker that named the built binary failed "not
+    built" (107 of them). Asked again for each compiler PATH finds, the folder is the build's."""
+    monkeypatch.setenv("GPUBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    compilers = tmp_path / "compilers"
+    compilers.mkdir()
+    compiler = compilers / "c++"
+    compiler.write_text("#!/bin/sh\necho 'c++ (Debian 12.2.0-14) 12.2.0'\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("PATH", str(compilers))
+    built = cached_binary_path()
+    monkeypatch.setenv("PATH", str(tmp_path / "no-compiler"))
+    assert llamacpp_build.compiler_version() == "no c++ compiler"
+    assert cached_binary_path() != built
+    monkeypatch.setenv("PATH", str(compilers))
+    assert llamacpp_build.compiler_version() == "c++ (Debian 12.2.0-14) 12.2.0"
+    assert cached_binary_path() == built

@@ -80,14 +80,22 @@ PROGRESS_LINE = re.compile(r"^\[\s*\d+(/\d+|%)\]")
 Progress = Callable[[str], None]
 
 
-@functools.cache
 def compiler_version() -> str:
     """The first line of `c++ --version`: a new compiler means a new cached build. Asked once a
-    process (the build folder is named from it for the cached binary's path and again for the
-    build)."""
+    process for each `c++` that PATH finds (the build folder is named from it for the cached
+    binary's path and again for the build): a process whose PATH changed for a while (a test's
+    in-process session with a PATH of its own) asks again, rather than keep the answer of a PATH
+    without a compiler and look for the built server where none was built."""
+    return _compiler_version(shutil.which("c++"))
+
+
+@functools.cache
+def _compiler_version(compiler: str | None) -> str:
+    if compiler is None:
+        return "no c++ compiler"
     try:
         done = subprocess.run(
-            ["c++", "--version"],
+            [compiler, "--version"],
             capture_output=True,
             text=True,
             timeout=VERSION_TIMEOUT_S,
