@@ -9,7 +9,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 VerdictKind = Literal[
     "regression",
@@ -26,17 +26,7 @@ VerdictKind = Literal[
 # drifted: nothing could be told) sits under the findings that fail a run for what was measured,
 # `blind` (nothing past the threshold seen, but the run could not have seen one) over a plain pass;
 # `ungated` last: a figure the prompt cannot measure, not judged (its replies too short to time).
-VERDICT_ORDER: tuple[VerdictKind, ...] = (
-    "regression",
-    "incomparable",
-    "unsteady",
-    "inconclusive",
-    "blind",
-    "win",
-    "ok",
-    "new",
-    "ungated",
-)
+VERDICT_ORDER: tuple[VerdictKind, ...] = get_args(VerdictKind)
 
 # The verdicts of a figure the run could not tell (the machine moved, or the evidence allows a
 # change of the threshold's size either way): neither a pass nor a regression; a run with one

@@ -29,6 +29,7 @@ from pytest_gpubench.results.decision import (
     VERDICT_ORDER,
     Decision,
     Evidence,
+    PressureSource,
     Steadiness,
     VerdictKind,
     change_direction,
@@ -441,45 +442,30 @@ def machine_steadiness(
     neighbour_runs = neighbour_figures(history)
     neighbours_now = current.samples["neighbour_cpu_share"]
     neighbours_then = neighbour_runs or baseline.samples["neighbour_cpu_share"]
+    source: PressureSource = "machine"
     if engine_now and engine_then:
-        return steadiness(
-            current.samples["control_ms"],
-            baseline.samples["control_ms"],
-            control_figures(history),
-            pressure=engine_now,
-            baseline_pressure=engine_then,
-            runs_pressure=engine_runs,
-            pressure_source="engine",
-            client_wait=current.samples["client_wait_per_cpu"],
-            steal=current.samples["steal_share"],
-            gpu=gpu_signals(current, baseline),
-            neighbours=busiest_neighbours(neighbours_now, neighbours_then, neighbour_runs),
-        )
-    if neighbours_now and neighbours_then:
-        return steadiness(
-            current.samples["control_ms"],
-            baseline.samples["control_ms"],
-            control_figures(history),
-            pressure=neighbours_now,
-            baseline_pressure=neighbours_then,
-            runs_pressure=neighbour_runs,
-            pressure_source="neighbours",
-            client_wait=current.samples["client_wait_per_cpu"],
-            steal=current.samples["steal_share"],
-            gpu=gpu_signals(current, baseline),
-            neighbours=busiest_neighbours(neighbours_now, neighbours_then, neighbour_runs),
-        )
-    runs_pressure = pressure_figures(history)
+        source, now, then, runs = "engine", engine_now, engine_then, engine_runs
+    elif neighbours_now and neighbours_then:
+        source, now, then, runs = "neighbours", neighbours_now, neighbours_then, neighbour_runs
+    else:
+        runs = pressure_figures(history)
+        now, then = current.samples["cpu_pressure"], runs or baseline.samples["cpu_pressure"]
     return steadiness(
         current.samples["control_ms"],
         baseline.samples["control_ms"],
         control_figures(history),
-        pressure=current.samples["cpu_pressure"],
-        baseline_pressure=runs_pressure or baseline.samples["cpu_pressure"],
-        runs_pressure=runs_pressure,
+        pressure=now,
+        baseline_pressure=then,
+        runs_pressure=runs,
+        pressure_source=source,
         client_wait=current.samples["client_wait_per_cpu"],
         steal=current.samples["steal_share"],
         gpu=gpu_signals(current, baseline),
+        neighbours=(
+            None
+            if source == "machine"
+            else busiest_neighbours(neighbours_now, neighbours_then, neighbour_runs)
+        ),
     )
 
 
