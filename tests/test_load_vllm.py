@@ -18,11 +18,14 @@ pytest.importorskip(
     "support.vllm_server", reason="the shared vLLM set-up (tests/support/vllm_server.py) is missing"
 )
 
-# Long enough that a request is in flight for a second or more (vLLM on CPU gives the tiny model
-# about a hundred tokens/s a stream here): the c4 point's running gauge, sampled every 50 ms,
-# then certainly sees its requests. With 16 tokens the point lasted 0.2 s, and on a fresh
-# machine no sample caught a running request (`0 >= 2`).
-MAX_TOKENS = 128
+# Long enough that the c4 point outlasts several scrapes of /metrics. vLLM on CPU gives the tiny
+# model a few hundred tokens/s a stream here, and under four streams on two cores its API server
+# answered a scrape only after 750 ms: with 128 tokens the c4 point lasted 0.8 s, its two scrapes
+# fell before the first request and after the last (`0 >= 2`, CI of stop 47). With 512 tokens
+# the point lasts two waves of 1.5 s or more, and a scrape of that slowness lands inside one.
+# (With 16 tokens the point lasted 0.2 s and no scrape caught a running request on a fresh
+# machine either.)
+MAX_TOKENS = 512
 PROMPTS = (
     f"prompts:\n  P-LOAD: {{intent: load, prompt: 'Count to ten.', max_tokens: {MAX_TOKENS}}}\n"
 )
@@ -74,5 +77,6 @@ def test_a_concurrency_sweep_on_vllm_counts_what_vllm_counts(
         assert "vllm:num_requests_running" in sample["engine"]
         assert "vllm:num_requests_waiting" in sample["engine"]
         assert any("cache_usage" in name for name in sample["engine"])
-    at_four = next(g for g in gauges if g["load_point"] == "c4")["engine"]
-    assert max(v or 0 for v in at_four["vllm:num_requests_running"]) >= 2
+    at_four = [g["engine"] for g in gauges if g["load_point"] == "c4"]
+    running = [v or 0 for page in at_four for v in page["vllm:num_requests_running"]]
+    assert max(running) >= 2, [page["t_ms"] for page in at_four]

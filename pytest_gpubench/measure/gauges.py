@@ -6,7 +6,6 @@ to set against the client's count and the client's own latencies."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ssl
 import time
 from collections.abc import Coroutine, Mapping, Sequence
@@ -193,21 +192,32 @@ class GaugeScraper:
             self.samples.notes.append(note)
 
     async def run(self, started_ns: int, stop: asyncio.Event) -> None:
-        """Scrape every interval until `stop` is set."""
-        interval_s = self.samples.interval_ms / 1000.0
+        """Scrape every interval until `stop` is set, on a thread with an event loop of its own:
+        on the load client's loop a scrape waited behind every stream's reads, and under four
+        streams on two cores it was answered after 1-6 s, so a 3 s point got two scrapes, one
+        before its first request and one after its last."""
+        pages: list[tuple[float, str]] = []
+        await asyncio.to_thread(asyncio.run, self._scrape_until(started_ns, stop, pages))
         # Parsed once the point has ended: prometheus_client's parser is pure Python, and a vLLM
         # page (histograms) kept the load client's event loop from its sends for 100-500 ms.
-        pages: list[tuple[float, str]] = []
-        while not stop.is_set():
-            text = await self.fetch()
-            if text is not None:
-                pages.append(((time.perf_counter_ns() - started_ns) / 1e6, text))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval_s)
         for t_ms, text in pages:
             page = self._parse(text)
             if page is not None:
                 self.samples.add(t_ms, page[0])
+
+    async def _scrape_until(
+        self, started_ns: int, stop: asyncio.Event, pages: list[tuple[float, str]]
+    ) -> None:
+        """The scrapes, on the scraping thread's loop; `stop` belongs to the client's loop and is
+        only read here (is_set), every 10 ms between scrapes."""
+        interval_s = self.samples.interval_ms / 1000.0
+        while not stop.is_set():
+            text = await self.fetch()
+            if text is not None:
+                pages.append(((time.perf_counter_ns() - started_ns) / 1e6, text))
+            wake = time.monotonic() + interval_s
+            while not stop.is_set() and time.monotonic() < wake:
+                await asyncio.sleep(min(0.01, interval_s))
 
 
 # A page as case_counters reads it: its gauges and its counters in one mapping.
