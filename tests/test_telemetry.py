@@ -50,7 +50,7 @@ from pytest_gpubench.telemetry.aggregate import (
     telemetry_summaries,
 )
 from pytest_gpubench.telemetry.nvidia_smi import BatchedLineParser, parse_sample_line
-from pytest_gpubench.telemetry.nvml import engine_memory_mib
+from pytest_gpubench.telemetry.nvml import compute_processes, engine_memory_mib
 from pytest_gpubench.telemetry.proc import RemoteLineParser, cpu_seconds
 
 if TYPE_CHECKING:
@@ -331,9 +331,13 @@ def test_the_engines_own_vram_is_told_apart_from_the_whole_gpus(
         assert fields["gpu_peak_memory_used_mib"] > 2 * MEMORY_USED_MIB  # the GPUs' own, all of it
         # A driver that cannot tell a process's memory: unknown, never 0.
         state.processes = {0: {worker: None}}
-        assert engine_memory_mib(module, 0, tree) is None
-        assert engine_memory_mib(module, 1, tree) == 0.0  # listed nowhere on GPU 1: none there
-        assert engine_memory_mib(module, 0, ()) is None  # no engine process (an external engine)
+        assert engine_memory_mib(compute_processes(module, 0), tree) is None
+        assert (
+            engine_memory_mib(compute_processes(module, 1), tree) == 0.0
+        )  # listed nowhere on GPU 1: none there
+        assert (
+            engine_memory_mib(compute_processes(module, 0), ()) is None
+        )  # no engine process (an external engine)
     finally:
         engine.kill()
         engine.wait()

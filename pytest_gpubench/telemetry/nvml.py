@@ -71,38 +71,34 @@ def read_gpus(
     ]
 
 
-def engine_memory_mib(nvml: ModuleType, handle: Any, engine_pids: Collection[int]) -> float | None:
-    """What the engine's processes hold on this GPU (MiB), from NVML's list of compute
-    processes: 0 when none of them is listed (a CPU-only engine), None when there is no engine
-    process, or the driver does not say (no list, or a process's `usedGpuMemory` unknown, as
-    under some virtualisation)."""
-    if not engine_pids:
-        return None
+def compute_processes(nvml: ModuleType, handle: Any) -> list[Any] | None:
+    """NVML's compute processes on this GPU; None where the driver does not say."""
     try:
-        processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        return list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
     except nvml.NVMLError as exc:
         if isinstance(exc, _not_supported(nvml)):
             return None
         raise
+
+
+def engine_memory_mib(processes: list[Any] | None, engine_pids: Collection[int]) -> float | None:
+    """What the engine's processes hold on a GPU (MiB), from NVML's list of its compute
+    processes: 0 when none of them is listed (a CPU-only engine), None when there is no engine
+    process, or the driver does not say (no list, or a process's `usedGpuMemory` unknown, as
+    under some virtualisation)."""
+    if not engine_pids or processes is None:
+        return None
     used = [p.usedGpuMemory for p in processes if int(p.pid) in engine_pids]
     if any(value is None for value in used):
         return None
     return sum(int(value) for value in used) / MIB
 
 
-def other_pids(
-    nvml: ModuleType, handle: Any, engine_pids: Collection[int]
-) -> tuple[int, ...] | None:
-    """The compute processes NVML lists on this GPU that are not the engine's (sorted pids);
+def other_pids(processes: list[Any] | None, engine_pids: Collection[int]) -> tuple[int, ...] | None:
+    """The compute processes NVML listed on this GPU that are not the engine's (sorted pids);
     None where there is no engine process to tell them from, or the driver does not say."""
-    if not engine_pids:
+    if not engine_pids or processes is None:
         return None
-    try:
-        processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    except nvml.NVMLError as exc:
-        if isinstance(exc, _not_supported(nvml)):
-            return None
-        raise
     return tuple(sorted({int(p.pid) for p in processes} - set(engine_pids)))
 
 
@@ -129,6 +125,8 @@ def _read_gpu(
     milliwatts = _optional(nvml, lambda: nvml.nvmlDeviceGetPowerUsage(handle))
     clock = _optional(nvml, lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
     energy = _optional(nvml, lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+    # One list of the GPU's compute processes a sample: the engine's memory and the others.
+    processes = compute_processes(nvml, handle) if engine_pids else None
     return GpuSample(
         t=now,
         gpu=index,
@@ -139,8 +137,8 @@ def _read_gpu(
         power_w=milliwatts / 1000.0 if milliwatts is not None else None,
         sm_clock_mhz=clock,
         energy_mj=energy,
-        engine_memory_mib=engine_memory_mib(nvml, handle, engine_pids),
-        other_pids=other_pids(nvml, handle, engine_pids),
+        engine_memory_mib=engine_memory_mib(processes, engine_pids),
+        other_pids=other_pids(processes, engine_pids),
         clock_events=clock_events(nvml, handle),
     )
 
