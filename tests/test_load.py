@@ -550,6 +550,65 @@ def test_a_load_case_on_an_https_endpoint_trusts_what_the_cell_trusts(
     assert handshakes >= 1 + processes
 
 
+def test_the_gauges_are_scraped_over_tls_with_what_the_cell_trusts(tmp_path: Path) -> None:
+    """The scraping thread (measure/gauges.GaugeScraper.run: a plain socket of its own, beside
+    the load client's event loop) reads an https endpoint's /metrics through a real stunnel with
+    the cell's CA, with the cell's headers, every interval until the point stops."""
+    import asyncio
+    import http.server
+    import ssl
+    import threading
+    import time
+
+    from support.tls_terminator import stunnel, stunnel_binary
+
+    from pytest_gpubench.measure.gauges import GaugeScraper
+    from pytest_gpubench.measure.stream import Endpoint
+
+    if stunnel_binary() is None:
+        pytest.skip("stunnel4 is not installed (scripts/setup-system.sh)")
+    seen: list[str | None] = []
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            body = (
+                f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {len(seen)}\n"
+            )
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with stunnel(f"http://127.0.0.1:{server.server_port}", tmp_path / "tls") as terminator:
+            trust = ssl.create_default_context(cafile=str(terminator.ca_file))
+            scraper = GaugeScraper(
+                Endpoint.parse(terminator.url), [("Authorization", "Bearer s3")], 50, trust
+            )
+
+            async def point() -> None:
+                stop = asyncio.Event()
+                scraping = asyncio.create_task(scraper.run(time.perf_counter_ns(), stop))
+                await asyncio.sleep(0.6)
+                stop.set()
+                await scraping
+
+            asyncio.run(point())
+    finally:
+        server.shutdown()
+    running = scraper.samples.columns["vllm:num_requests_running"]
+    assert scraper.samples.notes == []
+    assert len(running) >= 3 and None not in running
+    assert running == sorted(value or 0.0 for value in running)
+    assert set(seen) == {"Bearer s3"}
+
+
 @given(
     text=st.lists(st.sampled_from([b"data: {}", b"\r", b"\n", b"ab", b"\r\n", b"x"]), max_size=30),
     cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=8),
