@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from pytest_gpubench.config.cell import Cell
     from pytest_gpubench.config.prompts import Prompt, RequestShape
     from pytest_gpubench.engines.tokenizer import TokenCounter
+    from pytest_gpubench.measure.gauges import CaseCounters
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,14 @@ def send(engine: Engine, request: Request, timeout_s: float) -> CallMeasurement:
     if request.kind in ("completion", "embedding", "rerank"):
         return _failed(engine.kind, f"engine {engine.kind} has no method for {request.kind}")
     return engine.chat(request, timeout_s)
+
+
+@runtime_checkable
+class ReadsCounters(Protocol):
+    """An engine whose own counters (its /metrics) are read around each warm call: an
+    OpenAI-compatible one's (vLLM, llama-server)."""
+
+    def case_counters(self) -> CaseCounters: ...
 
 
 @runtime_checkable

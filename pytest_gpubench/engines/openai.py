@@ -23,8 +23,10 @@ from pytest_gpubench.engines import (
     parse_rerank,
 )
 from pytest_gpubench.engines.tokenizer import TokenCounter, VllmCounter
+from pytest_gpubench.measure.gauges import CaseCounters
 from pytest_gpubench.measure.stream import (
     CallMeasurement,
+    Endpoint,
     HttpConnection,
     StreamError,
     TlsSettings,
@@ -78,6 +80,12 @@ class OpenAIEngine:
         """The server's /tokenize as vLLM serves it (a server without one says so when asked:
         engines/tokenizer.TokenizeUnavailable)."""
         return VllmCounter(self.base_url, self.model, self.request_headers(), self.tls.context())
+
+    def case_counters(self) -> CaseCounters:
+        """The reader of its /metrics around a warm call, on its endpoint with its headers."""
+        tls = self.tls.context() if self.base_url.startswith("https") else None
+        headers = tuple(self.request_headers().items())
+        return CaseCounters(Endpoint.parse(self.base_url), headers, tls)
 
     def payload(self, request: Request) -> dict[str, Any]:
         """A request's JSON (a completion's sends `prompt` as it is, no chat template): the cell's

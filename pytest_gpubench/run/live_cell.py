@@ -20,6 +20,7 @@ from pytest_gpubench.engines import (
     Engine,
     EngineHook,
     KeepsConnection,
+    ReadsCounters,
     Request,
     make_engine,
     send,
@@ -108,19 +109,12 @@ class LiveCell:
         return EngineWait(pid) if pid is not None else None
 
     def engine_counters(self) -> CaseCounters | None:
-        """The reader of the engine's own counters around a warm call: an OpenAI-compatible
-        engine's (vLLM, llama-server), on its endpoint with its headers; None where it exposes
-        no /metrics (asked once: measure/gauges.CaseCounters.absent says why)."""
-        from pytest_gpubench.engines.openai import OpenAIEngine
-        from pytest_gpubench.measure.stream import Endpoint
-
-        if not isinstance(self.engine, OpenAIEngine):
+        """The reader of the engine's own counters around a warm call (engines.ReadsCounters);
+        None where it exposes no /metrics (asked once: CaseCounters.absent says why)."""
+        if not isinstance(self.engine, ReadsCounters):
             return None
         if self.counters is None:
-            engine = self.engine
-            tls = engine.tls.context() if engine.base_url.startswith("https") else None
-            headers = tuple(engine.request_headers().items())
-            self.counters = CaseCounters(Endpoint.parse(engine.base_url), headers, tls)
+            self.counters = self.engine.case_counters()
         return None if self.counters.absent is not None else self.counters
 
     def prepare(self) -> None:
@@ -331,7 +325,7 @@ class LiveCell:
 
     def kind_missing(self, kind: str) -> str | None:
         """Why the cell's engine cannot send a request of `kind` (one line), or None: an engine
-        says which kinds it sends (`kinds`)."""
+        says which kinds it sends (`kinds`), a managed one's launch what it serves."""
         assert self.engine is not None
         kinds = self.engine.kinds
         if kind not in kinds:
@@ -339,12 +333,8 @@ class LiveCell:
                 f"cell {self.cell.cell_id}: engine {self.engine.kind} does not send {kind} "
                 f"requests (it sends {', '.join(kinds)})"
             )
-        if self.server is not None and self.cell.spec.engine == "llamacpp":
-            from pytest_gpubench.engines.managed_llamacpp import kind_missing
-
-            why = kind_missing(kind, self.server.launch)
-            return f"cell {self.cell.cell_id}: {why}" if why is not None else None
-        return None
+        why = self.server.kind_missing(kind) if self.server is not None else None
+        return f"cell {self.cell.cell_id}: {why}" if why is not None else None
 
     def request(self, request: Request) -> CallMeasurement:
         """One call of the request's kind on the cell's engine (engines.send). A tools or
