@@ -75,6 +75,10 @@ class Request:
             return self.messages
         return [{"role": "user", "content": self.prompt}]
 
+    def embedding_inputs(self) -> list[str]:
+        """An embedding request's inputs: `prompt`, then the kind's further `inputs`."""
+        return [self.prompt, *self.kind_keys.get("inputs", ())]
+
     def body(self) -> dict[str, Any]:
         """What joins the request's JSON last: its kind's keys, then a test's own options."""
         return {**kind_body(self.kind, self.kind_keys), **(self.extra_body or {})}
@@ -149,6 +153,18 @@ class ReadsCounters(Protocol):
     OpenAI-compatible one's (vLLM, llama-server)."""
 
     def case_counters(self) -> CaseCounters: ...
+
+
+@runtime_checkable
+class ChatPayloads(Protocol):
+    """An engine that speaks OpenAI's streamed chat completions, whose requests a load point
+    sends on its own client (run/load/): each request's JSON, the headers and TLS settings."""
+
+    tls: TlsSettings
+
+    def payload(self, request: Request) -> dict[str, Any]: ...
+
+    def request_headers(self) -> dict[str, str]: ...
 
 
 @runtime_checkable

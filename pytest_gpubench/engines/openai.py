@@ -202,7 +202,7 @@ class OpenAIEngine:
     def embed(self, request: Request, timeout_s: float) -> CallMeasurement:
         """One embeddings request (/v1/embeddings) for the prompt and the kind's further
         `inputs`, timed to its whole answer."""
-        inputs = [request.prompt, *request.kind_keys.get("inputs", ())]
+        inputs = request.embedding_inputs()
         payload = {"model": self.model, "input": inputs, "encoding_format": "float"}
         return self._send("/v1/embeddings", payload, timeout_s, parse_embeddings, len(inputs))
 

@@ -22,7 +22,7 @@ from pytest_gpubench.config.prompts import Prompt, RequestShape, dataset_prompt
 from pytest_gpubench.config.synthetic import synthetic_prompt
 from pytest_gpubench.config.traces import Trace, read_trace
 from pytest_gpubench.core.provenance import utc_now
-from pytest_gpubench.engines import Request, merge_body
+from pytest_gpubench.engines import ChatPayloads, Request, merge_body
 from pytest_gpubench.ledger.records import call_record, load_call_record, load_record, sample_record
 from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.measure.control import CpuPressure
@@ -154,7 +154,9 @@ def _trace_prompts(live: LiveCell, trace: Trace) -> LoadPrompts:
     return LoadPrompts(prompts, request, digest, facts)
 
 
-def session_plan(profile: LoadProfile, sends: LoadPrompts, engine: Any) -> SessionPlan | None:
+def session_plan(
+    profile: LoadProfile, sends: LoadPrompts, engine: ChatPayloads
+) -> SessionPlan | None:
     """`turns:`: the sessions' plan, its user turns the load case's prompts in turn."""
     if profile.turns is None:
         return None
@@ -241,7 +243,9 @@ def _run_load_case(
         # Each adapter's first request may load it: warmed up before the point, not in it.
         adapted = cell.adapter_request(request, adapter)
         warmups += live.warm_up(chat(sends.prompts[-1], adapted), adapter)
-    engine: Any = live.engine
+    engine = live.engine
+    # Only such engines' cells take a load profile (config/cell_rules.check_load).
+    assert isinstance(engine, ChatPayloads)
     payloads = [json.dumps(engine.payload(chat(p))).encode() for p in sends.prompts]
     # A cell that chooses LoRA adapters per request: each adapter's requests, and the choice.
     adapters = (
@@ -269,7 +273,7 @@ def _run_load_case(
         payloads[0],
         engine.request_headers(),
         cell.timeout_s,
-        getattr(engine, "tls", None),
+        engine.tls,
         tuple(payloads[1:]),
         session_plan(profile, sends, engine),
         adapters,
