@@ -27,7 +27,7 @@ from pytest_gpubench.measure.stream import (
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.cell import Cell
-    from pytest_gpubench.config.prompts import Prompt, RequestShape
+    from pytest_gpubench.config.prompts import Prompt, RequestKind, RequestShape
     from pytest_gpubench.engines.tokenizer import TokenCounter
     from pytest_gpubench.measure.gauges import CaseCounters
 
@@ -53,7 +53,7 @@ class Request:
     shape: RequestShape | None = None
     messages: list[dict[str, Any]] | None = None
     extra_body: Mapping[str, Any] | None = None
-    kind: str = "chat"
+    kind: RequestKind = "chat"
     kind_keys: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
