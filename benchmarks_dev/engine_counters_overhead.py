@@ -17,6 +17,7 @@ import statistics
 import tempfile
 import time
 
+from pytest_gpubench.engines import Request
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
 from pytest_gpubench.engines.managed import ManagedLlamaServer
@@ -63,20 +64,20 @@ def main() -> None:
             server.start()
             engine = LlamaCppEngine(server.base_url, "tiny")
             counters = CaseCounters(Endpoint.parse(server.base_url), ())
-            engine.chat(PROMPT, MAX_TOKENS, 30)  # warm-up
+            engine.chat(Request(PROMPT, MAX_TOKENS), 30)  # warm-up
             changes: dict[str, float] = {}
             for _ in range(args.calls):
                 started = time.perf_counter_ns()
                 before = counters.read()
                 figures["read before"].append(ms(started))
-                call = engine.chat(PROMPT, MAX_TOKENS, 30)
+                call = engine.chat(Request(PROMPT, MAX_TOKENS), 30)
                 started = time.perf_counter_ns()
                 after = counters.read(settled=True, since=before, generated=call.completion_tokens)
                 figures["read after (settled)"].append(ms(started))
                 if before is None or after is None or call.error is not None:
                     raise SystemExit(f"no page or a failed call: {counters.absent or call.error}")
                 changes = counter_changes(before, after)
-                plain = engine.chat(PROMPT, MAX_TOKENS, 30)
+                plain = engine.chat(Request(PROMPT, MAX_TOKENS), 30)
                 for name, measured in (("with reads", call), ("without", plain)):
                     assert measured.first_delta_ms is not None
                     assert measured.total_duration_ms is not None

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpubench.core.status import EXIT_REGRESSION
+from pytest_gpubench.engines import Request
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
 from pytest_gpubench.engines.managed import ManagedLlamaServer
@@ -124,7 +125,7 @@ def _verdicts(end: dict[str, Any]) -> dict[str, tuple[str, float | None, str | N
 def warm_up(upstream: str) -> None:
     engine = LlamaCppEngine(upstream, "tiny")
     for _ in range(WARM_UP_CALLS):
-        engine.chat(PROMPT, MAX_TOKENS, 30)
+        engine.chat(Request(PROMPT, MAX_TOKENS), 30)
 
 
 def baseline_ttft_p50(root: Path) -> float:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pytest_gpubench.engines import Request
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
 from pytest_gpubench.engines.managed import ManagedLlamaServer
@@ -236,11 +237,12 @@ def proxied_engine(root: Path, binary: Path) -> Iterator[tuple[DelayProxy, float
         upstream = server.start()
         engine = LlamaCppEngine(upstream, "tiny")
         for _ in range(30):
-            engine.chat(PROMPT, MAX_TOKENS, 60, extra_body=NO_CACHE)
+            engine.chat(Request(PROMPT, MAX_TOKENS, extra_body=NO_CACHE), 60)
         with delay_proxy(upstream) as proxy:
             client = LlamaCppEngine(proxy.url, "tiny")
             ttft = statistics.median(
-                client.chat(PROMPT, MAX_TOKENS, 60, extra_body=NO_CACHE).first_delta_ms or 0.0
+                client.chat(Request(PROMPT, MAX_TOKENS, extra_body=NO_CACHE), 60).first_delta_ms
+                or 0.0
                 for _ in range(10)
             )
             delay = FRACTION * ttft

@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pytest_gpubench.engines import Request
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
 from pytest_gpubench.engines.tinymodel import ensure_tiny_model
@@ -50,10 +51,10 @@ def main() -> None:
         direct = LlamaCppEngine(server.base_url, "tiny")
         proxied = LlamaCppEngine(proxy.url, "tiny")
         for engine in (direct, proxied):  # warm-up
-            engine.chat(PROMPT, MAX_TOKENS, 30)
+            engine.chat(Request(PROMPT, MAX_TOKENS), 30)
         for _ in range(args.calls):
             for name, engine in (("direct", direct), ("proxied", proxied)):
-                call = engine.chat(PROMPT, MAX_TOKENS, 30)
+                call = engine.chat(Request(PROMPT, MAX_TOKENS), 30)
                 if call.error is not None or call.first_delta_ms is None:
                     raise SystemExit(f"{name} call failed: {call.error}")
                 samples[name].append(call.first_delta_ms)

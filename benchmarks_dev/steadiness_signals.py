@@ -28,6 +28,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from pytest_gpubench.engines import Request
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
 from pytest_gpubench.engines.managed import ManagedLlamaServer
@@ -109,7 +110,7 @@ def main() -> None:
             engine = LlamaCppEngine(upstream, "tiny")
 
             def direct() -> object:
-                return engine.chat(PROMPT, MAX_TOKENS, 60, extra_body=NO_CACHE)
+                return engine.chat(Request(PROMPT, MAX_TOKENS, extra_body=NO_CACHE), 60)
 
             for _ in range(10):
                 direct()
@@ -125,9 +126,8 @@ def main() -> None:
                         with delay_proxy(upstream) as proxy:
                             proxy.schedule = Schedule(first_ms=0.0, gap_ms=2 * gap_ms)
                             client = LlamaCppEngine(proxy.url, "tiny")
-                            paced = partial(
-                                client.chat, PROMPT, MAX_TOKENS, 60, extra_body=NO_CACHE
-                            )
+                            request = Request(PROMPT, MAX_TOKENS, extra_body=NO_CACHE)
+                            paced = partial(client.chat, request, 60)
                             figures = measure(paced, reader, args.calls)
                     else:
                         figures = measure(direct, reader, args.calls)

@@ -13,6 +13,7 @@ import pytest
 from pytest_gpubench.config.cases import Case, request_sha256
 from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.engines import Request
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.harness import Harness
 
@@ -114,14 +115,8 @@ class BenchEngine:
             self.frozen.check(self.case.cell_id, test_id, sha256, self.nodeid)
         except GpubenchError as exc:
             pytest.fail(str(exc), pytrace=False)
-        record, others, text = self.harness.measure(
-            self.case,
-            "",
-            max_tokens,
-            sha256=sha256,
-            messages=conversation,
-            extra_body=dict(options),
-        )
+        request = Request("", max_tokens, messages=conversation, extra_body=dict(options))
+        record, others, text = self.harness.measure(self.case, request, sha256)
         if schema is not None:
             record = _judged(record, text, schema)
         self.calls.append(record)

@@ -21,6 +21,7 @@ import pytest
 from support.delay_proxy import WHOLE_REPLY, delay_proxy
 from support.tiny_server import tiny_llama_server
 
+from pytest_gpubench.engines import Request
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.measure.stream import CallMeasurement
 
@@ -66,7 +67,7 @@ def pinned_server(
     with tiny_llama_server(wrapper, tiny_model, tmp_path / "log", CELL) as managed:
         engine = LlamaCppEngine(managed.base_url, "tiny")
         for _ in range(WARM_UP_CALLS):
-            engine.chat(PROMPT, MAX_TOKENS, 30)
+            engine.chat(Request(PROMPT, MAX_TOKENS), 30)
         yield managed.base_url, cpu
 
 
@@ -90,7 +91,7 @@ def cpu_hogs(cpu: int, count: int) -> Iterator[None]:
 
 def calls_through(url: str, count: int = CALLS) -> list[CallMeasurement]:
     engine = LlamaCppEngine(url, "tiny")
-    calls = [engine.chat(PROMPT, MAX_TOKENS, 30) for _ in range(count)]
+    calls = [engine.chat(Request(PROMPT, MAX_TOKENS), 30) for _ in range(count)]
     assert all(call.error is None for call in calls), [call.error for call in calls]
     return calls
 

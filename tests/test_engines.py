@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from support.standins import OLLAMA_DIGEST, FaultyOpenAIServer, OllamaStandin, serving
 
-from pytest_gpubench.engines import api_root
+from pytest_gpubench.engines import Request, api_root
 from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.ledger.writer import read_ledger
@@ -22,7 +22,7 @@ def test_ollama_adapter_streams_ndjson_and_keeps_engine_timings() -> None:
         engine = OllamaEngine(url, "qwen3.5:0.8b")
         assert engine.health(5).ok
         assert engine.describe(5) == {"engine_version": "0.12.3", "model_digest": OLLAMA_DIGEST}
-        call = engine.chat("Say hi.", 12, 10)
+        call = engine.chat(Request("Say hi.", 12), 10)
     assert call.error is None and call.finish_reason == "length"
     assert call.completion_tokens == 12 == call.client_chunks
     assert call.prompt_tokens == 12
@@ -52,12 +52,12 @@ def test_ollama_cold_unloads_with_keep_alive_0_confirmed_by_ps() -> None:
     server = OllamaStandin("qwen3.5:0.8b", load_s=0.2)
     with serving(server) as url:
         engine = OllamaEngine(url, "qwen3.5:0.8b")
-        warm_up = engine.chat("Say hi.", 4, 10)
+        warm_up = engine.chat(Request("Say hi.", 4), 10)
         assert engine.loaded_models(5) == ["qwen3.5:0.8b"]
-        warm = engine.chat("Say hi.", 4, 10)
+        warm = engine.chat(Request("Say hi.", 4), 10)
         assert engine.unload(5) is True
         assert engine.loaded_models(5) == []
-        cold = engine.chat("Say hi.", 4, 10)
+        cold = engine.chat(Request("Say hi.", 4), 10)
     unload = [r for r in server.requests if r[1] == "/api/generate"]
     assert unload == [("POST", "/api/generate", {"model": "qwen3.5:0.8b", "keep_alive": 0})]
     assert warm.engine_timings["load_duration"] == 0
@@ -124,7 +124,7 @@ def test_stream_faults_keep_their_partial_figures_beside_the_error(
 ) -> None:
     """Every fault kind records what arrived before it the same way: TTFT, chunks, total."""
     with serving(FaultyOpenAIServer()) as url:
-        call = OpenAIEngine(url, "m").chat(prompt, 6, 1)
+        call = OpenAIEngine(url, "m").chat(Request(prompt, 6), 1)
     assert call.finish_reason == "error"
     assert call.error is not None and error in call.error
     assert call.client_chunks == chunks
@@ -139,7 +139,7 @@ def test_stream_faults_keep_their_partial_figures_beside_the_error(
 
 def test_a_server_that_hangs_up_before_answering_says_so() -> None:
     with serving(FaultyOpenAIServer()) as url:
-        call = OpenAIEngine(url, "m").chat("HANGUP", 6, 5)
+        call = OpenAIEngine(url, "m").chat(Request("HANGUP", 6), 5)
     host_port = url.removeprefix("http://")
     assert call.error == f"{host_port} closed the connection before responding"
     assert "h11" not in call.error and "ConnectionClosed" not in call.error
@@ -148,14 +148,14 @@ def test_a_server_that_hangs_up_before_answering_says_so() -> None:
 
 def test_a_stream_cut_mid_way_names_the_close_not_the_http_librarys_words() -> None:
     with serving(FaultyOpenAIServer()) as url:
-        call = OpenAIEngine(url, "m").chat("BREAK", 6, 5)
+        call = OpenAIEngine(url, "m").chat(Request("BREAK", 6), 5)
     assert call.error is not None
     assert "the server closed the connection before the end of its response" in call.error
     assert "can't handle event" not in call.error
 
 
 def test_unreachable_engine_is_an_error_measurement() -> None:
-    call = OpenAIEngine("http://127.0.0.1:9", "m").chat("hi", 4, 2)
+    call = OpenAIEngine("http://127.0.0.1:9", "m").chat(Request("hi", 4), 2)
     assert call.finish_reason == "error" and "cannot connect to 127.0.0.1:9" in (call.error or "")
 
 
@@ -245,7 +245,7 @@ def test_openai_cell_on_ollama_accepts_the_untagged_name(
     with serving(OllamaOpenAIStandin(served)) as url:
         engine = OpenAIEngine(url, wanted)
         health = engine.health(5)
-        call = engine.chat("Say hi.", 4, 5) if ok else None
+        call = engine.chat(Request("Say hi.", 4), 5) if ok else None
     assert health.ok is ok, health.reason
     if not ok:
         assert f"does not serve model '{wanted}'" in health.reason and served in health.reason

@@ -30,6 +30,7 @@ from support.delay_proxy import (
 from support.quiet_machine import machine_moved, wait_for_quiet
 from support.tiny_server import tiny_llama_server
 
+from pytest_gpubench.engines import Request
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.stats import summarize
@@ -175,7 +176,7 @@ def test_a_schedule_cuts_the_reply_before_each_content_line() -> None:
 @pytest.mark.engine
 def test_a_schedule_sets_the_pace_the_client_sees(proxy: DelayProxy) -> None:
     proxy.schedule = SCHEDULE
-    call = LlamaCppEngine(proxy.url, "tiny").chat(PROMPT, MAX_TOKENS, 30)
+    call = LlamaCppEngine(proxy.url, "tiny").chat(Request(PROMPT, MAX_TOKENS), 30)
     assert call.error is None and call.completion_tokens == MAX_TOKENS == call.client_chunks
     assert call.first_delta_ms is not None and call.first_delta_ms >= SCHEDULE.first_ms
     last_due_ms = SCHEDULE.first_ms + (MAX_TOKENS - 1) * SCHEDULE.gap_ms
@@ -195,7 +196,7 @@ def test_the_proxy_passes_control_calls_and_delays_only_the_first_content(
     assert proxied.describe(5)["engine_version"] == direct.describe(5)["engine_version"]
     assert proxy.wait_until_idle()[since:] == []  # /health and /props are never held
     proxy.delay_ms = 50.0
-    held = proxied.chat(PROMPT, MAX_TOKENS, 30)
+    held = proxied.chat(Request(PROMPT, MAX_TOKENS), 30)
     assert held.error is None and held.finish_reason == "length"
     assert held.completion_tokens == MAX_TOKENS == held.client_chunks
     assert held.first_delta_ms is not None and held.first_delta_ms >= 50.0

@@ -15,6 +15,7 @@ import pytest
 from support.pytest_process import LEAN
 
 from pytest_gpubench.core.status import EXIT_INCOMPARABLE, EXIT_UNMEASURED
+from pytest_gpubench.engines import Request
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.llamacpp_prebuilt import (
     BUILD_ENV,
@@ -92,7 +93,7 @@ def test_the_same_prompts_through_both_servers(both: dict[str, ManagedLlamaServe
         builds[name] = engine.describe(10.0)["engine_version"]
         for prompt_id in ("P-EASY", "P-MEDIUM", "P-HARD"):
             prompt = prompts[prompt_id]
-            call = engine.chat(prompt.prompt, prompt.max_tokens, timeout_s=120.0)
+            call = engine.chat(Request(prompt.prompt, prompt.max_tokens), 120.0)
             assert call.error is None, f"{name} {prompt_id}: {call.error}"
             assert call.engine_timings, f"{name} {prompt_id}: no timings"
             assert call.engine_timings["predicted_n"] == call.completion_tokens

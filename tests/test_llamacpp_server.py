@@ -14,6 +14,7 @@ import pytest
 from support.bench_files import CHECKED_TEST_FILE
 from support.pacing_proxy import pacing_proxy
 
+from pytest_gpubench.engines import Request
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.ledger.writer import read_ledger
@@ -71,7 +72,7 @@ def test_health_stream_usage_timings_and_restart(server: ManagedLlamaServer) -> 
     assert engine.health(5).ok
     described = engine.describe(5)
     assert described["engine_version"]  # /props build_info
-    first = engine.chat("What is the capital of France?", 32, 60)
+    first = engine.chat(Request("What is the capital of France?", 32), 60)
     assert first.error is None and first.finish_reason == "length"
     assert first.completion_tokens == 32 == first.client_chunks  # one token per streamed chunk
     assert first.prompt_tokens and first.prompt_tokens > 0
@@ -88,19 +89,21 @@ def test_health_stream_usage_timings_and_restart(server: ManagedLlamaServer) -> 
     assert first.e2e_tokens_per_sec and first.e2e_tokens_per_sec > 0
     assert first.engine_tokens_per_sec == first.engine_timings["predicted_per_second"]
     assert first.engine_prompt_ms == first.engine_timings["prompt_ms"]
-    again = engine.chat("What is the capital of France?", 32, 60)
+    again = engine.chat(Request("What is the capital of France?", 32), 60)
     assert again.engine_timings["cache_n"] > 0  # warm: the prompt came from the cache
     old_url = server.base_url
     server.restart()
     assert server.starts == 2 and server.base_url != old_url
-    cold = LlamaCppEngine(server.base_url, "tiny").chat("What is the capital of France?", 32, 60)
+    cold = LlamaCppEngine(server.base_url, "tiny").chat(
+        Request("What is the capital of France?", 32), 60
+    )
     assert cold.error is None and cold.engine_timings["cache_n"] == 0  # a new process: no cache
 
 
 def test_every_request_generates_exactly_max_tokens(server: ManagedLlamaServer) -> None:
     engine = LlamaCppEngine(server.base_url, "tiny")
     for max_tokens, prompt in [(1, "Hi"), (7, "Count to ten."), (100, "Write a long story.")]:
-        call = engine.chat(prompt, max_tokens, 60)
+        call = engine.chat(Request(prompt, max_tokens), 60)
         assert (call.completion_tokens, call.finish_reason) == (max_tokens, "length"), prompt
 
 

@@ -17,7 +17,7 @@ from support.tls_terminator import make_ca, stunnel, stunnel_binary
 from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.prompts import Prompt, RequestShape
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.engines import api_root
+from pytest_gpubench.engines import Request, api_root
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.engines.ollama import OllamaEngine
@@ -53,7 +53,7 @@ def test_a_trailing_v1_is_the_api_root_and_any_other_path_a_prefix(written: str,
 def test_v1_and_gateway_base_urls_are_measured_on_the_right_path(suffix: str) -> None:
     with keepalive_server() as server:
         engine = OpenAIEngine(server.url + suffix, "m")
-        call = engine.chat("hi", 8, 5)
+        call = engine.chat(Request("hi", 8), 5)
     assert call.error is None and call.first_delta_ms is not None
     prefix = suffix.rstrip("/").removesuffix("/v1")
     assert [r.path for r in server.requests] == [f"{prefix}/v1/chat/completions"]
@@ -66,7 +66,7 @@ def test_v1_base_url_against_the_real_llama_server(server: ManagedLlamaServer) -
     url = server.base_url
     for engine in (LlamaCppEngine(f"{url}/v1/", "tiny"), OpenAIEngine(f"{url}/v1", "tiny")):
         assert engine.health(10).ok, engine.health(10).reason
-        call = engine.chat("What is the capital of France?", 8, 30)
+        call = engine.chat(Request("What is the capital of France?", 8), 30)
         assert call.error is None and call.completion_tokens == 8
 
 
@@ -76,10 +76,10 @@ def test_v1_base_url_against_the_real_llama_server(server: ManagedLlamaServer) -
 def test_warm_calls_share_one_connection_and_a_cold_call_opens_a_fresh_one() -> None:
     with keepalive_server() as server:
         engine = OpenAIEngine(server.url, "m")
-        calls = [engine.chat("hi", 8, 5) for _ in range(6)]
+        calls = [engine.chat(Request("hi", 8), 5) for _ in range(6)]
         assert server.connections_accepted == 1
         engine.close_connection()  # what the harness does before a cold call
-        cold = engine.chat("hi", 8, 5)
+        cold = engine.chat(Request("hi", 8), 5)
         assert server.connections_accepted == 2
     assert all(call.error is None for call in [*calls, cold])
     first, *warm = calls
@@ -93,13 +93,13 @@ def test_warm_calls_share_one_connection_and_a_cold_call_opens_a_fresh_one() -> 
 def test_a_dropped_connection_is_reopened_once_before_the_clock_and_noted() -> None:
     with keepalive_server() as server:
         engine = OpenAIEngine(server.url, "m")
-        before = engine.chat("hi", 8, 5)
+        before = engine.chat(Request("hi", 8), 5)
         server.drop_connections()  # an idle timeout on the server's side
         import time
 
         time.sleep(0.05)
-        after = engine.chat("hi", 8, 5)
-        again = engine.chat("hi", 8, 5)
+        after = engine.chat(Request("hi", 8), 5)
+        again = engine.chat(Request("hi", 8), 5)
         assert server.connections_accepted == 2
     assert before.error is None and after.error is None and again.error is None
     assert after.reconnected and not after.connection_reused and after.connect_ms is not None
@@ -110,8 +110,8 @@ def test_a_connection_closed_on_the_request_is_reopened_once_and_the_call_measur
     """Dropped between the check and the send: the server reads the request and hangs up."""
     with keepalive_server(hang_up_on_request=2) as server:
         engine = OpenAIEngine(server.url, "m")
-        first = engine.chat("hi", 8, 5)
-        second = engine.chat("hi", 8, 5)
+        first = engine.chat(Request("hi", 8), 5)
+        second = engine.chat(Request("hi", 8), 5)
         assert server.connections_accepted == 2
     assert first.error is None and second.error is None, second.error
     assert second.reconnected and second.first_delta_ms is not None
@@ -121,8 +121,8 @@ def test_a_connection_closed_on_the_request_is_reopened_once_and_the_call_measur
 def test_a_failed_call_never_leaves_its_connection_for_the_next() -> None:
     with keepalive_server(hang_up_on_request=1) as server:
         engine = OpenAIEngine(server.url, "m")
-        failed = engine.chat("hi", 8, 5)
-        after = engine.chat("hi", 8, 5)
+        failed = engine.chat(Request("hi", 8), 5)
+        after = engine.chat(Request("hi", 8), 5)
     assert failed.error is not None and "closed the connection before responding" in failed.error
     assert after.error is None and not after.reconnected and not after.connection_reused
 
@@ -161,7 +161,7 @@ def test_tls_in_front_of_the_real_llama_server(server: ManagedLlamaServer, tmp_p
         tls = TlsSettings(ca_file=str(terminator.ca_file))
         engine = LlamaCppEngine(f"{terminator.url}/v1", "tiny", tls=tls)
         assert engine.health(10).ok, engine.health(10).reason  # control calls trust it too
-        calls = [engine.chat("What is the capital of France?", 8, 30) for _ in range(4)]
+        calls = [engine.chat(Request("What is the capital of France?", 8), 30) for _ in range(4)]
         for call in calls:
             assert call.error is None and call.completion_tokens == 8
             assert call.first_delta_ms is not None and call.tls_handshake_ms is not None
@@ -172,10 +172,10 @@ def test_tls_in_front_of_the_real_llama_server(server: ManagedLlamaServer, tmp_p
         assert terminator.handshakes() - start == engine.connection.opened + 1
         other_ca = make_ca(tmp_path / "other", "someone else's CA")[0]
         stranger = LlamaCppEngine(terminator.url, "tiny", tls=TlsSettings(ca_file=str(other_ca)))
-        refused = stranger.chat("hi", 8, 30)
+        refused = stranger.chat(Request("hi", 8), 30)
         health = stranger.health(10)
         unchecked = LlamaCppEngine(terminator.url, "tiny", tls=TlsSettings(verify=False))
-        assert unchecked.chat("hi", 8, 30).error is None
+        assert unchecked.chat(Request("hi", 8), 30).error is None
     assert refused.error is not None and "\n" not in refused.error
     assert refused.error.startswith(
         f"TLS: the certificate of {terminator.url.removeprefix('https://')} is not trusted by "
@@ -191,10 +191,10 @@ def test_one_tls_handshake_for_the_warm_calls_of_a_kept_alive_connection(
     with keepalive_server() as server, stunnel(server.url, tmp_path / "tls") as terminator:
         start = terminator.handshakes()
         engine = OpenAIEngine(terminator.url, "m", tls=TlsSettings(ca_file=str(terminator.ca_file)))
-        warm = [engine.chat("hi", 8, 5) for _ in range(8)]
+        warm = [engine.chat(Request("hi", 8), 5) for _ in range(8)]
         assert terminator.handshakes() - start == 1
         engine.close_connection()
-        cold = engine.chat("hi", 8, 5)
+        cold = engine.chat(Request("hi", 8), 5)
         assert terminator.handshakes() - start == 2
     assert all(call.error is None for call in [*warm, cold])
     assert warm[0].tls_handshake_ms is not None and warm[0].tls_handshake_ms > 0
@@ -409,7 +409,7 @@ def test_keepalive_server_stands_in_for_a_keep_alive_engine() -> None:
     server = KeepAliveServer().start()
     try:
         engine = OpenAIEngine(server.url, "m")
-        assert [engine.chat("hi", 8, 5).completion_tokens for _ in range(3)] == [8, 8, 8]
+        assert [engine.chat(Request("hi", 8), 5).completion_tokens for _ in range(3)] == [8, 8, 8]
         assert server.connections_accepted == 1
         assert json.dumps(server.requests[0].body["stream"]) == "true"
     finally:
@@ -445,7 +445,7 @@ def test_a_kept_alive_connection_does_not_hold_back_a_nagle_servers_writes() -> 
     The client ACKs at once (TCP_QUICKACK before each read): TTFT stays the server's."""
     with serving(OllamaStandin(token_s=0.003)) as url:
         engine = OllamaEngine(url, "qwen3.5:0.8b")
-        calls = [engine.chat("hi", 6, 5) for _ in range(12)]
+        calls = [engine.chat(Request("hi", 6), 5) for _ in range(12)]
     assert all(call.error is None for call in calls)
     assert sum(call.connection_reused for call in calls) >= 10
     warm = sorted(call.first_delta_ms or 0.0 for call in calls[2:])

@@ -13,6 +13,7 @@ import pytest
 from support.reasoning_standin import Script, reasoning_standin
 
 from pytest_gpubench.config.load_profile import LoadProfile
+from pytest_gpubench.engines import Request
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
@@ -31,9 +32,9 @@ ATTEMPTS = 4
 
 def measure_three(base_url: str) -> dict[str, CallMeasurement]:
     return {
-        "vllm": OpenAIEngine(base_url, "vllm-r").chat("think", 32, 30.0),
-        "llamacpp": LlamaCppEngine(base_url, "r").chat("think", 32, 30.0),
-        "ollama": OllamaEngine(base_url, "r").chat("think", 32, 30.0),
+        "vllm": OpenAIEngine(base_url, "vllm-r").chat(Request("think", 32), 30.0),
+        "llamacpp": LlamaCppEngine(base_url, "r").chat(Request("think", 32), 30.0),
+        "ollama": OllamaEngine(base_url, "r").chat(Request("think", 32), 30.0),
     }
 
 
@@ -80,7 +81,7 @@ def test_the_load_client_reads_reasoning_the_same_way(model: str) -> None:
     for _ in range(ATTEMPTS):
         with reasoning_standin(SCRIPT) as base_url:
             engine = OpenAIEngine(base_url, model)
-            payload = json.dumps(engine.payload("think", 32, None)).encode()
+            payload = json.dumps(engine.payload(Request("think", 32))).encode()
             target = build_target("openai", base_url, payload, {}, 30.0)
             run = LoadRun(target, LoadProfile(requests=1))
 

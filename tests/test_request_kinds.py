@@ -1,13 +1,15 @@
 """Request kinds per prompt (issue 35), without an engine: prompts.yaml's `kind:` and its keys
 (a chat prompt's frozen hash unchanged, bad input in one line naming file, prompt and key),
-the answer's validity against a JSON Schema, OpenAI's streamed tool-call deltas, the flags a
-managed llama-server gets from its prompts' kinds, and a fall in validity judged a regression."""
+the engine's method each kind goes through (engines.send), the answer's validity against a
+JSON Schema, OpenAI's streamed tool-call deltas, the flags a managed llama-server gets from its
+prompts' kinds, and a fall in validity judged a regression."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
+from typing import cast
 
 import pytest
 from support.bench_files import png
@@ -16,7 +18,7 @@ from pytest_gpubench.config.cell import Thresholds
 from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.prompts import Prompt, read_prompts
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.engines import kind_body, note_tool_calls
+from pytest_gpubench.engines import Engine, Request, kind_body, note_tool_calls, send
 from pytest_gpubench.engines.managed_llamacpp import kind_args, kind_missing
 from pytest_gpubench.measure.stream import CallMeasurement
 from pytest_gpubench.measure.validity import judge_answer
@@ -69,7 +71,7 @@ def test_each_kind_reads_its_keys_and_freezes_them(tmp_path: Path) -> None:
         + f"  J: {{intent: j, kind: json_schema, prompt: p, max_tokens: 32, json_schema: {json.dumps(SCHEMA)}}}\n",
     )
     prompts = read_prompts(path)
-    assert prompts["E"].embedding_inputs() == ["one", "two", "three"]
+    assert Request.of(prompts["E"], None).embedding_inputs() == ["one", "two", "three"]
     assert prompts["T"].kind_keys()["tool_choice"] == "required"
     assert prompts["J"].kind_keys() == {"json_schema": SCHEMA}
     # A tool's schema is part of what is frozen: a changed schema is a changed prompt.
@@ -80,6 +82,36 @@ def test_each_kind_reads_its_keys_and_freezes_them(tmp_path: Path) -> None:
     assert named["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     response = kind_body("json_schema", prompts["J"].kind_keys())["response_format"]
     assert response["type"] == "json_schema" and response["json_schema"]["schema"] == SCHEMA
+
+
+class ChatAndEmbeddings:
+    """A plugin's engine that names rerank among its kinds but has no rerank()."""
+
+    kind, base_url, model = "plugin", "http://127.0.0.1:9", "m"
+    kinds = ("chat", "tools", "embedding", "rerank")
+
+    def chat(self, request: Request, timeout_s: float) -> CallMeasurement:
+        return CallMeasurement(backend="chat", text=json.dumps(request.body()))
+
+    def embed(self, request: Request, timeout_s: float) -> CallMeasurement:
+        return CallMeasurement(backend="embed", inputs=len(request.embedding_inputs()))
+
+
+def test_a_request_goes_through_the_engine_s_method_for_its_kind() -> None:
+    engine = cast(Engine, ChatAndEmbeddings())
+    tools = Request("weather?", 8, kind="tools", kind_keys={"tools": []}, extra_body={"x": 1})
+    assert json.loads(send(engine, tools, 1.0).text) == {
+        "tools": [],
+        "tool_choice": "required",
+        "x": 1,
+    }
+    embedded = send(engine, Request("one", 1, kind="embedding", kind_keys={"inputs": ["two"]}), 1.0)
+    assert (embedded.backend, embedded.inputs) == ("embed", 2)
+    # A kind it names without the method for it: a failed call that says so, never a chat.
+    ranked = send(engine, Request("q", 1, kind="rerank", kind_keys={"documents": ["d"]}), 1.0)
+    assert (
+        ranked.error == "engine plugin has no method for rerank" and ranked.finish_reason == "error"
+    )
 
 
 @pytest.mark.parametrize(

@@ -461,6 +461,7 @@ def test_managed_llama_server_runs_through_ssh(
     """What the plugin does for a managed cell on an SSH node: free_port, start, reach, restart."""
     import shutil
 
+    from pytest_gpubench.engines import Request
     from pytest_gpubench.engines.llamacpp import LlamaCppEngine
     from pytest_gpubench.engines.managed import ManagedLlamaServer
 
@@ -483,11 +484,14 @@ def test_managed_llama_server_runs_through_ssh(
         assert first_url.startswith("http://127.0.0.1:")
         engine = LlamaCppEngine(first_url, "tiny", None, None)
         assert engine.health(5).ok
-        call = engine.chat("Say something.", 4, 30)
+        call = engine.chat(Request("Say something.", 4), 30)
         assert call.error is None and call.completion_tokens
         second_url = server.restart()
         assert server.starts == 2 and server.alive()
-        assert LlamaCppEngine(second_url, "tiny", None, None).chat("Again.", 4, 30).error is None
+        assert (
+            LlamaCppEngine(second_url, "tiny", None, None).chat(Request("Again.", 4), 30).error
+            is None
+        )
     finally:
         server.stop()
     assert not server.alive()

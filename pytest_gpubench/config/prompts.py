@@ -172,10 +172,6 @@ class Prompt(_Strict):
             keys["images"] = [{"name": i.name, "sha256": i.sha256} for i in self.image_data]
         return keys
 
-    def embedding_inputs(self) -> list[str]:
-        """An embedding request's inputs: `prompt`, then `inputs`."""
-        return [self.prompt, *(self.inputs or ())]
-
     def chat_messages(self) -> list[dict[str, Any]] | None:
         """The conversation to send, or None where `prompt` is sent as one user turn. An image
         prompt's one user turn holds the text and each image (OpenAI's content parts)."""

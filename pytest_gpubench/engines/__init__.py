@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
@@ -27,7 +27,9 @@ from pytest_gpubench.measure.stream import (
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.cell import Cell
+    from pytest_gpubench.config.prompts import Prompt, RequestKind, RequestShape
     from pytest_gpubench.engines.tokenizer import TokenCounter
+    from pytest_gpubench.measure.gauges import CaseCounters
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,62 @@ class Health:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class Request:
+    """What one call sends, one value from the harness to the engine (as httpx passes one
+    `Request` through its transports): the prompt, or a whole conversation (`messages`, sent in
+    place of `prompt` as one user turn), its limit, the cell's and prompt's request keys
+    (`shape`: temperature, seed, ignore_eos, min_tokens, extra_body), a test's own options
+    (`extra_body`, merged into the JSON last), and its kind with the kind's own keys
+    (config/prompts.Prompt.kind_keys: a tools call's tools, a json_schema call's schema, an
+    embedding's further inputs, a rerank's documents and top_n)."""
+
+    prompt: str
+    max_tokens: int
+    shape: RequestShape | None = None
+    messages: list[dict[str, Any]] | None = None
+    extra_body: Mapping[str, Any] | None = None
+    kind: RequestKind = "chat"
+    kind_keys: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, prompt: Prompt, shape: RequestShape | None) -> Request:
+        """A prompts.yaml prompt's request under `shape` (the effective request keys)."""
+        return cls(
+            prompt.prompt, prompt.max_tokens, shape, prompt.chat_messages(), None,
+            prompt.kind, prompt.kind_keys(),
+        )  # fmt: skip
+
+    @property
+    def temperature(self) -> float:
+        """The request keys' temperature; 0 where they set none."""
+        return 0 if self.shape is None or self.shape.temperature is None else self.shape.temperature
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The turns sent: `messages` when given, else `prompt` as one user turn."""
+        if self.messages is not None:
+            return self.messages
+        return [{"role": "user", "content": self.prompt}]
+
+    def embedding_inputs(self) -> list[str]:
+        """An embedding request's inputs: `prompt`, then the kind's further `inputs`."""
+        return [self.prompt, *self.kind_keys.get("inputs", ())]
+
+    def body(self) -> dict[str, Any]:
+        """What joins the request's JSON last: its kind's keys, then a test's own options."""
+        return {**kind_body(self.kind, self.kind_keys), **(self.extra_body or {})}
+
+
 class Engine(Protocol):
     """One engine endpoint serving one model."""
 
     kind: str
     base_url: str
     model: str
+    # The request kinds it sends (config/prompts.RequestKind): chat, tools, json_schema and
+    # image through `chat`, completion, embedding and rerank through a method of their own
+    # (`Completes`, `Embeds`, `Reranks`).
+    kinds: tuple[str, ...]
 
     def health(self, timeout_s: float) -> Health: ...
 
@@ -49,21 +101,70 @@ class Engine(Protocol):
         """engine_version and model_digest (None where the engine does not say)."""
         ...
 
-    def chat(self, prompt: str, max_tokens: int, timeout_s: float) -> CallMeasurement:
-        """One streamed chat call; failures come back as a measurement with `error` set.
-
-        The built-in engines also take `request=` (matrix.RequestShape: temperature, seed,
-        ignore_eos, min_tokens, extra_body), `messages=` (a whole conversation, sent in place of
-        the one user message `prompt`) and `extra_body=` (a test's own request options, merged
-        into the JSON last). The harness passes each only when it is set (request keys that
-        differ from the default, a test's own request from gpubench_engine.chat), so an engine
-        without them still runs the cells and prompts that set none.
-        """
+    def chat(self, request: Request, timeout_s: float) -> CallMeasurement:
+        """One streamed chat call (of kind chat, tools, json_schema or image: `Request.body`
+        adds the kind's keys); failures come back as a measurement with `error` set."""
         ...
 
     def unload(self, timeout_s: float) -> bool:
         """Force the model out of memory; False where the engine cannot (cold = process_warm)."""
         ...
+
+
+@runtime_checkable
+class Completes(Protocol):
+    """An engine that sends plain completions (kind completion: `prompt` as it is)."""
+
+    def complete(self, request: Request, timeout_s: float) -> CallMeasurement: ...
+
+
+@runtime_checkable
+class Embeds(Protocol):
+    """An engine that sends embeddings (kind embedding: the prompt and its further inputs)."""
+
+    def embed(self, request: Request, timeout_s: float) -> CallMeasurement: ...
+
+
+@runtime_checkable
+class Reranks(Protocol):
+    """An engine that ranks documents (kind rerank: its documents against the prompt)."""
+
+    def rerank(self, request: Request, timeout_s: float) -> CallMeasurement: ...
+
+
+def send(engine: Engine, request: Request, timeout_s: float) -> CallMeasurement:
+    """One call of the request's kind, through the engine's method for it: a completion, an
+    embedding and a rerank through their own, every other kind (named in the engine's `kinds`)
+    a chat call."""
+    if request.kind == "completion" and isinstance(engine, Completes):
+        return engine.complete(request, timeout_s)
+    if request.kind == "embedding" and isinstance(engine, Embeds):
+        return engine.embed(request, timeout_s)
+    if request.kind == "rerank" and isinstance(engine, Reranks):
+        return engine.rerank(request, timeout_s)
+    if request.kind in ("completion", "embedding", "rerank"):
+        return _failed(engine.kind, f"engine {engine.kind} has no method for {request.kind}")
+    return engine.chat(request, timeout_s)
+
+
+@runtime_checkable
+class ReadsCounters(Protocol):
+    """An engine whose own counters (its /metrics) are read around each warm call: an
+    OpenAI-compatible one's (vLLM, llama-server)."""
+
+    def case_counters(self) -> CaseCounters: ...
+
+
+@runtime_checkable
+class ChatPayloads(Protocol):
+    """An engine that speaks OpenAI's streamed chat completions, whose requests a load point
+    sends on its own client (run/load/): each request's JSON, the headers and TLS settings."""
+
+    tls: TlsSettings
+
+    def payload(self, request: Request) -> dict[str, Any]: ...
+
+    def request_headers(self) -> dict[str, str]: ...
 
 
 @runtime_checkable
@@ -117,11 +218,6 @@ def get_json(
         response = client.get(joined_url(base_url, path))
         response.raise_for_status()
         return response.json()
-
-
-def chat_messages(prompt: str, messages: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """The conversation a request sends: `messages` when given, else `prompt` as one user turn."""
-    return messages if messages is not None else [{"role": "user", "content": prompt}]
 
 
 def merge_body(payload: dict[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:

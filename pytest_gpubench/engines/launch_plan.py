@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +32,8 @@ class LaunchPlan:
     # The engine version to record where the server's own does not name it (the prebuilt
     # llama.cpp server answers `b0-unknown`); None: the server's own.
     engine_version: str | None = None
+    # Why the launched server cannot serve a request kind, or None (llama-server's flags).
+    kind_missing: Callable[[str], str | None] = lambda kind: None
 
 
 def node_file_digest(cell: Cell, target: Target, path: str) -> str | None:

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
-from pytest_gpubench.engines import Health, control_client
+from pytest_gpubench.engines import Health, Request, control_client
 from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.engines.tokenizer import LlamaCppCounter, TokenCounter
 from pytest_gpubench.measure.stream import StreamError, TlsSettings, joined_url
-
-if TYPE_CHECKING:
-    from pytest_gpubench.config.prompts import RequestShape
 
 
 class LlamaCppEngine(OpenAIEngine):
@@ -36,19 +33,8 @@ class LlamaCppEngine(OpenAIEngine):
         """llama-server's own /tokenize."""
         return LlamaCppCounter(self.base_url, self.request_headers(), self.tls.context())
 
-    def payload(
-        self,
-        prompt: str,
-        max_tokens: int,
-        request: RequestShape | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        payload = super().payload(prompt, max_tokens, request, messages, extra_body)
-        payload.setdefault("timings_per_token", False)
-        return payload
-
-    def completion_payload(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def payload(self, request: Request) -> dict[str, Any]:
+        payload = super().payload(request)
         payload.setdefault("timings_per_token", False)
         return payload
 

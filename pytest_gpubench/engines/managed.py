@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
 import httpx
@@ -69,6 +69,8 @@ class ManagedServer:
         self.shared_paths: dict[str, str] = {}
         # The engine version to record in place of the server's own (LaunchPlan's).
         self.engine_version: str | None = None
+        # Why its launch cannot serve a request kind, or None (LaunchPlan's).
+        self.kind_missing: Callable[[str], str | None] = lambda kind: None
         self.cell_id = cell_id
         self.launch = tuple(launch)
         self.health_path = health_path if health_path.startswith("/") else f"/{health_path}"
@@ -255,6 +257,7 @@ def managed_server(cell: Cell, target: Target, log_dir: Path) -> tuple[ManagedSe
     )
     server.shared_paths = dict(plan.shared_paths)
     server.engine_version = plan.engine_version
+    server.kind_missing = plan.kind_missing
     return server, plan.model_digest
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from pytest_gpubench.config.cell import TINY_MODEL, Cell
@@ -147,6 +148,7 @@ def llamacpp_plan(cell: Cell, target: Target, log_dir: Path) -> LaunchPlan:
         model_digest=digest,
         shared_paths=shared,
         engine_version=engine_version,
+        kind_missing=partial(kind_missing, argv=tuple(launch)),
     )
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from pytest_gpubench.engines import (
     Health,
-    chat_messages,
+    Request,
     control_client,
     get_json,
     json_number,
@@ -27,9 +27,6 @@ from pytest_gpubench.measure.stream import (
     joined_url,
     note_delta,
 )
-
-if TYPE_CHECKING:
-    from pytest_gpubench.config.prompts import RequestShape
 
 # The engine's own timings, kept unchanged (nanoseconds, as Ollama reports them).
 OLLAMA_TIMING_FIELDS = (
@@ -158,47 +155,34 @@ class OllamaEngine:
             pass
         return {"engine_version": version, "model_digest": digest}
 
-    def payload(
-        self,
-        prompt: str,
-        max_tokens: int,
-        request: RequestShape | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    def payload(self, request: Request) -> dict[str, Any]:
         """Ollama's request. It has no ignore_eos or min_tokens (matrix.py refuses them). The
         cell's and prompt's extra_body, then a test's own options, are merged in last; their
         `options` add to Ollama's, key by key."""
         options: dict[str, Any] = {
-            "num_predict": max_tokens,
-            "temperature": request.temperature_or_default if request is not None else 0,
+            "num_predict": request.max_tokens,
+            "temperature": request.temperature,
         }
-        if request is not None and request.seed is not None:
-            options["seed"] = request.seed
+        if request.shape is not None and request.shape.seed is not None:
+            options["seed"] = request.shape.seed
         payload = {
             "model": self.model,
-            "messages": chat_messages(prompt, messages),
+            "messages": request.conversation(),
             "stream": True,
             "keep_alive": self.keep_alive,
             "options": options,
         }
-        payload = merge_body(payload, request.extra_body if request is not None else None)
-        return merge_body(payload, extra_body)
+        payload = merge_body(
+            payload, request.shape.extra_body if request.shape is not None else None
+        )
+        return merge_body(payload, request.body())
 
-    def chat(
-        self,
-        prompt: str,
-        max_tokens: int,
-        timeout_s: float,
-        request: RequestShape | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-    ) -> CallMeasurement:
+    def chat(self, request: Request, timeout_s: float) -> CallMeasurement:
         return measure_stream(
             self.kind,
             self.base_url,
             "/api/chat",
-            self.payload(prompt, max_tokens, request, messages, extra_body),
+            self.payload(request),
             timeout_s=timeout_s,
             headers=tuple(self.headers.items()),
             parse=parse_ollama_ndjson,

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from pytest_gpubench.config.metrics import REQUEST_KINDS
 from pytest_gpubench.engines import (
+    ChunkParser,
     Health,
+    Request,
     api_root,
-    chat_messages,
     control_client,
     measure_stream,
     merge_body,
@@ -22,16 +23,15 @@ from pytest_gpubench.engines import (
     parse_rerank,
 )
 from pytest_gpubench.engines.tokenizer import TokenCounter, VllmCounter
+from pytest_gpubench.measure.gauges import CaseCounters
 from pytest_gpubench.measure.stream import (
     CallMeasurement,
+    Endpoint,
     HttpConnection,
     StreamError,
     TlsSettings,
     joined_url,
 )
-
-if TYPE_CHECKING:
-    from pytest_gpubench.config.prompts import RequestShape
 
 
 def serves_model(served: str, wanted: str) -> bool:
@@ -81,44 +81,41 @@ class OpenAIEngine:
         engines/tokenizer.TokenizeUnavailable)."""
         return VllmCounter(self.base_url, self.model, self.request_headers(), self.tls.context())
 
-    def payload(
-        self,
-        prompt: str,
-        max_tokens: int,
-        request: RequestShape | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """The request's JSON: the cell's and prompt's request keys, then a test's own options
-        (`extra_body`, gpubench_engine.chat) merged in last."""
+    def case_counters(self) -> CaseCounters:
+        """The reader of its /metrics around a warm call, on its endpoint with its headers."""
+        tls = self.tls.context() if self.base_url.startswith("https") else None
+        headers = tuple(self.request_headers().items())
+        return CaseCounters(Endpoint.parse(self.base_url), headers, tls)
+
+    def payload(self, request: Request) -> dict[str, Any]:
+        """A request's JSON (a completion's sends `prompt` as it is, no chat template): the cell's
+        and prompt's request keys, then its kind's keys and a test's own options merged in last
+        (`Request.body`)."""
+        text: dict[str, Any] = (
+            {"prompt": request.prompt}
+            if request.kind == "completion"
+            else {"messages": request.conversation()}
+        )
         payload: dict[str, Any] = {
             "model": self.model,
-            "messages": chat_messages(prompt, messages),
-            "max_tokens": max_tokens,
-            "temperature": request.temperature_or_default if request is not None else 0,
+            **text,
+            "max_tokens": request.max_tokens,
+            "temperature": request.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        return self.with_request(payload, request, extra_body)
-
-    def with_request(
-        self,
-        payload: dict[str, Any],
-        request: RequestShape | None,
-        extra_body: Mapping[str, Any] | None,
-    ) -> dict[str, Any]:
-        """A request's JSON with the cell's and prompt's request keys, then `extra_body`."""
-        if request is not None:
+        shape = request.shape
+        if shape is not None:
             # vLLM takes all three; llama-server takes seed and ignore_eos (min_tokens: matrix.py).
             for key in ("seed", "ignore_eos", "min_tokens"):
-                value = getattr(request, key)
+                value = getattr(shape, key)
                 if value is not None:
                     payload[key] = value
-            if request.cache_salt == "per_call":
+            if shape.cache_salt == "per_call":
                 # A salt of its own: no earlier call's prefix cache serves this one (vLLM).
                 payload["cache_salt"] = uuid.uuid4().hex
-            payload = merge_body(payload, request.extra_body)
-        return merge_body(payload, extra_body)
+            payload = merge_body(payload, shape.extra_body)
+        return merge_body(payload, request.body())
 
     def health(self, timeout_s: float) -> Health:
         try:
@@ -175,95 +172,53 @@ class OpenAIEngine:
             "max_model_len": max_model_len,
         }
 
-    def chat(
+    def _send(
         self,
-        prompt: str,
-        max_tokens: int,
+        path: str,
+        payload: dict[str, Any],
         timeout_s: float,
-        request: RequestShape | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
+        parse: ChunkParser = parse_openai_sse,
+        inputs: int | None = None,
     ) -> CallMeasurement:
-        headers = tuple(self._auth().items())
         return measure_stream(
             self.kind,
             self.base_url,
-            "/v1/chat/completions",
-            self.payload(prompt, max_tokens, request, messages, extra_body),
-            timeout_s=timeout_s,
-            headers=headers,
-            parse=parse_openai_sse,
-            connection=self.connection,
-        )
-
-    def complete(
-        self,
-        prompt: str,
-        max_tokens: int,
-        timeout_s: float,
-        request: RequestShape | None = None,
-    ) -> CallMeasurement:
-        """One streamed plain completion (/v1/completions): `prompt` as it is, no chat template."""
-        payload = self.with_request(
-            {
-                "model": self.model,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": request.temperature_or_default if request is not None else 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            },
-            request,
-            None,
-        )
-        return measure_stream(
-            self.kind,
-            self.base_url,
-            "/v1/completions",
-            self.completion_payload(payload),
-            timeout_s=timeout_s,
-            headers=tuple(self._auth().items()),
-            parse=parse_openai_sse,
-            connection=self.connection,
-        )
-
-    def completion_payload(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """What an engine adds to a plain completion's JSON (llama.cpp: its timings)."""
-        return payload
-
-    def embed(self, inputs: list[str], timeout_s: float) -> CallMeasurement:
-        """One embeddings request (/v1/embeddings) for `inputs`, timed to its whole answer."""
-        return measure_stream(
-            self.kind,
-            self.base_url,
-            "/v1/embeddings",
-            {"model": self.model, "input": inputs, "encoding_format": "float"},
-            timeout_s=timeout_s,
-            headers=tuple(self._auth().items()),
-            parse=parse_embeddings,
-            connection=self.connection,
-            inputs=len(inputs),
-        )
-
-    def rerank(
-        self, query: str, documents: list[str], top_n: int | None, timeout_s: float
-    ) -> CallMeasurement:
-        """One rerank request (/v1/rerank: llama-server with --rerank, vLLM with a cross-encoder)
-        ranking `documents` against `query`, timed to its whole answer."""
-        payload: dict[str, Any] = {"model": self.model, "query": query, "documents": documents}
-        if top_n is not None:
-            payload["top_n"] = top_n
-        return measure_stream(
-            self.kind,
-            self.base_url,
-            "/v1/rerank",
+            path,
             payload,
             timeout_s=timeout_s,
             headers=tuple(self._auth().items()),
-            parse=parse_rerank,
+            parse=parse,
             connection=self.connection,
-            inputs=len(documents),
+            inputs=inputs,
         )
+
+    def chat(self, request: Request, timeout_s: float) -> CallMeasurement:
+        return self._send("/v1/chat/completions", self.payload(request), timeout_s)
+
+    def complete(self, request: Request, timeout_s: float) -> CallMeasurement:
+        """One streamed plain completion (/v1/completions): `prompt` as it is, no chat template."""
+        return self._send("/v1/completions", self.payload(request), timeout_s)
+
+    def embed(self, request: Request, timeout_s: float) -> CallMeasurement:
+        """One embeddings request (/v1/embeddings) for the prompt and the kind's further
+        `inputs`, timed to its whole answer."""
+        inputs = request.embedding_inputs()
+        payload = {"model": self.model, "input": inputs, "encoding_format": "float"}
+        return self._send("/v1/embeddings", payload, timeout_s, parse_embeddings, len(inputs))
+
+    def rerank(self, request: Request, timeout_s: float) -> CallMeasurement:
+        """One rerank request (/v1/rerank: llama-server with --rerank, vLLM with a cross-encoder)
+        ranking the kind's `documents` against the prompt (the query), timed to its whole
+        answer."""
+        documents = list(request.kind_keys.get("documents") or ())
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "query": request.prompt,
+            "documents": documents,
+        }
+        if request.kind_keys.get("top_n") is not None:
+            payload["top_n"] = request.kind_keys["top_n"]
+        return self._send("/v1/rerank", payload, timeout_s, parse_rerank, len(documents))
 
     def unload(self, timeout_s: float) -> bool:
         return False

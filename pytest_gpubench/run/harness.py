@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from pytest_gpubench.config.prompts import Prompt, RequestShape
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.provenance import utc_now
 from pytest_gpubench.core.secrets import SecretScrubber
-from pytest_gpubench.engines import EngineHook
+from pytest_gpubench.engines import EngineHook, Request
 from pytest_gpubench.ledger.records import (
     call_record,
     cell_record,
@@ -231,10 +232,7 @@ class Harness:
             prompt, facts = self._exact_prompt(case, prompt, request)
         if cell.spec.duration_s is not None and case.phase == "warm":
             return self.run_timed(case, prompt, request)
-        record, others, _ = self.measure(
-            case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request), request=request,
-            messages=prompt.chat_messages(), of=prompt,
-        )  # fmt: skip
+        record, others, _ = self.measure(case, Request.of(prompt, request), prompt.sha256(request))
         record.update(facts)
         return record, others
 
@@ -293,9 +291,8 @@ class Harness:
         last: dict[str, Any] | None = None
         while last is None or time.monotonic() < end:
             record, others, _ = self.measure(
-                case, prompt.prompt, prompt.max_tokens, sha256=prompt.sha256(request),
-                request=request, messages=prompt.chat_messages(), of=prompt,
-            )  # fmt: skip
+                case, Request.of(prompt, request), prompt.sha256(request)
+            )
             record["timed_idx"] = calls
             calls += 1
             last = record
@@ -350,37 +347,20 @@ class Harness:
         return as_json(record)
 
     def measure(
-        self,
-        case: Case,
-        prompt: str,
-        max_tokens: int,
-        *,
-        sha256: str,
-        request: RequestShape | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        extra_body: dict[str, Any] | None = None,
-        of: Prompt | None = None,
+        self, case: Case, request: Request, sha256: str
     ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
         """One measured call of the case, made cold or warm for its phase first: its call record
         (under the case's prompt_id, with `sha256`), the other records it produced (its `sample`
-        record) and the answer's text (not recorded).
-
-        `request` is the cell's (and prompt's) request keys, the cell's own when not given;
-        `messages` and `extra_body` go to the engine only when given (a test's own request), so
-        an engine that does not take them still measures the prompts of prompts.yaml. `of`:
-        the prompts.yaml prompt, whose request kind the call is of (chat where None)."""
+        record) and the answer's text (not recorded). A request without request keys (a test's
+        own) takes the cell's."""
         live = self.cells[case.cell_id]
-        shape = request if request is not None else (live.cell.spec.request or RequestShape())
-        own: dict[str, Any] = {}
-        if messages is not None:
-            own["messages"] = messages
-        if extra_body:
-            own["extra_body"] = extra_body
+        shape = request.shape or live.cell.spec.request or RequestShape()
+        request = replace(request, shape=shape)
         cold_kind = None
         if case.phase == "cold":
             cold_kind = live.make_cold()
         else:
-            live.warm_up(prompt, max_tokens, shape, of=of, adapter=case.adapter, **own)
+            live.warm_up(request, case.adapter)
         steadiness = self.steadiness and case.phase == "warm"
         # The engine's own counters before the call (outside its timed span), where it has some.
         counters = live.engine_counters() if case.phase == "warm" else None
@@ -394,7 +374,7 @@ class Harness:
             if steadiness
             else None
         )
-        measurement = live.request(prompt, max_tokens, shape, of, **own)
+        measurement = live.request(request)
         beside = readings.fields() if readings is not None else {}
         live.last_call_end = time.monotonic()
         samples = self._end_sampling(live, window)
@@ -424,7 +404,7 @@ class Harness:
         fields.update(beside)
         fields.update(
             engine_check_fields(
-                measurement, shape, counters_before, counters_after, own.get("extra_body")
+                measurement, shape, counters_before, counters_after, request.extra_body
             )
         )
         if self.measure_pass > 1:

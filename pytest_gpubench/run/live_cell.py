@@ -13,11 +13,18 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from pytest_gpubench.config.cell import Cell
-from pytest_gpubench.config.prompts import Prompt, RequestShape
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import distinct_file_name
 from pytest_gpubench.core.secrets import secret_from_env
-from pytest_gpubench.engines import Engine, EngineHook, KeepsConnection, kind_body, make_engine
+from pytest_gpubench.engines import (
+    Engine,
+    EngineHook,
+    KeepsConnection,
+    ReadsCounters,
+    Request,
+    make_engine,
+    send,
+)
 from pytest_gpubench.engines.managed import ManagedServer, managed_server, model_size
 from pytest_gpubench.ledger.records import tls_warning
 from pytest_gpubench.measure.engine_wait import EngineWait
@@ -102,19 +109,12 @@ class LiveCell:
         return EngineWait(pid) if pid is not None else None
 
     def engine_counters(self) -> CaseCounters | None:
-        """The reader of the engine's own counters around a warm call: an OpenAI-compatible
-        engine's (vLLM, llama-server), on its endpoint with its headers; None where it exposes
-        no /metrics (asked once: measure/gauges.CaseCounters.absent says why)."""
-        from pytest_gpubench.engines.openai import OpenAIEngine
-        from pytest_gpubench.measure.stream import Endpoint
-
-        if not isinstance(self.engine, OpenAIEngine):
+        """The reader of the engine's own counters around a warm call (engines.ReadsCounters);
+        None where it exposes no /metrics (asked once: CaseCounters.absent says why)."""
+        if not isinstance(self.engine, ReadsCounters):
             return None
         if self.counters is None:
-            engine = self.engine
-            tls = engine.tls.context() if engine.base_url.startswith("https") else None
-            headers = tuple(engine.request_headers().items())
-            self.counters = CaseCounters(Endpoint.parse(engine.base_url), headers, tls)
+            self.counters = self.engine.case_counters()
         return None if self.counters.absent is not None else self.counters
 
     def prepare(self) -> None:
@@ -323,74 +323,33 @@ class LiveCell:
         self.last_call_end = None
         return True
 
-    def chat(
-        self, prompt: str, max_tokens: int, request: RequestShape, **own: Any
-    ) -> CallMeasurement:
-        """One call on the cell's engine: the cell's and prompt's request keys (`request`) and a
-        test's own request (`own`: messages, extra_body). Each is passed only when set: a plugin's
-        engine may not take them."""
-        assert self.engine is not None
-        keywords = dict(own)
-        if request.model_dump(exclude_none=True):
-            keywords["request"] = request
-        chat: Callable[..., CallMeasurement] = self.engine.chat
-        stall = STALL_LIMIT_S.set(self.cell.spec.stall_s)
-        try:
-            return chat(prompt, max_tokens, self.cell.timeout_s, **keywords)
-        finally:
-            STALL_LIMIT_S.reset(stall)
-
     def kind_missing(self, kind: str) -> str | None:
-        """Why the cell's engine cannot send a request of `kind` (one line), or None. An engine
-        says which kinds it sends (`kinds`); one that does not say sends chat only."""
+        """Why the cell's engine cannot send a request of `kind` (one line), or None: an engine
+        says which kinds it sends (`kinds`), a managed one's launch what it serves."""
         assert self.engine is not None
-        kinds = getattr(self.engine, "kinds", ("chat",))
+        kinds = self.engine.kinds
         if kind not in kinds:
             return (
                 f"cell {self.cell.cell_id}: engine {self.engine.kind} does not send {kind} "
                 f"requests (it sends {', '.join(kinds)})"
             )
-        if self.server is not None and self.cell.spec.engine == "llamacpp":
-            from pytest_gpubench.engines.managed_llamacpp import kind_missing
+        why = self.server.kind_missing(kind) if self.server is not None else None
+        return f"cell {self.cell.cell_id}: {why}" if why is not None else None
 
-            why = kind_missing(kind, self.server.launch)
-            return f"cell {self.cell.cell_id}: {why}" if why is not None else None
-        return None
-
-    def request(
-        self, prompt: str, max_tokens: int, request: RequestShape, of: Prompt | None, **own: Any
-    ) -> CallMeasurement:
-        """One call of the prompt's request kind (`of`; None or chat: a chat call): tools and
-        json_schema are chat calls with their keys added, a completion and an embedding go to
-        the engine's `complete` and `embed`, a rerank to its `rerank`. A tools or json_schema
-        answer is checked (measure/validity.py)."""
-        kind = of.kind if of is not None else "chat"
-        if of is None or kind == "chat":
-            return self.chat(prompt, max_tokens, request, **own)
+    def request(self, request: Request) -> CallMeasurement:
+        """One call of the request's kind on the cell's engine (engines.send). A tools or
+        json_schema answer is checked (measure/validity.py)."""
         assert self.engine is not None
         stall = STALL_LIMIT_S.set(self.cell.spec.stall_s)
-        keys = of.kind_keys()
-        # Beyond the Engine protocol: an engine whose `kinds` name them has these.
-        engine: Any = self.engine
-        measurement: CallMeasurement
         try:
-            if kind == "completion":
-                shape = {"request": request} if request.model_dump(exclude_none=True) else {}
-                measurement = engine.complete(prompt, max_tokens, self.cell.timeout_s, **shape)
-            elif kind == "embedding":
-                measurement = engine.embed(of.embedding_inputs(), self.cell.timeout_s)
-            elif kind == "rerank":
-                documents = list(of.documents or ())
-                measurement = engine.rerank(prompt, documents, of.top_n, self.cell.timeout_s)
-            else:
-                body = {**kind_body(kind, keys), **(own.pop("extra_body", None) or {})}
-                measurement = self.chat(prompt, max_tokens, request, extra_body=body, **own)
+            measurement = send(self.engine, request, self.cell.timeout_s)
         finally:
             STALL_LIMIT_S.reset(stall)
-        measurement.kind = kind
-        from pytest_gpubench.measure.validity import judge_answer
+        if request.kind != "chat":
+            from pytest_gpubench.measure.validity import judge_answer
 
-        judge_answer(measurement, keys)
+            measurement.kind = request.kind
+            judge_answer(measurement, request.kind_keys)
         return measurement
 
     def benchmark_left(self) -> float | None:
@@ -411,16 +370,7 @@ class LiveCell:
             self.unavailable = overrun
             self.unavailable_stage = "benchmark"
 
-    def warm_up(
-        self,
-        prompt: str,
-        max_tokens: int,
-        request: RequestShape,
-        *,
-        of: Prompt | None = None,
-        adapter: str | None = None,
-        **own: Any,
-    ) -> bool:
+    def warm_up(self, request: Request, adapter: str | None = None) -> bool:
         """An unrecorded call, so that the measured call follows one within the warm window (and
         on a connection already open). It sends the measured request itself, so that it primes
         what the measured call will find (a prompt cache) on every run alike. A request naming
@@ -433,7 +383,7 @@ class LiveCell:
             return False
         if adapter is not None:
             self.warmed_adapters.add(adapter)
-        self.request(prompt, max_tokens, request, of, **own)
+        self.request(request)
         self.last_call_end = time.monotonic()
         return True
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpubench.config.prompts import Prompt, RequestShape
+from pytest_gpubench.config.prompts import Prompt
 from pytest_gpubench.config.traces import Trace, TraceEntry
-from pytest_gpubench.engines import CountsTokens
+from pytest_gpubench.engines import CountsTokens, Request
 from pytest_gpubench.engines.tokenizer import (
     ExactText,
     LocalCounter,
@@ -53,7 +53,7 @@ def exact(live: LiveCell, size: int, seed: int) -> ExactText:
 def _prompt_count(live: LiveCell, text: str) -> int | None:
     """The engine's own prompt token count of a one-turn chat of `text` (Ollama's
     prompt_eval_count, usage.prompt_tokens elsewhere)."""
-    return live.chat(text, 1, live.cell.spec.request or RequestShape()).prompt_tokens
+    return live.request(Request(text, 1, live.cell.spec.request)).prompt_tokens
 
 
 def exact_prompt(live: LiveCell, prompt: Prompt) -> tuple[Prompt, dict[str, Any]]:

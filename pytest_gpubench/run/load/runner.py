@@ -22,7 +22,7 @@ from pytest_gpubench.config.prompts import Prompt, RequestShape, dataset_prompt
 from pytest_gpubench.config.synthetic import synthetic_prompt
 from pytest_gpubench.config.traces import Trace, read_trace
 from pytest_gpubench.core.provenance import utc_now
-from pytest_gpubench.engines import merge_body
+from pytest_gpubench.engines import ChatPayloads, Request, merge_body
 from pytest_gpubench.ledger.records import call_record, load_call_record, load_record, sample_record
 from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.measure.control import CpuPressure
@@ -154,12 +154,14 @@ def _trace_prompts(live: LiveCell, trace: Trace) -> LoadPrompts:
     return LoadPrompts(prompts, request, digest, facts)
 
 
-def session_plan(profile: LoadProfile, sends: LoadPrompts, engine: Any) -> SessionPlan | None:
+def session_plan(
+    profile: LoadProfile, sends: LoadPrompts, engine: ChatPayloads
+) -> SessionPlan | None:
     """`turns:`: the sessions' plan, its user turns the load case's prompts in turn."""
     if profile.turns is None:
         return None
     first = sends.prompts[0]
-    body = engine.payload(first.prompt, first.max_tokens, sends.request)
+    body = engine.payload(Request(first.prompt, first.max_tokens, sends.request))
     body.pop("messages", None)
     user_turns = tuple(
         tuple((turn["role"], turn["content"]) for turn in prompt.chat_messages() or [])
@@ -225,28 +227,26 @@ def _run_load_case(
     profile = cell.load
     assert profile is not None and case.load_point is not None and live.engine is not None
     sends = load_prompts(live, matrix, case.prompt_id)
+    request = sends.request
+
+    def chat(p: Prompt, shape: RequestShape = request) -> Request:
+        """A load point's chat request of `p`: its turns where it has some."""
+        turns = p.chat_messages() if p.messages is not None else None
+        return Request(p.prompt, p.max_tokens, shape, turns)
+
     # The warm-up sends the last of the prompts taken in turn: a point that sends each once
-    # (unique prompts) then finds none of them cached by the warm-up.
-    prompt, request = sends.prompts[-1], sends.request
-    own: dict[str, Any] = (
-        {"messages": prompt.chat_messages()} if prompt.messages is not None else {}
-    )
-    # What the warm-ups sent, held by no call record: the load record counts them, so that the
-    # engine's own request count adds up to the ledger's.
-    warmups = int(live.warm_up(prompt.prompt, prompt.max_tokens, request, **own))
+    # (unique prompts) then finds none of them cached by the warm-up. What the warm-ups sent,
+    # held by no call record: the load record counts them, so that the engine's own request
+    # count adds up to the ledger's.
+    warmups = int(live.warm_up(chat(sends.prompts[-1])))
     for adapter in cell.adapters:
         # Each adapter's first request may load it: warmed up before the point, not in it.
         adapted = cell.adapter_request(request, adapter)
-        warmups += live.warm_up(prompt.prompt, prompt.max_tokens, adapted, adapter=adapter, **own)
-    engine: Any = live.engine
-    payloads = [
-        json.dumps(
-            engine.payload(p.prompt, p.max_tokens, request, p.chat_messages())
-            if p.messages is not None
-            else engine.payload(p.prompt, p.max_tokens, request)
-        ).encode()
-        for p in sends.prompts
-    ]
+        warmups += live.warm_up(chat(sends.prompts[-1], adapted), adapter)
+    engine = live.engine
+    # Only such engines' cells take a load profile (config/cell_rules.check_load).
+    assert isinstance(engine, ChatPayloads)
+    payloads = [json.dumps(engine.payload(chat(p))).encode() for p in sends.prompts]
     # A cell that chooses LoRA adapters per request: each adapter's requests, and the choice.
     adapters = (
         AdapterChoice(
@@ -273,7 +273,7 @@ def _run_load_case(
         payloads[0],
         engine.request_headers(),
         cell.timeout_s,
-        getattr(engine, "tls", None),
+        engine.tls,
         tuple(payloads[1:]),
         session_plan(profile, sends, engine),
         adapters,
