@@ -14,6 +14,7 @@ from typing import Any
 
 from pytest_gpubench.config.load_profile import LoadThresholds
 from pytest_gpubench.results.decision import (
+    Decision,
     Evidence,
     Steadiness,
     VerdictKind,
@@ -21,8 +22,8 @@ from pytest_gpubench.results.decision import (
     decide,
     signed_percent,
 )
-from pytest_gpubench.results.gate import Verdict, from_decision
 from pytest_gpubench.results.stats import field_number
+from pytest_gpubench.results.verdict import Verdict, from_decision
 
 # How many runs of each point a load baseline keeps (its between-run history).
 LOAD_HISTORY_RUNS = 10
@@ -347,21 +348,12 @@ def _verdict(
     key: str,
     metric: LoadMetric,
     kind: VerdictKind,
-    message: str,
+    text: str,
     *,
     baseline: float | None = None,
     value: Any = None,
     ratio: float | None = None,
-    p_value: float | None = None,
 ) -> Verdict:
-    return Verdict(
-        cell_id=cell_id,
-        prompt_id=key,
-        metric=metric.name,
-        baseline=baseline,
-        current=field_number(value),
-        change_ratio=ratio,
-        p_value=p_value,
-        verdict=kind,
-        message=f"{cell_id} {key}: {message}",
-    )
+    """A finding of the load gate's own on a point, through the one builder."""
+    decision = Decision(kind, text, baseline, ratio)
+    return from_decision(cell_id, key, metric.name, decision, current=field_number(value))
