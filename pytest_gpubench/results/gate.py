@@ -214,23 +214,13 @@ def judge(
         return []
     metrics = gated_metrics(current, baseline, thresholds)
     if baseline is None:
-        return (
-            [
-                _verdict(
-                    current, metric.name, "new", "no baseline yet", value=metric.value(current)
-                )
-                for metric in metrics
-            ]
-            + [
-                _verdict(
-                    current, SUCCESS_RATE, "new", "no baseline yet", value=current.warm_success_rate
-                )
-            ]
-            + [
-                _verdict(current, rate.name, "new", "no baseline yet", value=value)
-                for rate, value in validity_rates(current)
-            ]
-        )
+        measured = [
+            *((metric.name, metric.value(current)) for metric in metrics),
+            (SUCCESS_RATE, current.warm_success_rate),
+            *((rate.name, value) for rate, value in validity_rates(current)),
+        ]
+        new = Decision("new", "no baseline yet")
+        return [from_decision(*current.key, name, new, current=value) for name, value in measured]
     check_prompt_unchanged(current, baseline)
     steady = machine_steadiness(current, baseline, history)
     # The figures since the last ratified step: the reference is what that update ratified.
@@ -269,9 +259,8 @@ def ungated_verdict(
     old, new = metric.value(baseline), metric.value(current)
     ratio = new / old if new is not None and old else None
     seen = f"{metric.label} {signed_percent(ratio)}" if ratio is not None else metric.label
-    return _verdict(
-        current, metric.name, "ungated", f"{seen}: {why}", baseline=old, value=new, ratio=ratio
-    )
+    decision = Decision("ungated", f"{seen}: {why}", old, ratio)
+    return from_decision(*current.key, metric.name, decision, current=new)
 
 
 def reply_gaps(calls: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], int]:
@@ -304,14 +293,13 @@ def judge_validity(
     old = baseline.validity_rate(rate.measure)
     values = current.samples[rate.measure]
     counts = f"{int(sum(values))}/{len(values)}"
-    found = partial(
-        _verdict, current, rate.name, baseline=old, value=value,
-        ratio=value / old if value is not None and old else None,
-    )  # fmt: skip
+    ratio = value / old if value is not None and old else None
+    found = partial(from_decision, *current.key, rate.name, current=value)
     if value is None:
-        return _verdict(current, rate.name, "new", "no valid answer checked", baseline=old)
+        return found(Decision("new", "no valid answer checked", old))
     if minimum is not None and value < minimum:
-        return found("regression", f"{rate.label} {value:.2f} ({counts}) is below {minimum:.2f}")
+        below = f"{rate.label} {value:.2f} ({counts}) is below {minimum:.2f}"
+        return found(Decision("regression", below, old, ratio))
     if minimum is None and old is not None and value < old:
         # A fall is a regression where it is significant (Fisher's exact test, one-sided, on the
         # valid and invalid answers of the two runs): 19 of 20 after 20 of 20 is a sampled
@@ -324,16 +312,13 @@ def judge_validity(
         p_value = float(scipy_stats().fisher_exact(table, alternative="greater").pvalue)
         fell = f"{rate.label} {value:.2f} ({counts}) fell from {old:.2f}"
         if p_value < ALPHA:
-            return replace(found("regression", f"{fell}, p = {p_value:.3g}"), p_value=p_value)
-        return replace(
-            found(
-                "inconclusive",
-                f"{fell}, but not significant (p = {p_value:.3g} ≥ {ALPHA:g}); re-run with more "
-                "runs, or set a floor (thresholds: {" + rate.threshold_key + ": …})",
-            ),
-            p_value=p_value,
+            return found(Decision("regression", f"{fell}, p = {p_value:.3g}", old, ratio, p_value))
+        unsure = (
+            f"{fell}, but not significant (p = {p_value:.3g} ≥ {ALPHA:g}); re-run with more "
+            "runs, or set a floor (thresholds: {" + rate.threshold_key + ": …})"
         )
-    return found("ok", f"{rate.label} {value:.2f} ({counts})")
+        return found(Decision("inconclusive", unsure, old, ratio, p_value))
+    return found(Decision("ok", f"{rate.label} {value:.2f} ({counts})", old, ratio))
 
 
 def machine_steadiness(
@@ -577,16 +562,15 @@ def _share(engine_ratio: float, client_ratio: float) -> float:
 def judge_success_rate(current: PromptSummary, baseline: PromptSummary, minimum: float) -> Verdict:
     """Absolute: below the minimum is a regression whatever the baseline was."""
     rate, old = current.warm_success_rate, baseline.warm_success_rate
+    found = partial(from_decision, *current.key, SUCCESS_RATE, current=rate)
     if rate is None:
-        return _verdict(current, SUCCESS_RATE, "new", "no warm call measured", baseline=old)
+        return found(Decision("new", "no warm call measured", old))
     ratio = rate / old if old else None
-    found = partial(_verdict, current, SUCCESS_RATE, baseline=old, value=rate, ratio=ratio)
     counts = f"{current.n_warm_ok}/{current.n_warm}"
     if rate < minimum:
-        return found(
-            "regression", f"warm success rate {rate:.2f} ({counts}) is below {minimum:.2f}"
-        )
-    return found("ok", f"warm success rate {rate:.2f} ({counts})")
+        below = f"warm success rate {rate:.2f} ({counts}) is below {minimum:.2f}"
+        return found(Decision("regression", below, old, ratio))
+    return found(Decision("ok", f"warm success rate {rate:.2f} ({counts})", old, ratio))
 
 
 def too_few_samples(n_baseline: int, n_later: int) -> str | None:
@@ -600,13 +584,11 @@ def too_few_samples(n_baseline: int, n_later: int) -> str | None:
 
 def incomparable(current: PromptSummary, changes: str) -> Verdict:
     """A baseline measured on another setup: its numbers are not judged."""
-    return _verdict(
-        current,
-        PROVENANCE,
-        "incomparable",
+    text = (
         f"baseline measured on another setup ({changes}): its numbers are not judged; accept "
-        f"them with {ACCEPT_OPTION} or ratify this setup with --baseline-update",
+        f"them with {ACCEPT_OPTION} or ratify this setup with --baseline-update"
     )
+    return from_decision(*current.key, PROVENANCE, Decision("incomparable", text))
 
 
 def compare(
@@ -733,20 +715,6 @@ def regressions(verdicts: Iterable[Verdict]) -> list[Verdict]:
 
 def incomparables(verdicts: Iterable[Verdict]) -> list[Verdict]:
     return [verdict for verdict in verdicts if verdict.verdict == "incomparable"]
-
-
-def _verdict(
-    current: PromptSummary,
-    metric: str,
-    kind: VerdictKind,
-    text: str,
-    *,
-    baseline: float | None = None,
-    value: float | None = None,
-    ratio: float | None = None,
-) -> Verdict:
-    """A finding of the gate's own on a (cell, prompt)'s summary, through the one builder."""
-    return from_decision(*current.key, metric, Decision(kind, text, baseline, ratio), current=value)
 
 
 def _number(value: float) -> str:
