@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any
+from dataclasses import MISSING, fields, replace
+from types import UnionType
+from typing import Any, Literal, NotRequired, Union, get_args, get_origin, get_type_hints
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +16,7 @@ from support.hypothesis_examples import examples
 
 from pytest_gpubench.config.cell import Thresholds
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.ledger.schema import VerdictRecord
 from pytest_gpubench.results.gate import (
     RERUN_HINT,
     Verdict,
@@ -329,6 +331,31 @@ def test_a_verdict_record_from_before_attribution_still_reads() -> None:
     del record["attribution"], record["engine_change_ratio"]
     old = Verdict.from_record(record | {"metric": "warm_tokens_per_sec_mean"})
     assert old is not None and old.attribution is None and old.verdict == "regression"
+
+
+def _as_stored(hint: object) -> object:
+    """A field's type as JSON keeps it: a Literal's words are the type they are written in."""
+    if get_origin(hint) is Literal:
+        return type(get_args(hint)[0])
+    if get_origin(hint) in (Union, UnionType):
+        return frozenset(_as_stored(arg) for arg in get_args(hint))
+    return hint
+
+
+def test_the_ledger_s_verdict_record_is_the_verdict_s_fields() -> None:
+    """results/verdict.Verdict declares a verdict; ledger/schema.VerdictRecord (below results,
+    it cannot import it) is held to it: the same fields in the same order, of the same types as
+    stored, and NotRequired exactly where the dataclass has a default (a field added later,
+    absent from an older ledger's end record)."""
+    declared = get_type_hints(Verdict)
+    record = get_type_hints(VerdictRecord, include_extras=True)
+    assert list(record) == [field.name for field in fields(Verdict)]
+    for field in fields(Verdict):
+        stored = record[field.name]
+        later = get_origin(stored) is NotRequired
+        assert later == (field.default is not MISSING), field.name
+        stored = get_args(stored)[0] if later else stored
+        assert _as_stored(stored) == _as_stored(declared[field.name]), field.name
 
 
 # -- attribution ----------------------------------------------------------------------------------

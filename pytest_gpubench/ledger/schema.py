@@ -381,8 +381,9 @@ class StageRecord(StageFacts):
 
 
 class VerdictRecord(TypedDict):
-    """One of the gate's verdicts as the end record holds it (results/gate.Verdict.to_record);
-    the fields after `message` were added later, and the A/B ones are on an A/B verdict only."""
+    """One of the gate's verdicts as the end record holds it: results/verdict.Verdict's fields
+    (its to_record), which this type is held to by tests/test_gate.py; the fields after
+    `message` were added later, and the A/B ones are on an A/B verdict only."""
 
     cell_id: str
     prompt_id: str

@@ -17,8 +17,8 @@ from pytest_gpubench.ledger.schema import EndRecord
 from pytest_gpubench.reports.frame import EXPORT_NUMBERS, EXPORT_TEXT, LedgerData
 from pytest_gpubench.reports.load_tables import slice_rate_spread
 from pytest_gpubench.results.engine_checks import EngineChecks
-from pytest_gpubench.results.gate import Verdict
 from pytest_gpubench.results.stats import WARM_METRICS, PromptSummary
+from pytest_gpubench.results.verdict import Verdict
 
 # The CSV's columns in order; the numbers as the call record names them.
 CSV_COLUMNS = (

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_gpubench.results.gate import Verdict
     from pytest_gpubench.results.judging import Judgement
+    from pytest_gpubench.results.verdict import Verdict
 
 # The JUnit "file" of the gate's own test cases; their class name is gpubench.gate.
 GATE_PATH = "gpubench/gate"

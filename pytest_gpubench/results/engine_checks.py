@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from pytest_gpubench.config.metrics import ENGINE_COUNTERS
-from pytest_gpubench.results.decision import PRESSURE_LIMIT
+from pytest_gpubench.results.decision import PRESSURE_LIMIT, Decision
+from pytest_gpubench.results.verdict import Verdict, from_decision
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.cell import Thresholds
-    from pytest_gpubench.results.gate import Verdict
 
 # The verdicts' metric names (the end record, JUnit, exports).
 TOKEN_MISMATCHES = "token_mismatches"
@@ -302,62 +302,38 @@ def check_verdicts(checks: Iterable[EngineChecks], settings: CheckedCells) -> li
         cell = settings.cell(found.cell_id)
         if cell is None:
             continue
-        where = f"{found.cell_id} {found.prompt_id}"
         if cell.token_check == "fail" and found.token_mismatches:
+            text = f"{mismatch_words(found)} (token_check: fail)"
             verdicts.append(
-                _verdict(
-                    found, TOKEN_MISMATCHES, "regression",
-                    f"{where}: {mismatch_words(found)} (token_check: fail)",
+                from_decision(
+                    *found.key, TOKEN_MISMATCHES, Decision("regression", text),
                     current=float(found.token_mismatches),
                 )
             )  # fmt: skip
         if cell.token_check == "fail" and found.calls and not found.token_checked:
+            text = (
+                "no warm call's token count could be checked (the engine sent no usage, or every "
+                "call was a tool call): token_check: fail is not met"
+            )
             verdicts.append(
-                _verdict(
-                    found, TOKEN_MISMATCHES, "inconclusive",
-                    f"{where}: no warm call's token count could be checked (the engine sent no "
-                    "usage, or every call was a tool call): token_check: fail is not met",
-                )
-            )  # fmt: skip
+                from_decision(*found.key, TOKEN_MISMATCHES, Decision("inconclusive", text))
+            )
         limit = cell.thresholds.max_preemptions
         preempted = found.counters.get("preemptions")
         if limit is not None and preempted is None and found.calls:
-            verdicts.append(
-                _verdict(
-                    found, PREEMPTIONS, "inconclusive",
-                    f"{where}: the engine's preemptions were not read (its /metrics has no "
-                    f"preemption counter, or none was read): max_preemptions: {limit} is not met",
-                )
-            )  # fmt: skip
+            text = (
+                "the engine's preemptions were not read (its /metrics has no preemption counter, "
+                f"or none was read): max_preemptions: {limit} is not met"
+            )
+            verdicts.append(from_decision(*found.key, PREEMPTIONS, Decision("inconclusive", text)))
         if limit is not None and preempted is not None and preempted > limit:
+            text = (
+                f"the engine preempted {preempted:g} requests over the warm calls, over its "
+                f"limit (max_preemptions: {limit})"
+            )
             verdicts.append(
-                _verdict(
-                    found, PREEMPTIONS, "regression",
-                    f"{where}: the engine preempted {preempted:g} requests over the warm "
-                    f"calls, over its limit (max_preemptions: {limit})",
-                    current=preempted,
+                from_decision(
+                    *found.key, PREEMPTIONS, Decision("regression", text), current=preempted
                 )
-            )  # fmt: skip
+            )
     return verdicts
-
-
-def _verdict(
-    found: EngineChecks,
-    metric: str,
-    kind: Literal["regression", "inconclusive"],
-    message: str,
-    current: float | None = None,
-) -> Verdict:
-    from pytest_gpubench.results.gate import Verdict
-
-    return Verdict(
-        cell_id=found.cell_id,
-        prompt_id=found.prompt_id,
-        metric=metric,
-        baseline=None,
-        current=current,
-        change_ratio=None,
-        p_value=None,
-        verdict=kind,
-        message=message,
-    )

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any
 
 from pytest_gpubench.config.cell import Thresholds, engine_of
 from pytest_gpubench.config.metrics import (
@@ -53,9 +53,7 @@ from pytest_gpubench.results.run_history import (
     pressure_figures,
 )
 from pytest_gpubench.results.stats import PromptSummary, is_success, summaries_by_key
-
-if TYPE_CHECKING:
-    from pytest_gpubench.ledger.schema import VerdictRecord
+from pytest_gpubench.results.verdict import Attribution, Verdict, from_decision
 
 __all__ = [
     "ALPHA",
@@ -80,7 +78,6 @@ RERUN_HINT = f"re-run with --gpubench-runs {RERUN_RUNS}"
 # of the client's change (on a log scale: 0.5 means half as far); otherwise the engine held and
 # the change lies between the engine and the client (transport, proxy, client machine).
 ENGINE_SHARE = 0.5
-AttributionKind = Literal["engine", "client_or_transport", "unknown"]
 # How the verdicts name an engine kind's server.
 ENGINE_NAMES = {"llamacpp": "llama-server", "ollama": "Ollama"}
 
@@ -186,91 +183,6 @@ def gated_metrics(
     )
 
 
-@dataclass(frozen=True)
-class Attribution:
-    """Whether the engine's own figure moved with a change the client measured."""
-
-    kind: AttributionKind
-    engine_change_ratio: float | None
-    message: str
-
-
-# The fields of a head-to-head A/B verdict (results/paired.py), None on every other.
-AB_FIELDS = ("reference", "interval_low", "interval_high", "pairs", "max_pairs", "calls", "busy_s")
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The gate's finding for one metric of one (cell, prompt)."""
-
-    cell_id: str
-    prompt_id: str
-    metric: str
-    baseline: float | None
-    current: float | None
-    # current / baseline: 1.35 is 35 % more than the baseline.
-    change_ratio: float | None
-    p_value: float | None
-    verdict: VerdictKind
-    message: str
-    # For a change past the threshold: "engine", "client_or_transport" or "unknown" (the engine
-    # reports no timings of its own); None when there is no change to attribute.
-    attribution: AttributionKind | None = None
-    # The engine's own figure, current / baseline (its counterpart of change_ratio).
-    engine_change_ratio: float | None = None
-    # The smallest change this run could have caught (current / baseline in the worse
-    # direction: 1.18 is "could detect ≥ +18 %"); None where none could be, or not judged.
-    detectable_ratio: float | None = None
-    # Why the gate could not see a change of the threshold's size here, or None.
-    blind_reason: str | None = None
-    # The noise model the verdict was decided on ("between runs (5 runs of history)", ...).
-    noise: str | None = None
-    # A suspected regression measured again at the session's end: "confirmed" or
-    # "not confirmed" (decided on both passes together); None when not re-measured.
-    remeasure: str | None = None
-    # A head-to-head A/B verdict (results/paired.py): the reference cell it was judged against
-    # (baseline is then the reference's median, change_ratio the ratio of medians), the
-    # bootstrap interval of that ratio, the pairs judged (of the most that could be), and what
-    # the verdict cost: calls of both sides and the seconds they held the engines.
-    reference: str | None = None
-    interval_low: float | None = None
-    interval_high: float | None = None
-    pairs: int | None = None
-    max_pairs: int | None = None
-    calls: int | None = None
-    busy_s: float | None = None
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.cell_id, self.prompt_id)
-
-    def to_record(self) -> VerdictRecord:
-        """Built-in types only: goes into the ledger's end record (the A/B fields only on an
-        A/B verdict)."""
-        record = asdict(self)
-        if self.reference is None:
-            for name in AB_FIELDS:
-                del record[name]
-        return cast("VerdictRecord", record)
-
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> Verdict | None:
-        """A verdict read back from a ledger's end record; None when it is not one."""
-        if record.get("verdict") not in VERDICT_ORDER:
-            return None
-        # Fields with a default were added later: older end records lack them.
-        try:
-            return cls(
-                **{
-                    field.name: record[field.name]
-                    for field in fields(cls)
-                    if field.name in record or field.default is MISSING
-                }
-            )
-        except (KeyError, TypeError):
-            return None
-
-
 def ratio_threshold(thresholds: Thresholds, field: str) -> float:
     """A gated figure's threshold: its cell's, else the default (an opt-in figure is judged only
     where one is given: gated_metrics)."""
@@ -302,23 +214,13 @@ def judge(
         return []
     metrics = gated_metrics(current, baseline, thresholds)
     if baseline is None:
-        return (
-            [
-                _verdict(
-                    current, metric.name, "new", "no baseline yet", value=metric.value(current)
-                )
-                for metric in metrics
-            ]
-            + [
-                _verdict(
-                    current, SUCCESS_RATE, "new", "no baseline yet", value=current.warm_success_rate
-                )
-            ]
-            + [
-                _verdict(current, rate.name, "new", "no baseline yet", value=value)
-                for rate, value in validity_rates(current)
-            ]
-        )
+        measured = [
+            *((metric.name, metric.value(current)) for metric in metrics),
+            (SUCCESS_RATE, current.warm_success_rate),
+            *((rate.name, value) for rate, value in validity_rates(current)),
+        ]
+        new = Decision("new", "no baseline yet")
+        return [from_decision(*current.key, name, new, current=value) for name, value in measured]
     check_prompt_unchanged(current, baseline)
     steady = machine_steadiness(current, baseline, history)
     # The figures since the last ratified step: the reference is what that update ratified.
@@ -357,9 +259,8 @@ def ungated_verdict(
     old, new = metric.value(baseline), metric.value(current)
     ratio = new / old if new is not None and old else None
     seen = f"{metric.label} {signed_percent(ratio)}" if ratio is not None else metric.label
-    return _verdict(
-        current, metric.name, "ungated", f"{seen}: {why}", baseline=old, value=new, ratio=ratio
-    )
+    decision = Decision("ungated", f"{seen}: {why}", old, ratio)
+    return from_decision(*current.key, metric.name, decision, current=new)
 
 
 def reply_gaps(calls: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], int]:
@@ -392,14 +293,13 @@ def judge_validity(
     old = baseline.validity_rate(rate.measure)
     values = current.samples[rate.measure]
     counts = f"{int(sum(values))}/{len(values)}"
-    found = partial(
-        _verdict, current, rate.name, baseline=old, value=value,
-        ratio=value / old if value is not None and old else None,
-    )  # fmt: skip
+    ratio = value / old if value is not None and old else None
+    found = partial(from_decision, *current.key, rate.name, current=value)
     if value is None:
-        return _verdict(current, rate.name, "new", "no valid answer checked", baseline=old)
+        return found(Decision("new", "no valid answer checked", old))
     if minimum is not None and value < minimum:
-        return found("regression", f"{rate.label} {value:.2f} ({counts}) is below {minimum:.2f}")
+        below = f"{rate.label} {value:.2f} ({counts}) is below {minimum:.2f}"
+        return found(Decision("regression", below, old, ratio))
     if minimum is None and old is not None and value < old:
         # A fall is a regression where it is significant (Fisher's exact test, one-sided, on the
         # valid and invalid answers of the two runs): 19 of 20 after 20 of 20 is a sampled
@@ -412,16 +312,13 @@ def judge_validity(
         p_value = float(scipy_stats().fisher_exact(table, alternative="greater").pvalue)
         fell = f"{rate.label} {value:.2f} ({counts}) fell from {old:.2f}"
         if p_value < ALPHA:
-            return replace(found("regression", f"{fell}, p = {p_value:.3g}"), p_value=p_value)
-        return replace(
-            found(
-                "inconclusive",
-                f"{fell}, but not significant (p = {p_value:.3g} ≥ {ALPHA:g}); re-run with more "
-                "runs, or set a floor (thresholds: {" + rate.threshold_key + ": …})",
-            ),
-            p_value=p_value,
+            return found(Decision("regression", f"{fell}, p = {p_value:.3g}", old, ratio, p_value))
+        unsure = (
+            f"{fell}, but not significant (p = {p_value:.3g} ≥ {ALPHA:g}); re-run with more "
+            "runs, or set a floor (thresholds: {" + rate.threshold_key + ": …})"
         )
-    return found("ok", f"{rate.label} {value:.2f} ({counts})")
+        return found(Decision("inconclusive", unsure, old, ratio, p_value))
+    return found(Decision("ok", f"{rate.label} {value:.2f} ({counts})", old, ratio))
 
 
 def machine_steadiness(
@@ -580,37 +477,6 @@ def judge_ratio(
     return from_decision(current.cell_id, current.prompt_id, metric.name, decision, cause)
 
 
-def from_decision(
-    cell_id: str,
-    prompt_id: str,
-    metric: str,
-    decision: Decision,
-    cause: Attribution | None = None,
-    current: float | None = None,
-) -> Verdict:
-    """A Verdict of the decision core's finding (for every gate: warm, load, a test's own)."""
-    text = decision.text if cause is None else f"{decision.text}; {cause.message}"
-    value = current
-    if value is None and decision.ratio is not None and decision.baseline is not None:
-        value = decision.ratio * decision.baseline
-    return Verdict(
-        cell_id=cell_id,
-        prompt_id=prompt_id,
-        metric=metric,
-        baseline=decision.baseline,
-        current=value,
-        change_ratio=decision.ratio,
-        p_value=decision.p_value,
-        verdict=decision.kind,
-        message=f"{cell_id} {prompt_id}: {text}",
-        attribution=cause.kind if cause is not None else None,
-        engine_change_ratio=cause.engine_change_ratio if cause is not None else None,
-        detectable_ratio=decision.detectable_ratio,
-        blind_reason=decision.blind_reason,
-        noise=decision.noise,
-    )
-
-
 def _why_missing(metric: Metric, current: PromptSummary) -> str:
     if metric.reasoning and current.n_warm_ok:
         return "the baseline's model reasoned, this run's produced no reasoning tokens"
@@ -696,16 +562,15 @@ def _share(engine_ratio: float, client_ratio: float) -> float:
 def judge_success_rate(current: PromptSummary, baseline: PromptSummary, minimum: float) -> Verdict:
     """Absolute: below the minimum is a regression whatever the baseline was."""
     rate, old = current.warm_success_rate, baseline.warm_success_rate
+    found = partial(from_decision, *current.key, SUCCESS_RATE, current=rate)
     if rate is None:
-        return _verdict(current, SUCCESS_RATE, "new", "no warm call measured", baseline=old)
+        return found(Decision("new", "no warm call measured", old))
     ratio = rate / old if old else None
-    found = partial(_verdict, current, SUCCESS_RATE, baseline=old, value=rate, ratio=ratio)
     counts = f"{current.n_warm_ok}/{current.n_warm}"
     if rate < minimum:
-        return found(
-            "regression", f"warm success rate {rate:.2f} ({counts}) is below {minimum:.2f}"
-        )
-    return found("ok", f"warm success rate {rate:.2f} ({counts})")
+        below = f"warm success rate {rate:.2f} ({counts}) is below {minimum:.2f}"
+        return found(Decision("regression", below, old, ratio))
+    return found(Decision("ok", f"warm success rate {rate:.2f} ({counts})", old, ratio))
 
 
 def too_few_samples(n_baseline: int, n_later: int) -> str | None:
@@ -719,13 +584,11 @@ def too_few_samples(n_baseline: int, n_later: int) -> str | None:
 
 def incomparable(current: PromptSummary, changes: str) -> Verdict:
     """A baseline measured on another setup: its numbers are not judged."""
-    return _verdict(
-        current,
-        PROVENANCE,
-        "incomparable",
+    text = (
         f"baseline measured on another setup ({changes}): its numbers are not judged; accept "
-        f"them with {ACCEPT_OPTION} or ratify this setup with --baseline-update",
+        f"them with {ACCEPT_OPTION} or ratify this setup with --baseline-update"
     )
+    return from_decision(*current.key, PROVENANCE, Decision("incomparable", text))
 
 
 def compare(
@@ -813,19 +676,16 @@ def telemetry_verdicts(
         for cell_id, cell in thresholds.items()
     }
     return [
-        Verdict(
-            cell_id=breach.cell_id,
-            prompt_id=breach.prompt_id,
-            metric=breach.figure,
-            baseline=None,
-            current=breach.value,
-            change_ratio=None,
-            p_value=None,
-            verdict="regression",
-            message=(
-                f"{breach.cell_id} {breach.prompt_id}: {breach.figure} {_number(breach.value)} "
-                f"over its limit ({breach.limit_name}: {_number(breach.limit)})"
+        from_decision(
+            breach.cell_id,
+            breach.prompt_id,
+            breach.figure,
+            Decision(
+                "regression",
+                f"{breach.figure} {_number(breach.value)} over its limit "
+                f"({breach.limit_name}: {_number(breach.limit)})",
             ),
+            current=breach.value,
         )
         for breach in limit_breaches(telemetry_summaries(records), limits)
     ]
@@ -855,34 +715,6 @@ def regressions(verdicts: Iterable[Verdict]) -> list[Verdict]:
 
 def incomparables(verdicts: Iterable[Verdict]) -> list[Verdict]:
     return [verdict for verdict in verdicts if verdict.verdict == "incomparable"]
-
-
-def _verdict(
-    current: PromptSummary,
-    metric: str,
-    kind: VerdictKind,
-    message: str,
-    *,
-    baseline: float | None = None,
-    value: float | None = None,
-    ratio: float | None = None,
-    p_value: float | None = None,
-    attribution: AttributionKind | None = None,
-    engine_ratio: float | None = None,
-) -> Verdict:
-    return Verdict(
-        cell_id=current.cell_id,
-        prompt_id=current.prompt_id,
-        metric=metric,
-        baseline=baseline,
-        current=value,
-        change_ratio=ratio,
-        p_value=p_value,
-        verdict=kind,
-        message=f"{current.cell_id} {current.prompt_id}: {message}",
-        attribution=attribution,
-        engine_change_ratio=engine_ratio,
-    )
 
 
 def _number(value: float) -> str:

@@ -48,9 +48,9 @@ from pytest_gpubench.results.decision import ALPHA, MIN_HISTORY, UNDECIDED
 if TYPE_CHECKING:
     from pytest_gpubench.config.cell import Cell
     from pytest_gpubench.results.engine_checks import EngineChecks
-    from pytest_gpubench.results.gate import Verdict
     from pytest_gpubench.results.run_history import History
     from pytest_gpubench.results.stats import PromptSummary
+    from pytest_gpubench.results.verdict import Verdict
     from pytest_gpubench.telemetry.aggregate import TelemetrySummary
 
 # The meta record's key for the settings (whose shape has its `version`).

@@ -10,10 +10,12 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from pytest_gpubench.config.load_profile import LoadThresholds
 from pytest_gpubench.results.decision import (
+    Decision,
     Evidence,
     Steadiness,
     VerdictKind,
@@ -21,8 +23,8 @@ from pytest_gpubench.results.decision import (
     decide,
     signed_percent,
 )
-from pytest_gpubench.results.gate import Verdict, from_decision
 from pytest_gpubench.results.stats import field_number
+from pytest_gpubench.results.verdict import Verdict, from_decision
 
 # How many runs of each point a load baseline keeps (its between-run history).
 LOAD_HISTORY_RUNS = 10
@@ -88,26 +90,24 @@ def _judge_saturation(
 ) -> Verdict:
     """The sweep's saturation rate against the baseline's, on the throughput threshold alone
     (one figure per run: no samples to test; its steps' verdicts carry the significance)."""
-    cell_id, key = str(current.get("cell_id")), point_key(current)
     new = field_number(current.get("saturation_rate"))
     old = field_number(baseline.get("saturation_rate")) if baseline is not None else None
+    found = partial(from_decision, str(current.get("cell_id")), point_key(current), SATURATION.name)
     if old is None or old <= 0:
         text = "no load baseline yet" if baseline is None else "the baseline has no saturation rate"
-        return _verdict(cell_id, key, SATURATION, "new", text, value=new)
+        return found(Decision("new", text), current=new)
     if new is None:
         reason = current.get("error") or "no step was served"
-        text = f"saturation rate: not found ({reason})"
-        return _verdict(cell_id, key, SATURATION, "inconclusive", text, baseline=old)
+        return found(Decision("inconclusive", f"saturation rate: not found ({reason})", old))
     ratio = new / old
     direction = change_direction(old, new, threshold, higher_is_better=True)
-    found = {"baseline": old, "value": new, "ratio": ratio}
     change = f"saturation rate {signed_percent(ratio)} ({old:.4g} → {new:.4g} req/s)"
     if direction is None:
         text = f"{change} (within the {threshold:.0%} threshold)"
-        return _verdict(cell_id, key, SATURATION, "ok", text, **found)
+        return found(Decision("ok", text, old, ratio), current=new)
     kind: VerdictKind = "regression" if direction == "worse" else "win"
     text = f"{change}, past the {threshold:.0%} threshold"
-    return _verdict(cell_id, key, SATURATION, kind, text, **found)
+    return found(Decision(kind, text, old, ratio), current=new)
 
 
 def judge_point(
@@ -116,37 +116,32 @@ def judge_point(
     thresholds: LoadThresholds,
 ) -> list[Verdict]:
     """One verdict per metric the point has (goodput only under an SLO)."""
-    cell_id, key = str(current.get("cell_id")), point_key(current)
+    found = partial(from_decision, str(current.get("cell_id")), point_key(current))
     # Goodput only where an SLO defines it.
     metrics = [m for m in LOAD_METRICS if m.field != "goodput_rate" or current.get("slo")]
     changes = settings_changes(baseline, current)
     if changes:
         metric = SATURATION if current.get("pattern") == "sweep" else metrics[0]
-        return [
-            _verdict(
-                cell_id, key, metric, "incomparable",
-                f"the load settings changed since the load baseline was measured ({changes}): "
-                "ratify them with --baseline-update",
-            )
-        ]  # fmt: skip
+        text = (
+            f"the load settings changed since the load baseline was measured ({changes}): "
+            "ratify them with --baseline-update"
+        )
+        return [found(metric.name, Decision("incomparable", text))]
     if current.get("pattern") == "sweep":
         return [_judge_saturation(current, baseline, thresholds.throughput)]
     if baseline is None:
-        return [
-            _verdict(cell_id, key, m, "new", "no load baseline yet", value=current.get(m.field))
-            for m in metrics
-        ]
+        new = Decision("new", "no load baseline yet")
+        return [found(m.name, new, current=field_number(current.get(m.field))) for m in metrics]
     if baseline.get("prompt_sha256") not in (None, current.get("prompt_sha256")):
-        return [
-            _verdict(
-                cell_id, key, metrics[0], "incomparable",
-                "the request changed since the load baseline was measured (prompt sha256): "
-                "ratify it with --baseline-update",
-            )
-        ]  # fmt: skip
+        text = (
+            "the request changed since the load baseline was measured (prompt sha256): "
+            "ratify it with --baseline-update"
+        )
+        return [found(metrics[0].name, Decision("incomparable", text))]
     if not current.get("valid"):
         reason = current.get("invalid_reason") or "not a result"
-        return [_verdict(cell_id, key, m, "inconclusive", f"not judged: {reason}") for m in metrics]
+        unjudged = Decision("inconclusive", f"not judged: {reason}")
+        return [found(m.name, unjudged) for m in metrics]
     return [
         judge_metric(m, current, baseline, float(getattr(thresholds, m.threshold_field)))
         for m in metrics
@@ -290,15 +285,14 @@ def skipped_steps(
         if key not in baseline:
             continue
         rate = field_number(baseline[key].get("rate"))
-        found.append(
-            _verdict(
-                cell_id, key, LOAD_METRICS[0], "inconclusive",
-                f"not measured: {skipped_why(record)}; the baseline measured {step}"
-                + (f" ({rate:g} req/s)" if rate is not None else "")
-                + "; re-run, or ratify the lower capacity with --baseline-update",
-                baseline=field_number(baseline[key].get(LOAD_METRICS[0].field)),
-            )
-        )  # fmt: skip
+        text = (
+            f"not measured: {skipped_why(record)}; the baseline measured {step}"
+            + (f" ({rate:g} req/s)" if rate is not None else "")
+            + "; re-run, or ratify the lower capacity with --baseline-update"
+        )
+        measured = field_number(baseline[key].get(LOAD_METRICS[0].field))
+        decision = Decision("inconclusive", text, measured)
+        found.append(from_decision(cell_id, key, LOAD_METRICS[0].name, decision))
     return found
 
 
@@ -339,29 +333,4 @@ def _samples(record: Mapping[str, Any], metric: LoadMetric) -> list[float]:
         [n for v in values if (n := field_number(v)) is not None]
         if isinstance(values, list)
         else []
-    )
-
-
-def _verdict(
-    cell_id: str,
-    key: str,
-    metric: LoadMetric,
-    kind: VerdictKind,
-    message: str,
-    *,
-    baseline: float | None = None,
-    value: Any = None,
-    ratio: float | None = None,
-    p_value: float | None = None,
-) -> Verdict:
-    return Verdict(
-        cell_id=cell_id,
-        prompt_id=key,
-        metric=metric.name,
-        baseline=baseline,
-        current=field_number(value),
-        change_ratio=ratio,
-        p_value=p_value,
-        verdict=kind,
-        message=f"{cell_id} {key}: {message}",
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -18,6 +18,7 @@ from pytest_gpubench.results.decision import (
     BOOTSTRAP_SEED,
     MAX_LOOKS,
     PRESSURE_LIMIT,
+    Decision,
     change_word,
     look_schedule,
     scipy_stats,
@@ -29,17 +30,17 @@ from pytest_gpubench.results.gate import (
     ALPHA,
     GATED_METRICS,
     Metric,
-    Verdict,
     VerdictKind,
     change_direction,
     ratio_threshold,
 )
 from pytest_gpubench.results.stats import field_number, is_success
+from pytest_gpubench.results.verdict import Verdict, from_decision
 
 # The level of the bootstrap interval of the ratio of medians (its resamples and seed, and the
 # most looks of sequential sampling: results/decision.py).
 INTERVAL_LEVEL = 0.95
-Decision = Literal["regression", "win", "unchanged"]
+PairsDecision = Literal["regression", "win", "unchanged"]
 # A decode figure of replies shorter than MIN_DECODE_GAPS gaps between tokens (the median over
 # the pairs) is `ungated` (results/decision.py): in issue 37's table an unchanged candidate's
 # decode rate of 4-token replies moved -45 % to +131 % per session, and one session in 10-20
@@ -299,7 +300,7 @@ def _fewest_significant(alpha: float) -> int:
 
 def decide(
     pairs: Pairs, thresholds: Thresholds, alpha: float
-) -> tuple[Decision | None, list[PairedResult]]:
+) -> tuple[PairsDecision | None, list[PairedResult]]:
     """At one look: regression as soon as one metric is significantly worse past its threshold;
     otherwise decided only once every metric with values is (unchanged or a win)."""
     results = []
@@ -308,7 +309,7 @@ def decide(
         if candidate:
             threshold = ratio_threshold(thresholds, metric.threshold_field)
             results.append(judge_pairs(metric, candidate, reference, threshold, alpha=alpha))
-    decisions: list[Decision | None] = []
+    decisions: list[PairsDecision | None] = []
     gaps = pairs.decode_gaps()
     for result in results:
         if _too_few_gaps(result.metric, gaps) is not None:
@@ -332,7 +333,7 @@ def decide(
 
 def sequential_stop(
     pairs: Pairs, thresholds: Thresholds, min_pairs: int, max_pairs: int
-) -> tuple[Decision, int] | None:
+) -> tuple[PairsDecision, int] | None:
     """(the decision, the pairs it took) when a look at or before `pairs.complete` decided
     it; None while undecided. The harness asks after each pair; the verdict replays it."""
     planned = looks(min_pairs, max_pairs)
@@ -437,17 +438,13 @@ def judge_candidate(
                 "unsteady",
                 f"{change} against {reference}, not judged: {uneven or apart}",
             )
+        decision = Decision(kind, message, result.reference_median, result.ratio, result.p_value)
+        verdict = from_decision(
+            cell_id, prompt_id, metric.name, decision, current=result.candidate_median
+        )
         verdicts.append(
-            Verdict(
-                cell_id=cell_id,
-                prompt_id=prompt_id,
-                metric=metric.name,
-                baseline=result.reference_median,
-                current=result.candidate_median,
-                change_ratio=result.ratio,
-                p_value=result.p_value,
-                verdict=kind,
-                message=f"{cell_id} {prompt_id}: {message}",
+            replace(
+                verdict,
                 reference=reference,
                 interval_low=result.interval[0] if result.interval else None,
                 interval_high=result.interval[1] if result.interval else None,

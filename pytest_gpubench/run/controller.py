@@ -56,7 +56,7 @@ if TYPE_CHECKING:
         LoadRecord,
         MetaRecord,
     )
-    from pytest_gpubench.results.gate import Verdict
+    from pytest_gpubench.results.verdict import Verdict
 
 
 @dataclass(frozen=True)

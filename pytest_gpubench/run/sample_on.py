@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.results.gate import Verdict
 from pytest_gpubench.results.sample_on import SAMPLED_ON, Key, budget_runs, looks, undecided
+from pytest_gpubench.results.verdict import Verdict
 from pytest_gpubench.run.harness import Harness
 from pytest_gpubench.run.remeasure import make_live, warm_case, why_not_remeasured
 
