@@ -4,6 +4,7 @@ import dataclasses
 import gc
 import importlib
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -160,9 +161,14 @@ PRELOADED = ("httpcore", "pandas", "paramiko", "pynvml", "scipy.stats")
 
 def pytest_configure(config: pytest.Config) -> None:
     """PRELOADED, in every process that runs tests: not in the controller of `-n N`, which runs
-    none (1.5 s of imports before it started its workers)."""
+    none (1.5 s of imports before it started its workers). And Ctrl-C as Python has it: a suite
+    started in the background of a non-interactive shell (`make test &`, nohup) inherits SIGINT
+    ignored, and so would every engine and session the tests start; the tests that send SIGINT
+    (Ctrl-C ends a run, a server, a Slurm job) failed eight ways in such a run."""
     from support.schedule import is_controller  # a plugin (pytest_plugins): imported by then
 
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if not is_controller(config):
         for name in PRELOADED:
             importlib.import_module(name)
