@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 from support.standins import OLLAMA_DIGEST, FaultyOpenAIServer, OllamaStandin, serving
 
-from pytest_gpubench.engines import Request, api_root
+from pytest_gpubench.config.prompts import RequestShape
+from pytest_gpubench.engines import Request, api_root, plugin_engine, send
 from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.measure.stream import Endpoint, joined_url
+from pytest_gpubench.measure.stream import CallMeasurement, Endpoint, joined_url
 
 
 def test_ollama_adapter_streams_ndjson_and_keeps_engine_timings() -> None:
@@ -342,3 +343,54 @@ def test_each_engine_kind_says_how_it_counts_tokens() -> None:
     assert type(vllm) is VllmCounter
     assert vllm.model == "org/model"
     assert vllm.client.headers["X-Team"] == "bench"
+
+
+class PromptChatEngine:
+    """A plugin's engine as docs/extending.md described it before the request object (issue 45):
+    chat(prompt, max_tokens, timeout_s) taking `request=` only, and no `kinds`."""
+
+    kind = "lab"
+    base_url = "http://127.0.0.1:9"
+    model = "m"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def chat(
+        self, prompt: str, max_tokens: int, timeout_s: float, request: Any = None
+    ) -> CallMeasurement:
+        self.calls.append((prompt, max_tokens, timeout_s, request))
+        return CallMeasurement(backend="lab", completion_tokens=max_tokens)
+
+
+def test_a_plugin_engine_written_before_the_request_object_is_called_as_it_was() -> None:
+    """A user's plugin engine of the old protocol keeps running: its chat gets the prompt, the
+    limit and the timeout, the request keys only where set, and it sends chat requests only; a
+    conversation it cannot take is a failed call that says so, not a TypeError."""
+    old = PromptChatEngine()
+    engine = plugin_engine(old)
+    assert engine.kinds == ("chat",) and engine.model == "m"
+    assert send(engine, Request("hi", 8, shape=RequestShape()), 2.0).completion_tokens == 8
+    shape = RequestShape(temperature=0.5)
+    send(engine, Request("hi", 4, shape=shape), 2.0)
+    assert old.calls == [("hi", 8, 2.0, None), ("hi", 4, 2.0, shape)]
+    refused = send(engine, Request("hi", 8, messages=[{"role": "user", "content": "x"}]), 2.0)
+    assert refused.error == "engine lab's chat takes no messages"
+    assert len(old.calls) == 2
+
+
+def test_a_plugin_engine_of_the_request_protocol_is_used_as_it_is() -> None:
+    """An engine that follows the protocol (a chat taking a Request, its kinds) is not wrapped;
+    one without `kinds` sends chat requests only."""
+    built = OpenAIEngine("http://127.0.0.1:9", "m", None)
+    assert plugin_engine(built) is built
+
+    class NoKinds:
+        kind = "lab"
+
+        def chat(self, request: Request, timeout_s: float) -> CallMeasurement:
+            return CallMeasurement(backend="lab", completion_tokens=request.max_tokens)
+
+    engine = plugin_engine(NoKinds())
+    assert engine.kinds == ("chat",)
+    assert send(engine, Request("hi", 3), 1.0).completion_tokens == 3
