@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from support.keepalive_server import keepalive_server
+from support.tls_terminator import stunnel, stunnel_binary
 
 from pytest_gpubench.config.cases import build_cases
 from pytest_gpubench.config.load_profile import LoadProfile, LoadThresholds, Slo, merged_profile
@@ -525,8 +526,6 @@ def test_a_load_case_on_an_https_endpoint_trusts_what_the_cell_trusts(
     server: the load client connects over TLS with the cell's ca_file, from this process or from
     `processes: 2` spawned client processes (the CA travels to them as its text: an SSLContext
     cannot be pickled, and once failed the point with "cannot pickle 'SSLContext' object")."""
-    from support.tls_terminator import stunnel, stunnel_binary
-
     if stunnel_binary() is None:
         pytest.skip("stunnel4 is not installed (scripts/setup-system.sh)")
     with keepalive_server() as server, stunnel(server.url, tmp_path / "tls") as terminator:
@@ -559,8 +558,6 @@ def test_the_gauges_are_scraped_over_tls_with_what_the_cell_trusts(tmp_path: Pat
     import ssl
     import threading
     import time
-
-    from support.tls_terminator import stunnel, stunnel_binary
 
     from pytest_gpubench.measure.gauges import GaugeScraper
     from pytest_gpubench.measure.stream import Endpoint
