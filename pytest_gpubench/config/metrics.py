@@ -450,3 +450,50 @@ CLOCK_EVENTS = {
     0x40: "thermal (hardware)",
     0x80: "power brake",
 }
+
+
+# The engine's own /metrics series a load point reads before and after it (measure/gauges).
+# vLLM's prefix cache over a point: prompt tokens looked up, and those found cached.
+VLLM_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+VLLM_PREFIX_HITS = "vllm:prefix_cache_hits_total"
+# The engines' counts of the tokens they generated (vLLM's, llama.cpp's).
+GENERATED = ("vllm:generation_tokens_total", "llamacpp:tokens_predicted_total")
+# Counters whose change over a point is the engine's own count of what it generated and read.
+TOKEN_COUNTERS = (
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
+    "vllm:request_success_total",
+    # vLLM's prefix cache: prompt tokens looked up, and those found cached.
+    VLLM_PREFIX_QUERIES,
+    VLLM_PREFIX_HITS,
+    "llamacpp:tokens_predicted_total",
+    "llamacpp:prompt_tokens_total",
+    "llamacpp:n_decode_total",
+    # Preemptions and speculative decoding over the point (issue 35): drafts, the tokens they
+    # proposed and those accepted.
+    "vllm:num_preemptions_total",
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+    "llamacpp:spec_decode_num_drafts_total",
+    "llamacpp:spec_decode_num_draft_tokens_total",
+    "llamacpp:spec_decode_num_accepted_tokens_total",
+)
+# The engine's own latency figures: a histogram's `_sum` and `_count` (vLLM), or the seconds it
+# spent and the tokens it spent them on (llama-server); their change over a point gives the
+# point's server-side means (results/load_summary.server_check).
+# vLLM: a histogram per client figure; llama-server: its seconds and the tokens they were spent on.
+SERVER_HISTOGRAMS = {
+    "ttft_ms": "vllm:time_to_first_token_seconds",
+    "tpot_ms": "vllm:request_time_per_output_token_seconds",
+    "e2e_ms": "vllm:e2e_request_latency_seconds",
+}
+LLAMACPP_PROMPT_SECONDS = "llamacpp:prompt_seconds_total"
+LLAMACPP_PREDICTED_SECONDS = "llamacpp:tokens_predicted_seconds_total"
+LLAMACPP_PREDICTED = "llamacpp:tokens_predicted_total"
+SERVER_SERIES = (
+    *(f"{name}_{part}" for name in SERVER_HISTOGRAMS.values() for part in ("sum", "count")),
+    LLAMACPP_PROMPT_SECONDS,
+    LLAMACPP_PREDICTED_SECONDS,
+    LLAMACPP_PREDICTED,
+)

@@ -13,45 +13,15 @@ from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_gpubench.config.metrics import ENGINE_COUNTERS, EngineCounter
+from pytest_gpubench.config.metrics import (
+    ENGINE_COUNTERS,
+    GENERATED,
+    SERVER_SERIES,
+    TOKEN_COUNTERS,
+    EngineCounter,
+)
 from pytest_gpubench.measure.load_client import StreamConnection
 from pytest_gpubench.measure.stream import Endpoint, StreamError
-
-# Counters whose change over a point is the engine's own count of what it generated and read.
-TOKEN_COUNTERS = (
-    "vllm:generation_tokens_total",
-    "vllm:prompt_tokens_total",
-    "vllm:request_success_total",
-    # vLLM's prefix cache: prompt tokens looked up, and those found cached.
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-    "llamacpp:tokens_predicted_total",
-    "llamacpp:prompt_tokens_total",
-    "llamacpp:n_decode_total",
-    # Preemptions and speculative decoding over the point (issue 35): drafts, the tokens they
-    # proposed and those accepted.
-    "vllm:num_preemptions_total",
-    "vllm:spec_decode_num_drafts_total",
-    "vllm:spec_decode_num_draft_tokens_total",
-    "vllm:spec_decode_num_accepted_tokens_total",
-    "llamacpp:spec_decode_num_drafts_total",
-    "llamacpp:spec_decode_num_draft_tokens_total",
-    "llamacpp:spec_decode_num_accepted_tokens_total",
-)
-# The engine's own latency figures: a histogram's `_sum` and `_count` (vLLM), or the seconds it
-# spent and the tokens it spent them on (llama-server); their change over a point gives the
-# point's server-side means (results/load_summary.server_check).
-SERVER_HISTOGRAMS = (
-    "vllm:time_to_first_token_seconds",
-    "vllm:request_time_per_output_token_seconds",
-    "vllm:e2e_request_latency_seconds",
-)
-SERVER_SERIES = (
-    *(f"{name}_{part}" for name in SERVER_HISTOGRAMS for part in ("sum", "count")),
-    "llamacpp:prompt_seconds_total",
-    "llamacpp:tokens_predicted_seconds_total",
-    "llamacpp:tokens_predicted_total",
-)
 
 
 def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, float]]:
@@ -319,10 +289,6 @@ class CaseCounters:
             self.scraper.samples.notes.append(f"/metrics not read: {exc}")
             return None
         return None if page is None else {**page[0], **page[1]}
-
-
-# The engines' counts of the tokens they generated (vLLM's, llama.cpp's).
-GENERATED = ("vllm:generation_tokens_total", "llamacpp:tokens_predicted_total")
 
 
 def _counted(before: Page | None, after: Page, generated: int | None) -> bool:

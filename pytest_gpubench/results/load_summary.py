@@ -13,6 +13,12 @@ from itertools import accumulate
 from typing import Any
 
 from pytest_gpubench.config.load_profile import Slo
+from pytest_gpubench.config.metrics import (
+    LLAMACPP_PREDICTED,
+    LLAMACPP_PREDICTED_SECONDS,
+    LLAMACPP_PROMPT_SECONDS,
+    SERVER_HISTOGRAMS,
+)
 from pytest_gpubench.ledger.gaps import gaps_ms
 
 PERCENTILES = (50, 90, 99)
@@ -335,7 +341,7 @@ def summarize_point(
     """The summary of one load point from all of its call records; only those sent in the
     measured window count (warm-up and cool-down ones are kept in the ledger, not here), but
     for `server_check`: `server` is the change of the engine's own series over the whole point
-    (measure/gauges.SERVER_SERIES), set against every request of the point.
+    (config/metrics.SERVER_SERIES), set against every request of the point.
 
     `max_send_lag_ms` bounds an open loop's send lag (None for a closed loop: it has no
     schedule to keep; its send lag, the time from a stream's last reply to its next request, is
@@ -502,20 +508,17 @@ def server_check(
     ok = [call for call in calls if is_ok(call)]
     client = {name: _numbers(ok, field) for name, field in LATENCIES.items()}
     figures: dict[str, dict[str, Any]] = {}
-    if "vllm:e2e_request_latency_seconds_count" in server:
+    requests_series = f"{SERVER_HISTOGRAMS['e2e_ms']}_count"
+    if requests_series in server:
         engine = "vllm"
-        requests: float | None = server["vllm:e2e_request_latency_seconds_count"]
-        for name, series in (
-            ("ttft_ms", "vllm:time_to_first_token_seconds"),
-            ("tpot_ms", "vllm:request_time_per_output_token_seconds"),
-            ("e2e_ms", "vllm:e2e_request_latency_seconds"),
-        ):
+        requests: float | None = server[requests_series]
+        for name, series in SERVER_HISTOGRAMS.items():
             count, total = server.get(f"{series}_count"), server.get(f"{series}_sum")
             if count and total is not None:
                 figures[name] = {"server_mean": round(total * 1000.0 / count, 4), "server_n": count}
-    elif "llamacpp:prompt_seconds_total" in server:
+    elif LLAMACPP_PROMPT_SECONDS in server:
         engine, requests = "llamacpp", None
-        prompt_s = server["llamacpp:prompt_seconds_total"]
+        prompt_s = server[LLAMACPP_PROMPT_SECONDS]
         if ok:
             figures["ttft_ms"] = {
                 "server_mean": round(prompt_s * 1000.0 / len(ok), 4),
@@ -524,8 +527,8 @@ def server_check(
                 # step, no HTTP; shown, not warned on.
                 "engine_span": "prompt processing only",
             }
-        predicted = server.get("llamacpp:tokens_predicted_total")
-        seconds = server.get("llamacpp:tokens_predicted_seconds_total")
+        predicted = server.get(LLAMACPP_PREDICTED)
+        seconds = server.get(LLAMACPP_PREDICTED_SECONDS)
         if predicted and seconds is not None:
             figures["tpot_ms"] = {
                 "server_mean": round(seconds * 1000.0 / predicted, 4),

@@ -18,6 +18,7 @@ from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.config.datasets import sample_dataset
 from pytest_gpubench.config.load_profile import LoadProfile, dataset_prompt_id
 from pytest_gpubench.config.matrix import Matrix, load_dataset_sha256
+from pytest_gpubench.config.metrics import VLLM_PREFIX_HITS, VLLM_PREFIX_QUERIES
 from pytest_gpubench.config.prompts import Prompt, RequestShape, dataset_prompt
 from pytest_gpubench.config.synthetic import synthetic_prompt
 from pytest_gpubench.config.traces import Trace, read_trace
@@ -553,8 +554,8 @@ def prefix_cache_figures(
     it found cached, from vLLM's own counters (prefix_cache_hits / queries over the point), else
     from llama.cpp's per-request `cache_n` against the prompt tokens (every request of the
     point, warm-up and cool-down too, as the counters count them)."""
-    queries = counters.get("vllm:prefix_cache_queries_total")
-    hits = counters.get("vllm:prefix_cache_hits_total")
+    queries = counters.get(VLLM_PREFIX_QUERIES)
+    hits = counters.get(VLLM_PREFIX_HITS)
     if queries and hits is not None:
         return {"prefix_cache_hit_rate": round(hits / queries, 4), "prefix_cache_source": "vllm"}
     cached = [
