@@ -55,6 +55,16 @@ class ListensBeyondLoopback(Protocol):
     def engine_bind_host(self) -> str: ...
 
 
+@runtime_checkable
+class StartsEnginesInJobs(Protocol):
+    """A node whose managed engines each run in a batch job of their own (a Slurm node): the
+    job's node, and its GPUs, are known once the job runs, and are checked inside it (`check` is
+    given a shell in the job); where its commands run (the login node) lacks what the job's
+    image or modules give, so a managed engine's install is not checked there."""
+
+    def when_job_runs(self, check: Callable[[Target], None]) -> None: ...
+
+
 class Target(Protocol):
     """A machine that engines run on, seen from the machine that runs pytest."""
 
