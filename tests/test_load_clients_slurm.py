@@ -20,7 +20,8 @@ from test_load import INFERENCE_TEST, ledger_records, write_load_project
 from pytest_gpubench.config.load_profile import Clients, LoadProfile
 from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.run.load.cluster_clients import clock_offset, srun_argv
+from pytest_gpubench.run.load.cluster_clients import clock_offset
+from pytest_gpubench.targets.slurm.clients import srun_argv
 
 if TYPE_CHECKING:
     from support.slurm_fixtures import SlurmCluster

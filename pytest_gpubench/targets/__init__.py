@@ -102,6 +102,41 @@ class Target(Protocol):
     def close(self) -> None: ...
 
 
+# The module each client task of a load point runs (`python -m ... PLAN [TASK TASKS]`):
+# run/load/client_task.py, named here and not imported (the coordinator it answers is a run's).
+CLIENT_TASK_MODULE = "pytest_gpubench.run.load.client_task"
+# How long a load point's client tasks may take to end once the point is over, before they are
+# killed.
+CLIENTS_END_TIMEOUT_S = 30.0
+
+
+class Launch(Protocol):
+    """How K client tasks of a load point start on a node, given their plan: what differs
+    between node kinds (an `srun` step, SSH sessions). Everything else (the plan, barrier,
+    offsets, merge, loss) is the coordinator's (run/load/cluster_clients.py)."""
+
+    def address(self, coordinator: str, port: int) -> tuple[str, int]:
+        """Where the tasks connect to reach this machine's listener on `port`: `coordinator`'s
+        address, or (`tunnel`, on an ssh node) a port on the node's loopback carried back."""
+        ...
+
+    def start(self, plan: bytes, tasks: int) -> None:
+        """Put the plan where the tasks read it, and start them."""
+        ...
+
+    def ended(self) -> str | None:
+        """Why the launch ended before every task connected (its own last words), else None."""
+        ...
+
+    def lost_detail(self, task: int) -> str:
+        """What is known of how a lost task ended (may be empty)."""
+        ...
+
+    def close(self) -> None:
+        """Wait for the tasks to end (killed past CLIENTS_END_TIMEOUT_S), remove the plan."""
+        ...
+
+
 # pytest_gpubench_open_target (hookspecs.py), as pytest's hook relay calls it.
 TargetHook = Callable[..., Target | None]
 # Told what a rented node cost once it is given back: node, kind, session_id, offer_id,
@@ -166,6 +201,22 @@ def open_target(
     from pytest_gpubench.targets.provider import ProviderTarget
 
     return ProviderTarget(node_id, node, on_rental_closed=on_rental_closed, clock=clock).open()
+
+
+def launch_clients(node_id: str, node: AnyNode, python: str | None) -> Launch:
+    """How a load point's client tasks start on `clients:`'s node, by its kind: an srun step on
+    a Slurm node (from this machine, or over SSH from its login node), SSH sessions on an ssh
+    node (config/cell_rules.py has refused any other). `python` runs each task there."""
+    from pytest_gpubench.config.nodes import SlurmNode, SshNode
+
+    if isinstance(node, SshNode):
+        from pytest_gpubench.targets.ssh.clients import SshLaunch
+
+        return SshLaunch(node_id, node, python)
+    assert isinstance(node, SlurmNode)
+    from pytest_gpubench.targets.slurm.clients import slurm_launch
+
+    return slurm_launch(node_id, node, python)
 
 
 def release_leaked(node: AnyNode, journal: RentalJournal, seen: set[str]) -> list[dict[str, Any]]:

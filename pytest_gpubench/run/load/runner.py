@@ -38,6 +38,7 @@ from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts, r
 from pytest_gpubench.run.load.adapters import AdapterChoice
 from pytest_gpubench.run.load.driver import LoadRun, Sent, SessionPlan, Target, build_target
 from pytest_gpubench.run.load.processes import run_in_processes
+from pytest_gpubench.targets import launch_clients
 
 if TYPE_CHECKING:
     from pytest_gpubench.run.live_cell import LiveCell
@@ -495,9 +496,10 @@ class _Recorder:
         offsets)."""
         if self.profile.clients is None:
             return (*run_in_processes(target, self.profile, pattern), {})
-        from pytest_gpubench.run.load.cluster_clients import launch_for, run_clients
+        from pytest_gpubench.run.load.cluster_clients import run_clients
 
-        launch = launch_for(self.profile, self.client_nodes)
+        clients = self.profile.clients
+        launch = launch_clients(clients.node, self.client_nodes[clients.node], clients.python)
         result = run_clients(target, self.profile, pattern, launch)
         offsets = {
             "client_offsets_ms": result.offsets_ms,
