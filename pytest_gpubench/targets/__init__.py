@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -108,12 +109,17 @@ CLIENT_TASK_MODULE = "pytest_gpubench.run.load.client_task"
 # How long a load point's client tasks may take to end once the point is over, before they are
 # killed.
 CLIENTS_END_TIMEOUT_S = 30.0
+# How a task on a node that ended without sending its requests is named (then how it ended).
+NO_REQUESTS = "ended without its requests"
 
 
 class Launch(Protocol):
-    """How K client tasks of a load point start on a node, given their plan: what differs
-    between node kinds (an `srun` step, SSH sessions). Everything else (the plan, barrier,
-    offsets, merge, loss) is the coordinator's (run/load/cluster_clients.py)."""
+    """How K client tasks of a load point start, given their plan: what differs between
+    processes of this machine, an `srun` step and SSH sessions. Everything else (the plan,
+    barrier, offsets, merge, loss) is the one coordinator's (run/load/clients.py)."""
+
+    # Whether the tasks read this machine's clock (no offset to measure).
+    shares_clock: bool
 
     def address(self, coordinator: str, port: int) -> tuple[str, int]:
         """Where the tasks connect to reach this machine's listener on `port`: `coordinator`'s
@@ -128,8 +134,8 @@ class Launch(Protocol):
         """Why the launch ended before every task connected (its own last words), else None."""
         ...
 
-    def lost_detail(self, task: int) -> str:
-        """What is known of how a lost task ended (may be empty)."""
+    def how_lost(self, task: int) -> str:
+        """How a task that sent nothing ended, as known: `died mid-point (killed by SIGKILL)`."""
         ...
 
     def close(self) -> None:
@@ -201,6 +207,21 @@ def open_target(
     from pytest_gpubench.targets.provider import ProviderTarget
 
     return ProviderTarget(node_id, node, on_rental_closed=on_rental_closed, clock=clock).open()
+
+
+def write_plan(path: str | os.PathLike[str], plan: bytes) -> None:
+    """A launch's plan, written where this machine's tasks read it: the plan holds the
+    connection's key (and the cell's headers), so the file is its owner's only."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(plan)
+
+
+def launch_here() -> Launch:
+    """How a load point's client processes start on this machine (`processes: N`)."""
+    from pytest_gpubench.targets.local import ProcessLaunch
+
+    return ProcessLaunch()
 
 
 def launch_clients(node_id: str, node: AnyNode, python: str | None) -> Launch:

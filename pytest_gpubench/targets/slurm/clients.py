@@ -14,7 +14,13 @@ from pathlib import Path
 
 from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.targets import CLIENT_TASK_MODULE, CLIENTS_END_TIMEOUT_S, Launch
+from pytest_gpubench.targets import (
+    CLIENT_TASK_MODULE,
+    CLIENTS_END_TIMEOUT_S,
+    NO_REQUESTS,
+    Launch,
+    write_plan,
+)
 from pytest_gpubench.targets.ssh.clients import session_ended
 from pytest_gpubench.targets.ssh.target import SshLineStream, SshTarget
 
@@ -44,6 +50,8 @@ class SrunLaunch:
     """An `srun` step of K tasks on a Slurm node: the plan written (mode 600) to the node's
     `work_dir` (a folder the compute node shares), each task's share its SLURM_PROCID."""
 
+    shares_clock = False
+
     def __init__(self, node: SlurmNode, python: str | None) -> None:
         self.node, self.python = node, python
         work_dir = Path(node.work_dir) if node.work_dir else Path(tempfile.gettempdir())
@@ -58,10 +66,7 @@ class SrunLaunch:
         return coordinator, port
 
     def start(self, plan: bytes, tasks: int) -> None:
-        # The plan holds the connection's key (and the cell's headers): its owner's only.
-        descriptor = os.open(self.plan, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "wb") as file:
-            file.write(plan)
+        write_plan(self.plan, plan)
         env = {
             **os.environ,
             **({"SLURM_CONF": self.node.slurm_conf} if self.node.slurm_conf else {}),
@@ -81,10 +86,10 @@ class SrunLaunch:
         said = self.said.read().strip()[-300:]
         return f"srun ended ({self.step.returncode}): {said}"
 
-    def lost_detail(self, task: int) -> str:
+    def how_lost(self, task: int) -> str:
         if self.step is None or self.step.poll() is None:
-            return ""
-        return f" (srun exit status {self.step.returncode})"
+            return NO_REQUESTS
+        return f"{NO_REQUESTS} (srun exit status {self.step.returncode})"
 
     def close(self) -> None:
         if self.step is not None:
@@ -107,6 +112,8 @@ class LoginSrunLaunch:
     the plan written (mode 600) to the node's `work_dir` (shared with the compute nodes) through
     the SSH connection, srun run in an SSH session of its own whose shell says srun's pid first
     (so that a step still running after the point is cancelled: SIGTERM to srun, then KILL)."""
+
+    shares_clock = False
 
     def __init__(self, node_id: str, node: SlurmNode, python: str | None) -> None:
         login = node.login
@@ -139,9 +146,9 @@ class LoginSrunLaunch:
         said = self.session.rest().strip()[-300:]
         return f"srun on the login node ended ({status}): {said}"
 
-    def lost_detail(self, task: int) -> str:
+    def how_lost(self, task: int) -> str:
         status = self.session.exit_status() if self.session is not None else None
-        return "" if status is None else f" (srun exit status {status})"
+        return NO_REQUESTS if status is None else f"{NO_REQUESTS} (srun exit status {status})"
 
     def close(self) -> None:
         # Best effort, as SshLaunch's: a connection lost meanwhile must not hide why the point

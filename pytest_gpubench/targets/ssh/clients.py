@@ -11,7 +11,7 @@ import time
 from pytest_gpubench.config.load_profile import TUNNEL
 from pytest_gpubench.config.nodes import SshNode
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.targets import CLIENT_TASK_MODULE, CLIENTS_END_TIMEOUT_S
+from pytest_gpubench.targets import CLIENT_TASK_MODULE, CLIENTS_END_TIMEOUT_S, NO_REQUESTS
 from pytest_gpubench.targets.ssh.forward import RemoteForward
 from pytest_gpubench.targets.ssh.target import SshLineStream, SshTarget
 
@@ -21,6 +21,8 @@ class SshLaunch:
     written (mode 600) to the node's work folder, each session one task, its share given on
     its command line. Each session's shell says the task's pid first, so that a task still
     running after the point can be killed."""
+
+    shares_clock = False
 
     def __init__(self, node_id: str, node: SshNode, python: str | None) -> None:
         self.python = python or sys.executable
@@ -57,19 +59,18 @@ class SshLaunch:
                 return f"the SSH session of task {task} ended (exit status {status}): {said}"
         return None
 
-    def lost_detail(self, task: int) -> str:
+    def how_lost(self, task: int) -> str:
         status = self.sessions[task].exit_status() if task < len(self.sessions) else None
         if status is None:
-            return ""
+            return NO_REQUESTS
         if status == -1:
-            return " (its SSH session ended by a signal)"
+            return f"{NO_REQUESTS} (its SSH session ended by a signal)"
         if status > 128:
             # The login shell's word for a command a signal ended: 128 + its number.
-            try:
-                return f" (its SSH session ended: killed by {signal.Signals(status - 128).name})"
-            except ValueError:
-                pass
-        return f" (its SSH session's exit status {status})"
+            with contextlib.suppress(ValueError):
+                how = f"killed by {signal.Signals(status - 128).name}"
+                return f"{NO_REQUESTS} (its SSH session ended: {how})"
+        return f"{NO_REQUESTS} (its SSH session's exit status {status})"
 
     def close(self) -> None:
         # A connection lost meanwhile must not hide why the point failed: the clean-up is best

@@ -1,11 +1,13 @@
-"""`clients: {node, tasks}`: one load point sent by K client tasks on a node of cells.yaml: an
-`srun` step of K tasks on a Slurm node, or K SSH sessions on an ssh node. Both share one
-mechanism (`run_clients`), and differ only in how the plan reaches the node and the tasks start
-(the node kind's `targets.Launch`). This process coordinates: it listens for the tasks
-(multiprocessing's authenticated connections), measures each task's clock offset to its own by
-timestamp exchanges, starts them at one barrier time, and merges their requests raw into its own
-clock; a task that ends without its requests is a lost client (the point is then invalid,
-run/load/runner.py)."""
+"""A load point sent by K clients, with one coordinator: `processes: N` client processes on
+this machine, or `clients: {node, tasks}` client tasks on a node of cells.yaml (an `srun` step
+of K tasks on a Slurm node, or K SSH sessions on an ssh node). They differ only in how the plan
+reaches them and they start (a `targets.Launch`: `launch_here`, or the node kind's). This
+process coordinates: it listens for the tasks (multiprocessing's authenticated connections),
+measures each task's clock offset to its own by timestamp exchanges (not for processes of this
+machine: they read its clock), starts them at one barrier time, and merges their requests raw
+into its own clock; a task that ends without its requests is a lost client (the point is then
+invalid, run/load/runner.py). Each client sends its share: its streams of a closed loop, or
+rate/N of an open loop."""
 
 from __future__ import annotations
 
@@ -22,14 +24,15 @@ from typing import Any
 from pytest_gpubench.config.load_profile import TUNNEL, LoadProfile
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.run.load import LoadPattern, ramp_seconds
+from pytest_gpubench.run.load.closed_loop import ClosedLoop
 from pytest_gpubench.run.load.driver import LoadRun, Sent, Target, wait_until
-from pytest_gpubench.run.load.processes import profile_share, share
+from pytest_gpubench.run.load.open_loop import OpenLoop
 from pytest_gpubench.targets import Launch
 
 # The start is set this far ahead of the moment every task said it was ready.
 START_AHEAD_NS = 200_000_000
-# How long the tasks may take to start and connect (srun, ssh, Python's imports), then to be
-# ready.
+# How long the tasks may take to start and connect (spawn, srun, ssh, Python's imports), then to
+# be ready.
 CONNECT_TIMEOUT_S = 120.0
 # Timestamp exchanges per task; the one with the smallest round trip gives the offset.
 EXCHANGES = 8
@@ -43,9 +46,58 @@ class ClusterResult:
     sent: list[Sent]
     lost: list[str]
     # Per task (by SLURM_PROCID): its clock minus ours, and the bound on that offset's error
-    # (half the exchange's round trip), in ms.
+    # (half the exchange's round trip), in ms (0 for processes of this machine).
     offsets_ms: list[float]
     offset_errors_ms: list[float]
+
+
+@dataclass(frozen=True)
+class Clients:
+    """A point's clients as a reason names them: the profile's key, how many, and each one."""
+
+    key: str
+    tasks: int
+    noun: str
+    where: str = ""
+
+    @staticmethod
+    def of(profile: LoadProfile) -> Clients:
+        if profile.clients is None:
+            return Clients("processes", profile.processes, "client process")
+        node = profile.clients.node
+        return Clients("clients", profile.clients.tasks, "client task", f" on node '{node}'")
+
+    def name(self, task: int) -> str:
+        return f"{self.noun} {task} of {self.tasks}{self.where}"
+
+    def names(self) -> dict[int, str]:
+        return {task: self.name(task) for task in range(self.tasks)}
+
+
+def share(pattern: LoadPattern, process: int, processes: int) -> LoadPattern:
+    """What one client sends: its streams of a closed loop (spread as evenly as they go), or
+    rate/N of an open loop (Poisson and gamma with a seed of its own: N independent Poisson
+    arrivals at rate/N are one Poisson at the rate; constant ones interleave)."""
+    if isinstance(pattern, ClosedLoop):
+        base, extra = divmod(pattern.concurrency, processes)
+        return ClosedLoop(base + (1 if process < extra else 0), pattern.ramp)
+    if isinstance(pattern, OpenLoop):
+        rate = pattern.rate / processes
+        return replace(
+            pattern,
+            rate=rate,
+            seed=pattern.seed * 1000 + process,
+            offset_s=process / pattern.rate if pattern.arrival == "constant" else 0.0,
+        )
+    raise GpubenchError(f"processes: cannot split a {type(pattern).__name__} load")
+
+
+def profile_share(profile: LoadProfile, process: int, processes: int) -> LoadProfile:
+    """One client's profile: its share of `requests` (spread as evenly as they go)."""
+    if profile.requests is None:
+        return profile
+    base, extra = divmod(profile.requests, processes)
+    return profile.model_copy(update={"requests": max(1, base + (1 if process < extra else 0))})
 
 
 def clock_offset(exchanges: list[tuple[int, int, int, int]]) -> tuple[float, float]:
@@ -61,12 +113,14 @@ def run_clients(
 ) -> ClusterResult:
     """One point sent by the launch's K tasks: listen, start them, wait until all connected
     (or the launch ended first, or CONNECT_TIMEOUT_S), then coordinate (_coordinate)."""
-    assert profile.clients is not None
-    tasks = profile.clients.tasks
+    clients = Clients.of(profile)
+    tasks = clients.tasks
     authkey = secrets.token_bytes(32)
-    coordinator = profile.clients.coordinator
-    # Through a tunnel the tasks arrive on this machine's loopback, and nowhere else.
-    listener = Listener(("127.0.0.1" if coordinator == TUNNEL else "0.0.0.0", 0), authkey=authkey)
+    coordinator = profile.clients.coordinator if profile.clients is not None else "127.0.0.1"
+    # Through a tunnel (or to this machine's own address) the tasks arrive on this machine's
+    # loopback, and nowhere else.
+    local = coordinator in (TUNNEL, "127.0.0.1")
+    listener = Listener(("127.0.0.1" if local else "0.0.0.0", 0), authkey=authkey)
     accepted: list[Connection] = []
     try:
         host, port = launch.address(coordinator, listener.address[1])
@@ -86,8 +140,8 @@ def run_clients(
             ended = launch.ended()
             if ended is not None or time.monotonic() > deadline:
                 raise GpubenchError(
-                    f"clients: {len(accepted)} of {tasks} client tasks on node "
-                    f"'{profile.clients.node}' reached this machine at "
+                    f"{clients.key}: {len(accepted)} of {tasks} {clients.noun}s{clients.where}"
+                    " reached this machine at "
                     + (
                         f"{coordinator}:{port}: "
                         if coordinator != TUNNEL
@@ -100,11 +154,11 @@ def run_clients(
         # session.
         ends_within_s = profile.longest_s + CONNECT_TIMEOUT_S
         try:
-            return _coordinate(accepted, tasks, profile.clients.node, launch, ends_within_s)
+            return _coordinate(accepted, clients, launch, ends_within_s)
         except (EOFError, OSError) as exc:
             raise GpubenchError(
-                f"clients: a client task on node '{profile.clients.node}' was lost before the "
-                f"point started ({type(exc).__name__})"
+                f"{clients.key}: a {clients.noun}{clients.where} was lost before the point "
+                f"started ({type(exc).__name__})"
             ) from None
     finally:
         listener.close()
@@ -128,32 +182,31 @@ def accept_tasks(listener: Listener, accepted: list[Connection], tasks: int) -> 
 
 
 def _coordinate(
-    connections: list[Connection], tasks: int, node: str, launch: Launch, ends_within_s: float
+    connections: list[Connection], clients: Clients, launch: Launch, ends_within_s: float
 ) -> ClusterResult:
     by_task: dict[int, Connection] = {}
     for connection in connections:
         kind, task = connection.recv()
         assert kind == "hello"
         by_task[int(task)] = connection
-    offsets_ns: dict[int, float] = {}
-    errors_ns: dict[int, float] = {}
+    offsets_ns: dict[int, float] = dict.fromkeys(by_task, 0.0)
+    errors_ns: dict[int, float] = dict.fromkeys(by_task, 0.0)
     for task, connection in sorted(by_task.items()):
         exchanges = []
-        for _ in range(EXCHANGES):
+        for _ in range(0 if launch.shares_clock else EXCHANGES):
             t0 = time.perf_counter_ns()
             connection.send(("ping",))
             _, t1, t2 = connection.recv()
             exchanges.append((t0, int(t1), int(t2), time.perf_counter_ns()))
-        offsets_ns[task], errors_ns[task] = clock_offset(exchanges)
+        if exchanges:
+            offsets_ns[task], errors_ns[task] = clock_offset(exchanges)
     for connection in by_task.values():
         connection.send(("fill",))
     for task, connection in by_task.items():
         answer = connection.recv() if connection.poll(CONNECT_TIMEOUT_S) else None
         if answer != ("ready",):
             why = answer[1] if isinstance(answer, tuple) and answer[0] == "error" else "no answer"
-            raise GpubenchError(
-                f"clients: client task {task} of {tasks} on node '{node}' was not ready: {why}"
-            )
+            raise GpubenchError(f"{clients.key}: {clients.name(task)} was not ready: {why}")
     started_ns = time.perf_counter_ns() + START_AHEAD_NS
     for task, connection in by_task.items():
         connection.send(("start", started_ns + round(offsets_ns[task])))
@@ -162,22 +215,16 @@ def _coordinate(
     deadline = time.monotonic() + ends_within_s
     for task, connection in sorted(by_task.items()):
         if not wait([connection], timeout=max(0.0, deadline - time.monotonic())):
-            lost.append(
-                f"client task {task} of {tasks} on node '{node}' sent nothing within "
-                f"{ends_within_s:g} s"
-            )
+            lost.append(f"{clients.name(task)} sent nothing within {ends_within_s:g} s")
             continue
         try:
             kind, value = connection.recv()
         except EOFError:
             time.sleep(0.2)  # the launch's own word on how the task ended comes a moment later
-            lost.append(
-                f"client task {task} of {tasks} on node '{node}' ended without its requests"
-                + launch.lost_detail(task)
-            )
+            lost.append(f"{clients.name(task)} {launch.how_lost(task)}")
             continue
         if kind == "error":
-            lost.append(f"client task {task} of {tasks} on node '{node}' failed: {value}")
+            lost.append(f"{clients.name(task)} failed: {value}")
             continue
         shift = round(offsets_ns[task])
         sent.extend(
