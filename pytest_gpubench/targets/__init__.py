@@ -124,23 +124,18 @@ class Launch(Protocol):
     def address(self, coordinator: str, port: int) -> tuple[str, int]:
         """Where the tasks connect to reach this machine's listener on `port`: `coordinator`'s
         address, or (`tunnel`, on an ssh node) a port on the node's loopback carried back."""
-        ...
 
     def start(self, plan: bytes, tasks: int) -> None:
         """Put the plan where the tasks read it, and start them."""
-        ...
 
     def ended(self) -> str | None:
         """Why the launch ended before every task connected (its own last words), else None."""
-        ...
 
     def how_lost(self, task: int) -> str:
         """How a task that sent nothing ended, as known: `died mid-point (killed by SIGKILL)`."""
-        ...
 
     def close(self) -> None:
         """Wait for the tasks to end (killed past CLIENTS_END_TIMEOUT_S), remove the plan."""
-        ...
 
 
 # pytest_gpubench_open_target (hookspecs.py), as pytest's hook relay calls it.

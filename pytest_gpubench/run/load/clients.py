@@ -115,6 +115,7 @@ def run_clients(
     (or the launch ended first, or CONNECT_TIMEOUT_S), then coordinate (_coordinate)."""
     clients = Clients.of(profile)
     tasks = clients.tasks
+    share(pattern, 0, tasks)  # a load that cannot be split is one line here, not a lost task
     authkey = secrets.token_bytes(32)
     coordinator = profile.clients.coordinator if profile.clients is not None else "127.0.0.1"
     # Through a tunnel (or to this machine's own address) the tasks arrive on this machine's
