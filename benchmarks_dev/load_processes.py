@@ -3,7 +3,8 @@ lag side by side.
 
 The stand-in is benchmarks_dev/load_client.py's asyncio server (its own process; kept-alive
 connections; `--tokens` SSE events a reply after a 2 ms "prefill"). Each configuration runs
-through run/load/processes.run_in_processes, so one process and two are spawned the same way:
+through run/load/clients.run_clients (processes on this machine), so one process and two are
+spawned the same way:
 
 - closed loop at `--streams`: output tokens/s (content chunks the clients read over the
   window) and the send lag (from a stream's last reply to its next send);
@@ -31,10 +32,11 @@ from pathlib import Path
 
 from pytest_gpubench.config.load_profile import LoadProfile
 from pytest_gpubench.run.load import LoadPattern
+from pytest_gpubench.run.load.clients import run_clients
 from pytest_gpubench.run.load.closed_loop import ClosedLoop
 from pytest_gpubench.run.load.driver import Sent, build_target
 from pytest_gpubench.run.load.open_loop import OpenLoop
-from pytest_gpubench.run.load.processes import run_in_processes
+from pytest_gpubench.targets import launch_here
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_client import BODY, _serve
@@ -48,10 +50,11 @@ def _percentile(values: list[float], q: float) -> float:
 def measure(
     url: str, body: bytes, pattern: LoadPattern, processes: int, seconds: float
 ) -> dict[str, float]:
-    """One point through run_in_processes: its throughput and send lag."""
+    """One point through run_clients: its throughput and send lag."""
     target = build_target("openai", url, body, {}, 60.0)
     profile = LoadProfile(duration_s=seconds, processes=processes)
-    started_ns, sent, lost = run_in_processes(target, profile, pattern)
+    result = run_clients(target, profile, pattern, launch_here())
+    started_ns, sent, lost = result.started_ns, result.sent, result.lost
     assert not lost, lost
     measured: list[Sent] = [item for item in sent if item.window == "measured"]
     assert all(item.measurement.error is None for item in measured)

@@ -20,7 +20,8 @@ from test_load import INFERENCE_TEST, ledger_records, write_load_project
 from pytest_gpubench.config.load_profile import Clients, LoadProfile
 from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.run.load.cluster_clients import clock_offset, srun_argv
+from pytest_gpubench.run.load.clients import clock_offset
+from pytest_gpubench.targets.slurm.clients import srun_argv
 
 if TYPE_CHECKING:
     from support.slurm_fixtures import SlurmCluster
@@ -207,7 +208,7 @@ def test_a_stray_connection_to_the_coordinator_does_not_stop_it_accepting_the_ta
     import threading
     from multiprocessing.connection import Client, Connection, Listener
 
-    from pytest_gpubench.run.load.cluster_clients import accept_tasks
+    from pytest_gpubench.run.load.clients import accept_tasks
 
     listener = Listener(("127.0.0.1", 0), authkey=b"right")
     accepted: list[Connection] = []

@@ -3,7 +3,7 @@ session on the real sshd of the tests (tests/support/ssh_fixtures.py, logging in
 unprivileged user, whose Python is a venv of the system's with this checkout copied in:
 node_python), against tests/support/keepalive_server.py (a stand-in OpenAI-style streaming
 server, so that the figures are the clients', not a tiny model's). The same plan, barrier,
-clock offsets, raw merge and loss as the Slurm path (run/load/cluster_clients.run_clients)."""
+clock offsets, raw merge and loss as the Slurm path (run/load/clients.run_clients)."""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ from pytest_gpubench.config.load_profile import LoadProfile
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.reports.load_html import render_load_section
 from pytest_gpubench.run.load import make_pattern, pattern_facts
+from pytest_gpubench.run.load.clients import share
 from pytest_gpubench.run.load.closed_loop import ClosedLoop
 from pytest_gpubench.run.load.open_loop import OpenLoop
-from pytest_gpubench.run.load.processes import share
 from pytest_gpubench.run.load.ramp import Ramp
 
 

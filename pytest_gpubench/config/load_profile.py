@@ -140,7 +140,7 @@ TUNNEL = "tunnel"
 
 
 class Clients(_Strict):
-    """Client tasks on another node for each load point (run/load/cluster_clients.py): an
+    """Client tasks on another node for each load point (run/load/clients.py): an
     `srun` step of `tasks` tasks on a Slurm node of cells.yaml, or `tasks` SSH sessions on an
     ssh node, each sending its share, started at one barrier time, their clocks' offsets to
     this process measured and their requests merged raw. `coordinator`: this machine's address

@@ -254,7 +254,7 @@ class LoadFigures(TypedDict, total=False):
     clients_lost: list[str]
     requests_recorded: int | None
     # `clients:` on a Slurm node: its setting and each task's clock offset to the coordinator
-    # and that offset's error bound (run/load/cluster_clients.py).
+    # and that offset's error bound (run/load/clients.py).
     clients: dict[str, Any] | None
     client_offsets_ms: list[float]
     client_offset_errors_ms: list[float]

@@ -32,10 +32,9 @@ from pytest_gpubench.measure.gauges import CaseCounters
 from pytest_gpubench.measure.listener import EngineProcess, endpoint_process
 from pytest_gpubench.measure.stream import STALL_LIMIT_S, CallMeasurement, StreamError, TlsSettings
 from pytest_gpubench.run.nodes import plain_error
-from pytest_gpubench.targets import Target, records_stages
+from pytest_gpubench.targets import StartsEnginesInJobs, Target, on_this_machine, records_stages
 from pytest_gpubench.targets.bringup import check_gpus, check_vram
 from pytest_gpubench.targets.gpu import gpu_summary
-from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.targets.stages import Stage, StageClock, StageError
 
 log = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ class LiveCell:
 
     def engine_wait(self) -> EngineWait | None:
         """The reader of the engine's own waiting: an engine process on this machine."""
-        if not isinstance(self.target, LocalTarget):
+        if not on_this_machine(self.target):
             return None
         pid = self.engine_pid()
         return EngineWait(pid) if pid is not None else None
@@ -165,7 +164,7 @@ class LiveCell:
                 "node_info": self.target.describe(),
                 "engine_url": base_url,
             }
-            if self.server is None and isinstance(self.target, LocalTarget):
+            if self.server is None and on_this_machine(self.target):
                 self.engine_process = self._find_engine_process(base_url)
                 self.facts["engine_process"] = self.engine_process.facts()
             self.ready_at = time.monotonic()
@@ -197,11 +196,9 @@ class LiveCell:
         cell's ready_timeout_s, cut to what is left of the node's budget)."""
         clock = self.node_clock(self.cell)
         cell_id = self.cell.cell_id
-        from pytest_gpubench.targets.slurm import SlurmTarget
-
-        if isinstance(target, SlurmTarget):
-            # A Slurm job: its node (and GPUs) are known once it runs; checked inside it.
-            target.on_running = lambda shell: self._check_job_node(shell, server, clock)
+        if isinstance(target, StartsEnginesInJobs):
+            # A job: its node (and GPUs) are known once it runs; checked inside it.
+            target.when_job_runs(lambda shell: self._check_job_node(shell, server, clock))
         elif not server.pulls_model:
             size, where = model_size(self.cell, server, target)
             check_vram(target, clock, cell_id=cell_id, model_bytes=size, where=where)
@@ -210,7 +207,7 @@ class LiveCell:
                 server.ready_timeout_s = limit
             # Not for a job: the login node that runs commands lacks what its image or modules
             # give the compute node.
-            if not isinstance(target, SlurmTarget) and server.starts == 0:
+            if not isinstance(target, StartsEnginesInJobs) and server.starts == 0:
                 server.check_installed()
             base_url = server.start()
         if server.pulls_model:
@@ -411,7 +408,7 @@ class LiveCell:
         with contextlib.suppress(Exception):
             self.server.stop()
         started = self.server.starts > 0
-        if started and self.target is not None and not isinstance(self.target, LocalTarget):
+        if started and self.target is not None and not on_this_machine(self.target):
             begun = time.monotonic()
             limit = clock.limit("collect", LOG_FETCH_TIMEOUT_S) or LOG_FETCH_TIMEOUT_S
             fetched = self.fetch_log(self.target, self.server.log_path, max(limit, 1.0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -55,6 +56,16 @@ class ListensBeyondLoopback(Protocol):
     def engine_bind_host(self) -> str: ...
 
 
+@runtime_checkable
+class StartsEnginesInJobs(Protocol):
+    """A node whose managed engines each run in a batch job of their own (a Slurm node): the
+    job's node, and its GPUs, are known once the job runs, and are checked inside it (`check` is
+    given a shell in the job); where its commands run (the login node) lacks what the job's
+    image or modules give, so a managed engine's install is not checked there."""
+
+    def when_job_runs(self, check: Callable[[Target], None]) -> None: ...
+
+
 class Target(Protocol):
     """A machine that engines run on, seen from the machine that runs pytest."""
 
@@ -90,6 +101,41 @@ class Target(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+# The module each client task of a load point runs (`python -m ... PLAN [TASK TASKS]`):
+# run/load/client_task.py, named here and not imported (the coordinator it answers is a run's).
+CLIENT_TASK_MODULE = "pytest_gpubench.run.load.client_task"
+# How long a load point's client tasks may take to end once the point is over, before they are
+# killed.
+CLIENTS_END_TIMEOUT_S = 30.0
+# How a task on a node that ended without sending its requests is named (then how it ended).
+NO_REQUESTS = "ended without its requests"
+
+
+class Launch(Protocol):
+    """How K client tasks of a load point start, given their plan: what differs between
+    processes of this machine, an `srun` step and SSH sessions. Everything else (the plan,
+    barrier, offsets, merge, loss) is the one coordinator's (run/load/clients.py)."""
+
+    # Whether the tasks read this machine's clock (no offset to measure).
+    shares_clock: bool
+
+    def address(self, coordinator: str, port: int) -> tuple[str, int]:
+        """Where the tasks connect to reach this machine's listener on `port`: `coordinator`'s
+        address, or (`tunnel`, on an ssh node) a port on the node's loopback carried back."""
+
+    def start(self, plan: bytes, tasks: int) -> None:
+        """Put the plan where the tasks read it, and start them."""
+
+    def ended(self) -> str | None:
+        """Why the launch ended before every task connected (its own last words), else None."""
+
+    def how_lost(self, task: int) -> str:
+        """How a task that sent nothing ended, as known: `died mid-point (killed by SIGKILL)`."""
+
+    def close(self) -> None:
+        """Wait for the tasks to end (killed past CLIENTS_END_TIMEOUT_S), remove the plan."""
 
 
 # pytest_gpubench_open_target (hookspecs.py), as pytest's hook relay calls it.
@@ -156,6 +202,37 @@ def open_target(
     from pytest_gpubench.targets.provider import ProviderTarget
 
     return ProviderTarget(node_id, node, on_rental_closed=on_rental_closed, clock=clock).open()
+
+
+def write_plan(path: str | os.PathLike[str], plan: bytes) -> None:
+    """A launch's plan, written where this machine's tasks read it: the plan holds the
+    connection's key (and the cell's headers), so the file is its owner's only."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(plan)
+
+
+def launch_here() -> Launch:
+    """How a load point's client processes start on this machine (`processes: N`)."""
+    from pytest_gpubench.targets.local import ProcessLaunch
+
+    return ProcessLaunch()
+
+
+def launch_clients(node_id: str, node: AnyNode, python: str | None) -> Launch:
+    """How a load point's client tasks start on `clients:`'s node, by its kind: an srun step on
+    a Slurm node (from this machine, or over SSH from its login node), SSH sessions on an ssh
+    node (config/cell_rules.py has refused any other). `python` runs each task there."""
+    from pytest_gpubench.config.nodes import SlurmNode, SshNode
+
+    if isinstance(node, SshNode):
+        from pytest_gpubench.targets.ssh.clients import SshLaunch
+
+        return SshLaunch(node_id, node, python)
+    assert isinstance(node, SlurmNode)
+    from pytest_gpubench.targets.slurm.clients import slurm_launch
+
+    return slurm_launch(node_id, node, python)
 
 
 def release_leaked(node: AnyNode, journal: RentalJournal, seen: set[str]) -> list[dict[str, Any]]:

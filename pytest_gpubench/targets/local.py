@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
+import multiprocessing
 import os
 import platform
+import secrets
 import signal
 import socket
 import subprocess
@@ -14,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.targets import CommandResult
+from pytest_gpubench.targets import CLIENT_TASK_MODULE, CommandResult, write_plan
 from pytest_gpubench.targets.gpu import gpu_inventory_of
 
 _PR_SET_PDEATHSIG = 1
@@ -167,3 +170,60 @@ def _cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+class ProcessLaunch:
+    """`processes: N`: a load point's client tasks as processes of this machine (spawned, each
+    with its own event loop and connections), the plan in a file of its own (mode 600). They
+    share this machine's clock: no offset is measured."""
+
+    shares_clock = True
+
+    def __init__(self) -> None:
+        self.plan = Path(tempfile.gettempdir()) / f"gpubench-load-plan-{secrets.token_hex(6)}.pkl"
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+
+    def address(self, coordinator: str, port: int) -> tuple[str, int]:
+        return coordinator, port
+
+    def start(self, plan: bytes, tasks: int) -> None:
+        write_plan(self.plan, plan)
+        context = multiprocessing.get_context("spawn")
+        for task in range(tasks):
+            process = context.Process(
+                target=run_client_task,
+                args=(CLIENT_TASK_MODULE, str(self.plan), str(task), str(tasks)),
+                daemon=True,
+            )
+            process.start()
+            self.processes.append(process)
+
+    def ended(self) -> str | None:
+        for task, process in enumerate(self.processes):
+            if process.exitcode is not None:
+                return f"client process {task} ended ({_how_ended(process.exitcode)})"
+        return None
+
+    def how_lost(self, task: int) -> str:
+        process = self.processes[task]
+        process.join(timeout=5)
+        return f"died mid-point ({_how_ended(process.exitcode)})"
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+        self.plan.unlink(missing_ok=True)
+
+
+def run_client_task(module: str, *argv: str) -> None:
+    """In a spawned process: the client task's module's `task_main` (named, not imported here:
+    it is a run's)."""
+    importlib.import_module(module).task_main(*argv)
+
+
+def _how_ended(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit status {exitcode}"

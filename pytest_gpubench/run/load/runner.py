@@ -37,8 +37,9 @@ from pytest_gpubench.results.load_summary import (
 )
 from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts, ramp_seconds
 from pytest_gpubench.run.load.adapters import AdapterChoice
+from pytest_gpubench.run.load.clients import Clients, run_clients
 from pytest_gpubench.run.load.driver import LoadRun, Sent, SessionPlan, Target, build_target
-from pytest_gpubench.run.load.processes import run_in_processes
+from pytest_gpubench.targets import launch_clients, launch_here
 
 if TYPE_CHECKING:
     from pytest_gpubench.run.live_cell import LiveCell
@@ -477,16 +478,9 @@ class _Recorder:
 
     def _client_names(self) -> dict[int, str] | None:
         """Each client's name in a reason (None: one client, the pytest process)."""
-        clients = self.profile.clients
-        if clients is not None:
-            return {
-                task: f"client task {task} of {clients.tasks} on node '{clients.node}'"
-                for task in range(clients.tasks)
-            }
-        count = self.profile.processes
-        if count > 1:
-            return {process: f"client process {process} of {count}" for process in range(count)}
-        return None
+        if self.profile.clients is None and self.profile.processes <= 1:
+            return None
+        return Clients.of(self.profile).names()
 
     def _elsewhere(
         self, target: Target, pattern: LoadPattern
@@ -494,12 +488,14 @@ class _Recorder:
         """The point sent by client processes here (`processes:`) or tasks on a Slurm or ssh
         node (`clients:`): (their shared start, their requests, the ones lost, the tasks' clock
         offsets)."""
-        if self.profile.clients is None:
-            return (*run_in_processes(target, self.profile, pattern), {})
-        from pytest_gpubench.run.load.cluster_clients import launch_for, run_clients
-
-        launch = launch_for(self.profile, self.client_nodes)
+        clients = self.profile.clients
+        if clients is None:
+            launch = launch_here()
+        else:
+            launch = launch_clients(clients.node, self.client_nodes[clients.node], clients.python)
         result = run_clients(target, self.profile, pattern, launch)
+        if clients is None:
+            return result.started_ns, result.sent, result.lost, {}
         offsets = {
             "client_offsets_ms": result.offsets_ms,
             "client_offset_errors_ms": result.offset_errors_ms,

@@ -142,6 +142,10 @@ class SlurmTarget:
         """The address a managed engine listens on: its compute node is another machine."""
         return self.node.bind_host
 
+    def when_job_runs(self, check: Callable[[Target], None]) -> None:
+        """`check` is called with a shell inside each job once it runs (StartsEnginesInJobs)."""
+        self.on_running = check
+
     def run(self, argv: Sequence[str], *, timeout_s: float) -> CommandResult:
         """On the login node, which shares the cluster's filesystem with the compute nodes."""
         return self.login.run(argv, timeout_s=timeout_s)
