@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from support.keepalive_server import keepalive_server
 from support.remote_cells import ssh_node
+from support.tls_terminator import stunnel, stunnel_binary
 from test_load import INFERENCE_TEST, ledger_records, write_load_project
 
 if TYPE_CHECKING:
@@ -88,8 +89,6 @@ def test_ssh_client_tasks_trust_an_https_endpoint_by_the_cells_ca_file(
     process's user can read it: the tasks, logged in as the node's unprivileged user, connect
     over TLS with the CA's text carried in the plan (an ssl.SSLContext cannot be pickled, and
     the file's path is not theirs to read)."""
-    from support.tls_terminator import stunnel, stunnel_binary
-
     if stunnel_binary() is None:
         pytest.skip("stunnel4 is not installed (scripts/setup-system.sh)")
     with keepalive_server() as server, stunnel(server.url, tmp_path / "tls") as terminator:
