@@ -600,9 +600,14 @@ def test_the_gauges_are_scraped_over_tls_with_what_the_cell_trusts(tmp_path: Pat
             )
 
             async def point() -> None:
+                # Until the server has been asked three times (a scrape that has begun ends
+                # before `stop` is read), not for a fixed 0.6 s: beside a whole parallel suite on
+                # 2 cores a TLS scrape took over 200 ms, and 0.6 s held two.
                 stop = asyncio.Event()
                 scraping = asyncio.create_task(scraper.run(time.perf_counter_ns(), stop))
-                await asyncio.sleep(0.6)
+                deadline = time.monotonic() + 60
+                while len(seen) < 3 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
                 stop.set()
                 await scraping
 
