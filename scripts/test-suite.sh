@@ -5,6 +5,7 @@
 #     machine, nothing once cached), which the tests that run the built binary wait for;
 #   - vLLM's install (`make vllm`: about 2 minutes, mostly download), which the vLLM tests wait for;
 #   - the wheel check (`make wheel-check`), which no test needs.
+# The tests marked `serial` (they time the machine) wait for all three: each takes CPUs of its own.
 # The waiting is the fixtures' (`llama_server`, `vllm_install`: tests/support/schedule.py reads the
 # status files named by GPUBENCH_TEST_BUILD_STATUS and GPUBENCH_TEST_VLLM_STATUS), and the modules
 # that need the build run after the others. sshd, Slurm and the docs site are set up first (seconds
@@ -48,7 +49,7 @@ echo "test: sshd, Slurm and the docs site set up at $((SECONDS - started)) s; th
 
 set +e
 GPUBENCH_TEST_BUILD_STATUS="$work/engine-build.status" GPUBENCH_TEST_VLLM_STATUS="$work/vllm.status" \
-  "$bin/pytest" tests/ "$@"
+  GPUBENCH_TEST_WHEEL_STATUS="$work/wheel-check.status" "$bin/pytest" tests/ "$@"
 suite=$?
 set -e
 echo "test: the suite ended at $((SECONDS - started)) s (exit $suite)"

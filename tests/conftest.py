@@ -155,8 +155,11 @@ def steady_control(monkeypatch: pytest.MonkeyPatch) -> None:
 # otherwise), and numpy's extension modules refuse a second load ("cannot load module more than
 # once per process") once the plugin imports pandas and scipy only when a benchmark is judged.
 # pynvml (imported by each run's telemetry to look for a GPU) would otherwise be imported again
-# by every run: 30 ms each.
-PRELOADED = ("httpcore", "pandas", "paramiko", "pynvml", "scipy.stats")
+# by every run: 30 ms each. cryptography.x509 (which paramiko does not import): first imported
+# inside a run and dropped after it, it came back as a second copy whose `Name` is not the class
+# the Rust bindings (kept) return, and building a certificate from a loaded one's subject failed
+# ("Expecting x509.Name object": tests/support/tls_terminator.py after tests/test_load.py's runs).
+PRELOADED = ("cryptography.x509", "httpcore", "pandas", "paramiko", "pynvml", "scipy.stats")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -340,6 +340,76 @@ def test_an_engine_without_metrics_is_asked_once() -> None:
     assert unread.absent is not None and "running event loop" in unread.absent
 
 
+def test_a_signal_inside_a_counters_read_is_an_ordinary_ctrl_c(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM (CI's cancel) while a warm call's counters are read: the read raises
+    KeyboardInterrupt at once, as the run's own code would, and leaves nothing behind. Read on an
+    event loop of its own (asyncio.run), a signal that landed inside a task's step left the task
+    holding it, and a parallel run's `test_sigterm_ends_the_run_like_ctrl_c` ended with that
+    traceback ("Task exception was never retrieved") instead of its 'interrupted' line. So a read
+    starts no event loop. (A stdlib server that holds its reply: only the read is under test.)"""
+    import asyncio
+    import gc
+    import os
+    import signal
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from pytest_gpubench.core.signals import TerminateAsInterrupt
+    from pytest_gpubench.measure.gauges import CaseCounters
+    from pytest_gpubench.measure.stream import Endpoint
+
+    release = threading.Event()
+
+    class HeldMetrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            release.wait(10)
+            body = b"# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total 1\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    loops: list[object] = []
+    new_event_loop = asyncio.events.new_event_loop
+
+    def counted_loop() -> asyncio.AbstractEventLoop:
+        loop = new_event_loop()
+        loops.append(loop)
+        return loop
+
+    monkeypatch.setattr(asyncio.events, "new_event_loop", counted_loop)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HeldMetrics)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    catch = TerminateAsInterrupt()
+    catch.install()
+    sender = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        counters = CaseCounters(Endpoint.parse(f"http://127.0.0.1:{server.server_port}"), ())
+        started = time.monotonic()
+        sender.start()
+        with pytest.raises(KeyboardInterrupt, match="terminated by signal"):
+            counters.read(settled=True)
+        assert time.monotonic() - started < 5  # at once, not after the read's 5 s timeout
+    finally:
+        sender.cancel()
+        catch.restore()
+        release.set()
+        server.shutdown()
+        server.server_close()
+    gc.collect()
+    assert loops == []
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+    # An interrupted read is no engine without /metrics.
+    assert counters.absent is None
+
+
 def test_a_read_that_already_counts_the_call_is_not_settled_again_and_a_lapse_is_no_absence() -> (
     None
 ):

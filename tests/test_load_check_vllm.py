@@ -48,9 +48,13 @@ def run_point(pytester: pytest.Pytester, endpoint: str) -> tuple[dict[str, Any],
 
 
 @pytest.mark.vllm
+@pytest.mark.serial
 def test_a_vllm_load_point_carries_the_engines_own_means_beside_the_clients(
     pytester: pytest.Pytester, vllm_server: Any
 ) -> None:
+    """The client's TPOT (asserted beside vLLM's) exists only where vLLM's streams reach the client
+    in more than one read: beside the other workers of a parallel run on 2 cores (another vLLM on
+    an SSH node among them) all 16 replies once came whole in one read. Serial, as the sweep."""
     load, output = run_point(pytester, vllm_server.base_url)
     assert load["valid"], load["invalid_reason"]
     check = load["server_check"]

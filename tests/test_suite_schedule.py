@@ -5,6 +5,7 @@ alone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -210,6 +211,59 @@ def test_a_serial_test_waits_for_the_others_and_holds_back_new_ones(tmp_path: Pa
     for thread in (first, serial, late):
         thread.join(10)
     assert events == ["first in", "first out", "serial in", "serial out", "late in", "late out"]
+
+
+def test_a_serial_test_starts_once_every_set_up_step_beside_the_suite_has_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not the build only: a serial test that ran while vLLM's install or the wheel check still
+    ran beside the suite found other processes taking 43% of the CPUs (`make test-parallel`,
+    test_engine_process). It waits for each step's status file, whatever the step's exit; a test
+    that is not serial waits for none."""
+    steps = {env: tmp_path / f"{env}.status" for env in schedule.SETUP_STATUS_ENVS}
+    assert set(steps) >= {
+        schedule.BUILD_STATUS_ENV,
+        schedule.VLLM_STATUS_ENV,
+        schedule.WHEEL_STATUS_ENV,
+    }
+    for env, status in steps.items():
+        monkeypatch.setenv(env, str(status))
+    steps[schedule.BUILD_STATUS_ENV].write_text("0\n")
+    steps[schedule.VLLM_STATUS_ENV].write_text("2\n")  # failed: `vllm_install` says so
+    lock = SerialLock(tmp_path / "shared")
+    lock.shared.mkdir()
+
+    def item(serial: bool) -> pytest.Item:
+        marker = SimpleNamespace(name="serial") if serial else None
+        return cast(
+            pytest.Item,
+            SimpleNamespace(
+                nodeid="test_x.py::test_1",
+                fixturenames=(),
+                get_closest_marker=lambda name: marker,
+            ),
+        )
+
+    started: list[str] = []
+
+    def run(name: str, serial: bool) -> None:
+        protocol = lock.pytest_runtest_protocol(item(serial))
+        next(protocol)
+        started.append(name)
+        with contextlib.suppress(StopIteration):
+            next(protocol)
+
+    plain = threading.Thread(target=run, args=("plain", False))
+    plain.start()
+    plain.join(10)
+    assert started == ["plain"]
+    serial = threading.Thread(target=run, args=("serial", True))
+    serial.start()
+    time.sleep(2.5)  # the status files are looked for each second
+    assert started == ["plain"]  # the wheel check still runs
+    steps[schedule.WHEEL_STATUS_ENV].write_text("0\n")
+    serial.join(10)
+    assert started == ["plain", "serial"]
 
 
 def test_under_xdist_a_group_runs_on_one_worker_and_a_serial_test_alone(

@@ -9,9 +9,8 @@ import asyncio
 import http.client
 import ssl
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from pytest_gpubench.config.metrics import (
     ENGINE_COUNTERS,
@@ -244,9 +243,20 @@ def counter_changes(before: Page, after: Page) -> dict[str, float]:
 
 class CaseCounters:
     """The engine's `/metrics` read before and after each warm call of a cell, on a connection of
-    its own outside the timed call (the load points' GaugeScraper, one read at a time). An
-    engine that exposes none is asked once: `absent` then says why, and it is not asked again
-    (an engine that answered once is asked again after a failed read)."""
+    its own outside the timed call (the load points' GaugeScraper, one read at a time, on a plain
+    socket as its scraping thread reads). An engine that exposes none is asked once: `absent`
+    then says why, and it is not asked again (an engine that answered once is asked again after a
+    failed read).
+
+    No event loop: a read is a few blocking system calls in the run's own thread, so that Ctrl-C
+    or SIGTERM landing inside one is an ordinary KeyboardInterrupt that ends the run as anywhere
+    else. On an event loop of its own (asyncio.run, twice a warm call) a signal that landed inside
+    a task's step left that task holding the KeyboardInterrupt, and the interpreter printed it as
+    a traceback ("Task exception was never retrieved") after the run's last line."""
+
+    # How long a settled read waits for the counters to hold still, and between its reads.
+    SETTLE_S = 3.0
+    SETTLE_STEP_S = 0.1
 
     def __init__(
         self,
@@ -269,9 +279,9 @@ class CaseCounters:
         wait (and second read) is spared on every warm call."""
         if self.absent is not None:
             return None
-        page = self._run(self.scraper.scrape())
+        page = self._page()
         if page is not None and settled and not _counted(since, page, generated):
-            page = self._run(self.scraper.settled_page())
+            page = self._settled()
         if page is not None:
             self.seen = True
             return page
@@ -279,16 +289,45 @@ class CaseCounters:
             self.absent = "; ".join(self.scraper.samples.notes) or "/metrics not read"
         return None
 
-    def _run(
-        self, reader: Coroutine[Any, Any, tuple[dict[str, float], dict[str, float]] | None]
-    ) -> Page | None:
+    def _page(self) -> Page | None:
         try:
-            page = asyncio.run(reader)
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # the run's own thread, as it should be
+        else:
+            # An async test's loop: a blocking read would stall it; measure without counters.
+            self.scraper._note("/metrics not read: called inside a running event loop")
+            return None
+        try:
+            text = self.scraper.fetch_blocking()
+            page = self.scraper._parse(text) if text is not None else None
         except Exception as exc:  # counters are never worth a case: measure without them
-            reader.close()
-            self.scraper.samples.notes.append(f"/metrics not read: {exc}")
+            self.scraper._note(f"/metrics not read: {exc}")
             return None
         return None if page is None else {**page[0], **page[1]}
+
+    def _settled(self) -> Page | None:
+        """The page once its counters hold still (GaugeScraper.settled_page's rule, read afresh):
+        two reads SETTLE_STEP_S apart that agree, or the last read after SETTLE_S."""
+        deadline = time.monotonic() + self.SETTLE_S
+        last: dict[str, float] | None = None
+        previous: Page | None = None
+        while True:
+            page = self._page()
+            if page is None:
+                return previous
+            counters = _settling(page)
+            if counters == last or time.monotonic() > deadline:
+                return page
+            last, previous = counters, page
+            time.sleep(self.SETTLE_STEP_S)
+
+
+def _settling(page: Page) -> dict[str, float]:
+    """What must hold still for a page to be settled: the token counters and the histograms (vLLM
+    observes a request's latencies when it finishes, and a read between its last token and that
+    would miss them)."""
+    return {name: page[name] for name in (*TOKEN_COUNTERS, *SERVER_SERIES) if name in page}
 
 
 def _counted(before: Page | None, after: Page, generated: int | None) -> bool:

@@ -22,8 +22,9 @@ test`), so do those with a test that needs the built binary.
 
 Serial tests. A test marked `serial` measures the machine's own timing or loads it on purpose
 (busy loops pinned to a CPU): under `-n N` it runs while no other worker runs a test
-(`SerialLock`), and after llama-server's build beside the suite has ended. A test that uses
-sshd's test user runs while no other worker runs one that does.
+(`SerialLock`), and once every set-up step beside the suite has ended (llama-server's build,
+vLLM's install, the wheel check: `SETUP_STATUS_ENVS`), each of which takes CPUs of its own. A
+test that uses sshd's test user runs while no other worker runs one that does.
 
 A serial run (no `-n`) keeps the collection order and records nothing.
 """
@@ -66,6 +67,12 @@ BUILD_FIXTURE = "llama_server"
 RESOURCE_FIXTURES = {"sshd": "ssh-user"}
 # Set by `make test` while vLLM is installed beside the suite (`make vllm`): its status file.
 VLLM_STATUS_ENV = "GPUBENCH_TEST_VLLM_STATUS"
+# Set by `make test-parallel` while the wheel check runs beside the suite: its status file. No
+# test needs the wheel, but building it and installing it take the CPUs for minutes.
+WHEEL_STATUS_ENV = "GPUBENCH_TEST_WHEEL_STATUS"
+# Every set-up step beside the suite: a serial test starts once each has ended (a serial test
+# beside vLLM's install or the wheel check found other processes taking 43% of the CPUs).
+SETUP_STATUS_ENVS = (BUILD_STATUS_ENV, VLLM_STATUS_ENV, WHEEL_STATUS_ENV)
 # How long a test waits for a set-up step beside the suite (the build takes about 5 minutes on 2
 # cores, vLLM's install about 2).
 SETUP_WAIT_S = 30 * 60.0
@@ -315,6 +322,13 @@ def wait_for_setup(env: str, what: str, timeout_s: float = SETUP_WAIT_S) -> None
         pytest.fail(f"{what} beside the suite failed (exit {code}):\n{tail}")
 
 
+def wait_for_every_setup(timeout_s: float = SETUP_WAIT_S) -> None:
+    """Wait until every set-up step beside the suite (SETUP_STATUS_ENVS) has ended, however it
+    ended: a failed one fails the fixture that needs it, and `make test-parallel`."""
+    for env in SETUP_STATUS_ENVS:
+        setup_status(env, timeout_s)
+
+
 def wait_for_build() -> None:
     """Wait for llama-server's source build beside the suite (BUILD_STATUS_ENV)."""
     wait_for_setup(BUILD_STATUS_ENV, "make engine-build")
@@ -367,7 +381,7 @@ class SerialLock:
     def pytest_runtest_protocol(self, item: pytest.Item) -> Generator[None, None, None]:
         serial = item.get_closest_marker("serial") is not None
         if serial:
-            setup_status()  # not beside the build either (a failed one fails `llama_server`)
+            wait_for_every_setup()  # not beside a set-up step's own processes either
         used = getattr(item, "fixturenames", ())
         with contextlib.ExitStack() as locks:
             locks.enter_context(self.held(serial))
