@@ -26,7 +26,7 @@ TEST_ARGS := -n 3 --dist loadfile --no-loadscope-reorder
 # keeps them all).
 FAST_ARGS := $(TEST_ARGS) --hypothesis-profile=fast
 
-.PHONY: setup setup-fast system sshd vllm slurm python engine engine-build bench docs test test-parallel test-fast wheel-check lint clean
+.PHONY: setup setup-fast system sshd vllm slurm python engine engine-build bench docs test test-serial test-parallel test-fast wheel-check lint clean
 
 setup: system python engine
 
@@ -89,19 +89,21 @@ slurm:
 docs: python
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-# The whole suite on one process, after every set-up step, as CI runs it. The parallel run with
-# the set-up beside it (`make test-parallel`) is not CI's yet: on a fresh clone with empty caches
-# (2026-11-29, a quiet machine) it took 13 min 57 s, but 107 tests that name the built
-# llama-server failed in their fixture right after the build beside the suite had ended, and three
-# timing tests failed beside the other workers (docs/development.md).
-test: setup engine-build sshd vllm slurm docs wheel-check
-	$(BIN)/pytest tests/ $(PYTEST_ARGS)
-
 # The suite on three workers (TEST_ARGS), llama-server's build, vLLM's install and the wheel
 # check in the background from the start (scripts/test-suite.sh), beside sshd, Slurm, the docs
-# site and the suite, whose tests that need the built binary or vLLM wait for them.
-test-parallel: setup
+# site and the suite, whose tests that need the built binary or vLLM wait for them; a `serial`
+# test runs alone, once every step beside the suite has ended (tests/support/schedule.py). CI's
+# (.ci/run). From a fresh clone, caches present, 2026-11-29: 8 min 41 s and 8 min 49 s wall,
+# every test passed (docs/development.md).
+test: setup
 	MAKE="$(MAKE)" bash scripts/test-suite.sh $(BIN) $(TEST_ARGS) $(PYTEST_ARGS)
+
+# The same tests on one process, after every set-up step (CI's until 2026-11-29: 14-16 min of
+# suite); the parallel one's old name is kept.
+test-serial: setup engine-build sshd vllm slurm docs wheel-check
+	$(BIN)/pytest tests/ $(PYTEST_ARGS)
+
+test-parallel: test
 
 # The package as a user installs it: build, twine check, the wheel in a fresh venv, then
 # `gpubench init` and `pytest benchmarks/ -m warm` from it in an empty directory.
