@@ -10,9 +10,10 @@ import pytest
 from support.standins import OLLAMA_DIGEST, FaultyOpenAIServer, OllamaStandin, serving
 
 from pytest_gpubench.config.prompts import RequestShape
-from pytest_gpubench.engines import Request, api_root, plugin_engine, send
+from pytest_gpubench.engines import Request, api_root, send
 from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
+from pytest_gpubench.engines.plugin import plugin_engine
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.measure.stream import CallMeasurement, Endpoint, joined_url
 
