@@ -22,13 +22,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from pytest_gpubench.config.engine_kinds import BUILT_IN, engine_kind
 from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting
 from pytest_gpubench.config.metrics import GATED, VALIDITY
 from pytest_gpubench.config.nodes import AnyNode, context_kinds, unknown_kind
 from pytest_gpubench.config.prompts import Prompt, RequestShape
 
 PHASES = ("cold", "warm")
-ENGINE_KINDS = ("llamacpp", "ollama", "openai")
+ENGINE_KINDS = tuple(BUILT_IN)
 TINY_MODEL = "tiny"
 # A cell's optional `name` ends its id (`<node>:<engine>:<model>@<name>`), so it must stay plain
 # in pytest ids, ledgers and baseline file names.
@@ -336,7 +337,7 @@ class Cell:
         """How a managed engine is made cold (an external one is always asked to unload)."""
         if self.spec.cold is not None:
             return self.spec.cold
-        return "unload" if self.spec.engine == "ollama" else "restart"
+        return engine_kind(self.spec.engine).cold_mode
 
     @property
     def endpoint_as_written(self) -> str | None:
@@ -358,7 +359,7 @@ class Cell:
         """The request fields that choose `adapter`: llama-server's per-request `lora` scales
         (the adapter's 1, every other one's 0: the ids are the order of its --lora flags), or
         the model name an OpenAI-compatible server serves it under (vLLM)."""
-        if self.spec.engine == "llamacpp":
+        if engine_kind(self.spec.engine).server_flags:
             return {
                 "lora": [
                     {"id": index, "scale": 1.0 if name == adapter else 0.0}

@@ -8,25 +8,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pytest_gpubench.config.cell import Cell, CellSpec
+from pytest_gpubench.config.engine_kinds import BUILT_IN, engine_kind
 from pytest_gpubench.config.load_profile import TUNNEL, LoadProfile
+from pytest_gpubench.config.nodes import AnyNode
 from pytest_gpubench.config.prompts import Prompt, RequestShape
 from pytest_gpubench.core.errors import GpubenchError
 
 # Engines the harness knows how to launch itself when a cell has no endpoint.
-MANAGED_ENGINE_KINDS = ("llamacpp", "ollama", "openai")
-
-# What each engine kind cannot send, and why: one line in the error.
-UNSUPPORTED_REQUEST_KEYS = {
-    "ollama": {
-        "ignore_eos": "Ollama's API has no ignore_eos: the output length cannot be fixed",
-        "min_tokens": "Ollama's API has no min_tokens: the output length cannot be fixed",
-        "cache_salt": "Ollama's API has no cache salt",
-    },
-    "llamacpp": {
-        "min_tokens": "llama-server has no min_tokens; use ignore_eos: true for a fixed length",
-        "cache_salt": "llama-server has no cache salt; use extra_body: {cache_prompt: false}",
-    },
-}
+MANAGED_ENGINE_KINDS = tuple(name for name, kind in BUILT_IN.items() if kind.managed)
 
 
 def check_references(cells_path: Path, cells: Sequence[Cell]) -> None:
@@ -118,17 +107,14 @@ def check_endpoint_keys(where: str, spec: CellSpec) -> None:
                     f"{where}: {key}: only for a managed engine (give the cell a launch:)"
                 )
         return
-    if spec.engine not in MANAGED_ENGINE_KINDS:
+    kind = engine_kind(spec.engine)
+    if not kind.managed:
         raise GpubenchError(
             f"{where}: endpoint: required for engine '{spec.engine}' "
             f"(the harness can only launch {', '.join(MANAGED_ENGINE_KINDS)} itself)"
         )
-    if spec.engine == "openai" and spec.launch is None:
-        raise GpubenchError(
-            f"{where}: launch: a managed openai cell needs a launch template (e.g. "
-            '[vllm, serve, "{model}", --host, "{host}", --port, "{port}"]), '
-            "or an endpoint or port of an engine already running"
-        )
+    if kind.launch_required is not None and spec.launch is None:
+        raise GpubenchError(f"{where}: launch: {kind.launch_required}")
 
 
 def check_request_keys(
@@ -139,7 +125,7 @@ def check_request_keys(
     prompts_path: Path,
 ) -> None:
     """Request keys the cell's engine cannot send, and TLS keys on a plain endpoint: one line."""
-    unsupported = UNSUPPORTED_REQUEST_KEYS.get(spec.engine, {})
+    unsupported = engine_kind(spec.engine).refused_request_keys
     sources: list[tuple[str, RequestShape | None]] = [(where, spec.request)]
     sources += [(f"{prompts_path}: prompts.{pid}", prompts[pid].request) for pid in prompt_ids]
     for source, shape in sources:
@@ -154,7 +140,7 @@ def check_request_keys(
 
 
 # The engine kinds a load case can drive: those that speak OpenAI's streamed chat completions.
-LOAD_ENGINE_KINDS = ("llamacpp", "openai")
+LOAD_ENGINE_KINDS = tuple(name for name, kind in BUILT_IN.items() if kind.drives_load)
 
 
 def check_draft(where: str, spec: CellSpec) -> None:
@@ -162,7 +148,7 @@ def check_draft(where: str, spec: CellSpec) -> None:
     writes."""
     if spec.draft_model is None and spec.draft_max is not None:
         raise GpubenchError(f"{where}: draft_max: needs a draft_model")
-    if isinstance(spec.lora, list) and spec.engine != "openai":
+    if isinstance(spec.lora, list) and not engine_kind(spec.engine).adapters_by_name:
         raise GpubenchError(
             f"{where}: lora: a list names the adapters an OpenAI-compatible server serves "
             "(engine: openai); a managed llamacpp cell names each adapter's file: "
@@ -178,12 +164,13 @@ def _managed_llamacpp_key(where: str, spec: CellSpec, key: str) -> None:
     if getattr(spec, key) is None:
         return
     flag = "--model-draft" if key == "draft_model" else "--lora"
-    if key == "lora" and isinstance(spec.lora, dict) and spec.engine == "openai":
+    kind = engine_kind(spec.engine)
+    if key == "lora" and isinstance(spec.lora, dict) and kind.adapters_by_name:
         raise GpubenchError(
             f"{where}: lora: an openai cell lists the names the server serves its adapters "
             "under (lora: [name, ...]; vLLM's --lora-modules name=path, set where it is started)"
         )
-    if not (spec.managed and spec.engine == "llamacpp"):
+    if not (spec.managed and kind.server_flags):
         raise GpubenchError(
             f"{where}: {key}: only a managed llamacpp cell (no endpoint) takes it; an external "
             f"server's is set where it is started ({flag})"
@@ -200,10 +187,11 @@ def check_load(
     load: LoadProfile | None,
     prompts: dict[str, Prompt],
     prompts_path: Path,
-    nodes: Mapping[str, object] | None = None,
+    nodes: Mapping[str, AnyNode] | None = None,
 ) -> None:
     """A load profile that cannot run, and `parallel` where no managed server takes it: one line."""
-    if spec.parallel is not None and not (spec.managed and spec.engine == "llamacpp"):
+    kind = engine_kind(spec.engine)
+    if spec.parallel is not None and not (spec.managed and kind.server_flags):
         raise GpubenchError(
             f"{where}: parallel: only a managed llamacpp cell (no endpoint) takes it; an "
             "external server's slots are set where it is started"
@@ -215,7 +203,7 @@ def check_load(
     check_draft(where, spec)
     if load is None:
         return
-    if spec.engine not in LOAD_ENGINE_KINDS:
+    if not kind.drives_load:
         raise GpubenchError(
             f"{where}: load: engine '{spec.engine}' cannot be load-tested yet (load cases drive "
             f"{', '.join(LOAD_ENGINE_KINDS)})"
@@ -231,17 +219,16 @@ def check_load(
             )
     if load.clients is not None:
         node = nodes.get(load.clients.node) if nodes is not None else None
-        kind = getattr(node, "kind", None)
-        if kind not in ("slurm", "ssh"):
+        if node is None or not node.runs_client_tasks:
             raise GpubenchError(
                 f"{where}: load.clients.node: '{load.clients.node}' is not an ssh node or a "
                 "Slurm node of cells.yaml (kind: ssh, or kind: slurm)"
             )
-        if kind == "slurm" and load.clients.coordinator == TUNNEL:
+        if node.no_client_tunnel is not None and load.clients.coordinator == TUNNEL:
+            why = node.no_client_tunnel.format(node=load.clients.node)
             raise GpubenchError(
                 f"{where}: load.clients.coordinator: tunnel is for an ssh node (a remote port "
-                f"forward over its SSH connection); Slurm node '{load.clients.node}' needs this "
-                "machine's address as its compute nodes reach it"
+                f"forward over its SSH connection); {why}"
             )
     sources = [key for key in ("prompts", "synthetic", "dataset", "trace") if getattr(load, key)]
     if len(sources) > 1:

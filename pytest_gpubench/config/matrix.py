@@ -85,8 +85,9 @@ def read_matrix(
         )
 
     nodes: dict[str, AnyNode] = dict(parsed.nodes)
-    if "local" not in nodes and any(spec.node == "local" for spec in parsed.cells):
-        nodes["local"] = LocalNode(kind="local")
+    implicit = LocalNode.implicit_name
+    if implicit not in nodes and any(spec.node == implicit for spec in parsed.cells):
+        nodes[implicit] = LocalNode(kind="local")
     cells: list[Cell] = []
     seen: dict[str, int] = {}
     for index, spec in enumerate(parsed.cells):

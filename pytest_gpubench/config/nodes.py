@@ -3,7 +3,7 @@ cluster, a kind a plugin adds), validated strictly, and the stages of bringing o
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AnyHttpUrl,
@@ -45,8 +45,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class LocalNode(_Strict):
+class _NodeKind:
+    """What a node kind is, as cells.yaml's checks ask it (each kind's model says its own)."""
+
+    # It runs a load point's client tasks (`load.clients.node`; targets.launch_clients).
+    runs_client_tasks: ClassVar[bool] = False
+    # Why its client tasks cannot reach the coordinator through a tunnel (`coordinator:
+    # tunnel`), {node} its name; None where they can.
+    no_client_tunnel: ClassVar[str | None] = None
+
+
+class LocalNode(_Strict, _NodeKind):
     kind: Literal["local"]
+    # The name a cell may give as its node without declaring it under nodes: this machine.
+    implicit_name: ClassVar[str] = "local"
 
 
 class SshConnection(_Strict):
@@ -61,8 +73,9 @@ class SshConnection(_Strict):
     connect_timeout_s: PositiveFloat = 15.0
 
 
-class SshNode(SshConnection):
+class SshNode(SshConnection, _NodeKind):
     kind: Literal["ssh"]
+    runs_client_tasks: ClassVar[bool] = True
     command_timeout_s: PositiveFloat = 60.0
     # Shell commands run on the node before its cells, each within setup_timeout_s: `setup`
     # installs the engine (stage engine_install), `model_pull` fetches models (stage model_pull).
@@ -79,7 +92,7 @@ class SshNode(SshConnection):
     budget_s: PositiveFloat | None = None
 
 
-class ProviderNode(_Strict):
+class ProviderNode(_Strict, _NodeKind):
     kind: Literal["provider"]
     api: AnyHttpUrl
     gpu_type: str
@@ -108,10 +121,14 @@ class SlurmLogin(SshConnection):
     """The login node a Slurm node's commands (sbatch, squeue, ...) run on, over SSH."""
 
 
-class SlurmNode(_Strict):
+class SlurmNode(_Strict, _NodeKind):
     """A Slurm cluster: each managed engine of its cells runs as a batch job (targets/slurm/)."""
 
     kind: Literal["slurm"]
+    runs_client_tasks: ClassVar[bool] = True
+    no_client_tunnel: ClassVar[str | None] = (
+        "Slurm node '{node}' needs this machine's address as its compute nodes reach it"
+    )
     # The job's resources, as sbatch's options of the same names (`time_limit` is --time).
     partition: str | None = None
     gres: str | None = None
@@ -144,7 +161,7 @@ class SlurmNode(_Strict):
     gpu_check: Literal["auto", "required", "off"] = "auto"
 
 
-class PluginNode(BaseModel):
+class PluginNode(BaseModel, _NodeKind):
     """A node of a kind another package adds (hookspecs.py); its other keys are its options."""
 
     model_config = ConfigDict(extra="allow", frozen=True)

@@ -50,6 +50,7 @@ from pytest_gpubench.results.gate import (
 )
 from pytest_gpubench.results.judging import holds_back
 from pytest_gpubench.results.stats import PromptSummary
+from pytest_gpubench.targets.rentals import rental_text
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary
 
 if TYPE_CHECKING:
@@ -371,46 +372,9 @@ def render_probe(rows: Iterable[ProbeRowLike]) -> str:
 
 
 def rental_lines(rentals: Iterable[Mapping[str, Any]]) -> list[TerminalLine]:
-    """What each rented node cost, and loudly any session that could not be ended."""
-    lines = []
-    for rental in rentals:
-        if rental.get("kind") == "slurm":
-            lines.append(_slurm_job_line(rental))
-            continue
-        if rental.get("kind") == "ssh_server":
-            stopped = bool(rental.get("session_done"))
-            how = rental.get("state") if stopped else "NOT stopped: stop it by hand"
-            text = (
-                f"ssh node {rental.get('node')}: left by a killed run: {rental.get('program')} "
-                f"(pid {rental.get('pid')}): {how}"
-            )
-            lines.append(TerminalLine(text, red=not stopped))
-            continue
-        done = rental.get("session_done")
-        state = "marked done" if done else "NOT marked done: end it by hand"
-        leaked = "left rented by a killed run, given back now: " if rental.get("leaked") else ""
-        text = (
-            f"rented node {rental.get('node')}: {leaked}{rental.get('gpu_name')} at "
-            f"{rental.get('price_per_hour')}/h for {rental.get('elapsed_s')} s, cost "
-            f"{rental.get('cost')}; session {rental.get('session_id')} {state}"
-        )
-        lines.append(TerminalLine(text, red=not done))
-    return lines
-
-
-def _slurm_job_line(job: Mapping[str, Any]) -> TerminalLine:
-    """A Slurm job of a cell's engine: how it ended; red when it may still be running."""
-    state = job.get("state")
-    ended = isinstance(state, str) and state not in ("RUNNING", "PENDING")
-    leaked = "left by a killed run, cancelled now: " if job.get("leaked") else ""
-    text = (
-        f"slurm node {job.get('node')}: {leaked}job {job.get('slurm_job_id')} "
-        f"({job.get('job_name')}) on {job.get('compute_node')}: {state} after "
-        f"{job.get('elapsed_s')} s"
-    )
-    if not ended:
-        text += f"; cancel it by hand: scancel {job.get('slurm_job_id')}"
-    return TerminalLine(text, red=not ended)
+    """What each rented node cost, and loudly any session that could not be ended (each kind's
+    line its own: targets/rentals.py)."""
+    return [TerminalLine(*rental_text(rental)) for rental in rentals]
 
 
 OUTCOME_HEADERS = ("cell", "status", "calls ok", "stage", "reason")

@@ -10,6 +10,7 @@ from functools import partial
 from typing import Any
 
 from pytest_gpubench.config.cell import Thresholds, engine_of
+from pytest_gpubench.config.engine_kinds import engine_kind
 from pytest_gpubench.config.metrics import (
     CLOCK_EVENTS,
     DEFAULT_RATIO_THRESHOLD,
@@ -78,8 +79,6 @@ RERUN_HINT = f"re-run with --gpubench-runs {RERUN_RUNS}"
 # of the client's change (on a log scale: 0.5 means half as far); otherwise the engine held and
 # the change lies between the engine and the client (transport, proxy, client machine).
 ENGINE_SHARE = 0.5
-# How the verdicts name an engine kind's server.
-ENGINE_NAMES = {"llamacpp": "llama-server", "ollama": "Ollama"}
 
 
 @dataclass(frozen=True)
@@ -490,7 +489,7 @@ def _why_missing(metric: Metric, current: PromptSummary) -> str:
 
 def engine_name(cell_id: str) -> str:
     """The server of the cell's engine kind (`<node>:<engine>:<model>`), for the messages."""
-    return ENGINE_NAMES.get(engine_of(cell_id) or "", "the engine")
+    return engine_kind(engine_of(cell_id) or "").server_name
 
 
 def attribute(

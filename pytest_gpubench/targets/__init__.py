@@ -222,7 +222,8 @@ def launch_here() -> Launch:
 def launch_clients(node_id: str, node: AnyNode, python: str | None) -> Launch:
     """How a load point's client tasks start on `clients:`'s node, by its kind: an srun step on
     a Slurm node (from this machine, or over SSH from its login node), SSH sessions on an ssh
-    node (config/cell_rules.py has refused any other). `python` runs each task there."""
+    node (the kinds whose node model runs_client_tasks: config/cell_rules.py has refused any
+    other). `python` runs each task there."""
     from pytest_gpubench.config.nodes import SlurmNode, SshNode
 
     if isinstance(node, SshNode):
