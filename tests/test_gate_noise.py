@@ -170,6 +170,39 @@ def test_a_machine_that_leaned_one_way_decides_what_it_cannot_have_caused() -> N
     assert replace(quieter, pressure_halves=(0.2, 0.4)).lean == "quieter"
 
 
+def test_a_wait_within_the_limit_that_may_have_moved_a_figure_past_the_threshold_is_unsteady() -> (
+    None
+):
+    """Issue 43, an on/off neighbour: the baseline taken while it ran (the engine waited 0.16 ms
+    per ms of CPU), the run in its off phase (0.07: within the limit, no drift) with every reply
+    held back 30 %: +19 % came out `ok` at a 20 % threshold, a silent pass. The engine's wait says how much faster
+    its CPU work went than in the baseline's runs ((1 + 0.07) / (1 + 0.16): 8 %); a figure that
+    may be past the threshold without it is `unsteady`, and so is a regression a busier engine
+    may have made. A quiet machine's few hundredths of wait move nothing that matters."""
+    engine = {"pressure_source": "engine"}
+    quieter = Steadiness(None, None, pressure=0.07, baseline_pressure=0.16, **engine)  # type: ignore[arg-type]
+    assert quieter.drift is None and quieter.contended is not None
+    tight = [100.0, 101.0, 99.0, 100.5, 99.5]
+    masked = decide(evidence(108.0, tight, steadiness=quieter))
+    assert decide(evidence(108.0, tight)).kind == "ok"
+    assert masked.kind == "unsteady"
+    assert masked.text.startswith("warm TTFT p50 +8.0% (within the 10% threshold), but not judged")
+    assert (
+        "the machine ran quieter than in the baseline's runs (the engine's threads waited 0.07 ms "
+        "for a CPU per ms they ran against 0.16 in the baseline's runs), which may have sped this "
+        "run by up to 8%: on a machine as busy as the baseline's it would be +17.1%"
+    ) in masked.text
+    assert decide(evidence(101.0, tight, steadiness=quieter)).kind == "ok"
+    busier = Steadiness(None, None, pressure=0.25, baseline_pressure=0.16, **engine)  # type: ignore[arg-type]
+    faked = decide(evidence(115.0, tight, steadiness=busier))
+    assert decide(evidence(115.0, tight)).kind == "regression"
+    assert faked.kind == "unsteady" and "which may have slowed this run by up to 8%" in faked.text
+    assert decide(evidence(140.0, tight, steadiness=busier)).kind == "regression"
+    quiet = Steadiness(None, None, pressure=0.02, baseline_pressure=0.03, **engine)  # type: ignore[arg-type]
+    assert decide(evidence(108.0, tight, steadiness=quiet)).kind == "ok"
+    assert decide(evidence(113.0, tight, steadiness=quiet)).kind == "regression"
+
+
 def test_steadiness_counts_only_a_significant_move_beyond_the_floor() -> None:
     jitter = [5.0, 5.3, 4.8, 5.1, 9.0, 5.2, 4.9, 5.0, 5.1, 5.2]  # one slow control call
     assert steadiness(jitter, [5.0] * 10).drift is None  # type: ignore[union-attr]

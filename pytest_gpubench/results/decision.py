@@ -287,6 +287,24 @@ class Steadiness:
             return None
         return "busier" if signs[0] > 0 else "quieter"
 
+    def machine_factor(self) -> tuple[float, str]:
+        """How far the machine alone may have moved this run's figures against the baseline's
+        runs within the steadiness limits, as a factor of a time (0.92: 8 % faster, 1.08: 8 %
+        slower, 1.0: not at all), and the reading that says so: a local engine's own wait, where
+        a ms of its CPU work took 1 + wait ms of the call's time, so (1 + now) / (1 + then). A
+        quiet machine's few hundredths of wait move a figure by a few per cent; a run that a
+        drift within the limit sped up by 8 % can pass a 30 % slowdown as +19 % (issue 43: an
+        on/off neighbour's off phase against a baseline taken in its on phase)."""
+        now, then = self.pressure, self.baseline_pressure
+        engine = self.pressure_source == "engine" and not self.own_waits_only
+        if not engine or now is None or then is None:
+            return 1.0, ""
+        said = (
+            f"the engine's threads waited {now:.2f} ms for a CPU per ms they ran against "
+            f"{then:.2f} in the baseline's runs"
+        )
+        return (1.0 + now) / (1.0 + then), said
+
     @property
     def contended(self) -> str | None:
         """How busy the machine was when it was busy beyond PRESSURE_LIMIT in this run or in any
@@ -592,10 +610,19 @@ def decide(evidence: Evidence) -> Decision:
     """Large (past the threshold), significant (between runs when the history allows, else
     within: one-sided Mann-Whitney U), on a steady machine; and what the run could have seen.
 
-    An unsteady or busy machine that leaned one way against the baseline's runs (Steadiness.lean)
-    still decides what it cannot have caused: on a busier machine a figure within the threshold
-    or better (ok, win), on a quieter one a regression. Anything else stays `unsteady`."""
+    An `ok` the machine alone may have sped past the threshold, or a `regression` it may have
+    slowed into one, within the steadiness limits (its engine's wait against the baseline's
+    runs: _machine_moved), is `unsteady`. An unsteady or busy machine that leaned one way against
+    the baseline's runs (Steadiness.lean) still decides what it cannot have caused: on a busier
+    machine a figure within the threshold or better (ok, win), on a quieter one a regression.
+    Anything else stays `unsteady`."""
     found = _decide(evidence)
+    if found.kind in ("ok", "regression") and found.ratio is not None:
+        moved = _machine_moved(evidence, found.ratio, found.kind)
+        if moved is not None:
+            seen = found.text.partition("; could")[0] if found.kind == "ok" else found.text
+            held = f"{seen}, but not judged: {moved}; re-run on a steady machine"
+            return replace(found, kind="unsteady", text=held)
     steady = evidence.steadiness
     lean = steady.lean if found.kind == "unsteady" and steady is not None else None
     if lean is None:
@@ -704,6 +731,32 @@ def _decide(evidence: Evidence) -> Decision:
             return replace(base, kind="unsteady", text=why, p_value=p_value)
         return replace(base, kind="inconclusive", text=unsure, p_value=p_value)
     return replace(base, kind=kind, text=f"{change}, p = {p_value:.3g} ({test})", p_value=p_value)
+
+
+def _machine_moved(evidence: Evidence, ratio: float, kind: VerdictKind) -> str | None:
+    """Why an `ok` may hide a change past the threshold, or a `regression` may be the machine's:
+    the machine alone may have sped this run up (slowed it down) against the baseline's runs by
+    more than the margin the figure left (Steadiness.machine_factor); None where it could not."""
+    steady = evidence.steadiness
+    if steady is None:
+        return None
+    factor, reading = steady.machine_factor()
+    if (kind == "ok" and factor >= 1.0) or (kind == "regression" and factor <= 1.0):
+        return None
+    # The figure as a machine as busy as the baseline's would have put it: a time moved by
+    # `factor` is a rate moved by 1 / factor.
+    undone = ratio * factor if evidence.higher_is_better else ratio / factor
+    moved = change_direction(
+        1.0, undone, evidence.threshold, higher_is_better=evidence.higher_is_better
+    )
+    if (moved == "worse") == (kind == "regression"):
+        return None
+    way, by = ("quieter", "sped") if factor < 1.0 else ("busier", "slowed")
+    return (
+        f"the machine ran {way} than in the baseline's runs ({reading}), which may have {by} "
+        f"this run by up to {abs(factor - 1.0) / min(factor, 1.0):.0%}: on a machine as busy as "
+        f"the baseline's it would be {signed_percent(undone)}"
+    )
 
 
 def _as_ratio(change_log: float, higher_is_better: bool) -> float | None:
