@@ -331,7 +331,10 @@ def session(root: Path, code: str, state: str, *extra: str) -> Session:
     )
     why = ""
     if ttft["verdict"] in ("unsteady", "blind", "inconclusive"):
-        why = str(ttft.get("message", ""))[:140]
+        why = str(ttft.get("message", ""))[:400]
+    elif ttft["verdict"] == "ok":
+        # What a pass rested on: the steadiness it judged on, for a +30 % session that passed.
+        why = str(ttft.get("message", ""))
     # A session that failed on another figure than TTFT says which, and why.
     others = [v for v in verdicts if v.get("verdict") == "regression" and v is not ttft]
     if finished.returncode == 6 and others:
@@ -339,7 +342,7 @@ def session(root: Path, code: str, state: str, *extra: str) -> Session:
     # So does one held back (exit 10) by another figure while its TTFT was decided.
     held = [v for v in verdicts if v.get("verdict") in ("unsteady", "blind", "inconclusive")]
     if finished.returncode == 10 and not why and held:
-        why = "; ".join(str(v.get("message", ""))[:140] for v in held)
+        why = "; ".join(str(v.get("message", ""))[:400] for v in held)
     won = any(v.get("verdict") == "win" for v in verdicts)
     return Session(
         finished.returncode, ttft["verdict"], ttft.get("change_ratio"), state, why, seconds, won

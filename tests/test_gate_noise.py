@@ -104,15 +104,103 @@ def test_without_history_the_run_alone_decides_and_says_the_floor_is_unknown() -
     assert "could detect no change of warm TTFT p50" in too_few.text
 
 
-def test_a_drifted_control_makes_any_verdict_unsteady_never_a_regression_or_a_pass() -> None:
+def test_a_drifted_control_makes_a_verdict_it_could_have_caused_unsteady() -> None:
+    """The control call ran +80 % against the baseline's (a busier machine): a slower figure
+    may be the machine's (unsteady); an unchanged one is not worse on a quiet machine (issue 43:
+    decided, saying so). A control that drifted during the run says nothing of which way the
+    machine leaned against the baseline: every verdict unsteady, as before."""
     drifted = Steadiness(against_baseline=1.8, within_run=None)
     slower = decide(evidence(150.0, [], now=[150.0] * 10, steadiness=drifted))
-    same = decide(evidence(100.0, [], steadiness=drifted))
-    assert slower.kind == same.kind == "unsteady"
+    assert slower.kind == "unsteady"
     assert "the control call ran +80.0% against the baseline's" in slower.text
     assert slower.detectable_ratio is None and slower.blind_reason is not None
+    same = decide(evidence(100.0, [], steadiness=drifted))
+    assert same.kind == "ok"
+    assert same.text.endswith(
+        "judged though the machine was busier than in the baseline's runs (the control call ran "
+        "+80.0% against the baseline's (beyond ±25%)), which can only have slowed it"
+    )
+    mid_run = Steadiness(against_baseline=None, within_run=1.8)
+    assert decide(evidence(100.0, [], steadiness=mid_run)).kind == "unsteady"
+    assert decide(evidence(150.0, [], now=[150.0] * 10, steadiness=mid_run)).kind == "unsteady"
     steady = decide(evidence(150.0, [], now=[150.0] * 10, steadiness=Steadiness(1.02, 0.98)))
     assert steady.kind == "regression"
+
+
+def test_a_machine_that_leaned_one_way_decides_what_it_cannot_have_caused() -> None:
+    """Issue 43: beside a neighbour the machine is busier in some runs than in the baseline's
+    and quieter in others. A busier machine only slows a run: a figure within the threshold or
+    better on it is decided (ok, win), a slower one is not (unsteady). A quieter machine cannot
+    have slowed a run: a regression on it is decided, a pass or a win is not. Readings that
+    disagree, or that have no baseline's to compare with, leave it unsteady."""
+    engine = {"pressure_source": "engine"}
+    busier = Steadiness(None, None, pressure=0.86, baseline_pressure=0.35, **engine)  # type: ignore[arg-type]
+    quieter = Steadiness(None, None, pressure=0.30, baseline_pressure=0.86, **engine)  # type: ignore[arg-type]
+    assert busier.lean == "busier" and quieter.lean == "quieter"
+    unchanged = {"now": [100.0, 101, 99, 100.5, 99.5] * 2, "then": [100.0, 101, 99, 100, 100] * 2}
+    slower = {"now": [150.0, 151, 149, 152, 148] * 2}
+    faster = {"now": [60.0, 61, 59, 62, 58] * 2}
+    assert decide(evidence(100.0, [], steadiness=busier, **unchanged)).kind == "ok"
+    assert decide(evidence(60.0, [], steadiness=busier, **faster)).kind == "win"
+    regression = decide(evidence(150.0, [], steadiness=busier, **slower))
+    assert regression.kind == "unsteady"
+    assert "the engine's threads waited 0.86 ms for a CPU per ms they ran against 0.35" in (
+        regression.text
+    )
+    caught = decide(evidence(150.0, [], steadiness=quieter, **slower))
+    assert caught.kind == "regression" and caught.text.endswith(
+        "judged though the machine was quieter than in the baseline's runs (the engine's threads "
+        "waited 0.30 ms for a CPU per ms they ran against 0.86 in the baseline's runs (beyond "
+        "±0.10)), which cannot have slowed it"
+    )
+    assert decide(evidence(100.0, [], steadiness=quieter, **unchanged)).kind == "unsteady"
+    assert decide(evidence(60.0, [], steadiness=quieter, **faster)).kind == "unsteady"
+    # The control call slower while the engine waited less: no lean.
+    mixed = replace(quieter, against_baseline=1.5)
+    assert mixed.lean is None
+    assert decide(evidence(150.0, [], steadiness=mixed, **slower)).kind == "unsteady"
+    # Within the margin the pressures say nothing of the lean; the client's wait, steal and the
+    # GPU's signals have nothing of the baseline's to compare with.
+    assert Steadiness(None, None, pressure=0.45, baseline_pressure=0.41).lean is None
+    for unknown in ({"client_wait": 0.5}, {"steal": 0.3}, {"gpu": "another process on GPU 0"}):
+        assert replace(quieter, **unknown).lean is None
+    # The engine's wait read mid-run as two halves: both under the baseline's, or no lean.
+    halves = replace(quieter, pressure_halves=(0.2, 0.9))
+    assert halves.lean is None
+    assert replace(quieter, pressure_halves=(0.2, 0.4)).lean == "quieter"
+
+
+def test_a_wait_within_the_limit_that_may_have_moved_a_figure_past_the_threshold_is_unsteady() -> (
+    None
+):
+    """Issue 43, an on/off neighbour: the baseline taken while it ran (the engine waited 0.16 ms
+    per ms of CPU), the run in its off phase (0.07: within the limit, no drift) with every reply
+    held back 30 %: +19 % came out `ok` at a 20 % threshold, a silent pass. The engine's wait says how much faster
+    its CPU work went than in the baseline's runs ((1 + 0.07) / (1 + 0.16): 8 %); a figure that
+    may be past the threshold without it is `unsteady`, and so is a regression a busier engine
+    may have made. A quiet machine's few hundredths of wait move nothing that matters."""
+    engine = {"pressure_source": "engine"}
+    quieter = Steadiness(None, None, pressure=0.07, baseline_pressure=0.16, **engine)  # type: ignore[arg-type]
+    assert quieter.drift is None and quieter.contended is not None
+    tight = [100.0, 101.0, 99.0, 100.5, 99.5]
+    masked = decide(evidence(108.0, tight, steadiness=quieter))
+    assert decide(evidence(108.0, tight)).kind == "ok"
+    assert masked.kind == "unsteady"
+    assert masked.text.startswith("warm TTFT p50 +8.0% (within the 10% threshold), but not judged")
+    assert (
+        "the machine ran quieter than in the baseline's runs (the engine's threads waited 0.07 ms "
+        "for a CPU per ms they ran against 0.16 in the baseline's runs), which may have sped this "
+        "run by up to 8%: on a machine as busy as the baseline's it would be +17.1%"
+    ) in masked.text
+    assert decide(evidence(101.0, tight, steadiness=quieter)).kind == "ok"
+    busier = Steadiness(None, None, pressure=0.25, baseline_pressure=0.16, **engine)  # type: ignore[arg-type]
+    faked = decide(evidence(115.0, tight, steadiness=busier))
+    assert decide(evidence(115.0, tight)).kind == "regression"
+    assert faked.kind == "unsteady" and "which may have slowed this run by up to 8%" in faked.text
+    assert decide(evidence(140.0, tight, steadiness=busier)).kind == "regression"
+    quiet = Steadiness(None, None, pressure=0.02, baseline_pressure=0.03, **engine)  # type: ignore[arg-type]
+    assert decide(evidence(108.0, tight, steadiness=quiet)).kind == "ok"
+    assert decide(evidence(113.0, tight, steadiness=quiet)).kind == "regression"
 
 
 def test_steadiness_counts_only_a_significant_move_beyond_the_floor() -> None:
@@ -201,9 +289,14 @@ def test_a_within_run_regression_or_win_on_a_busy_machine_is_unsteady() -> None:
     assert "`gpubench calibrate`" in slower.text and "`reference:` cell" in slower.text
     faster = decide(evidence(60.0, [], now=[60.0, 61, 59, 62, 58] * 2, steadiness=busy))
     assert faster.kind == "unsteady"
-    # Busy only in the baseline's run: the same.
+    # Busy only in this run: the same.
+    now_busy = Steadiness(None, None, pressure=0.2, baseline_pressure=0.12)
+    assert decide(evidence(150.0, [], now=[150.0] * 10, steadiness=now_busy)).kind == "unsteady"
+    # Busier in the baseline's run than in this one (issue 43): the machine cannot have made this
+    # run slower, and the regression stands; a win it may have made stays unsteady.
     then_busy = Steadiness(None, None, pressure=0.12, baseline_pressure=0.2)
-    assert decide(evidence(150.0, [], now=[150.0] * 10, steadiness=then_busy)).kind == "unsteady"
+    assert decide(evidence(150.0, [], now=[150.0] * 10, steadiness=then_busy)).kind == "regression"
+    assert decide(evidence(60.0, [], now=[60.0] * 10, steadiness=then_busy)).kind == "unsteady"
     quiet = Steadiness(None, None, pressure=0.01, baseline_pressure=0.02)
     assert decide(evidence(150.0, [], now=[150.0] * 10, steadiness=quiet)).kind == "regression"
     history = [100.0, 101.0, 99.0, 100.5, 99.5]

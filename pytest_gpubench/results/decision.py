@@ -128,6 +128,12 @@ PRESSURE_LIMIT = 0.10
 # machine read 34-36 % with an engine started by hand). A hypervisor's steal (a VM's CPU time the
 # host gave to others, which no in-guest pressure sees) past the limit is a busy machine too.
 PressureSource = Literal["machine", "engine", "neighbours"]
+# Which way the machine leaned in this run against the baseline's runs (Steadiness.lean).
+Lean = Literal["busier", "quieter"]
+# How far a pressure reading (its p50) must move against the baseline's before it says which way
+# the machine leaned: half the limit (two p50s of one machine's pressure a few points apart say
+# nothing about which run its neighbours slowed more).
+LEAN_MARGIN = PRESSURE_LIMIT / 2
 
 
 @dataclass(frozen=True)
@@ -240,6 +246,64 @@ class Steadiness:
         if self.gpu is not None:
             reasons.append(self.gpu)
         return "; ".join(reasons) if reasons else None
+
+    @property
+    def lean(self) -> Lean | None:
+        """Which way the machine leaned in this run against the baseline's runs, where every
+        reading that compares the two agrees: "busier" (the control call slower, the engine or
+        the machine waiting more than in the baseline's runs) or "quieter". None where they
+        disagree, where none compares the two, or where a reading has nothing of the baseline's
+        to compare with (the control drifting during the run, the client's wait, steal, the
+        GPU's signals): then which way the machine moved the figure is not known.
+
+        A busier machine only slows a run: a figure that came out within the threshold or better
+        on it is not worse on a quiet one; a quieter machine cannot have made a run slower
+        (decide)."""
+        if self.gpu is not None or (self.steal is not None and self.steal > PRESSURE_LIMIT):
+            return None
+        own = self.own_waits_only
+        if self.client_wait is not None and self.client_wait > PRESSURE_LIMIT and not own:
+            return None
+        if self.within_run and abs(math.log(self.within_run)) > self.floor:
+            return None
+        signs: list[int] = []
+        # The control call counts where it moved beyond the floor (within it, it held).
+        if self.against_baseline and abs(math.log(self.against_baseline)) > self.floor:
+            signs.append(1 if self.against_baseline > 1.0 else -1)
+        then = self.baseline_pressure
+        if then is not None and not (own and self.pressure_source == "engine"):
+            readings = self.pressure_halves or (
+                (self.pressure, self.pressure) if self.pressure is not None else None
+            )
+            if readings is not None:
+                low, high = min(readings), max(readings)
+                if low - then > LEAN_MARGIN:
+                    signs.append(1)
+                elif then - high > LEAN_MARGIN:
+                    signs.append(-1)
+                else:
+                    return None
+        if not signs or len(set(signs)) > 1:
+            return None
+        return "busier" if signs[0] > 0 else "quieter"
+
+    def machine_factor(self) -> tuple[float, str]:
+        """How far the machine alone may have moved this run's figures against the baseline's
+        runs within the steadiness limits, as a factor of a time (0.92: 8 % faster, 1.08: 8 %
+        slower, 1.0: not at all), and the reading that says so: a local engine's own wait, where
+        a ms of its CPU work took 1 + wait ms of the call's time, so (1 + now) / (1 + then). A
+        quiet machine's few hundredths of wait move a figure by a few per cent; a run that a
+        drift within the limit sped up by 8 % can pass a 30 % slowdown as +19 % (issue 43: an
+        on/off neighbour's off phase against a baseline taken in its on phase)."""
+        now, then = self.pressure, self.baseline_pressure
+        engine = self.pressure_source == "engine" and not self.own_waits_only
+        if not engine or now is None or then is None:
+            return 1.0, ""
+        said = (
+            f"the engine's threads waited {now:.2f} ms for a CPU per ms they ran against "
+            f"{then:.2f} in the baseline's runs"
+        )
+        return (1.0 + now) / (1.0 + then), said
 
     @property
     def contended(self) -> str | None:
@@ -544,7 +608,38 @@ def reference_value(evidence: Evidence) -> float | None:
 
 def decide(evidence: Evidence) -> Decision:
     """Large (past the threshold), significant (between runs when the history allows, else
-    within: one-sided Mann-Whitney U), on a steady machine; and what the run could have seen."""
+    within: one-sided Mann-Whitney U), on a steady machine; and what the run could have seen.
+
+    An `ok` the machine alone may have sped past the threshold, or a `regression` it may have
+    slowed into one, within the steadiness limits (its engine's wait against the baseline's
+    runs: _machine_moved), is `unsteady`. An unsteady or busy machine that leaned one way against
+    the baseline's runs (Steadiness.lean) still decides what it cannot have caused: on a busier
+    machine a figure within the threshold or better (ok, win), on a quieter one a regression.
+    Anything else stays `unsteady`."""
+    found = _decide(evidence)
+    if found.kind in ("ok", "regression") and found.ratio is not None:
+        moved = _machine_moved(evidence, found.ratio, found.kind)
+        if moved is not None:
+            seen = found.text.partition("; could")[0] if found.kind == "ok" else found.text
+            held = f"{seen}, but not judged: {moved}; re-run on a steady machine"
+            return replace(found, kind="unsteady", text=held)
+    steady = evidence.steadiness
+    lean = steady.lean if found.kind == "unsteady" and steady is not None else None
+    if lean is None:
+        return found
+    plain = _decide(replace(evidence, steadiness=None))
+    trusted = ("regression",) if lean == "quieter" else ("ok", "win")
+    if plain.kind not in trusted:
+        return found
+    why = (steady.drift or steady.contended) if steady is not None else None
+    could = "cannot have slowed it" if lean == "quieter" else "can only have slowed it"
+    return replace(
+        plain, text=f"{plain.text}; judged though the machine was {lean} than in the baseline's "
+        f"runs ({why}), which {could}",
+    )  # fmt: skip
+
+
+def _decide(evidence: Evidence) -> Decision:
     label = evidence.label
     old = reference_value(evidence)
     new = evidence.current
@@ -636,6 +731,32 @@ def decide(evidence: Evidence) -> Decision:
             return replace(base, kind="unsteady", text=why, p_value=p_value)
         return replace(base, kind="inconclusive", text=unsure, p_value=p_value)
     return replace(base, kind=kind, text=f"{change}, p = {p_value:.3g} ({test})", p_value=p_value)
+
+
+def _machine_moved(evidence: Evidence, ratio: float, kind: VerdictKind) -> str | None:
+    """Why an `ok` may hide a change past the threshold, or a `regression` may be the machine's:
+    the machine alone may have sped this run up (slowed it down) against the baseline's runs by
+    more than the margin the figure left (Steadiness.machine_factor); None where it could not."""
+    steady = evidence.steadiness
+    if steady is None:
+        return None
+    factor, reading = steady.machine_factor()
+    if (kind == "ok" and factor >= 1.0) or (kind == "regression" and factor <= 1.0):
+        return None
+    # The figure as a machine as busy as the baseline's would have put it: a time moved by
+    # `factor` is a rate moved by 1 / factor.
+    undone = ratio * factor if evidence.higher_is_better else ratio / factor
+    moved = change_direction(
+        1.0, undone, evidence.threshold, higher_is_better=evidence.higher_is_better
+    )
+    if (moved == "worse") == (kind == "regression"):
+        return None
+    way, by = ("quieter", "sped") if factor < 1.0 else ("busier", "slowed")
+    return (
+        f"the machine ran {way} than in the baseline's runs ({reading}), which may have {by} "
+        f"this run by up to {abs(factor - 1.0) / min(factor, 1.0):.0%}: on a machine as busy as "
+        f"the baseline's it would be {signed_percent(undone)}"
+    )
 
 
 def _as_ratio(change_log: float, higher_is_better: bool) -> float | None:
