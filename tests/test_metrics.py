@@ -14,7 +14,7 @@ from pytest_gpubench.config.cell import Thresholds
 from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME, MEASURES, PERCENTILE_NAMES
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.reports.terminal import render_comparison
+from pytest_gpubench.reports.comparison import render_comparison
 from pytest_gpubench.results.baseline import (
     CellBaseline,
     Provenance,

@@ -252,7 +252,7 @@ def _reference_of_ledger(ledger: Path, baselines_dir: Path) -> list[str]:
 def _print_judgement(judged: LedgerJudgement, command: str, notes: Sequence[str] = ()) -> None:
     """What `gpubench gate` (and `compare`) print of a ledger's judgement, its status last."""
     from pytest_gpubench.core.status import describe
-    from pytest_gpubench.reports.terminal import render_comparison
+    from pytest_gpubench.reports.comparison import render_comparison
 
     judgement = judged.judgement
     if judgement.gate_error is not None:

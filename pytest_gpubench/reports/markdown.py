@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from pytest_gpubench.reports.comparison import render_comparison
 from pytest_gpubench.reports.engine_checks_table import (
     engine_check_warnings,
     render_engine_checks,
@@ -25,7 +26,6 @@ from pytest_gpubench.reports.terminal import (
     kind_rows,
     reasoning_shown,
     render_ab,
-    render_comparison,
 )
 from pytest_gpubench.results.engine_checks import EngineChecks, engine_checks
 from pytest_gpubench.results.gate import (
