@@ -21,12 +21,8 @@ from pytest_gpubench.cli.main import main
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.gate import Verdict
-from pytest_gpubench.results.judging import (
-    SETTINGS_KEY,
-    JudgingSettings,
-    RunRecords,
-    holds_back,
-)
+from pytest_gpubench.results.judging import RunRecords, holds_back
+from pytest_gpubench.results.judging_settings import SETTINGS_KEY, JudgingSettings
 from pytest_gpubench.results.ledger_judgement import judge_ledger
 
 

@@ -16,7 +16,7 @@ from pytest_gpubench.config.cell import Cell, Thresholds
 from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.results.decision import MIN_DECODE_GAPS, VERDICT_ORDER
 from pytest_gpubench.results.gate import ALPHA, Verdict
-from pytest_gpubench.results.judging import JudgingSettings
+from pytest_gpubench.results.judging_settings import JudgingSettings
 from pytest_gpubench.results.paired import (
     PAIRED_METRICS,
     Pairs,

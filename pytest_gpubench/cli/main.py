@@ -82,7 +82,7 @@ def _report(args: argparse.Namespace) -> int:
     if args.html:
         text = _html_report(data, args.baselines)
     else:
-        from pytest_gpubench.results.judging import unchecked_cells
+        from pytest_gpubench.results.judging_settings import unchecked_cells
 
         text = render_document(
             data.others,
@@ -162,7 +162,7 @@ def _export(args: argparse.Namespace) -> int:
             "--load-slices-csv"
         )
     data = read_ledger_frame(Path(args.ledger), export=bool(args.csv))
-    from pytest_gpubench.results.judging import unchecked_cells
+    from pytest_gpubench.results.judging_settings import unchecked_cells
 
     # The valid rates of the JSON and Prometheus need the samples of a tools or json_schema
     # prompt; the engine checks are read once for both.

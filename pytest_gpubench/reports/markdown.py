@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
     """The baseline document of one ledger: the same ledger always gives the same bytes."""
     from pytest_gpubench.ledger.schema import meta_of
-    from pytest_gpubench.results.judging import unchecked_cells
+    from pytest_gpubench.results.judging_settings import unchecked_cells
 
     records = list(records)
     others = [record for record in records if record.get("type") != "call"]

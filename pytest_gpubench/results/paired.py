@@ -48,7 +48,8 @@ PairsDecision = Literal["regression", "win", "unchanged"]
 
 
 class PairedCell(Protocol):
-    """What judging a candidate needs of its cell's settings (results/judging.CellJudging)."""
+    """What judging a candidate needs of its cell's settings
+    (results/judging_settings.CellJudging)."""
 
     @property
     def thresholds(self) -> Thresholds: ...

@@ -17,7 +17,8 @@ from pytest_gpubench.results.decision import MIN_HISTORY, PRESSURE_LIMIT
 
 if TYPE_CHECKING:
     from pytest_gpubench.results.baseline import BaselineUpdate
-    from pytest_gpubench.results.judging import Judgement, JudgingSettings, RunRecords
+    from pytest_gpubench.results.judging import Judgement, RunRecords
+    from pytest_gpubench.results.judging_settings import JudgingSettings
 
 SMOKE_NOT_WRITTEN = "baselines NOT written: --smoke measures one call, too few to judge against"
 
