@@ -90,7 +90,7 @@ LOAD_KEYS = (
 )  # fmt: skip
 SERVER_FIGURES = ("ttft_ms", "tpot_ms", "e2e_ms")
 # The figures whose percentiles have a confidence interval in the load record
-# (results/load_summary.percentile_intervals): the load CSV's `<figure>_p<q>_low`/`_high`.
+# (results/percentiles.percentile_intervals): the load CSV's `<figure>_p<q>_low`/`_high`.
 INTERVAL_FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 INTERVAL_PERCENTILES = (50, 90, 99)
 # An open-loop point's queue trend (results/load_summary.saturation_trend): `trend_<field>`.
