@@ -371,7 +371,8 @@ def test_a_bad_prompts_yaml_stops_the_session_with_the_usage_status(
 def test_an_embedding_ab_pair_is_judged_on_its_total_only() -> None:
     """An A/B candidate of embedding calls gets no TTFT or decode verdict (the figures do not
     apply: absent, not inconclusive), and its total is judged as a chat pair's is."""
-    from pytest_gpubench.results.paired import Pairs, judge_candidate
+    from pytest_gpubench.results.paired import judge_candidate
+    from pytest_gpubench.results.pairs import Pairs
 
     def call(cell: str, index: int, total: float) -> dict[str, object]:
         return {
