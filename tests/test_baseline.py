@@ -33,7 +33,7 @@ from pytest_gpubench.results.baseline import (
     write_baseline,
 )
 from pytest_gpubench.results.baseline_format import CorruptBaseline
-from pytest_gpubench.results.gate import ALL_METRIC_NAMES
+from pytest_gpubench.results.metric import ALL_METRIC_NAMES
 from pytest_gpubench.results.run_history import RunFigures
 from pytest_gpubench.results.stats import PromptSummary, WarmSamples
 

@@ -36,19 +36,16 @@ from pytest_gpubench.reports.load_tables import (
 )
 from pytest_gpubench.reports.telemetry_table import TELEMETRY_HEADERS, telemetry_rows
 from pytest_gpubench.results.engine_checks import EngineChecks
-from pytest_gpubench.results.gate import (
+from pytest_gpubench.results.gate import Verdict, incomparables, overall_by_key, regressions
+from pytest_gpubench.results.judging import holds_back
+from pytest_gpubench.results.metric import (
     ALL_METRIC_NAMES,
     GATED_METRICS,
     METRIC_NAMES,
     RATIO_METRICS,
     SUCCESS_RATE,
-    Verdict,
-    incomparables,
-    overall_by_key,
     reasoned,
-    regressions,
 )
-from pytest_gpubench.results.judging import holds_back
 from pytest_gpubench.results.stats import PromptSummary
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary
 

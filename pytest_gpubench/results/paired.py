@@ -20,13 +20,8 @@ from pytest_gpubench.results.decision import (
     too_short_to_time,
     verdict_of,
 )
-from pytest_gpubench.results.gate import (
-    ALPHA,
-    Metric,
-    VerdictKind,
-    change_direction,
-    ratio_threshold,
-)
+from pytest_gpubench.results.gate import ALPHA, VerdictKind, change_direction
+from pytest_gpubench.results.metric import Metric, ratio_threshold
 from pytest_gpubench.results.pairs import (
     INTERVAL_LEVEL,
     PAIRED_METRICS,

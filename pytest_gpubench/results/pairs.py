@@ -13,7 +13,8 @@ from typing import Any, Literal
 import numpy as np
 
 from pytest_gpubench.results.decision import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, scipy_stats
-from pytest_gpubench.results.gate import ALPHA, GATED_METRICS, Metric, change_direction
+from pytest_gpubench.results.gate import ALPHA, change_direction
+from pytest_gpubench.results.metric import GATED_METRICS, Metric
 from pytest_gpubench.results.stats import field_number, is_success
 
 # The level of the bootstrap interval of the ratio of medians (its resamples and seed, and the

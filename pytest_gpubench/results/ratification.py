@@ -46,7 +46,7 @@ def baseline_update_plan(run: RunRecords, settings: JudgingSettings) -> Baseline
         # One call per cell can never reach significance: every later run would be
         # "inconclusive" against it.
         return BaselineUpdatePlan(refused=SMOKE_NOT_WRITTEN)
-    from pytest_gpubench.results.gate import success_threshold
+    from pytest_gpubench.results.metric import success_threshold
 
     meta = [run.meta] if run.meta is not None else []
     return BaselineUpdatePlan(
