@@ -34,8 +34,8 @@ from pytest_gpubench.results.baseline import (
     Provenance,
     dumps_baseline,
     loads_baseline,
-    plan_cell,
 )
+from pytest_gpubench.results.baseline_update import plan_cell
 from pytest_gpubench.results.decision import Evidence, Steadiness, decide, steadiness
 from pytest_gpubench.results.gate import judge
 from pytest_gpubench.results.machine_steadiness import machine_steadiness

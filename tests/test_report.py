@@ -19,7 +19,7 @@ from pytest_gpubench.reports.html import render_html
 from pytest_gpubench.reports.load_tables import render_load_table
 from pytest_gpubench.reports.markdown import render_markdown
 from pytest_gpubench.reports.terminal import render_summary, summary_rows
-from pytest_gpubench.results.baseline import update_baselines
+from pytest_gpubench.results.baseline_update import update_baselines
 from pytest_gpubench.results.gate import Verdict, compare, judge
 from pytest_gpubench.results.stats import summarize
 

@@ -432,7 +432,8 @@ def test_sequential_sampling_of_embeddings_stops_on_their_total() -> None:
 def test_a_baseline_counts_the_warm_calls_of_each_request_kind(tmp_path: Path, kind: str) -> None:
     """The runs of a baseline's history say how many warm calls each ratified (`n`): it was
     the count of TTFT samples, 0 for an embedding or a rerank, which have none."""
-    from pytest_gpubench.results.baseline import baseline_path, update_baselines
+    from pytest_gpubench.results.baseline import baseline_path
+    from pytest_gpubench.results.baseline_update import update_baselines
 
     generating = kind == "chat"
     calls = [

@@ -228,7 +228,7 @@ def _reference_of_ledger(ledger: Path, baselines_dir: Path) -> list[str]:
     load) of one run, whole: the reference the user named is not refused for its success rate
     or sample count (the gate then says what such a reference cannot tell). Returns the notes."""
     from pytest_gpubench.ledger.writer import read_ledger
-    from pytest_gpubench.results.baseline import update_baselines
+    from pytest_gpubench.results.baseline_update import update_baselines
     from pytest_gpubench.results.judging import RunRecords
     from pytest_gpubench.results.load_baseline import write_load_baselines
 

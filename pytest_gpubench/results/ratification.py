@@ -16,7 +16,7 @@ from pytest_gpubench.ledger.schema import LoadRecord
 from pytest_gpubench.results.decision import MIN_HISTORY, PRESSURE_LIMIT
 
 if TYPE_CHECKING:
-    from pytest_gpubench.results.baseline import BaselineUpdate
+    from pytest_gpubench.results.baseline_update import BaselineUpdate
     from pytest_gpubench.results.judging import Judgement, RunRecords
     from pytest_gpubench.results.judging_settings import JudgingSettings
 
@@ -60,7 +60,7 @@ def baseline_update_plan(run: RunRecords, settings: JudgingSettings) -> Baseline
 
 
 def take_baseline_update(judgement: Judgement, update: BaselineUpdate, baselines_dir: Path) -> None:
-    """What the warm baselines' update (results/baseline.BaselineUpdate) ratified, into the
+    """What the warm baselines' update (results/baseline_update.BaselineUpdate) ratified, into the
     judgement: a note per file written, replaced or refused (and what its history lets the gate
     know), the cells whose changed setup it ratified, and the files it could not write."""
     notes = judgement.baseline_notes
@@ -135,12 +135,13 @@ def history_notes(baselines_dir: Path, cell_id: str) -> list[str]:
 
 def planned_update(plan: BaselineUpdatePlan, baselines_dir: Path) -> BaselineUpdate:
     """What the plan's update of the warm baselines does against `baselines_dir` as it is now,
-    writing nothing there: results/baseline.update_baselines, its rules whole, run on a scratch
-    copy of the run's cells' files; its paths are named in `baselines_dir`."""
+    writing nothing there: results/baseline_update.update_baselines, its rules whole, run on a
+    scratch copy of the run's cells' files; its paths are named in `baselines_dir`."""
     import shutil
     import tempfile
 
-    from pytest_gpubench.results.baseline import baseline_path, update_baselines
+    from pytest_gpubench.results.baseline import baseline_path
+    from pytest_gpubench.results.baseline_update import update_baselines
     from pytest_gpubench.results.gate import too_few_samples
 
     cells = {str(record.get("cell_id")) for record in plan.records if record.get("type") == "call"}

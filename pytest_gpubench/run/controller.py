@@ -499,7 +499,7 @@ class RunController:
 
     def _update_baselines(self, plan: BaselineUpdatePlan) -> None:
         """The warm baselines written as the plan (results/ratification.py) says."""
-        from pytest_gpubench.results.baseline import update_baselines
+        from pytest_gpubench.results.baseline_update import update_baselines
         from pytest_gpubench.results.gate import too_few_samples
 
         judgement = self.judgement
