@@ -11,7 +11,8 @@ from typing import Any, cast
 
 import pytest
 
-from pytest_gpubench.cli.main import compare_command, main
+from pytest_gpubench.cli.judge_commands import compare_command
+from pytest_gpubench.cli.main import main
 from pytest_gpubench.ledger.schema import LoadRecord
 from pytest_gpubench.reports.comparison import render_comparison
 from pytest_gpubench.reports.frame import frame_of_records
