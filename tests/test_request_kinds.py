@@ -20,7 +20,7 @@ from pytest_gpubench.config.prompts import Prompt, read_prompts
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines import Engine, Request, kind_body, note_tool_calls, send
 from pytest_gpubench.engines.managed_llamacpp import kind_args, kind_missing
-from pytest_gpubench.measure.stream import CallMeasurement
+from pytest_gpubench.measure.call_measurement import CallMeasurement
 from pytest_gpubench.measure.validity import judge_answer
 from pytest_gpubench.results.gate import judge
 from pytest_gpubench.results.stats import summarize
