@@ -1,15 +1,26 @@
 """The machine's steadiness while a (cell, prompt) ran, read from its summary, its baseline's and
 the baseline's runs (pure): the control call, the CPU pressure (the engine's own wait, the other
 processes' share, or the machine's), the client's wait, steal and the GPU's own signals, for the
-decision core (results/decision.steadiness)."""
+decision core (results/decision.Steadiness): `steadiness` from the samples, `machine_steadiness`
+from the summaries."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 
 from pytest_gpubench.config.metrics import CLOCK_EVENTS
-from pytest_gpubench.results.decision import PressureSource, Steadiness, steadiness
+from pytest_gpubench.results.decision import (
+    ALPHA,
+    DEFAULT_STEADY_FLOOR,
+    MIN_HISTORY,
+    STEADY_FLOOR_MIN,
+    PressureSource,
+    Steadiness,
+    mwu_method,
+    scipy_stats,
+)
 from pytest_gpubench.results.run_history import (
     History,
     control_figures,
@@ -18,6 +29,79 @@ from pytest_gpubench.results.run_history import (
     pressure_figures,
 )
 from pytest_gpubench.results.stats import PromptSummary
+
+
+def steadiness(
+    control: Sequence[float],
+    baseline_control: Sequence[float],
+    control_history: Sequence[float] = (),
+    *,
+    pressure: Sequence[float] = (),
+    baseline_pressure: Sequence[float] = (),
+    runs_pressure: Sequence[float] = (),
+    pressure_source: PressureSource = "machine",
+    client_wait: Sequence[float] = (),
+    steal: Sequence[float] = (),
+    gpu: str | None = None,
+    neighbours: float | None = None,
+) -> Steadiness | None:
+    """The control's movement: this run's control samples (in call order) against the baseline's
+    (the geometric mean of its history's p50s when it has MIN_HISTORY runs, else the baseline
+    run's samples), and its later half against its earlier half. A movement counts only when it
+    is beyond the floor and also significant on the control's own samples (two-sided
+    Mann-Whitney U): one slow control call is the scheduler's noise, not a drift. The CPU
+    pressure's p50 against the baseline's (`baseline_pressure`: its runs' p50s, or its run's
+    samples), and its halves when they differ significantly; `runs_pressure`: the p50 of each
+    run in the baseline's history (its busiest run counts). `pressure_source`: what those
+    readings are (Steadiness.pressure_source); `client_wait`: the harness's own threads' wait
+    per ms they ran, per call; `steal`: the share of the CPUs' time a hypervisor stole, per
+    call; `gpu`: what the GPU's signals showed (Steadiness.gpu); `neighbours`: the other
+    processes' busiest CPU share (Steadiness.neighbours). None when this run has neither control
+    nor pressure."""
+    if not control and not pressure:
+        return None
+    against: float | None = None
+    within: float | None = None
+    floor = DEFAULT_STEADY_FLOOR
+    if control:
+        now = statistics.median(control)
+        history = [value for value in control_history if value > 0]
+        if len(history) >= MIN_HISTORY:
+            spread = statistics.stdev(math.log(v) for v in history)
+            floor = max(STEADY_FLOOR_MIN, 3.0 * spread)
+            against = now / math.exp(statistics.fmean(math.log(v) for v in history))
+        elif baseline_control and _differ(control, baseline_control):
+            against = now / statistics.median(baseline_control)
+        half = len(control) // 2
+        if half >= 3 and _differ(control[half:], control[:half]):
+            within = statistics.median(control[half:]) / statistics.median(control[:half])
+    halves: tuple[float, float] | None = None
+    half = len(pressure) // 2
+    if half >= 3 and _differ(pressure[half:], pressure[:half]):
+        halves = (statistics.median(pressure[:half]), statistics.median(pressure[half:]))
+    return Steadiness(
+        against,
+        within,
+        floor,
+        pressure=statistics.median(pressure) if pressure else None,
+        baseline_pressure=statistics.median(baseline_pressure) if baseline_pressure else None,
+        pressure_halves=halves,
+        baseline_pressure_max=max(runs_pressure) if runs_pressure else None,
+        pressure_source=pressure_source,
+        client_wait=statistics.median(client_wait) if client_wait else None,
+        steal=statistics.median(steal) if steal else None,
+        gpu=gpu,
+        neighbours=neighbours,
+    )
+
+
+def _differ(first: Sequence[float], second: Sequence[float]) -> bool:
+    """Whether two sets of control samples differ significantly (two-sided)."""
+    if min(len(first), len(second)) < 3:
+        return False
+    method = mwu_method(len(first), len(second))
+    result = scipy_stats().mannwhitneyu(first, second, alternative="two-sided", method=method)
+    return bool(result.pvalue < ALPHA)
 
 
 def machine_steadiness(
