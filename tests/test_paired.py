@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from pytest_gpubench.config.cell import Cell, Thresholds
 from pytest_gpubench.config.matrix import read_matrix
-from pytest_gpubench.results.decision import MIN_DECODE_GAPS, VERDICT_ORDER
+from pytest_gpubench.results.decision import VERDICT_ORDER
 from pytest_gpubench.results.gate import ALPHA, Verdict
 from pytest_gpubench.results.judging_settings import JudgingSettings
+from pytest_gpubench.results.metric import MIN_DECODE_GAPS
 from pytest_gpubench.results.paired import ab_verdicts, looks, sequential_stop
 from pytest_gpubench.results.pairs import PAIRED_METRICS, Pairs, judge_pairs, min_signed_rank_p
 

@@ -33,7 +33,6 @@ from pytest_gpubench.results.decision import (
     one_sided_p,
     scipy_stats,
     signed_percent,
-    too_short_to_time,
 )
 from pytest_gpubench.results.machine_steadiness import machine_steadiness
 from pytest_gpubench.results.metric import (
@@ -43,6 +42,7 @@ from pytest_gpubench.results.metric import (
     gated_metrics,
     ratio_threshold,
     success_threshold,
+    too_short_to_time,
 )
 from pytest_gpubench.results.run_history import (
     History,
@@ -92,7 +92,7 @@ def judge(
     """One verdict per metric; none when nothing warm was measured (a cold-only run).
     `history`: the baseline's last ratified runs of this (cell, prompt), oldest first;
     `decode_gaps`: the gaps between tokens of this run's replies (reply_gaps): a decode figure of
-    replies too short to time is `ungated` (decision.too_short_to_time); `alpha`: the level of
+    replies too short to time is `ungated` (metric.too_short_to_time); `alpha`: the level of
     each test (a figure sampled on until decided tests at its look's share, sample_on.py)."""
     thresholds = thresholds or Thresholds()
     if current.n_warm == 0:

@@ -17,11 +17,10 @@ from pytest_gpubench.results.decision import (
     change_word,
     look_schedule,
     signed_percent,
-    too_short_to_time,
     verdict_of,
 )
 from pytest_gpubench.results.gate import ALPHA, VerdictKind, change_direction
-from pytest_gpubench.results.metric import Metric, ratio_threshold
+from pytest_gpubench.results.metric import Metric, ratio_threshold, too_short_to_time
 from pytest_gpubench.results.pairs import (
     INTERVAL_LEVEL,
     PAIRED_METRICS,
@@ -34,7 +33,7 @@ from pytest_gpubench.results.verdict import Verdict, from_decision
 
 PairsDecision = Literal["regression", "win", "unchanged"]
 # A decode figure of replies shorter than MIN_DECODE_GAPS gaps between tokens (the median over
-# the pairs) is `ungated` (results/decision.py): in issue 37's table an unchanged candidate's
+# the pairs) is `ungated` (results/metric.py): in issue 37's table an unchanged candidate's
 # decode rate of 4-token replies moved -45 % to +131 % per session, and one session in 10-20
 # came out significant both by the signed ranks and by its interval.
 
@@ -277,7 +276,7 @@ def _placed_apart(
 
 def _too_few_gaps(metric: Metric, gaps: int | None) -> str | None:
     """Why a decode figure of the pairs' replies is not gated for the prompt (too short to
-    time: decision.too_short_to_time); None for another figure, long enough replies, or where
+    time: metric.too_short_to_time); None for another figure, long enough replies, or where
     nothing says how long they were."""
     if not metric.measure.decode:
         return None
