@@ -51,7 +51,7 @@ from pytest_gpubench.config.synthetic import WORDS
 from pytest_gpubench.core.status import EXIT_REGRESSION, EXIT_UNSTEADY
 from pytest_gpubench.engines.llamacpp_build import find_llama_server
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.results.judging import JudgingSettings
+from pytest_gpubench.results.judging_settings import JudgingSettings
 from pytest_gpubench.results.paired import collect_pairs, judge_candidate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

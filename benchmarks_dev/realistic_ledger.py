@@ -27,7 +27,7 @@ from pytest_gpubench.ledger.gaps import PACKED_FIELD, unpack_gaps
 from pytest_gpubench.ledger.records import call_record, cell_record
 from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.ledger.writer import CellKeys, record_line
-from pytest_gpubench.measure.stream import CallMeasurement
+from pytest_gpubench.measure.call_measurement import CallMeasurement
 
 PROMPT_TOKENS = {"P-EASY": 64, "P-MEDIUM": 512, "P-HARD": 1024}
 PROMPTS = Path(__file__).parent.parent / "prompts.yaml"

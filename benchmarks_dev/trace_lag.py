@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pytest_gpubench.config.load_profile import LoadProfile
-from pytest_gpubench.results.load_summary import percentile
+from pytest_gpubench.results.percentiles import percentile
 from pytest_gpubench.run.load import driver, make_pattern, trace_replay
 from pytest_gpubench.run.load.driver import LoadRun, build_target
 from pytest_gpubench.run.load.open_loop import send_on_schedule

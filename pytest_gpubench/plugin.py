@@ -42,8 +42,6 @@ ENGINE_FIXTURE = "gpubench_engine"
 # Every benchmark test's parameter, under the three fixtures: its Case. A test that asks for any
 # of them is parametrized over the matrix (pytest_generate_tests).
 PARAM_FIXTURE = "_gpubench_param"
-MARKER = "gpubench"
-MARKER_KEYS = ("cells", "phases", "runs")
 # Generous on purpose: the engine's own stream timeout (the cell's timeout_s) must fire first, so
 # that a slow call is still recorded; this only catches a hang in the harness itself.
 CASE_TIMEOUT_FACTOR = 2.0
@@ -62,8 +60,6 @@ TAKEN_ALIASES_KEY = pytest.StashKey[tuple[str, ...]]()
 MISSING_MATRIX_KEY = pytest.StashKey[str]()
 # A test's gpubench marker (or its name) is wrong: a usage error, raised the same way.
 MARKER_ERROR_KEY = pytest.StashKey[str]()
-# {test id: the node id of the test that has it}: two tests may not share a name.
-TEST_IDS_KEY = pytest.StashKey[dict[str, str]]()
 FROZEN_KEY: pytest.StashKey[FrozenRequests] = pytest.StashKey()
 # A case skipped because its required cell could not be measured: a skipped test that fails
 # the run (exit 7), shown as `u` / UNMEASURED rather than a plain `s` (docs/exit-statuses.md).
@@ -200,13 +196,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize(PARAM_FIXTURE, [], indirect=True)
         return
     from pytest_gpubench.config.cases import build_cases
+    from pytest_gpubench.config.marker import marked_test_cases
 
     matrix = run.matrix
     if CASE_FIXTURE in metafunc.fixturenames:
         cases = build_cases(matrix, run.options.runs, seed=run.ab_seed)
     else:
         try:
-            cases = _test_cases(metafunc, matrix, run.options.runs, run.ab_seed)
+            cases = marked_test_cases(metafunc, matrix, run.options.runs, run.ab_seed)
         except GpubenchError as exc:
             if xdist.is_worker(metafunc.config):
                 pytest.fail(str(exc), pytrace=False)
@@ -216,80 +213,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         pytest.param(case, id=case.case_id, marks=_case_marks(matrix, case)) for case in cases
     ]
     metafunc.parametrize(PARAM_FIXTURE, params, indirect=True)
-
-
-def _test_id(metafunc: pytest.Metafunc) -> str:
-    """A test's id in the ledger and the baselines: its name (`TestClass.test_name` in a class)."""
-    name = metafunc.function.__name__
-    return f"{metafunc.cls.__name__}.{name}" if metafunc.cls is not None else name
-
-
-def _test_cases(
-    metafunc: pytest.Metafunc, matrix: Matrix, runs_override: int | None, seed: int
-) -> list[Case]:
-    """The cases of a test that measures requests of its own, from its gpubench marker."""
-    from pytest_gpubench.config.cases import build_test_cases
-    from pytest_gpubench.config.cell import PHASES
-
-    test_id = _test_id(metafunc)
-    where = metafunc.definition.nodeid
-    taken = metafunc.config.stash.setdefault(TEST_IDS_KEY, {})
-    other = taken.setdefault(test_id, where)
-    if other != where:
-        raise GpubenchError(
-            f"{where}: another benchmark test has the name {test_id} ({other}): a test's name is "
-            "its id in the ledger and the baselines; rename one of them"
-        )
-    if test_id in matrix.prompts:
-        raise GpubenchError(
-            f"{where}: {test_id} is also a prompt id of {matrix.prompts_path}: a test's name is "
-            "its id in the ledger and the baselines; rename the test or the prompt"
-        )
-    marker = metafunc.definition.get_closest_marker(MARKER)
-    if marker is None:
-        return build_test_cases(matrix, test_id, runs_override=runs_override, seed=seed)
-    mark = f"{where}: @pytest.mark.{MARKER}"
-    if marker.args:
-        raise GpubenchError(f"{mark}: takes keywords only ({', '.join(MARKER_KEYS)})")
-    unknown = sorted(set(marker.kwargs) - set(MARKER_KEYS))
-    if unknown:
-        raise GpubenchError(
-            f"{mark}: unknown keyword {unknown[0]!r} (known: {', '.join(MARKER_KEYS)})"
-        )
-    cells = _names(marker.kwargs.get("cells"), f"{mark}: cells")
-    known_cells = [cell.cell_id for cell in matrix.cells]
-    for cell_id in cells or ():
-        if cell_id not in known_cells:
-            raise GpubenchError(
-                f"{mark}: cells: '{cell_id}' is not a cell of {matrix.cells_path} "
-                f"(cells: {', '.join(known_cells)})"
-            )
-    phases = _names(marker.kwargs.get("phases"), f"{mark}: phases")
-    for phase in phases or ():
-        if phase not in PHASES:
-            raise GpubenchError(f"{mark}: phases: '{phase}' is not one of {', '.join(PHASES)}")
-    runs = marker.kwargs.get("runs")
-    if runs is not None and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
-        raise GpubenchError(f"{mark}: runs: expected a positive integer, got {runs!r}")
-    return build_test_cases(
-        matrix,
-        test_id,
-        cells=cells,
-        phases=phases,
-        runs=runs,
-        runs_override=runs_override,
-        seed=seed,
-    )
-
-
-def _names(value: Any, where: str) -> list[str] | None:
-    if value is None:
-        return None
-    if isinstance(value, str) or not isinstance(value, list | tuple) or not value:
-        raise GpubenchError(f"{where}: expected a non-empty list of names, got {value!r}")
-    if not all(isinstance(item, str) for item in value):
-        raise GpubenchError(f"{where}: expected a list of names, got {value!r}")
-    return list(value)
 
 
 def _case_marks(matrix: Matrix, case: Case) -> list[pytest.MarkDecorator]:
@@ -588,69 +511,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     rentals = run.rentals()
     if run.startup_error is None and not run.probe_rows and not rentals and run.ledger is None:
         return  # nothing of ours to say: the report's modules (pandas, scipy) stay unloaded
-    from pytest_gpubench.reports import terminal as report
+    from pytest_gpubench.run.session_summary import write_session_summary
 
-    lines: list[report.TerminalLine] = []
-    if run.startup_error is not None:
-        lines.append(report.TerminalLine(f"ERROR: {run.startup_error}", red=True))
-    if run.probe_rows:
-        terminalreporter.write_sep("=", "gpubench probe")
-        lines.append(report.TerminalLine(report.render_probe(run.probe_rows)))
-    lines.extend(report.rental_lines(rentals))
-    if run.ledger is not None:
-        _write(terminalreporter, run, lines)
-        lines = []
-        terminalreporter.write_sep("=", "gpubench")
-        judgement = run.judgement
-        lines.extend(report.outcome_lines(run.outcomes))
-        lines.extend(
-            report.gate_lines(
-                judgement.summaries,
-                judgement.verdicts,
-                baseline_notes=judgement.baseline_notes,
-                gate_error=judgement.gate_error,
-                baseline_update=run.options.baseline_update,
-                baselines_dir=run.options.baselines_dir,
-                telemetry=judgement.telemetry,
-                checks=judgement.checks,
-            )
-        )
-        lines.extend(
-            report.load_lines(
-                run.loads, judgement.load_verdicts, baseline_update=run.options.baseline_update
-            )
-        )
-        if run.write_error is not None:
-            lines.append(report.TerminalLine(f"ERROR: {run.write_error}", red=True))
-        lines.append(report.TerminalLine(f"ledger: {run.ledger.path}"))
-        if run.summary_path is not None:
-            lines.append(report.TerminalLine(f"pull request summary: {run.summary_path}"))
-        if run.summary_error is not None:
-            lines.append(report.TerminalLine(f"WARNING: {run.summary_error}", red=True))
-        # Beside pytest's own counts ("24 passed, 2 regressed in 9.1s"): its tests passed, and
-        # the run did not.
-        for word, found in _findings(run).items():
-            if found:
-                terminalreporter.stats.setdefault(word, []).extend(found)
-    _write(terminalreporter, run, lines)
-
-
-def _findings(run: RunController) -> dict[str, list[Any]]:
-    """What fails the run that no test failed, by the word pytest's summary line counts it
-    under: the required cells not measured, the incomparable baselines, the regressions, and
-    each figure that could not be told and holds the run back (exit 10), by its verdict:
-    `unsteady`, `blind`, `inconclusive` (a ratified regression against a baseline is none, and
-    a baseline update is held back by none)."""
-    from pytest_gpubench.results.decision import UNDECIDED
-
-    judgement = run.judgement
-    held = [] if judgement.settings.baseline_update else judgement.undecided()
-    return {
-        "unmeasured": judgement.unmeasured,
-        "incomparable": judgement.failing_incomparables(),
-        "regressed": judgement.failing_regressions(),
-        **{word: [v for v in held if v.verdict == word] for word in UNDECIDED},
-    }
+    write_session_summary(terminalreporter, run, rentals)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -668,9 +531,3 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         f"gpubench: {describe(run.exit_status, missing_optional=missing)}",
         red=run.exit_status != 0,
     )
-
-
-def _write(terminalreporter: pytest.TerminalReporter, run: RunController, lines: list[Any]) -> None:
-    """The terminal is one of the two exits (the ledger is the other): secrets cut out here."""
-    for line in lines:
-        terminalreporter.write_line(run.scrub(line.text), red=line.red)

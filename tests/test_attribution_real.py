@@ -23,7 +23,7 @@ from support.tiny_server import tiny_llama_server
 
 from pytest_gpubench.engines import Request
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
-from pytest_gpubench.measure.stream import CallMeasurement
+from pytest_gpubench.measure.call_measurement import CallMeasurement
 
 # Each compares the client's timings with the engine's, pinned to one CPU, and one starts CPU hogs
 # on it: alone under -n (tests/support/schedule.py), neither slowed by the other workers' tests

@@ -29,11 +29,11 @@ from pytest_gpubench.results.baseline import (
     read_baseline,
     read_baselines,
     read_summaries,
-    update_baselines,
     write_baseline,
 )
 from pytest_gpubench.results.baseline_format import CorruptBaseline
-from pytest_gpubench.results.gate import ALL_METRIC_NAMES
+from pytest_gpubench.results.baseline_update import update_baselines
+from pytest_gpubench.results.metric import ALL_METRIC_NAMES
 from pytest_gpubench.results.run_history import RunFigures
 from pytest_gpubench.results.stats import PromptSummary, WarmSamples
 

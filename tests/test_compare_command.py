@@ -13,8 +13,12 @@ from support.ledgers import CELLS, run_records, write
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.config.cell import Thresholds
 from pytest_gpubench.core.status import EXIT_INCOMPARABLE, EXIT_REGRESSION, EXIT_UNSTEADY
-from pytest_gpubench.results.baseline import update_baselines
-from pytest_gpubench.results.judging import CellJudging, JudgingSettings, resolved_thresholds
+from pytest_gpubench.results.baseline_update import update_baselines
+from pytest_gpubench.results.judging_settings import (
+    CellJudging,
+    JudgingSettings,
+    resolved_thresholds,
+)
 
 
 def _with_settings(records: list[dict[str, Any]], **thresholds: float) -> list[dict[str, Any]]:

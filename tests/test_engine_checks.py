@@ -187,7 +187,7 @@ def test_counters_add_up_over_the_calls_and_gauges_keep_their_peak() -> None:
 def test_max_preemptions_over_the_limit_is_a_regression() -> None:
     from pytest_gpubench.config.cell import Thresholds
     from pytest_gpubench.results.engine_checks import check_verdicts
-    from pytest_gpubench.results.judging import CellJudging, JudgingSettings
+    from pytest_gpubench.results.judging_settings import CellJudging, JudgingSettings
 
     checks = engine_checks([call(engine_counters={"preemptions": 2.0})] * 2)
     settings = JudgingSettings(
@@ -218,7 +218,8 @@ def test_a_check_a_cell_asks_for_that_nothing_measured_holds_the_run_back() -> N
     was not read; never a pass of a check that was not made."""
     from pytest_gpubench.config.cell import Thresholds
     from pytest_gpubench.results.engine_checks import check_verdicts
-    from pytest_gpubench.results.judging import CellJudging, JudgingSettings, holds_back
+    from pytest_gpubench.results.judging import holds_back
+    from pytest_gpubench.results.judging_settings import CellJudging, JudgingSettings
 
     unread = engine_checks(
         [call(token_mismatch=False, engine_counters={"prefix_cache_hits": 1.0})] * 2

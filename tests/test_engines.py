@@ -15,7 +15,8 @@ from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
 from pytest_gpubench.engines.plugin import plugin_engine
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.measure.stream import CallMeasurement, Endpoint, joined_url
+from pytest_gpubench.measure.call_measurement import CallMeasurement
+from pytest_gpubench.measure.stream import Endpoint, joined_url
 
 
 def test_ollama_adapter_streams_ndjson_and_keeps_engine_timings() -> None:

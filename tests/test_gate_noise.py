@@ -34,10 +34,11 @@ from pytest_gpubench.results.baseline import (
     Provenance,
     dumps_baseline,
     loads_baseline,
-    plan_cell,
 )
-from pytest_gpubench.results.decision import Evidence, Steadiness, decide, steadiness
-from pytest_gpubench.results.gate import judge, machine_steadiness
+from pytest_gpubench.results.baseline_update import plan_cell
+from pytest_gpubench.results.decision import Evidence, Steadiness, decide
+from pytest_gpubench.results.gate import judge
+from pytest_gpubench.results.machine_steadiness import machine_steadiness, steadiness
 from pytest_gpubench.results.run_history import HISTORY_RUNS, RunFigures, appended, current_segment
 from pytest_gpubench.results.stats import PromptSummary, WarmSamples
 

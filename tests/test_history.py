@@ -10,7 +10,7 @@ from support import ledgers
 
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.reports.history import read_history, sparkline
-from pytest_gpubench.results.judging import JudgingSettings
+from pytest_gpubench.results.judging_settings import JudgingSettings
 
 PLANTED = 17  # the run that is 60 % slower
 UPDATES = (0, 20)  # runs started with --baseline-update

@@ -21,12 +21,8 @@ from pytest_gpubench.cli.main import main
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.writer import read_ledger
 from pytest_gpubench.results.gate import Verdict
-from pytest_gpubench.results.judging import (
-    SETTINGS_KEY,
-    JudgingSettings,
-    RunRecords,
-    holds_back,
-)
+from pytest_gpubench.results.judging import RunRecords, holds_back
+from pytest_gpubench.results.judging_settings import SETTINGS_KEY, JudgingSettings
 from pytest_gpubench.results.ledger_judgement import judge_ledger
 
 
@@ -340,7 +336,8 @@ def test_a_ratified_change_starts_a_new_history_and_does_not_blind_the_gate(
     own, an unchanged run passes and +40 % is a regression (exit 6)."""
     import random
 
-    from pytest_gpubench.results.baseline import find_baseline, update_baselines
+    from pytest_gpubench.results.baseline import find_baseline
+    from pytest_gpubench.results.baseline_update import update_baselines
 
     plans = [CellPlan("main", history=5)]
     generated = GeneratedRun(tmp_path / "before", plans, seed=11)
@@ -426,7 +423,8 @@ def test_a_ratified_step_after_two_updates_is_the_new_reference(tmp_path: Path) 
     exits 0, and 40 % slower again is a regression (exit 6)."""
     import random
 
-    from pytest_gpubench.results.baseline import find_baseline, update_baselines
+    from pytest_gpubench.results.baseline import find_baseline
+    from pytest_gpubench.results.baseline_update import update_baselines
     from pytest_gpubench.results.run_history import current_segment
 
     generated = GeneratedRun(tmp_path / "before", [CellPlan("main", history=2)], seed=5)

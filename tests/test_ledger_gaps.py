@@ -16,7 +16,7 @@ from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.ledger.gaps import gaps_ms, pack_gaps, unpack_gaps
 from pytest_gpubench.ledger.records import call_record
 from pytest_gpubench.ledger.writer import record_line
-from pytest_gpubench.measure.stream import CallMeasurement
+from pytest_gpubench.measure.call_measurement import CallMeasurement
 from pytest_gpubench.results.load_summary import summarize_point
 
 

@@ -1,4 +1,4 @@
-"""Each load percentile's confidence interval (results/load_summary.py): the distribution-free
+"""Each load percentile's confidence interval (results/percentiles.py): the distribution-free
 order-statistic interval covers the true percentile as often as it says, on samples drawn from
 a known distribution; a p99 from too few requests has an open upper side and says so in the
 record and in the terminal and Markdown tables. Pure: no server, no timing."""
@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 
 from pytest_gpubench.reports.load_tables import render_percentile_intervals
 from pytest_gpubench.reports.markdown import render_markdown
-from pytest_gpubench.results.load_summary import (
+from pytest_gpubench.results.load_summary import summarize_point
+from pytest_gpubench.results.percentiles import (
     CONFIDENCE,
     fewest_for_interval,
     interval_ranks,
     percentile,
     percentile_interval,
-    summarize_point,
 )
 
 TRIALS = 2000

@@ -8,12 +8,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from support.hypothesis_examples import examples
 
-from pytest_gpubench.measure.stream import (
-    CallMeasurement,
-    StreamedResponse,
-    call_rates,
-    finish_timing,
-)
+from pytest_gpubench.measure.call_measurement import CallMeasurement, call_rates
+from pytest_gpubench.measure.stream import StreamedResponse, finish_timing
 
 MS = 1_000_000  # nanoseconds
 
@@ -185,7 +181,7 @@ def test_multibyte_characters_and_a_reasoning_end_may_hold_more_tokens_than_chun
     outside ASCII may carry two or more tokens; vLLM's reasoning parsers stream nothing for the
     end of thinking. Each such chunk (and one end of thinking) may count one token more; more
     chunks than tokens never agree."""
-    from pytest_gpubench.measure.stream import note_delta
+    from pytest_gpubench.measure.call_measurement import note_delta
 
     def streamed(texts: list[str], tokens: int, reasoning: int = 0) -> CallMeasurement:
         measurement = CallMeasurement(completion_tokens=tokens, finish_reason="length")

@@ -15,7 +15,7 @@ from support.ledgers import CELLS, judged_against, load_records, read, run_recor
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.config.shards import Shard, assign_nodes, node_groups, shard_matrix
 from pytest_gpubench.core.status import EXIT_REGRESSION, EXIT_UNMEASURED
-from pytest_gpubench.results.baseline import update_baselines
+from pytest_gpubench.results.baseline_update import update_baselines
 from pytest_gpubench.results.ledger_judgement import judge_ledger
 from pytest_gpubench.results.load_baseline import load_baseline_path, write_load_baselines
 

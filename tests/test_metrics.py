@@ -14,7 +14,7 @@ from pytest_gpubench.config.cell import Thresholds
 from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME, MEASURES, PERCENTILE_NAMES
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.reports.terminal import render_comparison
+from pytest_gpubench.reports.comparison import render_comparison
 from pytest_gpubench.results.baseline import (
     CellBaseline,
     Provenance,
@@ -134,7 +134,7 @@ def test_end_to_end_p99_is_judged_where_a_cell_asks_for_it(tmp_path: Path) -> No
     """`warm_total_p99_ms`, an opt-in figure: a cell without `total_p99` gets no verdict on it
     (and its judging settings write no default for it); with it, twice as slow is a regression
     named `warm_total_p99_ms`, in the table as `total p99 ms`."""
-    from pytest_gpubench.results.judging import resolved_thresholds
+    from pytest_gpubench.results.judging_settings import resolved_thresholds
 
     baseline = summarize(calls(seed=1))
     current = summarize(calls(2.0, seed=2))

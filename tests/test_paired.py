@@ -14,18 +14,12 @@ from hypothesis import strategies as st
 
 from pytest_gpubench.config.cell import Cell, Thresholds
 from pytest_gpubench.config.matrix import read_matrix
-from pytest_gpubench.results.decision import MIN_DECODE_GAPS, VERDICT_ORDER
+from pytest_gpubench.results.decision import VERDICT_ORDER
 from pytest_gpubench.results.gate import ALPHA, Verdict
-from pytest_gpubench.results.judging import JudgingSettings
-from pytest_gpubench.results.paired import (
-    PAIRED_METRICS,
-    Pairs,
-    ab_verdicts,
-    judge_pairs,
-    looks,
-    min_signed_rank_p,
-    sequential_stop,
-)
+from pytest_gpubench.results.judging_settings import JudgingSettings
+from pytest_gpubench.results.metric import MIN_DECODE_GAPS
+from pytest_gpubench.results.paired import ab_verdicts, looks, sequential_stop
+from pytest_gpubench.results.pairs import PAIRED_METRICS, Pairs, judge_pairs, min_signed_rank_p
 
 TTFT = PAIRED_METRICS[0]
 MAIN, PR = "local:llamacpp:tiny@main", "local:llamacpp:tiny@pr"

@@ -17,7 +17,7 @@ from pytest_gpubench.engines import Request
 from pytest_gpubench.engines.llamacpp import LlamaCppEngine
 from pytest_gpubench.engines.ollama import OllamaEngine
 from pytest_gpubench.engines.openai import OpenAIEngine
-from pytest_gpubench.measure.stream import CallMeasurement
+from pytest_gpubench.measure.call_measurement import CallMeasurement
 from pytest_gpubench.run.load.driver import LoadRun, build_target
 
 SCRIPT = Script(delay_s=0.08, gap_s=0.02, reasoning=6, answer=4)

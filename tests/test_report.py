@@ -11,14 +11,16 @@ from typing import Any, cast
 
 import pytest
 
-from pytest_gpubench.cli.main import compare_command, main
+from pytest_gpubench.cli.judge_commands import compare_command
+from pytest_gpubench.cli.main import main
 from pytest_gpubench.ledger.schema import LoadRecord
+from pytest_gpubench.reports.comparison import render_comparison
 from pytest_gpubench.reports.frame import frame_of_records
 from pytest_gpubench.reports.html import render_html
 from pytest_gpubench.reports.load_tables import render_load_table
 from pytest_gpubench.reports.markdown import render_markdown
-from pytest_gpubench.reports.terminal import render_comparison, render_summary, summary_rows
-from pytest_gpubench.results.baseline import update_baselines
+from pytest_gpubench.reports.terminal import render_summary, summary_rows
+from pytest_gpubench.results.baseline_update import update_baselines
 from pytest_gpubench.results.gate import Verdict, compare, judge
 from pytest_gpubench.results.stats import summarize
 

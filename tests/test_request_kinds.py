@@ -20,7 +20,7 @@ from pytest_gpubench.config.prompts import Prompt, read_prompts
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines import Engine, Request, kind_body, note_tool_calls, send
 from pytest_gpubench.engines.managed_llamacpp import kind_args, kind_missing
-from pytest_gpubench.measure.stream import CallMeasurement
+from pytest_gpubench.measure.call_measurement import CallMeasurement
 from pytest_gpubench.measure.validity import judge_answer
 from pytest_gpubench.results.gate import judge
 from pytest_gpubench.results.stats import summarize
@@ -371,7 +371,8 @@ def test_a_bad_prompts_yaml_stops_the_session_with_the_usage_status(
 def test_an_embedding_ab_pair_is_judged_on_its_total_only() -> None:
     """An A/B candidate of embedding calls gets no TTFT or decode verdict (the figures do not
     apply: absent, not inconclusive), and its total is judged as a chat pair's is."""
-    from pytest_gpubench.results.paired import Pairs, judge_candidate
+    from pytest_gpubench.results.paired import judge_candidate
+    from pytest_gpubench.results.pairs import Pairs
 
     def call(cell: str, index: int, total: float) -> dict[str, object]:
         return {
@@ -431,7 +432,8 @@ def test_sequential_sampling_of_embeddings_stops_on_their_total() -> None:
 def test_a_baseline_counts_the_warm_calls_of_each_request_kind(tmp_path: Path, kind: str) -> None:
     """The runs of a baseline's history say how many warm calls each ratified (`n`): it was
     the count of TTFT samples, 0 for an embedding or a rerank, which have none."""
-    from pytest_gpubench.results.baseline import baseline_path, update_baselines
+    from pytest_gpubench.results.baseline import baseline_path
+    from pytest_gpubench.results.baseline_update import update_baselines
 
     generating = kind == "chat"
     calls = [

@@ -22,7 +22,7 @@ from pytest_gpubench.results.decision import (
     could_detect,
     detectable_log_change,
 )
-from pytest_gpubench.results.gate import RATIO_METRICS
+from pytest_gpubench.results.metric import RATIO_METRICS
 from pytest_gpubench.results.run_history import figures
 
 

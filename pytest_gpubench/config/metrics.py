@@ -171,7 +171,8 @@ MEASURES: tuple[Measure, ...] = (
     ),
     # A GPU's neighbours over each call (telemetry/aggregate.py, through NVML): how many compute
     # processes that are not the engine's ran on it, and the clock events that held it down
-    # (CLOCK_EVENTS' bits). The gate's steadiness names them (results/gate.gpu_signals).
+    # (CLOCK_EVENTS' bits). The gate's steadiness names them
+    # (results/machine_steadiness.gpu_signals).
     Measure(
         "gpu_other_processes",
         "gpu_other_process_count",

@@ -11,8 +11,8 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.measure.call_measurement import CallMeasurement, note_delta
 from pytest_gpubench.measure.stream import (
-    CallMeasurement,
     HttpConnection,
     Line,
     StreamedResponse,
@@ -20,7 +20,6 @@ from pytest_gpubench.measure.stream import (
     TlsSettings,
     finish_timing,
     joined_url,
-    note_delta,
     read_error_body,
     stream_post,
 )

@@ -18,14 +18,13 @@ from pytest_gpubench.engines import (
     measure_stream,
     merge_body,
 )
+from pytest_gpubench.measure.call_measurement import CallMeasurement, note_delta
 from pytest_gpubench.measure.stream import (
-    CallMeasurement,
     HttpConnection,
     StreamedResponse,
     StreamError,
     TlsSettings,
     joined_url,
-    note_delta,
 )
 
 # The engine's own timings, kept unchanged (nanoseconds, as Ollama reports them).

@@ -23,9 +23,9 @@ from pytest_gpubench.engines import (
     parse_rerank,
 )
 from pytest_gpubench.engines.tokenizer import TokenCounter, VllmCounter
+from pytest_gpubench.measure.call_measurement import CallMeasurement
 from pytest_gpubench.measure.gauges import CaseCounters
 from pytest_gpubench.measure.stream import (
-    CallMeasurement,
     Endpoint,
     HttpConnection,
     StreamError,

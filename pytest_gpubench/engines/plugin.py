@@ -8,7 +8,7 @@ import inspect
 from typing import Any, cast
 
 from pytest_gpubench.engines import Engine, Request, _failed
-from pytest_gpubench.measure.stream import CallMeasurement
+from pytest_gpubench.measure.call_measurement import CallMeasurement
 
 
 class _PluginEngine:

@@ -41,8 +41,9 @@ from pytest_gpubench.ledger.schema import (
     SteadinessFields,
     VerdictRecord,
 )
+from pytest_gpubench.measure.call_measurement import CallMeasurement, MeasurementFields
 from pytest_gpubench.measure.gauges import Page, counter_changes
-from pytest_gpubench.measure.stream import STALLED, CallMeasurement, MeasurementFields
+from pytest_gpubench.measure.stream import STALLED
 from pytest_gpubench.targets.stages import Stage, StageFacts
 
 

@@ -15,7 +15,7 @@ from pytest_gpubench.config.shards import ShardFacts
 from pytest_gpubench.core.errors import key_path, non_finite_at
 from pytest_gpubench.core.provenance import GitState
 from pytest_gpubench.ledger.outcomes import CellOutcomeRecord
-from pytest_gpubench.measure.stream import KindFields, MeasurementFields
+from pytest_gpubench.measure.call_measurement import KindFields, MeasurementFields
 from pytest_gpubench.targets.stages import StageFacts
 
 
@@ -279,7 +279,8 @@ class LoadFigures(TypedDict, total=False):
     # the point (measure/control.py): present where measured.
     prefix_cache_hit_rate: float | None
     prefix_cache_source: str | None
-    # Requests whose engine counted other tokens than it streamed (measure.stream.token_mismatch).
+    # Requests whose engine counted other tokens than it streamed
+    # (measure.call_measurement.token_mismatch).
     token_mismatches: int
     # Speculative decoding over the point (run/load/runner.spec_decode_figures; issue 35).
     spec_acceptance_rate: float | None

@@ -11,7 +11,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from referencing.exceptions import Unresolvable
 
-from pytest_gpubench.measure.stream import CallMeasurement
+from pytest_gpubench.measure.call_measurement import CallMeasurement
 
 
 def follows(instance: Any, schema: Mapping[str, Any]) -> bool:

@@ -14,7 +14,8 @@ from pytest_gpubench.config.metrics import PERCENTILE_NAMES, VALIDITY
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_file
 from pytest_gpubench.ledger.schema import EndRecord
-from pytest_gpubench.reports.frame import EXPORT_NUMBERS, EXPORT_TEXT, LedgerData
+from pytest_gpubench.reports.frame import LedgerData
+from pytest_gpubench.reports.frame_columns import EXPORT_NUMBERS, EXPORT_TEXT
 from pytest_gpubench.reports.load_tables import slice_rate_spread
 from pytest_gpubench.results.engine_checks import EngineChecks
 from pytest_gpubench.results.stats import WARM_METRICS, PromptSummary
@@ -68,7 +69,7 @@ _COUNTS = (
     "run_idx", "prompt_tokens", "completion_tokens", "client_chunks", "content_reads",
     "tool_call_valid", "schema_valid", "draft_tokens", "draft_accepted_tokens",
 )  # fmt: skip
-# The call record's booleans, read as 1/0 columns (reports/frame.CHECK_NUMBERS): written as
+# The call record's booleans, read as 1/0 columns (reports/frame_columns.CHECK_NUMBERS): written as
 # True/False, blank where the record had none.
 _FLAGS = ("token_mismatch", "prefix_cache_hit", "prefix_cache_off")
 # A load record's figures, as the record names them: the load CSV's columns after its keys, and
@@ -90,7 +91,7 @@ LOAD_KEYS = (
 )  # fmt: skip
 SERVER_FIGURES = ("ttft_ms", "tpot_ms", "e2e_ms")
 # The figures whose percentiles have a confidence interval in the load record
-# (results/load_summary.percentile_intervals): the load CSV's `<figure>_p<q>_low`/`_high`.
+# (results/percentiles.percentile_intervals): the load CSV's `<figure>_p<q>_low`/`_high`.
 INTERVAL_FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 INTERVAL_PERCENTILES = (50, 90, 99)
 # An open-loop point's queue trend (results/load_summary.saturation_trend): `trend_<field>`.

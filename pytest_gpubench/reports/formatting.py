@@ -9,7 +9,8 @@ from typing import Any
 from tabulate import tabulate
 
 from pytest_gpubench.results.decision import signed_percent
-from pytest_gpubench.results.gate import GATED_METRICS, PROVENANCE, SUCCESS_RATE
+from pytest_gpubench.results.gate import PROVENANCE
+from pytest_gpubench.results.metric import GATED_METRICS, SUCCESS_RATE
 from pytest_gpubench.results.stats import PromptSummary
 
 NONE = "-"

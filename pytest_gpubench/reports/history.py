@@ -14,9 +14,10 @@ from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.schema import LoadRecord
 from pytest_gpubench.reports.formatting import METRIC_LABELS, NONE, fixed, table
 from pytest_gpubench.reports.frame import LedgerData, read_ledger_frame
-from pytest_gpubench.results.gate import GATED_METRICS, RATIO_METRICS, SUCCESS_RATE, Verdict
-from pytest_gpubench.results.judging import wrote_baselines
+from pytest_gpubench.results.gate import Verdict
+from pytest_gpubench.results.judging_settings import wrote_baselines
 from pytest_gpubench.results.load_gate import LOAD_METRICS, SATURATION, gated, point_key
+from pytest_gpubench.results.metric import GATED_METRICS, RATIO_METRICS, SUCCESS_RATE
 from pytest_gpubench.results.stats import PromptSummary
 
 SPARKS = "▁▂▃▄▅▆▇█"

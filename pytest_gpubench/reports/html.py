@@ -20,8 +20,9 @@ from pytest_gpubench.reports.frame import LedgerData
 from pytest_gpubench.reports.load_html import LoadBaselines, render_load_section
 from pytest_gpubench.reports.terminal import KIND_HEADERS, cold_kind_words, detectable, kind_rows
 from pytest_gpubench.results.engine_checks import EngineChecks
-from pytest_gpubench.results.gate import GATED_METRICS, RATIO_METRICS, Verdict
-from pytest_gpubench.results.judging import unchecked_cells
+from pytest_gpubench.results.gate import Verdict
+from pytest_gpubench.results.judging_settings import unchecked_cells
+from pytest_gpubench.results.metric import GATED_METRICS, RATIO_METRICS
 from pytest_gpubench.results.stats import PromptSummary, summaries_by_key
 
 # (sampled measure, chart title, unit): the distributions drawn per (cell, prompt), one per gated

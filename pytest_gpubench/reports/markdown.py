@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from pytest_gpubench.reports.comparison import render_comparison
 from pytest_gpubench.reports.engine_checks_table import (
     engine_check_warnings,
     render_engine_checks,
@@ -25,7 +26,6 @@ from pytest_gpubench.reports.terminal import (
     kind_rows,
     reasoning_shown,
     render_ab,
-    render_comparison,
 )
 from pytest_gpubench.results.engine_checks import EngineChecks, engine_checks
 from pytest_gpubench.results.gate import (
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
     """The baseline document of one ledger: the same ledger always gives the same bytes."""
     from pytest_gpubench.ledger.schema import meta_of
-    from pytest_gpubench.results.judging import unchecked_cells
+    from pytest_gpubench.results.judging_settings import unchecked_cells
 
     records = list(records)
     others = [record for record in records if record.get("type") != "call"]

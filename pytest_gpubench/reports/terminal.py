@@ -1,6 +1,6 @@
 """The terminal at the end of a pytest session: the outcome of each cell, the summary table
-with its verdicts and notes, A/B and load tables, the probe table and rented nodes; and the
-comparison of two runs. Pure: text in, text out."""
+with its verdicts and notes, A/B and load tables, the probe table and rented nodes (the
+comparison of two runs is reports/comparison.py). Pure: text in, text out."""
 
 from __future__ import annotations
 
@@ -36,19 +36,16 @@ from pytest_gpubench.reports.load_tables import (
 )
 from pytest_gpubench.reports.telemetry_table import TELEMETRY_HEADERS, telemetry_rows
 from pytest_gpubench.results.engine_checks import EngineChecks
-from pytest_gpubench.results.gate import (
+from pytest_gpubench.results.gate import Verdict, incomparables, overall_by_key, regressions
+from pytest_gpubench.results.judging import holds_back
+from pytest_gpubench.results.metric import (
     ALL_METRIC_NAMES,
     GATED_METRICS,
     METRIC_NAMES,
     RATIO_METRICS,
     SUCCESS_RATE,
-    Verdict,
-    incomparables,
-    overall_by_key,
     reasoned,
-    regressions,
 )
-from pytest_gpubench.results.judging import holds_back
 from pytest_gpubench.results.stats import PromptSummary
 from pytest_gpubench.targets.rentals import rental_text
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary
@@ -487,50 +484,6 @@ def gate_lines(
             )
         )
     return lines
-
-
-# -- comparison of two runs -------------------------------------------------------------------
-
-COMPARISON_HEADERS = (
-    "cell",
-    "prompt",
-    "metric",
-    "old",
-    "new",
-    "change",
-    "p",
-    "could detect",
-    "verdict",
-)
-
-
-def comparison_rows(verdicts: Iterable[Verdict]) -> list[list[str]]:
-    return [
-        [
-            verdict.cell_id,
-            verdict.prompt_id,
-            METRIC_LABELS.get(verdict.metric, verdict.metric),
-            fixed(verdict.baseline),
-            fixed(verdict.current),
-            change(verdict.change_ratio),
-            NONE if verdict.p_value is None else f"{verdict.p_value:.3g}",
-            detectable(verdict),
-            verdict.verdict,
-        ]
-        for verdict in verdicts
-    ]
-
-
-def render_comparison(verdicts: Iterable[Verdict], *, markdown: bool = False) -> str:
-    verdicts = list(verdicts)
-    if not verdicts:
-        return "nothing to compare: no (cell, prompt) with warm calls in the new run"
-    lines = [table(comparison_rows(verdicts), COMPARISON_HEADERS, markdown=markdown)]
-    notes = verdict_notes(verdicts)
-    if notes:
-        lines.append("")
-        lines.extend(f"- {note}" if markdown else note for note in notes)
-    return "\n".join(lines)
 
 
 def load_lines(

@@ -8,7 +8,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from pytest_gpubench.results.decision import signed_percent
-from pytest_gpubench.results.gate import GATED_METRICS, Verdict, VerdictKind
+from pytest_gpubench.results.gate import Verdict, VerdictKind
+from pytest_gpubench.results.metric import GATED_METRICS
 
 CONFIRMED = "confirmed"
 NOT_CONFIRMED = "not confirmed"

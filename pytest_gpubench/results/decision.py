@@ -41,28 +41,6 @@ POWER = 0.80
 _Z_POWER = statistics.NormalDist().inv_cdf(POWER)
 _Z_ALPHA = statistics.NormalDist().inv_cdf(1.0 - ALPHA)
 
-# The fewest gaps between tokens (completion tokens - 1, median over the calls) a reply needs
-# for its decode figures to be gated. Fewer are decided by when the engine's, its delivery
-# path's and the client's threads were scheduled more than by the engine: in issue 37's table
-# (4-token replies, 3 gaps of about 1.5 ms, most with a gap of 0 where chunks came together) an
-# unchanged engine's decode rate moved -45 % to +131 % per session. Such a figure is `ungated`
-# for the prompt (issue 43): said, never holding a run back, never a re-run.
-MIN_DECODE_GAPS = 16
-
-
-def too_short_to_time(gaps: int | None) -> str | None:
-    """Why a decode figure of replies with this many gaps between tokens is not gated for the
-    prompt, and what would make it gateable; None where they are long enough or nothing says."""
-    if gaps is None or gaps >= MIN_DECODE_GAPS:
-        return None
-    return (
-        f"not gated for this prompt: its replies carry {gaps} gaps between tokens, fewer than "
-        f"the {MIN_DECODE_GAPS} a decode figure needs (so few are decided by when the threads "
-        f"were scheduled); raise the prompt's max_tokens to {MIN_DECODE_GAPS + 1} or "
-        "more to gate it"
-    )
-
-
 # Sequential sampling (an A/B pair's, a (cell, prompt)'s against its baseline) looks at most this
 # many times: the first look, then evenly up to the last; each look spends an equal share of
 # ALPHA (Bonferroni), so deciding early at some look is no likelier by chance than a fixed-N
@@ -327,79 +305,6 @@ class Steadiness:
         if self.steal is not None and self.steal > PRESSURE_LIMIT:
             waits.append(f"the hypervisor took {self.steal:.0%} of the CPUs' time (steal)")
         return f"the machine was busy: {' and '.join(waits)}" if waits else None
-
-
-def steadiness(
-    control: Sequence[float],
-    baseline_control: Sequence[float],
-    control_history: Sequence[float] = (),
-    *,
-    pressure: Sequence[float] = (),
-    baseline_pressure: Sequence[float] = (),
-    runs_pressure: Sequence[float] = (),
-    pressure_source: PressureSource = "machine",
-    client_wait: Sequence[float] = (),
-    steal: Sequence[float] = (),
-    gpu: str | None = None,
-    neighbours: float | None = None,
-) -> Steadiness | None:
-    """The control's movement: this run's control samples (in call order) against the baseline's
-    (the geometric mean of its history's p50s when it has MIN_HISTORY runs, else the baseline
-    run's samples), and its later half against its earlier half. A movement counts only when it
-    is beyond the floor and also significant on the control's own samples (two-sided
-    Mann-Whitney U): one slow control call is the scheduler's noise, not a drift. The CPU
-    pressure's p50 against the baseline's (`baseline_pressure`: its runs' p50s, or its run's
-    samples), and its halves when they differ significantly; `runs_pressure`: the p50 of each
-    run in the baseline's history (its busiest run counts). `pressure_source`: what those
-    readings are (Steadiness.pressure_source); `client_wait`: the harness's own threads' wait
-    per ms they ran, per call; `steal`: the share of the CPUs' time a hypervisor stole, per
-    call; `gpu`: what the GPU's signals showed (Steadiness.gpu); `neighbours`: the other
-    processes' busiest CPU share (Steadiness.neighbours). None when this run has neither control
-    nor pressure."""
-    if not control and not pressure:
-        return None
-    against: float | None = None
-    within: float | None = None
-    floor = DEFAULT_STEADY_FLOOR
-    if control:
-        now = statistics.median(control)
-        history = [value for value in control_history if value > 0]
-        if len(history) >= MIN_HISTORY:
-            spread = statistics.stdev(math.log(v) for v in history)
-            floor = max(STEADY_FLOOR_MIN, 3.0 * spread)
-            against = now / math.exp(statistics.fmean(math.log(v) for v in history))
-        elif baseline_control and _differ(control, baseline_control):
-            against = now / statistics.median(baseline_control)
-        half = len(control) // 2
-        if half >= 3 and _differ(control[half:], control[:half]):
-            within = statistics.median(control[half:]) / statistics.median(control[:half])
-    halves: tuple[float, float] | None = None
-    half = len(pressure) // 2
-    if half >= 3 and _differ(pressure[half:], pressure[:half]):
-        halves = (statistics.median(pressure[:half]), statistics.median(pressure[half:]))
-    return Steadiness(
-        against,
-        within,
-        floor,
-        pressure=statistics.median(pressure) if pressure else None,
-        baseline_pressure=statistics.median(baseline_pressure) if baseline_pressure else None,
-        pressure_halves=halves,
-        baseline_pressure_max=max(runs_pressure) if runs_pressure else None,
-        pressure_source=pressure_source,
-        client_wait=statistics.median(client_wait) if client_wait else None,
-        steal=statistics.median(steal) if steal else None,
-        gpu=gpu,
-        neighbours=neighbours,
-    )
-
-
-def _differ(first: Sequence[float], second: Sequence[float]) -> bool:
-    """Whether two sets of control samples differ significantly (two-sided)."""
-    if min(len(first), len(second)) < 3:
-        return False
-    method = mwu_method(len(first), len(second))
-    result = scipy_stats().mannwhitneyu(first, second, alternative="two-sided", method=method)
-    return bool(result.pvalue < ALPHA)
 
 
 @dataclass(frozen=True)

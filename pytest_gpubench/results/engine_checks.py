@@ -276,7 +276,7 @@ def mismatch_words(checks: EngineChecks) -> str:
 
 
 class CheckedCell(Protocol):
-    """What the verdicts ask of a cell's judging settings (results/judging.CellJudging)."""
+    """What the verdicts ask of a cell's judging settings (results/judging_settings.CellJudging)."""
 
     @property
     def token_check(self) -> str: ...
@@ -286,8 +286,9 @@ class CheckedCell(Protocol):
 
 
 class CheckedCells(Protocol):
-    """The run's judging settings, as the verdicts read them (results/judging.JudgingSettings:
-    named by its shape, for judging.py imports this module)."""
+    """The run's judging settings, as the verdicts read them
+    (results/judging_settings.JudgingSettings: named by its shape, for judging.py imports this
+    module)."""
 
     def cell(self, cell_id: str) -> CheckedCell | None: ...
 

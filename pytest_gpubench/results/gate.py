@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 from pytest_gpubench.config.cell import Thresholds, engine_of
 from pytest_gpubench.config.engine_kinds import engine_kind
 from pytest_gpubench.config.metrics import (
-    CLOCK_EVENTS,
     DEFAULT_RATIO_THRESHOLD,
     DEFAULT_SUCCESS_RATE,
-    GATED,
-    MEASURE_BY_NAME,
     MEASURES,
     VALIDITY,
-    GatedFigure,
-    Measure,
     ValidityRate,
 )
 from pytest_gpubench.core.errors import GpubenchError
@@ -30,7 +25,6 @@ from pytest_gpubench.results.decision import (
     VERDICT_ORDER,
     Decision,
     Evidence,
-    PressureSource,
     Steadiness,
     VerdictKind,
     change_direction,
@@ -40,18 +34,22 @@ from pytest_gpubench.results.decision import (
     one_sided_p,
     scipy_stats,
     signed_percent,
-    steadiness,
+)
+from pytest_gpubench.results.machine_steadiness import machine_steadiness
+from pytest_gpubench.results.metric import (
+    DECODE_TOKENS_PER_SEC,
+    SUCCESS_RATE,
+    Metric,
+    gated_metrics,
+    ratio_threshold,
+    success_threshold,
     too_short_to_time,
 )
 from pytest_gpubench.results.run_history import (
     History,
     RunFigures,
-    control_figures,
     current_segment,
-    engine_wait_figures,
     figures,
-    neighbour_figures,
-    pressure_figures,
 )
 from pytest_gpubench.results.stats import PromptSummary, is_success, summaries_by_key
 from pytest_gpubench.results.verdict import Attribution, Verdict, from_decision
@@ -81,119 +79,6 @@ RERUN_HINT = f"re-run with --gpubench-runs {RERUN_RUNS}"
 ENGINE_SHARE = 0.5
 
 
-@dataclass(frozen=True)
-class Metric:
-    """A gated figure (config/metrics.GATED) as the gate reads it from a summary: its value, its
-    raw samples, and the engine's own counterpart (its prompt time for TTFT, its decode rate for
-    decode tokens/s), which says whether a change happened inside the engine."""
-
-    figure: GatedFigure
-
-    @property
-    def name(self) -> str:
-        return self.figure.name
-
-    @property
-    def label(self) -> str:
-        return self.figure.label
-
-    @property
-    def threshold_field(self) -> str:
-        return self.figure.threshold_key
-
-    @property
-    def engine_label(self) -> str:
-        return self.figure.engine_label
-
-    @property
-    def measure(self) -> Measure:
-        return MEASURE_BY_NAME[self.figure.measure]
-
-    @property
-    def higher_is_better(self) -> bool:
-        return self.measure.higher_is_better
-
-    @property
-    def reasoning(self) -> bool:
-        """Judged only where the engine reasoned (a reasoning model's figure)."""
-        return self.measure.reasoning
-
-    def value(self, summary: PromptSummary) -> float | None:
-        return summary.figure(self.figure.measure, self.figure.percentile)
-
-    def samples(self, summary: PromptSummary) -> tuple[float, ...]:
-        return summary.samples.get(self.figure.measure, ())
-
-    def engine_value(self, summary: PromptSummary) -> float | None:
-        engine = self.figure.engine_measure
-        return None if engine is None else summary.figure(engine, self.figure.percentile)
-
-    @property
-    def worse(self) -> str:
-        return "lower" if self.higher_is_better else "slower"
-
-    @property
-    def better(self) -> str:
-        return "higher" if self.higher_is_better else "faster"
-
-
-# Every gated figure, in the order the reports list them; the engine's decode rate, which says
-# whether an engine slowed as a whole (attribute()).
-GATED_METRICS = tuple(Metric(figure) for figure in GATED)
-DECODE_TOKENS_PER_SEC = next(m for m in GATED_METRICS if m.measure.decode and m.higher_is_better)
-# The figures judged on every (cell, prompt) whose run measured them: not a reasoning model's
-# (only where it reasoned), not an opt-in one (only where its threshold is given).
-RATIO_METRICS = tuple(m for m in GATED_METRICS if not m.reasoning and not m.figure.opt_in)
-SUCCESS_RATE = "warm_success_rate"
-METRIC_NAMES = (*tuple(metric.name for metric in RATIO_METRICS), SUCCESS_RATE)
-# Every metric a verdict may name, in the order the reports list them.
-ALL_METRIC_NAMES = (
-    *METRIC_NAMES,
-    *(m.name for m in GATED_METRICS if m.reasoning or m.figure.opt_in),
-    *(rate.name for rate in VALIDITY),
-)
-
-
-def reasoned(summary: PromptSummary | None) -> bool:
-    """Did the engine reason on this (cell, prompt)? Its first-answer figure exists only then."""
-    return summary is not None and any(
-        summary.figure(m.figure.measure) is not None for m in GATED_METRICS if m.reasoning
-    )
-
-
-def gated_metrics(
-    current: PromptSummary, baseline: PromptSummary | None, thresholds: Thresholds | None = None
-) -> tuple[Metric, ...]:
-    """The ratio metrics judged for a (cell, prompt): a reasoning model's where either run
-    reasoned (a baseline that reasoned and a run that did not is inconclusive, never passed
-    unmeasured), an opt-in figure where the thresholds give it (all, without thresholds)."""
-    either = reasoned(current) or reasoned(baseline)
-    return tuple(
-        metric
-        for metric in GATED_METRICS
-        if (either or not metric.reasoning)
-        # A figure that does not apply to the prompt's request kind (an embedding's TTFT).
-        and current.kind in metric.measure.kinds
-        and (
-            not metric.figure.opt_in
-            or thresholds is None
-            or thresholds.ratio(metric.figure.threshold_key) is not None
-        )
-    )
-
-
-def ratio_threshold(thresholds: Thresholds, field: str) -> float:
-    """A gated figure's threshold: its cell's, else the default (an opt-in figure is judged only
-    where one is given: gated_metrics)."""
-    value = thresholds.ratio(field)
-    return DEFAULT_RATIO_THRESHOLD if value is None else value
-
-
-def success_threshold(thresholds: Thresholds) -> float:
-    value = thresholds.success_rate
-    return DEFAULT_SUCCESS_RATE if value is None else float(value)
-
-
 def judge(
     current: PromptSummary,
     baseline: PromptSummary | None,
@@ -206,7 +91,7 @@ def judge(
     """One verdict per metric; none when nothing warm was measured (a cold-only run).
     `history`: the baseline's last ratified runs of this (cell, prompt), oldest first;
     `decode_gaps`: the gaps between tokens of this run's replies (reply_gaps): a decode figure of
-    replies too short to time is `ungated` (decision.too_short_to_time); `alpha`: the level of
+    replies too short to time is `ungated` (metric.too_short_to_time); `alpha`: the level of
     each test (a figure sampled on until decided tests at its look's share, sample_on.py)."""
     thresholds = thresholds or Thresholds()
     if current.n_warm == 0:
@@ -320,96 +205,11 @@ def judge_validity(
     return found(Decision("ok", f"{rate.label} {value:.2f} ({counts})", old, ratio))
 
 
-def machine_steadiness(
-    current: PromptSummary, baseline: PromptSummary, history: History = ()
-) -> Steadiness | None:
-    """The control call's movement and the CPU pressure while this (cell, prompt) ran: against
-    the baseline's runs, and within this run; None when this run checked neither. Where this
-    run and the baseline both read a local engine's own wait (per ms of its CPU), that wait is
-    the pressure: the machine's counts the client, a proxy of the path and neighbours that take
-    nothing from the engine. Where not, and both read the machine's CPU time, the other
-    processes' share of it (the engine's and the client's own taken out) is the pressure; else
-    the machine's pressure, as runs before either was measured. The harness's own threads' wait
-    (the client's) and a hypervisor's steal count beside each: either past the limit made the
-    machine busy too."""
-    engine_runs = engine_wait_figures(history)
-    engine_now = current.samples["engine_wait_per_cpu"]
-    engine_then = engine_runs or baseline.samples["engine_wait_per_cpu"]
-    neighbour_runs = neighbour_figures(history)
-    neighbours_now = current.samples["neighbour_cpu_share"]
-    neighbours_then = neighbour_runs or baseline.samples["neighbour_cpu_share"]
-    source: PressureSource = "machine"
-    if engine_now and engine_then:
-        source, now, then, runs = "engine", engine_now, engine_then, engine_runs
-    elif neighbours_now and neighbours_then:
-        source, now, then, runs = "neighbours", neighbours_now, neighbours_then, neighbour_runs
-    else:
-        runs = pressure_figures(history)
-        now, then = current.samples["cpu_pressure"], runs or baseline.samples["cpu_pressure"]
-    return steadiness(
-        current.samples["control_ms"],
-        baseline.samples["control_ms"],
-        control_figures(history),
-        pressure=now,
-        baseline_pressure=then,
-        runs_pressure=runs,
-        pressure_source=source,
-        client_wait=current.samples["client_wait_per_cpu"],
-        steal=current.samples["steal_share"],
-        gpu=gpu_signals(current, baseline),
-        neighbours=(
-            None
-            if source == "machine"
-            else busiest_neighbours(neighbours_now, neighbours_then, neighbour_runs)
-        ),
-    )
-
-
-def busiest_neighbours(
-    now: Sequence[float], then: Sequence[float], runs: Sequence[float]
-) -> float | None:
-    """The other processes' busiest CPU share (p50) of this run, the baseline's run and its
-    history's runs; None unless this run and the baseline both read it."""
-    if not now or not then:
-        return None
-    return max(statistics.median(now), statistics.median(then), *runs)
-
-
 def counted_measure(kind: str) -> str:
     """The measure whose warm samples count a run's calls of this request kind: the first one
     it has (TTFT for a kind that generates, the end-to-end time for an embedding or a rerank,
     which have no TTFT)."""
     return next(m.name for m in MEASURES if m.samples and kind in m.kinds)
-
-
-def gpu_signals(current: PromptSummary, baseline: PromptSummary) -> str | None:
-    """What the GPU's own signals (NVML, beside each call) showed that no CPU reading sees:
-    another compute process on the GPU during this run's calls, and clocks held down (thermal,
-    power cap, a hardware slowdown) by reasons the baseline's calls did not show (a GPU at its
-    power cap under every run's load is the same GPU); None where neither, or not read."""
-    reasons = []
-    others = current.samples["gpu_other_processes"]
-    shared = sum(1 for count in others if count > 0)
-    if shared:
-        reasons.append(
-            f"another process ran on the GPU during {shared} of {len(others)} calls "
-            f"(up to {max(others):.0f} besides the engine's)"
-        )
-    events = current.samples["gpu_clock_events"]
-    then = 0
-    for bits in baseline.samples["gpu_clock_events"]:
-        then |= int(bits)
-    held = {
-        name: sum(1 for bits in events if int(bits) & bit)
-        for bit, name in CLOCK_EVENTS.items()
-        if not then & bit
-    }
-    named = [f"{name} in {count} of {len(events)} calls" for name, count in held.items() if count]
-    if named:
-        reasons.append(
-            f"the GPU's clocks were held down ({', '.join(named)}), unlike the baseline's"
-        )
-    return "; ".join(reasons) if reasons else None
 
 
 def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None) -> RunFigures:

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.results.judging import Judgement, RunRecords, judge_run, settings_of_ledger
+from pytest_gpubench.results.judging import Judgement, RunRecords, judge_run
+from pytest_gpubench.results.judging_settings import settings_of_ledger
 from pytest_gpubench.results.ratification import ratify_ledger
 
 

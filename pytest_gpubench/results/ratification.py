@@ -16,8 +16,9 @@ from pytest_gpubench.ledger.schema import LoadRecord
 from pytest_gpubench.results.decision import MIN_HISTORY, PRESSURE_LIMIT
 
 if TYPE_CHECKING:
-    from pytest_gpubench.results.baseline import BaselineUpdate
-    from pytest_gpubench.results.judging import Judgement, JudgingSettings, RunRecords
+    from pytest_gpubench.results.baseline_update import BaselineUpdate
+    from pytest_gpubench.results.judging import Judgement, RunRecords
+    from pytest_gpubench.results.judging_settings import JudgingSettings
 
 SMOKE_NOT_WRITTEN = "baselines NOT written: --smoke measures one call, too few to judge against"
 
@@ -45,7 +46,7 @@ def baseline_update_plan(run: RunRecords, settings: JudgingSettings) -> Baseline
         # One call per cell can never reach significance: every later run would be
         # "inconclusive" against it.
         return BaselineUpdatePlan(refused=SMOKE_NOT_WRITTEN)
-    from pytest_gpubench.results.gate import success_threshold
+    from pytest_gpubench.results.metric import success_threshold
 
     meta = [run.meta] if run.meta is not None else []
     return BaselineUpdatePlan(
@@ -59,7 +60,7 @@ def baseline_update_plan(run: RunRecords, settings: JudgingSettings) -> Baseline
 
 
 def take_baseline_update(judgement: Judgement, update: BaselineUpdate, baselines_dir: Path) -> None:
-    """What the warm baselines' update (results/baseline.BaselineUpdate) ratified, into the
+    """What the warm baselines' update (results/baseline_update.BaselineUpdate) ratified, into the
     judgement: a note per file written, replaced or refused (and what its history lets the gate
     know), the cells whose changed setup it ratified, and the files it could not write."""
     notes = judgement.baseline_notes
@@ -134,12 +135,13 @@ def history_notes(baselines_dir: Path, cell_id: str) -> list[str]:
 
 def planned_update(plan: BaselineUpdatePlan, baselines_dir: Path) -> BaselineUpdate:
     """What the plan's update of the warm baselines does against `baselines_dir` as it is now,
-    writing nothing there: results/baseline.update_baselines, its rules whole, run on a scratch
-    copy of the run's cells' files; its paths are named in `baselines_dir`."""
+    writing nothing there: results/baseline_update.update_baselines, its rules whole, run on a
+    scratch copy of the run's cells' files; its paths are named in `baselines_dir`."""
     import shutil
     import tempfile
 
-    from pytest_gpubench.results.baseline import baseline_path, update_baselines
+    from pytest_gpubench.results.baseline import baseline_path
+    from pytest_gpubench.results.baseline_update import update_baselines
     from pytest_gpubench.results.gate import too_few_samples
 
     cells = {str(record.get("cell_id")) for record in plan.records if record.get("type") == "call"}

@@ -11,7 +11,8 @@ from dataclasses import replace
 from typing import Any
 
 from pytest_gpubench.results.decision import ALPHA, MAX_LOOKS, look_schedule
-from pytest_gpubench.results.gate import GATED_METRICS, Verdict
+from pytest_gpubench.results.gate import Verdict
+from pytest_gpubench.results.metric import GATED_METRICS
 
 # The field of a call record measured past the planned runs (ledger/schema.SampledOnFields).
 SAMPLED_ON = "sampled_on"

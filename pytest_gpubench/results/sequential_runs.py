@@ -25,10 +25,10 @@ from pytest_gpubench.results.decision import (
     look_schedule,
     one_sided_p,
     scipy_stats,
-    too_short_to_time,
     verdict_of,
 )
-from pytest_gpubench.results.gate import GATED_METRICS, ratio_threshold, reply_gaps
+from pytest_gpubench.results.gate import reply_gaps
+from pytest_gpubench.results.metric import GATED_METRICS, ratio_threshold, too_short_to_time
 from pytest_gpubench.results.stats import PromptSummary, is_success
 
 Stop = Literal["regression", "unchanged"]

@@ -25,13 +25,13 @@ from pytest_gpubench.reports.frame_cache import ColumnCacheWriter
 from pytest_gpubench.reports.pr_summary import render_pr_summary, report_pointer, write_pr_summary
 from pytest_gpubench.results.judging import (
     Judgement,
-    JudgingSettings,
     RunRecords,
     first_pass_verdicts,
     judge_run,
     judged_end,
     not_remeasured_record,
 )
+from pytest_gpubench.results.judging_settings import JudgingSettings
 from pytest_gpubench.results.ratification import (
     BaselineUpdatePlan,
     baseline_update_plan,
@@ -499,7 +499,7 @@ class RunController:
 
     def _update_baselines(self, plan: BaselineUpdatePlan) -> None:
         """The warm baselines written as the plan (results/ratification.py) says."""
-        from pytest_gpubench.results.baseline import update_baselines
+        from pytest_gpubench.results.baseline_update import update_baselines
         from pytest_gpubench.results.gate import too_few_samples
 
         judgement = self.judgement

@@ -27,10 +27,11 @@ from pytest_gpubench.engines import (
 )
 from pytest_gpubench.engines.managed import ManagedServer, managed_server, model_size
 from pytest_gpubench.ledger.records import tls_warning
+from pytest_gpubench.measure.call_measurement import CallMeasurement
 from pytest_gpubench.measure.engine_wait import EngineWait
 from pytest_gpubench.measure.gauges import CaseCounters
 from pytest_gpubench.measure.listener import EngineProcess, endpoint_process
-from pytest_gpubench.measure.stream import STALL_LIMIT_S, CallMeasurement, StreamError, TlsSettings
+from pytest_gpubench.measure.stream import STALL_LIMIT_S, StreamError, TlsSettings
 from pytest_gpubench.run.nodes import plain_error
 from pytest_gpubench.targets import StartsEnginesInJobs, Target, on_this_machine, records_stages
 from pytest_gpubench.targets.bringup import check_gpus, check_vram

@@ -17,7 +17,7 @@ from pytest_gpubench.config.matrix import Matrix
 
 if TYPE_CHECKING:
     from pytest_gpubench.results.baseline import CellBaseline
-    from pytest_gpubench.results.paired import Pairs
+    from pytest_gpubench.results.pairs import Pairs
     from pytest_gpubench.results.stats import PromptSummary
 
 
@@ -48,7 +48,8 @@ class SequentialPairs:
         if case.phase != "warm" or case.pair_reference is None or case.load_point is not None:
             return
         # Here, not at the top: the plugin's import must not load scipy (test_architecture).
-        from pytest_gpubench.results.paired import Pairs, sequential_stop
+        from pytest_gpubench.results.paired import sequential_stop
+        from pytest_gpubench.results.pairs import Pairs
 
         for cell in self.candidates.get(case.pair_reference, []):
             if cell.spec.min_runs is None:

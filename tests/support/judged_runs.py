@@ -23,7 +23,7 @@ from pytest_gpubench.config.cases import build_cases
 from pytest_gpubench.config.matrix import Matrix, read_matrix
 from pytest_gpubench.config.options import Options
 from pytest_gpubench.ledger.writer import read_ledger
-from pytest_gpubench.results.baseline import update_baselines
+from pytest_gpubench.results.baseline_update import update_baselines
 from pytest_gpubench.results.load_baseline import write_load_baselines
 from pytest_gpubench.run.controller import RunController
 

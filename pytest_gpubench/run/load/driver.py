@@ -15,13 +15,14 @@ from typing import Literal
 
 from pytest_gpubench.config.load_profile import LoadProfile
 from pytest_gpubench.engines import measure_response, parse_openai_sse
+from pytest_gpubench.measure.call_measurement import CallMeasurement
 from pytest_gpubench.measure.load_client import (
     ConnectionPool,
     DroppedConnection,
     RawResponse,
     request_bytes,
 )
-from pytest_gpubench.measure.stream import CallMeasurement, Endpoint, StreamError, TlsSettings
+from pytest_gpubench.measure.stream import Endpoint, StreamError, TlsSettings
 from pytest_gpubench.run.load.adapters import AdapterChoice
 
 Window = Literal["ramp", "warmup", "measured", "cooldown"]

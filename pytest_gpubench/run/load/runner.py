@@ -32,9 +32,9 @@ from pytest_gpubench.results.load_summary import (
     adapter_split,
     lag_by_client,
     lost_client_summary,
-    percentile,
     summarize_point,
 )
+from pytest_gpubench.results.percentiles import percentile
 from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts, ramp_seconds
 from pytest_gpubench.run.load.adapters import AdapterChoice
 from pytest_gpubench.run.load.clients import Clients, run_clients
