@@ -240,7 +240,7 @@ def test_the_clients_and_engines_own_tasks_do_not_make_a_quiet_machine_unsteady(
     theirs too and the gate rightly says so; the test ends with the figures (a failure
     under CI, support/quiet_machine.py; it runs alone there, marked serial)."""
     from pytest_gpubench.ledger.writer import read_ledger
-    from pytest_gpubench.results.decision import PRESSURE_LIMIT
+    from pytest_gpubench.results.steadiness import PRESSURE_LIMIT
 
     engine_cpu, client_cpu = sorted(os.sched_getaffinity(0))[:2]
     words = " ".join(["sea sky road home"] * 150)

@@ -36,11 +36,12 @@ from pytest_gpubench.results.baseline import (
     loads_baseline,
 )
 from pytest_gpubench.results.baseline_update import plan_cell
-from pytest_gpubench.results.decision import Evidence, Steadiness, decide
+from pytest_gpubench.results.decision import Evidence, decide
 from pytest_gpubench.results.gate import judge
 from pytest_gpubench.results.machine_steadiness import machine_steadiness, steadiness
 from pytest_gpubench.results.run_history import HISTORY_RUNS, RunFigures, appended, current_segment
 from pytest_gpubench.results.stats import PromptSummary, WarmSamples
+from pytest_gpubench.results.steadiness import Steadiness
 
 CELL = "local:ollama:qwen3.5:0.8b"
 PROMPTS = 'prompts:\n  P-EASY: {intent: short, prompt: "Say hi.", max_tokens: 6}\n'

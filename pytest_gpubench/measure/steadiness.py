@@ -2,7 +2,7 @@
 the CPU pressure, the engine's and the client's own run-queue wait, and the machine's CPU time
 with the benchmark's own taken out (the neighbours' share, and a hypervisor's steal); a warm
 call's record carries them (ledger/schema.SteadinessFields) and the gate's steadiness reads them
-(results/decision.Steadiness)."""
+(results/steadiness.Steadiness)."""
 
 from __future__ import annotations
 

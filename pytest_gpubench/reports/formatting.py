@@ -8,10 +8,10 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pytest_gpubench.results.decision import signed_percent
 from pytest_gpubench.results.gate import PROVENANCE
 from pytest_gpubench.results.metric import GATED_METRICS, SUCCESS_RATE
 from pytest_gpubench.results.stats import PromptSummary
+from pytest_gpubench.results.steadiness import signed_percent
 
 NONE = "-"
 METRIC_LABELS = {

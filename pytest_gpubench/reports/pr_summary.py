@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.core.status import describe
-from pytest_gpubench.results.decision import signed_percent
+from pytest_gpubench.results.steadiness import signed_percent
 
 if TYPE_CHECKING:
     # The record types import the measurement's (h11, pydantic): not at the end of a session

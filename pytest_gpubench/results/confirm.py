@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from pytest_gpubench.results.decision import signed_percent
 from pytest_gpubench.results.gate import Verdict, VerdictKind
 from pytest_gpubench.results.metric import GATED_METRICS
+from pytest_gpubench.results.steadiness import signed_percent
 
 CONFIRMED = "confirmed"
 NOT_CONFIRMED = "not confirmed"

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from pytest_gpubench.config.metrics import ENGINE_COUNTERS
-from pytest_gpubench.results.decision import PRESSURE_LIMIT, Decision
+from pytest_gpubench.results.decision import Decision
+from pytest_gpubench.results.steadiness import PRESSURE_LIMIT
 from pytest_gpubench.results.verdict import Verdict, from_decision
 
 if TYPE_CHECKING:

@@ -25,7 +25,6 @@ from pytest_gpubench.results.decision import (
     VERDICT_ORDER,
     Decision,
     Evidence,
-    Steadiness,
     VerdictKind,
     change_direction,
     decide,
@@ -33,7 +32,6 @@ from pytest_gpubench.results.decision import (
     mwu_method,
     one_sided_p,
     scipy_stats,
-    signed_percent,
 )
 from pytest_gpubench.results.machine_steadiness import machine_steadiness
 from pytest_gpubench.results.metric import (
@@ -52,6 +50,7 @@ from pytest_gpubench.results.run_history import (
     figures,
 )
 from pytest_gpubench.results.stats import PromptSummary, is_success, summaries_by_key
+from pytest_gpubench.results.steadiness import Steadiness, signed_percent
 from pytest_gpubench.results.verdict import Attribution, Verdict, from_decision
 
 __all__ = [

@@ -17,13 +17,12 @@ from pytest_gpubench.config.load_profile import LoadThresholds
 from pytest_gpubench.results.decision import (
     Decision,
     Evidence,
-    Steadiness,
     VerdictKind,
     change_direction,
     decide,
-    signed_percent,
 )
 from pytest_gpubench.results.stats import field_number
+from pytest_gpubench.results.steadiness import Steadiness, signed_percent
 from pytest_gpubench.results.verdict import Verdict, from_decision
 
 # How many runs of each point a load baseline keeps (its between-run history).

@@ -1,7 +1,7 @@
 """The machine's steadiness while a (cell, prompt) ran, read from its summary, its baseline's and
 the baseline's runs (pure): the control call, the CPU pressure (the engine's own wait, the other
 processes' share, or the machine's), the client's wait, steal and the GPU's own signals, for the
-decision core (results/decision.Steadiness): `steadiness` from the samples, `machine_steadiness`
+decision core (results/steadiness.Steadiness): `steadiness` from the samples, `machine_steadiness`
 from the summaries."""
 
 from __future__ import annotations
@@ -11,16 +11,7 @@ import statistics
 from collections.abc import Sequence
 
 from pytest_gpubench.config.metrics import CLOCK_EVENTS
-from pytest_gpubench.results.decision import (
-    ALPHA,
-    DEFAULT_STEADY_FLOOR,
-    MIN_HISTORY,
-    STEADY_FLOOR_MIN,
-    PressureSource,
-    Steadiness,
-    mwu_method,
-    scipy_stats,
-)
+from pytest_gpubench.results.decision import ALPHA, MIN_HISTORY, mwu_method, scipy_stats
 from pytest_gpubench.results.run_history import (
     History,
     control_figures,
@@ -29,6 +20,12 @@ from pytest_gpubench.results.run_history import (
     pressure_figures,
 )
 from pytest_gpubench.results.stats import PromptSummary
+from pytest_gpubench.results.steadiness import (
+    DEFAULT_STEADY_FLOOR,
+    STEADY_FLOOR_MIN,
+    PressureSource,
+    Steadiness,
+)
 
 
 def steadiness(

@@ -12,11 +12,9 @@ from typing import Any, Literal, Protocol
 from pytest_gpubench.config.cell import Thresholds
 from pytest_gpubench.results.decision import (
     MAX_LOOKS,
-    PRESSURE_LIMIT,
     Decision,
     change_word,
     look_schedule,
-    signed_percent,
     verdict_of,
 )
 from pytest_gpubench.results.gate import ALPHA, VerdictKind, change_direction
@@ -29,6 +27,7 @@ from pytest_gpubench.results.pairs import (
     judge_pairs,
     min_signed_rank_p,
 )
+from pytest_gpubench.results.steadiness import PRESSURE_LIMIT, signed_percent
 from pytest_gpubench.results.verdict import Verdict, from_decision
 
 PairsDecision = Literal["regression", "win", "unchanged"]

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.schema import LoadRecord
-from pytest_gpubench.results.decision import MIN_HISTORY, PRESSURE_LIMIT
+from pytest_gpubench.results.decision import MIN_HISTORY
+from pytest_gpubench.results.steadiness import PRESSURE_LIMIT
 
 if TYPE_CHECKING:
     from pytest_gpubench.results.baseline_update import BaselineUpdate
