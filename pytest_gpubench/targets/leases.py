@@ -23,6 +23,10 @@ from pytest_gpubench.core.cache import cache_dir
 from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.core.provenance import utc_now
 
+# The kind of a managed server's lease on an ssh node (targets/ssh/leases.py), named here, below
+# the SSH target, so that what reads leases (targets/rentals.py) need not load paramiko.
+SSH_SERVER_LEASE = "ssh_server"
+
 log = logging.getLogger(__name__)
 
 JOURNAL_FOLDER = "rentals"

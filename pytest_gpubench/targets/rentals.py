@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-# targets/ssh/leases.py's KIND, written out: importing it would load the SSH target (paramiko).
-SSH_SERVER = "ssh_server"
+from pytest_gpubench.targets.leases import SSH_SERVER_LEASE
 
 
 def rental_text(rental: Mapping[str, Any]) -> tuple[str, bool]:
@@ -15,7 +14,7 @@ def rental_text(rental: Mapping[str, Any]) -> tuple[str, bool]:
     or a lease given back)."""
     if rental.get("kind") == "slurm":
         return _slurm_job(rental)
-    if rental.get("kind") == SSH_SERVER:
+    if rental.get("kind") == SSH_SERVER_LEASE:
         return _ssh_server(rental)
     return _rented_node(rental)
 

@@ -8,12 +8,12 @@ import logging
 from pathlib import Path
 
 from pytest_gpubench.config.nodes import SshNode
-from pytest_gpubench.targets.leases import JournalEntry, RentalJournal
+from pytest_gpubench.targets.leases import SSH_SERVER_LEASE, JournalEntry, RentalJournal
 from pytest_gpubench.targets.ssh.scripts import SHELL_FUNCTIONS
 
 log = logging.getLogger(__name__)
 
-KIND = "ssh_server"
+KIND = SSH_SERVER_LEASE
 # Stops the process group of the pid in its pid file, only while it still runs the program the
 # run started (a pid reused by another program is left alone).
 RELEASE_SCRIPT = (
