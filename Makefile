@@ -79,7 +79,7 @@ sshd:
 # under /opt/pytest-gpubench so the SSH tests' user can run them too (about 3.5 GB; with uv, the
 # venv's or the one on PATH, about 45 s on 2 cores with empty caches, pip's 100 s without it).
 vllm:
-	GPUBENCH_UV="$$(command -v uv || echo $(BIN)/uv)" bash scripts/setup-vllm.sh
+	GPUBENCH_UV="$$(command -v uv || echo $(abspath $(BIN))/uv)" bash scripts/setup-vllm.sh
 
 # The Slurm tests need slurmctld, slurmd and munge (a real single-node cluster on loopback).
 slurm:
@@ -109,7 +109,7 @@ test-parallel: test
 # The package as a user installs it: build, twine check, the wheel in a fresh venv, then
 # `gpubench init` and `pytest benchmarks/ -m warm` from it in an empty directory.
 wheel-check: setup
-	GPUBENCH_UV="$$(command -v uv || echo $(BIN)/uv)" bash scripts/wheel-check.sh $(BIN)/python
+	GPUBENCH_UV="$$(command -v uv || echo $(abspath $(BIN))/uv)" bash scripts/wheel-check.sh $(BIN)/python
 
 test-fast: setup-fast
 	$(BIN)/pytest tests/ -m "$(FAST_MARKERS)" $(FAST_ARGS) $(PYTEST_ARGS)

@@ -13,7 +13,7 @@ python=${1:-python3}
 # to bytecode (pip: 56 CPU-seconds of this script's 2-core run with an empty cache, 2026-11-29).
 # Without uv, pip installs as before.
 uv=${GPUBENCH_UV:-$(command -v uv || true)}
-[ -n "$uv" ] && [ -x "$uv" ] || uv=
+[ -n "$uv" ] && [ -x "$uv" ] && uv=$(realpath "$uv") || uv=  # the script changes directory
 install() {  # install PYTHON REQUIREMENT
   if [ -n "$uv" ]; then
     "$uv" pip install --quiet --python "$1" "$2"
