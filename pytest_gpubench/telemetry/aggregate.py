@@ -11,7 +11,7 @@ from itertools import pairwise
 from typing import Any
 
 from pytest_gpubench.config.metrics import CLOCK_EVENTS
-from pytest_gpubench.telemetry import CaseSamples, GpuSample, ProcSample
+from pytest_gpubench.telemetry.samplers import CaseSamples, GpuSample, ProcSample
 
 # The call record's telemetry fields, in this order (added after the measurement's fields).
 CALL_FIELDS = (

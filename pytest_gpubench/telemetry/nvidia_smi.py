@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pytest_gpubench.telemetry import (
+from pytest_gpubench.telemetry.samplers import (
     GpuSample,
     LineStream,
     Sample,

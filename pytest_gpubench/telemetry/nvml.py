@@ -10,7 +10,7 @@ from types import ModuleType
 from typing import Any
 
 from pytest_gpubench.core.processes import process_tree
-from pytest_gpubench.telemetry import GpuSample, PollingSampler, Sample
+from pytest_gpubench.telemetry.samplers import GpuSample, PollingSampler, Sample
 
 MIB = 1024 * 1024
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pytest_gpubench.core.processes import process_tree
 from pytest_gpubench.targets import Target, on_this_machine
-from pytest_gpubench.telemetry import (
+from pytest_gpubench.telemetry.samplers import (
     LineStream,
     PollingSampler,
     ProcSample,
