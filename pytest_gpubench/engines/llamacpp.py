@@ -7,8 +7,8 @@ from typing import Any
 
 import httpx
 
-from pytest_gpubench.engines import Health, Request, control_client
 from pytest_gpubench.engines.openai import OpenAIEngine
+from pytest_gpubench.engines.protocol import Health, Request, control_client
 from pytest_gpubench.engines.tokenizer import LlamaCppCounter, TokenCounter
 from pytest_gpubench.measure.stream import StreamError, TlsSettings, joined_url
 

@@ -20,7 +20,7 @@ import httpx
 from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import distinct_file_name
-from pytest_gpubench.engines import control_client
+from pytest_gpubench.engines.protocol import control_client
 from pytest_gpubench.targets import (
     BackgroundProcess,
     ListensBeyondLoopback,

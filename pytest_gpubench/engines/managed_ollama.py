@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 
 from pytest_gpubench.config.cell import Cell
-from pytest_gpubench.engines import control_client
 from pytest_gpubench.engines.launch_plan import LaunchPlan
+from pytest_gpubench.engines.protocol import control_client
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.stages import StageError
 

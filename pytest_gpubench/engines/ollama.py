@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from pytest_gpubench.engines import (
+from pytest_gpubench.engines.protocol import (
     Health,
     Request,
     control_client,

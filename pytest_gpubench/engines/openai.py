@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 from pytest_gpubench.config.metrics import REQUEST_KINDS
-from pytest_gpubench.engines import (
+from pytest_gpubench.engines.protocol import (
     ChunkParser,
     Health,
     Request,

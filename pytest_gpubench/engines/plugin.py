@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, cast
 
-from pytest_gpubench.engines import Engine, Request, _failed
+from pytest_gpubench.engines.protocol import Engine, Request, _failed
 from pytest_gpubench.measure.call_measurement import CallMeasurement
 
 
