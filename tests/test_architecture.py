@@ -17,8 +17,9 @@ from pytest_gpubench.config.nodes import NODE_KINDS
 PACKAGE = Path(pytest_gpubench.__file__).parent
 # Bottom first: a module may import only from the folders (and public modules) listed before it.
 # A folder is one entry: its modules import each other freely, and where a folder's __init__
-# holds a protocol and a factory (engines/, targets/, telemetry/, run/load/) the factory imports
-# its submodules lazily, inside the function.
+# holds a factory (engines/, targets/, telemetry/, run/load/) it imports its submodules lazily,
+# inside the function, and the submodules import the protocol from a module of its own
+# (engines/protocol.py, targets/protocol.py, telemetry/samplers.py), never from the __init__.
 LAYERS = (
     "pytest_gpubench",
     "core",
@@ -108,25 +109,20 @@ def import_graph(*, for_type_checking: bool = False) -> dict[str, set[str]]:
 
 
 def module_graph() -> dict[str, set[str]]:
-    """{module: the package's modules it imports}, leaving out only the lazy imports a folder's
-    factory (its __init__) makes of its own submodules inside a function: two modules of one
-    folder that import each other, lazily, for type checking only or not, are a circle."""
+    """{module: the package's modules it imports}, every edge: two modules that import each
+    other, lazily, for type checking only or not, a folder's factory (its __init__) and its own
+    submodules among them, are a circle."""
     return {
-        _module_name(path): module_imports(
-            _module_name(path), ast.parse(path.read_text()), factory=path.name == "__init__.py"
-        )
+        _module_name(path): module_imports(_module_name(path), ast.parse(path.read_text()))
         for path in sorted(PACKAGE.rglob("*.py"))
     }
 
 
-def module_imports(module: str, tree: ast.AST, *, factory: bool) -> set[str]:
+def module_imports(module: str, tree: ast.AST) -> set[str]:
     """The modules one module imports, as module_graph counts them: a type named for an
     annotation only is an edge too (the two modules cannot be read, nor moved, one without the
-    other)."""
-    eager = _imports(tree, in_functions=False, for_type_checking=True)
-    lazy = _imports(tree, for_type_checking=True) - eager
-    own = {m for m in lazy if factory and m.startswith(module + ".")}
-    return (eager | lazy) - own - {module}
+    other), and so is an import inside a function."""
+    return _imports(tree, for_type_checking=True) - {module}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -167,7 +163,9 @@ def test_the_package_has_no_import_cycle() -> None:
 
 
 def test_no_module_imports_another_in_a_cycle() -> None:
-    """Inside a folder too: only a factory's lazy import of its own submodules may close a loop."""
+    """Inside a folder too, over every edge: a factory's lazy import of its own submodules closes
+    a loop as any other import does (issue 45: 3 groups, 48 circles, before the protocols moved
+    out of engines/, targets/ and telemetry/'s __init__)."""
     cycle = find_cycle(module_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
@@ -201,9 +199,9 @@ def test_the_checks_see_a_circle_in_a_folder_and_a_typed_arrow_back_up() -> None
     (engines/managed.py and its builders), and an upward import for type checking only."""
     lazy = ast.parse("def build():\n    from pytest_gpubench.engines.managed_x import plan\n")
     sibling = "pytest_gpubench.engines.managed_x"
-    assert module_imports("pytest_gpubench.engines.managed", lazy, factory=False) == {sibling}
-    # Only a folder's factory may import its own submodules lazily.
-    assert module_imports("pytest_gpubench.engines", lazy, factory=True) == set()
+    assert module_imports("pytest_gpubench.engines.managed", lazy) == {sibling}
+    # A folder's factory's lazy import of its own submodule is an edge as well.
+    assert module_imports("pytest_gpubench.engines", lazy) == {sibling}
     typed = ast.parse(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
         "    from pytest_gpubench.run.controller import RunController\n"
@@ -223,9 +221,9 @@ def test_the_circle_checks_see_imports_for_type_checking_and_inside_functions() 
     lazy = ast.parse("def read():\n    from pytest_gpubench.config.matrix import Cell\n")
     matrix = "pytest_gpubench.config.matrix"
     for tree in (typed, lazy):
-        assert module_imports("pytest_gpubench.config.cell_rules", tree, factory=False) == {matrix}
-    # And a folder's factory's own submodule named for type checking is no lazy import.
-    assert module_imports("pytest_gpubench.config", typed, factory=True) == {matrix}
+        assert module_imports("pytest_gpubench.config.cell_rules", tree) == {matrix}
+    # And a folder's factory's own submodule named for type checking.
+    assert module_imports("pytest_gpubench.config", typed) == {matrix}
 
 
 # A kind stays in its room (issue 45): outside engines/ and targets/, code asks a kind's facts

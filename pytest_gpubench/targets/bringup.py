@@ -7,8 +7,8 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.gpu import NodeGpus, read_gpus
+from pytest_gpubench.targets.protocol import Target
 from pytest_gpubench.targets.stages import SetupStep, Stage, StageClock, StageError
 
 if TYPE_CHECKING:

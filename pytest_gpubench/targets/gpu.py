@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_gpubench.targets import Target
+from pytest_gpubench.targets.protocol import Target
 
 GPU_QUERY_FIELDS = (
     "name",

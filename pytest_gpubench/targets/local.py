@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_gpubench.targets import CLIENT_TASK_MODULE, CommandResult, write_plan
 from pytest_gpubench.targets.gpu import gpu_inventory_of
+from pytest_gpubench.targets.protocol import CLIENT_TASK_MODULE, CommandResult, write_plan
 
 _PR_SET_PDEATHSIG = 1
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pytest_gpubench.config.nodes import ProviderNode
-from pytest_gpubench.targets import CommandResult, RentalClosed
 from pytest_gpubench.targets.bringup import bring_up
 from pytest_gpubench.targets.leases import RentalJournal
+from pytest_gpubench.targets.protocol import CommandResult, RentalClosed
 from pytest_gpubench.targets.provider.api import (
     HTTP_TIMEOUT_S,
     CreatedSession,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pytest_gpubench.config.nodes import SlurmNode
-from pytest_gpubench.targets import RentalClosed, Target
+from pytest_gpubench.targets.protocol import RentalClosed, Target
 from pytest_gpubench.targets.slurm.target import SlurmJob, SlurmTarget
 
 __all__ = ["SlurmJob", "SlurmTarget", "open_slurm_target"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.targets import (
+from pytest_gpubench.targets.protocol import (
     CLIENT_TASK_MODULE,
     CLIENTS_END_TIMEOUT_S,
     NO_REQUESTS,

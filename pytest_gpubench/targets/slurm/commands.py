@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pytest_gpubench.targets import CommandResult, Target
+from pytest_gpubench.targets.protocol import CommandResult, Target
 from pytest_gpubench.targets.stages import StageError
 
 # The states in which a job still holds (or waits for) its resources.

@@ -19,9 +19,9 @@ from typing import Any, cast
 
 from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.targets import LOOPBACK_HOSTS, CommandResult, RentalClosed, Target
 from pytest_gpubench.targets.gpu import nvidia_smi_argv, parse_nvidia_smi
 from pytest_gpubench.targets.leases import RentalJournal
+from pytest_gpubench.targets.protocol import LOOPBACK_HOSTS, CommandResult, RentalClosed, Target
 from pytest_gpubench.targets.slurm.commands import ACTIVE_STATES, QueueState, SlurmClient
 from pytest_gpubench.targets.slurm.leases import begin_job, job_submitted
 from pytest_gpubench.targets.slurm.script import in_job_argv, job_env_path, job_name, job_script

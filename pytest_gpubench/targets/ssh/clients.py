@@ -11,7 +11,7 @@ import time
 from pytest_gpubench.config.load_profile import TUNNEL
 from pytest_gpubench.config.nodes import SshNode
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.targets import CLIENT_TASK_MODULE, CLIENTS_END_TIMEOUT_S, NO_REQUESTS
+from pytest_gpubench.targets.protocol import CLIENT_TASK_MODULE, CLIENTS_END_TIMEOUT_S, NO_REQUESTS
 from pytest_gpubench.targets.ssh.forward import RemoteForward
 from pytest_gpubench.targets.ssh.target import SshLineStream, SshTarget
 

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import paramiko
 
-from pytest_gpubench.targets import LOOPBACK_HOSTS, CommandResult
 from pytest_gpubench.targets.gpu import gpu_inventory_of
+from pytest_gpubench.targets.protocol import LOOPBACK_HOSTS, CommandResult
 from pytest_gpubench.targets.ssh.connect import open_client
 from pytest_gpubench.targets.ssh.forward import POLL_S, PortForward, RemoteForward
 from pytest_gpubench.targets.ssh.scripts import (
