@@ -274,7 +274,9 @@ def test_the_clients_and_engines_own_tasks_do_not_make_a_quiet_machine_unsteady(
         [r for r in read_ledger(ledger) if r["type"] == "call" and r["phase"] == "warm"]
         for ledger in ledgers
     ]
-    assert [len(calls) for calls in runs] == [12, 12]
+    # The 12 planned calls each; an undecided figure may have been measured further in the
+    # unchanged run (issue 43: sampled on until decided), as one run here was (24 calls).
+    assert [len(calls) >= 12 for calls in runs] == [True, True], [len(c) for c in runs]
 
     def p50(calls: list[dict[str, Any]], name: str) -> float:
         return statistics.median(float(call[name]) for call in calls)
