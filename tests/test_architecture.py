@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.kind_switches import KIND_ROOMS, kind_classes, kind_switches
 
 import pytest_gpubench
 from pytest_gpubench.config.cell import ENGINE_KINDS
@@ -228,68 +229,9 @@ def test_the_circle_checks_see_imports_for_type_checking_and_inside_functions() 
 
 # A kind stays in its room (issue 45): outside engines/ and targets/, code asks a kind's facts
 # (config/engine_kinds.py, the node models of config/nodes.py) or its protocol, never its name
-# nor its class. benchmarks_dev/structure_counters.py counts the same switches.
-KIND_ROOMS = ("engines", "targets")
+# nor its class (tests/support/kind_switches.py, by which benchmarks_dev/structure_counters.py
+# counts them too).
 KIND_NAMES = frozenset(ENGINE_KINDS) | frozenset(NODE_KINDS)
-
-
-def _kind_classes() -> set[str]:
-    """The classes of a kind: those of engines/ and targets/ (but a protocol or an error) and
-    config/nodes.py's node models."""
-    classes: set[str] = set()
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE).parts
-        in_room, node_models = parts[0] in KIND_ROOMS, parts == ("config", "nodes.py")
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ClassDef):
-                continue
-            bases = [ast.unparse(base) for base in node.bases]
-            error = any(name.endswith(("Error", "Exception")) for name in [node.name, *bases])
-            if in_room and not error and not any("Protocol" in base for base in bases):
-                classes.add(node.name)
-            if node_models and node.name.endswith("Node"):
-                classes.add(node.name)
-    return classes
-
-
-def _kind_names(node: ast.AST) -> set[str]:
-    """The kind names a constant, or a tuple, list or set of constants, spells."""
-    elements = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
-    return {e.value for e in elements if isinstance(e, ast.Constant) and e.value in KIND_NAMES}
-
-
-def kind_switches(tree: ast.AST, classes: set[str]) -> list[str]:
-    """Each place a module tells kinds apart itself: isinstance (or issubclass) of a kind's class,
-    a kind's name compared (==, !=, in, not in) or matched in a case, a table keyed by kinds."""
-    found: list[str] = []
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Name)
-            and node.func.id in ("isinstance", "issubclass")
-            and len(node.args) == 2
-        ):
-            named = {
-                n.id if isinstance(n, ast.Name) else n.attr
-                for n in ast.walk(node.args[1])
-                if isinstance(n, ast.Name | ast.Attribute)
-            }
-            if named & classes:
-                found.append(f"{node.lineno}: {ast.unparse(node)}")
-        elif isinstance(node, ast.Compare) and any(
-            isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn) for op in node.ops
-        ):
-            if any(_kind_names(side) for side in [node.left, *node.comparators]):
-                found.append(f"{node.lineno}: {ast.unparse(node)}")
-        elif isinstance(node, ast.match_case) and any(
-            isinstance(n, ast.MatchValue) and _kind_names(n.value) for n in ast.walk(node.pattern)
-        ):
-            found.append(f"{node.pattern.lineno}: case {ast.unparse(node.pattern)}")
-        elif isinstance(node, ast.Dict) and any(
-            key is not None and _kind_names(key) for key in node.keys
-        ):
-            found.append(f"{node.lineno}: a table keyed by kind: {ast.unparse(node)[:60]}")
-    return found
 
 
 def test_the_kind_switch_check_sees_every_form() -> None:
@@ -301,20 +243,20 @@ def test_the_kind_switch_check_sees_every_form() -> None:
         "if isinstance(target, SlurmTarget): pass\n"
         "if kind.drives_load and name == 'tiny': pass\n"
     )
-    found = kind_switches(ast.parse(code), {"SlurmTarget"})
-    assert [line.split(":")[0] for line in found] == ["1", "2", "3", "5", "6"]
+    found = kind_switches(ast.parse(code), {"SlurmTarget"}, KIND_NAMES)
+    assert [line for line, _ in found] == [1, 2, 3, 5, 6]
 
 
 def test_no_kind_is_switched_on_outside_its_room() -> None:
     """Not a kind's name compared nor a table keyed by kinds (a cell's rule, a verdict's words,
     a rental's line), not an isinstance of a concrete engine, target or node model: a new kind
     then touches its room and its facts, and nothing else."""
-    classes = _kind_classes()
+    classes = kind_classes(PACKAGE)
     switches = [
-        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {code}"
         for path in sorted(PACKAGE.rglob("*.py"))
         if path.relative_to(PACKAGE).parts[0] not in KIND_ROOMS
-        for line in kind_switches(ast.parse(path.read_text()), classes)
+        for line, code in kind_switches(ast.parse(path.read_text()), classes, KIND_NAMES)
     ]
     assert switches == []
 
