@@ -304,13 +304,13 @@ def decide(evidence: Evidence) -> Decision:
             return replace(found, kind="unsteady", text=f"{found.text}, but not judged: {moved}")
     steady = evidence.steadiness
     lean = steady.lean if found.kind == "unsteady" and steady is not None else None
-    if lean is None:
+    if steady is None or lean is None:
         return found
     plain = _decide(replace(evidence, steadiness=None))
     trusted = ("regression",) if lean == "quieter" else ("ok", "win")
     if plain.kind not in trusted:
         return found
-    why = (steady.drift or steady.contended) if steady is not None else None
+    why = steady.drift or steady.contended
     could = "cannot have slowed it" if lean == "quieter" else "can only have slowed it"
     return replace(
         plain, text=f"{plain.text}; judged though the machine was {lean} than in the baseline's "

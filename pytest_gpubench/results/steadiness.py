@@ -99,6 +99,12 @@ class Steadiness:
         and the baseline's: a wait read then is the benchmark's own."""
         return self.neighbours is not None and self.neighbours <= PRESSURE_LIMIT
 
+    @property
+    def engine_waited_for_itself(self) -> bool:
+        """Whether `pressure` is a local engine's own wait and nothing but the benchmark ran: it
+        waited for its own threads, as its build does, and its wait says nothing of the machine."""
+        return self.pressure_source == "engine" and self.own_waits_only
+
     def _waited(self, value: float) -> str:
         if self.pressure_source == "engine":
             return f"the engine's threads waited {value:.2f} ms for a CPU per ms they ran"
@@ -123,8 +129,7 @@ class Steadiness:
                 f"(beyond {limit})"
             )
         now, then = self.pressure, self.baseline_pressure
-        # An engine that waited for its own threads (nothing else ran) waits as its build does.
-        own_engine = self.pressure_source == "engine" and self.own_waits_only
+        own_engine = self.engine_waited_for_itself
         if own_engine:
             now = then = None
         if now is not None and then is not None and abs(now - then) > PRESSURE_LIMIT:
@@ -180,7 +185,7 @@ class Steadiness:
         if self.against_baseline and abs(math.log(self.against_baseline)) > self.floor:
             signs.append(1 if self.against_baseline > 1.0 else -1)
         then = self.baseline_pressure
-        if then is not None and not (own and self.pressure_source == "engine"):
+        if then is not None and not self.engine_waited_for_itself:
             readings = self.pressure_halves or (
                 (self.pressure, self.pressure) if self.pressure is not None else None
             )
@@ -205,7 +210,7 @@ class Steadiness:
         drift within the limit sped up by 8 % can pass a 30 % slowdown as +19 % (issue 43: an
         on/off neighbour's off phase against a baseline taken in its on phase)."""
         now, then = self.pressure, self.baseline_pressure
-        engine = self.pressure_source == "engine" and not self.own_waits_only
+        engine = self.pressure_source == "engine" and not self.engine_waited_for_itself
         if not engine or now is None or then is None:
             return 1.0, ""
         said = (
@@ -226,8 +231,7 @@ class Steadiness:
         busiest = max((p for p in readings if p is not None), default=None)
         waits = []
         own = self.own_waits_only
-        own_engine = own and self.pressure_source == "engine"
-        if busiest is not None and busiest > PRESSURE_LIMIT and not own_engine:
+        if busiest is not None and busiest > PRESSURE_LIMIT and not self.engine_waited_for_itself:
             waits.append(self._waited(busiest))
         if self.client_wait is not None and self.client_wait > PRESSURE_LIMIT and not own:
             waits.append(
