@@ -10,13 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.core.files import atomic_file
-from pytest_gpubench.core.status import describe
-from pytest_gpubench.ledger.merge import ShardLedger, merged_run
-from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError, read_ledger, read_record_line
-from pytest_gpubench.reports.frame_cache import ColumnCacheWriter
-from pytest_gpubench.results.judging import RunRecords
-from pytest_gpubench.results.ledger_judgement import judge_finished, judge_ledger
 
 if TYPE_CHECKING:
     from pytest_gpubench.results.ledger_judgement import LedgerJudgement
@@ -28,6 +21,9 @@ def compare_command(old: Path, new: Path) -> int:
     ledger whose numbers are taken as a baseline of one run. Exits with the gate's statuses, so
     what could not be told (unsteady, blind, inconclusive, incomparable) never exits 0."""
     import tempfile
+
+    from pytest_gpubench.ledger.writer import read_ledger
+    from pytest_gpubench.results.ledger_judgement import judge_ledger
 
     if not new.is_file():
         raise GpubenchError(
@@ -52,7 +48,9 @@ def _reference_of_ledger(ledger: Path, baselines_dir: Path) -> list[str]:
     """A ledger's first-pass numbers written into `baselines_dir` as the baselines (warm and
     load) of one run, whole: the reference the user named is not refused for its success rate
     or sample count (the gate then says what such a reference cannot tell). Returns the notes."""
+    from pytest_gpubench.ledger.writer import read_ledger
     from pytest_gpubench.results.baseline_update import update_baselines
+    from pytest_gpubench.results.judging import RunRecords
     from pytest_gpubench.results.load_baseline import write_load_baselines
 
     run = RunRecords.from_records(read_ledger(ledger))
@@ -74,6 +72,7 @@ def _reference_of_ledger(ledger: Path, baselines_dir: Path) -> list[str]:
 
 def _print_judgement(judged: LedgerJudgement, command: str, notes: Sequence[str] = ()) -> None:
     """What `gpubench gate` (and `compare`) print of a ledger's judgement, its status last."""
+    from pytest_gpubench.core.status import describe
     from pytest_gpubench.reports.comparison import render_comparison
 
     judgement = judged.judgement
@@ -98,7 +97,13 @@ def merge(args: argparse.Namespace) -> int:
     """The shards' ledgers into one, streamed: written as a session writes its ledger (call
     records without their cell's keys), with its columnar cache beside it; its end record is the
     judgement of the merged records against --baselines, the one `gpubench gate` gives."""
+    from pytest_gpubench.core.files import atomic_file
+    from pytest_gpubench.core.status import describe
+    from pytest_gpubench.ledger.merge import ShardLedger, merged_run
+    from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError, read_record_line
+    from pytest_gpubench.reports.frame_cache import ColumnCacheWriter
     from pytest_gpubench.results.judging import RunRecords, judged_end
+    from pytest_gpubench.results.ledger_judgement import judge_finished
 
     baselines = Path(args.baselines)
     if not baselines.is_dir():
@@ -137,6 +142,8 @@ def merge(args: argparse.Namespace) -> int:
 
 
 def gate(args: argparse.Namespace) -> int:
+    from pytest_gpubench.ledger.writer import read_ledger
+    from pytest_gpubench.results.ledger_judgement import judge_ledger
 
     records = read_ledger(Path(args.ledger))
     baselines = Path(args.baselines)

@@ -11,27 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.cli import judge_commands
-from pytest_gpubench.cli.init import NEXT_STEPS, init_project
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.engines.llamacpp_build import CMAKE_FLAGS, build_llama_server, cuda_flags
-from pytest_gpubench.engines.llamacpp_choice import choose_llama_server, ensure_installed
-from pytest_gpubench.engines.llamacpp_prebuilt import BUILD_ENV
-from pytest_gpubench.results.judging_settings import unchecked_cells
-from pytest_gpubench.targets import describe_lease, release_lease
-from pytest_gpubench.targets.leases import RentalJournal
-from pytest_gpubench.targets.slurm.array import (
-    ArraySpec,
-    array_script,
-    default_shards,
-    next_steps,
-    submit,
-)
 
 if TYPE_CHECKING:
     from pytest_gpubench.reports.frame import LedgerData
 
 
 def _init(args: argparse.Namespace) -> int:
+    from pytest_gpubench.cli.init import NEXT_STEPS, init_project
 
     for line in init_project(Path(args.directory), force=args.force):
         print(line)
@@ -43,6 +30,14 @@ def _install_server(args: argparse.Namespace) -> int:
     """Install (or find, or build) the llama.cpp server the embedded default runs, say which
     and why, and print what starts it: a binary's path, or the prebuilt server's launcher."""
     import time
+
+    from pytest_gpubench.engines.llamacpp_build import (
+        CMAKE_FLAGS,
+        build_llama_server,
+        cuda_flags,
+    )
+    from pytest_gpubench.engines.llamacpp_choice import choose_llama_server, ensure_installed
+    from pytest_gpubench.engines.llamacpp_prebuilt import BUILD_ENV
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -87,6 +82,8 @@ def _report(args: argparse.Namespace) -> int:
     if args.html:
         text = _html_report(data, args.baselines)
     else:
+        from pytest_gpubench.results.judging_settings import unchecked_cells
+
         text = render_document(
             data.others,
             data.summaries(with_samples=data.has_validity()),
@@ -165,6 +162,7 @@ def _export(args: argparse.Namespace) -> int:
             "--load-slices-csv"
         )
     data = read_ledger_frame(Path(args.ledger), export=bool(args.csv))
+    from pytest_gpubench.results.judging_settings import unchecked_cells
 
     # The valid rates of the JSON and Prometheus need the samples of a tools or json_schema
     # prompt; the engine checks are read once for both.
@@ -204,6 +202,13 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _slurm_submit(args: argparse.Namespace) -> int:
+    from pytest_gpubench.targets.slurm.array import (
+        ArraySpec,
+        array_script,
+        default_shards,
+        next_steps,
+        submit,
+    )
 
     root = Path(args.root).resolve()
     cells = root / (args.cells or "cells.yaml")
@@ -248,6 +253,8 @@ def _leases(args: argparse.Namespace) -> int:
     gives back those whose run is gone (a rental marked done, a job cancelled). Status 1 when
     one could not be given back."""
     from pytest_gpubench.reports.terminal import rental_lines
+    from pytest_gpubench.targets import describe_lease, release_lease
+    from pytest_gpubench.targets.leases import RentalJournal
 
     journal = RentalJournal()
     entries = journal.entries()

@@ -14,9 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytest_gpubench.core.cache import CACHE_DIR_ENV, cache_dir
+from pytest_gpubench.core.cache import cache_dir
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.engines.llamacpp_build import build_lock
 
 # The wheel's version is CalVer `YYYY.M.<llama.cpp build number>`: its llama.cpp is b11549.
 XLLAMACPP_VERSION = "2026.10.11549"
@@ -144,6 +143,7 @@ def install_prebuilt(
     """The pinned wheel in the cache, installed with pip (binary only: its sdist would need a
     Rust and C++ toolchain) where it is not there yet; `check` starts the launcher once
     (`--version`) to prove the wheel runs on this CPU. Returns its directory."""
+    from pytest_gpubench.engines.llamacpp_build import build_lock
 
     say = progress or _say
     directory = package_dir(cache_root)
@@ -190,6 +190,8 @@ def check_prebuilt(cache_root: Path | None = None) -> str:
     (an `Illegal instruction` here is one line, not a server that dies at its first start)."""
     env = dict(os.environ)
     if cache_root is not None:
+        from pytest_gpubench.core.cache import CACHE_DIR_ENV
+
         env[CACHE_DIR_ENV] = str(cache_root)
     try:
         done = subprocess.run(

@@ -9,11 +9,7 @@ from pathlib import Path
 
 from pytest_gpubench.config.cell import TINY_MODEL, Cell
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.core.files import file_sha256
 from pytest_gpubench.engines.launch_plan import LaunchPlan, node_file_digest
-from pytest_gpubench.engines.llamacpp_build import find_llama_server
-from pytest_gpubench.engines.llamacpp_choice import ensure_llama_server_choice
-from pytest_gpubench.engines.llamacpp_launcher import LauncherFlagError, parse_server_args
 from pytest_gpubench.targets import Target, on_this_machine
 
 log = logging.getLogger(__name__)
@@ -233,9 +229,15 @@ def _local_server(cell: Cell, added: Sequence[str] = ()) -> tuple[list[str], str
     (engines/llamacpp_choice.py), installed or built where needed, and the engine version to
     record where the server's own does not tell it apart (the prebuilt one's). The prebuilt
     server's launcher maps llama-server's flags: one it does not map fails here, as one line."""
+    from pytest_gpubench.engines.llamacpp_choice import ensure_llama_server_choice
 
     choice = ensure_llama_server_choice(cell.spec.server_binary)
     if choice.maps_flags:
+        from pytest_gpubench.engines.llamacpp_launcher import (
+            LauncherFlagError,
+            parse_server_args,
+        )
+
         try:
             parse_server_args(cell.spec.server_args)
         except LauncherFlagError as exc:
@@ -251,6 +253,7 @@ def _local_server(cell: Cell, added: Sequence[str] = ()) -> tuple[list[str], str
 
 def _submit_host_binary() -> Path | None:
     """The llama-server this host would run (found, never built here for another node)."""
+    from pytest_gpubench.engines.llamacpp_build import find_llama_server
 
     try:
         return find_llama_server(None)
@@ -271,6 +274,7 @@ def _shared_path(cell: Cell, target: Target, key: str, local: Path | None) -> st
     """A key the cell left out on a remote node: the submit host's file, where the node sees
     the same file at the same path (a shared filesystem, the common case on a cluster: checked
     by sha256); otherwise one line saying why it is needed."""
+    from pytest_gpubench.core.files import file_sha256
 
     need = (
         f"cell {cell.cell_id}: {key}: not set, and a managed llamacpp cell on a remote node "

@@ -12,7 +12,6 @@ from typing import Any, Protocol
 import orjson
 
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.ledger.schema import non_finite_field
 
 
 class LedgerWriteError(GpubenchError):
@@ -264,6 +263,7 @@ def parse_line(line: bytes) -> tuple[Any, str | None]:
     if isinstance(record, dict):
         # The record types import the measurement's (h11, pydantic): only a reader of a file
         # that orjson could not read pays for them.
+        from pytest_gpubench.ledger.schema import non_finite_field
 
         found = non_finite_field(record)
         if found is not None:

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpubench.results.judging import holds_back
-
 if TYPE_CHECKING:
     from pytest_gpubench.results.judging import Judgement
     from pytest_gpubench.results.verdict import Verdict
@@ -99,6 +97,7 @@ def ab_passes(judgement: Judgement) -> list[tuple[str, list[tuple[str, object]]]
     """(test name, properties) of each A/B verdict that is no regression (those are failures)
     and not undecided (those are skipped): CI sees every candidate's verdict word, its ratio of
     medians, interval and p."""
+    from pytest_gpubench.results.judging import holds_back
 
     return [
         (

@@ -7,7 +7,6 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from pytest_gpubench.ledger.schema import meta_of
 from pytest_gpubench.reports.comparison import render_comparison
 from pytest_gpubench.reports.engine_checks_table import (
     engine_check_warnings,
@@ -32,7 +31,6 @@ from pytest_gpubench.results.engine_checks import EngineChecks, engine_checks
 from pytest_gpubench.results.gate import (
     Verdict,
 )
-from pytest_gpubench.results.judging_settings import unchecked_cells
 from pytest_gpubench.results.stats import PromptSummary, summarize
 from pytest_gpubench.targets.gpu import gpu_summary
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
@@ -54,6 +52,8 @@ if TYPE_CHECKING:
 
 def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
     """The baseline document of one ledger: the same ledger always gives the same bytes."""
+    from pytest_gpubench.ledger.schema import meta_of
+    from pytest_gpubench.results.judging_settings import unchecked_cells
 
     records = list(records)
     others = [record for record in records if record.get("type") != "call"]

@@ -27,11 +27,8 @@ from pytest_gpubench.ledger.schema import (
     MetaRecord,
     SkippedRecord,
 )
-from pytest_gpubench.results.baseline_format import CorruptBaseline
 from pytest_gpubench.results.decision import ALPHA, MIN_HISTORY, UNDECIDED
-from pytest_gpubench.results.engine_checks import check_verdicts, engine_checks
 from pytest_gpubench.results.judging_settings import CellJudging, JudgingSettings
-from pytest_gpubench.telemetry.aggregate import telemetry_summaries
 
 if TYPE_CHECKING:
     from pytest_gpubench.results.engine_checks import EngineChecks
@@ -238,6 +235,7 @@ def _read_baselines(run: RunRecords, baselines_dir: Path, *, replacing: bool) ->
     """Each measured cell's baseline; a cell whose baseline came from another setup is named in
     `changed`. A corrupt file counts as none when this run replaces it (--baseline-update)."""
     from pytest_gpubench.results.baseline import cell_provenance, find_baseline, provenance_changes
+    from pytest_gpubench.results.baseline_format import CorruptBaseline
 
     found = _Baselines()
     for cell_id in sorted({str(call.get("cell_id")) for call in run.calls}):
@@ -320,8 +318,10 @@ def judge_run(run: RunRecords, settings: JudgingSettings, baselines_dir: Path) -
 
 
 def _judge_warm(judgement: Judgement, run: RunRecords, baselines_dir: Path) -> None:
+    from pytest_gpubench.results.engine_checks import check_verdicts, engine_checks
     from pytest_gpubench.results.gate import ACCEPT_OPTION, telemetry_verdicts
     from pytest_gpubench.results.stats import summarize
+    from pytest_gpubench.telemetry.aggregate import telemetry_summaries
 
     settings = judgement.settings
     judgement.summaries = summarize(run.calls)

@@ -33,10 +33,8 @@ from pytest_gpubench.measure.control import ControlCall, CpuPressure, MachineCpu
 from pytest_gpubench.measure.steadiness import CallReadings
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
-from pytest_gpubench.run.load.runner import run_load_case
 from pytest_gpubench.run.nodes import NodePool, plain_error
 from pytest_gpubench.run.sequential import SequentialPairs, SequentialRuns
-from pytest_gpubench.run.workloads import exact_prompt
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.stages import Outcome, StageClock
 from pytest_gpubench.telemetry import CaseSamples, NodeTelemetry, node_telemetry
@@ -243,6 +241,7 @@ class Harness:
     ) -> tuple[Prompt, dict[str, Any]]:
         """A synthetic prompt made exact on the case's live cell, frozen from then on like a
         test's own request (its text is known only once the engine counted it)."""
+        from pytest_gpubench.run.workloads import exact_prompt
 
         exact, facts = exact_prompt(self.cells[case.cell_id], prompt)
         if self.frozen is not None:
@@ -258,6 +257,7 @@ class Harness:
     def run_load_case(self, case: Case) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Measure one load case (load/runner.py): its `load` record, and the call records of
         its requests (and a sweep's per-step load records)."""
+        from pytest_gpubench.run.load.runner import run_load_case
 
         live = self.cells[case.cell_id]
         window = self._begin_sampling(live)

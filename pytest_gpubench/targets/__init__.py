@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpubench.config.nodes import LocalNode, PluginNode, SlurmNode, SshNode
 from pytest_gpubench.targets.protocol import (
     CLIENT_TASK_MODULE,
     CLIENTS_END_TIMEOUT_S,
@@ -56,6 +55,7 @@ def open_target(
     """
     # Each kind is imported when a node of it is opened: the kinds import this module (the
     # protocol), and a run with local nodes only loads neither paramiko nor the provider client.
+    from pytest_gpubench.config.nodes import LocalNode, PluginNode, SlurmNode, SshNode
     from pytest_gpubench.targets.bringup import bring_up
     from pytest_gpubench.targets.stages import StageClock, StageError
 
@@ -109,6 +109,7 @@ def launch_clients(node_id: str, node: AnyNode, python: str | None) -> Launch:
     a Slurm node (from this machine, or over SSH from its login node), SSH sessions on an ssh
     node (the kinds whose node model runs_client_tasks: config/cell_rules.py has refused any
     other). `python` runs each task there."""
+    from pytest_gpubench.config.nodes import SlurmNode, SshNode
 
     if isinstance(node, SshNode):
         from pytest_gpubench.targets.ssh.clients import SshLaunch
@@ -180,12 +181,14 @@ def describe_lease(entry: JournalEntry, state: str) -> str:
 
 def opening_stage(node: AnyNode) -> Stage:
     """The stage a node that failed to open for a reason no target named failed in."""
+    from pytest_gpubench.config.nodes import SshNode
 
     return "ssh_connect" if isinstance(node, SshNode) else "provision"
 
 
 def records_stages(node: AnyNode) -> bool:
     """Whether the node's stages go into the ledger (a local node's are timed, not recorded)."""
+    from pytest_gpubench.config.nodes import LocalNode
 
     return not isinstance(node, LocalNode)
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from pytest_gpubench.config.traces import read_trace
-
 if TYPE_CHECKING:
     from pytest_gpubench.config.load_profile import LoadProfile
     from pytest_gpubench.run.load.driver import LoadRun
@@ -46,6 +44,7 @@ def make_pattern(profile: LoadProfile, point: str) -> LoadPattern:
             float(point[1:]), profile.arrival, profile.burstiness, profile.seed, ramp=ramp
         )
     if point.startswith("trace-x") and profile.trace is not None:
+        from pytest_gpubench.config.traces import read_trace
         from pytest_gpubench.run.load.trace_replay import TraceReplay
 
         entries = read_trace(profile.trace, "load.trace")

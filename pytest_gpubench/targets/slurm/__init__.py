@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from pytest_gpubench.config.nodes import SlurmNode
-from pytest_gpubench.targets.local import LocalTarget
 from pytest_gpubench.targets.protocol import RentalClosed, Target
 from pytest_gpubench.targets.slurm.target import SlurmJob, SlurmTarget
-from pytest_gpubench.targets.ssh import SshTarget
 
 __all__ = ["SlurmJob", "SlurmTarget", "open_slurm_target"]
 
@@ -16,8 +14,12 @@ def open_slurm_target(node_id: str, node: SlurmNode, *, on_job_ended: RentalClos
     hosts verified, as an ssh node)."""
     login: Target
     if node.login is None:
+        from pytest_gpubench.targets.local import LocalTarget
+
         login = LocalTarget(node_id)
     else:
+        from pytest_gpubench.targets.ssh import SshTarget
+
         login = SshTarget.of_connection(
             node_id, node.login, command_timeout_s=node.command_timeout_s
         )

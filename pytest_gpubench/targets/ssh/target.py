@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import paramiko
 
 from pytest_gpubench.targets.gpu import gpu_inventory_of
-from pytest_gpubench.targets.leases import RentalJournal
 from pytest_gpubench.targets.protocol import LOOPBACK_HOSTS, CommandResult
 from pytest_gpubench.targets.ssh.connect import open_client
 from pytest_gpubench.targets.ssh.forward import POLL_S, PortForward, RemoteForward
@@ -447,6 +446,7 @@ class SshTarget:
         if self.lease_node is not None:
             # Written down before it starts: a run killed with -9 leaves the server running
             # (it is detached), for the next run or `gpubench leases --release` to stop.
+            from pytest_gpubench.targets.leases import RentalJournal
             from pytest_gpubench.targets.ssh.leases import begin_server
 
             self.journal = self.journal or RentalJournal()
