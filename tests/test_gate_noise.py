@@ -647,6 +647,45 @@ def test_a_step_after_two_runs_is_the_reference_and_the_file_keeps_them() -> Non
     assert ttft.verdict == "ok" and ttft.baseline == pytest.approx(140.0), ttft.message
 
 
+def test_a_figure_keeps_its_history_through_another_figure_s_step() -> None:
+    """Issue 43: the calibrated row of the noise table judged within the run (2 silent passes in
+    20 +30 % sessions) because a history of five runs lost four of them to the slowest call of
+    one: the opt-in p99 of ten calls moved +59 % and was read as a ratified step of the (cell,
+    prompt). A step is a figure's own: an opt-in tail makes none for the others, and an update
+    that moved the decode rate keeps TTFT's runs; the moved figure starts again alone."""
+
+    def run(run_id: str, ttft: float, decode: float, p99: float) -> RunFigures:
+        return RunFigures(
+            benchmark_run_id=run_id,
+            n=10,
+            figures={
+                "warm_ttft_p50_ms": ttft,
+                "warm_decode_tokens_per_sec_p50": decode,
+                "warm_total_p99_ms": p99,
+            },
+        )
+
+    tail = (run("a", 48.4, 800.0, 52.6), run("b", 49.1, 790.0, 57.4), run("c", 52.8, 805.0, 87.7))
+    assert [r.benchmark_run_id for r in current_segment(tail)] == ["a", "b", "c"]
+    assert len(current_segment(tail, "warm_ttft_p50_ms")) == 3
+    assert [r.benchmark_run_id for r in current_segment(tail, "warm_total_p99_ms")] == ["c"]
+    faster = (*tail[:2], run("c", 49.0, 1200.0, 56.0))
+    assert len(current_segment(faster, "warm_ttft_p50_ms")) == 3
+    assert [
+        r.benchmark_run_id for r in current_segment(faster, "warm_decode_tokens_per_sec_p50")
+    ] == ["c"]
+    stepped = CellBaseline(
+        CELL, Provenance(benchmark_run_id="c", date="2026-11-25"), (summary(52.8),), {}
+    )
+    (baseline,) = stepped.prompts
+    (ttft,) = (
+        verdict
+        for verdict in judge(summary(50.0), baseline, history=tail)
+        if verdict.metric == "warm_ttft_p50_ms"
+    )
+    assert (ttft.noise or "").startswith("between runs (3 runs of history)"), ttft.message
+
+
 def test_a_format_4_baseline_is_refused_and_format_5_requires_the_pressure() -> None:
     """Format 5 added the CPU pressure: a format-4 file (no pressure anywhere) was written by a
     pre-release and is refused with one line (the release reads one format); a format-5 file

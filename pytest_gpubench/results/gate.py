@@ -106,8 +106,6 @@ def judge(
         return [from_decision(*current.key, name, new, current=value) for name, value in measured]
     check_prompt_unchanged(current, baseline)
     steady = machine_steadiness(current, baseline, history)
-    # The figures since the last ratified step: the reference is what that update ratified.
-    segment = current_segment(history)
     verdicts = [
         ungated_verdict(metric, current, baseline, decode_gaps)
         or judge_ratio(
@@ -115,7 +113,9 @@ def judge(
             current,
             baseline,
             ratio_threshold(thresholds, metric.threshold_field),
-            history=figures(segment, metric.name),
+            # The figure since its last ratified step: the reference is what that update
+            # ratified.
+            history=figures(current_segment(history, metric.name), metric.name),
             steady=steady,
             alpha=alpha,
         )

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pytest_gpubench.config.metrics import DEFAULT_RATIO_THRESHOLD
+from pytest_gpubench.config.metrics import DEFAULT_RATIO_THRESHOLD, GATED
 
 # Runs kept per (cell, prompt): enough for a t quantile near the normal's, few enough that a
 # machine's slow change of speed over months leaves the history.
 HISTORY_RUNS = 10
+# The figures whose move makes a ratified step: every gated figure but an opt-in tail (a p99 of
+# ten calls is their slowest, which moves past any interval now and then by itself).
+STEP_FIGURES = frozenset(figure.name for figure in GATED if not figure.opt_in)
 
 
 @dataclass(frozen=True)
@@ -52,13 +55,18 @@ def appended(history: Sequence[RunFigures], run: RunFigures, keep: int = HISTORY
 
 
 def ratified_change(
-    history: Sequence[RunFigures], run: RunFigures, *, short_steps: bool = False
+    history: Sequence[RunFigures],
+    run: RunFigures,
+    *,
+    short_steps: bool = False,
+    metrics: Collection[str] = STEP_FIGURES,
 ) -> bool:
-    """Whether a ratified run moved one of its gated figures away from the history before it:
-    beyond the history's own spread (two-sided, at ALPHA, as a new draw of it: a prediction
-    interval) and by more than the default threshold (a step worth a user's ratifying, not the
-    machine's drift). Needs MIN_HISTORY runs before it: a shorter history has no spread. With
-    `short_steps`, after fewer (but at least two), a move past the threshold is a step."""
+    """Whether a ratified run moved one of its gated figures (of `metrics`) away from the
+    history before it: beyond the history's own spread (two-sided, at ALPHA, as a new draw of
+    it: a prediction interval) and by more than the default threshold (a step worth a user's
+    ratifying, not the machine's drift). Needs MIN_HISTORY runs before it: a shorter history has
+    no spread. With `short_steps`, after fewer (but at least two), a move past the threshold is
+    a step."""
     from pytest_gpubench.results.decision import (
         ALPHA,
         MIN_HISTORY,
@@ -67,6 +75,8 @@ def ratified_change(
     )
 
     for metric, value in run.figures.items():
+        if metric not in metrics:
+            continue
         past = figures(history, metric)
         if value is None or value <= 0 or len(past) < (2 if short_steps else MIN_HISTORY):
             continue
@@ -83,7 +93,7 @@ def ratified_change(
     return False
 
 
-def current_segment(history: Sequence[RunFigures]) -> History:
+def current_segment(history: Sequence[RunFigures], metric: str | None = None) -> History:
     """The runs since the last ratified step, oldest first: what the gate judges a run against,
     so that the run after an update that moved a figure is compared with what that update
     ratified, whatever the history held before (issue 43). A step past the prediction interval
@@ -91,11 +101,13 @@ def current_segment(history: Sequence[RunFigures]) -> History:
     bound no interval, a move past the threshold is a step here. The file keeps such runs (a
     machine whose runs drift must still grow a history, and `gpubench calibrate` seed one): the
     gate leaves them out, as the runs before any step, which say nothing of the spread after
-    it."""
+    it. With `metric`, only that figure's step counts: a figure the update did not move keeps
+    its runs (a new engine that decodes faster says nothing new of its TTFT's spread)."""
     segment: History = ()
+    stepping = STEP_FIGURES if metric is None else (metric,)
     for run in history:
         stepped = not same_update(segment[-1], run) if segment else False
-        if stepped and ratified_change(segment, run, short_steps=True):
+        if stepped and ratified_change(segment, run, short_steps=True, metrics=stepping):
             segment = (run,)
         else:
             segment = (*segment, run)
