@@ -530,6 +530,89 @@ def test_a_blind_figure_is_sampled_on_and_decided_within_the_budget(tmp_path: Pa
     )
 
 
+class TransportJitter(GeneratedRun):
+    """Calls whose client TTFT is the engine's prompt time plus a transport that adds 0 to 60 ms
+    at random (a loaded proxy, a shared link): llama-server's own prompt time, steady within 2 %,
+    takes the run's `slowdown`; the transport takes `transport` (class attribute) whatever the
+    engine did."""
+
+    transport = 1.0
+
+    def calls(self, run_id: str, plan: CellPlan, **given: Any) -> list[dict[str, Any]]:
+        import random
+
+        rng = random.Random(f"{run_id}-{given.get('first_run', 0)}-transport")
+        records = super().calls(run_id, plan, **given)
+        slowdown = given["slowdown"]
+        for record in records:
+            base = 20.0 if record["prompt_id"] == "P-EASY" else 50.0
+            prompt = base * slowdown * rng.lognormvariate(0, 0.02)
+            ttft = prompt + rng.uniform(0.0, 60.0) * self.transport
+            decode = record["total_duration_ms"] - record["first_delta_ms"]
+            record["engine_prompt_ms"] = round(prompt, 3)
+            record["engine_timings"] = {"prompt_ms": round(prompt, 3)}
+            record["first_delta_ms"] = round(ttft, 3)
+            record["total_duration_ms"] = round(ttft + decode, 3)
+            record["engine_total_ms"] = round(prompt + decode * 0.97, 3)
+        return records
+
+
+def test_a_change_the_engine_s_own_timings_share_is_decided_with_fewer_calls(
+    tmp_path: Path,
+) -> None:
+    """Issue 43, item 6: llama-server's prompt time 40 % slower, seen by the client through a
+    transport that adds 0-60 ms at random. The client's TTFT alone is `inconclusive` (its
+    spread is the transport's), and the session sampled on. The engine's own prompt time over the
+    same calls moved as far and is significant: the regression is decided at the planned runs,
+    nothing sampled on, exit 6, the message saying the engine's figure decided it; `gpubench
+    gate` agrees."""
+    plan = CellPlan("main", runs=6, slowdown=1.4, again=1.4, history=1)
+    generated = TransportJitter(tmp_path, [plan], seed=4)
+    generated.write_baselines()
+    end = run_session(generated)
+    messages = [v["message"] for v in end.end["verdicts"]]
+    assert end.exit_status == 6, messages
+    ttft = {v["prompt_id"]: v for v in end.end["verdicts"] if v["metric"] == "warm_ttft_p50_ms"}
+    assert ttft["P-EASY"]["verdict"] == "regression", messages
+    assert ", not significant on its own (p = " in ttft["P-EASY"]["message"]
+    assert (
+        "but decided with llama-server's own prompt time, which moved with it over the same "
+        "calls: llama-server's own prompt time +3" in ttft["P-EASY"]["message"]
+    )
+    assert "engine-side: llama-server's own prompt time +3" in ttft["P-EASY"]["message"]
+    assert not generated.sampled
+    assert gate_of(end.ledger, generated.baselines) == (
+        json.loads(json.dumps(end.end["verdicts"])),
+        6,
+    )
+
+
+def test_a_change_the_engine_s_own_timings_do_not_share_stays_the_client_s_to_decide(
+    tmp_path: Path,
+) -> None:
+    """The converse: the engine unchanged, the transport's 0-60 ms now 0-90 ms. The client's
+    TTFT moved past the threshold and is not significant; the engine's own prompt time held, so
+    it decides nothing: the figure stays the client's to decide (sampled on, attributed to the
+    client or the transport side), never a regression the engine's figure made."""
+    plan = CellPlan("main", runs=6, history=1)
+    generated = TransportJitter(tmp_path, [plan], seed=4)
+    generated.write_baselines()
+    TransportJitter.transport = 1.5
+    try:
+        end = run_session(generated, sample_on_runs=0)
+    finally:
+        TransportJitter.transport = 1.0
+    ttft = [v for v in end.end["verdicts"] if v["metric"] == "warm_ttft_p50_ms"]
+    inconclusive = [v for v in ttft if v["verdict"] == "inconclusive"]
+    assert inconclusive, [v["message"] for v in ttft]
+    assert all("decided with" not in v["message"] for v in ttft)
+    assert all(
+        "client or transport side: the engine's own timings held" in v["message"]
+        for v in inconclusive
+    )
+    assert end.exit_status == 10
+
+
 def test_a_figure_still_undecided_when_the_budget_is_spent_says_the_budget(
     tmp_path: Path,
 ) -> None:

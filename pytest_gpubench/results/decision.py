@@ -181,6 +181,15 @@ def change_word(direction: Direction, higher_is_better: bool) -> str:
     return "higher" if higher_is_better else "faster"
 
 
+def describe_change(
+    label: str, old: float, new: float, direction: Direction, higher_is_better: bool
+) -> str:
+    """`warm TTFT p50 +30.2% (slower: 52.84 → 68.8)`: a change past the threshold, as every
+    verdict on it says it."""
+    word = change_word(direction, higher_is_better)
+    return f"{label} {signed_percent(new / old)} ({word}: {_number(old)} → {_number(new)})"
+
+
 def mwu_method(n_current: int, n_baseline: int) -> Literal["exact", "asymptotic"]:
     return "exact" if min(n_current, n_baseline) <= EXACT_TEST_MAX_N else "asymptotic"
 
@@ -384,8 +393,7 @@ def _decide(evidence: Evidence) -> Decision:
         if held is not None:
             return replace(base, kind="unsteady", text=f"{within}, but not judged: {held}")
         return replace(base, text=f"{within}; {could}")
-    word = change_word(direction, evidence.higher_is_better)
-    change = f"{label} {signed_percent(ratio)} ({word}: {_number(old)} → {_number(new)})"
+    change = describe_change(label, old, new, direction, evidence.higher_is_better)
     hint = f"; {evidence.more_samples_hint}" if evidence.more_samples_hint else ""
     alpha = evidence.alpha
     if not within_run:

@@ -28,6 +28,7 @@ from pytest_gpubench.results.decision import (
     VerdictKind,
     change_direction,
     decide,
+    describe_change,
     min_achievable_p,
     mwu_method,
     one_sided_p,
@@ -269,10 +270,75 @@ def judge_ratio(
             alpha=alpha,
         )
     )
+    if decision.kind == "inconclusive":
+        decision = _with_engines_word(
+            metric, current, baseline, decision, threshold=threshold, steady=steady, alpha=alpha
+        )
     cause: Attribution | None = None
     if decision.direction is not None and decision.ratio is not None:
         cause = attribute(metric, current, baseline, decision.ratio)
     return from_decision(current.cell_id, current.prompt_id, metric.name, decision, cause)
+
+
+def _with_engines_word(
+    metric: Metric,
+    current: PromptSummary,
+    baseline: PromptSummary,
+    found: Decision,
+    *,
+    threshold: float,
+    steady: Steadiness | None,
+    alpha: float,
+) -> Decision:
+    """An `inconclusive` change judged within the run, decided by the engine's own counterpart
+    (issue 43, item 6): where the engine's own figure over the same calls moved the same way past
+    the threshold, and significantly at the same level, the change is the engine's and the
+    client's together, and the engine's figure, free of the transport's and the client's jitter,
+    decides it (a regression or a win) at the look where the client's spread alone could not:
+    what sampling on would have decided, with fewer calls. Nothing else changes: a change the
+    engine's figure did not share (the transport's, the client's), an engine figure that is not
+    significant, a machine the engine's figure cannot be judged on (steadiness, as the client's),
+    and a figure judged between runs (the history keeps no engine figures) stay as found."""
+    measure = metric.figure.engine_measure
+    old, new = metric.engine_value(baseline), metric.engine_value(current)
+    if (
+        measure is None
+        or metric.reasoning
+        or found.direction is None
+        or found.ratio is None
+        or found.baseline is None
+        or not (found.noise or "").startswith("within")
+    ):
+        return found
+    engine = engine_name(current.cell_id)
+    own = decide(
+        Evidence(
+            label=f"{engine}'s own {metric.engine_label}",
+            higher_is_better=metric.higher_is_better,
+            threshold=threshold,
+            baseline=old,
+            current=new,
+            current_samples=current.samples.get(measure, ()),
+            baseline_samples=baseline.samples.get(measure, ()),
+            steadiness=steady,
+            alpha=alpha,
+        )
+    )
+    if own.kind not in ("regression", "win") or own.direction != found.direction:
+        return found
+    change = describe_change(
+        metric.label,
+        found.baseline,
+        found.baseline * found.ratio,
+        found.direction,
+        metric.higher_is_better,
+    )
+    alone = "" if found.p_value is None else f" (p = {found.p_value:.3g})"
+    text = (
+        f"{change}, not significant on its own{alone}, but decided with {engine}'s own "
+        f"{metric.engine_label}, which moved with it over the same calls: {own.text}"
+    )
+    return replace(found, kind=own.kind, text=text, p_value=own.p_value)
 
 
 def _why_missing(metric: Metric, current: PromptSummary) -> str:
