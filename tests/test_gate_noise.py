@@ -823,9 +823,46 @@ def test_calibrate_seeds_the_history_and_states_the_noise_floor(
     out = capsys.readouterr().out
     assert status == 0
     assert "gpubench calibrate: run 3 of 3" in out
-    assert len(stored(pytester)["prompts"]["P-EASY"]["history"]) == 3
+    history = stored(pytester)["prompts"]["P-EASY"]["history"]
+    assert len(history) == 3
+    # The three runs are one calibration: none is read as a ratified step from the one before.
+    names = {run.get("calibration") for run in history}
+    assert len(names) == 1 and str(names.pop()).startswith("calibrate-20"), history
     assert f"{CELL} P-EASY warm TTFT p50: 3 runs, between-run spread ±" in out
     assert "could detect ≥ +" in out
+
+
+def test_the_runs_of_one_calibration_are_never_a_step_from_each_other() -> None:
+    """Issue 43: a calibration restarts an engine whose speed moves between its processes (the
+    noise table's endpoint: 59, 74.5 and 48.4 ms in three runs); the third run's -27 % was read
+    as a ratified step, four of five runs left out, and the gate judged within one run (2 silent
+    passes in 20 +30 % sessions). Runs of one calibration (--gpubench-calibration, which
+    `gpubench calibrate` passes) keep every run, in the file and in the gate's segment, and their
+    spread is what the gate judges by; the same runs ratified one by one are steps, as before."""
+
+    def history(calibration: str | None) -> tuple[RunFigures, ...]:
+        baseline: CellBaseline | None = None
+        for index, ttft in enumerate((59.0, 74.5, 48.4, 49.1, 52.8)):
+            plan = plan_cell(ratified(f"run-{index}", ttft), baseline, calibration=calibration)
+            baseline = plan.baseline
+        assert baseline is not None
+        text = dumps_baseline(baseline)
+        assert ('"calibration"' in text) == (calibration is not None)
+        return loads_baseline(text, "mem.json").runs("P-EASY")
+
+    calibrated = history("calibrate-20261129T164200Z-abc123")
+    assert len(calibrated) == 5
+    assert len(current_segment(calibrated, "warm_ttft_p50_ms")) == 5
+    one_by_one = history(None)
+    assert len(current_segment(one_by_one, "warm_ttft_p50_ms")) < 5
+    (baseline,) = ratified("run-4", 52.8).prompts
+    (ttft,) = (
+        verdict
+        for verdict in judge(summary(64.0), baseline, history=calibrated)
+        if verdict.metric == "warm_ttft_p50_ms"
+    )
+    assert (ttft.noise or "").startswith("between runs (5 runs of history)"), ttft.message
+    assert ttft.verdict == "blind", ttft.message
 
 
 def control_values(monkeypatch: pytest.MonkeyPatch, values: list[float]) -> None:

@@ -25,6 +25,8 @@ from pytest_gpubench.results.decision import (
 from pytest_gpubench.results.metric import RATIO_METRICS
 from pytest_gpubench.results.run_history import figures
 
+CALIBRATION_OPTION = "--gpubench-calibration"
+
 
 def calibrate(repeat: int, pytest_args: Sequence[str], baselines_dir: Path) -> int:
     """Run pytest --baseline-update `repeat` times; stop at the first run that fails. Returns
@@ -32,8 +34,12 @@ def calibrate(repeat: int, pytest_args: Sequence[str], baselines_dir: Path) -> i
     if repeat < 1:
         raise GpubenchError(f"--repeat must be at least 1, got {repeat}")
     clean = not git_state(Path.cwd())["git_dirty"]
+    # The runs are one calibration: none is read as a ratified step from the one before it,
+    # however far the engine moved between them (that spread is what they measure).
+    named = any(arg.startswith(CALIBRATION_OPTION) for arg in pytest_args)
+    calibration = () if named else (f"{CALIBRATION_OPTION}={calibration_name()}",)
     for index in range(repeat):
-        argv = [sys.executable, "-m", "pytest", "--baseline-update", *pytest_args]
+        argv = [sys.executable, "-m", "pytest", "--baseline-update", *calibration, *pytest_args]
         # Run 1 ratified baselines that are not committed yet: the tree is dirty by calibrate's
         # own doing, which the dirty-tree guard would refuse run 2 for. Only then let it run.
         if index > 0 and clean and _dirty_only_in(baselines_dir):
@@ -45,6 +51,15 @@ def calibrate(repeat: int, pytest_args: Sequence[str], baselines_dir: Path) -> i
             return status
     print(noise_floor_text(baselines_dir))
     return 0
+
+
+def calibration_name() -> str:
+    """A name no other calibration of this baselines folder has: when it started, to the
+    second, and a few random letters."""
+    import secrets
+    from datetime import UTC, datetime
+
+    return f"calibrate-{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
 
 
 def _dirty_only_in(baselines_dir: Path) -> bool:

@@ -40,6 +40,11 @@ DEFAULT_SAMPLE_ON_SECONDS = 120.0
 # issue 43. Three (the gate's MIN_HISTORY) give a between-run spread from the first update; the
 # default stays one until the suite and the noise table are measured with three.
 DEFAULT_BASELINE_RUNS = 1
+CALIBRATION_DESC = (
+    "mark this --baseline-update as one run of the calibration NAME: runs of one calibration "
+    "measure an unchanged setup's spread between runs, and none is read as a ratified step "
+    "from the one before it (`gpubench calibrate` names its runs so)"
+)
 BASELINE_RUNS_DESC = (
     "runs a --baseline-update measures a (cell, prompt) with no history yet in, a managed "
     "engine started again between them, an endpoint's spaced apart, so that the baseline knows "
@@ -146,6 +151,12 @@ def addoption(parser: pytest.Parser) -> None:
         type=int,
         dest="gpubench_baseline_runs",
         help=BASELINE_RUNS_DESC,
+    )
+    group.addoption(
+        "--gpubench-calibration",
+        metavar="NAME",
+        dest="gpubench_calibration",
+        help=CALIBRATION_DESC,
     )
     group.addoption(
         "--gpubench-ab-seed",
@@ -306,6 +317,8 @@ class Options:
     sample_on_seconds: float = DEFAULT_SAMPLE_ON_SECONDS
     # The runs a first --baseline-update measures a (cell, prompt) in (--gpubench-baseline-runs).
     baseline_runs: int = DEFAULT_BASELINE_RUNS
+    # The calibration this --baseline-update is a run of (--gpubench-calibration).
+    calibration: str | None = None
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Options:
@@ -387,6 +400,7 @@ class Options:
             ab_seed=config.getoption("gpubench_ab_seed"),
             steadiness=steadiness == "check",
             baseline_runs=DEFAULT_BASELINE_RUNS if baseline_runs is None else baseline_runs,
+            calibration=config.getoption("gpubench_calibration") or None,
             sample_on_runs=sample_on_runs,
             sample_on_seconds=(
                 DEFAULT_SAMPLE_ON_SECONDS if sample_on_seconds is None else sample_on_seconds

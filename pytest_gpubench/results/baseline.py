@@ -214,12 +214,19 @@ def _prompt_model(summary: PromptSummary, history: History) -> Prompt:
             cpu_pressure=run.cpu_pressure,
             engine_wait_per_cpu=run.engine_wait_per_cpu,
             neighbour_cpu_share=run.neighbour_cpu_share,
+            **_calibration(run),
         )
         for run in history
     ]
     return Prompt.model_construct(
         prompt_sha256=summary.prompt_sha256, cold=cold, warm=warm, samples=samples, history=runs
     )
+
+
+def _calibration(run: RunFigures) -> dict[str, Any]:
+    """A history entry's calibration, written only for a run of one (older files stay as they
+    were, byte for byte)."""
+    return {} if run.calibration is None else {"calibration": run.calibration}
 
 
 def summary_to_dict(summary: PromptSummary) -> dict[str, Any]:

@@ -151,6 +151,8 @@ class RunEntry(BaseModel):
     cpu_pressure: float | None = Field(default=None, ge=0.0, le=1.0)
     engine_wait_per_cpu: float | None = Field(default=None, ge=0.0)
     neighbour_cpu_share: float | None = Field(default=None, ge=0.0, le=1.0)
+    # Written only for a run of a calibration (`gpubench calibrate`).
+    calibration: str | None = None
 
 
 class Prompt(BaseModel):

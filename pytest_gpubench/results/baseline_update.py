@@ -23,7 +23,7 @@ from pytest_gpubench.results.baseline import (
 )
 from pytest_gpubench.results.baseline_format import CorruptBaseline
 from pytest_gpubench.results.gate import run_figures
-from pytest_gpubench.results.run_history import appended, ratified_change
+from pytest_gpubench.results.run_history import appended, ratified_change, same_update
 from pytest_gpubench.results.stats import PromptSummary
 
 
@@ -137,6 +137,7 @@ def plan_cell(
     min_success_rate: float = DEFAULT_MIN_SUCCESS_RATE,
     future_runs: int | None = None,
     sample_check: SampleCheck | None = None,
+    calibration: str | None = None,
 ) -> CellPlan:
     """Merge a cell's numbers of this run into its baseline file's, per (prompt, phase): what
     this run did not measure stays as it was. Each prompt is refused on its own. A file is
@@ -188,7 +189,10 @@ def plan_cell(
         if summary.n_warm:
             measured = new.runs(prompt_id) or (
                 run_figures(
-                    summary, run_id=new.provenance.benchmark_run_id, date=new.provenance.date
+                    summary,
+                    run_id=new.provenance.benchmark_run_id,
+                    date=new.provenance.date,
+                    calibration=calibration,
                 ),
             )
             for number, run in enumerate(measured):
@@ -196,8 +200,13 @@ def plan_cell(
                 # A ratified change starts a new segment: kept beside the runs before it, the
                 # step would widen the between-run spread until it left the history, and the
                 # gate would be blind to a change of its size for ten updates. Only an update's
-                # first run can be one: its later runs measure the spread between its runs.
-                stepped = number == 0 and ratified_change(before, run)
+                # first run can be one: its later runs measure the spread between its runs, as
+                # the runs of one calibration do.
+                stepped = (
+                    number == 0
+                    and not (before and same_update(before[-1], run))
+                    and ratified_change(before, run)
+                )
                 history[prompt_id] = appended(() if stepped else before, run)
     prompts = tuple(merged[prompt_id] for prompt_id in sorted(merged))
     history = {p: runs for p, runs in sorted(history.items()) if runs and p in merged}
@@ -235,11 +244,13 @@ def update_baselines(
     min_success_rate: float | Mapping[str, float] = DEFAULT_MIN_SUCCESS_RATE,
     future_runs: int | Mapping[str, int] | None = None,
     sample_check: SampleCheck | None = None,
+    calibration: str | None = None,
 ) -> BaselineUpdate:
     """--baseline-update: merge this run's numbers into each cell's file (plan_cell), replacing
     a corrupt file; explain what was not written. A file that cannot be written is reported in
     `failed` and the others are still written. Errors other than a write (a file of another
-    cell, a newer format) raise."""
+    cell, a newer format) raise. `calibration`: the calibration this run is one run of
+    (--gpubench-calibration), which its history entries name."""
     records = list(records)
     update = BaselineUpdate()
     measured = set()
@@ -258,6 +269,7 @@ def update_baselines(
             ),
             future_runs=_for_cell(future_runs, new.cell_id, None),
             sample_check=sample_check,
+            calibration=calibration,
         )
         if plan.refused is not None:
             update.refused[new.cell_id] = plan.refused

@@ -212,8 +212,11 @@ def counted_measure(kind: str) -> str:
     return next(m.name for m in MEASURES if m.samples and kind in m.kinds)
 
 
-def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None) -> RunFigures:
-    """What a baseline's history keeps of one run of a (cell, prompt)."""
+def run_figures(
+    summary: PromptSummary, *, run_id: str | None, date: str | None, calibration: str | None = None
+) -> RunFigures:
+    """What a baseline's history keeps of one run of a (cell, prompt); `calibration`: the
+    calibration it was one run of."""
     control = summary.samples["control_ms"]
     pressure = summary.samples["cpu_pressure"]
     engine_wait = summary.samples["engine_wait_per_cpu"]
@@ -227,6 +230,7 @@ def run_figures(summary: PromptSummary, *, run_id: str | None, date: str | None)
         cpu_pressure=statistics.median(pressure) if pressure else None,
         engine_wait_per_cpu=statistics.median(engine_wait) if engine_wait else None,
         neighbour_cpu_share=statistics.median(neighbours) if neighbours else None,
+        calibration=calibration,
     )
 
 

@@ -75,6 +75,9 @@ class JudgingSettings(_Strict):
     # as many again as were planned; 0: none) and seconds per (cell, prompt).
     sample_on_runs: NonNegativeInt | None = None
     sample_on_seconds: NonNegativeFloat = DEFAULT_SAMPLE_ON_SECONDS
+    # The calibration a --baseline-update was a run of (--gpubench-calibration): its history
+    # entries say so, and none is a ratified step from the one before it.
+    calibration: str | None = None
 
     @classmethod
     def of_cells(
@@ -87,6 +90,7 @@ class JudgingSettings(_Strict):
         smoke: bool = False,
         sample_on_runs: int | None = None,
         sample_on_seconds: float = DEFAULT_SAMPLE_ON_SECONDS,
+        calibration: str | None = None,
     ) -> JudgingSettings:
         """The settings of a run of these cells (the matrix's, or a shard's share of it)."""
         return cls(
@@ -97,6 +101,7 @@ class JudgingSettings(_Strict):
             smoke=smoke,
             sample_on_runs=sample_on_runs,
             sample_on_seconds=sample_on_seconds,
+            calibration=calibration,
         )
 
     @classmethod

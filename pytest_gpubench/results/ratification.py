@@ -37,6 +37,8 @@ class BaselineUpdatePlan:
     future_runs: dict[str, int] = field(default_factory=dict)
     loads: list[LoadRecord] = field(default_factory=list)
     refused: str | None = None
+    # The calibration the run was one run of (--gpubench-calibration).
+    calibration: str | None = None
 
 
 def baseline_update_plan(run: RunRecords, settings: JudgingSettings) -> BaselineUpdatePlan | None:
@@ -57,6 +59,7 @@ def baseline_update_plan(run: RunRecords, settings: JudgingSettings) -> Baseline
         },
         future_runs={cell_id: cell.runs for cell_id, cell in settings.cells.items()},
         loads=list(run.loads),
+        calibration=settings.calibration,
     )
 
 
@@ -158,6 +161,7 @@ def planned_update(plan: BaselineUpdatePlan, baselines_dir: Path) -> BaselineUpd
             plan.min_success_rate,
             future_runs=plan.future_runs,
             sample_check=too_few_samples,
+            calibration=plan.calibration,
         )
     written = {cell: baseline_path(baselines_dir, cell) for cell in update.written}
     return replace(update, written=written)

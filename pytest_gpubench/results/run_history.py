@@ -35,6 +35,8 @@ class RunFigures:
     # The neighbours' share of the machine's CPU time, the benchmark's own taken out (p50):
     # absent from runs ratified before it was measured.
     neighbour_cpu_share: float | None = None
+    # The calibration (`gpubench calibrate`, --gpubench-calibration) this run was one run of.
+    calibration: str | None = None
 
     def figure(self, metric: str) -> float | None:
         return self.figures.get(metric)
@@ -116,8 +118,11 @@ def current_segment(history: Sequence[RunFigures], metric: str | None = None) ->
 
 def same_update(earlier: RunFigures, later: RunFigures) -> bool:
     """Whether two runs were ratified by one --baseline-update (its runs `<run id>#<n>`,
-    run/history_runs.py): one update's runs are never a step from each other, however far its
-    engine's speed moved between them (that is the spread they are measured for)."""
+    run/history_runs.py) or are runs of one calibration (`gpubench calibrate`): such runs are
+    never a step from each other, however far the engine's speed moved between them (that is
+    the spread they are measured for)."""
+    if earlier.calibration is not None and earlier.calibration == later.calibration:
+        return True
     first, _, number = (earlier.benchmark_run_id or "").partition("#")
     second, _, other = (later.benchmark_run_id or "").partition("#")
     return bool(first) and bool(number) and bool(other) and first == second

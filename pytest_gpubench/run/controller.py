@@ -123,6 +123,7 @@ class RunController:
             baseline_update=options.baseline_update,
             smoke=options.smoke,
             sample_on_runs=options.sample_on_runs,
+            calibration=options.calibration,
             sample_on_seconds=options.sample_on_seconds,
         )
         # Every record of the run by kind (the ledger's lines, as they were appended).
@@ -513,6 +514,7 @@ class RunController:
                 plan.min_success_rate,
                 future_runs=plan.future_runs,
                 sample_check=too_few_samples,
+                calibration=plan.calibration,
             )
         except GpubenchError as exc:
             judgement.gate_error = self.scrub(str(exc))
