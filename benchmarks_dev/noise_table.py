@@ -387,6 +387,17 @@ def project_dir(temp: str, row: Row) -> Path:
     return Path(temp) / (f"{scenario}-{mode}" if engine == "managed" else "-".join(row))
 
 
+def update_options(row: Row) -> tuple[str, ...]:
+    """update3: the first update measures each (cell, prompt) in three runs; calibrate: five
+    updates of one calibration, as `gpubench calibrate` runs them."""
+    mode = row[2]
+    if mode == "update3":
+        return ("--gpubench-baseline-runs", "3")
+    if mode == "calibrate":
+        return ("--gpubench-calibration", f"noise-table-{'-'.join(row)}")
+    return ()
+
+
 def run_session(
     project: Path, outside: OutsideEngines | None, neighbours: Neighbours, scenario: str,
     code: str, *extra: str,
@@ -444,9 +455,9 @@ def main() -> None:
                 outside[row] = write_project(project, mode, binary, model, engine)
                 if mode in AB_MODES:
                     continue
-                # update3: the first update measures each (cell, prompt) in three runs (issue 43,
-                # item 4: a managed engine started again between them, an endpoint's spaced).
-                runs = ("--gpubench-baseline-runs", "3") if mode == "update3" else ()
+                # update3 and calibrate (issue 43): a managed engine started again between the
+                # runs, an endpoint's spaced.
+                runs = update_options(row)
                 for _ in range(CALIBRATE_RUNS if mode == "calibrate" else 1):
                     base = run_session(
                         project, outside[row], neighbours, scenario, args.code, "--baseline-update",
