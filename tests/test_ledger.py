@@ -35,8 +35,10 @@ def ollama_cells(url: str, runs: int = 2) -> str:
 
 
 def test_ledger_records_meta_cell_calls_end(pytester: pytest.Pytester) -> None:
-    """Ollama cannot run here: the stand-in follows Ollama's docs/api.md field by field."""
-    with serving(OllamaStandin()) as url:
+    """Ollama cannot run here: the stand-in follows Ollama's docs/api.md field by field. Its
+    tokens 20 ms apart: a reply whose tokens all reach a client descheduled past them arrives in
+    one read, its TTFT its total (2 ms apart, that happened beside the suite's other workers)."""
+    with serving(OllamaStandin(token_s=0.02)) as url:
         pytester.makefile(".yaml", prompts=PROMPTS, cells=ollama_cells(url))
         pytester.makepyfile("def test_generate(gpubench_case):\n    gpubench_case.run()\n")
         result = pytester.runpytest("--force-load")
