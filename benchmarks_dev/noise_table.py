@@ -335,6 +335,10 @@ def session(root: Path, code: str, state: str, *extra: str) -> Session:
     elif ttft["verdict"] == "ok":
         # What a pass rested on: the steadiness it judged on, for a +30 % session that passed.
         why = str(ttft.get("message", ""))
+    elif ttft["verdict"] in ("regression", "win"):
+        # What decided it (the client's test, or the engine's own figure), for a false alarm or
+        # a false win above all.
+        why = str(ttft.get("message", ""))[:400]
     # A session that failed on another figure than TTFT says which, and why.
     others = [v for v in verdicts if v.get("verdict") == "regression" and v is not ttft]
     if finished.returncode == 6 and others:
