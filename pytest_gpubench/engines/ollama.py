@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -17,6 +16,7 @@ from pytest_gpubench.engines.protocol import (
     json_number,
     measure_stream,
     merge_body,
+    stream_chunk,
 )
 from pytest_gpubench.measure.call_measurement import CallMeasurement, note_delta
 from pytest_gpubench.measure.stream import (
@@ -68,16 +68,8 @@ def parse_ollama_ndjson(
     for line in response.lines:
         if not line.text.strip():
             continue
-        try:
-            chunk = json.loads(line.text)
-        except json.JSONDecodeError:
-            measurement.error = f"stream sent a line that is not JSON: {line.text[:120]!r}"
-            break
-        if not isinstance(chunk, dict):
-            measurement.error = f"stream sent JSON that is not an object: {line.text[:120]!r}"
-            break
-        if "error" in chunk:
-            measurement.error = f"engine error in stream: {str(chunk['error'])[:300]}"
+        chunk = stream_chunk(line.text, measurement, error=str)
+        if chunk is None:
             break
         message = chunk.get("message") or {}
         if message.get("content") or message.get("thinking"):

@@ -4,7 +4,7 @@ JSON readers every engine kind shares (`engines/__init__.py` names them, beside 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
@@ -326,6 +326,26 @@ def llamacpp_engine_figures(timings: dict[str, Any], measurement: CallMeasuremen
         measurement.engine_total_ms = round(prompt_ms + predicted_ms, 4)
 
 
+def stream_chunk(
+    text: str | bytes, measurement: CallMeasurement, error: Callable[[Any], str] = json.dumps
+) -> dict[str, Any] | None:
+    """One line of a stream (an SSE event's data, an NDJSON line) as a JSON object; None, with the
+    call's error set, where it is not JSON, not an object, or the engine's error (written by
+    `error`: OpenAI-compatible servers send an object, Ollama a string)."""
+    try:
+        chunk = json.loads(text)
+    except json.JSONDecodeError:
+        measurement.error = f"stream sent a line that is not JSON: {text[:120]!r}"
+        return None
+    if not isinstance(chunk, dict):
+        measurement.error = f"stream sent JSON that is not an object: {text[:120]!r}"
+        return None
+    if "error" in chunk:
+        measurement.error = f"engine error in stream: {error(chunk['error'])[:300]}"
+        return None
+    return chunk
+
+
 def _sse_events(lines: Iterator[Line]) -> Iterator[tuple[int, str]]:
     for line in lines:
         text = line.text.decode("utf-8", "replace")
@@ -346,16 +366,8 @@ def parse_openai_sse(
     for arrived_ns, data in _sse_events(response.lines):
         if data == "[DONE]":
             break
-        try:
-            chunk = json.loads(data)
-        except json.JSONDecodeError:
-            measurement.error = f"stream sent a line that is not JSON: {data[:120]!r}"
-            break
-        if not isinstance(chunk, dict):
-            measurement.error = f"stream sent JSON that is not an object: {data[:120]!r}"
-            break
-        if "error" in chunk:
-            measurement.error = f"engine error in stream: {json.dumps(chunk['error'])[:300]}"
+        chunk = stream_chunk(data, measurement)
+        if chunk is None:
             break
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
@@ -483,6 +495,15 @@ def _json_answer(
     return answer
 
 
+def _answered(answer: Mapping[str, Any], measurement: CallMeasurement) -> None:
+    """A whole one-JSON answer (embeddings, rerank): its prompt tokens (its usage's), and its
+    end: it stopped."""
+    usage = answer.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        measurement.prompt_tokens = usage["prompt_tokens"]
+    measurement.finish_reason = "stop"
+
+
 def parse_embeddings(
     response: StreamedResponse, measurement: CallMeasurement, arrivals: list[int]
 ) -> None:
@@ -496,10 +517,7 @@ def parse_embeddings(
     if measurement.inputs is not None and len(vectors) != measurement.inputs:
         measurement.error = f"{len(vectors)} embeddings came back for {measurement.inputs} inputs"
         return
-    usage = answer.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-        measurement.prompt_tokens = usage["prompt_tokens"]
-    measurement.finish_reason = "stop"
+    _answered(answer, measurement)
 
 
 def parse_rerank(
@@ -519,7 +537,4 @@ def parse_rerank(
     )):  # fmt: skip
         measurement.error = f"rerank answer ranks no document of the {wanted} sent"
         return
-    usage = answer.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-        measurement.prompt_tokens = usage["prompt_tokens"]
-    measurement.finish_reason = "stop"
+    _answered(answer, measurement)
