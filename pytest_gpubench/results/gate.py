@@ -304,13 +304,13 @@ def _with_engines_word(
     significant, a machine the engine's figure cannot be judged on (steadiness, as the client's),
     and a figure judged between runs (the history keeps no engine figures) stay as found."""
     measure = metric.figure.engine_measure
-    old, new = metric.engine_value(baseline), metric.engine_value(current)
+    now = metric.value(current)
     if (
         measure is None
         or metric.reasoning
         or found.direction is None
-        or found.ratio is None
         or found.baseline is None
+        or now is None
         or not (found.noise or "").startswith("within")
     ):
         return found
@@ -320,8 +320,8 @@ def _with_engines_word(
             label=f"{engine}'s own {metric.engine_label}",
             higher_is_better=metric.higher_is_better,
             threshold=threshold,
-            baseline=old,
-            current=new,
+            baseline=metric.engine_value(baseline),
+            current=metric.engine_value(current),
             current_samples=current.samples.get(measure, ()),
             baseline_samples=baseline.samples.get(measure, ()),
             steadiness=steady,
@@ -331,11 +331,7 @@ def _with_engines_word(
     if own.kind not in ("regression", "win") or own.direction != found.direction:
         return found
     change = describe_change(
-        metric.label,
-        found.baseline,
-        found.baseline * found.ratio,
-        found.direction,
-        metric.higher_is_better,
+        metric.label, found.baseline, now, found.direction, metric.higher_is_better
     )
     alone = "" if found.p_value is None else f" (p = {found.p_value:.3g})"
     text = (
