@@ -75,11 +75,17 @@ def meets_slo(call: Mapping[str, Any], slo: Slo) -> bool:
 
 
 def content_times_ms(call: Mapping[str, Any]) -> list[float]:
-    """When each content chunk of a call arrived, in ms from the point's start."""
+    """When each content chunk of a call arrived, in ms from the point's start; never after the
+    call's own end. Its TTFT, gaps and total are each kept to 4 decimals of a ms, so chunks read
+    at the very end (a reply delivered whole) summed to 0.0003 ms past it: those of the last call
+    to end fell outside the point's window, and vLLM's throughput samples lost 92 of 4,096
+    tokens against the headline."""
     send, first = call.get("send_ms"), call.get("first_delta_ms")
     if not isinstance(send, int | float) or not isinstance(first, int | float):
         return []
-    return [send + first + offset for offset in accumulate(gaps_ms(call), initial=0.0)]
+    total = call.get("total_duration_ms")
+    end = send + total if isinstance(total, int | float) else math.inf
+    return [min(send + first + offset, end) for offset in accumulate(gaps_ms(call), initial=0.0)]
 
 
 def token_times_ms(call: Mapping[str, Any]) -> list[tuple[float, float]]:
