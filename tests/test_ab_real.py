@@ -18,7 +18,7 @@ from xml.etree import ElementTree
 import pytest
 from support.delay_proxy import DelayProxy, delay_proxy
 
-from pytest_gpubench.config.cases import build_cases
+from pytest_gpubench.config.cases import build_cases, pair_order
 from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.synthetic import WORDS
 from pytest_gpubench.core.status import EXIT_UNSTEADY
@@ -203,7 +203,9 @@ def test_two_identical_servers_called_turn_about_pass(
         thresholds="{ttft_p50: 1.0, total_p50: 1.0, tokens_per_sec: 0.9}",
         prompts=LONG_PROMPTS,
     )
-    result = run_session(pytester)
+    # The planned pairs alone (a figure they leave undecided is sampled on past them by default:
+    # test_pairs_left_undecided_are_sampled_on_in_pairs_until_decided).
+    result = run_session(pytester, "--gpubench-sample-on-runs", "0")
     verdicts = ab_verdicts(ledger(pytester))
     assert set(verdicts) == {
         "warm_ttft_p50_ms",
@@ -230,6 +232,47 @@ def test_two_identical_servers_called_turn_about_pass(
         ttft if ttft == "ok" else None
     )
     result.stdout.fnmatch_lines([f"{PR} * {MAIN} * {PROMPT_ID} * TTFT p50 ms * 8/8 * 16 * *"])
+
+
+@pytest.mark.engine
+def test_pairs_left_undecided_are_sampled_on_in_pairs_until_decided(
+    pytester: pytest.Pytester, llama_server: Path
+) -> None:
+    """Issue 43, item 2, for A/B, through a real session: two identical servers and two planned
+    pairs, too few for a 95 % interval, so the candidate's TTFT is `blind` (exit 10 before). The
+    session samples on in pairs at its end: the candidate's call and its reference's of one
+    run_idx, each marked `sampled_on` with its place in the pair, in the order the session's A/B
+    seed draws (counterbalanced as the planned pairs are), until decided at a look (+100 %
+    thresholds, which two identical servers called turn about do not come near): `ok`, exit 0,
+    saying after how many pairs; `gpubench gate` over the ledger agrees."""
+    write_project(
+        pytester,
+        llama_server,
+        None,
+        thresholds="{ttft_p50: 1.0, total_p50: 1.0, tokens_per_sec: 0.9}",
+        prompts=LONG_PROMPTS,
+        runs=2,
+    )
+    result = run_session(pytester, "--gpubench-sample-on-runs", "10")
+    records = ledger(pytester)
+    ttft = ab_verdicts(records)["warm_ttft_p50_ms"]
+    assert (result.ret, ttft["verdict"]) == (0, "ok"), summary(result)
+    by_pair: dict[int, list[dict[str, Any]]] = {}
+    for call in records:
+        if call["type"] == "call" and call.get("sampled_on"):
+            by_pair.setdefault(call["run_idx"], []).append(call)
+    assert sorted(by_pair) == list(range(2, 2 + len(by_pair))) and len(by_pair) <= 10
+    seed = records[0]["ab"]["seed"]
+    for index, pair in by_pair.items():
+        assert [c["cell_id"] for c in pair] == pair_order(seed, MAIN, PROMPT_ID, index, [MAIN, PR])
+        assert [c["ab_pair"] for c in pair] == [
+            {"reference": MAIN, "index": index, "order": order} for order in (0, 1)
+        ]
+    assert ttft["pairs"] == 2 + len(by_pair) and ttft["calls"] == 2 * ttft["pairs"]
+    assert ttft["message"].endswith(
+        f"; decided with {len(by_pair)} more pairs sampled on after the planned 2"
+    )
+    assert judge_ledger(records, pytester.path / "baselines").exit_status == 0
 
 
 # -- sequential sampling --------------------------------------------------------------------------
@@ -281,7 +324,8 @@ def test_identical_sides_stop_as_unchanged_or_run_to_the_maximum(
         min_runs=7,
         runs=12,
     )
-    result = run_session(pytester)
+    # The planned pairs alone, as above.
+    result = run_session(pytester, "--gpubench-sample-on-runs", "0")
     records = ledger(pytester)
     verdicts = ab_verdicts(records)
     # Never a regression; a pass (0) where every figure is ok, else "re-run" (10: a figure whose

@@ -642,6 +642,87 @@ def test_a_figure_still_undecided_when_the_budget_is_spent_says_the_budget(
     assert run_session(off, sample_on_runs=0).exit_status == 10 and not off.sampled
 
 
+SPREAD = 0.3
+
+
+def ab_plans(slowdown: float, sampled_spread: float | None) -> list[CellPlan]:
+    """An A/B pair of cells with no baselines: the reference and a candidate `slowdown` times
+    slower, whose planned calls swing ±30 % (a busy neighbour) and whose calls sampled on swing
+    `sampled_spread` (None: as much)."""
+    reference = CellPlan("main", runs=8, spread=SPREAD, sampled_spread=sampled_spread, history=0)
+    candidate = CellPlan(
+        "pr",
+        runs=8,
+        spread=SPREAD,
+        sampled_spread=sampled_spread,
+        history=0,
+        reference=reference.cell_id,
+        slowdown=slowdown,
+    )
+    return [reference, candidate]
+
+
+def ab_ttft(end: Any) -> list[dict[str, Any]]:
+    return [
+        v for v in end.end["verdicts"] if v["metric"] == "warm_ttft_p50_ms" and v.get("reference")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("slowdown", "verdict", "status"), [(1.0, "ok", 0), (1.3, "regression", 6)]
+)
+def test_an_ab_candidate_left_undecided_is_sampled_on_in_pairs_until_decided(
+    tmp_path: Path, slowdown: float, verdict: str, status: int
+) -> None:
+    """Issue 43, item 2, for A/B: eight pairs whose calls swing ±30 % leave the candidate's TTFT
+    `blind` or `inconclusive` (exit 10 before). The session samples on in pairs, the candidate's
+    call and its reference's of one run_idx each time (their spread now 2 %), judged again at
+    each look, until decided: unchanged `ok` and exit 0, 30 % slower a `regression` and exit 6,
+    each saying after how many pairs, within the default budget of as many pairs again; `gpubench
+    gate` judges the ledger alike."""
+    generated = GeneratedRun(tmp_path, ab_plans(slowdown, 0.02), seed=6)
+    planned = run_session(generated, sample_on_runs=0)
+    assert planned.exit_status == 10, [v["message"] for v in ab_ttft(planned)]
+    generated = GeneratedRun(tmp_path / "sampled", ab_plans(slowdown, 0.02), seed=6)
+    end = run_session(generated)
+    (ttft,) = [v for v in ab_ttft(end) if v["prompt_id"] == "P-HARD"]
+    assert ttft["verdict"] == verdict and end.exit_status == status, ttft["message"]
+    sampled = [(c["cell_id"], c["prompt_id"], c["run_idx"]) for c in generated.sampled]
+    hard = sorted(idx for cell, prompt, idx in sampled if prompt == "P-HARD" and "@pr" in cell)
+    assert hard and hard == sorted(
+        idx for cell, prompt, idx in sampled if prompt == "P-HARD" and "@main" in cell
+    )  # each pair: both cells, one run_idx
+    assert hard[0] == 8 and len(hard) <= 8
+    assert ttft["message"].endswith(
+        f"; decided with {len(hard)} more pairs sampled on after the planned 8"
+    )
+    assert gate_of(end.ledger, generated.baselines) == (
+        json.loads(json.dumps(end.end["verdicts"])),
+        status,
+    )
+
+
+def test_an_ab_candidate_still_undecided_when_the_budget_is_spent_says_the_budget(
+    tmp_path: Path,
+) -> None:
+    """The pairs sampled on swing as much as the planned ones: after the budget (3 pairs here)
+    the candidate's TTFT is still undecided, exit 10, and the message says what was spent and
+    what would settle it."""
+    generated = GeneratedRun(tmp_path, ab_plans(1.0, None), seed=6)
+    end = run_session(generated, sample_on_runs=3)
+    assert end.exit_status == 10
+    undecided = [v for v in ab_ttft(end) if v["verdict"] in ("blind", "inconclusive")]
+    assert undecided, [v["message"] for v in ab_ttft(end)]
+    assert all(
+        "; sampled on: 3 more pairs after the planned 8 left it undecided (budget 3 runs and "
+        "120 s per (cell, prompt); its runs spent): settle it with a larger budget "
+        "(--gpubench-sample-on-runs 6, --gpubench-sample-on-seconds), or both engines placed "
+        "alike on a quieter machine" in v["message"]
+        for v in undecided
+    ), [v["message"] for v in undecided]
+    assert gate_of(end.ledger, generated.baselines)[1] == 10
+
+
 def test_the_update_that_ratified_a_step_says_its_history_starts_again(tmp_path: Path) -> None:
     """After two updates of an unchanged engine, a --baseline-update session that ratifies TTFT
     40 % slower notes that the gate's history is back to one run (the runs before the step are

@@ -52,8 +52,8 @@ BASELINE_RUNS_DESC = (
 )
 SAMPLE_ON_RUNS_DESC = (
     "warm calls a (cell, prompt) whose gated figure the planned runs left blind or "
-    "inconclusive may take past them, until decided (default: as many again as planned; 0: "
-    "none)"
+    "inconclusive may take past them, until decided; an A/B candidate's are pairs (default: as "
+    "many again as planned; 0: none)"
 )
 SAMPLE_ON_SECONDS_DESC = (
     f"seconds of such calls per (cell, prompt) (default: {DEFAULT_SAMPLE_ON_SECONDS:g})"

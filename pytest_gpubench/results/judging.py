@@ -303,8 +303,16 @@ def judge_run(run: RunRecords, settings: JudgingSettings, baselines_dir: Path) -
         _judge_warm(judgement, run, baselines_dir)
         if any(cell.reference is not None for cell in settings.cells.values()):
             from pytest_gpubench.results.paired import ab_verdicts
+            from pytest_gpubench.results.sample_on import with_budget
 
-            judgement.verdicts.extend(ab_verdicts(run.calls, settings))
+            judgement.verdicts.extend(
+                with_budget(
+                    ab_verdicts(run.calls, settings),
+                    run.calls,
+                    settings.sample_on_runs,
+                    settings.sample_on_seconds,
+                )
+            )
     if run.loads:
         _judge_loads(judgement, run, baselines_dir)
     judgement.outcomes = run_outcomes(run, settings)

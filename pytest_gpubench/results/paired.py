@@ -27,6 +27,8 @@ from pytest_gpubench.results.pairs import (
     judge_pairs,
     min_signed_rank_p,
 )
+from pytest_gpubench.results.sample_on import SAMPLED_ON, budget_runs
+from pytest_gpubench.results.sample_on import looks as sample_on_looks
 from pytest_gpubench.results.steadiness import PRESSURE_LIMIT, signed_percent
 from pytest_gpubench.results.verdict import Verdict, from_decision
 
@@ -62,6 +64,9 @@ class PairedSettings(Protocol):
 
     @property
     def runs_override(self) -> int | None: ...
+
+    @property
+    def sample_on_runs(self) -> int | None: ...
 
 
 # -- sequential sampling -------------------------------------------------------------------------
@@ -169,7 +174,12 @@ def ab_verdicts(calls: Iterable[Mapping[str, Any]], settings: PairedSettings) ->
     for (cell_id, prompt_id), pairs in sorted(collect_pairs(calls, candidates).items()):
         verdicts.extend(
             judge_candidate(
-                cell_id, settings.cells[cell_id], prompt_id, pairs, settings.runs_override
+                cell_id,
+                settings.cells[cell_id],
+                prompt_id,
+                pairs,
+                settings.runs_override,
+                settings.sample_on_runs,
             )
         )
     return verdicts
@@ -181,16 +191,36 @@ def judge_candidate(
     prompt_id: str,
     pairs: Pairs,
     runs_override: int | None = None,
+    sample_on_runs: int | None = None,
 ) -> list[Verdict]:
     """One verdict per metric. Fixed N: large (past the threshold) and significant (Wilcoxon at
-    ALPHA). Sequential (`min_runs`): the look that decided it, or the last, each at its share
-    of ALPHA; an early stop as unchanged is `ok`."""
+    ALPHA). Sequential (`min_runs`), or sampled on past the planned pairs (its budget's runs
+    `sample_on_runs`, None: as many again): the look that decided it, or the last, each at its
+    share of ALPHA; an early stop as unchanged is `ok`."""
     reference = str(cell.reference)
     max_pairs = runs_override or cell.runs
     min_pairs = min(cell.min_runs or max_pairs, max_pairs)
     alpha, decided_at = ALPHA, None
     judged = pairs
-    if cell.min_runs is not None:
+    more = sum(1 for record in pairs.candidate.values() if record.get(SAMPLED_ON))
+    if more:
+        # Sampled on past its planned pairs (run/sample_on.py): judged at the looks of its
+        # budget, each at its share of ALPHA, at the first that decided it or else the last.
+        planned_pairs = len(pairs.candidate) - more
+        budget = budget_runs(planned_pairs, sample_on_runs)
+        schedule = sample_on_looks(planned_pairs, budget)
+        alpha, max_pairs = ALPHA / len(schedule), planned_pairs + budget
+        decided_at = next(
+            (
+                count
+                for count in schedule
+                if count <= pairs.complete
+                and decide(pairs.prefix(count), cell.thresholds, alpha)[0] is not None
+            ),
+            None,
+        )
+        judged = pairs if decided_at is None else pairs.prefix(decided_at)
+    elif cell.min_runs is not None:
         planned = looks(min_pairs, max_pairs)
         alpha = ALPHA / len(planned)
         stop = sequential_stop(pairs, cell.thresholds, min_pairs, max_pairs)

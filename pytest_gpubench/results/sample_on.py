@@ -1,6 +1,7 @@
 """An undecided figure measured until it is decided (pure): which (cell, prompt)s a session
 samples on past its planned runs (a gated figure `blind` or `inconclusive` the worse way, judged
-within the run, where more calls can tell), its budget (runs and seconds per (cell, prompt)),
+within the run or an A/B candidate's against its reference, where more calls or pairs can
+tell), its budget (runs and seconds per (cell, prompt); an A/B candidate's runs are pairs),
 the looks at which it is judged again, the level of each look's tests (ALPHA's equal share, as
 sequential sampling spends it), and what a verdict still undecided says of the budget."""
 
@@ -19,23 +20,33 @@ SAMPLED_ON = "sampled_on"
 _HIGHER_IS_BETTER = {metric.name: metric.higher_is_better for metric in GATED_METRICS}
 
 Key = tuple[str, str]
+# The verdicts that decide a figure against its reference.
+_DECIDED = ("ok", "regression", "win")
 
 
 def undecided(verdicts: Iterable[Verdict]) -> list[Key]:
-    """The (cell, prompt)s whose gated figure more calls of this run could decide: `blind`, or
-    `inconclusive` the worse way, judged within the run (a figure judged between runs is one
-    draw of its run, whatever the calls; an unsteady machine is not made steady by more calls;
-    an A/B candidate samples in pairs), sorted."""
-    return sorted(
-        {
-            verdict.key
-            for verdict in verdicts
-            if (verdict.verdict == "blind" or _worse_inconclusive(verdict))
-            and verdict.metric in _HIGHER_IS_BETTER
-            and verdict.reference is None
-            and (verdict.noise or "").startswith("within")
-        }
-    )
+    """The (cell, prompt)s whose gated figure more calls of this run could decide, sorted; not
+    an A/B candidate with a figure already a regression against its reference (its pairs stop
+    at the look that found one, results/paired.decide)."""
+    given = list(verdicts)
+    failed = {
+        v.key
+        for v in given
+        if v.verdict == "regression" and v.reference is not None and v.metric in _HIGHER_IS_BETTER
+    }
+    return sorted({v.key for v in given if more_calls_could_decide(v)} - failed)
+
+
+def more_calls_could_decide(verdict: Verdict) -> bool:
+    """A gated figure `blind`, or `inconclusive` the worse way, judged within the run or (an A/B
+    candidate's) over its pairs: not one judged between runs (a figure judged so is one draw of
+    its run, whatever the calls), nor an unsteady machine (not made steady by more calls; an A/B
+    pair's uneven share of the machine is not evened by more pairs on the same machine)."""
+    if verdict.metric not in _HIGHER_IS_BETTER:
+        return False
+    if verdict.verdict != "blind" and not _worse_inconclusive(verdict):
+        return False
+    return verdict.reference is not None or (verdict.noise or "").startswith("within")
 
 
 def _worse_inconclusive(verdict: Verdict) -> bool:
@@ -86,25 +97,35 @@ def with_budget(
     many calls; each still undecided says what the budget was, what was spent and what would
     settle it."""
     sampled = counts(calls)
+    still = set(undecided(verdicts))
     noted = []
     for verdict in verdicts:
         found = sampled.get(verdict.key)
-        if found is None or verdict.metric not in _HIGHER_IS_BETTER or verdict.verdict == "ungated":
+        if found is None or verdict.metric not in _HIGHER_IS_BETTER:
             noted.append(verdict)
             continue
         planned, more = found
-        if verdict.key not in undecided([verdict]):
-            note = f"; decided with {more} more calls sampled on after the planned {planned}"
+        unit = "pairs" if verdict.reference is not None else "calls"
+        if verdict.verdict in _DECIDED:
+            note = f"; decided with {more} more {unit} sampled on after the planned {planned}"
             noted.append(replace(verdict, message=verdict.message + note))
+            continue
+        if verdict.key not in still or not more_calls_could_decide(verdict):
+            # Undecided for a reason more calls do not reach (said so), or beside a regression.
+            noted.append(verdict)
             continue
         runs = budget_runs(planned, sample_on_runs)
         spent = "its runs" if more >= runs else "its seconds"
+        other = (
+            "or both engines placed alike on a quieter machine"
+            if verdict.reference is not None
+            else "a baseline of more runs, or runs of history (`gpubench calibrate`)"
+        )
         note = (
-            f"; sampled on: {more} more calls after the planned {planned} left it undecided "
+            f"; sampled on: {more} more {unit} after the planned {planned} left it undecided "
             f"(budget {runs} runs and {sample_on_seconds:g} s per (cell, prompt); {spent} spent): "
             f"settle it with a larger budget (--gpubench-sample-on-runs {2 * max(runs, 1)}, "
-            "--gpubench-sample-on-seconds), a baseline of more runs, or runs of history "
-            "(`gpubench calibrate`)"
+            f"--gpubench-sample-on-seconds), {other}"
         )
         noted.append(replace(verdict, message=verdict.message + note))
     return noted

@@ -396,7 +396,8 @@ class RunController:
 
     def _sample_on_undecided(self) -> None:
         """Before the re-measure: each (cell, prompt) whose gated figure the planned runs left
-        undecided is measured further, within its budget (run/sample_on.py). Never while
+        undecided, an A/B candidate's against its reference too, is measured further, within
+        its budget (run/sample_on.py). Never while
         ratifying or in a smoke run, nor where the judging itself fails (the end says why)."""
         from pytest_gpubench.run.sample_on import sample_on
 
@@ -412,7 +413,12 @@ class RunController:
                 planned[key] = planned.get(key, 0) + 1
 
         def judge() -> list[Verdict]:
-            return first_pass_verdicts(self.records, self.settings, options.baselines_dir)
+            verdicts = first_pass_verdicts(self.records, self.settings, options.baselines_dir)
+            if any(cell.reference is not None for cell in self.planned):
+                from pytest_gpubench.results.paired import ab_verdicts
+
+                verdicts.extend(ab_verdicts(self.calls, self.settings))
+            return verdicts
 
         try:
             sample_on(
@@ -422,6 +428,7 @@ class RunController:
                 planned,
                 runs=self.settings.sample_on_runs,
                 seconds=self.settings.sample_on_seconds,
+                pair_seed=self.ab_seed,
             )
         except GpubenchError:
             return  # the baselines could not be read: the judgement says it at the end

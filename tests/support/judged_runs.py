@@ -370,7 +370,7 @@ def _remeasured_by(generated: GeneratedRun, run_id: str) -> Iterator[None]:
         return generated.remeasured(run_id, suspects)
 
     def sampled_on(
-        harness: Any, cell_id: str, prompt_id: str, run_idx: int, live: Any
+        harness: Any, cell_id: str, prompt_id: str, run_idx: int, live: Any, **_: Any
     ) -> list[Any]:
         return generated.sampled_on(run_id, cell_id, prompt_id, run_idx)
 
