@@ -14,6 +14,8 @@ from pytest_gpubench.config.cases import Case, request_sha256
 from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines import Request
+from pytest_gpubench.ledger.records import skipped_record
+from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.harness import Harness
 
@@ -211,9 +213,6 @@ class BenchCase:
         """A case its cell cannot make (a synthetic prompt no tokenizer counts exactly, a changed
         one refused against its baseline): a `skipped` record at stage `benchmark` (the cell's
         outcome then says why it was not measured), and the test fails in one line."""
-        from pytest_gpubench.ledger.records import skipped_record
-        from pytest_gpubench.ledger.schema import as_json
-
         reason = self.harness.scrub(f"cell {self.case.cell_id}: {error}")
         cell = self.harness.matrix.cell(self.case.cell_id)
         record = skipped_record(

@@ -5,9 +5,11 @@ knows how far an unchanged engine moves between runs; then the noise floor per f
 from __future__ import annotations
 
 import math
+import secrets
 import subprocess
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 from pytest_gpubench.core.errors import GpubenchError
@@ -56,9 +58,6 @@ def calibrate(repeat: int, pytest_args: Sequence[str], baselines_dir: Path) -> i
 def calibration_name() -> str:
     """A name no other calibration of this baselines folder has: when it started, to the
     second, and a few random letters."""
-    import secrets
-    from datetime import UTC, datetime
-
     return f"calibrate-{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,8 +30,6 @@ def _init(args: argparse.Namespace) -> int:
 def _install_server(args: argparse.Namespace) -> int:
     """Install (or find, or build) the llama.cpp server the embedded default runs, say which
     and why, and print what starts it: a binary's path, or the prebuilt server's launcher."""
-    import time
-
     from pytest_gpubench.engines.llamacpp_build import (
         CMAKE_FLAGS,
         build_llama_server,

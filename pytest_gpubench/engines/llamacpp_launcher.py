@@ -9,6 +9,7 @@ the harness calls too, so that a cell's `server_args` fail as one line); nothing
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -250,7 +251,6 @@ def load_package() -> ModuleType:
             "`gpubench install-server`"
         )
     sys.path.insert(0, str(directory))
-    import importlib
 
     return importlib.import_module(PACKAGE)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -218,7 +219,6 @@ def _exit_reason(returncode: int) -> str:
     """`killed by SIGILL (Illegal instruction)` for a signal, else the exit status."""
     if returncode >= 0:
         return f"exit status {returncode}"
-    import signal
 
     try:
         number = signal.Signals(-returncode)

@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import pandas as pd
 
 from pytest_gpubench.config.metrics import PERCENTILE_NAMES, VALIDITY
 from pytest_gpubench.core.errors import GpubenchError
@@ -200,8 +203,6 @@ def slice_rows(loads: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 def write_load_slices_csv(data: LedgerData, path: Path) -> int:
     """One row per slice of each load point (slice_rows); returns the rows written."""
-    import pandas as pd
-
     rows = slice_rows(data.of_type("load"))
     table = pd.DataFrame(rows, columns=[*SLICE_KEYS, *SLICE_FIGURES])
     _write(path, lambda target: table.to_csv(target, index=False, lineterminator="\n"))
@@ -210,8 +211,6 @@ def write_load_slices_csv(data: LedgerData, path: Path) -> int:
 
 def write_load_csv(data: LedgerData, path: Path) -> int:
     """One row per load record (load_rows); returns the rows written."""
-    import pandas as pd
-
     rows = load_rows(data.of_type("load"))
     table = pd.DataFrame(rows, columns=list(load_rows([{}])[0]))
     _write(path, lambda target: table.to_csv(target, index=False, lineterminator="\n"))
@@ -478,8 +477,6 @@ def end_verdicts(end: EndRecord) -> list[Verdict]:
 
 
 def _epoch(text: Any) -> float | None:
-    from datetime import datetime
-
     if not isinstance(text, str):
         return None
     try:

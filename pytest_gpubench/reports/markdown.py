@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from pytest_gpubench.ledger.schema import end_of, meta_of, records_of
 from pytest_gpubench.reports.comparison import render_comparison
 from pytest_gpubench.reports.engine_checks_table import (
     engine_check_warnings,
@@ -31,6 +32,7 @@ from pytest_gpubench.results.engine_checks import EngineChecks, engine_checks
 from pytest_gpubench.results.gate import (
     Verdict,
 )
+from pytest_gpubench.results.judging_settings import unchecked_cells
 from pytest_gpubench.results.stats import PromptSummary, summarize
 from pytest_gpubench.targets.gpu import gpu_summary
 from pytest_gpubench.telemetry.aggregate import TelemetrySummary, telemetry_summaries
@@ -52,9 +54,6 @@ if TYPE_CHECKING:
 
 def render_markdown(records: Iterable[Mapping[str, Any]]) -> str:
     """The baseline document of one ledger: the same ledger always gives the same bytes."""
-    from pytest_gpubench.ledger.schema import meta_of
-    from pytest_gpubench.results.judging_settings import unchecked_cells
-
     records = list(records)
     others = [record for record in records if record.get("type") != "call"]
     calls = [record for record in records if record.get("type") == "call"]
@@ -71,8 +70,6 @@ def render_document(
     """render_markdown from a ledger read as columns (ledger_frame): the records other than
     calls, the summaries of the calls (with their samples, for the request kinds' valid
     answers), their resource figures and their checks against the engine."""
-    from pytest_gpubench.ledger.schema import end_of, meta_of, records_of
-
     meta = meta_of(others) or cast("MetaRecord", {})  # none: every fact unknown
     end = end_of(others) or cast("EndRecord", {})
     cells = _first_by_cell(records_of(others, "cell"))

@@ -6,6 +6,8 @@ the writing ratified (notes, the cells whose changed setup it accepted, the load
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -141,9 +143,6 @@ def planned_update(plan: BaselineUpdatePlan, baselines_dir: Path) -> BaselineUpd
     """What the plan's update of the warm baselines does against `baselines_dir` as it is now,
     writing nothing there: results/baseline_update.update_baselines, its rules whole, run on a
     scratch copy of the run's cells' files; its paths are named in `baselines_dir`."""
-    import shutil
-    import tempfile
-
     from pytest_gpubench.results.baseline import baseline_path
     from pytest_gpubench.results.baseline_update import update_baselines
     from pytest_gpubench.results.gate import too_few_samples

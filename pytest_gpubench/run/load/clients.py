@@ -11,6 +11,7 @@ rate/N of an open loop."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import secrets
@@ -245,8 +246,6 @@ def task_main(plan_path: str, task_arg: str | None = None, tasks_arg: str | None
     """One client task (`python -m pytest_gpubench.run.load.client_task PLAN [TASK TASKS]`):
     its share of the point (TASK of TASKS; under srun its SLURM_PROCID of SLURM_NTASKS), sent
     from the barrier time the coordinator gives in this task's clock."""
-    import asyncio
-
     with open(plan_path, "rb") as file:
         plan: dict[str, Any] = pickle.load(file)
     task = int(task_arg if task_arg is not None else os.environ.get("SLURM_PROCID", "0"))

@@ -13,6 +13,7 @@ from typing import Any
 from pytest_gpubench.config.nodes import ProviderNode
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.targets.leases import JournalEntry, RentalJournal, leaked_lease
+from pytest_gpubench.targets.provider.api import MarketplaceClient
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,6 @@ def release_rental(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any
     variable) and return what it cost, in the shape of a rental given back (RentalClosed) plus
     `leaked: true`. An entry whose session was never created is struck off: nothing to give
     back. One whose session could not be marked done stays, to be tried again."""
-    from pytest_gpubench.targets.provider.api import MarketplaceClient
-
     facts = entry.facts
     elapsed, cost = entry.cost(time.time())
     done = False
