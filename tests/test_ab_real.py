@@ -95,6 +95,19 @@ def write_project(
     pytester.makepyfile(test_bench=TEST_FILE)
 
 
+def write_identical(pytester: pytest.Pytester, llama_server: Path, **keys: Any) -> None:
+    """Two managed servers alike, judged on the long prompt at thresholds (+100 %) that two
+    identical servers called turn about do not come near."""
+    write_project(
+        pytester,
+        llama_server,
+        None,
+        thresholds="{ttft_p50: 1.0, total_p50: 1.0, tokens_per_sec: 0.9}",
+        prompts=LONG_PROMPTS,
+        **keys,
+    )
+
+
 def run_session(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     return pytester.runpytest(
         "--force-load", "-p", "no:cacheprovider", "--junitxml=junit.xml", *args
@@ -196,13 +209,7 @@ def junit_cases(pytester: pytest.Pytester, kind: str) -> dict[str, str]:
 def test_two_identical_servers_called_turn_about_pass(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
-    write_project(
-        pytester,
-        llama_server,
-        None,
-        thresholds="{ttft_p50: 1.0, total_p50: 1.0, tokens_per_sec: 0.9}",
-        prompts=LONG_PROMPTS,
-    )
+    write_identical(pytester, llama_server)
     # The planned pairs alone (a figure they leave undecided is sampled on past them by default:
     # test_pairs_left_undecided_are_sampled_on_in_pairs_until_decided).
     result = run_session(pytester, "--gpubench-sample-on-runs", "0")
@@ -245,14 +252,7 @@ def test_pairs_left_undecided_are_sampled_on_in_pairs_until_decided(
     seed draws (counterbalanced as the planned pairs are), until decided at a look (+100 %
     thresholds, which two identical servers called turn about do not come near): `ok`, exit 0,
     saying after how many pairs; `gpubench gate` over the ledger agrees."""
-    write_project(
-        pytester,
-        llama_server,
-        None,
-        thresholds="{ttft_p50: 1.0, total_p50: 1.0, tokens_per_sec: 0.9}",
-        prompts=LONG_PROMPTS,
-        runs=2,
-    )
+    write_identical(pytester, llama_server, runs=2)
     result = run_session(pytester, "--gpubench-sample-on-runs", "10")
     records = ledger(pytester)
     ttft = ab_verdicts(records)["warm_ttft_p50_ms"]
@@ -315,15 +315,7 @@ def test_a_huge_slowdown_stops_at_the_minimum_and_skips_the_rest_with_a_reason(
 def test_identical_sides_stop_as_unchanged_or_run_to_the_maximum(
     pytester: pytest.Pytester, llama_server: Path
 ) -> None:
-    write_project(
-        pytester,
-        llama_server,
-        None,
-        thresholds="{ttft_p50: 1.0, total_p50: 1.0, tokens_per_sec: 0.9}",
-        prompts=LONG_PROMPTS,
-        min_runs=7,
-        runs=12,
-    )
+    write_identical(pytester, llama_server, min_runs=7, runs=12)
     # The planned pairs alone, as above.
     result = run_session(pytester, "--gpubench-sample-on-runs", "0")
     records = ledger(pytester)
