@@ -203,7 +203,10 @@ def ssh_client_tasks(user: str) -> list[int]:
     return sorted(pids)
 
 
+# Its r40 point holds each send to 100 ms of its schedule, as above: beside two other workers
+# one task fell 294 ms behind (a fresh clone's CI run, 2026-11-29, later). Alone under -n.
 @pytest.mark.sshd
+@pytest.mark.serial
 def test_an_ssh_client_task_killed_mid_point_makes_it_invalid_and_the_session_goes_on(
     pytester: pytest.Pytester, sshd: SshServer, node_python: str
 ) -> None:
