@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from pytest_gpubench.config.datasets import Dataset
+from pytest_gpubench.config.metrics import LOAD_DEFAULT_THRESHOLDS
 from pytest_gpubench.config.traces import Trace
 
 ARRIVALS = ("constant", "poisson", "gamma")
@@ -48,12 +49,12 @@ class Slo(_Strict):
 
 class LoadThresholds(_Strict):
     """The gate on a load point (relative changes, 0.30 = 30 %): output tokens/s and goodput
-    lower, TTFT and TPOT p99 higher."""
+    lower, TTFT and TPOT p99 higher; the defaults are config/metrics.LOAD_GATED's."""
 
-    throughput: PositiveFloat = 0.30
-    ttft_p99: PositiveFloat = 0.30
-    tpot_p99: PositiveFloat = 0.30
-    goodput: PositiveFloat = 0.30
+    throughput: PositiveFloat = LOAD_DEFAULT_THRESHOLDS["throughput"]
+    ttft_p99: PositiveFloat = LOAD_DEFAULT_THRESHOLDS["ttft_p99"]
+    tpot_p99: PositiveFloat = LOAD_DEFAULT_THRESHOLDS["tpot_p99"]
+    goodput: PositiveFloat = LOAD_DEFAULT_THRESHOLDS["goodput"]
 
 
 class Prefix(_Strict):

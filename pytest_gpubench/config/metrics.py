@@ -363,6 +363,44 @@ VALIDITY: tuple[ValidityRate, ...] = (
     ),
 )
 
+# A load point's gated figures' relative threshold by default (a load profile's `thresholds:`):
+# wider than a warm figure's, as a point's p99 and throughput move more between runs.
+DEFAULT_LOAD_THRESHOLD = 0.30
+
+
+@dataclass(frozen=True)
+class LoadFigure:
+    """A gated figure of a load record (results/load_gate.py): its verdict's name and label,
+    its summary field, its samples, its threshold's key under a load profile's `thresholds:`
+    (config/load_profile.LoadThresholds, whose default is `default_threshold`), and which way is
+    better."""
+
+    name: str
+    label: str
+    field: str
+    samples: str
+    threshold_field: str
+    higher_is_better: bool
+    default_threshold: float = DEFAULT_LOAD_THRESHOLD
+
+
+LOAD_GATED: tuple[LoadFigure, ...] = (
+    LoadFigure(
+        "load_output_tokens_per_sec", "output tokens/s", "output_tokens_per_sec",
+        "output_tokens_per_sec", "throughput", True,
+    ),
+    LoadFigure("load_ttft_p99_ms", "TTFT p99", "ttft_ms_p99", "ttft_ms", "ttft_p99", False),
+    LoadFigure("load_tpot_p99_ms", "TPOT p99", "tpot_ms_p99", "tpot_ms", "tpot_p99", False),
+    LoadFigure("load_goodput_rate", "goodput", "goodput_rate", "goodput_rate", "goodput", True),
+)  # fmt: skip
+# A sweep's saturation rate, one figure per run, judged on the throughput threshold alone.
+LOAD_SATURATION = LoadFigure(
+    "load_saturation_rate", "saturation rate", "saturation_rate", "", "throughput", True
+)
+LOAD_DEFAULT_THRESHOLDS = {
+    figure.threshold_field: figure.default_threshold for figure in LOAD_GATED
+}
+
 MEASURE_BY_NAME = {measure.name: measure for measure in MEASURES}
 
 

@@ -10,13 +10,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pytest_gpubench.config.metrics import LOAD_GATED, LOAD_SATURATION
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.schema import LoadRecord
 from pytest_gpubench.reports.formatting import METRIC_LABELS, NONE, fixed, table
 from pytest_gpubench.reports.frame import LedgerData, read_ledger_frame
 from pytest_gpubench.results.gate import Verdict
 from pytest_gpubench.results.judging_settings import wrote_baselines
-from pytest_gpubench.results.load_gate import LOAD_METRICS, SATURATION, gated, point_key
+from pytest_gpubench.results.load_gate import gated, point_key
 from pytest_gpubench.results.metric import GATED_METRICS, RATIO_METRICS, SUCCESS_RATE
 from pytest_gpubench.results.stats import PromptSummary
 
@@ -60,7 +61,7 @@ def metric_value(summary: PromptSummary, metric: str) -> float | None:
 
 HISTORY_METRICS = (*(m.name for m in RATIO_METRICS), SUCCESS_RATE)
 # A load record's gated figures: {metric name: (record field, label)}.
-LOAD_HISTORY = {m.name: (m.field, m.label) for m in (*LOAD_METRICS, SATURATION)}
+LOAD_HISTORY = {m.name: (m.field, m.label) for m in (*LOAD_GATED, LOAD_SATURATION)}
 LABELS = {**METRIC_LABELS, **{name: label for name, (_, label) in LOAD_HISTORY.items()}}
 
 

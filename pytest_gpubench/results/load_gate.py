@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from pytest_gpubench.config.load_profile import LoadThresholds
+from pytest_gpubench.config.metrics import LOAD_GATED, LOAD_SATURATION, LoadFigure
 from pytest_gpubench.results.decision import (
     Decision,
     Evidence,
@@ -27,34 +27,6 @@ from pytest_gpubench.results.verdict import Verdict, from_decision
 
 # How many runs of each point a load baseline keeps (its between-run history).
 LOAD_HISTORY_RUNS = 10
-
-
-@dataclass(frozen=True)
-class LoadMetric:
-    """A gated figure of a load record: its summary field, its samples, which way is better."""
-
-    name: str
-    label: str
-    field: str
-    samples: str
-    threshold_field: str
-    higher_is_better: bool
-
-
-LOAD_METRICS = (
-    LoadMetric(
-        "load_output_tokens_per_sec", "output tokens/s", "output_tokens_per_sec",
-        "output_tokens_per_sec", "throughput", True,
-    ),
-    LoadMetric("load_ttft_p99_ms", "TTFT p99", "ttft_ms_p99", "ttft_ms", "ttft_p99", False),
-    LoadMetric("load_tpot_p99_ms", "TPOT p99", "tpot_ms_p99", "tpot_ms", "tpot_p99", False),
-    LoadMetric("load_goodput_rate", "goodput", "goodput_rate", "goodput_rate", "goodput", True),
-)  # fmt: skip
-
-
-SATURATION = LoadMetric(
-    "load_saturation_rate", "saturation rate", "saturation_rate", "", "throughput", True
-)
 
 
 def point_key(record: Mapping[str, Any]) -> str:
@@ -91,7 +63,9 @@ def _judge_saturation(
     (one figure per run: no samples to test; its steps' verdicts carry the significance)."""
     new = field_number(current.get("saturation_rate"))
     old = field_number(baseline.get("saturation_rate")) if baseline is not None else None
-    found = partial(from_decision, str(current.get("cell_id")), point_key(current), SATURATION.name)
+    found = partial(
+        from_decision, str(current.get("cell_id")), point_key(current), LOAD_SATURATION.name
+    )
     if old is None or old <= 0:
         text = "no load baseline yet" if baseline is None else "the baseline has no saturation rate"
         return found(Decision("new", text), current=new)
@@ -117,10 +91,10 @@ def judge_point(
     """One verdict per metric the point has (goodput only under an SLO)."""
     found = partial(from_decision, str(current.get("cell_id")), point_key(current))
     # Goodput only where an SLO defines it.
-    metrics = [m for m in LOAD_METRICS if m.field != "goodput_rate" or current.get("slo")]
+    metrics = [m for m in LOAD_GATED if m.field != "goodput_rate" or current.get("slo")]
     changes = settings_changes(baseline, current)
     if changes:
-        metric = SATURATION if current.get("pattern") == "sweep" else metrics[0]
+        metric = LOAD_SATURATION if current.get("pattern") == "sweep" else metrics[0]
         text = (
             f"the load settings changed since the load baseline was measured ({changes}): "
             "ratify them with --baseline-update"
@@ -174,7 +148,7 @@ def _setting(value: Any) -> str:
 
 
 def judge_metric(
-    metric: LoadMetric,
+    metric: LoadFigure,
     current: Mapping[str, Any],
     baseline: Mapping[str, Any],
     threshold: float,
@@ -234,7 +208,7 @@ def history_figures(baseline: Mapping[str, Any], field: str) -> tuple[float, ...
 def history_entry(record: Mapping[str, Any]) -> dict[str, Any]:
     """What a load baseline's history keeps of one run of a point: its gated figures."""
     entry: dict[str, Any] = {"benchmark_run_id": record.get("benchmark_run_id")}
-    entry.update({metric.field: field_number(record.get(metric.field)) for metric in LOAD_METRICS})
+    entry.update({metric.field: field_number(record.get(metric.field)) for metric in LOAD_GATED})
     entry["cpu_pressure"] = field_number(record.get("cpu_pressure"))
     return entry
 
@@ -289,9 +263,9 @@ def skipped_steps(
             + (f" ({rate:g} req/s)" if rate is not None else "")
             + "; re-run, or ratify the lower capacity with --baseline-update"
         )
-        measured = field_number(baseline[key].get(LOAD_METRICS[0].field))
+        measured = field_number(baseline[key].get(LOAD_GATED[0].field))
         decision = Decision("inconclusive", text, measured)
-        found.append(from_decision(cell_id, key, LOAD_METRICS[0].name, decision))
+        found.append(from_decision(cell_id, key, LOAD_GATED[0].name, decision))
     return found
 
 
@@ -324,7 +298,7 @@ def baseline_point(
     return point
 
 
-def _samples(record: Mapping[str, Any], metric: LoadMetric) -> list[float]:
+def _samples(record: Mapping[str, Any], metric: LoadFigure) -> list[float]:
     samples = record.get("samples")
     values = samples.get(metric.samples) if isinstance(samples, Mapping) else None
     # A hand-edited file's figure of the wrong type is unknown, as in records.
