@@ -134,16 +134,24 @@ def test_two_client_tasks_of_one_srun_step_drive_a_point_merged_exactly(
     assert tasks["output_tokens"] == one["output_tokens"] == 40 * 8
 
 
-def client_tasks() -> list[int]:
-    """The client tasks' processes on this machine (started by slurmstepd, not by us)."""
+def client_tasks(conf: Path) -> list[int]:
+    """The client tasks' processes that this cluster's slurmstepd started (an srun step of a job
+    whose SLURM_CONF is `conf`): not another test's client tasks, which a worker beside this one
+    may be running at the same time (a fresh clone's CI run found six, 2026-11-29)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 command = (entry / "cmdline").read_bytes()
+                environ = (entry / "environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"pytest_gpubench.run.load.client_task" in command and b"srun" not in command:
+            if (
+                b"pytest_gpubench.run.load.client_task" in command
+                and b"srun" not in command
+                and any(name.startswith(b"SLURM_STEP_ID=") for name in environ)
+                and f"SLURM_CONF={conf}".encode() in environ
+            ):
                 pids.append(int(entry.name))
     return sorted(pids)
 
@@ -159,7 +167,7 @@ def test_a_client_task_killed_mid_point_makes_it_invalid_and_the_session_goes_on
 
     def kill_one_task(request: int) -> None:
         if request == 12 and not killed:
-            tasks = client_tasks()
+            tasks = client_tasks(slurm_cluster.conf)
             assert len(tasks) == 2, tasks
             os.kill(tasks[0], signal.SIGKILL)
             killed.append(tasks[0])
