@@ -5,7 +5,7 @@ call records in, verdicts out."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal, Protocol
 
@@ -127,10 +127,19 @@ def sequential_stop(
     """(the decision, the pairs it took) when a look at or before `pairs.complete` decided
     it; None while undecided. The harness asks after each pair; the verdict replays it."""
     planned = looks(min_pairs, max_pairs)
-    alpha = ALPHA / len(planned)
-    for count in planned:
-        if count > pairs.complete or count == max_pairs:
-            return None  # the last look is the verdict at the end, never an early stop
+    # The last look is the verdict at the end, never an early stop.
+    early = [count for count in planned if count < max_pairs]
+    return first_decided(pairs, thresholds, early, ALPHA / len(planned))
+
+
+def first_decided(
+    pairs: Pairs, thresholds: Thresholds, schedule: Sequence[int], alpha: float
+) -> tuple[PairsDecision, int] | None:
+    """(the decision, the pairs it took) of the first look of `schedule` (pair counts, rising)
+    that decided, each at `alpha`; None where none of those `pairs.complete` reaches did."""
+    for count in schedule:
+        if count > pairs.complete:
+            return None
         decision, _ = decide(pairs.prefix(count), thresholds, alpha)
         if decision is not None:
             return decision, count
@@ -200,7 +209,7 @@ def judge_candidate(
     reference = str(cell.reference)
     max_pairs = runs_override or cell.runs
     min_pairs = min(cell.min_runs or max_pairs, max_pairs)
-    alpha, decided_at = ALPHA, None
+    alpha, decided_at, stop = ALPHA, None, None
     judged = pairs
     more = sum(1 for record in pairs.candidate.values() if record.get(SAMPLED_ON))
     if more:
@@ -210,23 +219,13 @@ def judge_candidate(
         budget = budget_runs(planned_pairs, sample_on_runs)
         schedule = sample_on_looks(planned_pairs, budget)
         alpha, max_pairs = ALPHA / len(schedule), planned_pairs + budget
-        decided_at = next(
-            (
-                count
-                for count in schedule
-                if count <= pairs.complete
-                and decide(pairs.prefix(count), cell.thresholds, alpha)[0] is not None
-            ),
-            None,
-        )
-        judged = pairs if decided_at is None else pairs.prefix(decided_at)
+        stop = first_decided(pairs, cell.thresholds, schedule, alpha)
     elif cell.min_runs is not None:
-        planned = looks(min_pairs, max_pairs)
-        alpha = ALPHA / len(planned)
+        alpha = ALPHA / len(looks(min_pairs, max_pairs))
         stop = sequential_stop(pairs, cell.thresholds, min_pairs, max_pairs)
-        if stop is not None:
-            decided_at = stop[1]
-            judged = pairs.prefix(decided_at)
+    if stop is not None:
+        decided_at = stop[1]
+        judged = pairs.prefix(decided_at)
     _, results = decide(judged, cell.thresholds, alpha)
     waits, gaps, pinned = judged.engine_waits(), judged.decode_gaps(), judged.pinned_alike()
     by_name = {result.metric.name: result for result in results}
