@@ -272,6 +272,16 @@ def first_pass_verdicts(
     return _warm_verdicts(summarize(run.calls), found, settings, run.calls)
 
 
+def pair_verdicts(run: RunRecords, settings: JudgingSettings) -> list[Verdict]:
+    """Each A/B candidate's verdicts against its reference (results/paired.py); none where no
+    cell has a `reference:`."""
+    if not any(cell.reference is not None for cell in settings.cells.values()):
+        return []
+    from pytest_gpubench.results.paired import ab_verdicts
+
+    return ab_verdicts(run.calls, settings)
+
+
 def _warm_verdicts(
     summaries: Sequence[PromptSummary],
     found: _Baselines,
@@ -301,17 +311,12 @@ def judge_run(run: RunRecords, settings: JudgingSettings, baselines_dir: Path) -
     judgement = Judgement(settings=settings)
     if run.calls:
         _judge_warm(judgement, run, baselines_dir)
-        if any(cell.reference is not None for cell in settings.cells.values()):
-            from pytest_gpubench.results.paired import ab_verdicts
+        pairs = pair_verdicts(run, settings)
+        if pairs:
             from pytest_gpubench.results.sample_on import with_budget
 
             judgement.verdicts.extend(
-                with_budget(
-                    ab_verdicts(run.calls, settings),
-                    run.calls,
-                    settings.sample_on_runs,
-                    settings.sample_on_seconds,
-                )
+                with_budget(pairs, run.calls, settings.sample_on_runs, settings.sample_on_seconds)
             )
     if run.loads:
         _judge_loads(judgement, run, baselines_dir)

@@ -30,6 +30,7 @@ from pytest_gpubench.results.judging import (
     judge_run,
     judged_end,
     not_remeasured_record,
+    pair_verdicts,
 )
 from pytest_gpubench.results.judging_settings import JudgingSettings
 from pytest_gpubench.results.ratification import (
@@ -413,12 +414,10 @@ class RunController:
                 planned[key] = planned.get(key, 0) + 1
 
         def judge() -> list[Verdict]:
-            verdicts = first_pass_verdicts(self.records, self.settings, options.baselines_dir)
-            if any(cell.reference is not None for cell in self.planned):
-                from pytest_gpubench.results.paired import ab_verdicts
-
-                verdicts.extend(ab_verdicts(self.calls, self.settings))
-            return verdicts
+            return [
+                *first_pass_verdicts(self.records, self.settings, options.baselines_dir),
+                *pair_verdicts(self.records, self.settings),
+            ]
 
         try:
             sample_on(
