@@ -228,7 +228,9 @@ RECORDED = "the ledger records the settings its run was judged with"
 
 def runs_on_command_line(meta: MetaRecord) -> int | None:
     """An older ledger's --gpubench-runs, read from its command line (None when not given)."""
-    argv = [str(arg) for arg in meta.get("command_line") or []]
+    command = meta.get("command_line")
+    # A hand-edited meta record's command line that is no list (a bool, a text) says nothing.
+    argv = [str(arg) for arg in command] if isinstance(command, list) else []
     for index, arg in enumerate(argv):
         value = None
         if arg == "--gpubench-runs" and index + 1 < len(argv):
