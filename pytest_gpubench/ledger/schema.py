@@ -495,6 +495,26 @@ def non_finite_field(record: Mapping[str, Any]) -> tuple[str, float] | None:
     return None
 
 
+def finite_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with NaN and infinities in the fields its type declares written as unknown
+    (None), as a reader takes them: the ledger's writer never writes a line its readers refuse
+    (non_finite_field); the record itself where it holds none."""
+    if non_finite_field(record) is None:
+        return record
+    fields = DECLARED_FIELDS[str(record.get("type"))]
+
+    def finite(value: Any) -> Any:
+        if isinstance(value, float):
+            return value if math.isfinite(value) else None
+        if isinstance(value, dict):
+            return {key: finite(inner) for key, inner in value.items()}
+        if isinstance(value, list):
+            return [finite(inner) for inner in value]
+        return value
+
+    return {name: finite(value) if name in fields else value for name, value in record.items()}
+
+
 def as_json(record: Record) -> dict[str, Any]:
     """A record as the JSON object it is written as: what the ledger writer, the secret
     scrubber and xdist's reports carry (any record, and the older ones read back)."""
