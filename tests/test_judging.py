@@ -207,7 +207,9 @@ def test_runs_set_in_the_ini_file_are_the_runs_the_gate_judges_with(
         pytester.makefile(".yaml", prompts=PROMPTS, cells=ab_cells(main_url, pr_url))
         pytester.makeini("[pytest]\ngpubench_runs = 7\n")
         pytester.makepyfile(test_bench=TEST_FILE)
-        result = pytester.runpytest("--force-load")
+        # The planned pairs alone (a candidate they leave undecided is sampled on past them, its
+        # max_pairs then the budget's: test_pairs_left_undecided_are_sampled_on_in_pairs_...).
+        result = pytester.runpytest("--force-load", "--gpubench-sample-on-runs", "0")
     ledger = next((pytester.path / "runs").glob("*.jsonl"))
     records = read_ledger(ledger)
     end = records[-1]
