@@ -131,18 +131,20 @@ RAMP_PREFILL_S = 0.3
 def test_a_ramps_requests_are_recorded_as_such_and_left_out_of_the_figures(
     pytester: pytest.Pytester,
 ) -> None:
-    """30 req/s constant ramped linearly from 0 over 0.5 s: 7.5 arrivals expected in the ramp,
+    """6 req/s constant ramped linearly from 0 over 2.35 s: 7.05 arrivals expected in the ramp,
     so 8 requests (arrivals 0..7) go out in it. The stand-in answers them (POSTs 2..9, after the
     one warm-up) 300 ms late and the 10 measured ones at once: every ramp request's TTFT is at
     least 300 ms by the server's own wait, and a point whose figures took them in would have a
-    TTFT p99 of at least that."""
+    TTFT p99 of at least that. The stand-in tells them apart by the order they reach it, so the
+    last ramp request (due at 2.342 s) and the first measured one (2.508 s) are 166 ms apart,
+    past the point's 100 ms bound on send lag: they cannot pass each other on the way."""
     with keepalive_server(
         prefill_s=RAMP_PREFILL_S, from_request=10, then_prefill_s=0.002
     ) as server:
         write_load_project(
             pytester,
             f"  - {{node: local, engine: openai, model: m, endpoint: '{server.url}',"
-            " load: {rate: [30], arrival: constant, requests: 10, ramp_s: 0.5,"
+            " load: {rate: [6], arrival: constant, requests: 10, ramp_s: 2.35,"
             " max_send_lag_ms: 100, slice_s: 0.25}}\n",
         )
         result = pytester.runpytest("--force-load", "-p", "no:cacheprovider", "-m", "load")
@@ -155,27 +157,27 @@ def test_a_ramps_requests_are_recorded_as_such_and_left_out_of_the_figures(
     ramp = [c for c in calls if c["load_window"] == "ramp"]
     measured = [c for c in calls if c["load_window"] == "measured"]
     assert len(ramp) == 8 and len(measured) == 10
-    assert all(c["scheduled_send_ms"] < 500 for c in ramp)
-    assert all(c["scheduled_send_ms"] >= 500 for c in measured)
+    assert all(c["scheduled_send_ms"] < 2350 for c in ramp)
+    assert all(c["scheduled_send_ms"] >= 2350 for c in measured)
     assert all(c["first_delta_ms"] >= RAMP_PREFILL_S * 1000 for c in ramp)
-    assert load["ramp"] == {"ramp_s": 0.5, "shape": "linear", "from": 0.0}
+    assert load["ramp"] == {"ramp_s": 2.35, "shape": "linear", "from": 0.0}
     assert load["ramp_requests"] == 8
     assert load["requests"] == 10 and load["ttft_ms_n"] == 10
     assert load["ttft_ms_p99"] < RAMP_PREFILL_S * 1000
-    # Its rate is the measured window's: 10 requests at 30/s, not the ramp's.
-    assert load["send_rate"] == pytest.approx(30.0, rel=0.05)
+    # Its rate is the measured window's: 10 requests at 6/s, not the ramp's.
+    assert load["send_rate"] == pytest.approx(6.0, rel=0.05)
     # The ramp's slices apart from the window's, drawn before them in the HTML report.
     assert sum(row["requests"] for row in load["ramp_slices"]) == 8
     assert sum(row["requests"] for row in load["slices"]) == 10
     assert all(row["ttft_ms_p50"] >= RAMP_PREFILL_S * 1000 for row in load["ramp_slices"]
                if row["requests"])  # fmt: skip
     section = render_load_section([load])  # type: ignore[list-item]
-    assert "r30 ramp" in section and "(a ramp before 0)" in section
+    assert "r6 ramp" in section and "(a ramp before 0)" in section
     if CHROMIUM is not None:  # the page parsed as a browser does, where one is installed
         page = pytester.path / "ramp.html"
         page.write_text(f"<!doctype html><html><body>{section}</body></html>\n")
         dom = chromium(page, pytester.path / "profile", "--dump-dom")
-        assert console_problems(dom.stderr) == [] and "r30 ramp" in dom.stdout
+        assert console_problems(dom.stderr) == [] and "r6 ramp" in dom.stdout
 
 
 def test_a_concurrency_ramp_starts_one_stream_first_and_the_rest_in_turn(
