@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import MISSING, fields, replace
 from types import UnionType
-from typing import Any, Literal, NotRequired, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import pytest
 from hypothesis import given, settings
@@ -16,7 +16,6 @@ from support.hypothesis_examples import examples
 
 from pytest_gpubench.config.cell import Thresholds
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.ledger.schema import VerdictRecord
 from pytest_gpubench.results.gate import (
     RERUN_HINT,
     Verdict,
@@ -28,6 +27,7 @@ from pytest_gpubench.results.gate import (
     overall_by_key,
 )
 from pytest_gpubench.results.stats import PromptSummary, summarize
+from pytest_gpubench.results.verdict import AB_FIELDS
 
 CELL = "local:llamacpp:tiny"
 SHA = "ab" * 32
@@ -333,29 +333,47 @@ def test_a_verdict_record_from_before_attribution_still_reads() -> None:
     assert old is not None and old.attribution is None and old.verdict == "regression"
 
 
-def _as_stored(hint: object) -> object:
-    """A field's type as JSON keeps it: a Literal's words are the type they are written in."""
+FINITE = st.floats(allow_nan=False, allow_infinity=False)
+
+
+def _field_values(hint: object) -> st.SearchStrategy[object]:
+    """What a Verdict field of this type may hold (finite numbers: a ledger writes no other)."""
     if get_origin(hint) is Literal:
-        return type(get_args(hint)[0])
+        return st.sampled_from(get_args(hint))
     if get_origin(hint) in (Union, UnionType):
-        return frozenset(_as_stored(arg) for arg in get_args(hint))
-    return hint
+        return st.one_of([_field_values(arg) for arg in get_args(hint)])
+    kinds: dict[object, st.SearchStrategy[object]] = {
+        str: st.text(), float: FINITE, int: st.integers(), type(None): st.none()
+    }  # fmt: skip
+    return kinds[hint]
 
 
-def test_the_ledger_s_verdict_record_is_the_verdict_s_fields() -> None:
-    """results/verdict.Verdict declares a verdict; ledger/schema.VerdictRecord (below results,
-    it cannot import it) is held to it: the same fields in the same order, of the same types as
-    stored, and NotRequired exactly where the dataclass has a default (a field added later,
-    absent from an older ledger's end record)."""
-    declared = get_type_hints(Verdict)
-    record = get_type_hints(VerdictRecord, include_extras=True)
-    assert list(record) == [field.name for field in fields(Verdict)]
-    for field in fields(Verdict):
-        stored = record[field.name]
-        later = get_origin(stored) is NotRequired
-        assert later == (field.default is not MISSING), field.name
-        stored = get_args(stored)[0] if later else stored
-        assert _as_stored(stored) == _as_stored(declared[field.name]), field.name
+@st.composite
+def verdicts(draw: st.DrawFn) -> Verdict:
+    hints = get_type_hints(Verdict)
+    values = {field.name: draw(_field_values(hints[field.name])) for field in fields(Verdict)}
+    if values["reference"] is None:  # the A/B fields are on an A/B verdict only
+        values |= dict.fromkeys(AB_FIELDS)
+    return Verdict(**values)  # type: ignore[arg-type]
+
+
+@given(verdicts(), st.data())
+def test_a_verdict_is_its_ledger_record_read_back(verdict: Verdict, data: st.DataObject) -> None:
+    """results/verdict.Verdict is the one declaration of a verdict: any verdict written into an
+    end record as JSON reads back as itself, and an older ledger's record lacking fields added
+    later (those with a default) still reads, with the defaults; one lacking a field that
+    every verdict has is not a verdict."""
+    record = json.loads(json.dumps(verdict.to_record()))
+    assert Verdict.from_record(record) == verdict
+    assert Verdict.all_from_records([record, {"verdict": "no such"}, "x"]) == [verdict]
+    later = [field.name for field in fields(Verdict) if field.default is not MISSING]
+    missing = data.draw(st.sets(st.sampled_from(later)))
+    older = Verdict.from_record({k: v for k, v in record.items() if k not in missing})
+    defaults: dict[str, Any] = {f.name: f.default for f in fields(Verdict) if f.name in missing}
+    assert older == replace(verdict, **defaults)
+    first = data.draw(st.sampled_from([f.name for f in fields(Verdict) if f.name not in later]))
+    if first != "verdict":  # without its word it is not read as a verdict at all, either
+        assert Verdict.from_record({k: v for k, v in record.items() if k != first}) is None
 
 
 # -- attribution ----------------------------------------------------------------------------------

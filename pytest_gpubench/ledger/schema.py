@@ -381,33 +381,10 @@ class StageRecord(StageFacts):
     worker: str | None
 
 
-class VerdictRecord(TypedDict):
-    """One of the gate's verdicts as the end record holds it: results/verdict.Verdict's fields
-    (its to_record), which this type is held to by tests/test_gate.py; the fields after
-    `message` were added later, and the A/B ones are on an A/B verdict only."""
-
-    cell_id: str
-    prompt_id: str
-    metric: str
-    baseline: float | None
-    current: float | None
-    change_ratio: float | None
-    p_value: float | None
-    verdict: str
-    message: str
-    attribution: NotRequired[str | None]
-    engine_change_ratio: NotRequired[float | None]
-    detectable_ratio: NotRequired[float | None]
-    blind_reason: NotRequired[str | None]
-    noise: NotRequired[str | None]
-    remeasure: NotRequired[str | None]
-    reference: NotRequired[str | None]
-    interval_low: NotRequired[float | None]
-    interval_high: NotRequired[float | None]
-    pairs: NotRequired[int | None]
-    max_pairs: NotRequired[int | None]
-    calls: NotRequired[int | None]
-    busy_s: NotRequired[float | None]
+# One of the gate's verdicts as the end record holds it: results/verdict.Verdict, its one
+# declaration, written by Verdict.to_record and read back by Verdict.from_record (the ledger is
+# below results: it holds the record and does not look into it).
+VerdictRecord = dict[str, object]
 
 
 class JudgedEnd(TypedDict):

@@ -16,7 +16,6 @@ import pandas as pd
 from pytest_gpubench.config.metrics import PERCENTILE_NAMES, VALIDITY
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_file
-from pytest_gpubench.ledger.schema import EndRecord
 from pytest_gpubench.reports.frame import LedgerData
 from pytest_gpubench.reports.frame_columns import EXPORT_NUMBERS, EXPORT_TEXT
 from pytest_gpubench.reports.load_tables import slice_rate_spread
@@ -368,7 +367,7 @@ def prometheus_registry(
                 valid.labels(*key, rate.name).set(sum(values) / len(values))
     _check_gauges(checks, registry)
     _load_gauges(data.of_type("load"), registry)
-    for verdict in end_verdicts(data.end):
+    for verdict in Verdict.all_from_records(data.end.get("verdicts")):
         names = (verdict.cell_id, verdict.prompt_id, verdict.metric)
         if verdict.change_ratio is not None:
             ratio.labels(*names).set(verdict.change_ratio)
@@ -468,12 +467,6 @@ def _run_gauges(data: LedgerData, registry: Any) -> None:
         Gauge("gpubench_run_exit_status", "The run's exit status", registry=registry).set(
             end["exit_status"]
         )
-
-
-def end_verdicts(end: EndRecord) -> list[Verdict]:
-    raw = end.get("verdicts") or []
-    verdicts = [Verdict.from_record(r) for r in raw if isinstance(r, dict)]
-    return [verdict for verdict in verdicts if verdict is not None]
 
 
 def _epoch(text: Any) -> float | None:

@@ -90,12 +90,10 @@ def read_history(directory: Path) -> History:
 
 def run_point(data: LedgerData, path: Path) -> RunPoint:
     meta, end = data.meta, data.end
-    raw = end.get("verdicts") or []
-    verdicts = [Verdict.from_record(r) for r in raw if isinstance(r, dict)]
     regressions = frozenset(
         (v.cell_id, v.prompt_id, v.metric)
-        for v in verdicts
-        if v is not None and v.verdict == "regression"
+        for v in Verdict.all_from_records(end.get("verdicts"))
+        if v.verdict == "regression"
     )
     return RunPoint(
         run_id=str(meta.get("benchmark_run_id") or path.stem),

@@ -168,11 +168,9 @@ def _provenance(meta: MetaRecord, end: EndRecord, cells: Sequence[CellRecord]) -
 
 
 def _verdicts(end: EndRecord) -> str:
-    raw = end.get("verdicts")
-    verdicts = [Verdict.from_record(r) for r in raw if isinstance(r, dict)] if raw else []
     order = {kind: index for index, kind in enumerate(VERDICT_COLORS)}
     known = sorted(
-        (verdict for verdict in verdicts if verdict is not None),
+        Verdict.all_from_records(end.get("verdicts")),
         key=lambda v: (order.get(v.verdict, len(order)), v.key),
     )
     if not end:

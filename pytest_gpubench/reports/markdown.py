@@ -301,9 +301,7 @@ def _engine_checks_section(checks: Sequence[EngineChecks]) -> str:
 
 
 def _gate_section(end: EndRecord) -> str:
-    raw = end.get("verdicts")
-    verdicts = [Verdict.from_record(r) for r in raw if isinstance(r, dict)] if raw else []
-    known = [verdict for verdict in verdicts if verdict is not None]
+    known = Verdict.all_from_records(end.get("verdicts"))
     if not known:
         return ""
     gate = "## Regression gate\n\n" + render_comparison(known, markdown=True)

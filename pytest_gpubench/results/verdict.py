@@ -1,6 +1,7 @@
-"""A verdict: the gate's finding for one figure of one (cell, prompt), declared once (its ledger
-record, ledger/schema.VerdictRecord, is checked against it by tests/test_gate.py), and the one
-builder every gate goes through (from_decision)."""
+"""A verdict: the gate's finding for one figure of one (cell, prompt), declared once here (its
+ledger record is what to_record writes and from_record reads back: ledger/schema.VerdictRecord
+names it and does not declare it again), and the one builder every gate goes through
+(from_decision)."""
 
 from __future__ import annotations
 
@@ -99,6 +100,15 @@ class Verdict:
             )
         except (KeyError, TypeError):
             return None
+
+    @classmethod
+    def all_from_records(cls, records: object) -> list[Verdict]:
+        """The verdicts of an end record's `verdicts` (whatever a ledger holds there), those
+        that are not one left out."""
+        if not isinstance(records, list):
+            return []
+        verdicts = (cls.from_record(r) for r in records if isinstance(r, Mapping))
+        return [verdict for verdict in verdicts if verdict is not None]
 
 
 def from_decision(
