@@ -19,7 +19,7 @@ from test_load import ledger_records, matrix_of, write_load_project
 from pytest_gpubench.config.load_profile import LoadProfile
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.reports.load_html import render_load_section
-from pytest_gpubench.run.load import make_pattern, pattern_facts
+from pytest_gpubench.run.load import make_pattern
 from pytest_gpubench.run.load.clients import share
 from pytest_gpubench.run.load.closed_loop import ClosedLoop
 from pytest_gpubench.run.load.open_loop import OpenLoop
@@ -92,16 +92,16 @@ def test_a_concurrency_ramp_starts_its_streams_in_turn() -> None:
 def test_the_profile_gives_each_point_its_ramp_and_processes_keep_it() -> None:
     profile = LoadProfile(concurrency=[4], rate=[10.0], requests=5, ramp_s=3.0)
     closed, opened = make_pattern(profile, "c4"), make_pattern(profile, "r10")
-    assert pattern_facts(closed)["ramp"] == {"ramp_s": 3.0, "shape": "linear", "from": 0.0}
+    assert closed.facts()["ramp"] == {"ramp_s": 3.0, "shape": "linear", "from": 0.0}
     exponential = LoadProfile(rate=[10.0], requests=5, ramp_s=3.0, ramp="exponential")
-    assert pattern_facts(make_pattern(exponential, "r10"))["ramp"] == {
+    assert make_pattern(exponential, "r10").facts()["ramp"] == {
         "ramp_s": 3.0, "shape": "exponential", "from": 0.05,
     }  # fmt: skip
     assert isinstance(closed, ClosedLoop) and isinstance(opened, OpenLoop)
     halves = [share(opened, process, 2) for process in range(2)]
     assert all(isinstance(half, OpenLoop) and half.ramp == opened.ramp for half in halves)
     assert share(closed, 1, 2) == ClosedLoop(2, closed.ramp)
-    assert pattern_facts(make_pattern(LoadProfile(rate=[1.0], requests=1), "r1"))["ramp"] is None
+    assert make_pattern(LoadProfile(rate=[1.0], requests=1), "r1").facts()["ramp"] is None
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from pytest_gpubench.config.load_profile import LoadProfile
 from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.traces import Trace, read_trace
 from pytest_gpubench.core.errors import GpubenchError
-from pytest_gpubench.run.load import make_pattern, pattern_facts
+from pytest_gpubench.run.load import make_pattern
 
 
 def write_mooncake(path: Path) -> None:
@@ -60,7 +60,7 @@ def test_a_replay_sends_at_the_trace_times_over_the_speedup(tmp_path: Path) -> N
     )
     assert profile.points == ["trace-x1", "trace-x4"] and profile.bounded
     fast = make_pattern(profile, "trace-x4")
-    facts = pattern_facts(fast)
+    facts = fast.facts()
     assert facts["pattern"] == "trace" and facts["speedup"] == 4.0
     assert facts["trace_span_s"] == 1.25 and facts["trace_requests"] == 3
     assert fast.offered_rate == pytest.approx(2 / 1.25)

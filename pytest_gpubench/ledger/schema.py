@@ -195,7 +195,7 @@ class LoadCallRecord(CallRecord):
 
 
 class LoadFigures(TypedDict, total=False):
-    """A load point's pattern and summary (run/load/__init__.pattern_facts,
+    """A load point's pattern and summary (each pattern's facts(),
     results/load_summary.summarize_load, a sweep's run/load/sweep.py): the figures the load gate
     and the reports read. Each may be absent from a ledger of an older version."""
 

@@ -27,6 +27,10 @@ class LoadPattern(Protocol):
         """Send requests through `run` until its bounds say stop, then wait for the last."""
         ...
 
+    def facts(self) -> dict[str, object]:
+        """What the load record says of the pattern: its kind (`pattern`) and its setting."""
+        ...
+
 
 def make_pattern(profile: LoadProfile, point: str) -> LoadPattern:
     """The pattern of a point id of `profile.points` (not `sweep`: load/sweep.py)."""
@@ -56,37 +60,3 @@ def ramp_seconds(pattern: LoadPattern) -> float:
     """How long the pattern's ramp lasts (0 without one): its requests' window."""
     ramp = getattr(pattern, "ramp", None)
     return float(ramp.seconds) if ramp is not None else 0.0
-
-
-def pattern_facts(pattern: LoadPattern) -> dict[str, object]:
-    """What the load record says of the pattern: its kind and its setting."""
-    from pytest_gpubench.run.load.closed_loop import ClosedLoop
-    from pytest_gpubench.run.load.open_loop import OpenLoop
-    from pytest_gpubench.run.load.trace_replay import TraceReplay
-
-    if isinstance(pattern, TraceReplay):
-        return {
-            "pattern": "trace",
-            "concurrency": None,
-            "rate": pattern.offered_rate,
-            "speedup": pattern.speedup,
-            "trace_requests": len(pattern.arrivals_s),
-            "trace_span_s": round(pattern.span_s, 4),
-        }
-    if isinstance(pattern, ClosedLoop):
-        return {
-            "pattern": "closed",
-            "concurrency": pattern.concurrency,
-            "rate": None,
-            "ramp": pattern.ramp.facts() if pattern.ramp is not None else None,
-        }
-    if isinstance(pattern, OpenLoop):
-        return {
-            "pattern": "open",
-            "concurrency": None,
-            "rate": pattern.rate,
-            "arrival": pattern.arrival,
-            "burstiness": pattern.burstiness if pattern.arrival == "gamma" else None,
-            "ramp": pattern.ramp.facts() if pattern.ramp is not None else None,
-        }
-    return {"pattern": type(pattern).__name__}

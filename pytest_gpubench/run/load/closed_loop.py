@@ -25,6 +25,10 @@ class ClosedLoop:
     def offered_rate(self) -> float | None:
         return None  # a closed loop offers what the engine takes
 
+    def facts(self) -> dict[str, object]:
+        ramp = self.ramp.facts() if self.ramp is not None else None
+        return {"pattern": "closed", "concurrency": self.concurrency, "rate": None, "ramp": ramp}
+
     async def drive(self, run: LoadRun) -> None:
         starts = (
             self.ramp.stream_starts_s(self.concurrency)

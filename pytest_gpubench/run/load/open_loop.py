@@ -50,6 +50,16 @@ class OpenLoop:
     def offered_rate(self) -> float | None:
         return self.rate
 
+    def facts(self) -> dict[str, object]:
+        return {
+            "pattern": "open",
+            "concurrency": None,
+            "rate": self.rate,
+            "arrival": self.arrival,
+            "burstiness": self.burstiness if self.arrival == "gamma" else None,
+            "ramp": self.ramp.facts() if self.ramp is not None else None,
+        }
+
     async def drive(self, run: LoadRun) -> None:
         await send_on_schedule(run, self._due_ns(run.started_ns), spin_ns(self.rate))
 

@@ -35,7 +35,7 @@ from pytest_gpubench.results.load_summary import (
     summarize_point,
 )
 from pytest_gpubench.results.percentiles import percentile
-from pytest_gpubench.run.load import LoadPattern, make_pattern, pattern_facts, ramp_seconds
+from pytest_gpubench.run.load import LoadPattern, make_pattern, ramp_seconds
 from pytest_gpubench.run.load.adapters import AdapterChoice
 from pytest_gpubench.run.load.clients import Clients, run_clients
 from pytest_gpubench.run.load.driver import LoadRun, Sent, SessionPlan, Target, build_target
@@ -404,7 +404,7 @@ class _Recorder:
         )
         if lost:
             summary = lost_client_summary(summary, lost)
-        facts = pattern_facts(pattern)
+        facts = pattern.facts()
         record = load_record(
             run_id=self.run_id,
             cell=self.cell,

@@ -37,6 +37,16 @@ class TraceReplay:
             return None
         return (len(self.arrivals_s) - 1) / self.span_s
 
+    def facts(self) -> dict[str, object]:
+        return {
+            "pattern": "trace",
+            "concurrency": None,
+            "rate": self.offered_rate,
+            "speedup": self.speedup,
+            "trace_requests": len(self.arrivals_s),
+            "trace_span_s": round(self.span_s, 4),
+        }
+
     async def drive(self, run: LoadRun) -> None:
         first = self.arrivals_s[0] if self.arrivals_s else 0.0
         due_ns = (run.started_ns + int((at - first) / self.speedup * 1e9) for at in self.arrivals_s)
