@@ -231,18 +231,23 @@ def _add_metadata(writer: GGUFWriter, config: TinyConfig, vocab: Vocab) -> None:
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def _write_gguf(path: Path, seed: int, config: TinyConfig) -> None:
-    vocab = build_vocab()
-    writer = GGUFWriter(path, arch="llama")
-    _add_metadata(writer, config, vocab)
-    for name, tensor in build_tensors(config, vocab, seed).items():
-        writer.add_tensor(name, tensor)
+def _write_out(writer: GGUFWriter) -> None:
+    """Header, metadata and tensors, in the order GGUF lays them out; the file closed after."""
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
     finally:
         writer.close()
+
+
+def _write_gguf(path: Path, seed: int, config: TinyConfig) -> None:
+    vocab = build_vocab()
+    writer = GGUFWriter(path, arch="llama")
+    _add_metadata(writer, config, vocab)
+    for name, tensor in build_tensors(config, vocab, seed).items():
+        writer.add_tensor(name, tensor)
+    _write_out(writer)
 
 
 def write_tiny_model(path: Path, *, seed: int = 0, config: TinyConfig = CONFIG) -> str:
@@ -322,12 +327,7 @@ def _write_lora(path: Path, seed: int, config: TinyConfig) -> None:
             up = source.uniform((config.n_ff, LORA_RANK), LORA_B_SCALE)
             writer.add_tensor(f"blk.{layer}.{name}.weight.lora_a", down)
             writer.add_tensor(f"blk.{layer}.{name}.weight.lora_b", up)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    finally:
-        writer.close()
+    _write_out(writer)
 
 
 def ensure_tiny_lora(seed: int, cache_dir: Path | None = None) -> Path:

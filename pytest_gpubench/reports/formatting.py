@@ -1,9 +1,10 @@
-"""How every report writes a figure: numbers, changes, the metrics' labels, and tables (plain or
-Markdown). Pure: values in, text out."""
+"""How every report writes a figure: numbers, changes, the metrics' labels, and tables (plain,
+Markdown or HTML). Pure: values in, text out."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import html
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tabulate import tabulate
@@ -79,3 +80,26 @@ def markdown_cell(text: str) -> str:
 def shortened(text: str, limit: int = 100) -> str:
     line = " ".join(text.split())
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def escaped(value: Any) -> str:
+    """A value as HTML text (`-` for nothing)."""
+    return html.escape(NONE if value is None or value == "" else str(value))
+
+
+def html_table(
+    headers: Sequence[str], rows: Iterable[Sequence[str]], numeric: Sequence[int] = ()
+) -> str:
+    """An HTML table of cells already escaped (some carry markup); the columns in `numeric`
+    right-aligned."""
+    head = "".join(f"<th>{escaped(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f'<td class="num">{cell}</td>' if index in numeric else f"<td>{cell}</td>"
+            for index, cell in enumerate(row)
+        )
+        + "</tr>"
+        for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

@@ -4,8 +4,7 @@ baseline's summaries in, HTML text out."""
 
 from __future__ import annotations
 
-import html
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pytest_gpubench.ledger.schema import CellRecord, EndRecord, MetaRecord, SampleRecord
@@ -16,6 +15,8 @@ from pytest_gpubench.reports.engine_checks_table import (
     engine_check_warnings,
 )
 from pytest_gpubench.reports.formatting import METRIC_LABELS, NONE, change, fixed
+from pytest_gpubench.reports.formatting import escaped as _e
+from pytest_gpubench.reports.formatting import html_table as _table
 from pytest_gpubench.reports.frame import LedgerData
 from pytest_gpubench.reports.load_html import LoadBaselines, render_load_section
 from pytest_gpubench.reports.terminal import KIND_HEADERS, cold_kind_words, detectable, kind_rows
@@ -103,27 +104,6 @@ def render_html(
 
 
 # -- tables -----------------------------------------------------------------------------------
-
-
-def _e(value: Any) -> str:
-    return html.escape(NONE if value is None or value == "" else str(value))
-
-
-def _table(
-    headers: Sequence[str], rows: Iterable[Sequence[str]], numeric: Sequence[int] = ()
-) -> str:
-    """Cells already escaped (some carry markup)."""
-    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
-    body = "".join(
-        "<tr>"
-        + "".join(
-            f'<td class="num">{cell}</td>' if index in numeric else f"<td>{cell}</td>"
-            for index, cell in enumerate(row)
-        )
-        + "</tr>"
-        for row in rows
-    )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _provenance(meta: MetaRecord, end: EndRecord, cells: Sequence[CellRecord]) -> str:

@@ -6,12 +6,12 @@ table, the client against the engine's own means, and the delivery warnings."""
 
 from __future__ import annotations
 
-import html
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.reports.charts import inline_svg, pyplot
-from pytest_gpubench.reports.formatting import NONE
+from pytest_gpubench.reports.formatting import escaped as _e
+from pytest_gpubench.reports.formatting import html_table
 from pytest_gpubench.reports.load_tables import (
     ADAPTER_HEADERS,
     SERVER_CHECK_HEADERS,
@@ -34,10 +34,6 @@ SATURATION_COLOR = "#1e8449"
 
 # {cell id: {point key: baseline point}} as results/load_baseline.read_load_baselines gives.
 LoadBaselines = Mapping[str, Mapping[str, Mapping[str, Any]]]
-
-
-def _e(value: Any) -> str:
-    return html.escape(NONE if value is None or value == "" else str(value))
 
 
 def _middle(row: Any) -> float | None:
@@ -109,33 +105,24 @@ def render_load_section(loads: Sequence[LoadRecord], baselines: LoadBaselines | 
     return "\n".join(parts)
 
 
+def _escaped(rows: Iterable[Sequence[Any]]) -> list[list[str]]:
+    return [[_e(cell) for cell in row] for row in rows]
+
+
 def _points_table(loads: Sequence[LoadRecord]) -> str:
-    rows = load_rows(loads)
-    head = "".join(f"<th>{_e(h)}</th>" for h in load_headers(loads))
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
-    text = f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-    checks = server_check_rows(loads)
+    text = html_table(load_headers(loads), _escaped(load_rows(loads)))
     if any("coalesced_calls" in load or load.get("server_check") for load in loads):
-        head = "".join(f"<th>{_e(h)}</th>" for h in SERVER_CHECK_HEADERS)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in checks
-        )
         text += (
             "\n<p class=note>The client's means against the engine's own over the same point "
             "(its /metrics read before and after), the replies that came whole in one read, "
             "and the requests behind the percentiles.</p>"
-            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+            + html_table(SERVER_CHECK_HEADERS, _escaped(server_check_rows(loads)))
         )
     split = adapter_split_rows(loads)
     if split:
-        head = "".join(f"<th>{_e(h)}</th>" for h in ADAPTER_HEADERS)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in split
-        )
         text += (
             "\n<p class=note>Per LoRA adapter chosen per request: its measured requests, "
-            "errors and latency.</p>"
-            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+            "errors and latency.</p>" + html_table(ADAPTER_HEADERS, _escaped(split))
         )
     warnings = [
         f"<li class=regression>{_e(load.get('load_point'))}: {_e(warning)}</li>"

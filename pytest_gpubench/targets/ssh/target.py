@@ -17,7 +17,7 @@ import shlex
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -370,21 +370,27 @@ class SshTarget:
             stderr=stderr.decode("utf-8", "replace"),
         )
 
-    def stream(self, argv: Sequence[str]) -> SshLineStream:
-        """Start a long-lived command (a telemetry stream) on its own channel; no timeout: it
-        lasts until the stream is closed."""
+    @contextlib.contextmanager
+    def _session(self, doing: str) -> Iterator[paramiko.Channel]:
+        """A new channel on the node (the benchmark stage's); an SSH failure while `doing` it is
+        one StageError naming the node and what it was doing."""
         transport = self._transport("benchmark")
         try:
-            channel = transport.open_session(timeout=self.connect_timeout_s)
-            channel.set_combine_stderr(True)
-            channel.exec_command(shlex.join([str(a) for a in argv]))
-            channel.shutdown_write()
+            yield transport.open_session(timeout=self.connect_timeout_s)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise StageError(
                 "benchmark",
-                f"node {self.node_id}: cannot start `{argv[0] if argv else ''}` on {self.where}: "
+                f"node {self.node_id}: cannot {doing} on {self.where}: "
                 f"{str(exc) or type(exc).__name__}",
             ) from None
+
+    def stream(self, argv: Sequence[str]) -> SshLineStream:
+        """Start a long-lived command (a telemetry stream) on its own channel; no timeout: it
+        lasts until the stream is closed."""
+        with self._session(f"start `{argv[0] if argv else ''}`") as channel:
+            channel.set_combine_stderr(True)
+            channel.exec_command(shlex.join([str(a) for a in argv]))
+            channel.shutdown_write()
         return SshLineStream(channel)
 
     def write_file(self, path: str, data: bytes) -> None:
@@ -392,9 +398,7 @@ class SshTarget:
         it may hold a key), its folder made first; through `cat` on stdin (no SFTP needed)."""
         script = 'umask 077 && mkdir -p "$(dirname "$1")" && cat > "$1"'
         command = shlex.join(["sh", "-c", script, "sh", path])
-        transport = self._transport("benchmark")
-        try:
-            channel = transport.open_session(timeout=self.connect_timeout_s)
+        with self._session(f"write {path}") as channel:
             try:
                 channel.exec_command(command)
                 channel.sendall(data)
@@ -403,12 +407,6 @@ class SshTarget:
                 said = channel.recv_stderr(4000).decode("utf-8", "replace").strip()
             finally:
                 channel.close()
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise StageError(
-                "benchmark",
-                f"node {self.node_id}: cannot write {path} on {self.where}: "
-                f"{str(exc) or type(exc).__name__}",
-            ) from None
         if status != 0:
             raise StageError(
                 "benchmark",
