@@ -100,30 +100,23 @@ class PortForward:
 def pump(connection: socket.socket, channel: paramiko.Channel, closed: threading.Event) -> None:
     """Carry bytes both ways between a socket and a channel until both directions have ended
     (each ends on its own EOF: a half close), the channel closed, or `closed` is set."""
-    client_sends = server_sends = True
+    # Each side still sending: where its bytes go, and how that end is told it has them all.
+    ends: dict[Any, tuple[Any, Callable[[], None]]] = {
+        connection: (channel, channel.shutdown_write),
+        channel: (connection, lambda: connection.shutdown(socket.SHUT_WR)),
+    }
     try:
-        while (client_sends or server_sends) and not closed.is_set():
-            watched: list[Any] = []
-            if client_sends:
-                watched.append(connection)
-            if server_sends:
-                watched.append(channel)
-            readable, _, _ = select.select(watched, [], [], POLL_S)
-            if connection in readable:
-                data = connection.recv(65536)
+        while ends and not closed.is_set():
+            readable, _, _ = select.select(list(ends), [], [], POLL_S)
+            for source in readable:
+                sink, half_close = ends[source]
+                data = source.recv(65536)
                 if data:
-                    channel.sendall(data)
+                    sink.sendall(data)
                 else:
-                    client_sends = False
-                    channel.shutdown_write()
-            if channel in readable:
-                data = channel.recv(65536)
-                if data:
-                    connection.sendall(data)
-                else:
-                    server_sends = False
-                    connection.shutdown(socket.SHUT_WR)
-            if server_sends and channel.closed:
+                    del ends[source]
+                    half_close()
+            if channel in ends and channel.closed:
                 return
     except (OSError, paramiko.SSHException, EOFError):
         return
