@@ -46,11 +46,6 @@ class ShardLedger:
     again: Callable[[], Iterator[dict[str, Any]]]
 
     @classmethod
-    def of_records(cls, source: str, records: Sequence[dict[str, Any]]) -> ShardLedger:
-        """A shard from its records in memory."""
-        return cls.scanned(source, lambda: iter(records))
-
-    @classmethod
     def read(cls, path: Path) -> ShardLedger:
         """A shard from its ledger file, read once now (its facts) and once more when the
         merged ledger is written (its records)."""

@@ -546,8 +546,3 @@ def end_of(records: Iterable[Mapping[str, Any]]) -> EndRecord | None:
     """The ledger's last end record (a run ends once; a merged ledger once too), or None."""
     ends = records_of(records, "end")
     return ends[-1] if ends else None
-
-
-def as_record(record: Mapping[str, Any]) -> Record:
-    """A record read back, as the union of every type: narrowed by `record["type"] == ...`."""
-    return cast(Record, record)

@@ -229,11 +229,6 @@ def _calibration(run: RunFigures) -> dict[str, Any]:
     return {} if run.calibration is None else {"calibration": run.calibration}
 
 
-def summary_to_dict(summary: PromptSummary) -> dict[str, Any]:
-    """A prompt's figures and samples as the file holds them (its history aside)."""
-    return _prompt_model(summary, ()).model_dump(exclude={"history"}, exclude_unset=True)
-
-
 def baseline_to_dict(baseline: CellBaseline) -> dict[str, Any]:
     provenance = baseline.provenance
     model = BaselineFile.model_construct(

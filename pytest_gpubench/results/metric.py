@@ -68,10 +68,6 @@ class Metric:
         return None if engine is None else summary.figure(engine, self.figure.percentile)
 
     @property
-    def worse(self) -> str:
-        return "lower" if self.higher_is_better else "slower"
-
-    @property
     def better(self) -> str:
         return "higher" if self.higher_is_better else "faster"
 
