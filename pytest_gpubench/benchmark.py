@@ -16,6 +16,7 @@ from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.engines import Request
 from pytest_gpubench.ledger.records import skipped_record
 from pytest_gpubench.ledger.schema import as_json
+from pytest_gpubench.reports.junit import call_properties
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.harness import Harness
 
@@ -92,7 +93,6 @@ class BenchEngine:
         the gate judges as it judges a json_schema prompt's (docs/request-kinds.md), instead of
         a failed test. A request that differs from the one this test was baselined with is
         refused, unsent."""
-        from pytest_gpubench.reports.junit import call_properties
 
         test_id = self.case.test_id
         if test_id is None:
@@ -194,7 +194,6 @@ class BenchCase:
     def run(self) -> dict[str, Any]:
         """Measure the case once; returns its call record (docs/benchmarks.md); the case's
         sample record travels beside it."""
-        from pytest_gpubench.reports.junit import call_properties
 
         made: tuple[dict[str, Any], list[dict[str, Any]]] | GpubenchError
         try:

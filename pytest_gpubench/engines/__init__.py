@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.engines.ollama import OllamaEngine
+from pytest_gpubench.engines.plugin import plugin_engine
 from pytest_gpubench.engines.protocol import (
     ChatPayloads,
     ChunkParser,
@@ -96,8 +98,6 @@ def make_engine(
             cell=cell, base_url=base_url, api_key=api_key, model_digest=model_digest
         )
         if engine is not None:
-            from pytest_gpubench.engines.plugin import plugin_engine
-
             return plugin_engine(engine)
     spec = cell.spec
     tls = TlsSettings(verify=spec.tls_verify, ca_file=spec.ca_file)
@@ -106,8 +106,6 @@ def make_engine(
 
         return LlamaCppEngine(base_url, spec.model, api_key, model_digest, tls=tls, headers=headers)
     if spec.engine == "ollama":
-        from pytest_gpubench.engines.ollama import OllamaEngine
-
         return OllamaEngine(base_url, spec.model, tls=tls, headers=headers)
     if spec.engine == "openai":
         from pytest_gpubench.engines.openai import OpenAIEngine

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pytest_gpubench.config.cell import Cell
+from pytest_gpubench.core.files import file_sha256
 from pytest_gpubench.targets import Target, on_this_machine
 
 
@@ -40,8 +41,6 @@ def node_file_digest(cell: Cell, target: Target, path: str) -> str | None:
     """`sha256:<hex>` of a model file on the node; None where the path is not one file (a
     model directory, a name the engine resolves itself)."""
     if on_this_machine(target):
-        from pytest_gpubench.core.files import file_sha256
-
         local = Path(path).expanduser()
         return f"sha256:{file_sha256(local)}" if local.is_file() else None
     result = target.run(["sh", "-c", 'test -f "$1" && sha256sum "$1"', "sh", path], timeout_s=600)

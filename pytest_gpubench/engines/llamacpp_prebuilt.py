@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytest_gpubench.core.cache import cache_dir
+from pytest_gpubench.core.cache import CACHE_DIR_ENV, cache_dir
 from pytest_gpubench.core.errors import GpubenchError
 
 # The wheel's version is CalVer `YYYY.M.<llama.cpp build number>`: its llama.cpp is b11549.
@@ -191,8 +191,6 @@ def check_prebuilt(cache_root: Path | None = None) -> str:
     (an `Illegal instruction` here is one line, not a server that dies at its first start)."""
     env = dict(os.environ)
     if cache_root is not None:
-        from pytest_gpubench.core.cache import CACHE_DIR_ENV
-
         env[CACHE_DIR_ENV] = str(cache_root)
     try:
         done = subprocess.run(

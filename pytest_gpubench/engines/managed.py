@@ -20,6 +20,9 @@ import httpx
 from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import distinct_file_name
+from pytest_gpubench.engines.managed_llamacpp import llama_server_launch, llamacpp_plan
+from pytest_gpubench.engines.managed_ollama import ollama_plan
+from pytest_gpubench.engines.managed_openai import openai_plan
 from pytest_gpubench.engines.protocol import control_client
 from pytest_gpubench.targets import (
     BackgroundProcess,
@@ -200,7 +203,6 @@ class ManagedLlamaServer(ManagedServer):
         parallel: int = 1,
         metrics: bool = False,
     ) -> None:
-        from pytest_gpubench.engines.managed_llamacpp import llama_server_launch
 
         super().__init__(
             target,
@@ -225,16 +227,10 @@ def managed_server(cell: Cell, target: Target, log_dir: Path) -> tuple[ManagedSe
     """
     spec = cell.spec
     if spec.engine == "llamacpp":
-        from pytest_gpubench.engines.managed_llamacpp import llamacpp_plan
-
         plan = llamacpp_plan(cell, target, log_dir)
     elif spec.engine == "ollama":
-        from pytest_gpubench.engines.managed_ollama import ollama_plan
-
         plan = ollama_plan(cell, target)
     elif spec.engine == "openai":
-        from pytest_gpubench.engines.managed_openai import openai_plan
-
         plan = openai_plan(cell, target)
     else:
         raise GpubenchError(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pytest_gpubench.config.cell import TINY_MODEL, Cell
 from pytest_gpubench.core.errors import GpubenchError
+from pytest_gpubench.core.files import file_sha256
 from pytest_gpubench.engines.launch_plan import LaunchPlan, node_file_digest
 from pytest_gpubench.targets import Target, on_this_machine
 
@@ -274,7 +275,6 @@ def _shared_path(cell: Cell, target: Target, key: str, local: Path | None) -> st
     """A key the cell left out on a remote node: the submit host's file, where the node sees
     the same file at the same path (a shared filesystem, the common case on a cluster: checked
     by sha256); otherwise one line saying why it is needed."""
-    from pytest_gpubench.core.files import file_sha256
 
     need = (
         f"cell {cell.cell_id}: {key}: not set, and a managed llamacpp cell on a remote node "

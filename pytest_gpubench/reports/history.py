@@ -13,8 +13,10 @@ from pathlib import Path
 from pytest_gpubench.config.metrics import LOAD_GATED, LOAD_SATURATION
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.schema import LoadRecord
+from pytest_gpubench.reports.charts import inline_svg, pyplot
 from pytest_gpubench.reports.formatting import METRIC_LABELS, NONE, fixed, table
 from pytest_gpubench.reports.frame import LedgerData, read_ledger_frame
+from pytest_gpubench.reports.html import STYLE
 from pytest_gpubench.results.gate import Verdict
 from pytest_gpubench.results.judging_settings import wrote_baselines
 from pytest_gpubench.results.load_gate import gated, point_key
@@ -214,8 +216,6 @@ def _first(values: Sequence[float | None]) -> float | None:
 def render_history_html(history: History) -> str:
     """One self-contained page: a chart per (cell, prompt), one panel per metric, regressions as
     red crosses and baseline updates as dashed lines."""
-    from pytest_gpubench.reports.charts import inline_svg, pyplot
-    from pytest_gpubench.reports.html import STYLE
 
     plt = pyplot()
     runs = history.runs

@@ -53,6 +53,7 @@ from pytest_gpubench.results.run_history import (
 from pytest_gpubench.results.stats import PromptSummary, is_success, summaries_by_key
 from pytest_gpubench.results.steadiness import Steadiness, signed_percent
 from pytest_gpubench.results.verdict import Attribution, Verdict, from_decision
+from pytest_gpubench.telemetry.aggregate import LIMITED_FIGURES, limit_breaches, telemetry_summaries
 
 __all__ = [
     "ALPHA",
@@ -529,11 +530,6 @@ def telemetry_verdicts(
 ) -> list[Verdict]:
     """A regression for each (cell, prompt) whose warm calls' resource figure went over its
     cell's `max_` limit (peak VRAM, energy or engine CPU-seconds per token); none unmeasured."""
-    from pytest_gpubench.telemetry.aggregate import (
-        LIMITED_FIGURES,
-        limit_breaches,
-        telemetry_summaries,
-    )
 
     limits = {
         cell_id: {name: getattr(cell, name) for name in LIMITED_FIGURES}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pytest_gpubench.config.cases import LOAD_PHASE
 from pytest_gpubench.config.cell import node_of
-from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME
+from pytest_gpubench.config.metrics import GATED, LOAD_GATED, MEASURE_BY_NAME
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.status import session_status
 from pytest_gpubench.ledger.outcomes import CellOutcome, PlannedCell, cell_outcomes
@@ -27,8 +27,11 @@ from pytest_gpubench.ledger.schema import (
     MetaRecord,
     SkippedRecord,
 )
+from pytest_gpubench.results.baseline_format import CorruptBaseline
 from pytest_gpubench.results.decision import ALPHA, MIN_HISTORY, UNDECIDED
+from pytest_gpubench.results.engine_checks import check_verdicts, engine_checks
 from pytest_gpubench.results.judging_settings import CellJudging, JudgingSettings
+from pytest_gpubench.telemetry.aggregate import telemetry_summaries
 
 if TYPE_CHECKING:
     from pytest_gpubench.results.engine_checks import EngineChecks
@@ -215,7 +218,6 @@ def holds_back(verdict: Verdict) -> bool:
 @cache
 def _higher_is_better() -> frozenset[str]:
     """The verdict metrics where higher is better: the gated figures' and the load points'."""
-    from pytest_gpubench.config.metrics import LOAD_GATED
 
     return frozenset(m.name for m in LOAD_GATED if m.higher_is_better) | {
         figure.name for figure in GATED if MEASURE_BY_NAME[figure.measure].higher_is_better
@@ -235,7 +237,6 @@ def _read_baselines(run: RunRecords, baselines_dir: Path, *, replacing: bool) ->
     """Each measured cell's baseline; a cell whose baseline came from another setup is named in
     `changed`. A corrupt file counts as none when this run replaces it (--baseline-update)."""
     from pytest_gpubench.results.baseline import cell_provenance, find_baseline, provenance_changes
-    from pytest_gpubench.results.baseline_format import CorruptBaseline
 
     found = _Baselines()
     for cell_id in sorted({str(call.get("cell_id")) for call in run.calls}):
@@ -331,10 +332,8 @@ def judge_run(run: RunRecords, settings: JudgingSettings, baselines_dir: Path) -
 
 
 def _judge_warm(judgement: Judgement, run: RunRecords, baselines_dir: Path) -> None:
-    from pytest_gpubench.results.engine_checks import check_verdicts, engine_checks
     from pytest_gpubench.results.gate import ACCEPT_OPTION, telemetry_verdicts
     from pytest_gpubench.results.stats import summarize
-    from pytest_gpubench.telemetry.aggregate import telemetry_summaries
 
     settings = judgement.settings
     judgement.summaries = summarize(run.calls)

@@ -20,6 +20,7 @@ from pydantic import (
 
 from pytest_gpubench.config.cell import Thresholds
 from pytest_gpubench.config.load_profile import LoadThresholds
+from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.metrics import DEFAULT_RATIO_THRESHOLD, DEFAULT_SUCCESS_RATE, GATED
 from pytest_gpubench.config.options import DEFAULT_SAMPLE_ON_SECONDS, FLAGS
 from pytest_gpubench.core.errors import GpubenchError, key_path
@@ -169,7 +170,6 @@ def settings_of_ledger(
         settings = JudgingSettings.from_record(recorded, source)
         ignored = [] if cells_path is None else [f"--cells {cells_path} ignored: {RECORDED}"]
         return settings, ignored
-    from pytest_gpubench.config.matrix import read_matrix
 
     cells = cells_path or (Path(meta["cells_file"]) if meta.get("cells_file") else None)
     prompts = Path(meta["prompts_file"]) if meta.get("prompts_file") else None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.schema import LoadRecord
 from pytest_gpubench.results.decision import MIN_HISTORY
+from pytest_gpubench.results.run_history import current_segment
 from pytest_gpubench.results.steadiness import PRESSURE_LIMIT
 
 if TYPE_CHECKING:
@@ -109,7 +110,6 @@ def history_notes(baselines_dir: Path, cell_id: str) -> list[str]:
         return []
     if baseline is None:
         return []
-    from pytest_gpubench.results.run_history import current_segment
 
     # The runs the gate judges by: those since the last ratified step.
     runs = {s.prompt_id: len(current_segment(baseline.runs(s.prompt_id))) for s in baseline.prompts}

@@ -9,6 +9,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pytest_gpubench.config.metrics import DEFAULT_RATIO_THRESHOLD, GATED
+from pytest_gpubench.results.decision import ALPHA, MIN_HISTORY, between_run_spread, scipy_stats
 
 # Runs kept per (cell, prompt): enough for a t quantile near the normal's, few enough that a
 # machine's slow change of speed over months leaves the history.
@@ -69,12 +70,6 @@ def ratified_change(
     ratifying, not the machine's drift). Needs MIN_HISTORY runs before it: a shorter history has
     no spread. With `short_steps`, after fewer (but at least two), a move past the threshold is
     a step."""
-    from pytest_gpubench.results.decision import (
-        ALPHA,
-        MIN_HISTORY,
-        between_run_spread,
-        scipy_stats,
-    )
 
     for metric, value in run.figures.items():
         if metric not in metrics:

@@ -42,6 +42,7 @@ from pytest_gpubench.results.ratification import (
 from pytest_gpubench.run import guards
 from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.harness import Harness
+from pytest_gpubench.run.remeasure import why_not_remeasured
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.cases import Case
@@ -439,7 +440,6 @@ class RunController:
         timed cells are measured in one run, as before."""
         from pytest_gpubench.results.baseline import find_baseline
         from pytest_gpubench.run.history_runs import measure_history_runs
-        from pytest_gpubench.run.remeasure import why_not_remeasured
 
         options = self.options
         if not options.baseline_update or options.smoke or options.baseline_runs < 2:

@@ -11,6 +11,7 @@ from pytest_gpubench.config.matrix import Matrix, load_dataset_sha256
 from pytest_gpubench.config.prompts import RequestShape, frozen_prompt_error
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.provenance import GitState, git_state, load_average
+from pytest_gpubench.results.baseline_format import CorruptBaseline
 
 SHOWN_DIRTY_FILES = 5
 
@@ -53,7 +54,6 @@ def check_frozen_prompts(
     is refused, unless this run replaces it (--baseline-update): it holds no prompt to check."""
     # Reading baselines needs pandas (their summaries): only once a benchmark runs.
     from pytest_gpubench.results.baseline import find_baseline
-    from pytest_gpubench.results.baseline_format import CorruptBaseline
 
     for cell in matrix.cells:
         try:

@@ -35,6 +35,7 @@ from pytest_gpubench.run.guards import FrozenRequests
 from pytest_gpubench.run.live_cell import LiveCell, failed_stage
 from pytest_gpubench.run.nodes import NodePool, plain_error
 from pytest_gpubench.run.sequential import SequentialPairs, SequentialRuns
+from pytest_gpubench.run.workloads import exact_prompt
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.stages import Outcome, StageClock
 from pytest_gpubench.telemetry import CaseSamples, NodeTelemetry, node_telemetry
@@ -241,7 +242,6 @@ class Harness:
     ) -> tuple[Prompt, dict[str, Any]]:
         """A synthetic prompt made exact on the case's live cell, frozen from then on like a
         test's own request (its text is known only once the engine counted it)."""
-        from pytest_gpubench.run.workloads import exact_prompt
 
         exact, facts = exact_prompt(self.cells[case.cell_id], prompt)
         if self.frozen is not None:

@@ -26,6 +26,7 @@ from pytest_gpubench.engines import (
     send,
 )
 from pytest_gpubench.engines.managed import ManagedServer, managed_server, model_size
+from pytest_gpubench.engines.managed_ollama import pull_model, pulled_model_bytes
 from pytest_gpubench.ledger.records import tls_warning
 from pytest_gpubench.measure.call_measurement import CallMeasurement
 from pytest_gpubench.measure.engine_wait import EngineWait
@@ -215,8 +216,6 @@ class LiveCell:
             self._pull(base_url, clock)
             size, where = model_size(self.cell, server, target)
             if size is None:
-                from pytest_gpubench.engines.managed_ollama import pulled_model_bytes
-
                 size, where = pulled_model_bytes(base_url, self.cell.spec.model), "/api/tags"
             check_vram(target, clock, cell_id=cell_id, model_bytes=size, where=where)
         return base_url
@@ -241,7 +240,6 @@ class LiveCell:
     def _pull(self, base_url: str, clock: StageClock) -> None:
         """Stage model_pull of an engine that fetches its own model (Ollama), within the node's
         model_pull timeout (setup_timeout_s by default); its progress goes with the outcome."""
-        from pytest_gpubench.engines.managed_ollama import pull_model
 
         cell_id = self.cell.cell_id
         default = getattr(self.cell.node, "setup_timeout_s", PULL_TIMEOUT_S)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_gpubench.config.cases import Case
 from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.config.matrix import Matrix
+from pytest_gpubench.core.errors import GpubenchError
 
 if TYPE_CHECKING:
     from pytest_gpubench.results.baseline import CellBaseline
@@ -105,7 +106,6 @@ class SequentialRuns:
         if self.baselines_dir is None:
             return None
         if cell_id not in self._baselines:
-            from pytest_gpubench.core.errors import GpubenchError
             from pytest_gpubench.results.baseline import find_baseline
 
             try:

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pytest_gpubench.targets import on_this_machine
+from pytest_gpubench.telemetry.nvidia_smi import nvidia_smi_sampler
+from pytest_gpubench.telemetry.nvml import NvmlUnavailable, nvml_sampler
+from pytest_gpubench.telemetry.proc import proc_sampler
 from pytest_gpubench.telemetry.samplers import (
     SETTLE_SLACK_S,
     CaseSamples,
@@ -72,8 +75,6 @@ def node_telemetry(
         if note:
             notes.append(note)
     if any(s.cpu != "off" for s in wanted):
-        from pytest_gpubench.telemetry.proc import proc_sampler
-
         cpu = proc_sampler(target, interval_s)
         if cpu is None:
             notes.append("cpu: this node cannot stream a command; no CPU samples")
@@ -87,12 +88,9 @@ def _gpu_sampler(
 ) -> tuple[Sampler | None, str | None]:
     """NVML on this machine where its library loads, else an nvidia-smi stream where the node
     has GPUs; (None, why) otherwise."""
-    from pytest_gpubench.telemetry.nvidia_smi import nvidia_smi_sampler
 
     nvml_note = None
     if on_this_machine(target):
-        from pytest_gpubench.telemetry.nvml import NvmlUnavailable, nvml_sampler
-
         try:
             return nvml_sampler(interval_s), None
         except NvmlUnavailable as exc:

@@ -28,6 +28,7 @@ from pytest_gpubench.ledger.records import call_record, load_call_record, load_r
 from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.measure.control import CpuPressure
 from pytest_gpubench.measure.gauges import GaugeScraper
+from pytest_gpubench.results.engine_checks import draft_counts
 from pytest_gpubench.results.load_summary import (
     adapter_split,
     lag_by_client,
@@ -39,6 +40,8 @@ from pytest_gpubench.run.load import LoadPattern, make_pattern, ramp_seconds
 from pytest_gpubench.run.load.adapters import AdapterChoice
 from pytest_gpubench.run.load.clients import Clients, run_clients
 from pytest_gpubench.run.load.driver import LoadRun, Sent, SessionPlan, Target, build_target
+from pytest_gpubench.run.load.sweep import run_sweep
+from pytest_gpubench.run.workloads import exact, exact_facts, trace_texts
 from pytest_gpubench.targets import launch_clients, launch_here
 
 if TYPE_CHECKING:
@@ -90,8 +93,6 @@ def load_prompts(live: LiveCell, matrix: Matrix, prompt_id: str) -> LoadPrompts:
     assert profile is not None
     synthetic = profile.synthetic
     if synthetic is not None and prompt_id == synthetic.prompt_id:
-        from pytest_gpubench.run.workloads import exact, exact_facts
-
         base, request = load_prompt(matrix, cell, prompt_id)
         texts: list[str] = []
         facts: list[dict[str, Any]] = []
@@ -132,7 +133,6 @@ def load_prompts(live: LiveCell, matrix: Matrix, prompt_id: str) -> LoadPrompts:
 def _trace_prompts(live: LiveCell, trace: Trace) -> LoadPrompts:
     """A trace's requests in arrival order, each its own prompt and output length (fixed:
     ignore_eos, as the trace's answer was that long)."""
-    from pytest_gpubench.run.workloads import trace_texts
 
     entries = read_trace(trace, f"{live.cell.cell_id}: load.trace")
     request = live.cell.spec.request or RequestShape()
@@ -287,8 +287,6 @@ def _run_load_case(
         recorder.client_nodes = matrix.nodes
     recorder.facts = sends.facts
     if case.load_point == "sweep":
-        from pytest_gpubench.run.load.sweep import run_sweep
-
         started = utc_now()
         sweep = asyncio.run(
             run_sweep(
@@ -570,7 +568,6 @@ def spec_decode_figures(counters: Mapping[str, float]) -> dict[str, Any]:
     tokens accepted, and the mean acceptance length, the tokens each draft step yields
     (accepted per draft, plus the target model's own one, as vLLM counts it); None where the
     engine drafted nothing."""
-    from pytest_gpubench.results.engine_checks import draft_counts
 
     found = draft_counts(counters)
     drafts = found[2] if found is not None else None

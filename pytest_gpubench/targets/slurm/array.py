@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pytest_gpubench.config.shards import node_groups
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.targets.slurm.commands import parse_job_id
 
@@ -84,7 +85,6 @@ def submit(script_path: Path, *, env: dict[str, str] | None = None) -> str:
 def default_shards(cells_path: Path, prompts_path: Path) -> int:
     """One shard per node group of the matrix (the most it can be split into)."""
     from pytest_gpubench.config.matrix import read_matrix
-    from pytest_gpubench.config.shards import node_groups
 
     if not cells_path.exists():
         raise GpubenchError(f"slurm submit: {cells_path} not found (--root, --cells)")

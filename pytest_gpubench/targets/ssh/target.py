@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 import paramiko
 
 from pytest_gpubench.targets.gpu import gpu_inventory_of
+from pytest_gpubench.targets.leases import RentalJournal
 from pytest_gpubench.targets.protocol import LOOPBACK_HOSTS, CommandResult
 from pytest_gpubench.targets.ssh.connect import open_client
 from pytest_gpubench.targets.ssh.forward import POLL_S, PortForward, RemoteForward
+from pytest_gpubench.targets.ssh.leases import begin_server
 from pytest_gpubench.targets.ssh.scripts import (
     ALIVE_SCRIPT,
     FREE_PORT_PY,
@@ -37,7 +39,6 @@ from pytest_gpubench.targets.stages import SetupStep, Stage, StageError
 
 if TYPE_CHECKING:
     from pytest_gpubench.config.nodes import SshConnection, SshNode
-    from pytest_gpubench.targets.leases import RentalJournal
 
 log = logging.getLogger(__name__)
 
@@ -444,8 +445,6 @@ class SshTarget:
         if self.lease_node is not None:
             # Written down before it starts: a run killed with -9 leaves the server running
             # (it is detached), for the next run or `gpubench leases --release` to stop.
-            from pytest_gpubench.targets.leases import RentalJournal
-            from pytest_gpubench.targets.ssh.leases import begin_server
 
             self.journal = self.journal or RentalJournal()
             lease = begin_server(
