@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from pytest_gpubench.run.controller import RunController
     from pytest_gpubench.run.guards import FrozenRequests
     from pytest_gpubench.targets import Target
+    from pytest_gpubench.targets.protocol import Rental
 
 # What benchmark tests import from here (their annotations): defined in benchmark.py, imported
 # on first use (__getattr__).
@@ -52,7 +53,7 @@ RUN_KEY: pytest.StashKey[RunController] = pytest.StashKey()
 # {test node id: the cells.yaml node it is the last case of}, in the final run order.
 RELEASE_KEY = pytest.StashKey[dict[str, str]]()
 RECORDS_KEY = pytest.StashKey[list[dict[str, Any]]]()
-RENTALS_KEY = pytest.StashKey[list[dict[str, Any]]]()
+RENTALS_KEY: pytest.StashKey[list[Rental]] = pytest.StashKey()
 # The short option aliases another plugin or conftest had already taken.
 TAKEN_ALIASES_KEY = pytest.StashKey[tuple[str, ...]]()
 # Why a benchmark test collected no cases (the matrix file is missing): a usage error, one line,
@@ -413,8 +414,8 @@ def pytest_runtest_makereport(
     if report.skipped and item.stash.get(UNMEASURED_KEY, False):
         setattr(report, UNMEASURED_ATTR, True)
     # Records ride on the report (built-in types only) so xdist carries them to the controller.
-    for key, attr in ((RECORDS_KEY, xdist.RECORDS_ATTR), (RENTALS_KEY, xdist.RENTALS_ATTR)):
-        pending = item.stash.get(key, [])
+    records, rentals = item.stash.get(RECORDS_KEY, []), item.stash.get(RENTALS_KEY, [])
+    for pending, attr in ((records, xdist.RECORDS_ATTR), (rentals, xdist.RENTALS_ATTR)):
         if pending:
             setattr(report, attr, list(pending))
             pending.clear()

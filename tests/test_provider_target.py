@@ -18,6 +18,7 @@ from support.provider_standin import ProviderStandIn, Scenario
 from pytest_gpubench.config.nodes import LocalNode, ProviderNode, SshNode
 from pytest_gpubench.targets import open_target
 from pytest_gpubench.targets.local import LocalTarget
+from pytest_gpubench.targets.protocol import Rental
 from pytest_gpubench.targets.provider import ProviderTarget
 from pytest_gpubench.targets.provider.api import Offer, choose_offers
 from pytest_gpubench.targets.ssh import SshTarget
@@ -108,9 +109,7 @@ def provider_node(api: str, **overrides: Any) -> ProviderNode:
     return ProviderNode(**options)
 
 
-def rented(
-    api: str, closed: list[dict[str, Any]] | None = None, **overrides: Any
-) -> ProviderTarget:
+def rented(api: str, closed: list[Rental] | None = None, **overrides: Any) -> ProviderTarget:
     """A provider target; what it reports once given back is appended to `closed`."""
     return ProviderTarget(
         "rented",
@@ -149,7 +148,7 @@ def test_happy_path(standin: StandInFactory, remote_dir: Path) -> None:
         assert facts["price_per_hour"] == 0.40
         assert facts["session_id"] == "sess-1" and facts["offer_id"] == "o-good"
         assert facts["cost"] >= 0 and facts["elapsed_s"] > 0
-        assert facts["host"] == "127.0.0.1" and facts["cpu_count"] >= 1
+        assert facts["host"] == "127.0.0.1" and (facts["cpu_count"] or 0) >= 1
         assert TOKEN not in repr(facts) and "PRIVATE KEY" not in repr(facts)
     finally:
         target.close()
@@ -323,7 +322,7 @@ def test_wrong_token_fails_provision(standin: StandInFactory) -> None:
 def test_the_rental_is_reported_once_when_given_back(standin: StandInFactory) -> None:
     """on_rental_closed hears of each rental once: after close, or after a failed open."""
     api = standin()
-    closed: list[dict[str, Any]] = []
+    closed: list[Rental] = []
     target = rented(api.url, closed).open()
     try:
         assert closed == [], "nothing is reported while the node is held"
@@ -344,14 +343,14 @@ def test_the_rental_is_reported_once_when_given_back(standin: StandInFactory) ->
     }
 
     failed_api = standin(statuses=["provisioning", "failed"], error="GPU fell off the bus")
-    failed_closed: list[dict[str, Any]] = []
+    failed_closed: list[Rental] = []
     with pytest.raises(StageError):
         rented(failed_api.url, failed_closed).open()
     (failed_facts,) = failed_closed
     assert failed_facts["session_id"] == "sess-1" and failed_facts["session_done"] is True
 
     no_offer_api = standin()
-    nothing: list[dict[str, Any]] = []
+    nothing: list[Rental] = []
     with pytest.raises(StageError, match="no offer"):
         rented(no_offer_api.url, nothing, max_price=0.10).open()
     assert nothing == [], "no session was created, so nothing was rented"
@@ -374,7 +373,7 @@ def test_choose_offers() -> None:
 def test_factory_opens_each_kind(
     standin: StandInFactory, sshd: SshServer, remote_dir: Path
 ) -> None:
-    closed: list[dict[str, Any]] = []
+    closed: list[Rental] = []
     assert isinstance(
         open_target(
             "local", LocalNode(kind="local"), plugin_hook=None, on_rental_closed=closed.append

@@ -20,6 +20,7 @@ import pytest
 
 from pytest_gpubench.cli.main import main
 from pytest_gpubench.config.nodes import SlurmNode
+from pytest_gpubench.targets.protocol import Rental
 from pytest_gpubench.targets.slurm import open_slurm_target
 from pytest_gpubench.targets.slurm.script import job_name, job_script
 
@@ -139,7 +140,7 @@ def test_a_container_job_runs_its_engine_in_the_image(
         container="/images/llama.sif",
         queue_timeout_s=30,
     )
-    ended: list[dict[str, Any]] = []
+    ended: list[Rental] = []
     target = open_slurm_target("cluster", node, on_job_ended=ended.append)
     try:
         port = target.free_port()

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from pytest_gpubench.config.nodes import SlurmNode
+from pytest_gpubench.targets.protocol import Rental
 from pytest_gpubench.targets.slurm import SlurmTarget, open_slurm_target
 from pytest_gpubench.targets.stages import StageError
 
@@ -26,9 +27,7 @@ if TYPE_CHECKING:
 pytest_plugins = ["support.slurm_fixtures"]
 
 
-def _target(
-    cluster: SlurmCluster, tmp_path: Path, ended: list[dict[str, Any]], **keys: Any
-) -> SlurmTarget:
+def _target(cluster: SlurmCluster, tmp_path: Path, ended: list[Rental], **keys: Any) -> SlurmTarget:
     node = SlurmNode(
         kind="slurm",
         partition=cluster.partition,
@@ -58,7 +57,7 @@ def _get(url: str, timeout_s: float = 20.0) -> int:
 def test_a_job_runs_is_reached_and_is_cancelled(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
-    ended: list[dict[str, Any]] = []
+    ended: list[Rental] = []
     target = _target(slurm_cluster, tmp_path, ended)
     try:
         port = target.free_port()
@@ -88,7 +87,7 @@ def test_a_job_left_pending_fails_the_queue_stage_with_squeues_reason(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
     """More CPUs than the only node has: Slurm queues the job and never starts it."""
-    ended: list[dict[str, Any]] = []
+    ended: list[Rental] = []
     target = _target(
         slurm_cluster, tmp_path, ended, cpus_per_task=slurm_cluster.cpus + 62, queue_timeout_s=3
     )

@@ -7,9 +7,12 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from pytest_gpubench.core.errors import GpubenchError
+
+# A record (a ledger line, a rental) as its type says it is: scrubbing keeps its keys.
+RecordT = TypeVar("RecordT", bound=Mapping[str, Any])
 
 # Environment variables whose values are never written anywhere, whatever they are used for.
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
@@ -86,7 +89,6 @@ class SecretScrubber:
             text = text.replace(secret, REDACTED)
         return text
 
-    def record(self, record: dict[str, Any]) -> dict[str, Any]:
-        """The record with every secret cut out of its values."""
-        scrubbed: dict[str, Any] = json.loads(self(json.dumps(record, default=str)))
-        return scrubbed
+    def record(self, record: RecordT) -> RecordT:
+        """The record with every secret cut out of its values (the same keys: a new copy)."""
+        return cast(RecordT, json.loads(self(json.dumps(record, default=str))))

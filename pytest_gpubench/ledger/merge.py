@@ -30,6 +30,7 @@ from pytest_gpubench.ledger.schema import (
     as_json,
 )
 from pytest_gpubench.ledger.writer import iter_records
+from pytest_gpubench.targets.protocol import Rental
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ class MergedRun:
     run_id: str
     calls: int
     skipped: int
-    nodes: list[dict[str, Any]]
+    nodes: list[Rental]
     finished_at_utc: str | None
 
     def end(self, judged: JudgedEnd) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from pytest_gpubench.ledger.schema import (
 from pytest_gpubench.measure.call_measurement import CallMeasurement, MeasurementFields
 from pytest_gpubench.measure.gauges import Page, counter_changes
 from pytest_gpubench.measure.stream import STALLED
+from pytest_gpubench.targets.protocol import NodeFacts, Rental
 from pytest_gpubench.targets.stages import Stage, StageFacts
 
 
@@ -106,7 +107,7 @@ def cell_record(
     engine_facts: Mapping[str, Any],
     gpus: list[dict[str, str]],
     gpu_summary: str,
-    node_info: Mapping[str, Any],
+    node_info: NodeFacts,
     prompts: Mapping[str, Prompt] | None = None,
     engine_url: str | None = None,
     engine_process: Mapping[str, Any] | None = None,
@@ -130,7 +131,7 @@ def cell_record(
             **engine_facts,
             "gpus": gpus,
             "gpu_summary": gpu_summary,
-            "node_info": dict(node_info),
+            "node_info": node_info.copy(),
             "at_utc": utc_now(),
             "benchmark_run_id": run_id,
             # An engine on the node addressed by its port there; how a managed one was launched;
@@ -484,7 +485,7 @@ def end_record(
     verdicts: list[VerdictRecord],
     regressions: int,
     gate_error: str | None,
-    nodes: list[dict[str, Any]],
+    nodes: list[Rental],
     cells: list[CellOutcomeRecord],
     exit_status: int,
     ended: tuple[str | None, Any] | None = None,

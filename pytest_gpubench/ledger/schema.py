@@ -16,6 +16,7 @@ from pytest_gpubench.core.errors import key_path, non_finite_at
 from pytest_gpubench.core.provenance import GitState
 from pytest_gpubench.ledger.outcomes import CellOutcomeRecord
 from pytest_gpubench.measure.call_measurement import KindFields, MeasurementFields
+from pytest_gpubench.targets.protocol import NodeFacts, Rental
 from pytest_gpubench.targets.stages import StageFacts
 
 
@@ -77,7 +78,7 @@ class CellRecord(RequestFacts):
     max_model_len: NotRequired[int | None]
     gpus: list[dict[str, str]]
     gpu_summary: str
-    node_info: dict[str, Any]
+    node_info: NodeFacts
     at_utc: str
     benchmark_run_id: str
     node_port: int | None
@@ -412,7 +413,7 @@ class EndRecord(TypedDict):
     verdicts: list[VerdictRecord]
     regressions: int
     gate_error: str | None
-    nodes: list[dict[str, Any]]
+    nodes: list[Rental]
     cells: list[CellOutcomeRecord]
     exit_status: int
 

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
         MetaRecord,
     )
     from pytest_gpubench.results.verdict import Verdict
+    from pytest_gpubench.targets.protocol import Rental
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class RunController:
         self.catch_signals = TerminateAsInterrupt()
         # Rentals given back in xdist workers (this process's own are in the harness's pool),
         # and on a worker how many of its own it has sent on.
-        self.worker_rentals: list[dict[str, Any]] = []
+        self.worker_rentals: list[Rental] = []
         self.rentals_sent = 0
 
     @property
@@ -247,7 +248,7 @@ class RunController:
         except LedgerWriteError as exc:
             self.write_error = self.write_error or str(exc)
 
-    def add_worker_rentals(self, rentals: list[dict[str, Any]]) -> None:
+    def add_worker_rentals(self, rentals: list[Rental]) -> None:
         """Rentals a worker gave back, sent on a test report or at its end; each counted once."""
         known = {(rental.get("node"), rental.get("session_id")) for rental in self.worker_rentals}
         for rental in rentals:
@@ -256,7 +257,7 @@ class RunController:
                 self.worker_rentals.append(rental)
                 known.add(key)
 
-    def unsent_rentals(self) -> list[dict[str, Any]]:
+    def unsent_rentals(self) -> list[Rental]:
         """On a worker: the rentals given back since the last call, for the controller."""
         if self.writes_ledger:
             return []
@@ -265,12 +266,12 @@ class RunController:
         self.rentals_sent = len(own)
         return unsent
 
-    def rentals(self) -> list[dict[str, Any]]:
+    def rentals(self) -> list[Rental]:
         """Every rented node given back in this run, with its cost, by node."""
         own = self.harness.nodes.rentals
         return sorted([*own, *self.worker_rentals], key=lambda rental: str(rental.get("node")))
 
-    def release_node(self, node_id: str) -> list[dict[str, Any]]:
+    def release_node(self, node_id: str) -> list[Rental]:
         """Give a node back after its last case; on a worker, the rentals for the controller."""
         try:
             self.harness.release_node(node_id)

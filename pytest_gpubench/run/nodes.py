@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.core.errors import GpubenchError
@@ -20,6 +20,9 @@ from pytest_gpubench.targets import (
 )
 from pytest_gpubench.targets.leases import RentalJournal
 from pytest_gpubench.targets.stages import StageClock, StageError, StageOutcome
+
+if TYPE_CHECKING:
+    from pytest_gpubench.targets.protocol import Rental
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ class NodePool:
         self.released_places: set[str] = set()
         self.stage_outcomes: list[StageOutcome] = []
         # What each rented node cost, reported by the rental itself when it is given back.
-        self.rentals: list[dict[str, Any]] = []
+        self.rentals: list[Rental] = []
 
     def target(self, cell: Cell) -> Target:
         """The cell's node, opened once; a node that failed to open fails again at once."""
@@ -89,7 +92,7 @@ class NodePool:
         taken, self.stage_outcomes = self.stage_outcomes, []
         return taken
 
-    def _rental_closed(self, facts: dict[str, Any]) -> None:
+    def _rental_closed(self, facts: Rental) -> None:
         self.rentals.append(self.scrub.record(facts))
 
     def take(self, node_ids: Iterable[str] | None = None) -> dict[str, Target]:

@@ -6,7 +6,7 @@ back its leases, by the node's kind; and the `Target` protocol and its parts
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pytest_gpubench.targets.protocol import (
     CLIENT_TASK_MODULE,
@@ -17,6 +17,7 @@ from pytest_gpubench.targets.protocol import (
     CommandResult,
     Launch,
     ListensBeyondLoopback,
+    Rental,
     RentalClosed,
     StartsEnginesInJobs,
     Target,
@@ -121,7 +122,7 @@ def launch_clients(node_id: str, node: AnyNode, python: str | None) -> Launch:
     return slurm_launch(node_id, node, python)
 
 
-def release_leaked(node: AnyNode, journal: RentalJournal, seen: set[str]) -> list[dict[str, Any]]:
+def release_leaked(node: AnyNode, journal: RentalJournal, seen: set[str]) -> list[Rental]:
     """Give back the leases (the journal, targets/leases.py) that runs now gone left where this
     node lives: its provider's API, its Slurm cluster, its SSH host; once per place and run
     (`seen` holds the places done). What became of each, in the shape of a rental given back."""
@@ -144,16 +145,14 @@ def release_leaked(node: AnyNode, journal: RentalJournal, seen: set[str]) -> lis
     return []  # a local node leases nothing; a plugin's kind keeps its own
 
 
-def _once(
-    key: str, seen: set[str], release: Callable[[], list[dict[str, Any]]]
-) -> list[dict[str, Any]]:
+def _once(key: str, seen: set[str], release: Callable[[], list[Rental]]) -> list[Rental]:
     if key in seen:
         return []
     seen.add(key)
     return release()
 
 
-def release_lease(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
+def release_lease(entry: JournalEntry, journal: RentalJournal) -> Rental:
     """Give back one lease of the journal (`gpubench leases --release`), by its kind."""
     if entry.kind == "slurm":
         from pytest_gpubench.targets.slurm.release import release_job

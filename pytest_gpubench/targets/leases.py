@@ -16,12 +16,15 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pytest_gpubench.config.nodes import ProviderNode
 from pytest_gpubench.core.cache import cache_dir
 from pytest_gpubench.core.files import atomic_write
 from pytest_gpubench.core.provenance import utc_now
+
+if TYPE_CHECKING:
+    from pytest_gpubench.targets.protocol import Rental
 
 # The kind of a managed server's lease on an ssh node (targets/ssh/leases.py), named here, below
 # the SSH target, so that what reads leases (targets/rentals.py) need not load paramiko.
@@ -184,10 +187,10 @@ class RentalJournal:
         return JournalEntry(path, facts) if isinstance(facts, dict) else None
 
 
-def leaked_lease(entry: JournalEntry, kind: str, **facts: Any) -> dict[str, Any]:
+def leaked_lease(entry: JournalEntry, kind: str, **facts: Any) -> Rental:
     """What became of a lease a killed run left, in the shape of one given back (RentalClosed)
     plus `leaked: true`; `session_done` False until the kind's release says it is given back."""
-    return {
+    lease = {
         "node": entry.facts.get("node"),
         "kind": kind,
         "session_id": entry.session_id,
@@ -196,3 +199,4 @@ def leaked_lease(entry: JournalEntry, kind: str, **facts: Any) -> dict[str, Any]
         "leaked_at_utc": entry.facts.get("created_at_utc"),
         "session_done": False,
     }
+    return cast("Rental", lease)

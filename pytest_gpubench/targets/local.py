@@ -15,10 +15,14 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from pytest_gpubench.targets.gpu import gpu_inventory_of
-from pytest_gpubench.targets.protocol import CLIENT_TASK_MODULE, CommandResult, write_plan
+from pytest_gpubench.targets.protocol import (
+    CLIENT_TASK_MODULE,
+    CommandResult,
+    NodeFacts,
+    write_plan,
+)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -155,7 +159,7 @@ class LocalTarget:
     def gpu_inventory(self) -> list[dict[str, str]]:
         return gpu_inventory_of(self)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> NodeFacts:
         return {"host": platform.node(), "cpu_model": _cpu_model(), "cpu_count": os.cpu_count()}
 
     def close(self) -> None:

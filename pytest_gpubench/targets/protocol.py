@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 
 if TYPE_CHECKING:
     pass
@@ -88,7 +88,7 @@ class Target(Protocol):
         """One entry per GPU from nvidia-smi; an empty list means the node has no GPU."""
         ...
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> NodeFacts:
         """Facts about the node for the ledger's cell record (host, CPU model, price, ...)."""
         ...
 
@@ -132,9 +132,69 @@ class Launch(Protocol):
 
 # pytest_gpubench_open_target (hookspecs.py), as pytest's hook relay calls it.
 TargetHook = Callable[..., Target | None]
-# Told what a rented node cost once it is given back: node, kind, session_id, offer_id,
-# gpu_name, price_per_hour, elapsed_s, cost, session_done.
-RentalClosed = Callable[[dict[str, Any]], None]
+
+
+class NodeFacts(TypedDict, total=False):
+    """What a node says of itself for the ledger's cell records (`node_info`): where it is and
+    its CPUs; a Slurm node its job, a rented one its offer and cost so far."""
+
+    kind: str
+    host: str | None
+    hostname: str | None
+    port: int
+    user: str
+    cpu_model: str | None
+    cpu_count: int | None
+    # A Slurm node: the job its cells run in, and the login node it was submitted from.
+    slurm_job_id: str | None
+    slurm_partition: str | None
+    slurm_gres: str | None
+    container: str | None
+    login_host: str | None
+    # A rented node: its provider's API, session and offer, and what it has cost so far.
+    api: str
+    session_id: str | None
+    offer_id: str | int | None
+    provider: str | None
+    gpu_name: str | None
+    vram_gb: float | None
+    price_per_hour: float | None
+    elapsed_s: float
+    cost: float
+
+
+class Rental(TypedDict, total=False):
+    """A lease given back (a rented node, a Slurm job, a server a killed run left on an ssh
+    node): what it was, what it cost and whether it is really given back. The terminal's
+    rentals lines and `gpubench leases --release` read it; workers send theirs to the
+    controller (xdist)."""
+
+    node: str | None
+    kind: str
+    session_id: str | None
+    session_done: bool
+    # A provider's rental: its offer, price and cost.
+    offer_id: str | int | None
+    gpu_name: str | None
+    price_per_hour: float | None
+    elapsed_s: float | None
+    cost: float
+    # A Slurm job: how it ended, as Slurm accounts it (`state_source`: sacct or squeue).
+    slurm_job_id: str | None
+    job_name: str | None
+    compute_node: str | None
+    state: str | None
+    state_source: str | None
+    # A managed server a killed run left on an ssh node.
+    program: str | None
+    pid: str | None
+    # Left by a killed run (the lease journal), given back by a later one.
+    leaked: bool
+    leaked_at_utc: str | None
+
+
+# Told what a lease cost once it is given back.
+RentalClosed = Callable[[Rental], None]
 
 
 def write_plan(path: str | os.PathLike[str], plan: bytes) -> None:

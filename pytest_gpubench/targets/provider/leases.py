@@ -8,12 +8,15 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_gpubench.config.nodes import ProviderNode
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.targets.leases import JournalEntry, RentalJournal, leaked_lease
 from pytest_gpubench.targets.provider.api import MarketplaceClient
+
+if TYPE_CHECKING:
+    from pytest_gpubench.targets.protocol import Rental
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +28,7 @@ def api_key(node: ProviderNode) -> str:
     return str(node.api).rstrip("/")
 
 
-def release_leaked_rentals(journal: RentalJournal, node: ProviderNode) -> list[dict[str, Any]]:
+def release_leaked_rentals(journal: RentalJournal, node: ProviderNode) -> list[Rental]:
     """Give back the sessions of this node's API that a killed run left; each one's cost."""
     released = []
     for entry in journal.leaked(api_key(node)):
@@ -47,7 +50,7 @@ def describe(entry: JournalEntry, state: str) -> str:
     )
 
 
-def release_rental(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
+def release_rental(entry: JournalEntry, journal: RentalJournal) -> Rental:
     """Give a leaked session back (POST .../done, with the token from its environment
     variable) and return what it cost, in the shape of a rental given back (RentalClosed) plus
     `leaked: true`. An entry whose session was never created is struck off: nothing to give

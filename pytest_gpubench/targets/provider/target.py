@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from pytest_gpubench.config.nodes import ProviderNode
 from pytest_gpubench.targets.bringup import bring_up
 from pytest_gpubench.targets.leases import RentalJournal
-from pytest_gpubench.targets.protocol import CommandResult, RentalClosed
+from pytest_gpubench.targets.protocol import CommandResult, NodeFacts, Rental, RentalClosed
 from pytest_gpubench.targets.provider.api import (
     HTTP_TIMEOUT_S,
     CreatedSession,
@@ -390,8 +390,8 @@ class ProviderTarget:
         price = self.offer.price_per_hour if self.offer is not None else 0.0
         return self.elapsed_s() / 3600.0 * price
 
-    def describe(self) -> dict[str, Any]:
-        facts: dict[str, Any] = {}
+    def describe(self) -> NodeFacts:
+        facts: NodeFacts = {}
         if self._ssh is not None and self._stopped_reason is None and not self._closed:
             with contextlib.suppress(StageError):
                 facts.update(self._ssh.describe())
@@ -412,7 +412,7 @@ class ProviderTarget:
         )
         return facts
 
-    def rental_facts(self) -> dict[str, Any]:
+    def rental_facts(self) -> Rental:
         """What the rented node cost: price, time held, cost, and whether it was given back."""
         offer = self.offer
         return {

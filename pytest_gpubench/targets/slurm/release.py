@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -16,6 +16,9 @@ from pytest_gpubench.targets.leases import JournalEntry, RentalJournal, leaked_l
 from pytest_gpubench.targets.slurm import open_slurm_target
 from pytest_gpubench.targets.slurm.leases import KIND, leaked_jobs
 
+if TYPE_CHECKING:
+    from pytest_gpubench.targets.protocol import Rental
+
 log = logging.getLogger(__name__)
 
 # How long a cancelled job may take to leave the queue (Slurm's KillWait is 30 s by default).
@@ -23,12 +26,12 @@ CANCEL_WAIT_S = 40.0
 POLL_S = 0.5
 
 
-def release_leaked_jobs(journal: RentalJournal, node: SlurmNode) -> list[dict[str, Any]]:
+def release_leaked_jobs(journal: RentalJournal, node: SlurmNode) -> list[Rental]:
     """Cancel the jobs on this node's cluster that a killed run left; how each ended."""
     return [release_job(entry, journal) for entry in leaked_jobs(journal, node)]
 
 
-def release_job(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
+def release_job(entry: JournalEntry, journal: RentalJournal) -> Rental:
     """Cancel a leaked job (scancel; by its name when its id was never read back), wait until
     it has left the queue, and return how it ended, in the shape of a job given back
     (SlurmTarget.job_ended) plus `leaked: true`. An entry whose jobs could not be cancelled
@@ -82,7 +85,7 @@ def _active(target: Any, job_id: str) -> bool:
     return state is not None and state.active
 
 
-def _cancel(target: Any, job_id: str) -> dict[str, Any]:
+def _cancel(target: Any, job_id: str) -> Rental:
     client = target.client
     queued = client.queue_state(job_id)
     client.cancel(job_id)

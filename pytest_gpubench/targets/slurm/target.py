@@ -21,7 +21,13 @@ from pytest_gpubench.config.nodes import SlurmNode
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.targets.gpu import nvidia_smi_argv, parse_nvidia_smi
 from pytest_gpubench.targets.leases import RentalJournal
-from pytest_gpubench.targets.protocol import LOOPBACK_HOSTS, CommandResult, RentalClosed, Target
+from pytest_gpubench.targets.protocol import (
+    LOOPBACK_HOSTS,
+    CommandResult,
+    NodeFacts,
+    RentalClosed,
+    Target,
+)
 from pytest_gpubench.targets.slurm.commands import ACTIVE_STATES, QueueState, SlurmClient
 from pytest_gpubench.targets.slurm.leases import begin_job, job_submitted
 from pytest_gpubench.targets.slurm.script import in_job_argv, job_env_path, job_name, job_script
@@ -282,7 +288,7 @@ class SlurmTarget:
         result = self.client.run(self.in_job(nvidia_smi_argv()))
         return parse_nvidia_smi(result.stdout) if result.ok else []
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> NodeFacts:
         job = self.current
         login = self.login.describe()
         return {

@@ -4,7 +4,7 @@ stopped: by the next run on the same node or by `gpubench leases --release`."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -14,15 +14,18 @@ from pytest_gpubench.targets.leases import JournalEntry, RentalJournal, leaked_l
 from pytest_gpubench.targets.ssh import SshTarget
 from pytest_gpubench.targets.ssh.leases import KIND, RELEASE_SCRIPT, leaked_servers
 
+if TYPE_CHECKING:
+    from pytest_gpubench.targets.protocol import Rental
+
 log = logging.getLogger(__name__)
 
 
-def release_leaked_servers(journal: RentalJournal, node: SshNode) -> list[dict[str, Any]]:
+def release_leaked_servers(journal: RentalJournal, node: SshNode) -> list[Rental]:
     """Stop the managed servers on this ssh node that a killed run left; what became of each."""
     return [release_server(entry, journal) for entry in leaked_servers(journal, node)]
 
 
-def release_server(entry: JournalEntry, journal: RentalJournal) -> dict[str, Any]:
+def release_server(entry: JournalEntry, journal: RentalJournal) -> Rental:
     """Stop a leaked server on its node (its process group, while it still runs the program);
     what became of it, in the shape of a lease given back (`leaked: true`). An entry whose
     node cannot be reached stays, to be tried again."""

@@ -25,7 +25,7 @@ import paramiko
 
 from pytest_gpubench.targets.gpu import gpu_inventory_of
 from pytest_gpubench.targets.leases import RentalJournal
-from pytest_gpubench.targets.protocol import LOOPBACK_HOSTS, CommandResult
+from pytest_gpubench.targets.protocol import LOOPBACK_HOSTS, CommandResult, NodeFacts
 from pytest_gpubench.targets.ssh.connect import open_client
 from pytest_gpubench.targets.ssh.forward import POLL_S, PortForward, RemoteForward
 from pytest_gpubench.targets.ssh.leases import begin_server
@@ -185,7 +185,7 @@ class SshTarget:
         self.journal: RentalJournal | None = None
         self._processes: list[SshProcess] = []
         self._forwards: dict[tuple[str, int], PortForward] = {}
-        self._description: dict[str, Any] | None = None
+        self._description: NodeFacts | None = None
         self._closed = False
         self._reconnect_lock = threading.Lock()
         self._gave_up = False
@@ -524,7 +524,7 @@ class SshTarget:
     def gpu_inventory(self) -> list[dict[str, str]]:
         return gpu_inventory_of(self)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> NodeFacts:
         if self._description is None:
             cpuinfo = self.run(["cat", "/proc/cpuinfo"], timeout_s=self.command_timeout_s)
             hostname = self.run(["uname", "-n"], timeout_s=self.command_timeout_s)
@@ -538,7 +538,7 @@ class SshTarget:
                 "cpu_model": cpu_model,
                 "cpu_count": cpu_count,
             }
-        return dict(self._description)
+        return self._description.copy()
 
     # --- teardown -------------------------------------------------------------------------
 
