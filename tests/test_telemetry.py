@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -266,7 +266,7 @@ def test_nvml_samples_in_mib_watts_celsius_and_millijoules(monkeypatch: pytest.M
     assert sample.temperature_c == TEMPERATURE_C and sample.sm_clock_mhz == SM_CLOCK_MHZ
     assert sample.utilization_pct == UTILIZATION_PCT
     assert sample.energy_mj is not None and sample.energy_mj > 5_000_000  # mJ, counting up
-    fields = case_aggregates(case, completion_tokens=10)
+    fields: Mapping[str, Any] = case_aggregates(case, completion_tokens=10)
     assert fields["gpu_energy_source"] == "counter" and fields["gpu_energy_j"] > 0
     assert fields["gpu_memory_total_mib"] == 2 * MEMORY_TOTAL_MIB
     assert state.shut_down
@@ -286,7 +286,7 @@ def test_another_process_on_the_gpu_and_its_throttled_clocks_are_recorded_per_ca
     engine = subprocess.Popen(["sleep", "30"])
     try:
 
-        def case_fields(pid: int | None) -> dict[str, Any]:
+        def case_fields(pid: int | None) -> Mapping[str, Any]:
             telemetry = node_telemetry("local", LocalTarget(), [FAST], gpus=[])
             assert telemetry is not None
             case = one_case(telemetry, pid=pid, seconds=0.2, cpu=False)
@@ -326,7 +326,7 @@ def test_the_engines_own_vram_is_told_apart_from_the_whole_gpus(
         telemetry = node_telemetry("local", LocalTarget(), [FAST], gpus=[])
         assert telemetry is not None
         case = one_case(telemetry, pid=engine.pid, seconds=0.2, cpu=False)
-        fields = case_aggregates(case, completion_tokens=10)
+        fields: Mapping[str, Any] = case_aggregates(case, completion_tokens=10)
         assert fields["engine_gpu_memory_peak_mib"] == pytest.approx(700.0)  # both GPUs
         assert fields["gpu_peak_memory_used_mib"] > 2 * MEMORY_USED_MIB  # the GPUs' own, all of it
         # A driver that cannot tell a process's memory: unknown, never 0.
@@ -455,7 +455,7 @@ def test_ssh_node_streams_nvidia_smi_and_proc_of_its_engine(
     assert case.gpu_source == "nvidia-smi" and case.cpu_source == "proc"
     assert len(case.gpu) >= 5 and case.gpu[0].memory_total_mib == MEMORY_TOTAL_MIB
     assert case.gpu[0].temperature_c == TEMPERATURE_C and case.gpu[0].power_w == POWER_W
-    fields = case_aggregates(case, completion_tokens=100)
+    fields: Mapping[str, Any] = case_aggregates(case, completion_tokens=100)
     assert fields["gpu_peak_memory_used_mib"] > MEMORY_USED_MIB  # grows 10 MiB per loop
     assert fields["gpu_energy_source"] == "integrated_power"
     assert fields["gpu_energy_j"] == pytest.approx(POWER_W * (case.end - case.start), rel=0.05)
@@ -475,7 +475,7 @@ def test_ssh_node_streams_nvidia_smi_and_proc_of_its_engine(
 BUSY_CHILD = ["sh", "-c", "sh -c 'while :; do :; done' & wait"]
 
 
-def busy_child_case(target: LocalTarget | SshTarget, log_dir: str) -> dict[str, Any]:
+def busy_child_case(target: LocalTarget | SshTarget, log_dir: str) -> Mapping[str, Any]:
     engine = target.start(BUSY_CHILD, log_path=f"{log_dir}/busy-child.log")
     telemetry = node_telemetry("n", target, [TelemetrySettings(interval_ms=100, gpu="off")], [])
     assert telemetry is not None

@@ -46,6 +46,7 @@ from pytest_gpubench.measure.gauges import Page, counter_changes
 from pytest_gpubench.measure.stream import STALLED
 from pytest_gpubench.targets.protocol import NodeFacts, Rental
 from pytest_gpubench.targets.stages import Stage, StageFacts
+from pytest_gpubench.telemetry.aggregate import TelemetryFields
 
 
 def meta_record(
@@ -210,11 +211,11 @@ def call_record(
     cold_kind: str | None,
     started_at_utc: str,
     measurement: CallMeasurement,
-    telemetry: Mapping[str, Any] | None = None,
+    telemetry: TelemetryFields | None = None,
     adapter: str | None = None,
 ) -> CallRecord:
     """One measured call (successful or not) of a case; `telemetry` adds the case's resource
-    figures (telemetry/aggregate.py CALL_FIELDS) after the others. Its inter-chunk gaps are
+    figures (telemetry/aggregate.TelemetryFields) after the others. Its inter-chunk gaps are
     packed into `inter_chunk_packed` (read them with ledger.gaps.gaps_ms). `adapter`: the LoRA
     adapter a load request chose (a warm or cold call's is its case's)."""
     record: CallRecord = {
@@ -237,6 +238,8 @@ def call_record(
         **SampledOnFields(),
         # The machine's readings beside a warm call come later (run/harness.py).
         **SteadinessFields(),
+        # The case's telemetry fields come last (below).
+        **TelemetryFields(),
     }
     chosen = adapter if adapter is not None else case.adapter
     if chosen is not None:

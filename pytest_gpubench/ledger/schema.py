@@ -18,6 +18,7 @@ from pytest_gpubench.ledger.outcomes import CellOutcomeRecord
 from pytest_gpubench.measure.call_measurement import KindFields, MeasurementFields
 from pytest_gpubench.targets.protocol import NodeFacts, Rental
 from pytest_gpubench.targets.stages import StageFacts
+from pytest_gpubench.telemetry.aggregate import TelemetryFields
 
 
 class MetaRecord(GitState):
@@ -167,9 +168,10 @@ class CallRecord(
     AdapterFields,
     SampledOnFields,
     SteadinessFields,
+    TelemetryFields,
 ):
     """One measured call of a case (successful or not); a load case's calls add the load
-    fields, a case with telemetry its resource figures (telemetry/aggregate.py CALL_FIELDS), a
+    fields, a case with telemetry its resource figures (telemetry/aggregate.TelemetryFields), a
     warm call its checks against the engine (EngineCheckFields), a call of a request kind other
     than chat its kind's fields (KindFields)."""
 

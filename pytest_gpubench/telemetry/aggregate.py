@@ -8,38 +8,72 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from itertools import pairwise
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from pytest_gpubench.config.metrics import CLOCK_EVENTS
 from pytest_gpubench.telemetry.samplers import CaseSamples, GpuSample, ProcSample
 
-# The call record's telemetry fields, in this order (added after the measurement's fields).
-CALL_FIELDS = (
-    "telemetry_interval_ms",
-    "telemetry_gpu_source",
-    "telemetry_cpu_source",
-    "telemetry_samples",
-    "telemetry_notes",
-    "gpu_peak_memory_used_mib",
-    "gpu_memory_total_mib",
-    "gpu_utilization_mean_pct",
-    "gpu_power_mean_w",
-    "gpu_temperature_max_c",
-    "gpu_energy_j",
-    "gpu_energy_source",
-    "gpu_energy_j_per_token",
-    "gpu_tokens_per_j",
-    "engine_cpu_s",
-    "engine_cpu_s_per_token",
-    "engine_peak_rss_mib",
-    "system_mem_used_peak_mib",
-    "system_load1_max",
-    "engine_gpu_memory_peak_mib",
-    "gpu_other_processes",
-    "gpu_other_process_count",
-    "gpu_clock_events",
-    "gpu_clock_event_bits",
-)
+
+class GpuAggregates(TypedDict):
+    """One case's GPU figures across the node's GPUs (gpu_aggregates)."""
+
+    gpu_peak_memory_used_mib: float | None
+    engine_gpu_memory_peak_mib: float | None
+    gpu_memory_total_mib: float | None
+    gpu_utilization_mean_pct: float | None
+    gpu_power_mean_w: float | None
+    gpu_temperature_max_c: float | None
+    gpu_energy_j: float | None
+    gpu_energy_source: str | None
+    # Other processes on the GPUs during the case, and what held their clocks down: None where
+    # not read (nvidia-smi, no engine process), [] where none.
+    gpu_other_processes: list[int] | None
+    gpu_other_process_count: int | None
+    gpu_clock_events: list[str] | None
+    gpu_clock_event_bits: int | None
+
+
+class CpuAggregates(TypedDict):
+    """One case's CPU figures: the engine's CPU-seconds and peak RSS, the node's memory and
+    load (cpu_aggregates)."""
+
+    engine_cpu_s: float | None
+    engine_peak_rss_mib: float | None
+    system_mem_used_peak_mib: float | None
+    system_load1_max: float | None
+
+
+class TelemetryFields(TypedDict, total=False):
+    """The call record's telemetry fields, in this order (after the measurement's fields):
+    present on a call whose case was sampled."""
+
+    telemetry_interval_ms: float
+    telemetry_gpu_source: str | None
+    telemetry_cpu_source: str | None
+    telemetry_samples: int
+    telemetry_notes: list[str] | None
+    gpu_peak_memory_used_mib: float | None
+    gpu_memory_total_mib: float | None
+    gpu_utilization_mean_pct: float | None
+    gpu_power_mean_w: float | None
+    gpu_temperature_max_c: float | None
+    gpu_energy_j: float | None
+    gpu_energy_source: str | None
+    gpu_energy_j_per_token: float | None
+    gpu_tokens_per_j: float | None
+    engine_cpu_s: float | None
+    engine_cpu_s_per_token: float | None
+    engine_peak_rss_mib: float | None
+    system_mem_used_peak_mib: float | None
+    system_load1_max: float | None
+    engine_gpu_memory_peak_mib: float | None
+    gpu_other_processes: list[int] | None
+    gpu_other_process_count: int | None
+    gpu_clock_events: list[str] | None
+    gpu_clock_event_bits: int | None
+
+
+CALL_FIELDS = tuple(TelemetryFields.__annotations__)
 
 Points = list[tuple[float, float]]
 # NVML's energy counter on an H100 moves about every 100 ms, in steps of the power over that
@@ -116,7 +150,7 @@ def _sum_or_none(values: Sequence[float | None]) -> float | None:
     return sum(known) if known and len(known) == len(values) else None
 
 
-def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> dict[str, Any]:
+def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> GpuAggregates:
     """Across the node's GPUs: peak memory (the sum of each GPU's peak), mean utilisation (of
     all GPUs), mean power and energy (summed over GPUs). Energy comes from the counter where
     every GPU has one that moved at least MIN_COUNTER_STEPS times over the case, else from
@@ -161,8 +195,6 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> di
         "gpu_temperature_max_c": max(temperatures, default=None),
         "gpu_energy_j": energy_mj / 1000.0 if energy_mj is not None else None,
         "gpu_energy_source": source,
-        # Other processes on the GPUs during the case, and what held their clocks down: None
-        # where not read (nvidia-smi, no engine process), [] where none.
         "gpu_other_processes": others,
         "gpu_other_process_count": len(others) if others is not None else None,
         "gpu_clock_events": (
@@ -172,7 +204,7 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> di
     }
 
 
-def cpu_aggregates(samples: Sequence[ProcSample], start: float, end: float) -> dict[str, Any]:
+def cpu_aggregates(samples: Sequence[ProcSample], start: float, end: float) -> CpuAggregates:
     """The engine's CPU-seconds over the case (its counter read between samples; only samples of
     the process that served the case), its peak RSS, and the node's memory and load."""
     pids = [s.engine_pid for s in samples if s.engine_pid is not None]
@@ -189,7 +221,7 @@ def cpu_aggregates(samples: Sequence[ProcSample], start: float, end: float) -> d
     }
 
 
-def case_aggregates(case: CaseSamples, completion_tokens: int | None) -> dict[str, Any]:
+def case_aggregates(case: CaseSamples, completion_tokens: int | None) -> TelemetryFields:
     """The call record's telemetry fields (CALL_FIELDS) for one case."""
     gpu = gpu_aggregates(case.gpu, case.start, case.end)
     cpu = cpu_aggregates(case.cpu, case.start, case.end)
@@ -209,7 +241,7 @@ def case_aggregates(case: CaseSamples, completion_tokens: int | None) -> dict[st
             cpu["engine_cpu_s"] / tokens if cpu["engine_cpu_s"] is not None and tokens else None
         ),
     }
-    return {name: fields[name] for name in CALL_FIELDS}
+    return cast(TelemetryFields, {name: fields[name] for name in CALL_FIELDS})
 
 
 def sample_columns(case: CaseSamples) -> dict[str, dict[str, list[Any]]]:
