@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 
 from pytest_gpubench.engines.openai import OpenAIEngine
-from pytest_gpubench.engines.protocol import Health, Request, control_client
+from pytest_gpubench.engines.protocol import EngineFacts, Health, Request, control_client
 from pytest_gpubench.engines.tokenizer import LlamaCppCounter, TokenCounter
 from pytest_gpubench.measure.stream import StreamError, TlsSettings, joined_url
 
@@ -49,7 +49,7 @@ class LlamaCppEngine(OpenAIEngine):
             return Health(False, f"{url} answered {answer.status_code}")
         return Health(True)
 
-    def describe(self, timeout_s: float) -> dict[str, Any]:
+    def describe(self, timeout_s: float) -> EngineFacts:
         props: dict[str, Any] = {}
         try:
             with control_client(timeout_s, self._auth(), self.tls) as client:

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from pytest_gpubench.engines.protocol import (
+    EngineFacts,
     Health,
     Request,
     control_client,
@@ -135,7 +136,7 @@ class OllamaEngine:
             return Health(False, f"model '{self.model}' is not pulled on {self.base_url}")
         return Health(True)
 
-    def describe(self, timeout_s: float) -> dict[str, Any]:
+    def describe(self, timeout_s: float) -> EngineFacts:
         version = digest = None
         try:
             version = self._get("/api/version", timeout_s).get("version")

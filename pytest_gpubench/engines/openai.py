@@ -12,6 +12,7 @@ import httpx
 from pytest_gpubench.config.metrics import REQUEST_KINDS
 from pytest_gpubench.engines.protocol import (
     ChunkParser,
+    EngineFacts,
     Health,
     Request,
     api_root,
@@ -132,7 +133,7 @@ class OpenAIEngine:
             return Health(False, f"{self.base_url} does not serve model '{self.model}' ({ids})")
         return Health(True)
 
-    def describe(self, timeout_s: float) -> dict[str, Any]:
+    def describe(self, timeout_s: float) -> EngineFacts:
         """engine_version where the server says (`/version`), and what identifies the model.
 
         An OpenAI-compatible server gives no content digest: `model_digest` is None, never the

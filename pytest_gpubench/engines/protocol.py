@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -82,6 +82,25 @@ class Request:
         return {**kind_body(self.kind, self.kind_keys), **(self.extra_body or {})}
 
 
+class EngineFacts(TypedDict, total=False):
+    """What an engine says of itself for the cell record (describe()): its version and what
+    identifies its model, which the gate compares between runs (None where it does not say)."""
+
+    engine_version: str | None
+    model_digest: str | None
+    # Which of these identify the model: "digest", "path", "name and root", "name only".
+    model_identity: str | None
+    # vLLM's /v1/models entry: what the served name was loaded from, and its context.
+    model_root: str | None
+    max_model_len: int | None
+    # llama-server's /props: its model's path, its slots and its context.
+    engine_props: dict[str, object]
+    # Added by the harness: the prebuilt llama.cpp server's own build (`engine_version` is then
+    # the package's), and which of this host's paths a node ran from (a shared filesystem).
+    engine_build_info: str | None
+    shared_paths: dict[str, str]
+
+
 class Engine(Protocol):
     """One engine endpoint serving one model."""
 
@@ -95,7 +114,7 @@ class Engine(Protocol):
 
     def health(self, timeout_s: float) -> Health: ...
 
-    def describe(self, timeout_s: float) -> dict[str, Any]:
+    def describe(self, timeout_s: float) -> EngineFacts:
         """engine_version and model_digest (None where the engine does not say)."""
         ...
 

@@ -20,6 +20,7 @@ from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.config.prompts import Prompt, RequestShape
 from pytest_gpubench.config.shards import ShardFacts
 from pytest_gpubench.core.provenance import GitState, chosen_environment, load_average, utc_now
+from pytest_gpubench.engines.protocol import EngineFacts
 from pytest_gpubench.ledger.gaps import packed_record
 from pytest_gpubench.ledger.outcomes import CellOutcomeRecord
 from pytest_gpubench.ledger.schema import (
@@ -105,13 +106,13 @@ def cell_record(
     *,
     run_id: str,
     cell: Cell,
-    engine_facts: Mapping[str, Any],
+    engine_facts: EngineFacts,
     gpus: list[dict[str, str]],
     gpu_summary: str,
     node_info: NodeFacts,
     prompts: Mapping[str, Prompt] | None = None,
     engine_url: str | None = None,
-    engine_process: Mapping[str, Any] | None = None,
+    engine_process: Mapping[str, object] | None = None,
 ) -> CellRecord:
     """A healthy cell: the engine's version, the model's digest and the node's GPUs, and how it
     is asked (TLS, request keys, header names; never a header's value)."""

@@ -14,6 +14,7 @@ from typing import Any, Literal, NotRequired, TypedDict, cast, overload
 from pytest_gpubench.config.shards import ShardFacts
 from pytest_gpubench.core.errors import key_path, non_finite_at
 from pytest_gpubench.core.provenance import GitState
+from pytest_gpubench.engines.protocol import EngineFacts
 from pytest_gpubench.ledger.outcomes import CellOutcomeRecord
 from pytest_gpubench.measure.call_measurement import KindFields, MeasurementFields
 from pytest_gpubench.targets.protocol import NodeFacts, Rental
@@ -60,9 +61,23 @@ class RequestFacts(TypedDict):
     tls_warning: NotRequired[str]
 
 
-class CellRecord(RequestFacts):
+class CellFacts(TypedDict):
+    """What a cell's start found (run/live_cell.py), for its cell record: the engine's own facts,
+    the node's GPUs and facts, and where the engine was reached."""
+
+    engine_facts: EngineFacts
+    gpus: list[dict[str, str]]
+    gpu_summary: str
+    node_info: NodeFacts
+    engine_url: str
+    # An engine started outside the harness on this machine: the process found serving it
+    # ({"pid", "comm"}), or why none was ({"missing"}).
+    engine_process: NotRequired[dict[str, object]]
+
+
+class CellRecord(RequestFacts, EngineFacts):
     """A healthy cell: its engine, model and node, and what the engine said of itself (the
-    engine's describe(): its keys vary by engine, these are the ones the gate reads)."""
+    engine's describe(), EngineFacts)."""
 
     type: Literal["cell"]
     cell_id: str
@@ -72,11 +87,6 @@ class CellRecord(RequestFacts):
     model: str
     managed: bool
     endpoint: str | None
-    engine_version: NotRequired[str | None]
-    model_digest: NotRequired[str | None]
-    model_identity: NotRequired[str | None]
-    model_root: NotRequired[str | None]
-    max_model_len: NotRequired[int | None]
     gpus: list[dict[str, str]]
     gpu_summary: str
     node_info: NodeFacts
@@ -88,7 +98,7 @@ class CellRecord(RequestFacts):
     # An engine started outside the harness, on this machine: the process found serving its
     # endpoint, whose own CPU wait its calls read ({"pid", "comm"}), or why none was
     # ({"missing"}). Absent for a managed engine, one on another node, and in older ledgers.
-    engine_process: NotRequired[dict[str, Any]]
+    engine_process: NotRequired[dict[str, object]]
 
 
 class CaseHead(TypedDict):

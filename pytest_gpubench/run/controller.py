@@ -18,6 +18,7 @@ from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.secrets import SecretScrubber
 from pytest_gpubench.core.signals import TerminateAsInterrupt
 from pytest_gpubench.core.status import session_status
+from pytest_gpubench.engines.protocol import EngineFacts
 from pytest_gpubench.ledger.records import end_record, meta_record
 from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.ledger.writer import Ledger, LedgerWriteError
@@ -288,7 +289,7 @@ class RunController:
         unavailable = 0
         for cell in self.matrix.cells:
             live, _ = self.harness.live_cell(cell.cell_id)
-            facts = live.facts.get("engine_facts", {})
+            facts = live.facts["engine_facts"] if live.facts is not None else EngineFacts()
             unavailable += live.unavailable is not None and not cell.spec.optional
             self.probe_rows.append(
                 ProbeRow(

@@ -130,7 +130,8 @@ class Harness:
         settings = [cell.telemetry for cell in self.matrix.cells if cell.spec.node == node_id]
         telemetry: NodeTelemetry | None = None
         try:
-            telemetry = node_telemetry(node_id, live.target, settings, live.facts.get("gpus", []))
+            gpus = live.facts["gpus"] if live.facts is not None else []
+            telemetry = node_telemetry(node_id, live.target, settings, gpus)
             if telemetry is not None:
                 telemetry.start()
         except Exception:  # telemetry is never worth a case: measure without it
@@ -144,7 +145,7 @@ class Harness:
         live, fresh = self.live_cell(case.cell_id)
         live.check_benchmark_time()
         records: list[dict[str, Any]] = self.stage_records()
-        if fresh and live.facts:
+        if fresh and live.facts is not None:
             described = self.scrub.record(
                 as_json(
                     cell_record(

@@ -27,7 +27,9 @@ from pytest_gpubench.engines import (
 )
 from pytest_gpubench.engines.managed import ManagedServer, managed_server, model_size
 from pytest_gpubench.engines.managed_ollama import pull_model, pulled_model_bytes
+from pytest_gpubench.engines.protocol import EngineFacts
 from pytest_gpubench.ledger.records import tls_warning
+from pytest_gpubench.ledger.schema import CellFacts
 from pytest_gpubench.measure.call_measurement import CallMeasurement
 from pytest_gpubench.measure.engine_wait import EngineWait
 from pytest_gpubench.measure.gauges import CaseCounters
@@ -79,7 +81,7 @@ class LiveCell:
     # first request may load it (vLLM's LoRA slots), so each gets a warm-up of its own.
     warmed_adapters: set[str] = field(default_factory=set)
     # The cell record's facts (engine version, model digest, GPUs), once healthy.
-    facts: dict[str, Any] = field(default_factory=dict)
+    facts: CellFacts | None = None
     # When the cell became ready (its benchmark stage runs from there until it is closed).
     ready_at: float | None = None
     # A Slurm cell's gpu_check ran in its first job (not again in each restarted one).
@@ -144,21 +146,20 @@ class LiveCell:
                 self._unavailable(GpubenchError(f"health check failed: {health.reason}"))
                 return
             gpus = self.target.gpu_inventory()
-            engine_facts = self.engine.describe(HEALTH_TIMEOUT_S)
+            # A copy (a plugin's engine may hand out its own), to add to below.
+            engine_facts = EngineFacts(**self.engine.describe(HEALTH_TIMEOUT_S))
             if engine_facts.get("model_digest") is None and self.model_digest is not None:
                 # A managed engine's model file, hashed on its node (the engine may not say).
-                engine_facts = {**engine_facts, "model_digest": self.model_digest}
+                engine_facts["model_digest"] = self.model_digest
             if self.server is not None and self.server.engine_version is not None:
                 # The prebuilt llama.cpp server's own build reads `b0-unknown`: the package and
                 # its llama.cpp build are recorded instead, its own kept beside them.
-                engine_facts = {
-                    **engine_facts,
-                    "engine_version": self.server.engine_version,
-                    "engine_build_info": engine_facts.get("engine_version"),
-                }
+                own_build = engine_facts.get("engine_version")
+                engine_facts["engine_version"] = self.server.engine_version
+                engine_facts["engine_build_info"] = own_build
             if self.server is not None and self.server.shared_paths:
                 # Which of this host's paths the node ran from (a shared filesystem).
-                engine_facts = {**engine_facts, "shared_paths": self.server.shared_paths}
+                engine_facts["shared_paths"] = self.server.shared_paths
             self.facts = {
                 "engine_facts": engine_facts,
                 "gpus": gpus,
