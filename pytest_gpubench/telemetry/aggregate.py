@@ -14,38 +14,10 @@ from pytest_gpubench.config.metrics import CLOCK_EVENTS
 from pytest_gpubench.telemetry.samplers import CaseSamples, GpuSample, ProcSample
 
 
-class GpuAggregates(TypedDict):
-    """One case's GPU figures across the node's GPUs (gpu_aggregates)."""
-
-    gpu_peak_memory_used_mib: float | None
-    engine_gpu_memory_peak_mib: float | None
-    gpu_memory_total_mib: float | None
-    gpu_utilization_mean_pct: float | None
-    gpu_power_mean_w: float | None
-    gpu_temperature_max_c: float | None
-    gpu_energy_j: float | None
-    gpu_energy_source: str | None
-    # Other processes on the GPUs during the case, and what held their clocks down: None where
-    # not read (nvidia-smi, no engine process), [] where none.
-    gpu_other_processes: list[int] | None
-    gpu_other_process_count: int | None
-    gpu_clock_events: list[str] | None
-    gpu_clock_event_bits: int | None
-
-
-class CpuAggregates(TypedDict):
-    """One case's CPU figures: the engine's CPU-seconds and peak RSS, the node's memory and
-    load (cpu_aggregates)."""
-
-    engine_cpu_s: float | None
-    engine_peak_rss_mib: float | None
-    system_mem_used_peak_mib: float | None
-    system_load1_max: float | None
-
-
 class TelemetryFields(TypedDict, total=False):
     """The call record's telemetry fields, in this order (after the measurement's fields):
-    present on a call whose case was sampled."""
+    present on a call whose case was sampled. gpu_aggregates and cpu_aggregates give their
+    share of them."""
 
     telemetry_interval_ms: float
     telemetry_gpu_source: str | None
@@ -150,7 +122,7 @@ def _sum_or_none(values: Sequence[float | None]) -> float | None:
     return sum(known) if known and len(known) == len(values) else None
 
 
-def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> GpuAggregates:
+def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> TelemetryFields:
     """Across the node's GPUs: peak memory (the sum of each GPU's peak), mean utilisation (of
     all GPUs), mean power and energy (summed over GPUs). Energy comes from the counter where
     every GPU has one that moved at least MIN_COUNTER_STEPS times over the case, else from
@@ -195,6 +167,8 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> Gp
         "gpu_temperature_max_c": max(temperatures, default=None),
         "gpu_energy_j": energy_mj / 1000.0 if energy_mj is not None else None,
         "gpu_energy_source": source,
+        # Other processes on the GPUs during the case, and what held their clocks down: None
+        # where not read (nvidia-smi, no engine process), [] where none.
         "gpu_other_processes": others,
         "gpu_other_process_count": len(others) if others is not None else None,
         "gpu_clock_events": (
@@ -204,7 +178,7 @@ def gpu_aggregates(samples: Sequence[GpuSample], start: float, end: float) -> Gp
     }
 
 
-def cpu_aggregates(samples: Sequence[ProcSample], start: float, end: float) -> CpuAggregates:
+def cpu_aggregates(samples: Sequence[ProcSample], start: float, end: float) -> TelemetryFields:
     """The engine's CPU-seconds over the case (its counter read between samples; only samples of
     the process that served the case), its peak RSS, and the node's memory and load."""
     pids = [s.engine_pid for s in samples if s.engine_pid is not None]
