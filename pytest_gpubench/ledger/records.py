@@ -39,11 +39,11 @@ from pytest_gpubench.ledger.schema import (
     SampleRecord,
     SkippedRecord,
     StageRecord,
-    SteadinessFields,
     VerdictRecord,
 )
 from pytest_gpubench.measure.call_measurement import CallMeasurement, MeasurementFields
 from pytest_gpubench.measure.gauges import Page, counter_changes
+from pytest_gpubench.measure.steadiness import SteadinessFields
 from pytest_gpubench.measure.stream import STALLED
 from pytest_gpubench.targets.protocol import NodeFacts, Rental
 from pytest_gpubench.targets.stages import Stage, StageFacts

@@ -17,6 +17,7 @@ from pytest_gpubench.core.provenance import GitState
 from pytest_gpubench.engines.protocol import EngineFacts
 from pytest_gpubench.ledger.outcomes import CellOutcomeRecord
 from pytest_gpubench.measure.call_measurement import KindFields, MeasurementFields
+from pytest_gpubench.measure.steadiness import SteadinessFields
 from pytest_gpubench.targets.protocol import NodeFacts, Rental
 from pytest_gpubench.targets.stages import StageFacts
 from pytest_gpubench.telemetry.aggregate import TelemetryFields
@@ -144,30 +145,6 @@ class SampledOnFields(TypedDict, total=False):
     sampled_on: bool
     # A call of a later run of a first --baseline-update (run/history_runs.py): its run's number.
     history_run: int
-
-
-class SteadinessFields(TypedDict, total=False):
-    """A warm call's readings of the machine beside it (run/harness.py: measure/control.py,
-    measure/engine_wait.py), after its other fields; each absent where not read (steadiness
-    off, a remote engine) and from a ledger of an older version."""
-
-    control_ms: float
-    cpu_pressure: float
-    # The engine's own threads over the call: a managed engine's, or the process found serving
-    # a local endpoint (measure/listener.py).
-    engine_wait_ms: float
-    engine_cpu_ms: float
-    engine_wait_per_cpu: float
-    engine_cpus_filled: float
-    engine_cpus: str
-    # The harness's own threads over the call (the client's): its wait for a CPU, and ran.
-    client_wait_ms: float
-    client_cpu_ms: float
-    client_wait_per_cpu: float
-    # The machine's CPU time over the call less the engine's and this process's: the
-    # neighbours' share; and the share a hypervisor stole (/proc/stat's steal).
-    neighbour_cpu_share: float
-    steal_share: float
 
 
 class CallRecord(

@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pytest_gpubench.core.processes import process_tree
 
@@ -145,37 +144,3 @@ def cpu_list(cpus: set[int]) -> str:
         else:
             runs.append([cpu])
     return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
-
-
-def engine_wait_fields(waited: EngineWaiting, engine_wait: EngineWait) -> dict[str, Any]:
-    """A call record's fields of the engine's own run-queue wait and CPU time over the call
-    (measure/engine_wait), how busy it kept the CPUs it may use, and the CPUs it was pinned to,
-    if any (A/B's two engines placed alike: results/paired)."""
-    fields: dict[str, Any] = {
-        "engine_wait_ms": round(waited.wait_ms, 3),
-        "engine_cpu_ms": round(waited.cpu_ms, 3),
-    }
-    if waited.cpu_ms > 0:
-        fields["engine_wait_per_cpu"] = round(waited.wait_ms / waited.cpu_ms, 4)
-    allowed = engine_wait.allowed_cpus(waited.pids)
-    if allowed and waited.wall_ms > 0:
-        # How busy the engine kept the CPUs it may use (1.0: every one, all the call long): an
-        # engine that fills them waits for its own threads too (results/engine_checks).
-        fields["engine_cpus_filled"] = round(waited.cpu_ms / (waited.wall_ms * len(allowed)), 3)
-    pinned = engine_wait.pinned_cpus(allowed)
-    if pinned is not None:
-        fields["engine_cpus"] = pinned
-    return fields
-
-
-def client_wait_fields(waited: EngineWaiting) -> dict[str, Any]:
-    """A call record's fields of the harness's own threads' run-queue wait and CPU time over the
-    call, and their ratio (measure/engine_wait.client_wait): a client that waited for a CPU
-    read the engine's bytes late."""
-    fields: dict[str, Any] = {
-        "client_wait_ms": round(waited.wait_ms, 3),
-        "client_cpu_ms": round(waited.cpu_ms, 3),
-    }
-    if waited.cpu_ms > 0:
-        fields["client_wait_per_cpu"] = round(waited.wait_ms / waited.cpu_ms, 4)
-    return fields
