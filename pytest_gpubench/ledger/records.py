@@ -24,6 +24,7 @@ from pytest_gpubench.engines.protocol import EngineFacts
 from pytest_gpubench.ledger.gaps import packed_record
 from pytest_gpubench.ledger.outcomes import CellOutcomeRecord
 from pytest_gpubench.ledger.schema import (
+    AbPairFields,
     AdapterFields,
     CallRecord,
     CaseHead,
@@ -39,6 +40,7 @@ from pytest_gpubench.ledger.schema import (
     SampleRecord,
     SkippedRecord,
     StageRecord,
+    SyntheticFields,
     VerdictRecord,
 )
 from pytest_gpubench.measure.call_measurement import CallMeasurement, MeasurementFields
@@ -239,7 +241,10 @@ def call_record(
         **SampledOnFields(),
         # The machine's readings beside a warm call come later (run/harness.py).
         **SteadinessFields(),
-        # The case's telemetry fields come last (below).
+        # A synthetic or trace prompt's facts come later (run/harness.py, load/runner.py).
+        **SyntheticFields(),
+        # The case's A/B place and its telemetry fields come last (below).
+        **AbPairFields(),
         **TelemetryFields(),
     }
     chosen = adapter if adapter is not None else case.adapter
@@ -282,7 +287,7 @@ def cache_off_asked(request: RequestShape, extra_body: Mapping[str, Any] | None 
     return off or request.cache_salt == "per_call"
 
 
-def _ab_pair(case: Case) -> dict[str, Any]:
+def _ab_pair(case: Case) -> AbPairFields:
     """A warm call of an A/B group: the group's reference, its pair (run_idx) and its place in
     the pair's order (0: called first)."""
     if case.pair_reference is None or case.pair_order is None:

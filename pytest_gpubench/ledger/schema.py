@@ -147,6 +147,34 @@ class SampledOnFields(TypedDict, total=False):
     history_run: int
 
 
+class SyntheticFields(TypedDict, total=False):
+    """A call of a synthetic prompt (run/workloads.exact_facts): the tokens asked for, what
+    the chat template adds (usage's prompt_tokens should read their sum) and who counted them;
+    a load point's shared prefix, its tokens and its group; a trace's request, when it was due
+    in the trace and how many hash_id blocks it shares."""
+
+    input_tokens_requested: int
+    template_tokens: int | None
+    tokens_counted_by: str
+    prefix_tokens: int
+    prefix_group: int
+    trace_at_s: float
+    trace_hash_ids: int
+
+
+class AbPair(TypedDict):
+    """A warm call's place in an A/B group: the group's reference, its pair (run_idx) and its
+    place in the pair's order (0: called first)."""
+
+    reference: str
+    index: int
+    order: int
+
+
+class AbPairFields(TypedDict, total=False):
+    ab_pair: AbPair
+
+
 class CallRecord(
     CaseHead,
     MeasurementFields,
@@ -155,6 +183,8 @@ class CallRecord(
     AdapterFields,
     SampledOnFields,
     SteadinessFields,
+    SyntheticFields,
+    AbPairFields,
     TelemetryFields,
 ):
     """One measured call of a case (successful or not); a load case's calls add the load
@@ -182,6 +212,24 @@ class LoadCallRecord(CallRecord):
     send_ms: float
     send_lag_ms: float
     process: int | None
+
+
+# A ramped point's ramp (run/load/ramp.Ramp.facts): its length, shape and starting share.
+RampFacts = TypedDict("RampFacts", {"ramp_s": float, "shape": str, "from": float})
+
+
+class SaturationTrend(TypedDict):
+    """An open loop's queue over its measured window (results/load_summary.saturation_trend):
+    Kendall's tau of TTFT and of the requests in flight against send time, each one-sided p, at
+    `alpha`; `saturated` when both rise."""
+
+    alpha: float
+    n: int
+    ttft_tau: float
+    ttft_p: float
+    in_flight_tau: float
+    in_flight_p: float
+    saturated: bool
 
 
 class LoadFigures(TypedDict, total=False):
@@ -232,12 +280,12 @@ class LoadFigures(TypedDict, total=False):
     # `slice_s`: the measured window's time slices, each with its throughput and percentiles.
     slice_s: float | None
     # A ramped point's ramp (run/load/ramp.py Ramp.facts) and the requests sent in it.
-    ramp: dict[str, Any] | None
+    ramp: RampFacts | None
     ramp_requests: int
     ramp_slices: list[dict[str, Any]] | None
     # An open loop's TTFT and in-flight trends within it (results/load_summary.saturation_trend);
     # a sweep's stop once a step over-saturated (run/load/sweep.py).
-    trend: dict[str, Any] | None
+    trend: SaturationTrend | None
     saturation_stop: dict[str, Any] | None
     # `processes: N`: the client processes lost mid-point (the point then has no figure) and
     # the requests the others recorded.
@@ -275,6 +323,15 @@ class LoadFigures(TypedDict, total=False):
     # Speculative decoding over the point (run/load/runner.spec_decode_figures; issue 35).
     spec_acceptance_rate: float | None
     spec_mean_acceptance_length: float | None
+    # A multi-turn point (`turns:`, run/load/runner.session_figures): its sessions, those that
+    # ran whole, per turn the p50 TTFT and prompt tokens, and a session's span.
+    turns: int
+    sessions: int
+    sessions_ok: int
+    ttft_ms_p50_by_turn: list[float | None]
+    prompt_tokens_p50_by_turn: list[float | None]
+    session_ms_p50: float | None
+    session_ms_p99: float | None
     # A cell that chooses LoRA adapters per request: per adapter, its measured requests, errors
     # and TTFT/E2E p50 and p99 (results/load_summary.adapter_split).
     lora_split: list[dict[str, Any]]

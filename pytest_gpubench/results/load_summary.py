@@ -20,6 +20,7 @@ from pytest_gpubench.config.metrics import (
     SERVER_HISTOGRAMS,
 )
 from pytest_gpubench.ledger.gaps import gaps_ms
+from pytest_gpubench.ledger.schema import SaturationTrend
 from pytest_gpubench.results.percentiles import PERCENTILES, percentile, percentile_intervals
 
 # The figures with p50/p90/p99, and the call record field each is read from.
@@ -205,7 +206,7 @@ def in_flight_at_sends(calls: Sequence[Mapping[str, Any]]) -> list[tuple[float, 
     return [(at, bisect_right(starts, at) - bisect_right(ends, at)) for at in starts]
 
 
-def saturation_trend(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+def saturation_trend(calls: Sequence[Mapping[str, Any]]) -> SaturationTrend | None:
     """Whether an open-loop point's queue grew while it ran: Kendall's tau of the measured
     requests' TTFT against their send time, and of the requests in flight at each send against
     it, each tested one-sided (rising) with scipy.stats.kendalltau. `saturated` when both rise
@@ -236,18 +237,25 @@ def saturation_trend(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any] | Non
     # last, but are no samples of the trend).
     first, last = measured[0][0], measured[-1][0]
     flights = [(at, count) for at, count in in_flight_at_sends(calls) if first <= at <= last]
-    trend: dict[str, Any] = {"alpha": TREND_ALPHA, "n": len(measured)}
-    for name, pairs in (("ttft", measured), ("in_flight", flights)):
+
+    def rising(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
+        """Kendall's tau of the second against the first, and its one-sided p (rising)."""
         xs, ys = [x for x, _ in pairs], [float(y) for _, y in pairs]
         if len(set(ys)) < 2:
-            tau, p = 0.0, 1.0
-        else:
-            result = kendalltau(xs, ys, alternative="greater")
-            tau, p = float(result.statistic), float(result.pvalue)
-        trend[f"{name}_tau"] = round(tau, 4)
-        trend[f"{name}_p"] = float(f"{p:.3g}")
-    trend["saturated"] = bool(trend["ttft_p"] < TREND_ALPHA and trend["in_flight_p"] < TREND_ALPHA)
-    return trend
+            return 0.0, 1.0
+        result = kendalltau(xs, ys, alternative="greater")
+        return round(float(result.statistic), 4), float(f"{float(result.pvalue):.3g}")
+
+    (ttft_tau, ttft_p), (in_flight_tau, in_flight_p) = rising(measured), rising(flights)
+    return {
+        "alpha": TREND_ALPHA,
+        "n": len(measured),
+        "ttft_tau": ttft_tau,
+        "ttft_p": ttft_p,
+        "in_flight_tau": in_flight_tau,
+        "in_flight_p": in_flight_p,
+        "saturated": bool(ttft_p < TREND_ALPHA and in_flight_p < TREND_ALPHA),
+    }
 
 
 def summarize_point(

@@ -28,7 +28,7 @@ from pytest_gpubench.ledger.records import (
     skipped_record,
     stage_record,
 )
-from pytest_gpubench.ledger.schema import as_json
+from pytest_gpubench.ledger.schema import SyntheticFields, as_json
 from pytest_gpubench.measure.control import ControlCall, CpuPressure, MachineCpu
 from pytest_gpubench.measure.steadiness import CallReadings
 from pytest_gpubench.run.guards import FrozenRequests
@@ -229,7 +229,7 @@ class Harness:
         cell = self.matrix.cell(case.cell_id)
         # On a cell that chooses LoRA adapters per request, the case's adapter's fields.
         request = cell.adapter_request(cell.request_for(prompt), case.adapter)
-        facts: dict[str, Any] = {}
+        facts: SyntheticFields = {}
         if prompt.synthetic is not None:
             prompt, facts = self._exact_prompt(case, prompt, request)
         if cell.spec.duration_s is not None and case.phase == "warm":
@@ -240,7 +240,7 @@ class Harness:
 
     def _exact_prompt(
         self, case: Case, prompt: Prompt, request: RequestShape
-    ) -> tuple[Prompt, dict[str, Any]]:
+    ) -> tuple[Prompt, SyntheticFields]:
         """A synthetic prompt made exact on the case's live cell, frozen from then on like a
         test's own request (its text is known only once the engine counted it)."""
 

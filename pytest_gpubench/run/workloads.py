@@ -4,7 +4,7 @@ its engine's tokenizer, once per size) and the facts their call records carry.""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pytest_gpubench.config.prompts import Prompt
 from pytest_gpubench.config.traces import Trace, TraceEntry
@@ -17,6 +17,7 @@ from pytest_gpubench.engines.tokenizer import (
     exact_text,
     feedback_text,
 )
+from pytest_gpubench.ledger.schema import SyntheticFields
 
 if TYPE_CHECKING:
     from pytest_gpubench.run.live_cell import LiveCell
@@ -56,7 +57,7 @@ def _prompt_count(live: LiveCell, text: str) -> int | None:
     return live.request(Request(text, 1, live.cell.spec.request)).prompt_tokens
 
 
-def exact_prompt(live: LiveCell, prompt: Prompt) -> tuple[Prompt, dict[str, Any]]:
+def exact_prompt(live: LiveCell, prompt: Prompt) -> tuple[Prompt, SyntheticFields]:
     """A synthetic prompt with its exact text, and its call records' facts."""
     assert prompt.synthetic is not None
     size = prompt.synthetic.sizes[0]
@@ -64,7 +65,7 @@ def exact_prompt(live: LiveCell, prompt: Prompt) -> tuple[Prompt, dict[str, Any]
     return prompt.model_copy(update={"prompt": made.text}), exact_facts(made)
 
 
-def exact_facts(made: ExactText) -> dict[str, Any]:
+def exact_facts(made: ExactText) -> SyntheticFields:
     """What a call record says of a synthetic prompt: the tokens asked for, what the chat
     template adds (usage's prompt_tokens should read their sum), and who counted them."""
     return {

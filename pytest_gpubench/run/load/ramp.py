@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+
+from pytest_gpubench.ledger.schema import RampFacts
 
 SHAPES = ("linear", "exponential")
 # Where a ramp starts, as a share of the point's rate or concurrency, when `ramp_from` is not
@@ -71,7 +72,7 @@ class Ramp:
             return self.seconds * (level - self.start_share) / (1.0 - self.start_share)
         return self.seconds * (1.0 - math.log(level) / math.log(self.start_share))
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> RampFacts:
         """What the load record says of the ramp."""
         return {"ramp_s": self.seconds, "shape": self.shape, "from": self.start_share}
 

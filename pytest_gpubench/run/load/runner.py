@@ -25,7 +25,7 @@ from pytest_gpubench.config.traces import Trace, read_trace
 from pytest_gpubench.core.provenance import utc_now
 from pytest_gpubench.engines import ChatPayloads, Request, merge_body
 from pytest_gpubench.ledger.records import call_record, load_call_record, load_record, sample_record
-from pytest_gpubench.ledger.schema import as_json
+from pytest_gpubench.ledger.schema import LoadFigures, SyntheticFields, as_json
 from pytest_gpubench.measure.control import CpuPressure
 from pytest_gpubench.measure.gauges import GaugeScraper
 from pytest_gpubench.results.engine_checks import draft_counts
@@ -81,7 +81,7 @@ class LoadPrompts:
     request: RequestShape
     sha256: str
     # What each prompt's call records carry beside the measurement (a synthetic size's counts).
-    facts: tuple[dict[str, Any], ...] = ()
+    facts: tuple[SyntheticFields, ...] = ()
 
 
 def load_prompts(live: LiveCell, matrix: Matrix, prompt_id: str) -> LoadPrompts:
@@ -95,7 +95,7 @@ def load_prompts(live: LiveCell, matrix: Matrix, prompt_id: str) -> LoadPrompts:
     if synthetic is not None and prompt_id == synthetic.prompt_id:
         base, request = load_prompt(matrix, cell, prompt_id)
         texts: list[str] = []
-        facts: list[dict[str, Any]] = []
+        facts: list[SyntheticFields] = []
         for index, (size, seed) in enumerate(synthetic.variants):
             made = exact(live, size, seed)
             texts.append(made.text)
@@ -145,11 +145,11 @@ def _trace_prompts(live: LiveCell, trace: Trace) -> LoadPrompts:
         )
     )
     facts = tuple(
-        {
-            "input_tokens_requested": entry.input_tokens,
-            "trace_at_s": round(entry.at_s, 6),
-            "trace_hash_ids": len(entry.hash_ids),
-        }
+        SyntheticFields(
+            input_tokens_requested=entry.input_tokens,
+            trace_at_s=round(entry.at_s, 6),
+            trace_hash_ids=len(entry.hash_ids),
+        )
         for entry in entries
     )
     digest = hashlib.sha256("\n".join(p.sha256(request) for p in prompts).encode()).hexdigest()
@@ -174,7 +174,7 @@ def session_plan(
     return SessionPlan(profile.turns, profile.think_time_s, json.dumps(body).encode(), user_turns)
 
 
-def session_figures(calls: list[dict[str, Any]], turns: int | None) -> dict[str, Any]:
+def session_figures(calls: list[dict[str, Any]], turns: int | None) -> LoadFigures:
     """A multi-turn point's sessions as units: how many ran whole, per-turn TTFT and prompt
     tokens (p50 of each turn), and the session's span from its first send to its last byte."""
     if turns is None:
@@ -342,7 +342,7 @@ class _Recorder:
         self.records: list[dict[str, Any]] = []
         self.loads: list[dict[str, Any]] = []
         # Per prompt sent in turn: what its call records carry (request i: i mod n).
-        self.facts: tuple[dict[str, Any], ...] = ()
+        self.facts: tuple[SyntheticFields, ...] = ()
         # `clients:`: cells.yaml's nodes, among them the one its client tasks run on.
         self.client_nodes: Any = None
         # A cell that chooses LoRA adapters per request: each request's (by its index).
@@ -541,9 +541,7 @@ class _Recorder:
         )
 
 
-def prefix_cache_figures(
-    calls: list[dict[str, Any]], counters: Mapping[str, float]
-) -> dict[str, Any]:
+def prefix_cache_figures(calls: list[dict[str, Any]], counters: Mapping[str, float]) -> LoadFigures:
     """The engine's prefix cache over the point, beside its latency: the share of prompt tokens
     it found cached, from vLLM's own counters (prefix_cache_hits / queries over the point), else
     from llama.cpp's per-request `cache_n` against the prompt tokens (every request of the
@@ -562,7 +560,7 @@ def prefix_cache_figures(
     return {"prefix_cache_hit_rate": None, "prefix_cache_source": None}
 
 
-def spec_decode_figures(counters: Mapping[str, float]) -> dict[str, Any]:
+def spec_decode_figures(counters: Mapping[str, float]) -> LoadFigures:
     """Speculative decoding over the point from the engine's own counters (config/metrics.
     ENGINE_COUNTERS over the point: vLLM's or llama.cpp's spec_decode_*): the share of draft
     tokens accepted, and the mean acceptance length, the tokens each draft step yields
