@@ -9,7 +9,7 @@ import hashlib
 import io
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -214,45 +214,63 @@ def _conversation(
     raise GpubenchError(f"{where}: entry {number}: no user turn")
 
 
-def _sharegpt(number: int, item: Any, where: str) -> _Entry:
-    turns = item.get("conversations") if isinstance(item, dict) else None
+@dataclass(frozen=True)
+class _ChatFormat:
+    """Where a chat dataset keeps an entry's turns, what each turn's keys are called, the
+    roles it may name (as written, to OpenAI's) and the words of its two errors."""
+
+    name: str
+    turns: str
+    speaker: str
+    text: str
+    roles: Mapping[str, str]
+    # ShareGPT's speaker names are matched in any case; OpenAI's roles as written.
+    folded: bool
+    shape: str
+    needs: str
+
+
+SHAREGPT = _ChatFormat(
+    "ShareGPT", "conversations", "from", "value", SHAREGPT_ROLES, True,
+    "{from, value} turns", "a turn needs `from` (human, gpt or system) and a string `value`",
+)  # fmt: skip
+OPENAI_CHAT = _ChatFormat(
+    "OpenAI chat", "messages", "role", "content",
+    {role: role for role in ("system", "user", "assistant")}, False,
+    "{role, content}", "a message needs a role (system, user, assistant) and a string content",
+)  # fmt: skip
+
+
+def _turns(number: int, item: Any, where: str, form: _ChatFormat) -> list[tuple[str, str]]:
+    """An entry's (role, text) turns, as its format writes them; one line naming the entry
+    where it is not one."""
+    turns = item.get(form.turns) if isinstance(item, dict) else None
     if not isinstance(turns, list) or not turns:
         raise GpubenchError(
-            f"{where}: entry {number}: expected an object with a non-empty `conversations` list "
-            "of {from, value} turns (ShareGPT)"
+            f"{where}: entry {number}: expected an object with a non-empty `{form.turns}` list "
+            f"of {form.shape} ({form.name})"
         )
     pairs: list[tuple[str, str]] = []
     for turn in turns:
-        speaker = turn.get("from") if isinstance(turn, dict) else None
-        value = turn.get("value") if isinstance(turn, dict) else None
-        role = SHAREGPT_ROLES.get(str(speaker).lower())
-        if role is None or not isinstance(value, str):
+        speaker = turn.get(form.speaker) if isinstance(turn, dict) else None
+        text = turn.get(form.text) if isinstance(turn, dict) else None
+        said = str(speaker).lower() if form.folded else speaker
+        role = form.roles.get(said) if isinstance(said, str) else None
+        if role is None or not isinstance(text, str):
             raise GpubenchError(
-                f"{where}: entry {number}: a turn needs `from` (human, gpt or system) and a "
-                f"string `value` (got {json.dumps(turn)[:80]})"
+                f"{where}: entry {number}: {form.needs} (got {json.dumps(turn)[:80]})"
             )
-        pairs.append((role, value))
-    messages, answer = _conversation(number, pairs, where)
+        pairs.append((role, text))
+    return pairs
+
+
+def _sharegpt(number: int, item: Any, where: str) -> _Entry:
+    messages, answer = _conversation(number, _turns(number, item, where, SHAREGPT), where)
     return _Entry(number, messages, answer)
 
 
 def _openai(number: int, item: Any, where: str) -> _Entry:
-    messages = item.get("messages") if isinstance(item, dict) else None
-    if not isinstance(messages, list) or not messages:
-        raise GpubenchError(
-            f"{where}: entry {number}: expected an object with a non-empty `messages` list of "
-            "{role, content} (OpenAI chat)"
-        )
-    pairs: list[tuple[str, str]] = []
-    for message in messages:
-        role = message.get("role") if isinstance(message, dict) else None
-        content = message.get("content") if isinstance(message, dict) else None
-        if role not in ("system", "user", "assistant") or not isinstance(content, str):
-            raise GpubenchError(
-                f"{where}: entry {number}: a message needs a role (system, user, assistant) "
-                f"and a string content (got {json.dumps(message)[:80]})"
-            )
-        pairs.append((str(role), content))
+    pairs = _turns(number, item, where, OPENAI_CHAT)
     # The conversation up to its last user turn; an assistant turn after it is the reference.
     last_user = (
         max(i for i, (role, _c) in enumerate(pairs) if role == "user")
