@@ -232,6 +232,50 @@ class SaturationTrend(TypedDict):
     saturated: bool
 
 
+class TimeSlice(TypedDict):
+    """A slice of a point's window (`slice_s`, results/load_summary.time_slices): its requests
+    by when each was sent, output tokens/s of the tokens that arrived in it, and the TTFT, TPOT
+    and E2E p50 and p99 of its successful requests, with n."""
+
+    start_s: float
+    span_s: float
+    requests: int
+    ok: int
+    output_tokens_per_sec: float | None
+    ttft_ms_n: int
+    ttft_ms_p50: float | None
+    ttft_ms_p99: float | None
+    tpot_ms_n: int
+    tpot_ms_p50: float | None
+    tpot_ms_p99: float | None
+    e2e_ms_n: int
+    e2e_ms_p50: float | None
+    e2e_ms_p99: float | None
+
+
+class AdapterSplit(TypedDict):
+    """One LoRA adapter's share of a point (results/load_summary.adapter_split)."""
+
+    adapter: str
+    requests: int
+    errors: int
+    ttft_ms_p50: float | None
+    ttft_ms_p99: float | None
+    e2e_ms_p50: float | None
+    e2e_ms_p99: float | None
+
+
+class ClientLag(TypedDict):
+    """One client's own send lag over a point sent by several (results/load_summary.
+    lag_by_client), by its `process` index."""
+
+    process: int
+    requests: int
+    send_lag_ms_p50: float | None
+    send_lag_ms_p99: float | None
+    send_lag_ms_max: float | None
+
+
 class LoadFigures(TypedDict, total=False):
     """A load point's pattern and summary (each pattern's facts(),
     results/load_summary.summarize_load, a sweep's run/load/sweep.py): the figures the load gate
@@ -282,7 +326,7 @@ class LoadFigures(TypedDict, total=False):
     # A ramped point's ramp (run/load/ramp.py Ramp.facts) and the requests sent in it.
     ramp: RampFacts | None
     ramp_requests: int
-    ramp_slices: list[dict[str, Any]] | None
+    ramp_slices: list[TimeSlice] | None
     # An open loop's TTFT and in-flight trends within it (results/load_summary.saturation_trend);
     # a sweep's stop once a step over-saturated (run/load/sweep.py).
     trend: SaturationTrend | None
@@ -296,7 +340,9 @@ class LoadFigures(TypedDict, total=False):
     clients: dict[str, Any] | None
     client_offsets_ms: list[float]
     client_offset_errors_ms: list[float]
-    slices: list[dict[str, Any]] | None
+    slices: list[TimeSlice] | None
+    # `processes:` or `clients:`: each client's own send lag.
+    send_lag_by_process: list[ClientLag] | None
     coalesced_calls: int
     coalesced_share: float | None
     slo: dict[str, Any] | None
@@ -334,7 +380,7 @@ class LoadFigures(TypedDict, total=False):
     session_ms_p99: float | None
     # A cell that chooses LoRA adapters per request: per adapter, its measured requests, errors
     # and TTFT/E2E p50 and p99 (results/load_summary.adapter_split).
-    lora_split: list[dict[str, Any]]
+    lora_split: list[AdapterSplit]
     reasoning_tokens_p50: float | None
     cpu_pressure: float
 

@@ -20,7 +20,13 @@ from pytest_gpubench.config.metrics import (
     SERVER_HISTOGRAMS,
 )
 from pytest_gpubench.ledger.gaps import gaps_ms
-from pytest_gpubench.ledger.schema import SaturationTrend
+from pytest_gpubench.ledger.schema import (
+    AdapterSplit,
+    ClientLag,
+    LoadFigures,
+    SaturationTrend,
+    TimeSlice,
+)
 from pytest_gpubench.results.percentiles import PERCENTILES, percentile, percentile_intervals
 
 # The figures with p50/p90/p99, and the call record field each is read from.
@@ -148,7 +154,7 @@ def _rates_per_bucket(
 
 def time_slices(
     calls: Sequence[Mapping[str, Any]], start_ms: float, end_ms: float, slice_s: float
-) -> list[dict[str, Any]]:
+) -> list[TimeSlice]:
     """The measured window cut into slices of `slice_s` from its start (the last one may be
     shorter): per slice its requests (by when each was sent), their TTFT/TPOT/E2E p50 and p99
     with n, and output tokens/s of the tokens that arrived in it, so that a point whose engine
@@ -169,25 +175,31 @@ def time_slices(
                     index -= 1  # the window's last token, at its very end
                 if 0 <= index < count:
                     tokens[index] += weight
-    slices = []
+    slices: list[TimeSlice] = []
     for index, own in enumerate(sent):
         begin = start_ms + index * width
         span_s = (min(begin + width, end_ms) - begin) / 1000.0
         ok = [call for call in own if is_ok(call)]
-        row: dict[str, Any] = {
-            "start_s": round(index * slice_s, 4),
-            "span_s": round(span_s, 4),
-            "requests": len(own),
-            "ok": len(ok),
-            "output_tokens_per_sec": round(tokens[index] / span_s, 3) if span_s > 0 else None,
-        }
-        for name, field in (("ttft_ms", "first_delta_ms"), ("tpot_ms", "tpot_ms"),
-                            ("e2e_ms", "total_duration_ms")):  # fmt: skip
-            values = _numbers(ok, field)
-            row[f"{name}_n"] = len(values)
-            row[f"{name}_p50"] = percentile(values, 50)
-            row[f"{name}_p99"] = percentile(values, 99)
-        slices.append(row)
+        ttft, tpot = _numbers(ok, "first_delta_ms"), _numbers(ok, "tpot_ms")
+        e2e = _numbers(ok, "total_duration_ms")
+        slices.append(
+            {
+                "start_s": round(index * slice_s, 4),
+                "span_s": round(span_s, 4),
+                "requests": len(own),
+                "ok": len(ok),
+                "output_tokens_per_sec": round(tokens[index] / span_s, 3) if span_s > 0 else None,
+                "ttft_ms_n": len(ttft),
+                "ttft_ms_p50": percentile(ttft, 50),
+                "ttft_ms_p99": percentile(ttft, 99),
+                "tpot_ms_n": len(tpot),
+                "tpot_ms_p50": percentile(tpot, 50),
+                "tpot_ms_p99": percentile(tpot, 99),
+                "e2e_ms_n": len(e2e),
+                "e2e_ms_p50": percentile(e2e, 50),
+                "e2e_ms_p99": percentile(e2e, 99),
+            }
+        )
     return slices
 
 
@@ -382,10 +394,10 @@ LOST_CLIENT_KEEPS = ("offered_rate", "max_send_lag_ms", "slice_s", "ramp_request
 
 def adapter_split(
     calls: Sequence[Mapping[str, Any]], adapters: Sequence[str]
-) -> list[dict[str, Any]]:
+) -> list[AdapterSplit]:
     """Per LoRA adapter (in the cell's order), over the measured window: its requests, their
     errors, and the TTFT and E2E p50 and p99 of its successful ones."""
-    rows = []
+    rows: list[AdapterSplit] = []
     for adapter in adapters:
         measured = [
             call
@@ -507,7 +519,7 @@ def _goodput(
     measured: Sequence[Mapping[str, Any]],
     slo: Slo | None,
     window_s: float,
-) -> dict[str, Any]:
+) -> LoadFigures:
     if slo is None:
         return {"slo": None, "goodput_rate": None, "slo_attainment": None, "meets_slo": None}
     good = sum(meets_slo(call, slo) for call in ok)
@@ -520,10 +532,10 @@ def _goodput(
     }
 
 
-def lag_by_client(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def lag_by_client(calls: Sequence[Mapping[str, Any]]) -> list[ClientLag]:
     """Each client's own send lag (p50, p99, max ms) over the measured window, by its
     `process` index (a client process, or a client task on another node)."""
-    rows = []
+    rows: list[ClientLag] = []
     for process in sorted({call.get("process") or 0 for call in calls}):
         lags = [
             float(call["send_lag_ms"])
