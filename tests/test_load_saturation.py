@@ -1,5 +1,5 @@
 """A sweep's stop at saturation: an open-loop point whose TTFT and requests in flight both rise
-within it (one-sided Kendall tests, results/load_summary.saturation_trend) over-saturated its
+within it (one-sided Kendall tests, results/load_over_time.saturation_trend) over-saturated its
 engine; the sweep runs no higher rate, names the rate and keeps the time. Pure for the trend and
 the sweep's logic; end to end against tests/support/keepalive_server.py with a fixed capacity
 (at most 2 replies at once, each at least 50 ms: a stand-in, as no engine here has a set
@@ -18,7 +18,7 @@ from support.keepalive_server import keepalive_server
 from test_load import ledger_records, write_load_project
 
 from pytest_gpubench.config.load_profile import LoadProfile, Sweep
-from pytest_gpubench.results.load_summary import saturation_trend
+from pytest_gpubench.results.load_over_time import saturation_trend
 from pytest_gpubench.run.load import LoadPattern
 from pytest_gpubench.run.load.sweep import run_sweep
 

@@ -14,7 +14,8 @@ from test_html_report import chromium, console_problems, needs_chromium
 from test_load import ledger_records, write_load_project
 
 from pytest_gpubench.reports.load_html import render_load_section
-from pytest_gpubench.results.load_summary import summarize_point, time_slices
+from pytest_gpubench.results.load_over_time import time_slices
+from pytest_gpubench.results.load_summary import summarize_point
 
 
 def _call(send_ms: float, ttft: float, *, tokens: int = 4) -> dict[str, object]:

@@ -204,7 +204,7 @@ class LoadProfile(_Strict):
     # each sends its share (streams, or rate/N) and reports its own send lag.
     processes: Annotated[int, Field(ge=1, le=64)] = 1
     # The measured window cut into slices this long, each with its own throughput and
-    # percentiles in the load record (results/load_summary.time_slices).
+    # percentiles in the load record (results/load_over_time.time_slices).
     slice_s: PositiveFloat | None = None
     # Client tasks on a Slurm or ssh node instead of processes here (Clients).
     clients: Clients | None = None

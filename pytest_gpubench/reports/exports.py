@@ -96,7 +96,7 @@ SERVER_FIGURES = ("ttft_ms", "tpot_ms", "e2e_ms")
 # (results/percentiles.percentile_intervals): the load CSV's `<figure>_p<q>_low`/`_high`.
 INTERVAL_FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 INTERVAL_PERCENTILES = (50, 90, 99)
-# An open-loop point's queue trend (results/load_summary.saturation_trend): `trend_<field>`.
+# An open-loop point's queue trend (results/load_over_time.saturation_trend): `trend_<field>`.
 TREND_FIELDS = ("n", "ttft_tau", "ttft_p", "in_flight_tau", "in_flight_p", "saturated")
 # A sweep's stop at saturation: `saturation_stop_<field>` (skipped: how many rates).
 STOP_FIELDS = ("load_point", "rate", "skipped", "time_kept_s")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pytest_gpubench.ledger.schema import RampFacts
+from pytest_gpubench.ledger.load_figures import RampFacts
 
 SHAPES = ("linear", "exponential")
 # Where a ramp starts, as a share of the point's rate or concurrency, when `ramp_from` is not

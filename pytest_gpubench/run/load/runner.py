@@ -24,8 +24,9 @@ from pytest_gpubench.config.synthetic import synthetic_prompt
 from pytest_gpubench.config.traces import Trace, read_trace
 from pytest_gpubench.core.provenance import utc_now
 from pytest_gpubench.engines import ChatPayloads, Request, merge_body
+from pytest_gpubench.ledger.load_figures import LoadFigures
 from pytest_gpubench.ledger.records import call_record, load_call_record, load_record, sample_record
-from pytest_gpubench.ledger.schema import LoadFigures, SyntheticFields, as_json
+from pytest_gpubench.ledger.schema import SyntheticFields, as_json
 from pytest_gpubench.measure.control import CpuPressure
 from pytest_gpubench.measure.gauges import GaugeScraper
 from pytest_gpubench.results.engine_checks import draft_counts

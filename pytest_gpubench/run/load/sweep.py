@@ -2,7 +2,7 @@
 `max_concurrency`), then k open-loop rates evenly between the two (or up to `up_to` times the
 second); the saturation point is the highest rate that met the SLO (without one: that the engine
 kept up with). The rates stop rising at the first one whose TTFT and requests in flight both
-rose within it (results/load_summary.saturation_trend): the higher ones are not run, and the
+rose within it (results/load_over_time.saturation_trend): the higher ones are not run, and the
 time they would have taken is kept."""
 
 from __future__ import annotations
