@@ -28,6 +28,7 @@ from pytest_gpubench.ledger.records import call_record, cell_record
 from pytest_gpubench.ledger.schema import as_json
 from pytest_gpubench.ledger.writer import CellKeys, record_line
 from pytest_gpubench.measure.call_measurement import CallMeasurement
+from pytest_gpubench.telemetry.aggregate import TelemetryFields
 
 PROMPT_TOKENS = {"P-EASY": 64, "P-MEDIUM": 512, "P-HARD": 1024}
 PROMPTS = Path(__file__).parent.parent / "prompts.yaml"
@@ -93,7 +94,7 @@ def measurement(rng: random.Random, tokens: int) -> CallMeasurement:
     )
 
 
-def telemetry(rng: random.Random, tokens: int) -> dict[str, Any]:
+def telemetry(rng: random.Random, tokens: int) -> TelemetryFields:
     energy = rng.uniform(20.0, 90.0)
     cpu = rng.uniform(0.2, 4.0)
     return {
@@ -133,7 +134,7 @@ def cell_of(cell: Cell) -> dict[str, Any]:
             },
             gpus=[{"name": "NVIDIA H100 80GB HBM3", "memory_total_mib": "81559"}],
             gpu_summary="1x NVIDIA H100 80GB HBM3",
-            node_info={"cpu": "x86_64", "memory_gib": 2015.6},
+            node_info={"cpu_model": "x86_64", "cpu_count": 2015},
             engine_url=cell.endpoint_as_written,
         )
     )

@@ -27,6 +27,7 @@ from pytest_gpubench.engines.managed import ManagedLlamaServer
 from pytest_gpubench.engines.tinymodel import ensure_tiny_model
 from pytest_gpubench.targets import Target
 from pytest_gpubench.targets.local import LocalTarget
+from pytest_gpubench.targets.protocol import Rental
 from pytest_gpubench.targets.slurm import SlurmTarget, open_slurm_target
 
 
@@ -70,7 +71,7 @@ def main() -> None:
     from support.slurm_fixtures import running_cluster
 
     with tempfile.TemporaryDirectory() as work, running_cluster() as cluster:
-        ended: list[dict[str, Any]] = []
+        ended: list[Rental] = []
         node = SlurmNode(
             kind="slurm",
             partition=cluster.partition,
