@@ -93,7 +93,6 @@ class BenchEngine:
         the gate judges as it judges a json_schema prompt's (docs/request-kinds.md), instead of
         a failed test. A request that differs from the one this test was baselined with is
         refused, unsent."""
-
         test_id = self.case.test_id
         if test_id is None:
             pytest.fail(
@@ -194,7 +193,6 @@ class BenchCase:
     def run(self) -> dict[str, Any]:
         """Measure the case once; returns its call record (docs/benchmarks.md); the case's
         sample record travels beside it."""
-
         made: tuple[dict[str, Any], list[dict[str, Any]]] | GpubenchError
         try:
             made = self.harness.run_case(self.case)

@@ -203,7 +203,6 @@ class ManagedLlamaServer(ManagedServer):
         parallel: int = 1,
         metrics: bool = False,
     ) -> None:
-
         super().__init__(
             target,
             cell_id=cell_id,

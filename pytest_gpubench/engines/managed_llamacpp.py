@@ -275,7 +275,6 @@ def _shared_path(cell: Cell, target: Target, key: str, local: Path | None) -> st
     """A key the cell left out on a remote node: the submit host's file, where the node sees
     the same file at the same path (a shared filesystem, the common case on a cluster: checked
     by sha256); otherwise one line saying why it is needed."""
-
     need = (
         f"cell {cell.cell_id}: {key}: not set, and a managed llamacpp cell on a remote node "
         f"needs it (a path on the node; install it with setup)"

@@ -216,7 +216,6 @@ def _first(values: Sequence[float | None]) -> float | None:
 def render_history_html(history: History) -> str:
     """One self-contained page: a chart per (cell, prompt), one panel per metric, regressions as
     red crosses and baseline updates as dashed lines."""
-
     plt = pyplot()
     runs = history.runs
     by_key: dict[tuple[str, str], list[Trend]] = {}

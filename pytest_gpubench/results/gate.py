@@ -530,7 +530,6 @@ def telemetry_verdicts(
 ) -> list[Verdict]:
     """A regression for each (cell, prompt) whose warm calls' resource figure went over its
     cell's `max_` limit (peak VRAM, energy or engine CPU-seconds per token); none unmeasured."""
-
     limits = {
         cell_id: {name: getattr(cell, name) for name in LIMITED_FIGURES}
         for cell_id, cell in thresholds.items()

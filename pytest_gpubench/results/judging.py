@@ -218,7 +218,6 @@ def holds_back(verdict: Verdict) -> bool:
 @cache
 def _higher_is_better() -> frozenset[str]:
     """The verdict metrics where higher is better: the gated figures' and the load points'."""
-
     return frozenset(m.name for m in LOAD_GATED if m.higher_is_better) | {
         figure.name for figure in GATED if MEASURE_BY_NAME[figure.measure].higher_is_better
     }

@@ -70,7 +70,6 @@ def ratified_change(
     ratifying, not the machine's drift). Needs MIN_HISTORY runs before it: a shorter history has
     no spread. With `short_steps`, after fewer (but at least two), a move past the threshold is
     a step."""
-
     for metric, value in run.figures.items():
         if metric not in metrics:
             continue

@@ -243,7 +243,6 @@ class Harness:
     ) -> tuple[Prompt, SyntheticFields]:
         """A synthetic prompt made exact on the case's live cell, frozen from then on like a
         test's own request (its text is known only once the engine counted it)."""
-
         exact, facts = exact_prompt(self.cells[case.cell_id], prompt)
         if self.frozen is not None:
             self.frozen.check(

@@ -241,7 +241,6 @@ class LiveCell:
     def _pull(self, base_url: str, clock: StageClock) -> None:
         """Stage model_pull of an engine that fetches its own model (Ollama), within the node's
         model_pull timeout (setup_timeout_s by default); its progress goes with the outcome."""
-
         cell_id = self.cell.cell_id
         default = getattr(self.cell.node, "setup_timeout_s", PULL_TIMEOUT_S)
         with clock.stage("model_pull", default, cell_id=cell_id) as limit:

@@ -134,7 +134,6 @@ def load_prompts(live: LiveCell, matrix: Matrix, prompt_id: str) -> LoadPrompts:
 def _trace_prompts(live: LiveCell, trace: Trace) -> LoadPrompts:
     """A trace's requests in arrival order, each its own prompt and output length (fixed:
     ignore_eos, as the trace's answer was that long)."""
-
     entries = read_trace(trace, f"{live.cell.cell_id}: load.trace")
     request = live.cell.spec.request or RequestShape()
     if request.ignore_eos is None:
@@ -567,7 +566,6 @@ def spec_decode_figures(counters: Mapping[str, float]) -> LoadFigures:
     tokens accepted, and the mean acceptance length, the tokens each draft step yields
     (accepted per draft, plus the target model's own one, as vLLM counts it); None where the
     engine drafted nothing."""
-
     found = draft_counts(counters)
     drafts = found[2] if found is not None else None
     if found is None or not drafts:
