@@ -136,12 +136,13 @@ class Ledger:
     def append(self, record: dict[str, Any]) -> None:
         if self._fd is None:
             raise LedgerWriteError(f"{self.path}: the ledger is closed")
-        line = self._dumps(self._cell_keys.compact(record))
+        compact = self._cell_keys.compact(record)
+        line = self._dumps(compact)
         if "NaN" in line or "Infinity" in line:
             # Rare (a text may hold the words): only then the record types (h11, pydantic).
             from pytest_gpubench.ledger.schema import finite_fields
 
-            line = self._dumps(finite_fields(self._cell_keys.compact(record)))
+            line = self._dumps(finite_fields(compact))
         if self._scrub is not None:
             line = self._scrub(line)
         data = (line + "\n").encode("utf-8")
