@@ -166,3 +166,50 @@ def test_every_measure_reaches_the_reports_columnar_reader(tmp_path: Path) -> No
     for measure in MEASURES:
         assert from_columns.warm[measure.name] == from_records.warm[measure.name], measure.name
     assert from_columns.samples == from_records.samples
+
+
+def test_every_resource_figure_is_summarized_shown_and_limited_as_the_table_says(
+    tmp_path: Path,
+) -> None:
+    """config/metrics.RESOURCES: each figure is summed up over the warm calls as declared (the
+    peak, else the median), the same from the records and from the report's columns, has its
+    column in the resource table, and one with a `max_` key is a cells.yaml key whose breach the
+    gate calls a regression under the figure's name."""
+    import json
+
+    from pytest_gpubench.config.metrics import RESOURCE_LIMITS, RESOURCES
+    from pytest_gpubench.reports.frame import read_ledger_frame
+    from pytest_gpubench.reports.telemetry_table import TELEMETRY_HEADERS, telemetry_rows
+    from pytest_gpubench.results.gate import telemetry_verdicts
+    from pytest_gpubench.telemetry.aggregate import telemetry_summaries
+
+    records = calls(runs=3)
+    for run_idx, record in enumerate(records):
+        record.update({figure.name: 10.0 * (run_idx + 1) for figure in RESOURCES})
+    ledger = tmp_path / "run.jsonl"
+    ledger.write_text(
+        "".join(json.dumps(r) + "\n" for r in [{"type": "meta", "benchmark_run_id": "r"}, *records])
+    )
+    (summary,) = telemetry_summaries(records)
+    assert read_ledger_frame(ledger).telemetry() == [summary]
+    (row,) = telemetry_rows([summary])
+    for figure in RESOURCES:
+        assert getattr(summary, figure.name) == (30.0 if figure.peak else 20.0), figure.name
+        assert (
+            row[TELEMETRY_HEADERS.index(figure.header)]
+            == f"{(30.0 if figure.peak else 20.0):.{figure.digits}f}"
+        )
+
+    keys = ", ".join(f"{key}: 15" for key in RESOURCE_LIMITS)
+    (tmp_path / "prompts.yaml").write_text(
+        "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 4}\n"
+    )
+    (tmp_path / "cells.yaml").write_text(
+        "nodes: {local: {kind: local}}\n"
+        f"cells:\n  - {{node: local, engine: llamacpp, model: tiny, thresholds: {{{keys}}}}}\n"
+    )
+    (cell,) = read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml").cells
+    verdicts = {v.metric: v for v in telemetry_verdicts(records, {CELL: cell.thresholds})}
+    assert set(verdicts) == set(RESOURCE_LIMITS.values())
+    for key, name in RESOURCE_LIMITS.items():
+        assert verdicts[name].verdict == "regression" and f"({key}: 15)" in verdicts[name].message

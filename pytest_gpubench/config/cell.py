@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from pytest_gpubench.config.engine_kinds import BUILT_IN, engine_kind
 from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting
-from pytest_gpubench.config.metrics import GATED, VALIDITY
+from pytest_gpubench.config.metrics import GATED, RESOURCE_LIMITS, VALIDITY
 from pytest_gpubench.config.nodes import AnyNode, context_kinds, unknown_kind
 from pytest_gpubench.config.prompts import Prompt, RequestShape
 
@@ -50,11 +50,10 @@ class Thresholds(_Strict):
     `max_` limits are absolute, on the warm calls' resource telemetry."""
 
     success_rate: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    max_peak_vram_mib: PositiveFloat | None = None
-    # The engine's own processes' VRAM (NVML on this machine); the whole GPU's is the one above.
-    max_engine_vram_mib: PositiveFloat | None = None
-    max_energy_j_per_token: PositiveFloat | None = None
-    max_engine_cpu_s_per_token: PositiveFloat | None = None
+    # Each resource figure's `max_` limit (max_peak_vram_mib, max_energy_j_per_token, ...:
+    # config/metrics.RESOURCES).
+    __annotations__.update({key: "PositiveFloat | None" for key in RESOURCE_LIMITS})
+    locals().update({key: None for key in RESOURCE_LIMITS})
     # The engine's own preemptions over a (cell, prompt)'s warm calls (its /metrics; issue 35).
     max_preemptions: Annotated[int, Field(ge=0)] | None = None
     # Each gated figure's key (ttft_p50, total_p50, tokens_per_sec, first_answer_p50, ...), a

@@ -404,6 +404,46 @@ LOAD_DEFAULT_THRESHOLDS = {
 MEASURE_BY_NAME = {measure.name: measure for measure in MEASURES}
 
 
+@dataclass(frozen=True)
+class ResourceFigure:
+    """A warm call's resource telemetry figure (telemetry/aggregate.py measures it per case) and
+    how a (cell, prompt) sums it up over its warm calls: the peak of the per-call peaks, else the
+    median. Its column in the resource table (the terminal, the Markdown and HTML reports), and
+    the absolute `max_` limit cells.yaml's `thresholds:` may hold it to (config/cell.Thresholds;
+    over it is a regression)."""
+
+    name: str
+    header: str
+    digits: int
+    peak: bool = False
+    limit_key: str | None = None
+    # Energy, marked `~` in the table where integrated from power draw.
+    energy: bool = False
+
+
+# In the resource table's order.
+RESOURCES: tuple[ResourceFigure, ...] = (
+    ResourceFigure("gpu_peak_memory_used_mib", "peak VRAM MiB", 0, True, "max_peak_vram_mib"),
+    # The engine's own processes' VRAM (NVML on this machine); the whole GPU's is the one above.
+    ResourceFigure("engine_gpu_memory_peak_mib", "engine VRAM MiB", 0, True, "max_engine_vram_mib"),
+    ResourceFigure("gpu_utilization_mean_pct", "GPU util %", 1),
+    ResourceFigure("gpu_power_mean_w", "power W", 1),
+    ResourceFigure(
+        "gpu_energy_j_per_token", "J/token", 4, limit_key="max_energy_j_per_token", energy=True
+    ),
+    ResourceFigure("gpu_tokens_per_j", "tokens/J", 2, energy=True),
+    ResourceFigure("engine_cpu_s", "engine CPU s", 3),
+    ResourceFigure(
+        "engine_cpu_s_per_token", "CPU s/token", 5, limit_key="max_engine_cpu_s_per_token"
+    ),
+    ResourceFigure("engine_peak_rss_mib", "peak RSS MiB", 1, peak=True),
+)  # fmt: skip
+# The `max_` limits: the figure each holds.
+RESOURCE_LIMITS = {
+    figure.limit_key: figure.name for figure in RESOURCES if figure.limit_key is not None
+}
+
+
 def sampled() -> tuple[str, ...]:
     """The measures whose raw values are kept per (cell, prompt)."""
     return tuple(m.name for m in MEASURES if m.samples)

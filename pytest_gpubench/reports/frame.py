@@ -25,7 +25,7 @@ import numpy as np
 import orjson
 import pandas as pd
 
-from pytest_gpubench.config.metrics import VALIDITY
+from pytest_gpubench.config.metrics import RESOURCES, VALIDITY
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.ledger.schema import (
     CellRecord,
@@ -156,9 +156,10 @@ class LedgerData:
         return engine_checks_frame(self.calls, unchecked)
 
 
-# TelemetrySummary's figures: the peak of the per-call peaks, the median of the rest.
-_TELEMETRY_PEAKS = ("gpu_peak_memory_used_mib", "engine_gpu_memory_peak_mib", "engine_peak_rss_mib")
-_TELEMETRY_MEDIANS = tuple(name for name in TELEMETRY_NUMBERS if name not in _TELEMETRY_PEAKS)
+# TelemetrySummary's figures (config/metrics.RESOURCES): the peak of the per-call peaks, the
+# median of the rest.
+_TELEMETRY_PEAKS = tuple(figure.name for figure in RESOURCES if figure.peak)
+_TELEMETRY_MEDIANS = tuple(figure.name for figure in RESOURCES if not figure.peak)
 
 
 def _energy_sources(column: pd.Series[Any]) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pytest_gpubench.config.metrics import MEASURES
+from pytest_gpubench.config.metrics import MEASURES, RESOURCES
 from pytest_gpubench.ledger.writer import CELL_KEYS
 from pytest_gpubench.results.engine_checks import CHECK_FIELDS, COUNTER_COLUMNS, COUNTER_PREFIX
 from pytest_gpubench.results.stats import DECODE_METRICS, text_column
@@ -23,17 +23,7 @@ SUMMARY_TEXT = (
 SUMMARY_NUMBERS = ("run_idx", *(measure.field for measure in MEASURES))
 # The per-case resource figures (telemetry/aggregate.py) the report's telemetry table needs.
 TELEMETRY_TEXT = ("gpu_energy_source",)
-TELEMETRY_NUMBERS = (
-    "gpu_peak_memory_used_mib",
-    "gpu_utilization_mean_pct",
-    "gpu_power_mean_w",
-    "gpu_energy_j_per_token",
-    "gpu_tokens_per_j",
-    "engine_cpu_s",
-    "engine_cpu_s_per_token",
-    "engine_peak_rss_mib",
-    "engine_gpu_memory_peak_mib",
-)
+TELEMETRY_NUMBERS = tuple(figure.name for figure in RESOURCES)
 # The warm calls' checks against the engine: results/engine_checks.CHECK_FIELDS (those not read
 # already), and each of the call's engine_counters as a column of its own (COUNTER_COLUMNS).
 CHECK_NUMBERS = tuple(

@@ -15,6 +15,7 @@ from pytest_gpubench.config.metrics import (
     DEFAULT_RATIO_THRESHOLD,
     DEFAULT_SUCCESS_RATE,
     MEASURES,
+    RESOURCE_LIMITS,
     VALIDITY,
     ValidityRate,
 )
@@ -53,7 +54,7 @@ from pytest_gpubench.results.run_history import (
 from pytest_gpubench.results.stats import PromptSummary, is_success, summaries_by_key
 from pytest_gpubench.results.steadiness import Steadiness, signed_percent
 from pytest_gpubench.results.verdict import Attribution, Verdict, from_decision
-from pytest_gpubench.telemetry.aggregate import LIMITED_FIGURES, limit_breaches, telemetry_summaries
+from pytest_gpubench.telemetry.aggregate import limit_breaches, telemetry_summaries
 
 __all__ = [
     "ALPHA",
@@ -531,7 +532,7 @@ def telemetry_verdicts(
     """A regression for each (cell, prompt) whose warm calls' resource figure went over its
     cell's `max_` limit (peak VRAM, energy or engine CPU-seconds per token); none unmeasured."""
     limits = {
-        cell_id: {name: getattr(cell, name) for name in LIMITED_FIGURES}
+        cell_id: {name: getattr(cell, name) for name in RESOURCE_LIMITS}
         for cell_id, cell in thresholds.items()
     }
     return [

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from itertools import pairwise
 from typing import Any, TypedDict, cast
 
-from pytest_gpubench.config.metrics import CLOCK_EVENTS
+from pytest_gpubench.config.metrics import CLOCK_EVENTS, RESOURCE_LIMITS, RESOURCES
 from pytest_gpubench.telemetry.samplers import CaseSamples, GpuSample, ProcSample
 
 
@@ -241,8 +241,8 @@ def _compact(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class TelemetrySummary:
-    """Per (cell, prompt), over the warm calls that succeeded: medians of the per-call figures,
-    peaks of the peaks."""
+    """Per (cell, prompt), over the warm calls that succeeded: a field per figure of
+    config/metrics.RESOURCES, the median of the per-call figures or the peak of the peaks."""
 
     cell_id: str
     prompt_id: str
@@ -290,28 +290,14 @@ def telemetry_summaries(records: Iterable[Mapping[str, Any]]) -> list[TelemetryS
                 cell_id=cell_id,
                 prompt_id=prompt_id,
                 calls=len(calls),
-                gpu_peak_memory_used_mib=_peak(calls, "gpu_peak_memory_used_mib"),
-                engine_gpu_memory_peak_mib=_peak(calls, "engine_gpu_memory_peak_mib"),
-                gpu_utilization_mean_pct=_median(calls, "gpu_utilization_mean_pct"),
-                gpu_power_mean_w=_median(calls, "gpu_power_mean_w"),
-                gpu_energy_j_per_token=_median(calls, "gpu_energy_j_per_token"),
-                gpu_tokens_per_j=_median(calls, "gpu_tokens_per_j"),
                 gpu_energy_source="+".join(sources) or None,
-                engine_cpu_s=_median(calls, "engine_cpu_s"),
-                engine_cpu_s_per_token=_median(calls, "engine_cpu_s_per_token"),
-                engine_peak_rss_mib=_peak(calls, "engine_peak_rss_mib"),
+                **{
+                    figure.name: (_peak if figure.peak else _median)(calls, figure.name)
+                    for figure in RESOURCES
+                },
             )
         )
     return summaries
-
-
-# The optional limits a gate may hold a (cell, prompt) to: its summary's figure by each name.
-LIMITED_FIGURES = {
-    "max_peak_vram_mib": "gpu_peak_memory_used_mib",
-    "max_engine_vram_mib": "engine_gpu_memory_peak_mib",
-    "max_energy_j_per_token": "gpu_energy_j_per_token",
-    "max_engine_cpu_s_per_token": "engine_cpu_s_per_token",
-}
 
 
 @dataclass(frozen=True)
@@ -332,12 +318,12 @@ class LimitBreach:
 def limit_breaches(
     summaries: Iterable[TelemetrySummary], limits: Mapping[str, Mapping[str, float | None]]
 ) -> list[LimitBreach]:
-    """Every figure over its limit ({cell_id: {limit name (LIMITED_FIGURES): limit}}); a figure
-    that was not measured (no GPU, no engine process) breaches nothing."""
+    """Every figure over its limit ({cell_id: {`max_` key (config/metrics.RESOURCE_LIMITS):
+    limit}}); a figure that was not measured (no GPU, no engine process) breaches nothing."""
     breaches = []
     for summary in summaries:
         for limit_name, limit in sorted(limits.get(summary.cell_id, {}).items()):
-            figure = LIMITED_FIGURES[limit_name]
+            figure = RESOURCE_LIMITS[limit_name]
             value = getattr(summary, figure)
             if limit is not None and value is not None and value > limit:
                 breaches.append(
