@@ -199,3 +199,16 @@ def test_ratified_settings_start_the_points_history_afresh() -> None:
     assert [run["benchmark_run_id"] for run in baseline_point(changed, second)["history"]] == ["r3"]
     reworded = point(shaping(), benchmark_run_id="r3", prompt_sha256="t")
     assert [r["benchmark_run_id"] for r in baseline_point(reworded, second)["history"]] == ["r3"]
+
+
+@pytest.mark.parametrize("deep", [{}, []], ids=["object", "list"])
+def test_a_baseline_setting_nested_thousands_deep_is_shown_cut_short(deep: Any) -> None:
+    """A baseline edited by hand whose SLO nests 3000 levels: the point is incomparable, its
+    message says so with the deep part cut short, never a RecursionError."""
+    nested: Any = deep
+    for _ in range(3000):
+        nested = {"k": nested} if isinstance(deep, dict) else [nested]
+    baseline = {**shaping(), "slo": {"ttft_ms": nested}}
+    (verdict,) = judge_point(point(shaping()), point(baseline), LoadThresholds())
+    assert verdict.verdict == "incomparable"
+    assert "slo {ttft_ms: " in verdict.message and "…" in verdict.message

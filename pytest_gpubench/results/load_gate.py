@@ -137,14 +137,25 @@ def settings_changes(baseline: Mapping[str, Any] | None, current: Mapping[str, A
     return "; ".join(changed)
 
 
-def _setting(value: Any) -> str:
+# Deeper than any setting (the sweep's and the SLO's are two levels): a baseline edited into
+# thousands of levels shows `{…}` there rather than recursing past Python's limit.
+_SETTING_DEPTH = 8
+
+
+def _setting(value: Any, depth: int = 0) -> str:
     if value is None:
         return "unset"
     if isinstance(value, Mapping):
-        return (
-            "{" + ", ".join(f"{k}: {_setting(v)}" for k, v in value.items() if v is not None) + "}"
-        )
-    return f"{value:g}" if isinstance(value, float) else str(value)
+        if depth >= _SETTING_DEPTH:
+            return "{…}"
+        shown = (f"{k}: {_setting(v, depth + 1)}" for k, v in value.items() if v is not None)
+        return "{" + ", ".join(shown) + "}"
+    if isinstance(value, float):
+        return f"{value:g}"
+    try:
+        return str(value)
+    except RecursionError:  # a list nested as deep (str recurses through it)
+        return "[…]"
 
 
 def judge_metric(
