@@ -464,3 +464,40 @@ def test_a_read_that_already_counts_the_call_is_not_settled_again_and_a_lapse_is
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_every_counter_the_table_limits_is_a_cells_yaml_key_judged_under_its_name(
+    tmp_path: Path,
+) -> None:
+    """config/metrics.COUNTER_LIMITS: each limited counter's `max_` key reads from cells.yaml
+    (a count: -1 is refused), its sum over the warm calls past it is a regression named by the
+    counter, and not read it is `inconclusive`."""
+    from pytest_gpubench.config.metrics import COUNTER_LIMITS
+    from pytest_gpubench.results.engine_checks import check_verdicts
+    from pytest_gpubench.results.judging_settings import CellJudging, JudgingSettings
+
+    (tmp_path / "prompts.yaml").write_text(
+        "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 4}\n"
+    )
+    for key, counter in COUNTER_LIMITS.items():
+        cells = tmp_path / "cells.yaml"
+        cells.write_text(
+            "nodes: {local: {kind: local}}\ncells:\n  - {node: local, engine: openai, "
+            f"model: m, endpoint: 'http://127.0.0.1:9', thresholds: {{{key}: 2}}}}\n"
+        )
+        (cell,) = read_matrix(cells, tmp_path / "prompts.yaml").cells
+        settings = JudgingSettings(
+            cells={cell.cell_id: CellJudging(node="local", thresholds=cell.thresholds, runs=2)}
+        )
+        over = engine_checks([call(cell_id=cell.cell_id, engine_counters={counter.name: 2.0})] * 2)
+        (verdict,) = check_verdicts(over, settings)
+        assert (verdict.metric, verdict.verdict, verdict.current) == (
+            counter.name, "regression", 4.0,
+        )  # fmt: skip
+        assert f"{key}: 2" in verdict.message
+        unread = engine_checks([call(cell_id=cell.cell_id, engine_counters={})] * 2)
+        (verdict,) = check_verdicts(unread, settings)
+        assert (verdict.metric, verdict.verdict) == (counter.name, "inconclusive")
+        cells.write_text(cells.read_text().replace(f"{key}: 2", f"{key}: -1"))
+        with pytest.raises(GpubenchError, match=rf"thresholds\.{key}: "):
+            read_matrix(cells, tmp_path / "prompts.yaml")

@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from pytest_gpubench.config.engine_kinds import BUILT_IN, engine_kind
 from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting
-from pytest_gpubench.config.metrics import GATED, RESOURCE_LIMITS, VALIDITY
+from pytest_gpubench.config.metrics import COUNTER_LIMITS, GATED, RESOURCE_LIMITS, VALIDITY
 from pytest_gpubench.config.nodes import AnyNode, context_kinds, unknown_kind
 from pytest_gpubench.config.prompts import Prompt, RequestShape
 
@@ -54,8 +54,10 @@ class Thresholds(_Strict):
     # config/metrics.RESOURCES).
     __annotations__.update({key: "PositiveFloat | None" for key in RESOURCE_LIMITS})
     locals().update({key: None for key in RESOURCE_LIMITS})
-    # The engine's own preemptions over a (cell, prompt)'s warm calls (its /metrics; issue 35).
-    max_preemptions: Annotated[int, Field(ge=0)] | None = None
+    # Each limited engine counter's `max_` key (max_preemptions: the engine's own preemptions over
+    # a (cell, prompt)'s warm calls, its /metrics; config/metrics.COUNTER_LIMITS).
+    __annotations__.update({key: "Annotated[int, Field(ge=0)] | None" for key in COUNTER_LIMITS})
+    locals().update({key: None for key in COUNTER_LIMITS})
     # Each gated figure's key (ttft_p50, total_p50, tokens_per_sec, first_answer_p50, ...), a
     # field like the ones above: a new gated figure is a new entry in config/metrics.py only.
     __annotations__.update({figure.threshold_key: "PositiveFloat | None" for figure in GATED})

@@ -462,6 +462,11 @@ class EngineCounter:
     series: tuple[tuple[str, ...], ...]
     # "delta": a counter's change over the call; "peak": a gauge's larger reading of the two.
     kind: Literal["delta", "peak"] = "delta"
+    # In the engine checks table's counters column (the prefix cache and the draft have their own).
+    shown: bool = False
+    # The key of cells.yaml's `thresholds:` that limits its sum over a (cell, prompt)'s warm
+    # calls (a count, 0 or more): over it is a regression, not read is inconclusive.
+    limit_key: str | None = None
 
 
 ENGINE_COUNTERS: tuple[EngineCounter, ...] = (
@@ -478,12 +483,19 @@ ENGINE_COUNTERS: tuple[EngineCounter, ...] = (
         "prefix cache tokens found",
         (("vllm:prefix_cache_hits_total",), ("llamacpp:prompt_tokens_cached_total",)),
     ),
-    EngineCounter("preemptions", "preemptions", (("vllm:num_preemptions_total",),)),
+    EngineCounter(
+        "preemptions",
+        "preemptions",
+        (("vllm:num_preemptions_total",),),
+        shown=True,
+        limit_key="max_preemptions",
+    ),
     EngineCounter(
         "requests_waiting_peak",
         "requests queued (peak)",
         (("vllm:num_requests_waiting",), ("llamacpp:requests_deferred",)),
         kind="peak",
+        shown=True,
     ),
     EngineCounter(
         "kv_cache_usage_peak",
@@ -494,6 +506,7 @@ ENGINE_COUNTERS: tuple[EngineCounter, ...] = (
             ("llamacpp:kv_cache_usage_ratio",),
         ),
         kind="peak",
+        shown=True,
     ),
     EngineCounter(
         "spec_drafts",
@@ -517,6 +530,10 @@ ENGINE_COUNTERS: tuple[EngineCounter, ...] = (
         ),
     ),
 )
+# The counters a cell may limit: each `max_` key of cells.yaml's `thresholds:`.
+COUNTER_LIMITS = {
+    counter.limit_key: counter for counter in ENGINE_COUNTERS if counter.limit_key is not None
+}
 
 
 # NVML's clock event reasons (nvmlClocksEventReason*) that slow the engine's kernels, by bit, as a

@@ -20,7 +20,7 @@ ENGINE_CHECK_HEADERS = (
     "draft accepted",
 )
 # Shown in the counters column: the prefix cache and the draft have columns of their own.
-_SHOWN = ("preemptions", "requests_waiting_peak", "kv_cache_usage_peak")
+_SHOWN = tuple(counter.name for counter in ENGINE_COUNTERS if counter.shown)
 _LABELS = {counter.name: counter.label for counter in ENGINE_COUNTERS}
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from pytest_gpubench.config.metrics import ENGINE_COUNTERS
+from pytest_gpubench.config.metrics import COUNTER_LIMITS, ENGINE_COUNTERS
 from pytest_gpubench.results.decision import Decision
 from pytest_gpubench.results.steadiness import PRESSURE_LIMIT
 from pytest_gpubench.results.verdict import Verdict, from_decision
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 # The verdicts' metric names (the end record, JUnit, exports).
 TOKEN_MISMATCHES = "token_mismatches"
-PREEMPTIONS = "preemptions"
 _PEAKS = frozenset(counter.name for counter in ENGINE_COUNTERS if counter.kind == "peak")
 # How busy an engine kept the CPUs it may use (engine_cpus_filled) for its wait to be partly its
 # own threads'. Measured with the real llama-server on 2 CPUs (benchmarks_dev/engine_own_threads.py
@@ -320,22 +319,30 @@ def check_verdicts(checks: Iterable[EngineChecks], settings: CheckedCells) -> li
             verdicts.append(
                 from_decision(*found.key, TOKEN_MISMATCHES, Decision("inconclusive", text))
             )
-        limit = cell.thresholds.max_preemptions
-        preempted = found.counters.get("preemptions")
-        if limit is not None and preempted is None and found.calls:
+        verdicts.extend(_counter_verdicts(found, cell.thresholds))
+    return verdicts
+
+
+def _counter_verdicts(found: EngineChecks, thresholds: Thresholds) -> list[Verdict]:
+    """Each engine counter the cell limits (config/metrics.COUNTER_LIMITS): over its limit a
+    regression, not read `inconclusive`; named by the counter."""
+    verdicts = []
+    for key, counter in COUNTER_LIMITS.items():
+        limit = getattr(thresholds, key)
+        value = found.counters.get(counter.name)
+        where = f"{key}: {limit}"
+        if limit is not None and value is None and found.calls:
             text = (
-                "the engine's preemptions were not read (its /metrics has no preemption counter, "
-                f"or none was read): max_preemptions: {limit} is not met"
+                f"the engine's {counter.label} were not read (its /metrics has no such counter, "
+                f"or none was read): {where} is not met"
             )
-            verdicts.append(from_decision(*found.key, PREEMPTIONS, Decision("inconclusive", text)))
-        if limit is not None and preempted is not None and preempted > limit:
+            verdicts.append(from_decision(*found.key, counter.name, Decision("inconclusive", text)))
+        if limit is not None and value is not None and value > limit:
             text = (
-                f"the engine preempted {preempted:g} requests over the warm calls, over its "
-                f"limit (max_preemptions: {limit})"
+                f"the engine's {counter.label} over the warm calls: {value:g}, over its limit "
+                f"({where})"
             )
             verdicts.append(
-                from_decision(
-                    *found.key, PREEMPTIONS, Decision("regression", text), current=preempted
-                )
+                from_decision(*found.key, counter.name, Decision("regression", text), current=value)
             )
     return verdicts
