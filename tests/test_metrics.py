@@ -213,3 +213,31 @@ def test_every_resource_figure_is_summarized_shown_and_limited_as_the_table_says
     assert set(verdicts) == set(RESOURCE_LIMITS.values())
     for key, name in RESOURCE_LIMITS.items():
         assert verdicts[name].verdict == "regression" and f"({key}: 15)" in verdicts[name].message
+
+
+def test_every_measure_is_a_csv_column_and_a_junit_property(tmp_path: Path) -> None:
+    """`gpubench export --csv` and `--junitxml` follow the table: each measure of a call is a
+    column (a count written as an integer) and a property, a reasoning model's where the call
+    reasoned."""
+    import csv
+    import json
+
+    from pytest_gpubench.reports.exports import write_csv
+    from pytest_gpubench.reports.frame import read_ledger_frame
+    from pytest_gpubench.reports.junit import call_properties
+
+    records = calls(runs=2)
+    ledger = tmp_path / "run.jsonl"
+    ledger.write_text(
+        "".join(json.dumps(r) + "\n" for r in [{"type": "meta", "benchmark_run_id": "r"}, *records])
+    )
+    write_csv(read_ledger_frame(ledger, export=True), tmp_path / "calls.csv")
+    with (tmp_path / "calls.csv").open() as file:
+        first = next(csv.DictReader(file))
+    properties = dict(call_properties(records[0]))
+    for measure in MEASURES:
+        value = records[0][measure.field]
+        assert float(first[measure.name]) == pytest.approx(value), measure.name
+        if measure.whole:
+            assert first[measure.name] == str(value), measure.name
+        assert properties[measure.field] == value, measure.field

@@ -54,6 +54,11 @@ class Measure:
     kinds: frozenset[str] = GENERATING
 
     @property
+    def whole(self) -> bool:
+        """Each call's value is a count (a CSV export writes it as an integer)."""
+        return self.unit in ("tokens", "processes", "bits")
+
+    @property
     def always_in_baseline(self) -> bool:
         """Every baseline file holds it; a reasoning model's, or one only some runs measure, is
         written only where the run measured it."""

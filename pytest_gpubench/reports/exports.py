@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from pytest_gpubench.config.metrics import PERCENTILE_NAMES, VALIDITY
+from pytest_gpubench.config.metrics import MEASURES, PERCENTILE_NAMES, VALIDITY
 from pytest_gpubench.core.errors import GpubenchError
 from pytest_gpubench.core.files import atomic_file
 from pytest_gpubench.reports.frame import LedgerData
@@ -23,8 +23,8 @@ from pytest_gpubench.results.engine_checks import EngineChecks
 from pytest_gpubench.results.stats import WARM_METRICS, PromptSummary
 from pytest_gpubench.results.verdict import Verdict
 
-# The CSV's columns in order; the numbers as the call record names them.
-CSV_COLUMNS = (
+# The CSV's leading columns in order; the numbers as the call record names them.
+_LEADING = (
     "benchmark_run_id",
     "cell_id",
     "node",
@@ -67,9 +67,14 @@ CSV_COLUMNS = (
     "draft_tokens",
     "draft_accepted_tokens",
 )
+# Then each measure of config/metrics.py those leave out, in the table's order and by its name:
+# a measure added there is a column added at the end.
+_MEASURED = tuple(measure for measure in MEASURES if measure.name not in _LEADING)
+CSV_COLUMNS = (*_LEADING, *(measure.name for measure in _MEASURED))
 _COUNTS = (
     "run_idx", "prompt_tokens", "completion_tokens", "client_chunks", "content_reads",
     "tool_call_valid", "schema_valid", "draft_tokens", "draft_accepted_tokens",
+    *(measure.name for measure in _MEASURED if measure.whole),
 )  # fmt: skip
 # The call record's booleans, read as 1/0 columns (reports/frame_columns.CHECK_NUMBERS): written as
 # True/False, blank where the record had none.

@@ -8,13 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_gpubench.config.metrics import MEASURES
+
 if TYPE_CHECKING:
     from pytest_gpubench.results.judging import Judgement
     from pytest_gpubench.results.verdict import Verdict
 
 # The JUnit "file" of the gate's own test cases; their class name is gpubench.gate.
 GATE_PATH = "gpubench/gate"
-CALL_PROPERTIES = (
+_LEADING = (
     "first_delta_ms",
     "total_duration_ms",
     "prompt_tokens",
@@ -31,7 +33,13 @@ CALL_PROPERTIES = (
     "cold_kind",
     "error",
 )
-REASONING_PROPERTIES = ("first_answer_ms", "reasoning_tokens", "answer_tokens")
+# Then each measure's call record field those leave out (config/metrics.py): a measure added
+# there is a property too. A reasoning model's are a call's that reasoned only.
+CALL_PROPERTIES = (
+    *_LEADING,
+    *(m.field for m in MEASURES if not m.reasoning and m.field not in _LEADING),
+)
+REASONING_PROPERTIES = (*(m.field for m in MEASURES if m.reasoning), "answer_tokens")
 
 
 # A load case's figures (its `load` record).
