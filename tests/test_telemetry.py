@@ -642,5 +642,6 @@ def test_telemetry_limit_keys_are_checked(tmp_path: Path) -> None:
     cells.write_text(cells.read_text().replace("-3", "8000"))
     (cell,) = read_matrix(cells, prompts).cells
     assert (
-        cell.thresholds.max_peak_vram_mib == 8000 and cell.thresholds.max_energy_j_per_token == 0.5
+        cell.thresholds.limit("max_peak_vram_mib") == 8000
+        and cell.thresholds.limit("max_energy_j_per_token") == 0.5
     )

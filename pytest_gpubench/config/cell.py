@@ -76,6 +76,12 @@ class Thresholds(_Strict):
         value = getattr(self, key)
         return None if value is None else float(value)
 
+    def limit(self, key: str) -> float | None:
+        """A resource figure's `max_` limit (config/metrics.RESOURCE_LIMITS) as cells.yaml gave
+        it (None: not given)."""
+        value = getattr(self, key)
+        return None if value is None else float(value)
+
 
 class TelemetrySettings(_Strict):
     """Resource sampling while cases run: the interval, and each sampler on (`auto`: where the

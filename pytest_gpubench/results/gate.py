@@ -532,7 +532,7 @@ def telemetry_verdicts(
     """A regression for each (cell, prompt) whose warm calls' resource figure went over its
     cell's `max_` limit (peak VRAM, energy or engine CPU-seconds per token); none unmeasured."""
     limits = {
-        cell_id: {name: getattr(cell, name) for name in RESOURCE_LIMITS}
+        cell_id: {name: cell.limit(name) for name in RESOURCE_LIMITS}
         for cell_id, cell in thresholds.items()
     }
     return [
