@@ -469,10 +469,10 @@ def test_a_read_that_already_counts_the_call_is_not_settled_again_and_a_lapse_is
 def test_every_counter_the_table_limits_is_a_cells_yaml_key_judged_under_its_name(
     tmp_path: Path,
 ) -> None:
-    """config/metrics.COUNTER_LIMITS: each limited counter's `max_` key reads from cells.yaml
+    """config/engine_series.COUNTER_LIMITS: each limited counter's `max_` key reads from cells.yaml
     (a count: -1 is refused), its sum over the warm calls past it is a regression named by the
     counter, and not read it is `inconclusive`."""
-    from pytest_gpubench.config.metrics import COUNTER_LIMITS
+    from pytest_gpubench.config.engine_series import COUNTER_LIMITS
     from pytest_gpubench.results.engine_checks import check_verdicts
     from pytest_gpubench.results.judging_settings import CellJudging, JudgingSettings
 

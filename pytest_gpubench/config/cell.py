@@ -23,8 +23,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pytest_gpubench.config.engine_kinds import BUILT_IN, engine_kind
+from pytest_gpubench.config.engine_series import COUNTER_LIMITS
 from pytest_gpubench.config.load_profile import LoadProfile, LoadSetting
-from pytest_gpubench.config.metrics import COUNTER_LIMITS, GATED, RESOURCE_LIMITS, VALIDITY
+from pytest_gpubench.config.metrics import GATED, RESOURCE_LIMITS, VALIDITY
 from pytest_gpubench.config.nodes import AnyNode, context_kinds, unknown_kind
 from pytest_gpubench.config.prompts import Prompt, RequestShape
 
@@ -55,7 +56,7 @@ class Thresholds(_Strict):
     __annotations__.update({key: "PositiveFloat | None" for key in RESOURCE_LIMITS})
     locals().update({key: None for key in RESOURCE_LIMITS})
     # Each limited engine counter's `max_` key (max_preemptions: the engine's own preemptions over
-    # a (cell, prompt)'s warm calls, its /metrics; config/metrics.COUNTER_LIMITS).
+    # a (cell, prompt)'s warm calls, its /metrics; config/engine_series.COUNTER_LIMITS).
     __annotations__.update({key: "Annotated[int, Field(ge=0)] | None" for key in COUNTER_LIMITS})
     locals().update({key: None for key in COUNTER_LIMITS})
     # Each gated figure's key (ttft_p50, total_p50, tokens_per_sec, first_answer_p50, ...), a

@@ -121,8 +121,8 @@ class EngineCheckFields(TypedDict, total=False):
     after its other fields; each absent from a ledger of an older version, and from a call where
     the engine tells nothing of it."""
 
-    # config/metrics.ENGINE_COUNTERS over the call (counters' changes, gauges' peaks), where the
-    # engine exposes /metrics.
+    # config/engine_series.ENGINE_COUNTERS over the call (counters' changes, gauges' peaks), where
+    # the engine exposes /metrics.
     engine_counters: dict[str, float]
     # The prompt was served (in part) from the engine's prefix cache: its own count of cached
     # prompt tokens (cache_n, cached_tokens) or its prefix_cache_hits counter.

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pytest_gpubench.config.metrics import (
+from pytest_gpubench.config.engine_series import (
     ENGINE_COUNTERS,
     GENERATED,
     SERVER_SERIES,
@@ -63,7 +63,7 @@ class GaugeSamples:
         }
 
     def engine_counters(self) -> dict[str, float]:
-        """config/metrics.ENGINE_COUNTERS over the point, by their names (counter_changes)."""
+        """config/engine_series.ENGINE_COUNTERS over the point, by their names (counter_changes)."""
         return counter_changes(self.counters_before, self.counters_after)
 
     def server_changes(self) -> dict[str, float]:
@@ -228,8 +228,8 @@ def _reading(counter: EngineCounter, page: Page) -> float | None:
 
 
 def counter_changes(before: Page, after: Page) -> dict[str, float]:
-    """config/metrics.ENGINE_COUNTERS over a call from the pages read before and after it: each
-    counter's change, each gauge's peak of the two readings; a counter the engine does not
+    """config/engine_series.ENGINE_COUNTERS over a call from the pages read before and after it:
+    each counter's change, each gauge's peak of the two readings; a counter the engine does not
     expose is left out."""
     changes: dict[str, float] = {}
     for counter in ENGINE_COUNTERS:

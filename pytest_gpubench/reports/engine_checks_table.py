@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pytest_gpubench.config.metrics import ENGINE_COUNTERS
+from pytest_gpubench.config.engine_series import ENGINE_COUNTERS
 from pytest_gpubench.reports.formatting import NONE, table
 from pytest_gpubench.results.engine_checks import EngineChecks, mismatch_words
 

@@ -397,7 +397,7 @@ CHECK_COUNTS = (
 def _check_gauges(checks: Iterable[EngineChecks], registry: Any) -> None:
     """gpubench_engine_check{cell, prompt, check}: per (cell, prompt) the warm calls' checks
     against the engine (CHECK_COUNTS, the draft's acceptance rate) and, as `counter:<name>`,
-    the engine's counters over them (config/metrics.ENGINE_COUNTERS: changes added up, gauges'
+    the engine's counters over them (config/engine_series.ENGINE_COUNTERS: changes added up, gauges'
     peak)."""
     from prometheus_client import Gauge
 

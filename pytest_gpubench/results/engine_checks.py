@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from pytest_gpubench.config.metrics import COUNTER_LIMITS, ENGINE_COUNTERS
+from pytest_gpubench.config.engine_series import COUNTER_LIMITS, ENGINE_COUNTERS
 from pytest_gpubench.results.decision import Decision
 from pytest_gpubench.results.steadiness import PRESSURE_LIMIT
 from pytest_gpubench.results.verdict import Verdict, from_decision
@@ -47,7 +47,7 @@ class EngineChecks:
     cache_known: int = 0
     cache_hits: int = 0
     unwanted_cache_hits: int = 0
-    # config/metrics.ENGINE_COUNTERS over the calls: counters added up, gauges' peak.
+    # config/engine_series.ENGINE_COUNTERS over the calls: counters added up, gauges' peak.
     counters: dict[str, float] = field(default_factory=dict)
     # Speculative decoding by the engine's per-call figures (llama.cpp's timings): tokens the
     # draft proposed and those accepted, over the calls.
@@ -90,7 +90,7 @@ class EngineChecks:
 
 def draft_counts(counters: Mapping[str, float]) -> tuple[float, float, float | None] | None:
     """(accepted, proposed, drafts) of speculative decoding by the engine's own counters
-    (config/metrics.ENGINE_COUNTERS' spec_*: vLLM's or llama.cpp's), over warm calls or a load
+    (config/engine_series.ENGINE_COUNTERS' spec_*: vLLM's or llama.cpp's), over warm calls or a load
     point; None where the draft proposed nothing. `drafts` (the draft steps) may be unknown."""
     proposed = counters.get("spec_draft_tokens")
     accepted = counters.get("spec_accepted_tokens")
@@ -324,7 +324,7 @@ def check_verdicts(checks: Iterable[EngineChecks], settings: CheckedCells) -> li
 
 
 def _counter_verdicts(found: EngineChecks, thresholds: Thresholds) -> list[Verdict]:
-    """Each engine counter the cell limits (config/metrics.COUNTER_LIMITS): over its limit a
+    """Each engine counter the cell limits (config/engine_series.COUNTER_LIMITS): over its limit a
     regression, not read `inconclusive`; named by the counter."""
     verdicts = []
     for key, counter in COUNTER_LIMITS.items():

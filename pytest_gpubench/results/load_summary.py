@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pytest_gpubench.config.load_profile import Slo
-from pytest_gpubench.config.metrics import (
+from pytest_gpubench.config.engine_series import (
     LLAMACPP_PREDICTED,
     LLAMACPP_PREDICTED_SECONDS,
     LLAMACPP_PROMPT_SECONDS,
     SERVER_HISTOGRAMS,
 )
+from pytest_gpubench.config.load_profile import Slo
 from pytest_gpubench.ledger.gaps import gaps_ms
 from pytest_gpubench.ledger.load_figures import AdapterSplit, ClientLag, LoadFigures
 from pytest_gpubench.results.load_over_time import (
@@ -60,7 +60,7 @@ def summarize_point(
     """The summary of one load point from all of its call records; only those sent in the
     measured window count (warm-up and cool-down ones are kept in the ledger, not here), but
     for `server_check`: `server` is the change of the engine's own series over the whole point
-    (config/metrics.SERVER_SERIES), set against every request of the point.
+    (config/engine_series.SERVER_SERIES), set against every request of the point.
 
     `max_send_lag_ms` bounds an open loop's send lag (None for a closed loop: it has no
     schedule to keep; its send lag, the time from a stream's last reply to its next request, is

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, cast
 from pytest_gpubench.config.cases import Case
 from pytest_gpubench.config.cell import Cell
 from pytest_gpubench.config.datasets import sample_dataset
+from pytest_gpubench.config.engine_series import VLLM_PREFIX_HITS, VLLM_PREFIX_QUERIES
 from pytest_gpubench.config.load_profile import LoadProfile, dataset_prompt_id
 from pytest_gpubench.config.matrix import Matrix, load_dataset_sha256
-from pytest_gpubench.config.metrics import VLLM_PREFIX_HITS, VLLM_PREFIX_QUERIES
 from pytest_gpubench.config.prompts import Prompt, RequestShape, dataset_prompt
 from pytest_gpubench.config.synthetic import synthetic_prompt
 from pytest_gpubench.config.traces import Trace, read_trace
