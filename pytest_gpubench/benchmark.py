@@ -126,7 +126,7 @@ class BenchEngine:
         return ChatCall(record, text)
 
 
-def _answer_schema(schema: Mapping[str, Any] | None, nodeid: str) -> dict[str, Any] | None:
+def _answer_schema(schema: Mapping[str, Any] | None, nodeid: str) -> dict[str, object] | None:
     """The answer's JSON Schema as a dict, checked (draft 2020-12); a bad one fails the test."""
     if schema is None:
         return None
@@ -157,7 +157,9 @@ def _judged(record: dict[str, Any], text: str, schema: Mapping[str, Any]) -> dic
     return judged
 
 
-def _conversation(messages: str | Sequence[Mapping[str, Any]], nodeid: str) -> list[dict[str, Any]]:
+def _conversation(
+    messages: str | Sequence[Mapping[str, Any]], nodeid: str
+) -> list[dict[str, object]]:
     """The messages a test sends, as a list of {role, content, ...}; a string is one user turn."""
     if isinstance(messages, str):
         if not messages:

@@ -305,7 +305,7 @@ def request_sha256(
     """What a test's request is frozen by: the sha256 of its messages, max_tokens and request
     options as canonical JSON (keys sorted, no spaces, UTF-8), and the JSON Schema its answer is
     judged against where it has one (a request without one hashes as it always has)."""
-    frozen: dict[str, Any] = {
+    frozen: dict[str, object] = {
         "messages": list(messages), "max_tokens": max_tokens, "options": dict(options)
     }  # fmt: skip
     if answer_schema is not None:

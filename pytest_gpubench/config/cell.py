@@ -363,7 +363,7 @@ class Cell:
         lora = self.spec.lora
         return () if lora is None or isinstance(lora, str) else tuple(lora)
 
-    def adapter_body(self, adapter: str) -> dict[str, Any]:
+    def adapter_body(self, adapter: str) -> dict[str, object]:
         """The request fields that choose `adapter`: llama-server's per-request `lora` scales
         (the adapter's 1, every other one's 0: the ids are the order of its --lora flags), or
         the model name an OpenAI-compatible server serves it under (vLLM)."""

@@ -83,7 +83,7 @@ class DatasetPrompt:
         """The last user turn (what a one-turn engine call sends as `prompt`)."""
         return self.messages[-1][1]
 
-    def chat(self) -> list[dict[str, Any]]:
+    def chat(self) -> list[dict[str, object]]:
         return [{"role": role, "content": content} for role, content in self.messages]
 
     def sha256(self) -> str:

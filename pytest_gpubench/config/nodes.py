@@ -177,7 +177,7 @@ class PluginNode(BaseModel, _NodeKind):
         return value
 
     @property
-    def options(self) -> dict[str, Any]:
+    def options(self) -> dict[str, object]:
         return dict(self.model_extra or {})
 
 

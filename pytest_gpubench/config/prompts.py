@@ -36,7 +36,7 @@ class RequestShape(_Strict):
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     # Merged into the request's JSON body last (engine-specific fields).
-    extra_body: dict[str, Any] | None = None
+    extra_body: dict[str, object] | None = None
     # vLLM's per-request `cache_salt`: `per_call` gives each call a salt of its own, so that no
     # call finds the prefix cache an earlier one left (a warm call then prefills its prompt).
     cache_salt: Literal["per_call"] | None = None
@@ -53,7 +53,7 @@ class RequestShape(_Strict):
     def temperature_or_default(self) -> float:
         return 0.0 if self.temperature is None else self.temperature
 
-    def changed_keys(self) -> dict[str, Any]:
+    def changed_keys(self) -> dict[str, object]:
         """The keys that change the request from the default one (temperature 0, nothing else):
         what the frozen prompt hash covers, so that a baseline measured before these keys
         existed keeps its hash."""
@@ -127,7 +127,7 @@ class Prompt(_Strict):
     tools: tuple[Tool, ...] | None = None
     tool_choice: Annotated[str, Field(min_length=1)] | None = None
     # kind json_schema: the JSON Schema the answer must follow.
-    json_schema: dict[str, Any] | None = None
+    json_schema: dict[str, object] | None = None
     # kind embedding: further inputs sent in the same request after `prompt`.
     inputs: tuple[Annotated[str, Field(min_length=1)], ...] | None = None
     # kind rerank: the documents ranked against `prompt` (the query), and how many come back.
@@ -154,9 +154,9 @@ class Prompt(_Strict):
             return {"max_tokens": 1, **value}
         return value
 
-    def kind_keys(self) -> dict[str, Any]:
+    def kind_keys(self) -> dict[str, object]:
         """What the kind adds to the request, as JSON (also frozen in the hash)."""
-        keys: dict[str, Any] = {}
+        keys: dict[str, object] = {}
         if self.tools is not None:
             keys["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
             keys["tool_choice"] = self.tool_choice or "required"
@@ -404,7 +404,7 @@ def with_images(path: Path, prompt_id: str, prompt: Prompt) -> Prompt:
     return prompt.model_copy(update={"image_data": tuple(read)})
 
 
-def schema_problem(schema: dict[str, Any]) -> str | None:
+def schema_problem(schema: dict[str, object]) -> str | None:
     """Why `schema` is not a JSON Schema (draft 2020-12), in one line; None when it is."""
     from jsonschema import Draft202012Validator, SchemaError
 

@@ -33,7 +33,7 @@ class LlamaCppEngine(OpenAIEngine):
         """llama-server's own /tokenize."""
         return LlamaCppCounter(self.base_url, self.request_headers(), self.tls.context())
 
-    def payload(self, request: Request) -> dict[str, Any]:
+    def payload(self, request: Request) -> dict[str, object]:
         payload = super().payload(request)
         payload.setdefault("timings_per_token", False)
         return payload

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import httpx
 
@@ -35,7 +34,7 @@ def ollama_plan(cell: Cell, target: Target) -> LaunchPlan:
     )
 
 
-def pull_model(base_url: str, model: str, timeout_s: float) -> dict[str, Any]:
+def pull_model(base_url: str, model: str, timeout_s: float) -> dict[str, object]:
     """Stage model_pull: POST /api/pull (what `ollama pull` sends), its NDJSON progress read to
     the end. Returns the progress kept in the stage record: each status in order (once), the
     bytes of each layer, the seconds it took. An `error` line, or no `success`, fails it."""

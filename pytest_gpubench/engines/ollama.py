@@ -44,7 +44,7 @@ def _same_model(name: str, wanted: str) -> bool:
     return name in (wanted, f"{wanted}:latest")
 
 
-def ollama_engine_figures(done: dict[str, Any], measurement: CallMeasurement) -> None:
+def ollama_engine_figures(done: dict[str, object], measurement: CallMeasurement) -> None:
     """Ollama's own rate and times from its final chunk (durations in nanoseconds).
 
     Decode rate eval_count / eval_duration; time to first token prompt_eval_duration +
@@ -147,11 +147,11 @@ class OllamaEngine:
             pass
         return {"engine_version": version, "model_digest": digest}
 
-    def payload(self, request: Request) -> dict[str, Any]:
+    def payload(self, request: Request) -> dict[str, object]:
         """Ollama's request. It has no ignore_eos or min_tokens (matrix.py refuses them). The
         cell's and prompt's extra_body, then a test's own options, are merged in last; their
         `options` add to Ollama's, key by key."""
-        options: dict[str, Any] = {
+        options: dict[str, object] = {
             "num_predict": request.max_tokens,
             "temperature": request.temperature,
         }

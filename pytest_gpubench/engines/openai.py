@@ -88,16 +88,16 @@ class OpenAIEngine:
         headers = tuple(self.request_headers().items())
         return CaseCounters(Endpoint.parse(self.base_url), headers, tls)
 
-    def payload(self, request: Request) -> dict[str, Any]:
+    def payload(self, request: Request) -> dict[str, object]:
         """A request's JSON (a completion's sends `prompt` as it is, no chat template): the cell's
         and prompt's request keys, then its kind's keys and a test's own options merged in last
         (`Request.body`)."""
-        text: dict[str, Any] = (
+        text: dict[str, object] = (
             {"prompt": request.prompt}
             if request.kind == "completion"
             else {"messages": request.conversation()}
         )
-        payload: dict[str, Any] = {
+        payload: dict[str, object] = {
             "model": self.model,
             **text,
             "max_tokens": request.max_tokens,
@@ -141,7 +141,7 @@ class OpenAIEngine:
         `max_model_len`; `model_identity` says which of these is known.
         """
         version = None
-        entry: dict[str, Any] = {}
+        entry: dict[str, object] = {}
         try:
             with control_client(timeout_s, self._auth(), self.tls) as client:
                 answer = client.get(joined_url(self.base_url, "/version"))

@@ -49,7 +49,7 @@ class Request:
     prompt: str
     max_tokens: int
     shape: RequestShape | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[dict[str, object]] | None = None
     extra_body: Mapping[str, Any] | None = None
     kind: RequestKind = "chat"
     kind_keys: Mapping[str, Any] = field(default_factory=dict)
@@ -67,7 +67,7 @@ class Request:
         """The request keys' temperature; 0 where they set none."""
         return 0 if self.shape is None or self.shape.temperature is None else self.shape.temperature
 
-    def conversation(self) -> list[dict[str, Any]]:
+    def conversation(self) -> list[dict[str, object]]:
         """The turns sent: `messages` when given, else `prompt` as one user turn."""
         if self.messages is not None:
             return self.messages
@@ -77,7 +77,7 @@ class Request:
         """An embedding request's inputs: `prompt`, then the kind's further `inputs`."""
         return [self.prompt, *self.kind_keys.get("inputs", ())]
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, object]:
         """What joins the request's JSON last: its kind's keys, then a test's own options."""
         return {**kind_body(self.kind, self.kind_keys), **(self.extra_body or {})}
 
@@ -179,7 +179,7 @@ class ChatPayloads(Protocol):
 
     tls: TlsSettings
 
-    def payload(self, request: Request) -> dict[str, Any]: ...
+    def payload(self, request: Request) -> dict[str, object]: ...
 
     def request_headers(self) -> dict[str, str]: ...
 
@@ -237,7 +237,7 @@ def get_json(
         return response.json()
 
 
-def merge_body(payload: dict[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
+def merge_body(payload: dict[str, Any], extra: Mapping[str, Any] | None) -> dict[str, object]:
     """`extra` (a cell's or prompt's extra_body) merged into the request's JSON, mappings key by
     key (an extra `options` adds to Ollama's options rather than replacing them)."""
     merged = dict(payload)
@@ -257,7 +257,7 @@ def measure_stream(
     backend: str,
     base_url: str,
     path: str,
-    payload: dict[str, Any],
+    payload: dict[str, object],
     *,
     timeout_s: float,
     headers: tuple[tuple[str, str], ...] = (),
@@ -335,7 +335,7 @@ def json_number(value: Any) -> float | None:
     return float(value)
 
 
-def llamacpp_engine_figures(timings: dict[str, Any], measurement: CallMeasurement) -> None:
+def llamacpp_engine_figures(timings: dict[str, object], measurement: CallMeasurement) -> None:
     """llama-server's own rate and times from its `timings`: decode rate, prompt and total ms."""
     prompt_ms = json_number(timings.get("prompt_ms"))
     predicted_ms = json_number(timings.get("predicted_ms"))

@@ -61,7 +61,7 @@ class _Http:
         self.base_url = base_url
         self.client = httpx.Client(headers=dict(headers), timeout=CONTROL_TIMEOUT_S, verify=verify)
 
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def post(self, path: str, body: dict[str, object]) -> dict[str, Any]:
         try:
             response = self.client.post(joined_url(self.base_url, path), json=body)
         except httpx.HTTPError as exc:

@@ -57,8 +57,8 @@ class RequestFacts(TypedDict):
 
     tls_verify: bool | None
     ca_file: str | None
-    request: dict[str, Any]
-    request_by_prompt: dict[str, dict[str, Any]]
+    request: dict[str, object]
+    request_by_prompt: dict[str, dict[str, object]]
     request_headers: dict[str, str]
     tls_warning: NotRequired[str]
 

@@ -24,7 +24,7 @@ class MeasurementFields(TypedDict):
     finish_reason: str
     backend: str
     error: str | None
-    engine_timings: dict[str, Any]
+    engine_timings: dict[str, object]
     e2e_tokens_per_sec: float | None
     coalesced: bool
     content_reads: int

@@ -88,7 +88,7 @@ class CreatedSession:
     (None when the answer lacks one)."""
 
     session_id: str
-    session: dict[str, Any]
+    session: dict[str, object]
     private_key: str | None
 
 
@@ -213,7 +213,7 @@ class MarketplaceClient:
         key = created.get("ssh_private_key")
         return CreatedSession(session_id, session, key if isinstance(key, str) else None)
 
-    def session_state(self, stage: Stage, session_id: str) -> dict[str, Any]:
+    def session_state(self, stage: Stage, session_id: str) -> dict[str, object]:
         response = self._request(stage, "GET", f"/api/v1/sessions/{session_id}")
         if response.status_code != 200:
             raise self.fail(
@@ -229,7 +229,7 @@ class MarketplaceClient:
 
     def wait_until_running(
         self, session_id: str, deadline: float, poll_interval_s: float, limit_s: float
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         """The session's state once it runs; raises when it ends or the deadline passes."""
         while True:
             session = self.session_state("provision", session_id)
