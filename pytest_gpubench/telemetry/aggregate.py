@@ -258,9 +258,6 @@ class TelemetrySummary:
     engine_cpu_s_per_token: float | None
     engine_peak_rss_mib: float | None
 
-    def to_record(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def _median(calls: Sequence[Mapping[str, Any]], name: str) -> float | None:
     values = [float(call[name]) for call in calls if call.get(name) is not None]
@@ -310,9 +307,6 @@ class LimitBreach:
     figure: str
     value: float
     limit: float
-
-    def to_record(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def limit_breaches(
