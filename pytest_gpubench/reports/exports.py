@@ -123,10 +123,12 @@ def write_csv(data: LedgerData, path: Path) -> int:
     if missing:
         raise ValueError(f"write_csv needs a ledger read with export=True (no {missing[0]})")
     table = frame.reindex(columns=list(CSV_COLUMNS))
-    for name in _COUNTS:
-        table[name] = table[name].round().astype("Int64")
+    for name in (*_COUNTS, *_FLAGS):
+        # A count past int64 (an edited ledger's) is written blank, as an unknown one is.
+        counts = table[name].round()
+        table[name] = counts.where(counts.abs() < 2.0**63).astype("Int64")
     for name in _FLAGS:
-        table[name] = table[name].round().astype("Int64").astype("boolean")
+        table[name] = table[name].astype("boolean")
     _write(path, lambda target: table.to_csv(target, index=False, lineterminator="\n"))
     return len(table)
 

@@ -170,9 +170,21 @@ def _floats(values: Sequence[Any]) -> np.ndarray[Any, np.dtype[np.float64]]:
     # Through an object array: None becomes NaN two to three times faster than np.array(values).
     try:
         return _objects(values).astype("float64")
-    except (TypeError, ValueError):
-        coerced = pd.to_numeric(pd.Series(_objects(values)), errors="coerce")
+    except (TypeError, ValueError, OverflowError):
+        kept = [None if _too_large(value) else value for value in values]
+        coerced = pd.to_numeric(pd.Series(_objects(kept)), errors="coerce")
         return coerced.to_numpy(dtype="float64", na_value=np.nan)
+
+
+def _too_large(value: Any) -> bool:
+    """An integer past a float's range (an edited ledger's): read as unknown."""
+    if not isinstance(value, int):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return True
+    return False
 
 
 def _concat(parts: list[Any], dtype: str | type = "float64") -> Any:

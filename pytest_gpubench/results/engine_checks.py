@@ -118,9 +118,13 @@ COUNTER_COLUMNS = tuple(COUNTER_PREFIX + counter.name for counter in ENGINE_COUN
 
 
 def _number(value: Any) -> float:
-    """A field as its column holds it: a number or a boolean (1/0), else NaN."""
+    """A field as its column holds it: a number or a boolean (1/0), else NaN (an integer too
+    large for a float, too: an edited ledger's)."""
     if isinstance(value, int | float):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            pass
     return float("nan")
 
 
