@@ -501,10 +501,11 @@ FORMAT_1 = {
         "samples": {"first_delta_ms": [1.0, 2.0, 3.0], "total_duration_ms": [4.0, 5.0, 6.0]},
     }},
 }  # fmt: skip
-# What the one line of a baseline that cannot be read says after the file's name.
+# What the one line of a baseline that cannot be read says after the file's name: a key path
+# may hold spaces (`prompts.a b`, or quoted, `prompts.' '`; drawn at 1,000 examples).
 ONE_BASELINE_ERROR = re.compile(
     r"(corrupt baseline: (not UTF-8|not valid JSON|nested too deeply|a number too long|"
-    r"top level: |[^ ]+: )|baseline format \d+ is newer|baseline format \d+ was written by a "
+    r"top level: |.+?: )|baseline format \d+ is newer|baseline format \d+ was written by a "
     r"pre-release)"
 )
 
