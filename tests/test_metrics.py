@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpubench.config.cell import Thresholds
+from pytest_gpubench.config.cell import Cell, Thresholds
 from pytest_gpubench.config.matrix import read_matrix
 from pytest_gpubench.config.metrics import GATED, MEASURE_BY_NAME, MEASURES, PERCENTILE_NAMES
 from pytest_gpubench.core.errors import GpubenchError
@@ -75,6 +75,19 @@ def calls(slowdown: float = 1.0, *, seed: int = 0, runs: int = 12) -> list[dict[
     return records
 
 
+def cell_with_thresholds(tmp_path: Path, keys: str) -> Cell:
+    """The one cell of a cells.yaml whose `thresholds:` are `keys` (YAML, a flow mapping's)."""
+    (tmp_path / "prompts.yaml").write_text(
+        "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 4}\n"
+    )
+    (tmp_path / "cells.yaml").write_text(
+        "nodes: {local: {kind: local}}\n"
+        f"cells:\n  - {{node: local, engine: llamacpp, model: tiny, thresholds: {{{keys}}}}}\n"
+    )
+    (cell,) = read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml").cells
+    return cell
+
+
 def test_the_table_is_consistent() -> None:
     assert len({m.name for m in MEASURES}) == len(MEASURES)
     assert len({f.name for f in GATED}) == len(GATED)
@@ -98,14 +111,7 @@ def test_every_measure_is_summarized_and_round_trips_through_a_baseline_file() -
 
 def test_every_gated_figure_has_its_key_in_cells_yaml(tmp_path: Path) -> None:
     keys = ", ".join(f"{figure.threshold_key}: 0.{index + 1}" for index, figure in enumerate(GATED))
-    (tmp_path / "prompts.yaml").write_text(
-        "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 4}\n"
-    )
-    (tmp_path / "cells.yaml").write_text(
-        "nodes: {local: {kind: local}}\n"
-        f"cells:\n  - {{node: local, engine: llamacpp, model: tiny, thresholds: {{{keys}}}}}\n"
-    )
-    (cell,) = read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml").cells
+    cell = cell_with_thresholds(tmp_path, keys)
     for index, figure in enumerate(GATED):
         assert cell.thresholds.ratio(figure.threshold_key) == pytest.approx(0.1 * (index + 1))
     (tmp_path / "cells.yaml").write_text(
@@ -201,14 +207,7 @@ def test_every_resource_figure_is_summarized_shown_and_limited_as_the_table_says
         )
 
     keys = ", ".join(f"{key}: 15" for key in RESOURCE_LIMITS)
-    (tmp_path / "prompts.yaml").write_text(
-        "prompts:\n  P-EASY: {intent: short, prompt: hi, max_tokens: 4}\n"
-    )
-    (tmp_path / "cells.yaml").write_text(
-        "nodes: {local: {kind: local}}\n"
-        f"cells:\n  - {{node: local, engine: llamacpp, model: tiny, thresholds: {{{keys}}}}}\n"
-    )
-    (cell,) = read_matrix(tmp_path / "cells.yaml", tmp_path / "prompts.yaml").cells
+    cell = cell_with_thresholds(tmp_path, keys)
     verdicts = {v.metric: v for v in telemetry_verdicts(records, {CELL: cell.thresholds})}
     assert set(verdicts) == set(RESOURCE_LIMITS.values())
     for key, name in RESOURCE_LIMITS.items():
