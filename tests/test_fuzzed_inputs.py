@@ -824,6 +824,9 @@ def with_count(count: int) -> list[dict[str, Any]]:
 # checks against the engine failed to read one past a float as a number.
 @example(with_count(10**30))
 @example(with_count(10**400))
+# Drawn at 1,000: a command line of [null] ended the Markdown report in a TypeError.
+@example([{**ledgers.run_records("run-a", seed=0)[0], "command_line": [None]},
+          *ledgers.run_records("run-a", seed=0)[1:]])  # fmt: skip
 def test_reports_of_any_ledger_give_a_status_never_a_traceback(written: list[Any]) -> None:
     """`gpubench report`, `export`, `history`, `gate` and `compare` on a damaged ledger: a
     report or one error line (status 2), or the gate's status, never an exception. A list where a cell id belongs raised

@@ -68,6 +68,12 @@ def plain(value: Any) -> str:
     return NONE if value is None or value == "" else str(value)
 
 
+def command_text(command: object) -> object:
+    """A meta record's command line as one text: its words joined (each as text: an edited
+    ledger's may hold null), or the value as it is where it is no list."""
+    return " ".join(str(word) for word in command) if isinstance(command, list) else command
+
+
 def code_span(value: Any) -> str:
     return NONE if value is None or value == "" else f"`{value}`"
 

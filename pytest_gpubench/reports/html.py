@@ -14,7 +14,7 @@ from pytest_gpubench.reports.engine_checks_table import (
     engine_check_rows,
     engine_check_warnings,
 )
-from pytest_gpubench.reports.formatting import METRIC_LABELS, NONE, change, fixed
+from pytest_gpubench.reports.formatting import METRIC_LABELS, NONE, change, command_text, fixed
 from pytest_gpubench.reports.formatting import escaped as _e
 from pytest_gpubench.reports.formatting import html_table as _table
 from pytest_gpubench.reports.frame import LedgerData
@@ -122,7 +122,7 @@ def _provenance(meta: MetaRecord, end: EndRecord, cells: Sequence[CellRecord]) -
         ),
         (
             "command",
-            f"<code>{_e(' '.join(command) if isinstance(command, list) else command)}</code>",
+            f"<code>{_e(command_text(command))}</code>",
         ),
         ("exit status", _e(end.get("exit_status"))),
     ]

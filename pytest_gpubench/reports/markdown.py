@@ -13,7 +13,14 @@ from pytest_gpubench.reports.engine_checks_table import (
     engine_check_warnings,
     render_engine_checks,
 )
-from pytest_gpubench.reports.formatting import code_span, fixed, markdown_cell, plain, table
+from pytest_gpubench.reports.formatting import (
+    code_span,
+    command_text,
+    fixed,
+    markdown_cell,
+    plain,
+    table,
+)
 from pytest_gpubench.reports.load_tables import (
     render_adapter_split,
     render_load_table,
@@ -125,7 +132,7 @@ def _run_section(meta: MetaRecord, end: EndRecord) -> str:
         ("Python / pytest", python),
         ("host", f"{plain(meta.get('host'))} ({plain(meta.get('platform'))})"),
         ("load average start / end", load),
-        ("command", code_span(" ".join(command) if isinstance(command, list) else command)),
+        ("command", code_span(command_text(command))),
     ]
     env = meta.get("env")
     if isinstance(env, dict) and env:
