@@ -818,6 +818,13 @@ def with_count(count: int) -> list[dict[str, Any]]:
     return written
 
 
+def with_load_figure(name: str, value: object) -> list[dict[str, Any]]:
+    """A ledger whose load point holds `value` as its figure `name`."""
+    written = ledgers.run_records("run-a", seed=0)
+    written.insert(-1, {**LOAD_POINT, "benchmark_run_id": "run-a", name: value})
+    return written
+
+
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(damaged_ledgers())
 # Drawn with 2,000 examples: the CSV export failed to write such a count as an integer, and the
@@ -827,6 +834,9 @@ def with_count(count: int) -> list[dict[str, Any]]:
 # Drawn at 1,000: a command line of [null] ended the Markdown report in a TypeError.
 @example([{**ledgers.run_records("run-a", seed=0)[0], "command_line": [None]},
           *ledgers.run_records("run-a", seed=0)[1:]])  # fmt: skip
+# Drawn at 2,000: a load point's figure that is no number (text, a list) ended its table.
+@example(with_load_figure("tpot_ms_p50", "0"))
+@example(with_load_figure("tpot_ms_p99", [1.0]))
 def test_reports_of_any_ledger_give_a_status_never_a_traceback(written: list[Any]) -> None:
     """`gpubench report`, `export`, `history`, `gate` and `compare` on a damaged ledger: a
     report or one error line (status 2), or the gate's status, never an exception. A list where a cell id belongs raised

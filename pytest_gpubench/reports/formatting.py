@@ -4,6 +4,7 @@ Markdown or HTML). Pure: values in, text out."""
 from __future__ import annotations
 
 import html
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -30,7 +31,9 @@ NOTEWORTHY = ("regression", "incomparable", "unsteady", "inconclusive", "blind",
 
 
 def fixed(value: float | None, digits: int = 2) -> str:
-    return NONE if value is None else f"{value:.{digits}f}"
+    """A figure with `digits` decimals; `-` for none, or for a value that is no number (an
+    edited ledger's: a record's figure of the wrong type is unknown)."""
+    return f"{value:.{digits}f}" if isinstance(value, numbers.Real) else NONE
 
 
 def change(ratio: float | None) -> str:
