@@ -831,8 +831,11 @@ def with_load_figure(name: str, value: object) -> list[dict[str, Any]]:
 # checks against the engine failed to read one past a float as a number.
 @example(with_count(10**30))
 @example(with_count(10**400))
-# Drawn at 1,000: a command line of [null] ended the Markdown report in a TypeError.
+# Drawn at 1,000 and 800: a command line of [null] ended the Markdown report in a TypeError,
+# one holding a list gpubench history.
 @example([{**ledgers.run_records("run-a", seed=0)[0], "command_line": [None]},
+          *ledgers.run_records("run-a", seed=0)[1:]])  # fmt: skip
+@example([{**ledgers.run_records("run-a", seed=0)[0], "command_line": [["--baseline-update"]]},
           *ledgers.run_records("run-a", seed=0)[1:]])  # fmt: skip
 # Drawn at 2,000: a load point's figure that is no number (text, a list) ended its table.
 @example(with_load_figure("tpot_ms_p50", "0"))

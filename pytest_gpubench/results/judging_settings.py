@@ -212,7 +212,8 @@ def wrote_baselines(meta: Mapping[str, Any]) -> bool:
         return recorded.get("baseline_update") is True and recorded.get("smoke") is not True
     command = meta.get("command_line")
     words = command if isinstance(command, list) else str(command or "").split()
-    return any(word in _BASELINE_UPDATE_FLAGS for word in words)
+    # A word that is no text (an edited ledger's) is no flag.
+    return any(isinstance(word, str) and word in _BASELINE_UPDATE_FLAGS for word in words)
 
 
 _BASELINE_UPDATE_FLAGS = frozenset(
