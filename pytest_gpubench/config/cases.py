@@ -181,17 +181,7 @@ def _load_cases(cell: Cell, node_order: list[str]) -> list[Case]:
     if cell.load is None:
         return []
     return [
-        Case(
-            node_index=node_order.index(cell.spec.node),
-            cell_index=cell.index,
-            phase_index=len(PHASES),
-            prompt_index=prompt_index,
-            run_idx=point_index,
-            cell_id=cell.cell_id,
-            prompt_id=prompt_id,
-            phase=LOAD_PHASE,
-            load_point=point,
-        )
+        _case(cell, node_order, LOAD_PHASE, prompt_index, prompt_id, point_index, load_point=point)
         for prompt_index, prompt_id in enumerate(cell.load.prompt_ids(cell.prompt_ids))
         for point_index, point in enumerate(cell.load.points)
     ]
@@ -227,6 +217,34 @@ def build_test_cases(
     return sorted(set(_paired(matrix, cases, seed)))
 
 
+def _case(
+    cell: Cell,
+    node_order: list[str],
+    phase: str,
+    prompt_index: int,
+    prompt_id: str,
+    run_idx: int,
+    test_id: str | None = None,
+    *,
+    load_point: str | None = None,
+    adapter: str | None = None,
+) -> Case:
+    """A case of the cell, placed in the session's order (its node's, its phase's)."""
+    return Case(
+        node_index=node_order.index(cell.spec.node),
+        cell_index=cell.index,
+        phase_index=len(PHASES) if phase == LOAD_PHASE else PHASES.index(phase),
+        prompt_index=prompt_index,
+        run_idx=run_idx,
+        cell_id=cell.cell_id,
+        prompt_id=prompt_id,
+        phase=phase,
+        test_id=test_id,
+        load_point=load_point,
+        adapter=adapter,
+    )
+
+
 def _node_order(matrix: Matrix) -> list[str]:
     return list(dict.fromkeys(cell.spec.node for cell in matrix.cells))
 
@@ -243,18 +261,7 @@ def _cell_cases(
     """One cell's cases: per phase, per prompt (index, id, adapter), 1 cold run or
     `warm_runs`."""
     return [
-        Case(
-            node_index=node_order.index(cell.spec.node),
-            cell_index=cell.index,
-            phase_index=PHASES.index(phase),
-            prompt_index=prompt_index,
-            run_idx=run_idx,
-            cell_id=cell.cell_id,
-            prompt_id=prompt_id,
-            phase=phase,
-            test_id=test_id,
-            adapter=adapter,
-        )
+        _case(cell, node_order, phase, prompt_index, prompt_id, run_idx, test_id, adapter=adapter)
         for phase in phases
         for prompt_index, prompt_id, adapter in prompts
         for run_idx in range(COLD_RUNS if phase == "cold" else warm_runs)
