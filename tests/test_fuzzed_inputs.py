@@ -818,6 +818,12 @@ def with_count(count: int) -> list[dict[str, Any]]:
     return written
 
 
+def with_command_line(command: list[Any]) -> list[dict[str, Any]]:
+    """A ledger whose meta record gives `command` as its command line."""
+    meta, *others = ledgers.run_records("run-a", seed=0)
+    return [{**meta, "command_line": command}, *others]
+
+
 def with_load_figure(name: str, value: object) -> list[dict[str, Any]]:
     """A ledger whose load point holds `value` as its figure `name`."""
     written = ledgers.run_records("run-a", seed=0)
@@ -833,10 +839,8 @@ def with_load_figure(name: str, value: object) -> list[dict[str, Any]]:
 @example(with_count(10**400))
 # Drawn at 1,000 and 800: a command line of [null] ended the Markdown report in a TypeError,
 # one holding a list gpubench history.
-@example([{**ledgers.run_records("run-a", seed=0)[0], "command_line": [None]},
-          *ledgers.run_records("run-a", seed=0)[1:]])  # fmt: skip
-@example([{**ledgers.run_records("run-a", seed=0)[0], "command_line": [["--baseline-update"]]},
-          *ledgers.run_records("run-a", seed=0)[1:]])  # fmt: skip
+@example(with_command_line([None]))
+@example(with_command_line([["--baseline-update"]]))
 # Drawn at 2,000: a load point's figure that is no number (text, a list) ended its table.
 @example(with_load_figure("tpot_ms_p50", "0"))
 @example(with_load_figure("tpot_ms_p99", [1.0]))
